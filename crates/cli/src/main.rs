@@ -1,0 +1,369 @@
+//! The `picaso` command: a thin shell over the library crates. Parses flags, calls the library,
+//! prints text or JSON. Errors print one line to stderr and exit with status 1 (2 for usage).
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use picaso_model::{compose, generate, GenerateOptions, LoadOptions, Method, Model, State, StateDtype};
+use serde_json::json;
+
+#[derive(Parser)]
+#[command(name = "picaso", version, about = "A database of SSM states: process contexts once, compose their states, generate.")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Print a model's config, parameter count and state size per context.
+    Info(InfoArgs),
+    /// Log-probabilities of a token sequence, optionally continuing from a saved state.
+    Score(ScoreArgs),
+    /// Process tokens and save the state after them.
+    State(StateArgs),
+    /// Generate text from a prompt, optionally continuing from a saved state.
+    Generate(GenerateArgs),
+    /// Compose saved states into one (soup, caso, picaso-s, picaso-r).
+    Compose(ComposeArgs),
+    /// Print the composition weights for scalar log-decays (for inspection and teaching).
+    Weights(WeightsArgs),
+}
+
+#[derive(Args)]
+struct ModelArgs {
+    /// Model folder (config.json + weights [+ tokenizer.json]) or a Hugging Face repo id.
+    #[arg(long)]
+    model: String,
+    /// tokenizer.json to use instead of the model folder's.
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct InputArgs {
+    /// Text to tokenize.
+    #[arg(long, conflicts_with = "token_ids", required_unless_present = "token_ids")]
+    text: Option<String>,
+    /// Comma-separated token ids.
+    #[arg(long, value_delimiter = ',')]
+    token_ids: Option<Vec<u32>>,
+}
+
+#[derive(Args)]
+struct InfoArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct ScoreArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    input: InputArgs,
+    /// Continue from this state file (the first token is still context, not scored).
+    #[arg(long)]
+    state: Option<PathBuf>,
+    /// Print JSON: {"token_ids", "logprobs", "mean_nll"}.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct StateArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    input: InputArgs,
+    /// Continue from this state file instead of the empty state.
+    #[arg(long)]
+    from: Option<PathBuf>,
+    /// Where to write the state (safetensors).
+    #[arg(long)]
+    out: PathBuf,
+    /// Precision of the SSM states and conv tails on disk (log-decays stay f32).
+    #[arg(long, default_value = "f32")]
+    dtype: StateDtype,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The prompt (at least one token).
+    #[arg(long)]
+    prompt: String,
+    /// Start from this state file (e.g. a composed state).
+    #[arg(long)]
+    state: Option<PathBuf>,
+    /// Most new tokens.
+    #[arg(long, default_value_t = 64)]
+    max_tokens: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Nucleus sampling mass.
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Sampler seed.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Stop when this string appears (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+    /// Print JSON instead of streaming text.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct ComposeArgs {
+    /// soup, caso, picaso-s or picaso-r.
+    #[arg(long)]
+    method: Method,
+    /// State files, in order.
+    #[arg(long, num_args = 1.., required = true)]
+    state_files: Vec<PathBuf>,
+    /// Order of the contexts as indices into --state-files, e.g. 2,0,1 (last = nearest the prompt).
+    #[arg(long, value_delimiter = ',')]
+    order: Option<Vec<usize>>,
+    /// Where to write the composed state.
+    #[arg(long)]
+    out: PathBuf,
+    /// Precision on disk.
+    #[arg(long, default_value = "f32")]
+    dtype: StateDtype,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct WeightsArgs {
+    /// soup, caso, picaso-s or picaso-r.
+    #[arg(long)]
+    method: Method,
+    /// One log-decay per context (<= 0), comma-separated, in order.
+    #[arg(long, value_delimiter = ',', allow_negative_numbers = true, required = true)]
+    log_decays: Vec<f64>,
+    /// Print JSON: {"method", "weights"}.
+    #[arg(long)]
+    json: bool,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Info(a) => info(a),
+        Command::Score(a) => score(a),
+        Command::State(a) => state(a),
+        Command::Generate(a) => generate_cmd(a),
+        Command::Compose(a) => compose_cmd(a),
+        Command::Weights(a) => weights_cmd(a),
+    }
+}
+
+/// A local folder, or else a hub repo id (`owner/name`) to download.
+fn resolve_model_dir(model: &str) -> Result<PathBuf> {
+    let path = Path::new(model);
+    if path.exists() {
+        return Ok(path.to_path_buf());
+    }
+    let looks_like_repo = model.split('/').count() == 2 && !model.starts_with('.') && !model.starts_with('/');
+    if looks_like_repo {
+        return Ok(picaso_model::hub::download(model)?);
+    }
+    bail!("{model}: model folder not found")
+}
+
+fn load_model(args: &ModelArgs, need_tokenizer: bool) -> Result<Model> {
+    let dir = resolve_model_dir(&args.model)?;
+    let opts = LoadOptions { tokenizer: args.tokenizer.clone(), skip_tokenizer: false };
+    let model = Model::load(&dir, &opts)?;
+    if need_tokenizer {
+        model.tokenizer()?;
+    }
+    Ok(model)
+}
+
+fn tokens_of(model: &Model, input: &InputArgs) -> Result<Vec<u32>> {
+    let tokens = match (&input.text, &input.token_ids) {
+        (Some(t), _) => model.tokenizer()?.encode(t)?,
+        (None, Some(ids)) => ids.clone(),
+        (None, None) => bail!("give --text or --token-ids"),
+    };
+    model.check_tokens(&tokens)?;
+    Ok(tokens)
+}
+
+fn load_state(model: &Model, path: Option<&Path>) -> Result<State> {
+    match path {
+        None => Ok(model.zero_state()),
+        Some(p) => {
+            let s = State::load(p)?;
+            model.check_state(&s).map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?;
+            Ok(s)
+        }
+    }
+}
+
+fn info(a: InfoArgs) -> Result<()> {
+    let model = load_model(&a.model, false)?;
+    let c = model.config();
+    let bytes = model.zero_state().nbytes_f32();
+    let v = json!({
+        "model": model.dir(),
+        "fingerprint": model.fingerprint(),
+        "format": c.format,
+        "config": c.to_hf_json(),
+        "parameters": model.n_params(),
+        "state_bytes_f32": bytes,
+        "state_bytes_bf16": bytes / 2 + c.n_layer * c.nheads * 2,
+        "tokenizer": model.tokenizer().ok().map(|t| t.vocab_size()),
+    });
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        println!("model        {}", model.dir().display());
+        println!("fingerprint  {}", model.fingerprint());
+        println!("format       {:?}", c.format);
+        println!(
+            "shape        d_model {} · layers {} · heads {} × headdim {} · d_state {} · groups {} · d_conv {} · vocab {}",
+            c.d_model, c.n_layer, c.nheads, c.headdim, c.d_state, c.n_groups, c.d_conv, c.vocab_size
+        );
+        println!("parameters   {} ({:.1} M)", model.n_params(), model.n_params() as f64 / 1e6);
+        println!("state        {:.2} MiB f32 per context ({:.2} MiB bf16)", bytes as f64 / 1048576.0, v["state_bytes_bf16"].as_f64().unwrap_or(0.0) / 1048576.0);
+        match model.tokenizer() {
+            Ok(t) => println!("tokenizer    {} ids", t.vocab_size()),
+            Err(e) => println!("tokenizer    none ({e})"),
+        }
+    }
+    Ok(())
+}
+
+fn score(a: ScoreArgs) -> Result<()> {
+    let model = load_model(&a.model, a.input.text.is_some())?;
+    let tokens = tokens_of(&model, &a.input)?;
+    if tokens.is_empty() {
+        bail!("nothing to score: the input has no tokens");
+    }
+    let start = load_state(&model, a.state.as_deref())?;
+    let scored = model.score(&tokens, &start)?;
+    let n = scored.logprobs.len();
+    let mean_nll = if n == 0 { None } else { Some(-scored.logprobs.iter().map(|&v| v as f64).sum::<f64>() / n as f64) };
+    if a.json {
+        println!("{}", json!({"token_ids": tokens, "logprobs": scored.logprobs, "mean_nll": mean_nll}));
+    } else {
+        for (i, lp) in scored.logprobs.iter().enumerate() {
+            println!("{:>6} {:>8} {:>10.4}", i + 1, tokens[i + 1], lp);
+        }
+        match mean_nll {
+            Some(m) => println!("mean NLL {m:.4} nats over {n} tokens (perplexity {:.2})", m.exp()),
+            None => println!("one token: nothing scored (the first token is context)"),
+        }
+    }
+    Ok(())
+}
+
+fn state(a: StateArgs) -> Result<()> {
+    let model = load_model(&a.model, a.input.text.is_some())?;
+    let tokens = tokens_of(&model, &a.input)?;
+    let start = load_state(&model, a.from.as_deref())?;
+    let t0 = Instant::now();
+    let s = model.prefill(&tokens, &start)?;
+    let secs = t0.elapsed().as_secs_f64();
+    s.save(&a.out, a.dtype)?;
+    let bytes = std::fs::metadata(&a.out).map(|m| m.len()).unwrap_or(0);
+    if a.json {
+        println!(
+            "{}",
+            json!({"out": a.out, "n_tokens": s.n_tokens, "new_tokens": tokens.len(), "bytes": bytes, "fingerprint": s.fingerprint, "seconds": secs})
+        );
+    } else {
+        println!("wrote {} ({} tokens, {:.2} MiB) in {:.3} s", a.out.display(), s.n_tokens, bytes as f64 / 1048576.0, secs);
+    }
+    Ok(())
+}
+
+fn generate_cmd(a: GenerateArgs) -> Result<()> {
+    let model = load_model(&a.model, true)?;
+    let prompt = model.tokenizer()?.encode(&a.prompt)?;
+    if prompt.is_empty() {
+        bail!("--prompt must contain at least one token");
+    }
+    let start = load_state(&model, a.state.as_deref())?;
+    let opts = GenerateOptions { max_tokens: a.max_tokens, temperature: a.temperature, top_p: a.top_p, seed: a.seed, stop: a.stop };
+    let t0 = Instant::now();
+    let mut first_token = None;
+    let mut out = std::io::stdout();
+    let g = generate(&model, &prompt, &start, &opts, |piece| {
+        first_token.get_or_insert_with(|| t0.elapsed().as_secs_f64());
+        if !a.json {
+            let _ = out.write_all(piece.as_bytes());
+            let _ = out.flush();
+        }
+    })?;
+    let secs = t0.elapsed().as_secs_f64();
+    if a.json {
+        println!(
+            "{}",
+            json!({"text": g.text, "token_ids": g.tokens, "stop_reason": g.stop_reason, "prompt_tokens": prompt.len(),
+                   "seconds": secs, "time_to_first_token": first_token})
+        );
+    } else {
+        println!();
+    }
+    Ok(())
+}
+
+fn compose_cmd(a: ComposeArgs) -> Result<()> {
+    let states = a
+        .state_files
+        .iter()
+        .map(|p| State::load(p).with_context(|| format!("reading state {}", p.display())))
+        .collect::<Result<Vec<_>>>()?;
+    let refs: Vec<&State> = states.iter().collect();
+    let t0 = Instant::now();
+    let composed = compose(a.method, &refs, a.order.as_deref())?;
+    let secs = t0.elapsed().as_secs_f64();
+    composed.save(&a.out, a.dtype)?;
+    if a.json {
+        println!("{}", json!({"out": a.out, "method": a.method.name(), "contexts": states.len(), "n_tokens": composed.n_tokens, "compose_seconds": secs}));
+    } else {
+        println!("wrote {} ({} of {} states, {:.2} ms)", a.out.display(), a.method, states.len(), secs * 1e3);
+    }
+    Ok(())
+}
+
+fn weights_cmd(a: WeightsArgs) -> Result<()> {
+    let w = picaso_compose::weights(a.method, &a.log_decays)?;
+    if a.json {
+        println!("{}", json!({"method": a.method.name(), "weights": w}));
+    } else {
+        for (i, (ld, wi)) in a.log_decays.iter().zip(&w).enumerate() {
+            println!("context {i}: log-decay {ld:>10.4}  weight {wi:.6}");
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,53 @@
+//! Composing whole model states: the [`picaso_compose`] weights applied layer by layer.
+//!
+//! The SSM states are weighted sums (weights per (layer, head) from the log-decays); the conv
+//! tails are averaged (as in the paper); the composed log-decay is the sum of the parts' — the
+//! decay of any concatenation of them — so a composed state can itself be composed or continued.
+
+use picaso_compose::{mean, weighted_sum_blocks, weights_per_element, Method};
+
+use crate::error::{Error, Result};
+use crate::state::{LayerState, State};
+
+/// Composes `states` (taken in `order` if given, else as listed) with `method`.
+pub fn compose(method: Method, states: &[&State], order: Option<&[usize]>) -> Result<State> {
+    let first = *states.first().ok_or(picaso_compose::Error::Empty)?;
+    for (i, s) in states.iter().enumerate() {
+        if s.fingerprint != first.fingerprint {
+            return Err(Error::state(format!(
+                "state {i} was made by model {}, state 0 by {}; compose states of one model",
+                s.fingerprint, first.fingerprint
+            )));
+        }
+        if s.shape != first.shape {
+            return Err(Error::state(format!("state {i} has shape {:?}, state 0 has {:?}", s.shape, first.shape)));
+        }
+        s.check_values().map_err(|e| match e {
+            Error::State { message, .. } => Error::state(format!("state {i}: {message}")),
+            other => other,
+        })?;
+    }
+    let ordered: Vec<&State> = match order {
+        Some(o) => {
+            picaso_compose::check_order(o, states.len())?;
+            o.iter().map(|&i| states[i]).collect()
+        }
+        None => states.to_vec(),
+    };
+    let mut out = State::zeros(first.shape.clone(), first.fingerprint.clone());
+    out.n_tokens = ordered.iter().map(|s| s.n_tokens).sum();
+    let block = first.shape.ssm.iter().product::<usize>() / first.shape.log_decay.iter().product::<usize>();
+    for (l, dst) in out.layers.iter_mut().enumerate() {
+        let parts: Vec<&LayerState> = ordered.iter().map(|s| &s.layers[l]).collect();
+        let decays: Vec<&[f32]> = parts.iter().map(|p| p.log_decay.as_slice()).collect();
+        let w = weights_per_element(method, &decays)?;
+        let ssm: Vec<&[f32]> = parts.iter().map(|p| p.ssm.as_slice()).collect();
+        weighted_sum_blocks(&ssm, &w, block, &mut dst.ssm)?;
+        let conv: Vec<&[f32]> = parts.iter().map(|p| p.conv.as_slice()).collect();
+        mean(&conv, &mut dst.conv)?;
+        for (e, v) in dst.log_decay.iter_mut().enumerate() {
+            *v = parts.iter().map(|p| p.log_decay[e] as f64).sum::<f64>() as f32;
+        }
+    }
+    Ok(out)
+}

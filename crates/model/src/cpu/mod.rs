@@ -1,0 +1,232 @@
+//! The CPU engine: Mamba-2 on host f32 slices, multi-threaded with rayon.
+//!
+//! One code path serves prefill (T tokens) and decode (T = 1): projections are matrix products
+//! (gemm for T > 1, a bandwidth-bound matrix-vector kernel for T = 1), the causal convolution
+//! reads the state's conv tail as its first K-1 rows, and the selective scan runs head by head
+//! so each head's (P, N) state stays in L1 while all T tokens stream past it.
+
+pub mod kernels;
+
+use rayon::prelude::*;
+
+use crate::config::Mamba2Config;
+use crate::state::{LayerState, State};
+use crate::weights::{LayerWeights, Mamba2Weights};
+
+/// Rows per rayon task for row-wise work (conv, norms); small enough to balance two cores.
+const ROW_CHUNK: usize = 16;
+
+/// A Mamba-2 model ready to run on the CPU.
+#[derive(Debug)]
+pub struct CpuMamba2 {
+    config: Mamba2Config,
+    weights: Mamba2Weights,
+    layers: Vec<LayerExtras>,
+}
+
+/// Per-layer values derived once from the weights.
+#[derive(Debug)]
+struct LayerExtras {
+    /// Conv kernel transposed to (K, C) so each tap is a contiguous row.
+    conv_wt: Vec<f32>,
+    /// Conv bias (zeros when the model has none).
+    conv_bias: Vec<f32>,
+    /// A = -exp(A_log) per head.
+    a: Vec<f32>,
+}
+
+impl CpuMamba2 {
+    /// Takes ownership of validated weights.
+    pub fn new(config: Mamba2Config, weights: Mamba2Weights) -> Self {
+        let (c, k) = (config.conv_dim(), config.d_conv);
+        let layers = weights
+            .layers
+            .iter()
+            .map(|l| {
+                let mut conv_wt = vec![0.0; k * c];
+                for ch in 0..c {
+                    for j in 0..k {
+                        conv_wt[j * c + ch] = l.conv_weight[ch * k + j];
+                    }
+                }
+                LayerExtras {
+                    conv_wt,
+                    conv_bias: l.conv_bias.clone().unwrap_or_else(|| vec![0.0; c]),
+                    a: l.a_log.iter().map(|v| -v.exp()).collect(),
+                }
+            })
+            .collect();
+        Self { config, weights, layers }
+    }
+
+    /// The config.
+    pub fn config(&self) -> &Mamba2Config {
+        &self.config
+    }
+
+    /// The weights.
+    pub fn weights(&self) -> &Mamba2Weights {
+        &self.weights
+    }
+
+    /// Runs `tokens` from `state` (updated in place) and returns the final-normed hidden
+    /// states (T × d_model), ready for the LM head. Token ids must be in range (checked by
+    /// the caller).
+    pub fn forward(&self, tokens: &[u32], state: &mut State) -> Vec<f32> {
+        let d = self.config.d_model;
+        let t = tokens.len();
+        let mut h = vec![0.0f32; t * d];
+        for (row, &tok) in h.chunks_exact_mut(d).zip(tokens) {
+            let tok = tok as usize;
+            row.copy_from_slice(&self.weights.embedding[tok * d..(tok + 1) * d]);
+        }
+        for ((lw, ex), ls) in self.weights.layers.iter().zip(&self.layers).zip(&mut state.layers) {
+            self.layer(lw, ex, ls, &mut h, t);
+        }
+        let mut out = vec![0.0f32; t * d];
+        rows_par(&h, &mut out, d, d, |x, o| kernels::rmsnorm(x, &self.weights.norm_f, self.config.norm_eps as f32, o));
+        state.n_tokens += t as u64;
+        out
+    }
+
+    /// One Mamba-2 block on `h` (T × d_model), residual included.
+    fn layer(&self, lw: &LayerWeights, ex: &LayerExtras, ls: &mut LayerState, h: &mut [f32], t: usize) {
+        let c = &self.config;
+        let (d, di, conv_dim, k) = (c.d_model, c.d_inner(), c.conv_dim(), c.d_conv);
+        let (nh, p, n, g) = (c.nheads, c.headdim, c.d_state, c.n_groups);
+        let width = c.d_in_proj();
+
+        // Pre-norm and in_proj: zxbcdt (T × width) = [z | xBC | dt].
+        let mut xn = vec![0.0f32; t * d];
+        rows_par(h, &mut xn, d, d, |x, o| kernels::rmsnorm(x, &lw.norm, c.norm_eps as f32, o));
+        let mut zxbcdt = vec![0.0f32; t * width];
+        kernels::matmul_t(&xn, t, d, &lw.in_proj, width, &mut zxbcdt, false);
+        if let Some(b) = &lw.in_proj_bias {
+            add_bias_rows(&mut zxbcdt, b);
+        }
+
+        // Causal depthwise conv over [tail (K-1 rows); xBC (T rows)], then SiLU.
+        let tail = k - 1;
+        let mut seq = vec![0.0f32; (tail + t) * conv_dim];
+        for ch in 0..conv_dim {
+            for j in 0..tail {
+                seq[j * conv_dim + ch] = ls.conv[ch * tail + j];
+            }
+        }
+        for (dst, src) in seq[tail * conv_dim..].chunks_exact_mut(conv_dim).zip(zxbcdt.chunks_exact(width)) {
+            dst.copy_from_slice(&src[di..di + conv_dim]);
+        }
+        let mut xbc = vec![0.0f32; t * conv_dim];
+        xbc.par_chunks_mut(ROW_CHUNK * conv_dim).enumerate().for_each(|(i, o)| {
+            let start = i * ROW_CHUNK * conv_dim;
+            let rows = o.len() / conv_dim;
+            kernels::conv_silu(&seq[start..start + (rows + tail) * conv_dim], &ex.conv_wt, &ex.conv_bias, conv_dim, k, o);
+        });
+        for ch in 0..conv_dim {
+            for j in 0..tail {
+                ls.conv[ch * tail + j] = seq[(t + j) * conv_dim + ch];
+            }
+        }
+
+        // dt = clamp(softplus(dt_raw + dt_bias)); per-head decay exp(dt·A); head-major (H × T).
+        let (lo, hi) = c.time_step_limit;
+        let mut dt = vec![0.0f32; nh * t];
+        let mut decay = vec![0.0f32; nh * t];
+        for hd in 0..nh {
+            let a = ex.a[hd];
+            let mut log_decay = 0.0f64;
+            for ti in 0..t {
+                let raw = zxbcdt[ti * width + di + conv_dim + hd] + lw.dt_bias[hd];
+                let v = (kernels::softplus(raw) as f64).clamp(lo, hi) as f32;
+                dt[hd * t + ti] = v;
+                decay[hd * t + ti] = (v * a).exp();
+                log_decay += (v * a) as f64;
+            }
+            ls.log_decay[hd] = (ls.log_decay[hd] as f64 + log_decay) as f32;
+        }
+
+        // Selective scan, one head per task; y is head-major (H × T × P).
+        let heads_per_group = nh / g;
+        let mut y = vec![0.0f32; nh * t * p];
+        ls.ssm.par_chunks_mut(p * n).zip(y.par_chunks_mut(t * p)).enumerate().for_each(|(hd, (s, yh))| {
+            let grp = hd / heads_per_group;
+            kernels::scan_head(
+                s,
+                &xbc,
+                conv_dim,
+                hd * p,
+                di + grp * n,
+                di + g * n + grp * n,
+                p,
+                n,
+                &dt[hd * t..(hd + 1) * t],
+                &decay[hd * t..(hd + 1) * t],
+                lw.d[hd],
+                yh,
+            );
+        });
+
+        // Gated RMSNorm per token, then out_proj added onto the residual stream.
+        let mut gated = vec![0.0f32; t * di];
+        gated.par_chunks_mut(di).enumerate().for_each(|(ti, o)| {
+            let mut yt = vec![0.0f32; di];
+            for hd in 0..nh {
+                yt[hd * p..(hd + 1) * p].copy_from_slice(&y[(hd * t + ti) * p..(hd * t + ti + 1) * p]);
+            }
+            let z = &zxbcdt[ti * width..ti * width + di];
+            kernels::gated_rmsnorm(&yt, z, &lw.gated_norm, di / g, c.gated_norm_eps as f32, o);
+        });
+        kernels::matmul_t(&gated, t, di, &lw.out_proj, d, h, true);
+        if let Some(b) = &lw.out_proj_bias {
+            add_bias_rows(h, b);
+        }
+    }
+
+    /// The LM head matrix (vocab × d_model).
+    pub fn head(&self) -> &[f32] {
+        self.weights.lm_head.as_deref().unwrap_or(&self.weights.embedding)
+    }
+
+    /// Logits (rows × vocab) of `rows` final hidden states.
+    pub fn logits(&self, hidden: &[f32]) -> Vec<f32> {
+        let (d, v) = (self.config.d_model, self.config.vocab_size);
+        let rows = hidden.len() / d;
+        let mut out = vec![0.0f32; rows * v];
+        kernels::matmul_t(hidden, rows, d, self.head(), v, &mut out, false);
+        out
+    }
+
+    /// log p(targets[i] | hidden row i) for each row, computed in blocks so the full
+    /// (T × vocab) logits never exist at once.
+    pub fn logprobs(&self, hidden: &[f32], targets: &[u32]) -> Vec<f32> {
+        let (d, v) = (self.config.d_model, self.config.vocab_size);
+        const BLOCK: usize = 32;
+        let mut out = Vec::with_capacity(targets.len());
+        let mut logits = vec![0.0f32; BLOCK * v];
+        for (hb, tb) in hidden.chunks(BLOCK * d).zip(targets.chunks(BLOCK)) {
+            let rows = tb.len();
+            let lg = &mut logits[..rows * v];
+            kernels::matmul_t(&hb[..rows * d], rows, d, self.head(), v, lg, false);
+            let block: Vec<f32> =
+                lg.par_chunks(v).zip(tb.par_iter()).map(|(row, &tg)| kernels::log_softmax_at(row, tg as usize)).collect();
+            out.extend(block);
+        }
+        out
+    }
+}
+
+/// Applies `f(input_row_block, output_row_block)` over row blocks in parallel.
+fn rows_par(x: &[f32], out: &mut [f32], din: usize, dout: usize, f: impl Fn(&[f32], &mut [f32]) + Sync) {
+    out.par_chunks_mut(ROW_CHUNK * dout).enumerate().for_each(|(i, o)| {
+        let rows = o.len() / dout;
+        f(&x[i * ROW_CHUNK * din..(i * ROW_CHUNK + rows) * din], o);
+    });
+}
+
+fn add_bias_rows(x: &mut [f32], bias: &[f32]) {
+    for row in x.chunks_exact_mut(bias.len()) {
+        for (v, b) in row.iter_mut().zip(bias) {
+            *v += b;
+        }
+    }
+}

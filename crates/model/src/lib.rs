@@ -1,0 +1,44 @@
+//! # picaso-model
+//!
+//! A Mamba-2 language model whose state is a first-class value. [`Model::prefill`] turns any
+//! token sequence, started from any [`State`], into the state after it; [`Model::score`] also
+//! returns the log-probabilities; [`generate`] continues from a state. States save to and load
+//! from safetensors files ([`State::save`], [`State::load`]) and carry the fingerprint of the
+//! model that made them, so they are never applied to another model.
+//!
+//! Design: weights are read once into host memory ([`Mamba2Weights`]) from either checkpoint
+//! layout (HF transformers or state-spaces), validated, and handed to an engine. The CPU engine
+//! ([`cpu::CpuMamba2`]) runs prefill and decode through the same code, so the Markov property —
+//! scoring `a+b` equals scoring `b` from the state of `a` — holds by construction and is tested.
+//!
+//! ```no_run
+//! use picaso_model::{LoadOptions, Model};
+//! let model = Model::load("models/picaso-mamba2".as_ref(), &LoadOptions::default())?;
+//! let tokens = model.tokenizer()?.encode("The cat sat on the mat.")?;
+//! let state = model.prefill(&tokens[..3], &model.zero_state())?;
+//! let scored = model.score(&tokens[2..], &state)?; // continues exactly where `state` stopped
+//! println!("{:?}", scored.logprobs);
+//! # Ok::<(), picaso_model::Error>(())
+//! ```
+#![deny(missing_docs)]
+
+pub mod composition;
+pub mod config;
+pub mod cpu;
+pub mod error;
+pub mod generate;
+pub mod hub;
+pub mod model;
+pub mod state;
+pub mod tokenizer;
+pub mod weights;
+
+pub use composition::compose;
+pub use picaso_compose::Method;
+pub use config::{CheckpointFormat, Mamba2Config};
+pub use error::{Error, Result};
+pub use generate::{generate, GenerateOptions, Generation, StopReason};
+pub use model::{LoadOptions, Model, Scored};
+pub use state::{LayerState, State, StateDtype, StateShape};
+pub use tokenizer::TextTokenizer;
+pub use weights::{HostTensor, Mamba2Weights};

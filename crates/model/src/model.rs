@@ -1,0 +1,200 @@
+//! [`Model`]: a loaded Mamba-2 language model with its tokenizer. Every operation takes a
+//! [`State`] and returns the next one, so a computation can stop after any token and resume
+//! later, elsewhere, or from a composed state.
+
+use std::path::{Path, PathBuf};
+
+use crate::config::Mamba2Config;
+use crate::cpu::CpuMamba2;
+use crate::error::{Error, Result};
+use crate::state::{State, StateShape};
+use crate::tokenizer::TextTokenizer;
+use crate::weights::Mamba2Weights;
+
+/// How to load a model.
+#[derive(Debug, Clone, Default)]
+pub struct LoadOptions {
+    /// A `tokenizer.json` to use instead of the one in the model folder.
+    pub tokenizer: Option<PathBuf>,
+    /// Load without any tokenizer (token-id-only use); otherwise a missing tokenizer is an error
+    /// only when text is tokenized.
+    pub skip_tokenizer: bool,
+}
+
+/// A Mamba-2 language model ready to run.
+#[derive(Debug)]
+pub struct Model {
+    dir: PathBuf,
+    fingerprint: String,
+    n_params: usize,
+    engine: CpuMamba2,
+    tokenizer: Option<TextTokenizer>,
+    tokenizer_error: Option<String>,
+}
+
+/// The outcome of scoring a token sequence.
+#[derive(Debug, Clone)]
+pub struct Scored {
+    /// `logprobs[i] = log p(tokens[i+1] | state, tokens[..=i])`.
+    pub logprobs: Vec<f32>,
+    /// The state after all tokens.
+    pub state: State,
+}
+
+impl Model {
+    /// Loads `dir/config.json`, the weights and (unless skipped) a tokenizer.
+    pub fn load(dir: &Path, options: &LoadOptions) -> Result<Self> {
+        if !dir.is_dir() {
+            return Err(Error::Input(format!(
+                "{}: model folder not found (expected a folder with config.json and model.safetensors)",
+                dir.display()
+            )));
+        }
+        let config = Mamba2Config::from_file(&dir.join("config.json"))?;
+        let weights = Mamba2Weights::load(dir, &config)?;
+        let fingerprint = weights.fingerprint(&config);
+        let n_params = weights.n_params();
+        let (tokenizer, tokenizer_error) = if options.skip_tokenizer {
+            (None, Some("the model was loaded without a tokenizer".to_string()))
+        } else {
+            let path = options.tokenizer.clone().unwrap_or_else(|| dir.join("tokenizer.json"));
+            match TextTokenizer::from_file(&path) {
+                Ok(t) => (Some(t), None),
+                Err(e) if options.tokenizer.is_some() => return Err(e),
+                Err(e) => (None, Some(format!("{e}; pass --tokenizer PATH to a tokenizer.json"))),
+            }
+        };
+        Ok(Self { dir: dir.to_path_buf(), fingerprint, n_params, engine: CpuMamba2::new(config, weights), tokenizer, tokenizer_error })
+    }
+
+    /// Builds a model from weights already in memory (tests, training).
+    pub fn from_weights(config: Mamba2Config, weights: Mamba2Weights, tokenizer: Option<TextTokenizer>) -> Self {
+        let fingerprint = weights.fingerprint(&config);
+        let n_params = weights.n_params();
+        Self {
+            dir: PathBuf::new(),
+            fingerprint,
+            n_params,
+            engine: CpuMamba2::new(config, weights),
+            tokenizer_error: tokenizer.is_none().then(|| "no tokenizer".to_string()),
+            tokenizer,
+        }
+    }
+
+    /// The folder the model was loaded from.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+    /// The config.
+    pub fn config(&self) -> &Mamba2Config {
+        self.engine.config()
+    }
+    /// The weights.
+    pub fn weights(&self) -> &Mamba2Weights {
+        self.engine.weights()
+    }
+    /// The fingerprint every state of this model carries.
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
+    }
+    /// Number of parameters.
+    pub fn n_params(&self) -> usize {
+        self.n_params
+    }
+    /// Shape of this model's states.
+    pub fn state_shape(&self) -> StateShape {
+        StateShape::of(self.config())
+    }
+    /// The state before any token.
+    pub fn zero_state(&self) -> State {
+        State::zeros(self.state_shape(), self.fingerprint.clone())
+    }
+
+    /// The tokenizer, or an error saying how to provide one.
+    pub fn tokenizer(&self) -> Result<&TextTokenizer> {
+        self.tokenizer
+            .as_ref()
+            .ok_or_else(|| Error::Input(self.tokenizer_error.clone().unwrap_or_else(|| "no tokenizer".into())))
+    }
+
+    /// Checks that `state` belongs to this model.
+    pub fn check_state(&self, state: &State) -> Result<()> {
+        state.check_compatible(&self.fingerprint, &self.state_shape())
+    }
+
+    /// Checks that every id indexes the embedding.
+    pub fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
+        let v = self.config().vocab_size;
+        match tokens.iter().position(|&t| t as usize >= v) {
+            Some(i) => Err(Error::Input(format!(
+                "token id {} at position {i} is outside the vocabulary (ids must be < {v})",
+                tokens[i]
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    fn run(&self, tokens: &[u32], state: &State) -> Result<(Vec<f32>, State)> {
+        self.check_tokens(tokens)?;
+        self.check_state(state)?;
+        let mut next = state.clone();
+        let hidden = self.engine.forward(tokens, &mut next);
+        Ok((hidden, next))
+    }
+
+    /// Processes `tokens` starting from `state` and returns the state after them.
+    pub fn prefill(&self, tokens: &[u32], state: &State) -> Result<State> {
+        self.run(tokens, state).map(|(_, s)| s)
+    }
+
+    /// Like [`Model::prefill`], also returning the next-token logits after the last token.
+    pub fn prefill_last_logits(&self, tokens: &[u32], state: &State) -> Result<(Vec<f32>, State)> {
+        if tokens.is_empty() {
+            return Err(Error::Input("need at least one token to predict the next one".into()));
+        }
+        let (hidden, next) = self.run(tokens, state)?;
+        let d = self.config().d_model;
+        Ok((self.engine.logits(&hidden[hidden.len() - d..]), next))
+    }
+
+    /// Next-token logits for every position (T × vocab) and the final state.
+    pub fn forward_all_logits(&self, tokens: &[u32], state: &State) -> Result<(Vec<f32>, State)> {
+        let (hidden, next) = self.run(tokens, state)?;
+        Ok((self.engine.logits(&hidden), next))
+    }
+
+    /// One token: returns its next-token logits and advances `state` in place.
+    pub fn step(&self, token: u32, state: &mut State) -> Result<Vec<f32>> {
+        self.check_tokens(&[token])?;
+        self.check_state(state)?;
+        let hidden = self.engine.forward(&[token], state);
+        Ok(self.engine.logits(&hidden))
+    }
+
+    /// Scores `tokens` from `state`: the first token is context, each later one is scored.
+    pub fn score(&self, tokens: &[u32], state: &State) -> Result<Scored> {
+        let (hidden, next) = self.run(tokens, state)?;
+        let d = self.config().d_model;
+        let logprobs = if tokens.len() < 2 {
+            Vec::new()
+        } else {
+            self.engine.logprobs(&hidden[..(tokens.len() - 1) * d], &tokens[1..])
+        };
+        Ok(Scored { logprobs, state: next })
+    }
+
+    /// Scores only `continuation` after `context` from `state`: `logprobs[i] = log p(continuation[i] | ...)`.
+    /// `context` must be non-empty (it predicts the first continuation token).
+    pub fn score_continuation(&self, context: &[u32], continuation: &[u32], state: &State) -> Result<Scored> {
+        if context.is_empty() {
+            return Err(Error::Input("score_continuation needs at least one context token".into()));
+        }
+        let mut all = context.to_vec();
+        all.extend_from_slice(continuation);
+        let (hidden, next) = self.run(&all, state)?;
+        let d = self.config().d_model;
+        let from = context.len() - 1;
+        let rows = &hidden[from * d..(all.len() - 1) * d];
+        Ok(Scored { logprobs: self.engine.logprobs(rows, continuation), state: next })
+    }
+}

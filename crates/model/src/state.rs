@@ -1,0 +1,290 @@
+//! The state of a Mamba-2 model after some tokens: a plain value that can be saved, loaded,
+//! composed and continued from exactly.
+//!
+//! Per layer (H heads, P = headdim, N = d_state, C = conv_dim, K = d_conv):
+//! * `ssm` (H, P, N): the SSM state h.
+//! * `conv` (C, K-1): the last K-1 pre-convolution xBC inputs, oldest first (zeros before the
+//!   first token), so a continuation convolves exactly as if it had seen the whole prefix.
+//! * `log_decay` (H): Σ_t dt_t·A_h over the processed tokens = log of the total decay A(u) that
+//!   the composition methods need (CASO weights are products of these decays).
+//!
+//! On disk a state is one safetensors file with tensors `layers.{i}.ssm|conv|log_decay` and the
+//! model fingerprint and token count in the metadata. `ssm` and `conv` may be stored as bf16 to
+//! halve the size; `log_decay` is always f32 because composition weights are exponentials of it.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use safetensors::tensor::TensorView;
+use safetensors::{Dtype, SafeTensors};
+
+use crate::config::Mamba2Config;
+use crate::error::{Error, Result};
+
+/// Format tag written into every state file's metadata.
+pub const STATE_FORMAT: &str = "picaso-state/1";
+
+/// Storage precision of a state file's `ssm` and `conv` tensors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StateDtype {
+    /// Exact.
+    #[default]
+    F32,
+    /// Half the bytes; about 3 significant digits.
+    Bf16,
+}
+
+impl std::str::FromStr for StateDtype {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "f32" => Ok(Self::F32),
+            "bf16" => Ok(Self::Bf16),
+            other => Err(format!("unknown state dtype {other:?}: use f32 or bf16")),
+        }
+    }
+}
+
+/// Shapes of one layer's state tensors, derived from the config.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StateShape {
+    /// Number of layers.
+    pub n_layer: usize,
+    /// (H, P, N).
+    pub ssm: [usize; 3],
+    /// (C, K-1).
+    pub conv: [usize; 2],
+    /// (H).
+    pub log_decay: [usize; 1],
+}
+
+impl StateShape {
+    /// The state shape of a Mamba-2 config.
+    pub fn of(c: &Mamba2Config) -> Self {
+        Self {
+            n_layer: c.n_layer,
+            ssm: [c.nheads, c.headdim, c.d_state],
+            conv: [c.conv_dim(), c.d_conv - 1],
+            log_decay: [c.nheads],
+        }
+    }
+    fn ssm_len(&self) -> usize {
+        self.ssm.iter().product()
+    }
+    fn conv_len(&self) -> usize {
+        self.conv.iter().product()
+    }
+}
+
+/// One layer's state. Lengths follow [`StateShape`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerState {
+    /// SSM state, (H, P, N) row-major.
+    pub ssm: Vec<f32>,
+    /// Conv tail, (C, K-1) row-major, oldest input first.
+    pub conv: Vec<f32>,
+    /// Log of the accumulated decay per head, (H).
+    pub log_decay: Vec<f32>,
+}
+
+/// The state of a model after a token sequence (or a composition of such states).
+#[derive(Debug, Clone, PartialEq)]
+pub struct State {
+    /// Fingerprint of the model that made it; a state only continues on that model.
+    pub fingerprint: String,
+    /// Tokens it summarises (for a composed state, the sum over its parts).
+    pub n_tokens: u64,
+    /// Tensor shapes.
+    pub shape: StateShape,
+    /// One entry per layer.
+    pub layers: Vec<LayerState>,
+}
+
+impl State {
+    /// The state before any token: all zeros.
+    pub fn zeros(shape: StateShape, fingerprint: impl Into<String>) -> Self {
+        let layer = LayerState {
+            ssm: vec![0.0; shape.ssm_len()],
+            conv: vec![0.0; shape.conv_len()],
+            log_decay: vec![0.0; shape.log_decay[0]],
+        };
+        Self { fingerprint: fingerprint.into(), n_tokens: 0, layers: vec![layer; shape.n_layer], shape }
+    }
+
+    /// Bytes of the state in f32.
+    pub fn nbytes_f32(&self) -> usize {
+        4 * self.shape.n_layer * (self.shape.ssm_len() + self.shape.conv_len() + self.shape.log_decay[0])
+    }
+
+    /// Checks that this state belongs to the model with `fingerprint` and has `shape`.
+    pub fn check_compatible(&self, fingerprint: &str, shape: &StateShape) -> Result<()> {
+        if self.fingerprint != fingerprint {
+            return Err(Error::state(format!(
+                "made by another model (fingerprint {}, this model is {fingerprint}); recompute the state with this model",
+                self.fingerprint
+            )));
+        }
+        if &self.shape != shape {
+            return Err(Error::state(format!("has shape {:?}, this model needs {shape:?}", self.shape)));
+        }
+        self.check_values()
+    }
+
+    /// Rejects NaN or infinite values (a corrupted or diverged state must not propagate).
+    pub fn check_values(&self) -> Result<()> {
+        for (i, l) in self.layers.iter().enumerate() {
+            for (name, v) in [("ssm", &l.ssm), ("conv", &l.conv), ("log_decay", &l.log_decay)] {
+                if let Some(j) = v.iter().position(|x| !x.is_finite()) {
+                    return Err(Error::state(format!("layers.{i}.{name} holds a non-finite value at flat index {j}")));
+                }
+            }
+            if let Some(j) = l.log_decay.iter().position(|&x| x > 0.0) {
+                return Err(Error::state(format!("layers.{i}.log_decay[{j}] is positive; decays must be <= 1")));
+            }
+        }
+        Ok(())
+    }
+
+    /// Serialises to safetensors bytes.
+    pub fn to_bytes(&self, dtype: StateDtype) -> Result<Vec<u8>> {
+        let mut buffers: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::with_capacity(3 * self.layers.len());
+        for (i, l) in self.layers.iter().enumerate() {
+            buffers.push((format!("layers.{i}.ssm"), dtype.st(), self.shape.ssm.to_vec(), encode(&l.ssm, dtype)));
+            buffers.push((format!("layers.{i}.conv"), dtype.st(), self.shape.conv.to_vec(), encode(&l.conv, dtype)));
+            buffers.push((
+                format!("layers.{i}.log_decay"),
+                Dtype::F32,
+                self.shape.log_decay.to_vec(),
+                encode(&l.log_decay, StateDtype::F32),
+            ));
+        }
+        let views = buffers
+            .iter()
+            .map(|(name, dt, shape, bytes)| {
+                TensorView::new(*dt, shape.clone(), bytes).map(|v| (name.clone(), v))
+            })
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|e| Error::state(format!("cannot serialise: {e}")))?;
+        let metadata: HashMap<String, String> = [
+            ("format".to_string(), STATE_FORMAT.to_string()),
+            ("arch".to_string(), "mamba2".to_string()),
+            ("fingerprint".to_string(), self.fingerprint.clone()),
+            ("n_tokens".to_string(), self.n_tokens.to_string()),
+        ]
+        .into();
+        safetensors::tensor::serialize(views, Some(metadata)).map_err(|e| Error::state(format!("cannot serialise: {e}")))
+    }
+
+    /// Parses safetensors bytes written by [`State::to_bytes`].
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
+        let (_, header) = SafeTensors::read_metadata(bytes).map_err(|e| Error::state(format!("not a safetensors file: {e}")))?;
+        let meta = header.metadata().clone().unwrap_or_default();
+        let get = |k: &str| {
+            meta.get(k).cloned().ok_or_else(|| Error::state(format!("metadata lacks `{k}`; not a picaso state file")))
+        };
+        let format = get("format")?;
+        if format != STATE_FORMAT {
+            return Err(Error::state(format!("format {format:?} is not {STATE_FORMAT:?}")));
+        }
+        let arch = get("arch")?;
+        if arch != "mamba2" {
+            return Err(Error::state(format!("architecture {arch:?} is not mamba2")));
+        }
+        let fingerprint = get("fingerprint")?;
+        let n_tokens = get("n_tokens")?.parse().map_err(|_| Error::state("metadata `n_tokens` is not an integer"))?;
+        let st = SafeTensors::deserialize(bytes).map_err(|e| Error::state(format!("not a safetensors file: {e}")))?;
+        let n_layer = (0..).take_while(|i| st.tensor(&format!("layers.{i}.ssm")).is_ok()).count();
+        if n_layer == 0 {
+            return Err(Error::state("holds no `layers.0.ssm` tensor"));
+        }
+        let dims = |name: &str| -> Result<Vec<usize>> {
+            st.tensor(name).map(|v| v.shape().to_vec()).map_err(|_| Error::state(format!("missing tensor `{name}`")))
+        };
+        let (ssm, conv, ld) = (dims("layers.0.ssm")?, dims("layers.0.conv")?, dims("layers.0.log_decay")?);
+        let (Ok(ssm), Ok(conv), Ok(log_decay)) =
+            (<[usize; 3]>::try_from(ssm), <[usize; 2]>::try_from(conv), <[usize; 1]>::try_from(ld))
+        else {
+            return Err(Error::state("tensor ranks are not ssm (H,P,N), conv (C,K-1), log_decay (H)"));
+        };
+        let shape = StateShape { n_layer, ssm, conv, log_decay };
+        let read = |name: String, want: &[usize]| -> Result<Vec<f32>> {
+            let v = st.tensor(&name).map_err(|_| Error::state(format!("missing tensor `{name}`")))?;
+            if v.shape() != want {
+                return Err(Error::state(format!("tensor `{name}` has shape {:?}, expected {want:?}", v.shape())));
+            }
+            decode(v.dtype(), v.data()).ok_or_else(|| Error::state(format!("tensor `{name}` has dtype {:?}; want f32 or bf16", v.dtype())))
+        };
+        let mut layers = Vec::with_capacity(n_layer);
+        for i in 0..n_layer {
+            layers.push(LayerState {
+                ssm: read(format!("layers.{i}.ssm"), &shape.ssm)?,
+                conv: read(format!("layers.{i}.conv"), &shape.conv)?,
+                log_decay: read(format!("layers.{i}.log_decay"), &shape.log_decay)?,
+            });
+        }
+        let state = Self { fingerprint, n_tokens, shape, layers };
+        state.check_values()?;
+        Ok(state)
+    }
+
+    /// Writes atomically: a temporary file in the same folder, fsync, rename.
+    pub fn save(&self, path: &Path, dtype: StateDtype) -> Result<()> {
+        let bytes = self.to_bytes(dtype)?;
+        write_atomic(path, &bytes)
+    }
+
+    /// Reads a state file through a memory map.
+    pub fn load(path: &Path) -> Result<Self> {
+        let f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+        // SAFETY: read-only map, dropped at the end of this function.
+        let mmap = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| Error::io(path, e))?;
+        Self::from_bytes(&mmap).map_err(|e| e.at_state_file(path))
+    }
+}
+
+impl StateDtype {
+    fn st(self) -> Dtype {
+        match self {
+            Self::F32 => Dtype::F32,
+            Self::Bf16 => Dtype::BF16,
+        }
+    }
+}
+
+fn encode(v: &[f32], dtype: StateDtype) -> Vec<u8> {
+    match dtype {
+        StateDtype::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        StateDtype::Bf16 => v.iter().flat_map(|&x| half::bf16::from_f32(x).to_le_bytes()).collect(),
+    }
+}
+
+fn decode(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
+    match dtype {
+        Dtype::F32 => Some(bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()),
+        Dtype::BF16 => Some(bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect()),
+        _ => None,
+    }
+}
+
+/// Writes `bytes` to `path` so that readers see either the old file or the complete new one.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let name = path.file_name().ok_or_else(|| Error::Input(format!("{}: not a file path", path.display())))?;
+    let tmp = dir.join(format!(".{}.tmp-{}", name.to_string_lossy(), std::process::id()));
+    let result = (|| {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)?;
+        // Persist the rename itself.
+        if let Ok(d) = std::fs::File::open(dir) {
+            let _ = d.sync_all();
+        }
+        Ok(())
+    })();
+    result.map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        Error::io(path, e)
+    })
+}
