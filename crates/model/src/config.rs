@@ -269,6 +269,46 @@ impl Mamba2Config {
     }
 }
 
+impl Mamba2Config {
+    /// A small config for tests: `n_layer` layers, conv width `d_conv`.
+    pub fn tiny(n_layer: usize, d_conv: usize) -> Self {
+        Self {
+            d_model: 32,
+            n_layer,
+            vocab_size: 61,
+            d_state: 8,
+            headdim: 8,
+            nheads: 8,
+            expand: 2,
+            n_groups: 2,
+            d_conv,
+            norm_eps: 1e-5,
+            gated_norm_eps: 1e-5,
+            time_step_limit: (0.0, f64::INFINITY),
+            tie_embeddings: true,
+            use_bias: false,
+            use_conv_bias: true,
+            format: CheckpointFormat::HfTransformers,
+        }
+    }
+
+    /// The shape of state-spaces/mamba2-130m (for benchmarks with random weights).
+    pub fn mamba2_130m() -> Self {
+        Self {
+            d_model: 768,
+            n_layer: 24,
+            vocab_size: 50288,
+            d_state: 128,
+            headdim: 64,
+            nheads: 24,
+            expand: 2,
+            n_groups: 1,
+            d_conv: 4,
+            ..Self::tiny(24, 4)
+        }
+    }
+}
+
 /// Typed access to config fields with messages that name the field.
 struct Fields<'a> {
     path: &'a Path,

@@ -304,3 +304,55 @@ impl Mamba2Weights {
         format!("mamba2-{:032x}", h.digest128())
     }
 }
+
+impl Mamba2Weights {
+    /// Random weights for `config` (seeded): what tests and benchmarks use when no trained
+    /// checkpoint is at hand. Scales keep activations O(1) and dt within [1e-3, 1e-1], like
+    /// the Mamba-2 initialisation.
+    pub fn random(config: &Mamba2Config, seed: u64) -> Self {
+        use rand::{rngs::StdRng, Rng, SeedableRng};
+        let mut rng = StdRng::seed_from_u64(seed);
+        let mut normal = |n: usize, std: f32| -> Vec<f32> {
+            (0..n)
+                .map(|_| {
+                    // Box-Muller.
+                    let (u1, u2): (f32, f32) = (rng.random::<f32>().max(1e-12), rng.random());
+                    std * (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos()
+                })
+                .collect()
+        };
+        let c = config;
+        let (d, di, v) = (c.d_model, c.d_inner(), c.vocab_size);
+        let mut layers = Vec::with_capacity(c.n_layer);
+        for _ in 0..c.n_layer {
+            let uniform01 = normal(c.nheads, 1.0).iter().map(|z| 0.5 * (1.0 + (z / 2.0).tanh())).collect::<Vec<_>>();
+            // dt = exp(U[ln 1e-3, ln 1e-1]); dt_bias = softplus⁻¹(dt).
+            let dt_bias = uniform01
+                .iter()
+                .map(|u| {
+                    let dt = (1e-3f32.ln() + u * (1e-1f32.ln() - 1e-3f32.ln())).exp();
+                    dt + (-(-dt).exp_m1()).ln()
+                })
+                .collect();
+            layers.push(LayerWeights {
+                norm: normal(d, 0.1).iter().map(|x| 1.0 + x).collect(),
+                in_proj: normal(c.d_in_proj() * d, 1.0 / (d as f32).sqrt()),
+                in_proj_bias: c.use_bias.then(|| normal(c.d_in_proj(), 0.1)),
+                conv_weight: normal(c.conv_dim() * c.d_conv, 1.0 / (c.d_conv as f32).sqrt()),
+                conv_bias: c.use_conv_bias.then(|| normal(c.conv_dim(), 0.1)),
+                dt_bias,
+                a_log: (0..c.nheads).map(|h| (1.0 + 15.0 * h as f32 / c.nheads.max(2) as f32).ln()).collect(),
+                d: normal(c.nheads, 0.1).iter().map(|x| 1.0 + x).collect(),
+                gated_norm: normal(di, 0.1).iter().map(|x| 1.0 + x).collect(),
+                out_proj: normal(d * di, 1.0 / (di as f32).sqrt() / (2.0 * c.n_layer as f32).sqrt()),
+                out_proj_bias: c.use_bias.then(|| normal(d, 0.1)),
+            });
+        }
+        Self {
+            embedding: normal(v * d, 1.0),
+            layers,
+            norm_f: normal(d, 0.1).iter().map(|x| 1.0 + x).collect(),
+            lm_head: (!c.tie_embeddings).then(|| normal(v * d, 1.0 / (d as f32).sqrt())),
+        }
+    }
+}

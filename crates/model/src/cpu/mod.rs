@@ -75,6 +75,9 @@ impl CpuMamba2 {
     pub fn forward(&self, tokens: &[u32], state: &mut State) -> Vec<f32> {
         let d = self.config.d_model;
         let t = tokens.len();
+        if t == 0 {
+            return Vec::new();
+        }
         let mut h = vec![0.0f32; t * d];
         for (row, &tok) in h.chunks_exact_mut(d).zip(tokens) {
             let tok = tok as usize;

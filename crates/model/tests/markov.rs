@@ -1,0 +1,96 @@
+//! The Markov property: a state is everything the model needs. Scoring `a+b` equals scoring `b`
+//! from the (saved and reloaded) state of `a`, for multi-token `b` and any split point; the
+//! single-token step path equals the chunked prefill.
+
+mod common;
+
+use common::*;
+use picaso_model::{Mamba2Config, Mamba2Weights, Model, State, StateDtype};
+
+fn roundtrip(state: &State, dtype: StateDtype) -> State {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.safetensors");
+    state.save(&path, dtype).unwrap();
+    State::load(&path).unwrap()
+}
+
+#[test]
+fn scoring_continues_exactly_from_a_saved_state_at_any_split() {
+    for case in CASES {
+        let exp = expected(case);
+        let model = load(case, "hf");
+        let tokens = &exp.tokens;
+        let full = model.score(tokens, &model.zero_state()).unwrap();
+        for split in 1..tokens.len() - 1 {
+            let a = roundtrip(&model.prefill(&tokens[..split], &model.zero_state()).unwrap(), StateDtype::F32);
+            // b = tokens[split..]: its first token is context, the rest are scored from the state.
+            let b = model.score(&tokens[split..], &a).unwrap();
+            let err = max_abs_diff(&b.logprobs, &full.logprobs[split..]);
+            assert!(err < 1e-5, "{case} split {split}: continuation differs by {err}");
+            // With the last token of a as context, every token of b is scored.
+            let a1 = roundtrip(&model.prefill(&tokens[..split - 1], &model.zero_state()).unwrap(), StateDtype::F32);
+            let bb = model.score_continuation(&tokens[split - 1..split], &tokens[split..], &a1).unwrap();
+            let err = max_abs_diff(&bb.logprobs, &full.logprobs[split - 1..]);
+            assert!(err < 1e-5, "{case} split {split}: score_continuation differs by {err}");
+        }
+        let a = model.prefill(&tokens[..13], &model.zero_state()).unwrap();
+        let b = model.prefill(&tokens[13..], &a).unwrap();
+        for (x, y) in b.layers.iter().zip(&full.state.layers) {
+            assert!(rel_err(&x.ssm, &y.ssm) < 1e-5 && rel_err(&x.conv, &y.conv) < 1e-6);
+            assert!(rel_err(&x.log_decay, &y.log_decay) < 1e-6);
+        }
+    }
+}
+
+#[test]
+fn bf16_states_continue_within_tolerance() {
+    // bf16 keeps ~3 significant digits of the SSM state and conv tail (log-decays stay f32).
+    for case in CASES {
+        let exp = expected(case);
+        let model = load(case, "hf");
+        let full = model.score(&exp.tokens, &model.zero_state()).unwrap();
+        let a = model.prefill(&exp.tokens[..13], &model.zero_state()).unwrap();
+        let a16 = roundtrip(&a, StateDtype::Bf16);
+        assert_eq!(a16.layers[0].log_decay, a.layers[0].log_decay, "log-decays are stored exactly");
+        let cont = model.score(&exp.tokens[13..], &a16).unwrap();
+        let err = max_abs_diff(&cont.logprobs, &full.logprobs[13..]);
+        assert!(err < 0.05, "{case}: bf16 continuation differs by {err}");
+    }
+}
+
+#[test]
+fn step_path_equals_chunked_prefill() {
+    for case in CASES {
+        let exp = expected(case);
+        let model = load(case, "hf");
+        let v = model.config().vocab_size;
+        let (chunked, end) = model.forward_all_logits(&exp.tokens, &model.zero_state()).unwrap();
+        let mut state = model.zero_state();
+        for (i, &t) in exp.tokens.iter().enumerate() {
+            let logits = model.step(t, &mut state).unwrap();
+            let err = max_abs_diff(&logits, &chunked[i * v..(i + 1) * v]);
+            assert!(err < 1e-4, "{case} token {i}: step logits differ by {err}");
+        }
+        assert_eq!(state.n_tokens, end.n_tokens);
+        for (x, y) in state.layers.iter().zip(&end.layers) {
+            assert!(rel_err(&x.ssm, &y.ssm) < 1e-5);
+        }
+    }
+}
+
+#[test]
+fn prefill_in_chunks_equals_one_prefill() {
+    let config = Mamba2Config::tiny(3, 4);
+    let model = Model::from_weights(config.clone(), Mamba2Weights::random(&config, 7), None);
+    let tokens: Vec<u32> = (0..200).map(|i| (i * 37 % 61) as u32).collect();
+    let whole = model.prefill(&tokens, &model.zero_state()).unwrap();
+    let mut s = model.zero_state();
+    for chunk in tokens.chunks(23) {
+        s = model.prefill(chunk, &s).unwrap();
+    }
+    for (x, y) in s.layers.iter().zip(&whole.layers) {
+        assert!(rel_err(&x.ssm, &y.ssm) < 1e-5, "{}", rel_err(&x.ssm, &y.ssm));
+        assert!(rel_err(&x.conv, &y.conv) < 1e-6);
+        assert!(rel_err(&x.log_decay, &y.log_decay) < 1e-5);
+    }
+}
