@@ -1,0 +1,181 @@
+//! The closed forms against their definitions: PICASO-S is the mean of CASO over all n!
+//! orders, PICASO-R over the n rotations (to 1e-12 in f64), with invariances and edge cases,
+//! and finite, exact results for decays that underflow and n up to 64.
+
+use picaso_compose::{weighted_sum_blocks, weights, weights_per_element, Method};
+use proptest::prelude::*;
+
+/// CASO weights straight from the definition: product of the decays after each context.
+fn caso_brute(a: &[f64]) -> Vec<f64> {
+    (0..a.len()).map(|k| a[k + 1..].iter().product()).collect()
+}
+
+fn permutations(n: usize) -> Vec<Vec<usize>> {
+    if n == 0 {
+        return vec![vec![]];
+    }
+    let mut out = Vec::new();
+    for p in permutations(n - 1) {
+        for pos in 0..n {
+            let mut q = p.clone();
+            q.insert(pos, n - 1);
+            out.push(q);
+        }
+    }
+    out
+}
+
+/// Mean over the given orders of the CASO weight each context receives.
+fn mean_caso_over(orders: &[Vec<usize>], a: &[f64]) -> Vec<f64> {
+    let mut w = vec![0.0; a.len()];
+    for order in orders {
+        let decays: Vec<f64> = order.iter().map(|&i| a[i]).collect();
+        for (pos, wk) in caso_brute(&decays).into_iter().enumerate() {
+            w[order[pos]] += wk / orders.len() as f64;
+        }
+    }
+    w
+}
+
+fn rotations(n: usize) -> Vec<Vec<usize>> {
+    (0..n).map(|r| (0..n).map(|i| (i + r) % n).collect()).collect()
+}
+
+fn log_decays(max_n: usize) -> impl Strategy<Value = Vec<f64>> {
+    prop::collection::vec(prop_oneof![Just(0.0), -5.0..0.0f64, -40.0..-5.0f64], 1..=max_n)
+}
+
+fn close(a: &[f64], b: &[f64], tol: f64) -> bool {
+    a.iter().zip(b).all(|(x, y)| (x - y).abs() <= tol * (1.0 + y.abs()))
+}
+
+proptest! {
+    #[test]
+    fn picaso_s_is_the_mean_of_caso_over_all_orders(ld in log_decays(6)) {
+        let a: Vec<f64> = ld.iter().map(|v| v.exp()).collect();
+        let want = mean_caso_over(&permutations(a.len()), &a);
+        let got = weights(Method::PicasoS, &ld).unwrap();
+        prop_assert!(close(&got, &want, 1e-12), "{got:?} vs {want:?}");
+    }
+
+    #[test]
+    fn picaso_r_is_the_mean_of_caso_over_rotations(ld in log_decays(8)) {
+        let a: Vec<f64> = ld.iter().map(|v| v.exp()).collect();
+        let want = mean_caso_over(&rotations(a.len()), &a);
+        let got = weights(Method::PicasoR, &ld).unwrap();
+        prop_assert!(close(&got, &want, 1e-12), "{got:?} vs {want:?}");
+    }
+
+    #[test]
+    fn caso_matches_the_product_of_later_decays(ld in log_decays(10)) {
+        let a: Vec<f64> = ld.iter().map(|v| v.exp()).collect();
+        prop_assert!(close(&weights(Method::Caso, &ld).unwrap(), &caso_brute(&a), 1e-12));
+    }
+
+    #[test]
+    fn picaso_s_ignores_order_and_picaso_r_ignores_rotation(ld in log_decays(9), seed in 0usize..1000) {
+        let n = ld.len();
+        let w = weights(Method::PicasoS, &ld).unwrap();
+        // A pseudo-random permutation from the seed.
+        let mut perm: Vec<usize> = (0..n).collect();
+        for i in (1..n).rev() { perm.swap(i, (seed * 7919 + i * 31) % (i + 1)); }
+        let permuted: Vec<f64> = perm.iter().map(|&i| ld[i]).collect();
+        let wp = weights(Method::PicasoS, &permuted).unwrap();
+        for (pos, &i) in perm.iter().enumerate() {
+            prop_assert!((wp[pos] - w[i]).abs() <= 1e-12 * (1.0 + w[i]));
+        }
+        let r = seed % n;
+        let rotated: Vec<f64> = (0..n).map(|i| ld[(i + r) % n]).collect();
+        let wr = weights(Method::PicasoR, &rotated).unwrap();
+        let w0 = weights(Method::PicasoR, &ld).unwrap();
+        for i in 0..n {
+            prop_assert!((wr[i] - w0[(i + r) % n]).abs() <= 1e-12 * (1.0 + w0[i]));
+        }
+    }
+
+    #[test]
+    fn extreme_decays_give_finite_exact_weights(ld in prop::collection::vec(prop_oneof![Just(0.0), Just(-1e4), -1e4..0.0f64, -1.0..0.0f64], 1..=64)) {
+        let n = ld.len() as f64;
+        for m in Method::ALL {
+            let w = weights(m, &ld).unwrap();
+            prop_assert!(w.iter().all(|v| v.is_finite() && *v >= 0.0 && *v <= 1.0 + 1e-12), "{m}: {w:?}");
+            // Every method gives the last (or every) context at least the weight 1/n of its own term.
+            prop_assert!(w.iter().all(|v| *v >= 1.0 / n - 1e-15) || m == Method::Caso);
+        }
+        let a: Vec<f64> = ld.iter().map(|v| v.exp()).collect();
+        // PICASO-R against the O(n²) definition in log space.
+        let want_r: Vec<f64> = (0..ld.len()).map(|k| {
+            let mut s = 0.0; let mut acc = 0.0f64;
+            for m in 0..ld.len() { if m > 0 { acc += ld[(k + m) % ld.len()]; } s += acc.exp(); }
+            s / n
+        }).collect();
+        prop_assert!(close(&weights(Method::PicasoR, &ld).unwrap(), &want_r, 1e-12));
+        // PICASO-S against the O(n³) product of prefix and suffix polynomials.
+        prop_assert!(close(&weights(Method::PicasoS, &ld).unwrap(), &picaso_s_cubic(&a), 1e-11));
+    }
+}
+
+/// PICASO-S by multiplying the leave-one-out polynomial Π_{j≠k}(1 + A_j t) out explicitly.
+fn picaso_s_cubic(a: &[f64]) -> Vec<f64> {
+    let n = a.len();
+    (0..n)
+        .map(|k| {
+            let mut e = vec![1.0f64];
+            for (j, &aj) in a.iter().enumerate() {
+                if j == k { continue; }
+                let mut next = vec![0.0; e.len() + 1];
+                for (i, &c) in e.iter().enumerate() { next[i] += c; next[i + 1] += aj * c; }
+                e = next;
+            }
+            let mut binom = 1.0f64;
+            let mut s = 0.0;
+            for (m, &em) in e.iter().enumerate() {
+                if m > 0 { binom = binom * (n - m) as f64 / m as f64; }
+                s += em / binom;
+            }
+            s / n as f64
+        })
+        .collect()
+}
+
+#[test]
+fn one_context_gets_weight_one_and_soup_is_uniform() {
+    for m in Method::ALL {
+        assert_eq!(weights(m, &[-3.5]).unwrap(), vec![1.0]);
+    }
+    assert_eq!(weights(Method::Soup, &[-1.0, 0.0, -2.0, -9.0]).unwrap(), vec![0.25; 4]);
+}
+
+#[test]
+fn the_paper_example_by_hand() {
+    // Two contexts, decays 0.5 and 0.25: CASO (1 then 2) = [0.25, 1]; all orders = [(0.25+1)/2, (1+0.5)/2].
+    let ld = [0.5f64.ln(), 0.25f64.ln()];
+    assert!(close(&weights(Method::Caso, &ld).unwrap(), &[0.25, 1.0], 1e-15));
+    assert!(close(&weights(Method::PicasoS, &ld).unwrap(), &[0.625, 0.75], 1e-15));
+    assert!(close(&weights(Method::PicasoR, &ld).unwrap(), &[0.625, 0.75], 1e-15));
+}
+
+#[test]
+fn bad_input_is_refused() {
+    assert!(weights(Method::Soup, &[]).unwrap_err().to_string().contains("at least one"));
+    assert!(weights(Method::Caso, &[-1.0, 0.5]).unwrap_err().to_string().contains("<= 0"));
+    assert!(weights(Method::Caso, &[f64::NAN]).is_err());
+    assert!("picaso-x".parse::<Method>().unwrap_err().to_string().contains("picaso-s"));
+    let a = [1.0f32; 4];
+    assert!(weighted_sum_blocks(&[&a, &a[..3]], &[0.5; 2], 4, &mut [0.0; 4]).is_err());
+    assert!(weights_per_element(Method::Soup, &[&[0.0f32, -1.0][..], &[0.0f32][..]]).is_err());
+}
+
+#[test]
+fn weighted_sum_applies_each_blocks_weights() {
+    let x: Vec<f32> = (0..12).map(|i| i as f32).collect();
+    let y: Vec<f32> = (0..12).map(|i| 100.0 + i as f32).collect();
+    // Three blocks of four; weights (block-major) [x, y].
+    let w = [1.0, 0.0, 0.5, 0.5, 0.0, 2.0];
+    let mut out = vec![0.0; 12];
+    weighted_sum_blocks(&[&x, &y], &w, 4, &mut out).unwrap();
+    for i in 0..12 {
+        let (wx, wy) = (w[2 * (i / 4)], w[2 * (i / 4) + 1]);
+        assert_eq!(out[i], wx * x[i] + wy * y[i]);
+    }
+}
