@@ -32,6 +32,36 @@ enum Command {
     Compose(ComposeArgs),
     /// Print the composition weights for scalar log-decays (for inspection and teaching).
     Weights(WeightsArgs),
+    /// Measure prefill, scoring, decode and composition throughput.
+    Bench(BenchArgs),
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    /// Model folder; without it, random weights of --random's shape are used.
+    #[arg(long, conflicts_with = "random")]
+    model: Option<String>,
+    /// Random weights in a known shape: `130m` (state-spaces/mamba2-130m) or `tiny`.
+    #[arg(long, default_value = "130m")]
+    random: String,
+    /// Seed of the random weights.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Tokens to prefill and score.
+    #[arg(long, default_value_t = 512)]
+    prompt_tokens: usize,
+    /// Tokens to decode one at a time.
+    #[arg(long, default_value_t = 32)]
+    decode_tokens: usize,
+    /// Runs per measurement (best is reported).
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// States to compose (0 skips the composition benchmark).
+    #[arg(long, default_value_t = 10)]
+    compose_n: usize,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -181,6 +211,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Generate(a) => generate_cmd(a),
         Command::Compose(a) => compose_cmd(a),
         Command::Weights(a) => weights_cmd(a),
+        Command::Bench(a) => bench(a),
     }
 }
 
@@ -364,6 +395,52 @@ fn weights_cmd(a: WeightsArgs) -> Result<()> {
         for (i, (ld, wi)) in a.log_decays.iter().zip(&w).enumerate() {
             println!("context {i}: log-decay {ld:>10.4}  weight {wi:.6}");
         }
+    }
+    Ok(())
+}
+
+fn bench(a: BenchArgs) -> Result<()> {
+    let model = match &a.model {
+        Some(m) => load_model(&ModelArgs { model: m.clone(), tokenizer: None }, false)?,
+        None => {
+            let config = match a.random.as_str() {
+                "130m" => picaso_model::Mamba2Config::mamba2_130m(),
+                "tiny" => picaso_model::Mamba2Config::tiny(2, 4),
+                other => bail!("--random {other:?}: use 130m or tiny"),
+            };
+            let weights = picaso_model::Mamba2Weights::random(&config, a.seed);
+            Model::from_weights(config, weights, None)
+        }
+    };
+    let opts = picaso_model::bench::BenchOptions {
+        prompt_tokens: a.prompt_tokens.max(1),
+        decode_tokens: a.decode_tokens,
+        repeats: a.repeats,
+        compose_n: a.compose_n,
+    };
+    let r = picaso_model::bench::run(&model, &opts)?;
+    if a.json {
+        println!("{}", serde_json::to_string(&r)?);
+        return Ok(());
+    }
+    println!("model        {} parameters, {} threads", model.n_params(), r.threads);
+    println!("prefill      {:>8.1} tokens/s  ({} tokens → state)", r.prefill_tokens_per_s, opts.prompt_tokens);
+    println!("score        {:>8.1} tokens/s  (with log-probs of every token)", r.score_tokens_per_s);
+    println!("decode       {:>8.1} tokens/s  ({:.2} ms/token)", r.decode_tokens_per_s, 1e3 / r.decode_tokens_per_s);
+    if !r.compose_ms.is_empty() {
+        println!(
+            "read states  {:>8.2} ms  ({} × {:.1} MiB, {:.1} GB/s)",
+            r.read_states_ms,
+            opts.compose_n,
+            r.state_bytes as f64 / 1048576.0,
+            (opts.compose_n * r.state_bytes) as f64 / r.read_states_ms / 1e6
+        );
+        for (m, ms) in &r.compose_ms {
+            println!("compose      {:>8.2} ms  {m} ({:.2}× the read)", ms, ms / r.read_states_ms);
+        }
+    }
+    if let Some(b) = r.peak_rss_bytes {
+        println!("peak memory  {:.0} MiB", b as f64 / 1048576.0);
     }
     Ok(())
 }

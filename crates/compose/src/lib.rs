@@ -93,6 +93,9 @@ pub enum Error {
     /// Inputs of different sizes.
     #[error("{0}")]
     Shape(String),
+    /// An input holds NaN or infinity (found because the weighted sum came out non-finite).
+    #[error("an input holds a non-finite value (NaN or infinity)")]
+    NonFinite,
     /// An order that is not a permutation of 0..n.
     #[error("order {order:?} is not a permutation of 0..{n}")]
     BadOrder {
@@ -277,7 +280,9 @@ pub fn weights_per_element(method: Method, log_decays: &[&[f32]]) -> Result<Vec<
 
 /// out[e·block + j] = Σᵢ w[e·n + i] · inputs[i][e·block + j]: a weighted sum of n equally
 /// sized arrays where each block of `block` values has its own weights. Multi-threaded; one
-/// pass over the inputs, so it runs at memory bandwidth.
+/// pass over the inputs, so it runs at memory bandwidth. Weights must be finite; a NaN or
+/// infinity in any input makes the output non-finite (even under a zero weight), which is
+/// checked while the output is still in cache and reported as [`Error::NonFinite`].
 pub fn weighted_sum_blocks(inputs: &[&[f32]], w: &[f32], block: usize, out: &mut [f32]) -> Result<(), Error> {
     let n = inputs.len();
     if n == 0 {
@@ -294,21 +299,29 @@ pub fn weighted_sum_blocks(inputs: &[&[f32]], w: &[f32], block: usize, out: &mut
     }
     // Tasks of ~64 KiB of output: enough to amortise scheduling, small enough to balance.
     let per_task = (16 * 1024 / block).max(1) * block;
-    out.par_chunks_mut(per_task).enumerate().for_each(|(t, o)| {
+    let finite = out.par_chunks_mut(per_task).enumerate().map(|(t, o)| {
         let base = t * per_task;
+        let mut finite = true;
         for (b, ob) in o.chunks_mut(block).enumerate() {
             let e = (base / block) + b;
             let we = &w[e * n..(e + 1) * n];
             let off = base + b * block;
-            accumulate_block(inputs, we, off, ob);
+            finite &= accumulate_block(inputs, we, off, ob);
         }
+        finite
     });
-    Ok(())
+    if finite.all(|f| f) {
+        Ok(())
+    } else {
+        Err(Error::NonFinite)
+    }
 }
 
 /// ob = Σᵢ we[i] · inputs[i][off .. off + ob.len()], streamed in cache-sized pieces.
-fn accumulate_block(inputs: &[&[f32]], we: &[f32], off: usize, ob: &mut [f32]) {
+/// Returns whether every output value is finite.
+fn accumulate_block(inputs: &[&[f32]], we: &[f32], off: usize, ob: &mut [f32]) -> bool {
     const PIECE: usize = 2048;
+    let mut finite = true;
     for (p, op) in ob.chunks_mut(PIECE).enumerate() {
         let start = off + p * PIECE;
         let first = &inputs[0][start..start + op.len()];
@@ -321,7 +334,23 @@ fn accumulate_block(inputs: &[&[f32]], we: &[f32], off: usize, ob: &mut [f32]) {
                 *o += wi * v;
             }
         }
+        // Summing is cheaper than a branch per value; the sum is finite iff every value is
+        // (barring an overflow of the sum itself, which also deserves an error).
+        finite &= lane_sum(op).is_finite();
     }
+    finite
+}
+
+/// Σ x with sixteen independent accumulators, so it vectorises (a plain f32 sum cannot).
+fn lane_sum(x: &[f32]) -> f32 {
+    let mut lanes = [0.0f32; 16];
+    let mut it = x.chunks_exact(16);
+    for c in &mut it {
+        for i in 0..16 {
+            lanes[i] += c[i];
+        }
+    }
+    lanes.iter().sum::<f32>() + it.remainder().iter().sum::<f32>()
 }
 
 /// Elementwise mean of equally sized arrays (conv tails are averaged for every method).

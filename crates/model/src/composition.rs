@@ -22,10 +22,6 @@ pub fn compose(method: Method, states: &[&State], order: Option<&[usize]>) -> Re
         if s.shape != first.shape {
             return Err(Error::state(format!("state {i} has shape {:?}, state 0 has {:?}", s.shape, first.shape)));
         }
-        s.check_values().map_err(|e| match e {
-            Error::State { message, .. } => Error::state(format!("state {i}: {message}")),
-            other => other,
-        })?;
     }
     let ordered: Vec<&State> = match order {
         Some(o) => {
@@ -34,6 +30,13 @@ pub fn compose(method: Method, states: &[&State], order: Option<&[usize]>) -> Re
         }
         None => states.to_vec(),
     };
+    for (i, s) in states.iter().enumerate() {
+        for (l, layer) in s.layers.iter().enumerate() {
+            if let Some(v) = layer.log_decay.iter().find(|v| !(v.is_finite() && **v <= 0.0)) {
+                return Err(Error::state(format!("state {i}: layers.{l}.log_decay holds {v}; log-decays must be finite and <= 0")));
+            }
+        }
+    }
     let mut out = State::zeros(first.shape.clone(), first.fingerprint.clone());
     out.n_tokens = ordered.iter().map(|s| s.n_tokens).sum();
     let block = first.shape.ssm.iter().product::<usize>() / first.shape.log_decay.iter().product::<usize>();
@@ -42,9 +45,18 @@ pub fn compose(method: Method, states: &[&State], order: Option<&[usize]>) -> Re
         let decays: Vec<&[f32]> = parts.iter().map(|p| p.log_decay.as_slice()).collect();
         let w = weights_per_element(method, &decays)?;
         let ssm: Vec<&[f32]> = parts.iter().map(|p| p.ssm.as_slice()).collect();
-        weighted_sum_blocks(&ssm, &w, block, &mut dst.ssm)?;
         let conv: Vec<&[f32]> = parts.iter().map(|p| p.conv.as_slice()).collect();
-        mean(&conv, &mut dst.conv)?;
+        let sums = weighted_sum_blocks(&ssm, &w, block, &mut dst.ssm).and_then(|()| mean(&conv, &mut dst.conv));
+        if let Err(picaso_compose::Error::NonFinite) = sums {
+            // Rare path: name the culprit. (Checking every input up front would read them twice.)
+            for (i, s) in states.iter().enumerate() {
+                s.check_values().map_err(|e| match e {
+                    Error::State { message, .. } => Error::state(format!("state {i}: {message}")),
+                    other => other,
+                })?;
+            }
+        }
+        sums?;
         for (e, v) in dst.log_decay.iter_mut().enumerate() {
             *v = parts.iter().map(|p| p.log_decay[e] as f64).sum::<f64>() as f32;
         }

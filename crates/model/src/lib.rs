@@ -22,6 +22,7 @@
 //! ```
 #![deny(missing_docs)]
 
+pub mod bench;
 pub mod composition;
 pub mod config;
 pub mod cpu;

@@ -117,6 +117,8 @@ impl State {
     }
 
     /// Checks that this state belongs to the model with `fingerprint` and has `shape`.
+    /// Values are checked where states enter from outside ([`State::load`], composition), not
+    /// here: this runs before every decoded token.
     pub fn check_compatible(&self, fingerprint: &str, shape: &StateShape) -> Result<()> {
         if self.fingerprint != fingerprint {
             return Err(Error::state(format!(
@@ -127,7 +129,14 @@ impl State {
         if &self.shape != shape {
             return Err(Error::state(format!("has shape {:?}, this model needs {shape:?}", self.shape)));
         }
-        self.check_values()
+        let sizes_ok = self.layers.len() == shape.n_layer
+            && self.layers.iter().all(|l| {
+                l.ssm.len() == shape.ssm_len() && l.conv.len() == shape.conv_len() && l.log_decay.len() == shape.log_decay[0]
+            });
+        if !sizes_ok {
+            return Err(Error::state("tensor sizes do not match the declared shape"));
+        }
+        Ok(())
     }
 
     /// Rejects NaN or infinite values (a corrupted or diverged state must not propagate).

@@ -1,0 +1,143 @@
+//! Throughput measurements behind `picaso bench`: prefill (tokens → state), scoring, decode,
+//! and composition against a plain read of the same bytes. Best of `repeats` runs after a
+//! warm-up, wall-clock, all cores.
+
+use std::time::Instant;
+
+use rayon::prelude::*;
+
+use crate::composition::compose;
+use crate::error::Result;
+use crate::model::Model;
+use crate::state::State;
+use picaso_compose::Method;
+
+/// What to measure.
+#[derive(Debug, Clone)]
+pub struct BenchOptions {
+    /// Tokens in the prefill and scoring runs.
+    pub prompt_tokens: usize,
+    /// Tokens generated one at a time in the decode run.
+    pub decode_tokens: usize,
+    /// Runs per measurement; the best is reported.
+    pub repeats: usize,
+    /// States composed in the composition run (0 skips it).
+    pub compose_n: usize,
+}
+
+/// Results, in the units BENCHMARKS.md reports.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct BenchReport {
+    /// Prefill to a state, no logits (what ingestion costs), tokens/s.
+    pub prefill_tokens_per_s: f64,
+    /// Prefill with log-probabilities of every token, tokens/s.
+    pub score_tokens_per_s: f64,
+    /// Greedy decode from the prefilled state, tokens/s.
+    pub decode_tokens_per_s: f64,
+    /// Milliseconds per composition of `compose_n` states, per method.
+    pub compose_ms: Vec<(String, f64)>,
+    /// Milliseconds to read the same `compose_n` states once (a parallel sum): the floor.
+    pub read_states_ms: f64,
+    /// Bytes of one state (f32).
+    pub state_bytes: usize,
+    /// Peak resident memory of the process so far, bytes (Linux only).
+    pub peak_rss_bytes: Option<u64>,
+    /// Worker threads.
+    pub threads: usize,
+}
+
+fn best_of<T>(repeats: usize, mut f: impl FnMut() -> Result<T>) -> Result<f64> {
+    f()?; // warm-up
+    let mut best = f64::INFINITY;
+    for _ in 0..repeats.max(1) {
+        let t0 = Instant::now();
+        f()?;
+        best = best.min(t0.elapsed().as_secs_f64());
+    }
+    Ok(best)
+}
+
+/// Runs the measurements on `model` with deterministic pseudo-random tokens.
+pub fn run(model: &Model, opts: &BenchOptions) -> Result<BenchReport> {
+    let vocab = model.config().vocab_size.min(50_000) as u64;
+    let tokens: Vec<u32> = (0..opts.prompt_tokens as u64).map(|i| ((i * 2_654_435_761 + 12_345) % vocab) as u32).collect();
+    let zero = model.zero_state();
+    let prefill = best_of(opts.repeats, || model.prefill(&tokens, &zero))?;
+    let score = best_of(opts.repeats, || model.score(&tokens, &zero))?;
+    let (logits, state) = model.prefill_last_logits(&tokens, &zero)?;
+    let decode = best_of(opts.repeats, || {
+        let mut s = state.clone();
+        let mut next = argmax(&logits);
+        for _ in 0..opts.decode_tokens {
+            next = argmax(&model.step(next, &mut s)?);
+        }
+        Ok(next)
+    })?;
+    let decode_per_token = (decode - clone_cost(&state)) / opts.decode_tokens.max(1) as f64;
+    let mut compose_ms = Vec::new();
+    let mut read_states_ms = 0.0;
+    if opts.compose_n > 0 {
+        let states: Vec<State> = (0..opts.compose_n)
+            .map(|i| {
+                let seg: Vec<u32> = tokens.iter().skip(i * 7).take(16).copied().collect();
+                model.prefill(&seg, &zero)
+            })
+            .collect::<Result<_>>()?;
+        let refs: Vec<&State> = states.iter().collect();
+        read_states_ms = 1e3 * best_of(opts.repeats.max(5), || Ok(read_all(&refs)))?;
+        for m in Method::ALL {
+            let t = best_of(opts.repeats.max(5), || compose(m, &refs, None))?;
+            compose_ms.push((m.name().to_string(), 1e3 * t));
+        }
+    }
+    Ok(BenchReport {
+        prefill_tokens_per_s: opts.prompt_tokens as f64 / prefill,
+        score_tokens_per_s: opts.prompt_tokens as f64 / score,
+        decode_tokens_per_s: 1.0 / decode_per_token,
+        compose_ms,
+        read_states_ms,
+        state_bytes: zero.nbytes_f32(),
+        peak_rss_bytes: peak_rss(),
+        threads: rayon::current_num_threads(),
+    })
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    v.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b }).0 as u32
+}
+
+/// The decode loop clones the start state once; that copy is not decode work.
+fn clone_cost(state: &State) -> f64 {
+    let t0 = Instant::now();
+    let s = state.clone();
+    let t = t0.elapsed().as_secs_f64();
+    drop(s);
+    t
+}
+
+/// Sums every float of every state once, in parallel: the memory-bandwidth floor of composing.
+/// Sixteen independent lanes let the compiler vectorise (a plain f32 `sum` cannot reorder).
+fn read_all(states: &[&State]) -> f32 {
+    let arrays: Vec<&[f32]> = states.iter().flat_map(|s| s.layers.iter()).flat_map(|l| [&l.ssm[..], &l.conv[..]]).collect();
+    arrays
+        .par_iter()
+        .flat_map(|a| a.par_chunks(16 * 1024))
+        .map(|chunk| {
+            let mut lanes = [0.0f32; 16];
+            let mut it = chunk.chunks_exact(16);
+            for c in &mut it {
+                for i in 0..16 {
+                    lanes[i] += c[i];
+                }
+            }
+            lanes.iter().sum::<f32>() + it.remainder().iter().sum::<f32>()
+        })
+        .sum()
+}
+
+fn peak_rss() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
