@@ -20,7 +20,10 @@ pub fn compose(method: Method, states: &[&State], order: Option<&[usize]>) -> Re
             )));
         }
         if s.shape != first.shape {
-            return Err(Error::state(format!("state {i} has shape {:?}, state 0 has {:?}", s.shape, first.shape)));
+            return Err(Error::state(format!(
+                "state {i} has shape {:?}, state 0 has {:?}",
+                s.shape, first.shape
+            )));
         }
     }
     let ordered: Vec<&State> = match order {
@@ -32,21 +35,29 @@ pub fn compose(method: Method, states: &[&State], order: Option<&[usize]>) -> Re
     };
     for (i, s) in states.iter().enumerate() {
         for (l, layer) in s.layers.iter().enumerate() {
-            if let Some(v) = layer.log_decay.iter().find(|v| !(v.is_finite() && **v <= 0.0)) {
-                return Err(Error::state(format!("state {i}: layers.{l}.log_decay holds {v}; log-decays must be finite and <= 0")));
+            if let Some(v) = layer
+                .log_decay
+                .iter()
+                .find(|v| !(v.is_finite() && **v <= 0.0))
+            {
+                return Err(Error::state(format!(
+                    "state {i}: layers.{l}.log_decay holds {v}; log-decays must be finite and <= 0"
+                )));
             }
         }
     }
     let mut out = State::zeros(first.shape.clone(), first.fingerprint.clone());
     out.n_tokens = ordered.iter().map(|s| s.n_tokens).sum();
-    let block = first.shape.ssm.iter().product::<usize>() / first.shape.log_decay.iter().product::<usize>();
+    let block =
+        first.shape.ssm.iter().product::<usize>() / first.shape.log_decay.iter().product::<usize>();
     for (l, dst) in out.layers.iter_mut().enumerate() {
         let parts: Vec<&LayerState> = ordered.iter().map(|s| &s.layers[l]).collect();
         let decays: Vec<&[f32]> = parts.iter().map(|p| p.log_decay.as_slice()).collect();
         let w = weights_per_element(method, &decays)?;
         let ssm: Vec<&[f32]> = parts.iter().map(|p| p.ssm.as_slice()).collect();
         let conv: Vec<&[f32]> = parts.iter().map(|p| p.conv.as_slice()).collect();
-        let sums = weighted_sum_blocks(&ssm, &w, block, &mut dst.ssm).and_then(|()| mean(&conv, &mut dst.conv));
+        let sums = weighted_sum_blocks(&ssm, &w, block, &mut dst.ssm)
+            .and_then(|()| mean(&conv, &mut dst.conv));
         if let Err(picaso_compose::Error::NonFinite) = sums {
             // Rare path: name the culprit. (Checking every input up front would read them twice.)
             for (i, s) in states.iter().enumerate() {

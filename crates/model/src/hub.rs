@@ -7,7 +7,11 @@ use crate::error::{Error, Result};
 
 /// Files a model folder may need; the optional ones are skipped when absent.
 const REQUIRED: &[&str] = &["config.json"];
-const WEIGHTS: &[&str] = &["model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"];
+const WEIGHTS: &[&str] = &[
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+];
 const OPTIONAL: &[&str] = &["tokenizer.json"];
 
 /// Downloads (or finds in the local hub cache) `repo_id` and returns the folder.
@@ -29,8 +33,16 @@ pub fn download(repo_id: &str) -> Result<PathBuf> {
             have_weights = true;
             if *f == "model.safetensors.index.json" {
                 let text = std::fs::read_to_string(&p).map_err(|e| Error::io(&p, e))?;
-                let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::weights(&p, e.to_string()))?;
-                let mut shards: Vec<String> = v["weight_map"].as_object().map(|m| m.values().filter_map(|s| s.as_str().map(String::from)).collect()).unwrap_or_default();
+                let v: serde_json::Value =
+                    serde_json::from_str(&text).map_err(|e| Error::weights(&p, e.to_string()))?;
+                let mut shards: Vec<String> = v["weight_map"]
+                    .as_object()
+                    .map(|m| {
+                        m.values()
+                            .filter_map(|s| s.as_str().map(String::from))
+                            .collect()
+                    })
+                    .unwrap_or_default();
                 shards.sort();
                 shards.dedup();
                 for s in shards {
@@ -41,7 +53,9 @@ pub fn download(repo_id: &str) -> Result<PathBuf> {
         }
     }
     if !have_weights {
-        return Err(Error::Input(format!("{repo_id}: no weights on the hub (looked for {WEIGHTS:?})")));
+        return Err(Error::Input(format!(
+            "{repo_id}: no weights on the hub (looked for {WEIGHTS:?})"
+        )));
     }
     for f in OPTIONAL {
         let _ = repo.get(f);

@@ -35,11 +35,11 @@ pub mod tokenizer;
 pub mod weights;
 
 pub use composition::compose;
-pub use picaso_compose::Method;
 pub use config::{CheckpointFormat, Mamba2Config};
 pub use error::{Error, Result};
 pub use generate::{generate, GenerateOptions, Generation, StopReason};
 pub use model::{LoadOptions, Model, Scored};
+pub use picaso_compose::Method;
 pub use state::{LayerState, State, StateDtype, StateShape};
 pub use tokenizer::TextTokenizer;
 pub use weights::{HostTensor, Mamba2Weights};

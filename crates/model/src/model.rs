@@ -55,20 +55,40 @@ impl Model {
         let fingerprint = weights.fingerprint(&config);
         let n_params = weights.n_params();
         let (tokenizer, tokenizer_error) = if options.skip_tokenizer {
-            (None, Some("the model was loaded without a tokenizer".to_string()))
+            (
+                None,
+                Some("the model was loaded without a tokenizer".to_string()),
+            )
         } else {
-            let path = options.tokenizer.clone().unwrap_or_else(|| dir.join("tokenizer.json"));
+            let path = options
+                .tokenizer
+                .clone()
+                .unwrap_or_else(|| dir.join("tokenizer.json"));
             match TextTokenizer::from_file(&path) {
                 Ok(t) => (Some(t), None),
                 Err(e) if options.tokenizer.is_some() => return Err(e),
-                Err(e) => (None, Some(format!("{e}; pass --tokenizer PATH to a tokenizer.json"))),
+                Err(e) => (
+                    None,
+                    Some(format!("{e}; pass --tokenizer PATH to a tokenizer.json")),
+                ),
             }
         };
-        Ok(Self { dir: dir.to_path_buf(), fingerprint, n_params, engine: CpuMamba2::new(config, weights), tokenizer, tokenizer_error })
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            fingerprint,
+            n_params,
+            engine: CpuMamba2::new(config, weights),
+            tokenizer,
+            tokenizer_error,
+        })
     }
 
     /// Builds a model from weights already in memory (tests, training).
-    pub fn from_weights(config: Mamba2Config, weights: Mamba2Weights, tokenizer: Option<TextTokenizer>) -> Self {
+    pub fn from_weights(
+        config: Mamba2Config,
+        weights: Mamba2Weights,
+        tokenizer: Option<TextTokenizer>,
+    ) -> Self {
         let fingerprint = weights.fingerprint(&config);
         let n_params = weights.n_params();
         Self {
@@ -112,9 +132,13 @@ impl Model {
 
     /// The tokenizer, or an error saying how to provide one.
     pub fn tokenizer(&self) -> Result<&TextTokenizer> {
-        self.tokenizer
-            .as_ref()
-            .ok_or_else(|| Error::Input(self.tokenizer_error.clone().unwrap_or_else(|| "no tokenizer".into())))
+        self.tokenizer.as_ref().ok_or_else(|| {
+            Error::Input(
+                self.tokenizer_error
+                    .clone()
+                    .unwrap_or_else(|| "no tokenizer".into()),
+            )
+        })
     }
 
     /// Checks that `state` belongs to this model.
@@ -150,7 +174,9 @@ impl Model {
     /// Like [`Model::prefill`], also returning the next-token logits after the last token.
     pub fn prefill_last_logits(&self, tokens: &[u32], state: &State) -> Result<(Vec<f32>, State)> {
         if tokens.is_empty() {
-            return Err(Error::Input("need at least one token to predict the next one".into()));
+            return Err(Error::Input(
+                "need at least one token to predict the next one".into(),
+            ));
         }
         let (hidden, next) = self.run(tokens, state)?;
         let d = self.config().d_model;
@@ -178,16 +204,27 @@ impl Model {
         let logprobs = if tokens.len() < 2 {
             Vec::new()
         } else {
-            self.engine.logprobs(&hidden[..(tokens.len() - 1) * d], &tokens[1..])
+            self.engine
+                .logprobs(&hidden[..(tokens.len() - 1) * d], &tokens[1..])
         };
-        Ok(Scored { logprobs, state: next })
+        Ok(Scored {
+            logprobs,
+            state: next,
+        })
     }
 
     /// Scores only `continuation` after `context` from `state`: `logprobs[i] = log p(continuation[i] | ...)`.
     /// `context` must be non-empty (it predicts the first continuation token).
-    pub fn score_continuation(&self, context: &[u32], continuation: &[u32], state: &State) -> Result<Scored> {
+    pub fn score_continuation(
+        &self,
+        context: &[u32],
+        continuation: &[u32],
+        state: &State,
+    ) -> Result<Scored> {
         if context.is_empty() {
-            return Err(Error::Input("score_continuation needs at least one context token".into()));
+            return Err(Error::Input(
+                "score_continuation needs at least one context token".into(),
+            ));
         }
         let mut all = context.to_vec();
         all.extend_from_slice(continuation);
@@ -195,6 +232,9 @@ impl Model {
         let d = self.config().d_model;
         let from = context.len() - 1;
         let rows = &hidden[from * d..(all.len() - 1) * d];
-        Ok(Scored { logprobs: self.engine.logprobs(rows, continuation), state: next })
+        Ok(Scored {
+            logprobs: self.engine.logprobs(rows, continuation),
+            state: next,
+        })
     }
 }

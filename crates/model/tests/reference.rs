@@ -28,14 +28,27 @@ fn states_match_transformers() {
         let exp = expected(case);
         for format in FORMATS {
             let model = load(case, format);
-            for (prefix, len) in [("short", 2usize), ("prefix", 13), ("full", exp.tokens.len())] {
-                let state = model.prefill(&exp.tokens[..len], &model.zero_state()).unwrap();
+            for (prefix, len) in [
+                ("short", 2usize),
+                ("prefix", 13),
+                ("full", exp.tokens.len()),
+            ] {
+                let state = model
+                    .prefill(&exp.tokens[..len], &model.zero_state())
+                    .unwrap();
                 assert_eq!(state.n_tokens, len as u64);
                 for (i, layer) in state.layers.iter().enumerate() {
-                    for (name, got) in [("ssm", &layer.ssm), ("conv", &layer.conv), ("log_decay", &layer.log_decay)] {
+                    for (name, got) in [
+                        ("ssm", &layer.ssm),
+                        ("conv", &layer.conv),
+                        ("log_decay", &layer.log_decay),
+                    ] {
                         let key = format!("{prefix}.layers.{i}.{name}");
                         let err = rel_err(got, exp.get(&key));
-                        assert!(err < 1e-5, "{case}/{format}: {key} differs by {err} (relative)");
+                        assert!(
+                            err < 1e-5,
+                            "{case}/{format}: {key} differs by {err} (relative)"
+                        );
                     }
                 }
             }
@@ -51,5 +64,8 @@ fn both_layouts_give_the_same_fingerprint() {
         assert_eq!(a.fingerprint(), b.fingerprint(), "{case}");
         assert_eq!(a.config().vocab_size, b.config().vocab_size);
     }
-    assert_ne!(load("g1", "hf").fingerprint(), load("g2", "hf").fingerprint());
+    assert_ne!(
+        load("g1", "hf").fingerprint(),
+        load("g2", "hf").fingerprint()
+    );
 }

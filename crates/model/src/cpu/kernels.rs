@@ -51,7 +51,7 @@ pub fn exp(x: f32) -> f32 {
     p = p * r + 8.333_452e-3;
     p = p * r + 4.166_579_6e-2;
     p = p * r + 1.666_666_5e-1;
-    p = p * r + 5.000_000_1e-1;
+    p = p * r + 0.5;
     let y = p * r * r + r + 1.0;
     // 2^k by building the exponent bits; k is within [-126, 127] thanks to the clamp.
     y * f32::from_bits(((k as i32 + 127) as u32) << 23)
@@ -132,7 +132,15 @@ simd_fn! {
 
 /// out (m×n) (+)= x (m×k) · wᵀ, with w stored (n×k) row-major as in PyTorch checkpoints.
 /// Rows of x are independent; one row uses a bandwidth-bound matrix-vector kernel, more use gemm.
-pub fn matmul_t(x: &[f32], m: usize, k: usize, w: &[f32], n: usize, out: &mut [f32], accumulate: bool) {
+pub fn matmul_t(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    w: &[f32],
+    n: usize,
+    out: &mut [f32],
+    accumulate: bool,
+) {
     assert_eq!(x.len(), m * k, "matmul_t: x is not m×k");
     assert_eq!(w.len(), n * k, "matmul_t: w is not n×k");
     assert_eq!(out.len(), m * n, "matmul_t: out is not m×n");
@@ -146,7 +154,11 @@ pub fn matmul_t(x: &[f32], m: usize, k: usize, w: &[f32], n: usize, out: &mut [f
         return;
     }
     let threads = rayon::current_num_threads();
-    let parallelism = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
+    let parallelism = if threads > 1 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
     // SAFETY: the asserts above guarantee every strided access stays inside the three slices.
     unsafe {
         gemm::gemm(
@@ -303,8 +315,12 @@ mod tests {
     #[test]
     fn matvec_equals_gemm_and_naive() {
         let (m, k, n) = (3, 70, 37);
-        let x: Vec<f32> = (0..m * k).map(|i| ((i * 7 % 13) as f32 - 6.0) / 7.0).collect();
-        let w: Vec<f32> = (0..n * k).map(|i| ((i * 5 % 11) as f32 - 5.0) / 9.0).collect();
+        let x: Vec<f32> = (0..m * k)
+            .map(|i| ((i * 7 % 13) as f32 - 6.0) / 7.0)
+            .collect();
+        let w: Vec<f32> = (0..n * k)
+            .map(|i| ((i * 5 % 11) as f32 - 5.0) / 9.0)
+            .collect();
         let naive: Vec<f32> = (0..m * n)
             .map(|ij| {
                 let (i, j) = (ij / n, ij % n);
