@@ -515,11 +515,13 @@ fn bench(a: BenchArgs) -> Result<()> {
             r.state_bytes as f64 / 1048576.0,
             (opts.compose_n * r.state_bytes) as f64 / r.read_states_ms / 1e6
         );
-        for (m, ms) in &r.compose_ms {
+        for ((m, ms), (_, into)) in r.compose_ms.iter().zip(&r.compose_into_ms) {
             println!(
-                "compose      {:>8.2} ms  {m} ({:.2}× the read)",
+                "compose      {:>8.2} ms  {m:<8} ({:.2}× the read); into a reused state {:.2} ms ({:.2}×)",
                 ms,
-                ms / r.read_states_ms
+                ms / r.read_states_ms,
+                into,
+                into / r.read_states_ms
             );
         }
     }

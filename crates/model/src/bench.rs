@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 
-use crate::composition::compose;
+use crate::composition::{compose, compose_into};
 use crate::error::Result;
 use crate::model::Model;
 use crate::state::State;
@@ -34,8 +34,10 @@ pub struct BenchReport {
     pub score_tokens_per_s: f64,
     /// Greedy decode from the prefilled state, tokens/s.
     pub decode_tokens_per_s: f64,
-    /// Milliseconds per composition of `compose_n` states, per method.
+    /// Milliseconds per composition of `compose_n` states into a fresh state, per method.
     pub compose_ms: Vec<(String, f64)>,
+    /// The same into a reused output state (no allocation, no page faults).
+    pub compose_into_ms: Vec<(String, f64)>,
     /// Milliseconds to read the same `compose_n` states once (a parallel sum): the floor.
     pub read_states_ms: f64,
     /// Bytes of one state (f32).
@@ -77,6 +79,7 @@ pub fn run(model: &Model, opts: &BenchOptions) -> Result<BenchReport> {
     })?;
     let decode_per_token = (decode - clone_cost(&state)) / opts.decode_tokens.max(1) as f64;
     let mut compose_ms = Vec::new();
+    let mut compose_into_ms = Vec::new();
     let mut read_states_ms = 0.0;
     if opts.compose_n > 0 {
         let states: Vec<State> = (0..opts.compose_n)
@@ -90,6 +93,11 @@ pub fn run(model: &Model, opts: &BenchOptions) -> Result<BenchReport> {
         for m in Method::ALL {
             let t = best_of(opts.repeats.max(5), || compose(m, &refs, None))?;
             compose_ms.push((m.name().to_string(), 1e3 * t));
+            let mut out = model.zero_state();
+            let t = best_of(opts.repeats.max(5), || {
+                compose_into(m, &refs, None, &mut out)
+            })?;
+            compose_into_ms.push((m.name().to_string(), 1e3 * t));
         }
     }
     Ok(BenchReport {
@@ -97,6 +105,7 @@ pub fn run(model: &Model, opts: &BenchOptions) -> Result<BenchReport> {
         score_tokens_per_s: opts.prompt_tokens as f64 / score,
         decode_tokens_per_s: 1.0 / decode_per_token,
         compose_ms,
+        compose_into_ms,
         read_states_ms,
         state_bytes: zero.nbytes_f32(),
         peak_rss_bytes: peak_rss(),

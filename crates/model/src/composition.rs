@@ -5,6 +5,7 @@
 //! decay of any concatenation of them — so a composed state can itself be composed or continued.
 
 use picaso_compose::{mean, weighted_sum_blocks, weights_per_element, Method};
+use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::state::{LayerState, State};
@@ -12,6 +13,27 @@ use crate::state::{LayerState, State};
 /// Composes `states` (taken in `order` if given, else as listed) with `method`.
 pub fn compose(method: Method, states: &[&State], order: Option<&[usize]>) -> Result<State> {
     let first = *states.first().ok_or(picaso_compose::Error::Empty)?;
+    let mut out = State::zeros(first.shape.clone(), first.fingerprint.clone());
+    compose_into(method, states, order, &mut out)?;
+    Ok(out)
+}
+
+/// Like [`compose`], writing into `out` (any state of the same shape, overwritten). Reusing one
+/// output buffer across requests saves the page faults of a fresh allocation, which cost about
+/// as much as the arithmetic.
+pub fn compose_into(
+    method: Method,
+    states: &[&State],
+    order: Option<&[usize]>,
+    out: &mut State,
+) -> Result<()> {
+    let first = *states.first().ok_or(picaso_compose::Error::Empty)?;
+    if out.shape != first.shape || out.layers.len() != first.layers.len() {
+        return Err(Error::state(format!(
+            "output has shape {:?}, the states {:?}",
+            out.shape, first.shape
+        )));
+    }
     for (i, s) in states.iter().enumerate() {
         if s.fingerprint != first.fingerprint {
             return Err(Error::state(format!(
@@ -46,19 +68,32 @@ pub fn compose(method: Method, states: &[&State], order: Option<&[usize]>) -> Re
             }
         }
     }
-    let mut out = State::zeros(first.shape.clone(), first.fingerprint.clone());
+    out.fingerprint.clone_from(&first.fingerprint);
     out.n_tokens = ordered.iter().map(|s| s.n_tokens).sum();
     let block =
         first.shape.ssm.iter().product::<usize>() / first.shape.log_decay.iter().product::<usize>();
-    for (l, dst) in out.layers.iter_mut().enumerate() {
-        let parts: Vec<&LayerState> = ordered.iter().map(|s| &s.layers[l]).collect();
-        let decays: Vec<&[f32]> = parts.iter().map(|p| p.log_decay.as_slice()).collect();
-        let w = weights_per_element(method, &decays)?;
-        let ssm: Vec<&[f32]> = parts.iter().map(|p| p.ssm.as_slice()).collect();
-        let conv: Vec<&[f32]> = parts.iter().map(|p| p.conv.as_slice()).collect();
-        let sums = weighted_sum_blocks(&ssm, &w, block, &mut dst.ssm)
-            .and_then(|()| mean(&conv, &mut dst.conv));
-        if let Err(picaso_compose::Error::NonFinite) = sums {
+    // Layers in parallel (and blocks within a layer): one pass over the inputs, no barriers.
+    let results: Vec<Result<()>> = out
+        .layers
+        .par_iter_mut()
+        .enumerate()
+        .map(|(l, dst)| {
+            let parts: Vec<&LayerState> = ordered.iter().map(|s| &s.layers[l]).collect();
+            let decays: Vec<&[f32]> = parts.iter().map(|p| p.log_decay.as_slice()).collect();
+            let w = weights_per_element(method, &decays)?;
+            let ssm: Vec<&[f32]> = parts.iter().map(|p| p.ssm.as_slice()).collect();
+            let conv: Vec<&[f32]> = parts.iter().map(|p| p.conv.as_slice()).collect();
+            let sums = weighted_sum_blocks(&ssm, &w, block, &mut dst.ssm)
+                .and_then(|()| mean(&conv, &mut dst.conv));
+            sums?;
+            for (e, v) in dst.log_decay.iter_mut().enumerate() {
+                *v = parts.iter().map(|p| p.log_decay[e] as f64).sum::<f64>() as f32;
+            }
+            Ok(())
+        })
+        .collect();
+    for r in results {
+        if let Err(Error::Compose(picaso_compose::Error::NonFinite)) = r {
             // Rare path: name the culprit. (Checking every input up front would read them twice.)
             for (i, s) in states.iter().enumerate() {
                 s.check_values().map_err(|e| match e {
@@ -67,10 +102,7 @@ pub fn compose(method: Method, states: &[&State], order: Option<&[usize]>) -> Re
                 })?;
             }
         }
-        sums?;
-        for (e, v) in dst.log_decay.iter_mut().enumerate() {
-            *v = parts.iter().map(|p| p.log_decay[e] as f64).sum::<f64>() as f32;
-        }
+        r?;
     }
-    Ok(out)
+    Ok(())
 }

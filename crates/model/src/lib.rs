@@ -29,12 +29,13 @@ pub mod cpu;
 pub mod error;
 pub mod generate;
 pub mod hub;
+mod memory;
 pub mod model;
 pub mod state;
 pub mod tokenizer;
 pub mod weights;
 
-pub use composition::compose;
+pub use composition::{compose, compose_into};
 pub use config::{CheckpointFormat, Mamba2Config};
 pub use error::{Error, Result};
 pub use generate::{generate, GenerateOptions, Generation, StopReason};

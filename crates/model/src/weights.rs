@@ -110,27 +110,38 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
 }
 
 fn to_f32(path: &Path, name: &str, dtype: Dtype, bytes: &[u8]) -> Result<Vec<f32>> {
-    let chunks = |n: usize| bytes.chunks_exact(n);
-    Ok(match dtype {
-        Dtype::F32 => chunks(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect(),
-        Dtype::BF16 => chunks(2)
-            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        Dtype::F16 => chunks(2)
-            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        Dtype::F64 => chunks(8)
-            .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")) as f32)
-            .collect(),
+    let width = match dtype {
+        Dtype::F32 => 4,
+        Dtype::BF16 | Dtype::F16 => 2,
+        Dtype::F64 => 8,
         other => {
             return Err(Error::weights(
                 path,
                 format!("tensor {name}: unsupported dtype {other:?} (want f32, f16, bf16 or f64)"),
             ))
         }
-    })
+    };
+    let mut out = crate::memory::big_vec(bytes.len() / width);
+    let chunks = bytes.chunks_exact(width);
+    match dtype {
+        Dtype::F32 => out
+            .iter_mut()
+            .zip(chunks)
+            .for_each(|(o, b)| *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+        Dtype::BF16 => out
+            .iter_mut()
+            .zip(chunks)
+            .for_each(|(o, b)| *o = half::bf16::from_le_bytes([b[0], b[1]]).to_f32()),
+        Dtype::F16 => out
+            .iter_mut()
+            .zip(chunks)
+            .for_each(|(o, b)| *o = half::f16::from_le_bytes([b[0], b[1]]).to_f32()),
+        _ => out
+            .iter_mut()
+            .zip(chunks)
+            .for_each(|(o, b)| *o = f64::from_le_bytes(b.try_into().expect("8 bytes")) as f32),
+    }
+    Ok(out)
 }
 
 /// Reads every tensor of the checkpoint into host f32 tensors, keyed by name.
