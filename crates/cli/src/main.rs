@@ -8,9 +8,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
-use picaso_model::{
-    compose, generate, GenerateOptions, LoadOptions, Method, Model, State, StateDtype,
-};
+use picaso_model::{compose, generate, GenerateOptions, LoadOptions, Method, Model, State, StateDtype};
 use serde_json::json;
 
 #[derive(Parser)]
@@ -78,16 +76,16 @@ struct ModelArgs {
     /// tokenizer.json to use instead of the model folder's.
     #[arg(long)]
     tokenizer: Option<PathBuf>,
+    /// Engine: cpu (the fast CPU path), candle-cpu (the generic path, for checking),
+    /// cuda[:N] or metal (need a build with the `cuda` / `metal` feature).
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 #[derive(Args)]
 struct InputArgs {
     /// Text to tokenize.
-    #[arg(
-        long,
-        conflicts_with = "token_ids",
-        required_unless_present = "token_ids"
-    )]
+    #[arg(long, conflicts_with = "token_ids", required_unless_present = "token_ids")]
     text: Option<String>,
     /// Comma-separated token ids.
     #[arg(long, value_delimiter = ',')]
@@ -195,12 +193,7 @@ struct WeightsArgs {
     #[arg(long)]
     method: Method,
     /// One log-decay per context (<= 0), comma-separated, in order.
-    #[arg(
-        long,
-        value_delimiter = ',',
-        allow_hyphen_values = true,
-        required = true
-    )]
+    #[arg(long, value_delimiter = ',', allow_hyphen_values = true, required = true)]
     log_decays: Vec<f64>,
     /// Print JSON: {"method", "weights"}.
     #[arg(long)]
@@ -236,8 +229,7 @@ fn resolve_model_dir(model: &str) -> Result<PathBuf> {
     if path.exists() {
         return Ok(path.to_path_buf());
     }
-    let looks_like_repo =
-        model.split('/').count() == 2 && !model.starts_with('.') && !model.starts_with('/');
+    let looks_like_repo = model.split('/').count() == 2 && !model.starts_with('.') && !model.starts_with('/');
     if looks_like_repo {
         return Ok(picaso_model::hub::download(model)?);
     }
@@ -246,10 +238,8 @@ fn resolve_model_dir(model: &str) -> Result<PathBuf> {
 
 fn load_model(args: &ModelArgs, need_tokenizer: bool) -> Result<Model> {
     let dir = resolve_model_dir(&args.model)?;
-    let opts = LoadOptions {
-        tokenizer: args.tokenizer.clone(),
-        skip_tokenizer: false,
-    };
+    let backend = args.device.parse()?;
+    let opts = LoadOptions { backend, tokenizer: args.tokenizer.clone(), skip_tokenizer: false };
     let model = Model::load(&dir, &opts)?;
     if need_tokenizer {
         model.tokenizer()?;
@@ -272,9 +262,7 @@ fn load_state(model: &Model, path: Option<&Path>) -> Result<State> {
         None => Ok(model.zero_state()),
         Some(p) => {
             let s = State::load(p)?;
-            model
-                .check_state(&s)
-                .map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?;
+            model.check_state(&s).map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?;
             Ok(s)
         }
     }
@@ -304,11 +292,7 @@ fn info(a: InfoArgs) -> Result<()> {
             "shape        d_model {} · layers {} · heads {} × headdim {} · d_state {} · groups {} · d_conv {} · vocab {}",
             c.d_model, c.n_layer, c.nheads, c.headdim, c.d_state, c.n_groups, c.d_conv, c.vocab_size
         );
-        println!(
-            "parameters   {} ({:.1} M)",
-            model.n_params(),
-            model.n_params() as f64 / 1e6
-        );
+        println!("parameters   {} ({:.1} M)", model.n_params(), model.n_params() as f64 / 1e6);
         println!(
             "state        {:.2} MiB f32 per context ({:.2} MiB bf16)",
             bytes as f64 / 1048576.0,
@@ -331,25 +315,15 @@ fn score(a: ScoreArgs) -> Result<()> {
     let start = load_state(&model, a.state.as_deref())?;
     let scored = model.score(&tokens, &start)?;
     let n = scored.logprobs.len();
-    let mean_nll = if n == 0 {
-        None
-    } else {
-        Some(-scored.logprobs.iter().map(|&v| v as f64).sum::<f64>() / n as f64)
-    };
+    let mean_nll = if n == 0 { None } else { Some(-scored.logprobs.iter().map(|&v| v as f64).sum::<f64>() / n as f64) };
     if a.json {
-        println!(
-            "{}",
-            json!({"token_ids": tokens, "logprobs": scored.logprobs, "mean_nll": mean_nll})
-        );
+        println!("{}", json!({"token_ids": tokens, "logprobs": scored.logprobs, "mean_nll": mean_nll}));
     } else {
         for (i, lp) in scored.logprobs.iter().enumerate() {
             println!("{:>6} {:>8} {:>10.4}", i + 1, tokens[i + 1], lp);
         }
         match mean_nll {
-            Some(m) => println!(
-                "mean NLL {m:.4} nats over {n} tokens (perplexity {:.2})",
-                m.exp()
-            ),
+            Some(m) => println!("mean NLL {m:.4} nats over {n} tokens (perplexity {:.2})", m.exp()),
             None => println!("one token: nothing scored (the first token is context)"),
         }
     }
@@ -436,13 +410,7 @@ fn compose_cmd(a: ComposeArgs) -> Result<()> {
             json!({"out": a.out, "method": a.method.name(), "contexts": states.len(), "n_tokens": composed.n_tokens, "compose_seconds": secs})
         );
     } else {
-        println!(
-            "wrote {} ({} of {} states, {:.2} ms)",
-            a.out.display(),
-            a.method,
-            states.len(),
-            secs * 1e3
-        );
+        println!("wrote {} ({} of {} states, {:.2} ms)", a.out.display(), a.method, states.len(), secs * 1e3);
     }
     Ok(())
 }
@@ -461,13 +429,7 @@ fn weights_cmd(a: WeightsArgs) -> Result<()> {
 
 fn bench(a: BenchArgs) -> Result<()> {
     let model = match &a.model {
-        Some(m) => load_model(
-            &ModelArgs {
-                model: m.clone(),
-                tokenizer: None,
-            },
-            false,
-        )?,
+        Some(m) => load_model(&ModelArgs { model: m.clone(), tokenizer: None, device: "cpu".into() }, false)?,
         None => {
             let config = match a.random.as_str() {
                 "130m" => picaso_model::Mamba2Config::mamba2_130m(),
@@ -489,24 +451,10 @@ fn bench(a: BenchArgs) -> Result<()> {
         println!("{}", serde_json::to_string(&r)?);
         return Ok(());
     }
-    println!(
-        "model        {} parameters, {} threads",
-        model.n_params(),
-        r.threads
-    );
-    println!(
-        "prefill      {:>8.1} tokens/s  ({} tokens → state)",
-        r.prefill_tokens_per_s, opts.prompt_tokens
-    );
-    println!(
-        "score        {:>8.1} tokens/s  (with log-probs of every token)",
-        r.score_tokens_per_s
-    );
-    println!(
-        "decode       {:>8.1} tokens/s  ({:.2} ms/token)",
-        r.decode_tokens_per_s,
-        1e3 / r.decode_tokens_per_s
-    );
+    println!("model        {} parameters, {} threads", model.n_params(), r.threads);
+    println!("prefill      {:>8.1} tokens/s  ({} tokens → state)", r.prefill_tokens_per_s, opts.prompt_tokens);
+    println!("score        {:>8.1} tokens/s  (with log-probs of every token)", r.score_tokens_per_s);
+    println!("decode       {:>8.1} tokens/s  ({:.2} ms/token)", r.decode_tokens_per_s, 1e3 / r.decode_tokens_per_s);
     if !r.compose_ms.is_empty() {
         println!(
             "read states  {:>8.2} ms  ({} × {:.1} MiB, {:.1} GB/s)",

@@ -9,16 +9,11 @@ use picaso_model::{Mamba2Config, Mamba2Weights};
 use serde_json::Value;
 
 fn fixture(case: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../testdata/mamba2")
-        .join(case)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../testdata/mamba2").join(case)
 }
 
 fn picaso(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_picaso"))
-        .args(args)
-        .output()
-        .expect("picaso runs")
+    Command::new(env!("CARGO_BIN_EXE_picaso")).args(args).output().expect("picaso runs")
 }
 
 fn ok_json(args: &[&str]) -> Value {
@@ -34,14 +29,8 @@ fn fails_with(args: &[&str], needle: &str) {
     let out = picaso(args);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "picaso {args:?} should fail");
-    assert!(
-        !stderr.contains("panicked"),
-        "picaso {args:?} panicked: {stderr}"
-    );
-    assert!(
-        stderr.contains(needle),
-        "picaso {args:?}: expected {needle:?} in: {stderr}"
-    );
+    assert!(!stderr.contains("panicked"), "picaso {args:?} panicked: {stderr}");
+    assert!(stderr.contains(needle), "picaso {args:?}: expected {needle:?} in: {stderr}");
 }
 
 fn expected_logprobs(case: &str) -> (Vec<u32>, Vec<f32>) {
@@ -70,31 +59,15 @@ fn read_tensors_file(path: &Path) -> (Vec<u32>, Vec<f32>) {
 }
 
 fn ids(tokens: &[u32]) -> String {
-    tokens
-        .iter()
-        .map(u32::to_string)
-        .collect::<Vec<_>>()
-        .join(",")
+    tokens.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
 }
 
 #[test]
 fn score_json_matches_the_reference() {
     let (tokens, want) = expected_logprobs("g2");
     let model = fixture("g2").join("hf");
-    let v = ok_json(&[
-        "score",
-        "--model",
-        model.to_str().unwrap(),
-        "--token-ids",
-        &ids(&tokens),
-        "--json",
-    ]);
-    let got: Vec<f64> = v["logprobs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_f64().unwrap())
-        .collect();
+    let v = ok_json(&["score", "--model", model.to_str().unwrap(), "--token-ids", &ids(&tokens), "--json"]);
+    let got: Vec<f64> = v["logprobs"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
     assert_eq!(v["token_ids"].as_array().unwrap().len(), tokens.len());
     assert_eq!(got.len(), want.len());
     for (g, w) in got.iter().zip(&want) {
@@ -112,33 +85,10 @@ fn state_then_score_from_state_continues_exactly() {
     let dir = tempfile::tempdir().unwrap();
     let state = dir.path().join("a.safetensors");
     let s = state.to_str().unwrap();
-    let v = ok_json(&[
-        "state",
-        "--model",
-        m,
-        "--token-ids",
-        &ids(&tokens[..10]),
-        "--out",
-        s,
-        "--json",
-    ]);
+    let v = ok_json(&["state", "--model", m, "--token-ids", &ids(&tokens[..10]), "--out", s, "--json"]);
     assert_eq!(v["n_tokens"], 10);
-    let v = ok_json(&[
-        "score",
-        "--model",
-        m,
-        "--token-ids",
-        &ids(&tokens[10..]),
-        "--state",
-        s,
-        "--json",
-    ]);
-    let got: Vec<f64> = v["logprobs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_f64().unwrap())
-        .collect();
+    let v = ok_json(&["score", "--model", m, "--token-ids", &ids(&tokens[10..]), "--state", s, "--json"]);
+    let got: Vec<f64> = v["logprobs"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
     for (g, w) in got.iter().zip(&want[10..]) {
         assert!((g - *w as f64).abs() < 1e-4);
     }
@@ -156,63 +106,20 @@ fn state_then_score_from_state_continues_exactly() {
         "bf16",
         "--json",
     ]);
-    let (b32, b16) = (
-        std::fs::metadata(&state).unwrap().len(),
-        std::fs::metadata(&s16).unwrap().len(),
-    );
+    let (b32, b16) = (std::fs::metadata(&state).unwrap().len(), std::fs::metadata(&s16).unwrap().len());
     assert!(b16 < b32 * 6 / 10, "{b16} vs {b32}");
 }
 
 #[test]
 fn weights_json_has_the_documented_form() {
-    let v = ok_json(&[
-        "weights",
-        "--method",
-        "caso",
-        "--log-decays",
-        "-0.69,-0.1,-1.2",
-        "--json",
-    ]);
+    let v = ok_json(&["weights", "--method", "caso", "--log-decays", "-0.69,-0.1,-1.2", "--json"]);
     assert_eq!(v["method"], "caso");
-    let w: Vec<f64> = v["weights"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_f64().unwrap())
-        .collect();
-    assert!(
-        (w[0] - (-1.3f64).exp()).abs() < 1e-12
-            && (w[1] - (-1.2f64).exp()).abs() < 1e-12
-            && w[2] == 1.0
-    );
-    let v = ok_json(&[
-        "weights",
-        "--method",
-        "picaso-s",
-        "--log-decays",
-        "-10000,-10000,0",
-        "--json",
-    ]);
-    assert!(v["weights"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .all(|x| x.as_f64().unwrap().is_finite()));
-    fails_with(
-        &[
-            "weights",
-            "--method",
-            "caso",
-            "--log-decays",
-            "0.5",
-            "--json",
-        ],
-        "<= 0",
-    );
-    fails_with(
-        &["weights", "--method", "mean", "--log-decays", "-1"],
-        "picaso-r",
-    );
+    let w: Vec<f64> = v["weights"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+    assert!((w[0] - (-1.3f64).exp()).abs() < 1e-12 && (w[1] - (-1.2f64).exp()).abs() < 1e-12 && w[2] == 1.0);
+    let v = ok_json(&["weights", "--method", "picaso-s", "--log-decays", "-10000,-10000,0", "--json"]);
+    assert!(v["weights"].as_array().unwrap().iter().all(|x| x.as_f64().unwrap().is_finite()));
+    fails_with(&["weights", "--method", "caso", "--log-decays", "0.5", "--json"], "<= 0");
+    fails_with(&["weights", "--method", "mean", "--log-decays", "-1"], "picaso-r");
 }
 
 #[test]
@@ -222,26 +129,8 @@ fn compose_writes_a_state_that_scores() {
     let m = m.to_str().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let p = |n: &str| dir.path().join(n).to_str().unwrap().to_string();
-    ok_json(&[
-        "state",
-        "--model",
-        m,
-        "--token-ids",
-        &ids(&tokens[..8]),
-        "--out",
-        &p("a"),
-        "--json",
-    ]);
-    ok_json(&[
-        "state",
-        "--model",
-        m,
-        "--token-ids",
-        &ids(&tokens[8..20]),
-        "--out",
-        &p("b"),
-        "--json",
-    ]);
+    ok_json(&["state", "--model", m, "--token-ids", &ids(&tokens[..8]), "--out", &p("a"), "--json"]);
+    ok_json(&["state", "--model", m, "--token-ids", &ids(&tokens[8..20]), "--out", &p("b"), "--json"]);
     for method in ["soup", "caso", "picaso-s", "picaso-r"] {
         let v = ok_json(&[
             "compose",
@@ -257,97 +146,25 @@ fn compose_writes_a_state_that_scores() {
             "--json",
         ]);
         assert_eq!(v["n_tokens"], 20);
-        let v = ok_json(&[
-            "score",
-            "--model",
-            m,
-            "--token-ids",
-            &ids(&tokens[20..]),
-            "--state",
-            &p("c"),
-            "--json",
-        ]);
+        let v = ok_json(&["score", "--model", m, "--token-ids", &ids(&tokens[20..]), "--state", &p("c"), "--json"]);
         assert!(v["mean_nll"].as_f64().unwrap().is_finite());
     }
     fails_with(
-        &[
-            "compose",
-            "--method",
-            "caso",
-            "--state-files",
-            &p("a"),
-            &p("b"),
-            "--order",
-            "0,0",
-            "--out",
-            &p("d"),
-        ],
+        &["compose", "--method", "caso", "--state-files", &p("a"), &p("b"), "--order", "0,0", "--out", &p("d")],
         "permutation",
     );
     fails_with(
-        &[
-            "compose",
-            "--method",
-            "caso",
-            "--state-files",
-            &p("a"),
-            "/nonexistent/x",
-            "--out",
-            &p("d"),
-        ],
+        &["compose", "--method", "caso", "--state-files", &p("a"), "/nonexistent/x", "--out", &p("d")],
         "/nonexistent/x",
     );
     // A state of another model.
     let other = fixture("g1").join("hf");
-    ok_json(&[
-        "state",
-        "--model",
-        other.to_str().unwrap(),
-        "--token-ids",
-        "1,2,3",
-        "--out",
-        &p("o"),
-        "--json",
-    ]);
-    fails_with(
-        &[
-            "compose",
-            "--method",
-            "soup",
-            "--state-files",
-            &p("a"),
-            &p("o"),
-            "--out",
-            &p("d"),
-        ],
-        "made by model",
-    );
-    fails_with(
-        &[
-            "score",
-            "--model",
-            m,
-            "--token-ids",
-            "1,2,3",
-            "--state",
-            &p("o"),
-        ],
-        "another model",
-    );
+    ok_json(&["state", "--model", other.to_str().unwrap(), "--token-ids", "1,2,3", "--out", &p("o"), "--json"]);
+    fails_with(&["compose", "--method", "soup", "--state-files", &p("a"), &p("o"), "--out", &p("d")], "made by model");
+    fails_with(&["score", "--model", m, "--token-ids", "1,2,3", "--state", &p("o")], "another model");
     // Garbage in a state file.
     std::fs::write(p("junk"), b"not a state").unwrap();
-    fails_with(
-        &[
-            "score",
-            "--model",
-            m,
-            "--token-ids",
-            "1,2",
-            "--state",
-            &p("junk"),
-        ],
-        "junk",
-    );
+    fails_with(&["score", "--model", m, "--token-ids", "1,2", "--state", &p("junk")], "junk");
 }
 
 /// Copies the g1 HF model into a temp folder, letting `edit` change its tensors or config.
@@ -359,60 +176,30 @@ fn broken_model(
     std::fs::copy(src.join("config.json"), dir.path().join("config.json")).unwrap();
     let mut tensors = read_tensors(&src).unwrap();
     edit(dir.path(), &mut tensors);
-    let bufs: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
-        .into_iter()
-        .map(|(n, t)| {
-            (
-                n,
-                t.shape,
-                t.data.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            )
-        })
-        .collect();
+    let bufs: Vec<(String, Vec<usize>, Vec<u8>)> =
+        tensors.into_iter().map(|(n, t)| (n, t.shape, t.data.iter().flat_map(|v| v.to_le_bytes()).collect())).collect();
     let views: Vec<(String, safetensors::tensor::TensorView)> = bufs
         .iter()
         .map(|(n, s, b)| {
-            (
-                n.clone(),
-                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
-                    .unwrap(),
-            )
+            (n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b).unwrap())
         })
         .collect();
-    std::fs::write(
-        dir.path().join("model.safetensors"),
-        safetensors::tensor::serialize(views, None).unwrap(),
-    )
-    .unwrap();
+    std::fs::write(dir.path().join("model.safetensors"), safetensors::tensor::serialize(views, None).unwrap()).unwrap();
     dir
 }
 
 #[test]
 fn bad_models_and_inputs_fail_cleanly() {
     let score = |dir: &Path, needle: &str| {
-        fails_with(
-            &[
-                "score",
-                "--model",
-                dir.to_str().unwrap(),
-                "--token-ids",
-                "1,2,3",
-            ],
-            needle,
-        )
+        fails_with(&["score", "--model", dir.to_str().unwrap(), "--token-ids", "1,2,3"], needle)
     };
-    fails_with(
-        &["score", "--model", "/no/such/model", "--token-ids", "1"],
-        "/no/such/model",
-    );
+    fails_with(&["score", "--model", "/no/such/model", "--token-ids", "1"], "/no/such/model");
     let d = broken_model(|_, t| {
         t.remove("backbone.layers.1.mixer.A_log");
     });
     score(d.path(), "backbone.layers.1.mixer.A_log");
     let d = broken_model(|_, t| {
-        t.get_mut("backbone.layers.0.mixer.out_proj.weight")
-            .unwrap()
-            .shape = vec![64, 32];
+        t.get_mut("backbone.layers.0.mixer.out_proj.weight").unwrap().shape = vec![64, 32];
     });
     score(d.path(), "out_proj.weight");
     let d = broken_model(|_, t| {
@@ -422,82 +209,34 @@ fn bad_models_and_inputs_fail_cleanly() {
     let d = broken_model(|p, _| std::fs::write(p.join("config.json"), "{ not json").unwrap());
     score(d.path(), "config.json");
     let d = broken_model(|p, _| {
-        std::fs::write(
-            p.join("config.json"),
-            r#"{"hidden_size": 32, "model_type": "mamba2"}"#,
-        )
-        .unwrap()
+        std::fs::write(p.join("config.json"), r#"{"hidden_size": 32, "model_type": "mamba2"}"#).unwrap()
     });
     score(d.path(), "num_hidden_layers");
     let d = broken_model(|p, _| {
-        std::fs::write(
-            p.join("config.json"),
-            r#"{"hidden_size": 32, "num_hidden_layers": "two", "vocab_size": 97}"#,
-        )
-        .unwrap()
+        std::fs::write(p.join("config.json"), r#"{"hidden_size": 32, "num_hidden_layers": "two", "vocab_size": 97}"#)
+            .unwrap()
     });
     score(d.path(), "num_hidden_layers");
     let d = broken_model(|p, _| std::fs::remove_file(p.join("config.json")).unwrap());
     score(d.path(), "config.json");
     let g1 = fixture("g1").join("hf");
-    fails_with(
-        &[
-            "score",
-            "--model",
-            g1.to_str().unwrap(),
-            "--token-ids",
-            "1,97,3",
-        ],
-        "outside the vocabulary",
-    );
-    fails_with(
-        &[
-            "score",
-            "--model",
-            g1.to_str().unwrap(),
-            "--token-ids",
-            "1,x",
-        ],
-        "invalid",
-    );
-    fails_with(
-        &["score", "--model", g1.to_str().unwrap(), "--text", "hello"],
-        "tokenizer",
-    );
-    fails_with(
-        &[
-            "generate",
-            "--model",
-            g1.to_str().unwrap(),
-            "--prompt",
-            "hello",
-        ],
-        "tokenizer",
-    );
+    fails_with(&["score", "--model", g1.to_str().unwrap(), "--token-ids", "1,97,3"], "outside the vocabulary");
+    fails_with(&["score", "--model", g1.to_str().unwrap(), "--token-ids", "1,x"], "invalid");
+    fails_with(&["score", "--model", g1.to_str().unwrap(), "--text", "hello"], "tokenizer");
+    fails_with(&["generate", "--model", g1.to_str().unwrap(), "--prompt", "hello"], "tokenizer");
 }
 
 /// A tiny random model with the GPT-NeoX tokenizer, for the commands that need text.
 fn text_model() -> Option<tempfile::TempDir> {
-    let tok = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/data/gpt-neox-20b-tokenizer/tokenizer.json");
+    let tok =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/gpt-neox-20b-tokenizer/tokenizer.json");
     if !tok.is_file() {
-        eprintln!(
-            "skipping: {} not found (the shared data folder is beside the checkout in CI)",
-            tok.display()
-        );
+        eprintln!("skipping: {} not found (the shared data folder is beside the checkout in CI)", tok.display());
         return None;
     }
     let dir = tempfile::tempdir().unwrap();
-    let config = Mamba2Config {
-        vocab_size: 50280,
-        d_model: 16,
-        headdim: 8,
-        nheads: 4,
-        ..Mamba2Config::tiny(2, 4)
-    };
-    Mamba2Weights::random(&config, 3)
-        .save_pretrained(dir.path(), &config)
-        .unwrap();
+    let config = Mamba2Config { vocab_size: 50280, d_model: 16, headdim: 8, nheads: 4, ..Mamba2Config::tiny(2, 4) };
+    Mamba2Weights::random(&config, 3).save_pretrained(dir.path(), &config).unwrap();
     std::fs::copy(tok, dir.path().join("tokenizer.json")).unwrap();
     Some(dir)
 }
@@ -509,38 +248,10 @@ fn text_commands_generate_and_score() {
     let info = ok_json(&["info", "--model", m, "--json"]);
     assert_eq!(info["config"]["hidden_size"], 16);
     assert_eq!(info["tokenizer"], 50277);
-    let v = ok_json(&[
-        "score",
-        "--model",
-        m,
-        "--text",
-        "The cat sat on the mat.",
-        "--json",
-    ]);
-    assert_eq!(
-        v["token_ids"].as_array().unwrap().len(),
-        v["logprobs"].as_array().unwrap().len() + 1
-    );
-    let a = ok_json(&[
-        "generate",
-        "--model",
-        m,
-        "--prompt",
-        "Once upon a time",
-        "--max-tokens",
-        "8",
-        "--json",
-    ]);
-    let b = ok_json(&[
-        "generate",
-        "--model",
-        m,
-        "--prompt",
-        "Once upon a time",
-        "--max-tokens",
-        "8",
-        "--json",
-    ]);
+    let v = ok_json(&["score", "--model", m, "--text", "The cat sat on the mat.", "--json"]);
+    assert_eq!(v["token_ids"].as_array().unwrap().len(), v["logprobs"].as_array().unwrap().len() + 1);
+    let a = ok_json(&["generate", "--model", m, "--prompt", "Once upon a time", "--max-tokens", "8", "--json"]);
+    let b = ok_json(&["generate", "--model", m, "--prompt", "Once upon a time", "--max-tokens", "8", "--json"]);
     assert_eq!(a["token_ids"], b["token_ids"], "greedy is deterministic");
     assert!(a["token_ids"].as_array().unwrap().len() <= 8);
     let s1 = ok_json(&[
@@ -574,16 +285,7 @@ fn text_commands_generate_and_score() {
     assert_eq!(s1["token_ids"], s2["token_ids"], "a seed fixes the sample");
     // Generation from a saved state equals generation from the concatenated prompt (greedy).
     let st = dir.path().join("ctx.safetensors");
-    ok_json(&[
-        "state",
-        "--model",
-        m,
-        "--text",
-        "Once upon",
-        "--out",
-        st.to_str().unwrap(),
-        "--json",
-    ]);
+    ok_json(&["state", "--model", m, "--text", "Once upon", "--out", st.to_str().unwrap(), "--json"]);
     let from_state = ok_json(&[
         "generate",
         "--model",
@@ -597,28 +299,6 @@ fn text_commands_generate_and_score() {
         "--json",
     ]);
     assert_eq!(from_state["token_ids"], a["token_ids"]);
-    fails_with(
-        &[
-            "generate",
-            "--model",
-            m,
-            "--prompt",
-            "x",
-            "--temperature",
-            "-1",
-        ],
-        "temperature",
-    );
-    fails_with(
-        &[
-            "generate",
-            "--model",
-            m,
-            "--prompt",
-            "",
-            "--max-tokens",
-            "3",
-        ],
-        "at least one token",
-    );
+    fails_with(&["generate", "--model", m, "--prompt", "x", "--temperature", "-1"], "temperature");
+    fails_with(&["generate", "--model", m, "--prompt", "", "--max-tokens", "3"], "at least one token");
 }

@@ -69,10 +69,7 @@ impl std::fmt::Display for Method {
 impl std::str::FromStr for Method {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self, Error> {
-        Method::ALL
-            .into_iter()
-            .find(|m| m.name() == s)
-            .ok_or_else(|| Error::UnknownMethod(s.to_string()))
+        Method::ALL.into_iter().find(|m| m.name() == s).ok_or_else(|| Error::UnknownMethod(s.to_string()))
     }
 }
 
@@ -86,9 +83,7 @@ pub enum Error {
     #[error("unknown composition method {0:?}: use soup, caso, picaso-s or picaso-r")]
     UnknownMethod(String),
     /// A log-decay is NaN or positive (decays must lie in [0, 1]).
-    #[error(
-        "log-decay {value} of context {context} is not a number <= 0 (decays must lie in [0, 1])"
-    )]
+    #[error("log-decay {value} of context {context} is not a number <= 0 (decays must lie in [0, 1])")]
     BadLogDecay {
         /// Index of the context.
         context: usize,
@@ -114,17 +109,11 @@ pub enum Error {
 /// Checks that `order` is a permutation of 0..n.
 pub fn check_order(order: &[usize], n: usize) -> Result<(), Error> {
     let mut seen = vec![false; n];
-    let ok = order.len() == n
-        && order
-            .iter()
-            .all(|&i| i < n && !std::mem::replace(&mut seen[i], true));
+    let ok = order.len() == n && order.iter().all(|&i| i < n && !std::mem::replace(&mut seen[i], true));
     if ok {
         Ok(())
     } else {
-        Err(Error::BadOrder {
-            order: order.to_vec(),
-            n,
-        })
+        Err(Error::BadOrder { order: order.to_vec(), n })
     }
 }
 
@@ -133,10 +122,7 @@ fn check_log_decays(log_decays: &[f64]) -> Result<(), Error> {
         return Err(Error::Empty);
     }
     match log_decays.iter().position(|v| v.is_nan() || *v > 0.0) {
-        Some(context) => Err(Error::BadLogDecay {
-            context,
-            value: log_decays[context],
-        }),
+        Some(context) => Err(Error::BadLogDecay { context, value: log_decays[context] }),
         None => Ok(()),
     }
 }
@@ -270,30 +256,25 @@ pub fn weights_per_element(method: Method, log_decays: &[&[f32]]) -> Result<Vec<
     }
     for (i, l) in log_decays.iter().enumerate() {
         if let Some(v) = l.iter().find(|v| v.is_nan() || **v > 0.0) {
-            return Err(Error::BadLogDecay {
-                context: i,
-                value: *v as f64,
-            });
+            return Err(Error::BadLogDecay { context: i, value: *v as f64 });
         }
     }
     let mut out = vec![0.0f32; elements * n];
-    out.par_chunks_mut(n * 64)
-        .enumerate()
-        .for_each(|(chunk, o)| {
-            let mut scratch = Scratch::default();
-            let mut ld = vec![0.0f64; n];
-            let mut w = vec![0.0f64; n];
-            for (j, oe) in o.chunks_mut(n).enumerate() {
-                let e = chunk * 64 + j;
-                for (i, l) in log_decays.iter().enumerate() {
-                    ld[i] = l[e] as f64;
-                }
-                weights_into(method, &ld, &mut w, &mut scratch);
-                for (dst, src) in oe.iter_mut().zip(&w) {
-                    *dst = *src as f32;
-                }
+    out.par_chunks_mut(n * 64).enumerate().for_each(|(chunk, o)| {
+        let mut scratch = Scratch::default();
+        let mut ld = vec![0.0f64; n];
+        let mut w = vec![0.0f64; n];
+        for (j, oe) in o.chunks_mut(n).enumerate() {
+            let e = chunk * 64 + j;
+            for (i, l) in log_decays.iter().enumerate() {
+                ld[i] = l[e] as f64;
             }
-        });
+            weights_into(method, &ld, &mut w, &mut scratch);
+            for (dst, src) in oe.iter_mut().zip(&w) {
+                *dst = *src as f32;
+            }
+        }
+    });
     Ok(out)
 }
 
@@ -302,35 +283,19 @@ pub fn weights_per_element(method: Method, log_decays: &[&[f32]]) -> Result<Vec<
 /// pass over the inputs, so it runs at memory bandwidth. Weights must be finite; a NaN or
 /// infinity in any input makes the output non-finite (even under a zero weight), which is
 /// checked while the output is still in cache and reported as [`Error::NonFinite`].
-pub fn weighted_sum_blocks(
-    inputs: &[&[f32]],
-    w: &[f32],
-    block: usize,
-    out: &mut [f32],
-) -> Result<(), Error> {
+pub fn weighted_sum_blocks(inputs: &[&[f32]], w: &[f32], block: usize, out: &mut [f32]) -> Result<(), Error> {
     let n = inputs.len();
     if n == 0 {
         return Err(Error::Empty);
     }
     if block == 0 || !out.len().is_multiple_of(block) {
-        return Err(Error::Shape(format!(
-            "output of {} values is not a whole number of blocks of {block}",
-            out.len()
-        )));
+        return Err(Error::Shape(format!("output of {} values is not a whole number of blocks of {block}", out.len())));
     }
     if let Some(i) = inputs.iter().position(|x| x.len() != out.len()) {
-        return Err(Error::Shape(format!(
-            "input {i} has {} values, expected {}",
-            inputs[i].len(),
-            out.len()
-        )));
+        return Err(Error::Shape(format!("input {i} has {} values, expected {}", inputs[i].len(), out.len())));
     }
     if w.len() != (out.len() / block) * n {
-        return Err(Error::Shape(format!(
-            "{} weights for {} blocks of {n} inputs",
-            w.len(),
-            out.len() / block
-        )));
+        return Err(Error::Shape(format!("{} weights for {} blocks of {n} inputs", w.len(), out.len() / block)));
     }
     // Tasks of ~64 KiB of output: enough to amortise scheduling, small enough to balance.
     let per_task = (16 * 1024 / block).max(1) * block;
@@ -396,10 +361,7 @@ pub fn mean(inputs: &[&[f32]], out: &mut [f32]) -> Result<(), Error> {
     if out.is_empty() {
         // A model without conv tails (d_conv = 1): nothing to average, only sizes to agree.
         return match inputs.iter().position(|x| !x.is_empty()) {
-            Some(i) => Err(Error::Shape(format!(
-                "input {i} has {} values, expected 0",
-                inputs[i].len()
-            ))),
+            Some(i) => Err(Error::Shape(format!("input {i} has {} values, expected 0", inputs[i].len()))),
             None => Ok(()),
         };
     }

@@ -38,22 +38,15 @@ fn mean_caso_over(orders: &[Vec<usize>], a: &[f64]) -> Vec<f64> {
 }
 
 fn rotations(n: usize) -> Vec<Vec<usize>> {
-    (0..n)
-        .map(|r| (0..n).map(|i| (i + r) % n).collect())
-        .collect()
+    (0..n).map(|r| (0..n).map(|i| (i + r) % n).collect()).collect()
 }
 
 fn log_decays(max_n: usize) -> impl Strategy<Value = Vec<f64>> {
-    prop::collection::vec(
-        prop_oneof![Just(0.0), -5.0..0.0f64, -40.0..-5.0f64],
-        1..=max_n,
-    )
+    prop::collection::vec(prop_oneof![Just(0.0), -5.0..0.0f64, -40.0..-5.0f64], 1..=max_n)
 }
 
 fn close(a: &[f64], b: &[f64], tol: f64) -> bool {
-    a.iter()
-        .zip(b)
-        .all(|(x, y)| (x - y).abs() <= tol * (1.0 + y.abs()))
+    a.iter().zip(b).all(|(x, y)| (x - y).abs() <= tol * (1.0 + y.abs()))
 }
 
 proptest! {
@@ -157,49 +150,24 @@ fn one_context_gets_weight_one_and_soup_is_uniform() {
     for m in Method::ALL {
         assert_eq!(weights(m, &[-3.5]).unwrap(), vec![1.0]);
     }
-    assert_eq!(
-        weights(Method::Soup, &[-1.0, 0.0, -2.0, -9.0]).unwrap(),
-        vec![0.25; 4]
-    );
+    assert_eq!(weights(Method::Soup, &[-1.0, 0.0, -2.0, -9.0]).unwrap(), vec![0.25; 4]);
 }
 
 #[test]
 fn the_paper_example_by_hand() {
     // Two contexts, decays 0.5 and 0.25: CASO (1 then 2) = [0.25, 1]; all orders = [(0.25+1)/2, (1+0.5)/2].
     let ld = [0.5f64.ln(), 0.25f64.ln()];
-    assert!(close(
-        &weights(Method::Caso, &ld).unwrap(),
-        &[0.25, 1.0],
-        1e-15
-    ));
-    assert!(close(
-        &weights(Method::PicasoS, &ld).unwrap(),
-        &[0.625, 0.75],
-        1e-15
-    ));
-    assert!(close(
-        &weights(Method::PicasoR, &ld).unwrap(),
-        &[0.625, 0.75],
-        1e-15
-    ));
+    assert!(close(&weights(Method::Caso, &ld).unwrap(), &[0.25, 1.0], 1e-15));
+    assert!(close(&weights(Method::PicasoS, &ld).unwrap(), &[0.625, 0.75], 1e-15));
+    assert!(close(&weights(Method::PicasoR, &ld).unwrap(), &[0.625, 0.75], 1e-15));
 }
 
 #[test]
 fn bad_input_is_refused() {
-    assert!(weights(Method::Soup, &[])
-        .unwrap_err()
-        .to_string()
-        .contains("at least one"));
-    assert!(weights(Method::Caso, &[-1.0, 0.5])
-        .unwrap_err()
-        .to_string()
-        .contains("<= 0"));
+    assert!(weights(Method::Soup, &[]).unwrap_err().to_string().contains("at least one"));
+    assert!(weights(Method::Caso, &[-1.0, 0.5]).unwrap_err().to_string().contains("<= 0"));
     assert!(weights(Method::Caso, &[f64::NAN]).is_err());
-    assert!("picaso-x"
-        .parse::<Method>()
-        .unwrap_err()
-        .to_string()
-        .contains("picaso-s"));
+    assert!("picaso-x".parse::<Method>().unwrap_err().to_string().contains("picaso-s"));
     let a = [1.0f32; 4];
     assert!(weighted_sum_blocks(&[&a, &a[..3]], &[0.5; 2], 4, &mut [0.0; 4]).is_err());
     assert!(weights_per_element(Method::Soup, &[&[0.0f32, -1.0][..], &[0.0f32][..]]).is_err());

@@ -62,9 +62,8 @@ fn best_of<T>(repeats: usize, mut f: impl FnMut() -> Result<T>) -> Result<f64> {
 /// Runs the measurements on `model` with deterministic pseudo-random tokens.
 pub fn run(model: &Model, opts: &BenchOptions) -> Result<BenchReport> {
     let vocab = model.config().vocab_size.min(50_000) as u64;
-    let tokens: Vec<u32> = (0..opts.prompt_tokens as u64)
-        .map(|i| ((i * 2_654_435_761 + 12_345) % vocab) as u32)
-        .collect();
+    let tokens: Vec<u32> =
+        (0..opts.prompt_tokens as u64).map(|i| ((i * 2_654_435_761 + 12_345) % vocab) as u32).collect();
     let zero = model.zero_state();
     let prefill = best_of(opts.repeats, || model.prefill(&tokens, &zero))?;
     let score = best_of(opts.repeats, || model.score(&tokens, &zero))?;
@@ -94,9 +93,7 @@ pub fn run(model: &Model, opts: &BenchOptions) -> Result<BenchReport> {
             let t = best_of(opts.repeats.max(5), || compose(m, &refs, None))?;
             compose_ms.push((m.name().to_string(), 1e3 * t));
             let mut out = model.zero_state();
-            let t = best_of(opts.repeats.max(5), || {
-                compose_into(m, &refs, None, &mut out)
-            })?;
+            let t = best_of(opts.repeats.max(5), || compose_into(m, &refs, None, &mut out))?;
             compose_into_ms.push((m.name().to_string(), 1e3 * t));
         }
     }
@@ -114,13 +111,7 @@ pub fn run(model: &Model, opts: &BenchOptions) -> Result<BenchReport> {
 }
 
 fn argmax(v: &[f32]) -> u32 {
-    v.iter()
-        .enumerate()
-        .fold(
-            (0, f32::NEG_INFINITY),
-            |b, (i, &x)| if x > b.1 { (i, x) } else { b },
-        )
-        .0 as u32
+    v.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b }).0 as u32
 }
 
 /// The decode loop clones the start state once; that copy is not decode work.
@@ -135,11 +126,8 @@ fn clone_cost(state: &State) -> f64 {
 /// Sums every float of every state once, in parallel: the memory-bandwidth floor of composing.
 /// Sixteen independent lanes let the compiler vectorise (a plain f32 `sum` cannot reorder).
 fn read_all(states: &[&State]) -> f32 {
-    let arrays: Vec<&[f32]> = states
-        .iter()
-        .flat_map(|s| s.layers.iter())
-        .flat_map(|l| [&l.ssm[..], &l.conv[..]])
-        .collect();
+    let arrays: Vec<&[f32]> =
+        states.iter().flat_map(|s| s.layers.iter()).flat_map(|l| [&l.ssm[..], &l.conv[..]]).collect();
     arrays
         .par_iter()
         .flat_map(|a| a.par_chunks(16 * 1024))

@@ -21,18 +21,10 @@ pub fn compose(method: Method, states: &[&State], order: Option<&[usize]>) -> Re
 /// Like [`compose`], writing into `out` (any state of the same shape, overwritten). Reusing one
 /// output buffer across requests saves the page faults of a fresh allocation, which cost about
 /// as much as the arithmetic.
-pub fn compose_into(
-    method: Method,
-    states: &[&State],
-    order: Option<&[usize]>,
-    out: &mut State,
-) -> Result<()> {
+pub fn compose_into(method: Method, states: &[&State], order: Option<&[usize]>, out: &mut State) -> Result<()> {
     let first = *states.first().ok_or(picaso_compose::Error::Empty)?;
     if out.shape != first.shape || out.layers.len() != first.layers.len() {
-        return Err(Error::state(format!(
-            "output has shape {:?}, the states {:?}",
-            out.shape, first.shape
-        )));
+        return Err(Error::state(format!("output has shape {:?}, the states {:?}", out.shape, first.shape)));
     }
     for (i, s) in states.iter().enumerate() {
         if s.fingerprint != first.fingerprint {
@@ -42,10 +34,7 @@ pub fn compose_into(
             )));
         }
         if s.shape != first.shape {
-            return Err(Error::state(format!(
-                "state {i} has shape {:?}, state 0 has {:?}",
-                s.shape, first.shape
-            )));
+            return Err(Error::state(format!("state {i} has shape {:?}, state 0 has {:?}", s.shape, first.shape)));
         }
     }
     let ordered: Vec<&State> = match order {
@@ -57,11 +46,7 @@ pub fn compose_into(
     };
     for (i, s) in states.iter().enumerate() {
         for (l, layer) in s.layers.iter().enumerate() {
-            if let Some(v) = layer
-                .log_decay
-                .iter()
-                .find(|v| !(v.is_finite() && **v <= 0.0))
-            {
+            if let Some(v) = layer.log_decay.iter().find(|v| !(v.is_finite() && **v <= 0.0)) {
                 return Err(Error::state(format!(
                     "state {i}: layers.{l}.log_decay holds {v}; log-decays must be finite and <= 0"
                 )));
@@ -70,8 +55,7 @@ pub fn compose_into(
     }
     out.fingerprint.clone_from(&first.fingerprint);
     out.n_tokens = ordered.iter().map(|s| s.n_tokens).sum();
-    let block =
-        first.shape.ssm.iter().product::<usize>() / first.shape.log_decay.iter().product::<usize>();
+    let block = first.shape.ssm.iter().product::<usize>() / first.shape.log_decay.iter().product::<usize>();
     // Layers in parallel (and blocks within a layer): one pass over the inputs, no barriers.
     let results: Vec<Result<()>> = out
         .layers
@@ -83,8 +67,7 @@ pub fn compose_into(
             let w = weights_per_element(method, &decays)?;
             let ssm: Vec<&[f32]> = parts.iter().map(|p| p.ssm.as_slice()).collect();
             let conv: Vec<&[f32]> = parts.iter().map(|p| p.conv.as_slice()).collect();
-            let sums = weighted_sum_blocks(&ssm, &w, block, &mut dst.ssm)
-                .and_then(|()| mean(&conv, &mut dst.conv));
+            let sums = weighted_sum_blocks(&ssm, &w, block, &mut dst.ssm).and_then(|()| mean(&conv, &mut dst.conv));
             sums?;
             for (e, v) in dst.log_decay.iter_mut().enumerate() {
                 *v = parts.iter().map(|p| p.log_decay[e] as f64).sum::<f64>() as f32;

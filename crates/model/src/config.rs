@@ -74,17 +74,13 @@ impl Mamba2Config {
     }
     /// Floats in one context's state: SSM states, conv tails and log-decays of all layers.
     pub fn state_floats(&self) -> usize {
-        self.n_layer
-            * (self.nheads * self.headdim * self.d_state
-                + self.conv_dim() * (self.d_conv - 1)
-                + self.nheads)
+        self.n_layer * (self.nheads * self.headdim * self.d_state + self.conv_dim() * (self.d_conv - 1) + self.nheads)
     }
 
     /// Reads `config.json` in either format.
     pub fn from_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-        let value = parse_json_with_infinity(&text)
-            .map_err(|e| Error::config(path, format!("not valid JSON: {e}")))?;
+        let value = parse_json_with_infinity(&text).map_err(|e| Error::config(path, format!("not valid JSON: {e}")))?;
         let Value::Object(map) = value else {
             return Err(Error::config(path, "expected a JSON object"));
         };
@@ -109,9 +105,7 @@ impl Mamba2Config {
             if t != "mamba2" {
                 return Err(Error::config(
                     path,
-                    format!(
-                        "model_type is {t:?}; picaso reads Mamba-2 models (model_type \"mamba2\")"
-                    ),
+                    format!("model_type is {t:?}; picaso reads Mamba-2 models (model_type \"mamba2\")"),
                 ));
             }
         }
@@ -156,20 +150,10 @@ impl Mamba2Config {
             ));
         }
         if f.usize_or("d_intermediate", 0)? != 0 {
-            return Err(Error::config(
-                path,
-                "d_intermediate > 0 (MLP layers) is not supported",
-            ));
+            return Err(Error::config(path, "d_intermediate > 0 (MLP layers) is not supported"));
         }
-        if map
-            .get("attn_layer_idx")
-            .and_then(Value::as_array)
-            .is_some_and(|a| !a.is_empty())
-        {
-            return Err(Error::config(
-                path,
-                "attention layers (attn_layer_idx) are not supported",
-            ));
+        if map.get("attn_layer_idx").and_then(Value::as_array).is_some_and(|a| !a.is_empty()) {
+            return Err(Error::config(path, "attention layers (attn_layer_idx) are not supported"));
         }
         let s = Fields { path, map: ssm };
         let d_model = f.usize("d_model")?;
@@ -178,32 +162,20 @@ impl Mamba2Config {
         let raw_vocab = f.usize("vocab_size")?;
         let multiple = f.usize_or("pad_vocab_size_multiple", 8)?.max(1);
         if s.bool_or("D_has_hdim", false)? {
-            return Err(Error::config(
-                path,
-                "ssm_cfg.D_has_hdim = true is not supported",
-            ));
+            return Err(Error::config(path, "ssm_cfg.D_has_hdim = true is not supported"));
         }
         if s.bool_or("norm_before_gate", false)? {
-            return Err(Error::config(
-                path,
-                "ssm_cfg.norm_before_gate = true is not supported",
-            ));
+            return Err(Error::config(path, "ssm_cfg.norm_before_gate = true is not supported"));
         }
         if !s.bool_or("rmsnorm", true)? || !f.bool_or("rms_norm", true)? {
-            return Err(Error::config(
-                path,
-                "only RMSNorm models (rms_norm = true) are supported",
-            ));
+            return Err(Error::config(path, "only RMSNorm models (rms_norm = true) are supported"));
         }
         let d_ssm = match ssm.get("d_ssm") {
             None | Some(Value::Null) => expand * d_model,
             Some(_) => s.usize("d_ssm")?,
         };
         if d_ssm != expand * d_model {
-            return Err(Error::config(
-                path,
-                "ssm_cfg.d_ssm different from expand * d_model is not supported",
-            ));
+            return Err(Error::config(path, "ssm_cfg.d_ssm different from expand * d_model is not supported"));
         }
         Ok(Self {
             d_model,
@@ -250,16 +222,11 @@ impl Mamba2Config {
             ));
         }
         if !self.nheads.is_multiple_of(self.n_groups) {
-            return bad(format!(
-                "num_heads ({}) must be a multiple of n_groups ({})",
-                self.nheads, self.n_groups
-            ));
+            return bad(format!("num_heads ({}) must be a multiple of n_groups ({})", self.nheads, self.n_groups));
         }
         let (lo, hi) = self.time_step_limit;
         if lo.is_nan() || hi.is_nan() || lo < 0.0 || lo > hi {
-            return bad(format!(
-                "time_step_limit ({lo}, {hi}) must satisfy 0 <= min <= max"
-            ));
+            return bad(format!("time_step_limit ({lo}, {hi}) must satisfy 0 <= min <= max"));
         }
         if !(self.norm_eps > 0.0 && self.gated_norm_eps > 0.0) {
             return bad("layer_norm_epsilon must be positive".into());
@@ -346,18 +313,12 @@ struct Fields<'a> {
 
 impl Fields<'_> {
     fn err(&self, key: &str, want: &str) -> Error {
-        Error::config(
-            self.path,
-            format!("field `{key}` must be {want}, found {}", self.map[key]),
-        )
+        Error::config(self.path, format!("field `{key}` must be {want}, found {}", self.map[key]))
     }
     fn usize(&self, key: &str) -> Result<usize> {
         match self.map.get(key) {
             None => Err(Error::config(self.path, format!("missing field `{key}`"))),
-            Some(v) => v
-                .as_u64()
-                .map(|x| x as usize)
-                .ok_or_else(|| self.err(key, "a non-negative integer")),
+            Some(v) => v.as_u64().map(|x| x as usize).ok_or_else(|| self.err(key, "a non-negative integer")),
         }
     }
     fn usize_or(&self, key: &str, default: usize) -> Result<usize> {
@@ -428,9 +389,7 @@ pub(crate) fn parse_json_with_infinity(text: &str) -> serde_json::Result<Value> 
             rest = &rest[c.len_utf8()..];
             continue;
         }
-        let literal = ["-Infinity", "Infinity", "NaN"]
-            .into_iter()
-            .find(|l| rest.starts_with(l));
+        let literal = ["-Infinity", "Infinity", "NaN"].into_iter().find(|l| rest.starts_with(l));
         if let Some(l) = literal {
             out.push_str(&format!("{{\"__float__\": \"{l}\"}}"));
             rest = &rest[l.len()..];
@@ -451,9 +410,7 @@ mod tests {
 
     #[test]
     fn python_infinity_literals_parse() {
-        let v =
-            parse_json_with_infinity(r#"{"a": [0.0, Infinity], "s": "Infinity", "b": -Infinity}"#)
-                .unwrap();
+        let v = parse_json_with_infinity(r#"{"a": [0.0, Infinity], "s": "Infinity", "b": -Infinity}"#).unwrap();
         assert_eq!(as_float(&v["a"][1]), Some(f64::INFINITY));
         assert_eq!(v["s"], "Infinity");
         assert_eq!(as_float(&v["b"]), Some(f64::NEG_INFINITY));

@@ -62,39 +62,21 @@ pub type Result<T> = std::result::Result<T, Error>;
 
 impl Error {
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        Error::Io {
-            path: path.into(),
-            source,
-        }
+        Error::Io { path: path.into(), source }
     }
     pub(crate) fn config(path: impl Into<PathBuf>, message: impl Into<String>) -> Self {
-        Error::Config {
-            path: path.into(),
-            message: message.into(),
-        }
+        Error::Config { path: path.into(), message: message.into() }
     }
     pub(crate) fn weights(path: impl Into<PathBuf>, message: impl Into<String>) -> Self {
-        Error::Weights {
-            path: path.into(),
-            message: message.into(),
-        }
+        Error::Weights { path: path.into(), message: message.into() }
     }
     pub(crate) fn state(message: impl Into<String>) -> Self {
-        Error::State {
-            path: None,
-            message: message.into(),
-        }
+        Error::State { path: None, message: message.into() }
     }
     /// Attaches the file a state came from to a state error.
     pub(crate) fn at_state_file(self, file: &std::path::Path) -> Self {
         match self {
-            Error::State {
-                path: None,
-                message,
-            } => Error::State {
-                path: Some(file.to_path_buf()),
-                message,
-            },
+            Error::State { path: None, message } => Error::State { path: Some(file.to_path_buf()), message },
             other => other,
         }
     }

@@ -24,13 +24,7 @@ pub struct GenerateOptions {
 
 impl Default for GenerateOptions {
     fn default() -> Self {
-        Self {
-            max_tokens: 64,
-            temperature: 0.0,
-            top_p: 1.0,
-            seed: 0,
-            stop: Vec::new(),
-        }
+        Self { max_tokens: 64, temperature: 0.0, top_p: 1.0, seed: 0, stop: Vec::new() }
     }
 }
 
@@ -38,16 +32,10 @@ impl GenerateOptions {
     /// Rejects meaningless settings.
     pub fn validate(&self) -> Result<()> {
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
-            return Err(Error::Input(format!(
-                "temperature must be >= 0, got {}",
-                self.temperature
-            )));
+            return Err(Error::Input(format!("temperature must be >= 0, got {}", self.temperature)));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(Error::Input(format!(
-                "top_p must be in (0, 1], got {}",
-                self.top_p
-            )));
+            return Err(Error::Input(format!("top_p must be in (0, 1], got {}", self.top_p)));
         }
         if self.stop.iter().any(String::is_empty) {
             return Err(Error::Input("stop strings must not be empty".into()));
@@ -88,24 +76,15 @@ pub fn sample(logits: &[f32], vocab: usize, opts: &GenerateOptions, rng: &mut St
         logits
             .iter()
             .enumerate()
-            .fold((0usize, f32::NEG_INFINITY), |best, (i, &v)| {
-                if v > best.1 {
-                    (i, v)
-                } else {
-                    best
-                }
-            })
+            .fold((0usize, f32::NEG_INFINITY), |best, (i, &v)| if v > best.1 { (i, v) } else { best })
             .0
     };
     if opts.temperature == 0.0 {
         return argmax() as u32;
     }
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut probs: Vec<(usize, f64)> = logits
-        .iter()
-        .enumerate()
-        .map(|(i, &v)| (i, (((v - max) / opts.temperature) as f64).exp()))
-        .collect();
+    let mut probs: Vec<(usize, f64)> =
+        logits.iter().enumerate().map(|(i, &v)| (i, (((v - max) / opts.temperature) as f64).exp())).collect();
     let total: f64 = probs.iter().map(|p| p.1).sum();
     if opts.top_p < 1.0 {
         probs.sort_unstable_by(|a, b| b.1.total_cmp(&a.1));
@@ -128,10 +107,7 @@ pub fn sample(logits: &[f32], vocab: usize, opts: &GenerateOptions, rng: &mut St
         }
         u -= p;
     }
-    probs
-        .last()
-        .map(|p| p.0 as u32)
-        .unwrap_or_else(|| argmax() as u32)
+    probs.last().map(|p| p.0 as u32).unwrap_or_else(|| argmax() as u32)
 }
 
 /// Continues `prompt` (at least one token) from `state` and samples up to `max_tokens` tokens,
@@ -168,10 +144,7 @@ pub fn generate(
         }
         // Hold back text that could still become a stop string or an incomplete character.
         let safe = text.len().saturating_sub(hold);
-        let safe = (0..=safe)
-            .rev()
-            .find(|&i| text.is_char_boundary(i))
-            .unwrap_or(0);
+        let safe = (0..=safe).rev().find(|&i| text.is_char_boundary(i)).unwrap_or(0);
         if safe > emitted && !text.ends_with('\u{FFFD}') {
             on_text(&text[emitted..safe]);
             emitted = safe;
@@ -186,10 +159,5 @@ pub fn generate(
     if text.len() > emitted {
         on_text(&text[emitted..]);
     }
-    Ok(Generation {
-        tokens,
-        text,
-        stop_reason: reason,
-        state,
-    })
+    Ok(Generation { tokens, text, stop_reason: reason, state })
 }

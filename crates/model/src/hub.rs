@@ -7,11 +7,7 @@ use crate::error::{Error, Result};
 
 /// Files a model folder may need; the optional ones are skipped when absent.
 const REQUIRED: &[&str] = &["config.json"];
-const WEIGHTS: &[&str] = &[
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-];
+const WEIGHTS: &[&str] = &["model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"];
 const OPTIONAL: &[&str] = &["tokenizer.json"];
 
 /// Downloads (or finds in the local hub cache) `repo_id` and returns the folder.
@@ -20,7 +16,9 @@ pub fn download(repo_id: &str) -> Result<PathBuf> {
     let api = hf_hub::api::sync::Api::new().map_err(|e| Error::Input(format!("hub: {e}")))?;
     let repo = api.model(repo_id.to_string());
     let fail = |f: &str, e: hf_hub::api::sync::ApiError| {
-        Error::Input(format!("downloading {f} of {repo_id} from the Hugging Face hub failed: {e} (offline? pass a local model folder)"))
+        Error::Input(format!(
+            "downloading {f} of {repo_id} from the Hugging Face hub failed: {e} (offline? pass a local model folder)"
+        ))
     };
     let mut dir = None;
     for f in REQUIRED {
@@ -37,11 +35,7 @@ pub fn download(repo_id: &str) -> Result<PathBuf> {
                     serde_json::from_str(&text).map_err(|e| Error::weights(&p, e.to_string()))?;
                 let mut shards: Vec<String> = v["weight_map"]
                     .as_object()
-                    .map(|m| {
-                        m.values()
-                            .filter_map(|s| s.as_str().map(String::from))
-                            .collect()
-                    })
+                    .map(|m| m.values().filter_map(|s| s.as_str().map(String::from)).collect())
                     .unwrap_or_default();
                 shards.sort();
                 shards.dedup();
@@ -53,9 +47,7 @@ pub fn download(repo_id: &str) -> Result<PathBuf> {
         }
     }
     if !have_weights {
-        return Err(Error::Input(format!(
-            "{repo_id}: no weights on the hub (looked for {WEIGHTS:?})"
-        )));
+        return Err(Error::Input(format!("{repo_id}: no weights on the hub (looked for {WEIGHTS:?})")));
     }
     for f in OPTIONAL {
         let _ = repo.get(f);
@@ -67,5 +59,7 @@ pub fn download(repo_id: &str) -> Result<PathBuf> {
 #[cfg(not(feature = "hub"))]
 pub fn download(repo_id: &str) -> Result<PathBuf> {
     let _ = (REQUIRED, WEIGHTS, OPTIONAL);
-    Err(Error::Input(format!("{repo_id}: not a local folder, and this build has no hub support (build with feature `hub`)")))
+    Err(Error::Input(format!(
+        "{repo_id}: not a local folder, and this build has no hub support (build with feature `hub`)"
+    )))
 }

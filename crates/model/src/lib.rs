@@ -23,6 +23,7 @@
 #![deny(missing_docs)]
 
 pub mod bench;
+pub mod candle_engine;
 pub mod composition;
 pub mod config;
 pub mod cpu;
@@ -39,7 +40,7 @@ pub use composition::{compose, compose_into};
 pub use config::{CheckpointFormat, Mamba2Config};
 pub use error::{Error, Result};
 pub use generate::{generate, GenerateOptions, Generation, StopReason};
-pub use model::{LoadOptions, Model, Scored};
+pub use model::{Backend, LoadOptions, Model, Scored};
 pub use picaso_compose::Method;
 pub use state::{LayerState, State, StateDtype, StateShape};
 pub use tokenizer::TextTokenizer;

@@ -4,6 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::candle_engine::CandleMamba2;
 use crate::config::Mamba2Config;
 use crate::cpu::CpuMamba2;
 use crate::error::{Error, Result};
@@ -11,9 +12,109 @@ use crate::state::{State, StateShape};
 use crate::tokenizer::TextTokenizer;
 use crate::weights::Mamba2Weights;
 
+/// Which engine runs the model.
+#[derive(Debug, Clone, Default)]
+pub enum Backend {
+    /// The hand-written multi-threaded CPU engine (fast path).
+    #[default]
+    Cpu,
+    /// The device-generic candle engine: CUDA or Metal when built with their feature, or the
+    /// CPU (a cross-check of the fast path).
+    Candle {
+        /// Where the weights live and the math runs.
+        device: candle_core::Device,
+        /// Compute precision (f32 on CPU; bf16/f16 on GPUs).
+        dtype: candle_core::DType,
+    },
+}
+
+impl std::str::FromStr for Backend {
+    type Err = Error;
+    /// `cpu`, `candle-cpu`, `cuda`, `cuda:N` or `metal`.
+    fn from_str(s: &str) -> Result<Self> {
+        let candle = |device| Ok(Backend::Candle { device, dtype: candle_core::DType::F32 });
+        match s {
+            "cpu" => Ok(Backend::Cpu),
+            "candle-cpu" => candle(candle_core::Device::Cpu),
+            "metal" => candle(candle_core::Device::new_metal(0)?),
+            _ => match s.strip_prefix("cuda") {
+                Some(rest) => {
+                    let ordinal = rest
+                        .strip_prefix(':')
+                        .unwrap_or("0")
+                        .parse()
+                        .map_err(|_| Error::Input(format!("device {s:?}: use cuda or cuda:N")))?;
+                    candle(candle_core::Device::new_cuda(ordinal)?)
+                }
+                None => Err(Error::Input(format!("unknown device {s:?}: use cpu, candle-cpu, cuda[:N] or metal"))),
+            },
+        }
+    }
+}
+
+/// The engine behind a [`Model`].
+#[derive(Debug)]
+enum Engine {
+    Cpu(CpuMamba2),
+    Candle { engine: CandleMamba2, weights: Box<Mamba2Weights>, config: Mamba2Config },
+}
+
+impl Engine {
+    fn new(config: Mamba2Config, weights: Mamba2Weights, backend: &Backend) -> Result<Self> {
+        Ok(match backend {
+            Backend::Cpu => Engine::Cpu(CpuMamba2::new(config, weights)),
+            Backend::Candle { device, dtype } => Engine::Candle {
+                engine: CandleMamba2::new(&config, &weights, device, *dtype)?,
+                weights: Box::new(weights),
+                config,
+            },
+        })
+    }
+    fn config(&self) -> &Mamba2Config {
+        match self {
+            Engine::Cpu(e) => e.config(),
+            Engine::Candle { config, .. } => config,
+        }
+    }
+    fn weights(&self) -> &Mamba2Weights {
+        match self {
+            Engine::Cpu(e) => e.weights(),
+            Engine::Candle { weights, .. } => weights,
+        }
+    }
+    fn forward(&self, tokens: &[u32], state: &mut State) -> Result<Vec<f32>> {
+        match self {
+            Engine::Cpu(e) => Ok(e.forward(tokens, state)),
+            Engine::Candle { engine, .. } => engine.forward(tokens, state),
+        }
+    }
+    fn logits(&self, hidden: &[f32]) -> Result<Vec<f32>> {
+        match self {
+            Engine::Cpu(e) => Ok(e.logits(hidden)),
+            Engine::Candle { engine, .. } => engine.logits(hidden),
+        }
+    }
+    fn logprobs(&self, hidden: &[f32], targets: &[u32]) -> Result<Vec<f32>> {
+        match self {
+            Engine::Cpu(e) => Ok(e.logprobs(hidden, targets)),
+            Engine::Candle { engine, config, .. } => {
+                let v = config.vocab_size;
+                let logits = engine.logits(hidden)?;
+                Ok(logits
+                    .chunks_exact(v)
+                    .zip(targets)
+                    .map(|(row, &t)| crate::cpu::kernels::log_softmax_at(row, t as usize))
+                    .collect())
+            }
+        }
+    }
+}
+
 /// How to load a model.
 #[derive(Debug, Clone, Default)]
 pub struct LoadOptions {
+    /// The engine (default: the CPU fast path).
+    pub backend: Backend,
     /// A `tokenizer.json` to use instead of the one in the model folder.
     pub tokenizer: Option<PathBuf>,
     /// Load without any tokenizer (token-id-only use); otherwise a missing tokenizer is an error
@@ -27,7 +128,7 @@ pub struct Model {
     dir: PathBuf,
     fingerprint: String,
     n_params: usize,
-    engine: CpuMamba2,
+    engine: Engine,
     tokenizer: Option<TextTokenizer>,
     tokenizer_error: Option<String>,
 }
@@ -55,50 +156,41 @@ impl Model {
         let fingerprint = weights.fingerprint(&config);
         let n_params = weights.n_params();
         let (tokenizer, tokenizer_error) = if options.skip_tokenizer {
-            (
-                None,
-                Some("the model was loaded without a tokenizer".to_string()),
-            )
+            (None, Some("the model was loaded without a tokenizer".to_string()))
         } else {
-            let path = options
-                .tokenizer
-                .clone()
-                .unwrap_or_else(|| dir.join("tokenizer.json"));
+            let path = options.tokenizer.clone().unwrap_or_else(|| dir.join("tokenizer.json"));
             match TextTokenizer::from_file(&path) {
                 Ok(t) => (Some(t), None),
                 Err(e) if options.tokenizer.is_some() => return Err(e),
-                Err(e) => (
-                    None,
-                    Some(format!("{e}; pass --tokenizer PATH to a tokenizer.json")),
-                ),
+                Err(e) => (None, Some(format!("{e}; pass --tokenizer PATH to a tokenizer.json"))),
             }
         };
-        Ok(Self {
-            dir: dir.to_path_buf(),
-            fingerprint,
-            n_params,
-            engine: CpuMamba2::new(config, weights),
-            tokenizer,
-            tokenizer_error,
-        })
+        let engine = Engine::new(config, weights, &options.backend)?;
+        Ok(Self { dir: dir.to_path_buf(), fingerprint, n_params, engine, tokenizer, tokenizer_error })
     }
 
-    /// Builds a model from weights already in memory (tests, training).
-    pub fn from_weights(
+    /// Builds a model on the CPU engine from weights already in memory (tests, training).
+    pub fn from_weights(config: Mamba2Config, weights: Mamba2Weights, tokenizer: Option<TextTokenizer>) -> Self {
+        Self::from_weights_on(config, weights, tokenizer, &Backend::Cpu).expect("the CPU engine cannot fail to build")
+    }
+
+    /// Builds a model on `backend` from weights already in memory.
+    pub fn from_weights_on(
         config: Mamba2Config,
         weights: Mamba2Weights,
         tokenizer: Option<TextTokenizer>,
-    ) -> Self {
+        backend: &Backend,
+    ) -> Result<Self> {
         let fingerprint = weights.fingerprint(&config);
         let n_params = weights.n_params();
-        Self {
+        Ok(Self {
             dir: PathBuf::new(),
             fingerprint,
             n_params,
-            engine: CpuMamba2::new(config, weights),
+            engine: Engine::new(config, weights, backend)?,
             tokenizer_error: tokenizer.is_none().then(|| "no tokenizer".to_string()),
             tokenizer,
-        }
+        })
     }
 
     /// The folder the model was loaded from.
@@ -132,13 +224,9 @@ impl Model {
 
     /// The tokenizer, or an error saying how to provide one.
     pub fn tokenizer(&self) -> Result<&TextTokenizer> {
-        self.tokenizer.as_ref().ok_or_else(|| {
-            Error::Input(
-                self.tokenizer_error
-                    .clone()
-                    .unwrap_or_else(|| "no tokenizer".into()),
-            )
-        })
+        self.tokenizer
+            .as_ref()
+            .ok_or_else(|| Error::Input(self.tokenizer_error.clone().unwrap_or_else(|| "no tokenizer".into())))
     }
 
     /// Checks that `state` belongs to this model.
@@ -162,7 +250,7 @@ impl Model {
         self.check_tokens(tokens)?;
         self.check_state(state)?;
         let mut next = state.clone();
-        let hidden = self.engine.forward(tokens, &mut next);
+        let hidden = self.engine.forward(tokens, &mut next)?;
         Ok((hidden, next))
     }
 
@@ -174,27 +262,25 @@ impl Model {
     /// Like [`Model::prefill`], also returning the next-token logits after the last token.
     pub fn prefill_last_logits(&self, tokens: &[u32], state: &State) -> Result<(Vec<f32>, State)> {
         if tokens.is_empty() {
-            return Err(Error::Input(
-                "need at least one token to predict the next one".into(),
-            ));
+            return Err(Error::Input("need at least one token to predict the next one".into()));
         }
         let (hidden, next) = self.run(tokens, state)?;
         let d = self.config().d_model;
-        Ok((self.engine.logits(&hidden[hidden.len() - d..]), next))
+        Ok((self.engine.logits(&hidden[hidden.len() - d..])?, next))
     }
 
     /// Next-token logits for every position (T × vocab) and the final state.
     pub fn forward_all_logits(&self, tokens: &[u32], state: &State) -> Result<(Vec<f32>, State)> {
         let (hidden, next) = self.run(tokens, state)?;
-        Ok((self.engine.logits(&hidden), next))
+        Ok((self.engine.logits(&hidden)?, next))
     }
 
     /// One token: returns its next-token logits and advances `state` in place.
     pub fn step(&self, token: u32, state: &mut State) -> Result<Vec<f32>> {
         self.check_tokens(&[token])?;
         self.check_state(state)?;
-        let hidden = self.engine.forward(&[token], state);
-        Ok(self.engine.logits(&hidden))
+        let hidden = self.engine.forward(&[token], state)?;
+        self.engine.logits(&hidden)
     }
 
     /// Scores `tokens` from `state`: the first token is context, each later one is scored.
@@ -204,27 +290,16 @@ impl Model {
         let logprobs = if tokens.len() < 2 {
             Vec::new()
         } else {
-            self.engine
-                .logprobs(&hidden[..(tokens.len() - 1) * d], &tokens[1..])
+            self.engine.logprobs(&hidden[..(tokens.len() - 1) * d], &tokens[1..])?
         };
-        Ok(Scored {
-            logprobs,
-            state: next,
-        })
+        Ok(Scored { logprobs, state: next })
     }
 
     /// Scores only `continuation` after `context` from `state`: `logprobs[i] = log p(continuation[i] | ...)`.
     /// `context` must be non-empty (it predicts the first continuation token).
-    pub fn score_continuation(
-        &self,
-        context: &[u32],
-        continuation: &[u32],
-        state: &State,
-    ) -> Result<Scored> {
+    pub fn score_continuation(&self, context: &[u32], continuation: &[u32], state: &State) -> Result<Scored> {
         if context.is_empty() {
-            return Err(Error::Input(
-                "score_continuation needs at least one context token".into(),
-            ));
+            return Err(Error::Input("score_continuation needs at least one context token".into()));
         }
         let mut all = context.to_vec();
         all.extend_from_slice(continuation);
@@ -232,9 +307,6 @@ impl Model {
         let d = self.config().d_model;
         let from = context.len() - 1;
         let rows = &hidden[from * d..(all.len() - 1) * d];
-        Ok(Scored {
-            logprobs: self.engine.logprobs(rows, continuation),
-            state: next,
-        })
+        Ok(Scored { logprobs: self.engine.logprobs(rows, continuation)?, state: next })
     }
 }

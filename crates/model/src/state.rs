@@ -108,18 +108,12 @@ impl State {
             conv: vec![0.0; shape.conv_len()],
             log_decay: vec![0.0; shape.log_decay[0]],
         };
-        Self {
-            fingerprint: fingerprint.into(),
-            n_tokens: 0,
-            layers: vec![layer; shape.n_layer],
-            shape,
-        }
+        Self { fingerprint: fingerprint.into(), n_tokens: 0, layers: vec![layer; shape.n_layer], shape }
     }
 
     /// Bytes of the state in f32.
     pub fn nbytes_f32(&self) -> usize {
-        4 * self.shape.n_layer
-            * (self.shape.ssm_len() + self.shape.conv_len() + self.shape.log_decay[0])
+        4 * self.shape.n_layer * (self.shape.ssm_len() + self.shape.conv_len() + self.shape.log_decay[0])
     }
 
     /// Checks that this state belongs to the model with `fingerprint` and has `shape`.
@@ -133,10 +127,7 @@ impl State {
             )));
         }
         if &self.shape != shape {
-            return Err(Error::state(format!(
-                "has shape {:?}, this model needs {shape:?}",
-                self.shape
-            )));
+            return Err(Error::state(format!("has shape {:?}, this model needs {shape:?}", self.shape)));
         }
         let sizes_ok = self.layers.len() == shape.n_layer
             && self.layers.iter().all(|l| {
@@ -153,21 +144,13 @@ impl State {
     /// Rejects NaN or infinite values (a corrupted or diverged state must not propagate).
     pub fn check_values(&self) -> Result<()> {
         for (i, l) in self.layers.iter().enumerate() {
-            for (name, v) in [
-                ("ssm", &l.ssm),
-                ("conv", &l.conv),
-                ("log_decay", &l.log_decay),
-            ] {
+            for (name, v) in [("ssm", &l.ssm), ("conv", &l.conv), ("log_decay", &l.log_decay)] {
                 if let Some(j) = v.iter().position(|x| !x.is_finite()) {
-                    return Err(Error::state(format!(
-                        "layers.{i}.{name} holds a non-finite value at flat index {j}"
-                    )));
+                    return Err(Error::state(format!("layers.{i}.{name} holds a non-finite value at flat index {j}")));
                 }
             }
             if let Some(j) = l.log_decay.iter().position(|&x| x > 0.0) {
-                return Err(Error::state(format!(
-                    "layers.{i}.log_decay[{j}] is positive; decays must be <= 1"
-                )));
+                return Err(Error::state(format!("layers.{i}.log_decay[{j}] is positive; decays must be <= 1")));
             }
         }
         Ok(())
@@ -175,21 +158,10 @@ impl State {
 
     /// Serialises to safetensors bytes.
     pub fn to_bytes(&self, dtype: StateDtype) -> Result<Vec<u8>> {
-        let mut buffers: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> =
-            Vec::with_capacity(3 * self.layers.len());
+        let mut buffers: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::with_capacity(3 * self.layers.len());
         for (i, l) in self.layers.iter().enumerate() {
-            buffers.push((
-                format!("layers.{i}.ssm"),
-                dtype.st(),
-                self.shape.ssm.to_vec(),
-                encode(&l.ssm, dtype),
-            ));
-            buffers.push((
-                format!("layers.{i}.conv"),
-                dtype.st(),
-                self.shape.conv.to_vec(),
-                encode(&l.conv, dtype),
-            ));
+            buffers.push((format!("layers.{i}.ssm"), dtype.st(), self.shape.ssm.to_vec(), encode(&l.ssm, dtype)));
+            buffers.push((format!("layers.{i}.conv"), dtype.st(), self.shape.conv.to_vec(), encode(&l.conv, dtype)));
             buffers.push((
                 format!("layers.{i}.log_decay"),
                 Dtype::F32,
@@ -199,9 +171,7 @@ impl State {
         }
         let views = buffers
             .iter()
-            .map(|(name, dt, shape, bytes)| {
-                TensorView::new(*dt, shape.clone(), bytes).map(|v| (name.clone(), v))
-            })
+            .map(|(name, dt, shape, bytes)| TensorView::new(*dt, shape.clone(), bytes).map(|v| (name.clone(), v)))
             .collect::<std::result::Result<Vec<_>, _>>()
             .map_err(|e| Error::state(format!("cannot serialise: {e}")))?;
         let metadata: HashMap<String, String> = [
@@ -217,77 +187,44 @@ impl State {
 
     /// Parses safetensors bytes written by [`State::to_bytes`].
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
-        let (_, header) = SafeTensors::read_metadata(bytes)
-            .map_err(|e| Error::state(format!("not a safetensors file: {e}")))?;
+        let (_, header) =
+            SafeTensors::read_metadata(bytes).map_err(|e| Error::state(format!("not a safetensors file: {e}")))?;
         let meta = header.metadata().clone().unwrap_or_default();
         let get = |k: &str| {
-            meta.get(k).cloned().ok_or_else(|| {
-                Error::state(format!("metadata lacks `{k}`; not a picaso state file"))
-            })
+            meta.get(k).cloned().ok_or_else(|| Error::state(format!("metadata lacks `{k}`; not a picaso state file")))
         };
         let format = get("format")?;
         if format != STATE_FORMAT {
-            return Err(Error::state(format!(
-                "format {format:?} is not {STATE_FORMAT:?}"
-            )));
+            return Err(Error::state(format!("format {format:?} is not {STATE_FORMAT:?}")));
         }
         let arch = get("arch")?;
         if arch != "mamba2" {
             return Err(Error::state(format!("architecture {arch:?} is not mamba2")));
         }
         let fingerprint = get("fingerprint")?;
-        let n_tokens = get("n_tokens")?
-            .parse()
-            .map_err(|_| Error::state("metadata `n_tokens` is not an integer"))?;
-        let st = SafeTensors::deserialize(bytes)
-            .map_err(|e| Error::state(format!("not a safetensors file: {e}")))?;
-        let n_layer = (0..)
-            .take_while(|i| st.tensor(&format!("layers.{i}.ssm")).is_ok())
-            .count();
+        let n_tokens = get("n_tokens")?.parse().map_err(|_| Error::state("metadata `n_tokens` is not an integer"))?;
+        let st = SafeTensors::deserialize(bytes).map_err(|e| Error::state(format!("not a safetensors file: {e}")))?;
+        let n_layer = (0..).take_while(|i| st.tensor(&format!("layers.{i}.ssm")).is_ok()).count();
         if n_layer == 0 {
             return Err(Error::state("holds no `layers.0.ssm` tensor"));
         }
         let dims = |name: &str| -> Result<Vec<usize>> {
-            st.tensor(name)
-                .map(|v| v.shape().to_vec())
-                .map_err(|_| Error::state(format!("missing tensor `{name}`")))
+            st.tensor(name).map(|v| v.shape().to_vec()).map_err(|_| Error::state(format!("missing tensor `{name}`")))
         };
-        let (ssm, conv, ld) = (
-            dims("layers.0.ssm")?,
-            dims("layers.0.conv")?,
-            dims("layers.0.log_decay")?,
-        );
-        let (Ok(ssm), Ok(conv), Ok(log_decay)) = (
-            <[usize; 3]>::try_from(ssm),
-            <[usize; 2]>::try_from(conv),
-            <[usize; 1]>::try_from(ld),
-        ) else {
-            return Err(Error::state(
-                "tensor ranks are not ssm (H,P,N), conv (C,K-1), log_decay (H)",
-            ));
+        let (ssm, conv, ld) = (dims("layers.0.ssm")?, dims("layers.0.conv")?, dims("layers.0.log_decay")?);
+        let (Ok(ssm), Ok(conv), Ok(log_decay)) =
+            (<[usize; 3]>::try_from(ssm), <[usize; 2]>::try_from(conv), <[usize; 1]>::try_from(ld))
+        else {
+            return Err(Error::state("tensor ranks are not ssm (H,P,N), conv (C,K-1), log_decay (H)"));
         };
-        let shape = StateShape {
-            n_layer,
-            ssm,
-            conv,
-            log_decay,
-        };
+        let shape = StateShape { n_layer, ssm, conv, log_decay };
         let read = |name: String, want: &[usize]| -> Result<Vec<f32>> {
-            let v = st
-                .tensor(&name)
-                .map_err(|_| Error::state(format!("missing tensor `{name}`")))?;
+            let v = st.tensor(&name).map_err(|_| Error::state(format!("missing tensor `{name}`")))?;
             if v.shape() != want {
-                return Err(Error::state(format!(
-                    "tensor `{name}` has shape {:?}, expected {want:?}",
-                    v.shape()
-                )));
+                return Err(Error::state(format!("tensor `{name}` has shape {:?}, expected {want:?}", v.shape())));
             }
-            decode(v.dtype(), v.data()).ok_or_else(|| {
-                Error::state(format!(
-                    "tensor `{name}` has dtype {:?}; want f32 or bf16",
-                    v.dtype()
-                ))
-            })
+            decode(v.dtype(), v.data())
+                .ok_or_else(|| Error::state(format!("tensor `{name}` has dtype {:?}; want f32 or bf16", v.dtype())))
         };
         let mut layers = Vec::with_capacity(n_layer);
         for i in 0..n_layer {
@@ -297,12 +234,7 @@ impl State {
                 log_decay: read(format!("layers.{i}.log_decay"), &shape.log_decay)?,
             });
         }
-        let state = Self {
-            fingerprint,
-            n_tokens,
-            shape,
-            layers,
-        };
+        let state = Self { fingerprint, n_tokens, shape, layers };
         state.check_values()?;
         Ok(state)
     }
@@ -334,27 +266,14 @@ impl StateDtype {
 fn encode(v: &[f32], dtype: StateDtype) -> Vec<u8> {
     match dtype {
         StateDtype::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        StateDtype::Bf16 => v
-            .iter()
-            .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
-            .collect(),
+        StateDtype::Bf16 => v.iter().flat_map(|&x| half::bf16::from_f32(x).to_le_bytes()).collect(),
     }
 }
 
 fn decode(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
     match dtype {
-        Dtype::F32 => Some(
-            bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-        ),
-        Dtype::BF16 => Some(
-            bytes
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-        ),
+        Dtype::F32 => Some(bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()),
+        Dtype::BF16 => Some(bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect()),
         _ => None,
     }
 }
@@ -362,18 +281,9 @@ fn decode(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
 /// Writes `bytes` to `path` so that readers see either the old file or the complete new one.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     use std::io::Write;
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .ok_or_else(|| Error::Input(format!("{}: not a file path", path.display())))?;
-    let tmp = dir.join(format!(
-        ".{}.tmp-{}",
-        name.to_string_lossy(),
-        std::process::id()
-    ));
+    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let name = path.file_name().ok_or_else(|| Error::Input(format!("{}: not a file path", path.display())))?;
+    let tmp = dir.join(format!(".{}.tmp-{}", name.to_string_lossy(), std::process::id()));
     let result = (|| {
         let mut f = std::fs::File::create(&tmp)?;
         f.write_all(bytes)?;

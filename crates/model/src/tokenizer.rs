@@ -16,23 +16,12 @@ impl TextTokenizer {
     /// Loads a `tokenizer.json`.
     pub fn from_file(path: &Path) -> Result<Self> {
         if !path.is_file() {
-            return Err(Error::Tokenizer {
-                path: path.to_path_buf(),
-                message: "file not found".into(),
-            });
+            return Err(Error::Tokenizer { path: path.to_path_buf(), message: "file not found".into() });
         }
-        let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| Error::Tokenizer {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        })?;
-        let eos = ["<|endoftext|>", "</s>", "<eos>"]
-            .iter()
-            .find_map(|t| inner.token_to_id(t));
-        Ok(Self {
-            path: path.to_path_buf(),
-            inner,
-            eos,
-        })
+        let inner = tokenizers::Tokenizer::from_file(path)
+            .map_err(|e| Error::Tokenizer { path: path.to_path_buf(), message: e.to_string() })?;
+        let eos = ["<|endoftext|>", "</s>", "<eos>"].iter().find_map(|t| inner.token_to_id(t));
+        Ok(Self { path: path.to_path_buf(), inner, eos })
     }
 
     /// Token ids of `text`, without special tokens (Mamba models use no BOS).
@@ -40,18 +29,12 @@ impl TextTokenizer {
         self.inner
             .encode(text, false)
             .map(|e| e.get_ids().to_vec())
-            .map_err(|e| Error::Tokenizer {
-                path: self.path.clone(),
-                message: e.to_string(),
-            })
+            .map_err(|e| Error::Tokenizer { path: self.path.clone(), message: e.to_string() })
     }
 
     /// Text of `ids`, skipping special tokens.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.inner.decode(ids, true).map_err(|e| Error::Tokenizer {
-            path: self.path.clone(),
-            message: e.to_string(),
-        })
+        self.inner.decode(ids, true).map_err(|e| Error::Tokenizer { path: self.path.clone(), message: e.to_string() })
     }
 
     /// The end-of-text token, if the vocabulary has one.

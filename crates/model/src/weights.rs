@@ -79,17 +79,15 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let index = dir.join("model.safetensors.index.json");
     if index.is_file() {
         let text = std::fs::read_to_string(&index).map_err(|e| Error::io(&index, e))?;
-        let value: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| Error::weights(&index, format!("not valid JSON: {e}")))?;
+        let value: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| Error::weights(&index, format!("not valid JSON: {e}")))?;
         let map = value
             .get("weight_map")
             .and_then(|m| m.as_object())
             .ok_or_else(|| Error::weights(&index, "missing object `weight_map`"))?;
         let mut files: Vec<PathBuf> = Vec::new();
         for file in map.values() {
-            let name = file
-                .as_str()
-                .ok_or_else(|| Error::weights(&index, "weight_map values must be file names"))?;
+            let name = file.as_str().ok_or_else(|| Error::weights(&index, "weight_map values must be file names"))?;
             let path = dir.join(name);
             if !files.contains(&path) {
                 files.push(path);
@@ -124,22 +122,16 @@ fn to_f32(path: &Path, name: &str, dtype: Dtype, bytes: &[u8]) -> Result<Vec<f32
     let mut out = crate::memory::big_vec(bytes.len() / width);
     let chunks = bytes.chunks_exact(width);
     match dtype {
-        Dtype::F32 => out
-            .iter_mut()
-            .zip(chunks)
-            .for_each(|(o, b)| *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-        Dtype::BF16 => out
-            .iter_mut()
-            .zip(chunks)
-            .for_each(|(o, b)| *o = half::bf16::from_le_bytes([b[0], b[1]]).to_f32()),
-        Dtype::F16 => out
-            .iter_mut()
-            .zip(chunks)
-            .for_each(|(o, b)| *o = half::f16::from_le_bytes([b[0], b[1]]).to_f32()),
-        _ => out
-            .iter_mut()
-            .zip(chunks)
-            .for_each(|(o, b)| *o = f64::from_le_bytes(b.try_into().expect("8 bytes")) as f32),
+        Dtype::F32 => out.iter_mut().zip(chunks).for_each(|(o, b)| *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+        Dtype::BF16 => {
+            out.iter_mut().zip(chunks).for_each(|(o, b)| *o = half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+        }
+        Dtype::F16 => {
+            out.iter_mut().zip(chunks).for_each(|(o, b)| *o = half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+        }
+        _ => {
+            out.iter_mut().zip(chunks).for_each(|(o, b)| *o = f64::from_le_bytes(b.try_into().expect("8 bytes")) as f32)
+        }
     }
     Ok(out)
 }
@@ -163,8 +155,8 @@ fn read_safetensors(file: &Path, out: &mut HashMap<String, HostTensor>) -> Resul
     // SAFETY: the mapping is read-only and dropped before this function returns; a concurrent
     // writer truncating the file is outside what we can defend against (as for every mmap reader).
     let mmap = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| Error::io(file, e))?;
-    let st = SafeTensors::deserialize(&mmap)
-        .map_err(|e| Error::weights(file, format!("not a safetensors file: {e}")))?;
+    let st =
+        SafeTensors::deserialize(&mmap).map_err(|e| Error::weights(file, format!("not a safetensors file: {e}")))?;
     for (name, view) in st.tensors() {
         let data = to_f32(file, &name, view.dtype(), view.data())?;
         out.insert(name, HostTensor::new(view.shape().to_vec(), data));
@@ -195,30 +187,22 @@ struct Take<'a> {
 
 impl Take<'_> {
     fn get(&mut self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
-        let t = self.map.remove(name).ok_or_else(|| {
-            Error::weights(
-                self.dir,
-                format!("missing tensor `{name}` (expected shape {shape:?})"),
-            )
-        })?;
+        let t = self
+            .map
+            .remove(name)
+            .ok_or_else(|| Error::weights(self.dir, format!("missing tensor `{name}` (expected shape {shape:?})")))?;
         // Checkpoints store some vectors as (n, 1) or (n, 1, k); compare element layouts.
         let squeeze = |s: &[usize]| s.iter().copied().filter(|&d| d != 1).collect::<Vec<_>>();
         if squeeze(&t.shape) != squeeze(shape) {
             return Err(Error::weights(
                 self.dir,
-                format!(
-                    "tensor `{name}` has shape {:?}, expected {shape:?} from config.json",
-                    t.shape
-                ),
+                format!("tensor `{name}` has shape {:?}, expected {shape:?} from config.json", t.shape),
             ));
         }
         if let Some(i) = t.data.iter().position(|v| !v.is_finite()) {
             return Err(Error::weights(
                 self.dir,
-                format!(
-                    "tensor `{name}` holds a non-finite value ({}) at flat index {i}",
-                    t.data[i]
-                ),
+                format!("tensor `{name}` holds a non-finite value ({}) at flat index {i}", t.data[i]),
             ));
         }
         Ok(t.data)
@@ -241,11 +225,7 @@ impl Mamba2Weights {
     }
 
     /// Validates a name → tensor map (either naming) against `config`.
-    pub fn from_tensors(
-        dir: &Path,
-        c: &Mamba2Config,
-        map: HashMap<String, HostTensor>,
-    ) -> Result<Self> {
+    pub fn from_tensors(dir: &Path, c: &Mamba2Config, map: HashMap<String, HostTensor>) -> Result<Self> {
         let mut t = Take { dir, map };
         let (d, v) = (c.d_model, c.vocab_size);
         // Either spelling is accepted whatever the config looked like; the error names the one
@@ -268,11 +248,7 @@ impl Mamba2Weights {
                 in_proj: t.get(&format!("{m}.in_proj.weight"), &[c.d_in_proj(), d])?,
                 in_proj_bias: t.opt(&format!("{m}.in_proj.bias"), &[c.d_in_proj()], c.use_bias)?,
                 conv_weight: t.get(&format!("{m}.conv1d.weight"), &[c.conv_dim(), 1, c.d_conv])?,
-                conv_bias: t.opt(
-                    &format!("{m}.conv1d.bias"),
-                    &[c.conv_dim()],
-                    c.use_conv_bias,
-                )?,
+                conv_bias: t.opt(&format!("{m}.conv1d.bias"), &[c.conv_dim()], c.use_conv_bias)?,
                 dt_bias: t.get(&format!("{m}.dt_bias"), &[c.nheads])?,
                 a_log: t.get(&format!("{m}.A_log"), &[c.nheads])?,
                 d: t.get(&format!("{m}.D"), &[c.nheads])?,
@@ -288,12 +264,7 @@ impl Mamba2Weights {
         } else {
             Some(t.get("lm_head.weight", &[v, d])?)
         };
-        Ok(Self {
-            embedding,
-            layers,
-            norm_f,
-            lm_head,
-        })
+        Ok(Self { embedding, layers, norm_f, lm_head })
     }
 
     /// Visits every tensor under its canonical (HF) name, in a fixed order.
@@ -345,9 +316,7 @@ impl Mamba2Weights {
             h.update(name.as_bytes());
             h.update(&(data.len() as u64).to_le_bytes());
             // SAFETY: f32 has no padding and any byte pattern of it is a valid u8 sequence.
-            let bytes = unsafe {
-                std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), std::mem::size_of_val(data))
-            };
+            let bytes = unsafe { std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), std::mem::size_of_val(data)) };
             h.update(bytes);
         });
         format!("mamba2-{:032x}", h.digest128())
@@ -374,10 +343,7 @@ impl Mamba2Weights {
         let (d, di, v) = (c.d_model, c.d_inner(), c.vocab_size);
         let mut layers = Vec::with_capacity(c.n_layer);
         for _ in 0..c.n_layer {
-            let uniform01 = normal(c.nheads, 1.0)
-                .iter()
-                .map(|z| 0.5 * (1.0 + (z / 2.0).tanh()))
-                .collect::<Vec<_>>();
+            let uniform01 = normal(c.nheads, 1.0).iter().map(|z| 0.5 * (1.0 + (z / 2.0).tanh())).collect::<Vec<_>>();
             // dt = exp(U[ln 1e-3, ln 1e-1]); dt_bias = softplus⁻¹(dt).
             let dt_bias = uniform01
                 .iter()
@@ -393,15 +359,10 @@ impl Mamba2Weights {
                 conv_weight: normal(c.conv_dim() * c.d_conv, 1.0 / (c.d_conv as f32).sqrt()),
                 conv_bias: c.use_conv_bias.then(|| normal(c.conv_dim(), 0.1)),
                 dt_bias,
-                a_log: (0..c.nheads)
-                    .map(|h| (1.0 + 15.0 * h as f32 / c.nheads.max(2) as f32).ln())
-                    .collect(),
+                a_log: (0..c.nheads).map(|h| (1.0 + 15.0 * h as f32 / c.nheads.max(2) as f32).ln()).collect(),
                 d: normal(c.nheads, 0.1).iter().map(|x| 1.0 + x).collect(),
                 gated_norm: normal(di, 0.1).iter().map(|x| 1.0 + x).collect(),
-                out_proj: normal(
-                    d * di,
-                    1.0 / (di as f32).sqrt() / (2.0 * c.n_layer as f32).sqrt(),
-                ),
+                out_proj: normal(d * di, 1.0 / (di as f32).sqrt() / (2.0 * c.n_layer as f32).sqrt()),
                 out_proj_bias: c.use_bias.then(|| normal(d, 0.1)),
             });
         }
@@ -422,27 +383,17 @@ impl Mamba2Weights {
         let mut named: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
         let shapes = tensor_shapes(config);
         self.for_each(|name, data| {
-            let shape = shapes
-                .get(name)
-                .cloned()
-                .unwrap_or_else(|| vec![data.len()]);
-            named.push((
-                name.to_string(),
-                shape,
-                data.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            ));
+            let shape = shapes.get(name).cloned().unwrap_or_else(|| vec![data.len()]);
+            named.push((name.to_string(), shape, data.iter().flat_map(|v| v.to_le_bytes()).collect()));
         });
         let views = named
             .iter()
-            .map(|(n, s, b)| {
-                safetensors::tensor::TensorView::new(Dtype::F32, s.clone(), b)
-                    .map(|v| (n.clone(), v))
-            })
+            .map(|(n, s, b)| safetensors::tensor::TensorView::new(Dtype::F32, s.clone(), b).map(|v| (n.clone(), v)))
             .collect::<std::result::Result<Vec<_>, _>>()
             .map_err(|e| Error::weights(dir, e.to_string()))?;
         let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
-        let bytes = safetensors::tensor::serialize(views, Some(meta))
-            .map_err(|e| Error::weights(dir, e.to_string()))?;
+        let bytes =
+            safetensors::tensor::serialize(views, Some(meta)).map_err(|e| Error::weights(dir, e.to_string()))?;
         crate::state::write_atomic(&dir.join("model.safetensors"), &bytes)?;
         let cfg = serde_json::to_string_pretty(&config.to_hf_json()).expect("config serialises");
         crate::state::write_atomic(&dir.join("config.json"), cfg.as_bytes())
@@ -452,21 +403,12 @@ impl Mamba2Weights {
 /// Checkpoint shapes of the tensors that are not plain vectors.
 fn tensor_shapes(c: &Mamba2Config) -> HashMap<String, Vec<usize>> {
     let mut m = HashMap::new();
-    m.insert(
-        "backbone.embeddings.weight".to_string(),
-        vec![c.vocab_size, c.d_model],
-    );
+    m.insert("backbone.embeddings.weight".to_string(), vec![c.vocab_size, c.d_model]);
     m.insert("lm_head.weight".to_string(), vec![c.vocab_size, c.d_model]);
     for i in 0..c.n_layer {
         let p = format!("backbone.layers.{i}.mixer");
-        m.insert(
-            format!("{p}.in_proj.weight"),
-            vec![c.d_in_proj(), c.d_model],
-        );
-        m.insert(
-            format!("{p}.conv1d.weight"),
-            vec![c.conv_dim(), 1, c.d_conv],
-        );
+        m.insert(format!("{p}.in_proj.weight"), vec![c.d_in_proj(), c.d_model]);
+        m.insert(format!("{p}.conv1d.weight"), vec![c.conv_dim(), 1, c.d_conv]);
         m.insert(format!("{p}.out_proj.weight"), vec![c.d_model, c.d_inner()]);
     }
     m

@@ -11,18 +11,12 @@ use safetensors::{Dtype, SafeTensors};
 pub const CASES: [&str; 3] = ["g1", "g2", "g2-untied-bias"];
 
 pub fn case_dir(case: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../testdata/mamba2")
-        .join(case)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../testdata/mamba2").join(case)
 }
 
 pub fn load(case: &str, format: &str) -> Model {
-    let opts = LoadOptions {
-        tokenizer: None,
-        skip_tokenizer: true,
-    };
-    Model::load(&case_dir(case).join(format), &opts)
-        .unwrap_or_else(|e| panic!("{case}/{format}: {e}"))
+    let opts = LoadOptions { skip_tokenizer: true, ..Default::default() };
+    Model::load(&case_dir(case).join(format), &opts).unwrap_or_else(|e| panic!("{case}/{format}: {e}"))
 }
 
 /// The expected tensors of a case, as f32 (tokens as u32).
@@ -39,18 +33,10 @@ pub fn expected(case: &str) -> Expected {
     for (name, v) in st.tensors() {
         match v.dtype() {
             Dtype::I64 => {
-                tokens = v
-                    .data()
-                    .chunks_exact(8)
-                    .map(|b| i64::from_le_bytes(b.try_into().unwrap()) as u32)
-                    .collect();
+                tokens = v.data().chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap()) as u32).collect();
             }
             Dtype::F32 => {
-                let data = v
-                    .data()
-                    .chunks_exact(4)
-                    .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-                    .collect();
+                let data = v.data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
                 tensors.insert(name, (v.shape().to_vec(), data));
             }
             other => panic!("unexpected dtype {other:?}"),
@@ -61,31 +47,19 @@ pub fn expected(case: &str) -> Expected {
 
 impl Expected {
     pub fn get(&self, name: &str) -> &[f32] {
-        &self
-            .tensors
-            .get(name)
-            .unwrap_or_else(|| panic!("fixture lacks {name}"))
-            .1
+        &self.tensors.get(name).unwrap_or_else(|| panic!("fixture lacks {name}")).1
     }
 }
 
 /// max |a - b| / max(max |b|, 1e-6): error relative to the tensor's scale.
 pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
     assert_eq!(a.len(), b.len(), "length mismatch");
-    let scale = b
-        .iter()
-        .fold(0.0f64, |m, v| m.max(v.abs() as f64))
-        .max(1e-6);
-    let diff = a
-        .iter()
-        .zip(b)
-        .fold(0.0f64, |m, (x, y)| m.max((*x as f64 - *y as f64).abs()));
+    let scale = b.iter().fold(0.0f64, |m, v| m.max(v.abs() as f64)).max(1e-6);
+    let diff = a.iter().zip(b).fold(0.0f64, |m, (x, y)| m.max((*x as f64 - *y as f64).abs()));
     diff / scale
 }
 
 pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f64 {
     assert_eq!(a.len(), b.len(), "length mismatch");
-    a.iter()
-        .zip(b)
-        .fold(0.0f64, |m, (x, y)| m.max((*x as f64 - *y as f64).abs()))
+    a.iter().zip(b).fold(0.0f64, |m, (x, y)| m.max((*x as f64 - *y as f64).abs()))
 }

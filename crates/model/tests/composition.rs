@@ -23,20 +23,13 @@ fn segments() -> Vec<Vec<u32>> {
 fn proposition_1_caso_is_the_state_of_the_concatenation() {
     let model = tiny_model(1, 1, 11);
     let segs = segments();
-    let states: Vec<State> = segs
-        .iter()
-        .map(|s| model.prefill(s, &model.zero_state()).unwrap())
-        .collect();
+    let states: Vec<State> = segs.iter().map(|s| model.prefill(s, &model.zero_state()).unwrap()).collect();
     let refs: Vec<&State> = states.iter().collect();
     let concat: Vec<u32> = segs.concat();
     let whole = model.prefill(&concat, &model.zero_state()).unwrap();
     let caso = compose(Method::Caso, &refs, None).unwrap();
     let (x, y) = (&caso.layers[0], &whole.layers[0]);
-    assert!(
-        rel_err(&x.ssm, &y.ssm) < 1e-5,
-        "ssm differs by {}",
-        rel_err(&x.ssm, &y.ssm)
-    );
+    assert!(rel_err(&x.ssm, &y.ssm) < 1e-5, "ssm differs by {}", rel_err(&x.ssm, &y.ssm));
     assert!(rel_err(&x.log_decay, &y.log_decay) < 1e-5);
     assert_eq!(caso.n_tokens, whole.n_tokens);
     // Another order is another concatenation.
@@ -53,11 +46,7 @@ fn proposition_1_caso_is_the_state_of_the_concatenation() {
 }
 
 fn mean_abs_diff(a: &[f32], b: &[f32]) -> f64 {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (*x as f64 - *y as f64).abs())
-        .sum::<f64>()
-        / a.len() as f64
+    a.iter().zip(b).map(|(x, y)| (*x as f64 - *y as f64).abs()).sum::<f64>() / a.len() as f64
 }
 
 #[test]
@@ -66,38 +55,21 @@ fn caso_on_a_multi_layer_model_is_close_but_not_exact() {
     let fixture = load("g2", "hf");
     let random = tiny_model(4, 4, 21);
     let long: Vec<u32> = (0..120).map(|i| ((i * 29 + i / 7) % 61) as u32).collect();
-    for (name, model, tokens) in [
-        ("g2 fixture", &fixture, &exp.tokens[..]),
-        ("random 4-layer", &random, &long[..]),
-    ] {
+    for (name, model, tokens) in [("g2 fixture", &fixture, &exp.tokens[..]), ("random 4-layer", &random, &long[..])] {
         let third = tokens.len() / 3;
-        let (a, b, c) = (
-            &tokens[..third],
-            &tokens[third..2 * third],
-            &tokens[2 * third..],
-        );
+        let (a, b, c) = (&tokens[..third], &tokens[third..2 * third], &tokens[2 * third..]);
         let sa = model.prefill(a, &model.zero_state()).unwrap();
         let sb = model.prefill(b, &model.zero_state()).unwrap();
         let composed = compose(Method::Caso, &[&sa, &sb], None).unwrap();
         let from_composed = model.score(c, &composed).unwrap().logprobs;
-        let concat = model
-            .prefill(&tokens[..2 * third], &model.zero_state())
-            .unwrap();
+        let concat = model.prefill(&tokens[..2 * third], &model.zero_state()).unwrap();
         let from_concat = model.score(c, &concat).unwrap().logprobs;
         let naive = model.score(c, &model.zero_state()).unwrap().logprobs;
         let gap = mean_abs_diff(&from_composed, &from_concat);
         let naive_gap = mean_abs_diff(&naive, &from_concat);
-        eprintln!(
-            "{name}: mean |Δ logprob| vs concatenation: CASO {gap:.4}, no context {naive_gap:.4}"
-        );
-        assert!(
-            gap > 1e-5,
-            "{name}: a multi-layer model cannot compose exactly (gap {gap})"
-        );
-        assert!(
-            gap < naive_gap,
-            "{name}: the composed state should be closer to the concatenation than no context"
-        );
+        eprintln!("{name}: mean |Δ logprob| vs concatenation: CASO {gap:.4}, no context {naive_gap:.4}");
+        assert!(gap > 1e-5, "{name}: a multi-layer model cannot compose exactly (gap {gap})");
+        assert!(gap < naive_gap, "{name}: the composed state should be closer to the concatenation than no context");
     }
 }
 
@@ -118,10 +90,7 @@ fn one_state_composes_to_itself_and_identical_states_soup_to_themselves() {
 #[test]
 fn composed_log_decay_is_the_sum_and_composes_again() {
     let model = tiny_model(2, 4, 5);
-    let states: Vec<State> = segments()
-        .iter()
-        .map(|s| model.prefill(s, &model.zero_state()).unwrap())
-        .collect();
+    let states: Vec<State> = segments().iter().map(|s| model.prefill(s, &model.zero_state()).unwrap()).collect();
     let refs: Vec<&State> = states.iter().collect();
     let ab = compose(Method::Caso, &refs[..2], None).unwrap();
     for (l, layer) in ab.layers.iter().enumerate() {
@@ -144,35 +113,18 @@ fn bad_composition_input_is_refused() {
     let m2 = tiny_model(2, 4, 2);
     let s1 = m1.prefill(&[1, 2, 3], &m1.zero_state()).unwrap();
     let s2 = m2.prefill(&[1, 2, 3], &m2.zero_state()).unwrap();
-    let err = compose(Method::Soup, &[&s1, &s2], None)
-        .unwrap_err()
-        .to_string();
+    let err = compose(Method::Soup, &[&s1, &s2], None).unwrap_err().to_string();
     assert!(err.contains("made by model"), "{err}");
-    assert!(compose(Method::Soup, &[], None)
-        .unwrap_err()
-        .to_string()
-        .contains("no contexts"));
-    let err = compose(Method::Caso, &[&s1, &s1], Some(&[0, 0]))
-        .unwrap_err()
-        .to_string();
+    assert!(compose(Method::Soup, &[], None).unwrap_err().to_string().contains("no contexts"));
+    let err = compose(Method::Caso, &[&s1, &s1], Some(&[0, 0])).unwrap_err().to_string();
     assert!(err.contains("not a permutation"), "{err}");
     let mut bad = s1.clone();
     bad.layers[1].ssm[3] = f32::NAN;
-    let err = compose(Method::PicasoR, &[&s1, &bad], None)
-        .unwrap_err()
-        .to_string();
-    assert!(
-        err.contains("state 1") && err.contains("non-finite"),
-        "{err}"
-    );
+    let err = compose(Method::PicasoR, &[&s1, &bad], None).unwrap_err().to_string();
+    assert!(err.contains("state 1") && err.contains("non-finite"), "{err}");
     let other_shape = tiny_model(3, 4, 1);
-    let s3 = other_shape
-        .prefill(&[1], &other_shape.zero_state())
-        .unwrap();
+    let s3 = other_shape.prefill(&[1], &other_shape.zero_state()).unwrap();
     let mut s3 = s3;
     s3.fingerprint = s1.fingerprint.clone();
-    assert!(compose(Method::Soup, &[&s1, &s3], None)
-        .unwrap_err()
-        .to_string()
-        .contains("shape"));
+    assert!(compose(Method::Soup, &[&s1, &s3], None).unwrap_err().to_string().contains("shape"));
 }

@@ -22,34 +22,16 @@ fn scoring_continues_exactly_from_a_saved_state_at_any_split() {
         let tokens = &exp.tokens;
         let full = model.score(tokens, &model.zero_state()).unwrap();
         for split in 1..tokens.len() - 1 {
-            let a = roundtrip(
-                &model
-                    .prefill(&tokens[..split], &model.zero_state())
-                    .unwrap(),
-                StateDtype::F32,
-            );
+            let a = roundtrip(&model.prefill(&tokens[..split], &model.zero_state()).unwrap(), StateDtype::F32);
             // b = tokens[split..]: its first token is context, the rest are scored from the state.
             let b = model.score(&tokens[split..], &a).unwrap();
             let err = max_abs_diff(&b.logprobs, &full.logprobs[split..]);
-            assert!(
-                err < 1e-5,
-                "{case} split {split}: continuation differs by {err}"
-            );
+            assert!(err < 1e-5, "{case} split {split}: continuation differs by {err}");
             // With the last token of a as context, every token of b is scored.
-            let a1 = roundtrip(
-                &model
-                    .prefill(&tokens[..split - 1], &model.zero_state())
-                    .unwrap(),
-                StateDtype::F32,
-            );
-            let bb = model
-                .score_continuation(&tokens[split - 1..split], &tokens[split..], &a1)
-                .unwrap();
+            let a1 = roundtrip(&model.prefill(&tokens[..split - 1], &model.zero_state()).unwrap(), StateDtype::F32);
+            let bb = model.score_continuation(&tokens[split - 1..split], &tokens[split..], &a1).unwrap();
             let err = max_abs_diff(&bb.logprobs, &full.logprobs[split - 1..]);
-            assert!(
-                err < 1e-5,
-                "{case} split {split}: score_continuation differs by {err}"
-            );
+            assert!(err < 1e-5, "{case} split {split}: score_continuation differs by {err}");
         }
         let a = model.prefill(&tokens[..13], &model.zero_state()).unwrap();
         let b = model.prefill(&tokens[13..], &a).unwrap();
@@ -67,14 +49,9 @@ fn bf16_states_continue_within_tolerance() {
         let exp = expected(case);
         let model = load(case, "hf");
         let full = model.score(&exp.tokens, &model.zero_state()).unwrap();
-        let a = model
-            .prefill(&exp.tokens[..13], &model.zero_state())
-            .unwrap();
+        let a = model.prefill(&exp.tokens[..13], &model.zero_state()).unwrap();
         let a16 = roundtrip(&a, StateDtype::Bf16);
-        assert_eq!(
-            a16.layers[0].log_decay, a.layers[0].log_decay,
-            "log-decays are stored exactly"
-        );
+        assert_eq!(a16.layers[0].log_decay, a.layers[0].log_decay, "log-decays are stored exactly");
         let cont = model.score(&exp.tokens[13..], &a16).unwrap();
         let err = max_abs_diff(&cont.logprobs, &full.logprobs[13..]);
         assert!(err < 0.05, "{case}: bf16 continuation differs by {err}");
@@ -87,9 +64,7 @@ fn step_path_equals_chunked_prefill() {
         let exp = expected(case);
         let model = load(case, "hf");
         let v = model.config().vocab_size;
-        let (chunked, end) = model
-            .forward_all_logits(&exp.tokens, &model.zero_state())
-            .unwrap();
+        let (chunked, end) = model.forward_all_logits(&exp.tokens, &model.zero_state()).unwrap();
         let mut state = model.zero_state();
         for (i, &t) in exp.tokens.iter().enumerate() {
             let logits = model.step(t, &mut state).unwrap();
@@ -114,11 +89,7 @@ fn prefill_in_chunks_equals_one_prefill() {
         s = model.prefill(chunk, &s).unwrap();
     }
     for (x, y) in s.layers.iter().zip(&whole.layers) {
-        assert!(
-            rel_err(&x.ssm, &y.ssm) < 1e-5,
-            "{}",
-            rel_err(&x.ssm, &y.ssm)
-        );
+        assert!(rel_err(&x.ssm, &y.ssm) < 1e-5, "{}", rel_err(&x.ssm, &y.ssm));
         assert!(rel_err(&x.conv, &y.conv) < 1e-6);
         assert!(rel_err(&x.log_decay, &y.log_decay) < 1e-5);
     }

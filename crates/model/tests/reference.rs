@@ -28,27 +28,14 @@ fn states_match_transformers() {
         let exp = expected(case);
         for format in FORMATS {
             let model = load(case, format);
-            for (prefix, len) in [
-                ("short", 2usize),
-                ("prefix", 13),
-                ("full", exp.tokens.len()),
-            ] {
-                let state = model
-                    .prefill(&exp.tokens[..len], &model.zero_state())
-                    .unwrap();
+            for (prefix, len) in [("short", 2usize), ("prefix", 13), ("full", exp.tokens.len())] {
+                let state = model.prefill(&exp.tokens[..len], &model.zero_state()).unwrap();
                 assert_eq!(state.n_tokens, len as u64);
                 for (i, layer) in state.layers.iter().enumerate() {
-                    for (name, got) in [
-                        ("ssm", &layer.ssm),
-                        ("conv", &layer.conv),
-                        ("log_decay", &layer.log_decay),
-                    ] {
+                    for (name, got) in [("ssm", &layer.ssm), ("conv", &layer.conv), ("log_decay", &layer.log_decay)] {
                         let key = format!("{prefix}.layers.{i}.{name}");
                         let err = rel_err(got, exp.get(&key));
-                        assert!(
-                            err < 1e-5,
-                            "{case}/{format}: {key} differs by {err} (relative)"
-                        );
+                        assert!(err < 1e-5, "{case}/{format}: {key} differs by {err} (relative)");
                     }
                 }
             }
@@ -64,8 +51,48 @@ fn both_layouts_give_the_same_fingerprint() {
         assert_eq!(a.fingerprint(), b.fingerprint(), "{case}");
         assert_eq!(a.config().vocab_size, b.config().vocab_size);
     }
-    assert_ne!(
-        load("g1", "hf").fingerprint(),
-        load("g2", "hf").fingerprint()
-    );
+    assert_ne!(load("g1", "hf").fingerprint(), load("g2", "hf").fingerprint());
+}
+
+/// The device-generic candle engine (here on the CPU) is held to the same reference.
+#[test]
+fn candle_engine_matches_transformers() {
+    use picaso_model::{Backend, LoadOptions, Model};
+    for case in CASES {
+        let exp = expected(case);
+        let opts =
+            LoadOptions { backend: "candle-cpu".parse::<Backend>().unwrap(), tokenizer: None, skip_tokenizer: true };
+        let model = Model::load(&case_dir(case).join("hf"), &opts).unwrap();
+        let scored = model.score(&exp.tokens, &model.zero_state()).unwrap();
+        let err = max_abs_diff(&scored.logprobs, exp.get("logprobs"));
+        assert!(err < 1e-4, "{case}: candle logprobs differ by {err}");
+        // From a state, continuing: states and log-probs as the reference.
+        let prefix = model.prefill(&exp.tokens[..13], &model.zero_state()).unwrap();
+        for (i, layer) in prefix.layers.iter().enumerate() {
+            for (name, got) in [("ssm", &layer.ssm), ("conv", &layer.conv), ("log_decay", &layer.log_decay)] {
+                let key = format!("prefix.layers.{i}.{name}");
+                assert!(rel_err(got, exp.get(&key)) < 1e-5, "{case}: candle {key}");
+            }
+        }
+        let cont = model.score(&exp.tokens[13..], &prefix).unwrap();
+        assert!(max_abs_diff(&cont.logprobs, &exp.get("logprobs")[13..]) < 1e-4);
+    }
+}
+
+#[test]
+fn candle_and_cpu_engines_agree_on_a_longer_sequence() {
+    use picaso_model::{Backend, Mamba2Config, Mamba2Weights, Model};
+    let config = Mamba2Config::tiny(3, 4);
+    let weights = Mamba2Weights::random(&config, 9);
+    let cpu = Model::from_weights(config.clone(), weights.clone(), None);
+    let gen = Model::from_weights_on(config, weights, None, &"candle-cpu".parse::<Backend>().unwrap()).unwrap();
+    assert_eq!(cpu.fingerprint(), gen.fingerprint());
+    let tokens: Vec<u32> = (0..150).map(|i| (i * 17 % 61) as u32).collect();
+    let a = cpu.score(&tokens, &cpu.zero_state()).unwrap();
+    let b = gen.score(&tokens, &gen.zero_state()).unwrap();
+    assert!(max_abs_diff(&a.logprobs, &b.logprobs) < 1e-4);
+    for (x, y) in a.state.layers.iter().zip(&b.state.layers) {
+        assert!(rel_err(&x.ssm, &y.ssm) < 1e-5 && rel_err(&x.conv, &y.conv) < 1e-6);
+        assert!(rel_err(&x.log_decay, &y.log_decay) < 1e-5);
+    }
 }

@@ -155,15 +155,7 @@ fn prefetch_l2(p: *const f32) {
 
 /// out (m×n) (+)= x (m×k) · wᵀ, with w stored (n×k) row-major as in PyTorch checkpoints.
 /// Rows of x are independent; one row uses a bandwidth-bound matrix-vector kernel, more use gemm.
-pub fn matmul_t(
-    x: &[f32],
-    m: usize,
-    k: usize,
-    w: &[f32],
-    n: usize,
-    out: &mut [f32],
-    accumulate: bool,
-) {
+pub fn matmul_t(x: &[f32], m: usize, k: usize, w: &[f32], n: usize, out: &mut [f32], accumulate: bool) {
     assert_eq!(x.len(), m * k, "matmul_t: x is not m×k");
     assert_eq!(w.len(), n * k, "matmul_t: w is not n×k");
     assert_eq!(out.len(), m * n, "matmul_t: out is not m×n");
@@ -177,11 +169,7 @@ pub fn matmul_t(
         return;
     }
     let threads = rayon::current_num_threads();
-    let parallelism = if threads > 1 {
-        gemm::Parallelism::Rayon(threads)
-    } else {
-        gemm::Parallelism::None
-    };
+    let parallelism = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
     // SAFETY: the asserts above guarantee every strided access stays inside the three slices.
     unsafe {
         gemm::gemm(
@@ -338,12 +326,8 @@ mod tests {
     #[test]
     fn matvec_equals_gemm_and_naive() {
         let (m, k, n) = (3, 70, 37);
-        let x: Vec<f32> = (0..m * k)
-            .map(|i| ((i * 7 % 13) as f32 - 6.0) / 7.0)
-            .collect();
-        let w: Vec<f32> = (0..n * k)
-            .map(|i| ((i * 5 % 11) as f32 - 5.0) / 9.0)
-            .collect();
+        let x: Vec<f32> = (0..m * k).map(|i| ((i * 7 % 13) as f32 - 6.0) / 7.0).collect();
+        let w: Vec<f32> = (0..n * k).map(|i| ((i * 5 % 11) as f32 - 5.0) / 9.0).collect();
         let naive: Vec<f32> = (0..m * n)
             .map(|ij| {
                 let (i, j) = (ij / n, ij % n);

@@ -56,11 +56,7 @@ impl CpuMamba2 {
                 }
             })
             .collect();
-        Self {
-            config,
-            weights,
-            layers,
-        }
+        Self { config, weights, layers }
     }
 
     /// The config.
@@ -87,32 +83,17 @@ impl CpuMamba2 {
             let tok = tok as usize;
             row.copy_from_slice(&self.weights.embedding[tok * d..(tok + 1) * d]);
         }
-        for ((lw, ex), ls) in self
-            .weights
-            .layers
-            .iter()
-            .zip(&self.layers)
-            .zip(&mut state.layers)
-        {
+        for ((lw, ex), ls) in self.weights.layers.iter().zip(&self.layers).zip(&mut state.layers) {
             self.layer(lw, ex, ls, &mut h, t);
         }
         let mut out = vec![0.0f32; t * d];
-        rows_par(&h, &mut out, d, d, |x, o| {
-            kernels::rmsnorm(x, &self.weights.norm_f, self.config.norm_eps as f32, o)
-        });
+        rows_par(&h, &mut out, d, d, |x, o| kernels::rmsnorm(x, &self.weights.norm_f, self.config.norm_eps as f32, o));
         state.n_tokens += t as u64;
         out
     }
 
     /// One Mamba-2 block on `h` (T × d_model), residual included.
-    fn layer(
-        &self,
-        lw: &LayerWeights,
-        ex: &LayerExtras,
-        ls: &mut LayerState,
-        h: &mut [f32],
-        t: usize,
-    ) {
+    fn layer(&self, lw: &LayerWeights, ex: &LayerExtras, ls: &mut LayerState, h: &mut [f32], t: usize) {
         let c = &self.config;
         let (d, di, conv_dim, k) = (c.d_model, c.d_inner(), c.conv_dim(), c.d_conv);
         let (nh, p, n, g) = (c.nheads, c.headdim, c.d_state, c.n_groups);
@@ -120,9 +101,7 @@ impl CpuMamba2 {
 
         // Pre-norm and in_proj: zxbcdt (T × width) = [z | xBC | dt].
         let mut xn = vec![0.0f32; t * d];
-        rows_par(h, &mut xn, d, d, |x, o| {
-            kernels::rmsnorm(x, &lw.norm, c.norm_eps as f32, o)
-        });
+        rows_par(h, &mut xn, d, d, |x, o| kernels::rmsnorm(x, &lw.norm, c.norm_eps as f32, o));
         let mut zxbcdt = vec![0.0f32; t * width];
         kernels::matmul_t(&xn, t, d, &lw.in_proj, width, &mut zxbcdt, false);
         if let Some(b) = &lw.in_proj_bias {
@@ -137,27 +116,22 @@ impl CpuMamba2 {
                 seq[j * conv_dim + ch] = ls.conv[ch * tail + j];
             }
         }
-        for (dst, src) in seq[tail * conv_dim..]
-            .chunks_exact_mut(conv_dim)
-            .zip(zxbcdt.chunks_exact(width))
-        {
+        for (dst, src) in seq[tail * conv_dim..].chunks_exact_mut(conv_dim).zip(zxbcdt.chunks_exact(width)) {
             dst.copy_from_slice(&src[di..di + conv_dim]);
         }
         let mut xbc = vec![0.0f32; t * conv_dim];
-        xbc.par_chunks_mut(ROW_CHUNK * conv_dim)
-            .enumerate()
-            .for_each(|(i, o)| {
-                let start = i * ROW_CHUNK * conv_dim;
-                let rows = o.len() / conv_dim;
-                kernels::conv_silu(
-                    &seq[start..start + (rows + tail) * conv_dim],
-                    &ex.conv_wt,
-                    &ex.conv_bias,
-                    conv_dim,
-                    k,
-                    o,
-                );
-            });
+        xbc.par_chunks_mut(ROW_CHUNK * conv_dim).enumerate().for_each(|(i, o)| {
+            let start = i * ROW_CHUNK * conv_dim;
+            let rows = o.len() / conv_dim;
+            kernels::conv_silu(
+                &seq[start..start + (rows + tail) * conv_dim],
+                &ex.conv_wt,
+                &ex.conv_bias,
+                conv_dim,
+                k,
+                o,
+            );
+        });
         for ch in 0..conv_dim {
             for j in 0..tail {
                 ls.conv[ch * tail + j] = seq[(t + j) * conv_dim + ch];
@@ -184,35 +158,30 @@ impl CpuMamba2 {
         // Selective scan, one head per task; y is head-major (H × T × P).
         let heads_per_group = nh / g;
         let mut y = vec![0.0f32; nh * t * p];
-        ls.ssm
-            .par_chunks_mut(p * n)
-            .zip(y.par_chunks_mut(t * p))
-            .enumerate()
-            .for_each(|(hd, (s, yh))| {
-                let grp = hd / heads_per_group;
-                kernels::scan_head(
-                    s,
-                    &xbc,
-                    conv_dim,
-                    hd * p,
-                    di + grp * n,
-                    di + g * n + grp * n,
-                    p,
-                    n,
-                    &dt[hd * t..(hd + 1) * t],
-                    &decay[hd * t..(hd + 1) * t],
-                    lw.d[hd],
-                    yh,
-                );
-            });
+        ls.ssm.par_chunks_mut(p * n).zip(y.par_chunks_mut(t * p)).enumerate().for_each(|(hd, (s, yh))| {
+            let grp = hd / heads_per_group;
+            kernels::scan_head(
+                s,
+                &xbc,
+                conv_dim,
+                hd * p,
+                di + grp * n,
+                di + g * n + grp * n,
+                p,
+                n,
+                &dt[hd * t..(hd + 1) * t],
+                &decay[hd * t..(hd + 1) * t],
+                lw.d[hd],
+                yh,
+            );
+        });
 
         // Gated RMSNorm per token, then out_proj added onto the residual stream.
         let mut gated = vec![0.0f32; t * di];
         gated.par_chunks_mut(di).enumerate().for_each(|(ti, o)| {
             let mut yt = vec![0.0f32; di];
             for hd in 0..nh {
-                yt[hd * p..(hd + 1) * p]
-                    .copy_from_slice(&y[(hd * t + ti) * p..(hd * t + ti + 1) * p]);
+                yt[hd * p..(hd + 1) * p].copy_from_slice(&y[(hd * t + ti) * p..(hd * t + ti + 1) * p]);
             }
             let z = &zxbcdt[ti * width..ti * width + di];
             kernels::gated_rmsnorm(&yt, z, &lw.gated_norm, di / g, c.gated_norm_eps as f32, o);
@@ -225,10 +194,7 @@ impl CpuMamba2 {
 
     /// The LM head matrix (vocab × d_model).
     pub fn head(&self) -> &[f32] {
-        self.weights
-            .lm_head
-            .as_deref()
-            .unwrap_or(&self.weights.embedding)
+        self.weights.lm_head.as_deref().unwrap_or(&self.weights.embedding)
     }
 
     /// Logits (rows × vocab) of `rows` final hidden states.
@@ -263,19 +229,11 @@ impl CpuMamba2 {
 }
 
 /// Applies `f(input_row_block, output_row_block)` over row blocks in parallel.
-fn rows_par(
-    x: &[f32],
-    out: &mut [f32],
-    din: usize,
-    dout: usize,
-    f: impl Fn(&[f32], &mut [f32]) + Sync,
-) {
-    out.par_chunks_mut(ROW_CHUNK * dout)
-        .enumerate()
-        .for_each(|(i, o)| {
-            let rows = o.len() / dout;
-            f(&x[i * ROW_CHUNK * din..(i * ROW_CHUNK + rows) * din], o);
-        });
+fn rows_par(x: &[f32], out: &mut [f32], din: usize, dout: usize, f: impl Fn(&[f32], &mut [f32]) + Sync) {
+    out.par_chunks_mut(ROW_CHUNK * dout).enumerate().for_each(|(i, o)| {
+        let rows = o.len() / dout;
+        f(&x[i * ROW_CHUNK * din..(i * ROW_CHUNK + rows) * din], o);
+    });
 }
 
 fn add_bias_rows(x: &mut [f32], bias: &[f32]) {
