@@ -38,6 +38,7 @@ pub mod weights;
 
 pub use composition::{compose, compose_into};
 pub use config::{CheckpointFormat, Mamba2Config};
+pub use cpu::WeightDtype;
 pub use error::{Error, Result};
 pub use generate::{generate, GenerateOptions, Generation, StopReason};
 pub use model::{Backend, LoadOptions, Model, Scored};

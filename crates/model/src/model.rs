@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use crate::candle_engine::CandleMamba2;
 use crate::config::Mamba2Config;
-use crate::cpu::CpuMamba2;
+use crate::cpu::{CpuMamba2, WeightDtype};
 use crate::error::{Error, Result};
 use crate::state::{State, StateShape};
 use crate::tokenizer::TextTokenizer;
@@ -56,30 +56,22 @@ impl std::str::FromStr for Backend {
 #[derive(Debug)]
 enum Engine {
     Cpu(CpuMamba2),
-    Candle { engine: CandleMamba2, weights: Box<Mamba2Weights>, config: Mamba2Config },
+    Candle { engine: CandleMamba2, config: Mamba2Config },
 }
 
 impl Engine {
-    fn new(config: Mamba2Config, weights: Mamba2Weights, backend: &Backend) -> Result<Self> {
+    fn new(config: Mamba2Config, weights: Mamba2Weights, backend: &Backend, dtype: WeightDtype) -> Result<Self> {
         Ok(match backend {
-            Backend::Cpu => Engine::Cpu(CpuMamba2::new(config, weights)),
-            Backend::Candle { device, dtype } => Engine::Candle {
-                engine: CandleMamba2::new(&config, &weights, device, *dtype)?,
-                weights: Box::new(weights),
-                config,
-            },
+            Backend::Cpu => Engine::Cpu(CpuMamba2::new(config, weights, dtype)),
+            Backend::Candle { device, dtype } => {
+                Engine::Candle { engine: CandleMamba2::new(&config, &weights, device, *dtype)?, config }
+            }
         })
     }
     fn config(&self) -> &Mamba2Config {
         match self {
             Engine::Cpu(e) => e.config(),
             Engine::Candle { config, .. } => config,
-        }
-    }
-    fn weights(&self) -> &Mamba2Weights {
-        match self {
-            Engine::Cpu(e) => e.weights(),
-            Engine::Candle { weights, .. } => weights,
         }
     }
     fn forward(&self, tokens: &[u32], state: &mut State) -> Result<Vec<f32>> {
@@ -115,6 +107,8 @@ impl Engine {
 pub struct LoadOptions {
     /// The engine (default: the CPU fast path).
     pub backend: Backend,
+    /// Storage of the large matrices on the CPU engine (bf16 halves memory and decode time).
+    pub weight_dtype: WeightDtype,
     /// A `tokenizer.json` to use instead of the one in the model folder.
     pub tokenizer: Option<PathBuf>,
     /// Load without any tokenizer (token-id-only use); otherwise a missing tokenizer is an error
@@ -165,13 +159,14 @@ impl Model {
                 Err(e) => (None, Some(format!("{e}; pass --tokenizer PATH to a tokenizer.json"))),
             }
         };
-        let engine = Engine::new(config, weights, &options.backend)?;
+        let engine = Engine::new(config, weights, &options.backend, options.weight_dtype)?;
         Ok(Self { dir: dir.to_path_buf(), fingerprint, n_params, engine, tokenizer, tokenizer_error })
     }
 
     /// Builds a model on the CPU engine from weights already in memory (tests, training).
     pub fn from_weights(config: Mamba2Config, weights: Mamba2Weights, tokenizer: Option<TextTokenizer>) -> Self {
-        Self::from_weights_on(config, weights, tokenizer, &Backend::Cpu).expect("the CPU engine cannot fail to build")
+        Self::from_weights_on(config, weights, tokenizer, &Backend::Cpu, WeightDtype::F32)
+            .expect("the CPU engine cannot fail to build")
     }
 
     /// Builds a model on `backend` from weights already in memory.
@@ -180,6 +175,7 @@ impl Model {
         weights: Mamba2Weights,
         tokenizer: Option<TextTokenizer>,
         backend: &Backend,
+        weight_dtype: WeightDtype,
     ) -> Result<Self> {
         let fingerprint = weights.fingerprint(&config);
         let n_params = weights.n_params();
@@ -187,7 +183,7 @@ impl Model {
             dir: PathBuf::new(),
             fingerprint,
             n_params,
-            engine: Engine::new(config, weights, backend)?,
+            engine: Engine::new(config, weights, backend, weight_dtype)?,
             tokenizer_error: tokenizer.is_none().then(|| "no tokenizer".to_string()),
             tokenizer,
         })
@@ -200,10 +196,6 @@ impl Model {
     /// The config.
     pub fn config(&self) -> &Mamba2Config {
         self.engine.config()
-    }
-    /// The weights.
-    pub fn weights(&self) -> &Mamba2Weights {
-        self.engine.weights()
     }
     /// The fingerprint every state of this model carries.
     pub fn fingerprint(&self) -> &str {

@@ -94,3 +94,30 @@ fn prefill_in_chunks_equals_one_prefill() {
         assert!(rel_err(&x.log_decay, &y.log_decay) < 1e-5);
     }
 }
+
+#[test]
+fn bf16_weights_stay_close_to_f32_and_keep_the_markov_property() {
+    use picaso_model::{Backend, WeightDtype};
+    let config = Mamba2Config::tiny(3, 4);
+    let weights = Mamba2Weights::random(&config, 17);
+    let f32m = Model::from_weights(config.clone(), weights.clone(), None);
+    let bf16 = Model::from_weights_on(config, weights, None, &Backend::Cpu, WeightDtype::Bf16).unwrap();
+    let tokens: Vec<u32> = (0..96).map(|i| (i * 23 % 61) as u32).collect();
+    let a = f32m.score(&tokens, &f32m.zero_state()).unwrap();
+    let b = bf16.score(&tokens, &bf16.zero_state()).unwrap();
+    let err = max_abs_diff(&a.logprobs, &b.logprobs);
+    let mean = a.logprobs.iter().zip(&b.logprobs).map(|(x, y)| (x - y).abs() as f64).sum::<f64>() / a.logprobs.len() as f64;
+    eprintln!("bf16 weights: max |Δ logprob| {err:.4}, mean {mean:.4}");
+    assert!(err > 0.0 && err < 0.2 && mean < 0.03, "bf16 weights change log-probs by {err} (mean {mean})");
+    // Prefill (gemm on widened tiles) and decode (bf16 matrix-vector) agree with each other.
+    let v = bf16.config().vocab_size;
+    let (all, _) = bf16.forward_all_logits(&tokens, &bf16.zero_state()).unwrap();
+    let mut s = bf16.zero_state();
+    for (i, &t) in tokens.iter().enumerate() {
+        let l = bf16.step(t, &mut s).unwrap();
+        assert!(max_abs_diff(&l, &all[i * v..(i + 1) * v]) < 1e-4);
+    }
+    let half = bf16.prefill(&tokens[..40], &bf16.zero_state()).unwrap();
+    let cont = bf16.score(&tokens[40..], &half).unwrap();
+    assert!(max_abs_diff(&cont.logprobs, &b.logprobs[40..]) < 1e-5);
+}

@@ -61,7 +61,7 @@ fn candle_engine_matches_transformers() {
     for case in CASES {
         let exp = expected(case);
         let opts =
-            LoadOptions { backend: "candle-cpu".parse::<Backend>().unwrap(), tokenizer: None, skip_tokenizer: true };
+            LoadOptions { backend: "candle-cpu".parse::<Backend>().unwrap(), skip_tokenizer: true, ..Default::default() };
         let model = Model::load(&case_dir(case).join("hf"), &opts).unwrap();
         let scored = model.score(&exp.tokens, &model.zero_state()).unwrap();
         let err = max_abs_diff(&scored.logprobs, exp.get("logprobs"));
@@ -85,7 +85,9 @@ fn candle_and_cpu_engines_agree_on_a_longer_sequence() {
     let config = Mamba2Config::tiny(3, 4);
     let weights = Mamba2Weights::random(&config, 9);
     let cpu = Model::from_weights(config.clone(), weights.clone(), None);
-    let gen = Model::from_weights_on(config, weights, None, &"candle-cpu".parse::<Backend>().unwrap()).unwrap();
+    let gen =
+        Model::from_weights_on(config, weights, None, &"candle-cpu".parse::<Backend>().unwrap(), Default::default())
+            .unwrap();
     assert_eq!(cpu.fingerprint(), gen.fingerprint());
     let tokens: Vec<u32> = (0..150).map(|i| (i * 17 % 61) as u32).collect();
     let a = cpu.score(&tokens, &cpu.zero_state()).unwrap();

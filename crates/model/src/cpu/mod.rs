@@ -11,37 +11,72 @@ use rayon::prelude::*;
 
 use crate::config::Mamba2Config;
 use crate::state::{LayerState, State};
-use crate::weights::{LayerWeights, Mamba2Weights};
+use crate::weights::Mamba2Weights;
+use kernels::Matrix;
 
 /// Rows per rayon task for row-wise work (conv, norms); small enough to balance two cores.
 const ROW_CHUNK: usize = 16;
+
+/// Storage precision of the large matrices (projections, embedding, LM head). Small tensors
+/// (norms, conv, dt, A, D) and all arithmetic stay f32.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WeightDtype {
+    /// Exact.
+    #[default]
+    F32,
+    /// Half the bytes, so decode (which streams every weight per token) runs about twice as fast.
+    Bf16,
+}
+
+impl std::str::FromStr for WeightDtype {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "f32" => Ok(Self::F32),
+            "bf16" => Ok(Self::Bf16),
+            other => Err(format!("unknown weight dtype {other:?}: use f32 or bf16")),
+        }
+    }
+}
 
 /// A Mamba-2 model ready to run on the CPU.
 #[derive(Debug)]
 pub struct CpuMamba2 {
     config: Mamba2Config,
-    weights: Mamba2Weights,
-    layers: Vec<LayerExtras>,
+    embedding: Matrix,
+    /// Untied LM head; `None` uses the embedding.
+    lm_head: Option<Matrix>,
+    norm_f: Vec<f32>,
+    layers: Vec<CpuLayer>,
 }
 
-/// Per-layer values derived once from the weights.
+/// One block, laid out for the kernels.
 #[derive(Debug)]
-struct LayerExtras {
+struct CpuLayer {
+    norm: Vec<f32>,
+    in_proj: Matrix,
+    in_proj_bias: Option<Vec<f32>>,
     /// Conv kernel transposed to (K, C) so each tap is a contiguous row.
     conv_wt: Vec<f32>,
     /// Conv bias (zeros when the model has none).
     conv_bias: Vec<f32>,
+    dt_bias: Vec<f32>,
     /// A = -exp(A_log) per head.
     a: Vec<f32>,
+    d: Vec<f32>,
+    gated_norm: Vec<f32>,
+    out_proj: Matrix,
+    out_proj_bias: Option<Vec<f32>>,
 }
 
 impl CpuMamba2 {
-    /// Takes ownership of validated weights.
-    pub fn new(config: Mamba2Config, weights: Mamba2Weights) -> Self {
+    /// Takes ownership of validated weights, storing the large matrices in `dtype`.
+    pub fn new(config: Mamba2Config, weights: Mamba2Weights, dtype: WeightDtype) -> Self {
         let (c, k) = (config.conv_dim(), config.d_conv);
+        let mat = |v: Vec<f32>| Matrix::new(v, dtype);
         let layers = weights
             .layers
-            .iter()
+            .into_iter()
             .map(|l| {
                 let mut conv_wt = vec![0.0; k * c];
                 for ch in 0..c {
@@ -49,24 +84,33 @@ impl CpuMamba2 {
                         conv_wt[j * c + ch] = l.conv_weight[ch * k + j];
                     }
                 }
-                LayerExtras {
+                CpuLayer {
+                    norm: l.norm,
+                    in_proj: mat(l.in_proj),
+                    in_proj_bias: l.in_proj_bias,
                     conv_wt,
-                    conv_bias: l.conv_bias.clone().unwrap_or_else(|| vec![0.0; c]),
+                    conv_bias: l.conv_bias.unwrap_or_else(|| vec![0.0; c]),
+                    dt_bias: l.dt_bias,
                     a: l.a_log.iter().map(|v| -v.exp()).collect(),
+                    d: l.d,
+                    gated_norm: l.gated_norm,
+                    out_proj: mat(l.out_proj),
+                    out_proj_bias: l.out_proj_bias,
                 }
             })
             .collect();
-        Self { config, weights, layers }
+        Self {
+            config,
+            embedding: mat(weights.embedding),
+            lm_head: weights.lm_head.map(mat),
+            norm_f: weights.norm_f,
+            layers,
+        }
     }
 
     /// The config.
     pub fn config(&self) -> &Mamba2Config {
         &self.config
-    }
-
-    /// The weights.
-    pub fn weights(&self) -> &Mamba2Weights {
-        &self.weights
     }
 
     /// Runs `tokens` from `state` (updated in place) and returns the final-normed hidden
@@ -80,20 +124,19 @@ impl CpuMamba2 {
         }
         let mut h = vec![0.0f32; t * d];
         for (row, &tok) in h.chunks_exact_mut(d).zip(tokens) {
-            let tok = tok as usize;
-            row.copy_from_slice(&self.weights.embedding[tok * d..(tok + 1) * d]);
+            self.embedding.row_into(tok as usize, row);
         }
-        for ((lw, ex), ls) in self.weights.layers.iter().zip(&self.layers).zip(&mut state.layers) {
-            self.layer(lw, ex, ls, &mut h, t);
+        for (lw, ls) in self.layers.iter().zip(&mut state.layers) {
+            self.layer(lw, ls, &mut h, t);
         }
         let mut out = vec![0.0f32; t * d];
-        rows_par(&h, &mut out, d, d, |x, o| kernels::rmsnorm(x, &self.weights.norm_f, self.config.norm_eps as f32, o));
+        rows_par(&h, &mut out, d, d, |x, o| kernels::rmsnorm(x, &self.norm_f, self.config.norm_eps as f32, o));
         state.n_tokens += t as u64;
         out
     }
 
     /// One Mamba-2 block on `h` (T × d_model), residual included.
-    fn layer(&self, lw: &LayerWeights, ex: &LayerExtras, ls: &mut LayerState, h: &mut [f32], t: usize) {
+    fn layer(&self, lw: &CpuLayer, ls: &mut LayerState, h: &mut [f32], t: usize) {
         let c = &self.config;
         let (d, di, conv_dim, k) = (c.d_model, c.d_inner(), c.conv_dim(), c.d_conv);
         let (nh, p, n, g) = (c.nheads, c.headdim, c.d_state, c.n_groups);
@@ -125,8 +168,8 @@ impl CpuMamba2 {
             let rows = o.len() / conv_dim;
             kernels::conv_silu(
                 &seq[start..start + (rows + tail) * conv_dim],
-                &ex.conv_wt,
-                &ex.conv_bias,
+                &lw.conv_wt,
+                &lw.conv_bias,
                 conv_dim,
                 k,
                 o,
@@ -143,7 +186,7 @@ impl CpuMamba2 {
         let mut dt = vec![0.0f32; nh * t];
         let mut decay = vec![0.0f32; nh * t];
         for hd in 0..nh {
-            let a = ex.a[hd];
+            let a = lw.a[hd];
             let mut log_decay = 0.0f64;
             for ti in 0..t {
                 let raw = zxbcdt[ti * width + di + conv_dim + hd] + lw.dt_bias[hd];
@@ -193,8 +236,8 @@ impl CpuMamba2 {
     }
 
     /// The LM head matrix (vocab × d_model).
-    pub fn head(&self) -> &[f32] {
-        self.weights.lm_head.as_deref().unwrap_or(&self.weights.embedding)
+    fn head(&self) -> &Matrix {
+        self.lm_head.as_ref().unwrap_or(&self.embedding)
     }
 
     /// Logits (rows × vocab) of `rows` final hidden states.
@@ -210,7 +253,7 @@ impl CpuMamba2 {
     /// (T × vocab) logits never exist at once.
     pub fn logprobs(&self, hidden: &[f32], targets: &[u32]) -> Vec<f32> {
         let (d, v) = (self.config.d_model, self.config.vocab_size);
-        const BLOCK: usize = 32;
+        const BLOCK: usize = 128;
         let mut out = Vec::with_capacity(targets.len());
         let mut logits = vec![0.0f32; BLOCK * v];
         for (hb, tb) in hidden.chunks(BLOCK * d).zip(targets.chunks(BLOCK)) {
