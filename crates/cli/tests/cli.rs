@@ -299,6 +299,26 @@ fn text_commands_generate_and_score() {
         "--json",
     ]);
     assert_eq!(from_state["token_ids"], a["token_ids"]);
+    // A stop string cuts the text before it and ends generation.
+    let text = a["text"].as_str().unwrap().to_string();
+    let cut = text.char_indices().nth(text.chars().count() / 2).map(|(i, _)| i).unwrap_or(0);
+    if cut > 0 {
+        let stop = &text[cut..text.len().min(cut + 3)];
+        let s = ok_json(&[
+            "generate",
+            "--model",
+            m,
+            "--prompt",
+            "Once upon a time",
+            "--max-tokens",
+            "8",
+            "--stop",
+            stop,
+            "--json",
+        ]);
+        assert_eq!(s["stop_reason"], "stop");
+        assert!(text.starts_with(s["text"].as_str().unwrap()) && !s["text"].as_str().unwrap().contains(stop));
+    }
     fails_with(&["generate", "--model", m, "--prompt", "x", "--temperature", "-1"], "temperature");
     fails_with(&["generate", "--model", m, "--prompt", "", "--max-tokens", "3"], "at least one token");
 }

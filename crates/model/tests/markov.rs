@@ -106,7 +106,8 @@ fn bf16_weights_stay_close_to_f32_and_keep_the_markov_property() {
     let a = f32m.score(&tokens, &f32m.zero_state()).unwrap();
     let b = bf16.score(&tokens, &bf16.zero_state()).unwrap();
     let err = max_abs_diff(&a.logprobs, &b.logprobs);
-    let mean = a.logprobs.iter().zip(&b.logprobs).map(|(x, y)| (x - y).abs() as f64).sum::<f64>() / a.logprobs.len() as f64;
+    let mean =
+        a.logprobs.iter().zip(&b.logprobs).map(|(x, y)| (x - y).abs() as f64).sum::<f64>() / a.logprobs.len() as f64;
     eprintln!("bf16 weights: max |Δ logprob| {err:.4}, mean {mean:.4}");
     assert!(err > 0.0 && err < 0.2 && mean < 0.03, "bf16 weights change log-probs by {err} (mean {mean})");
     // Prefill (gemm on widened tiles) and decode (bf16 matrix-vector) agree with each other.

@@ -60,8 +60,11 @@ fn candle_engine_matches_transformers() {
     use picaso_model::{Backend, LoadOptions, Model};
     for case in CASES {
         let exp = expected(case);
-        let opts =
-            LoadOptions { backend: "candle-cpu".parse::<Backend>().unwrap(), skip_tokenizer: true, ..Default::default() };
+        let opts = LoadOptions {
+            backend: "candle-cpu".parse::<Backend>().unwrap(),
+            skip_tokenizer: true,
+            ..Default::default()
+        };
         let model = Model::load(&case_dir(case).join("hf"), &opts).unwrap();
         let scored = model.score(&exp.tokens, &model.zero_state()).unwrap();
         let err = max_abs_diff(&scored.logprobs, exp.get("logprobs"));
@@ -97,4 +100,42 @@ fn candle_and_cpu_engines_agree_on_a_longer_sequence() {
         assert!(rel_err(&x.ssm, &y.ssm) < 1e-5 && rel_err(&x.conv, &y.conv) < 1e-6);
         assert!(rel_err(&x.log_decay, &y.log_decay) < 1e-5);
     }
+}
+
+/// A checkpoint split into shards with `model.safetensors.index.json` loads to the same model.
+#[test]
+fn sharded_checkpoints_load() {
+    use picaso_model::weights::read_tensors;
+    let src = case_dir("g2").join("hf");
+    let tensors = read_tensors(&src).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(src.join("config.json"), dir.path().join("config.json")).unwrap();
+    let mut names: Vec<&String> = tensors.keys().collect();
+    names.sort();
+    let mut weight_map = serde_json::Map::new();
+    for (shard, chunk) in names.chunks(names.len().div_ceil(3)).enumerate() {
+        let file = format!("model-{:05}-of-00003.safetensors", shard + 1);
+        let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = chunk
+            .iter()
+            .map(|n| {
+                let t = &tensors[*n];
+                ((*n).clone(), t.shape.clone(), t.data.iter().flat_map(|v| v.to_le_bytes()).collect())
+            })
+            .collect();
+        let views: Vec<(String, safetensors::tensor::TensorView)> = bytes
+            .iter()
+            .map(|(n, s, b)| {
+                (n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b).unwrap())
+            })
+            .collect();
+        std::fs::write(dir.path().join(&file), safetensors::tensor::serialize(views, None).unwrap()).unwrap();
+        for n in chunk {
+            weight_map.insert((*n).clone(), serde_json::Value::String(file.clone()));
+        }
+    }
+    let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
+    std::fs::write(dir.path().join("model.safetensors.index.json"), index.to_string()).unwrap();
+    let opts = picaso_model::LoadOptions { skip_tokenizer: true, ..Default::default() };
+    let sharded = picaso_model::Model::load(dir.path(), &opts).unwrap();
+    assert_eq!(sharded.fingerprint(), load("g2", "hf").fingerprint());
 }
