@@ -342,7 +342,7 @@ fn accumulate_block(inputs: &[&[f32]], we: &[f32], off: usize, ob: &mut [f32]) -
 }
 
 /// Σ x with sixteen independent accumulators, so it vectorises (a plain f32 sum cannot).
-fn lane_sum(x: &[f32]) -> f32 {
+pub fn lane_sum(x: &[f32]) -> f32 {
     let mut lanes = [0.0f32; 16];
     let mut it = x.chunks_exact(16);
     for c in &mut it {

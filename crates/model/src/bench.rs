@@ -128,20 +128,7 @@ fn clone_cost(state: &State) -> f64 {
 fn read_all(states: &[&State]) -> f32 {
     let arrays: Vec<&[f32]> =
         states.iter().flat_map(|s| s.layers.iter()).flat_map(|l| [&l.ssm[..], &l.conv[..]]).collect();
-    arrays
-        .par_iter()
-        .flat_map(|a| a.par_chunks(16 * 1024))
-        .map(|chunk| {
-            let mut lanes = [0.0f32; 16];
-            let mut it = chunk.chunks_exact(16);
-            for c in &mut it {
-                for i in 0..16 {
-                    lanes[i] += c[i];
-                }
-            }
-            lanes.iter().sum::<f32>() + it.remainder().iter().sum::<f32>()
-        })
-        .sum()
+    arrays.par_iter().flat_map(|a| a.par_chunks(16 * 1024)).map(picaso_compose::lane_sum).sum()
 }
 
 fn peak_rss() -> Option<u64> {

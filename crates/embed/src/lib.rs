@@ -1,0 +1,47 @@
+//! # picaso-embed
+//!
+//! The retriever of picaso's database of states: it turns texts into sentence embeddings and
+//! finds the stored contexts nearest to a query, whose states picaso then composes.
+//!
+//! - [`Embedder`] computes all-MiniLM-L6-v2 embeddings (or any BERT-layout sentence-transformers
+//!   model with mean pooling) in pure Rust: WordPiece tokenization with `tokenizers`, a BERT
+//!   encoder written with candle ([`bert::BertModel`]), mean pooling over the real tokens and L2
+//!   normalisation, inputs truncated to 256 tokens. It matches sentence-transformers to a
+//!   cosine above 0.9999 (tested against a committed fixture).
+//! - [`VectorIndex`] is the search interface; [`FlatIndex`] implements it with an exact,
+//!   multi-threaded scan over one contiguous `Vec<f32>` (scores are inner products, i.e. cosines
+//!   of the normalised embeddings), returning the best `k` in order, ties by lower id.
+//!
+//! Design decision: exact search first. At the scale of a database of states (10⁴–10⁶
+//! contexts) a vectorised scan reads memory at full speed — a few milliseconds for 100k × 384 —
+//! with perfect recall and no build step; an approximate index can replace it later behind
+//! [`VectorIndex`] without touching callers. Likewise the embedder batches texts sorted by
+//! length, so padding costs little, and masks padded keys, so a text's embedding does not
+//! depend (beyond float rounding, < 1e-5) on the batch it was computed in.
+//!
+//! Speed on 2 CPU cores (Sapphire Rapids): about 250 sentences/s for short sentences, ~1.45x
+//! more with the `avx512` feature (AVX-512 kernels in candle's matmul); top-k over 100k × 384
+//! in about 3.5 ms per query (`cargo bench -p picaso-embed --bench topk`).
+//!
+//! ```no_run
+//! use picaso_embed::{Embedder, FlatIndex, VectorIndex};
+//! let embedder = Embedder::load("models/all-MiniLM-L6-v2".as_ref(), &candle_core::Device::Cpu)?;
+//! let contexts = ["The Eiffel Tower is in Paris.", "Mamba is a state-space model."];
+//! let mut index = FlatIndex::new(embedder.dim())?;
+//! for v in embedder.embed(&contexts)? {
+//!     index.add(&v)?;
+//! }
+//! let query = embedder.embed_one("Where is the Eiffel Tower?")?;
+//! let hits = index.search(&query, 1)?; // [(id, cosine)], best first: here id 0
+//! # Ok::<(), picaso_embed::Error>(())
+//! ```
+#![deny(missing_docs)]
+
+pub mod bert;
+pub mod embedder;
+pub mod error;
+pub mod index;
+
+pub use embedder::{l2_normalize, Embedder};
+pub use error::{Error, Result};
+pub use index::{dot, FlatIndex, VectorIndex};

@@ -1,0 +1,24 @@
+//! # picaso-store
+//!
+//! The database of states. A [`Store`] is one folder: each context's state in a safetensors
+//! file written once, its metadata (document, segment, text, token ids, embedding, model
+//! fingerprint, file checksum) in SQLite, and an in-memory retrieval index over the embeddings.
+//! [`ingest`] fills it from documents ([`sources`]); [`Store::search`] retrieves;
+//! [`Store::load_state`] reads a state back (memory-mapped, checksum-verified) for composition.
+//!
+//! Design decision: files before rows. State files are durable before the transaction that
+//! records them commits, so a crash never leaves a row without its state, and ingest resumes by
+//! skipping recorded (document, segment) pairs.
+#![deny(missing_docs)]
+
+pub mod error;
+pub mod ingest;
+pub mod query;
+pub mod sources;
+pub mod store;
+
+pub use error::{Error, Result};
+pub use ingest::{ingest, IngestProgress};
+pub use query::{prepare, ContextMethod, Prepared};
+pub use sources::{read_jsonl, read_text_dir, read_wikitext, Document, Segmentation};
+pub use store::{ContextRecord, NewContext, Stats, Store, StoreInfo};

@@ -1,0 +1,91 @@
+//! Turning retrieved contexts into the state a prompt continues from: with no context (naive),
+//! by processing their tokens (concat, the baseline), or by composing their stored states.
+
+use std::time::Instant;
+
+use picaso_model::{compose, Method, Model, State};
+
+use crate::error::{Error, Result};
+use crate::store::Store;
+
+/// How the contexts reach the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ContextMethod {
+    /// Ignore the contexts.
+    Naive,
+    /// Process the contexts' tokens, in order (the baseline picaso avoids).
+    Concat,
+    /// Compose the stored states.
+    Compose(Method),
+}
+
+impl std::str::FromStr for ContextMethod {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "naive" => Ok(Self::Naive),
+            "concat" => Ok(Self::Concat),
+            other => other
+                .parse::<Method>()
+                .map(Self::Compose)
+                .map_err(|_| format!("unknown method {other:?}: use picaso-r, picaso-s, caso, soup, concat or naive")),
+        }
+    }
+}
+
+impl ContextMethod {
+    /// The wire name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Naive => "naive",
+            Self::Concat => "concat",
+            Self::Compose(m) => m.name(),
+        }
+    }
+}
+
+/// The state to continue from, and what it cost.
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    /// The state after the contexts.
+    pub state: State,
+    /// Seconds to load the states from the store (0 for naive and concat).
+    pub load_seconds: f64,
+    /// Seconds to compose them, or to process the tokens for concat.
+    pub compose_seconds: f64,
+}
+
+/// Builds the state for `ids` (in order: the last is nearest the prompt) with `method`.
+pub fn prepare(store: &Store, model: &Model, ids: &[i64], method: ContextMethod) -> Result<Prepared> {
+    if store.info().fingerprint != model.fingerprint() {
+        return Err(Error::WrongModel {
+            path: store.dir().to_path_buf(),
+            stored: store.info().fingerprint.clone(),
+            given: model.fingerprint().to_string(),
+        });
+    }
+    match method {
+        ContextMethod::Naive => Ok(Prepared { state: model.zero_state(), load_seconds: 0.0, compose_seconds: 0.0 }),
+        ContextMethod::Concat => {
+            let mut tokens = Vec::new();
+            for &id in ids {
+                tokens.extend(store.get(id)?.tokens);
+            }
+            let t0 = Instant::now();
+            let state = model.prefill(&tokens, &model.zero_state())?;
+            Ok(Prepared { state, load_seconds: 0.0, compose_seconds: t0.elapsed().as_secs_f64() })
+        }
+        ContextMethod::Compose(m) => {
+            if ids.is_empty() {
+                return Ok(Prepared { state: model.zero_state(), load_seconds: 0.0, compose_seconds: 0.0 });
+            }
+            let t0 = Instant::now();
+            let states = ids.iter().map(|&id| store.load_state(id)).collect::<Result<Vec<_>>>()?;
+            let load_seconds = t0.elapsed().as_secs_f64();
+            let t1 = Instant::now();
+            let refs: Vec<&State> = states.iter().collect();
+            let state = compose(m, &refs, None)?;
+            Ok(Prepared { state, load_seconds, compose_seconds: t1.elapsed().as_secs_f64() })
+        }
+    }
+}

@@ -1,0 +1,171 @@
+//! Reading documents to ingest and cutting them into contexts.
+//!
+//! Sources: a folder of `.txt` files (one document each), a JSON-lines file (`{"text": ..,
+//! "id": ..}` per line), or a WikiText file (articles start at ` = Title = ` lines).
+//! Segmentation: `paragraph` (blank-line separated blocks; for WikiText each line) or
+//! `tokens:N` (consecutive runs of N tokens of the whole document).
+
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, Result};
+
+/// A source document: an id and its paragraphs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Document {
+    /// Stable id (file name, JSON id, article title): ingest skips (id, segment) pairs it has.
+    pub id: String,
+    /// Paragraphs in order.
+    pub paragraphs: Vec<String>,
+}
+
+/// How documents become contexts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Segmentation {
+    /// One context per paragraph.
+    Paragraph,
+    /// Runs of this many tokens.
+    Tokens(usize),
+}
+
+impl std::str::FromStr for Segmentation {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        if s == "paragraph" {
+            return Ok(Self::Paragraph);
+        }
+        match s.strip_prefix("tokens:").map(str::parse::<usize>) {
+            Some(Ok(n)) if n > 0 => Ok(Self::Tokens(n)),
+            _ => Err(format!("segmentation {s:?}: use `paragraph` or `tokens:N` with N > 0")),
+        }
+    }
+}
+
+/// Splits text into blank-line separated paragraphs, trimmed, empty ones dropped.
+pub fn paragraphs(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut current: Vec<&str> = Vec::new();
+    for line in text.lines() {
+        if line.trim().is_empty() {
+            if !current.is_empty() {
+                out.push(current.join("\n"));
+                current.clear();
+            }
+        } else {
+            current.push(line.trim_end());
+        }
+    }
+    if !current.is_empty() {
+        out.push(current.join("\n"));
+    }
+    out.into_iter().map(|p| p.trim().to_string()).filter(|p| !p.is_empty()).collect()
+}
+
+fn read(path: &Path) -> Result<String> {
+    std::fs::read_to_string(path).map_err(|e| Error::Io { path: path.to_path_buf(), source: e })
+}
+
+/// Every `.txt` file under `dir` (sorted, recursively), one document each, id = relative path.
+pub fn read_text_dir(dir: &Path) -> Result<Vec<Document>> {
+    let mut files = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let entries = std::fs::read_dir(&d).map_err(|e| Error::Io { path: d.clone(), source: e })?;
+        for entry in entries {
+            let p = entry.map_err(|e| Error::Io { path: d.clone(), source: e })?.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.extension().is_some_and(|e| e == "txt") {
+                files.push(p);
+            }
+        }
+    }
+    files.sort();
+    if files.is_empty() {
+        return Err(Error::Input(format!("{}: no .txt files found", dir.display())));
+    }
+    files
+        .into_iter()
+        .map(|p: PathBuf| {
+            let id = p.strip_prefix(dir).unwrap_or(&p).to_string_lossy().into_owned();
+            Ok(Document { id, paragraphs: paragraphs(&read(&p)?) })
+        })
+        .collect()
+}
+
+/// One document per line of a JSON-lines file: `{"text": "...", "id": "..."}` (`id` optional:
+/// the line number is used; `title` is accepted as an id too).
+pub fn read_jsonl(path: &Path) -> Result<Vec<Document>> {
+    let text = read(path)?;
+    let mut docs = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let at = || format!("{}:{}", path.display(), i + 1);
+        let v: serde_json::Value =
+            serde_json::from_str(line).map_err(|e| Error::Input(format!("{}: not JSON: {e}", at())))?;
+        let body = v
+            .get("text")
+            .and_then(|t| t.as_str())
+            .ok_or_else(|| Error::Input(format!("{}: expected an object with a string field \"text\"", at())))?;
+        let id = match v.get("id").or_else(|| v.get("title")) {
+            Some(serde_json::Value::String(s)) => s.clone(),
+            Some(serde_json::Value::Number(n)) => n.to_string(),
+            _ => format!("line-{}", i + 1),
+        };
+        docs.push(Document { id, paragraphs: paragraphs(body) });
+    }
+    Ok(docs)
+}
+
+/// Articles of a WikiText file. A line ` = Title = ` starts an article; ` = = Section = = `
+/// lines are headings, skipped; every other non-empty line is a paragraph.
+pub fn read_wikitext(path: &Path) -> Result<Vec<Document>> {
+    let text = read(path)?;
+    let mut docs: Vec<Document> = Vec::new();
+    for raw in text.lines() {
+        let line = raw.trim();
+        if line.is_empty() {
+            continue;
+        }
+        if line.starts_with("= ") && line.ends_with(" =") {
+            let inner = line.trim_matches('=').trim();
+            let is_title = !line.starts_with("= =");
+            if is_title {
+                let mut id = inner.to_string();
+                // Titles repeat in WikiText; keep ids unique and stable.
+                let same = docs.iter().filter(|d| d.id == id || d.id.starts_with(&format!("{id} #"))).count();
+                if same > 0 {
+                    id = format!("{id} #{}", same + 1);
+                }
+                docs.push(Document { id, paragraphs: Vec::new() });
+            }
+            continue;
+        }
+        if docs.is_empty() {
+            docs.push(Document { id: "preamble".into(), paragraphs: Vec::new() });
+        }
+        docs.last_mut().expect("a document exists").paragraphs.push(line.to_string());
+    }
+    docs.retain(|d| !d.paragraphs.is_empty());
+    Ok(docs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paragraphs_split_on_blank_lines() {
+        assert_eq!(paragraphs("a\nb\n\n\n c \n\n"), vec!["a\nb".to_string(), "c".to_string()]);
+        assert!(paragraphs("\n \n").is_empty());
+    }
+
+    #[test]
+    fn segmentation_parses() {
+        assert_eq!("paragraph".parse(), Ok(Segmentation::Paragraph));
+        assert_eq!("tokens:64".parse(), Ok(Segmentation::Tokens(64)));
+        assert!("tokens:0".parse::<Segmentation>().is_err());
+        assert!("lines".parse::<Segmentation>().is_err());
+    }
+}
