@@ -110,21 +110,8 @@ struct QueryArgs {
     /// Use these context ids (in this order, the last nearest the prompt) instead of retrieving.
     #[arg(long, value_delimiter = ',')]
     ids: Option<Vec<i64>>,
-    /// Most new tokens.
-    #[arg(long, default_value_t = 64)]
-    max_tokens: usize,
-    /// Sampling temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
-    temperature: f32,
-    /// Nucleus sampling mass.
-    #[arg(long, default_value_t = 1.0)]
-    top_p: f32,
-    /// Sampler seed.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
-    /// Stop when this string appears (repeatable).
-    #[arg(long)]
-    stop: Vec<String>,
+    #[command(flatten)]
+    sampling: SamplingArgs,
     /// Print JSON.
     #[arg(long)]
     json: bool,
@@ -242,6 +229,16 @@ struct GenerateArgs {
     /// Start from this state file (e.g. a composed state).
     #[arg(long)]
     state: Option<PathBuf>,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+    /// Print JSON instead of streaming text.
+    #[arg(long)]
+    json: bool,
+}
+
+/// How generated tokens are picked (shared by `generate` and `query`).
+#[derive(Args)]
+struct SamplingArgs {
     /// Most new tokens.
     #[arg(long, default_value_t = 64)]
     max_tokens: usize,
@@ -257,9 +254,18 @@ struct GenerateArgs {
     /// Stop when this string appears (repeatable).
     #[arg(long)]
     stop: Vec<String>,
-    /// Print JSON instead of streaming text.
-    #[arg(long)]
-    json: bool,
+}
+
+impl SamplingArgs {
+    fn options(self) -> GenerateOptions {
+        GenerateOptions {
+            max_tokens: self.max_tokens,
+            temperature: self.temperature,
+            top_p: self.top_p,
+            seed: self.seed,
+            stop: self.stop,
+        }
+    }
 }
 
 #[derive(Args)]
@@ -464,13 +470,7 @@ fn generate_cmd(a: GenerateArgs) -> Result<()> {
         bail!("--prompt must contain at least one token");
     }
     let start = load_state(&model, a.state.as_deref())?;
-    let opts = GenerateOptions {
-        max_tokens: a.max_tokens,
-        temperature: a.temperature,
-        top_p: a.top_p,
-        seed: a.seed,
-        stop: a.stop,
-    };
+    let opts = a.sampling.options();
     let t0 = Instant::now();
     let mut first_token = None;
     let mut out = std::io::stdout();
@@ -676,13 +676,7 @@ fn query(a: QueryArgs) -> Result<()> {
     if prompt.is_empty() {
         bail!("the prompt must contain at least one token");
     }
-    let opts = GenerateOptions {
-        max_tokens: a.max_tokens,
-        temperature: a.temperature,
-        top_p: a.top_p,
-        seed: a.seed,
-        stop: a.stop,
-    };
+    let opts = a.sampling.options();
     let t0 = Instant::now();
     let mut first = None;
     let mut out = std::io::stdout();
