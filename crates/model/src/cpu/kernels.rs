@@ -228,14 +228,15 @@ pub fn matmul_t(x: &[f32], m: usize, k: usize, w: &Matrix, n: usize, out: &mut [
     assert_eq!(x.len(), m * k, "matmul_t: x is not m×k");
     assert_eq!(w.len(), n * k, "matmul_t: w is not n×k");
     assert_eq!(out.len(), m * n, "matmul_t: out is not m×n");
-    // About 64 rows per task keeps both cores busy without measurable scheduling overhead.
-    const ROWS: usize = 64;
+    // Eight tasks per thread balance the cores; at least 64 rows per task keeps scheduling
+    // overhead negligible (the LM head would otherwise be ~800 tiny tasks per token).
+    let rows = (n / (8 * rayon::current_num_threads())).max(64);
     match w {
-        Matrix::F32(w) if m == 1 => out.par_chunks_mut(ROWS).enumerate().for_each(|(i, o)| {
-            matvec_rows(&w[i * ROWS * k..(i * ROWS + o.len()) * k], x, o, accumulate);
+        Matrix::F32(w) if m == 1 => out.par_chunks_mut(rows).enumerate().for_each(|(i, o)| {
+            matvec_rows(&w[i * rows * k..(i * rows + o.len()) * k], x, o, accumulate);
         }),
-        Matrix::Bf16(w) if m == 1 => out.par_chunks_mut(ROWS).enumerate().for_each(|(i, o)| {
-            matvec_rows_bf16(&w[i * ROWS * k..(i * ROWS + o.len()) * k], x, o, accumulate);
+        Matrix::Bf16(w) if m == 1 => out.par_chunks_mut(rows).enumerate().for_each(|(i, o)| {
+            matvec_rows_bf16(&w[i * rows * k..(i * rows + o.len()) * k], x, o, accumulate);
         }),
         Matrix::F32(w) => gemm_t(x, m, k, w, n, 0, out, n, accumulate),
         Matrix::Bf16(w) => {
