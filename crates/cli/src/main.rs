@@ -11,6 +11,8 @@ use clap::{Args, Parser, Subcommand};
 use picaso_model::{compose, generate, GenerateOptions, LoadOptions, Method, Model, State, StateDtype};
 use serde_json::json;
 
+mod serve;
+
 #[derive(Parser)]
 #[command(
     name = "picaso",
@@ -44,6 +46,10 @@ enum Command {
     Stats(StatsArgs),
     /// Retrieve contexts, compose their states, continue with a prompt.
     Query(QueryArgs),
+    /// Serve the HTTP API (OpenAI-compatible completions over the store).
+    Serve(serve::ServeArgs),
+    /// Drive a running server with concurrent clients; report throughput and latency.
+    Load(serve::LoadArgs),
 }
 
 #[derive(Args)]
@@ -326,6 +332,8 @@ fn run(cli: Cli) -> Result<()> {
         Command::Ingest(a) => ingest(a),
         Command::Stats(a) => stats(a),
         Command::Query(a) => query(a),
+        Command::Serve(a) => serve::serve(a),
+        Command::Load(a) => serve::load(a),
     }
 }
 
@@ -476,10 +484,8 @@ fn generate_cmd(a: GenerateArgs) -> Result<()> {
     let mut out = std::io::stdout();
     let g = generate(&model, &prompt, &start, &opts, |piece| {
         first_token.get_or_insert_with(|| t0.elapsed().as_secs_f64());
-        if !a.json {
-            let _ = out.write_all(piece.as_bytes());
-            let _ = out.flush();
-        }
+        // A closed stdout (`| head`) stops generation.
+        a.json || out.write_all(piece.as_bytes()).and_then(|()| out.flush()).is_ok()
     })?;
     let secs = t0.elapsed().as_secs_f64();
     if a.json {
@@ -671,7 +677,7 @@ fn query(a: QueryArgs) -> Result<()> {
     };
     let retrieve_seconds = t_retrieve.elapsed().as_secs_f64();
     let ids: Vec<i64> = hits.iter().map(|h| h.0).collect();
-    let prepared = picaso_store::prepare(&store, &model, &ids, a.method)?;
+    let prepared = picaso_store::prepare(&store, &model, &ids, a.method, None)?;
     let prompt = model.tokenizer()?.encode(&a.prompt)?;
     if prompt.is_empty() {
         bail!("the prompt must contain at least one token");
@@ -682,10 +688,8 @@ fn query(a: QueryArgs) -> Result<()> {
     let mut out = std::io::stdout();
     let g = generate(&model, &prompt, &prepared.state, &opts, |piece| {
         first.get_or_insert_with(|| t0.elapsed().as_secs_f64());
-        if !a.json {
-            let _ = out.write_all(piece.as_bytes());
-            let _ = out.flush();
-        }
+        // A closed stdout (`| head`) stops generation.
+        a.json || out.write_all(piece.as_bytes()).and_then(|()| out.flush()).is_ok()
     })?;
     let first = first.unwrap_or_else(|| t0.elapsed().as_secs_f64());
     let ready = prepared.load_seconds + prepared.compose_seconds;

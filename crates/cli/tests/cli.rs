@@ -270,6 +270,25 @@ fn text_commands_generate_and_score() {
     ];
     let (s1, s2) = (ok_json(&sampled), ok_json(&sampled));
     assert_eq!(s1["token_ids"], s2["token_ids"], "a seed fixes the sample");
+    // The incrementally decoded text is the decoding of all generated tokens (a long random
+    // sample hits multi-byte characters split over tokens).
+    let long = ok_json(&[
+        "generate",
+        "--model",
+        m,
+        "--prompt",
+        "Once",
+        "--temperature",
+        "1.5",
+        "--max-tokens",
+        "300",
+        "--json",
+    ]);
+    let ids: Vec<u32> = long["token_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+    let tok = picaso_model::TextTokenizer::from_file(&dir.path().join("tokenizer.json")).unwrap();
+    let full = tok.decode(&ids).unwrap();
+    let full = full.trim_end_matches('\u{FFFD}');
+    assert_eq!(long["text"].as_str().unwrap(), full);
     // Generation from a saved state equals generation from the concatenated prompt (greedy).
     let st = dir.path().join("ctx.safetensors");
     ok_json(&["state", "--model", m, "--text", "Once upon", "--out", st.to_str().unwrap(), "--json"]);

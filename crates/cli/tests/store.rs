@@ -114,13 +114,17 @@ fn ingest_stats_query_and_compose_through_the_store() {
     let mem: Vec<State> =
         texts.iter().map(|t| model_obj.prefill(&tok.encode(t).unwrap(), &model_obj.zero_state()).unwrap()).collect();
     let stored: Vec<State> = [1, 2].iter().map(|&id| store.load_state(id).unwrap()).collect();
+    let cache = picaso_store::StateCache::new(1 << 30);
     for m in Method::ALL {
         let a = compose(m, &mem.iter().collect::<Vec<_>>(), None).unwrap();
-        let b =
-            picaso_store::prepare(&store, &model_obj, &[1, 2], picaso_store::ContextMethod::Compose(m)).unwrap().state;
+        let method = picaso_store::ContextMethod::Compose(m);
+        let b = picaso_store::prepare(&store, &model_obj, &[1, 2], method, None).unwrap().state;
         assert!(a.layers == b.layers, "{m}: composition through the store differs");
+        let c = picaso_store::prepare(&store, &model_obj, &[1, 2], method, Some(&cache)).unwrap();
+        assert!(a.layers == c.state.layers, "{m}: composition through the state cache differs");
         assert!(compose(m, &stored.iter().collect::<Vec<_>>(), None).unwrap().layers == a.layers, "{m}");
     }
+    assert_eq!(cache.stats().misses, 2, "each state is read from disk once, then served from memory");
 
     // Bad input: another model, unknown ids, unknown method, a folder that is not a store.
     let other = model_dir(2).unwrap();

@@ -54,6 +54,8 @@ pub enum StopReason {
     Eos,
     /// A stop string appeared.
     Stop,
+    /// The caller stopped it (`on_text` returned false: a client went away).
+    Cancelled,
 }
 
 /// The result of [`generate`].
@@ -111,13 +113,14 @@ pub fn sample(logits: &[f32], vocab: usize, opts: &GenerateOptions, rng: &mut St
 }
 
 /// Continues `prompt` (at least one token) from `state` and samples up to `max_tokens` tokens,
-/// calling `on_text` with each new piece of text as soon as it is final.
+/// calling `on_text` with each new piece of text as soon as it is final. `on_text` returns
+/// whether to go on: false stops generation at once (no further model work).
 pub fn generate(
     model: &Model,
     prompt: &[u32],
     state: &State,
     opts: &GenerateOptions,
-    mut on_text: impl FnMut(&str),
+    mut on_text: impl FnMut(&str) -> bool,
 ) -> Result<Generation> {
     opts.validate()?;
     let tokenizer = model.tokenizer()?;
@@ -125,8 +128,9 @@ pub fn generate(
     let (mut logits, mut state) = model.prefill_last_logits(prompt, state)?;
     let mut rng = StdRng::seed_from_u64(opts.seed);
     let mut tokens = Vec::new();
-    let mut emitted = 0usize; // bytes of `text` already passed to on_text
     let mut text = String::new();
+    let mut decoder = IncrementalDecoder::default();
+    let mut emitted = 0usize; // bytes of `text` already passed to on_text
     let hold = opts.stop.iter().map(String::len).max().unwrap_or(0);
     let mut reason = StopReason::Length;
     while tokens.len() < opts.max_tokens {
@@ -136,18 +140,25 @@ pub fn generate(
             break;
         }
         tokens.push(next);
-        text = tokenizer.decode(&tokens)?;
-        if let Some(cut) = opts.stop.iter().filter_map(|s| text.find(s.as_str())).min() {
-            text.truncate(cut);
+        let searched_from = floor_char_boundary(&text, text.len().saturating_sub(hold));
+        text.push_str(&decoder.next_piece(tokenizer, &tokens)?);
+        if let Some(cut) = opts.stop.iter().filter_map(|s| text[searched_from..].find(s.as_str())).min() {
+            text.truncate(searched_from + cut);
             reason = StopReason::Stop;
             break;
         }
-        // Hold back text that could still become a stop string or an incomplete character.
-        let safe = text.len().saturating_sub(hold);
-        let safe = (0..=safe).rev().find(|&i| text.is_char_boundary(i)).unwrap_or(0);
-        if safe > emitted && !text.ends_with('\u{FFFD}') {
-            on_text(&text[emitted..safe]);
+        // Hold back text that could still become a stop string.
+        let safe = floor_char_boundary(&text, text.len().saturating_sub(hold));
+        if safe > emitted {
+            let go_on = on_text(&text[emitted..safe]);
             emitted = safe;
+            if !go_on {
+                // One last step keeps `state` consistent with `tokens`; then no more work.
+                model.step(next, &mut state)?;
+                text.truncate(emitted);
+                reason = StopReason::Cancelled;
+                break;
+            }
         }
         if tokens.len() < opts.max_tokens {
             logits = model.step(next, &mut state)?;
@@ -156,8 +167,37 @@ pub fn generate(
             model.step(next, &mut state)?;
         }
     }
-    if text.len() > emitted {
+    if text.len() > emitted && reason != StopReason::Cancelled {
         on_text(&text[emitted..]);
     }
     Ok(Generation { tokens, text, stop_reason: reason, state })
+}
+
+/// The largest char boundary of `s` at or below `i`.
+fn floor_char_boundary(s: &str, i: usize) -> usize {
+    (0..=i.min(s.len())).rev().find(|&j| s.is_char_boundary(j)).unwrap_or(0)
+}
+
+/// Turns a growing token sequence into text pieces in constant time per token: it decodes only
+/// the tokens since the last complete piece (plus a few before, for the tokenizer's spacing
+/// rules), and waits while the tail is an incomplete UTF-8 character.
+#[derive(Default)]
+struct IncrementalDecoder {
+    /// Start of the tokens re-decoded for context.
+    prefix: usize,
+    /// Tokens before this are already in the text.
+    read: usize,
+}
+
+impl IncrementalDecoder {
+    fn next_piece(&mut self, tokenizer: &crate::tokenizer::TextTokenizer, tokens: &[u32]) -> Result<String> {
+        let before = tokenizer.decode(&tokens[self.prefix..self.read])?;
+        let now = tokenizer.decode(&tokens[self.prefix..])?;
+        if now.len() <= before.len() || now.ends_with('\u{FFFD}') || !now.starts_with(&before) {
+            return Ok(String::new());
+        }
+        self.prefix = self.read;
+        self.read = tokens.len();
+        Ok(now[before.len()..].to_string())
+    }
 }

@@ -4,19 +4,23 @@
 //! file written once, its metadata (document, segment, text, token ids, embedding, model
 //! fingerprint, file checksum) in SQLite, and an in-memory retrieval index over the embeddings.
 //! [`ingest`] fills it from documents ([`sources`]); [`Store::search`] retrieves;
-//! [`Store::load_state`] reads a state back (memory-mapped, checksum-verified) for composition.
+//! [`Store::load_state`] reads a state back (memory-mapped, checksum-verified) for composition;
+//! [`StateCache`] keeps hot ones in memory; [`prepare`] turns context ids into the state a prompt
+//! continues from.
 //!
 //! Design decision: files before rows. State files are durable before the transaction that
 //! records them commits, so a crash never leaves a row without its state, and ingest resumes by
 //! skipping recorded (document, segment) pairs.
 #![deny(missing_docs)]
 
+pub mod cache;
 pub mod error;
 pub mod ingest;
 pub mod query;
 pub mod sources;
 pub mod store;
 
+pub use cache::{CacheStats, StateCache};
 pub use error::{Error, Result};
 pub use ingest::{ingest, IngestProgress};
 pub use query::{prepare, ContextMethod, Prepared};

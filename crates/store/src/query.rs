@@ -5,6 +5,7 @@ use std::time::Instant;
 
 use picaso_model::{compose, Method, Model, State};
 
+use crate::cache::StateCache;
 use crate::error::{Error, Result};
 use crate::store::Store;
 
@@ -53,10 +54,29 @@ pub struct Prepared {
     pub load_seconds: f64,
     /// Seconds to compose them, or to process the tokens for concat.
     pub compose_seconds: f64,
+    /// States read from the store (cache misses).
+    pub states_loaded: usize,
+    /// States served from the cache.
+    pub cache_hits: usize,
+    /// Context tokens processed by the model (concat only; composition processes none).
+    pub tokens_processed: usize,
 }
 
-/// Builds the state for `ids` (in order: the last is nearest the prompt) with `method`.
-pub fn prepare(store: &Store, model: &Model, ids: &[i64], method: ContextMethod) -> Result<Prepared> {
+impl Prepared {
+    fn empty(state: State) -> Self {
+        Self { state, load_seconds: 0.0, compose_seconds: 0.0, states_loaded: 0, cache_hits: 0, tokens_processed: 0 }
+    }
+}
+
+/// Builds the state for `ids` (in order: the last is nearest the prompt) with `method`, reading
+/// states through `cache` when one is given.
+pub fn prepare(
+    store: &Store,
+    model: &Model,
+    ids: &[i64],
+    method: ContextMethod,
+    cache: Option<&StateCache>,
+) -> Result<Prepared> {
     if store.info().fingerprint != model.fingerprint() {
         return Err(Error::WrongModel {
             path: store.dir().to_path_buf(),
@@ -65,7 +85,7 @@ pub fn prepare(store: &Store, model: &Model, ids: &[i64], method: ContextMethod)
         });
     }
     match method {
-        ContextMethod::Naive => Ok(Prepared { state: model.zero_state(), load_seconds: 0.0, compose_seconds: 0.0 }),
+        ContextMethod::Naive => Ok(Prepared::empty(model.zero_state())),
         ContextMethod::Concat => {
             let mut tokens = Vec::new();
             for &id in ids {
@@ -73,19 +93,41 @@ pub fn prepare(store: &Store, model: &Model, ids: &[i64], method: ContextMethod)
             }
             let t0 = Instant::now();
             let state = model.prefill(&tokens, &model.zero_state())?;
-            Ok(Prepared { state, load_seconds: 0.0, compose_seconds: t0.elapsed().as_secs_f64() })
+            Ok(Prepared {
+                compose_seconds: t0.elapsed().as_secs_f64(),
+                tokens_processed: tokens.len(),
+                ..Prepared::empty(state)
+            })
         }
         ContextMethod::Compose(m) => {
             if ids.is_empty() {
-                return Ok(Prepared { state: model.zero_state(), load_seconds: 0.0, compose_seconds: 0.0 });
+                return Ok(Prepared::empty(model.zero_state()));
             }
             let t0 = Instant::now();
-            let states = ids.iter().map(|&id| store.load_state(id)).collect::<Result<Vec<_>>>()?;
+            let mut states = Vec::with_capacity(ids.len());
+            let mut cache_hits = 0;
+            for &id in ids {
+                match cache {
+                    Some(cache) => {
+                        let (state, hit) = cache.get_or_load(id, || store.load_state(id))?;
+                        cache_hits += usize::from(hit);
+                        states.push(state);
+                    }
+                    None => states.push(std::sync::Arc::new(store.load_state(id)?)),
+                }
+            }
             let load_seconds = t0.elapsed().as_secs_f64();
             let t1 = Instant::now();
-            let refs: Vec<&State> = states.iter().collect();
+            let refs: Vec<&State> = states.iter().map(|s| &**s).collect();
             let state = compose(m, &refs, None)?;
-            Ok(Prepared { state, load_seconds, compose_seconds: t1.elapsed().as_secs_f64() })
+            Ok(Prepared {
+                state,
+                load_seconds,
+                compose_seconds: t1.elapsed().as_secs_f64(),
+                states_loaded: ids.len() - cache_hits,
+                cache_hits,
+                tokens_processed: 0,
+            })
         }
     }
 }

@@ -326,6 +326,13 @@ impl Store {
         Ok(ids)
     }
 
+    /// The id of the context stored for (`doc`, `seg`), if any.
+    pub fn id_of(&self, doc: &str, seg: u32) -> Result<Option<i64>> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare_cached("SELECT id FROM contexts WHERE doc = ?1 AND seg = ?2")?;
+        Ok(stmt.query_row(params![doc, seg], |r| r.get(0)).optional()?)
+    }
+
     /// The metadata of context `id`.
     pub fn get(&self, id: i64) -> Result<ContextRecord> {
         let conn = self.conn();

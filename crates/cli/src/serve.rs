@@ -1,0 +1,251 @@
+//! `picaso serve` (the HTTP API) and `picaso load` (drives a server with concurrent clients and
+//! checks every answer).
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use serde_json::{json, Value};
+
+use crate::{load_embedder, load_model, ModelArgs};
+
+#[derive(Args)]
+pub struct ServeArgs {
+    /// Store folder.
+    #[arg(long)]
+    db: PathBuf,
+    #[command(flatten)]
+    model: ModelArgs,
+    /// all-MiniLM-L6-v2 folder (the store's retriever).
+    #[arg(long)]
+    embedder: PathBuf,
+    /// Address to listen on (port 0 picks a free port; the address is printed).
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    addr: String,
+    /// Memory for hot context states, MiB.
+    #[arg(long, default_value_t = 512)]
+    cache_mb: usize,
+    /// Requests doing model work at once (others queue); default: the number of cores.
+    #[arg(long)]
+    parallel: Option<usize>,
+    /// Most prompt tokens per request (413 above).
+    #[arg(long, default_value_t = 8192)]
+    max_prompt_tokens: usize,
+    /// Largest max_tokens a request may ask for (400 above).
+    #[arg(long, default_value_t = 2048)]
+    max_tokens_limit: usize,
+    /// Most contexts per completion.
+    #[arg(long, default_value_t = 64)]
+    max_contexts: usize,
+}
+
+pub fn serve(a: ServeArgs) -> Result<()> {
+    let store = picaso_store::Store::open(&a.db)?;
+    let model = load_model(&a.model, true)?;
+    let embedder = load_embedder(&a.embedder)?;
+    let model_name =
+        model.dir().file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "picaso".to_string());
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let options = picaso_server::Options {
+        cache_bytes: a.cache_mb << 20,
+        parallel: a.parallel.unwrap_or(cores),
+        limits: picaso_server::Limits {
+            max_prompt_tokens: a.max_prompt_tokens,
+            max_tokens: a.max_tokens_limit,
+            max_contexts: a.max_contexts,
+            ..Default::default()
+        },
+        model_name,
+    };
+    let app = Arc::new(picaso_server::App::new(model, store, embedder, options).map_err(anyhow::Error::msg)?);
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    runtime.block_on(async {
+        let listener = tokio::net::TcpListener::bind(&a.addr)
+            .await
+            .with_context(|| format!("cannot listen on {} (in use? try another --addr)", a.addr))?;
+        println!("listening on http://{}", listener.local_addr()?);
+        use std::io::Write;
+        std::io::stdout().flush()?;
+        picaso_server::serve(app, listener).await?;
+        Ok(())
+    })
+}
+
+#[derive(Args)]
+pub struct LoadArgs {
+    /// Server base URL.
+    #[arg(long, default_value = "http://127.0.0.1:8080")]
+    url: String,
+    /// Concurrent clients.
+    #[arg(long, default_value_t = 32)]
+    clients: usize,
+    /// Duration of the run, seconds.
+    #[arg(long, default_value_t = 60.0)]
+    seconds: f64,
+    /// Tokens each completion generates.
+    #[arg(long, default_value_t = 16)]
+    max_tokens: usize,
+    /// Contexts retrieved and composed per request (0: none).
+    #[arg(long, default_value_t = 5)]
+    retrieve: usize,
+    /// Composition method.
+    #[arg(long, default_value = "picaso-r")]
+    composition: String,
+    /// Every n-th request streams (0: none).
+    #[arg(long, default_value_t = 4)]
+    stream_every: usize,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Prompts the load clients cycle through.
+const PROMPTS: [&str; 8] = [
+    "The history of the city begins",
+    "In the following season the team",
+    "The album was released in",
+    "During the war, the ship",
+    "The species is found in",
+    "After the election, the party",
+    "The film received positive reviews",
+    "The church was built in",
+];
+
+/// Checks that a completion answer has the documented form; returns the generated tokens.
+fn check_completion(v: &Value, max_tokens: usize, contexts: usize) -> Result<usize> {
+    let text_ok = v["choices"][0]["text"].is_string();
+    let usage = v["usage"]["completion_tokens"].as_u64().context("no usage.completion_tokens")? as usize;
+    let used = v["picaso"]["contexts"].as_array().context("no picaso.contexts")?.len();
+    if !text_ok || usage > max_tokens || used != contexts || v["choices"][0]["finish_reason"].is_null() {
+        bail!("malformed completion: {v}");
+    }
+    Ok(usage)
+}
+
+/// Reads a server-sent-event stream to its `[DONE]`; returns the final chunk.
+fn read_stream(reader: impl std::io::Read) -> Result<Value> {
+    use std::io::BufRead;
+    let mut last = Value::Null;
+    let mut text = String::new();
+    for line in std::io::BufReader::new(reader).lines() {
+        let line = line?;
+        let Some(data) = line.strip_prefix("data: ") else { continue };
+        if data == "[DONE]" {
+            last["choices"][0]["text"] = json!(text);
+            return Ok(last);
+        }
+        let v: Value = serde_json::from_str(data).with_context(|| format!("bad event {data}"))?;
+        if v.get("error").is_some() {
+            bail!("error event: {v}");
+        }
+        text.push_str(v["choices"][0]["text"].as_str().context("chunk without text")?);
+        if v.get("usage").is_some() {
+            last = v;
+        }
+    }
+    bail!("stream ended without [DONE]")
+}
+
+#[derive(Default)]
+struct ClientLog {
+    latencies: Vec<f64>,
+    tokens: usize,
+    errors: Vec<String>,
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    sorted[((p * (sorted.len() - 1) as f64).round() as usize).min(sorted.len() - 1)]
+}
+
+pub fn load(a: LoadArgs) -> Result<()> {
+    let base = a.url.trim_end_matches('/').to_string();
+    ureq::get(&format!("{base}/health")).call().with_context(|| format!("no server answers at {base}/health"))?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let start = Instant::now();
+    let handles: Vec<_> = (0..a.clients)
+        .map(|c| {
+            let (base, stop, composition) = (base.clone(), stop.clone(), a.composition.clone());
+            let (max_tokens, retrieve, stream_every) = (a.max_tokens, a.retrieve, a.stream_every);
+            std::thread::spawn(move || {
+                let agent = ureq::AgentBuilder::new().timeout(Duration::from_secs(600)).build();
+                let mut log = ClientLog::default();
+                let mut i = 0usize;
+                while !stop.load(Ordering::Relaxed) {
+                    let stream = stream_every > 0 && (c + i) % stream_every == 0;
+                    let body = json!({
+                        "prompt": PROMPTS[(c + i) % PROMPTS.len()], "max_tokens": max_tokens, "temperature": 0.8,
+                        "seed": (c * 100_000 + i) as u64, "retrieve": retrieve, "composition": composition, "stream": stream,
+                    });
+                    let t0 = Instant::now();
+                    let result = agent
+                        .post(&format!("{base}/v1/completions"))
+                        .send_json(body)
+                        .map_err(anyhow::Error::from)
+                        .and_then(|resp| {
+                            if stream {
+                                read_stream(resp.into_reader())
+                            } else {
+                                Ok(resp.into_json::<Value>()?)
+                            }
+                        })
+                        .and_then(|v| check_completion(&v, max_tokens, retrieve));
+                    match result {
+                        Ok(n) => {
+                            log.latencies.push(t0.elapsed().as_secs_f64());
+                            log.tokens += n;
+                        }
+                        Err(e) => log.errors.push(format!("{e:#}")),
+                    }
+                    i += 1;
+                }
+                log
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_secs_f64(a.seconds));
+    stop.store(true, Ordering::Relaxed);
+    let mut all = ClientLog::default();
+    for h in handles {
+        let log = h.join().map_err(|_| anyhow::anyhow!("a client thread panicked"))?;
+        all.latencies.extend(log.latencies);
+        all.tokens += log.tokens;
+        all.errors.extend(log.errors);
+    }
+    let wall = start.elapsed().as_secs_f64();
+    all.latencies.sort_by(f64::total_cmp);
+    let n = all.latencies.len();
+    let report = json!({
+        "clients": a.clients, "seconds": wall, "requests": n, "errors": all.errors.len(),
+        "requests_per_s": n as f64 / wall, "tokens_per_s": all.tokens as f64 / wall,
+        "p50_ms": 1e3 * percentile(&all.latencies, 0.5), "p99_ms": 1e3 * percentile(&all.latencies, 0.99),
+        "max_ms": 1e3 * all.latencies.last().copied().unwrap_or(f64::NAN),
+        "retrieve": a.retrieve, "composition": a.composition, "max_tokens": a.max_tokens,
+        "first_errors": all.errors.iter().take(3).collect::<Vec<_>>(),
+    });
+    if a.json {
+        println!("{report}");
+    } else {
+        println!(
+            "{n} requests in {wall:.1} s from {} clients: {:.2} requests/s, {:.1} tokens/s, p50 {:.0} ms, p99 {:.0} ms, {} malformed or failed",
+            a.clients,
+            report["requests_per_s"].as_f64().unwrap_or(0.0),
+            report["tokens_per_s"].as_f64().unwrap_or(0.0),
+            report["p50_ms"].as_f64().unwrap_or(f64::NAN),
+            report["p99_ms"].as_f64().unwrap_or(f64::NAN),
+            all.errors.len()
+        );
+        for e in all.errors.iter().take(3) {
+            println!("  {e}");
+        }
+    }
+    if !all.errors.is_empty() {
+        bail!("{} of {} requests failed or were malformed", all.errors.len(), n + all.errors.len());
+    }
+    Ok(())
+}

@@ -1,0 +1,226 @@
+//! The wire format: request and response bodies of every endpoint. Completions follow OpenAI's
+//! legacy completions API (so its clients work unchanged), plus picaso's fields for contexts.
+
+use serde::{Deserialize, Serialize};
+
+/// A prompt: text, a one-element list of texts, or token ids (all forms OpenAI accepts).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    /// Text.
+    Text(String),
+    /// A batch of texts; only one prompt per request is supported.
+    Texts(Vec<String>),
+    /// Token ids.
+    Tokens(Vec<u32>),
+}
+
+/// One or several stop strings.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    /// One.
+    One(String),
+    /// Several.
+    Many(Vec<String>),
+}
+
+/// `POST /v1/completions`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CompletionRequest {
+    /// The prompt, continued from the composed state of the contexts.
+    pub prompt: Prompt,
+    /// Most new tokens (OpenAI's default: 16).
+    #[serde(default = "default_max_tokens")]
+    pub max_tokens: usize,
+    /// Sampling temperature; 0 is greedy (OpenAI's default: 1).
+    #[serde(default = "one")]
+    pub temperature: f32,
+    /// Nucleus sampling mass.
+    #[serde(default = "one")]
+    pub top_p: f32,
+    /// Seed of the sampler; without one, a fresh seed per request.
+    pub seed: Option<u64>,
+    /// Stop strings.
+    pub stop: Option<Stop>,
+    /// Stream the text as server-sent events.
+    #[serde(default)]
+    pub stream: bool,
+    /// picaso: use these contexts (ids, the last nearest the prompt).
+    pub contexts: Option<Vec<i64>>,
+    /// picaso: retrieve this many contexts by similarity to the prompt.
+    pub retrieve: Option<usize>,
+    /// picaso: how to combine the contexts: picaso-r (default), picaso-s, caso, soup, concat, naive.
+    pub composition: Option<String>,
+    /// Accepted for compatibility; the server has one model.
+    pub model: Option<String>,
+    /// Accepted for compatibility; ignored.
+    pub user: Option<String>,
+    /// Only 1 is supported.
+    pub n: Option<usize>,
+    /// Only 1 is supported.
+    pub best_of: Option<usize>,
+    /// Only false is supported.
+    pub echo: Option<bool>,
+    /// Not supported (must be absent or null).
+    pub logprobs: Option<serde_json::Value>,
+    /// Not supported (must be absent or null).
+    pub suffix: Option<String>,
+    /// Only 0 is supported.
+    pub presence_penalty: Option<f32>,
+    /// Only 0 is supported.
+    pub frequency_penalty: Option<f32>,
+    /// Not supported (must be absent or empty).
+    pub logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
+    /// Accepted for compatibility: usage is always sent in the last chunk of a stream.
+    pub stream_options: Option<serde_json::Value>,
+}
+
+fn default_max_tokens() -> usize {
+    16
+}
+fn one() -> f32 {
+    1.0
+}
+
+/// A context used for a completion.
+#[derive(Debug, Clone, Serialize)]
+pub struct UsedContext {
+    /// Context id.
+    pub id: i64,
+    /// Cosine similarity to the prompt, when retrieved.
+    pub score: Option<f32>,
+}
+
+/// What picaso did for a completion (the `picaso` field of the response).
+#[derive(Debug, Clone, Serialize)]
+pub struct CompletionInfo {
+    /// The composition method.
+    pub composition: &'static str,
+    /// The contexts, in composition order (the last nearest the prompt).
+    pub contexts: Vec<UsedContext>,
+    /// Context tokens the model processed (only concat processes any).
+    pub context_tokens: usize,
+    /// States read from disk.
+    pub states_loaded: usize,
+    /// States served from the in-memory cache.
+    pub cache_hits: usize,
+    /// Milliseconds to retrieve the contexts.
+    pub retrieve_ms: f64,
+    /// Milliseconds to load the states.
+    pub load_ms: f64,
+    /// Milliseconds to compose them (for concat: to process the context tokens).
+    pub compose_ms: f64,
+    /// Milliseconds from the request to the first generated text.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub time_to_first_token_ms: Option<f64>,
+}
+
+/// Token counts.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Generated tokens.
+    pub completion_tokens: usize,
+    /// Their sum.
+    pub total_tokens: usize,
+}
+
+/// One choice (always one: `n` = 1).
+#[derive(Debug, Clone, Serialize)]
+pub struct Choice {
+    /// The text (a piece of it when streaming).
+    pub text: String,
+    /// Always 0.
+    pub index: usize,
+    /// Always null.
+    pub logprobs: Option<()>,
+    /// `length` or `stop`; null until the last chunk of a stream.
+    pub finish_reason: Option<&'static str>,
+}
+
+/// A completion, or one chunk of a streamed one.
+#[derive(Debug, Clone, Serialize)]
+pub struct Completion {
+    /// `cmpl-<n>`.
+    pub id: String,
+    /// `text_completion`.
+    pub object: &'static str,
+    /// Unix seconds.
+    pub created: u64,
+    /// The model's name.
+    pub model: String,
+    /// One choice.
+    pub choices: Vec<Choice>,
+    /// Token counts (in the last chunk of a stream).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+    /// picaso's account of the contexts (in the first and last chunks of a stream).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub picaso: Option<CompletionInfo>,
+}
+
+/// `POST /v1/contexts`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AddContext {
+    /// The text; it becomes one context.
+    pub text: String,
+    /// Source document name (default: `api/<hash of the text>`, so re-adding a text is a no-op).
+    pub doc: Option<String>,
+    /// Segment number within the document (default 0).
+    #[serde(default)]
+    pub segment: u32,
+}
+
+/// Answer to `POST /v1/contexts`.
+#[derive(Debug, Clone, Serialize)]
+pub struct AddedContext {
+    /// The context id.
+    pub id: i64,
+    /// Its document.
+    pub doc: String,
+    /// Its segment.
+    pub segment: u32,
+    /// Its tokens.
+    pub n_tokens: usize,
+    /// False when this (doc, segment) was already stored (its existing id is returned).
+    pub created: bool,
+}
+
+/// `POST /v1/search`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SearchRequest {
+    /// Text to find contexts for.
+    pub query: String,
+    /// How many (default 5).
+    #[serde(default = "default_k")]
+    pub k: usize,
+}
+
+fn default_k() -> usize {
+    5
+}
+
+/// One search hit.
+#[derive(Debug, Clone, Serialize)]
+pub struct SearchHit {
+    /// Context id.
+    pub id: i64,
+    /// Cosine similarity.
+    pub score: f32,
+    /// Source document.
+    pub doc: String,
+    /// The context's text.
+    pub text: String,
+}
+
+/// Answer to `POST /v1/search`.
+#[derive(Debug, Clone, Serialize)]
+pub struct SearchResponse {
+    /// Hits, best first.
+    pub results: Vec<SearchHit>,
+}

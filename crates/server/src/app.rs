@@ -1,0 +1,400 @@
+//! The server's shared state and its operations, free of HTTP: validating a completion request,
+//! resolving its contexts into a composed state, generating, adding and finding contexts. The
+//! model work runs on blocking threads; `gate` bounds how many run at once.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use picaso_embed::Embedder;
+use picaso_model::{GenerateOptions, Model, State, StopReason};
+use picaso_store::{prepare, ContextMethod, NewContext, StateCache, Store};
+use tokio::sync::Semaphore;
+
+use crate::api::*;
+use crate::error::ApiError;
+use crate::metrics::Metrics;
+
+/// What the server accepts.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// Most tokens in a prompt (or an added context); more is answered 413.
+    pub max_prompt_tokens: usize,
+    /// Largest `max_tokens`; more is answered 400.
+    pub max_tokens: usize,
+    /// Most contexts per completion (given or retrieved).
+    pub max_contexts: usize,
+    /// Largest request body in bytes; more is answered 413.
+    pub max_body_bytes: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self { max_prompt_tokens: 8192, max_tokens: 2048, max_contexts: 64, max_body_bytes: 1 << 20 }
+    }
+}
+
+/// How the server runs.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Byte budget of the in-memory state cache.
+    pub cache_bytes: usize,
+    /// Requests doing model work at the same time (others wait their turn).
+    pub parallel: usize,
+    /// Request limits.
+    pub limits: Limits,
+    /// The model name reported in responses.
+    pub model_name: String,
+}
+
+/// Everything a request needs, shared by all of them.
+pub struct App {
+    /// The model.
+    pub model: Model,
+    /// The store of context states.
+    pub store: Store,
+    /// The retriever.
+    pub embedder: Embedder,
+    /// Hot states.
+    pub cache: StateCache,
+    /// Request limits.
+    pub limits: Limits,
+    /// Prometheus metrics.
+    pub metrics: Metrics,
+    /// The model name reported in responses.
+    pub model_name: String,
+    pub(crate) gate: Arc<Semaphore>,
+    next_id: AtomicU64,
+    boot: u64,
+}
+
+/// A completion ready to generate: the prompt and the state it continues from.
+pub(crate) struct Plan {
+    pub id: String,
+    pub created: u64,
+    pub prompt: Vec<u32>,
+    pub state: State,
+    pub opts: GenerateOptions,
+    pub info: CompletionInfo,
+    pub started: Instant,
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+fn finish_reason(r: StopReason) -> &'static str {
+    match r {
+        StopReason::Length => "length",
+        StopReason::Eos | StopReason::Stop | StopReason::Cancelled => "stop",
+    }
+}
+
+impl App {
+    /// Checks that the parts belong together (the store was made with this model and embedder).
+    pub fn new(model: Model, store: Store, embedder: Embedder, options: Options) -> Result<Self, String> {
+        if store.info().fingerprint != model.fingerprint() {
+            return Err(format!(
+                "store {} holds states of model {}, not of the given model {}; serve it with the model it was made with",
+                store.dir().display(),
+                store.info().fingerprint,
+                model.fingerprint()
+            ));
+        }
+        if store.info().dim != embedder.dim() {
+            return Err(format!(
+                "store {} holds {}-dimensional embeddings, the embedder makes {}; use the embedder it was made with",
+                store.dir().display(),
+                store.info().dim,
+                embedder.dim()
+            ));
+        }
+        model.tokenizer().map_err(|e| e.to_string())?;
+        let metrics = Metrics::default();
+        metrics.contexts.set(store.ids().len() as i64);
+        Ok(Self {
+            model,
+            store,
+            embedder,
+            cache: StateCache::new(options.cache_bytes),
+            limits: options.limits,
+            metrics,
+            model_name: options.model_name,
+            gate: Arc::new(Semaphore::new(options.parallel.max(1))),
+            next_id: AtomicU64::new(0),
+            boot: unix_now(),
+        })
+    }
+
+    /// Cheap checks done before any model work: everything but the prompt's length.
+    pub(crate) fn validate(&self, req: &CompletionRequest) -> Result<(ContextMethod, GenerateOptions), ApiError> {
+        let unsupported = |what: &str| Err(ApiError::bad_request(format!("{what} is not supported by picaso")));
+        if req.n.is_some_and(|n| n != 1) || req.best_of.is_some_and(|n| n != 1) {
+            return unsupported("n or best_of other than 1");
+        }
+        if req.echo == Some(true) {
+            return unsupported("echo");
+        }
+        if req.logprobs.as_ref().is_some_and(|v| !v.is_null()) {
+            return unsupported("logprobs");
+        }
+        if req.suffix.is_some() {
+            return unsupported("suffix");
+        }
+        if req.presence_penalty.is_some_and(|p| p != 0.0) || req.frequency_penalty.is_some_and(|p| p != 0.0) {
+            return unsupported("a presence or frequency penalty");
+        }
+        if req.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
+            return unsupported("logit_bias");
+        }
+        let method = match &req.composition {
+            None => ContextMethod::Compose(picaso_model::Method::PicasoR),
+            Some(name) => name.parse().map_err(ApiError::bad_request)?,
+        };
+        if req.contexts.is_some() && req.retrieve.is_some() {
+            return Err(ApiError::bad_request("give either `contexts` (ids) or `retrieve` (a count), not both"));
+        }
+        let n_contexts = req.contexts.as_ref().map(Vec::len).or(req.retrieve).unwrap_or(0);
+        if n_contexts > self.limits.max_contexts {
+            return Err(ApiError::bad_request(format!(
+                "{n_contexts} contexts requested; this server composes at most {}",
+                self.limits.max_contexts
+            )));
+        }
+        if req.max_tokens > self.limits.max_tokens {
+            return Err(ApiError::bad_request(format!(
+                "max_tokens {} is over this server's limit of {}",
+                req.max_tokens, self.limits.max_tokens
+            )));
+        }
+        let stop = match &req.stop {
+            None => Vec::new(),
+            Some(Stop::One(s)) => vec![s.clone()],
+            Some(Stop::Many(v)) => v.clone(),
+        };
+        if stop.len() > 16 {
+            return Err(ApiError::bad_request(format!("{} stop strings; at most 16", stop.len())));
+        }
+        let seed = req.seed.unwrap_or_else(|| {
+            let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+            nanos ^ self.next_id.load(Ordering::Relaxed).rotate_left(32)
+        });
+        let opts =
+            GenerateOptions { max_tokens: req.max_tokens, temperature: req.temperature, top_p: req.top_p, seed, stop };
+        opts.validate()?;
+        Ok((method, opts))
+    }
+
+    /// Tokenizes the prompt, retrieves or looks up the contexts and builds the state to continue
+    /// from. Blocking (model work for concat).
+    pub(crate) fn plan(
+        &self,
+        req: &CompletionRequest,
+        method: ContextMethod,
+        opts: GenerateOptions,
+        started: Instant,
+    ) -> Result<Plan, ApiError> {
+        let tokenizer = self.model.tokenizer()?;
+        let (text, prompt) = match &req.prompt {
+            Prompt::Text(t) => (t.clone(), tokenizer.encode(t)?),
+            Prompt::Texts(v) if v.len() == 1 => (v[0].clone(), tokenizer.encode(&v[0])?),
+            Prompt::Texts(v) => {
+                return Err(ApiError::bad_request(format!("{} prompts given; send one prompt per request", v.len())))
+            }
+            Prompt::Tokens(ids) => (tokenizer.decode(ids)?, ids.clone()),
+        };
+        if prompt.is_empty() {
+            return Err(ApiError::bad_request("the prompt is empty; it must have at least one token"));
+        }
+        if prompt.len() > self.limits.max_prompt_tokens {
+            return Err(ApiError::too_large(format!(
+                "the prompt has {} tokens; this server accepts at most {}",
+                prompt.len(),
+                self.limits.max_prompt_tokens
+            )));
+        }
+        self.model.check_tokens(&prompt)?;
+        let t_retrieve = Instant::now();
+        let contexts: Vec<UsedContext> = match (method, &req.contexts, req.retrieve) {
+            (ContextMethod::Naive, _, _) => Vec::new(),
+            (_, Some(ids), _) => ids.iter().map(|&id| UsedContext { id, score: None }).collect(),
+            (_, None, Some(k)) if k > 0 => {
+                let query = self.embedder.embed_one(&text)?;
+                let mut hits = self.store.search(&query, k)?;
+                hits.reverse(); // the most relevant nearest the prompt
+                hits.into_iter().map(|(id, score)| UsedContext { id, score: Some(score) }).collect()
+            }
+            _ => Vec::new(),
+        };
+        let retrieve_ms = 1e3 * t_retrieve.elapsed().as_secs_f64();
+        let ids: Vec<i64> = contexts.iter().map(|c| c.id).collect();
+        let prepared = prepare(&self.store, &self.model, &ids, method, Some(&self.cache))?;
+        let m = &self.metrics;
+        m.states_loaded.inc_by(prepared.states_loaded as u64);
+        m.cache_hits.inc_by(prepared.cache_hits as u64);
+        if prepared.states_loaded > 0 {
+            m.load_seconds.observe(prepared.load_seconds);
+        }
+        if !ids.is_empty() {
+            m.compose_seconds
+                .get_or_create(&vec![("method", method.name().to_string())])
+                .observe(prepared.compose_seconds);
+        }
+        m.prompt_tokens.inc_by(prompt.len() as u64);
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        Ok(Plan {
+            id: format!("cmpl-{:x}-{n}", self.boot),
+            created: unix_now(),
+            prompt,
+            state: prepared.state,
+            opts,
+            info: CompletionInfo {
+                composition: method.name(),
+                contexts,
+                context_tokens: prepared.tokens_processed,
+                states_loaded: prepared.states_loaded,
+                cache_hits: prepared.cache_hits,
+                retrieve_ms,
+                load_ms: 1e3 * prepared.load_seconds,
+                compose_ms: 1e3 * prepared.compose_seconds,
+                time_to_first_token_ms: None,
+            },
+            started,
+        })
+    }
+
+    fn chunk(&self, plan: &Plan, text: String, finish: Option<&'static str>) -> Completion {
+        Completion {
+            id: plan.id.clone(),
+            object: "text_completion",
+            created: plan.created,
+            model: self.model_name.clone(),
+            choices: vec![Choice { text, index: 0, logprobs: None, finish_reason: finish }],
+            usage: None,
+            picaso: None,
+        }
+    }
+
+    /// Generates the whole completion. Blocking.
+    pub(crate) fn complete(&self, mut plan: Plan) -> Result<Completion, ApiError> {
+        let mut first = None;
+        let g = picaso_model::generate(&self.model, &plan.prompt, &plan.state, &plan.opts, |_| {
+            first.get_or_insert_with(|| plan.started.elapsed().as_secs_f64());
+            true
+        })?;
+        let ttft = first.unwrap_or_else(|| plan.started.elapsed().as_secs_f64());
+        self.metrics.time_to_first_token_seconds.observe(ttft);
+        self.metrics.completion_tokens.inc_by(g.tokens.len() as u64);
+        plan.info.time_to_first_token_ms = Some(1e3 * ttft);
+        let mut out = self.chunk(&plan, g.text, Some(finish_reason(g.stop_reason)));
+        out.usage = Some(Usage {
+            prompt_tokens: plan.prompt.len(),
+            completion_tokens: g.tokens.len(),
+            total_tokens: plan.prompt.len() + g.tokens.len(),
+        });
+        out.picaso = Some(plan.info);
+        Ok(out)
+    }
+
+    /// Generates and hands each chunk to `send` (serialised JSON); stops as soon as `send`
+    /// returns false (the client went away). Blocking.
+    pub(crate) fn stream(&self, mut plan: Plan, mut send: impl FnMut(String) -> bool) {
+        let json = |c: &Completion| serde_json::to_string(c).expect("completions serialise");
+        let mut head = self.chunk(&plan, String::new(), None);
+        head.picaso = Some(plan.info.clone());
+        if !send(json(&head)) {
+            self.metrics.cancelled.inc();
+            return;
+        }
+        let mut first = None;
+        let result = picaso_model::generate(&self.model, &plan.prompt, &plan.state, &plan.opts, |piece| {
+            first.get_or_insert_with(|| plan.started.elapsed().as_secs_f64());
+            send(json(&self.chunk(&plan, piece.to_string(), None)))
+        });
+        match result {
+            Ok(g) if g.stop_reason == StopReason::Cancelled => {
+                self.metrics.cancelled.inc();
+                self.metrics.completion_tokens.inc_by(g.tokens.len() as u64);
+            }
+            Ok(g) => {
+                let ttft = first.unwrap_or_else(|| plan.started.elapsed().as_secs_f64());
+                self.metrics.time_to_first_token_seconds.observe(ttft);
+                self.metrics.completion_tokens.inc_by(g.tokens.len() as u64);
+                plan.info.time_to_first_token_ms = Some(1e3 * ttft);
+                let mut last = self.chunk(&plan, String::new(), Some(finish_reason(g.stop_reason)));
+                last.usage = Some(Usage {
+                    prompt_tokens: plan.prompt.len(),
+                    completion_tokens: g.tokens.len(),
+                    total_tokens: plan.prompt.len() + g.tokens.len(),
+                });
+                last.picaso = Some(plan.info);
+                if send(json(&last)) {
+                    send("[DONE]".into());
+                }
+            }
+            Err(e) => {
+                let e = ApiError::from(e);
+                send(serde_json::json!({"error": {"message": e.message, "type": "server_error"}}).to_string());
+            }
+        }
+    }
+
+    /// Adds one context: its state, embedding and metadata. Blocking.
+    pub(crate) fn add_context(&self, req: AddContext) -> Result<AddedContext, ApiError> {
+        if req.text.trim().is_empty() {
+            return Err(ApiError::bad_request("`text` is empty"));
+        }
+        let doc = req.doc.unwrap_or_else(|| format!("api/{:032x}", xxhash_rust::xxh3::xxh3_128(req.text.as_bytes())));
+        if doc.is_empty() {
+            return Err(ApiError::bad_request("`doc` is empty"));
+        }
+        if let Some(id) = self.store.id_of(&doc, req.segment)? {
+            let rec = self.store.get(id)?;
+            return Ok(AddedContext { id, doc, segment: req.segment, n_tokens: rec.n_tokens, created: false });
+        }
+        let tokens = self.model.tokenizer()?.encode(&req.text)?;
+        if tokens.len() > self.limits.max_prompt_tokens {
+            return Err(ApiError::too_large(format!(
+                "the text has {} tokens; this server accepts contexts of at most {}",
+                tokens.len(),
+                self.limits.max_prompt_tokens
+            )));
+        }
+        let state = self.model.prefill(&tokens, &self.model.zero_state())?;
+        let embedding = self.embedder.embed_one(&req.text)?;
+        let n_tokens = tokens.len();
+        let item = NewContext { doc: doc.clone(), seg: req.segment, text: req.text, tokens, embedding, state };
+        let id = match self.store.insert(std::slice::from_ref(&item))?[0] {
+            Some(id) => id,
+            // Another request stored the same (doc, segment) meanwhile.
+            None => self.store.id_of(&doc, req.segment)?.ok_or_else(|| ApiError::internal("context vanished"))?,
+        };
+        self.metrics.contexts.set(self.store.ids().len() as i64);
+        Ok(AddedContext { id, doc, segment: req.segment, n_tokens, created: true })
+    }
+
+    /// Removes a context. Blocking.
+    pub(crate) fn delete_context(&self, id: i64) -> Result<(), ApiError> {
+        self.store.delete(id)?;
+        self.cache.remove(id);
+        self.metrics.contexts.set(self.store.ids().len() as i64);
+        Ok(())
+    }
+
+    /// Retrieval only. Blocking.
+    pub(crate) fn search(&self, req: SearchRequest) -> Result<SearchResponse, ApiError> {
+        if req.k > self.limits.max_contexts {
+            return Err(ApiError::bad_request(format!(
+                "k = {} is over the limit of {}",
+                req.k, self.limits.max_contexts
+            )));
+        }
+        let q = self.embedder.embed_one(&req.query)?;
+        let mut results = Vec::new();
+        for (id, score) in self.store.search(&q, req.k)? {
+            let rec = self.store.get(id)?;
+            results.push(SearchHit { id, score, doc: rec.doc, text: rec.text });
+        }
+        Ok(SearchResponse { results })
+    }
+}

@@ -1,0 +1,84 @@
+//! API errors: every failure becomes a JSON body `{"error": {"message", "type", "code"}}` (the
+//! OpenAI shape) with a 4xx status for the client's mistakes and 5xx for the server's.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+/// An error answer.
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    /// HTTP status.
+    pub status: StatusCode,
+    /// What went wrong and how to fix it.
+    pub message: String,
+}
+
+impl ApiError {
+    /// An error with `status`.
+    pub fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        Self { status, message: message.into() }
+    }
+    /// 400: the request is malformed or asks for something unsupported.
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, message)
+    }
+    /// 404: no such resource.
+    pub fn not_found(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::NOT_FOUND, message)
+    }
+    /// 413: the request is too large.
+    pub fn too_large(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::PAYLOAD_TOO_LARGE, message)
+    }
+    /// 500: the server failed.
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, message)
+    }
+
+    fn kind(&self) -> &'static str {
+        match self.status {
+            StatusCode::NOT_FOUND => "not_found_error",
+            s if s.is_client_error() => "invalid_request_error",
+            _ => "server_error",
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = json!({"error": {"message": self.message, "type": self.kind(), "code": self.status.as_u16()}});
+        (self.status, axum::Json(body)).into_response()
+    }
+}
+
+impl From<picaso_store::Error> for ApiError {
+    fn from(e: picaso_store::Error) -> Self {
+        use picaso_store::Error as E;
+        match e {
+            E::NotFound(_) => Self::not_found(e.to_string()),
+            E::Input(_) => Self::bad_request(e.to_string()),
+            E::Model(m) => m.into(),
+            E::Embed(picaso_embed::Error::Input(_)) => Self::bad_request(e.to_string()),
+            _ => Self::internal(e.to_string()),
+        }
+    }
+}
+
+impl From<picaso_model::Error> for ApiError {
+    fn from(e: picaso_model::Error) -> Self {
+        match e {
+            picaso_model::Error::Input(_) => Self::bad_request(e.to_string()),
+            _ => Self::internal(e.to_string()),
+        }
+    }
+}
+
+impl From<picaso_embed::Error> for ApiError {
+    fn from(e: picaso_embed::Error) -> Self {
+        match e {
+            picaso_embed::Error::Input(_) => Self::bad_request(e.to_string()),
+            _ => Self::internal(e.to_string()),
+        }
+    }
+}

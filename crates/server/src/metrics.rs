@@ -1,0 +1,101 @@
+//! Prometheus metrics, served as text at `GET /metrics`.
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+/// Label pairs of a metric.
+pub type Labels = Vec<(&'static str, String)>;
+
+type HistogramFamily = Family<Labels, Histogram, fn() -> Histogram>;
+
+/// Seconds from 0.5 ms to ~16 s.
+fn seconds_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.0005, 2.0, 16))
+}
+
+/// The server's counters, gauges and histograms.
+pub struct Metrics {
+    registry: Registry,
+    /// Requests by endpoint, method and status.
+    pub requests: Family<Labels, Counter>,
+    /// Request latency by endpoint (until the response head; a stream's body comes later).
+    pub request_seconds: HistogramFamily,
+    /// Requests being served.
+    pub in_flight: Gauge,
+    /// Time to compose states (for concat: to process the context tokens), by method.
+    pub compose_seconds: HistogramFamily,
+    /// Time to read states from disk for a completion.
+    pub load_seconds: Histogram,
+    /// Time from a completion request to its first generated text.
+    pub time_to_first_token_seconds: Histogram,
+    /// States read from disk.
+    pub states_loaded: Counter,
+    /// States served from the in-memory cache.
+    pub cache_hits: Counter,
+    /// Bytes held by the state cache.
+    pub cache_bytes: Gauge,
+    /// Contexts in the store.
+    pub contexts: Gauge,
+    /// Prompt tokens processed.
+    pub prompt_tokens: Counter,
+    /// Tokens generated.
+    pub completion_tokens: Counter,
+    /// Generations stopped because the client went away.
+    pub cancelled: Counter,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut registry = Registry::with_prefix("picaso");
+        let requests = Family::<Labels, Counter>::default();
+        let request_seconds = HistogramFamily::new_with_constructor(seconds_histogram);
+        let compose_seconds = HistogramFamily::new_with_constructor(seconds_histogram);
+        let m = Self {
+            requests,
+            request_seconds,
+            in_flight: Gauge::default(),
+            compose_seconds,
+            load_seconds: seconds_histogram(),
+            time_to_first_token_seconds: seconds_histogram(),
+            states_loaded: Counter::default(),
+            cache_hits: Counter::default(),
+            cache_bytes: Gauge::default(),
+            contexts: Gauge::default(),
+            prompt_tokens: Counter::default(),
+            completion_tokens: Counter::default(),
+            cancelled: Counter::default(),
+            registry: Registry::default(),
+        };
+        registry.register("requests", "HTTP requests by endpoint, method and status", m.requests.clone());
+        registry.register("request_seconds", "HTTP request latency by endpoint", m.request_seconds.clone());
+        registry.register("requests_in_flight", "HTTP requests being served", m.in_flight.clone());
+        registry.register("compose_seconds", "Time to compose context states, by method", m.compose_seconds.clone());
+        registry.register("state_load_seconds", "Time to read context states from disk", m.load_seconds.clone());
+        registry.register(
+            "time_to_first_token_seconds",
+            "Time from a completion request to its first text",
+            m.time_to_first_token_seconds.clone(),
+        );
+        registry.register("states_loaded", "Context states read from disk", m.states_loaded.clone());
+        registry.register("state_cache_hits", "Context states served from memory", m.cache_hits.clone());
+        registry.register("state_cache_bytes", "Bytes held by the state cache", m.cache_bytes.clone());
+        registry.register("contexts", "Contexts in the store", m.contexts.clone());
+        registry.register("prompt_tokens", "Prompt tokens processed", m.prompt_tokens.clone());
+        registry.register("completion_tokens", "Tokens generated", m.completion_tokens.clone());
+        registry.register("generations_cancelled", "Generations stopped by a client going away", m.cancelled.clone());
+        Self { registry, ..m }
+    }
+}
+
+impl Metrics {
+    /// The Prometheus text exposition.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        encode(&mut out, &self.registry).expect("writing to a String cannot fail");
+        out
+    }
+}

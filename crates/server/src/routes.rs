@@ -1,0 +1,164 @@
+//! HTTP: the routes, a JSON extractor whose failures are JSON errors, and request metrics.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::Bytes;
+use axum::extract::{FromRequest, MatchedPath, Path, Request, State};
+use axum::http::{header, Method, StatusCode, Uri};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::de::DeserializeOwned;
+use serde_json::json;
+use tokio_stream::wrappers::ReceiverStream;
+
+use crate::api::*;
+use crate::app::App;
+use crate::error::ApiError;
+
+type Shared = State<Arc<App>>;
+
+/// The API's routes over `app`.
+pub fn router(app: Arc<App>) -> Router {
+    let body_limit = app.limits.max_body_bytes;
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/contexts", post(add_context))
+        .route("/v1/contexts/{id}", get(get_context).delete(delete_context))
+        .route("/v1/search", post(search))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route_layer(middleware::from_fn_with_state(app.clone(), track))
+        .fallback(no_route)
+        .layer(axum::extract::DefaultBodyLimit::max(body_limit))
+        .with_state(app)
+}
+
+/// A JSON body; a body too large is 413, anything unparsable is 400, both as JSON errors.
+pub struct ApiJson<T>(pub T);
+
+impl<T: DeserializeOwned> FromRequest<Arc<App>> for ApiJson<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, app: &Arc<App>) -> Result<Self, ApiError> {
+        let bytes = Bytes::from_request(req, app).await.map_err(|r| {
+            if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                ApiError::too_large(format!(
+                    "the request body is over this server's limit of {} bytes",
+                    app.limits.max_body_bytes
+                ))
+            } else {
+                ApiError::new(r.status(), r.body_text())
+            }
+        })?;
+        serde_json::from_slice(&bytes)
+            .map(ApiJson)
+            .map_err(|e| ApiError::bad_request(format!("malformed JSON body: {e}")))
+    }
+}
+
+/// Runs model or disk work off the async threads.
+async fn blocking<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(work).await.map_err(|e| ApiError::internal(format!("worker failed: {e}")))?
+}
+
+async fn completions(State(app): Shared, ApiJson(req): ApiJson<CompletionRequest>) -> Result<Response, ApiError> {
+    let started = Instant::now();
+    let (method, opts) = app.validate(&req)?;
+    let permit = app.gate.clone().acquire_owned().await.map_err(|_| ApiError::internal("server shutting down"))?;
+    let stream = req.stream;
+    let planner = app.clone();
+    let plan = blocking(move || planner.plan(&req, method, opts, started)).await?;
+    if !stream {
+        let body = blocking(move || {
+            let _permit = permit;
+            app.complete(plan)
+        })
+        .await?;
+        return Ok(Json(body).into_response());
+    }
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Event, Infallible>>(16);
+    tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        // A send fails once the client is gone and the response stream dropped.
+        app.stream(plan, |data| tx.blocking_send(Ok(Event::default().data(data))).is_ok());
+    });
+    Ok(Sse::new(ReceiverStream::new(rx)).keep_alive(KeepAlive::default()).into_response())
+}
+
+async fn add_context(State(app): Shared, ApiJson(req): ApiJson<AddContext>) -> Result<Response, ApiError> {
+    let permit = app.gate.clone().acquire_owned().await.map_err(|_| ApiError::internal("server shutting down"))?;
+    let added = blocking(move || {
+        let _permit = permit;
+        app.add_context(req)
+    })
+    .await?;
+    let status = if added.created { StatusCode::CREATED } else { StatusCode::OK };
+    Ok((status, Json(added)).into_response())
+}
+
+fn parse_id(id: &str) -> Result<i64, ApiError> {
+    id.parse().map_err(|_| ApiError::bad_request(format!("context id {id:?} is not an integer")))
+}
+
+async fn get_context(State(app): Shared, Path(id): Path<String>) -> Result<Response, ApiError> {
+    let id = parse_id(&id)?;
+    let rec = blocking(move || Ok(app.store.get(id)?)).await?;
+    Ok(Json(rec).into_response())
+}
+
+async fn delete_context(State(app): Shared, Path(id): Path<String>) -> Result<Response, ApiError> {
+    let id = parse_id(&id)?;
+    blocking(move || app.delete_context(id)).await?;
+    Ok(Json(json!({"id": id, "deleted": true})).into_response())
+}
+
+async fn search(State(app): Shared, ApiJson(req): ApiJson<SearchRequest>) -> Result<Response, ApiError> {
+    let found = blocking(move || app.search(req)).await?;
+    Ok(Json(found).into_response())
+}
+
+async fn health(State(app): Shared) -> Response {
+    Json(json!({
+        "status": "ok",
+        "model": app.model_name,
+        "fingerprint": app.model.fingerprint(),
+        "contexts": app.store.ids().len(),
+    }))
+    .into_response()
+}
+
+async fn metrics(State(app): Shared) -> Response {
+    app.metrics.cache_bytes.set(app.cache.stats().bytes as i64);
+    let body = app.metrics.render();
+    ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], body).into_response()
+}
+
+async fn no_route(method: Method, uri: Uri) -> ApiError {
+    ApiError::not_found(format!(
+        "no route {method} {uri}; the API has POST /v1/completions, POST /v1/contexts, GET|DELETE /v1/contexts/{{id}}, POST /v1/search, GET /health, GET /metrics"
+    ))
+}
+
+/// Counts requests and their latency per route.
+async fn track(State(app): Shared, req: Request, next: Next) -> Response {
+    let endpoint = req.extensions().get::<MatchedPath>().map(|p| p.as_str().to_string()).unwrap_or_default();
+    let method = req.method().to_string();
+    let t0 = Instant::now();
+    app.metrics.in_flight.inc();
+    let resp = next.run(req).await;
+    app.metrics.in_flight.dec();
+    let status = resp.status().as_u16().to_string();
+    app.metrics
+        .requests
+        .get_or_create(&vec![("endpoint", endpoint.clone()), ("method", method), ("status", status)])
+        .inc();
+    app.metrics.request_seconds.get_or_create(&vec![("endpoint", endpoint)]).observe(t0.elapsed().as_secs_f64());
+    resp
+}
