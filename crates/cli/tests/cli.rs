@@ -5,8 +5,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use picaso_model::weights::read_tensors;
-use picaso_model::{Mamba2Config, Mamba2Weights};
 use serde_json::Value;
+
+mod common;
 
 fn fixture(case: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../testdata/mamba2").join(case)
@@ -226,24 +227,9 @@ fn bad_models_and_inputs_fail_cleanly() {
     fails_with(&["generate", "--model", g1.to_str().unwrap(), "--prompt", "hello"], "tokenizer");
 }
 
-/// A tiny random model with the GPT-NeoX tokenizer, for the commands that need text.
-fn text_model() -> Option<tempfile::TempDir> {
-    let tok =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/gpt-neox-20b-tokenizer/tokenizer.json");
-    if !tok.is_file() {
-        eprintln!("skipping: {} not found (the shared data folder is beside the checkout in CI)", tok.display());
-        return None;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let config = Mamba2Config { vocab_size: 50280, d_model: 16, headdim: 8, nheads: 4, ..Mamba2Config::tiny(2, 4) };
-    Mamba2Weights::random(&config, 3).save_pretrained(dir.path(), &config).unwrap();
-    std::fs::copy(tok, dir.path().join("tokenizer.json")).unwrap();
-    Some(dir)
-}
-
 #[test]
 fn text_commands_generate_and_score() {
-    let Some(dir) = text_model() else { return };
+    let Some(dir) = common::text_model(3) else { return };
     let m = dir.path().to_str().unwrap();
     let info = ok_json(&["info", "--model", m, "--json"]);
     assert_eq!(info["config"]["hidden_size"], 16);

@@ -1,21 +1,13 @@
 //! The store through the real binary: ingest (idempotent), stats, query by ids and by text with
 //! every method, composition through the store equal to in-memory composition, wrong model refused.
 
-use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use picaso_model::{compose, LoadOptions, Mamba2Config, Mamba2Weights, Method, Model, State};
+use picaso_model::{compose, LoadOptions, Method, Model, State};
 use serde_json::Value;
 
-fn shared(rel: &str) -> Option<PathBuf> {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data").join(rel);
-    if p.exists() {
-        Some(p)
-    } else {
-        eprintln!("skipping: {} not found (the shared data folder is beside the checkout in CI)", p.display());
-        None
-    }
-}
+mod common;
+use common::{shared, text_model, write_docs};
 
 fn run(args: &[&str]) -> (bool, Value, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_picaso")).args(args).output().expect("picaso runs");
@@ -30,25 +22,9 @@ fn ok(args: &[&str]) -> Value {
     v
 }
 
-fn model_dir(seed: u64) -> Option<tempfile::TempDir> {
-    let tok = shared("gpt-neox-20b-tokenizer/tokenizer.json")?;
-    let dir = tempfile::tempdir().unwrap();
-    let config = Mamba2Config { vocab_size: 50280, d_model: 16, headdim: 8, nheads: 4, ..Mamba2Config::tiny(2, 4) };
-    Mamba2Weights::random(&config, seed).save_pretrained(dir.path(), &config).unwrap();
-    std::fs::copy(tok, dir.path().join("tokenizer.json")).unwrap();
-    Some(dir)
-}
-
-fn write_docs(dir: &Path) {
-    std::fs::create_dir_all(dir).unwrap();
-    std::fs::write(dir.join("eiffel.txt"), "The Eiffel Tower is in Paris.\n\nIt was finished in 1889.\n").unwrap();
-    std::fs::write(dir.join("mamba.txt"), "Mamba is a state space model.\n").unwrap();
-    std::fs::write(dir.join("cats.txt"), "Cats are small carnivorous mammals.\n").unwrap();
-}
-
 #[test]
 fn ingest_stats_query_and_compose_through_the_store() {
-    let (Some(model), Some(embedder)) = (model_dir(1), shared("all-MiniLM-L6-v2")) else { return };
+    let (Some(model), Some(embedder)) = (text_model(1), shared("all-MiniLM-L6-v2")) else { return };
     let tmp = tempfile::tempdir().unwrap();
     let docs = tmp.path().join("docs");
     write_docs(&docs);
@@ -127,7 +103,7 @@ fn ingest_stats_query_and_compose_through_the_store() {
     assert_eq!(cache.stats().misses, 2, "each state is read from disk once, then served from memory");
 
     // Bad input: another model, unknown ids, unknown method, a folder that is not a store.
-    let other = model_dir(2).unwrap();
+    let other = text_model(2).unwrap();
     let (success, _, stderr) =
         run(&["ingest", "--db", db_s, "--model", other.path().to_str().unwrap(), "--embedder", e, "--text-dir", d]);
     assert!(!success && stderr.contains("holds states of model"), "{stderr}");

@@ -45,12 +45,17 @@ impl<T: DeserializeOwned> FromRequest<Arc<App>> for ApiJson<T> {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, app: &Arc<App>) -> Result<Self, ApiError> {
+        let limit = app.limits.max_body_bytes;
+        let too_large =
+            || ApiError::too_large(format!("the request body is over this server's limit of {limit} bytes"));
+        // Refuse from the declared length, before reading (and waiting for) any of the body.
+        let declared = req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+        if declared.is_some_and(|n| n > limit as u64) {
+            return Err(too_large());
+        }
         let bytes = Bytes::from_request(req, app).await.map_err(|r| {
             if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
-                ApiError::too_large(format!(
-                    "the request body is over this server's limit of {} bytes",
-                    app.limits.max_body_bytes
-                ))
+                too_large()
             } else {
                 ApiError::new(r.status(), r.body_text())
             }

@@ -1,0 +1,299 @@
+//! `picaso serve` end to end over loopback: completions (plain and streamed, by ids and by
+//! retrieval) equal to `picaso query`, context CRUD, search, metrics, concurrent requests that
+//! do not disturb each other, a client that disconnects mid-stream, and every bad input.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+mod common;
+use common::{shared, text_model, write_docs};
+
+/// A running `picaso serve`, killed on drop.
+struct Server {
+    child: Child,
+    url: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Server {
+    fn start(args: &[&str]) -> Server {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_picaso"))
+            .args(["serve", "--addr", "127.0.0.1:0"])
+            .args(args)
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("picaso serve starts");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        let url =
+            line.trim().strip_prefix("listening on ").unwrap_or_else(|| panic!("unexpected: {line:?}")).to_string();
+        Server { child, url }
+    }
+
+    /// (status, JSON body) of a request; 4xx and 5xx are answers too.
+    fn call(&self, method: &str, path: &str, body: Option<&str>) -> (u16, Value) {
+        let req = ureq::request(method, &format!("{}{path}", self.url)).set("content-type", "application/json");
+        let resp = match body {
+            Some(b) => req.send_string(b),
+            None => req.call(),
+        };
+        let resp = match resp {
+            Ok(r) => r,
+            Err(ureq::Error::Status(_, r)) => r,
+            Err(e) => panic!("{method} {path}: {e}"),
+        };
+        let status = resp.status();
+        let text = resp.into_string().unwrap();
+        (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("{method} {path}: not JSON ({e}): {text}")))
+    }
+
+    fn post(&self, path: &str, body: Value) -> (u16, Value) {
+        self.call("POST", path, Some(&body.to_string()))
+    }
+
+    fn complete(&self, body: Value) -> Value {
+        let (status, v) = self.post("/v1/completions", body.clone());
+        assert_eq!(status, 200, "{body} → {v}");
+        v
+    }
+
+    /// Streams a completion; returns the events' JSON (without the final `[DONE]`, which is checked).
+    fn stream(&self, mut body: Value) -> Vec<Value> {
+        body["stream"] = json!(true);
+        let resp = ureq::post(&format!("{}/v1/completions", self.url)).send_string(&body.to_string()).unwrap();
+        assert_eq!(resp.header("content-type"), Some("text/event-stream"));
+        let mut events = Vec::new();
+        for line in BufReader::new(resp.into_reader()).lines() {
+            let line = line.unwrap();
+            let Some(data) = line.strip_prefix("data: ") else { continue };
+            if data == "[DONE]" {
+                return events;
+            }
+            events.push(serde_json::from_str(data).unwrap());
+        }
+        panic!("the stream ended without [DONE]")
+    }
+
+    fn metric(&self, name: &str) -> f64 {
+        let text = ureq::get(&format!("{}/metrics", self.url)).call().unwrap().into_string().unwrap();
+        text.lines()
+            .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+}
+
+fn picaso_json(args: &[&str]) -> Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_picaso")).args(args).output().unwrap();
+    assert!(out.status.success(), "picaso {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn serve_completions_contexts_search_metrics_and_bad_input() {
+    let (Some(model), Some(embedder)) = (text_model(1), shared("all-MiniLM-L6-v2")) else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let docs = tmp.path().join("docs");
+    write_docs(&docs);
+    let db = tmp.path().join("db");
+    let (m, e, db_s) = (model.path().to_str().unwrap(), embedder.to_str().unwrap(), db.to_str().unwrap());
+    picaso_json(&[
+        "ingest",
+        "--db",
+        db_s,
+        "--model",
+        m,
+        "--embedder",
+        e,
+        "--text-dir",
+        docs.to_str().unwrap(),
+        "--json",
+    ]);
+    let server = Server::start(&[
+        "--db",
+        db_s,
+        "--model",
+        m,
+        "--embedder",
+        e,
+        "--max-prompt-tokens",
+        "40",
+        "--max-tokens-limit",
+        "1000000",
+        "--parallel",
+        "4",
+    ]);
+
+    let (status, health) = server.call("GET", "/health", None);
+    assert_eq!((status, health["status"].as_str(), health["contexts"].as_u64()), (200, Some("ok"), Some(4)));
+
+    // A greedy completion over given contexts equals `picaso query` with the same ids.
+    for method in ["picaso-r", "picaso-s", "caso", "soup", "concat", "naive"] {
+        let v = server.complete(json!({"prompt": "The tower", "max_tokens": 6, "temperature": 0, "contexts": [3, 2], "composition": method}));
+        let q = picaso_json(&[
+            "query",
+            "--db",
+            db_s,
+            "--model",
+            m,
+            "--ids",
+            "3,2",
+            "--method",
+            method,
+            "--max-tokens",
+            "6",
+            "--json",
+            "The tower",
+        ]);
+        assert_eq!(v["choices"][0]["text"], q["text"], "{method}: server and CLI agree");
+        assert_eq!(v["object"], "text_completion");
+        assert_eq!(v["picaso"]["composition"], method);
+        let used: Vec<i64> =
+            v["picaso"]["contexts"].as_array().unwrap().iter().map(|c| c["id"].as_i64().unwrap()).collect();
+        assert_eq!(used, if method == "naive" { vec![] } else { vec![3, 2] }, "{method}");
+        let u = &v["usage"];
+        assert_eq!(
+            u["prompt_tokens"].as_u64().unwrap() + u["completion_tokens"].as_u64().unwrap(),
+            u["total_tokens"].as_u64().unwrap()
+        );
+        assert_eq!(v["choices"][0]["finish_reason"], if u["completion_tokens"] == 6 { "length" } else { "stop" });
+        if method == "concat" {
+            assert!(v["picaso"]["context_tokens"].as_u64().unwrap() > 0, "concat processes the context tokens");
+        } else {
+            assert_eq!(v["picaso"]["context_tokens"], 0, "{method} processes no context tokens");
+        }
+    }
+
+    // Retrieval: the Eiffel paragraphs for an Eiffel question, the best nearest the prompt.
+    let v = server.complete(json!({"prompt": "Where is the Eiffel Tower?", "max_tokens": 3, "retrieve": 2}));
+    let ctx = v["picaso"]["contexts"].as_array().unwrap();
+    let ids: Vec<i64> = ctx.iter().map(|c| c["id"].as_i64().unwrap()).collect();
+    assert!(ids.contains(&2) && ids.contains(&3), "{v}");
+    assert!(ctx[0]["score"].as_f64().unwrap() <= ctx[1]["score"].as_f64().unwrap(), "most relevant last");
+
+    // Streaming: the pieces add up to the plain completion; context info first, usage last.
+    let body = json!({"prompt": "The tower", "max_tokens": 12, "temperature": 0.9, "seed": 7, "contexts": [2, 3]});
+    let plain = server.complete(body.clone());
+    let events = server.stream(body);
+    let text: String = events.iter().map(|e| e["choices"][0]["text"].as_str().unwrap()).collect();
+    assert_eq!(text, plain["choices"][0]["text"].as_str().unwrap(), "a seeded sample is the same streamed or not");
+    assert_eq!(events[0]["picaso"]["contexts"].as_array().unwrap().len(), 2);
+    let last = events.last().unwrap();
+    assert_eq!(last["usage"], plain["usage"]);
+    assert!(last["choices"][0]["finish_reason"].is_string());
+    assert!(events[..events.len() - 1].iter().all(|e| e["choices"][0]["finish_reason"].is_null()));
+
+    // Contexts over HTTP: add (idempotent), read, search, use, delete.
+    let (status, added) = server.post("/v1/contexts", json!({"text": "Bananas are rich in potassium."}));
+    assert_eq!(status, 201, "{added}");
+    let id = added["id"].as_i64().unwrap();
+    assert_eq!(id, 5);
+    let (status, again) = server.post("/v1/contexts", json!({"text": "Bananas are rich in potassium."}));
+    assert_eq!((status, again["id"].as_i64(), again["created"].as_bool()), (200, Some(id), Some(false)));
+    let (status, rec) = server.call("GET", &format!("/v1/contexts/{id}"), None);
+    assert_eq!((status, rec["text"].as_str()), (200, Some("Bananas are rich in potassium.")));
+    let (_, found) = server.post("/v1/search", json!({"query": "Which fruit has potassium?", "k": 1}));
+    assert_eq!(found["results"][0]["id"].as_i64(), Some(id), "{found}");
+    let v = server.complete(json!({"prompt": "Bananas", "max_tokens": 2, "contexts": [id]}));
+    assert_eq!(v["picaso"]["contexts"][0]["id"].as_i64(), Some(id));
+    assert_eq!(server.call("DELETE", &format!("/v1/contexts/{id}"), None).0, 200);
+    assert_eq!(server.call("GET", &format!("/v1/contexts/{id}"), None).0, 404);
+    assert_eq!(server.call("DELETE", &format!("/v1/contexts/{id}"), None).0, 404);
+    let (status, err) = server.post("/v1/completions", json!({"prompt": "Bananas", "contexts": [id]}));
+    assert_eq!(status, 404, "a deleted context is gone, from the cache too: {err}");
+    assert_eq!(server.call("GET", "/health", None).1["contexts"], 4);
+
+    // Bad input: a JSON error with the right 4xx status, and the server keeps serving.
+    let cases: Vec<(&str, String, u16, &str)> = vec![
+        ("/v1/completions", "{not json".into(), 400, "malformed JSON"),
+        ("/v1/completions", json!({"prompt": "x", "contexts": [99]}).to_string(), 404, "no context with id 99"),
+        ("/v1/completions", json!({"prompt": "word ".repeat(60)}).to_string(), 413, "at most 40"),
+        ("/v1/completions", json!({"prompt": "x", "max_tokens": 2_000_000}).to_string(), 400, "max_tokens"),
+        ("/v1/completions", json!({"prompt": "x", "composition": "blend"}).to_string(), 400, "unknown method"),
+        ("/v1/completions", json!({"prompt": "x", "contexts": [1], "retrieve": 2}).to_string(), 400, "not both"),
+        ("/v1/completions", json!({"prompt": ""}).to_string(), 400, "empty"),
+        ("/v1/completions", json!({"prompt": "x", "max_token": 3}).to_string(), 400, "unknown field `max_token`"),
+        ("/v1/completions", json!({"prompt": "x", "n": 2}).to_string(), 400, "not supported"),
+        ("/v1/completions", json!({"prompt": "x", "temperature": -1}).to_string(), 400, "temperature"),
+        ("/v1/completions", json!({"prompt": [99_999_999]}).to_string(), 400, "token"),
+        ("/v1/contexts", json!({"text": "  "}).to_string(), 400, "empty"),
+        ("/v1/contexts", json!({"text": "long ".repeat(60)}).to_string(), 413, "at most 40"),
+        ("/v1/search", json!({"k": 2}).to_string(), 400, "missing field `query`"),
+    ];
+    for (path, body, status, needle) in cases {
+        let (got, v) = server.call("POST", path, Some(&body));
+        let msg = v["error"]["message"].as_str().unwrap_or_default();
+        assert_eq!(got, status, "{path} {}: {v}", &body[..body.len().min(80)]);
+        assert!(msg.contains(needle), "{path}: expected {needle:?} in {msg:?}");
+    }
+    assert_eq!(server.call("GET", "/v1/contexts/abc", None).0, 400);
+    // A body over the limit is refused from its content-length, before it is read.
+    let mut sock = TcpStream::connect(server.url.trim_start_matches("http://")).unwrap();
+    write!(
+        sock,
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{{",
+        2 << 20
+    )
+    .unwrap();
+    sock.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut buf = [0u8; 4096];
+    let n = sock.read(&mut buf).unwrap();
+    let answer = String::from_utf8_lossy(&buf[..n]);
+    assert!(answer.starts_with("HTTP/1.1 413") && answer.contains("over this server's limit"), "{answer}");
+    assert_eq!(server.call("GET", "/v1/nothing", None).0, 404);
+
+    // Concurrent requests with different contexts each get their own answer.
+    let jobs: Vec<Value> = (0..8)
+        .map(|i| {
+            let prompt = ["The tower", "Cats", "Mamba"][i % 3];
+            let contexts = [vec![1], vec![2, 3], vec![4, 1], vec![3]][i % 4].clone();
+            json!({"prompt": prompt, "max_tokens": 8, "temperature": 0, "contexts": contexts})
+        })
+        .collect();
+    let serial: Vec<Value> = jobs.iter().map(|j| server.complete(j.clone())["choices"][0]["text"].clone()).collect();
+    std::thread::scope(|s| {
+        let handles: Vec<_> =
+            jobs.iter().map(|j| s.spawn(|| server.complete(j.clone())["choices"][0]["text"].clone())).collect();
+        for (h, want) in handles.into_iter().zip(&serial) {
+            assert_eq!(&h.join().unwrap(), want, "a concurrent answer differs from the serial one");
+        }
+    });
+
+    // Metrics: requests by status, states served from the cache, composition time.
+    assert!(
+        server.metric("picaso_requests_total{endpoint=\"/v1/completions\",method=\"POST\",status=\"200\"}") >= 20.0
+    );
+    assert!(server.metric("picaso_requests_total{endpoint=\"/v1/completions\",method=\"POST\",status=\"400\"}") >= 7.0);
+    assert!(server.metric("picaso_state_cache_hits_total") > 0.0);
+    assert!(server.metric("picaso_states_loaded_total") >= 4.0);
+    assert!(server.metric("picaso_compose_seconds_count") > 0.0);
+
+    // A client that disconnects mid-stream stops its generation.
+    let before = server.metric("picaso_completion_tokens_total");
+    let mut sock = TcpStream::connect(server.url.trim_start_matches("http://")).unwrap();
+    let body = json!({"prompt": "Once", "max_tokens": 1_000_000, "stream": true, "temperature": 1}).to_string();
+    write!(sock, "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}", body.len()).unwrap();
+    let mut first = [0u8; 512];
+    let n = sock.read(&mut first).unwrap();
+    assert!(String::from_utf8_lossy(&first[..n]).starts_with("HTTP/1.1 200"));
+    drop(sock);
+    let t0 = Instant::now();
+    while server.metric("picaso_generations_cancelled_total") < 1.0 {
+        assert!(t0.elapsed() < Duration::from_secs(60), "the generation was not stopped");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let spent = server.metric("picaso_completion_tokens_total") - before;
+    assert!(spent < 1_000_000.0, "generation stopped early ({spent} tokens)");
+    let (status, _) = server.call("GET", "/health", None);
+    assert_eq!(status, 200);
+}
