@@ -12,10 +12,8 @@
 //! model fingerprint and token count in the metadata. `ssm` and `conv` may be stored as bf16 to
 //! halve the size; `log_decay` is always f32 because composition weights are exponentials of it.
 
-use std::collections::HashMap;
 use std::path::Path;
 
-use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 
 use crate::config::Mamba2Config;
@@ -156,33 +154,55 @@ impl State {
         Ok(())
     }
 
-    /// Serialises to safetensors bytes.
+    /// Serialises to safetensors bytes. The bytes are a pure function of the state: the
+    /// header lists metadata keys sorted and tensors in layer order, so equal states have equal
+    /// files (the store names state files by their hash).
     pub fn to_bytes(&self, dtype: StateDtype) -> Result<Vec<u8>> {
-        let mut buffers: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::with_capacity(3 * self.layers.len());
+        let mut tensors: Vec<(String, &'static str, &[usize], Vec<u8>)> = Vec::with_capacity(3 * self.layers.len());
+        let name = |d: StateDtype| match d {
+            StateDtype::F32 => "F32",
+            StateDtype::Bf16 => "BF16",
+        };
         for (i, l) in self.layers.iter().enumerate() {
-            buffers.push((format!("layers.{i}.ssm"), dtype.st(), self.shape.ssm.to_vec(), encode(&l.ssm, dtype)));
-            buffers.push((format!("layers.{i}.conv"), dtype.st(), self.shape.conv.to_vec(), encode(&l.conv, dtype)));
-            buffers.push((
-                format!("layers.{i}.log_decay"),
-                Dtype::F32,
-                self.shape.log_decay.to_vec(),
-                encode(&l.log_decay, StateDtype::F32),
-            ));
+            tensors.push((format!("layers.{i}.ssm"), name(dtype), &self.shape.ssm, encode(&l.ssm, dtype)));
+            tensors.push((format!("layers.{i}.conv"), name(dtype), &self.shape.conv, encode(&l.conv, dtype)));
+            let log_decay = encode(&l.log_decay, StateDtype::F32);
+            tensors.push((format!("layers.{i}.log_decay"), "F32", &self.shape.log_decay, log_decay));
         }
-        let views = buffers
-            .iter()
-            .map(|(name, dt, shape, bytes)| TensorView::new(*dt, shape.clone(), bytes).map(|v| (name.clone(), v)))
-            .collect::<std::result::Result<Vec<_>, _>>()
-            .map_err(|e| Error::state(format!("cannot serialise: {e}")))?;
-        let metadata: HashMap<String, String> = [
-            ("format".to_string(), STATE_FORMAT.to_string()),
-            ("arch".to_string(), "mamba2".to_string()),
-            ("fingerprint".to_string(), self.fingerprint.clone()),
-            ("n_tokens".to_string(), self.n_tokens.to_string()),
-        ]
-        .into();
-        safetensors::tensor::serialize(views, Some(metadata))
-            .map_err(|e| Error::state(format!("cannot serialise: {e}")))
+        let quote = |s: &str| serde_json::to_string(s).expect("strings serialise");
+        let metadata = [
+            ("arch", "mamba2".to_string()),
+            ("fingerprint", self.fingerprint.clone()),
+            ("format", STATE_FORMAT.to_string()),
+            ("n_tokens", self.n_tokens.to_string()),
+        ];
+        let mut header = String::from("{\"__metadata__\":{");
+        let fields: Vec<String> = metadata.iter().map(|(k, v)| format!("{}:{}", quote(k), quote(v))).collect();
+        header.push_str(&fields.join(","));
+        header.push('}');
+        let mut offset = 0usize;
+        for (name, dt, shape, bytes) in &tensors {
+            let dims: Vec<String> = shape.iter().map(usize::to_string).collect();
+            header.push_str(&format!(
+                ",{}:{{\"dtype\":\"{dt}\",\"shape\":[{}],\"data_offsets\":[{offset},{}]}}",
+                quote(name),
+                dims.join(","),
+                offset + bytes.len()
+            ));
+            offset += bytes.len();
+        }
+        header.push('}');
+        // Pad the header with spaces so the data starts 8-byte aligned, as safetensors does.
+        while header.len() % 8 != 0 {
+            header.push(' ');
+        }
+        let mut out = Vec::with_capacity(8 + header.len() + offset);
+        out.extend_from_slice(&(header.len() as u64).to_le_bytes());
+        out.extend_from_slice(header.as_bytes());
+        for (_, _, _, bytes) in &tensors {
+            out.extend_from_slice(bytes);
+        }
+        Ok(out)
     }
 
     /// Parses safetensors bytes written by [`State::to_bytes`].
@@ -254,15 +274,6 @@ impl State {
     }
 }
 
-impl StateDtype {
-    fn st(self) -> Dtype {
-        match self {
-            Self::F32 => Dtype::F32,
-            Self::Bf16 => Dtype::BF16,
-        }
-    }
-}
-
 fn encode(v: &[f32], dtype: StateDtype) -> Vec<u8> {
     match dtype {
         StateDtype::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
@@ -299,4 +310,44 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
         let _ = std::fs::remove_file(&tmp);
         Error::io(path, e)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample_state() -> State {
+        let shape = StateShape::of(&Mamba2Config::tiny(2, 4));
+        let mut s = State::zeros(shape, "mamba2-test\"quoted\"");
+        s.n_tokens = 7;
+        for (i, l) in s.layers.iter_mut().enumerate() {
+            l.ssm.iter_mut().enumerate().for_each(|(j, x)| *x = (i * 1000 + j) as f32 * 0.001 - 0.3);
+            l.conv.iter_mut().enumerate().for_each(|(j, x)| *x = j as f32 * -0.01);
+            l.log_decay.iter_mut().enumerate().for_each(|(j, x)| *x = -(j as f32) - 0.5);
+        }
+        s
+    }
+
+    #[test]
+    fn bytes_are_deterministic_valid_safetensors_and_round_trip() {
+        let s = sample_state();
+        for dtype in [StateDtype::F32, StateDtype::Bf16] {
+            let a = s.to_bytes(dtype).unwrap();
+            assert_eq!(a, s.to_bytes(dtype).unwrap(), "equal states serialise to equal bytes");
+            let st = SafeTensors::deserialize(&a).expect("valid safetensors");
+            assert_eq!(st.len(), 3 * s.layers.len());
+            let (_, header) = SafeTensors::read_metadata(&a).unwrap();
+            let meta = header.metadata().clone().unwrap();
+            assert_eq!(meta["n_tokens"], "7");
+            assert_eq!(meta["fingerprint"], s.fingerprint);
+            assert_eq!(u64::from_le_bytes(a[..8].try_into().unwrap()) % 8, 0, "data is 8-byte aligned");
+            let back = State::from_bytes(&a).unwrap();
+            assert_eq!((back.n_tokens, &back.fingerprint, &back.shape), (s.n_tokens, &s.fingerprint, &s.shape));
+            if dtype == StateDtype::F32 {
+                assert!(back.layers == s.layers, "f32 round trip is exact");
+            } else {
+                assert!(back.layers.iter().zip(&s.layers).all(|(x, y)| x.log_decay == y.log_decay), "log-decays stay f32");
+            }
+        }
+    }
 }
