@@ -40,6 +40,8 @@ enum Command {
     Weights(WeightsArgs),
     /// Measure prefill, scoring, decode and composition throughput.
     Bench(BenchArgs),
+    /// What k contexts cost at query time: composing their stored states vs processing them.
+    BenchContext(BenchContextArgs),
     /// Add documents to a store of states (idempotent, resumable).
     Ingest(IngestArgs),
     /// Totals of a store.
@@ -149,6 +151,43 @@ struct BenchArgs {
     /// States to compose (0 skips the composition benchmark).
     #[arg(long, default_value_t = 10)]
     compose_n: usize,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct BenchContextArgs {
+    /// Model folder; without it, random weights of --random's shape are used.
+    #[arg(long, conflicts_with = "random")]
+    model: Option<String>,
+    /// Random weights in a known shape: `130m` (state-spaces/mamba2-130m) or `tiny`.
+    #[arg(long, default_value = "130m")]
+    random: String,
+    /// Storage of the large weight matrices: f32 or bf16.
+    #[arg(long, default_value = "f32")]
+    weights: picaso_model::WeightDtype,
+    /// Store folder for the benchmark's contexts (default: a temporary folder).
+    #[arg(long)]
+    db: Option<PathBuf>,
+    /// Measure k = 1..=max_k contexts.
+    #[arg(long, default_value_t = 10)]
+    max_k: usize,
+    /// Tokens per context.
+    #[arg(long, default_value_t = 100)]
+    context_tokens: usize,
+    /// Tokens of the prompt after the contexts (for the time to first token).
+    #[arg(long, default_value_t = 32)]
+    prompt_tokens: usize,
+    /// Runs per measurement (medians are reported).
+    #[arg(long, default_value_t = 5)]
+    repeats: usize,
+    /// Composition method.
+    #[arg(long, default_value = "picaso-r")]
+    method: Method,
+    /// Precision of the state files.
+    #[arg(long, default_value = "f32")]
+    state_dtype: StateDtype,
     /// Print JSON.
     #[arg(long)]
     json: bool,
@@ -329,6 +368,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Compose(a) => compose_cmd(a),
         Command::Weights(a) => weights_cmd(a),
         Command::Bench(a) => bench(a),
+        Command::BenchContext(a) => bench_context(a),
         Command::Ingest(a) => ingest(a),
         Command::Stats(a) => stats(a),
         Command::Query(a) => query(a),
@@ -534,22 +574,99 @@ fn weights_cmd(a: WeightsArgs) -> Result<()> {
     Ok(())
 }
 
-fn bench(a: BenchArgs) -> Result<()> {
-    let model = match &a.model {
-        Some(m) => load_model(
-            &ModelArgs { model: m.clone(), tokenizer: None, device: "cpu".into(), weights: a.weights },
-            false,
-        )?,
+/// The model to benchmark: a folder, or random weights of a known shape.
+fn bench_model(model: Option<&str>, random: &str, seed: u64, weights: picaso_model::WeightDtype) -> Result<Model> {
+    match model {
+        Some(m) => {
+            load_model(&ModelArgs { model: m.to_string(), tokenizer: None, device: "cpu".into(), weights }, false)
+        }
         None => {
-            let config = match a.random.as_str() {
+            let config = match random {
                 "130m" => picaso_model::Mamba2Config::mamba2_130m(),
                 "tiny" => picaso_model::Mamba2Config::tiny(2, 4),
                 other => bail!("--random {other:?}: use 130m or tiny"),
             };
-            let weights = picaso_model::Mamba2Weights::random(&config, a.seed);
-            Model::from_weights_on(config, weights, None, &picaso_model::Backend::Cpu, a.weights)?
+            let w = picaso_model::Mamba2Weights::random(&config, seed);
+            Ok(Model::from_weights_on(config, w, None, &picaso_model::Backend::Cpu, weights)?)
+        }
+    }
+}
+
+fn bench_context(a: BenchContextArgs) -> Result<()> {
+    if a.max_k == 0 || a.context_tokens == 0 {
+        bail!("--max-k and --context-tokens must be at least 1");
+    }
+    let model = bench_model(a.model.as_deref(), &a.random, 0, a.weights)?;
+    let tmp;
+    let dir = match &a.db {
+        Some(d) => d.clone(),
+        None => {
+            tmp = std::env::temp_dir().join(format!("picaso-bench-context-{}", std::process::id()));
+            tmp
         }
     };
+    let opts = picaso_store::bench::ContextCostOptions {
+        max_k: a.max_k,
+        context_tokens: a.context_tokens,
+        prompt_tokens: a.prompt_tokens,
+        repeats: a.repeats,
+        method: a.method,
+        state_dtype: a.state_dtype,
+    };
+    let rows = picaso_store::bench::context_cost(&model, &dir, &opts);
+    if a.db.is_none() {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    let rows = rows?;
+    if a.json {
+        println!("{}", json!({"method": a.method.name(), "n_params": model.n_params(), "rows": rows}));
+        return Ok(());
+    }
+    println!(
+        "{} parameters, {} contexts of {} tokens, {} ({} state files), prompt {} tokens; medians of {} runs, ms",
+        model.n_params(),
+        a.max_k,
+        a.context_tokens,
+        a.method.name(),
+        format!("{:?}", a.state_dtype).to_lowercase(),
+        a.prompt_tokens,
+        a.repeats
+    );
+    println!(
+        "{:>3} {:>7} {:>10} {:>10} {:>10} {:>9} {:>8} {:>8} {:>11} {:>11} {:>11}",
+        "k",
+        "tokens",
+        "concat",
+        "load cold",
+        "load warm",
+        "compose",
+        "× cold",
+        "× warm",
+        "ttft concat",
+        "ttft cold",
+        "ttft warm"
+    );
+    for r in &rows {
+        println!(
+            "{:>3} {:>7} {:>10.2} {:>10.2} {:>10.2} {:>9.2} {:>8.1} {:>8.1} {:>11.2} {:>11.2} {:>11.2}",
+            r.k,
+            r.context_tokens,
+            r.concat_ms,
+            r.load_cold_ms,
+            r.load_warm_ms,
+            r.compose_ms,
+            r.speedup_cold,
+            r.speedup_warm,
+            r.ttft_concat_ms,
+            r.ttft_picaso_cold_ms,
+            r.ttft_picaso_warm_ms
+        );
+    }
+    Ok(())
+}
+
+fn bench(a: BenchArgs) -> Result<()> {
+    let model = bench_model(a.model.as_deref(), &a.random, a.seed, a.weights)?;
     let opts = picaso_model::bench::BenchOptions {
         prompt_tokens: a.prompt_tokens.max(1),
         decode_tokens: a.decode_tokens,

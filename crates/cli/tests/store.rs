@@ -130,7 +130,12 @@ fn ingest_survives_sigkill_and_resumes() {
         let paras: Vec<String> = (0..4)
             .map(|p| {
                 let n = d * 4 + p;
-                format!("Paragraph {n} is about the {} and the {}, seen in year {}.", words[n % 10], words[(n / 10) % 10], 1800 + n)
+                format!(
+                    "Paragraph {n} is about the {} and the {}, seen in year {}.",
+                    words[n % 10],
+                    words[(n / 10) % 10],
+                    1800 + n
+                )
             })
             .collect();
         std::fs::write(docs.join(format!("doc{d:03}.txt")), paras.join("\n\n")).unwrap();
@@ -147,7 +152,11 @@ fn ingest_survives_sigkill_and_resumes() {
             return 0;
         }
         let (ok, v, _) = run(&["stats", "--db", db.to_str().unwrap(), "--json"]);
-        if ok { v["contexts"].as_u64().unwrap_or(0) } else { 0 }
+        if ok {
+            v["contexts"].as_u64().unwrap_or(0)
+        } else {
+            0
+        }
     };
 
     let db = tmp.path().join("db");

@@ -8,7 +8,7 @@ use picaso_compose::{mean, weighted_sum_blocks, weights_per_element, Method};
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
-use crate::state::{LayerState, State};
+use crate::state::{State, StateView};
 
 /// Composes `states` (taken in `order` if given, else as listed) with `method`.
 pub fn compose(method: Method, states: &[&State], order: Option<&[usize]>) -> Result<State> {
@@ -22,8 +22,27 @@ pub fn compose(method: Method, states: &[&State], order: Option<&[usize]>) -> Re
 /// output buffer across requests saves the page faults of a fresh allocation, which cost about
 /// as much as the arithmetic.
 pub fn compose_into(method: Method, states: &[&State], order: Option<&[usize]>, out: &mut State) -> Result<()> {
-    let first = *states.first().ok_or(picaso_compose::Error::Empty)?;
-    if out.shape != first.shape || out.layers.len() != first.layers.len() {
+    let views: Vec<StateView<'_>> = states.iter().map(|s| s.view()).collect();
+    compose_views_into(method, &views, order, out)
+}
+
+/// [`compose`] over borrowed tensors (states read in place from memory-mapped files).
+pub fn compose_views(method: Method, states: &[StateView<'_>], order: Option<&[usize]>) -> Result<State> {
+    let first = states.first().ok_or(picaso_compose::Error::Empty)?;
+    let mut out = State::zeros(first.shape.clone(), first.fingerprint);
+    compose_views_into(method, states, order, &mut out)?;
+    Ok(out)
+}
+
+/// [`compose_into`] over borrowed tensors.
+pub fn compose_views_into(
+    method: Method,
+    states: &[StateView<'_>],
+    order: Option<&[usize]>,
+    out: &mut State,
+) -> Result<()> {
+    let first = states.first().ok_or(picaso_compose::Error::Empty)?;
+    if &out.shape != first.shape || out.layers.len() != first.layers.len() {
         return Err(Error::state(format!("output has shape {:?}, the states {:?}", out.shape, first.shape)));
     }
     for (i, s) in states.iter().enumerate() {
@@ -33,16 +52,16 @@ pub fn compose_into(method: Method, states: &[&State], order: Option<&[usize]>, 
                 s.fingerprint, first.fingerprint
             )));
         }
-        if s.shape != first.shape {
+        if s.shape != first.shape || s.layers.len() != first.layers.len() {
             return Err(Error::state(format!("state {i} has shape {:?}, state 0 has {:?}", s.shape, first.shape)));
         }
     }
-    let ordered: Vec<&State> = match order {
+    let ordered: Vec<&StateView<'_>> = match order {
         Some(o) => {
             picaso_compose::check_order(o, states.len())?;
-            o.iter().map(|&i| states[i]).collect()
+            o.iter().map(|&i| &states[i]).collect()
         }
-        None => states.to_vec(),
+        None => states.iter().collect(),
     };
     for (i, s) in states.iter().enumerate() {
         for (l, layer) in s.layers.iter().enumerate() {
@@ -53,7 +72,7 @@ pub fn compose_into(method: Method, states: &[&State], order: Option<&[usize]>, 
             }
         }
     }
-    out.fingerprint.clone_from(&first.fingerprint);
+    out.fingerprint = first.fingerprint.to_string();
     out.n_tokens = ordered.iter().map(|s| s.n_tokens).sum();
     let block = first.shape.ssm.iter().product::<usize>() / first.shape.log_decay.iter().product::<usize>();
     // Layers in parallel (and blocks within a layer): one pass over the inputs, no barriers.
@@ -62,11 +81,11 @@ pub fn compose_into(method: Method, states: &[&State], order: Option<&[usize]>, 
         .par_iter_mut()
         .enumerate()
         .map(|(l, dst)| {
-            let parts: Vec<&LayerState> = ordered.iter().map(|s| &s.layers[l]).collect();
-            let decays: Vec<&[f32]> = parts.iter().map(|p| p.log_decay.as_slice()).collect();
+            let parts: Vec<_> = ordered.iter().map(|s| s.layers[l]).collect();
+            let decays: Vec<&[f32]> = parts.iter().map(|p| p.log_decay).collect();
             let w = weights_per_element(method, &decays)?;
-            let ssm: Vec<&[f32]> = parts.iter().map(|p| p.ssm.as_slice()).collect();
-            let conv: Vec<&[f32]> = parts.iter().map(|p| p.conv.as_slice()).collect();
+            let ssm: Vec<&[f32]> = parts.iter().map(|p| p.ssm).collect();
+            let conv: Vec<&[f32]> = parts.iter().map(|p| p.conv).collect();
             let sums = weighted_sum_blocks(&ssm, &w, block, &mut dst.ssm).and_then(|()| mean(&conv, &mut dst.conv));
             sums?;
             for (e, v) in dst.log_decay.iter_mut().enumerate() {

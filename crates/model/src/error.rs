@@ -74,7 +74,7 @@ impl Error {
         Error::State { path: None, message: message.into() }
     }
     /// Attaches the file a state came from to a state error.
-    pub(crate) fn at_state_file(self, file: &std::path::Path) -> Self {
+    pub fn at_state_file(self, file: &std::path::Path) -> Self {
         match self {
             Error::State { path: None, message } => Error::State { path: Some(file.to_path_buf()), message },
             other => other,

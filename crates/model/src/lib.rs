@@ -36,13 +36,13 @@ pub mod state;
 pub mod tokenizer;
 pub mod weights;
 
-pub use composition::{compose, compose_into};
+pub use composition::{compose, compose_into, compose_views, compose_views_into};
 pub use config::{CheckpointFormat, Mamba2Config};
 pub use cpu::WeightDtype;
 pub use error::{Error, Result};
 pub use generate::{generate, GenerateOptions, Generation, StopReason};
 pub use model::{Backend, LoadOptions, Model, Scored};
 pub use picaso_compose::Method;
-pub use state::{LayerState, State, StateDtype, StateShape};
+pub use state::{LayerState, LayerView, MappedState, State, StateDtype, StateShape, StateView};
 pub use tokenizer::TextTokenizer;
 pub use weights::{HostTensor, Mamba2Weights};

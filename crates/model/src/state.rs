@@ -141,17 +141,21 @@ impl State {
 
     /// Rejects NaN or infinite values (a corrupted or diverged state must not propagate).
     pub fn check_values(&self) -> Result<()> {
-        for (i, l) in self.layers.iter().enumerate() {
-            for (name, v) in [("ssm", &l.ssm), ("conv", &l.conv), ("log_decay", &l.log_decay)] {
-                if let Some(j) = v.iter().position(|x| !x.is_finite()) {
-                    return Err(Error::state(format!("layers.{i}.{name} holds a non-finite value at flat index {j}")));
-                }
-            }
-            if let Some(j) = l.log_decay.iter().position(|&x| x > 0.0) {
-                return Err(Error::state(format!("layers.{i}.log_decay[{j}] is positive; decays must be <= 1")));
-            }
+        self.view().check_values()
+    }
+
+    /// The state's tensors, borrowed.
+    pub fn view(&self) -> StateView<'_> {
+        StateView {
+            fingerprint: &self.fingerprint,
+            n_tokens: self.n_tokens,
+            shape: &self.shape,
+            layers: self
+                .layers
+                .iter()
+                .map(|l| LayerView { ssm: &l.ssm, conv: &l.conv, log_decay: &l.log_decay })
+                .collect(),
         }
-        Ok(())
     }
 
     /// Serialises to safetensors bytes. The bytes are a pure function of the state: the
@@ -207,6 +211,106 @@ impl State {
 
     /// Parses safetensors bytes written by [`State::to_bytes`].
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
+        let parsed = Parsed::new(bytes)?;
+        let state = Self {
+            layers: parsed.decode_layers(bytes)?,
+            fingerprint: parsed.fingerprint,
+            n_tokens: parsed.n_tokens,
+            shape: parsed.shape,
+        };
+        state.check_values()?;
+        Ok(state)
+    }
+
+    /// Writes atomically: a temporary file in the same folder, fsync, rename.
+    pub fn save(&self, path: &Path, dtype: StateDtype) -> Result<()> {
+        let bytes = self.to_bytes(dtype)?;
+        write_atomic(path, &bytes)
+    }
+
+    /// Reads a state file through a memory map.
+    pub fn load(path: &Path) -> Result<Self> {
+        let f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+        // SAFETY: read-only map, dropped at the end of this function.
+        let mmap = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| Error::io(path, e))?;
+        Self::from_bytes(&mmap).map_err(|e| e.at_state_file(path))
+    }
+}
+
+/// A state's tensors borrowed from wherever they live (a [`State`], a [`MappedState`]):
+/// what composition reads, so that stored states are composed without being copied.
+#[derive(Debug, Clone)]
+pub struct StateView<'a> {
+    /// Fingerprint of the model that made it.
+    pub fingerprint: &'a str,
+    /// Tokens it summarises.
+    pub n_tokens: u64,
+    /// Tensor shapes.
+    pub shape: &'a StateShape,
+    /// One entry per layer.
+    pub layers: Vec<LayerView<'a>>,
+}
+
+/// One layer of a [`StateView`].
+#[derive(Debug, Clone, Copy)]
+pub struct LayerView<'a> {
+    /// SSM state, (H, P, N).
+    pub ssm: &'a [f32],
+    /// Conv tail, (C, K-1).
+    pub conv: &'a [f32],
+    /// Log-decay per head, (H).
+    pub log_decay: &'a [f32],
+}
+
+impl StateView<'_> {
+    /// Rejects NaN or infinite values and positive log-decays.
+    pub fn check_values(&self) -> Result<()> {
+        for (i, l) in self.layers.iter().enumerate() {
+            for (name, v) in [("ssm", l.ssm), ("conv", l.conv), ("log_decay", l.log_decay)] {
+                if let Some(j) = v.iter().position(|x| !x.is_finite()) {
+                    return Err(Error::state(format!("layers.{i}.{name} holds a non-finite value at flat index {j}")));
+                }
+            }
+            if let Some(j) = l.log_decay.iter().position(|&x| x > 0.0) {
+                return Err(Error::state(format!("layers.{i}.log_decay[{j}] is positive; decays must be <= 1")));
+            }
+        }
+        Ok(())
+    }
+
+    /// An owned copy.
+    pub fn to_state(&self) -> State {
+        State {
+            fingerprint: self.fingerprint.to_string(),
+            n_tokens: self.n_tokens,
+            shape: self.shape.clone(),
+            layers: self
+                .layers
+                .iter()
+                .map(|l| LayerState { ssm: l.ssm.to_vec(), conv: l.conv.to_vec(), log_decay: l.log_decay.to_vec() })
+                .collect(),
+        }
+    }
+}
+
+/// Where one tensor's bytes are in a state file.
+#[derive(Debug, Clone)]
+struct TensorAt {
+    dtype: Dtype,
+    range: std::ops::Range<usize>,
+}
+
+/// The parsed header of a state file: metadata, shape, and each tensor's place.
+struct Parsed {
+    fingerprint: String,
+    n_tokens: u64,
+    shape: StateShape,
+    /// Per layer: ssm, conv, log_decay.
+    tensors: Vec<[TensorAt; 3]>,
+}
+
+impl Parsed {
+    fn new(bytes: &[u8]) -> Result<Self> {
         let (_, header) =
             SafeTensors::read_metadata(bytes).map_err(|e| Error::state(format!("not a safetensors file: {e}")))?;
         let meta = header.metadata().clone().unwrap_or_default();
@@ -238,39 +342,116 @@ impl State {
             return Err(Error::state("tensor ranks are not ssm (H,P,N), conv (C,K-1), log_decay (H)"));
         };
         let shape = StateShape { n_layer, ssm, conv, log_decay };
-        let read = |name: String, want: &[usize]| -> Result<Vec<f32>> {
+        let base = bytes.as_ptr() as usize;
+        let at = |name: String, want: &[usize]| -> Result<TensorAt> {
             let v = st.tensor(&name).map_err(|_| Error::state(format!("missing tensor `{name}`")))?;
             if v.shape() != want {
                 return Err(Error::state(format!("tensor `{name}` has shape {:?}, expected {want:?}", v.shape())));
             }
-            decode(v.dtype(), v.data())
-                .ok_or_else(|| Error::state(format!("tensor `{name}` has dtype {:?}; want f32 or bf16", v.dtype())))
+            if !matches!(v.dtype(), Dtype::F32 | Dtype::BF16) {
+                return Err(Error::state(format!("tensor `{name}` has dtype {:?}; want f32 or bf16", v.dtype())));
+            }
+            let start = v.data().as_ptr() as usize - base;
+            Ok(TensorAt { dtype: v.dtype(), range: start..start + v.data().len() })
         };
-        let mut layers = Vec::with_capacity(n_layer);
+        let mut tensors = Vec::with_capacity(n_layer);
         for i in 0..n_layer {
-            layers.push(LayerState {
-                ssm: read(format!("layers.{i}.ssm"), &shape.ssm)?,
-                conv: read(format!("layers.{i}.conv"), &shape.conv)?,
-                log_decay: read(format!("layers.{i}.log_decay"), &shape.log_decay)?,
-            });
+            tensors.push([
+                at(format!("layers.{i}.ssm"), &shape.ssm)?,
+                at(format!("layers.{i}.conv"), &shape.conv)?,
+                at(format!("layers.{i}.log_decay"), &shape.log_decay)?,
+            ]);
         }
-        let state = Self { fingerprint, n_tokens, shape, layers };
-        state.check_values()?;
+        Ok(Self { fingerprint, n_tokens, shape, tensors })
+    }
+
+    fn decode_layers(&self, bytes: &[u8]) -> Result<Vec<LayerState>> {
+        let dec = |t: &TensorAt| decode(t.dtype, &bytes[t.range.clone()]).expect("dtype checked when parsing");
+        Ok(self.tensors.iter().map(|[s, c, l]| LayerState { ssm: dec(s), conv: dec(c), log_decay: dec(l) }).collect())
+    }
+
+    /// Whether every tensor can be read in place as `f32` from `bytes`.
+    fn in_place(&self, bytes: &[u8]) -> bool {
+        let base = bytes.as_ptr() as usize;
+        cfg!(target_endian = "little")
+            && self.tensors.iter().flatten().all(|t| t.dtype == Dtype::F32 && (base + t.range.start) % 4 == 0)
+    }
+}
+
+/// A state file read through a memory map: f32 tensors are used in place (no copy, no
+/// allocation; composing stored states reads each byte once), bf16 ones are decoded once.
+pub struct MappedState {
+    mmap: memmap2::Mmap,
+    parsed: Parsed,
+    /// Decoded layers when the file cannot be read in place.
+    decoded: Option<Vec<LayerState>>,
+}
+
+impl std::fmt::Debug for MappedState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MappedState")
+            .field("fingerprint", &self.parsed.fingerprint)
+            .field("shape", &self.parsed.shape)
+            .field("in_place", &self.decoded.is_none())
+            .finish()
+    }
+}
+
+impl MappedState {
+    /// Parses a mapped state file. Values are not scanned here (composition detects non-finite
+    /// values as it reads them); log-decays, which are small, are checked.
+    pub fn new(mmap: memmap2::Mmap) -> Result<Self> {
+        let parsed = Parsed::new(&mmap)?;
+        let decoded = if parsed.in_place(&mmap) { None } else { Some(parsed.decode_layers(&mmap)?) };
+        let state = Self { mmap, parsed, decoded };
+        for (i, l) in state.view().layers.iter().enumerate() {
+            if let Some(v) = l.log_decay.iter().find(|v| !(v.is_finite() && **v <= 0.0)) {
+                return Err(Error::state(format!(
+                    "layers.{i}.log_decay holds {v}; log-decays must be finite and <= 0"
+                )));
+            }
+        }
         Ok(state)
     }
 
-    /// Writes atomically: a temporary file in the same folder, fsync, rename.
-    pub fn save(&self, path: &Path, dtype: StateDtype) -> Result<()> {
-        let bytes = self.to_bytes(dtype)?;
-        write_atomic(path, &bytes)
+    /// Maps and parses the state file at `path`.
+    pub fn open(path: &Path) -> Result<Self> {
+        let f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+        // SAFETY: state files are written once (atomic rename) and never modified in place.
+        let mmap = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| Error::io(path, e))?;
+        Self::new(mmap).map_err(|e| e.at_state_file(path))
     }
 
-    /// Reads a state file through a memory map.
-    pub fn load(path: &Path) -> Result<Self> {
-        let f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
-        // SAFETY: read-only map, dropped at the end of this function.
-        let mmap = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| Error::io(path, e))?;
-        Self::from_bytes(&mmap).map_err(|e| e.at_state_file(path))
+    /// The tensors.
+    pub fn view(&self) -> StateView<'_> {
+        let p = &self.parsed;
+        let layers = match &self.decoded {
+            Some(d) => d.iter().map(|l| LayerView { ssm: &l.ssm, conv: &l.conv, log_decay: &l.log_decay }).collect(),
+            None => p
+                .tensors
+                .iter()
+                .map(|[s, c, l]| LayerView { ssm: self.f32s(s), conv: self.f32s(c), log_decay: self.f32s(l) })
+                .collect(),
+        };
+        StateView { fingerprint: &p.fingerprint, n_tokens: p.n_tokens, shape: &p.shape, layers }
+    }
+
+    fn f32s(&self, t: &TensorAt) -> &[f32] {
+        let bytes = &self.mmap[t.range.clone()];
+        // SAFETY: `in_place` checked that the range holds little-endian f32s at a 4-byte
+        // aligned address; the map lives as long as the returned borrow.
+        unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast::<f32>(), bytes.len() / 4) }
+    }
+
+    /// Bytes of the state as f32 (what holding it in memory costs at most).
+    pub fn nbytes_f32(&self) -> usize {
+        let s = &self.parsed.shape;
+        4 * s.n_layer * (s.ssm_len() + s.conv_len() + s.log_decay[0])
+    }
+
+    /// The file's bytes.
+    pub fn bytes(&self) -> &[u8] {
+        &self.mmap
     }
 }
 
@@ -346,7 +527,10 @@ mod tests {
             if dtype == StateDtype::F32 {
                 assert!(back.layers == s.layers, "f32 round trip is exact");
             } else {
-                assert!(back.layers.iter().zip(&s.layers).all(|(x, y)| x.log_decay == y.log_decay), "log-decays stay f32");
+                assert!(
+                    back.layers.iter().zip(&s.layers).all(|(x, y)| x.log_decay == y.log_decay),
+                    "log-decays stay f32"
+                );
             }
         }
     }

@@ -1,11 +1,11 @@
-//! An in-memory LRU cache of context states with a byte budget, so that hot contexts skip the
-//! disk read and checksum. Shared between threads; a load runs outside the lock, so misses on
+//! An LRU cache of mapped context states with a byte budget, so that hot contexts skip opening,
+//! checksumming and parsing their files, and their pages stay in memory. Shared between threads; a load runs outside the lock, so misses on
 //! different contexts proceed in parallel.
 
 use std::sync::{Arc, Mutex};
 
 use lru::LruCache;
-use picaso_model::State;
+use picaso_model::MappedState;
 
 use crate::error::Result;
 
@@ -25,13 +25,13 @@ pub struct CacheStats {
 }
 
 struct Inner {
-    lru: LruCache<i64, Arc<State>>,
+    lru: LruCache<i64, Arc<MappedState>>,
     bytes: usize,
     hits: u64,
     misses: u64,
 }
 
-/// LRU cache of states keyed by context id, holding at most `budget` bytes of f32 state.
+/// LRU cache of states keyed by context id, holding at most `budget` bytes of (f32) state.
 pub struct StateCache {
     budget: usize,
     inner: Mutex<Inner>,
@@ -54,32 +54,44 @@ impl StateCache {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The state of context `id`: from memory if present, else from `load` (then cached if it
-    /// fits the budget). The flag says whether it was a hit.
-    pub fn get_or_load(&self, id: i64, load: impl FnOnce() -> Result<State>) -> Result<(Arc<State>, bool)> {
-        {
-            let mut inner = self.lock();
-            if let Some(s) = inner.lru.get(&id).cloned() {
-                inner.hits += 1;
-                return Ok((s, true));
+    /// The state of context `id` if cached (counted as a hit or a miss).
+    pub fn get(&self, id: i64) -> Option<Arc<MappedState>> {
+        let mut inner = self.lock();
+        let found = inner.lru.get(&id).cloned();
+        match found {
+            Some(_) => inner.hits += 1,
+            None => inner.misses += 1,
+        }
+        found
+    }
+
+    /// Caches `state` for context `id` if it fits the budget, evicting the least recently used.
+    pub fn insert(&self, id: i64, state: Arc<MappedState>) {
+        let size = state.nbytes_f32();
+        if size > self.budget {
+            return;
+        }
+        let mut inner = self.lock();
+        if let Some(old) = inner.lru.put(id, state) {
+            inner.bytes -= old.nbytes_f32();
+        }
+        inner.bytes += size;
+        while inner.bytes > self.budget {
+            match inner.lru.pop_lru() {
+                Some((_, evicted)) => inner.bytes -= evicted.nbytes_f32(),
+                None => break,
             }
-            inner.misses += 1;
+        }
+    }
+
+    /// The state of context `id`: from memory if present, else from `load` (then cached if it
+    /// fits the budget). The flag says whether it was a hit. The load runs outside the lock.
+    pub fn get_or_load(&self, id: i64, load: impl FnOnce() -> Result<MappedState>) -> Result<(Arc<MappedState>, bool)> {
+        if let Some(s) = self.get(id) {
+            return Ok((s, true));
         }
         let state = Arc::new(load()?);
-        let size = state.nbytes_f32();
-        if size <= self.budget {
-            let mut inner = self.lock();
-            if let Some(old) = inner.lru.put(id, state.clone()) {
-                inner.bytes -= old.nbytes_f32();
-            }
-            inner.bytes += size;
-            while inner.bytes > self.budget {
-                match inner.lru.pop_lru() {
-                    Some((_, evicted)) => inner.bytes -= evicted.nbytes_f32(),
-                    None => break,
-                }
-            }
-        }
+        self.insert(id, state.clone());
         Ok((state, false))
     }
 
@@ -107,25 +119,30 @@ impl StateCache {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use picaso_model::{Mamba2Config, StateShape};
+    use picaso_model::{Mamba2Config, State, StateDtype, StateShape};
 
-    fn state(fill: f32) -> State {
+    /// Writes a state whose ssm is filled with `fill` and maps it.
+    fn mapped(dir: &std::path::Path, fill: f32) -> MappedState {
         let mut s = State::zeros(StateShape::of(&Mamba2Config::tiny(1, 4)), "m");
         s.layers[0].ssm.iter_mut().for_each(|x| *x = fill);
-        s
+        let path = dir.join(format!("{fill}.safetensors"));
+        s.save(&path, StateDtype::F32).unwrap();
+        MappedState::open(&path).unwrap()
     }
 
     #[test]
     fn evicts_least_recently_used_within_the_budget() {
-        let size = state(0.0).nbytes_f32();
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        let size = mapped(dir, 0.0).nbytes_f32();
         let cache = StateCache::new(2 * size);
-        let load = |v: f32| move || Ok(state(v));
+        let load = |v: f32| move || Ok(mapped(dir, v));
         assert!(!cache.get_or_load(1, load(1.0)).unwrap().1);
         assert!(!cache.get_or_load(2, load(2.0)).unwrap().1);
         assert!(cache.get_or_load(1, load(9.0)).unwrap().1, "1 is cached");
         cache.get_or_load(3, load(3.0)).unwrap(); // evicts 2, the least recently used
         let (s1, hit1) = cache.get_or_load(1, load(9.0)).unwrap();
-        assert!(hit1 && s1.layers[0].ssm[0] == 1.0, "a hit returns the cached state, not a reload");
+        assert!(hit1 && s1.view().layers[0].ssm[0] == 1.0, "a hit returns the cached state, not a reload");
         assert!(!cache.get_or_load(2, load(2.0)).unwrap().1, "2 was evicted");
         let st = cache.stats();
         assert!(st.bytes <= st.budget && st.entries == 2, "{st:?}");
@@ -134,14 +151,15 @@ mod tests {
 
     #[test]
     fn zero_budget_caches_nothing_and_remove_forgets() {
+        let tmp = tempfile::tempdir().unwrap();
         let cache = StateCache::new(0);
-        cache.get_or_load(1, || Ok(state(1.0))).unwrap();
-        assert!(!cache.get_or_load(1, || Ok(state(1.0))).unwrap().1);
+        cache.get_or_load(1, || Ok(mapped(tmp.path(), 1.0))).unwrap();
+        assert!(!cache.get_or_load(1, || Ok(mapped(tmp.path(), 1.0))).unwrap().1);
         let cache = StateCache::new(1 << 30);
-        cache.get_or_load(1, || Ok(state(1.0))).unwrap();
+        cache.get_or_load(1, || Ok(mapped(tmp.path(), 1.0))).unwrap();
         cache.remove(1);
         assert_eq!(cache.stats().bytes, 0);
-        assert!(!cache.get_or_load(1, || Ok(state(1.0))).unwrap().1);
+        assert!(!cache.get_or_load(1, || Ok(mapped(tmp.path(), 1.0))).unwrap().1);
     }
 
     #[test]

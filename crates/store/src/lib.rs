@@ -13,6 +13,7 @@
 //! skipping recorded (document, segment) pairs.
 #![deny(missing_docs)]
 
+pub mod bench;
 pub mod cache;
 pub mod error;
 pub mod ingest;

@@ -3,7 +3,9 @@
 
 use std::time::Instant;
 
-use picaso_model::{compose, Method, Model, State};
+use std::sync::Arc;
+
+use picaso_model::{compose_views, MappedState, Method, Model, State, StateView};
 
 use crate::cache::StateCache;
 use crate::error::{Error, Result};
@@ -104,22 +106,26 @@ pub fn prepare(
                 return Ok(Prepared::empty(model.zero_state()));
             }
             let t0 = Instant::now();
-            let mut states = Vec::with_capacity(ids.len());
-            let mut cache_hits = 0;
-            for &id in ids {
-                match cache {
-                    Some(cache) => {
-                        let (state, hit) = cache.get_or_load(id, || store.load_state(id))?;
-                        cache_hits += usize::from(hit);
-                        states.push(state);
+            // Cached states first; the misses are mapped together (their reads overlap).
+            let mut states: Vec<Option<Arc<MappedState>>> =
+                ids.iter().map(|&id| cache.and_then(|c| c.get(id))).collect();
+            let cache_hits = states.iter().filter(|s| s.is_some()).count();
+            let missing: Vec<i64> = ids.iter().zip(&states).filter(|(_, s)| s.is_none()).map(|(&id, _)| id).collect();
+            let mut loaded = store.map_states(&missing)?.into_iter().map(Arc::new);
+            for (slot, &id) in states.iter_mut().zip(ids) {
+                if slot.is_none() {
+                    let state = loaded.next().expect("one mapped state per missing id");
+                    if let Some(c) = cache {
+                        c.insert(id, state.clone());
                     }
-                    None => states.push(std::sync::Arc::new(store.load_state(id)?)),
+                    *slot = Some(state);
                 }
             }
+            let states: Vec<Arc<MappedState>> = states.into_iter().map(|s| s.expect("filled above")).collect();
             let load_seconds = t0.elapsed().as_secs_f64();
             let t1 = Instant::now();
-            let refs: Vec<&State> = states.iter().map(|s| &**s).collect();
-            let state = compose(m, &refs, None)?;
+            let views: Vec<StateView<'_>> = states.iter().map(|s| s.view()).collect();
+            let state = compose_views(m, &views, None)?;
             Ok(Prepared {
                 state,
                 load_seconds,

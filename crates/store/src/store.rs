@@ -14,7 +14,8 @@ use std::path::{Path, PathBuf};
 use std::sync::{Mutex, RwLock};
 
 use picaso_embed::{FlatIndex, VectorIndex};
-use picaso_model::{State, StateDtype};
+use picaso_model::{MappedState, State, StateDtype};
+use rayon::prelude::*;
 use rusqlite::{params, Connection, OptionalExtension};
 
 use crate::error::{Error, Result};
@@ -358,18 +359,42 @@ impl Store {
         .ok_or(Error::NotFound(id))
     }
 
-    /// Reads context `id`'s state through a memory map, verifying its checksum.
-    pub fn load_state(&self, id: i64) -> Result<State> {
-        let rec = self.get(id)?;
-        let path = self.dir.join(&rec.state_file);
-        let file = std::fs::File::open(&path).map_err(|e| Error::Io { path: path.clone(), source: e })?;
-        // SAFETY: state files are written once and never modified in place (atomic rename).
-        let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::Io { path: path.clone(), source: e })?;
-        let found = checksum(&mmap);
-        if found != rec.checksum {
-            return Err(Error::Corrupt { path, found, recorded: rec.checksum });
+    /// Maps context `id`'s state file and verifies its checksum; f32 tensors are then read in
+    /// place (see [`MappedState`]).
+    pub fn map_state(&self, id: i64) -> Result<MappedState> {
+        self.map_states(&[id]).map(|mut v| v.remove(0))
+    }
+
+    /// [`Store::map_state`] for several contexts: all files are mapped and their reads
+    /// requested up front (the disk works on all of them at once), then verified in parallel.
+    pub fn map_states(&self, ids: &[i64]) -> Result<Vec<MappedState>> {
+        let mut maps = Vec::with_capacity(ids.len());
+        for &id in ids {
+            let rec = self.get(id)?;
+            let path = self.dir.join(&rec.state_file);
+            let file = std::fs::File::open(&path).map_err(|e| Error::Io { path: path.clone(), source: e })?;
+            // SAFETY: state files are written once and never modified in place (atomic rename).
+            let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::Io { path: path.clone(), source: e })?;
+            #[cfg(unix)]
+            let _ = mmap.advise(memmap2::Advice::WillNeed); // only a hint
+            maps.push((mmap, path, rec.checksum));
         }
-        Ok(State::from_bytes(&mmap)?)
+        maps.into_par_iter()
+            .map(|(mmap, path, recorded)| {
+                let found = checksum(&mmap);
+                if found != recorded {
+                    return Err(Error::Corrupt { path, found, recorded });
+                }
+                MappedState::new(mmap).map_err(|e| Error::Model(e.at_state_file(&path)))
+            })
+            .collect()
+    }
+
+    /// Reads context `id`'s state into memory (checksum and values verified).
+    pub fn load_state(&self, id: i64) -> Result<State> {
+        let state = self.map_state(id)?.view().to_state();
+        state.check_values()?;
+        Ok(state)
     }
 
     /// Removes context `id` (and its state file unless another context shares it).
