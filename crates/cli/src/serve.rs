@@ -177,7 +177,7 @@ pub fn load(a: LoadArgs) -> Result<()> {
                 let mut log = ClientLog::default();
                 let mut i = 0usize;
                 while !stop.load(Ordering::Relaxed) {
-                    let stream = stream_every > 0 && (c + i) % stream_every == 0;
+                    let stream = stream_every > 0 && (c + i).is_multiple_of(stream_every);
                     let body = json!({
                         "prompt": PROMPTS[(c + i) % PROMPTS.len()], "max_tokens": max_tokens, "temperature": 0.8,
                         "seed": (c * 100_000 + i) as u64, "retrieve": retrieve, "composition": composition, "stream": stream,

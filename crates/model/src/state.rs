@@ -197,7 +197,7 @@ impl State {
         }
         header.push('}');
         // Pad the header with spaces so the data starts 8-byte aligned, as safetensors does.
-        while header.len() % 8 != 0 {
+        while !header.len().is_multiple_of(8) {
             header.push(' ');
         }
         let mut out = Vec::with_capacity(8 + header.len() + offset);
@@ -374,7 +374,7 @@ impl Parsed {
     fn in_place(&self, bytes: &[u8]) -> bool {
         let base = bytes.as_ptr() as usize;
         cfg!(target_endian = "little")
-            && self.tensors.iter().flatten().all(|t| t.dtype == Dtype::F32 && (base + t.range.start) % 4 == 0)
+            && self.tensors.iter().flatten().all(|t| t.dtype == Dtype::F32 && (base + t.range.start).is_multiple_of(4))
     }
 }
 
