@@ -1,0 +1,360 @@
+//! A differentiable Mamba-2 on candle autograd, batched, starting from any state.
+//!
+//! The scan is the chunked "state space duality" form: within a chunk of L tokens the outputs
+//! are a masked, decay-weighted attention-like product (three matmuls); between chunks one
+//! (P × N) state per head carries the past. This is the same recurrence as the inference
+//! engines — `s ← exp(dt·A)·s + dt·x ⊗ B`, `y = s·C + D·x` — computed in T/L sequential steps
+//! instead of T, which is what makes backpropagation through long sequences affordable.
+//!
+//! Every parameter is a candle `Var`; [`TrainMamba2::to_weights`] turns them back into
+//! [`Mamba2Weights`], which `save_pretrained` writes in the HF layout the loaders read.
+
+use candle_core::{DType, Device, Tensor, Var, D};
+use picaso_model::{Mamba2Config, Mamba2Weights, State};
+
+use crate::Result;
+
+/// One block's parameters.
+struct Layer {
+    norm: Var,
+    in_proj: Var,
+    in_proj_bias: Option<Var>,
+    /// (C, K)
+    conv_w: Var,
+    conv_b: Option<Var>,
+    dt_bias: Var,
+    a_log: Var,
+    d: Var,
+    gated_norm: Var,
+    out_proj: Var,
+    out_proj_bias: Option<Var>,
+}
+
+/// A batch of states as tensors: per layer the SSM state (B, H, P, N), the conv tail
+/// (B, C, K-1), oldest input first, and the accumulated log-decay (B, H).
+#[derive(Debug, Clone)]
+pub struct TrainState {
+    /// SSM states.
+    pub ssm: Vec<Tensor>,
+    /// Conv tails.
+    pub conv: Vec<Tensor>,
+    /// Log-decays.
+    pub log_decay: Vec<Tensor>,
+}
+
+impl TrainState {
+    /// The zero state for a batch of `b`.
+    pub fn zeros(config: &Mamba2Config, b: usize, dtype: DType, device: &Device) -> Result<Self> {
+        let c = config;
+        let n = c.n_layer;
+        Ok(Self {
+            ssm: (0..n).map(|_| Tensor::zeros((b, c.nheads, c.headdim, c.d_state), dtype, device)).collect::<Result<_>>()?,
+            conv: (0..n).map(|_| Tensor::zeros((b, c.conv_dim(), c.d_conv - 1), dtype, device)).collect::<Result<_>>()?,
+            log_decay: (0..n).map(|_| Tensor::zeros((b, c.nheads), dtype, device)).collect::<Result<_>>()?,
+        })
+    }
+
+    /// Stacks inference states (one per batch row) into tensors.
+    pub fn from_states(states: &[&State], dtype: DType, device: &Device) -> Result<Self> {
+        let first = states.first().ok_or_else(|| candle_core::Error::Msg("no states to stack".into()))?;
+        let sh = &first.shape;
+        let b = states.len();
+        let stack = |get: &dyn Fn(&State, usize) -> Vec<f32>, layer: usize, dims: &[usize]| -> Result<Tensor> {
+            let flat: Vec<f32> = states.iter().flat_map(|s| get(s, layer)).collect();
+            let mut shape = vec![b];
+            shape.extend_from_slice(dims);
+            Tensor::from_vec(flat, shape, &Device::Cpu)?.to_dtype(dtype)?.to_device(device)
+        };
+        let mut out = Self { ssm: Vec::new(), conv: Vec::new(), log_decay: Vec::new() };
+        for l in 0..sh.n_layer {
+            out.ssm.push(stack(&|s, l| s.layers[l].ssm.clone(), l, &sh.ssm)?);
+            out.conv.push(stack(&|s, l| s.layers[l].conv.clone(), l, &sh.conv)?);
+            out.log_decay.push(stack(&|s, l| s.layers[l].log_decay.clone(), l, &sh.log_decay)?);
+        }
+        Ok(out)
+    }
+
+    /// Row `i` of the batch as an inference state of `model_fingerprint`.
+    pub fn to_state(&self, i: usize, template: &State) -> Result<State> {
+        let mut s = template.clone();
+        for (l, layer) in s.layers.iter_mut().enumerate() {
+            let row = |t: &Tensor| -> Result<Vec<f32>> { t.get(i)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1() };
+            layer.ssm = row(&self.ssm[l])?;
+            layer.conv = row(&self.conv[l])?;
+            layer.log_decay = row(&self.log_decay[l])?;
+        }
+        Ok(s)
+    }
+}
+
+/// A trainable Mamba-2 language model.
+pub struct TrainMamba2 {
+    config: Mamba2Config,
+    dtype: DType,
+    device: Device,
+    embedding: Var,
+    layers: Vec<Layer>,
+    norm_f: Var,
+    lm_head: Option<Var>,
+    /// Tokens per chunk of the scan.
+    chunk: usize,
+}
+
+impl TrainMamba2 {
+    /// Parameters initialised from `weights` (f32 on the host) in `dtype` on `device`.
+    pub fn from_weights(config: &Mamba2Config, weights: &Mamba2Weights, dtype: DType, device: &Device) -> Result<Self> {
+        let var = |v: &[f32], shape: &[usize]| -> Result<Var> {
+            Var::from_tensor(&Tensor::from_slice(v, shape, &Device::Cpu)?.to_dtype(dtype)?.to_device(device)?)
+        };
+        let c = config;
+        let layers = weights
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(Layer {
+                    norm: var(&l.norm, &[c.d_model])?,
+                    in_proj: var(&l.in_proj, &[c.d_in_proj(), c.d_model])?,
+                    in_proj_bias: l.in_proj_bias.as_deref().map(|b| var(b, &[c.d_in_proj()])).transpose()?,
+                    conv_w: var(&l.conv_weight, &[c.conv_dim(), c.d_conv])?,
+                    conv_b: l.conv_bias.as_deref().map(|b| var(b, &[c.conv_dim()])).transpose()?,
+                    dt_bias: var(&l.dt_bias, &[c.nheads])?,
+                    a_log: var(&l.a_log, &[c.nheads])?,
+                    d: var(&l.d, &[c.nheads])?,
+                    gated_norm: var(&l.gated_norm, &[c.d_inner()])?,
+                    out_proj: var(&l.out_proj, &[c.d_model, c.d_inner()])?,
+                    out_proj_bias: l.out_proj_bias.as_deref().map(|b| var(b, &[c.d_model])).transpose()?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            config: config.clone(),
+            dtype,
+            device: device.clone(),
+            embedding: var(&weights.embedding, &[c.vocab_size, c.d_model])?,
+            layers,
+            norm_f: var(&weights.norm_f, &[c.d_model])?,
+            lm_head: weights.lm_head.as_deref().map(|h| var(h, &[c.vocab_size, c.d_model])).transpose()?,
+            chunk: 64,
+        })
+    }
+
+    /// Sets the scan's chunk length (any length gives the same result up to rounding).
+    pub fn with_chunk(mut self, chunk: usize) -> Self {
+        self.chunk = chunk.max(1);
+        self
+    }
+
+    /// The config.
+    pub fn config(&self) -> &Mamba2Config {
+        &self.config
+    }
+
+    /// The dtype of parameters and activations.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Every parameter, in a fixed order (for optimisers and checkpoints).
+    pub fn vars(&self) -> Vec<Var> {
+        let mut v = vec![self.embedding.clone()];
+        for l in &self.layers {
+            v.extend([&l.norm, &l.in_proj, &l.conv_w, &l.dt_bias, &l.a_log, &l.d, &l.gated_norm, &l.out_proj].map(Var::clone));
+            v.extend([&l.in_proj_bias, &l.conv_b, &l.out_proj_bias].into_iter().flatten().cloned());
+        }
+        v.push(self.norm_f.clone());
+        v.extend(self.lm_head.clone());
+        v
+    }
+
+    /// The parameters as host weights (f32), for saving and for the inference engines.
+    pub fn to_weights(&self) -> Result<Mamba2Weights> {
+        let host = |v: &Var| -> Result<Vec<f32>> { v.as_tensor().to_dtype(DType::F32)?.flatten_all()?.to_vec1() };
+        let opt = |v: &Option<Var>| v.as_ref().map(host).transpose();
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(picaso_model::weights::LayerWeights {
+                    norm: host(&l.norm)?,
+                    in_proj: host(&l.in_proj)?,
+                    in_proj_bias: opt(&l.in_proj_bias)?,
+                    conv_weight: host(&l.conv_w)?,
+                    conv_bias: opt(&l.conv_b)?,
+                    dt_bias: host(&l.dt_bias)?,
+                    a_log: host(&l.a_log)?,
+                    d: host(&l.d)?,
+                    gated_norm: host(&l.gated_norm)?,
+                    out_proj: host(&l.out_proj)?,
+                    out_proj_bias: opt(&l.out_proj_bias)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Mamba2Weights {
+            embedding: host(&self.embedding)?,
+            layers,
+            norm_f: host(&self.norm_f)?,
+            lm_head: opt(&self.lm_head)?,
+        })
+    }
+
+    /// Runs `tokens` (B, T) from `init` (zeros if `None`): the final-normed hidden states
+    /// (B, T, d_model) and the state after the last token.
+    pub fn forward_hidden(&self, tokens: &Tensor, init: Option<&TrainState>) -> Result<(Tensor, TrainState)> {
+        let (b, _t) = tokens.dims2()?;
+        let zeros;
+        let init = match init {
+            Some(s) => s,
+            None => {
+                zeros = TrainState::zeros(&self.config, b, self.dtype, &self.device)?;
+                &zeros
+            }
+        };
+        let mut h = self.embedding.as_tensor().embedding(&tokens.flatten_all()?)?.reshape((b, (), self.config.d_model))?;
+        let mut next = TrainState { ssm: Vec::new(), conv: Vec::new(), log_decay: Vec::new() };
+        for (l, layer) in self.layers.iter().enumerate() {
+            let (out, ssm, conv, ld) = self.layer(layer, &h, &init.ssm[l], &init.conv[l], &init.log_decay[l])?;
+            h = out;
+            next.ssm.push(ssm);
+            next.conv.push(conv);
+            next.log_decay.push(ld);
+        }
+        Ok((rmsnorm(&h, self.norm_f.as_tensor(), self.config.norm_eps)?, next))
+    }
+
+    /// Next-token logits (B, T, vocab) and the final state.
+    pub fn forward(&self, tokens: &Tensor, init: Option<&TrainState>) -> Result<(Tensor, TrainState)> {
+        let (hidden, state) = self.forward_hidden(tokens, init)?;
+        let (b, t, d) = hidden.dims3()?;
+        let head = self.lm_head.as_ref().unwrap_or(&self.embedding);
+        let logits = hidden.reshape((b * t, d))?.matmul(&head.as_tensor().t()?)?;
+        Ok((logits.reshape((b, t, ()))?, state))
+    }
+
+    /// Mean cross-entropy of `targets` (B, T) under logits of `tokens` (B, T) from `init`;
+    /// positions whose target is `ignore` do not count.
+    pub fn loss(&self, tokens: &Tensor, targets: &Tensor, init: Option<&TrainState>) -> Result<(Tensor, TrainState)> {
+        let (logits, state) = self.forward(tokens, init)?;
+        let v = logits.dim(D::Minus1)?;
+        let logp = candle_nn::ops::log_softmax(&logits.reshape(((), v))?, D::Minus1)?;
+        let picked = logp.gather(&targets.flatten_all()?.unsqueeze(1)?, 1)?.squeeze(1)?;
+        Ok((picked.mean_all()?.neg()?, state))
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn layer(
+        &self,
+        w: &Layer,
+        h: &Tensor,
+        ssm0: &Tensor,
+        conv0: &Tensor,
+        ld0: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+        let c = &self.config;
+        let (b, t, dm) = h.dims3()?;
+        let (di, cd, k, nh, p, n, g) =
+            (c.d_inner(), c.conv_dim(), c.d_conv, c.nheads, c.headdim, c.d_state, c.n_groups);
+
+        let xn = rmsnorm(h, w.norm.as_tensor(), c.norm_eps)?;
+        let mut zxbcdt = xn.reshape((b * t, dm))?.matmul(&w.in_proj.as_tensor().t()?)?;
+        if let Some(bias) = &w.in_proj_bias {
+            zxbcdt = zxbcdt.broadcast_add(bias.as_tensor())?;
+        }
+        let zxbcdt = zxbcdt.reshape((b, t, ()))?;
+        let z = zxbcdt.narrow(2, 0, di)?;
+        let xbc_in = zxbcdt.narrow(2, di, cd)?;
+        let dt_raw = zxbcdt.narrow(2, di + cd, nh)?;
+
+        // Causal depthwise conv over [tail; input] → (B, T, C), then SiLU.
+        let seq = Tensor::cat(&[&conv0.transpose(1, 2)?, &xbc_in], 1)?; // (B, K-1+T, C)
+        let mut conv = seq.narrow(1, 0, t)?.broadcast_mul(&w.conv_w.as_tensor().narrow(1, 0, 1)?.reshape((1, 1, cd))?)?;
+        for j in 1..k {
+            let tap = w.conv_w.as_tensor().narrow(1, j, 1)?.reshape((1, 1, cd))?;
+            conv = (conv + seq.narrow(1, j, t)?.broadcast_mul(&tap)?)?;
+        }
+        if let Some(bias) = &w.conv_b {
+            conv = conv.broadcast_add(&bias.as_tensor().reshape((1, 1, cd))?)?;
+        }
+        let xbc = candle_nn::ops::silu(&conv)?;
+        let conv_next = seq.narrow(1, t, k - 1)?.transpose(1, 2)?.contiguous()?; // (B, C, K-1)
+
+        // dt (B, T, H) and the per-token log-decays a = dt·A.
+        let (lo, hi) = c.time_step_limit;
+        let mut dt = softplus(&dt_raw.broadcast_add(&w.dt_bias.as_tensor().reshape((1, 1, nh))?)?)?;
+        if lo > 0.0 || hi.is_finite() {
+            dt = dt.clamp(lo, hi)?;
+        }
+        let a = w.a_log.as_tensor().exp()?.neg()?; // (H)
+        let la = dt.broadcast_mul(&a.reshape((1, 1, nh))?)?.transpose(1, 2)?.contiguous()?; // (B, H, T)
+
+        // Heads: x̄ = dt·x (B, H, T, P); B, C expanded from groups to heads (B, H, T, N).
+        let x = xbc.narrow(2, 0, di)?.reshape((b, t, nh, p))?;
+        let xdt = x.broadcast_mul(&dt.unsqueeze(3)?)?.transpose(1, 2)?.contiguous()?;
+        let per_group = nh / g;
+        let heads = |m: Tensor| -> Result<Tensor> {
+            m.reshape((b, t, g, 1, n))?.broadcast_as((b, t, g, per_group, n))?.reshape((b, t, nh, n))?.transpose(1, 2)?.contiguous()
+        };
+        let bm = heads(xbc.narrow(2, di, g * n)?)?;
+        let cm = heads(xbc.narrow(2, di + g * n, g * n)?)?;
+
+        // Chunked scan.
+        let mut s = ssm0.clone(); // (B, H, P, N)
+        let mut ys = Vec::new();
+        let mut start = 0;
+        while start < t {
+            let l = self.chunk.min(t - start);
+            let la_c = la.narrow(2, start, l)?; // (B, H, L)
+            let cum = la_c.cumsum(2)?;
+            let (x_c, b_c, c_c) = (xdt.narrow(2, start, l)?, bm.narrow(2, start, l)?, cm.narrow(2, start, l)?);
+            // decay[i, j] = exp(cum_i − cum_j) for j ≤ i, else 0 (−∞ before the exp keeps it finite).
+            let seg = cum.unsqueeze(3)?.broadcast_sub(&cum.unsqueeze(2)?)?;
+            let decay = seg.broadcast_add(&causal_mask(l, self.dtype, &self.device)?)?.exp()?; // (B, H, L, L)
+            let scores = c_c.matmul(&b_c.transpose(2, 3)?)?.mul(&decay)?; // (B, H, L, L)
+            let y_in = scores.matmul(&x_c)?; // (B, H, L, P)
+            let y_past = c_c.matmul(&s.transpose(2, 3)?)?.broadcast_mul(&cum.exp()?.unsqueeze(3)?)?;
+            ys.push((y_in + y_past)?);
+            let total = cum.narrow(2, l - 1, 1)?; // (B, H, 1)
+            let to_end = total.broadcast_sub(&cum)?.exp()?; // (B, H, L)
+            let added = x_c.broadcast_mul(&to_end.unsqueeze(3)?)?.transpose(2, 3)?.matmul(&b_c)?; // (B, H, P, N)
+            s = (s.broadcast_mul(&total.exp()?.unsqueeze(3)?)? + added)?;
+            start += l;
+        }
+        let ld_next = (ld0 + la.sum(2)?)?;
+        let y = Tensor::cat(&ys, 2)?.transpose(1, 2)?; // (B, T, H, P)
+        let y = y.broadcast_add(&x.broadcast_mul(&w.d.as_tensor().reshape((1, 1, nh, 1))?)?)?;
+
+        // Gated RMSNorm by groups, out_proj, residual.
+        let v = y.reshape((b, t, di))?.mul(&candle_nn::ops::silu(&z)?)?;
+        let vg = v.reshape((b, t, g, di / g))?;
+        let ms = vg.sqr()?.mean_keepdim(D::Minus1)?;
+        let normed = vg
+            .broadcast_div(&(ms + c.gated_norm_eps)?.sqrt()?)?
+            .reshape((b, t, di))?
+            .broadcast_mul(&w.gated_norm.as_tensor().reshape((1, 1, di))?)?;
+        let mut out = normed.reshape((b * t, di))?.matmul(&w.out_proj.as_tensor().t()?)?;
+        if let Some(bias) = &w.out_proj_bias {
+            out = out.broadcast_add(bias.as_tensor())?;
+        }
+        Ok(((h + out.reshape((b, t, dm))?)?, s, conv_next, ld_next))
+    }
+}
+
+/// (L, L): 0 on and below the diagonal, −∞ above.
+fn causal_mask(l: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+    let v: Vec<f32> = (0..l * l).map(|i| if i % l <= i / l { 0.0 } else { f32::NEG_INFINITY }).collect();
+    Tensor::from_vec(v, (l, l), device)?.to_dtype(dtype)
+}
+
+fn rmsnorm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+    x.broadcast_div(&(ms + eps)?.sqrt()?)?.broadcast_mul(w)
+}
+
+/// softplus(x) = max(x, 0) + log(1 + e^−|x|), stable and differentiable everywhere.
+fn softplus(x: &Tensor) -> Result<Tensor> {
+    x.relu()? + (x.abs()?.neg()?.exp()? + 1.0)?.log()?
+}

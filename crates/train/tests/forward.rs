@@ -1,0 +1,138 @@
+//! The differentiable forward against the inference engine (which matches HF transformers):
+//! equal logits and final states from any starting state, for every chunk length; and its
+//! gradients against central finite differences in f64 (weights, A_log, the initial state).
+
+use std::path::PathBuf;
+
+use candle_core::{DType, Device, Tensor, Var};
+use picaso_model::{Mamba2Config, Mamba2Weights, Model, State};
+use picaso_train::{TrainMamba2, TrainState};
+use rand::{Rng, SeedableRng};
+
+fn case(name: &str) -> (Mamba2Config, Mamba2Weights) {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../testdata/mamba2").join(name).join("hf");
+    let config = Mamba2Config::from_file(&dir.join("config.json")).unwrap();
+    let weights = Mamba2Weights::load(&dir, &config).unwrap();
+    (config, weights)
+}
+
+fn random_tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    (0..n).map(|_| rng.random_range(0..vocab as u32)).collect()
+}
+
+fn max_rel(a: &[f32], b: &[f32]) -> f64 {
+    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6) as f64;
+    a.iter().zip(b).map(|(x, y)| (x - y).abs() as f64).fold(0.0, f64::max) / scale
+}
+
+#[test]
+fn matches_the_inference_engine_from_any_state() {
+    for name in ["g1", "g2", "g2-untied-bias"] {
+        let (config, weights) = case(name);
+        let model = Model::from_weights(config.clone(), weights.clone(), None);
+        let v = config.vocab_size;
+        // Two batch rows continuing from two different states.
+        let prefixes = [random_tokens(11, v, 1), random_tokens(5, v, 2)];
+        let states: Vec<State> = prefixes.iter().map(|p| model.prefill(p, &model.zero_state()).unwrap()).collect();
+        let suffixes = [random_tokens(26, v, 3), random_tokens(26, v, 4)];
+        for chunk in [1, 7, 64] {
+            let net = TrainMamba2::from_weights(&config, &weights, DType::F32, &Device::Cpu).unwrap().with_chunk(chunk);
+            let init = TrainState::from_states(&states.iter().collect::<Vec<_>>(), DType::F32, &Device::Cpu).unwrap();
+            let flat: Vec<u32> = suffixes.concat();
+            let tokens = Tensor::from_vec(flat, (2, 26), &Device::Cpu).unwrap();
+            let (logits, next) = net.forward(&tokens, Some(&init)).unwrap();
+            for row in 0..2 {
+                let (want_logits, want_state) = model.forward_all_logits(&suffixes[row], &states[row]).unwrap();
+                let got: Vec<f32> = logits.get(row).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+                let e = max_rel(&got, &want_logits);
+                assert!(e < 1e-4, "{name} chunk {chunk} row {row}: logits differ by {e:e} (relative to the max)");
+                let got_state = next.to_state(row, &want_state).unwrap();
+                for (l, (g, w)) in got_state.layers.iter().zip(&want_state.layers).enumerate() {
+                    for (what, a, b) in [("ssm", &g.ssm, &w.ssm), ("conv", &g.conv, &w.conv), ("log_decay", &g.log_decay, &w.log_decay)] {
+                        let e = max_rel(a, b);
+                        assert!(e < 1e-4, "{name} chunk {chunk} row {row} layer {l} {what}: {e:e}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// d loss / d element `i` of `var` by central differences.
+fn numeric_grad(var: &Var, i: usize, loss: &dyn Fn() -> f64) -> f64 {
+    let orig = var.as_tensor().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+    let eps = 1e-6 * orig[i].abs().max(1.0);
+    let eval = |x: f64| {
+        let mut v = orig.clone();
+        v[i] = x;
+        var.set(&Tensor::from_vec(v, var.shape(), &Device::Cpu).unwrap()).unwrap();
+        loss()
+    };
+    let (up, down) = (eval(orig[i] + eps), eval(orig[i] - eps));
+    var.set(&Tensor::from_vec(orig, var.shape(), &Device::Cpu).unwrap()).unwrap();
+    (up - down) / (2.0 * eps)
+}
+
+#[test]
+fn gradients_match_finite_differences() {
+    // n_groups 2, chunk 3 over 8 tokens: the group expansion and several partial chunks.
+    let config = Mamba2Config { n_groups: 2, ..Mamba2Config::tiny(2, 4) };
+    let weights = Mamba2Weights::random(&config, 7);
+    let net = TrainMamba2::from_weights(&config, &weights, DType::F64, &Device::Cpu).unwrap().with_chunk(3);
+    let model = Model::from_weights(config.clone(), weights.clone(), None);
+    let v = config.vocab_size;
+    let start = model.prefill(&random_tokens(6, v, 8), &model.zero_state()).unwrap();
+    let init = TrainState::from_states(&[&start, &start], DType::F64, &Device::Cpu).unwrap();
+    // The initial state as variables, so the loss can be differentiated with respect to it.
+    let init_vars: Vec<(Var, Var, Var)> = (0..config.n_layer)
+        .map(|l| {
+            (
+                Var::from_tensor(&init.ssm[l]).unwrap(),
+                Var::from_tensor(&init.conv[l]).unwrap(),
+                Var::from_tensor(&init.log_decay[l]).unwrap(),
+            )
+        })
+        .collect();
+    let state = || TrainState {
+        ssm: init_vars.iter().map(|v| v.0.as_tensor().clone()).collect(),
+        conv: init_vars.iter().map(|v| v.1.as_tensor().clone()).collect(),
+        log_decay: init_vars.iter().map(|v| v.2.as_tensor().clone()).collect(),
+    };
+    let tokens = Tensor::from_vec(random_tokens(16, v, 9), (2, 8), &Device::Cpu).unwrap();
+    let targets = Tensor::from_vec(random_tokens(16, v, 10), (2, 8), &Device::Cpu).unwrap();
+    // Also weight the final SSM state, so gradients flow through the state output too.
+    let probe = Tensor::randn(0f64, 1.0, init.ssm[1].shape(), &Device::Cpu).unwrap();
+    let loss_of = || -> Tensor {
+        let (ce, next) = net.loss(&tokens, &targets, Some(&state())).unwrap();
+        (ce + (next.ssm[1].mul(&probe).unwrap().sum_all().unwrap() * 0.1).unwrap()).unwrap()
+    };
+    let loss = || loss_of().to_scalar::<f64>().unwrap();
+    let grads = loss_of().backward().unwrap();
+
+    let vars = net.vars();
+    let mut checked = 0;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+    let mut check = |name: &str, var: &Var, picks: usize| {
+        let g = grads.get(var).unwrap_or_else(|| panic!("{name}: no gradient")).flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        for _ in 0..picks {
+            let i = rng.random_range(0..g.len());
+            let num = numeric_grad(var, i, &loss);
+            let err = (g[i] - num).abs() / num.abs().max(1e-3);
+            assert!(err < 1e-5, "{name}[{i}]: autograd {} vs finite differences {num} (rel {err:e})", g[i]);
+            checked += 1;
+        }
+    };
+    // vars(): embedding, then per layer norm, in_proj, conv_w, dt_bias, a_log, d, gated_norm, out_proj.
+    let names = ["norm", "in_proj", "conv_w", "dt_bias", "A_log", "D", "gated_norm", "out_proj"];
+    check("embedding", &vars[0], 4);
+    for l in 0..config.n_layer {
+        for (j, name) in names.iter().enumerate() {
+            check(&format!("layers.{l}.{name}"), &vars[1 + l * names.len() + j], 3);
+        }
+        check(&format!("init.layers.{l}.ssm"), &init_vars[l].0, 3);
+        check(&format!("init.layers.{l}.conv"), &init_vars[l].1, 3);
+    }
+    check("norm_f", &vars[1 + config.n_layer * names.len()], 3);
+    assert!(checked > 50);
+}
