@@ -195,9 +195,10 @@ struct BenchContextArgs {
 
 #[derive(Args)]
 struct ModelArgs {
-    /// Model folder (config.json + weights [+ tokenizer.json]) or a Hugging Face repo id.
+    /// Model folder (config.json + weights [+ tokenizer.json]) or a Hugging Face repo id;
+    /// default: $PICASO_MODEL, else the bundled model.
     #[arg(long)]
-    model: String,
+    model: Option<String>,
     /// tokenizer.json to use instead of the model folder's.
     #[arg(long)]
     tokenizer: Option<PathBuf>,
@@ -377,6 +378,24 @@ fn run(cli: Cli) -> Result<()> {
     }
 }
 
+/// Where the bundled model lives in a checkout (the training issue puts it there).
+const BUNDLED_MODEL: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../models/picaso-mamba2");
+
+/// The model used when `--model` is not given: `$PICASO_MODEL`, else the bundled model.
+fn default_model_dir() -> Result<PathBuf> {
+    if let Some(m) = std::env::var_os("PICASO_MODEL") {
+        return resolve_model_dir(&m.to_string_lossy());
+    }
+    let bundled = PathBuf::from(BUNDLED_MODEL);
+    if bundled.join("config.json").is_file() {
+        return Ok(bundled);
+    }
+    bail!(
+        "no --model given and no bundled model at {} (it is not trained yet); pass --model DIR or a hub id, or set PICASO_MODEL",
+        bundled.display()
+    )
+}
+
 /// A local folder, or else a hub repo id (`owner/name`) to download.
 fn resolve_model_dir(model: &str) -> Result<PathBuf> {
     let path = Path::new(model);
@@ -391,7 +410,10 @@ fn resolve_model_dir(model: &str) -> Result<PathBuf> {
 }
 
 fn load_model(args: &ModelArgs, need_tokenizer: bool) -> Result<Model> {
-    let dir = resolve_model_dir(&args.model)?;
+    let dir = match &args.model {
+        Some(m) => resolve_model_dir(m)?,
+        None => default_model_dir()?,
+    };
     let backend = args.device.parse()?;
     let opts =
         LoadOptions { backend, weight_dtype: args.weights, tokenizer: args.tokenizer.clone(), skip_tokenizer: false };
@@ -578,7 +600,8 @@ fn weights_cmd(a: WeightsArgs) -> Result<()> {
 fn bench_model(model: Option<&str>, random: &str, seed: u64, weights: picaso_model::WeightDtype) -> Result<Model> {
     match model {
         Some(m) => {
-            load_model(&ModelArgs { model: m.to_string(), tokenizer: None, device: "cpu".into(), weights }, false)
+            let args = ModelArgs { model: Some(m.to_string()), tokenizer: None, device: "cpu".into(), weights };
+            load_model(&args, false)
         }
         None => {
             let config = match random {

@@ -195,6 +195,18 @@ fn bad_models_and_inputs_fail_cleanly() {
         fails_with(&["score", "--model", dir.to_str().unwrap(), "--token-ids", "1,2,3"], needle)
     };
     fails_with(&["score", "--model", "/no/such/model", "--token-ids", "1"], "/no/such/model");
+    // Without --model: $PICASO_MODEL (then the bundled model).
+    let with_env = |model: &Path| {
+        Command::new(env!("CARGO_BIN_EXE_picaso"))
+            .args(["score", "--token-ids", "1,2,3", "--json"])
+            .env("PICASO_MODEL", model)
+            .output()
+            .unwrap()
+    };
+    let out = with_env(&fixture("g1").join("hf"));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = with_env(Path::new("/no/such/env-model"));
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("/no/such/env-model"));
     let d = broken_model(|_, t| {
         t.remove("backbone.layers.1.mixer.A_log");
     });

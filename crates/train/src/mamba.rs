@@ -48,8 +48,12 @@ impl TrainState {
         let c = config;
         let n = c.n_layer;
         Ok(Self {
-            ssm: (0..n).map(|_| Tensor::zeros((b, c.nheads, c.headdim, c.d_state), dtype, device)).collect::<Result<_>>()?,
-            conv: (0..n).map(|_| Tensor::zeros((b, c.conv_dim(), c.d_conv - 1), dtype, device)).collect::<Result<_>>()?,
+            ssm: (0..n)
+                .map(|_| Tensor::zeros((b, c.nheads, c.headdim, c.d_state), dtype, device))
+                .collect::<Result<_>>()?,
+            conv: (0..n)
+                .map(|_| Tensor::zeros((b, c.conv_dim(), c.d_conv - 1), dtype, device))
+                .collect::<Result<_>>()?,
             log_decay: (0..n).map(|_| Tensor::zeros((b, c.nheads), dtype, device)).collect::<Result<_>>()?,
         })
     }
@@ -163,7 +167,10 @@ impl TrainMamba2 {
     pub fn vars(&self) -> Vec<Var> {
         let mut v = vec![self.embedding.clone()];
         for l in &self.layers {
-            v.extend([&l.norm, &l.in_proj, &l.conv_w, &l.dt_bias, &l.a_log, &l.d, &l.gated_norm, &l.out_proj].map(Var::clone));
+            v.extend(
+                [&l.norm, &l.in_proj, &l.conv_w, &l.dt_bias, &l.a_log, &l.d, &l.gated_norm, &l.out_proj]
+                    .map(Var::clone),
+            );
             v.extend([&l.in_proj_bias, &l.conv_b, &l.out_proj_bias].into_iter().flatten().cloned());
         }
         v.push(self.norm_f.clone());
@@ -214,7 +221,8 @@ impl TrainMamba2 {
                 &zeros
             }
         };
-        let mut h = self.embedding.as_tensor().embedding(&tokens.flatten_all()?)?.reshape((b, (), self.config.d_model))?;
+        let mut h =
+            self.embedding.as_tensor().embedding(&tokens.flatten_all()?)?.reshape((b, (), self.config.d_model))?;
         let mut next = TrainState { ssm: Vec::new(), conv: Vec::new(), log_decay: Vec::new() };
         for (l, layer) in self.layers.iter().enumerate() {
             let (out, ssm, conv, ld) = self.layer(layer, &h, &init.ssm[l], &init.conv[l], &init.log_decay[l])?;
@@ -271,7 +279,8 @@ impl TrainMamba2 {
 
         // Causal depthwise conv over [tail; input] → (B, T, C), then SiLU.
         let seq = Tensor::cat(&[&conv0.transpose(1, 2)?, &xbc_in], 1)?; // (B, K-1+T, C)
-        let mut conv = seq.narrow(1, 0, t)?.broadcast_mul(&w.conv_w.as_tensor().narrow(1, 0, 1)?.reshape((1, 1, cd))?)?;
+        let mut conv =
+            seq.narrow(1, 0, t)?.broadcast_mul(&w.conv_w.as_tensor().narrow(1, 0, 1)?.reshape((1, 1, cd))?)?;
         for j in 1..k {
             let tap = w.conv_w.as_tensor().narrow(1, j, 1)?.reshape((1, 1, cd))?;
             conv = (conv + seq.narrow(1, j, t)?.broadcast_mul(&tap)?)?;
@@ -296,7 +305,11 @@ impl TrainMamba2 {
         let xdt = x.broadcast_mul(&dt.unsqueeze(3)?)?.transpose(1, 2)?.contiguous()?;
         let per_group = nh / g;
         let heads = |m: Tensor| -> Result<Tensor> {
-            m.reshape((b, t, g, 1, n))?.broadcast_as((b, t, g, per_group, n))?.reshape((b, t, nh, n))?.transpose(1, 2)?.contiguous()
+            m.reshape((b, t, g, 1, n))?
+                .broadcast_as((b, t, g, per_group, n))?
+                .reshape((b, t, nh, n))?
+                .transpose(1, 2)?
+                .contiguous()
         };
         let bm = heads(xbc.narrow(2, di, g * n)?)?;
         let cm = heads(xbc.narrow(2, di + g * n, g * n)?)?;

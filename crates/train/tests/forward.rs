@@ -49,7 +49,9 @@ fn matches_the_inference_engine_from_any_state() {
                 assert!(e < 1e-4, "{name} chunk {chunk} row {row}: logits differ by {e:e} (relative to the max)");
                 let got_state = next.to_state(row, &want_state).unwrap();
                 for (l, (g, w)) in got_state.layers.iter().zip(&want_state.layers).enumerate() {
-                    for (what, a, b) in [("ssm", &g.ssm, &w.ssm), ("conv", &g.conv, &w.conv), ("log_decay", &g.log_decay, &w.log_decay)] {
+                    for (what, a, b) in
+                        [("ssm", &g.ssm, &w.ssm), ("conv", &g.conv, &w.conv), ("log_decay", &g.log_decay, &w.log_decay)]
+                    {
                         let e = max_rel(a, b);
                         assert!(e < 1e-4, "{name} chunk {chunk} row {row} layer {l} {what}: {e:e}");
                     }
@@ -114,7 +116,13 @@ fn gradients_match_finite_differences() {
     let mut checked = 0;
     let mut rng = rand::rngs::StdRng::seed_from_u64(11);
     let mut check = |name: &str, var: &Var, picks: usize| {
-        let g = grads.get(var).unwrap_or_else(|| panic!("{name}: no gradient")).flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        let g = grads
+            .get(var)
+            .unwrap_or_else(|| panic!("{name}: no gradient"))
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f64>()
+            .unwrap();
         for _ in 0..picks {
             let i = rng.random_range(0..g.len());
             let num = numeric_grad(var, i, &loss);
