@@ -6,6 +6,7 @@
 //! backpropagates through composed states; BP2C stops the gradient at them).
 #![deny(missing_docs)]
 
+pub mod bpe;
 pub mod corpus;
 pub mod mamba;
 
