@@ -9,6 +9,7 @@
 pub mod bpe;
 pub mod corpus;
 pub mod mamba;
+pub mod optim;
 
 pub use mamba::{TrainMamba2, TrainState};
 

@@ -1,0 +1,155 @@
+//! AdamW with decoupled weight decay, global-norm gradient clipping and a warmup + cosine
+//! schedule. Written here rather than taken from candle-nn because a resumable run must save
+//! and restore the moment estimates, which candle-nn's optimiser keeps private.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::backprop::GradStore;
+use candle_core::{Device, Tensor, Var};
+
+use crate::Result;
+
+/// Hyper-parameters.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct AdamWConfig {
+    /// β₁.
+    pub beta1: f64,
+    /// β₂.
+    pub beta2: f64,
+    /// ε.
+    pub eps: f64,
+    /// Decoupled weight decay, applied to matrices (not to norms, biases or SSM scalars).
+    pub weight_decay: f64,
+}
+
+impl Default for AdamWConfig {
+    fn default() -> Self {
+        Self { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 }
+    }
+}
+
+/// The optimiser and its state.
+pub struct AdamW {
+    config: AdamWConfig,
+    vars: Vec<Var>,
+    m: Vec<Tensor>,
+    v: Vec<Tensor>,
+    /// Steps taken.
+    pub t: u64,
+}
+
+impl AdamW {
+    /// A fresh optimiser over `vars`.
+    pub fn new(vars: Vec<Var>, config: AdamWConfig) -> Result<Self> {
+        let m = vars.iter().map(|v| v.as_tensor().zeros_like()).collect::<Result<Vec<_>>>()?;
+        let v = m.clone();
+        Ok(Self { config, vars, m, v, t: 0 })
+    }
+
+    /// The global L2 norm of the gradients.
+    pub fn grad_norm(&self, grads: &GradStore) -> Result<f64> {
+        let mut sq = 0.0;
+        for var in &self.vars {
+            if let Some(g) = grads.get(var) {
+                sq += g.sqr()?.sum_all()?.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
+            }
+        }
+        Ok(sq.sqrt())
+    }
+
+    /// One step at learning rate `lr`, gradients scaled by `grad_scale` (clipping).
+    pub fn step(&mut self, grads: &GradStore, lr: f64, grad_scale: f64) -> Result<()> {
+        self.t += 1;
+        let c = &self.config;
+        let (bc1, bc2) = (1.0 - c.beta1.powi(self.t as i32), 1.0 - c.beta2.powi(self.t as i32));
+        for ((var, m), v) in self.vars.iter().zip(&mut self.m).zip(&mut self.v) {
+            let Some(g) = grads.get(var) else { continue };
+            let g = (g * grad_scale)?;
+            *m = ((&*m * c.beta1)? + (&g * (1.0 - c.beta1))?)?;
+            *v = ((&*v * c.beta2)? + (g.sqr()? * (1.0 - c.beta2))?)?;
+            let update = ((&*m / bc1)? / ((&*v / bc2)?.sqrt()? + c.eps)?)?;
+            let w = var.as_tensor();
+            let decay = if w.rank() >= 2 { c.weight_decay } else { 0.0 };
+            let next = ((w * (1.0 - lr * decay))? - (update * lr)?)?;
+            var.set(&next)?;
+        }
+        Ok(())
+    }
+
+    /// Saves the moments and the step count.
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let mut map: HashMap<String, Tensor> = HashMap::new();
+        for (i, (m, v)) in self.m.iter().zip(&self.v).enumerate() {
+            map.insert(format!("m.{i}"), m.clone());
+            map.insert(format!("v.{i}"), v.clone());
+        }
+        map.insert("t".into(), Tensor::new(&[self.t as i64], &Device::Cpu)?);
+        candle_core::safetensors::save(&map, path)
+    }
+
+    /// Restores what [`AdamW::save`] wrote; the variables must be the same, in the same order.
+    pub fn load(&mut self, path: &Path) -> Result<()> {
+        let device = self.vars.first().map(|v| v.device().clone()).unwrap_or(Device::Cpu);
+        let mut map = candle_core::safetensors::load(path, &device)?;
+        let mut take = |k: String, like: &Tensor| -> Result<Tensor> {
+            let t = map.remove(&k).ok_or_else(|| candle_core::Error::Msg(format!("optimizer state lacks {k}")))?;
+            if t.shape() != like.shape() {
+                candle_core::bail!("optimizer state {k} has shape {:?}, the model needs {:?}", t.shape(), like.shape());
+            }
+            t.to_dtype(like.dtype())
+        };
+        for i in 0..self.vars.len() {
+            let like = self.vars[i].as_tensor().clone();
+            self.m[i] = take(format!("m.{i}"), &like)?;
+            self.v[i] = take(format!("v.{i}"), &like)?;
+        }
+        self.t = map.remove("t").map(|t| t.to_vec1::<i64>()).transpose()?.and_then(|v| v.first().copied()).unwrap_or(0) as u64;
+        Ok(())
+    }
+}
+
+/// Linear warmup to `peak` over `warmup` steps, then cosine decay to `floor` at `total`.
+pub fn lr_at(step: u64, warmup: u64, total: u64, peak: f64, floor: f64) -> f64 {
+    if step < warmup {
+        return peak * (step + 1) as f64 / warmup as f64;
+    }
+    let progress = ((step - warmup) as f64 / (total.saturating_sub(warmup)).max(1) as f64).min(1.0);
+    floor + 0.5 * (peak - floor) * (1.0 + (std::f64::consts::PI * progress).cos())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::DType;
+
+    #[test]
+    fn schedule_warms_up_then_decays_to_the_floor() {
+        assert!((lr_at(0, 10, 100, 1.0, 0.1) - 0.1).abs() < 1e-12);
+        assert!((lr_at(9, 10, 100, 1.0, 0.1) - 1.0).abs() < 1e-12);
+        assert!((lr_at(10, 10, 100, 1.0, 0.1) - 1.0).abs() < 1e-12);
+        assert!((lr_at(55, 10, 100, 1.0, 0.1) - 0.55).abs() < 1e-12);
+        assert!((lr_at(100, 10, 100, 1.0, 0.1) - 0.1).abs() < 1e-12);
+    }
+
+    #[test]
+    fn minimises_a_quadratic_and_round_trips_its_state() {
+        let w = Var::from_tensor(&Tensor::new(&[[3.0f64, -2.0]], &Device::Cpu).unwrap()).unwrap();
+        let cfg = AdamWConfig { weight_decay: 0.0, ..Default::default() };
+        let mut opt = AdamW::new(vec![w.clone()], cfg.clone()).unwrap();
+        for _ in 0..300 {
+            let loss = w.as_tensor().sqr().unwrap().sum_all().unwrap();
+            let g = loss.backward().unwrap();
+            opt.step(&g, 0.05, 1.0).unwrap();
+        }
+        let v: Vec<f64> = w.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+        assert!(v.iter().all(|x| x.abs() < 0.05), "{v:?}");
+        let tmp = tempfile::tempdir().unwrap();
+        opt.save(&tmp.path().join("o.safetensors")).unwrap();
+        let mut back = AdamW::new(vec![w.clone()], cfg).unwrap();
+        back.load(&tmp.path().join("o.safetensors")).unwrap();
+        assert_eq!(back.t, 300);
+        let same = |a: &Tensor, b: &Tensor| a.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap() == b.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        assert!(same(&back.m[0], &opt.m[0]) && same(&back.v[0], &opt.v[0]));
+    }
+}
