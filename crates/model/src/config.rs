@@ -13,7 +13,7 @@ use serde_json::{Map, Value};
 use crate::error::{Error, Result};
 
 /// Which checkpoint layout a model folder uses; decides the tensor names.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum CheckpointFormat {
     /// HF transformers: `backbone.embeddings.weight`.
@@ -23,7 +23,7 @@ pub enum CheckpointFormat {
 }
 
 /// Everything that shapes a Mamba-2 model. Derived sizes are methods (`d_inner()`, `conv_dim()`).
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Mamba2Config {
     /// Width of the residual stream.
     pub d_model: usize,
@@ -47,7 +47,8 @@ pub struct Mamba2Config {
     pub norm_eps: f64,
     /// Epsilon of the gated RMSNorm inside the mixer.
     pub gated_norm_eps: f64,
-    /// Clamp of dt after the softplus: (min, max), max may be infinite.
+    /// Clamp of dt after the softplus: (min, max), max may be infinite (in JSON: "inf").
+    #[serde(with = "limits_json")]
     pub time_step_limit: (f64, f64),
     /// Whether the LM head is the embedding matrix.
     pub tie_embeddings: bool,
@@ -414,5 +415,46 @@ mod tests {
         assert_eq!(as_float(&v["a"][1]), Some(f64::INFINITY));
         assert_eq!(v["s"], "Infinity");
         assert_eq!(as_float(&v["b"]), Some(f64::NEG_INFINITY));
+    }
+}
+
+/// JSON for `time_step_limit`: numbers, with infinities as the strings "inf" / "-inf" (JSON
+/// has no infinity, and serde_json would write `null`).
+mod limits_json {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    #[derive(Serialize, Deserialize)]
+    #[serde(untagged)]
+    enum Num {
+        F(f64),
+        S(String),
+    }
+
+    fn to(v: f64) -> Num {
+        if v.is_finite() {
+            Num::F(v)
+        } else {
+            Num::S(if v > 0.0 { "inf".into() } else { "-inf".into() })
+        }
+    }
+
+    fn from(n: Num) -> Result<f64, String> {
+        match n {
+            Num::F(v) => Ok(v),
+            Num::S(s) => match s.as_str() {
+                "inf" | "Infinity" => Ok(f64::INFINITY),
+                "-inf" | "-Infinity" => Ok(f64::NEG_INFINITY),
+                other => Err(format!("time_step_limit entry {other:?} is not a number")),
+            },
+        }
+    }
+
+    pub fn serialize<S: Serializer>(v: &(f64, f64), s: S) -> Result<S::Ok, S::Error> {
+        (to(v.0), to(v.1)).serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<(f64, f64), D::Error> {
+        let (a, b) = <(Num, Num)>::deserialize(d)?;
+        Ok((from(a).map_err(serde::de::Error::custom)?, from(b).map_err(serde::de::Error::custom)?))
     }
 }

@@ -14,7 +14,9 @@ pub const EOS: &str = "<|endoftext|>";
 /// Trains a byte-level BPE of `vocab_size` entries (EOS included) on `docs`.
 pub fn train_bpe(docs: &[String], vocab_size: usize) -> Result<Tokenizer, String> {
     if vocab_size < 300 {
-        return Err(format!("vocabulary of {vocab_size}: a byte-level BPE needs at least 300 entries (256 bytes + merges)"));
+        return Err(format!(
+            "vocabulary of {vocab_size}: a byte-level BPE needs at least 300 entries (256 bytes + merges)"
+        ));
     }
     let mut trainer: TrainerWrapper = BpeTrainerBuilder::new()
         .vocab_size(vocab_size)
@@ -37,8 +39,9 @@ mod tests {
 
     #[test]
     fn trains_a_round_tripping_vocabulary_with_eos_first() {
-        let docs: Vec<String> =
-            (0..200).map(|i| format!("The river {i} runs to the sea, and the sea runs to the river. Café ünïcode {i}")).collect();
+        let docs: Vec<String> = (0..200)
+            .map(|i| format!("The river {i} runs to the sea, and the sea runs to the river. Café ünïcode {i}"))
+            .collect();
         let tok = train_bpe(&docs, 400).unwrap();
         assert_eq!(tok.token_to_id(EOS), Some(0));
         assert!(tok.get_vocab_size(true) <= 400);

@@ -33,16 +33,20 @@ pub enum CorpusKind {
 impl std::str::FromStr for CorpusSpec {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        let (kind, path) = s
-            .split_once(':')
-            .ok_or_else(|| format!("corpus {s:?}: write KIND:PATH with KIND text, brown, nlp-corpus, gcide or wikitext"))?;
+        let (kind, path) = s.split_once(':').ok_or_else(|| {
+            format!("corpus {s:?}: write KIND:PATH with KIND text, brown, nlp-corpus, gcide or wikitext")
+        })?;
         let kind = match kind {
             "text" | "kjv" => CorpusKind::Text,
             "brown" => CorpusKind::Brown,
             "nlp-corpus" => CorpusKind::NlpCorpus,
             "gcide" => CorpusKind::Gcide,
             "wikitext" => CorpusKind::Wikitext,
-            other => return Err(format!("unknown corpus kind {other:?}: use text, kjv, brown, nlp-corpus, gcide or wikitext")),
+            other => {
+                return Err(format!(
+                    "unknown corpus kind {other:?}: use text, kjv, brown, nlp-corpus, gcide or wikitext"
+                ))
+            }
         };
         Ok(Self { kind, path: PathBuf::from(path) })
     }
@@ -153,8 +157,8 @@ pub fn read_corpus(spec: &CorpusSpec) -> Result<Vec<String>, CorpusError> {
         CorpusKind::NlpCorpus => {
             let mut docs = Vec::new();
             for f in files(path, &|p| p.extension().is_some_and(|e| e == "json"))? {
-                let sentences: Vec<String> =
-                    serde_json::from_str(&read_text(&f)?).map_err(|e| err(&f, format!("not a JSON array of strings: {e}")))?;
+                let sentences: Vec<String> = serde_json::from_str(&read_text(&f)?)
+                    .map_err(|e| err(&f, format!("not a JSON array of strings: {e}")))?;
                 docs.extend(sentences.chunks(20).map(|c| c.join(" ")));
             }
             docs

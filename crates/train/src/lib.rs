@@ -10,6 +10,7 @@ pub mod bpe;
 pub mod corpus;
 pub mod mamba;
 pub mod optim;
+pub mod pretrain;
 
 pub use mamba::{TrainMamba2, TrainState};
 

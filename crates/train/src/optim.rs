@@ -104,7 +104,8 @@ impl AdamW {
             self.m[i] = take(format!("m.{i}"), &like)?;
             self.v[i] = take(format!("v.{i}"), &like)?;
         }
-        self.t = map.remove("t").map(|t| t.to_vec1::<i64>()).transpose()?.and_then(|v| v.first().copied()).unwrap_or(0) as u64;
+        self.t = map.remove("t").map(|t| t.to_vec1::<i64>()).transpose()?.and_then(|v| v.first().copied()).unwrap_or(0)
+            as u64;
         Ok(())
     }
 }
@@ -149,7 +150,10 @@ mod tests {
         let mut back = AdamW::new(vec![w.clone()], cfg).unwrap();
         back.load(&tmp.path().join("o.safetensors")).unwrap();
         assert_eq!(back.t, 300);
-        let same = |a: &Tensor, b: &Tensor| a.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap() == b.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        let same = |a: &Tensor, b: &Tensor| {
+            a.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap()
+                == b.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap()
+        };
         assert!(same(&back.m[0], &opt.m[0]) && same(&back.v[0], &opt.v[0]));
     }
 }
