@@ -12,6 +12,7 @@ use picaso_model::{compose, generate, GenerateOptions, LoadOptions, Method, Mode
 use serde_json::json;
 
 mod serve;
+mod train;
 
 #[derive(Parser)]
 #[command(
@@ -52,6 +53,9 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Drive a running server with concurrent clients; report throughput and latency.
     Load(serve::LoadArgs),
+    /// Train a model: pretraining (composition fine-tuning comes next).
+    #[command(subcommand)]
+    Train(train::TrainCommand),
 }
 
 #[derive(Args)]
@@ -375,6 +379,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Query(a) => query(a),
         Command::Serve(a) => serve::serve(a),
         Command::Load(a) => serve::load(a),
+        Command::Train(c) => train::run(c),
     }
 }
 

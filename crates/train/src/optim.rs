@@ -95,7 +95,11 @@ impl AdamW {
         let mut take = |k: String, like: &Tensor| -> Result<Tensor> {
             let t = map.remove(&k).ok_or_else(|| candle_core::Error::Msg(format!("optimizer state lacks {k}")))?;
             if t.shape() != like.shape() {
-                candle_core::bail!("optimizer state {k} has shape {:?}, the model needs {:?}", t.shape(), like.shape());
+                return Err(candle_core::Error::Msg(format!(
+                    "optimizer state {k} has shape {:?}, the model needs {:?}",
+                    t.shape(),
+                    like.shape()
+                )));
             }
             t.to_dtype(like.dtype())
         };

@@ -208,11 +208,11 @@ pub fn pretrain(
 ) -> Result<Vec<LogRow>> {
     let device = Device::Cpu;
     if data.train.len() < config.seq_len + 2 {
-        candle_core::bail!(
+        return Err(candle_core::Error::Msg(format!(
             "the training corpus has {} tokens, fewer than one sequence of {}",
             data.train.len(),
             config.seq_len + 1
-        );
+        )));
     }
     std::fs::create_dir_all(out).map_err(|e| io(e, out))?;
     let ckpt = out.join("checkpoint");
@@ -220,10 +220,10 @@ pub fn pretrain(
         let text = std::fs::read_to_string(ckpt.join("trainer.json")).map_err(|e| io(e, &ckpt))?;
         let state: TrainerState = serde_json::from_str(&text).map_err(|e| io(e, &ckpt))?;
         if &state.config != config {
-            candle_core::bail!(
+            return Err(candle_core::Error::Msg(format!(
                 "{}: this checkpoint was made with another configuration; resume with the same one (see its trainer.json) or use a new --out",
                 ckpt.display()
-            );
+            )));
         }
         let weights = Mamba2Weights::load(&ckpt, &config.model).map_err(|e| io(e, &ckpt))?;
         let net = TrainMamba2::from_weights(&config.model, &weights, DType::F32, &device)?.with_chunk(config.chunk);

@@ -1,0 +1,230 @@
+//! `picaso train pretrain`: corpora → tokenizer → packed token streams → a trained Mamba-2
+//! folder (`OUT/model`, loadable with `--model`), resumable from `OUT/checkpoint`.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Subcommand};
+use picaso_model::Mamba2Config;
+use picaso_train::corpus::{read_corpus, CorpusSpec};
+use picaso_train::pretrain::{pretrain, PretrainConfig, TokenData};
+use serde::Deserialize;
+
+#[derive(Subcommand)]
+pub enum TrainCommand {
+    /// Pretrain a Mamba-2 from text corpora (resumes OUT/checkpoint if present).
+    Pretrain(PretrainArgs),
+}
+
+#[derive(Args)]
+pub struct PretrainArgs {
+    /// A corpus, KIND:PATH (text, kjv, brown, nlp-corpus, gcide, wikitext); repeat for several.
+    #[arg(long, required = true)]
+    corpus: Vec<CorpusSpec>,
+    /// The run's JSON config (architecture and optimisation; see models/README.md).
+    #[arg(long)]
+    config: PathBuf,
+    /// Output folder: tokenizer.json, checkpoint/, loss.csv, model/.
+    #[arg(long)]
+    out: PathBuf,
+    /// Use this tokenizer.json instead of training a BPE of the config's `vocab` on the corpora.
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// Stop after this many steps in this call (the run resumes later).
+    #[arg(long)]
+    stop_after: Option<u64>,
+}
+
+/// The config file: the architecture (vocabulary from the tokenizer) and the run's settings.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RunFile {
+    d_model: usize,
+    n_layer: usize,
+    d_state: usize,
+    headdim: usize,
+    #[serde(default = "two")]
+    expand: usize,
+    #[serde(default = "one")]
+    n_groups: usize,
+    #[serde(default = "four")]
+    d_conv: usize,
+    /// Vocabulary of the BPE trained on the corpora (ignored with --tokenizer).
+    #[serde(default = "vocab")]
+    vocab: usize,
+    /// Share of documents held out for validation.
+    #[serde(default = "val_fraction")]
+    val_fraction: f64,
+    seq_len: usize,
+    batch: usize,
+    steps: u64,
+    warmup: u64,
+    lr: f64,
+    min_lr: f64,
+    #[serde(default = "clip")]
+    clip: f64,
+    #[serde(default)]
+    weight_decay: Option<f64>,
+    #[serde(default)]
+    seed: u64,
+    val_every: u64,
+    val_sequences: usize,
+    checkpoint_every: u64,
+    #[serde(default = "chunk")]
+    chunk: usize,
+}
+
+fn two() -> usize {
+    2
+}
+fn one() -> usize {
+    1
+}
+fn four() -> usize {
+    4
+}
+fn vocab() -> usize {
+    8192
+}
+fn val_fraction() -> f64 {
+    0.01
+}
+fn clip() -> f64 {
+    1.0
+}
+fn chunk() -> usize {
+    64
+}
+
+pub fn run(cmd: TrainCommand) -> Result<()> {
+    match cmd {
+        TrainCommand::Pretrain(a) => pretrain_cmd(a),
+    }
+}
+
+fn pretrain_cmd(a: PretrainArgs) -> Result<()> {
+    let text =
+        std::fs::read_to_string(&a.config).with_context(|| format!("reading --config {}", a.config.display()))?;
+    let f: RunFile = serde_json::from_str(&text).with_context(|| format!("--config {}", a.config.display()))?;
+    if f.d_model * f.expand % f.headdim != 0 || f.n_groups == 0 || (f.d_model * f.expand / f.headdim) % f.n_groups != 0
+    {
+        bail!("--config: d_model·expand must be a multiple of headdim, and the heads a multiple of n_groups");
+    }
+    if f.seq_len == 0 || f.batch == 0 || f.steps == 0 || f.val_every == 0 || f.checkpoint_every == 0 {
+        bail!("--config: seq_len, batch, steps, val_every and checkpoint_every must be at least 1");
+    }
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+
+    // Documents, in the order given.
+    let mut docs = Vec::new();
+    for spec in &a.corpus {
+        let d = read_corpus(spec)?;
+        let bytes: usize = d.iter().map(String::len).sum();
+        eprintln!("{spec}: {} documents, {:.1} MB", d.len(), bytes as f64 / 1e6);
+        docs.extend(d);
+    }
+
+    // Tokenizer: given, already trained by an earlier call, or trained now.
+    let tok_path = a.out.join("tokenizer.json");
+    if let Some(t) = &a.tokenizer {
+        std::fs::copy(t, &tok_path).with_context(|| format!("copying --tokenizer {}", t.display()))?;
+    } else if !tok_path.is_file() {
+        eprintln!("training a byte-level BPE of {} entries on {} documents…", f.vocab, docs.len());
+        let tok = picaso_train::bpe::train_bpe(&docs, f.vocab).map_err(anyhow::Error::msg)?;
+        tok.save(&tok_path, false).map_err(|e| anyhow::anyhow!("saving {}: {e}", tok_path.display()))?;
+    }
+    let tokenizer = picaso_model::TextTokenizer::from_file(&tok_path)?;
+    let eos = tokenizer.eos().context("the tokenizer has no end-of-text token (<|endoftext|>)")?;
+
+    // Token streams; every ⌈1/val_fraction⌉-th document is held out for validation.
+    let every = (1.0 / f.val_fraction.clamp(1e-6, 0.5)).round() as usize;
+    let encoded = tokenizer
+        .inner()
+        .encode_batch(docs.iter().map(String::as_str).collect::<Vec<_>>(), false)
+        .map_err(|e| anyhow::anyhow!("tokenizing the corpora: {e}"))?;
+    let mut data = TokenData { train: Vec::new(), val: Vec::new() };
+    for (i, e) in encoded.iter().enumerate() {
+        let stream = if i % every == every - 1 { &mut data.val } else { &mut data.train };
+        stream.extend_from_slice(e.get_ids());
+        stream.push(eos);
+    }
+    eprintln!("{} training tokens, {} validation tokens", data.train.len(), data.val.len());
+    if data.val.len() < f.seq_len + 1 {
+        bail!(
+            "the validation split has {} tokens, fewer than one sequence; raise val_fraction or add text",
+            data.val.len()
+        );
+    }
+
+    let vocab_size = tokenizer.vocab_size().div_ceil(8) * 8;
+    let model = Mamba2Config {
+        d_model: f.d_model,
+        n_layer: f.n_layer,
+        vocab_size,
+        d_state: f.d_state,
+        headdim: f.headdim,
+        nheads: f.d_model * f.expand / f.headdim,
+        expand: f.expand,
+        n_groups: f.n_groups,
+        d_conv: f.d_conv,
+        ..Mamba2Config::tiny(f.n_layer, f.d_conv)
+    };
+    let mut adamw = picaso_train::optim::AdamWConfig::default();
+    if let Some(wd) = f.weight_decay {
+        adamw.weight_decay = wd;
+    }
+    let config = PretrainConfig {
+        model,
+        seq_len: f.seq_len,
+        batch: f.batch,
+        steps: f.steps,
+        warmup: f.warmup,
+        lr: f.lr,
+        min_lr: f.min_lr,
+        clip: f.clip,
+        adamw,
+        seed: f.seed,
+        val_every: f.val_every,
+        val_sequences: f.val_sequences,
+        checkpoint_every: f.checkpoint_every,
+        chunk: f.chunk,
+    };
+    let n_params = picaso_train::pretrain::init_weights(&config.model, 0).n_params();
+    eprintln!("{} parameters ({:.1} MiB in f32)", n_params, n_params as f64 * 4.0 / 1048576.0);
+    let bar = indicatif::ProgressBar::new(config.steps);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:30} step {pos}/{len} · {msg} · ETA {eta}")
+            .expect("valid template"),
+    );
+    let history = pretrain(&config, &data, &a.out, a.stop_after, |p| {
+        bar.set_position(p.row.step);
+        let val = p.row.val_loss.map(|v| format!(" · val {v:.3}")).unwrap_or_default();
+        bar.set_message(format!("loss {:.3}{val} · {:.0} tokens/s", p.row.loss, p.tokens_per_s));
+    })?;
+    bar.finish();
+
+    // The loss curve as CSV, and the model as a loadable folder.
+    let csv_path = a.out.join("loss.csv");
+    let mut csv = std::fs::File::create(&csv_path).with_context(|| format!("writing {}", csv_path.display()))?;
+    writeln!(csv, "step,tokens,seconds,lr,grad_norm,train_loss,val_loss")?;
+    for r in &history {
+        let val = r.val_loss.map(|v| v.to_string()).unwrap_or_default();
+        writeln!(csv, "{},{},{:.3},{:e},{:.4},{:.6},{val}", r.step, r.tokens, r.seconds, r.lr, r.grad_norm, r.loss)?;
+    }
+    let ckpt = a.out.join("checkpoint");
+    let model_dir = a.out.join("model");
+    let weights = picaso_model::Mamba2Weights::load(&ckpt, &config.model)?;
+    weights.save_pretrained(&model_dir, &config.model)?;
+    std::fs::copy(&tok_path, model_dir.join("tokenizer.json"))?;
+    let last = history.last();
+    println!(
+        "{}",
+        serde_json::json!({
+            "step": last.map(|r| r.step), "steps": config.steps, "train_loss": last.map(|r| r.loss),
+            "val_loss": history.iter().rev().find_map(|r| r.val_loss), "seconds": last.map(|r| r.seconds),
+            "parameters": n_params, "model": model_dir, "loss_csv": csv_path,
+        })
+    );
+    Ok(())
+}
