@@ -107,9 +107,18 @@ fn pretrain_cmd(a: PretrainArgs) -> Result<()> {
     let text =
         std::fs::read_to_string(&a.config).with_context(|| format!("reading --config {}", a.config.display()))?;
     let f: RunFile = serde_json::from_str(&text).with_context(|| format!("--config {}", a.config.display()))?;
-    if f.d_model * f.expand % f.headdim != 0 || f.n_groups == 0 || (f.d_model * f.expand / f.headdim) % f.n_groups != 0
-    {
-        bail!("--config: d_model·expand must be a multiple of headdim, and the heads a multiple of n_groups");
+    let shape_ok = f.d_model > 0
+        && f.n_layer > 0
+        && f.d_state > 0
+        && f.headdim > 0
+        && f.n_groups > 0
+        && f.d_conv > 1
+        && (f.d_model * f.expand).is_multiple_of(f.headdim)
+        && (f.d_model * f.expand / f.headdim).is_multiple_of(f.n_groups);
+    if !shape_ok {
+        bail!(
+            "--config: sizes must be positive, d_conv at least 2, d_model·expand a multiple of headdim and the heads a multiple of n_groups"
+        );
     }
     if f.seq_len == 0 || f.batch == 0 || f.steps == 0 || f.val_every == 0 || f.checkpoint_every == 0 {
         bail!("--config: seq_len, batch, steps, val_every and checkpoint_every must be at least 1");
