@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 mod common;
-use common::{shared, text_model, write_docs};
+use common::{ok, shared, text_model, write_docs};
 
 /// A running `picaso serve`, killed on drop.
 struct Server {
@@ -93,12 +93,6 @@ impl Server {
     }
 }
 
-fn picaso_json(args: &[&str]) -> Value {
-    let out = Command::new(env!("CARGO_BIN_EXE_picaso")).args(args).output().unwrap();
-    assert!(out.status.success(), "picaso {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    serde_json::from_slice(&out.stdout).unwrap()
-}
-
 #[test]
 fn serve_completions_contexts_search_metrics_and_bad_input() {
     let (Some(model), Some(embedder)) = (text_model(1), shared("all-MiniLM-L6-v2")) else { return };
@@ -107,18 +101,7 @@ fn serve_completions_contexts_search_metrics_and_bad_input() {
     write_docs(&docs);
     let db = tmp.path().join("db");
     let (m, e, db_s) = (model.path().to_str().unwrap(), embedder.to_str().unwrap(), db.to_str().unwrap());
-    picaso_json(&[
-        "ingest",
-        "--db",
-        db_s,
-        "--model",
-        m,
-        "--embedder",
-        e,
-        "--text-dir",
-        docs.to_str().unwrap(),
-        "--json",
-    ]);
+    ok(&["ingest", "--db", db_s, "--model", m, "--embedder", e, "--text-dir", docs.to_str().unwrap(), "--json"]);
     let server = Server::start(&[
         "--db",
         db_s,
@@ -140,7 +123,7 @@ fn serve_completions_contexts_search_metrics_and_bad_input() {
     // A greedy completion over given contexts equals `picaso query` with the same ids.
     for method in ["picaso-r", "picaso-s", "caso", "soup", "concat", "naive"] {
         let v = server.complete(json!({"prompt": "The tower", "max_tokens": 6, "temperature": 0, "contexts": [3, 2], "composition": method}));
-        let q = picaso_json(&[
+        let q = ok(&[
             "query",
             "--db",
             db_s,

@@ -4,23 +4,9 @@
 use std::process::Command;
 
 use picaso_model::{compose, LoadOptions, Method, Model, State};
-use serde_json::Value;
 
 mod common;
-use common::{shared, text_model, write_docs};
-
-fn run(args: &[&str]) -> (bool, Value, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_picaso")).args(args).output().expect("picaso runs");
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(!stderr.contains("panicked"), "picaso {args:?} panicked: {stderr}");
-    (out.status.success(), serde_json::from_slice(&out.stdout).unwrap_or(Value::Null), stderr)
-}
-
-fn ok(args: &[&str]) -> Value {
-    let (success, v, stderr) = run(args);
-    assert!(success, "picaso {args:?} failed: {stderr}");
-    v
-}
+use common::{ok, run, shared, text_model, write_docs};
 
 #[test]
 fn ingest_stats_query_and_compose_through_the_store() {

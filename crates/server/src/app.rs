@@ -111,7 +111,7 @@ impl App {
         }
         model.tokenizer().map_err(|e| e.to_string())?;
         let metrics = Metrics::default();
-        metrics.contexts.set(store.ids().len() as i64);
+        metrics.contexts.set(store.len() as i64);
         Ok(Self {
             model,
             store,
@@ -369,7 +369,7 @@ impl App {
             // Another request stored the same (doc, segment) meanwhile.
             None => self.store.id_of(&doc, req.segment)?.ok_or_else(|| ApiError::internal("context vanished"))?,
         };
-        self.metrics.contexts.set(self.store.ids().len() as i64);
+        self.metrics.contexts.set(self.store.len() as i64);
         Ok(AddedContext { id, doc, segment: req.segment, n_tokens, created: true })
     }
 
@@ -377,7 +377,7 @@ impl App {
     pub(crate) fn delete_context(&self, id: i64) -> Result<(), ApiError> {
         self.store.delete(id)?;
         self.cache.remove(id);
-        self.metrics.contexts.set(self.store.ids().len() as i64);
+        self.metrics.contexts.set(self.store.len() as i64);
         Ok(())
     }
 

@@ -134,7 +134,7 @@ async fn health(State(app): Shared) -> Response {
         "status": "ok",
         "model": app.model_name,
         "fingerprint": app.model.fingerprint(),
-        "contexts": app.store.ids().len(),
+        "contexts": app.store.len(),
     }))
     .into_response()
 }

@@ -81,7 +81,7 @@ pub fn context_cost(model: &Model, dir: &Path, opts: &ContextCostOptions) -> Res
     let mut rng = rand::rngs::StdRng::seed_from_u64(0);
     let mut random_tokens = |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(0..vocab as u32)).collect() };
     let zero = model.zero_state();
-    let have = store.ids().len();
+    let have = store.len();
     for i in have..opts.max_k {
         let tokens = random_tokens(opts.context_tokens);
         let state = model.prefill(&tokens, &zero)?;
@@ -95,12 +95,12 @@ pub fn context_cost(model: &Model, dir: &Path, opts: &ContextCostOptions) -> Res
     let mut rows = Vec::new();
     for k in 1..=opts.max_k.min(ids.len()) {
         let ids = &ids[..k];
-        let mut tokens = Vec::new();
+        let (mut tokens, mut files) = (Vec::new(), Vec::new());
         for &id in ids {
-            tokens.extend(store.get(id)?.tokens);
+            let rec = store.get(id)?;
+            tokens.extend(rec.tokens);
+            files.push(dir.join(rec.state_file));
         }
-        let files: Vec<_> =
-            ids.iter().map(|&id| store.get(id).map(|r| dir.join(r.state_file))).collect::<Result<_>>()?;
         let method = ContextMethod::Compose(opts.method);
         let (mut concat, mut ttft_concat) = (Vec::new(), Vec::new());
         let (mut load_cold, mut load_warm, mut compose) = (Vec::new(), Vec::new(), Vec::new());

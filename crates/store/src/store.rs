@@ -427,6 +427,16 @@ impl Store {
         Ok(hits.into_iter().map(|(row, score)| (index.ids[row], score)).collect())
     }
 
+    /// Number of contexts (without copying the id list).
+    pub fn len(&self) -> usize {
+        self.index.read().unwrap_or_else(|p| p.into_inner()).ids.len()
+    }
+
+    /// Whether the store holds no context.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     /// Ids of all contexts, ascending.
     pub fn ids(&self) -> Vec<i64> {
         self.index.read().unwrap_or_else(|p| p.into_inner()).ids.clone()

@@ -3,8 +3,10 @@
 #![allow(dead_code)] // each test binary uses a subset
 
 use std::path::{Path, PathBuf};
+use std::process::Command;
 
 use picaso_model::{Mamba2Config, Mamba2Weights};
+use serde_json::Value;
 
 /// A path under `../shared/data`, or `None` (with a note) where the folder is absent.
 pub fn shared(rel: &str) -> Option<PathBuf> {
@@ -33,4 +35,19 @@ pub fn write_docs(dir: &Path) {
     std::fs::write(dir.join("eiffel.txt"), "The Eiffel Tower is in Paris.\n\nIt was finished in 1889.\n").unwrap();
     std::fs::write(dir.join("mamba.txt"), "Mamba is a state space model.\n").unwrap();
     std::fs::write(dir.join("cats.txt"), "Cats are small carnivorous mammals.\n").unwrap();
+}
+
+/// Runs `picaso` with `args`: (success, stdout as JSON or null, stderr). Never a panic.
+pub fn run(args: &[&str]) -> (bool, Value, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_picaso")).args(args).output().expect("picaso runs");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!stderr.contains("panicked"), "picaso {args:?} panicked: {stderr}");
+    (out.status.success(), serde_json::from_slice(&out.stdout).unwrap_or(Value::Null), stderr)
+}
+
+/// Runs `picaso` with `args`, which must succeed; its JSON output.
+pub fn ok(args: &[&str]) -> Value {
+    let (success, v, stderr) = run(args);
+    assert!(success, "picaso {args:?} failed: {stderr}");
+    v
 }
