@@ -11,6 +11,7 @@ use clap::{Args, Parser, Subcommand};
 use picaso_model::{compose, generate, GenerateOptions, LoadOptions, Method, Model, State, StateDtype};
 use serde_json::json;
 
+mod eval;
 mod serve;
 mod train;
 
@@ -56,6 +57,9 @@ enum Command {
     /// Train a model: pretraining (composition fine-tuning comes next).
     #[command(subcommand)]
     Train(train::TrainCommand),
+    /// Run an experiment (WikiText composition benchmark, context use) and write its report.
+    #[command(subcommand)]
+    Eval(eval::EvalCommand),
 }
 
 #[derive(Args)]
@@ -77,7 +81,8 @@ struct IngestArgs {
     /// A WikiText file (articles start at ` = Title = ` lines).
     #[arg(long, group = "source")]
     wikitext: Option<PathBuf>,
-    /// paragraph (one context per paragraph) or tokens:N.
+    /// paragraph (one context per paragraph), tokens:N, or halves[:MIN] (paragraphs of at least
+    /// MIN tokens, default 16, as two halves: segments 2p and 2p+1, the WikiText experiment).
     #[arg(long, default_value = "paragraph")]
     segment: picaso_store::Segmentation,
     /// Contexts per committed batch.
@@ -380,6 +385,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Serve(a) => serve::serve(a),
         Command::Load(a) => serve::load(a),
         Command::Train(c) => train::run(c),
+        Command::Eval(c) => eval::run(c),
     }
 }
 

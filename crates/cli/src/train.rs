@@ -206,10 +206,18 @@ fn pretrain_cmd(a: PretrainArgs) -> Result<()> {
         indicatif::ProgressStyle::with_template("{bar:30} step {pos}/{len} · {msg} · ETA {eta}")
             .expect("valid template"),
     );
+    // Without a terminal (a log file, CI) the bar is hidden: print a line every 25 steps.
+    let plain = bar.is_hidden();
     let history = pretrain(&config, &data, &a.out, a.stop_after, |p| {
         bar.set_position(p.row.step);
         let val = p.row.val_loss.map(|v| format!(" · val {v:.3}")).unwrap_or_default();
-        bar.set_message(format!("loss {:.3}{val} · {:.0} tokens/s", p.row.loss, p.tokens_per_s));
+        let msg = format!("loss {:.3}{val} · {:.0} tokens/s", p.row.loss, p.tokens_per_s);
+        if plain && (p.row.step % 25 == 0 || p.row.val_loss.is_some()) {
+            let left =
+                (p.total - p.row.step) as f64 * (config.batch * config.seq_len) as f64 / p.tokens_per_s.max(1e-9);
+            eprintln!("step {}/{} · {msg} · ETA {:.0} min", p.row.step, p.total, left / 60.0);
+        }
+        bar.set_message(msg);
     })?;
     bar.finish();
 
@@ -221,6 +229,7 @@ fn pretrain_cmd(a: PretrainArgs) -> Result<()> {
         let val = r.val_loss.map(|v| v.to_string()).unwrap_or_default();
         writeln!(csv, "{},{},{:.3},{:e},{:.4},{:.6},{val}", r.step, r.tokens, r.seconds, r.lr, r.grad_norm, r.loss)?;
     }
+    write_loss_png(&a.out.join("loss.png"), &history)?;
     let ckpt = a.out.join("checkpoint");
     let model_dir = a.out.join("model");
     let weights = picaso_model::Mamba2Weights::load(&ckpt, &config.model)?;
@@ -232,8 +241,28 @@ fn pretrain_cmd(a: PretrainArgs) -> Result<()> {
         serde_json::json!({
             "step": last.map(|r| r.step), "steps": config.steps, "train_loss": last.map(|r| r.loss),
             "val_loss": history.iter().rev().find_map(|r| r.val_loss), "seconds": last.map(|r| r.seconds),
-            "parameters": n_params, "model": model_dir, "loss_csv": csv_path,
+            "parameters": n_params, "model": model_dir, "loss_csv": csv_path, "loss_png": a.out.join("loss.png"),
         })
     );
     Ok(())
+}
+
+/// Training loss (mean over windows of 1% of the run) and validation loss against tokens seen.
+fn write_loss_png(path: &std::path::Path, history: &[picaso_train::pretrain::LogRow]) -> Result<()> {
+    use picaso_eval::plot::{line_chart, Chart, Series};
+    let window = (history.len() / 100).max(1);
+    let train: Vec<(f64, f64)> = history
+        .chunks(window)
+        .map(|c| {
+            let last = c.last().expect("chunks are non-empty");
+            (last.tokens as f64 / 1e6, c.iter().map(|r| r.loss).sum::<f64>() / c.len() as f64)
+        })
+        .collect();
+    let val: Vec<(f64, f64)> = history.iter().filter_map(|r| r.val_loss.map(|v| (r.tokens as f64 / 1e6, v))).collect();
+    let mut series = vec![Series { name: "train".into(), points: train }];
+    if !val.is_empty() {
+        series.push(Series { name: "validation".into(), points: val });
+    }
+    let chart = Chart { title: "Pretraining loss", x: "tokens (millions)", y: "loss (nats/token)", log_x: false };
+    line_chart(path, &chart, &series).with_context(|| format!("drawing {}", path.display()))
 }

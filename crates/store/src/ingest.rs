@@ -45,21 +45,35 @@ fn plan(store: &Store, model: &Model, docs: &[Document], segmentation: Segmentat
     let mut skipped = 0;
     for doc in docs {
         let have = store.segments_of(&doc.id)?;
-        let segments: Vec<(String, Vec<u32>)> = match segmentation {
+        let segments: Vec<(u32, String, Vec<u32>)> = match segmentation {
             Segmentation::Paragraph => doc
                 .paragraphs
                 .iter()
-                .map(|p| Ok((p.clone(), tokenizer.encode(p)?)))
+                .enumerate()
+                .map(|(i, p)| Ok((i as u32, p.clone(), tokenizer.encode(p)?)))
                 .collect::<std::result::Result<_, picaso_model::Error>>()?,
             Segmentation::Tokens(n) => {
                 let all = tokenizer.encode(&doc.paragraphs.join("\n"))?;
                 all.chunks(n)
-                    .map(|c| Ok((tokenizer.decode(c)?, c.to_vec())))
+                    .enumerate()
+                    .map(|(i, c)| Ok((i as u32, tokenizer.decode(c)?, c.to_vec())))
                     .collect::<std::result::Result<_, picaso_model::Error>>()?
             }
+            Segmentation::Halves(min) => {
+                let mut out = Vec::new();
+                for (p, text) in doc.paragraphs.iter().enumerate() {
+                    let tokens = tokenizer.encode(text)?;
+                    if tokens.len() < min {
+                        continue;
+                    }
+                    let (a, b) = tokens.split_at(tokens.len() / 2);
+                    out.push((2 * p as u32, tokenizer.decode(a)?, a.to_vec()));
+                    out.push((2 * p as u32 + 1, tokenizer.decode(b)?, b.to_vec()));
+                }
+                out
+            }
         };
-        for (seg, (text, tokens)) in segments.into_iter().enumerate() {
-            let seg = seg as u32;
+        for (seg, text, tokens) in segments {
             if have.contains(&seg) {
                 skipped += 1;
             } else if !tokens.is_empty() {

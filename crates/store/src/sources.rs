@@ -2,8 +2,10 @@
 //!
 //! Sources: a folder of `.txt` files (one document each), a JSON-lines file (`{"text": ..,
 //! "id": ..}` per line), or a WikiText file (articles start at ` = Title = ` lines).
-//! Segmentation: `paragraph` (blank-line separated blocks; for WikiText each line) or
-//! `tokens:N` (consecutive runs of N tokens of the whole document).
+//! Segmentation: `paragraph` (blank-line separated blocks; for WikiText each line),
+//! `tokens:N` (consecutive runs of N tokens of the whole document), or `halves[:MIN]` (each
+//! paragraph of at least MIN tokens cut into two halves of equal tokens: the query and
+//! continuation pairs of the paper's WikiText experiment).
 
 use std::path::{Path, PathBuf};
 
@@ -25,7 +27,13 @@ pub enum Segmentation {
     Paragraph,
     /// Runs of this many tokens.
     Tokens(usize),
+    /// Paragraph `p` of at least this many tokens → segments `2p` (first half) and `2p + 1`
+    /// (second half, the longer one when odd).
+    Halves(usize),
 }
+
+/// Shortest paragraph `halves` keeps by default (tokens).
+pub const HALVES_MIN_TOKENS: usize = 16;
 
 impl std::str::FromStr for Segmentation {
     type Err = String;
@@ -33,9 +41,19 @@ impl std::str::FromStr for Segmentation {
         if s == "paragraph" {
             return Ok(Self::Paragraph);
         }
-        match s.strip_prefix("tokens:").map(str::parse::<usize>) {
-            Some(Ok(n)) if n > 0 => Ok(Self::Tokens(n)),
-            _ => Err(format!("segmentation {s:?}: use `paragraph` or `tokens:N` with N > 0")),
+        if s == "halves" {
+            return Ok(Self::Halves(HALVES_MIN_TOKENS));
+        }
+        let bad = || format!("segmentation {s:?}: use `paragraph`, `tokens:N` or `halves:MIN` with N > 0 and MIN > 1");
+        if let Some(n) = s.strip_prefix("tokens:") {
+            return match n.parse::<usize>() {
+                Ok(n) if n > 0 => Ok(Self::Tokens(n)),
+                _ => Err(bad()),
+            };
+        }
+        match s.strip_prefix("halves:").map(str::parse::<usize>) {
+            Some(Ok(n)) if n > 1 => Ok(Self::Halves(n)),
+            _ => Err(bad()),
         }
     }
 }
@@ -166,6 +184,9 @@ mod tests {
         assert_eq!("paragraph".parse(), Ok(Segmentation::Paragraph));
         assert_eq!("tokens:64".parse(), Ok(Segmentation::Tokens(64)));
         assert!("tokens:0".parse::<Segmentation>().is_err());
+        assert_eq!("halves".parse(), Ok(Segmentation::Halves(HALVES_MIN_TOKENS)));
+        assert_eq!("halves:40".parse(), Ok(Segmentation::Halves(40)));
+        assert!("halves:1".parse::<Segmentation>().is_err());
         assert!("lines".parse::<Segmentation>().is_err());
     }
 }

@@ -359,6 +359,13 @@ impl Store {
         .ok_or(Error::NotFound(id))
     }
 
+    /// The (document, segment) of context `id` (without reading its text and tokens).
+    pub fn doc_seg(&self, id: i64) -> Result<(String, u32)> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare_cached("SELECT doc, seg FROM contexts WHERE id = ?1")?;
+        stmt.query_row([id], |r| Ok((r.get(0)?, r.get(1)?))).optional()?.ok_or(Error::NotFound(id))
+    }
+
     /// Maps context `id`'s state file and verifies its checksum; f32 tensors are then read in
     /// place (see [`MappedState`]).
     pub fn map_state(&self, id: i64) -> Result<MappedState> {
@@ -425,6 +432,13 @@ impl Store {
         let index = self.index.read().unwrap_or_else(|p| p.into_inner());
         let hits = index.flat.search(query, k)?;
         Ok(hits.into_iter().map(|(row, score)| (index.ids[row], score)).collect())
+    }
+
+    /// The stored (normalised) embedding of context `id`.
+    pub fn embedding(&self, id: i64) -> Result<Vec<f32>> {
+        let index = self.index.read().unwrap_or_else(|p| p.into_inner());
+        let row = index.ids.binary_search(&id).map_err(|_| Error::NotFound(id))?;
+        Ok(index.flat.vector(row).expect("index rows match ids").to_vec())
     }
 
     /// Number of contexts (without copying the id list).

@@ -8,9 +8,11 @@
 
 pub mod bpe;
 pub mod corpus;
+pub mod kernels;
 pub mod mamba;
 pub mod optim;
 pub mod pretrain;
+pub mod xent;
 
 pub use mamba::{TrainMamba2, TrainState};
 

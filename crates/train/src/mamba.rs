@@ -12,6 +12,7 @@
 use candle_core::{DType, Device, Tensor, Var, D};
 use picaso_model::{Mamba2Config, Mamba2Weights, State};
 
+use crate::kernels::{causal_conv, rms_norm};
 use crate::Result;
 
 /// One block's parameters.
@@ -231,7 +232,7 @@ impl TrainMamba2 {
             next.conv.push(conv);
             next.log_decay.push(ld);
         }
-        Ok((rmsnorm(&h, self.norm_f.as_tensor(), self.config.norm_eps)?, next))
+        Ok((rms_norm(&h, self.norm_f.as_tensor(), 1, self.config.norm_eps)?, next))
     }
 
     /// Next-token logits (B, T, vocab) and the final state.
@@ -243,14 +244,12 @@ impl TrainMamba2 {
         Ok((logits.reshape((b, t, ()))?, state))
     }
 
-    /// Mean cross-entropy of `targets` (B, T) under logits of `tokens` (B, T) from `init`;
-    /// positions whose target is `ignore` do not count.
-    pub fn loss(&self, tokens: &Tensor, targets: &Tensor, init: Option<&TrainState>) -> Result<(Tensor, TrainState)> {
+    /// Mean cross-entropy of `targets` (B·T, row-major) under the logits of `tokens` (B, T) from
+    /// `init`; positions whose target is [`crate::xent::IGNORE`] do not count.
+    pub fn loss(&self, tokens: &Tensor, targets: &[u32], init: Option<&TrainState>) -> Result<(Tensor, TrainState)> {
         let (logits, state) = self.forward(tokens, init)?;
         let v = logits.dim(D::Minus1)?;
-        let logp = candle_nn::ops::log_softmax(&logits.reshape(((), v))?, D::Minus1)?;
-        let picked = logp.gather(&targets.flatten_all()?.unsqueeze(1)?, 1)?.squeeze(1)?;
-        Ok((picked.mean_all()?.neg()?, state))
+        Ok((crate::xent::cross_entropy(&logits.reshape(((), v))?, targets)?, state))
     }
 
     #[allow(clippy::type_complexity)]
@@ -267,27 +266,23 @@ impl TrainMamba2 {
         let (di, cd, k, nh, p, n, g) =
             (c.d_inner(), c.conv_dim(), c.d_conv, c.nheads, c.headdim, c.d_state, c.n_groups);
 
-        let xn = rmsnorm(h, w.norm.as_tensor(), c.norm_eps)?;
-        let mut zxbcdt = xn.reshape((b * t, dm))?.matmul(&w.in_proj.as_tensor().t()?)?;
-        if let Some(bias) = &w.in_proj_bias {
-            zxbcdt = zxbcdt.broadcast_add(bias.as_tensor())?;
-        }
-        let zxbcdt = zxbcdt.reshape((b, t, ()))?;
-        let z = zxbcdt.narrow(2, 0, di)?;
-        let xbc_in = zxbcdt.narrow(2, di, cd)?;
-        let dt_raw = zxbcdt.narrow(2, di + cd, nh)?;
+        // in_proj as three products on row blocks of the weight: slicing the (small) weight is
+        // cheap in backward, slicing the (B, T, ·) activations is not.
+        let xn = rms_norm(h, w.norm.as_tensor(), 1, c.norm_eps)?.reshape((b * t, dm))?;
+        let project = |start: usize, len: usize| -> Result<Tensor> {
+            let mut out = xn.matmul(&w.in_proj.as_tensor().narrow(0, start, len)?.t()?)?;
+            if let Some(bias) = &w.in_proj_bias {
+                out = out.broadcast_add(&bias.as_tensor().narrow(0, start, len)?)?;
+            }
+            out.reshape((b, t, len))
+        };
+        let z = project(0, di)?;
+        let xbc_in = project(di, cd)?;
+        let dt_raw = project(di + cd, nh)?;
 
         // Causal depthwise conv over [tail; input] → (B, T, C), then SiLU.
         let seq = Tensor::cat(&[&conv0.transpose(1, 2)?, &xbc_in], 1)?; // (B, K-1+T, C)
-        let mut conv =
-            seq.narrow(1, 0, t)?.broadcast_mul(&w.conv_w.as_tensor().narrow(1, 0, 1)?.reshape((1, 1, cd))?)?;
-        for j in 1..k {
-            let tap = w.conv_w.as_tensor().narrow(1, j, 1)?.reshape((1, 1, cd))?;
-            conv = (conv + seq.narrow(1, j, t)?.broadcast_mul(&tap)?)?;
-        }
-        if let Some(bias) = &w.conv_b {
-            conv = conv.broadcast_add(&bias.as_tensor().reshape((1, 1, cd))?)?;
-        }
+        let conv = causal_conv(&seq, w.conv_w.as_tensor(), w.conv_b.as_ref().map(Var::as_tensor))?;
         let xbc = candle_nn::ops::silu(&conv)?;
         let conv_next = seq.narrow(1, t, k - 1)?.transpose(1, 2)?.contiguous()?; // (B, C, K-1)
 
@@ -314,45 +309,75 @@ impl TrainMamba2 {
         let bm = heads(xbc.narrow(2, di, g * n)?)?;
         let cm = heads(xbc.narrow(2, di + g * n, g * n)?)?;
 
-        // Chunked scan.
-        let mut s = ssm0.clone(); // (B, H, P, N)
-        let mut ys = Vec::new();
-        let mut start = 0;
-        while start < t {
-            let l = self.chunk.min(t - start);
-            let la_c = la.narrow(2, start, l)?; // (B, H, L)
-            let cum = la_c.cumsum(2)?;
-            let (x_c, b_c, c_c) = (xdt.narrow(2, start, l)?, bm.narrow(2, start, l)?, cm.narrow(2, start, l)?);
-            // decay[i, j] = exp(cum_i − cum_j) for j ≤ i, else 0 (−∞ before the exp keeps it finite).
-            let seg = cum.unsqueeze(3)?.broadcast_sub(&cum.unsqueeze(2)?)?;
-            let decay = seg.broadcast_add(&causal_mask(l, self.dtype, &self.device)?)?.exp()?; // (B, H, L, L)
-            let scores = c_c.matmul(&b_c.transpose(2, 3)?)?.mul(&decay)?; // (B, H, L, L)
-            let y_in = scores.matmul(&x_c)?; // (B, H, L, P)
-            let y_past = c_c.matmul(&s.transpose(2, 3)?)?.broadcast_mul(&cum.exp()?.unsqueeze(3)?)?;
-            ys.push((y_in + y_past)?);
-            let total = cum.narrow(2, l - 1, 1)?; // (B, H, 1)
-            let to_end = total.broadcast_sub(&cum)?.exp()?; // (B, H, L)
-            let added = x_c.broadcast_mul(&to_end.unsqueeze(3)?)?.transpose(2, 3)?.matmul(&b_c)?; // (B, H, P, N)
-            s = (s.broadcast_mul(&total.exp()?.unsqueeze(3)?)? + added)?;
-            start += l;
-        }
+        let (y, s) = self.scan(&la, &xdt, &bm, &cm, ssm0)?;
         let ld_next = (ld0 + la.sum(2)?)?;
-        let y = Tensor::cat(&ys, 2)?.transpose(1, 2)?; // (B, T, H, P)
+        let y = y.transpose(1, 2)?; // (B, T, H, P)
         let y = y.broadcast_add(&x.broadcast_mul(&w.d.as_tensor().reshape((1, 1, nh, 1))?)?)?;
 
         // Gated RMSNorm by groups, out_proj, residual.
         let v = y.reshape((b, t, di))?.mul(&candle_nn::ops::silu(&z)?)?;
-        let vg = v.reshape((b, t, g, di / g))?;
-        let ms = vg.sqr()?.mean_keepdim(D::Minus1)?;
-        let normed = vg
-            .broadcast_div(&(ms + c.gated_norm_eps)?.sqrt()?)?
-            .reshape((b, t, di))?
-            .broadcast_mul(&w.gated_norm.as_tensor().reshape((1, 1, di))?)?;
+        let normed = rms_norm(&v, w.gated_norm.as_tensor(), g, c.gated_norm_eps)?;
         let mut out = normed.reshape((b * t, di))?.matmul(&w.out_proj.as_tensor().t()?)?;
         if let Some(bias) = &w.out_proj_bias {
             out = out.broadcast_add(bias.as_tensor())?;
         }
         Ok(((h + out.reshape((b, t, dm))?)?, s, conv_next, ld_next))
+    }
+
+    /// The chunked scan, all chunks at once: log-decays `la` (B, H, T), inputs `xdt` (B, H, T, P),
+    /// `bm`, `cm` (B, H, T, N), initial state `s0` (B, H, P, N) → outputs (B, H, T, P) and the
+    /// final state. Within a chunk the outputs are a masked decay-weighted product; between
+    /// chunks a (chunks+1)² decay matrix carries the initial state and each chunk's
+    /// contribution forward. No per-chunk slicing: slices cost a full-size copy in backward.
+    fn scan(&self, la: &Tensor, xdt: &Tensor, bm: &Tensor, cm: &Tensor, s0: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (b, h, t, p) = xdt.dims4()?;
+        let n = bm.dim(3)?;
+        let l = self.chunk.min(t).max(1);
+        let nc = t.div_ceil(l);
+        let tp = nc * l;
+        // Zero padding is neutral: no input and no decay (exp(0) = 1) past the end.
+        let pad = |m: &Tensor| -> Result<Tensor> {
+            if tp == t {
+                return Ok(m.clone());
+            }
+            let mut shape = m.dims().to_vec();
+            shape[2] = tp - t;
+            Tensor::cat(&[m, &Tensor::zeros(shape, m.dtype(), m.device())?], 2)
+        };
+        // Batch and heads merge into one dimension (candle's matmul takes at most two batch dims).
+        let bh = b * h;
+        let la = pad(la)?.reshape((bh, nc, l))?;
+        let xdt = pad(xdt)?.reshape((bh, nc, l, p))?;
+        let bm = pad(bm)?.reshape((bh, nc, l, n))?;
+        let cm = pad(cm)?.reshape((bh, nc, l, n))?;
+
+        let cum = la.cumsum(2)?; // (BH, C, L)
+                                 // decay[i, j] = exp(cum_i − cum_j) for j ≤ i, else 0 (−∞ before the exp keeps it finite).
+        let seg = cum.unsqueeze(3)?.broadcast_sub(&cum.unsqueeze(2)?)?;
+        let decay = seg.broadcast_add(&causal_mask(l, self.dtype, &self.device)?)?.exp()?; // (BH, C, L, L)
+        let scores = cm.matmul(&bm.transpose(2, 3)?.contiguous()?)?.mul(&decay)?;
+        let y_in = scores.matmul(&xdt)?; // (BH, C, L, P)
+
+        // Each chunk's own contribution to the state at its end.
+        let total = cum.narrow(2, l - 1, 1)?; // (BH, C, 1)
+        let to_end = total.broadcast_sub(&cum)?.exp()?;
+        let own = xdt.broadcast_mul(&to_end.unsqueeze(3)?)?.transpose(2, 3)?.contiguous()?.matmul(&bm)?; // (BH, C, P, N)
+
+        // Items [s0, own_0, …, own_{C−1}] end at log-times E = [0, Σ≤0, …, Σ≤C−1]; the state after
+        // item i is Σ_{k≤i} exp(E_i − E_k)·item_k. Row c < C is the state entering chunk c.
+        let ends =
+            Tensor::cat(&[&Tensor::zeros((bh, 1), self.dtype, &self.device)?, &total.squeeze(2)?.cumsum(1)?], 1)?;
+        let between = ends.unsqueeze(2)?.broadcast_sub(&ends.unsqueeze(1)?)?;
+        let carry = between.broadcast_add(&causal_mask(nc + 1, self.dtype, &self.device)?)?.exp()?; // (BH, C+1, C+1)
+        let items = Tensor::cat(&[&s0.reshape((bh, 1, p * n))?, &own.reshape((bh, nc, p * n))?], 1)?;
+        let states = carry.matmul(&items)?; // (BH, C+1, P·N)
+        let entering = states.narrow(1, 0, nc)?.reshape((bh, nc, p, n))?;
+        let last = states.narrow(1, nc, 1)?.reshape((b, h, p, n))?;
+
+        let y_past = cm.matmul(&entering.transpose(2, 3)?.contiguous()?)?.broadcast_mul(&cum.exp()?.unsqueeze(3)?)?;
+        let y = (y_in + y_past)?.reshape((b, h, tp, p))?;
+        let y = if tp == t { y } else { y.narrow(2, 0, t)? };
+        Ok((y, last))
     }
 }
 
@@ -360,11 +385,6 @@ impl TrainMamba2 {
 fn causal_mask(l: usize, dtype: DType, device: &Device) -> Result<Tensor> {
     let v: Vec<f32> = (0..l * l).map(|i| if i % l <= i / l { 0.0 } else { f32::NEG_INFINITY }).collect();
     Tensor::from_vec(v, (l, l), device)?.to_dtype(dtype)
-}
-
-fn rmsnorm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
-    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
-    x.broadcast_div(&(ms + eps)?.sqrt()?)?.broadcast_mul(w)
 }
 
 /// softplus(x) = max(x, 0) + log(1 + e^−|x|), stable and differentiable everywhere.

@@ -137,7 +137,7 @@ pub fn init_weights(c: &Mamba2Config, seed: u64) -> Mamba2Weights {
 
 /// The (inputs, targets) of step `step`: `batch` windows of `seq_len + 1` tokens at offsets drawn
 /// from (seed, step).
-fn batch_at(tokens: &[u32], cfg: &PretrainConfig, step: u64, device: &Device) -> Result<(Tensor, Tensor)> {
+fn batch_at(tokens: &[u32], cfg: &PretrainConfig, step: u64, device: &Device) -> Result<(Tensor, Vec<u32>)> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(cfg.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ step);
     let span = tokens.len() - cfg.seq_len - 1;
     let (mut x, mut y) = (Vec::with_capacity(cfg.batch * cfg.seq_len), Vec::with_capacity(cfg.batch * cfg.seq_len));
@@ -146,7 +146,7 @@ fn batch_at(tokens: &[u32], cfg: &PretrainConfig, step: u64, device: &Device) ->
         x.extend_from_slice(&tokens[o..o + cfg.seq_len]);
         y.extend_from_slice(&tokens[o + 1..o + cfg.seq_len + 1]);
     }
-    Ok((Tensor::from_vec(x, (cfg.batch, cfg.seq_len), device)?, Tensor::from_vec(y, (cfg.batch, cfg.seq_len), device)?))
+    Ok((Tensor::from_vec(x, (cfg.batch, cfg.seq_len), device)?, y))
 }
 
 /// Mean validation loss over `val_sequences` consecutive windows of the validation stream.
@@ -164,8 +164,7 @@ pub fn validation_loss(net: &TrainMamba2, val: &[u32], seq_len: usize, n: usize,
             y.extend_from_slice(&val[o + 1..o + seq_len + 1]);
         }
         let dev = net.device();
-        let (loss, _) =
-            net.loss(&Tensor::from_vec(x, (b, seq_len), dev)?, &Tensor::from_vec(y, (b, seq_len), dev)?, None)?;
+        let (loss, _) = net.loss(&Tensor::from_vec(x, (b, seq_len), dev)?, &y, None)?;
         total += loss.to_dtype(DType::F64)?.to_scalar::<f64>()? * b as f64;
         count += b;
         i += b;

@@ -1,0 +1,46 @@
+//! # picaso-eval
+//!
+//! The experiments that tell a user how close composed states come to processing the
+//! contexts, and at what cost. [`methods`] turns retrieved contexts into the state a query
+//! continues from, for every method of the paper (Naive, Concat, PIConcat-R, Soup, CASO,
+//! PICASO-S, PICASO-R); [`wikitext`] runs the paper's WikiText experiment over a store of
+//! (query, continuation) halves; [`context_use`] checks that a model uses its context at all;
+//! [`report`] writes the results as JSON, CSV and Markdown.
+//!
+//! Design decision: experiments read their database from a [`picaso_store::Store`] — the
+//! same states the server composes — so what is measured is what is served.
+#![deny(missing_docs)]
+
+pub mod context_use;
+pub mod methods;
+pub mod plot;
+pub mod report;
+pub mod stats;
+pub mod wikitext;
+
+pub use methods::{start_state, Context, EvalMethod, Started};
+
+/// What can go wrong in an experiment.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The store (missing context, corrupt state, wrong model, …).
+    #[error(transparent)]
+    Store(#[from] picaso_store::Error),
+    /// The model (bad tokens, state mismatch, …).
+    #[error(transparent)]
+    Model(#[from] picaso_model::Error),
+    /// A bad request: the message says what and how to fix it.
+    #[error("{0}")]
+    Input(String),
+    /// Writing results.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+}
+
+/// Results of this crate.
+pub type Result<T> = std::result::Result<T, Error>;

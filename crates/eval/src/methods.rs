@@ -1,0 +1,210 @@
+//! The state a query continues from, given retrieved contexts, for each method of the paper.
+//!
+//! Contexts arrive most relevant first and are laid out so that the most relevant one is
+//! nearest the query (Concat's best order, and the order CASO composes in).
+
+use std::time::Instant;
+
+use picaso_model::{compose, Method, Model, State};
+
+use crate::{Error, Result};
+
+/// How the contexts reach the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum EvalMethod {
+    /// No context.
+    Naive,
+    /// The contexts' tokens processed in front of the query.
+    Concat,
+    /// Concat averaged over the n rotations of the order (states averaged).
+    PiConcatR,
+    /// The stored states composed.
+    Compose(Method),
+}
+
+impl EvalMethod {
+    /// Every method, baselines first.
+    pub const ALL: [EvalMethod; 7] = [
+        EvalMethod::Naive,
+        EvalMethod::Concat,
+        EvalMethod::PiConcatR,
+        EvalMethod::Compose(Method::Soup),
+        EvalMethod::Compose(Method::Caso),
+        EvalMethod::Compose(Method::PicasoS),
+        EvalMethod::Compose(Method::PicasoR),
+    ];
+
+    /// The name used in tables and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Naive => "naive",
+            Self::Concat => "concat",
+            Self::PiConcatR => "piconcat-r",
+            Self::Compose(m) => m.name(),
+        }
+    }
+}
+
+impl serde::Serialize for EvalMethod {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
+impl std::fmt::Display for EvalMethod {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for EvalMethod {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        Self::ALL.into_iter().find(|m| m.name() == s).ok_or_else(|| {
+            let names: Vec<&str> = Self::ALL.iter().map(|m| m.name()).collect();
+            format!("unknown method {s:?}: use one of {}", names.join(", "))
+        })
+    }
+}
+
+/// A retrieved context: its tokens and its stored state.
+#[derive(Debug, Clone, Copy)]
+pub struct Context<'a> {
+    /// Token ids.
+    pub tokens: &'a [u32],
+    /// The state after its tokens, from the zero state.
+    pub state: &'a State,
+}
+
+/// A state to continue from and what it cost to make.
+#[derive(Debug, Clone)]
+pub struct Started {
+    /// The state.
+    pub state: State,
+    /// Seconds spent composing or processing (state loading excluded).
+    pub seconds: f64,
+    /// Tokens the model processed to make it.
+    pub tokens_processed: usize,
+}
+
+/// The state `method` makes from `contexts` (most relevant first).
+pub fn start_state(model: &Model, method: EvalMethod, contexts: &[Context<'_>]) -> Result<Started> {
+    let n = contexts.len();
+    // Sequence order: least relevant first, the most relevant next to the query.
+    let order: Vec<usize> = (0..n).rev().collect();
+    if n == 0 || method == EvalMethod::Naive {
+        return Ok(Started { state: model.zero_state(), seconds: 0.0, tokens_processed: 0 });
+    }
+    let t0 = Instant::now();
+    let (state, tokens_processed) = match method {
+        EvalMethod::Naive => unreachable!("handled above"),
+        EvalMethod::Concat => {
+            let tokens: Vec<u32> = order.iter().flat_map(|&i| contexts[i].tokens.iter().copied()).collect();
+            (model.prefill(&tokens, &model.zero_state())?, tokens.len())
+        }
+        EvalMethod::PiConcatR => {
+            let mut states = Vec::with_capacity(n);
+            let mut processed = 0;
+            for r in 0..n {
+                let tokens: Vec<u32> =
+                    (0..n).flat_map(|j| contexts[order[(r + j) % n]].tokens.iter().copied()).collect();
+                processed += tokens.len();
+                states.push(model.prefill(&tokens, &model.zero_state())?);
+            }
+            (average(&states)?, processed)
+        }
+        EvalMethod::Compose(m) => {
+            let states: Vec<&State> = contexts.iter().map(|c| c.state).collect();
+            (compose(m, &states, Some(&order))?, 0)
+        }
+    };
+    Ok(Started { state, seconds: t0.elapsed().as_secs_f64(), tokens_processed })
+}
+
+/// The mean of states that cover the same tokens (SSM states and conv tails averaged; the
+/// log-decay, equal in all of them up to rounding, taken from the first).
+fn average(states: &[State]) -> Result<State> {
+    let first = states.first().ok_or_else(|| Error::Input("nothing to average".into()))?;
+    let mut out = first.clone();
+    let inv = 1.0 / states.len() as f32;
+    for (l, layer) in out.layers.iter_mut().enumerate() {
+        for (i, v) in layer.ssm.iter_mut().enumerate() {
+            *v = states.iter().map(|s| s.layers[l].ssm[i]).sum::<f32>() * inv;
+        }
+        for (i, v) in layer.conv.iter_mut().enumerate() {
+            *v = states.iter().map(|s| s.layers[l].conv[i]).sum::<f32>() * inv;
+        }
+    }
+    Ok(out)
+}
+
+/// Mean negative log-likelihood (nats/token) of `continuation` after `query` from `state`.
+pub fn continuation_nll(model: &Model, state: &State, query: &[u32], continuation: &[u32]) -> Result<f64> {
+    if continuation.is_empty() {
+        return Err(Error::Input("an empty continuation has no loss".into()));
+    }
+    let scored = model.score_continuation(query, continuation, state)?;
+    Ok(-scored.logprobs.iter().map(|&l| f64::from(l)).sum::<f64>() / scored.logprobs.len() as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use picaso_model::{Mamba2Config, Mamba2Weights};
+
+    use super::*;
+
+    fn model() -> Model {
+        let c = Mamba2Config::tiny(2, 4);
+        Model::from_weights(c.clone(), Mamba2Weights::random(&c, 3), None)
+    }
+
+    fn states(m: &Model, segs: &[Vec<u32>]) -> Vec<State> {
+        segs.iter().map(|s| m.prefill(s, &m.zero_state()).unwrap()).collect()
+    }
+
+    /// Concat puts the most relevant context last; one context makes every method but
+    /// naive the context's own state; PIConcat-R of one rotation is Concat.
+    #[test]
+    fn methods_follow_their_definitions() {
+        let m = model();
+        let segs = vec![vec![1, 2, 3], vec![4, 5], vec![6, 7, 8, 9]];
+        let st = states(&m, &segs);
+        let ctx: Vec<Context<'_>> = segs.iter().zip(&st).map(|(t, s)| Context { tokens: t, state: s }).collect();
+
+        let concat = start_state(&m, EvalMethod::Concat, &ctx).unwrap();
+        let want = m.prefill(&[6, 7, 8, 9, 4, 5, 1, 2, 3], &m.zero_state()).unwrap();
+        assert_eq!(concat.state.layers[1].ssm, want.layers[1].ssm);
+        assert_eq!(concat.tokens_processed, 9);
+
+        for method in EvalMethod::ALL.into_iter().skip(1) {
+            let one = start_state(&m, method, &ctx[..1]).unwrap();
+            let d = one.state.layers[0]
+                .ssm
+                .iter()
+                .zip(&st[0].layers[0].ssm)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(d < 1e-5, "{method} of one context differs from its state by {d}");
+        }
+        let naive = start_state(&m, EvalMethod::Naive, &ctx).unwrap();
+        assert!(naive.state.layers[0].ssm.iter().all(|&v| v == 0.0));
+
+        // PIConcat-R of three = the mean of the three rotations' concat states.
+        let pi = start_state(&m, EvalMethod::PiConcatR, &ctx).unwrap();
+        let rots = [vec![6, 7, 8, 9, 4, 5, 1, 2, 3], vec![4, 5, 1, 2, 3, 6, 7, 8, 9], vec![1, 2, 3, 6, 7, 8, 9, 4, 5]];
+        let rs: Vec<State> = rots.iter().map(|t| m.prefill(t, &m.zero_state()).unwrap()).collect();
+        for (i, v) in pi.state.layers[1].ssm.iter().enumerate() {
+            let mean = rs.iter().map(|s| s.layers[1].ssm[i]).sum::<f32>() / 3.0;
+            assert!((v - mean).abs() < 1e-5);
+        }
+        assert_eq!(pi.tokens_processed, 27);
+    }
+
+    #[test]
+    fn names_round_trip() {
+        for m in EvalMethod::ALL {
+            assert_eq!(m.name().parse::<EvalMethod>(), Ok(m));
+        }
+        assert!("concatenate".parse::<EvalMethod>().is_err());
+    }
+}

@@ -1,0 +1,29 @@
+//! Means with confidence intervals.
+
+/// Mean and the half-width of its 95% normal confidence interval (1.96 standard errors).
+pub fn mean_ci95(xs: &[f64]) -> (f64, f64) {
+    let n = xs.len() as f64;
+    if xs.is_empty() {
+        return (f64::NAN, f64::NAN);
+    }
+    let mean = xs.iter().sum::<f64>() / n;
+    if xs.len() < 2 {
+        return (mean, f64::NAN);
+    }
+    let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0);
+    (mean, 1.96 * (var / n).sqrt())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mean_and_interval() {
+        let (m, h) = mean_ci95(&[1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(m, 2.5);
+        // sd = √(5/3); se = sd/2.
+        assert!((h - 1.96 * (5.0f64 / 3.0).sqrt() / 2.0).abs() < 1e-12);
+        assert!(mean_ci95(&[]).0.is_nan());
+    }
+}

@@ -1,0 +1,186 @@
+//! The paper's WikiText experiment (Section 6): each passage is split into a query and a
+//! continuation of equal tokens; the k segments most similar to the query are retrieved from
+//! every other segment; each method turns them into a state, the query is processed from it,
+//! and the continuation's mean negative log-likelihood is the score.
+
+use std::collections::HashMap;
+
+use picaso_model::{Model, State};
+use picaso_store::{passages, retrieve, Passage, Store};
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+
+use crate::methods::{continuation_nll, start_state, Context, EvalMethod};
+use crate::stats::mean_ci95;
+use crate::{Error, Result};
+
+/// What to run.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Options {
+    /// Contexts retrieved: every k from 1 to this.
+    pub max_k: usize,
+    /// Methods to score (Naive is always scored: it is the reference).
+    pub methods: Vec<EvalMethod>,
+    /// Score this many passages drawn with `seed` (all if `None`).
+    pub sample: Option<usize>,
+    /// Seed of the sample.
+    pub seed: u64,
+}
+
+/// One (method, k) cell of the table.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Cell {
+    /// Method.
+    pub method: EvalMethod,
+    /// Contexts.
+    pub k: usize,
+    /// Mean continuation NLL (nats/token) over the passages.
+    pub loss: f64,
+    /// Half-width of its 95% confidence interval.
+    pub ci95: f64,
+    /// Relative improvement over Naive, percent (positive = lower loss).
+    pub improvement_pct: f64,
+    /// Mean milliseconds to make the state (composition or processing; loading excluded).
+    pub prepare_ms: f64,
+    /// Mean tokens processed to make the state.
+    pub tokens_processed: f64,
+}
+
+/// The experiment's results.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Report {
+    /// Options used.
+    pub options: Options,
+    /// Passages in the store.
+    pub passages_available: usize,
+    /// Passages scored.
+    pub passages: usize,
+    /// Mean tokens of a query and of a continuation.
+    pub mean_query_tokens: f64,
+    /// Mean tokens of a continuation.
+    pub mean_continuation_tokens: f64,
+    /// Naive loss (no context), with its interval.
+    pub naive_loss: f64,
+    /// Half-width of the naive loss's interval.
+    pub naive_ci95: f64,
+    /// One cell per (method, k).
+    pub cells: Vec<Cell>,
+}
+
+impl Report {
+    /// The cell of `method` at `k`.
+    pub fn cell(&self, method: EvalMethod, k: usize) -> Option<&Cell> {
+        self.cells.iter().find(|c| c.method == method && c.k == k)
+    }
+
+    /// Mean improvement over Naive (percent) of `method` across every k.
+    pub fn mean_improvement(&self, method: EvalMethod) -> Option<f64> {
+        let v: Vec<f64> = self.cells.iter().filter(|c| c.method == method).map(|c| c.improvement_pct).collect();
+        (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
+    }
+}
+
+/// Runs the experiment; `progress(done, total)` after each passage.
+pub fn run(model: &Model, store: &Store, options: &Options, mut progress: impl FnMut(usize, usize)) -> Result<Report> {
+    if store.info().fingerprint != model.fingerprint() {
+        return Err(Error::Input(format!(
+            "{}: the store holds states of model {}, not of the given model {}; ingest with this model",
+            store.dir().display(),
+            store.info().fingerprint,
+            model.fingerprint()
+        )));
+    }
+    if options.max_k == 0 {
+        return Err(Error::Input("max k must be at least 1".into()));
+    }
+    let all = passages(store)?;
+    let mut chosen: Vec<&Passage> = all.iter().collect();
+    if let Some(n) = options.sample {
+        if n == 0 {
+            return Err(Error::Input("a sample of 0 passages scores nothing".into()));
+        }
+        chosen.shuffle(&mut rand::rngs::StdRng::seed_from_u64(options.seed));
+        chosen.truncate(n);
+    }
+    let mut methods: Vec<EvalMethod> = options.methods.iter().copied().filter(|m| *m != EvalMethod::Naive).collect();
+    methods.dedup();
+
+    let mut naive = Vec::new();
+    let mut losses: HashMap<(EvalMethod, usize), Vec<f64>> = HashMap::new();
+    let mut costs: HashMap<(EvalMethod, usize), (f64, f64)> = HashMap::new();
+    let (mut q_tokens, mut c_tokens) = (0usize, 0usize);
+    let mut loaded: HashMap<i64, (Vec<u32>, State)> = HashMap::new();
+    for (done, passage) in chosen.iter().enumerate() {
+        let query = store.get(passage.query)?.tokens;
+        let continuation = store.get(passage.continuation)?.tokens;
+        q_tokens += query.len();
+        c_tokens += continuation.len();
+        naive.push(continuation_nll(model, &model.zero_state(), &query, &continuation)?);
+        let hits = retrieve(store, passage, options.max_k)?;
+        for (id, _) in &hits {
+            if !loaded.contains_key(id) {
+                loaded.insert(*id, (store.get(*id)?.tokens, store.load_state(*id)?));
+            }
+        }
+        let contexts: Vec<Context<'_>> = hits
+            .iter()
+            .map(|(id, _)| {
+                let (tokens, state) = &loaded[id];
+                Context { tokens, state }
+            })
+            .collect();
+        for k in 1..=options.max_k {
+            for &method in &methods {
+                let started = start_state(model, method, &contexts[..k])?;
+                let nll = continuation_nll(model, &started.state, &query, &continuation)?;
+                losses.entry((method, k)).or_default().push(nll);
+                let c = costs.entry((method, k)).or_default();
+                c.0 += started.seconds;
+                c.1 += started.tokens_processed as f64;
+            }
+        }
+        // States are reused across passages; keep memory bounded on big stores.
+        if loaded.len() > 20_000 {
+            loaded.clear();
+        }
+        progress(done + 1, chosen.len());
+    }
+
+    let n = chosen.len() as f64;
+    let (naive_loss, naive_ci95) = mean_ci95(&naive);
+    let mut cells = Vec::new();
+    for k in 1..=options.max_k {
+        cells.push(Cell {
+            method: EvalMethod::Naive,
+            k,
+            loss: naive_loss,
+            ci95: naive_ci95,
+            improvement_pct: 0.0,
+            prepare_ms: 0.0,
+            tokens_processed: 0.0,
+        });
+        for &method in &methods {
+            let (loss, ci95) = mean_ci95(&losses[&(method, k)]);
+            let (secs, toks) = costs[&(method, k)];
+            cells.push(Cell {
+                method,
+                k,
+                loss,
+                ci95,
+                improvement_pct: 100.0 * (naive_loss - loss) / naive_loss,
+                prepare_ms: 1e3 * secs / n,
+                tokens_processed: toks / n,
+            });
+        }
+    }
+    Ok(Report {
+        options: options.clone(),
+        passages_available: all.len(),
+        passages: chosen.len(),
+        mean_query_tokens: q_tokens as f64 / n,
+        mean_continuation_tokens: c_tokens as f64 / n,
+        naive_loss,
+        naive_ci95,
+        cells,
+    })
+}
