@@ -15,6 +15,72 @@ use serde::Deserialize;
 pub enum TrainCommand {
     /// Pretrain a Mamba-2 from text corpora (resumes OUT/checkpoint if present).
     Pretrain(PretrainArgs),
+    /// Fine-tune a model to use composed states (BPTC or BP2C) on a store of WikiText halves
+    /// (resumes OUT/checkpoint if present).
+    Compose(ComposeArgs),
+}
+
+#[derive(Args)]
+pub struct ComposeArgs {
+    /// bptc (backprop through the composition: context states recomputed with gradients) or
+    /// bp2c (stored states, stop-gradient: cheaper per step).
+    #[arg(long)]
+    objective: picaso_train::compose::Objective,
+    /// Store of training passages ingested with `--segment halves` by the starting model
+    /// (e.g. WikiText-2 validation; never the test split you evaluate on).
+    #[arg(long)]
+    db: PathBuf,
+    #[command(flatten)]
+    model: crate::ModelArgs,
+    /// The run's JSON config (see models/README.md).
+    #[arg(long)]
+    config: PathBuf,
+    /// Output folder: checkpoint/, finetune.csv, loss.png, model/.
+    #[arg(long)]
+    out: PathBuf,
+    /// Stop after this many steps in this call (the run resumes later).
+    #[arg(long)]
+    stop_after: Option<u64>,
+}
+
+/// The fine-tuning config file.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ComposeFile {
+    batch: usize,
+    steps: u64,
+    warmup: u64,
+    lr: f64,
+    min_lr: f64,
+    #[serde(default = "clip")]
+    clip: f64,
+    #[serde(default)]
+    weight_decay: Option<f64>,
+    /// k is drawn uniformly from 0..=max_k per batch.
+    #[serde(default = "ten")]
+    max_k: usize,
+    #[serde(default)]
+    seed: u64,
+    val_every: u64,
+    /// k of the validation loss.
+    #[serde(default = "five")]
+    val_k: usize,
+    /// Passages held out for validation (every n-th of the store).
+    #[serde(default = "val_passages")]
+    val_passages: usize,
+    checkpoint_every: u64,
+    #[serde(default = "chunk")]
+    chunk: usize,
+}
+
+fn ten() -> usize {
+    10
+}
+fn five() -> usize {
+    5
+}
+fn val_passages() -> usize {
+    64
 }
 
 #[derive(Args)]
@@ -100,6 +166,7 @@ fn chunk() -> usize {
 pub fn run(cmd: TrainCommand) -> Result<()> {
     match cmd {
         TrainCommand::Pretrain(a) => pretrain_cmd(a),
+        TrainCommand::Compose(a) => compose_cmd(a),
     }
 }
 
@@ -265,4 +332,151 @@ fn write_loss_png(path: &std::path::Path, history: &[picaso_train::pretrain::Log
     }
     let chart = Chart { title: "Pretraining loss", x: "tokens (millions)", y: "loss (nats/token)", log_x: false };
     line_chart(path, &chart, &series).with_context(|| format!("drawing {}", path.display()))
+}
+
+fn compose_cmd(a: ComposeArgs) -> Result<()> {
+    use picaso_train::compose::{finetune, ComposeConfig, ContextItem, Dataset, Example};
+    let text =
+        std::fs::read_to_string(&a.config).with_context(|| format!("reading --config {}", a.config.display()))?;
+    let f: ComposeFile = serde_json::from_str(&text).with_context(|| format!("--config {}", a.config.display()))?;
+    if f.batch == 0 || f.steps == 0 || f.val_every == 0 || f.checkpoint_every == 0 || f.chunk == 0 {
+        bail!("--config: batch, steps, val_every, checkpoint_every and chunk must be at least 1");
+    }
+    if f.val_k > f.max_k {
+        bail!("--config: val_k ({}) must not exceed max_k ({})", f.val_k, f.max_k);
+    }
+    let model = crate::load_model(&a.model, true)?;
+    let store = picaso_store::Store::open(&a.db)?;
+    if store.info().fingerprint != model.fingerprint() {
+        bail!(
+            "--db {}: its states were made by model {}, not by the model being fine-tuned ({}); ingest the passages with this model",
+            a.db.display(),
+            store.info().fingerprint,
+            model.fingerprint()
+        );
+    }
+
+    // Examples: every passage, its retrieved contexts; every n-th passage held out.
+    let passages = picaso_store::passages(&store)?;
+    let every = (passages.len() / f.val_passages.max(1)).max(2);
+    let mut slot: std::collections::HashMap<i64, usize> = std::collections::HashMap::new();
+    let mut data = Dataset { contexts: Vec::new(), train: Vec::new(), val: Vec::new() };
+    let bar = indicatif::ProgressBar::new(passages.len() as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} passages retrieved · ETA {eta}")
+            .expect("valid template"),
+    );
+    for (i, p) in passages.iter().enumerate() {
+        let mut contexts = Vec::with_capacity(f.max_k);
+        for (id, _) in picaso_store::retrieve(&store, p, f.max_k)? {
+            let next = data.contexts.len();
+            let at = *slot.entry(id).or_insert(next);
+            if at == next {
+                data.contexts.push(ContextItem { tokens: store.get(id)?.tokens, state: store.load_state(id)? });
+            }
+            contexts.push(at);
+        }
+        let example =
+            Example { contexts, query: store.get(p.query)?.tokens, continuation: store.get(p.continuation)?.tokens };
+        if i % every == every - 1 && data.val.len() < f.val_passages {
+            data.val.push(example)
+        } else {
+            data.train.push(example)
+        }
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    eprintln!(
+        "{} training and {} validation passages, {} distinct contexts",
+        data.train.len(),
+        data.val.len(),
+        data.contexts.len()
+    );
+
+    let mut adamw = picaso_train::optim::AdamWConfig::default();
+    if let Some(wd) = f.weight_decay {
+        adamw.weight_decay = wd;
+    }
+    let config = ComposeConfig {
+        model: model.config().clone(),
+        objective: a.objective,
+        batch: f.batch,
+        steps: f.steps,
+        warmup: f.warmup,
+        lr: f.lr,
+        min_lr: f.min_lr,
+        clip: f.clip,
+        adamw,
+        max_k: f.max_k,
+        seed: f.seed,
+        val_every: f.val_every,
+        val_k: f.val_k,
+        checkpoint_every: f.checkpoint_every,
+        chunk: f.chunk,
+    };
+    let weights = picaso_model::Mamba2Weights::load(model.dir(), model.config())?;
+    let bar = indicatif::ProgressBar::new(config.steps);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:30} step {pos}/{len} · {msg} · ETA {eta}")
+            .expect("valid template"),
+    );
+    let plain = bar.is_hidden();
+    let history = finetune(&config, &weights, &data, &a.out, a.stop_after, |r| {
+        bar.set_position(r.step);
+        let val = r.val_loss.map(|v| format!(" · val {v:.3}")).unwrap_or_default();
+        let msg = format!("k {} · loss {:.3}{val} · {:.2} s/step", r.k, r.loss, r.step_seconds);
+        if plain && (r.step % 10 == 0 || r.val_loss.is_some()) {
+            eprintln!("step {}/{} · {msg}", r.step, config.steps);
+        }
+        bar.set_message(msg);
+    })?;
+    bar.finish();
+
+    let csv_path = a.out.join("finetune.csv");
+    let mut csv = std::fs::File::create(&csv_path).with_context(|| format!("writing {}", csv_path.display()))?;
+    writeln!(csv, "step,k,seconds,step_seconds,lr,grad_norm,train_loss,val_loss")?;
+    for r in &history {
+        let val = r.val_loss.map(|v| v.to_string()).unwrap_or_default();
+        writeln!(
+            csv,
+            "{},{},{:.3},{:.4},{:e},{:.4},{:.6},{val}",
+            r.step, r.k, r.seconds, r.step_seconds, r.lr, r.grad_norm, r.loss
+        )?;
+    }
+    {
+        use picaso_eval::plot::{line_chart, Chart, Series};
+        let window = (history.len() / 50).max(1);
+        let train: Vec<(f64, f64)> = history
+            .chunks(window)
+            .map(|c| (c.last().expect("non-empty").step as f64, c.iter().map(|r| r.loss).sum::<f64>() / c.len() as f64))
+            .collect();
+        let val: Vec<(f64, f64)> = history.iter().filter_map(|r| r.val_loss.map(|v| (r.step as f64, v))).collect();
+        let mut series = vec![Series { name: "train (k drawn 0..max_k)".into(), points: train }];
+        if !val.is_empty() {
+            series.push(Series { name: format!("validation (PICASO-R, k = {})", config.val_k), points: val });
+        }
+        let title = format!("Composition fine-tuning ({:?})", config.objective);
+        let chart = Chart { title: &title, x: "step", y: "continuation loss (nats/token)", log_x: false };
+        line_chart(&a.out.join("loss.png"), &chart, &series)?;
+    }
+    let model_dir = a.out.join("model");
+    let w = picaso_model::Mamba2Weights::load(&a.out.join("checkpoint"), &config.model)?;
+    w.save_pretrained(&model_dir, &config.model)?;
+    let tok = model.dir().join("tokenizer.json");
+    if tok.is_file() {
+        std::fs::copy(&tok, model_dir.join("tokenizer.json"))?;
+    }
+    let steps: Vec<f64> = history.iter().map(|r| r.step_seconds).collect();
+    let mean_step = steps.iter().sum::<f64>() / steps.len().max(1) as f64;
+    println!(
+        "{}",
+        serde_json::json!({
+            "objective": config.objective, "step": history.last().map(|r| r.step), "steps": config.steps,
+            "val_loss": history.iter().rev().find_map(|r| r.val_loss),
+            "first_val_loss": history.iter().find_map(|r| r.val_loss),
+            "mean_step_seconds": mean_step, "seconds": history.last().map(|r| r.seconds),
+            "model": model_dir, "log_csv": csv_path,
+        })
+    );
+    Ok(())
 }

@@ -28,10 +28,13 @@ fn host(t: &Tensor) -> Result<Vec<f32>> {
     t.contiguous()?.flatten_all()?.to_vec1::<f32>()
 }
 
-/// Sums per-thread partial vectors computed over row blocks of `rows`.
+/// Sums `f` over `rows` in parallel: partial sums over fixed row blocks, added in block order,
+/// so the result depends neither on thread scheduling nor on the thread count (a resumed run
+/// must replay bit for bit, on any machine).
 fn par_row_sums(rows: usize, width: usize, f: impl Fn(usize, &mut [f64]) + Sync) -> Vec<f32> {
-    let block = rows.div_ceil(rayon::current_num_threads().max(1) * 4).max(1);
-    let sums = (0..rows.div_ceil(block))
+    const BLOCK: usize = 64; // fixed, so the result is the same on any number of threads
+    let block = BLOCK;
+    let partials: Vec<Vec<f64>> = (0..rows.div_ceil(block))
         .into_par_iter()
         .map(|i| {
             let mut acc = vec![0f64; width];
@@ -40,13 +43,11 @@ fn par_row_sums(rows: usize, width: usize, f: impl Fn(usize, &mut [f64]) + Sync)
             }
             acc
         })
-        .reduce(
-            || vec![0f64; width],
-            |mut a, b| {
-                a.iter_mut().zip(b).for_each(|(x, y)| *x += y);
-                a
-            },
-        );
+        .collect();
+    let mut sums = vec![0f64; width];
+    for p in partials {
+        sums.iter_mut().zip(p).for_each(|(x, y)| *x += y);
+    }
     sums.into_iter().map(|x| x as f32).collect()
 }
 

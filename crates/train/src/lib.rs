@@ -7,6 +7,7 @@
 #![deny(missing_docs)]
 
 pub mod bpe;
+pub mod compose;
 pub mod corpus;
 pub mod kernels;
 pub mod mamba;

@@ -213,6 +213,20 @@ impl TrainMamba2 {
     /// Runs `tokens` (B, T) from `init` (zeros if `None`): the final-normed hidden states
     /// (B, T, d_model) and the state after the last token.
     pub fn forward_hidden(&self, tokens: &Tensor, init: Option<&TrainState>) -> Result<(Tensor, TrainState)> {
+        self.forward_hidden_masked(tokens, init, None)
+    }
+
+    /// [`forward_hidden`](Self::forward_hidden) where positions whose `mask` (B, T) is 0 leave
+    /// the state untouched: their conv input and their dt are zeroed, so nothing is added and
+    /// nothing decays. With left padding from the zero state this gives each row exactly the
+    /// state of its own tokens (the conv tail of a row shorter than d_conv − 1 holds zeros, as
+    /// a fresh start does).
+    pub fn forward_hidden_masked(
+        &self,
+        tokens: &Tensor,
+        init: Option<&TrainState>,
+        mask: Option<&Tensor>,
+    ) -> Result<(Tensor, TrainState)> {
         let (b, _t) = tokens.dims2()?;
         let zeros;
         let init = match init {
@@ -226,13 +240,52 @@ impl TrainMamba2 {
             self.embedding.as_tensor().embedding(&tokens.flatten_all()?)?.reshape((b, (), self.config.d_model))?;
         let mut next = TrainState { ssm: Vec::new(), conv: Vec::new(), log_decay: Vec::new() };
         for (l, layer) in self.layers.iter().enumerate() {
-            let (out, ssm, conv, ld) = self.layer(layer, &h, &init.ssm[l], &init.conv[l], &init.log_decay[l])?;
+            let (out, ssm, conv, ld) = self.layer(layer, &h, &init.ssm[l], &init.conv[l], &init.log_decay[l], mask)?;
             h = out;
             next.ssm.push(ssm);
             next.conv.push(conv);
             next.log_decay.push(ld);
         }
         Ok((rms_norm(&h, self.norm_f.as_tensor(), 1, self.config.norm_eps)?, next))
+    }
+
+    /// The state after each token list, from the zero state, as one batch (row i = list i).
+    /// Lists are processed in groups of `group` similar lengths, left-padded and masked, so
+    /// padding costs little and changes nothing.
+    pub fn context_states(&self, lists: &[&[u32]], group: usize) -> Result<TrainState> {
+        if lists.is_empty() || lists.iter().any(|l| l.is_empty()) {
+            candle_core::bail!("context_states: every context needs at least one token");
+        }
+        let mut by_len: Vec<usize> = (0..lists.len()).collect();
+        by_len.sort_by_key(|&i| lists[i].len());
+        let mut parts: Vec<TrainState> = Vec::new();
+        for rows in by_len.chunks(group.max(1)) {
+            let t = rows.iter().map(|&i| lists[i].len()).max().expect("non-empty chunk");
+            let (mut toks, mut mask) = (Vec::with_capacity(rows.len() * t), Vec::with_capacity(rows.len() * t));
+            for &i in rows {
+                let pad = t - lists[i].len();
+                toks.extend(std::iter::repeat_n(0u32, pad).chain(lists[i].iter().copied()));
+                mask.extend(std::iter::repeat_n(0f32, pad).chain(std::iter::repeat_n(1f32, lists[i].len())));
+            }
+            let toks = Tensor::from_vec(toks, (rows.len(), t), &self.device)?;
+            let mask = Tensor::from_vec(mask, (rows.len(), t), &self.device)?;
+            parts.push(self.forward_hidden_masked(&toks, None, Some(&mask))?.1);
+        }
+        // Back to the callers' order.
+        let mut position = vec![0u32; lists.len()];
+        for (sorted, &i) in by_len.iter().enumerate() {
+            position[i] = sorted as u32;
+        }
+        let index = Tensor::from_vec(position, lists.len(), &self.device)?;
+        let gather = |get: &dyn Fn(&TrainState) -> &Vec<Tensor>| -> Result<Vec<Tensor>> {
+            (0..self.config.n_layer)
+                .map(|l| {
+                    let all: Vec<&Tensor> = parts.iter().map(|p| &get(p)[l]).collect();
+                    Tensor::cat(&all, 0)?.index_select(&index, 0)
+                })
+                .collect()
+        };
+        Ok(TrainState { ssm: gather(&|p| &p.ssm)?, conv: gather(&|p| &p.conv)?, log_decay: gather(&|p| &p.log_decay)? })
     }
 
     /// Next-token logits (B, T, vocab) and the final state.
@@ -260,6 +313,7 @@ impl TrainMamba2 {
         ssm0: &Tensor,
         conv0: &Tensor,
         ld0: &Tensor,
+        mask: Option<&Tensor>,
     ) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
         let c = &self.config;
         let (b, t, dm) = h.dims3()?;
@@ -277,8 +331,12 @@ impl TrainMamba2 {
             out.reshape((b, t, len))
         };
         let z = project(0, di)?;
-        let xbc_in = project(di, cd)?;
+        let mut xbc_in = project(di, cd)?;
         let dt_raw = project(di + cd, nh)?;
+        let mask = mask.map(|m| m.to_dtype(self.dtype)?.unsqueeze(2)).transpose()?; // (B, T, 1)
+        if let Some(m) = &mask {
+            xbc_in = xbc_in.broadcast_mul(m)?;
+        }
 
         // Causal depthwise conv over [tail; input] → (B, T, C), then SiLU.
         let seq = Tensor::cat(&[&conv0.transpose(1, 2)?, &xbc_in], 1)?; // (B, K-1+T, C)
@@ -291,6 +349,9 @@ impl TrainMamba2 {
         let mut dt = softplus(&dt_raw.broadcast_add(&w.dt_bias.as_tensor().reshape((1, 1, nh))?)?)?;
         if lo > 0.0 || hi.is_finite() {
             dt = dt.clamp(lo, hi)?;
+        }
+        if let Some(m) = &mask {
+            dt = dt.broadcast_mul(m)?;
         }
         let a = w.a_log.as_tensor().exp()?.neg()?; // (H)
         let la = dt.broadcast_mul(&a.reshape((1, 1, nh))?)?.transpose(1, 2)?.contiguous()?; // (B, H, T)

@@ -172,12 +172,12 @@ pub fn validation_loss(net: &TrainMamba2, val: &[u32], seq_len: usize, n: usize,
     Ok(total / count as f64)
 }
 
-fn io(e: impl std::fmt::Display, path: &Path) -> candle_core::Error {
+pub(crate) fn io(e: impl std::fmt::Display, path: &Path) -> candle_core::Error {
     candle_core::Error::Msg(format!("{}: {e}", path.display()))
 }
 
 /// Saves a checkpoint into `out/checkpoint` atomically (written aside, then renamed).
-fn save_checkpoint(out: &Path, net: &TrainMamba2, opt: &AdamW, state: &TrainerState) -> Result<()> {
+pub(crate) fn save_checkpoint(out: &Path, net: &TrainMamba2, opt: &AdamW, state: &impl serde::Serialize) -> Result<()> {
     let tmp = out.join("checkpoint.tmp");
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).map_err(|e| io(e, &tmp))?;

@@ -73,15 +73,19 @@ impl CustomOp1 for CrossEntropy {
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
         let vocab = layout.dims()[1];
         let logits = f32_rows(storage, layout)?;
-        let total: f64 = logits
+        // Per-row losses in parallel, summed in row order: deterministic.
+        let rows: Vec<f64> = logits
             .par_chunks(vocab)
             .zip(self.targets.par_iter())
-            .filter(|(_, &t)| t != IGNORE)
             .map(|(row, &t)| {
+                if t == IGNORE {
+                    return 0.0;
+                }
                 let (max, lse) = log_sum_exp(row);
                 f64::from(max + lse - row[t as usize])
             })
-            .sum();
+            .collect();
+        let total: f64 = rows.iter().sum();
         Ok((CpuStorage::F32(vec![(total / self.counted as f64) as f32]), Shape::from(1)))
     }
 

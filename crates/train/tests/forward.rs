@@ -177,16 +177,24 @@ fn a_resumed_run_equals_an_uninterrupted_one() {
     pretrain(&config, &data, &b, Some(3), |_| {}).unwrap();
     pretrain(&config, &data, &b, Some(2), |_| {}).unwrap();
     let resumed = pretrain(&config, &data, &b, None, |_| {}).unwrap();
-    let strip = |h: &[picaso_train::pretrain::LogRow]| {
-        h.iter().map(|r| (r.step, r.loss, r.val_loss, r.grad_norm)).collect::<Vec<_>>()
-    };
-    assert_eq!(strip(&full), strip(&resumed), "the loss history is the same");
+    // Equal up to float rounding: the CPU sums' association can depend on buffer alignment, so
+    // the last bits of a gradient norm may differ between two identical runs.
+    assert_eq!(full.len(), resumed.len());
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * a.abs().max(1.0);
+    for (x, y) in full.iter().zip(&resumed) {
+        assert!(x.step == y.step && close(x.loss, y.loss) && close(x.grad_norm, y.grad_norm), "{x:?} vs {y:?}");
+        assert_eq!(x.val_loss.is_some(), y.val_loss.is_some());
+        if let (Some(a), Some(b)) = (x.val_loss, y.val_loss) {
+            assert!(close(a, b), "step {}: {a} vs {b}", x.step);
+        }
+    }
     let wa = Mamba2Weights::load(&a.join("checkpoint"), &config.model).unwrap();
     let wb = Mamba2Weights::load(&b.join("checkpoint"), &config.model).unwrap();
-    assert!(
-        wa.embedding == wb.embedding
-            && wa.layers.iter().zip(&wb.layers).all(|(x, y)| x.in_proj == y.in_proj && x.a_log == y.a_log)
-    );
+    let diff = |p: &[f32], q: &[f32]| p.iter().zip(q).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+    assert!(diff(&wa.embedding, &wb.embedding) < 1e-6);
+    for (x, y) in wa.layers.iter().zip(&wb.layers) {
+        assert!(diff(&x.in_proj, &y.in_proj) < 1e-6 && diff(&x.a_log, &y.a_log) < 1e-6);
+    }
     assert!(full.last().unwrap().loss < full[0].loss, "it learns");
     let other = PretrainConfig { lr: 1e-3, ..config.clone() };
     let e = pretrain(&other, &data, &b, None, |_| {}).unwrap_err().to_string();

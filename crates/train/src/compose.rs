@@ -1,0 +1,333 @@
+//! Fine-tuning a model to use composed states (the paper's Section 5): the continuation of a
+//! query is scored from the PICASO-R composition of retrieved contexts' states, and the loss
+//! is backpropagated
+//!
+//! * **BPTC** (backpropagation through composition): the context states are recomputed by the
+//!   model being trained, so the gradient reaches the weights through the states and through
+//!   the composition weights (functions of the contexts' decays);
+//! * **BP2C** (backpropagation to composition): the stored states are used as constants
+//!   (stop-gradient); only the query and continuation are differentiated. Cheaper per step.
+//!
+//! Batches are a pure function of (seed, step), like pretraining, so a resumed run replays the
+//! uninterrupted one; k is drawn uniformly from 0..=max_k per batch.
+
+use std::path::Path;
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor};
+use picaso_model::{Mamba2Config, Mamba2Weights, State};
+use rand::{Rng, SeedableRng};
+
+use crate::mamba::{TrainMamba2, TrainState};
+use crate::optim::{lr_at, AdamW, AdamWConfig};
+use crate::pretrain::{io, save_checkpoint};
+use crate::xent::IGNORE;
+use crate::Result;
+
+/// Which gradient path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Objective {
+    /// Backpropagation through the composition (states recomputed with gradients).
+    Bptc,
+    /// Backpropagation to the composition (stored states, stop-gradient).
+    Bp2c,
+}
+
+impl std::str::FromStr for Objective {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "bptc" => Ok(Self::Bptc),
+            "bp2c" => Ok(Self::Bp2c),
+            _ => Err(format!("objective {s:?}: use bptc or bp2c")),
+        }
+    }
+}
+
+/// A retrieved context: its tokens (for BPTC) and its stored state (for BP2C).
+#[derive(Debug, Clone)]
+pub struct ContextItem {
+    /// Token ids.
+    pub tokens: Vec<u32>,
+    /// The stored state after them.
+    pub state: State,
+}
+
+/// One training example.
+#[derive(Debug, Clone)]
+pub struct Example {
+    /// Retrieved contexts, most relevant first (at least `max_k`).
+    pub contexts: Vec<usize>,
+    /// Query tokens.
+    pub query: Vec<u32>,
+    /// Continuation tokens (the loss is on these).
+    pub continuation: Vec<u32>,
+}
+
+/// Examples and the contexts they refer to.
+#[derive(Debug, Clone)]
+pub struct Dataset {
+    /// Contexts, indexed by [`Example::contexts`].
+    pub contexts: Vec<ContextItem>,
+    /// Training examples.
+    pub train: Vec<Example>,
+    /// Held-out examples for validation.
+    pub val: Vec<Example>,
+}
+
+/// Everything that defines a fine-tuning run (a resume must match it).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ComposeConfig {
+    /// The architecture (of the starting model).
+    pub model: Mamba2Config,
+    /// Gradient path.
+    pub objective: Objective,
+    /// Examples per step.
+    pub batch: usize,
+    /// Optimiser steps.
+    pub steps: u64,
+    /// Warmup steps.
+    pub warmup: u64,
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Final learning rate.
+    pub min_lr: f64,
+    /// Gradient clipping (global L2 norm).
+    pub clip: f64,
+    /// Optimiser settings.
+    pub adamw: AdamWConfig,
+    /// k is drawn uniformly from 0..=max_k per batch.
+    pub max_k: usize,
+    /// Seed of the batch order and of k.
+    pub seed: u64,
+    /// Validate every this many steps (and at the end).
+    pub val_every: u64,
+    /// k used for validation (PICASO-R).
+    pub val_k: usize,
+    /// Save a checkpoint every this many steps.
+    pub checkpoint_every: u64,
+    /// Chunk length of the scan.
+    pub chunk: usize,
+}
+
+/// One line of the fine-tuning log.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ComposeRow {
+    /// Step (1-based).
+    pub step: u64,
+    /// k of this step's batch.
+    pub k: usize,
+    /// Continuation loss of the batch (nats/token).
+    pub loss: f64,
+    /// Validation loss (PICASO-R at `val_k` of states the current model recomputes, as a
+    /// re-ingested store would hold), on validation steps.
+    pub val_loss: Option<f64>,
+    /// Learning rate.
+    pub lr: f64,
+    /// Gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Seconds this step took (forward, backward, update; validation excluded).
+    pub step_seconds: f64,
+    /// Wall seconds of training so far (over resumed parts).
+    pub seconds: f64,
+}
+
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct ComposeTrainer {
+    config: ComposeConfig,
+    step: u64,
+    history: Vec<ComposeRow>,
+}
+
+/// PICASO-R of `k` states per example. `states` holds `b·k` rows, example by example, each
+/// example's contexts in sequence order (the last is nearest the query). Per head, context `i`
+/// gets `w_i = (1/k) Σ_{m<k} exp(ℓ_{i+1} + … + ℓ_{i+m})` (indices mod k) — its CASO weight
+/// averaged over the k rotations — computed in f64 from cumulative log-decays, never dividing
+/// by products of decays. Conv tails are averaged, log-decays summed (as at inference).
+pub fn picaso_r(states: &TrainState, b: usize, k: usize) -> Result<TrainState> {
+    let mut out = TrainState { ssm: Vec::new(), conv: Vec::new(), log_decay: Vec::new() };
+    for l in 0..states.ssm.len() {
+        let (rows, h, p, n) = states.ssm[l].dims4()?;
+        if rows != b * k {
+            candle_core::bail!("picaso_r: {rows} states for {b} examples of {k}");
+        }
+        let dtype = states.ssm[l].dtype();
+        let ld = states.log_decay[l].reshape((b, k, h))?; // (B, k, H)
+        let ld64 = ld.to_dtype(DType::F64)?;
+        let c = Tensor::cat(&[&ld64, &ld64], 1)?.cumsum(1)?; // (B, 2k, H): c_j = ℓ_0 + … + ℓ_j
+        let base = c.narrow(1, 0, k)?;
+        let mut w = c.narrow(1, 0, k)?.zeros_like()?;
+        for m in 0..k {
+            w = (w + (c.narrow(1, m, k)? - &base)?.exp()?)?;
+        }
+        let w = (w / k as f64)?.to_dtype(dtype)?; // (B, k, H)
+                                                  // Σ_i w_i ⊙ x_i as one batched product: (B, H, 1, k) @ (B, H, k, P·N).
+        let x = states.ssm[l].reshape((b, k, h, p * n))?.transpose(1, 2)?.contiguous()?;
+        let wt = w.transpose(1, 2)?.contiguous()?.unsqueeze(2)?;
+        out.ssm.push(wt.matmul(&x)?.reshape((b, h, p, n))?);
+        let (_, cd, kt) = states.conv[l].dims3()?;
+        out.conv.push(states.conv[l].reshape((b, k, cd * kt))?.mean(1)?.reshape((b, cd, kt))?);
+        out.log_decay.push(ld.sum(1)?);
+    }
+    Ok(out)
+}
+
+/// Tokens (B, T) of query+continuation right-padded, and targets with only the continuation
+/// counted.
+fn query_batch(examples: &[&Example], device: &Device) -> Result<(Tensor, Vec<u32>)> {
+    let t = examples.iter().map(|e| e.query.len() + e.continuation.len() - 1).max().unwrap_or(1);
+    let (mut x, mut y) = (Vec::with_capacity(examples.len() * t), Vec::with_capacity(examples.len() * t));
+    for e in examples {
+        let all: Vec<u32> = e.query.iter().chain(&e.continuation).copied().collect();
+        let inputs = &all[..all.len() - 1];
+        for (i, &tok) in inputs.iter().enumerate() {
+            x.push(tok);
+            y.push(if i + 1 >= e.query.len() { all[i + 1] } else { IGNORE });
+        }
+        for _ in inputs.len()..t {
+            x.push(0);
+            y.push(IGNORE);
+        }
+    }
+    Ok((Tensor::from_vec(x, (examples.len(), t), device)?, y))
+}
+
+/// The composed starting states of `examples` at `k` under `objective`.
+fn composed(
+    net: &TrainMamba2,
+    data: &Dataset,
+    examples: &[&Example],
+    k: usize,
+    objective: Objective,
+) -> Result<Option<TrainState>> {
+    if k == 0 {
+        return Ok(None);
+    }
+    // Sequence order: the most relevant context last, nearest the query.
+    let ids: Vec<usize> = examples.iter().flat_map(|e| e.contexts[..k].iter().rev().copied()).collect();
+    let states = match objective {
+        Objective::Bptc => {
+            let lists: Vec<&[u32]> = ids.iter().map(|&i| data.contexts[i].tokens.as_slice()).collect();
+            net.context_states(&lists, 16)?
+        }
+        Objective::Bp2c => {
+            let refs: Vec<&State> = ids.iter().map(|&i| &data.contexts[i].state).collect();
+            TrainState::from_states(&refs, net.dtype(), net.device())?
+        }
+    };
+    Ok(Some(picaso_r(&states, examples.len(), k)?))
+}
+
+/// Mean continuation loss over `examples` at `k` (no gradient kept).
+pub fn eval_loss(
+    net: &TrainMamba2,
+    data: &Dataset,
+    examples: &[Example],
+    k: usize,
+    objective: Objective,
+) -> Result<f64> {
+    let mut total = 0.0;
+    let mut count = 0usize;
+    for chunk in examples.chunks(8) {
+        let refs: Vec<&Example> = chunk.iter().collect();
+        let init = composed(net, data, &refs, k, objective)?;
+        let (x, y) = query_batch(&refs, net.device())?;
+        let n = y.iter().filter(|&&t| t != IGNORE).count();
+        let (loss, _) = net.loss(&x, &y, init.as_ref())?;
+        total += loss.to_dtype(DType::F64)?.to_scalar::<f64>()? * n as f64;
+        count += n;
+    }
+    Ok(total / count.max(1) as f64)
+}
+
+/// (examples, k) of step `step`.
+fn batch_at<'a>(data: &'a Dataset, cfg: &ComposeConfig, step: u64) -> (Vec<&'a Example>, usize) {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(cfg.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ step);
+    let k = rng.random_range(0..=cfg.max_k);
+    let examples = (0..cfg.batch).map(|_| &data.train[rng.random_range(0..data.train.len())]).collect();
+    (examples, k)
+}
+
+/// Fine-tunes `weights` (or resumes `out/checkpoint`) until `config.steps` or `stop_after`
+/// steps in this call; `on_row` after each step. Returns the log.
+pub fn finetune(
+    config: &ComposeConfig,
+    weights: &Mamba2Weights,
+    data: &Dataset,
+    out: &Path,
+    stop_after: Option<u64>,
+    mut on_row: impl FnMut(&ComposeRow),
+) -> Result<Vec<ComposeRow>> {
+    let device = Device::Cpu;
+    if data.train.is_empty() {
+        candle_core::bail!("no training examples");
+    }
+    if let Some(e) = data.train.iter().chain(&data.val).find(|e| e.contexts.len() < config.max_k) {
+        candle_core::bail!("an example has {} contexts, fewer than max_k = {}", e.contexts.len(), config.max_k);
+    }
+    std::fs::create_dir_all(out).map_err(|e| io(e, out))?;
+    let ckpt = out.join("checkpoint");
+    let (net, mut opt, mut state) = if ckpt.join("trainer.json").is_file() {
+        let text = std::fs::read_to_string(ckpt.join("trainer.json")).map_err(|e| io(e, &ckpt))?;
+        let state: ComposeTrainer = serde_json::from_str(&text).map_err(|e| io(e, &ckpt))?;
+        if &state.config != config {
+            candle_core::bail!(
+                "{}: this checkpoint was made with another configuration; resume with the same one (see its trainer.json) or use a new --out",
+                ckpt.display()
+            );
+        }
+        let w = Mamba2Weights::load(&ckpt, &config.model).map_err(|e| io(e, &ckpt))?;
+        let net = TrainMamba2::from_weights(&config.model, &w, DType::F32, &device)?.with_chunk(config.chunk);
+        let mut opt = AdamW::new(net.vars(), config.adamw.clone())?;
+        opt.load(&ckpt.join("optimizer.safetensors"))?;
+        (net, opt, state)
+    } else {
+        let net = TrainMamba2::from_weights(&config.model, weights, DType::F32, &device)?.with_chunk(config.chunk);
+        let opt = AdamW::new(net.vars(), config.adamw.clone())?;
+        (net, opt, ComposeTrainer { config: config.clone(), step: 0, history: Vec::new() })
+    };
+    let started = Instant::now();
+    let seconds_before = state.history.last().map(|r| r.seconds).unwrap_or(0.0);
+    let mut ran = 0u64;
+    while state.step < config.steps && stop_after.is_none_or(|n| ran < n) {
+        let t0 = Instant::now();
+        let (examples, k) = batch_at(data, config, state.step);
+        let init = composed(&net, data, &examples, k, config.objective)?;
+        let (x, y) = query_batch(&examples, &device)?;
+        let (loss, _) = net.loss(&x, &y, init.as_ref())?;
+        let grads = loss.backward()?;
+        let grad_norm = opt.grad_norm(&grads)?;
+        let scale = if grad_norm > config.clip { config.clip / grad_norm } else { 1.0 };
+        let lr = lr_at(state.step, config.warmup, config.steps, config.lr, config.min_lr);
+        opt.step(&grads, lr, scale)?;
+        let step_seconds = t0.elapsed().as_secs_f64();
+        state.step += 1;
+        ran += 1;
+        let last = state.step == config.steps;
+        let val_loss = if !data.val.is_empty() && (state.step % config.val_every == 0 || last) {
+            Some(eval_loss(&net, data, &data.val, config.val_k, Objective::Bptc)?)
+        } else {
+            None
+        };
+        let row = ComposeRow {
+            step: state.step,
+            k,
+            loss: loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
+            val_loss,
+            lr,
+            grad_norm,
+            step_seconds,
+            seconds: seconds_before + started.elapsed().as_secs_f64(),
+        };
+        on_row(&row);
+        state.history.push(row);
+        if state.step % config.checkpoint_every == 0 || last {
+            save_checkpoint(out, &net, &opt, &state)?;
+        }
+    }
+    if ran > 0 && state.step % config.checkpoint_every != 0 && state.step != config.steps {
+        save_checkpoint(out, &net, &opt, &state)?;
+    }
+    Ok(state.history)
+}
