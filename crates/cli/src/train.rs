@@ -266,6 +266,18 @@ fn pretrain_cmd(a: PretrainArgs) -> Result<()> {
         checkpoint_every: f.checkpoint_every,
         chunk: f.chunk,
     };
+    let need = config.estimated_peak_bytes();
+    if let Some(avail) = available_memory_bytes() {
+        if need > avail {
+            bail!(
+                "--config: this run needs about {:.1} GiB of memory (batch·seq_len = {} tokens, vocab {}), but {:.1} GiB is available; lower batch or seq_len",
+                need as f64 / 1073741824.0,
+                config.batch * config.seq_len,
+                config.model.vocab_size,
+                avail as f64 / 1073741824.0
+            );
+        }
+    }
     let n_params = picaso_train::pretrain::init_weights(&config.model, 0).n_params();
     eprintln!("{} parameters ({:.1} MiB in f32)", n_params, n_params as f64 * 4.0 / 1048576.0);
     let bar = indicatif::ProgressBar::new(config.steps);
@@ -479,4 +491,12 @@ fn compose_cmd(a: ComposeArgs) -> Result<()> {
         })
     );
     Ok(())
+}
+
+/// MemAvailable from /proc/meminfo (Linux), if readable.
+fn available_memory_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }

@@ -40,6 +40,7 @@ fn pretrain_stops_resumes_and_writes_a_usable_model() {
     assert_eq!(v["step"], 12);
     let csv = std::fs::read_to_string(out.join("loss.csv")).unwrap();
     assert_eq!(csv.lines().count(), 13, "a header and one row per step");
+    assert_eq!(&std::fs::read(out.join("loss.png")).unwrap()[1..4], b"PNG");
     let model = out.join("model");
     let g =
         picaso(&["generate", "--model", model.to_str().unwrap(), "--prompt", "The cat", "--max-tokens", "4", "--json"]);
@@ -69,4 +70,13 @@ fn pretrain_stops_resumes_and_writes_a_usable_model() {
         "another configuration",
     );
     fails(&["train", "pretrain", "--corpus", "blob:x", "--config", cfg_s, "--out", out_s], "unknown corpus kind");
+    // A config that cannot fit in memory is refused before any work.
+    let huge = tmp.path().join("huge.json");
+    std::fs::write(&huge, std::fs::read_to_string(&cfg).unwrap().replace("\"batch\": 2", "\"batch\": 2000000"))
+        .unwrap();
+    let huge_out = tmp.path().join("huge");
+    fails(
+        &["train", "pretrain", "--corpus", &c, "--config", huge.to_str().unwrap(), "--out", huge_out.to_str().unwrap()],
+        "GiB of memory",
+    );
 }

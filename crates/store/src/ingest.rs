@@ -101,6 +101,7 @@ pub fn ingest(
             given: model.fingerprint().to_string(),
         });
     }
+    store.bind_segmentation(&segmentation.to_string())?;
     let start = Instant::now();
     let (pending, skipped) = plan(store, model, docs, segmentation)?;
     let mut progress = IngestProgress { total: pending.len(), skipped, ..Default::default() };

@@ -28,6 +28,16 @@ pub struct Passage {
 
 /// Every complete pair of the store, in ingest order.
 pub fn passages(store: &Store) -> Result<Vec<Passage>> {
+    match store.segmentation()? {
+        Some(s) if s.starts_with("halves") => {}
+        other => {
+            return Err(Error::Input(format!(
+                "{}: the store was ingested with --segment {}, not halves; ingest the text with --segment halves into a new store",
+                store.dir().display(),
+                other.as_deref().unwrap_or("(unrecorded)")
+            )))
+        }
+    }
     let mut halves: HashMap<(String, u32), [Option<i64>; 2]> = HashMap::new();
     let mut order = Vec::new();
     for id in store.ids() {

@@ -35,6 +35,16 @@ pub enum Segmentation {
 /// Shortest paragraph `halves` keeps by default (tokens).
 pub const HALVES_MIN_TOKENS: usize = 16;
 
+impl std::fmt::Display for Segmentation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Paragraph => f.write_str("paragraph"),
+            Self::Tokens(n) => write!(f, "tokens:{n}"),
+            Self::Halves(n) => write!(f, "halves:{n}"),
+        }
+    }
+}
+
 impl std::str::FromStr for Segmentation {
     type Err = String;
     fn from_str(s: &str) -> std::result::Result<Self, String> {
@@ -187,6 +197,9 @@ mod tests {
         assert_eq!("halves".parse(), Ok(Segmentation::Halves(HALVES_MIN_TOKENS)));
         assert_eq!("halves:40".parse(), Ok(Segmentation::Halves(40)));
         assert!("halves:1".parse::<Segmentation>().is_err());
+        for s in [Segmentation::Paragraph, Segmentation::Tokens(7), Segmentation::Halves(20)] {
+            assert_eq!(s.to_string().parse(), Ok(s));
+        }
         assert!("lines".parse::<Segmentation>().is_err());
     }
 }

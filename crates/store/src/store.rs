@@ -359,6 +359,33 @@ impl Store {
         .ok_or(Error::NotFound(id))
     }
 
+    /// How the store's documents were cut into contexts (`paragraph`, `tokens:N`, `halves:N`),
+    /// recorded by the first ingest; `None` for a store that predates the record.
+    pub fn segmentation(&self) -> Result<Option<String>> {
+        let conn = self.conn();
+        Ok(conn
+            .query_row("SELECT value FROM meta WHERE key = 'segmentation'", [], |r| r.get::<_, String>(0))
+            .optional()?)
+    }
+
+    /// Records `segmentation` on first use; refuses another one later, because a (document,
+    /// segment) pair means a different text under another segmentation and ingest would skip
+    /// it as already stored.
+    pub fn bind_segmentation(&self, segmentation: &str) -> Result<()> {
+        match self.segmentation()? {
+            Some(s) if s == segmentation => Ok(()),
+            Some(s) => Err(Error::Input(format!(
+                "store {} was ingested with --segment {s}; ingest with the same segmentation or into a new store",
+                self.dir.display()
+            ))),
+            None => {
+                let conn = self.conn();
+                conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('segmentation', ?1)", [segmentation])?;
+                Ok(())
+            }
+        }
+    }
+
     /// The (document, segment) of context `id` (without reading its text and tokens).
     pub fn doc_seg(&self, id: i64) -> Result<(String, u32)> {
         let conn = self.conn();

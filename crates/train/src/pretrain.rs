@@ -50,6 +50,24 @@ pub struct PretrainConfig {
     pub chunk: usize,
 }
 
+impl PretrainConfig {
+    /// A conservative estimate of the run's peak memory (bytes): parameters with their
+    /// gradients and AdamW moments, plus the activations a step keeps for backward — the
+    /// logits (batch·seq_len × vocab, three copies) and per layer the projections, conv,
+    /// scan decay blocks and norms. Calibrated on the bundled model's run (estimate 2.5× the
+    /// raw count: allocator slack and temporaries), whose peak was 2.4 GB.
+    pub fn estimated_peak_bytes(&self) -> u64 {
+        let c = &self.model;
+        let tokens = (self.batch * self.seq_len) as u64;
+        let per_layer =
+            3 * c.d_in_proj() + 8 * c.conv_dim() + 10 * c.d_inner() + 8 * c.d_model + 4 * c.nheads * self.chunk;
+        let per_token = 3 * c.vocab_size + c.n_layer * per_layer;
+        let params =
+            (c.vocab_size * c.d_model + c.n_layer * (c.d_in_proj() * c.d_model + c.d_inner() * c.d_model)) as u64;
+        (2.5 * 4.0 * (tokens * per_token as u64 + 4 * params) as f64) as u64
+    }
+}
+
 /// One line of the loss history.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct LogRow {

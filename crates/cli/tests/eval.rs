@@ -1,0 +1,175 @@
+//! `picaso eval` and `picaso train compose` end to end on a small WikiText-style file with a
+//! tiny random model: every method is scored, reports are written, fine-tuning runs with both
+//! objectives, and bad input (no store, wrong model, k too large, not a halves store, bad
+//! config) fails with a clear error.
+
+mod common;
+
+use common::{ok, run, shared, text_model};
+
+const ARTICLES: [(&str, [&str; 3]); 3] = [
+    (
+        "Tower",
+        [
+            "The tower was built in the city over two years by a team of engineers and many workers from the region .",
+            "It is made of iron and stands three hundred metres tall , which made it the tallest structure of its time .",
+            "Visitors climb its stairs or take the lifts to the top , where they can see the river and the old bridges .",
+        ],
+    ),
+    (
+        "River",
+        [
+            "The river rises in the mountains and flows north through forests , farms and several small towns to the sea .",
+            "Its water feeds the canals of the valley , and boats carried grain and timber along it for many centuries .",
+            "Floods in the spring often covered the low fields , so the farmers built walls of earth along both banks .",
+        ],
+    ),
+    (
+        "Bird",
+        [
+            "The bird lives in wet meadows and eats insects , seeds and small snails that it finds among the tall grass .",
+            "It builds a nest of reeds on the ground and lays three or four eggs , which both parents keep warm for weeks .",
+            "In the autumn the birds gather in large flocks and fly south to spend the winter on the warm coasts .",
+        ],
+    ),
+];
+
+fn wikitext(dir: &std::path::Path) -> std::path::PathBuf {
+    let mut text = String::new();
+    for (title, paras) in ARTICLES {
+        text.push_str(&format!(" \n = {title} = \n \n"));
+        for p in paras {
+            text.push_str(&format!(" {p} \n"));
+        }
+        text.push_str(" \n = = Notes = = \n \n short line \n");
+    }
+    let path = dir.join("wiki.tokens");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+#[test]
+fn eval_and_compose_finetuning_end_to_end() {
+    let (Some(model), Some(embedder)) = (text_model(3), shared("all-MiniLM-L6-v2")) else { return };
+    let other = text_model(4).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let data = wikitext(tmp.path());
+    let (m, e, d) = (model.path().to_str().unwrap(), embedder.to_str().unwrap(), data.to_str().unwrap());
+    let db = tmp.path().join("db");
+    let db_s = db.to_str().unwrap();
+    let out = tmp.path().join("wt");
+    let out_s = out.to_str().unwrap();
+
+    // The experiment ingests the halves, then scores every method for k = 1, 2.
+    ok(&["eval", "wikitext", "--db", db_s, "--data", d, "--embedder", e, "--model", m, "--out", out_s, "--max-k", "2"]);
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("results.json")).unwrap()).unwrap();
+    assert_eq!(r["report"]["passages"], 9, "nine paragraphs, the heading and the short line skipped");
+    assert_eq!(r["report"]["cells"].as_array().unwrap().len(), 14, "7 methods × 2 values of k");
+    for f in ["results.csv", "results.md", "loss_vs_k.png", "loss_vs_time.png"] {
+        assert!(out.join(f).is_file(), "{f} written");
+    }
+    let md = std::fs::read_to_string(out.join("results.md")).unwrap();
+    assert!(md.contains("| picaso-r |") && md.contains("Command: `"), "{md}");
+    // With one context every method but naive starts from the context's own state: equal loss.
+    let cells = r["report"]["cells"].as_array().unwrap();
+    let at = |method: &str, k: u64| {
+        cells.iter().find(|c| c["method"] == method && c["k"] == k).unwrap()["loss"].as_f64().unwrap()
+    };
+    for method in ["piconcat-r", "soup", "caso", "picaso-s", "picaso-r"] {
+        assert!((at(method, 1) - at("concat", 1)).abs() < 1e-4, "{method} at k=1");
+    }
+
+    ok(&["eval", "context-use", "--db", db_s, "--model", m, "--out", tmp.path().join("cu").to_str().unwrap()]);
+    let cu = std::fs::read_to_string(tmp.path().join("cu/results.md")).unwrap();
+    assert!(cu.contains("previous paragraph") && cu.contains("random paragraph"), "{cu}");
+
+    // Fine-tuning with both objectives; a loadable model comes out.
+    let cfg = tmp.path().join("ft.json");
+    std::fs::write(&cfg, r#"{"batch": 2, "steps": 3, "warmup": 1, "lr": 1e-3, "min_lr": 1e-4, "max_k": 2, "val_k": 1, "val_every": 3, "val_passages": 2, "checkpoint_every": 2}"#).unwrap();
+    let cfg_s = cfg.to_str().unwrap();
+    for objective in ["bptc", "bp2c"] {
+        let ft = tmp.path().join(objective);
+        let v = ok(&[
+            "train",
+            "compose",
+            "--objective",
+            objective,
+            "--db",
+            db_s,
+            "--model",
+            m,
+            "--config",
+            cfg_s,
+            "--out",
+            ft.to_str().unwrap(),
+        ]);
+        assert_eq!(v["step"], 3);
+        assert!(v["mean_step_seconds"].as_f64().unwrap() > 0.0);
+        assert!(ft.join("model/model.safetensors").is_file() && ft.join("loss.png").is_file());
+        ok(&["info", "--model", ft.join("model").to_str().unwrap(), "--json"]);
+    }
+
+    // Bad input.
+    let fails = |args: &[&str], needle: &str| {
+        let (success, _, stderr) = run(args);
+        assert!(!success && stderr.contains(needle), "{args:?}: {stderr}");
+    };
+    let o = other.path().to_str().unwrap();
+    fails(&["eval", "wikitext", "--db", db_s, "--model", o, "--out", out_s], "not of the given model");
+    fails(&["eval", "wikitext", "--db", db_s, "--model", m, "--out", out_s, "--max-k", "50"], "k = 50 contexts asked");
+    fails(&["eval", "wikitext", "--db", "/no/such/db", "--model", m, "--out", out_s], "no store there");
+    fails(
+        &["eval", "wikitext", "--db", db_s, "--model", m, "--out", out_s, "--methods", "concatenate"],
+        "unknown method",
+    );
+    fails(
+        &["train", "compose", "--objective", "bptc", "--db", db_s, "--model", o, "--config", cfg_s, "--out", out_s],
+        "ingest the passages with this model",
+    );
+    fails(
+        &["train", "compose", "--objective", "sgd", "--db", db_s, "--model", m, "--config", cfg_s, "--out", out_s],
+        "use bptc or bp2c",
+    );
+    let bad = tmp.path().join("bad.json");
+    std::fs::write(&bad, std::fs::read_to_string(&cfg).unwrap().replace("\"val_k\": 1", "\"val_k\": 5")).unwrap();
+    fails(
+        &[
+            "train",
+            "compose",
+            "--objective",
+            "bptc",
+            "--db",
+            db_s,
+            "--model",
+            m,
+            "--config",
+            bad.to_str().unwrap(),
+            "--out",
+            out_s,
+        ],
+        "must not exceed max_k",
+    );
+    // A store cut into paragraphs, not halves.
+    let docs = tmp.path().join("docs");
+    common::write_docs(&docs);
+    let pdb = tmp.path().join("pdb");
+    ok(&[
+        "ingest",
+        "--db",
+        pdb.to_str().unwrap(),
+        "--embedder",
+        e,
+        "--model",
+        m,
+        "--text-dir",
+        docs.to_str().unwrap(),
+        "--json",
+    ]);
+    fails(&["eval", "wikitext", "--db", pdb.to_str().unwrap(), "--model", m, "--out", out_s], "--segment halves");
+    // Mixing segmentations in one store is refused: (document, segment) would mean two texts.
+    fails(
+        &["ingest", "--db", db_s, "--embedder", e, "--model", m, "--wikitext", d, "--segment", "paragraph"],
+        "ingested with --segment halves",
+    );
+}
