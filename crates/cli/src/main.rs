@@ -11,6 +11,7 @@ use clap::{Args, Parser, Subcommand};
 use picaso_model::{compose, generate, GenerateOptions, LoadOptions, Method, Model, State, StateDtype};
 use serde_json::json;
 
+mod demo;
 mod eval;
 mod serve;
 mod train;
@@ -28,6 +29,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// The main job, end to end: ingest WikiText articles with the bundled model, answer
+    /// prompts with naive / concat / picaso-r, print loss and time to first token.
+    Demo(demo::DemoArgs),
     /// Print a model's config, parameter count and state size per context.
     Info(InfoArgs),
     /// Log-probabilities of a token sequence, optionally continuing from a saved state.
@@ -386,6 +390,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Load(a) => serve::load(a),
         Command::Train(c) => train::run(c),
         Command::Eval(c) => eval::run(c),
+        Command::Demo(a) => demo::run(a),
     }
 }
 
