@@ -57,6 +57,10 @@ pub struct WikitextArgs {
     sample: Option<usize>,
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Recompute the contexts' states with --model from the stored tokens (evaluate another
+    /// model, e.g. a fine-tuned one, on a store ingested once; retrieval is unchanged).
+    #[arg(long)]
+    restate: bool,
 }
 
 #[derive(Args)]
@@ -129,8 +133,13 @@ fn wikitext(a: WikitextArgs) -> Result<()> {
     let started = Instant::now();
     let model = crate::load_model(&a.model, true)?;
     let store = open_store(&a.data, &model)?;
-    let options =
-        picaso_eval::wikitext::Options { max_k: a.max_k, methods: a.methods.clone(), sample: a.sample, seed: a.seed };
+    let options = picaso_eval::wikitext::Options {
+        max_k: a.max_k,
+        methods: a.methods.clone(),
+        sample: a.sample,
+        seed: a.seed,
+        restate: a.restate,
+    };
     let bar = progress("passages");
     let r = picaso_eval::wikitext::run(&model, &store, &options, |done, total| {
         bar.set_length(total as u64);

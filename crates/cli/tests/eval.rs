@@ -117,6 +117,45 @@ fn eval_and_compose_finetuning_end_to_end() {
     };
     let o = other.path().to_str().unwrap();
     fails(&["eval", "wikitext", "--db", db_s, "--model", o, "--out", out_s], "not of the given model");
+    // ... unless the states are recomputed by that model: then it equals a store it ingested.
+    let restated = tmp.path().join("restated");
+    ok(&[
+        "eval",
+        "wikitext",
+        "--db",
+        db_s,
+        "--model",
+        o,
+        "--out",
+        restated.to_str().unwrap(),
+        "--max-k",
+        "2",
+        "--restate",
+    ]);
+    let db2 = tmp.path().join("db2");
+    let direct = tmp.path().join("direct");
+    ok(&[
+        "eval",
+        "wikitext",
+        "--db",
+        db2.to_str().unwrap(),
+        "--data",
+        d,
+        "--embedder",
+        e,
+        "--model",
+        o,
+        "--out",
+        direct.to_str().unwrap(),
+        "--max-k",
+        "2",
+    ]);
+    let cells = |dir: &std::path::Path| {
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("results.json")).unwrap()).unwrap();
+        v["report"]["cells"].as_array().unwrap().iter().map(|c| c["loss"].as_f64().unwrap()).collect::<Vec<_>>()
+    };
+    assert_eq!(cells(&restated), cells(&direct), "restated states equal ingested ones");
     fails(&["eval", "wikitext", "--db", db_s, "--model", m, "--out", out_s, "--max-k", "50"], "k = 50 contexts asked");
     fails(&["eval", "wikitext", "--db", "/no/such/db", "--model", m, "--out", out_s], "no store there");
     fails(

@@ -25,6 +25,10 @@ pub struct Options {
     pub sample: Option<usize>,
     /// Seed of the sample.
     pub seed: u64,
+    /// Recompute the contexts' states with the given model from their stored tokens instead of
+    /// reading the stored states (to evaluate another model, e.g. a fine-tuned one, on a store
+    /// ingested once: retrieval uses the stored embeddings, which do not depend on the model).
+    pub restate: bool,
 }
 
 /// One (method, k) cell of the table.
@@ -82,9 +86,9 @@ impl Report {
 
 /// Runs the experiment; `progress(done, total)` after each passage.
 pub fn run(model: &Model, store: &Store, options: &Options, mut progress: impl FnMut(usize, usize)) -> Result<Report> {
-    if store.info().fingerprint != model.fingerprint() {
+    if store.info().fingerprint != model.fingerprint() && !options.restate {
         return Err(Error::Input(format!(
-            "{}: the store holds states of model {}, not of the given model {}; ingest with this model",
+            "{}: the store holds states of model {}, not of the given model {}; ingest with this model, or pass --restate to recompute the states from the stored tokens",
             store.dir().display(),
             store.info().fingerprint,
             model.fingerprint()
@@ -119,7 +123,13 @@ pub fn run(model: &Model, store: &Store, options: &Options, mut progress: impl F
         let hits = retrieve(store, passage, options.max_k)?;
         for (id, _) in &hits {
             if !loaded.contains_key(id) {
-                loaded.insert(*id, (store.get(*id)?.tokens, store.load_state(*id)?));
+                let tokens = store.get(*id)?.tokens;
+                let state = if options.restate {
+                    model.prefill(&tokens, &model.zero_state())?
+                } else {
+                    store.load_state(*id)?
+                };
+                loaded.insert(*id, (tokens, state));
             }
         }
         let contexts: Vec<Context<'_>> = hits
