@@ -41,6 +41,11 @@ pub struct ComposeArgs {
     /// Stop after this many steps in this call (the run resumes later).
     #[arg(long)]
     stop_after: Option<u64>,
+    /// Recompute the contexts' states with --model from the stored tokens (a store ingested
+    /// by another model with the same tokenizer; retrieval uses the stored embeddings). The
+    /// result equals a store this model ingested.
+    #[arg(long)]
+    restate: bool,
 }
 
 /// The fine-tuning config file.
@@ -359,9 +364,9 @@ fn compose_cmd(a: ComposeArgs) -> Result<()> {
     }
     let model = crate::load_model(&a.model, true)?;
     let store = picaso_store::Store::open(&a.db)?;
-    if store.info().fingerprint != model.fingerprint() {
+    if store.info().fingerprint != model.fingerprint() && !a.restate {
         bail!(
-            "--db {}: its states were made by model {}, not by the model being fine-tuned ({}); ingest the passages with this model",
+            "--db {}: its states were made by model {}, not by the model being fine-tuned ({}); ingest the passages with this model, or pass --restate to recompute them",
             a.db.display(),
             store.info().fingerprint,
             model.fingerprint()
@@ -384,7 +389,10 @@ fn compose_cmd(a: ComposeArgs) -> Result<()> {
             let next = data.contexts.len();
             let at = *slot.entry(id).or_insert(next);
             if at == next {
-                data.contexts.push(ContextItem { tokens: store.get(id)?.tokens, state: store.load_state(id)? });
+                let tokens = store.get(id)?.tokens;
+                let state =
+                    if a.restate { model.prefill(&tokens, &model.zero_state())? } else { store.load_state(id)? };
+                data.contexts.push(ContextItem { tokens, state });
             }
             contexts.push(at);
         }

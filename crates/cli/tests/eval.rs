@@ -166,6 +166,23 @@ fn eval_and_compose_finetuning_end_to_end() {
         &["train", "compose", "--objective", "bptc", "--db", db_s, "--model", o, "--config", cfg_s, "--out", out_s],
         "ingest the passages with this model",
     );
+    let restated = tmp.path().join("ft-restated");
+    let v = ok(&[
+        "train",
+        "compose",
+        "--objective",
+        "bp2c",
+        "--db",
+        db_s,
+        "--model",
+        o,
+        "--config",
+        cfg_s,
+        "--out",
+        restated.to_str().unwrap(),
+        "--restate",
+    ]);
+    assert_eq!(v["step"], 3);
     fails(
         &["train", "compose", "--objective", "sgd", "--db", db_s, "--model", m, "--config", cfg_s, "--out", out_s],
         "use bptc or bp2c",
