@@ -331,24 +331,40 @@ fn pretrain_cmd(a: PretrainArgs) -> Result<()> {
     Ok(())
 }
 
+/// A loss chart: `rows` as (x, training loss, validation loss), the training loss averaged
+/// over `windows` equal runs of rows (single batches are noisy), validation points as they are.
+fn loss_chart(
+    path: &std::path::Path,
+    chart: &picaso_eval::plot::Chart<'_>,
+    names: [&str; 2],
+    rows: &[(f64, f64, Option<f64>)],
+    windows: usize,
+) -> Result<()> {
+    use picaso_eval::plot::{line_chart, Series};
+    let window = (rows.len() / windows).max(1);
+    let train: Vec<(f64, f64)> = rows
+        .chunks(window)
+        .map(|c| (c.last().expect("chunks are non-empty").0, c.iter().map(|r| r.1).sum::<f64>() / c.len() as f64))
+        .collect();
+    let val: Vec<(f64, f64)> = rows.iter().filter_map(|r| r.2.map(|v| (r.0, v))).collect();
+    let mut series = vec![Series { name: names[0].into(), points: train }];
+    if !val.is_empty() {
+        series.push(Series { name: names[1].into(), points: val });
+    }
+    line_chart(path, chart, &series).with_context(|| format!("drawing {}", path.display()))
+}
+
 /// Training loss (mean over windows of 1% of the run) and validation loss against tokens seen.
 fn write_loss_png(path: &std::path::Path, history: &[picaso_train::pretrain::LogRow]) -> Result<()> {
-    use picaso_eval::plot::{line_chart, Chart, Series};
-    let window = (history.len() / 100).max(1);
-    let train: Vec<(f64, f64)> = history
-        .chunks(window)
-        .map(|c| {
-            let last = c.last().expect("chunks are non-empty");
-            (last.tokens as f64 / 1e6, c.iter().map(|r| r.loss).sum::<f64>() / c.len() as f64)
-        })
-        .collect();
-    let val: Vec<(f64, f64)> = history.iter().filter_map(|r| r.val_loss.map(|v| (r.tokens as f64 / 1e6, v))).collect();
-    let mut series = vec![Series { name: "train".into(), points: train }];
-    if !val.is_empty() {
-        series.push(Series { name: "validation".into(), points: val });
-    }
-    let chart = Chart { title: "Pretraining loss", x: "tokens (millions)", y: "loss (nats/token)", log_x: false };
-    line_chart(path, &chart, &series).with_context(|| format!("drawing {}", path.display()))
+    let rows: Vec<(f64, f64, Option<f64>)> =
+        history.iter().map(|r| (r.tokens as f64 / 1e6, r.loss, r.val_loss)).collect();
+    let chart = picaso_eval::plot::Chart {
+        title: "Pretraining loss",
+        x: "tokens (millions)",
+        y: "loss (nats/token)",
+        log_x: false,
+    };
+    loss_chart(path, &chart, ["train", "validation"], &rows, 100)
 }
 
 fn compose_cmd(a: ComposeArgs) -> Result<()> {
@@ -463,22 +479,12 @@ fn compose_cmd(a: ComposeArgs) -> Result<()> {
             r.step, r.k, r.seconds, r.step_seconds, r.lr, r.grad_norm, r.loss
         )?;
     }
-    {
-        use picaso_eval::plot::{line_chart, Chart, Series};
-        let window = (history.len() / 50).max(1);
-        let train: Vec<(f64, f64)> = history
-            .chunks(window)
-            .map(|c| (c.last().expect("non-empty").step as f64, c.iter().map(|r| r.loss).sum::<f64>() / c.len() as f64))
-            .collect();
-        let val: Vec<(f64, f64)> = history.iter().filter_map(|r| r.val_loss.map(|v| (r.step as f64, v))).collect();
-        let mut series = vec![Series { name: "train (k drawn 0..max_k)".into(), points: train }];
-        if !val.is_empty() {
-            series.push(Series { name: format!("validation (PICASO-R, k = {})", config.val_k), points: val });
-        }
-        let title = format!("Composition fine-tuning ({:?})", config.objective);
-        let chart = Chart { title: &title, x: "step", y: "continuation loss (nats/token)", log_x: false };
-        line_chart(&a.out.join("loss.png"), &chart, &series)?;
-    }
+    let rows: Vec<(f64, f64, Option<f64>)> = history.iter().map(|r| (r.step as f64, r.loss, r.val_loss)).collect();
+    let title = format!("Composition fine-tuning ({:?})", config.objective);
+    let chart =
+        picaso_eval::plot::Chart { title: &title, x: "step", y: "continuation loss (nats/token)", log_x: false };
+    let val_name = format!("validation (PICASO-R, k = {})", config.val_k);
+    loss_chart(&a.out.join("loss.png"), &chart, ["train (k drawn 0..max_k)", &val_name], &rows, 50)?;
     let model_dir = a.out.join("model");
     let w = picaso_model::Mamba2Weights::load(&a.out.join("checkpoint"), &config.model)?;
     w.save_pretrained(&model_dir, &config.model)?;
