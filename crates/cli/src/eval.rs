@@ -14,6 +14,21 @@ use crate::ModelArgs;
 pub enum EvalCommand {
     /// The paper's WikiText experiment: continuation loss given k retrieved segments, per method.
     Wikitext(WikitextArgs),
+    /// The WikiText experiment with many more contexts (k up to 50, past the training length).
+    Scaling(ScalingArgs),
+    /// OpenBookQA: multiple-choice accuracy with k facts retrieved from the open book.
+    Openbookqa(OpenbookqaArgs),
+    /// Attribution on OpenBookQA: find each answer's gold fact among distractors, by
+    /// leave-one-in and leave-one-out.
+    Attribution(AttributionArgs),
+    /// Attribution on MS MARCO v2.1 (dev_v2.1.json): find the passages selected for the answer.
+    Msmarco(MsmarcoArgs),
+    /// How much the order of n contexts changes the loss, for Concat, CASO, PICASO-R, PICASO-S.
+    OrderSensitivity(OrderArgs),
+    /// Distance of each method's state and predictions to Concat's.
+    Fidelity(FidelityArgs),
+    /// WikiText and OpenBookQA for several models (zero-shot and fine-tuned) side by side.
+    Finetuned(FinetunedArgs),
     /// Does the model use context? Loss with the true previous paragraph vs none vs a random one.
     ContextUse(ContextUseArgs),
 }
@@ -49,9 +64,19 @@ pub struct WikitextArgs {
     /// Score k = 1..=MAX_K retrieved segments.
     #[arg(long, default_value_t = 10)]
     max_k: usize,
+    /// Score these k instead (comma-separated, ascending), e.g. 1,2,5,10.
+    #[arg(long, value_delimiter = ',', conflicts_with = "max_k")]
+    ks: Option<Vec<usize>>,
     /// Methods besides naive (comma-separated).
     #[arg(long, value_delimiter = ',', default_value = "concat,piconcat-r,soup,caso,picaso-s,picaso-r")]
     methods: Vec<EvalMethod>,
+    #[command(flatten)]
+    sampling: Sampling,
+}
+
+/// Which passages, and whether the states are recomputed.
+#[derive(Args, Clone)]
+pub struct Sampling {
     /// Score this many passages drawn with --seed (default: all).
     #[arg(long)]
     sample: Option<usize>,
@@ -61,6 +86,171 @@ pub struct WikitextArgs {
     /// model, e.g. a fine-tuned one, on a store ingested once; retrieval is unchanged).
     #[arg(long)]
     restate: bool,
+}
+
+#[derive(Args)]
+pub struct ScalingArgs {
+    #[command(flatten)]
+    data: DataArgs,
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Results folder.
+    #[arg(long)]
+    out: PathBuf,
+    /// Numbers of retrieved segments (comma-separated, ascending).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,5,10,20,30,40,50")]
+    ks: Vec<usize>,
+    /// Methods besides naive (PIConcat-R is left out by default: it processes k × k segments).
+    #[arg(long, value_delimiter = ',', default_value = "concat,soup,caso,picaso-s,picaso-r")]
+    methods: Vec<EvalMethod>,
+    #[command(flatten)]
+    sampling: Sampling,
+}
+
+/// The OpenBookQA release folder and the retriever.
+#[derive(Args)]
+pub struct ObqaData {
+    /// OpenBookQA's Data/Main folder (openbook.txt, test.jsonl; Additional/ beside or inside it
+    /// for the gold facts).
+    #[arg(long)]
+    data: PathBuf,
+    /// all-MiniLM-L6-v2 folder (retrieval of facts by similarity to the question).
+    #[arg(long)]
+    embedder: PathBuf,
+    /// Split: test or dev.
+    #[arg(long, default_value = "test")]
+    split: String,
+}
+
+#[derive(Args)]
+pub struct OpenbookqaArgs {
+    #[command(flatten)]
+    data: ObqaData,
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Results folder.
+    #[arg(long)]
+    out: PathBuf,
+    /// Numbers of retrieved facts (comma-separated, ascending).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,3,5,10")]
+    ks: Vec<usize>,
+    /// Methods besides naive.
+    #[arg(long, value_delimiter = ',', default_value = "concat,piconcat-r,soup,caso,picaso-s,picaso-r")]
+    methods: Vec<EvalMethod>,
+    /// Score this many questions drawn with --seed (default: all).
+    #[arg(long)]
+    sample: Option<usize>,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+#[derive(Args)]
+pub struct AttributionArgs {
+    #[command(flatten)]
+    data: ObqaData,
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Results folder.
+    #[arg(long)]
+    out: PathBuf,
+    /// Distractors per question, drawn uniformly from MIN-MAX.
+    #[arg(long, default_value = "4-9")]
+    distractors: String,
+    /// Leave-one-out methods.
+    #[arg(long, value_delimiter = ',', default_value = "concat,soup,caso,picaso-r,picaso-s")]
+    methods: Vec<EvalMethod>,
+    /// Score this many questions drawn with --seed (default: all).
+    #[arg(long)]
+    sample: Option<usize>,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+#[derive(Args)]
+pub struct MsmarcoArgs {
+    /// MS MARCO v2.1 JSON (dev_v2.1.json from https://microsoft.github.io/msmarco/).
+    #[arg(long)]
+    data: PathBuf,
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Results folder.
+    #[arg(long)]
+    out: PathBuf,
+    /// Leave-one-out methods.
+    #[arg(long, value_delimiter = ',', default_value = "concat,soup,caso,picaso-r,picaso-s")]
+    methods: Vec<EvalMethod>,
+    /// Score this many queries drawn with --seed (default: all).
+    #[arg(long)]
+    sample: Option<usize>,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+#[derive(Args)]
+pub struct OrderArgs {
+    #[command(flatten)]
+    data: DataArgs,
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Results folder.
+    #[arg(long)]
+    out: PathBuf,
+    /// Numbers of contexts (comma-separated, each at least 2).
+    #[arg(long, value_delimiter = ',', default_value = "2,3,4,5,6")]
+    ns: Vec<usize>,
+    /// Orders per passage and n (all n! when fewer).
+    #[arg(long, default_value_t = 10)]
+    orders: usize,
+    #[command(flatten)]
+    sampling: Sampling,
+}
+
+#[derive(Args)]
+pub struct FidelityArgs {
+    #[command(flatten)]
+    data: DataArgs,
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Results folder.
+    #[arg(long)]
+    out: PathBuf,
+    /// Numbers of retrieved segments (comma-separated, ascending).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,5,10")]
+    ks: Vec<usize>,
+    /// Methods compared with Concat.
+    #[arg(long, value_delimiter = ',', default_value = "naive,piconcat-r,soup,caso,picaso-s,picaso-r")]
+    methods: Vec<EvalMethod>,
+    #[command(flatten)]
+    sampling: Sampling,
+}
+
+#[derive(Args)]
+pub struct FinetunedArgs {
+    #[command(flatten)]
+    data: DataArgs,
+    /// OpenBookQA's Data/Main folder.
+    #[arg(long)]
+    obqa: PathBuf,
+    /// Models to compare: NAME=DIR, comma-separated (e.g. zero-shot=models/picaso-mamba2,bptc=runs/bptc/model).
+    #[arg(long, value_delimiter = ',', required = true)]
+    models: Vec<String>,
+    /// Results folder (one sub-folder per model and experiment, and the comparison).
+    #[arg(long)]
+    out: PathBuf,
+    /// WikiText: k = 1..=MAX_K.
+    #[arg(long, default_value_t = 10)]
+    max_k: usize,
+    /// OpenBookQA: numbers of retrieved facts.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,3,5,10")]
+    obqa_ks: Vec<usize>,
+    /// Methods besides naive.
+    #[arg(long, value_delimiter = ',', default_value = "concat,soup,caso,picaso-s,picaso-r")]
+    methods: Vec<EvalMethod>,
+    /// WikiText passages to score (drawn with --seed); OpenBookQA scores all 500 questions.
+    #[arg(long)]
+    sample: Option<usize>,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
 }
 
 #[derive(Args)]
@@ -82,6 +272,13 @@ pub struct ContextUseArgs {
 pub fn run(cmd: EvalCommand) -> Result<()> {
     match cmd {
         EvalCommand::Wikitext(a) => wikitext(a),
+        EvalCommand::Scaling(a) => scaling(a),
+        EvalCommand::Openbookqa(a) => openbookqa(a),
+        EvalCommand::Attribution(a) => attribution(a),
+        EvalCommand::Msmarco(a) => msmarco(a),
+        EvalCommand::OrderSensitivity(a) => order(a),
+        EvalCommand::Fidelity(a) => fidelity(a),
+        EvalCommand::Finetuned(a) => finetuned(a),
         EvalCommand::ContextUse(a) => context_use(a),
     }
 }
@@ -129,26 +326,198 @@ fn progress(what: &str) -> indicatif::ProgressBar {
     bar
 }
 
+/// Runs an experiment with a progress bar over its items.
+fn with_progress<T>(what: &str, f: impl FnOnce(&mut dyn FnMut(usize, usize)) -> T) -> T {
+    let bar = progress(what);
+    let out = f(&mut |done, total| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+    });
+    bar.finish_and_clear();
+    out
+}
+
+fn print_results(out: &std::path::Path) -> Result<()> {
+    print!("{}", std::fs::read_to_string(out.join("results.md"))?);
+    Ok(())
+}
+
+fn run_wikitext(
+    model: &picaso_model::Model,
+    store: &picaso_store::Store,
+    ks: Vec<usize>,
+    methods: &[EvalMethod],
+    s: &Sampling,
+) -> Result<picaso_eval::wikitext::Report> {
+    let options = picaso_eval::wikitext::Options {
+        ks,
+        methods: methods.to_vec(),
+        sample: s.sample,
+        seed: s.seed,
+        restate: s.restate,
+    };
+    Ok(with_progress("passages", |p| picaso_eval::wikitext::run(model, store, &options, p))?)
+}
+
 fn wikitext(a: WikitextArgs) -> Result<()> {
     let started = Instant::now();
     let model = crate::load_model(&a.model, true)?;
     let store = open_store(&a.data, &model)?;
-    let options = picaso_eval::wikitext::Options {
-        max_k: a.max_k,
-        methods: a.methods.clone(),
+    let ks = a.ks.clone().unwrap_or_else(|| (1..=a.max_k).collect());
+    let r = run_wikitext(&model, &store, ks, &a.methods, &a.sampling)?;
+    report::write_wikitext(&a.out, &r, &report::RunInfo::collect(started))?;
+    print_results(&a.out)
+}
+
+fn scaling(a: ScalingArgs) -> Result<()> {
+    let started = Instant::now();
+    let model = crate::load_model(&a.model, true)?;
+    let store = open_store(&a.data, &model)?;
+    let r = run_wikitext(&model, &store, a.ks.clone(), &a.methods, &a.sampling)?;
+    report::write_wikitext(&a.out, &r, &report::RunInfo::collect(started))?;
+    print_results(&a.out)
+}
+
+/// Loads OpenBookQA, builds the open book's states and embeds the questions.
+fn obqa_prepare(
+    d: &ObqaData,
+    model: &picaso_model::Model,
+) -> Result<(picaso_eval::openbookqa::FactBase, picaso_eval::openbookqa::Prepared)> {
+    use picaso_eval::openbookqa;
+    let data = openbookqa::load(&d.data, &d.split)?;
+    let embedder = crate::load_embedder(&d.embedder)?;
+    eprintln!("{} facts, {} questions: processing and embedding", data.facts.len(), data.questions.len());
+    let base = openbookqa::FactBase::build(model, &embedder, &data.facts)?;
+    let prepared = openbookqa::Prepared::new(model, &embedder, data.questions)?;
+    Ok((base, prepared))
+}
+
+fn run_openbookqa(
+    model: &picaso_model::Model,
+    d: &ObqaData,
+    options: &picaso_eval::openbookqa::Options,
+) -> Result<picaso_eval::openbookqa::Report> {
+    let (base, prepared) = obqa_prepare(d, model)?;
+    Ok(with_progress("questions", |p| picaso_eval::openbookqa::run(model, &base, &prepared, options, p))?)
+}
+
+fn openbookqa(a: OpenbookqaArgs) -> Result<()> {
+    let started = Instant::now();
+    let model = crate::load_model(&a.model, true)?;
+    let options = picaso_eval::openbookqa::Options { ks: a.ks, methods: a.methods, sample: a.sample, seed: a.seed };
+    let r = run_openbookqa(&model, &a.data, &options)?;
+    report::write_openbookqa(&a.out, &r, &report::RunInfo::collect(started))?;
+    print_results(&a.out)
+}
+
+fn parse_range(s: &str) -> Result<(usize, usize)> {
+    let parse = |x: &str| x.trim().parse::<usize>().ok();
+    match s.split_once('-').map(|(a, b)| (parse(a), parse(b))) {
+        Some((Some(lo), Some(hi))) => Ok((lo, hi)),
+        _ => match parse(s) {
+            Some(n) => Ok((n, n)),
+            None => bail!("--distractors {s:?}: give MIN-MAX (e.g. 4-9) or one number"),
+        },
+    }
+}
+
+fn attribution(a: AttributionArgs) -> Result<()> {
+    let started = Instant::now();
+    let model = crate::load_model(&a.model, true)?;
+    let options = picaso_eval::openbookqa::AttributionOptions {
+        distractors: parse_range(&a.distractors)?,
+        methods: a.methods,
         sample: a.sample,
         seed: a.seed,
-        restate: a.restate,
     };
-    let bar = progress("passages");
-    let r = picaso_eval::wikitext::run(&model, &store, &options, |done, total| {
-        bar.set_length(total as u64);
-        bar.set_position(done as u64);
+    let (base, prepared) = obqa_prepare(&a.data, &model)?;
+    let r =
+        with_progress("questions", |p| picaso_eval::openbookqa::attribution(&model, &base, &prepared, &options, p))?;
+    report::write_attribution(&a.out, &r, &report::RunInfo::collect(started))?;
+    print_results(&a.out)
+}
+
+fn msmarco(a: MsmarcoArgs) -> Result<()> {
+    let started = Instant::now();
+    let model = crate::load_model(&a.model, true)?;
+    let data = picaso_eval::msmarco::load(&a.data)?;
+    let r = with_progress("queries", |p| {
+        picaso_eval::msmarco::attribution(&model, &data, &a.methods, a.sample, a.seed, p)
     })?;
-    bar.finish_and_clear();
-    report::write_wikitext(&a.out, &r, &report::RunInfo::collect(started))?;
-    print!("{}", std::fs::read_to_string(a.out.join("results.md"))?);
-    Ok(())
+    report::write_attribution(&a.out, &r, &report::RunInfo::collect(started))?;
+    print_results(&a.out)
+}
+
+fn order(a: OrderArgs) -> Result<()> {
+    let started = Instant::now();
+    let model = crate::load_model(&a.model, true)?;
+    let store = open_store(&a.data, &model)?;
+    let options = picaso_eval::order::Options {
+        ns: a.ns,
+        orders: a.orders,
+        sample: a.sampling.sample,
+        seed: a.sampling.seed,
+        restate: a.sampling.restate,
+    };
+    let r = with_progress("passages", |p| picaso_eval::order::run(&model, &store, &options, p))?;
+    report::write_order(&a.out, &r, &report::RunInfo::collect(started))?;
+    print_results(&a.out)
+}
+
+fn fidelity(a: FidelityArgs) -> Result<()> {
+    let started = Instant::now();
+    let model = crate::load_model(&a.model, true)?;
+    let store = open_store(&a.data, &model)?;
+    let options = picaso_eval::fidelity::Options {
+        ks: a.ks,
+        methods: a.methods,
+        sample: a.sampling.sample,
+        seed: a.sampling.seed,
+        restate: a.sampling.restate,
+    };
+    let r = with_progress("passages", |p| picaso_eval::fidelity::run(&model, &store, &options, p))?;
+    report::write_fidelity(&a.out, &r, &report::RunInfo::collect(started))?;
+    print_results(&a.out)
+}
+
+fn finetuned(a: FinetunedArgs) -> Result<()> {
+    let started = Instant::now();
+    let mut named = Vec::new();
+    for m in &a.models {
+        let Some((name, dir)) = m.split_once('=') else {
+            bail!("--models {m:?}: give NAME=DIR, e.g. bptc=runs/bptc/model");
+        };
+        if name.is_empty() || name.contains('/') {
+            bail!("--models {m:?}: the name must be non-empty and without '/' (it names a results folder)");
+        }
+        named.push((name.to_string(), dir.to_string()));
+    }
+    let embedder = a.data.embedder.clone().context("finetuned needs --embedder (OpenBookQA retrieval)")?;
+    let obqa = ObqaData { data: a.obqa.clone(), embedder, split: "test".into() };
+    // Every model but the store's own recomputes the states from the stored tokens.
+    let sampling = Sampling { sample: a.sample, seed: a.seed, restate: true };
+    let mut results = Vec::new();
+    for (name, dir) in &named {
+        eprintln!("== {name}: {dir}");
+        let margs = ModelArgs::for_dir(dir);
+        let model = crate::load_model(&margs, true)?;
+        let store = open_store(&a.data, &model)?;
+        let w = run_wikitext(&model, &store, (1..=a.max_k).collect(), &a.methods, &sampling)?;
+        report::write_wikitext(&a.out.join(name).join("wikitext"), &w, &report::RunInfo::collect(started))?;
+        let options = picaso_eval::openbookqa::Options {
+            ks: a.obqa_ks.clone(),
+            methods: a.methods.clone(),
+            sample: None,
+            seed: a.seed,
+        };
+        let q = run_openbookqa(&model, &obqa, &options)?;
+        report::write_openbookqa(&a.out.join(name).join("openbookqa"), &q, &report::RunInfo::collect(started))?;
+        results.push((name.clone(), w, q));
+    }
+    let models: Vec<report::ModelResults<'_>> =
+        results.iter().map(|(name, w, q)| report::ModelResults { name, wikitext: w, openbookqa: q }).collect();
+    report::write_finetuned(&a.out, &models, &report::RunInfo::collect(started))?;
+    print_results(&a.out)
 }
 
 fn context_use(a: ContextUseArgs) -> Result<()> {

@@ -225,6 +225,18 @@ struct ModelArgs {
     weights: picaso_model::WeightDtype,
 }
 
+impl ModelArgs {
+    /// The model in `dir` with the default engine (for commands that compare several models).
+    fn for_dir(dir: &str) -> Self {
+        Self {
+            model: Some(dir.to_string()),
+            tokenizer: None,
+            device: "cpu".into(),
+            weights: picaso_model::WeightDtype::F32,
+        }
+    }
+}
+
 #[derive(Args)]
 struct InputArgs {
     /// Text to tokenize.

@@ -4,15 +4,25 @@
 //! contexts, and at what cost. [`methods`] turns retrieved contexts into the state a query
 //! continues from, for every method of the paper (Naive, Concat, PIConcat-R, Soup, CASO,
 //! PICASO-S, PICASO-R); [`wikitext`] runs the paper's WikiText experiment over a store of
-//! (query, continuation) halves; [`context_use`] checks that a model uses its context at all;
-//! [`report`] writes the results as JSON, CSV and Markdown.
+//! (query, continuation) halves (also its scaling to 50 contexts); [`openbookqa`] answers
+//! multiple-choice questions from retrieved facts; [`attribution`] finds an answer's source by
+//! leaving contexts in or out (on OpenBookQA and [`msmarco`]); [`order`] measures how much the
+//! order of contexts matters; [`fidelity`] compares each method's state and predictions with
+//! Concat's; [`context_use`] checks that a model uses its context at all; [`report`] writes
+//! the results as JSON, CSV, Markdown and PNG plots.
 //!
 //! Design decision: experiments read their database from a [`picaso_store::Store`] — the
 //! same states the server composes — so what is measured is what is served.
 #![deny(missing_docs)]
 
+pub mod attribution;
 pub mod context_use;
+pub mod database;
+pub mod fidelity;
 pub mod methods;
+pub mod msmarco;
+pub mod openbookqa;
+pub mod order;
 pub mod plot;
 pub mod report;
 pub mod stats;
@@ -29,6 +39,9 @@ pub enum Error {
     /// The model (bad tokens, state mismatch, …).
     #[error(transparent)]
     Model(#[from] picaso_model::Error),
+    /// The sentence embedder used for retrieval.
+    #[error(transparent)]
+    Embed(#[from] picaso_embed::Error),
     /// A bad request: the message says what and how to fix it.
     #[error("{0}")]
     Input(String),

@@ -147,6 +147,25 @@ pub fn continuation_nll(model: &Model, state: &State, query: &[u32], continuatio
     Ok(-scored.logprobs.iter().map(|&l| f64::from(l)).sum::<f64>() / scored.logprobs.len() as f64)
 }
 
+/// Log-likelihood (nats, summed over tokens) of each of `choices` after `prompt` from `state`.
+/// The prompt is processed once; each choice continues from the state after it (the Markov
+/// property makes this equal to scoring `prompt + choice` whole).
+pub fn choice_logliks(model: &Model, state: &State, prompt: &[u32], choices: &[Vec<u32>]) -> Result<Vec<f64>> {
+    let (logits, after) = model.prefill_last_logits(prompt, state)?;
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let lse = f64::from(max) + logits.iter().map(|&l| f64::from(l - max).exp()).sum::<f64>().ln();
+    choices
+        .iter()
+        .map(|c| {
+            let (&first, _) =
+                c.split_first().ok_or_else(|| Error::Input("an empty choice has no likelihood".into()))?;
+            let lp0 = f64::from(logits[first as usize]) - lse;
+            let rest = if c.len() > 1 { model.score(c, &after)?.logprobs } else { Vec::new() };
+            Ok(lp0 + rest.iter().map(|&l| f64::from(l)).sum::<f64>())
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use picaso_model::{Mamba2Config, Mamba2Weights};
@@ -206,5 +225,21 @@ mod tests {
             assert_eq!(m.name().parse::<EvalMethod>(), Ok(m));
         }
         assert!("concatenate".parse::<EvalMethod>().is_err());
+    }
+
+    /// Scoring choices from the prompt's state equals scoring prompt + choice whole.
+    #[test]
+    fn choice_logliks_equal_whole_scoring() {
+        let m = model();
+        let start = m.prefill(&[9, 8, 7], &m.zero_state()).unwrap();
+        let prompt = [1u32, 2, 3];
+        let choices = vec![vec![4u32], vec![5, 6, 7], vec![2, 2]];
+        let got = choice_logliks(&m, &start, &prompt, &choices).unwrap();
+        for (c, g) in choices.iter().zip(&got) {
+            let want: f64 =
+                m.score_continuation(&prompt, c, &start).unwrap().logprobs.iter().map(|&l| f64::from(l)).sum();
+            assert!((g - want).abs() < 1e-4, "{g} vs {want}");
+        }
+        assert!(choice_logliks(&m, &start, &prompt, &[vec![]]).is_err());
     }
 }

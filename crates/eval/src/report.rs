@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use crate::methods::EvalMethod;
 use crate::plot::{line_chart, Chart, Series};
-use crate::{context_use, wikitext, Error, Result};
+use crate::{attribution, context_use, fidelity, openbookqa, order, wikitext, Error, Result};
 
 /// Where and how a result was made.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -96,7 +96,7 @@ pub fn write_wikitext(out: &Path, report: &wikitext::Report, info: &RunInfo) -> 
     }
     write(&out.join("results.csv"), &csv)?;
 
-    let ks: Vec<usize> = (1..=report.options.max_k).collect();
+    let ks = &report.options.ks;
     let mut methods: Vec<EvalMethod> = Vec::new();
     for c in &report.cells {
         if !methods.contains(&c.method) {
@@ -108,7 +108,7 @@ pub fn write_wikitext(out: &Path, report: &wikitext::Report, info: &RunInfo) -> 
         report.passages, report.passages_available, report.options.seed, report.mean_query_tokens, report.mean_continuation_tokens, report.naive_loss, report.naive_ci95
     );
     md.push_str("| method |");
-    for k in &ks {
+    for k in ks {
         write!(md, " k={k} |").expect("string");
     }
     md.push_str(" mean improvement vs naive | prepare ms at k=max |\n|---|");
@@ -116,11 +116,11 @@ pub fn write_wikitext(out: &Path, report: &wikitext::Report, info: &RunInfo) -> 
     md.push('\n');
     for &m in &methods {
         write!(md, "| {m} |").expect("string");
-        for &k in &ks {
+        for &k in ks {
             let c = report.cell(m, k).expect("every cell is filled");
             write!(md, " {:.4} |", c.loss).expect("string");
         }
-        let last = report.cell(m, report.options.max_k).expect("filled");
+        let last = report.cell(m, report.options.max_k()).expect("filled");
         writeln!(md, " {:.2}% | {:.2} |", report.mean_improvement(m).unwrap_or(0.0), last.prepare_ms).expect("string");
     }
     if let Some(s) = share {
@@ -130,6 +130,23 @@ pub fn write_wikitext(out: &Path, report: &wikitext::Report, info: &RunInfo) -> 
             100.0 * s
         )
         .expect("string");
+    }
+    let picaso_r = EvalMethod::Compose(picaso_model::Method::PicasoR);
+    if methods.contains(&EvalMethod::Concat) && methods.contains(&picaso_r) {
+        md.push_str("\nTime to a ready state, per query (composition of stored states vs processing the contexts' tokens):\n\n| k | concat tokens | concat ms | picaso-r ms | speed-up |\n|---:|---:|---:|---:|---:|\n");
+        for &k in ks {
+            let (c, r) =
+                (report.cell(EvalMethod::Concat, k).expect("filled"), report.cell(picaso_r, k).expect("filled"));
+            writeln!(
+                md,
+                "| {k} | {:.0} | {:.2} | {:.3} | {:.0}× |",
+                c.tokens_processed,
+                c.prepare_ms,
+                r.prepare_ms,
+                c.prepare_ms / r.prepare_ms.max(1e-9)
+            )
+            .expect("string");
+        }
     }
     let ci = report.cells.iter().filter(|c| c.method != EvalMethod::Naive).map(|c| c.ci95).fold(0.0, f64::max);
     writeln!(md, "Largest 95% confidence half-width of a cell: {ci:.4}.\n").expect("string");
@@ -195,4 +212,268 @@ pub fn write_context_use(out: &Path, report: &context_use::Report, info: &RunInf
     md.push_str(&info.markdown());
     write(&out.join("results.csv"), &csv)?;
     write(&out.join("results.md"), &md)
+}
+
+fn create(out: &Path) -> Result<()> {
+    std::fs::create_dir_all(out).map_err(|source| Error::Io { path: out.to_path_buf(), source })
+}
+
+/// Writes results.json, results.csv and results.md (the Markdown gets the run's provenance).
+fn write_all(out: &Path, value: serde_json::Value, csv: &str, md: &str, info: &RunInfo) -> Result<()> {
+    create(out)?;
+    json(&out.join("results.json"), &value)?;
+    write(&out.join("results.csv"), csv)?;
+    write(&out.join("results.md"), &format!("{md}\n{}", info.markdown()))
+}
+
+fn methods_in<'a>(cells: impl Iterator<Item = &'a EvalMethod>) -> Vec<EvalMethod> {
+    let mut out: Vec<EvalMethod> = Vec::new();
+    for &m in cells {
+        if !out.contains(&m) {
+            out.push(m);
+        }
+    }
+    out
+}
+
+/// Writes the OpenBookQA accuracy experiment into `out`.
+pub fn write_openbookqa(out: &Path, report: &openbookqa::Report, info: &RunInfo) -> Result<()> {
+    let mut csv = String::from("method,k,acc,acc_ci95,acc_norm,acc_norm_ci95,prepare_ms,tokens_processed\n");
+    for c in &report.cells {
+        writeln!(
+            csv,
+            "{},{},{:.4},{:.4},{:.4},{:.4},{:.4},{:.1}",
+            c.method, c.k, c.acc, c.acc_ci95, c.acc_norm, c.acc_norm_ci95, c.prepare_ms, c.tokens_processed
+        )
+        .expect("string");
+    }
+    let ks = &report.options.ks;
+    let mut md = format!(
+        "# OpenBookQA: accuracy with k facts retrieved from the open book\n\n{} test questions, {} facts (seed {}). Each cell: acc / acc_norm in %; 95% CI half-width about {:.1} points.\n\n| method |",
+        report.questions,
+        report.facts,
+        report.options.seed,
+        100.0 * report.cells.iter().map(|c| c.acc_ci95).fold(0.0, f64::max)
+    );
+    for k in ks {
+        write!(md, " k={k} |").expect("string");
+    }
+    md.push_str(" prepare ms at k=max |\n|---|");
+    md.push_str(&"---:|".repeat(ks.len() + 1));
+    md.push('\n');
+    let naive = report.cell(EvalMethod::Naive, 0).expect("naive is always scored");
+    write!(md, "| naive |").expect("string");
+    for _ in ks {
+        write!(md, " {:.1} / {:.1} |", 100.0 * naive.acc, 100.0 * naive.acc_norm).expect("string");
+    }
+    md.push_str(" 0 |\n");
+    let methods = methods_in(report.cells.iter().map(|c| &c.method));
+    for &m in methods.iter().filter(|&&m| m != EvalMethod::Naive) {
+        write!(md, "| {m} |").expect("string");
+        for &k in ks {
+            let c = report.cell(m, k).expect("filled");
+            write!(md, " {:.1} / {:.1} |", 100.0 * c.acc, 100.0 * c.acc_norm).expect("string");
+        }
+        let last = report.cell(m, *ks.last().expect("non-empty")).expect("filled");
+        writeln!(md, " {:.3} |", last.prepare_ms).expect("string");
+    }
+    write_all(out, serde_json::json!({ "run": info, "report": report }), &csv, &md, info)?;
+    let series: Vec<Series> = methods
+        .iter()
+        .map(|&m| Series {
+            name: m.to_string(),
+            points: ks.iter().map(|&k| (k as f64, 100.0 * report.cell(m, k).expect("filled").acc_norm)).collect(),
+        })
+        .collect();
+    line_chart(
+        &out.join("acc_norm_vs_k.png"),
+        &Chart { title: "OpenBookQA: acc_norm vs retrieved facts", x: "k (facts)", y: "acc_norm (%)", log_x: false },
+        &series,
+    )
+}
+
+/// Writes an attribution experiment into `out`.
+pub fn write_attribution(out: &Path, report: &attribution::Report, info: &RunInfo) -> Result<()> {
+    let mut csv = String::from("rule,precision,ci95,ms_per_item\n");
+    let mut md = format!(
+        "# Attribution ({}): which candidate context is the answer's source?\n\n{} items ({} left out), {:.1} candidates each on average; a random pick is right {:.1}% of the time.\n\n| rule | precision | ms per item |\n|---|---:|---:|\n",
+        report.source,
+        report.items,
+        report.skipped,
+        report.mean_candidates,
+        100.0 * report.chance
+    );
+    for r in &report.rows {
+        writeln!(csv, "{},{:.4},{:.4},{:.3}", r.rule, r.precision, r.ci95, r.ms_per_item).expect("string");
+        writeln!(md, "| {} | {:.3} ± {:.3} | {:.1} |", r.rule, r.precision, r.ci95, r.ms_per_item).expect("string");
+    }
+    write_all(out, serde_json::json!({ "run": info, "report": report }), &csv, &md, info)
+}
+
+/// Writes the order-sensitivity experiment into `out`.
+pub fn write_order(out: &Path, report: &order::Report, info: &RunInfo) -> Result<()> {
+    let mut csv = String::from("method,n,loss,std,range,range_ci95,max_range\n");
+    let mut md = format!(
+        "# Order sensitivity: continuation loss over orders of n retrieved contexts\n\n{} WikiText-2 passages (seed {}), up to {} orders each. Spread = worst − best order's loss (nats/token), averaged over passages.\n\n| n | method | mean loss | mean std over orders | mean range (± 95% CI) | largest range |\n|---:|---|---:|---:|---:|---:|\n",
+        report.passages, report.options.seed, report.options.orders
+    );
+    for r in &report.rows {
+        writeln!(
+            csv,
+            "{},{},{:.6},{:.6},{:.6},{:.6},{:.6}",
+            r.method, r.n, r.loss, r.std, r.range, r.range_ci95, r.max_range
+        )
+        .expect("string");
+        writeln!(
+            md,
+            "| {} | {} | {:.4} | {:.4} | {:.4} ± {:.4} | {:.4} |",
+            r.n, r.method, r.loss, r.std, r.range, r.range_ci95, r.max_range
+        )
+        .expect("string");
+    }
+    writeln!(
+        md,
+        "\nPICASO-S over its input orders: largest loss difference {:.2e} (order-invariant up to rounding).",
+        report.picaso_s_order_gap
+    )
+    .expect("string");
+    write_all(out, serde_json::json!({ "run": info, "report": report }), &csv, &md, info)?;
+    let names: Vec<&str> = methods_in_str(report.rows.iter().map(|r| r.method));
+    let series: Vec<Series> = names
+        .iter()
+        .map(|&m| Series {
+            name: m.to_string(),
+            points: report.rows.iter().filter(|r| r.method == m).map(|r| (r.n as f64, r.range)).collect(),
+        })
+        .collect();
+    line_chart(
+        &out.join("range_vs_n.png"),
+        &Chart {
+            title: "Loss range over context orders",
+            x: "n (contexts)",
+            y: "worst − best order (nats/token)",
+            log_x: false,
+        },
+        &series,
+    )
+}
+
+fn methods_in_str<'a>(names: impl Iterator<Item = &'a str>) -> Vec<&'a str> {
+    let mut out: Vec<&str> = Vec::new();
+    for n in names {
+        if !out.contains(&n) {
+            out.push(n);
+        }
+    }
+    out
+}
+
+/// Writes the fidelity experiment into `out`.
+pub fn write_fidelity(out: &Path, report: &fidelity::Report, info: &RunInfo) -> Result<()> {
+    let layers = report.rows.first().map_or(0, |r| r.relative_distance.len());
+    let mut csv = String::from("method,k,kl,kl_ci95");
+    for l in 0..layers {
+        write!(csv, ",rel_dist_layer{l}").expect("string");
+    }
+    csv.push('\n');
+    let mut md = format!(
+        "# Fidelity: each method's state and predictions vs Concat's\n\n{} WikiText-2 passages (seed {}). KL(concat ‖ method) of next-token distributions over the continuation (nats/token); relative distance ‖x − x_concat‖ / ‖x_concat‖ of the SSM state per layer.\n\n| k | method | KL | ",
+        report.passages, report.options.seed
+    );
+    for l in 0..layers {
+        write!(md, "layer {l} | ").expect("string");
+    }
+    md.push_str("\n|---:|---|---:|");
+    md.push_str(&"---:|".repeat(layers));
+    md.push('\n');
+    for r in &report.rows {
+        write!(csv, "{},{},{:.6},{:.6}", r.method, r.k, r.kl, r.kl_ci95).expect("string");
+        write!(md, "| {} | {} | {:.4} ± {:.4} |", r.k, r.method, r.kl, r.kl_ci95).expect("string");
+        for d in &r.relative_distance {
+            write!(csv, ",{d:.6}").expect("string");
+            write!(md, " {d:.3} |").expect("string");
+        }
+        csv.push('\n');
+        md.push('\n');
+    }
+    write_all(out, serde_json::json!({ "run": info, "report": report }), &csv, &md, info)?;
+    let methods = methods_in(report.rows.iter().map(|r| &r.method));
+    let series: Vec<Series> = methods
+        .iter()
+        .map(|&m| Series {
+            name: m.to_string(),
+            points: report.rows.iter().filter(|r| r.method == m).map(|r| (r.k as f64, r.kl)).collect(),
+        })
+        .collect();
+    line_chart(
+        &out.join("kl_vs_k.png"),
+        &Chart {
+            title: "KL(concat || method) of next-token distributions",
+            x: "k (segments)",
+            y: "KL (nats/token)",
+            log_x: false,
+        },
+        &series,
+    )
+}
+
+/// One model's results in the fine-tuning comparison.
+pub struct ModelResults<'a> {
+    /// Name (zero-shot, bptc, bp2c, …).
+    pub name: &'a str,
+    /// Its WikiText report.
+    pub wikitext: &'a wikitext::Report,
+    /// Its OpenBookQA report.
+    pub openbookqa: &'a openbookqa::Report,
+}
+
+/// Writes the fine-tuned-vs-zero-shot comparison into `out` (each model's own results are in
+/// sub-folders written by the other writers).
+pub fn write_finetuned(out: &Path, models: &[ModelResults<'_>], info: &RunInfo) -> Result<()> {
+    let mut csv = String::from("model,experiment,method,k,value\n");
+    let mut md = String::from("# Zero-shot vs fine-tuned models\n\n");
+    if let Some(first) = models.first() {
+        let k = first.wikitext.options.max_k();
+        writeln!(
+            md,
+            "## WikiText-2 ({} passages, seed {}): loss at k={k} and mean improvement over Naive across k\n",
+            first.wikitext.passages, first.wikitext.options.seed
+        )
+        .expect("string");
+        md.push_str("| model | method | loss at k=max | mean improvement vs naive |\n|---|---|---:|---:|\n");
+        for m in models {
+            let naive = m.wikitext.naive_loss;
+            writeln!(md, "| {} | naive | {naive:.4} | 0.00% |", m.name).expect("string");
+            writeln!(csv, "{},wikitext,naive,0,{naive:.6}", m.name).expect("string");
+            for method in methods_in(m.wikitext.cells.iter().map(|c| &c.method)) {
+                if method == EvalMethod::Naive {
+                    continue;
+                }
+                let c = m.wikitext.cell(method, m.wikitext.options.max_k()).expect("filled");
+                let imp = m.wikitext.mean_improvement(method).unwrap_or(0.0);
+                writeln!(md, "| {} | {method} | {:.4} | {imp:.2}% |", m.name, c.loss).expect("string");
+                writeln!(csv, "{},wikitext,{method},{},{:.6}", m.name, c.k, c.loss).expect("string");
+            }
+            if let Some(s) = picaso_r_share(m.wikitext) {
+                writeln!(md, "| {} | picaso-r share of concat's gain | | {:.0}% |", m.name, 100.0 * s).expect("string");
+            }
+        }
+        let q = first.openbookqa;
+        let k = *q.options.ks.last().expect("non-empty");
+        writeln!(md, "\n## OpenBookQA ({} questions): acc / acc_norm (%) at k={k}\n", q.questions).expect("string");
+        md.push_str("| model | method | acc | acc_norm |\n|---|---|---:|---:|\n");
+        for m in models {
+            for method in methods_in(m.openbookqa.cells.iter().map(|c| &c.method)) {
+                let c = m.openbookqa.cell(method, k).expect("filled");
+                writeln!(md, "| {} | {method} | {:.1} | {:.1} |", m.name, 100.0 * c.acc, 100.0 * c.acc_norm)
+                    .expect("string");
+                writeln!(csv, "{},openbookqa-acc_norm,{method},{},{:.4}", m.name, c.k, c.acc_norm).expect("string");
+            }
+        }
+    }
+    let value = serde_json::json!({
+        "run": info,
+        "models": models.iter().map(|m| serde_json::json!({"name": m.name, "wikitext": m.wikitext, "openbookqa": m.openbookqa})).collect::<Vec<_>>(),
+    });
+    write_all(out, value, &csv, &md, info)
 }

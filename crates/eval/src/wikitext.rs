@@ -5,20 +5,22 @@
 
 use std::collections::HashMap;
 
-use picaso_model::{Model, State};
+use picaso_model::Model;
 use picaso_store::{passages, retrieve, Passage, Store};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 
-use crate::methods::{continuation_nll, start_state, Context, EvalMethod};
+use crate::database::{cache_cap, check_model, Contexts};
+use crate::methods::{continuation_nll, start_state, EvalMethod};
 use crate::stats::mean_ci95;
 use crate::{Error, Result};
 
 /// What to run.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Options {
-    /// Contexts retrieved: every k from 1 to this.
-    pub max_k: usize,
+    /// Numbers of retrieved contexts to score, ascending (e.g. 1..=10; the scaling experiment
+    /// goes to 50).
+    pub ks: Vec<usize>,
     /// Methods to score (Naive is always scored: it is the reference).
     pub methods: Vec<EvalMethod>,
     /// Score this many passages drawn with `seed` (all if `None`).
@@ -71,6 +73,33 @@ pub struct Report {
     pub cells: Vec<Cell>,
 }
 
+impl Options {
+    /// The largest k.
+    pub fn max_k(&self) -> usize {
+        self.ks.iter().copied().max().unwrap_or(0)
+    }
+}
+
+/// The passages to score: all, or `sample` of them drawn with `seed`.
+pub fn choose<T>(mut all: Vec<T>, sample: Option<usize>, seed: u64) -> Result<Vec<T>> {
+    if let Some(n) = sample {
+        if n == 0 {
+            return Err(Error::Input("a sample of 0 passages scores nothing".into()));
+        }
+        all.shuffle(&mut rand::rngs::StdRng::seed_from_u64(seed));
+        all.truncate(n);
+    }
+    Ok(all)
+}
+
+/// Checks a list of k: non-empty, ascending, no zero.
+pub fn check_ks(ks: &[usize]) -> Result<()> {
+    if ks.is_empty() || ks[0] == 0 || ks.windows(2).any(|w| w[0] >= w[1]) {
+        return Err(Error::Input(format!("k values {ks:?}: give ascending values of at least 1, e.g. 1,2,5,10")));
+    }
+    Ok(())
+}
+
 impl Report {
     /// The cell of `method` at `k`.
     pub fn cell(&self, method: EvalMethod, k: usize) -> Option<&Cell> {
@@ -86,26 +115,11 @@ impl Report {
 
 /// Runs the experiment; `progress(done, total)` after each passage.
 pub fn run(model: &Model, store: &Store, options: &Options, mut progress: impl FnMut(usize, usize)) -> Result<Report> {
-    if store.info().fingerprint != model.fingerprint() && !options.restate {
-        return Err(Error::Input(format!(
-            "{}: the store holds states of model {}, not of the given model {}; ingest with this model, or pass --restate to recompute the states from the stored tokens",
-            store.dir().display(),
-            store.info().fingerprint,
-            model.fingerprint()
-        )));
-    }
-    if options.max_k == 0 {
-        return Err(Error::Input("max k must be at least 1".into()));
-    }
+    check_model(store, model, options.restate)?;
+    check_ks(&options.ks)?;
     let all = passages(store)?;
-    let mut chosen: Vec<&Passage> = all.iter().collect();
-    if let Some(n) = options.sample {
-        if n == 0 {
-            return Err(Error::Input("a sample of 0 passages scores nothing".into()));
-        }
-        chosen.shuffle(&mut rand::rngs::StdRng::seed_from_u64(options.seed));
-        chosen.truncate(n);
-    }
+    let available = all.len();
+    let chosen: Vec<&Passage> = choose(all.iter().collect(), options.sample, options.seed)?;
     let mut methods: Vec<EvalMethod> = options.methods.iter().copied().filter(|m| *m != EvalMethod::Naive).collect();
     methods.dedup();
 
@@ -113,35 +127,20 @@ pub fn run(model: &Model, store: &Store, options: &Options, mut progress: impl F
     let mut losses: HashMap<(EvalMethod, usize), Vec<f64>> = HashMap::new();
     let mut costs: HashMap<(EvalMethod, usize), (f64, f64)> = HashMap::new();
     let (mut q_tokens, mut c_tokens) = (0usize, 0usize);
-    let mut loaded: HashMap<i64, (Vec<u32>, State)> = HashMap::new();
+    let mut contexts = Contexts::new(store, options.restate);
+    let cap = cache_cap(model);
     for (done, passage) in chosen.iter().enumerate() {
         let query = store.get(passage.query)?.tokens;
         let continuation = store.get(passage.continuation)?.tokens;
         q_tokens += query.len();
         c_tokens += continuation.len();
         naive.push(continuation_nll(model, &model.zero_state(), &query, &continuation)?);
-        let hits = retrieve(store, passage, options.max_k)?;
-        for (id, _) in &hits {
-            if !loaded.contains_key(id) {
-                let tokens = store.get(*id)?.tokens;
-                let state = if options.restate {
-                    model.prefill(&tokens, &model.zero_state())?
-                } else {
-                    store.load_state(*id)?
-                };
-                loaded.insert(*id, (tokens, state));
-            }
-        }
-        let contexts: Vec<Context<'_>> = hits
-            .iter()
-            .map(|(id, _)| {
-                let (tokens, state) = &loaded[id];
-                Context { tokens, state }
-            })
-            .collect();
-        for k in 1..=options.max_k {
+        let ids: Vec<i64> = retrieve(store, passage, options.max_k())?.into_iter().map(|(id, _)| id).collect();
+        contexts.load(model, &ids, cap)?;
+        let retrieved = contexts.get(&ids);
+        for &k in &options.ks {
             for &method in &methods {
-                let started = start_state(model, method, &contexts[..k])?;
+                let started = start_state(model, method, &retrieved[..k])?;
                 let nll = continuation_nll(model, &started.state, &query, &continuation)?;
                 losses.entry((method, k)).or_default().push(nll);
                 let c = costs.entry((method, k)).or_default();
@@ -149,17 +148,13 @@ pub fn run(model: &Model, store: &Store, options: &Options, mut progress: impl F
                 c.1 += started.tokens_processed as f64;
             }
         }
-        // States are reused across passages; keep memory bounded on big stores.
-        if loaded.len() > 20_000 {
-            loaded.clear();
-        }
         progress(done + 1, chosen.len());
     }
 
     let n = chosen.len() as f64;
     let (naive_loss, naive_ci95) = mean_ci95(&naive);
     let mut cells = Vec::new();
-    for k in 1..=options.max_k {
+    for &k in &options.ks {
         cells.push(Cell {
             method: EvalMethod::Naive,
             k,
@@ -185,7 +180,7 @@ pub fn run(model: &Model, store: &Store, options: &Options, mut progress: impl F
     }
     Ok(Report {
         options: options.clone(),
-        passages_available: all.len(),
+        passages_available: available,
         passages: chosen.len(),
         mean_query_tokens: q_tokens as f64 / n,
         mean_continuation_tokens: c_tokens as f64 / n,

@@ -1,0 +1,153 @@
+//! Fidelity: how far each method's state is from the state of processing the contexts
+//! (Concat, in its best order), and how far its predictions are. Explains the loss table: a
+//! method whose state is far from Concat's but whose next-token distributions are close loses
+//! little.
+
+use picaso_model::{Model, State};
+use picaso_store::{passages, retrieve, Passage, Store};
+
+use crate::database::{cache_cap, check_model, Contexts};
+use crate::methods::{start_state, EvalMethod};
+use crate::stats::mean_ci95;
+use crate::wikitext::{check_ks, choose};
+use crate::Result;
+
+/// What to run.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Options {
+    /// Numbers of retrieved contexts, ascending.
+    pub ks: Vec<usize>,
+    /// Methods compared with Concat.
+    pub methods: Vec<EvalMethod>,
+    /// Score this many passages drawn with `seed` (all if `None`).
+    pub sample: Option<usize>,
+    /// Seed of the sample.
+    pub seed: u64,
+    /// Recompute the states with the model (see the WikiText experiment).
+    pub restate: bool,
+}
+
+/// One (method, k) row.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Row {
+    /// Method.
+    pub method: EvalMethod,
+    /// Contexts.
+    pub k: usize,
+    /// Per layer, mean of ‖x_method − x_concat‖ / ‖x_concat‖ over passages (SSM states).
+    pub relative_distance: Vec<f64>,
+    /// Mean KL(concat ‖ method) of the next-token distributions over the continuation's
+    /// positions (nats), with its 95% interval half-width.
+    pub kl: f64,
+    /// Half-width of the KL's interval.
+    pub kl_ci95: f64,
+}
+
+/// The experiment's results.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Report {
+    /// Options used.
+    pub options: Options,
+    /// Passages scored.
+    pub passages: usize,
+    /// One row per (method, k).
+    pub rows: Vec<Row>,
+}
+
+fn log_softmax_rows(logits: &[f32], vocab: usize) -> Vec<f64> {
+    let mut out = Vec::with_capacity(logits.len());
+    for row in logits.chunks(vocab) {
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let lse = f64::from(max) + row.iter().map(|&l| f64::from(l - max).exp()).sum::<f64>().ln();
+        out.extend(row.iter().map(|&l| f64::from(l) - lse));
+    }
+    out
+}
+
+/// Mean over rows of KL(p ‖ q) for row-major log-probabilities.
+fn mean_kl(p: &[f64], q: &[f64], vocab: usize) -> f64 {
+    let rows = p.len() / vocab;
+    let total: f64 = p
+        .chunks(vocab)
+        .zip(q.chunks(vocab))
+        .map(|(a, b)| a.iter().zip(b).map(|(&la, &lb)| la.exp() * (la - lb)).sum::<f64>())
+        .sum();
+    total / rows as f64
+}
+
+fn relative_distances(a: &State, reference: &State) -> Vec<f64> {
+    a.layers
+        .iter()
+        .zip(&reference.layers)
+        .map(|(x, r)| {
+            let d: f64 = x.ssm.iter().zip(&r.ssm).map(|(&u, &v)| f64::from(u - v).powi(2)).sum();
+            let n: f64 = r.ssm.iter().map(|&v| f64::from(v).powi(2)).sum();
+            (d / n.max(f64::MIN_POSITIVE)).sqrt()
+        })
+        .collect()
+}
+
+/// Runs the experiment; `progress(done, total)` after each passage.
+pub fn run(model: &Model, store: &Store, options: &Options, mut progress: impl FnMut(usize, usize)) -> Result<Report> {
+    check_model(store, model, options.restate)?;
+    check_ks(&options.ks)?;
+    let max_k = *options.ks.last().expect("checked");
+    let vocab = model.config().vocab_size;
+    let methods: Vec<EvalMethod> = options.methods.iter().copied().filter(|m| *m != EvalMethod::Concat).collect();
+    let all = passages(store)?;
+    let chosen: Vec<&Passage> = choose(all.iter().collect(), options.sample, options.seed)?;
+    let mut dist = vec![vec![Vec::<Vec<f64>>::new(); options.ks.len()]; methods.len()];
+    let mut kls = vec![vec![Vec::<f64>::new(); options.ks.len()]; methods.len()];
+    let mut contexts = Contexts::new(store, options.restate);
+    let cap = cache_cap(model);
+    for (done, passage) in chosen.iter().enumerate() {
+        let mut tokens = store.get(passage.query)?.tokens;
+        let from = tokens.len() - 1;
+        tokens.extend(store.get(passage.continuation)?.tokens);
+        let to = tokens.len() - 1;
+        let ids: Vec<i64> = retrieve(store, passage, max_k)?.into_iter().map(|(id, _)| id).collect();
+        contexts.load(model, &ids, cap)?;
+        let retrieved = contexts.get(&ids);
+        let predictions = |state: &State| -> Result<Vec<f64>> {
+            let (logits, _) = model.forward_all_logits(&tokens, state)?;
+            Ok(log_softmax_rows(&logits[from * vocab..to * vocab], vocab))
+        };
+        for (ki, &k) in options.ks.iter().enumerate() {
+            let concat = start_state(model, EvalMethod::Concat, &retrieved[..k])?.state;
+            let reference = predictions(&concat)?;
+            for (mi, &method) in methods.iter().enumerate() {
+                let s = start_state(model, method, &retrieved[..k])?.state;
+                dist[mi][ki].push(relative_distances(&s, &concat));
+                kls[mi][ki].push(mean_kl(&reference, &predictions(&s)?, vocab));
+            }
+        }
+        progress(done + 1, chosen.len());
+    }
+    let n_layer = model.config().n_layer;
+    let mut rows = Vec::new();
+    for (ki, &k) in options.ks.iter().enumerate() {
+        for (mi, &method) in methods.iter().enumerate() {
+            let relative_distance = (0..n_layer)
+                .map(|l| dist[mi][ki].iter().map(|d| d[l]).sum::<f64>() / dist[mi][ki].len() as f64)
+                .collect();
+            let (kl, kl_ci95) = mean_ci95(&kls[mi][ki]);
+            rows.push(Row { method, k, relative_distance, kl, kl_ci95 });
+        }
+    }
+    Ok(Report { options: options.clone(), passages: chosen.len(), rows })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kl_of_equal_distributions_is_zero_and_positive_otherwise() {
+        let p = log_softmax_rows(&[1.0, 2.0, 3.0, 0.0, 0.0, 0.0], 3);
+        assert!(mean_kl(&p, &p, 3).abs() < 1e-12);
+        let q = log_softmax_rows(&[3.0, 2.0, 1.0, 0.0, 0.0, 5.0], 3);
+        assert!(mean_kl(&p, &q, 3) > 0.1);
+        // Row 1 of p is uniform: each row's probabilities sum to one.
+        assert!((p[3..].iter().map(|l| l.exp()).sum::<f64>() - 1.0).abs() < 1e-12);
+    }
+}
