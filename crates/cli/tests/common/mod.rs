@@ -51,3 +51,46 @@ pub fn ok(args: &[&str]) -> Value {
     assert!(success, "picaso {args:?} failed: {stderr}");
     v
 }
+
+/// The articles of [`wikitext`].
+pub const ARTICLES: [(&str, [&str; 3]); 3] = [
+    (
+        "Tower",
+        [
+            "The tower was built in the city over two years by a team of engineers and many workers from the region .",
+            "It is made of iron and stands three hundred metres tall , which made it the tallest structure of its time .",
+            "Visitors climb its stairs or take the lifts to the top , where they can see the river and the old bridges .",
+        ],
+    ),
+    (
+        "River",
+        [
+            "The river rises in the mountains and flows north through forests , farms and several small towns to the sea .",
+            "Its water feeds the canals of the valley , and boats carried grain and timber along it for many centuries .",
+            "Floods in the spring often covered the low fields , so the farmers built walls of earth along both banks .",
+        ],
+    ),
+    (
+        "Bird",
+        [
+            "The bird lives in wet meadows and eats insects , seeds and small snails that it finds among the tall grass .",
+            "It builds a nest of reeds on the ground and lays three or four eggs , which both parents keep warm for weeks .",
+            "In the autumn the birds gather in large flocks and fly south to spend the winter on the warm coasts .",
+        ],
+    ),
+];
+
+/// A small WikiText-style file (three articles of three paragraphs, headings, a short line).
+pub fn wikitext(dir: &std::path::Path) -> std::path::PathBuf {
+    let mut text = String::new();
+    for (title, paras) in ARTICLES {
+        text.push_str(&format!(" \n = {title} = \n \n"));
+        for p in paras {
+            text.push_str(&format!(" {p} \n"));
+        }
+        text.push_str(" \n = = Notes = = \n \n short line \n");
+    }
+    let path = dir.join("wiki.tokens");
+    std::fs::write(&path, text).unwrap();
+    path
+}
