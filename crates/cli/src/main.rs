@@ -477,14 +477,17 @@ fn info(a: InfoArgs) -> Result<()> {
     let model = load_model(&a.model, false)?;
     let c = model.config();
     let bytes = model.zero_state().nbytes_f32();
+    let shape = model.state_shape();
     let v = json!({
         "model": model.dir(),
         "fingerprint": model.fingerprint(),
-        "format": c.format,
+        "arch": c.arch(),
+        "format": c.format(),
         "config": c.to_hf_json(),
         "parameters": model.n_params(),
         "state_bytes_f32": bytes,
-        "state_bytes_bf16": bytes / 2 + c.n_layer * c.nheads * 2,
+        // Log-decays stay f32 in a bf16 state file.
+        "state_bytes_bf16": bytes / 2 + shape.n_layer * shape.log_decay_len() * 2,
         "tokenizer": model.tokenizer().ok().map(|t| t.vocab_size()),
     });
     if a.json {
@@ -492,11 +495,8 @@ fn info(a: InfoArgs) -> Result<()> {
     } else {
         println!("model        {}", model.dir().display());
         println!("fingerprint  {}", model.fingerprint());
-        println!("format       {:?}", c.format);
-        println!(
-            "shape        d_model {} · layers {} · heads {} × headdim {} · d_state {} · groups {} · d_conv {} · vocab {}",
-            c.d_model, c.n_layer, c.nheads, c.headdim, c.d_state, c.n_groups, c.d_conv, c.vocab_size
-        );
+        println!("format       {} ({:?})", c.arch(), c.format());
+        println!("shape        {}", c.describe());
         println!("parameters   {} ({:.1} M)", model.n_params(), model.n_params() as f64 / 1e6);
         println!(
             "state        {:.2} MiB f32 per context ({:.2} MiB bf16)",

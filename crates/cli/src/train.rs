@@ -433,8 +433,15 @@ fn compose_cmd(a: ComposeArgs) -> Result<()> {
     if let Some(wd) = f.weight_decay {
         adamw.weight_decay = wd;
     }
+    let mamba2 = model
+        .config()
+        .as_mamba2()
+        .with_context(|| {
+            format!("{}: fine-tuning supports Mamba-2 models; this one is Mamba-1", model.dir().display())
+        })?
+        .clone();
     let config = ComposeConfig {
-        model: model.config().clone(),
+        model: mamba2.clone(),
         objective: a.objective,
         batch: f.batch,
         steps: f.steps,
@@ -450,7 +457,7 @@ fn compose_cmd(a: ComposeArgs) -> Result<()> {
         checkpoint_every: f.checkpoint_every,
         chunk: f.chunk,
     };
-    let weights = picaso_model::Mamba2Weights::load(model.dir(), model.config())?;
+    let weights = picaso_model::Mamba2Weights::load(model.dir(), &mamba2)?;
     let bar = indicatif::ProgressBar::new(config.steps);
     bar.set_style(
         indicatif::ProgressStyle::with_template("{bar:30} step {pos}/{len} · {msg} · ETA {eta}")

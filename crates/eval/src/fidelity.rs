@@ -92,7 +92,7 @@ pub fn run(model: &Model, store: &Store, options: &Options, mut progress: impl F
     check_model(store, model, options.restate)?;
     check_ks(&options.ks)?;
     let max_k = *options.ks.last().expect("checked");
-    let vocab = model.config().vocab_size;
+    let vocab = model.config().vocab_size();
     let methods: Vec<EvalMethod> = options.methods.iter().copied().filter(|m| *m != EvalMethod::Concat).collect();
     let all = passages(store)?;
     let chosen: Vec<&Passage> = choose(all.iter().collect(), options.sample, options.seed)?;
@@ -123,7 +123,7 @@ pub fn run(model: &Model, store: &Store, options: &Options, mut progress: impl F
         }
         progress(done + 1, chosen.len());
     }
-    let n_layer = model.config().n_layer;
+    let n_layer = model.config().n_layer();
     let mut rows = Vec::new();
     for (ki, &k) in options.ks.iter().enumerate() {
         for (mi, &method) in methods.iter().enumerate() {

@@ -61,7 +61,7 @@ fn best_of<T>(repeats: usize, mut f: impl FnMut() -> Result<T>) -> Result<f64> {
 
 /// Runs the measurements on `model` with deterministic pseudo-random tokens.
 pub fn run(model: &Model, opts: &BenchOptions) -> Result<BenchReport> {
-    let vocab = model.config().vocab_size.min(50_000) as u64;
+    let vocab = model.config().vocab_size().min(50_000) as u64;
     let tokens: Vec<u32> =
         (0..opts.prompt_tokens as u64).map(|i| ((i * 2_654_435_761 + 12_345) % vocab) as u32).collect();
     let zero = model.zero_state();

@@ -11,6 +11,8 @@ use std::path::Path;
 use serde_json::{Map, Value};
 
 use crate::error::{Error, Result};
+use crate::mamba1::Mamba1Config;
+use crate::state::{Arch, StateShape};
 
 /// Which checkpoint layout a model folder uses; decides the tensor names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -100,13 +102,13 @@ impl Mamba2Config {
         Ok(config)
     }
 
-    fn from_hf(path: &Path, map: &Map<String, Value>) -> Result<Self> {
+    pub(crate) fn from_hf(path: &Path, map: &Map<String, Value>) -> Result<Self> {
         let f = Fields { path, map };
         if let Some(t) = map.get("model_type").and_then(Value::as_str) {
             if t != "mamba2" {
                 return Err(Error::config(
                     path,
-                    format!("model_type is {t:?}; picaso reads Mamba-2 models (model_type \"mamba2\")"),
+                    format!("model_type is {t:?}, not \"mamba2\" (load Mamba-1 models with ModelConfig::from_file)"),
                 ));
             }
         }
@@ -135,7 +137,7 @@ impl Mamba2Config {
         })
     }
 
-    fn from_state_spaces(path: &Path, map: &Map<String, Value>) -> Result<Self> {
+    pub(crate) fn from_state_spaces(path: &Path, map: &Map<String, Value>) -> Result<Self> {
         let f = Fields { path, map };
         let empty = Map::new();
         let ssm = match map.get("ssm_cfg") {
@@ -147,7 +149,7 @@ impl Mamba2Config {
         if layer != "Mamba2" {
             return Err(Error::config(
                 path,
-                format!("ssm_cfg.layer is {layer:?}; picaso reads Mamba-2 models (\"Mamba2\")"),
+                format!("ssm_cfg.layer is {layer:?}, not \"Mamba2\" (load Mamba-1 models with ModelConfig::from_file)"),
             ));
         }
         if f.usize_or("d_intermediate", 0)? != 0 {
@@ -306,42 +308,204 @@ impl Mamba2Config {
     }
 }
 
+/// The config of any supported architecture, as detected from `config.json`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ModelConfig {
+    /// Mamba-1 (`model_type: "mamba"`, or a state-spaces config whose `ssm_cfg.layer` is absent
+    /// or "Mamba1").
+    Mamba1(Mamba1Config),
+    /// Mamba-2 (`model_type: "mamba2"`, or `ssm_cfg.layer: "Mamba2"`).
+    Mamba2(Mamba2Config),
+}
+
+impl ModelConfig {
+    /// Reads `config.json` in either format and either architecture.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let value = parse_json_with_infinity(&text).map_err(|e| Error::config(path, format!("not valid JSON: {e}")))?;
+        let Value::Object(map) = value else {
+            return Err(Error::config(path, "expected a JSON object"));
+        };
+        if map.contains_key("d_model") {
+            let empty = Map::new();
+            let ssm = match map.get("ssm_cfg") {
+                None | Some(Value::Null) => &empty,
+                Some(Value::Object(m)) => m,
+                Some(_) => return Err(Error::config(path, "`ssm_cfg` must be an object")),
+            };
+            return match ssm.get("layer").and_then(Value::as_str).unwrap_or("Mamba1") {
+                "Mamba1" => Ok(Self::Mamba1(Mamba1Config::from_state_spaces(path, &map, ssm)?)),
+                "Mamba2" => {
+                    let c = Mamba2Config::from_state_spaces(path, &map)?;
+                    c.validate(path)?;
+                    Ok(Self::Mamba2(c))
+                }
+                other => Err(Error::config(
+                    path,
+                    format!("ssm_cfg.layer is {other:?}; picaso reads \"Mamba1\" and \"Mamba2\""),
+                )),
+            };
+        }
+        if !map.contains_key("hidden_size") {
+            return Err(Error::config(
+                path,
+                "neither `hidden_size` (HF transformers format) nor `d_model` (state-spaces format) found; \
+                 is this a Mamba config.json?",
+            ));
+        }
+        match map.get("model_type").and_then(Value::as_str) {
+            Some("mamba") => Ok(Self::Mamba1(Mamba1Config::from_hf(path, &map)?)),
+            Some("mamba2") | None => {
+                let c = Mamba2Config::from_hf(path, &map)?;
+                c.validate(path)?;
+                Ok(Self::Mamba2(c))
+            }
+            Some(other) => Err(Error::config(
+                path,
+                format!("model_type is {other:?}; picaso reads Mamba-1 (\"mamba\") and Mamba-2 (\"mamba2\") models"),
+            )),
+        }
+    }
+
+    /// The architecture.
+    pub fn arch(&self) -> Arch {
+        match self {
+            Self::Mamba1(_) => Arch::Mamba1,
+            Self::Mamba2(_) => Arch::Mamba2,
+        }
+    }
+    /// Width of the residual stream.
+    pub fn d_model(&self) -> usize {
+        match self {
+            Self::Mamba1(c) => c.d_model,
+            Self::Mamba2(c) => c.d_model,
+        }
+    }
+    /// Number of blocks.
+    pub fn n_layer(&self) -> usize {
+        match self {
+            Self::Mamba1(c) => c.n_layer,
+            Self::Mamba2(c) => c.n_layer,
+        }
+    }
+    /// Rows of the embedding matrix (the padded vocabulary).
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            Self::Mamba1(c) => c.vocab_size,
+            Self::Mamba2(c) => c.vocab_size,
+        }
+    }
+    /// Width of the causal convolution.
+    pub fn d_conv(&self) -> usize {
+        match self {
+            Self::Mamba1(c) => c.d_conv,
+            Self::Mamba2(c) => c.d_conv,
+        }
+    }
+    /// Floats in one context's state.
+    pub fn state_floats(&self) -> usize {
+        match self {
+            Self::Mamba1(c) => c.state_floats(),
+            Self::Mamba2(c) => c.state_floats(),
+        }
+    }
+    /// The shape of this model's states.
+    pub fn state_shape(&self) -> StateShape {
+        match self {
+            Self::Mamba1(c) => StateShape::mamba1(c),
+            Self::Mamba2(c) => StateShape::of(c),
+        }
+    }
+    /// The HF transformers spelling.
+    pub fn to_hf_json(&self) -> Value {
+        match self {
+            Self::Mamba1(c) => c.to_hf_json(),
+            Self::Mamba2(c) => c.to_hf_json(),
+        }
+    }
+    /// The checkpoint layout the weights were read from.
+    pub fn format(&self) -> CheckpointFormat {
+        match self {
+            Self::Mamba1(c) => c.format,
+            Self::Mamba2(c) => c.format,
+        }
+    }
+    /// The sizes, in one line.
+    pub fn describe(&self) -> String {
+        match self {
+            Self::Mamba1(c) => format!(
+                "d_model {} · layers {} · d_inner {} · d_state {} · dt_rank {} · d_conv {} · vocab {}",
+                c.d_model,
+                c.n_layer,
+                c.d_inner(),
+                c.d_state,
+                c.dt_rank,
+                c.d_conv,
+                c.vocab_size
+            ),
+            Self::Mamba2(c) => format!(
+                "d_model {} · layers {} · heads {} × headdim {} · d_state {} · groups {} · d_conv {} · vocab {}",
+                c.d_model, c.n_layer, c.nheads, c.headdim, c.d_state, c.n_groups, c.d_conv, c.vocab_size
+            ),
+        }
+    }
+    /// The Mamba-2 config, if this is one (training supports Mamba-2).
+    pub fn as_mamba2(&self) -> Option<&Mamba2Config> {
+        match self {
+            Self::Mamba2(c) => Some(c),
+            Self::Mamba1(_) => None,
+        }
+    }
+}
+
+impl From<Mamba2Config> for ModelConfig {
+    fn from(c: Mamba2Config) -> Self {
+        Self::Mamba2(c)
+    }
+}
+
+impl From<Mamba1Config> for ModelConfig {
+    fn from(c: Mamba1Config) -> Self {
+        Self::Mamba1(c)
+    }
+}
+
 /// Typed access to config fields with messages that name the field.
-struct Fields<'a> {
-    path: &'a Path,
-    map: &'a Map<String, Value>,
+pub(crate) struct Fields<'a> {
+    pub(crate) path: &'a Path,
+    pub(crate) map: &'a Map<String, Value>,
 }
 
 impl Fields<'_> {
-    fn err(&self, key: &str, want: &str) -> Error {
+    pub(crate) fn err(&self, key: &str, want: &str) -> Error {
         Error::config(self.path, format!("field `{key}` must be {want}, found {}", self.map[key]))
     }
-    fn usize(&self, key: &str) -> Result<usize> {
+    pub(crate) fn usize(&self, key: &str) -> Result<usize> {
         match self.map.get(key) {
             None => Err(Error::config(self.path, format!("missing field `{key}`"))),
             Some(v) => v.as_u64().map(|x| x as usize).ok_or_else(|| self.err(key, "a non-negative integer")),
         }
     }
-    fn usize_or(&self, key: &str, default: usize) -> Result<usize> {
+    pub(crate) fn usize_or(&self, key: &str, default: usize) -> Result<usize> {
         match self.map.get(key) {
             None | Some(Value::Null) => Ok(default),
             Some(_) => self.usize(key),
         }
     }
-    fn f64_or(&self, key: &str, default: f64) -> Result<f64> {
+    pub(crate) fn f64_or(&self, key: &str, default: f64) -> Result<f64> {
         match self.map.get(key) {
             None | Some(Value::Null) => Ok(default),
             Some(v) => as_float(v).ok_or_else(|| self.err(key, "a number")),
         }
     }
-    fn bool_or(&self, key: &str, default: bool) -> Result<bool> {
+    pub(crate) fn bool_or(&self, key: &str, default: bool) -> Result<bool> {
         match self.map.get(key) {
             None | Some(Value::Null) => Ok(default),
             Some(v) => v.as_bool().ok_or_else(|| self.err(key, "true or false")),
         }
     }
     /// A `[min, max]` clamp; absent means no clamp.
-    fn limit(&self, key: &str) -> Result<(f64, f64)> {
+    pub(crate) fn limit(&self, key: &str) -> Result<(f64, f64)> {
         match self.map.get(key) {
             None | Some(Value::Null) => Ok((0.0, f64::INFINITY)),
             Some(Value::Array(a)) if a.len() == 2 => match (as_float(&a[0]), as_float(&a[1])) {

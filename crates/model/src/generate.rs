@@ -124,7 +124,7 @@ pub fn generate(
 ) -> Result<Generation> {
     opts.validate()?;
     let tokenizer = model.tokenizer()?;
-    let vocab = tokenizer.vocab_size().min(model.config().vocab_size);
+    let vocab = tokenizer.vocab_size().min(model.config().vocab_size());
     let (mut logits, mut state) = model.prefill_last_logits(prompt, state)?;
     let mut rng = StdRng::seed_from_u64(opts.seed);
     let mut tokens = Vec::new();

@@ -1,13 +1,14 @@
-//! [`Model`]: a loaded Mamba-2 language model with its tokenizer. Every operation takes a
+//! [`Model`]: a loaded Mamba-1 or Mamba-2 language model with its tokenizer. Every operation takes a
 //! [`State`] and returns the next one, so a computation can stop after any token and resume
 //! later, elsewhere, or from a composed state.
 
 use std::path::{Path, PathBuf};
 
 use crate::candle_engine::CandleMamba2;
-use crate::config::Mamba2Config;
+use crate::config::{Mamba2Config, ModelConfig};
 use crate::cpu::{CpuMamba2, WeightDtype};
 use crate::error::{Error, Result};
+use crate::mamba1::{CpuMamba1, Mamba1Weights};
 use crate::state::{State, StateShape};
 use crate::tokenizer::TextTokenizer;
 use crate::weights::Mamba2Weights;
@@ -56,39 +57,74 @@ impl std::str::FromStr for Backend {
 #[derive(Debug)]
 enum Engine {
     Cpu(CpuMamba2),
+    CpuMamba1(CpuMamba1),
     Candle { engine: CandleMamba2, config: Mamba2Config },
 }
 
-impl Engine {
-    fn new(config: Mamba2Config, weights: Mamba2Weights, backend: &Backend, dtype: WeightDtype) -> Result<Self> {
-        Ok(match backend {
-            Backend::Cpu => Engine::Cpu(CpuMamba2::new(config, weights, dtype)),
-            Backend::Candle { device, dtype } => {
-                Engine::Candle { engine: CandleMamba2::new(&config, &weights, device, *dtype)?, config }
-            }
+/// Weights of either architecture, as read from a checkpoint.
+enum Weights {
+    Mamba1(Mamba1Weights),
+    Mamba2(Mamba2Weights),
+}
+
+impl Weights {
+    fn load(dir: &Path, config: &ModelConfig) -> Result<Self> {
+        Ok(match config {
+            ModelConfig::Mamba1(c) => Weights::Mamba1(Mamba1Weights::load(dir, c)?),
+            ModelConfig::Mamba2(c) => Weights::Mamba2(Mamba2Weights::load(dir, c)?),
         })
     }
-    fn config(&self) -> &Mamba2Config {
-        match self {
-            Engine::Cpu(e) => e.config(),
-            Engine::Candle { config, .. } => config,
+    fn fingerprint(&self, config: &ModelConfig) -> String {
+        match (self, config) {
+            (Weights::Mamba1(w), ModelConfig::Mamba1(c)) => w.fingerprint(c),
+            (Weights::Mamba2(w), ModelConfig::Mamba2(c)) => w.fingerprint(c),
+            _ => unreachable!("weights are loaded for their config"),
         }
+    }
+    fn n_params(&self) -> usize {
+        match self {
+            Weights::Mamba1(w) => w.n_params(),
+            Weights::Mamba2(w) => w.n_params(),
+        }
+    }
+}
+
+impl Engine {
+    fn new(config: ModelConfig, weights: Weights, backend: &Backend, dtype: WeightDtype) -> Result<Self> {
+        Ok(match (config, weights, backend) {
+            (ModelConfig::Mamba2(c), Weights::Mamba2(w), Backend::Cpu) => Engine::Cpu(CpuMamba2::new(c, w, dtype)),
+            (ModelConfig::Mamba2(c), Weights::Mamba2(w), Backend::Candle { device, dtype }) => {
+                Engine::Candle { engine: CandleMamba2::new(&c, &w, device, *dtype)?, config: c }
+            }
+            (ModelConfig::Mamba1(c), Weights::Mamba1(w), Backend::Cpu) => {
+                Engine::CpuMamba1(CpuMamba1::new(c, w, dtype))
+            }
+            (ModelConfig::Mamba1(_), _, Backend::Candle { .. }) => {
+                return Err(Error::Input(
+                    "Mamba-1 models run on the cpu engine (--device cpu); the candle engine (candle-cpu, cuda, metal) runs Mamba-2 models".into(),
+                ))
+            }
+            _ => unreachable!("weights are loaded for their config"),
+        })
     }
     fn forward(&self, tokens: &[u32], state: &mut State) -> Result<Vec<f32>> {
         match self {
             Engine::Cpu(e) => Ok(e.forward(tokens, state)),
+            Engine::CpuMamba1(e) => Ok(e.forward(tokens, state)),
             Engine::Candle { engine, .. } => engine.forward(tokens, state),
         }
     }
     fn logits(&self, hidden: &[f32]) -> Result<Vec<f32>> {
         match self {
             Engine::Cpu(e) => Ok(e.logits(hidden)),
+            Engine::CpuMamba1(e) => Ok(e.logits(hidden)),
             Engine::Candle { engine, .. } => engine.logits(hidden),
         }
     }
     fn logprobs(&self, hidden: &[f32], targets: &[u32]) -> Result<Vec<f32>> {
         match self {
             Engine::Cpu(e) => Ok(e.logprobs(hidden, targets)),
+            Engine::CpuMamba1(e) => Ok(e.logprobs(hidden, targets)),
             Engine::Candle { engine, config, .. } => {
                 let v = config.vocab_size;
                 let logits = engine.logits(hidden)?;
@@ -116,10 +152,11 @@ pub struct LoadOptions {
     pub skip_tokenizer: bool,
 }
 
-/// A Mamba-2 language model ready to run.
+/// A Mamba language model ready to run.
 #[derive(Debug)]
 pub struct Model {
     dir: PathBuf,
+    config: ModelConfig,
     fingerprint: String,
     n_params: usize,
     engine: Engine,
@@ -145,8 +182,8 @@ impl Model {
                 dir.display()
             )));
         }
-        let config = Mamba2Config::from_file(&dir.join("config.json"))?;
-        let weights = Mamba2Weights::load(dir, &config)?;
+        let config = ModelConfig::from_file(&dir.join("config.json"))?;
+        let weights = Weights::load(dir, &config)?;
         let fingerprint = weights.fingerprint(&config);
         let n_params = weights.n_params();
         let (tokenizer, tokenizer_error) = if options.skip_tokenizer {
@@ -159,8 +196,8 @@ impl Model {
                 Err(e) => (None, Some(format!("{e}; pass --tokenizer PATH to a tokenizer.json"))),
             }
         };
-        let engine = Engine::new(config, weights, &options.backend, options.weight_dtype)?;
-        Ok(Self { dir: dir.to_path_buf(), fingerprint, n_params, engine, tokenizer, tokenizer_error })
+        let engine = Engine::new(config.clone(), weights, &options.backend, options.weight_dtype)?;
+        Ok(Self { dir: dir.to_path_buf(), config, fingerprint, n_params, engine, tokenizer, tokenizer_error })
     }
 
     /// Builds a model on the CPU engine from weights already in memory (tests, training).
@@ -177,10 +214,38 @@ impl Model {
         backend: &Backend,
         weight_dtype: WeightDtype,
     ) -> Result<Self> {
+        let (config, weights) = (ModelConfig::Mamba2(config), Weights::Mamba2(weights));
+        Self::from_parts(config, weights, tokenizer, backend, weight_dtype)
+    }
+
+    /// Builds a Mamba-1 model on the CPU engine from weights already in memory (tests).
+    pub fn from_mamba1_weights(
+        config: crate::mamba1::Mamba1Config,
+        weights: Mamba1Weights,
+        tokenizer: Option<TextTokenizer>,
+    ) -> Self {
+        Self::from_parts(
+            ModelConfig::Mamba1(config),
+            Weights::Mamba1(weights),
+            tokenizer,
+            &Backend::Cpu,
+            WeightDtype::F32,
+        )
+        .expect("the CPU engine cannot fail to build")
+    }
+
+    fn from_parts(
+        config: ModelConfig,
+        weights: Weights,
+        tokenizer: Option<TextTokenizer>,
+        backend: &Backend,
+        weight_dtype: WeightDtype,
+    ) -> Result<Self> {
         let fingerprint = weights.fingerprint(&config);
         let n_params = weights.n_params();
         Ok(Self {
             dir: PathBuf::new(),
+            config: config.clone(),
             fingerprint,
             n_params,
             engine: Engine::new(config, weights, backend, weight_dtype)?,
@@ -194,8 +259,8 @@ impl Model {
         &self.dir
     }
     /// The config.
-    pub fn config(&self) -> &Mamba2Config {
-        self.engine.config()
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
     }
     /// The fingerprint every state of this model carries.
     pub fn fingerprint(&self) -> &str {
@@ -207,7 +272,7 @@ impl Model {
     }
     /// Shape of this model's states.
     pub fn state_shape(&self) -> StateShape {
-        StateShape::of(self.config())
+        self.config.state_shape()
     }
     /// The state before any token.
     pub fn zero_state(&self) -> State {
@@ -228,7 +293,7 @@ impl Model {
 
     /// Checks that every id indexes the embedding.
     pub fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
-        let v = self.config().vocab_size;
+        let v = self.config.vocab_size();
         match tokens.iter().position(|&t| t as usize >= v) {
             Some(i) => Err(Error::Input(format!(
                 "token id {} at position {i} is outside the vocabulary (ids must be < {v})",
@@ -257,7 +322,7 @@ impl Model {
             return Err(Error::Input("need at least one token to predict the next one".into()));
         }
         let (hidden, next) = self.run(tokens, state)?;
-        let d = self.config().d_model;
+        let d = self.config.d_model();
         Ok((self.engine.logits(&hidden[hidden.len() - d..])?, next))
     }
 
@@ -278,7 +343,7 @@ impl Model {
     /// Scores `tokens` from `state`: the first token is context, each later one is scored.
     pub fn score(&self, tokens: &[u32], state: &State) -> Result<Scored> {
         let (hidden, next) = self.run(tokens, state)?;
-        let d = self.config().d_model;
+        let d = self.config.d_model();
         let logprobs = if tokens.len() < 2 {
             Vec::new()
         } else {
@@ -296,7 +361,7 @@ impl Model {
         let mut all = context.to_vec();
         all.extend_from_slice(continuation);
         let (hidden, next) = self.run(&all, state)?;
-        let d = self.config().d_model;
+        let d = self.config.d_model();
         let from = context.len() - 1;
         let rows = &hidden[from * d..(all.len() - 1) * d];
         Ok(Scored { logprobs: self.engine.logprobs(rows, continuation)?, state: next })

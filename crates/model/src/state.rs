@@ -1,12 +1,17 @@
-//! The state of a Mamba-2 model after some tokens: a plain value that can be saved, loaded,
+//! The state of a Mamba model after some tokens: a plain value that can be saved, loaded,
 //! composed and continued from exactly.
 //!
-//! Per layer (H heads, P = headdim, N = d_state, C = conv_dim, K = d_conv):
+//! Per layer of a Mamba-2 model (H heads, P = headdim, N = d_state, C = conv_dim, K = d_conv):
 //! * `ssm` (H, P, N): the SSM state h.
 //! * `conv` (C, K-1): the last K-1 pre-convolution xBC inputs, oldest first (zeros before the
 //!   first token), so a continuation convolves exactly as if it had seen the whole prefix.
 //! * `log_decay` (H): Σ_t dt_t·A_h over the processed tokens = log of the total decay A(u) that
 //!   the composition methods need (CASO weights are products of these decays).
+//!
+//! A Mamba-1 layer (D = d_inner) decays every state element at its own rate: `ssm` (D, N),
+//! `conv` (D, K-1) of the pre-convolution x inputs, and `log_decay` (D, N) = Σ_t dt_{t,d}·A_{d,n}.
+//! Either way each log-decay entry covers a contiguous block of `ssm` (P·N values for Mamba-2,
+//! one for Mamba-1), which is all composition needs to know.
 //!
 //! On disk a state is one safetensors file with tensors `layers.{i}.ssm|conv|log_decay` and the
 //! model fingerprint and token count in the metadata. `ssm` and `conv` may be stored as bf16 to
@@ -43,34 +48,87 @@ impl std::str::FromStr for StateDtype {
     }
 }
 
+/// The model family a state belongs to; decides the ranks of its tensors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Arch {
+    /// Mamba-1: a decay per (channel, state) element.
+    Mamba1,
+    /// Mamba-2: a decay per head.
+    Mamba2,
+}
+
+impl Arch {
+    /// The name written into state files and configs.
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Mamba1 => "mamba1",
+            Arch::Mamba2 => "mamba2",
+        }
+    }
+
+    /// Ranks of (ssm, conv, log_decay).
+    fn ranks(self) -> [usize; 3] {
+        match self {
+            Arch::Mamba1 => [2, 2, 2],
+            Arch::Mamba2 => [3, 2, 1],
+        }
+    }
+}
+
+impl std::fmt::Display for Arch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// Shapes of one layer's state tensors, derived from the config.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StateShape {
+    /// The model family.
+    pub arch: Arch,
     /// Number of layers.
     pub n_layer: usize,
-    /// (H, P, N).
-    pub ssm: [usize; 3],
+    /// Mamba-2 (H, P, N); Mamba-1 (D, N).
+    pub ssm: Vec<usize>,
     /// (C, K-1).
-    pub conv: [usize; 2],
-    /// (H).
-    pub log_decay: [usize; 1],
+    pub conv: Vec<usize>,
+    /// Mamba-2 (H); Mamba-1 (D, N).
+    pub log_decay: Vec<usize>,
 }
 
 impl StateShape {
     /// The state shape of a Mamba-2 config.
     pub fn of(c: &Mamba2Config) -> Self {
         Self {
+            arch: Arch::Mamba2,
             n_layer: c.n_layer,
-            ssm: [c.nheads, c.headdim, c.d_state],
-            conv: [c.conv_dim(), c.d_conv - 1],
-            log_decay: [c.nheads],
+            ssm: vec![c.nheads, c.headdim, c.d_state],
+            conv: vec![c.conv_dim(), c.d_conv - 1],
+            log_decay: vec![c.nheads],
         }
     }
-    fn ssm_len(&self) -> usize {
+    /// The state shape of a Mamba-1 config.
+    pub fn mamba1(c: &crate::mamba1::Mamba1Config) -> Self {
+        Self {
+            arch: Arch::Mamba1,
+            n_layer: c.n_layer,
+            ssm: vec![c.d_inner(), c.d_state],
+            conv: vec![c.d_inner(), c.d_conv - 1],
+            log_decay: vec![c.d_inner(), c.d_state],
+        }
+    }
+    /// Values of one layer's SSM state.
+    pub fn ssm_len(&self) -> usize {
         self.ssm.iter().product()
     }
-    fn conv_len(&self) -> usize {
+    /// Values of one layer's conv tail.
+    pub fn conv_len(&self) -> usize {
         self.conv.iter().product()
+    }
+    /// Values of one layer's log-decay.
+    pub fn log_decay_len(&self) -> usize {
+        self.log_decay.iter().product()
     }
 }
 
@@ -104,14 +162,14 @@ impl State {
         let layer = LayerState {
             ssm: vec![0.0; shape.ssm_len()],
             conv: vec![0.0; shape.conv_len()],
-            log_decay: vec![0.0; shape.log_decay[0]],
+            log_decay: vec![0.0; shape.log_decay_len()],
         };
         Self { fingerprint: fingerprint.into(), n_tokens: 0, layers: vec![layer; shape.n_layer], shape }
     }
 
     /// Bytes of the state in f32.
     pub fn nbytes_f32(&self) -> usize {
-        4 * self.shape.n_layer * (self.shape.ssm_len() + self.shape.conv_len() + self.shape.log_decay[0])
+        4 * self.shape.n_layer * (self.shape.ssm_len() + self.shape.conv_len() + self.shape.log_decay_len())
     }
 
     /// Checks that this state belongs to the model with `fingerprint` and has `shape`.
@@ -131,7 +189,7 @@ impl State {
             && self.layers.iter().all(|l| {
                 l.ssm.len() == shape.ssm_len()
                     && l.conv.len() == shape.conv_len()
-                    && l.log_decay.len() == shape.log_decay[0]
+                    && l.log_decay.len() == shape.log_decay_len()
             });
         if !sizes_ok {
             return Err(Error::state("tensor sizes do not match the declared shape"));
@@ -175,7 +233,7 @@ impl State {
         }
         let quote = |s: &str| serde_json::to_string(s).expect("strings serialise");
         let metadata = [
-            ("arch", "mamba2".to_string()),
+            ("arch", self.shape.arch.name().to_string()),
             ("fingerprint", self.fingerprint.clone()),
             ("format", STATE_FORMAT.to_string()),
             ("n_tokens", self.n_tokens.to_string()),
@@ -321,10 +379,11 @@ impl Parsed {
         if format != STATE_FORMAT {
             return Err(Error::state(format!("format {format:?} is not {STATE_FORMAT:?}")));
         }
-        let arch = get("arch")?;
-        if arch != "mamba2" {
-            return Err(Error::state(format!("architecture {arch:?} is not mamba2")));
-        }
+        let arch = match get("arch")?.as_str() {
+            "mamba2" => Arch::Mamba2,
+            "mamba1" => Arch::Mamba1,
+            other => return Err(Error::state(format!("architecture {other:?} is neither mamba1 nor mamba2"))),
+        };
         let fingerprint = get("fingerprint")?;
         let n_tokens = get("n_tokens")?.parse().map_err(|_| Error::state("metadata `n_tokens` is not an integer"))?;
         let st = SafeTensors::deserialize(bytes).map_err(|e| Error::state(format!("not a safetensors file: {e}")))?;
@@ -335,13 +394,21 @@ impl Parsed {
         let dims = |name: &str| -> Result<Vec<usize>> {
             st.tensor(name).map(|v| v.shape().to_vec()).map_err(|_| Error::state(format!("missing tensor `{name}`")))
         };
-        let (ssm, conv, ld) = (dims("layers.0.ssm")?, dims("layers.0.conv")?, dims("layers.0.log_decay")?);
-        let (Ok(ssm), Ok(conv), Ok(log_decay)) =
-            (<[usize; 3]>::try_from(ssm), <[usize; 2]>::try_from(conv), <[usize; 1]>::try_from(ld))
-        else {
-            return Err(Error::state("tensor ranks are not ssm (H,P,N), conv (C,K-1), log_decay (H)"));
+        let (ssm, conv, log_decay) = (dims("layers.0.ssm")?, dims("layers.0.conv")?, dims("layers.0.log_decay")?);
+        if [ssm.len(), conv.len(), log_decay.len()] != arch.ranks() {
+            return Err(Error::state(match arch {
+                Arch::Mamba2 => "tensor ranks are not ssm (H,P,N), conv (C,K-1), log_decay (H) of a mamba2 state",
+                Arch::Mamba1 => "tensor ranks are not ssm (D,N), conv (D,K-1), log_decay (D,N) of a mamba1 state",
+            }));
+        }
+        let blocks_fit = match arch {
+            Arch::Mamba2 => log_decay[0] == ssm[0],
+            Arch::Mamba1 => log_decay == ssm,
         };
-        let shape = StateShape { n_layer, ssm, conv, log_decay };
+        if !blocks_fit {
+            return Err(Error::state(format!("log_decay shape {log_decay:?} does not fit ssm shape {ssm:?}")));
+        }
+        let shape = StateShape { arch, n_layer, ssm, conv, log_decay };
         let base = bytes.as_ptr() as usize;
         let at = |name: String, want: &[usize]| -> Result<TensorAt> {
             let v = st.tensor(&name).map_err(|_| Error::state(format!("missing tensor `{name}`")))?;
@@ -446,7 +513,7 @@ impl MappedState {
     /// Bytes of the state as f32 (what holding it in memory costs at most).
     pub fn nbytes_f32(&self) -> usize {
         let s = &self.parsed.shape;
-        4 * s.n_layer * (s.ssm_len() + s.conv_len() + s.log_decay[0])
+        4 * s.n_layer * (s.ssm_len() + s.conv_len() + s.log_decay_len())
     }
 
     /// The file's bytes.

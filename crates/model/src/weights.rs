@@ -180,13 +180,13 @@ fn read_pickle(file: &Path, out: &mut HashMap<String, HostTensor>) -> Result<()>
 }
 
 /// Takes tensors out of a name map, checking shapes and values.
-struct Take<'a> {
-    dir: &'a Path,
-    map: HashMap<String, HostTensor>,
+pub(crate) struct Take<'a> {
+    pub(crate) dir: &'a Path,
+    pub(crate) map: HashMap<String, HostTensor>,
 }
 
 impl Take<'_> {
-    fn get(&mut self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+    pub(crate) fn get(&mut self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
         let t = self
             .map
             .remove(name)
@@ -207,7 +207,7 @@ impl Take<'_> {
         }
         Ok(t.data)
     }
-    fn opt(&mut self, name: &str, shape: &[usize], wanted: bool) -> Result<Option<Vec<f32>>> {
+    pub(crate) fn opt(&mut self, name: &str, shape: &[usize], wanted: bool) -> Result<Option<Vec<f32>>> {
         if wanted {
             self.get(name, shape).map(Some)
         } else {
@@ -306,20 +306,7 @@ impl Mamba2Weights {
     /// A 128-bit fingerprint of the config's shape-relevant fields and every weight value.
     /// Independent of the file format, so the same model read from either layout matches.
     pub fn fingerprint(&self, config: &Mamba2Config) -> String {
-        let mut h = xxhash_rust::xxh3::Xxh3::new();
-        let mut cfg = config.to_hf_json();
-        if let Some(o) = cfg.as_object_mut() {
-            o.remove("architectures");
-        }
-        h.update(cfg.to_string().as_bytes());
-        self.for_each(|name, data| {
-            h.update(name.as_bytes());
-            h.update(&(data.len() as u64).to_le_bytes());
-            // SAFETY: f32 has no padding and any byte pattern of it is a valid u8 sequence.
-            let bytes = unsafe { std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), std::mem::size_of_val(data)) };
-            h.update(bytes);
-        });
-        format!("mamba2-{:032x}", h.digest128())
+        fingerprint("mamba2", config.to_hf_json(), |f| self.for_each(|name, data| f(name, data)))
     }
 }
 
@@ -328,17 +315,7 @@ impl Mamba2Weights {
     /// checkpoint is at hand. Scales keep activations O(1) and dt within [1e-3, 1e-1], like
     /// the Mamba-2 initialisation.
     pub fn random(config: &Mamba2Config, seed: u64) -> Self {
-        use rand::{rngs::StdRng, Rng, SeedableRng};
-        let mut rng = StdRng::seed_from_u64(seed);
-        let mut normal = |n: usize, std: f32| -> Vec<f32> {
-            (0..n)
-                .map(|_| {
-                    // Box-Muller.
-                    let (u1, u2): (f32, f32) = (rng.random::<f32>().max(1e-12), rng.random());
-                    std * (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos()
-                })
-                .collect()
-        };
+        let mut normal = normal_sampler(seed);
         let c = config;
         let (d, di, v) = (c.d_model, c.d_inner(), c.vocab_size);
         let mut layers = Vec::with_capacity(c.n_layer);
@@ -397,6 +374,42 @@ impl Mamba2Weights {
         crate::state::write_atomic(&dir.join("model.safetensors"), &bytes)?;
         let cfg = serde_json::to_string_pretty(&config.to_hf_json()).expect("config serialises");
         crate::state::write_atomic(&dir.join("config.json"), cfg.as_bytes())
+    }
+}
+
+/// `{prefix}-{xxh3-128}` of a config (its HF JSON without `architectures`) and every tensor
+/// visited by `for_each` (name, length, f32 bytes): equal for the same model in any layout.
+pub(crate) fn fingerprint(
+    prefix: &str,
+    mut config: serde_json::Value,
+    for_each: impl FnOnce(&mut dyn FnMut(&str, &[f32])),
+) -> String {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    if let Some(o) = config.as_object_mut() {
+        o.remove("architectures");
+    }
+    h.update(config.to_string().as_bytes());
+    for_each(&mut |name: &str, data: &[f32]| {
+        h.update(name.as_bytes());
+        h.update(&(data.len() as u64).to_le_bytes());
+        // SAFETY: f32 has no padding and any byte pattern of it is a valid u8 sequence.
+        let bytes = unsafe { std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), std::mem::size_of_val(data)) };
+        h.update(bytes);
+    });
+    format!("{prefix}-{:032x}", h.digest128())
+}
+
+/// Seeded standard-normal draws (Box-Muller) scaled by `std`, for random test weights.
+pub(crate) fn normal_sampler(seed: u64) -> impl FnMut(usize, f32) -> Vec<f32> {
+    use rand::{rngs::StdRng, Rng, SeedableRng};
+    let mut rng = StdRng::seed_from_u64(seed);
+    move |n: usize, std: f32| -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                let (u1, u2): (f32, f32) = (rng.random::<f32>().max(1e-12), rng.random());
+                std * (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos()
+            })
+            .collect()
     }
 }
 

@@ -10,13 +10,26 @@ use safetensors::{Dtype, SafeTensors};
 /// The fixture cases written by scripts/make_mamba2_fixtures.py.
 pub const CASES: [&str; 3] = ["g1", "g2", "g2-untied-bias"];
 
+/// The fixture cases written by scripts/make_mamba1_fixtures.py.
+pub const MAMBA1_CASES: [&str; 3] = ["a", "b", "c"];
+
 pub fn case_dir(case: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../testdata/mamba2").join(case)
+    fixture_dir("mamba2", case)
+}
+
+/// `testdata/{family}/{case}`.
+pub fn fixture_dir(family: &str, case: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../testdata").join(family).join(case)
 }
 
 pub fn load(case: &str, format: &str) -> Model {
+    load_from(&case_dir(case).join(format))
+}
+
+/// A fixture model without tokenizer.
+pub fn load_from(dir: &std::path::Path) -> Model {
     let opts = LoadOptions { skip_tokenizer: true, ..Default::default() };
-    Model::load(&case_dir(case).join(format), &opts).unwrap_or_else(|e| panic!("{case}/{format}: {e}"))
+    Model::load(dir, &opts).unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
 }
 
 /// The expected tensors of a case, as f32 (tokens as u32).
@@ -26,7 +39,12 @@ pub struct Expected {
 }
 
 pub fn expected(case: &str) -> Expected {
-    let bytes = std::fs::read(case_dir(case).join("expected.safetensors")).expect("fixture exists");
+    expected_in(&case_dir(case))
+}
+
+/// The expected tensors of the fixture in `dir`.
+pub fn expected_in(dir: &std::path::Path) -> Expected {
+    let bytes = std::fs::read(dir.join("expected.safetensors")).expect("fixture exists");
     let st = SafeTensors::deserialize(&bytes).expect("fixture parses");
     let mut tensors = HashMap::new();
     let mut tokens = Vec::new();

@@ -63,7 +63,7 @@ fn step_path_equals_chunked_prefill() {
     for case in CASES {
         let exp = expected(case);
         let model = load(case, "hf");
-        let v = model.config().vocab_size;
+        let v = model.config().vocab_size();
         let (chunked, end) = model.forward_all_logits(&exp.tokens, &model.zero_state()).unwrap();
         let mut state = model.zero_state();
         for (i, &t) in exp.tokens.iter().enumerate() {
@@ -111,7 +111,7 @@ fn bf16_weights_stay_close_to_f32_and_keep_the_markov_property() {
     eprintln!("bf16 weights: max |Δ logprob| {err:.4}, mean {mean:.4}");
     assert!(err > 0.0 && err < 0.2 && mean < 0.03, "bf16 weights change log-probs by {err} (mean {mean})");
     // Prefill (gemm on widened tiles) and decode (bf16 matrix-vector) agree with each other.
-    let v = bf16.config().vocab_size;
+    let v = bf16.config().vocab_size();
     let (all, _) = bf16.forward_all_logits(&tokens, &bf16.zero_state()).unwrap();
     let mut s = bf16.zero_state();
     for (i, &t) in tokens.iter().enumerate() {

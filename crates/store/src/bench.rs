@@ -77,7 +77,7 @@ fn evict(path: &Path) {
 pub fn context_cost(model: &Model, dir: &Path, opts: &ContextCostOptions) -> Result<Vec<ContextCostRow>> {
     let info = StoreInfo { fingerprint: model.fingerprint().to_string(), dim: 1, state_dtype: opts.state_dtype };
     let store = Store::open_or_create(dir, &info)?;
-    let vocab = model.config().vocab_size.min(model.tokenizer().map(|t| t.vocab_size()).unwrap_or(usize::MAX));
+    let vocab = model.config().vocab_size().min(model.tokenizer().map(|t| t.vocab_size()).unwrap_or(usize::MAX));
     let mut rng = rand::rngs::StdRng::seed_from_u64(0);
     let mut random_tokens = |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(0..vocab as u32)).collect() };
     let zero = model.zero_state();

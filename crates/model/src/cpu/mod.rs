@@ -15,7 +15,7 @@ use crate::weights::Mamba2Weights;
 use kernels::Matrix;
 
 /// Rows per rayon task for row-wise work (conv, norms); small enough to balance two cores.
-const ROW_CHUNK: usize = 16;
+pub(crate) const ROW_CHUNK: usize = 16;
 
 /// Storage precision of the large matrices (projections, embedding, LM head). Small tensors
 /// (norms, conv, dt, A, D) and all arithmetic stay f32.
@@ -43,11 +43,96 @@ impl std::str::FromStr for WeightDtype {
 #[derive(Debug)]
 pub struct CpuMamba2 {
     config: Mamba2Config,
+    io: TokenIo,
+    layers: Vec<CpuLayer>,
+}
+
+/// What every Mamba shares around its blocks: the token embedding, the final RMSNorm and the
+/// LM head (tied to the embedding or not).
+#[derive(Debug)]
+pub(crate) struct TokenIo {
     embedding: Matrix,
     /// Untied LM head; `None` uses the embedding.
     lm_head: Option<Matrix>,
     norm_f: Vec<f32>,
-    layers: Vec<CpuLayer>,
+    norm_eps: f32,
+    d_model: usize,
+    vocab: usize,
+}
+
+impl TokenIo {
+    /// Stores the large matrices in `dtype`.
+    pub(crate) fn new(
+        embedding: Vec<f32>,
+        lm_head: Option<Vec<f32>>,
+        norm_f: Vec<f32>,
+        norm_eps: f64,
+        vocab: usize,
+        dtype: WeightDtype,
+    ) -> Self {
+        let d_model = norm_f.len();
+        Self {
+            embedding: Matrix::new(embedding, dtype),
+            lm_head: lm_head.map(|m| Matrix::new(m, dtype)),
+            norm_f,
+            norm_eps: norm_eps as f32,
+            d_model,
+            vocab,
+        }
+    }
+
+    /// Embedding rows of `tokens` (T × d_model).
+    pub(crate) fn embed(&self, tokens: &[u32]) -> Vec<f32> {
+        let d = self.d_model;
+        let mut h = vec![0.0f32; tokens.len() * d];
+        for (row, &tok) in h.chunks_exact_mut(d).zip(tokens) {
+            self.embedding.row_into(tok as usize, row);
+        }
+        h
+    }
+
+    /// The final RMSNorm of every row.
+    pub(crate) fn final_norm(&self, h: &[f32]) -> Vec<f32> {
+        let d = self.d_model;
+        let mut out = vec![0.0f32; h.len()];
+        rows_par(h, &mut out, d, d, |x, o| kernels::rmsnorm(x, &self.norm_f, self.norm_eps, o));
+        out
+    }
+
+    /// The LM head matrix (vocab × d_model).
+    fn head(&self) -> &Matrix {
+        self.lm_head.as_ref().unwrap_or(&self.embedding)
+    }
+
+    /// Logits (rows × vocab) of `rows` final hidden states.
+    pub(crate) fn logits(&self, hidden: &[f32]) -> Vec<f32> {
+        let (d, v) = (self.d_model, self.vocab);
+        let rows = hidden.len() / d;
+        let mut out = vec![0.0f32; rows * v];
+        kernels::matmul_t(hidden, rows, d, self.head(), v, &mut out, false);
+        out
+    }
+
+    /// log p(targets[i] | hidden row i) for each row, computed in blocks so the full
+    /// (T × vocab) logits never exist at once.
+    pub(crate) fn logprobs(&self, hidden: &[f32], targets: &[u32]) -> Vec<f32> {
+        let (d, v) = (self.d_model, self.vocab);
+        const BLOCK: usize = 128;
+        let mut out = Vec::with_capacity(targets.len());
+        let mut logits = vec![0.0f32; BLOCK * v];
+        for (hb, tb) in hidden.chunks(BLOCK * d).zip(targets.chunks(BLOCK)) {
+            let rows = tb.len();
+            let lg = &mut logits[..rows * v];
+            kernels::matmul_t(&hb[..rows * d], rows, d, self.head(), v, lg, false);
+            let block: Vec<f32> = lg
+                .par_chunks(v)
+                .zip(tb.par_iter())
+                .map(|(row, &tg)| kernels::log_softmax_at(row, tg as usize))
+                .collect();
+            out.extend(block);
+        }
+        out
+    }
 }
 
 /// One block, laid out for the kernels.
@@ -99,13 +184,9 @@ impl CpuMamba2 {
                 }
             })
             .collect();
-        Self {
-            config,
-            embedding: mat(weights.embedding),
-            lm_head: weights.lm_head.map(mat),
-            norm_f: weights.norm_f,
-            layers,
-        }
+        let io =
+            TokenIo::new(weights.embedding, weights.lm_head, weights.norm_f, config.norm_eps, config.vocab_size, dtype);
+        Self { config, io, layers }
     }
 
     /// The config.
@@ -117,22 +198,16 @@ impl CpuMamba2 {
     /// states (T × d_model), ready for the LM head. Token ids must be in range (checked by
     /// the caller).
     pub fn forward(&self, tokens: &[u32], state: &mut State) -> Vec<f32> {
-        let d = self.config.d_model;
         let t = tokens.len();
         if t == 0 {
             return Vec::new();
         }
-        let mut h = vec![0.0f32; t * d];
-        for (row, &tok) in h.chunks_exact_mut(d).zip(tokens) {
-            self.embedding.row_into(tok as usize, row);
-        }
+        let mut h = self.io.embed(tokens);
         for (lw, ls) in self.layers.iter().zip(&mut state.layers) {
             self.layer(lw, ls, &mut h, t);
         }
-        let mut out = vec![0.0f32; t * d];
-        rows_par(&h, &mut out, d, d, |x, o| kernels::rmsnorm(x, &self.norm_f, self.config.norm_eps as f32, o));
         state.n_tokens += t as u64;
-        out
+        self.io.final_norm(&h)
     }
 
     /// One Mamba-2 block on `h` (T × d_model), residual included.
@@ -235,51 +310,26 @@ impl CpuMamba2 {
         }
     }
 
-    /// The LM head matrix (vocab × d_model).
-    fn head(&self) -> &Matrix {
-        self.lm_head.as_ref().unwrap_or(&self.embedding)
-    }
-
     /// Logits (rows × vocab) of `rows` final hidden states.
     pub fn logits(&self, hidden: &[f32]) -> Vec<f32> {
-        let (d, v) = (self.config.d_model, self.config.vocab_size);
-        let rows = hidden.len() / d;
-        let mut out = vec![0.0f32; rows * v];
-        kernels::matmul_t(hidden, rows, d, self.head(), v, &mut out, false);
-        out
+        self.io.logits(hidden)
     }
 
-    /// log p(targets[i] | hidden row i) for each row, computed in blocks so the full
-    /// (T × vocab) logits never exist at once.
+    /// log p(targets[i] | hidden row i) for each row.
     pub fn logprobs(&self, hidden: &[f32], targets: &[u32]) -> Vec<f32> {
-        let (d, v) = (self.config.d_model, self.config.vocab_size);
-        const BLOCK: usize = 128;
-        let mut out = Vec::with_capacity(targets.len());
-        let mut logits = vec![0.0f32; BLOCK * v];
-        for (hb, tb) in hidden.chunks(BLOCK * d).zip(targets.chunks(BLOCK)) {
-            let rows = tb.len();
-            let lg = &mut logits[..rows * v];
-            kernels::matmul_t(&hb[..rows * d], rows, d, self.head(), v, lg, false);
-            let block: Vec<f32> = lg
-                .par_chunks(v)
-                .zip(tb.par_iter())
-                .map(|(row, &tg)| kernels::log_softmax_at(row, tg as usize))
-                .collect();
-            out.extend(block);
-        }
-        out
+        self.io.logprobs(hidden, targets)
     }
 }
 
 /// Applies `f(input_row_block, output_row_block)` over row blocks in parallel.
-fn rows_par(x: &[f32], out: &mut [f32], din: usize, dout: usize, f: impl Fn(&[f32], &mut [f32]) + Sync) {
+pub(crate) fn rows_par(x: &[f32], out: &mut [f32], din: usize, dout: usize, f: impl Fn(&[f32], &mut [f32]) + Sync) {
     out.par_chunks_mut(ROW_CHUNK * dout).enumerate().for_each(|(i, o)| {
         let rows = o.len() / dout;
         f(&x[i * ROW_CHUNK * din..(i * ROW_CHUNK + rows) * din], o);
     });
 }
 
-fn add_bias_rows(x: &mut [f32], bias: &[f32]) {
+pub(crate) fn add_bias_rows(x: &mut [f32], bias: &[f32]) {
     for row in x.chunks_exact_mut(bias.len()) {
         for (v, b) in row.iter_mut().zip(bias) {
             *v += b;

@@ -1,0 +1,248 @@
+//! The CPU engine for Mamba-1: the same kernels as Mamba-2 (projections, conv, norms), and a
+//! selective scan whose decay exp(dt_{t,d}·A_{d,n}) is per (channel, state) element. Channels
+//! are independent, so the scan runs channel-blocks in parallel with each channel's N-vector
+//! state in registers while the T tokens stream past.
+
+use rayon::prelude::*;
+
+use super::config::Mamba1Config;
+use super::weights::Mamba1Weights;
+use crate::cpu::kernels::{self, Matrix};
+use crate::cpu::{add_bias_rows, rows_par, TokenIo, WeightDtype, ROW_CHUNK};
+use crate::state::{LayerState, State};
+
+/// Channels per rayon task of the scan.
+const CHANNEL_BLOCK: usize = 32;
+
+/// One block, laid out for the kernels.
+#[derive(Debug)]
+struct Layer {
+    norm: Vec<f32>,
+    in_proj: Matrix,
+    in_proj_bias: Option<Vec<f32>>,
+    /// Conv kernel transposed to (K, D).
+    conv_wt: Vec<f32>,
+    conv_bias: Vec<f32>,
+    x_proj: Matrix,
+    dt_proj: Matrix,
+    dt_proj_bias: Vec<f32>,
+    /// A = -exp(A_log), (D, N).
+    a: Vec<f32>,
+    d: Vec<f32>,
+    out_proj: Matrix,
+    out_proj_bias: Option<Vec<f32>>,
+}
+
+/// A Mamba-1 model ready to run on the CPU.
+#[derive(Debug)]
+pub struct CpuMamba1 {
+    config: Mamba1Config,
+    io: TokenIo,
+    layers: Vec<Layer>,
+}
+
+impl CpuMamba1 {
+    /// Takes ownership of validated weights, storing the large matrices in `dtype`.
+    pub fn new(config: Mamba1Config, weights: Mamba1Weights, dtype: WeightDtype) -> Self {
+        let (di, k) = (config.d_inner(), config.d_conv);
+        let mat = |v: Vec<f32>| Matrix::new(v, dtype);
+        let layers = weights
+            .layers
+            .into_iter()
+            .map(|l| {
+                let mut conv_wt = vec![0.0; k * di];
+                for ch in 0..di {
+                    for j in 0..k {
+                        conv_wt[j * di + ch] = l.conv_weight[ch * k + j];
+                    }
+                }
+                Layer {
+                    norm: l.norm,
+                    in_proj: mat(l.in_proj),
+                    in_proj_bias: l.in_proj_bias,
+                    conv_wt,
+                    conv_bias: l.conv_bias.unwrap_or_else(|| vec![0.0; di]),
+                    // Small matrices stay exact whatever the storage of the large ones.
+                    x_proj: Matrix::new(l.x_proj, WeightDtype::F32),
+                    dt_proj: Matrix::new(l.dt_proj, WeightDtype::F32),
+                    dt_proj_bias: l.dt_proj_bias,
+                    a: l.a_log.iter().map(|v| -v.exp()).collect(),
+                    d: l.d,
+                    out_proj: mat(l.out_proj),
+                    out_proj_bias: l.out_proj_bias,
+                }
+            })
+            .collect();
+        let io =
+            TokenIo::new(weights.embedding, weights.lm_head, weights.norm_f, config.norm_eps, config.vocab_size, dtype);
+        Self { config, io, layers }
+    }
+
+    /// The config.
+    pub fn config(&self) -> &Mamba1Config {
+        &self.config
+    }
+
+    /// Runs `tokens` from `state` (updated in place) and returns the final-normed hidden
+    /// states (T × d_model).
+    pub fn forward(&self, tokens: &[u32], state: &mut State) -> Vec<f32> {
+        let t = tokens.len();
+        if t == 0 {
+            return Vec::new();
+        }
+        let mut h = self.io.embed(tokens);
+        for (lw, ls) in self.layers.iter().zip(&mut state.layers) {
+            self.layer(lw, ls, &mut h, t);
+        }
+        state.n_tokens += t as u64;
+        self.io.final_norm(&h)
+    }
+
+    /// One Mamba-1 block on `h` (T × d_model), residual included.
+    fn layer(&self, lw: &Layer, ls: &mut LayerState, h: &mut [f32], t: usize) {
+        let c = &self.config;
+        let (d, di, n, k, r) = (c.d_model, c.d_inner(), c.d_state, c.d_conv, c.dt_rank);
+
+        // Pre-norm and in_proj: xz (T × 2D) = [x | z].
+        let mut xn = vec![0.0f32; t * d];
+        rows_par(h, &mut xn, d, d, |x, o| kernels::rmsnorm(x, &lw.norm, c.norm_eps as f32, o));
+        let mut xz = vec![0.0f32; t * 2 * di];
+        kernels::matmul_t(&xn, t, d, &lw.in_proj, 2 * di, &mut xz, false);
+        if let Some(b) = &lw.in_proj_bias {
+            add_bias_rows(&mut xz, b);
+        }
+
+        // Causal depthwise conv over [tail (K-1 rows); x (T rows)], then SiLU.
+        let tail = k - 1;
+        let mut seq = vec![0.0f32; (tail + t) * di];
+        for ch in 0..di {
+            for j in 0..tail {
+                seq[j * di + ch] = ls.conv[ch * tail + j];
+            }
+        }
+        for (dst, src) in seq[tail * di..].chunks_exact_mut(di).zip(xz.chunks_exact(2 * di)) {
+            dst.copy_from_slice(&src[..di]);
+        }
+        let mut xc = vec![0.0f32; t * di];
+        xc.par_chunks_mut(ROW_CHUNK * di).enumerate().for_each(|(i, o)| {
+            let start = i * ROW_CHUNK * di;
+            let rows = o.len() / di;
+            kernels::conv_silu(&seq[start..start + (rows + tail) * di], &lw.conv_wt, &lw.conv_bias, di, k, o);
+        });
+        for ch in 0..di {
+            for j in 0..tail {
+                ls.conv[ch * tail + j] = seq[(t + j) * di + ch];
+            }
+        }
+
+        // x_proj → [dt_low | B | C]; dt = softplus(dt_proj(dt_low) + bias), all (T × ·).
+        let xp = c.x_proj_dim();
+        let mut xdbl = vec![0.0f32; t * xp];
+        kernels::matmul_t(&xc, t, di, &lw.x_proj, xp, &mut xdbl, false);
+        let low: Vec<f32> = xdbl.chunks_exact(xp).flat_map(|row| row[..r].iter().copied()).collect();
+        let mut dt = vec![0.0f32; t * di];
+        kernels::matmul_t(&low, t, r, &lw.dt_proj, di, &mut dt, false);
+        for row in dt.chunks_exact_mut(di) {
+            for (v, b) in row.iter_mut().zip(&lw.dt_proj_bias) {
+                *v = kernels::softplus(*v + b);
+            }
+        }
+
+        // Channel-major copies so each channel's scan reads contiguous memory.
+        let transpose = |m: &[f32]| {
+            let mut out = vec![0.0f32; di * t];
+            for ti in 0..t {
+                for ch in 0..di {
+                    out[ch * t + ti] = m[ti * di + ch];
+                }
+            }
+            out
+        };
+        let (dt_cm, x_cm) = (transpose(&dt), transpose(&xc));
+        let b: Vec<f32> = xdbl.chunks_exact(xp).flat_map(|row| row[r..r + n].iter().copied()).collect();
+        let cm: Vec<f32> = xdbl.chunks_exact(xp).flat_map(|row| row[r + n..].iter().copied()).collect();
+
+        // Selective scan; y channel-major (D × T).
+        let mut y_cm = vec![0.0f32; di * t];
+        let blocks = CHANNEL_BLOCK;
+        ls.ssm
+            .par_chunks_mut(blocks * n)
+            .zip(ls.log_decay.par_chunks_mut(blocks * n))
+            .zip(y_cm.par_chunks_mut(blocks * t))
+            .enumerate()
+            .for_each(|(bi, ((s, ld), y))| {
+                for (j, ((sc, ldc), yc)) in
+                    s.chunks_exact_mut(n).zip(ld.chunks_exact_mut(n)).zip(y.chunks_exact_mut(t)).enumerate()
+                {
+                    let ch = bi * blocks + j;
+                    scan_channel(
+                        sc,
+                        ldc,
+                        &lw.a[ch * n..(ch + 1) * n],
+                        lw.d[ch],
+                        &dt_cm[ch * t..(ch + 1) * t],
+                        &x_cm[ch * t..(ch + 1) * t],
+                        &b,
+                        &cm,
+                        yc,
+                    );
+                }
+            });
+
+        // y · silu(z), then out_proj added onto the residual stream.
+        let mut gated = vec![0.0f32; t * di];
+        gated.par_chunks_mut(di).enumerate().for_each(|(ti, o)| {
+            let z = &xz[ti * 2 * di + di..(ti + 1) * 2 * di];
+            for (ch, (ov, &zv)) in o.iter_mut().zip(z).enumerate() {
+                *ov = y_cm[ch * t + ti] * kernels::silu(zv);
+            }
+        });
+        kernels::matmul_t(&gated, t, di, &lw.out_proj, d, h, true);
+        if let Some(bias) = &lw.out_proj_bias {
+            add_bias_rows(h, bias);
+        }
+    }
+
+    /// Logits (rows × vocab) of `rows` final hidden states.
+    pub fn logits(&self, hidden: &[f32]) -> Vec<f32> {
+        self.io.logits(hidden)
+    }
+
+    /// log p(targets[i] | hidden row i) for each row.
+    pub fn logprobs(&self, hidden: &[f32], targets: &[u32]) -> Vec<f32> {
+        self.io.logprobs(hidden, targets)
+    }
+}
+
+/// One channel's scan over T tokens: s_n ← exp(dt_t·A_n)·s_n + dt_t·B_{t,n}·x_t,
+/// y_t = Σ_n C_{t,n}·s_n + D·x_t; `log_decay_n` += Σ_t dt_t·A_n (accumulated in f64).
+#[allow(clippy::too_many_arguments)]
+fn scan_channel(
+    s: &mut [f32],
+    log_decay: &mut [f32],
+    a: &[f32],
+    d: f32,
+    dt: &[f32],
+    x: &[f32],
+    b: &[f32],
+    c: &[f32],
+    y: &mut [f32],
+) {
+    let n = s.len();
+    let mut acc = vec![0f64; n];
+    for (ti, yv) in y.iter_mut().enumerate() {
+        let (dtv, xv) = (dt[ti], x[ti]);
+        let (bt, ct) = (&b[ti * n..(ti + 1) * n], &c[ti * n..(ti + 1) * n]);
+        let mut out = 0f32;
+        for i in 0..n {
+            let da = dtv * a[i];
+            s[i] = kernels::exp(da).mul_add(s[i], dtv * bt[i] * xv);
+            out = ct[i].mul_add(s[i], out);
+            acc[i] += f64::from(da);
+        }
+        *yv = d.mul_add(xv, out);
+    }
+    for (l, v) in log_decay.iter_mut().zip(acc) {
+        *l = (f64::from(*l) + v) as f32;
+    }
+}
