@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 mod common;
-use common::{ok, shared, text_model, write_docs};
+use common::{ok, shared, text_model_of, write_docs};
 
 /// A running `picaso serve`, killed on drop.
 struct Server {
@@ -94,8 +94,18 @@ impl Server {
 }
 
 #[test]
-fn serve_completions_contexts_search_metrics_and_bad_input() {
-    let (Some(model), Some(embedder)) = (text_model(1), shared("all-MiniLM-L6-v2")) else { return };
+fn serve_completions_contexts_search_metrics_and_bad_input_mamba2() {
+    serve_completions_contexts_search_metrics_and_bad_input("mamba2");
+}
+
+/// The server, unchanged, over a Mamba-1 model.
+#[test]
+fn serve_completions_contexts_search_metrics_and_bad_input_mamba1() {
+    serve_completions_contexts_search_metrics_and_bad_input("mamba1");
+}
+
+fn serve_completions_contexts_search_metrics_and_bad_input(arch: &str) {
+    let (Some(model), Some(embedder)) = (text_model_of(arch, 1), shared("all-MiniLM-L6-v2")) else { return };
     let tmp = tempfile::tempdir().unwrap();
     let docs = tmp.path().join("docs");
     write_docs(&docs);

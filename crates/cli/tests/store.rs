@@ -6,11 +6,21 @@ use std::process::Command;
 use picaso_model::{compose, LoadOptions, Method, Model, State};
 
 mod common;
-use common::{ok, run, shared, text_model, write_docs};
+use common::{ok, run, shared, text_model, text_model_of, write_docs};
 
 #[test]
-fn ingest_stats_query_and_compose_through_the_store() {
-    let (Some(model), Some(embedder)) = (text_model(1), shared("all-MiniLM-L6-v2")) else { return };
+fn ingest_stats_query_and_compose_through_the_store_mamba2() {
+    ingest_stats_query_and_compose_through_the_store("mamba2");
+}
+
+/// The same commands, unchanged, over a Mamba-1 model (detected from its config.json).
+#[test]
+fn ingest_stats_query_and_compose_through_the_store_mamba1() {
+    ingest_stats_query_and_compose_through_the_store("mamba1");
+}
+
+fn ingest_stats_query_and_compose_through_the_store(arch: &str) {
+    let (Some(model), Some(embedder)) = (text_model_of(arch, 1), shared("all-MiniLM-L6-v2")) else { return };
     let tmp = tempfile::tempdir().unwrap();
     let docs = tmp.path().join("docs");
     write_docs(&docs);
@@ -89,7 +99,7 @@ fn ingest_stats_query_and_compose_through_the_store() {
     assert_eq!(cache.stats().misses, 2, "each state is read from disk once, then served from memory");
 
     // Bad input: another model, unknown ids, unknown method, a folder that is not a store.
-    let other = text_model(2).unwrap();
+    let other = text_model_of(arch, 2).unwrap();
     let (success, _, stderr) =
         run(&["ingest", "--db", db_s, "--model", other.path().to_str().unwrap(), "--embedder", e, "--text-dir", d]);
     assert!(!success && stderr.contains("holds states of model"), "{stderr}");

@@ -356,25 +356,35 @@ impl Mamba2Weights {
     /// Writes `config.json` (HF transformers spelling) and `model.safetensors` (f32) into `dir`,
     /// a folder [`crate::Model::load`] and HF transformers both read.
     pub fn save_pretrained(&self, dir: &Path, config: &Mamba2Config) -> Result<()> {
-        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-        let mut named: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
         let shapes = tensor_shapes(config);
-        self.for_each(|name, data| {
-            let shape = shapes.get(name).cloned().unwrap_or_else(|| vec![data.len()]);
-            named.push((name.to_string(), shape, data.iter().flat_map(|v| v.to_le_bytes()).collect()));
-        });
-        let views = named
-            .iter()
-            .map(|(n, s, b)| safetensors::tensor::TensorView::new(Dtype::F32, s.clone(), b).map(|v| (n.clone(), v)))
-            .collect::<std::result::Result<Vec<_>, _>>()
-            .map_err(|e| Error::weights(dir, e.to_string()))?;
-        let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
-        let bytes =
-            safetensors::tensor::serialize(views, Some(meta)).map_err(|e| Error::weights(dir, e.to_string()))?;
-        crate::state::write_atomic(&dir.join("model.safetensors"), &bytes)?;
-        let cfg = serde_json::to_string_pretty(&config.to_hf_json()).expect("config serialises");
-        crate::state::write_atomic(&dir.join("config.json"), cfg.as_bytes())
+        write_checkpoint(dir, &config.to_hf_json(), &shapes, |f| self.for_each(|name, data| f(name, data)))
     }
+}
+
+/// Writes `config.json` (`hf_json`) and `model.safetensors` (f32, tensors as `for_each` visits
+/// them, shaped by `shapes` or 1-D) into `dir`, atomically file by file.
+pub(crate) fn write_checkpoint(
+    dir: &Path,
+    hf_json: &serde_json::Value,
+    shapes: &HashMap<String, Vec<usize>>,
+    for_each: impl FnOnce(&mut dyn FnMut(&str, &[f32])),
+) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let mut named: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for_each(&mut |name: &str, data: &[f32]| {
+        let shape = shapes.get(name).cloned().unwrap_or_else(|| vec![data.len()]);
+        named.push((name.to_string(), shape, data.iter().flat_map(|v| v.to_le_bytes()).collect()));
+    });
+    let views = named
+        .iter()
+        .map(|(n, s, b)| safetensors::tensor::TensorView::new(Dtype::F32, s.clone(), b).map(|v| (n.clone(), v)))
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|e| Error::weights(dir, e.to_string()))?;
+    let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
+    let bytes = safetensors::tensor::serialize(views, Some(meta)).map_err(|e| Error::weights(dir, e.to_string()))?;
+    crate::state::write_atomic(&dir.join("model.safetensors"), &bytes)?;
+    let cfg = serde_json::to_string_pretty(hf_json).expect("config serialises");
+    crate::state::write_atomic(&dir.join("config.json"), cfg.as_bytes())
 }
 
 /// `{prefix}-{xxh3-128}` of a config (its HF JSON without `architectures`) and every tensor

@@ -29,6 +29,26 @@ pub fn text_model(seed: u64) -> Option<tempfile::TempDir> {
     Some(dir)
 }
 
+/// A tiny random Mamba-1 (2 layers, width 16) with the GPT-NeoX tokenizer, in a temporary folder.
+pub fn text_model_mamba1(seed: u64) -> Option<tempfile::TempDir> {
+    let tok = shared("gpt-neox-20b-tokenizer/tokenizer.json")?;
+    let dir = tempfile::tempdir().unwrap();
+    let config =
+        picaso_model::Mamba1Config { vocab_size: 50280, d_model: 16, ..picaso_model::Mamba1Config::tiny(2, 4) };
+    picaso_model::Mamba1Weights::random(&config, seed).save_pretrained(dir.path(), &config).unwrap();
+    std::fs::copy(tok, dir.path().join("tokenizer.json")).unwrap();
+    Some(dir)
+}
+
+/// The tiny text model of `arch` ("mamba1" or "mamba2").
+pub fn text_model_of(arch: &str, seed: u64) -> Option<tempfile::TempDir> {
+    match arch {
+        "mamba1" => text_model_mamba1(seed),
+        "mamba2" => text_model(seed),
+        other => panic!("unknown architecture {other}"),
+    }
+}
+
 /// Three documents, four paragraphs: cats.txt (id 1), eiffel.txt (ids 2, 3), mamba.txt (id 4).
 pub fn write_docs(dir: &Path) {
     std::fs::create_dir_all(dir).unwrap();

@@ -7,7 +7,7 @@ use std::path::Path;
 use super::config::Mamba1Config;
 use crate::config::CheckpointFormat;
 use crate::error::{Error, Result};
-use crate::weights::{fingerprint, normal_sampler, read_tensors, HostTensor, Take};
+use crate::weights::{fingerprint, normal_sampler, read_tensors, write_checkpoint, HostTensor, Take};
 
 /// The weights of one Mamba-1 block, named as in `backbone.layers.{i}`.
 #[derive(Debug, Clone)]
@@ -183,5 +183,23 @@ impl Mamba1Weights {
             norm_f: normal(d, 0.1).iter().map(|x| 1.0 + x).collect(),
             lm_head: (!c.tie_embeddings).then(|| normal(v * d, 1.0 / (d as f32).sqrt())),
         }
+    }
+
+    /// Writes `config.json` (HF transformers spelling) and `model.safetensors` (f32) into
+    /// `dir`, a folder [`crate::Model::load`] and HF transformers both read.
+    pub fn save_pretrained(&self, dir: &Path, c: &Mamba1Config) -> Result<()> {
+        let mut shapes = HashMap::new();
+        shapes.insert("backbone.embeddings.weight".to_string(), vec![c.vocab_size, c.d_model]);
+        shapes.insert("lm_head.weight".to_string(), vec![c.vocab_size, c.d_model]);
+        for i in 0..c.n_layer {
+            let m = format!("backbone.layers.{i}.mixer");
+            shapes.insert(format!("{m}.in_proj.weight"), vec![2 * c.d_inner(), c.d_model]);
+            shapes.insert(format!("{m}.conv1d.weight"), vec![c.d_inner(), 1, c.d_conv]);
+            shapes.insert(format!("{m}.x_proj.weight"), vec![c.x_proj_dim(), c.d_inner()]);
+            shapes.insert(format!("{m}.dt_proj.weight"), vec![c.d_inner(), c.dt_rank]);
+            shapes.insert(format!("{m}.A_log"), vec![c.d_inner(), c.d_state]);
+            shapes.insert(format!("{m}.out_proj.weight"), vec![c.d_model, c.d_inner()]);
+        }
+        write_checkpoint(dir, &c.to_hf_json(), &shapes, |f| self.for_each(f))
     }
 }
