@@ -27,7 +27,7 @@ for dtype in ("f32", "bf16"):
                   f"decode {p['decode_tokens_per_s'] / q['decode_tokens_per_s']:.2f}x")
 comp = [r for r in rows if r["engine"] == "picaso" and r.get("compose_into_ms")]
 if comp:
-    print("composition of 10 mamba2-130m states (ms, median): read", round(statistics.median(r["read_states_ms"] for r in comp), 2))
+    print(f"composition of {comp[0].get('compose_n', 10)} states of this model (ms, median): read", round(statistics.median(r["read_states_ms"] for r in comp), 2))
     for i, (name, _) in enumerate(comp[0]["compose_ms"]):
         fresh = statistics.median(r["compose_ms"][i][1] for r in comp)
         into = statistics.median(r["compose_into_ms"][i][1] for r in comp)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Speed peer: HF transformers Mamba-2 on CPU (prefill and greedy decode tokens/s).
+"""Speed peer: HF transformers Mamba-1 or Mamba-2 on CPU (prefill and greedy decode tokens/s).
 
 Prefill: one forward over `--prefill` random token ids, `use_cache=False` (no cache, "model(input_ids)")
 and `use_cache=True` (also builds the recurrent cache; note config.use_cache=True makes this the
@@ -18,7 +18,7 @@ import json
 import time
 
 import torch
-from transformers import Mamba2ForCausalLM
+from transformers import AutoModelForCausalLM
 from transformers.utils import logging
 
 
@@ -47,13 +47,13 @@ def main():
     logging.set_verbosity_error()
     torch.set_num_threads(args.threads)
     dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    model = Mamba2ForCausalLM.from_pretrained(args.model_dir, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype).eval()  # by model_type
     vocab = min(model.config.vocab_size, 50277)
     g = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, vocab, (1, args.prefill), generator=g)
     prompt = torch.randint(0, vocab, (1, args.prompt), generator=g)
 
-    res = {"engine": "transformers", "dtype": args.dtype}
+    res = {"engine": "transformers", "dtype": args.dtype, "arch": model.config.model_type}
     with torch.inference_mode():
         t_nc = best_time(lambda: model(ids, use_cache=False), args.reps)
         t_c = best_time(lambda: model(ids, use_cache=True), args.reps)

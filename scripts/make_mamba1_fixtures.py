@@ -52,6 +52,11 @@ CASES = {
         seed=2003, hidden_size=32, state_size=6, num_hidden_layers=2, conv_kernel=2, expand=1,
         time_step_rank=3, vocab_size=89, tie_word_embeddings=True, use_bias=False, use_conv_bias=False,
     ),
+    # d_inner 42: not a multiple of the engine's 16-channel blocks.
+    "d": dict(
+        seed=2004, hidden_size=21, state_size=5, num_hidden_layers=2, conv_kernel=4, expand=2,
+        time_step_rank=2, vocab_size=83, tie_word_embeddings=True, use_bias=False, use_conv_bias=True,
+    ),
 }
 
 

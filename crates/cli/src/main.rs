@@ -140,10 +140,11 @@ struct QueryArgs {
 
 #[derive(Args)]
 struct BenchArgs {
-    /// Model folder; without it, random weights of --random's shape are used.
+    /// Model folder; without it, random weights of --random's shape (130m = mamba2-130m, mamba1-130m, tiny) are used.
     #[arg(long, conflicts_with = "random")]
     model: Option<String>,
-    /// Random weights in a known shape: `130m` (state-spaces/mamba2-130m) or `tiny`.
+    /// Random weights in a known shape: `130m` (state-spaces/mamba2-130m), `mamba1-130m`
+    /// (state-spaces/mamba-130m) or `tiny`.
     #[arg(long, default_value = "130m")]
     random: String,
     /// Seed of the random weights.
@@ -171,10 +172,11 @@ struct BenchArgs {
 
 #[derive(Args)]
 struct BenchContextArgs {
-    /// Model folder; without it, random weights of --random's shape are used.
+    /// Model folder; without it, random weights of --random's shape (130m = mamba2-130m, mamba1-130m, tiny) are used.
     #[arg(long, conflicts_with = "random")]
     model: Option<String>,
-    /// Random weights in a known shape: `130m` (state-spaces/mamba2-130m) or `tiny`.
+    /// Random weights in a known shape: `130m` (state-spaces/mamba2-130m), `mamba1-130m`
+    /// (state-spaces/mamba-130m) or `tiny`.
     #[arg(long, default_value = "130m")]
     random: String,
     /// Storage of the large weight matrices: f32 or bf16.
@@ -631,11 +633,16 @@ fn bench_model(model: Option<&str>, random: &str, seed: u64, weights: picaso_mod
             let args = ModelArgs { model: Some(m.to_string()), tokenizer: None, device: "cpu".into(), weights };
             load_model(&args, false)
         }
+        None if random == "mamba1-130m" => {
+            let config = picaso_model::Mamba1Config::mamba_130m();
+            let w = picaso_model::Mamba1Weights::random(&config, seed);
+            Ok(Model::from_mamba1_weights(config, w, None))
+        }
         None => {
             let config = match random {
                 "130m" => picaso_model::Mamba2Config::mamba2_130m(),
                 "tiny" => picaso_model::Mamba2Config::tiny(2, 4),
-                other => bail!("--random {other:?}: use 130m or tiny"),
+                other => bail!("--random {other:?}: use 130m (Mamba-2), mamba1-130m or tiny"),
             };
             let w = picaso_model::Mamba2Weights::random(&config, seed);
             Ok(Model::from_weights_on(config, w, None, &picaso_model::Backend::Cpu, weights)?)

@@ -192,13 +192,13 @@ impl CandleMamba2 {
     }
 }
 
-fn rmsnorm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+pub(crate) fn rmsnorm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
     Ok(x.broadcast_div(&(ms + eps)?.sqrt()?)?.broadcast_mul(w)?)
 }
 
 /// softplus as torch computes it: x above 20, else log(1 + e^x) (evaluated stably).
-fn softplus(x: &Tensor) -> Result<Tensor> {
+pub(crate) fn softplus(x: &Tensor) -> Result<Tensor> {
     // log(1 + e^x) = max(x, 0) + log(1 + e^-|x|); equals x for x > 20 to f32 precision.
     let pos = x.relu()?;
     let tail = (x.abs()?.neg()?.exp()? + 1.0)?.log()?;

@@ -8,7 +8,7 @@ use crate::candle_engine::CandleMamba2;
 use crate::config::{Mamba2Config, ModelConfig};
 use crate::cpu::{CpuMamba2, WeightDtype};
 use crate::error::{Error, Result};
-use crate::mamba1::{CpuMamba1, Mamba1Weights};
+use crate::mamba1::{CandleMamba1, CpuMamba1, Mamba1Weights};
 use crate::state::{State, StateShape};
 use crate::tokenizer::TextTokenizer;
 use crate::weights::Mamba2Weights;
@@ -59,6 +59,7 @@ enum Engine {
     Cpu(CpuMamba2),
     CpuMamba1(CpuMamba1),
     Candle { engine: CandleMamba2, config: Mamba2Config },
+    CandleMamba1 { engine: CandleMamba1, vocab: usize },
 }
 
 /// Weights of either architecture, as read from a checkpoint.
@@ -99,10 +100,8 @@ impl Engine {
             (ModelConfig::Mamba1(c), Weights::Mamba1(w), Backend::Cpu) => {
                 Engine::CpuMamba1(CpuMamba1::new(c, w, dtype))
             }
-            (ModelConfig::Mamba1(_), _, Backend::Candle { .. }) => {
-                return Err(Error::Input(
-                    "Mamba-1 models run on the cpu engine (--device cpu); the candle engine (candle-cpu, cuda, metal) runs Mamba-2 models".into(),
-                ))
+            (ModelConfig::Mamba1(c), Weights::Mamba1(w), Backend::Candle { device, dtype }) => {
+                Engine::CandleMamba1 { engine: CandleMamba1::new(&c, &w, device, *dtype)?, vocab: c.vocab_size }
             }
             _ => unreachable!("weights are loaded for their config"),
         })
@@ -112,6 +111,7 @@ impl Engine {
             Engine::Cpu(e) => Ok(e.forward(tokens, state)),
             Engine::CpuMamba1(e) => Ok(e.forward(tokens, state)),
             Engine::Candle { engine, .. } => engine.forward(tokens, state),
+            Engine::CandleMamba1 { engine, .. } => engine.forward(tokens, state),
         }
     }
     fn logits(&self, hidden: &[f32]) -> Result<Vec<f32>> {
@@ -119,6 +119,7 @@ impl Engine {
             Engine::Cpu(e) => Ok(e.logits(hidden)),
             Engine::CpuMamba1(e) => Ok(e.logits(hidden)),
             Engine::Candle { engine, .. } => engine.logits(hidden),
+            Engine::CandleMamba1 { engine, .. } => engine.logits(hidden),
         }
     }
     fn logprobs(&self, hidden: &[f32], targets: &[u32]) -> Result<Vec<f32>> {
@@ -126,16 +127,20 @@ impl Engine {
             Engine::Cpu(e) => Ok(e.logprobs(hidden, targets)),
             Engine::CpuMamba1(e) => Ok(e.logprobs(hidden, targets)),
             Engine::Candle { engine, config, .. } => {
-                let v = config.vocab_size;
-                let logits = engine.logits(hidden)?;
-                Ok(logits
-                    .chunks_exact(v)
-                    .zip(targets)
-                    .map(|(row, &t)| crate::cpu::kernels::log_softmax_at(row, t as usize))
-                    .collect())
+                log_softmax_rows_at(&engine.logits(hidden)?, config.vocab_size, targets)
             }
+            Engine::CandleMamba1 { engine, vocab } => log_softmax_rows_at(&engine.logits(hidden)?, *vocab, targets),
         }
     }
+}
+
+/// log p(targets[i]) from the logits' row i (rows of `vocab`).
+fn log_softmax_rows_at(logits: &[f32], vocab: usize, targets: &[u32]) -> Result<Vec<f32>> {
+    Ok(logits
+        .chunks_exact(vocab)
+        .zip(targets)
+        .map(|(row, &t)| crate::cpu::kernels::log_softmax_at(row, t as usize))
+        .collect())
 }
 
 /// How to load a model.

@@ -11,7 +11,7 @@ use safetensors::{Dtype, SafeTensors};
 pub const CASES: [&str; 3] = ["g1", "g2", "g2-untied-bias"];
 
 /// The fixture cases written by scripts/make_mamba1_fixtures.py.
-pub const MAMBA1_CASES: [&str; 3] = ["a", "b", "c"];
+pub const MAMBA1_CASES: [&str; 4] = ["a", "b", "c", "d"];
 
 pub fn case_dir(case: &str) -> PathBuf {
     fixture_dir("mamba2", case)

@@ -35,7 +35,8 @@ macro_rules! simd_fn {
     };
 }
 
-const LANES: usize = 16;
+/// Lanes of the hand-vectorised loops (one AVX-512 register, two AVX2 registers of f32).
+pub const LANES: usize = 16;
 
 /// exp(x) for f32 to ~2 ulp, branch-free so that loops calling it vectorise (Cephes expf).
 #[inline(always)]
@@ -377,6 +378,76 @@ simd_fn! {
                 yt[p] = acc.iter().sum::<f32>() + tail + d_skip * x[p];
             }
         }
+    }
+}
+
+simd_fn! {
+    /// The Mamba-1 selective scan of one block of up to [`LANES`] channels over `t` tokens,
+    /// vectorised across the channels (each has its own decay per state element):
+    /// s[c,j] ← exp(dt[c]·A[c,j])·s[c,j] + dt[c]·x[c]·B[j];  y[c] = Σ_j C[j]·s[c,j] + D[c]·x[c].
+    /// `s` and `a` are the block's (w, N) rows; `dt` and `x` are (t, stride) with the block's
+    /// channels at column `ch0`; `b`, `c` are (t, N); `y` gets (t, LANES), lanes past w zero.
+    /// Returns Σ_t dt per channel (f64), from which the caller adds A·Σdt to the log-decay.
+    pub fn scan_channels(
+        s: &mut [f32],
+        a: &[f32],
+        d_skip: &[f32],
+        dt: &[f32],
+        x: &[f32],
+        stride: usize,
+        ch0: usize,
+        b: &[f32],
+        c: &[f32],
+        t: usize,
+        y: &mut [f32],
+    ) -> [f64; LANES] {
+        let w = d_skip.len();
+        let n = s.len() / w.max(1);
+        // Lane-major copies: st[j][l] is channel l's state element j; missing lanes stay 0 and,
+        // with dt = 0 there, stay 0.
+        let mut st = vec![[0.0f32; LANES]; n];
+        let mut at = vec![[0.0f32; LANES]; n];
+        let mut dl = [0.0f32; LANES];
+        for l in 0..w {
+            for j in 0..n {
+                st[j][l] = s[l * n + j];
+                at[j][l] = a[l * n + j];
+            }
+            dl[l] = d_skip[l];
+        }
+        let mut dt_sum = [0.0f64; LANES];
+        for ti in 0..t {
+            let mut dtv = [0.0f32; LANES];
+            let mut xv = [0.0f32; LANES];
+            dtv[..w].copy_from_slice(&dt[ti * stride + ch0..ti * stride + ch0 + w]);
+            xv[..w].copy_from_slice(&x[ti * stride + ch0..ti * stride + ch0 + w]);
+            let mut dbx = [0.0f32; LANES];
+            for l in 0..LANES {
+                dbx[l] = dtv[l] * xv[l];
+                dt_sum[l] += f64::from(dtv[l]);
+            }
+            let mut acc = [0.0f32; LANES];
+            let (bt, ct) = (&b[ti * n..(ti + 1) * n], &c[ti * n..(ti + 1) * n]);
+            for j in 0..n {
+                let (bj, cj) = (bt[j], ct[j]);
+                let (sj, aj) = (&mut st[j], &at[j]);
+                for l in 0..LANES {
+                    let v = exp(dtv[l] * aj[l]).mul_add(sj[l], dbx[l] * bj);
+                    sj[l] = v;
+                    acc[l] = v.mul_add(cj, acc[l]);
+                }
+            }
+            let yt = &mut y[ti * LANES..(ti + 1) * LANES];
+            for l in 0..LANES {
+                yt[l] = dl[l].mul_add(xv[l], acc[l]);
+            }
+        }
+        for l in 0..w {
+            for j in 0..n {
+                s[l * n + j] = st[j][l];
+            }
+        }
+        dt_sum
     }
 }
 

@@ -1,18 +1,15 @@
 //! The CPU engine for Mamba-1: the same kernels as Mamba-2 (projections, conv, norms), and a
 //! selective scan whose decay exp(dt_{t,d}·A_{d,n}) is per (channel, state) element. Channels
-//! are independent, so the scan runs channel-blocks in parallel with each channel's N-vector
-//! state in registers while the T tokens stream past.
+//! are independent, so the scan runs blocks of 16 channels in parallel, vectorised across the
+//! channels (N is often 16: too short to vectorise along), while the T tokens stream past.
 
 use rayon::prelude::*;
 
 use super::config::Mamba1Config;
 use super::weights::Mamba1Weights;
-use crate::cpu::kernels::{self, Matrix};
+use crate::cpu::kernels::{self, Matrix, LANES};
 use crate::cpu::{add_bias_rows, rows_par, TokenIo, WeightDtype, ROW_CHUNK};
 use crate::state::{LayerState, State};
-
-/// Channels per rayon task of the scan.
-const CHANNEL_BLOCK: usize = 32;
 
 /// One block, laid out for the kernels.
 #[derive(Debug)]
@@ -148,44 +145,26 @@ impl CpuMamba1 {
             }
         }
 
-        // Channel-major copies so each channel's scan reads contiguous memory.
-        let transpose = |m: &[f32]| {
-            let mut out = vec![0.0f32; di * t];
-            for ti in 0..t {
-                for ch in 0..di {
-                    out[ch * t + ti] = m[ti * di + ch];
-                }
-            }
-            out
-        };
-        let (dt_cm, x_cm) = (transpose(&dt), transpose(&xc));
+        // Selective scan, LANES channels per task, vectorised across channels; y block-major
+        // (block, T, LANES).
         let b: Vec<f32> = xdbl.chunks_exact(xp).flat_map(|row| row[r..r + n].iter().copied()).collect();
         let cm: Vec<f32> = xdbl.chunks_exact(xp).flat_map(|row| row[r + n..].iter().copied()).collect();
-
-        // Selective scan; y channel-major (D × T).
-        let mut y_cm = vec![0.0f32; di * t];
-        let blocks = CHANNEL_BLOCK;
+        let mut y_blk = vec![0.0f32; di.div_ceil(LANES) * t * LANES];
         ls.ssm
-            .par_chunks_mut(blocks * n)
-            .zip(ls.log_decay.par_chunks_mut(blocks * n))
-            .zip(y_cm.par_chunks_mut(blocks * t))
+            .par_chunks_mut(LANES * n)
+            .zip(ls.log_decay.par_chunks_mut(LANES * n))
+            .zip(y_blk.par_chunks_mut(t * LANES))
             .enumerate()
             .for_each(|(bi, ((s, ld), y))| {
-                for (j, ((sc, ldc), yc)) in
-                    s.chunks_exact_mut(n).zip(ld.chunks_exact_mut(n)).zip(y.chunks_exact_mut(t)).enumerate()
-                {
-                    let ch = bi * blocks + j;
-                    scan_channel(
-                        sc,
-                        ldc,
-                        &lw.a[ch * n..(ch + 1) * n],
-                        lw.d[ch],
-                        &dt_cm[ch * t..(ch + 1) * t],
-                        &x_cm[ch * t..(ch + 1) * t],
-                        &b,
-                        &cm,
-                        yc,
-                    );
+                let ch0 = bi * LANES;
+                let w = s.len() / n;
+                let a = &lw.a[ch0 * n..(ch0 + w) * n];
+                let dt_sum = kernels::scan_channels(s, a, &lw.d[ch0..ch0 + w], &dt, &xc, di, ch0, &b, &cm, t, y);
+                // The log-decay of element (c, j) grows by Σ_t dt_t·A_cj = A_cj·Σ_t dt_t.
+                for (l, (ldc, ac)) in ld.chunks_exact_mut(n).zip(a.chunks_exact(n)).enumerate() {
+                    for (v, &aj) in ldc.iter_mut().zip(ac) {
+                        *v = (f64::from(*v) + f64::from(aj) * dt_sum[l]) as f32;
+                    }
                 }
             });
 
@@ -194,7 +173,7 @@ impl CpuMamba1 {
         gated.par_chunks_mut(di).enumerate().for_each(|(ti, o)| {
             let z = &xz[ti * 2 * di + di..(ti + 1) * 2 * di];
             for (ch, (ov, &zv)) in o.iter_mut().zip(z).enumerate() {
-                *ov = y_cm[ch * t + ti] * kernels::silu(zv);
+                *ov = y_blk[((ch / LANES) * t + ti) * LANES + ch % LANES] * kernels::silu(zv);
             }
         });
         kernels::matmul_t(&gated, t, di, &lw.out_proj, d, h, true);
@@ -211,38 +190,5 @@ impl CpuMamba1 {
     /// log p(targets[i] | hidden row i) for each row.
     pub fn logprobs(&self, hidden: &[f32], targets: &[u32]) -> Vec<f32> {
         self.io.logprobs(hidden, targets)
-    }
-}
-
-/// One channel's scan over T tokens: s_n ← exp(dt_t·A_n)·s_n + dt_t·B_{t,n}·x_t,
-/// y_t = Σ_n C_{t,n}·s_n + D·x_t; `log_decay_n` += Σ_t dt_t·A_n (accumulated in f64).
-#[allow(clippy::too_many_arguments)]
-fn scan_channel(
-    s: &mut [f32],
-    log_decay: &mut [f32],
-    a: &[f32],
-    d: f32,
-    dt: &[f32],
-    x: &[f32],
-    b: &[f32],
-    c: &[f32],
-    y: &mut [f32],
-) {
-    let n = s.len();
-    let mut acc = vec![0f64; n];
-    for (ti, yv) in y.iter_mut().enumerate() {
-        let (dtv, xv) = (dt[ti], x[ti]);
-        let (bt, ct) = (&b[ti * n..(ti + 1) * n], &c[ti * n..(ti + 1) * n]);
-        let mut out = 0f32;
-        for i in 0..n {
-            let da = dtv * a[i];
-            s[i] = kernels::exp(da).mul_add(s[i], dtv * bt[i] * xv);
-            out = ct[i].mul_add(s[i], out);
-            acc[i] += f64::from(da);
-        }
-        *yv = d.mul_add(xv, out);
-    }
-    for (l, v) in log_decay.iter_mut().zip(acc) {
-        *l = (f64::from(*l) + v) as f32;
     }
 }

@@ -3,10 +3,12 @@
 //! (d_inner, K-1) and the log-decay (d_inner, N) — as large as the state, so composition
 //! weights are per element.
 
+pub mod candle;
 pub mod config;
 pub mod cpu;
 pub mod weights;
 
+pub use candle::CandleMamba1;
 pub use config::Mamba1Config;
 pub use cpu::CpuMamba1;
 pub use weights::{Mamba1LayerWeights, Mamba1Weights};
