@@ -19,7 +19,6 @@ CPU only, deterministic (re-running gives bitwise identical files).
 
 import argparse
 import copy
-import hashlib
 import json
 import math
 from pathlib import Path
@@ -28,9 +27,15 @@ import safetensors
 import torch
 import torch.nn.functional as F
 import transformers
-from safetensors.torch import save as safetensors_bytes
-from torch.overrides import TorchFunctionMode
 from transformers import DynamicCache, Mamba2Config, Mamba2ForCausalLM
+from fixture_common import (
+    Float64Everywhere,
+    check_float64_mode,
+    file_digests,
+    max_diff,
+    rms,
+    write_expected,
+)
 
 SEQ_LEN = 37
 # name -> number of tokens processed before the state snapshot
@@ -59,35 +64,6 @@ CASES = {
 # --------------------------------------------------------------------------------------------
 # float64 reference mode
 # --------------------------------------------------------------------------------------------
-class Float64Everywhere(TorchFunctionMode):
-    """Turn every float64 -> float32 cast into a no-op.
-
-    HF's Mamba2 hard-codes float32 up/down-casts (`.float()`, `.to(torch.float32)`) in the RMSNorms,
-    the gated norm, the chunked scan, the decode step and the fp32 residual, so `model.double()`
-    alone still computes most of the layer in float32. Inside this mode those casts keep float64.
-    """
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if args and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float64:
-            if func is torch.Tensor.float:
-                return args[0]
-            if func is torch.Tensor.to:
-                args = tuple(torch.float64 if a is torch.float32 else a for a in args)
-                if kwargs.get("dtype") is torch.float32:
-                    kwargs["dtype"] = torch.float64
-        return func(*args, **kwargs)
-
-
-def check_float64_mode():
-    with Float64Everywhere():
-        t = torch.ones(3, dtype=torch.float64) / 3
-        assert t.float().dtype == torch.float64
-        assert t.to(torch.float32).dtype == torch.float64
-        assert t.to(dtype=torch.float32).dtype == torch.float64
-        assert t.to("cpu", torch.float32).dtype == torch.float64
-
-
 # --------------------------------------------------------------------------------------------
 # model construction
 # --------------------------------------------------------------------------------------------
@@ -269,10 +245,6 @@ def dt_range(model, zxbcdt: dict) -> tuple:
 # --------------------------------------------------------------------------------------------
 # independent naive reference (token-by-token recurrence, float64)
 # --------------------------------------------------------------------------------------------
-def rms(x, w, eps):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
 def naive_forward(model, tokens: torch.Tensor, snapshots: dict):
     """Straightforward sequential Mamba-2; returns (logits, states) following the fixture layout."""
     cfg = model.config
@@ -321,10 +293,6 @@ def naive_forward(model, tokens: torch.Tensor, snapshots: dict):
 # --------------------------------------------------------------------------------------------
 # cross-checks
 # --------------------------------------------------------------------------------------------
-def max_diff(a, b) -> float:
-    return float((a.double() - b.double()).abs().max())
-
-
 def cross_check(name, ref, model32, tokens, logits, states) -> dict:
     """Run all consistency checks; returns a dict of max abs differences (float64 unless noted)."""
     r = {}
@@ -389,29 +357,6 @@ def compute_expected(ref, tokens):
     return logits, logprobs, states, zx_full
 
 
-def deterministic_safetensors(tensors: dict, metadata: dict) -> bytes:
-    """safetensors bytes with a canonical header (the library orders `__metadata__` randomly)."""
-    raw = safetensors_bytes(tensors, metadata=metadata)
-    n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + n])
-    header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return len(text).to_bytes(8, "little") + text + raw[8 + n:]
-
-
-def write_expected(out: Path, tokens, logits, logprobs, states, meta: dict, info: dict):
-    tensors = {"tokens": tokens.clone(), "logprobs": logprobs.float(), "logits": logits.float()}
-    tensors.update({k: v.float().contiguous() for k, v in states.items()})
-    st_meta = {k: (v if isinstance(v, str) else json.dumps(v)) for k, v in meta.items()}
-    (out / "expected.safetensors").write_bytes(deterministic_safetensors(tensors, st_meta))
-    doc = dict(meta)
-    doc.update(info)
-    doc["tensors"] = {k: {"dtype": str(v.dtype).replace("torch.", ""), "shape": list(v.shape)}
-                      for k, v in sorted(tensors.items())}
-    (out / "expected.json").write_text(json.dumps(doc, indent=2) + "\n")
-
-
 def make_case(name: str, case: dict, root: Path) -> dict:
     print(f"== {name}")
     out = root / name
@@ -444,11 +389,6 @@ def make_case(name: str, case: dict, root: Path) -> dict:
             "cross_checks_max_abs_diff": checks}
     write_expected(out, tokens, logits, logprobs, states, meta, info)
     return {"clamped": clamped, "checks": checks}
-
-
-def file_digests(root: Path) -> dict:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def main():
