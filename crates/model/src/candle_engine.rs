@@ -121,21 +121,8 @@ impl CandleMamba2 {
         let dt_raw = zxbcdt.narrow(1, di + cd, nh)?;
 
         // Causal depthwise conv over [tail; input] → (T, C), then SiLU.
-        let tail = self.host(&ls.conv, &[cd, k - 1])?.t()?; // (K-1, C)
-        let seq = Tensor::cat(&[&tail, &xbc_in], 0)?; // (K-1+T, C)
-        let mut conv = match &w.conv_b {
-            Some(b) => b.unsqueeze(0)?.broadcast_as((t, cd))?.contiguous()?,
-            None => Tensor::zeros((t, cd), self.dtype, &self.device)?,
-        };
-        for j in 0..k {
-            let tap = w.conv_w.narrow(1, j, 1)?.t()?; // (1, C)
-            conv = (conv + seq.narrow(0, j, t)?.broadcast_mul(&tap)?)?;
-        }
-        let xbc = candle_nn::ops::silu(&conv)?;
-        if k > 1 {
-            let new_tail = seq.narrow(0, t, k - 1)?.t()?.contiguous()?; // (C, K-1)
-            ls.conv = new_tail.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
-        }
+        let tail = self.host(&ls.conv, &[cd, k - 1])?;
+        let xbc = causal_conv_silu(&xbc_in, &tail, &w.conv_w, w.conv_b.as_ref(), &mut ls.conv)?;
 
         // dt, decays and the accumulated log-decay.
         let (lo, hi) = c.time_step_limit;
@@ -190,6 +177,33 @@ impl CandleMamba2 {
         let head = self.lm_head.as_ref().unwrap_or(&self.embedding);
         Ok(h.matmul(&head.t()?)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?)
     }
+}
+
+/// The causal depthwise convolution + bias + SiLU of `input` (T, C), continuing from the conv
+/// tail `tail` (C, K-1) on the device; `host_tail` (the state's copy) gets the last K-1 inputs.
+pub(crate) fn causal_conv_silu(
+    input: &Tensor,
+    tail: &Tensor,
+    conv_w: &Tensor,
+    conv_b: Option<&Tensor>,
+    host_tail: &mut Vec<f32>,
+) -> Result<Tensor> {
+    let (t, c) = input.dims2()?;
+    let k = conv_w.dim(1)?;
+    let seq = Tensor::cat(&[&tail.t()?, input], 0)?; // (K-1+T, C)
+    let mut conv = match conv_b {
+        Some(b) => b.unsqueeze(0)?.broadcast_as((t, c))?.contiguous()?,
+        None => Tensor::zeros((t, c), input.dtype(), input.device())?,
+    };
+    for j in 0..k {
+        let tap = conv_w.narrow(1, j, 1)?.t()?; // (1, C)
+        conv = (conv + seq.narrow(0, j, t)?.broadcast_mul(&tap)?)?;
+    }
+    if k > 1 {
+        let new_tail = seq.narrow(0, t, k - 1)?.t()?.contiguous()?; // (C, K-1)
+        *host_tail = new_tail.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+    }
+    Ok(candle_nn::ops::silu(&conv)?)
 }
 
 pub(crate) fn rmsnorm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {

@@ -226,35 +226,8 @@ impl CpuMamba2 {
             add_bias_rows(&mut zxbcdt, b);
         }
 
-        // Causal depthwise conv over [tail (K-1 rows); xBC (T rows)], then SiLU.
-        let tail = k - 1;
-        let mut seq = vec![0.0f32; (tail + t) * conv_dim];
-        for ch in 0..conv_dim {
-            for j in 0..tail {
-                seq[j * conv_dim + ch] = ls.conv[ch * tail + j];
-            }
-        }
-        for (dst, src) in seq[tail * conv_dim..].chunks_exact_mut(conv_dim).zip(zxbcdt.chunks_exact(width)) {
-            dst.copy_from_slice(&src[di..di + conv_dim]);
-        }
-        let mut xbc = vec![0.0f32; t * conv_dim];
-        xbc.par_chunks_mut(ROW_CHUNK * conv_dim).enumerate().for_each(|(i, o)| {
-            let start = i * ROW_CHUNK * conv_dim;
-            let rows = o.len() / conv_dim;
-            kernels::conv_silu(
-                &seq[start..start + (rows + tail) * conv_dim],
-                &lw.conv_wt,
-                &lw.conv_bias,
-                conv_dim,
-                k,
-                o,
-            );
-        });
-        for ch in 0..conv_dim {
-            for j in 0..tail {
-                ls.conv[ch * tail + j] = seq[(t + j) * conv_dim + ch];
-            }
-        }
+        // Causal depthwise conv over [tail; xBC], then SiLU.
+        let xbc = causal_conv_silu(&zxbcdt, width, di, t, conv_dim, k, &lw.conv_wt, &lw.conv_bias, &mut ls.conv);
 
         // dt = clamp(softplus(dt_raw + dt_bias)); per-head decay exp(dt·A); head-major (H × T).
         let (lo, hi) = c.time_step_limit;
@@ -319,6 +292,46 @@ impl CpuMamba2 {
     pub fn logprobs(&self, hidden: &[f32], targets: &[u32]) -> Vec<f32> {
         self.io.logprobs(hidden, targets)
     }
+}
+
+/// The causal depthwise convolution + bias + SiLU of `t` rows of `c` channels, read at column
+/// `offset` of the rows of `input` (width `stride`), continuing from the conv tail `tail`
+/// (C, K-1), which is updated to the last K-1 inputs. `wt` is the kernel transposed to (K, C).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn causal_conv_silu(
+    input: &[f32],
+    stride: usize,
+    offset: usize,
+    t: usize,
+    c: usize,
+    k: usize,
+    wt: &[f32],
+    bias: &[f32],
+    tail: &mut [f32],
+) -> Vec<f32> {
+    let kt = k - 1;
+    // [tail (K-1 rows); input (T rows)], row-major (K-1+T, C).
+    let mut seq = vec![0.0f32; (kt + t) * c];
+    for ch in 0..c {
+        for j in 0..kt {
+            seq[j * c + ch] = tail[ch * kt + j];
+        }
+    }
+    for (dst, src) in seq[kt * c..].chunks_exact_mut(c).zip(input.chunks_exact(stride)) {
+        dst.copy_from_slice(&src[offset..offset + c]);
+    }
+    let mut out = vec![0.0f32; t * c];
+    out.par_chunks_mut(ROW_CHUNK * c).enumerate().for_each(|(i, o)| {
+        let start = i * ROW_CHUNK * c;
+        let rows = o.len() / c;
+        kernels::conv_silu(&seq[start..start + (rows + kt) * c], wt, bias, c, k, o);
+    });
+    for ch in 0..c {
+        for j in 0..kt {
+            tail[ch * kt + j] = seq[(t + j) * c + ch];
+        }
+    }
+    out
 }
 
 /// Applies `f(input_row_block, output_row_block)` over row blocks in parallel.

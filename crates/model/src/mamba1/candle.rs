@@ -7,7 +7,7 @@ use candle_core::{DType, Device, Tensor};
 
 use super::config::Mamba1Config;
 use super::weights::Mamba1Weights;
-use crate::candle_engine::{rmsnorm, softplus};
+use crate::candle_engine::{causal_conv_silu, rmsnorm, softplus};
 use crate::error::Result;
 use crate::state::{LayerState, State};
 
@@ -115,21 +115,8 @@ impl CandleMamba1 {
         let z = xz.narrow(1, di, di)?;
 
         // Causal depthwise conv over [tail; input] → (T, D), then SiLU.
-        let tail = self.host(&ls.conv, &[di, k - 1])?.t()?; // (K-1, D)
-        let seq = Tensor::cat(&[&tail, &x_in], 0)?; // (K-1+T, D)
-        let mut conv = match &w.conv_b {
-            Some(b) => b.unsqueeze(0)?.broadcast_as((t, di))?.contiguous()?,
-            None => Tensor::zeros((t, di), self.dtype, &self.device)?,
-        };
-        for j in 0..k {
-            let tap = w.conv_w.narrow(1, j, 1)?.t()?; // (1, D)
-            conv = (conv + seq.narrow(0, j, t)?.broadcast_mul(&tap)?)?;
-        }
-        let x = candle_nn::ops::silu(&conv)?;
-        if k > 1 {
-            let new_tail = seq.narrow(0, t, k - 1)?.t()?.contiguous()?; // (D, K-1)
-            ls.conv = new_tail.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
-        }
+        let tail = self.host(&ls.conv, &[di, k - 1])?;
+        let x = causal_conv_silu(&x_in, &tail, &w.conv_w, w.conv_b.as_ref(), &mut ls.conv)?;
 
         // x_proj → [dt_low | B | C]; dt = softplus(dt_proj(dt_low) + bias), (T, D).
         let xdbl = x.matmul(&w.x_proj.t()?)?;

@@ -8,7 +8,7 @@ use rayon::prelude::*;
 use super::config::Mamba1Config;
 use super::weights::Mamba1Weights;
 use crate::cpu::kernels::{self, Matrix, LANES};
-use crate::cpu::{add_bias_rows, rows_par, TokenIo, WeightDtype, ROW_CHUNK};
+use crate::cpu::{add_bias_rows, causal_conv_silu, rows_par, TokenIo, WeightDtype};
 use crate::state::{LayerState, State};
 
 /// One block, laid out for the kernels.
@@ -109,28 +109,8 @@ impl CpuMamba1 {
             add_bias_rows(&mut xz, b);
         }
 
-        // Causal depthwise conv over [tail (K-1 rows); x (T rows)], then SiLU.
-        let tail = k - 1;
-        let mut seq = vec![0.0f32; (tail + t) * di];
-        for ch in 0..di {
-            for j in 0..tail {
-                seq[j * di + ch] = ls.conv[ch * tail + j];
-            }
-        }
-        for (dst, src) in seq[tail * di..].chunks_exact_mut(di).zip(xz.chunks_exact(2 * di)) {
-            dst.copy_from_slice(&src[..di]);
-        }
-        let mut xc = vec![0.0f32; t * di];
-        xc.par_chunks_mut(ROW_CHUNK * di).enumerate().for_each(|(i, o)| {
-            let start = i * ROW_CHUNK * di;
-            let rows = o.len() / di;
-            kernels::conv_silu(&seq[start..start + (rows + tail) * di], &lw.conv_wt, &lw.conv_bias, di, k, o);
-        });
-        for ch in 0..di {
-            for j in 0..tail {
-                ls.conv[ch * tail + j] = seq[(t + j) * di + ch];
-            }
-        }
+        // Causal depthwise conv over [tail; x], then SiLU.
+        let xc = causal_conv_silu(&xz, 2 * di, 0, t, di, k, &lw.conv_wt, &lw.conv_bias, &mut ls.conv);
 
         // x_proj → [dt_low | B | C]; dt = softplus(dt_proj(dt_low) + bias), all (T × ·).
         let xp = c.x_proj_dim();
