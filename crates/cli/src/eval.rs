@@ -348,6 +348,7 @@ fn run_wikitext(
     ks: Vec<usize>,
     methods: &[EvalMethod],
     s: &Sampling,
+    progress: &mut dyn FnMut(usize, usize),
 ) -> Result<picaso_eval::wikitext::Report> {
     let options = picaso_eval::wikitext::Options {
         ks,
@@ -356,26 +357,45 @@ fn run_wikitext(
         seed: s.seed,
         restate: s.restate,
     };
-    Ok(with_progress("passages", |p| picaso_eval::wikitext::run(model, store, &options, p))?)
+    Ok(picaso_eval::wikitext::run(model, store, &options, progress)?)
+}
+
+/// An experiment over a store of halves: loads the model and the store, runs `run` with a
+/// progress bar over passages, writes the report with `write`, and prints its table.
+fn store_experiment<R>(
+    data: &DataArgs,
+    model: &ModelArgs,
+    out: &std::path::Path,
+    run: impl FnOnce(&picaso_model::Model, &picaso_store::Store, &mut dyn FnMut(usize, usize)) -> Result<R>,
+    write: impl FnOnce(&std::path::Path, &R, &report::RunInfo) -> picaso_eval::Result<()>,
+) -> Result<()> {
+    let started = Instant::now();
+    let model = crate::load_model(model, true)?;
+    let store = open_store(data, &model)?;
+    let r = with_progress("passages", |p| run(&model, &store, p))?;
+    write(out, &r, &report::RunInfo::collect(started))?;
+    print_results(out)
 }
 
 fn wikitext(a: WikitextArgs) -> Result<()> {
-    let started = Instant::now();
-    let model = crate::load_model(&a.model, true)?;
-    let store = open_store(&a.data, &model)?;
     let ks = a.ks.clone().unwrap_or_else(|| (1..=a.max_k).collect());
-    let r = run_wikitext(&model, &store, ks, &a.methods, &a.sampling)?;
-    report::write_wikitext(&a.out, &r, &report::RunInfo::collect(started))?;
-    print_results(&a.out)
+    store_experiment(
+        &a.data,
+        &a.model,
+        &a.out,
+        |m, s, p| run_wikitext(m, s, ks, &a.methods, &a.sampling, p),
+        report::write_wikitext,
+    )
 }
 
 fn scaling(a: ScalingArgs) -> Result<()> {
-    let started = Instant::now();
-    let model = crate::load_model(&a.model, true)?;
-    let store = open_store(&a.data, &model)?;
-    let r = run_wikitext(&model, &store, a.ks.clone(), &a.methods, &a.sampling)?;
-    report::write_wikitext(&a.out, &r, &report::RunInfo::collect(started))?;
-    print_results(&a.out)
+    store_experiment(
+        &a.data,
+        &a.model,
+        &a.out,
+        |m, s, p| run_wikitext(m, s, a.ks.clone(), &a.methods, &a.sampling, p),
+        report::write_wikitext,
+    )
 }
 
 /// Loads OpenBookQA, builds the open book's states and embeds the questions.
@@ -449,9 +469,6 @@ fn msmarco(a: MsmarcoArgs) -> Result<()> {
 }
 
 fn order(a: OrderArgs) -> Result<()> {
-    let started = Instant::now();
-    let model = crate::load_model(&a.model, true)?;
-    let store = open_store(&a.data, &model)?;
     let options = picaso_eval::order::Options {
         ns: a.ns,
         orders: a.orders,
@@ -459,15 +476,16 @@ fn order(a: OrderArgs) -> Result<()> {
         seed: a.sampling.seed,
         restate: a.sampling.restate,
     };
-    let r = with_progress("passages", |p| picaso_eval::order::run(&model, &store, &options, p))?;
-    report::write_order(&a.out, &r, &report::RunInfo::collect(started))?;
-    print_results(&a.out)
+    store_experiment(
+        &a.data,
+        &a.model,
+        &a.out,
+        |m, s, p| Ok(picaso_eval::order::run(m, s, &options, p)?),
+        report::write_order,
+    )
 }
 
 fn fidelity(a: FidelityArgs) -> Result<()> {
-    let started = Instant::now();
-    let model = crate::load_model(&a.model, true)?;
-    let store = open_store(&a.data, &model)?;
     let options = picaso_eval::fidelity::Options {
         ks: a.ks,
         methods: a.methods,
@@ -475,9 +493,13 @@ fn fidelity(a: FidelityArgs) -> Result<()> {
         seed: a.sampling.seed,
         restate: a.sampling.restate,
     };
-    let r = with_progress("passages", |p| picaso_eval::fidelity::run(&model, &store, &options, p))?;
-    report::write_fidelity(&a.out, &r, &report::RunInfo::collect(started))?;
-    print_results(&a.out)
+    store_experiment(
+        &a.data,
+        &a.model,
+        &a.out,
+        |m, s, p| Ok(picaso_eval::fidelity::run(m, s, &options, p)?),
+        report::write_fidelity,
+    )
 }
 
 fn finetuned(a: FinetunedArgs) -> Result<()> {
@@ -502,7 +524,9 @@ fn finetuned(a: FinetunedArgs) -> Result<()> {
         let margs = ModelArgs::for_dir(dir);
         let model = crate::load_model(&margs, true)?;
         let store = open_store(&a.data, &model)?;
-        let w = run_wikitext(&model, &store, (1..=a.max_k).collect(), &a.methods, &sampling)?;
+        let w = with_progress("passages", |p| {
+            run_wikitext(&model, &store, (1..=a.max_k).collect(), &a.methods, &sampling, p)
+        })?;
         report::write_wikitext(&a.out.join(name).join("wikitext"), &w, &report::RunInfo::collect(started))?;
         let options = picaso_eval::openbookqa::Options {
             ks: a.obqa_ks.clone(),
@@ -521,11 +545,11 @@ fn finetuned(a: FinetunedArgs) -> Result<()> {
 }
 
 fn context_use(a: ContextUseArgs) -> Result<()> {
-    let started = Instant::now();
-    let model = crate::load_model(&a.model, true)?;
-    let store = open_store(&a.data, &model)?;
-    let r = picaso_eval::context_use::run(&model, &store, a.sample, a.seed)?;
-    report::write_context_use(&a.out, &r, &report::RunInfo::collect(started))?;
-    print!("{}", std::fs::read_to_string(a.out.join("results.md"))?);
-    Ok(())
+    store_experiment(
+        &a.data,
+        &a.model,
+        &a.out,
+        |m, s, _| Ok(picaso_eval::context_use::run(m, s, a.sample, a.seed)?),
+        report::write_context_use,
+    )
 }
