@@ -186,3 +186,24 @@ fn weighted_sum_applies_each_blocks_weights() {
         assert_eq!(out[i], wx * x[i] + wy * y[i]);
     }
 }
+
+/// Per-value weights (block 1, Mamba-1's per-element decays) over several tasks' worth of
+/// values: each output is its own weighted sum, in input order, and a non-finite input is
+/// reported.
+#[test]
+fn weighted_sum_with_a_weight_per_value() {
+    let len = 40_000; // more than two 16 Ki-value tasks, and a partial one
+    let inputs: Vec<Vec<f32>> = (0..3).map(|k| (0..len).map(|i| ((i * (k + 2)) % 97) as f32 - 48.0).collect()).collect();
+    let refs: Vec<&[f32]> = inputs.iter().map(Vec::as_slice).collect();
+    let w: Vec<f32> = (0..len * 3).map(|j| ((j % 11) as f32) / 7.0).collect();
+    let mut out = vec![0.0f32; len];
+    weighted_sum_blocks(&refs, &w, 1, &mut out).unwrap();
+    for e in (0..len).step_by(997) {
+        let want = w[3 * e] * inputs[0][e] + w[3 * e + 1] * inputs[1][e] + w[3 * e + 2] * inputs[2][e];
+        assert_eq!(out[e], want, "value {e}");
+    }
+    let mut bad = inputs[2].clone();
+    bad[33_000] = f32::INFINITY;
+    let refs = [refs[0], refs[1], &bad[..]];
+    assert!(weighted_sum_blocks(&refs, &w, 1, &mut out).unwrap_err().to_string().contains("finite"));
+}
