@@ -193,7 +193,8 @@ fn weighted_sum_applies_each_blocks_weights() {
 #[test]
 fn weighted_sum_with_a_weight_per_value() {
     let len = 40_000; // more than two 16 Ki-value tasks, and a partial one
-    let inputs: Vec<Vec<f32>> = (0..3).map(|k| (0..len).map(|i| ((i * (k + 2)) % 97) as f32 - 48.0).collect()).collect();
+    let inputs: Vec<Vec<f32>> =
+        (0..3).map(|k| (0..len).map(|i| ((i * (k + 2)) % 97) as f32 - 48.0).collect()).collect();
     let refs: Vec<&[f32]> = inputs.iter().map(Vec::as_slice).collect();
     let w: Vec<f32> = (0..len * 3).map(|j| ((j % 11) as f32) / 7.0).collect();
     let mut out = vec![0.0f32; len];
