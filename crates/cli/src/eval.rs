@@ -38,8 +38,8 @@ pub enum EvalCommand {
 pub struct DataArgs {
     /// Store of WikiText paragraphs ingested with `--segment halves` (created from --data if
     /// missing).
-    #[arg(long)]
-    db: PathBuf,
+    #[command(flatten)]
+    db: crate::DbArgs,
     /// A WikiText file (e.g. wikitext-2/wiki.test.tokens) to ingest into --db first
     /// (idempotent: stored segments are skipped).
     #[arg(long, requires = "embedder")]
@@ -293,7 +293,7 @@ fn open_store(d: &DataArgs, model: &picaso_model::Model) -> Result<picaso_store:
             dim: embedder.dim(),
             state_dtype: picaso_model::StateDtype::F32,
         };
-        let store = picaso_store::Store::open_or_create(&d.db, &info)?;
+        let store = picaso_store::Store::open_or_create(d.db.location()?, &info)?;
         let bar = progress("contexts");
         let r = picaso_store::ingest(
             &store,
@@ -308,13 +308,11 @@ fn open_store(d: &DataArgs, model: &picaso_model::Model) -> Result<picaso_store:
             },
         )?;
         bar.finish_and_clear();
-        eprintln!("{}: {} contexts added ({} already stored)", d.db.display(), r.done, r.skipped);
+        eprintln!("{}: {} contexts added ({} already stored)", store.location(), r.done, r.skipped);
         return Ok(store);
     }
-    if !d.db.join("store.sqlite").is_file() {
-        bail!("--db {}: no store there; pass --data FILE --embedder DIR to build it", d.db.display());
-    }
-    Ok(picaso_store::Store::open(&d.db)?)
+    picaso_store::Store::open(d.db.location()?)
+        .with_context(|| format!("--db {}: pass --data FILE --embedder DIR to build the store", d.db.db))
 }
 
 fn progress(what: &str) -> indicatif::ProgressBar {

@@ -11,6 +11,7 @@ use clap::{Args, Parser, Subcommand};
 use picaso_model::{compose, generate, GenerateOptions, LoadOptions, Method, Model, State, StateDtype};
 use serde_json::json;
 
+mod backends;
 mod demo;
 mod eval;
 mod serve;
@@ -54,6 +55,12 @@ enum Command {
     Stats(StatsArgs),
     /// Retrieve contexts, compose their states, continue with a prompt.
     Query(QueryArgs),
+    /// Copy a store to another backend (folder, S3 + PostgreSQL), verifying every context.
+    Migrate(backends::MigrateArgs),
+    /// Choose exact or approximate (HNSW) search for a PostgreSQL store.
+    Index(backends::IndexArgs),
+    /// Latency of retrieval + state loading + composition on a store's backends.
+    BenchStore(backends::BenchStoreArgs),
     /// Serve the HTTP API (OpenAI-compatible completions over the store).
     Serve(serve::ServeArgs),
     /// Drive a running server with concurrent clients; report throughput and latency.
@@ -66,11 +73,32 @@ enum Command {
     Eval(eval::EvalCommand),
 }
 
+/// Where a store is.
+#[derive(Args, Clone, Debug)]
+pub struct DbArgs {
+    /// The store: a folder (SQLite and state files inside), or postgres://user@host/db
+    /// (metadata and vectors in PostgreSQL with pgvector, shared by several servers).
+    #[arg(long)]
+    pub db: String,
+    /// Where state objects live, given when the store is created: a folder, or
+    /// s3://bucket/prefix (configured by the AWS_* environment variables). Recorded in the
+    /// store; later commands need only --db.
+    #[arg(long)]
+    pub states: Option<String>,
+}
+
+impl DbArgs {
+    /// The parsed location.
+    pub fn location(&self) -> Result<picaso_store::Location> {
+        Ok(picaso_store::Location::parse(&self.db, self.states.as_deref())?)
+    }
+}
+
 #[derive(Args)]
 struct IngestArgs {
-    /// Store folder (created if missing).
-    #[arg(long)]
-    db: PathBuf,
+    /// The store (created if missing).
+    #[command(flatten)]
+    db: DbArgs,
     #[command(flatten)]
     model: ModelArgs,
     /// all-MiniLM-L6-v2 folder (model.safetensors, config.json, tokenizer.json).
@@ -102,9 +130,8 @@ struct IngestArgs {
 
 #[derive(Args)]
 struct StatsArgs {
-    /// Store folder.
-    #[arg(long)]
-    db: PathBuf,
+    #[command(flatten)]
+    db: DbArgs,
     /// Print JSON: {"contexts", "documents", "tokens", "state_bytes", "model"}.
     #[arg(long)]
     json: bool,
@@ -112,9 +139,8 @@ struct StatsArgs {
 
 #[derive(Args)]
 struct QueryArgs {
-    /// Store folder.
-    #[arg(long)]
-    db: PathBuf,
+    #[command(flatten)]
+    db: DbArgs,
     /// The prompt.
     prompt: String,
     #[command(flatten)]
@@ -209,7 +235,7 @@ struct BenchContextArgs {
 }
 
 #[derive(Args)]
-struct ModelArgs {
+pub struct ModelArgs {
     /// Model folder (config.json + weights [+ tokenizer.json]) or a Hugging Face repo id;
     /// default: $PICASO_MODEL, else the bundled model.
     #[arg(long)]
@@ -400,6 +426,9 @@ fn run(cli: Cli) -> Result<()> {
         Command::Ingest(a) => ingest(a),
         Command::Stats(a) => stats(a),
         Command::Query(a) => query(a),
+        Command::Migrate(a) => backends::migrate(a),
+        Command::Index(a) => backends::index(a),
+        Command::BenchStore(a) => backends::bench_store(a),
         Command::Serve(a) => serve::serve(a),
         Command::Load(a) => serve::load(a),
         Command::Train(c) => train::run(c),
@@ -439,7 +468,7 @@ fn resolve_model_dir(model: &str) -> Result<PathBuf> {
     bail!("{model}: model folder not found")
 }
 
-fn load_model(args: &ModelArgs, need_tokenizer: bool) -> Result<Model> {
+pub fn load_model(args: &ModelArgs, need_tokenizer: bool) -> Result<Model> {
     let dir = match &args.model {
         Some(m) => resolve_model_dir(m)?,
         None => default_model_dir()?,
@@ -783,7 +812,7 @@ fn ingest(a: IngestArgs) -> Result<()> {
         dim: embedder.dim(),
         state_dtype: a.state_dtype,
     };
-    let store = picaso_store::Store::open_or_create(&a.db, &info)?;
+    let store = picaso_store::Store::open_or_create(a.db.location()?, &info)?;
     let bar = (!a.json).then(|| {
         let bar = indicatif::ProgressBar::new(0);
         bar.set_style(
@@ -818,7 +847,7 @@ fn ingest(a: IngestArgs) -> Result<()> {
 }
 
 fn stats(a: StatsArgs) -> Result<()> {
-    let store = picaso_store::Store::open(&a.db)?;
+    let store = picaso_store::Store::open(a.db.location()?)?;
     let s = store.stats()?;
     if a.json {
         println!("{}", serde_json::to_string(&s)?);
@@ -828,12 +857,14 @@ fn stats(a: StatsArgs) -> Result<()> {
         println!("tokens       {}", s.tokens);
         println!("state bytes  {} ({:.1} MiB)", s.state_bytes, s.state_bytes as f64 / 1048576.0);
         println!("model        {}", s.model);
+        println!("catalog      {}", s.catalog);
+        println!("states       {}", s.states);
     }
     Ok(())
 }
 
 fn query(a: QueryArgs) -> Result<()> {
-    let store = picaso_store::Store::open(&a.db)?;
+    let store = picaso_store::Store::open(a.db.location()?)?;
     let model = load_model(&a.model, true)?;
     let t_retrieve = Instant::now();
     // Best first from retrieval; composition wants the most relevant last (nearest the prompt).

@@ -14,9 +14,8 @@ use crate::{load_embedder, load_model, ModelArgs};
 
 #[derive(Args)]
 pub struct ServeArgs {
-    /// Store folder.
-    #[arg(long)]
-    db: PathBuf,
+    #[command(flatten)]
+    db: crate::DbArgs,
     #[command(flatten)]
     model: ModelArgs,
     /// all-MiniLM-L6-v2 folder (the store's retriever).
@@ -43,7 +42,7 @@ pub struct ServeArgs {
 }
 
 pub fn serve(a: ServeArgs) -> Result<()> {
-    let store = picaso_store::Store::open(&a.db)?;
+    let store = picaso_store::Store::open(a.db.location()?)?;
     let model = load_model(&a.model, true)?;
     let embedder = load_embedder(&a.embedder)?;
     let model_name =

@@ -28,8 +28,8 @@ pub struct ComposeArgs {
     objective: picaso_train::compose::Objective,
     /// Store of training passages ingested with `--segment halves` by the starting model
     /// (e.g. WikiText-2 validation; never the test split you evaluate on).
-    #[arg(long)]
-    db: PathBuf,
+    #[command(flatten)]
+    db: crate::DbArgs,
     #[command(flatten)]
     model: crate::ModelArgs,
     /// The run's JSON config (see models/README.md).
@@ -379,11 +379,11 @@ fn compose_cmd(a: ComposeArgs) -> Result<()> {
         bail!("--config: val_k ({}) must not exceed max_k ({})", f.val_k, f.max_k);
     }
     let model = crate::load_model(&a.model, true)?;
-    let store = picaso_store::Store::open(&a.db)?;
+    let store = picaso_store::Store::open(a.db.location()?)?;
     if store.info().fingerprint != model.fingerprint() && !a.restate {
         bail!(
             "--db {}: its states were made by model {}, not by the model being fine-tuned ({}); ingest the passages with this model, or pass --restate to recompute them",
-            a.db.display(),
+            store.location(),
             store.info().fingerprint,
             model.fingerprint()
         );

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 mod common;
-use common::{ok, shared, text_model_of, write_docs};
+use common::{args, backends, ok, ok_s, shared, text_model_of, write_docs, TestDb};
 
 /// A running `picaso serve`, killed on drop.
 struct Server {
@@ -27,9 +27,15 @@ impl Drop for Server {
 
 impl Server {
     fn start(args: &[&str]) -> Server {
+        Self::start_with(args, &[])
+    }
+
+    /// Starts a server with extra environment variables.
+    fn start_with(args: &[&str], env: &[(&str, &str)]) -> Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_picaso"))
             .args(["serve", "--addr", "127.0.0.1:0"])
             .args(args)
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .spawn()
             .expect("picaso serve starts");
@@ -95,23 +101,28 @@ impl Server {
 
 #[test]
 fn serve_completions_contexts_search_metrics_and_bad_input_mamba2() {
-    serve_completions_contexts_search_metrics_and_bad_input("mamba2");
+    let tmp = tempfile::tempdir().unwrap();
+    for db in backends(tmp.path(), "serve_mamba2") {
+        eprintln!("backend {}", db.kind());
+        serve_completions_contexts_search_metrics_and_bad_input("mamba2", &db);
+    }
 }
 
 /// The server, unchanged, over a Mamba-1 model.
 #[test]
 fn serve_completions_contexts_search_metrics_and_bad_input_mamba1() {
-    serve_completions_contexts_search_metrics_and_bad_input("mamba1");
+    let tmp = tempfile::tempdir().unwrap();
+    let db = TestDb { db: tmp.path().join("db").to_str().unwrap().to_string(), states: None };
+    serve_completions_contexts_search_metrics_and_bad_input("mamba1", &db);
 }
 
-fn serve_completions_contexts_search_metrics_and_bad_input(arch: &str) {
+fn serve_completions_contexts_search_metrics_and_bad_input(arch: &str, db: &TestDb) {
     let (Some(model), Some(embedder)) = (text_model_of(arch, 1), shared("all-MiniLM-L6-v2")) else { return };
     let tmp = tempfile::tempdir().unwrap();
     let docs = tmp.path().join("docs");
     write_docs(&docs);
-    let db = tmp.path().join("db");
-    let (m, e, db_s) = (model.path().to_str().unwrap(), embedder.to_str().unwrap(), db.to_str().unwrap());
-    ok(&["ingest", "--db", db_s, "--model", m, "--embedder", e, "--text-dir", docs.to_str().unwrap(), "--json"]);
+    let (m, e, db_s) = (model.path().to_str().unwrap(), embedder.to_str().unwrap(), db.db.as_str());
+    ok_s(&args(&["ingest"], db, &["--model", m, "--embedder", e, "--text-dir", docs.to_str().unwrap(), "--json"]));
     let server = Server::start(&[
         "--db",
         db_s,

@@ -1,12 +1,14 @@
 //! The store through the real binary: ingest (idempotent), stats, query by ids and by text with
-//! every method, composition through the store equal to in-memory composition, wrong model refused.
+//! every method, composition through the store equal to in-memory composition, wrong model
+//! refused, crash safety. Each test runs against every backend: a folder (SQLite + files) and,
+//! where configured, S3 + PostgreSQL (see `common::backends`).
 
 use std::process::Command;
 
 use picaso_model::{compose, LoadOptions, Method, Model, State};
 
 mod common;
-use common::{ok, run, shared, text_model, text_model_of, write_docs};
+use common::{args, backends, ok, ok_s, run, run_s, shared, text_model, text_model_of, write_docs, TestDb};
 
 #[test]
 fn ingest_stats_query_and_compose_through_the_store_mamba2() {
@@ -24,62 +26,57 @@ fn ingest_stats_query_and_compose_through_the_store(arch: &str) {
     let tmp = tempfile::tempdir().unwrap();
     let docs = tmp.path().join("docs");
     write_docs(&docs);
-    let db = tmp.path().join("db");
-    let (m, e, d, db_s) =
-        (model.path().to_str().unwrap(), embedder.to_str().unwrap(), docs.to_str().unwrap(), db.to_str().unwrap());
-    let first = ok(&["ingest", "--db", db_s, "--model", m, "--embedder", e, "--text-dir", d, "--json"]);
+    for db in backends(tmp.path(), &format!("compose_{arch}")) {
+        eprintln!("backend {}", db.kind());
+        ingest_stats_query_and_compose(&model, &embedder, &docs, &db, arch);
+    }
+}
+
+fn ingest_stats_query_and_compose(
+    model: &tempfile::TempDir,
+    embedder: &std::path::Path,
+    docs: &std::path::Path,
+    db: &TestDb,
+    arch: &str,
+) {
+    let (m, e, d) = (model.path().to_str().unwrap(), embedder.to_str().unwrap(), docs.to_str().unwrap());
+    let ingest = args(&["ingest"], db, &["--model", m, "--embedder", e, "--text-dir", d, "--json"]);
+    let first = ok_s(&ingest);
     assert_eq!(first["added"], 4);
-    let again = ok(&["ingest", "--db", db_s, "--model", m, "--embedder", e, "--text-dir", d, "--json"]);
+    let again = ok_s(&ingest);
     assert_eq!(
         (again["added"].as_u64(), again["skipped"].as_u64()),
         (Some(0), Some(4)),
         "re-running skips what is stored"
     );
-    let stats = ok(&["stats", "--db", db_s, "--json"]);
+    let stats = ok_s(&args(&["stats"], db, &["--json"]));
     assert_eq!((stats["contexts"].as_u64(), stats["documents"].as_u64()), (Some(4), Some(3)));
     assert!(stats["tokens"].as_u64().unwrap() > 10 && stats["state_bytes"].as_u64().unwrap() > 0);
+    // Later commands need only --db: the store records where its states are.
+    let by_db_only = ok(&["stats", "--db", &db.db, "--json"]);
+    assert_eq!(by_db_only["states"], stats["states"]);
 
     // Retrieval finds the Eiffel paragraphs for an Eiffel question.
-    let q = ok(&[
-        "query",
-        "--db",
-        db_s,
-        "--model",
-        m,
-        "--embedder",
-        e,
-        "--k",
-        "2",
-        "--max-tokens",
-        "4",
-        "--json",
-        "Where is the Eiffel Tower?",
-    ]);
+    let q = ok_s(&args(
+        &["query"],
+        db,
+        &["--model", m, "--embedder", e, "--k", "2", "--max-tokens", "4", "--json", "Where is the Eiffel Tower?"],
+    ));
     let docs_hit: Vec<&str> = q["contexts"].as_array().unwrap().iter().map(|c| c["doc"].as_str().unwrap()).collect();
     assert!(docs_hit.contains(&"eiffel.txt"), "{docs_hit:?}");
     for method in ["naive", "concat", "soup", "caso", "picaso-s", "picaso-r"] {
-        let v = ok(&[
-            "query",
-            "--db",
-            db_s,
-            "--model",
-            m,
-            "--ids",
-            "1,2",
-            "--method",
-            method,
-            "--max-tokens",
-            "4",
-            "--json",
-            "Hello",
-        ]);
+        let v = ok_s(&args(
+            &["query"],
+            db,
+            &["--model", m, "--ids", "1,2", "--method", method, "--max-tokens", "4", "--json", "Hello"],
+        ));
         assert_eq!(v["method"], method);
         assert!(v["time_to_first_token_ms"].as_f64().unwrap() > 0.0);
     }
 
     // Composition of the stored states is bit-exact with composing the states in memory.
     let model_obj = Model::load(model.path(), &LoadOptions::default()).unwrap();
-    let store = picaso_store::Store::open(&db).unwrap();
+    let store = picaso_store::Store::open(db.location()).unwrap();
     let tok = model_obj.tokenizer().unwrap();
     let texts: Vec<String> = [1, 2].iter().map(|&id| store.get(id).unwrap().text).collect();
     assert_eq!(texts[0], "Cats are small carnivorous mammals.", "files are ingested in sorted order");
@@ -96,19 +93,36 @@ fn ingest_stats_query_and_compose_through_the_store(arch: &str) {
         assert!(a.layers == c.state.layers, "{m}: composition through the state cache differs");
         assert!(compose(m, &stored.iter().collect::<Vec<_>>(), None).unwrap().layers == a.layers, "{m}");
     }
-    assert_eq!(cache.stats().misses, 2, "each state is read from disk once, then served from memory");
+    assert_eq!(cache.stats().misses, 2, "each state is read from the backend once, then served from memory");
+
+    // Search agrees between the index in use and an exhaustive scan.
+    let q = store.embedding(2).unwrap();
+    assert_eq!(store.search(&q, 4).unwrap(), store.search_exact(&q, 4).unwrap());
+    assert_eq!(store.search(&q, 1).unwrap()[0].0, 2);
+
+    // Delete removes the row and (unshared) state object; the id is gone everywhere.
+    let before = store.state_keys().unwrap().len();
+    store.delete(4).unwrap();
+    assert_eq!(store.state_keys().unwrap().len(), before - 1, "the unshared state object is removed");
+    assert!(matches!(store.get(4), Err(picaso_store::Error::NotFound(4))));
+    assert!(store.search(&q, 10).unwrap().iter().all(|h| h.0 != 4));
 
     // Bad input: another model, unknown ids, unknown method, a folder that is not a store.
     let other = text_model_of(arch, 2).unwrap();
     let (success, _, stderr) =
-        run(&["ingest", "--db", db_s, "--model", other.path().to_str().unwrap(), "--embedder", e, "--text-dir", d]);
+        run_s(&args(&["ingest"], db, &["--model", other.path().to_str().unwrap(), "--embedder", e, "--text-dir", d]));
     assert!(!success && stderr.contains("holds states of model"), "{stderr}");
-    let (success, _, stderr) = run(&["query", "--db", db_s, "--model", m, "--ids", "99", "Hi"]);
+    let (success, _, stderr) = run_s(&args(&["query"], db, &["--model", m, "--ids", "99", "Hi"]));
     assert!(!success && stderr.contains("no context with id 99"), "{stderr}");
-    let (success, _, stderr) = run(&["query", "--db", db_s, "--model", m, "--ids", "1", "--method", "blend", "Hi"]);
+    let (success, _, stderr) = run_s(&args(&["query"], db, &["--model", m, "--ids", "1", "--method", "blend", "Hi"]));
     assert!(!success && stderr.contains("picaso-r"), "{stderr}");
     let (success, _, stderr) = run(&["stats", "--db", d]);
     assert!(!success && stderr.contains("not a picaso store"), "{stderr}");
+    if let Some(states) = &db.states {
+        let wrong = format!("{states}-elsewhere");
+        let (success, _, stderr) = run(&["stats", "--db", &db.db, "--states", &wrong]);
+        assert!(!success && stderr.contains("keeps its states in"), "{stderr}");
+    }
 }
 
 /// Ingest killed with SIGKILL at several points leaves a consistent store each time (every
@@ -116,9 +130,16 @@ fn ingest_stats_query_and_compose_through_the_store(arch: &str) {
 /// completes the store without redoing committed work — ending equal to an uninterrupted ingest.
 #[test]
 fn ingest_survives_sigkill_and_resumes() {
-    let (Some(model), Some(embedder)) = (text_model(4), shared("all-MiniLM-L6-v2")) else { return };
     let tmp = tempfile::tempdir().unwrap();
-    let docs = tmp.path().join("docs");
+    for db in backends(tmp.path(), "sigkill") {
+        eprintln!("backend {}", db.kind());
+        ingest_survives_sigkill(tmp.path(), &db);
+    }
+}
+
+fn ingest_survives_sigkill(tmp: &std::path::Path, db: &TestDb) {
+    let (Some(model), Some(embedder)) = (text_model(4), shared("all-MiniLM-L6-v2")) else { return };
+    let docs = tmp.join("docs");
     std::fs::create_dir_all(&docs).unwrap();
     let words = ["river", "mountain", "city", "engine", "forest", "music", "harbour", "winter", "garden", "signal"];
     let total = 400;
@@ -137,17 +158,12 @@ fn ingest_survives_sigkill_and_resumes() {
         std::fs::write(docs.join(format!("doc{d:03}.txt")), paras.join("\n\n")).unwrap();
     }
     let (m, e, d) = (model.path().to_str().unwrap(), embedder.to_str().unwrap(), docs.to_str().unwrap());
-    let ingest_args = |db: &str| -> Vec<String> {
-        ["ingest", "--db", db, "--model", m, "--embedder", e, "--text-dir", d, "--batch", "2", "--json"]
-            .iter()
-            .map(|s| s.to_string())
-            .collect()
+    let ingest_args = |db: &TestDb| {
+        args(&["ingest"], db, &["--model", m, "--embedder", e, "--text-dir", d, "--batch", "2", "--json"])
     };
-    let stored = |db: &std::path::Path| -> u64 {
-        if !db.join("store.sqlite").exists() {
-            return 0;
-        }
-        let (ok, v, _) = run(&["stats", "--db", db.to_str().unwrap(), "--json"]);
+    // Contexts stored so far (0 while the store does not exist yet).
+    let stored = |db: &TestDb| -> u64 {
+        let (ok, v, _) = run(&["stats", "--db", &db.db, "--json"]);
         if ok {
             v["contexts"].as_u64().unwrap_or(0)
         } else {
@@ -155,44 +171,42 @@ fn ingest_survives_sigkill_and_resumes() {
         }
     };
 
-    let db = tmp.path().join("db");
-    let db_s = db.to_str().unwrap();
     let mut killed_at = Vec::new();
     for target in [10, 150, 300] {
         let mut child = Command::new(env!("CARGO_BIN_EXE_picaso"))
-            .args(ingest_args(db_s))
+            .args(ingest_args(db))
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .spawn()
             .unwrap();
-        while stored(&db) < target {
+        while stored(db) < target {
             assert!(child.try_wait().unwrap().is_none(), "ingest finished before the kill; make the corpus larger");
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
         child.kill().unwrap(); // SIGKILL
         child.wait().unwrap();
         // Consistent: stats work, every recorded state loads and matches its checksum.
-        let n = stored(&db);
+        let n = stored(db);
         assert!(n >= target && n < total as u64, "killed mid-way ({n} of {total})");
-        let store = picaso_store::Store::open(&db).unwrap();
-        for id in store.ids() {
+        let store = picaso_store::Store::open(db.location()).unwrap();
+        for id in store.ids().unwrap() {
             store.load_state(id).unwrap_or_else(|e| panic!("after SIGKILL at {n}: context {id}: {e}"));
         }
         killed_at.push(n);
     }
-    let args = ingest_args(db_s);
-    let resumed = ok(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let resumed = ok_s(&ingest_args(db));
     let before = *killed_at.last().unwrap();
     assert_eq!(resumed["skipped"].as_u64(), Some(before), "committed contexts are not redone");
     assert_eq!(resumed["added"].as_u64(), Some(total as u64 - before));
 
     // The resumed store equals an uninterrupted one: same contexts, same state checksums.
-    let clean = tmp.path().join("clean");
-    let args = ingest_args(clean.to_str().unwrap());
-    ok(&args.iter().map(String::as_str).collect::<Vec<_>>());
-    let (a, b) = (picaso_store::Store::open(&db).unwrap(), picaso_store::Store::open(&clean).unwrap());
+    let clean = TestDb { db: tmp.join(format!("clean-{}", db.kind())).to_str().unwrap().to_string(), states: None };
+    ok_s(&ingest_args(&clean));
+    let (a, b) =
+        (picaso_store::Store::open(db.location()).unwrap(), picaso_store::Store::open(clean.location()).unwrap());
     let key = |s: &picaso_store::Store| -> Vec<(String, u32, String)> {
-        let mut v: Vec<_> = s.ids().iter().map(|&id| s.get(id).unwrap()).map(|r| (r.doc, r.seg, r.checksum)).collect();
+        let mut v: Vec<_> =
+            s.ids().unwrap().iter().map(|&id| s.get(id).unwrap()).map(|r| (r.doc, r.seg, r.checksum)).collect();
         v.sort();
         v
     };

@@ -44,7 +44,7 @@ pub fn run(model: &Model, store: &Store, sample: usize, seed: u64) -> Result<Rep
     if with_previous.is_empty() {
         return Err(Error::Input(format!(
             "{}: no passage has its preceding paragraph stored (ingest whole articles with --segment halves)",
-            store.dir().display()
+            store.location()
         )));
     }
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);

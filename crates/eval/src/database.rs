@@ -14,7 +14,7 @@ pub fn check_model(store: &Store, model: &Model, restate: bool) -> Result<()> {
     if store.info().fingerprint != model.fingerprint() && !restate {
         return Err(Error::Input(format!(
             "{}: the store holds states of model {}, not of the given model {}; ingest with this model, or pass --restate to recompute the states from the stored tokens",
-            store.dir().display(),
+            store.location(),
             store.info().fingerprint,
             model.fingerprint()
         )));

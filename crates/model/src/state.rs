@@ -445,10 +445,14 @@ impl Parsed {
     }
 }
 
-/// A state file read through a memory map: f32 tensors are used in place (no copy, no
-/// allocation; composing stored states reads each byte once), bf16 ones are decoded once.
+/// The bytes of a state file: a memory map, or a buffer fetched from an object store.
+type Buffer = Box<dyn AsRef<[u8]> + Send + Sync>;
+
+/// A state file read in place, through a memory map or from a fetched buffer: f32 tensors are
+/// used where they lie (no copy, no allocation; composing stored states reads each byte once),
+/// bf16 ones (or f32 at an unaligned address) are decoded once.
 pub struct MappedState {
-    mmap: memmap2::Mmap,
+    buffer: Buffer,
     parsed: Parsed,
     /// Decoded layers when the file cannot be read in place.
     decoded: Option<Vec<LayerState>>,
@@ -468,9 +472,17 @@ impl MappedState {
     /// Parses a mapped state file. Values are not scanned here (composition detects non-finite
     /// values as it reads them); log-decays, which are small, are checked.
     pub fn new(mmap: memmap2::Mmap) -> Result<Self> {
-        let parsed = Parsed::new(&mmap)?;
-        let decoded = if parsed.in_place(&mmap) { None } else { Some(parsed.decode_layers(&mmap)?) };
-        let state = Self { mmap, parsed, decoded };
+        Self::from_buffer(mmap)
+    }
+
+    /// Parses a state file held in any buffer (e.g. an object fetched from S3). The buffer
+    /// must return the same slice on every call, as maps, `Vec`s and `Bytes` do.
+    pub fn from_buffer(buffer: impl AsRef<[u8]> + Send + Sync + 'static) -> Result<Self> {
+        let buffer: Buffer = Box::new(buffer);
+        let bytes = (*buffer).as_ref();
+        let parsed = Parsed::new(bytes)?;
+        let decoded = if parsed.in_place(bytes) { None } else { Some(parsed.decode_layers(bytes)?) };
+        let state = Self { buffer, parsed, decoded };
         for (i, l) in state.view().layers.iter().enumerate() {
             if let Some(v) = l.log_decay.iter().find(|v| !(v.is_finite() && **v <= 0.0)) {
                 return Err(Error::state(format!(
@@ -504,9 +516,9 @@ impl MappedState {
     }
 
     fn f32s(&self, t: &TensorAt) -> &[f32] {
-        let bytes = &self.mmap[t.range.clone()];
+        let bytes = &self.bytes()[t.range.clone()];
         // SAFETY: `in_place` checked that the range holds little-endian f32s at a 4-byte
-        // aligned address; the map lives as long as the returned borrow.
+        // aligned address; the buffer (which never moves its bytes) lives as long as the borrow.
         unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast::<f32>(), bytes.len() / 4) }
     }
 
@@ -518,7 +530,7 @@ impl MappedState {
 
     /// The file's bytes.
     pub fn bytes(&self) -> &[u8] {
-        &self.mmap
+        (*self.buffer).as_ref()
     }
 }
 
@@ -542,7 +554,10 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     use std::io::Write;
     let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let name = path.file_name().ok_or_else(|| Error::Input(format!("{}: not a file path", path.display())))?;
-    let tmp = dir.join(format!(".{}.tmp-{}", name.to_string_lossy(), std::process::id()));
+    // Unique per process and call, so that concurrent writers of one path never share a temp file.
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = dir.join(format!(".{}.tmp-{}-{n}", name.to_string_lossy(), std::process::id()));
     let result = (|| {
         let mut f = std::fs::File::create(&tmp)?;
         f.write_all(bytes)?;

@@ -96,7 +96,7 @@ impl App {
         if store.info().fingerprint != model.fingerprint() {
             return Err(format!(
                 "store {} holds states of model {}, not of the given model {}; serve it with the model it was made with",
-                store.dir().display(),
+                store.location(),
                 store.info().fingerprint,
                 model.fingerprint()
             ));
@@ -104,14 +104,14 @@ impl App {
         if store.info().dim != embedder.dim() {
             return Err(format!(
                 "store {} holds {}-dimensional embeddings, the embedder makes {}; use the embedder it was made with",
-                store.dir().display(),
+                store.location(),
                 store.info().dim,
                 embedder.dim()
             ));
         }
         model.tokenizer().map_err(|e| e.to_string())?;
         let metrics = Metrics::default();
-        metrics.contexts.set(store.len() as i64);
+        metrics.contexts.set(store.len().map_err(|e| e.to_string())? as i64);
         Ok(Self {
             model,
             store,
@@ -369,7 +369,9 @@ impl App {
             // Another request stored the same (doc, segment) meanwhile.
             None => self.store.id_of(&doc, req.segment)?.ok_or_else(|| ApiError::internal("context vanished"))?,
         };
-        self.metrics.contexts.set(self.store.len() as i64);
+        if let Ok(n) = self.store.len() {
+            self.metrics.contexts.set(n as i64);
+        }
         Ok(AddedContext { id, doc, segment: req.segment, n_tokens, created: true })
     }
 
@@ -377,7 +379,9 @@ impl App {
     pub(crate) fn delete_context(&self, id: i64) -> Result<(), ApiError> {
         self.store.delete(id)?;
         self.cache.remove(id);
-        self.metrics.contexts.set(self.store.len() as i64);
+        if let Ok(n) = self.store.len() {
+            self.metrics.contexts.set(n as i64);
+        }
         Ok(())
     }
 

@@ -31,6 +31,10 @@ impl ApiError {
     pub fn too_large(message: impl Into<String>) -> Self {
         Self::new(StatusCode::PAYLOAD_TOO_LARGE, message)
     }
+    /// 503: a backend (database, object store) is down; retry later.
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, message)
+    }
     /// 500: the server failed.
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, message)
@@ -39,6 +43,7 @@ impl ApiError {
     fn kind(&self) -> &'static str {
         match self.status {
             StatusCode::NOT_FOUND => "not_found_error",
+            StatusCode::SERVICE_UNAVAILABLE => "unavailable_error",
             s if s.is_client_error() => "invalid_request_error",
             _ => "server_error",
         }
@@ -58,6 +63,7 @@ impl From<picaso_store::Error> for ApiError {
         match e {
             E::NotFound(_) => Self::not_found(e.to_string()),
             E::Input(_) => Self::bad_request(e.to_string()),
+            E::Unavailable { .. } => Self::unavailable(e.to_string()),
             E::Model(m) => m.into(),
             E::Embed(picaso_embed::Error::Input(_)) => Self::bad_request(e.to_string()),
             _ => Self::internal(e.to_string()),

@@ -129,14 +129,18 @@ async fn search(State(app): Shared, ApiJson(req): ApiJson<SearchRequest>) -> Res
     Ok(Json(found).into_response())
 }
 
-async fn health(State(app): Shared) -> Response {
-    Json(json!({
+/// 200 when the store's backends answer, 503 (with the reason) when one does not, so a load
+/// balancer can route around a server that lost its database.
+async fn health(State(app): Shared) -> Result<Response, ApiError> {
+    let store = app.clone();
+    let contexts = blocking(move || Ok(store.store.len()?)).await?;
+    Ok(Json(json!({
         "status": "ok",
         "model": app.model_name,
         "fingerprint": app.model.fingerprint(),
-        "contexts": app.store.len(),
+        "contexts": contexts,
     }))
-    .into_response()
+    .into_response())
 }
 
 async fn metrics(State(app): Shared) -> Response {

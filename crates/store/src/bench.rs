@@ -81,7 +81,7 @@ pub fn context_cost(model: &Model, dir: &Path, opts: &ContextCostOptions) -> Res
     let mut rng = rand::rngs::StdRng::seed_from_u64(0);
     let mut random_tokens = |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(0..vocab as u32)).collect() };
     let zero = model.zero_state();
-    let have = store.len();
+    let have = store.len()?;
     for i in have..opts.max_k {
         let tokens = random_tokens(opts.context_tokens);
         let state = model.prefill(&tokens, &zero)?;
@@ -90,7 +90,7 @@ pub fn context_cost(model: &Model, dir: &Path, opts: &ContextCostOptions) -> Res
         store.insert(&[item])?;
     }
     let prompt = random_tokens(opts.prompt_tokens.max(1));
-    let ids: Vec<i64> = store.ids();
+    let ids: Vec<i64> = store.ids()?;
     let reps = opts.repeats.max(1);
     let mut rows = Vec::new();
     for k in 1..=opts.max_k.min(ids.len()) {
@@ -144,6 +144,95 @@ pub fn context_cost(model: &Model, dir: &Path, opts: &ContextCostOptions) -> Res
             ttft_concat_ms: ms(ttft_concat),
             ttft_picaso_cold_ms: ms(ttft_cold),
             ttft_picaso_warm_ms: ms(ttft_warm),
+        });
+    }
+    Ok(rows)
+}
+
+/// What [`backend_latency`] measures.
+#[derive(Debug, Clone)]
+pub struct BackendLatencyOptions {
+    /// Context counts to measure.
+    pub ks: Vec<usize>,
+    /// Queries per k (stored embeddings of random contexts, seed 0); medians are reported.
+    pub queries: usize,
+    /// The composition.
+    pub method: Method,
+    /// Byte budget of the warm state cache measured next to no cache.
+    pub cache_bytes: usize,
+}
+
+/// One k on one backend: medians over the queries, milliseconds.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct BackendLatencyRow {
+    /// Contexts retrieved and composed.
+    pub k: usize,
+    /// Nearest-neighbour search (the catalog's index in use).
+    pub retrieve_ms: f64,
+    /// Reading and verifying the k states from the backend, no cache.
+    pub load_ms: f64,
+    /// Composing them.
+    pub compose_ms: f64,
+    /// retrieve + load + compose, no cache.
+    pub total_ms: f64,
+    /// The same request with every state already in the cache.
+    pub total_cached_ms: f64,
+    /// Exhaustive search, for comparison with an approximate index.
+    pub retrieve_exact_ms: f64,
+    /// Share of the exact top k that the index in use returned (1 for exact search).
+    pub recall: f64,
+}
+
+/// Retrieval + state loading + composition latency of `store` per k, with no state cache and
+/// with a warm one, and the recall of its search against an exhaustive scan.
+pub fn backend_latency(store: &Store, model: &Model, opts: &BackendLatencyOptions) -> Result<Vec<BackendLatencyRow>> {
+    let ids = store.ids()?;
+    if ids.is_empty() {
+        return Err(crate::Error::Input(format!("store {} is empty; ingest contexts first", store.location())));
+    }
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0);
+    let queries: Vec<Vec<f32>> = (0..opts.queries.max(1))
+        .map(|_| store.embedding(ids[rng.random_range(0..ids.len())]))
+        .collect::<Result<_>>()?;
+    let method = ContextMethod::Compose(opts.method);
+    let mut rows = Vec::new();
+    for &k in &opts.ks {
+        let (mut retrieve, mut retrieve_exact, mut load, mut compose, mut total, mut cached) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut recall = Vec::new();
+        let cache = crate::StateCache::new(opts.cache_bytes);
+        for q in &queries {
+            let t0 = Instant::now();
+            let hits = store.search(q, k)?;
+            let t_retrieve = t0.elapsed().as_secs_f64();
+            let t1 = Instant::now();
+            let exact = store.search_exact(q, k)?;
+            retrieve_exact.push(t1.elapsed().as_secs_f64() * 1e3);
+            let found = hits.iter().filter(|h| exact.iter().any(|e| e.0 == h.0)).count();
+            recall.push(found as f64 / exact.len().max(1) as f64);
+            let hit_ids: Vec<i64> = hits.iter().rev().map(|h| h.0).collect();
+            let p = prepare(store, model, &hit_ids, method, None)?;
+            retrieve.push(t_retrieve * 1e3);
+            load.push(p.load_seconds * 1e3);
+            compose.push(p.compose_seconds * 1e3);
+            total.push((t_retrieve + p.load_seconds + p.compose_seconds) * 1e3);
+            prepare(store, model, &hit_ids, method, Some(&cache))?; // fills the cache
+            let t2 = Instant::now();
+            let hits = store.search(q, k)?;
+            let hit_ids: Vec<i64> = hits.iter().rev().map(|h| h.0).collect();
+            prepare(store, model, &hit_ids, method, Some(&cache))?;
+            cached.push(t2.elapsed().as_secs_f64() * 1e3);
+        }
+        let mean_recall = recall.iter().sum::<f64>() / recall.len() as f64;
+        rows.push(BackendLatencyRow {
+            k,
+            retrieve_ms: median(retrieve),
+            load_ms: median(load),
+            compose_ms: median(compose),
+            total_ms: median(total),
+            total_cached_ms: median(cached),
+            retrieve_exact_ms: median(retrieve_exact),
+            recall: mean_recall,
         });
     }
     Ok(rows)

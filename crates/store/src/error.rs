@@ -6,20 +6,20 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// The folder is not a store, or is unreadable.
-    #[error("store {path}: {message}")]
+    #[error("store {location}: {message}")]
     Store {
-        /// The store folder.
-        path: PathBuf,
+        /// The store (folder or URL).
+        location: String,
         /// What is wrong and how to fix it.
         message: String,
     },
     /// The store was made with another model (or embedder) than the one given.
     #[error(
-        "store {path} holds states of model {stored}, not of {given}; use the model it was made with or a new --db"
+        "store {location} holds states of model {stored}, not of {given}; use the model it was made with or a new --db"
     )]
     WrongModel {
-        /// The store folder.
-        path: PathBuf,
+        /// The store (folder or URL).
+        location: String,
         /// Fingerprint recorded in the store.
         stored: String,
         /// Fingerprint of the model given.
@@ -37,6 +37,23 @@ pub enum Error {
         found: String,
         /// Checksum in the metadata.
         recorded: String,
+    },
+    /// A backend (PostgreSQL, an object store) could not be reached or did not answer in time,
+    /// after retries. Transient: the same call succeeds once the backend is back.
+    #[error("{backend} is unavailable: {message}; retry once it is back")]
+    Unavailable {
+        /// The backend, as a URL without credentials.
+        backend: String,
+        /// What failed.
+        message: String,
+    },
+    /// A backend refused an operation (permissions, configuration, a missing extension).
+    #[error("{backend}: {message}")]
+    Backend {
+        /// The backend, as a URL without credentials.
+        backend: String,
+        /// What failed and how to fix it.
+        message: String,
     },
     /// Bad input (empty text, wrong embedding size, ...).
     #[error("{0}")]

@@ -96,7 +96,7 @@ pub fn ingest(
 ) -> Result<IngestProgress> {
     if store.info().fingerprint != model.fingerprint() {
         return Err(Error::WrongModel {
-            path: store.dir().to_path_buf(),
+            location: store.location().to_string(),
             stored: store.info().fingerprint.clone(),
             given: model.fingerprint().to_string(),
         });

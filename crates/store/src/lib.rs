@@ -15,17 +15,25 @@
 
 pub mod bench;
 pub mod cache;
+pub mod catalog;
 pub mod error;
 pub mod ingest;
+pub mod location;
+pub mod migrate;
 pub mod passages;
 pub mod query;
+mod runtime;
 pub mod sources;
+pub mod states;
 pub mod store;
 
 pub use cache::{CacheStats, StateCache};
 pub use error::{Error, Result};
 pub use ingest::{ingest, IngestProgress};
+pub use location::{CatalogUrl, Location, StatesUrl};
+pub use migrate::{migrate, MigrateReport};
 pub use passages::{passages, retrieve, Passage};
 pub use query::{prepare, ContextMethod, Prepared};
+pub use runtime::Resilience;
 pub use sources::{read_jsonl, read_text_dir, read_wikitext, Document, Segmentation};
-pub use store::{ContextRecord, NewContext, Stats, Store, StoreInfo};
+pub use store::{checksum, ContextRecord, NewContext, Stats, Store, StoreInfo};

@@ -33,14 +33,14 @@ pub fn passages(store: &Store) -> Result<Vec<Passage>> {
         other => {
             return Err(Error::Input(format!(
                 "{}: the store was ingested with --segment {}, not halves; ingest the text with --segment halves into a new store",
-                store.dir().display(),
+                store.location(),
                 other.as_deref().unwrap_or("(unrecorded)")
             )))
         }
     }
     let mut halves: HashMap<(String, u32), [Option<i64>; 2]> = HashMap::new();
     let mut order = Vec::new();
-    for id in store.ids() {
+    for id in store.ids()? {
         let (doc, seg) = store.doc_seg(id)?;
         let key = (doc, seg / 2);
         let slot = halves.entry(key.clone()).or_insert_with(|| {
@@ -61,7 +61,7 @@ pub fn passages(store: &Store) -> Result<Vec<Passage>> {
     if out.is_empty() {
         return Err(Error::Input(format!(
             "{}: no (query, continuation) pairs; ingest the text with --segment halves",
-            store.dir().display()
+            store.location()
         )));
     }
     let index: HashMap<(&str, u32), usize> =
@@ -77,7 +77,7 @@ pub fn passages(store: &Store) -> Result<Vec<Passage>> {
 /// The `k` contexts most similar to `passage`'s query (by the stored embeddings), most similar
 /// first, leaving out the passage's own halves.
 pub fn retrieve(store: &Store, passage: &Passage, k: usize) -> Result<Vec<(i64, f32)>> {
-    let available = store.len().saturating_sub(2);
+    let available = store.len()?.saturating_sub(2);
     if k > available {
         return Err(Error::Input(format!(
             "k = {k} contexts asked, but the store holds only {available} besides the query's own passage"

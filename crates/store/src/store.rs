@@ -1,46 +1,28 @@
-//! The embedded store: one folder holding
+//! A store: a catalog (metadata and vectors: SQLite in a folder, or PostgreSQL with pgvector)
+//! and state objects (a folder, or an S3-compatible bucket), bound to one model.
 //!
-//! * `store.sqlite` — metadata and embeddings of every context (SQLite, WAL, synchronous=FULL);
-//! * `states/xx/<checksum>.safetensors` — one state file per distinct state, content-addressed
-//!   by the xxh3-128 of its bytes, written once (temporary file, fsync, rename).
+//! A folder store is one directory holding `store.sqlite` and `states/ab/<checksum>.safetensors`;
+//! a shared store is a PostgreSQL database that records where its states are (`s3://...`).
+//! State objects are content-addressed by the xxh3-128 of their bytes and written atomically.
 //!
-//! Crash safety comes from the order of writes: a batch's state files are durable before the
+//! Crash safety comes from the order of writes: a batch's state objects are durable before the
 //! one transaction that records them commits. A kill at any moment leaves either no row (the
-//! file, if any, is an orphan that the next write of the same state simply replaces) or a row
-//! whose file is complete. Re-running an ingest skips the (document, segment) pairs recorded.
+//! object, if any, is an orphan that the next write of the same state simply replaces) or a row
+//! whose object is complete. Re-running an ingest skips the (document, segment) pairs recorded.
 
 use std::collections::HashSet;
-use std::path::{Path, PathBuf};
-use std::sync::{Mutex, RwLock};
+use std::path::PathBuf;
 
-use picaso_embed::{FlatIndex, VectorIndex};
 use picaso_model::{MappedState, State, StateDtype};
 use rayon::prelude::*;
-use rusqlite::{params, Connection, OptionalExtension};
 
+use crate::catalog::{Catalog, PostgresCatalog, Row, SqliteCatalog};
 use crate::error::{Error, Result};
+use crate::location::{CatalogUrl, Location, StatesUrl};
+use crate::states::{key_of, StateObjects};
 
 /// Format tag of the metadata database.
 pub const STORE_FORMAT: &str = "picaso-store/1";
-
-const SCHEMA: &str = "
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS contexts (
-    id          INTEGER PRIMARY KEY AUTOINCREMENT,
-    doc         TEXT    NOT NULL,
-    seg         INTEGER NOT NULL,
-    text        TEXT    NOT NULL,
-    tokens      BLOB    NOT NULL,
-    n_tokens    INTEGER NOT NULL,
-    embedding   BLOB    NOT NULL,
-    fingerprint TEXT    NOT NULL,
-    state_file  TEXT    NOT NULL,
-    checksum    TEXT    NOT NULL,
-    state_bytes INTEGER NOT NULL,
-    created     INTEGER NOT NULL,
-    UNIQUE (doc, seg)
-);
-";
 
 /// What a store is bound to: the model whose states it holds and the embedder's width.
 #[derive(Debug, Clone, PartialEq)]
@@ -85,7 +67,7 @@ pub struct ContextRecord {
     pub tokens: Vec<u32>,
     /// Number of tokens.
     pub n_tokens: usize,
-    /// State file, relative to the store folder.
+    /// State object, relative to the store (`states/ab/<checksum>.safetensors`).
     pub state_file: String,
     /// xxh3-128 of the state file, hex.
     pub checksum: String,
@@ -108,26 +90,24 @@ pub struct Stats {
     pub state_bytes: u64,
     /// Fingerprint of the model.
     pub model: String,
+    /// Where the metadata and vectors are (no credentials).
+    pub catalog: String,
+    /// Where the state objects are.
+    pub states: String,
 }
 
-/// The retrieval index and the context id of each of its rows.
-struct Index {
-    flat: FlatIndex,
-    ids: Vec<i64>,
-}
-
-/// An open store. Safe to share between threads: SQLite access is serialised, reads of state
-/// files and searches run in parallel.
+/// An open store. Safe to share between threads.
 pub struct Store {
-    dir: PathBuf,
+    location: Location,
     info: StoreInfo,
-    conn: Mutex<Connection>,
-    index: RwLock<Index>,
+    catalog: Box<dyn Catalog>,
+    states_url: StatesUrl,
+    states: Box<dyn StateObjects>,
 }
 
 impl std::fmt::Debug for Store {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Store").field("dir", &self.dir).field("info", &self.info).finish()
+        f.debug_struct("Store").field("location", &self.location.to_string()).field("info", &self.info).finish()
     }
 }
 
@@ -135,79 +115,126 @@ fn now_unix() -> i64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0)
 }
 
-fn u32s_to_blob(v: &[u32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-fn blob_to_u32s(b: &[u8]) -> Vec<u32> {
-    b.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
-}
-fn f32s_to_blob(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-fn blob_to_f32s(b: &[u8]) -> Vec<f32> {
-    b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
-}
-
 /// xxh3-128 of bytes, as 32 hex digits: the name and checksum of a state file.
 pub fn checksum(bytes: &[u8]) -> String {
     format!("{:032x}", xxhash_rust::xxh3::xxh3_128(bytes))
 }
 
+fn dtype_name(d: StateDtype) -> &'static str {
+    match d {
+        StateDtype::F32 => "f32",
+        StateDtype::Bf16 => "bf16",
+    }
+}
+
+/// The catalog at `url` if a store exists there.
+fn existing_catalog(url: &CatalogUrl) -> Result<Option<Box<dyn Catalog>>> {
+    Ok(match url {
+        CatalogUrl::Sqlite(dir) if SqliteCatalog::exists_at(dir) => Some(Box::new(SqliteCatalog::open(dir)?)),
+        CatalogUrl::Sqlite(_) => None,
+        CatalogUrl::Postgres(u) => {
+            let c = PostgresCatalog::connect(u)?;
+            if c.exists()? {
+                Some(Box::new(c))
+            } else {
+                None
+            }
+        }
+    })
+}
+
+/// A local states folder as recorded: absolute, so other processes find it from anywhere.
+fn absolute(url: StatesUrl) -> StatesUrl {
+    match url {
+        StatesUrl::Local(dir) => StatesUrl::Local(std::path::absolute(&dir).unwrap_or(dir)),
+        s3 => s3,
+    }
+}
+
 impl Store {
-    /// Opens the store in `dir`, creating it for `info` if it does not exist. An existing store
-    /// made for another model or embedder width is refused.
-    pub fn open_or_create(dir: &Path, info: &StoreInfo) -> Result<Self> {
-        if dir.join("store.sqlite").is_file() {
-            let store = Self::open(dir)?;
-            if store.info.fingerprint != info.fingerprint {
-                return Err(Error::WrongModel {
-                    path: dir.to_path_buf(),
-                    stored: store.info.fingerprint.clone(),
-                    given: info.fingerprint.clone(),
-                });
-            }
-            if store.info.dim != info.dim {
-                return Err(Error::Store {
-                    path: dir.to_path_buf(),
-                    message: format!("embeddings have {} dimensions, the embedder gives {}", store.info.dim, info.dim),
-                });
-            }
-            return Ok(store);
-        }
-        std::fs::create_dir_all(dir.join("states")).map_err(|e| Error::Io { path: dir.to_path_buf(), source: e })?;
-        let conn = Self::connect(dir)?;
-        conn.execute_batch(SCHEMA)?;
-        let dtype = match info.state_dtype {
-            StateDtype::F32 => "f32",
-            StateDtype::Bf16 => "bf16",
-        };
-        let tx_meta = [
-            ("format", STORE_FORMAT.to_string()),
-            ("model", info.fingerprint.clone()),
-            ("dim", info.dim.to_string()),
-            ("state_dtype", dtype.to_string()),
-        ];
-        for (k, v) in tx_meta {
-            conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?1, ?2)", params![k, v])?;
-        }
-        let index = Index { flat: FlatIndex::new(info.dim)?, ids: Vec::new() };
-        Ok(Self { dir: dir.to_path_buf(), info: info.clone(), conn: Mutex::new(conn), index: RwLock::new(index) })
+    /// Opens an existing store: a folder, or a catalog URL (see [`Location`]).
+    pub fn open(location: impl Into<Location>) -> Result<Self> {
+        let location = location.into();
+        let catalog = existing_catalog(&location.catalog)?.ok_or_else(|| Error::Store {
+            location: location.catalog.to_string(),
+            message: match &location.catalog {
+                CatalogUrl::Sqlite(_) => {
+                    "not a picaso store (no store.sqlite); create one with `picaso ingest --db DIR ...`".into()
+                }
+                CatalogUrl::Postgres(_) => "this database holds no picaso store; create one with \
+                     `picaso ingest --db postgres://... --states s3://bucket/prefix ...`"
+                    .into(),
+            },
+        })?;
+        Self::bind(location, catalog)
     }
 
-    /// Opens an existing store.
-    pub fn open(dir: &Path) -> Result<Self> {
-        let bad = |message: String| Error::Store { path: dir.to_path_buf(), message };
-        if !dir.join("store.sqlite").is_file() {
-            return Err(bad(
-                "not a picaso store (no store.sqlite); create one with `picaso ingest --db DIR ...`".into()
-            ));
-        }
-        let conn = Self::connect(dir)?;
-        let meta = |k: &str| -> Result<String> {
-            conn.query_row("SELECT value FROM meta WHERE key = ?1", [k], |r| r.get::<_, String>(0))
-                .optional()?
-                .ok_or_else(|| bad(format!("metadata lacks `{k}`")))
+    /// Opens the store at `location`, creating it for `info` if it does not exist. An existing
+    /// store made for another model or embedder width is refused.
+    pub fn open_or_create(location: impl Into<Location>, info: &StoreInfo) -> Result<Self> {
+        let location = location.into();
+        let shown = location.catalog.to_string();
+        let store = match existing_catalog(&location.catalog)? {
+            Some(catalog) => Self::bind(location, catalog)?,
+            None => {
+                let (catalog, default_states): (Box<dyn Catalog>, Option<StatesUrl>) = match &location.catalog {
+                    CatalogUrl::Sqlite(dir) => {
+                        (Box::new(SqliteCatalog::create(dir, info.dim)?), Some(StatesUrl::Local(dir.join("states"))))
+                    }
+                    CatalogUrl::Postgres(u) => {
+                        let c = PostgresCatalog::connect(u)?;
+                        c.create(info.dim)?;
+                        (Box::new(c), None)
+                    }
+                };
+                let states = match (&location.states, default_states) {
+                    (Some(s), _) => absolute(s.clone()),
+                    (None, Some(d)) => d,
+                    (None, None) => {
+                        return Err(Error::Input(format!(
+                            "a PostgreSQL store needs --states: where to keep state objects \
+                             (s3://bucket/prefix, or a folder every server can read); creating {shown}"
+                        )))
+                    }
+                };
+                let mut pairs = vec![
+                    ("format", STORE_FORMAT.to_string()),
+                    ("model", info.fingerprint.clone()),
+                    ("dim", info.dim.to_string()),
+                    ("state_dtype", dtype_name(info.state_dtype).to_string()),
+                ];
+                if location.states.is_some() {
+                    pairs.push(("states", states.to_string()));
+                }
+                // init_meta keeps the first writer's values when two processes create at once;
+                // bind() then checks them against `info` like any existing store.
+                for (k, v) in pairs {
+                    catalog.init_meta(k, &v)?;
+                }
+                Self::bind(Location { catalog: location.catalog.clone(), states: location.states.clone() }, catalog)?
+            }
         };
+        if store.info.fingerprint != info.fingerprint {
+            return Err(Error::WrongModel {
+                location: shown,
+                stored: store.info.fingerprint.clone(),
+                given: info.fingerprint.clone(),
+            });
+        }
+        if store.info.dim != info.dim {
+            return Err(Error::Store {
+                location: shown,
+                message: format!("embeddings have {} dimensions, the embedder gives {}", store.info.dim, info.dim),
+            });
+        }
+        Ok(store)
+    }
+
+    /// Reads the binding of an existing catalog and opens its states.
+    fn bind(location: Location, catalog: Box<dyn Catalog>) -> Result<Self> {
+        let shown = location.catalog.to_string();
+        let bad = |message: String| Error::Store { location: shown.clone(), message };
+        let meta = |k: &str| -> Result<String> { catalog.meta(k)?.ok_or_else(|| bad(format!("metadata lacks `{k}`"))) };
         let format = meta("format")?;
         if format != STORE_FORMAT {
             return Err(bad(format!("format {format:?}, this picaso reads {STORE_FORMAT:?}")));
@@ -215,34 +242,32 @@ impl Store {
         let dim: usize = meta("dim")?.parse().map_err(|_| bad("metadata `dim` is not a number".into()))?;
         let state_dtype = meta("state_dtype")?.parse().map_err(bad)?;
         let info = StoreInfo { fingerprint: meta("model")?, dim, state_dtype };
-        let mut index = Index { flat: FlatIndex::new(dim)?, ids: Vec::new() };
-        {
-            let mut stmt = conn.prepare("SELECT id, embedding FROM contexts ORDER BY id")?;
-            let mut rows = stmt.query([])?;
-            while let Some(row) = rows.next()? {
-                let id: i64 = row.get(0)?;
-                let emb = blob_to_f32s(&row.get::<_, Vec<u8>>(1)?);
-                index.flat.add(&emb)?;
-                index.ids.push(id);
+        let recorded = match catalog.meta("states")? {
+            Some(s) => StatesUrl::parse(&s)?,
+            None => match &location.catalog {
+                CatalogUrl::Sqlite(dir) => StatesUrl::Local(dir.join("states")),
+                CatalogUrl::Postgres(_) => return Err(bad("metadata lacks `states` (where state objects are)".into())),
+            },
+        };
+        if let Some(given) = &location.states {
+            if absolute(given.clone()) != absolute(recorded.clone()) {
+                return Err(Error::Input(format!(
+                    "store {shown} keeps its states in {recorded}, not {given}; drop --states or give that one"
+                )));
             }
         }
-        Ok(Self { dir: dir.to_path_buf(), info, conn: Mutex::new(conn), index: RwLock::new(index) })
+        let states = crate::states::open(&recorded)?;
+        Ok(Self { location, info, catalog, states_url: recorded, states })
     }
 
-    fn connect(dir: &Path) -> Result<Connection> {
-        let conn = Connection::open(dir.join("store.sqlite"))?;
-        conn.execute_batch("PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL; PRAGMA foreign_keys = ON;")?;
-        conn.busy_timeout(std::time::Duration::from_secs(10))?;
-        Ok(conn)
+    /// Where the store is (displays without credentials).
+    pub fn location(&self) -> &Location {
+        &self.location
     }
 
-    fn conn(&self) -> std::sync::MutexGuard<'_, Connection> {
-        self.conn.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// The store folder.
-    pub fn dir(&self) -> &Path {
-        &self.dir
+    /// Where its state objects are.
+    pub fn states_url(&self) -> &StatesUrl {
+        &self.states_url
     }
 
     /// What the store is bound to.
@@ -252,176 +277,160 @@ impl Store {
 
     /// Segments of `doc` already stored (ingest skips them).
     pub fn segments_of(&self, doc: &str) -> Result<HashSet<u32>> {
-        let conn = self.conn();
-        let mut stmt = conn.prepare_cached("SELECT seg FROM contexts WHERE doc = ?1")?;
-        let rows = stmt.query_map([doc], |r| r.get::<_, u32>(0))?;
-        Ok(rows.collect::<std::result::Result<_, _>>()?)
+        self.catalog.segments_of(doc)
     }
 
-    /// Adds contexts: their state files first (durable), then their rows in one transaction.
+    /// Adds contexts: their state objects first (durable), then their rows in one transaction.
     /// A (doc, seg) already present is skipped. Returns the ids, `None` for skipped ones.
     pub fn insert(&self, items: &[NewContext]) -> Result<Vec<Option<i64>>> {
-        let mut files = Vec::with_capacity(items.len());
+        let mut objects = Vec::with_capacity(items.len());
         for it in items {
-            if it.embedding.len() != self.info.dim {
-                return Err(Error::Input(format!(
-                    "embedding of {} values, the store holds {}-dimensional embeddings",
-                    it.embedding.len(),
-                    self.info.dim
-                )));
-            }
-            if it.state.fingerprint != self.info.fingerprint {
-                return Err(Error::WrongModel {
-                    path: self.dir.clone(),
-                    stored: self.info.fingerprint.clone(),
-                    given: it.state.fingerprint.clone(),
-                });
-            }
+            self.check_new(&it.embedding, &it.state.fingerprint)?;
             let bytes = it.state.to_bytes(self.info.state_dtype)?;
             let sum = checksum(&bytes);
-            let rel = format!("states/{}/{sum}.safetensors", &sum[..2]);
-            let path = self.dir.join(&rel);
-            if !path.is_file() {
-                let parent = path.parent().expect("state paths have a parent");
-                std::fs::create_dir_all(parent).map_err(|e| Error::Io { path: parent.to_path_buf(), source: e })?;
-                picaso_model::state::write_atomic(&path, &bytes)?;
-            }
-            files.push((rel, sum, bytes.len() as u64));
+            objects.push((sum, bytes));
         }
-        let mut conn = self.conn();
-        let tx = conn.transaction()?;
-        let mut ids = Vec::with_capacity(items.len());
-        {
-            let mut stmt = tx.prepare_cached(
-                "INSERT OR IGNORE INTO contexts
-                 (doc, seg, text, tokens, n_tokens, embedding, fingerprint, state_file, checksum, state_bytes, created)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
-            )?;
-            let created = now_unix();
-            for (it, (rel, sum, size)) in items.iter().zip(&files) {
-                let n = stmt.execute(params![
-                    it.doc,
-                    it.seg,
-                    it.text,
-                    u32s_to_blob(&it.tokens),
-                    it.tokens.len() as i64,
-                    f32s_to_blob(&it.embedding),
-                    it.state.fingerprint,
-                    rel,
-                    sum,
-                    *size as i64,
-                    created
-                ])?;
-                ids.push((n == 1).then(|| tx.last_insert_rowid()));
-            }
+        let files: Vec<String> = objects.iter().map(|(sum, _)| format!("states/{}", key_of(sum))).collect();
+        let created = now_unix();
+        let rows: Vec<Row<'_>> = items
+            .iter()
+            .zip(&objects)
+            .zip(&files)
+            .map(|((it, (sum, bytes)), file)| Row {
+                id: None,
+                doc: &it.doc,
+                seg: it.seg,
+                text: &it.text,
+                tokens: &it.tokens,
+                embedding: &it.embedding,
+                fingerprint: &it.state.fingerprint,
+                state_file: file,
+                checksum: sum,
+                state_bytes: bytes.len() as u64,
+                created,
+            })
+            .collect();
+        self.catalog.insert(&rows, &mut || self.put_objects(&objects))
+    }
+
+    fn check_new(&self, embedding: &[f32], fingerprint: &str) -> Result<()> {
+        if embedding.len() != self.info.dim {
+            return Err(Error::Input(format!(
+                "embedding of {} values, the store holds {}-dimensional embeddings",
+                embedding.len(),
+                self.info.dim
+            )));
         }
-        tx.commit()?;
-        drop(conn);
-        let mut index = self.index.write().unwrap_or_else(|p| p.into_inner());
-        for (it, id) in items.iter().zip(&ids) {
-            if let Some(id) = id {
-                index.flat.add(&it.embedding)?;
-                index.ids.push(*id);
-            }
+        if fingerprint != self.info.fingerprint {
+            return Err(Error::WrongModel {
+                location: self.location.catalog.to_string(),
+                stored: self.info.fingerprint.clone(),
+                given: fingerprint.to_string(),
+            });
         }
-        Ok(ids)
+        Ok(())
+    }
+
+    /// Writes state objects (in parallel: remote stores are latency-bound).
+    fn put_objects(&self, objects: &[(String, Vec<u8>)]) -> Result<()> {
+        objects.par_iter().try_for_each(|(sum, bytes)| self.states.put(&key_of(sum), bytes))
+    }
+
+    /// Copies contexts from another store as they are: same ids, metadata, embeddings and
+    /// state bytes (each verified against its record's checksum), in one transaction. A
+    /// (doc, seg) already present is skipped (`None`).
+    pub fn insert_copies(&self, items: &[(&ContextRecord, &[f32], &[u8])]) -> Result<Vec<Option<i64>>> {
+        let mut objects = Vec::with_capacity(items.len());
+        for (record, embedding, bytes) in items {
+            self.check_new(embedding, &self.info.fingerprint)?;
+            let found = checksum(bytes);
+            if found != record.checksum {
+                return Err(Error::Corrupt {
+                    path: PathBuf::from(&record.state_file),
+                    found,
+                    recorded: record.checksum.clone(),
+                });
+            }
+            objects.push((record.checksum.clone(), bytes.to_vec()));
+        }
+        let rows: Vec<Row<'_>> = items
+            .iter()
+            .map(|(r, embedding, bytes)| Row {
+                id: Some(r.id),
+                doc: &r.doc,
+                seg: r.seg,
+                text: &r.text,
+                tokens: &r.tokens,
+                embedding,
+                fingerprint: &self.info.fingerprint,
+                state_file: &r.state_file,
+                checksum: &r.checksum,
+                state_bytes: bytes.len() as u64,
+                created: r.created,
+            })
+            .collect();
+        self.catalog.insert(&rows, &mut || self.put_objects(&objects))
     }
 
     /// The id of the context stored for (`doc`, `seg`), if any.
     pub fn id_of(&self, doc: &str, seg: u32) -> Result<Option<i64>> {
-        let conn = self.conn();
-        let mut stmt = conn.prepare_cached("SELECT id FROM contexts WHERE doc = ?1 AND seg = ?2")?;
-        Ok(stmt.query_row(params![doc, seg], |r| r.get(0)).optional()?)
+        self.catalog.id_of(doc, seg)
     }
 
     /// The metadata of context `id`.
     pub fn get(&self, id: i64) -> Result<ContextRecord> {
-        let conn = self.conn();
-        let mut stmt = conn.prepare_cached(
-            "SELECT id, doc, seg, text, tokens, n_tokens, state_file, checksum, state_bytes, created
-             FROM contexts WHERE id = ?1",
-        )?;
-        stmt.query_row([id], |r| {
-            Ok(ContextRecord {
-                id: r.get(0)?,
-                doc: r.get(1)?,
-                seg: r.get(2)?,
-                text: r.get(3)?,
-                tokens: blob_to_u32s(&r.get::<_, Vec<u8>>(4)?),
-                n_tokens: r.get::<_, i64>(5)? as usize,
-                state_file: r.get(6)?,
-                checksum: r.get(7)?,
-                state_bytes: r.get::<_, i64>(8)? as u64,
-                created: r.get(9)?,
-            })
-        })
-        .optional()?
-        .ok_or(Error::NotFound(id))
+        Ok(self.catalog.get_many(&[id])?.remove(0))
     }
 
     /// How the store's documents were cut into contexts (`paragraph`, `tokens:N`, `halves:N`),
     /// recorded by the first ingest; `None` for a store that predates the record.
     pub fn segmentation(&self) -> Result<Option<String>> {
-        let conn = self.conn();
-        Ok(conn
-            .query_row("SELECT value FROM meta WHERE key = 'segmentation'", [], |r| r.get::<_, String>(0))
-            .optional()?)
+        self.catalog.meta("segmentation")
     }
 
     /// Records `segmentation` on first use; refuses another one later, because a (document,
     /// segment) pair means a different text under another segmentation and ingest would skip
     /// it as already stored.
     pub fn bind_segmentation(&self, segmentation: &str) -> Result<()> {
-        match self.segmentation()? {
-            Some(s) if s == segmentation => Ok(()),
-            Some(s) => Err(Error::Input(format!(
-                "store {} was ingested with --segment {s}; ingest with the same segmentation or into a new store",
-                self.dir.display()
-            ))),
-            None => {
-                let conn = self.conn();
-                conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('segmentation', ?1)", [segmentation])?;
-                Ok(())
-            }
+        let stored = self.catalog.init_meta("segmentation", segmentation)?;
+        if stored != segmentation {
+            return Err(Error::Input(format!(
+                "store {} was ingested with --segment {stored}; ingest with the same segmentation or into a new store",
+                self.location.catalog
+            )));
         }
+        Ok(())
     }
 
     /// The (document, segment) of context `id` (without reading its text and tokens).
     pub fn doc_seg(&self, id: i64) -> Result<(String, u32)> {
-        let conn = self.conn();
-        let mut stmt = conn.prepare_cached("SELECT doc, seg FROM contexts WHERE id = ?1")?;
-        stmt.query_row([id], |r| Ok((r.get(0)?, r.get(1)?))).optional()?.ok_or(Error::NotFound(id))
+        self.catalog.doc_seg(id)
     }
 
-    /// Maps context `id`'s state file and verifies its checksum; f32 tensors are then read in
-    /// place (see [`MappedState`]).
+    /// Maps context `id`'s state and verifies its checksum; f32 tensors are then read in place
+    /// (see [`MappedState`]).
     pub fn map_state(&self, id: i64) -> Result<MappedState> {
         self.map_states(&[id]).map(|mut v| v.remove(0))
     }
 
-    /// [`Store::map_state`] for several contexts: all files are mapped and their reads
-    /// requested up front (the disk works on all of them at once), then verified in parallel.
+    /// [`Store::map_state`] for several contexts: all objects are requested up front (the disk
+    /// or the network works on all of them at once), then verified in parallel.
     pub fn map_states(&self, ids: &[i64]) -> Result<Vec<MappedState>> {
-        let mut maps = Vec::with_capacity(ids.len());
-        for &id in ids {
-            let rec = self.get(id)?;
-            let path = self.dir.join(&rec.state_file);
-            let file = std::fs::File::open(&path).map_err(|e| Error::Io { path: path.clone(), source: e })?;
-            // SAFETY: state files are written once and never modified in place (atomic rename).
-            let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::Io { path: path.clone(), source: e })?;
-            #[cfg(unix)]
-            let _ = mmap.advise(memmap2::Advice::WillNeed); // only a hint
-            maps.push((mmap, path, rec.checksum));
-        }
-        maps.into_par_iter()
-            .map(|(mmap, path, recorded)| {
-                let found = checksum(&mmap);
-                if found != recorded {
-                    return Err(Error::Corrupt { path, found, recorded });
-                }
-                MappedState::new(mmap).map_err(|e| Error::Model(e.at_state_file(&path)))
-            })
-            .collect()
+        let records = self.catalog.get_many(ids)?;
+        let keys: Vec<String> = records.iter().map(|r| key_of(&r.checksum)).collect();
+        let verify = |i: usize, bytes: &[u8]| -> Result<()> {
+            let found = checksum(bytes);
+            let rec = &records[i];
+            if found != rec.checksum {
+                let path = match &self.states_url {
+                    StatesUrl::Local(dir) => dir.join(&keys[i]),
+                    remote => PathBuf::from(format!("{remote}/{}", keys[i])),
+                };
+                return Err(Error::Corrupt { path, found, recorded: rec.checksum.clone() });
+            }
+            Ok(())
+        };
+        self.states.get_many(&keys, &verify)
     }
 
     /// Reads context `id`'s state into memory (checksum and values verified).
@@ -431,72 +440,81 @@ impl Store {
         Ok(state)
     }
 
-    /// Removes context `id` (and its state file unless another context shares it).
+    /// Removes context `id` (and its state object unless another context shares it).
     pub fn delete(&self, id: i64) -> Result<()> {
-        let rec = self.get(id)?;
-        {
-            let conn = self.conn();
-            conn.execute("DELETE FROM contexts WHERE id = ?1", [id])?;
-            let shared: i64 =
-                conn.query_row("SELECT COUNT(*) FROM contexts WHERE checksum = ?1", [&rec.checksum], |r| r.get(0))?;
-            if shared == 0 {
-                let _ = std::fs::remove_file(self.dir.join(&rec.state_file));
-            }
-        }
-        let mut index = self.index.write().unwrap_or_else(|p| p.into_inner());
-        if let Some(pos) = index.ids.iter().position(|&x| x == id) {
-            let dim = self.info.dim;
-            let mut flat = index.flat.as_flat().to_vec();
-            flat.drain(pos * dim..(pos + 1) * dim);
-            index.flat = FlatIndex::from_flat(dim, flat)?;
-            index.ids.remove(pos);
+        self.catalog.delete(id, &mut |sum| self.states.delete(&key_of(sum)))
+    }
+
+    /// The `k` contexts most similar to `query` (a normalised embedding): (id, cosine), best
+    /// first. Uses the catalog's approximate index if it has one.
+    pub fn search(&self, query: &[f32], k: usize) -> Result<Vec<(i64, f32)>> {
+        self.check_query(query)?;
+        self.catalog.search(query, k, false)
+    }
+
+    /// [`Store::search`] by exhaustive scan, whatever indexes exist (ground truth for recall).
+    pub fn search_exact(&self, query: &[f32], k: usize) -> Result<Vec<(i64, f32)>> {
+        self.check_query(query)?;
+        self.catalog.search(query, k, true)
+    }
+
+    fn check_query(&self, query: &[f32]) -> Result<()> {
+        if query.len() != self.info.dim {
+            return Err(Error::Input(format!(
+                "query embedding of {} values, the store holds {}-dimensional embeddings",
+                query.len(),
+                self.info.dim
+            )));
         }
         Ok(())
     }
 
-    /// The `k` contexts most similar to `query` (a normalised embedding): (id, cosine), best first.
-    pub fn search(&self, query: &[f32], k: usize) -> Result<Vec<(i64, f32)>> {
-        let index = self.index.read().unwrap_or_else(|p| p.into_inner());
-        let hits = index.flat.search(query, k)?;
-        Ok(hits.into_iter().map(|(row, score)| (index.ids[row], score)).collect())
+    /// Builds an HNSW index (`Some((m, ef_construction))`) or drops it (`None`). PostgreSQL only.
+    pub fn set_ann_index(&self, hnsw: Option<(usize, usize)>) -> Result<()> {
+        self.catalog.set_ann_index(hnsw)
     }
 
     /// The stored (normalised) embedding of context `id`.
     pub fn embedding(&self, id: i64) -> Result<Vec<f32>> {
-        let index = self.index.read().unwrap_or_else(|p| p.into_inner());
-        let row = index.ids.binary_search(&id).map_err(|_| Error::NotFound(id))?;
-        Ok(index.flat.vector(row).expect("index rows match ids").to_vec())
+        self.catalog.embedding(id)
     }
 
-    /// Number of contexts (without copying the id list).
-    pub fn len(&self) -> usize {
-        self.index.read().unwrap_or_else(|p| p.into_inner()).ids.len()
+    /// Up to `limit` contexts with ids above `after`, ascending, with embeddings.
+    pub fn export(&self, after: i64, limit: usize) -> Result<Vec<(ContextRecord, Vec<f32>)>> {
+        self.catalog.export(after, limit)
+    }
+
+    /// Keys of every state object in the store's states location (for verification).
+    pub fn state_keys(&self) -> Result<Vec<String>> {
+        self.states.keys()
+    }
+
+    /// Number of contexts.
+    pub fn len(&self) -> Result<usize> {
+        self.catalog.len()
     }
 
     /// Whether the store holds no context.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
+    pub fn is_empty(&self) -> Result<bool> {
+        Ok(self.len()? == 0)
     }
 
     /// Ids of all contexts, ascending.
-    pub fn ids(&self) -> Vec<i64> {
-        self.index.read().unwrap_or_else(|p| p.into_inner()).ids.clone()
+    pub fn ids(&self) -> Result<Vec<i64>> {
+        self.catalog.ids()
     }
 
     /// Totals.
     pub fn stats(&self) -> Result<Stats> {
-        let conn = self.conn();
-        let (contexts, documents, tokens, state_bytes) = conn.query_row(
-            "SELECT COUNT(*), COUNT(DISTINCT doc), COALESCE(SUM(n_tokens), 0), COALESCE(SUM(state_bytes), 0) FROM contexts",
-            [],
-            |r| Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?, r.get::<_, i64>(2)?, r.get::<_, i64>(3)?)),
-        )?;
+        let (contexts, documents, tokens, state_bytes) = self.catalog.totals()?;
         Ok(Stats {
-            contexts: contexts as u64,
-            documents: documents as u64,
-            tokens: tokens as u64,
-            state_bytes: state_bytes as u64,
+            contexts,
+            documents,
+            tokens,
+            state_bytes,
             model: self.info.fingerprint.clone(),
+            catalog: self.location.catalog.to_string(),
+            states: self.states_url.to_string(),
         })
     }
 }

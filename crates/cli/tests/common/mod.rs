@@ -57,12 +57,99 @@ pub fn write_docs(dir: &Path) {
     std::fs::write(dir.join("cats.txt"), "Cats are small carnivorous mammals.\n").unwrap();
 }
 
+/// Where a test's store lives: a fresh folder, or a fresh PostgreSQL schema plus a fresh S3
+/// prefix.
+#[derive(Debug, Clone)]
+pub struct TestDb {
+    /// `--db`.
+    pub db: String,
+    /// `--states`, for a shared store.
+    pub states: Option<String>,
+}
+
+impl TestDb {
+    /// The `--db` (and `--states`) arguments.
+    pub fn args(&self) -> Vec<String> {
+        let mut v = vec!["--db".to_string(), self.db.clone()];
+        if let Some(s) = &self.states {
+            v.extend(["--states".to_string(), s.clone()]);
+        }
+        v
+    }
+
+    /// The location, for opening the store in-process.
+    pub fn location(&self) -> picaso_store::Location {
+        picaso_store::Location::parse(&self.db, self.states.as_deref()).unwrap()
+    }
+
+    /// A short name for messages.
+    pub fn kind(&self) -> &'static str {
+        if self.states.is_some() {
+            "s3+postgres"
+        } else {
+            "folder+sqlite"
+        }
+    }
+}
+
+/// The backends every store test runs against: a folder under `tmp`, and S3 + PostgreSQL
+/// when `PICASO_TEST_POSTGRES` (a database URL) and `PICASO_TEST_S3` (`s3://bucket`, with
+/// the `AWS_*` variables) are set. CI sets them and `PICASO_TEST_REQUIRE_BACKENDS=1`, which
+/// turns their absence into a failure instead of a skip.
+pub fn backends(tmp: &Path, name: &str) -> Vec<TestDb> {
+    let mut v = vec![TestDb { db: tmp.join(format!("{name}-db")).to_str().unwrap().to_string(), states: None }];
+    if let Some(shared) = shared_backend(name) {
+        v.push(shared);
+    }
+    v
+}
+
+/// A fresh S3 + PostgreSQL store location for test `name`, if the services are configured.
+pub fn shared_backend(name: &str) -> Option<TestDb> {
+    let (pg, s3) = (std::env::var("PICASO_TEST_POSTGRES").ok(), std::env::var("PICASO_TEST_S3").ok());
+    let (Some(pg), Some(s3)) = (pg, s3) else {
+        assert!(
+            std::env::var("PICASO_TEST_REQUIRE_BACKENDS").is_err(),
+            "PICASO_TEST_REQUIRE_BACKENDS is set but PICASO_TEST_POSTGRES / PICASO_TEST_S3 are not"
+        );
+        eprintln!("note: S3 + PostgreSQL not configured (PICASO_TEST_POSTGRES, PICASO_TEST_S3); folder store only");
+        return None;
+    };
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
+    let unique = format!("{name}_{}_{n}_{nanos}", std::process::id()).replace('-', "_");
+    let sep = if pg.contains('?') { '&' } else { '?' };
+    Some(TestDb {
+        db: format!("{pg}{sep}options=-csearch_path%3D{unique}%2Cpublic"),
+        states: Some(format!("{}/{unique}", s3.trim_end_matches('/'))),
+    })
+}
+
 /// Runs `picaso` with `args`: (success, stdout as JSON or null, stderr). Never a panic.
 pub fn run(args: &[&str]) -> (bool, Value, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_picaso")).args(args).output().expect("picaso runs");
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(!stderr.contains("panicked"), "picaso {args:?} panicked: {stderr}");
     (out.status.success(), serde_json::from_slice(&out.stdout).unwrap_or(Value::Null), stderr)
+}
+
+/// [`run`] with owned arguments.
+pub fn run_s(args: &[String]) -> (bool, Value, String) {
+    run(&args.iter().map(String::as_str).collect::<Vec<_>>())
+}
+
+/// [`ok`] with owned arguments.
+pub fn ok_s(args: &[String]) -> Value {
+    ok(&args.iter().map(String::as_str).collect::<Vec<_>>())
+}
+
+/// Builds an argument list: `picaso <words...> <db args...> <more...>`.
+pub fn args(words: &[&str], db: &TestDb, more: &[&str]) -> Vec<String> {
+    let mut v: Vec<String> = words.iter().map(|s| s.to_string()).collect();
+    v.extend(db.args());
+    v.extend(more.iter().map(|s| s.to_string()));
+    v
 }
 
 /// Runs `picaso` with `args`, which must succeed; its JSON output.

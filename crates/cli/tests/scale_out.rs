@@ -1,0 +1,362 @@
+//! Stores on shared backends: `picaso migrate` between a folder and S3 + PostgreSQL (verified
+//! both ways), two servers over one shared store, and backend outages during a load run (fail
+//! fast with 503, nothing half-written, recovery without restart).
+//!
+//! The S3 + PostgreSQL parts need `PICASO_TEST_POSTGRES` and `PICASO_TEST_S3` (CI starts both
+//! services with `.ci/services`); outages are made by a TCP proxy between the server and each
+//! service that stops answering, cuts its open connections, and later resumes.
+
+use std::io::{BufRead, BufReader};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+mod common;
+use common::{args, ok, ok_s, run, shared, shared_backend, text_model, write_docs, TestDb};
+
+/// A running `picaso serve`, killed on drop.
+struct Server {
+    child: Child,
+    url: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Server {
+    fn start(args: &[String], env: &[(&str, String)]) -> Server {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_picaso"))
+            .args(["serve", "--addr", "127.0.0.1:0"])
+            .args(args)
+            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("picaso serve starts");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        let url =
+            line.trim().strip_prefix("listening on ").unwrap_or_else(|| panic!("unexpected: {line:?}")).to_string();
+        Server { child, url }
+    }
+
+    /// (status, JSON body); 4xx and 5xx are answers too.
+    fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
+        let req = ureq::request(method, &format!("{}{path}", self.url))
+            .set("content-type", "application/json")
+            .timeout(Duration::from_secs(60));
+        let resp = match body {
+            Some(b) => req.send_string(&b.to_string()),
+            None => req.call(),
+        };
+        let resp = match resp {
+            Ok(r) => r,
+            Err(ureq::Error::Status(_, r)) => r,
+            Err(e) => panic!("{method} {path}: {e}"),
+        };
+        let status = resp.status();
+        let text = resp.into_string().unwrap();
+        (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("{method} {path}: not JSON ({e}): {text}")))
+    }
+}
+
+/// Contexts 1..=4 of `write_docs` in a new store at `db`; returns (model, embedder) paths.
+fn ingested(db: &TestDb, model: &tempfile::TempDir, embedder: &std::path::Path, docs: &std::path::Path) {
+    let (m, e, d) = (model.path().to_str().unwrap(), embedder.to_str().unwrap(), docs.to_str().unwrap());
+    let v = ok_s(&args(&["ingest"], db, &["--model", m, "--embedder", e, "--text-dir", d, "--json"]));
+    assert_eq!(v["added"], 4);
+}
+
+/// Folder → S3 + PostgreSQL → folder: every context arrives with its id, row, embedding and
+/// state bytes; queries answer the same; re-running skips; bad targets are refused.
+#[test]
+fn migrate_between_backends_and_verify() {
+    let (Some(model), Some(embedder)) = (text_model(1), shared("all-MiniLM-L6-v2")) else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let docs = tmp.path().join("docs");
+    write_docs(&docs);
+    let folder = TestDb { db: tmp.path().join("a").to_str().unwrap().into(), states: None };
+    ingested(&folder, &model, &embedder, &docs);
+    let m = model.path().to_str().unwrap();
+    let query = |db: &str| {
+        ok(&[
+            "query",
+            "--db",
+            db,
+            "--model",
+            m,
+            "--ids",
+            "3,1",
+            "--max-tokens",
+            "6",
+            "--temperature",
+            "0",
+            "--json",
+            "The tower",
+        ])["text"]
+            .clone()
+    };
+    let want = query(&folder.db);
+
+    // Through the shared backends when configured, else folder → folder.
+    let middle = shared_backend("migrate")
+        .unwrap_or_else(|| TestDb { db: tmp.path().join("b").to_str().unwrap().into(), states: None });
+    let mut to_args = vec!["migrate", "--from", folder.db.as_str(), "--to", middle.db.as_str(), "--json"];
+    if let Some(s) = &middle.states {
+        to_args.extend(["--to-states", s.as_str()]);
+    }
+    let r = ok(&to_args);
+    assert_eq!((r["report"]["copied"].as_u64(), r["report"]["verified"].as_u64()), (Some(4), Some(4)), "{r}");
+    assert_eq!(query(&middle.db), want, "the migrated store answers the same");
+    let again = ok(&to_args);
+    assert_eq!((again["report"]["copied"].as_u64(), again["report"]["skipped"].as_u64()), (Some(0), Some(4)));
+
+    // Ids survive (a deleted id stays a gap), and the copy back is identical.
+    let store = picaso_store::Store::open(middle.location()).unwrap();
+    assert_eq!(store.ids().unwrap(), vec![1, 2, 3, 4]);
+    store.delete(2).unwrap();
+    let back = tmp.path().join("c");
+    let r = ok(&["migrate", "--from", middle.db.as_str(), "--to", back.to_str().unwrap(), "--json"]);
+    assert_eq!(r["report"]["verified"].as_u64(), Some(3));
+    let copy = picaso_store::Store::open(back.as_path()).unwrap();
+    assert_eq!(copy.ids().unwrap(), vec![1, 3, 4]);
+    for id in [1, 3, 4] {
+        let (a, b) = (store.get(id).unwrap(), copy.get(id).unwrap());
+        assert_eq!((a.doc, a.seg, a.text, a.checksum), (b.doc, b.seg, b.text, b.checksum));
+        assert_eq!(store.embedding(id).unwrap(), copy.embedding(id).unwrap());
+        assert_eq!(store.map_state(id).unwrap().bytes(), copy.map_state(id).unwrap().bytes());
+    }
+    assert_eq!(query(back.to_str().unwrap()), want, "contexts 3 and 1 came back unchanged");
+    // A new context after migrating gets a fresh id, never a copied one.
+    let more = tmp.path().join("more");
+    std::fs::create_dir_all(&more).unwrap();
+    std::fs::write(more.join("zebra.txt"), "Zebras have stripes.\n").unwrap();
+    let e = embedder.to_str().unwrap();
+    ok(&[
+        "ingest",
+        "--db",
+        back.to_str().unwrap(),
+        "--model",
+        m,
+        "--embedder",
+        e,
+        "--text-dir",
+        more.to_str().unwrap(),
+    ]);
+    assert_eq!(copy_ids(back.as_path()), vec![1, 3, 4, 5]);
+
+    // Bad input: a target holding other contexts, a source that is not a store, a bad URL.
+    let (success, _, stderr) = run(&["migrate", "--from", folder.db.as_str(), "--to", back.to_str().unwrap()]);
+    assert!(!success && stderr.contains("migrate into an empty store"), "{stderr}");
+    let (success, _, stderr) = run(&["migrate", "--from", docs.to_str().unwrap(), "--to", back.to_str().unwrap()]);
+    assert!(!success && stderr.contains("not a picaso store"), "{stderr}");
+    let (success, _, stderr) = run(&["migrate", "--from", folder.db.as_str(), "--to", "mysql://x/y"]);
+    assert!(!success && stderr.contains("unknown scheme"), "{stderr}");
+    let (success, _, stderr) =
+        run(&["migrate", "--from", folder.db.as_str(), "--to", "postgres://u@127.0.0.1:1/x", "--to-states", "s3://b"]);
+    assert!(!success && stderr.contains("unavailable"), "an unreachable database is named: {stderr}");
+}
+
+fn copy_ids(dir: &std::path::Path) -> Vec<i64> {
+    picaso_store::Store::open(dir).unwrap().ids().unwrap()
+}
+
+/// Two servers over one S3 + PostgreSQL store: a context added through A is retrieved and used
+/// by B at once, and answers agree.
+#[test]
+fn two_servers_share_one_store() {
+    let (Some(model), Some(embedder)) = (text_model(1), shared("all-MiniLM-L6-v2")) else { return };
+    let Some(db) = shared_backend("two_servers") else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let docs = tmp.path().join("docs");
+    write_docs(&docs);
+    ingested(&db, &model, &embedder, &docs);
+    let serve_args =
+        args(&[], &db, &["--model", model.path().to_str().unwrap(), "--embedder", embedder.to_str().unwrap()]);
+    let (a, b) = (Server::start(&serve_args, &[]), Server::start(&serve_args, &[]));
+    let (status, added) = a.call("POST", "/v1/contexts", Some(json!({"text": "Bananas are rich in potassium."})));
+    assert_eq!(status, 201, "{added}");
+    let id = added["id"].as_i64().unwrap();
+    let (status, rec) = b.call("GET", &format!("/v1/contexts/{id}"), None);
+    assert_eq!((status, rec["text"].as_str()), (200, Some("Bananas are rich in potassium.")));
+    let (_, found) = b.call("POST", "/v1/search", Some(json!({"query": "Which fruit has potassium?", "k": 1})));
+    assert_eq!(found["results"][0]["id"].as_i64(), Some(id), "B retrieves A's context: {found}");
+    let body = json!({"prompt": "Bananas", "max_tokens": 6, "temperature": 0, "contexts": [id, 2]});
+    let (sa, va) = a.call("POST", "/v1/completions", Some(body.clone()));
+    let (sb, vb) = b.call("POST", "/v1/completions", Some(body));
+    assert_eq!((sa, sb), (200, 200), "{vb}");
+    assert_eq!(va["choices"][0]["text"], vb["choices"][0]["text"], "both servers compose the same states");
+    let (_, hb) = b.call("GET", "/health", None);
+    assert_eq!(hb["contexts"], 5);
+    // Deleted through B: gone for A.
+    assert_eq!(b.call("DELETE", &format!("/v1/contexts/{id}"), None).0, 200);
+    assert_eq!(a.call("GET", &format!("/v1/contexts/{id}"), None).0, 404);
+}
+
+/// A TCP proxy that can stop answering: new connections are closed at once, open ones are cut.
+struct Proxy {
+    addr: SocketAddr,
+    up: Arc<AtomicBool>,
+    open: Arc<Mutex<Vec<TcpStream>>>,
+}
+
+impl Proxy {
+    fn start(upstream: SocketAddr) -> Proxy {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let up = Arc::new(AtomicBool::new(true));
+        let open = Arc::new(Mutex::new(Vec::<TcpStream>::new()));
+        let (up2, open2) = (up.clone(), open.clone());
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(client) = client else { continue };
+                if !up2.load(Ordering::SeqCst) {
+                    let _ = client.shutdown(Shutdown::Both);
+                    continue;
+                }
+                let Ok(server) = TcpStream::connect(upstream) else { continue };
+                let mut list = open2.lock().unwrap();
+                list.push(client.try_clone().unwrap());
+                list.push(server.try_clone().unwrap());
+                drop(list);
+                for (mut from, mut to) in [(client.try_clone().unwrap(), server.try_clone().unwrap()), (server, client)]
+                {
+                    std::thread::spawn(move || {
+                        let _ = std::io::copy(&mut from, &mut to);
+                        let _ = to.shutdown(Shutdown::Both);
+                    });
+                }
+            }
+        });
+        Proxy { addr, up, open }
+    }
+
+    fn down(&self) {
+        self.up.store(false, Ordering::SeqCst);
+        for s in self.open.lock().unwrap().drain(..) {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+
+    fn resume(&self) {
+        self.up.store(true, Ordering::SeqCst);
+    }
+}
+
+/// `host:port` of a URL's authority.
+fn authority(url: &str) -> String {
+    let rest = url.split_once("://").map(|x| x.1).unwrap_or(url);
+    let rest = rest.rsplit_once('@').map(|x| x.1).unwrap_or(rest);
+    rest.split(['/', '?']).next().unwrap().to_string()
+}
+
+/// While clients keep calling, PostgreSQL and then S3 go down and come back. Requests that
+/// need the missing service fail fast with 503 and a JSON error; nothing half-written appears;
+/// the same server process serves again once the service is back.
+#[test]
+fn backend_outages_fail_fast_and_recover() {
+    let (Some(model), Some(embedder)) = (text_model(1), shared("all-MiniLM-L6-v2")) else { return };
+    let Some(db) = shared_backend("outage") else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let docs = tmp.path().join("docs");
+    write_docs(&docs);
+    ingested(&db, &model, &embedder, &docs);
+
+    let pg = authority(&db.db);
+    let s3_endpoint = std::env::var("AWS_ENDPOINT_URL").expect("the S3 test service sets AWS_ENDPOINT_URL");
+    let pg_proxy = Proxy::start(pg.parse().unwrap());
+    let s3_proxy = Proxy::start(authority(&s3_endpoint).parse().unwrap());
+    let proxied = TestDb { db: db.db.replacen(&pg, &pg_proxy.addr.to_string(), 1), states: None };
+    let env = [
+        ("AWS_ENDPOINT_URL", format!("http://{}", s3_proxy.addr)),
+        ("PICASO_BACKEND_RETRY_MS", "1000".to_string()),
+        ("PICASO_BACKEND_TIMEOUT_MS", "2000".to_string()),
+    ];
+    let serve_args = args(
+        &[],
+        &proxied,
+        &["--model", model.path().to_str().unwrap(), "--embedder", embedder.to_str().unwrap(), "--cache-mb", "0"],
+    );
+    let server = Server::start(&serve_args, &env);
+    let complete = json!({"prompt": "The tower", "max_tokens": 2, "temperature": 0, "contexts": [3, 2]});
+    assert_eq!(server.call("POST", "/v1/completions", Some(complete.clone())).0, 200);
+
+    // A load run in the background for the whole test: every answer is 200 or 503.
+    let stop = Arc::new(AtomicBool::new(false));
+    let statuses = Arc::new(Mutex::new(Vec::new()));
+    let load = {
+        let (stop, statuses, url, body) = (stop.clone(), statuses.clone(), server.url.clone(), complete.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::SeqCst) {
+                let r = ureq::post(&format!("{url}/v1/completions")).send_string(&body.to_string());
+                let status = match r {
+                    Ok(r) => r.status(),
+                    Err(ureq::Error::Status(s, _)) => s,
+                    Err(e) => panic!("the server stopped answering: {e}"),
+                };
+                statuses.lock().unwrap().push(status);
+            }
+        })
+    };
+
+    let expect_503 = |method: &str, path: &str, body: Option<Value>| {
+        let t0 = Instant::now();
+        let (status, v) = server.call(method, path, body);
+        let took = t0.elapsed();
+        assert_eq!(status, 503, "{method} {path} while a backend is down: {v}");
+        assert_eq!(v["error"]["type"], "unavailable_error", "{v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains("unavailable"), "{v}");
+        assert!(took < Duration::from_secs(8), "{method} {path} took {took:?}: not fast");
+    };
+    let recovers = |what: &str| {
+        let t0 = Instant::now();
+        loop {
+            let (status, v) = server.call("POST", "/v1/completions", Some(complete.clone()));
+            if status == 200 {
+                break;
+            }
+            assert_eq!(status, 503, "{v}");
+            assert!(t0.elapsed() < Duration::from_secs(30), "no recovery after {what} came back");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    };
+
+    // PostgreSQL down.
+    pg_proxy.down();
+    expect_503("POST", "/v1/completions", Some(complete.clone()));
+    expect_503("POST", "/v1/contexts", Some(json!({"text": "Written while the database is down."})));
+    expect_503("GET", "/health", None);
+    pg_proxy.resume();
+    recovers("PostgreSQL");
+
+    // S3 down: states cannot be read (no cache) or written.
+    s3_proxy.down();
+    expect_503("POST", "/v1/completions", Some(complete.clone()));
+    expect_503("POST", "/v1/contexts", Some(json!({"text": "Written while the object store is down."})));
+    assert_eq!(server.call("GET", "/health", None).0, 200, "the catalog still answers");
+    s3_proxy.resume();
+    recovers("S3");
+    let (status, v) = server.call("POST", "/v1/contexts", Some(json!({"text": "Written after recovery."})));
+    assert_eq!(status, 201, "{v}");
+
+    stop.store(true, Ordering::SeqCst);
+    load.join().unwrap();
+    let statuses = statuses.lock().unwrap();
+    assert!(statuses.iter().all(|s| *s == 200 || *s == 503), "only 200 or 503 under outages: {statuses:?}");
+    assert!(statuses.contains(&200), "the load run was served");
+
+    // Nothing half-written: the contexts are the 4 ingested and the one added after recovery,
+    // and every state reads back with its checksum.
+    let store = picaso_store::Store::open(db.location()).unwrap();
+    let texts: Vec<String> = store.ids().unwrap().iter().map(|&id| store.get(id).unwrap().text).collect();
+    assert_eq!(texts.len(), 5, "{texts:?}");
+    assert!(!texts.iter().any(|t| t.contains("is down")), "{texts:?}");
+    store.map_states(&store.ids().unwrap()).unwrap();
+}

@@ -1,0 +1,651 @@
+//! The shared catalog: PostgreSQL with the pgvector extension. Several `picaso serve`
+//! processes over one database see each other's contexts at once, because every search and
+//! lookup is a query (nothing is cached in a process).
+//!
+//! Tables `picaso_meta` and `picaso_contexts` live in the connection's schema (set
+//! `options=-csearch_path=NAME` in the URL to keep several stores in one database).
+//! Search is exact (a scan ordered by inner product) unless an HNSW index has been built
+//! ([`Catalog::set_ann_index`]); exact search stays available for measuring recall.
+//!
+//! Failures: each attempt is bounded by a timeout; connection failures are retried with
+//! backoff within the retry budget, then reported as [`Error::Unavailable`]. Broken
+//! connections are dropped from the pool, so the catalog recovers by itself when the server
+//! returns.
+//!
+//! State objects and rows: an insert takes a shared advisory lock per state checksum for its
+//! transaction and writes the objects before committing; a delete takes the exclusive lock
+//! before checking whether others still use its state. So a delete never removes an object a
+//! concurrent insert (on any server) is about to refer to.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+
+use futures_util::future::BoxFuture;
+use pgvector::Vector;
+use tokio_postgres::{Client, NoTls};
+
+use super::{blob_to_u32s, u32s_to_blob, Catalog, Row, Totals};
+use crate::error::{Error, Result};
+use crate::location::redact;
+use crate::runtime::{block_on, Resilience};
+use crate::store::ContextRecord;
+
+const RECORD_COLUMNS: &str = "id, doc, seg, text, tokens, n_tokens, state_file, checksum, state_bytes, created";
+
+/// A failed attempt.
+#[derive(Debug)]
+enum Fail {
+    Pg(tokio_postgres::Error),
+    Timeout,
+}
+
+impl From<tokio_postgres::Error> for Fail {
+    fn from(e: tokio_postgres::Error) -> Self {
+        Self::Pg(e)
+    }
+}
+
+impl Fail {
+    /// Connection trouble, worth retrying (the server is down, restarting or overloaded).
+    fn transient(&self) -> bool {
+        match self {
+            Self::Timeout => true,
+            Self::Pg(e) => match e.as_db_error() {
+                None => true, // I/O, closed connection, refused connect
+                Some(db) => {
+                    let code = db.code().code();
+                    code.starts_with("08") || code == "57P01" || code == "57P02" || code == "57P03" || code == "53300"
+                }
+            },
+        }
+    }
+
+    fn into_error(self, url: &str) -> Error {
+        let transient = self.transient();
+        let message = match &self {
+            Self::Timeout => "no answer within the timeout".to_string(),
+            Self::Pg(e) => match e.as_db_error() {
+                Some(db) => format!("{} ({})", db.message(), db.code().code()),
+                None => {
+                    let source = std::error::Error::source(e).map(|s| format!(": {s}")).unwrap_or_default();
+                    format!("{e}{source}")
+                }
+            },
+        };
+        if transient {
+            Error::Unavailable { backend: url.to_string(), message }
+        } else {
+            Error::Backend { backend: url.to_string(), message }
+        }
+    }
+}
+
+type Op<T> = Box<dyn for<'c> FnMut(&'c mut Client) -> BoxFuture<'c, std::result::Result<T, Fail>> + Send>;
+
+/// Connections to one database, reused; broken ones are dropped.
+struct Pool {
+    config: tokio_postgres::Config,
+    url: String,
+    idle: Mutex<Vec<Client>>,
+    permits: tokio::sync::Semaphore,
+    resilience: Resilience,
+}
+
+impl Pool {
+    async fn checkout(&self) -> std::result::Result<Client, Fail> {
+        loop {
+            let client = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
+            match client {
+                Some(c) if !c.is_closed() => return Ok(c),
+                Some(_) => continue,
+                None => break,
+            }
+        }
+        let (client, connection) = self.config.connect(NoTls).await?;
+        tokio::spawn(async move {
+            let _ = connection.await; // ends when the client is dropped or the link breaks
+        });
+        Ok(client)
+    }
+
+    fn checkin(&self, client: Client) {
+        if !client.is_closed() {
+            self.idle.lock().unwrap_or_else(|p| p.into_inner()).push(client);
+        }
+    }
+
+    /// Runs `op` on a pooled connection, retrying transient failures within the budget.
+    async fn run<T: Send + 'static>(self: Arc<Self>, mut op: Op<T>) -> Result<T> {
+        let _permit = self.permits.acquire().await.expect("the semaphore is never closed");
+        let r = self.resilience;
+        let start = tokio::time::Instant::now();
+        let mut backoff = r.backoff;
+        loop {
+            let attempt = async {
+                let mut client = self.checkout().await?;
+                let out = op(&mut client).await;
+                if out.is_ok() {
+                    self.checkin(client);
+                }
+                out
+            };
+            let result = match tokio::time::timeout(r.attempt, attempt).await {
+                Ok(result) => result,
+                Err(_) => Err(Fail::Timeout),
+            };
+            match result {
+                Ok(v) => return Ok(v),
+                Err(e) if e.transient() && start.elapsed() + backoff < r.budget => {
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(std::time::Duration::from_secs(2));
+                }
+                Err(e) => return Err(e.into_error(&self.url)),
+            }
+        }
+    }
+}
+
+/// A catalog in PostgreSQL.
+pub struct PostgresCatalog {
+    pool: Arc<Pool>,
+}
+
+impl std::fmt::Debug for PostgresCatalog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresCatalog").field("url", &self.pool.url).finish()
+    }
+}
+
+/// The advisory-lock key of a state checksum (its first 64 bits).
+fn lock_key(checksum: &str) -> i64 {
+    u64::from_str_radix(&checksum[..16.min(checksum.len())], 16).unwrap_or(0) as i64
+}
+
+fn record(r: &tokio_postgres::Row) -> ContextRecord {
+    ContextRecord {
+        id: r.get(0),
+        doc: r.get(1),
+        seg: r.get::<_, i64>(2) as u32,
+        text: r.get(3),
+        tokens: blob_to_u32s(r.get::<_, &[u8]>(4)),
+        n_tokens: r.get::<_, i64>(5) as usize,
+        state_file: r.get(6),
+        checksum: r.get(7),
+        state_bytes: r.get::<_, i64>(8) as u64,
+        created: r.get(9),
+    }
+}
+
+/// An owned copy of a [`Row`], to move into a query.
+#[derive(Clone)]
+struct OwnedRow {
+    id: Option<i64>,
+    doc: String,
+    seg: i64,
+    text: String,
+    tokens: Vec<u8>,
+    n_tokens: i64,
+    embedding: Vector,
+    fingerprint: String,
+    state_file: String,
+    checksum: String,
+    state_bytes: i64,
+    created: i64,
+}
+
+impl PostgresCatalog {
+    /// Connects to the database at `url` (a libpq-style URL or key=value string). No query is
+    /// made yet; an unreachable server shows on first use.
+    pub fn connect(url: &str) -> Result<Self> {
+        let shown = redact(url);
+        let mut config: tokio_postgres::Config = url.parse().map_err(|e| Error::Input(format!(
+            "--db {shown}: not a PostgreSQL connection string ({e}); use postgres://user[:password]@host[:port]/database"
+        )))?;
+        let resilience = Resilience::from_env();
+        if config.get_connect_timeout().is_none() {
+            config.connect_timeout(resilience.attempt.min(std::time::Duration::from_secs(3)));
+        }
+        if config.get_application_name().is_none() {
+            config.application_name("picaso");
+        }
+        let pool = Pool {
+            config,
+            url: shown,
+            idle: Mutex::new(Vec::new()),
+            permits: tokio::sync::Semaphore::new(16),
+            resilience,
+        };
+        Ok(Self { pool: Arc::new(pool) })
+    }
+
+    fn run<T: Send + 'static>(&self, op: Op<T>) -> Result<T> {
+        block_on(self.pool.clone().run(op))
+    }
+
+    /// Whether the tables exist.
+    pub fn exists(&self) -> Result<bool> {
+        self.run(Box::new(|c| {
+            Box::pin(async move {
+                let row = c.query_one("SELECT to_regclass('picaso_meta') IS NOT NULL", &[]).await?;
+                Ok(row.get::<_, bool>(0))
+            })
+        }))
+    }
+
+    /// Creates the extension and tables for `dim`-dimensional embeddings (idempotent; safe
+    /// when several processes do it at once).
+    pub fn create(&self, dim: usize) -> Result<()> {
+        let url = self.pool.url.clone();
+        let result = self.run(Box::new(move |c| {
+            Box::pin(async move {
+                let tx = c.transaction().await?;
+                tx.execute("SELECT pg_advisory_xact_lock(7362531)", &[]).await?; // picaso's DDL lock
+                                                                                 // A store in its own schema (`options=-csearch_path=NAME,public`): create it.
+                let path: String = tx.query_one("SHOW search_path", &[]).await?.get(0);
+                let first = path.split(',').next().unwrap_or("").trim().trim_matches('"');
+                let plain = !first.is_empty() && first.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+                if plain && first != "public" {
+                    tx.batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS \"{first}\"")).await?;
+                }
+                tx.batch_execute(&format!(
+                    "CREATE EXTENSION IF NOT EXISTS vector;
+                     CREATE TABLE IF NOT EXISTS picaso_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+                     CREATE TABLE IF NOT EXISTS picaso_contexts (
+                         id          BIGSERIAL PRIMARY KEY,
+                         doc         TEXT    NOT NULL,
+                         seg         BIGINT  NOT NULL,
+                         text        TEXT    NOT NULL,
+                         tokens      BYTEA   NOT NULL,
+                         n_tokens    BIGINT  NOT NULL,
+                         embedding   vector({dim}) NOT NULL,
+                         fingerprint TEXT    NOT NULL,
+                         state_file  TEXT    NOT NULL,
+                         checksum    TEXT    NOT NULL,
+                         state_bytes BIGINT  NOT NULL,
+                         created     BIGINT  NOT NULL,
+                         UNIQUE (doc, seg)
+                     );
+                     CREATE INDEX IF NOT EXISTS picaso_contexts_checksum ON picaso_contexts (checksum);
+                     INSERT INTO picaso_meta (key, value) VALUES ('dim', '{dim}') ON CONFLICT DO NOTHING;"
+                ))
+                .await?;
+                tx.commit().await?;
+                Ok(())
+            })
+        }));
+        result.map_err(|e| match e {
+            Error::Backend { message, .. } if message.contains("vector") => Error::Backend {
+                backend: url.clone(),
+                message: format!(
+                    "{message}; the pgvector extension must be installed on the server \
+                     (https://github.com/pgvector/pgvector) and created once by a superuser: CREATE EXTENSION vector"
+                ),
+            },
+            other => other,
+        })
+    }
+
+    /// Starts a transaction holding shared (insert) or exclusive (delete) advisory locks on
+    /// `keys`, and hands back its connection, so the caller can write or delete state objects
+    /// before [`Self::finish`] commits.
+    fn begin_locked(&self, keys: Vec<i64>, exclusive: bool) -> Result<Client> {
+        let pool = self.pool.clone();
+        let mut sorted = keys;
+        sorted.sort_unstable();
+        sorted.dedup();
+        block_on(async move {
+            let r = pool.resilience;
+            let start = tokio::time::Instant::now();
+            let mut backoff = r.backoff;
+            loop {
+                let attempt = async {
+                    let client = pool.checkout().await?;
+                    client.batch_execute("BEGIN").await?;
+                    let f = if exclusive { "pg_advisory_xact_lock" } else { "pg_advisory_xact_lock_shared" };
+                    // Sorted keys: two transactions never wait on each other in a cycle.
+                    client
+                        .execute(&format!("SELECT {f}(k) FROM unnest($1::BIGINT[]) AS k ORDER BY k"), &[&sorted])
+                        .await?;
+                    Ok::<_, Fail>(client)
+                };
+                let result = match tokio::time::timeout(r.attempt, attempt).await {
+                    Ok(res) => res,
+                    Err(_) => Err(Fail::Timeout),
+                };
+                match result {
+                    Ok(c) => return Ok(c),
+                    Err(e) if e.transient() && start.elapsed() + backoff < r.budget => {
+                        tokio::time::sleep(backoff).await;
+                        backoff *= 2;
+                    }
+                    Err(e) => return Err(e.into_error(&pool.url)),
+                }
+            }
+        })
+    }
+
+    /// Runs `op` inside the transaction opened by [`Self::begin_locked`] and commits (or rolls
+    /// back on failure, by dropping the connection). Not retried: the transaction is gone if
+    /// the link broke.
+    fn finish<T: Send + 'static>(&self, client: Client, op: Op<T>) -> Result<T> {
+        let pool = self.pool.clone();
+        block_on(async move {
+            let mut client = client;
+            let mut op = op;
+            let work = async {
+                let out = op(&mut client).await?;
+                client.batch_execute("COMMIT").await?;
+                Ok::<_, Fail>(out)
+            };
+            let result = match tokio::time::timeout(pool.resilience.attempt, work).await {
+                Ok(r) => r,
+                Err(_) => Err(Fail::Timeout),
+            };
+            match result {
+                Ok(v) => {
+                    pool.checkin(client);
+                    Ok(v)
+                }
+                Err(e) => Err(e.into_error(&pool.url)), // the dropped connection rolls back
+            }
+        })
+    }
+
+    fn abort(&self, client: Client) {
+        drop(client); // closing the connection rolls the transaction back
+    }
+}
+
+impl Catalog for PostgresCatalog {
+    fn url(&self) -> String {
+        self.pool.url.clone()
+    }
+
+    fn meta(&self, key: &str) -> Result<Option<String>> {
+        let key = key.to_string();
+        self.run(Box::new(move |c| {
+            let key = key.clone();
+            Box::pin(async move {
+                let row = c.query_opt("SELECT value FROM picaso_meta WHERE key = $1", &[&key]).await?;
+                Ok(row.map(|r| r.get(0)))
+            })
+        }))
+    }
+
+    fn init_meta(&self, key: &str, value: &str) -> Result<String> {
+        let (key, value) = (key.to_string(), value.to_string());
+        self.run(Box::new(move |c| {
+            let (key, value) = (key.clone(), value.clone());
+            Box::pin(async move {
+                c.execute(
+                    "INSERT INTO picaso_meta (key, value) VALUES ($1, $2) ON CONFLICT DO NOTHING",
+                    &[&key, &value],
+                )
+                .await?;
+                Ok(c.query_one("SELECT value FROM picaso_meta WHERE key = $1", &[&key]).await?.get(0))
+            })
+        }))
+    }
+
+    fn segments_of(&self, doc: &str) -> Result<HashSet<u32>> {
+        let doc = doc.to_string();
+        self.run(Box::new(move |c| {
+            let doc = doc.clone();
+            Box::pin(async move {
+                let rows = c.query("SELECT seg FROM picaso_contexts WHERE doc = $1", &[&doc]).await?;
+                Ok(rows.iter().map(|r| r.get::<_, i64>(0) as u32).collect())
+            })
+        }))
+    }
+
+    fn insert(&self, rows: &[Row<'_>], write_states: &mut dyn FnMut() -> Result<()>) -> Result<Vec<Option<i64>>> {
+        let owned: Vec<OwnedRow> = rows
+            .iter()
+            .map(|r| OwnedRow {
+                id: r.id,
+                doc: r.doc.to_string(),
+                seg: i64::from(r.seg),
+                text: r.text.to_string(),
+                tokens: u32s_to_blob(r.tokens),
+                n_tokens: r.tokens.len() as i64,
+                embedding: Vector::from(r.embedding.to_vec()),
+                fingerprint: r.fingerprint.to_string(),
+                state_file: r.state_file.to_string(),
+                checksum: r.checksum.to_string(),
+                state_bytes: r.state_bytes as i64,
+                created: r.created,
+            })
+            .collect();
+        let client = self.begin_locked(rows.iter().map(|r| lock_key(r.checksum)).collect(), false)?;
+        if let Err(e) = write_states() {
+            self.abort(client);
+            return Err(e);
+        }
+        let explicit = owned.iter().any(|r| r.id.is_some());
+        self.finish(
+            client,
+            Box::new(move |c| {
+                let owned = owned.clone();
+                Box::pin(async move {
+                    let stmt = c
+                        .prepare(
+                            "INSERT INTO picaso_contexts
+                             (id, doc, seg, text, tokens, n_tokens, embedding, fingerprint, state_file, checksum, state_bytes, created)
+                             VALUES (COALESCE($1, nextval(pg_get_serial_sequence('picaso_contexts', 'id'))),
+                                     $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
+                             ON CONFLICT (doc, seg) DO NOTHING RETURNING id",
+                        )
+                        .await?;
+                    let mut ids = Vec::with_capacity(owned.len());
+                    for r in &owned {
+                        let row = c
+                            .query_opt(
+                                &stmt,
+                                &[
+                                    &r.id,
+                                    &r.doc,
+                                    &r.seg,
+                                    &r.text,
+                                    &r.tokens,
+                                    &r.n_tokens,
+                                    &r.embedding,
+                                    &r.fingerprint,
+                                    &r.state_file,
+                                    &r.checksum,
+                                    &r.state_bytes,
+                                    &r.created,
+                                ],
+                            )
+                            .await?;
+                        ids.push(row.map(|r| r.get::<_, i64>(0)));
+                    }
+                    if explicit {
+                        // Keep the sequence past ids copied in, so later inserts never collide.
+                        c.execute(
+                            "SELECT setval(pg_get_serial_sequence('picaso_contexts', 'id'),
+                                           GREATEST((SELECT MAX(id) FROM picaso_contexts), 1))",
+                            &[],
+                        )
+                        .await?;
+                    }
+                    Ok(ids)
+                })
+            }),
+        )
+    }
+
+    fn id_of(&self, doc: &str, seg: u32) -> Result<Option<i64>> {
+        let doc = doc.to_string();
+        self.run(Box::new(move |c| {
+            let doc = doc.clone();
+            Box::pin(async move {
+                let row = c
+                    .query_opt("SELECT id FROM picaso_contexts WHERE doc = $1 AND seg = $2", &[&doc, &i64::from(seg)])
+                    .await?;
+                Ok(row.map(|r| r.get(0)))
+            })
+        }))
+    }
+
+    fn get_many(&self, ids: &[i64]) -> Result<Vec<ContextRecord>> {
+        let wanted = ids.to_vec();
+        let found: Vec<ContextRecord> = self.run(Box::new(move |c| {
+            let wanted = wanted.clone();
+            Box::pin(async move {
+                let rows = c
+                    .query(&format!("SELECT {RECORD_COLUMNS} FROM picaso_contexts WHERE id = ANY($1)"), &[&wanted])
+                    .await?;
+                Ok(rows.iter().map(record).collect())
+            })
+        }))?;
+        let by_id: HashMap<i64, ContextRecord> = found.into_iter().map(|r| (r.id, r)).collect();
+        ids.iter().map(|id| by_id.get(id).cloned().ok_or(Error::NotFound(*id))).collect()
+    }
+
+    fn doc_seg(&self, id: i64) -> Result<(String, u32)> {
+        let row = self.run(Box::new(move |c| {
+            Box::pin(async move {
+                let row = c.query_opt("SELECT doc, seg FROM picaso_contexts WHERE id = $1", &[&id]).await?;
+                Ok(row.map(|r| (r.get::<_, String>(0), r.get::<_, i64>(1) as u32)))
+            })
+        }))?;
+        row.ok_or(Error::NotFound(id))
+    }
+
+    fn delete(&self, id: i64, remove_state: &mut dyn FnMut(&str) -> Result<()>) -> Result<()> {
+        let checksum: String = self
+            .run(Box::new(move |c| {
+                Box::pin(async move {
+                    let row = c.query_opt("SELECT checksum FROM picaso_contexts WHERE id = $1", &[&id]).await?;
+                    Ok(row.map(|r| r.get(0)))
+                })
+            }))?
+            .ok_or(Error::NotFound(id))?;
+        let client = self.begin_locked(vec![lock_key(&checksum)], true)?;
+        let sum = checksum.clone();
+        let client_and_shared = block_on(async move {
+            let deleted = client.execute("DELETE FROM picaso_contexts WHERE id = $1", &[&id]).await;
+            let shared = client
+                .query_one("SELECT EXISTS (SELECT 1 FROM picaso_contexts WHERE checksum = $1)", &[&sum])
+                .await
+                .map(|r| r.get::<_, bool>(0));
+            (client, deleted, shared)
+        });
+        let (client, deleted, shared) = client_and_shared;
+        let (deleted, shared) = match (deleted, shared) {
+            (Ok(d), Ok(s)) => (d, s),
+            (Err(e), _) | (_, Err(e)) => return Err(Fail::Pg(e).into_error(&self.pool.url)),
+        };
+        if deleted == 0 {
+            self.abort(client);
+            return Err(Error::NotFound(id)); // deleted meanwhile by another server
+        }
+        if !shared {
+            if let Err(e) = remove_state(&checksum) {
+                self.abort(client);
+                return Err(e);
+            }
+        }
+        self.finish(client, Box::new(|_| Box::pin(async { Ok(()) })))
+    }
+
+    fn search(&self, query: &[f32], k: usize, exact: bool) -> Result<Vec<(i64, f32)>> {
+        let q = Vector::from(query.to_vec());
+        let limit = k as i64;
+        self.run(Box::new(move |c| {
+            let q = q.clone();
+            Box::pin(async move {
+                let tx = c.transaction().await?;
+                if exact {
+                    tx.batch_execute("SET LOCAL enable_indexscan = off").await?;
+                } else {
+                    // Enough candidates for k results (pgvector's default is 40).
+                    tx.batch_execute(&format!("SET LOCAL hnsw.ef_search = {}", (2 * limit).clamp(40, 1000))).await?;
+                }
+                let rows = tx
+                    .query(
+                        "SELECT id, -(embedding <#> $1) FROM picaso_contexts ORDER BY embedding <#> $1, id LIMIT $2",
+                        &[&q, &limit],
+                    )
+                    .await?;
+                tx.commit().await?;
+                Ok(rows.iter().map(|r| (r.get::<_, i64>(0), r.get::<_, f64>(1) as f32)).collect())
+            })
+        }))
+    }
+
+    fn embedding(&self, id: i64) -> Result<Vec<f32>> {
+        let v = self.run(Box::new(move |c| {
+            Box::pin(async move {
+                let row = c.query_opt("SELECT embedding FROM picaso_contexts WHERE id = $1", &[&id]).await?;
+                Ok(row.map(|r| r.get::<_, Vector>(0).to_vec()))
+            })
+        }))?;
+        v.ok_or(Error::NotFound(id))
+    }
+
+    fn len(&self) -> Result<usize> {
+        self.run(Box::new(|c| {
+            Box::pin(async move {
+                Ok(c.query_one("SELECT COUNT(*) FROM picaso_contexts", &[]).await?.get::<_, i64>(0) as usize)
+            })
+        }))
+    }
+
+    fn ids(&self) -> Result<Vec<i64>> {
+        self.run(Box::new(|c| {
+            Box::pin(async move {
+                let rows = c.query("SELECT id FROM picaso_contexts ORDER BY id", &[]).await?;
+                Ok(rows.iter().map(|r| r.get(0)).collect())
+            })
+        }))
+    }
+
+    fn totals(&self) -> Result<Totals> {
+        self.run(Box::new(|c| {
+            Box::pin(async move {
+                let r = c
+                    .query_one(
+                        "SELECT COUNT(*), COUNT(DISTINCT doc), COALESCE(SUM(n_tokens), 0)::BIGINT,
+                                COALESCE(SUM(state_bytes), 0)::BIGINT FROM picaso_contexts",
+                        &[],
+                    )
+                    .await?;
+                let g = |i: usize| r.get::<_, i64>(i) as u64;
+                Ok((g(0), g(1), g(2), g(3)))
+            })
+        }))
+    }
+
+    fn export(&self, after: i64, limit: usize) -> Result<Vec<(ContextRecord, Vec<f32>)>> {
+        let limit = limit as i64;
+        self.run(Box::new(move |c| {
+            Box::pin(async move {
+                let rows = c
+                    .query(
+                        &format!(
+                            "SELECT {RECORD_COLUMNS}, embedding FROM picaso_contexts WHERE id > $1 ORDER BY id LIMIT $2"
+                        ),
+                        &[&after, &limit],
+                    )
+                    .await?;
+                Ok(rows.iter().map(|r| (record(r), r.get::<_, Vector>(10).to_vec())).collect())
+            })
+        }))
+    }
+
+    fn set_ann_index(&self, hnsw: Option<(usize, usize)>) -> Result<()> {
+        let sql = match hnsw {
+            None => "DROP INDEX IF EXISTS picaso_contexts_hnsw".to_string(),
+            Some((m, ef)) => format!(
+                "DROP INDEX IF EXISTS picaso_contexts_hnsw;
+                 CREATE INDEX picaso_contexts_hnsw ON picaso_contexts
+                 USING hnsw (embedding vector_ip_ops) WITH (m = {m}, ef_construction = {ef})"
+            ),
+        };
+        self.run(Box::new(move |c| {
+            let sql = sql.clone();
+            Box::pin(async move { Ok(c.batch_execute(&sql).await?) })
+        }))
+    }
+}

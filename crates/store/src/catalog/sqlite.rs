@@ -1,0 +1,305 @@
+//! The embedded catalog: SQLite (WAL, synchronous=FULL) in `DIR/store.sqlite`, and an
+//! in-memory exact index over the embeddings, loaded at open. One process owns a folder store;
+//! several servers share a PostgreSQL catalog instead.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, RwLock};
+
+use picaso_embed::{FlatIndex, VectorIndex};
+use rusqlite::{params, Connection, OptionalExtension};
+
+use super::{blob_to_f32s, blob_to_u32s, f32s_to_blob, u32s_to_blob, Catalog, Row, Totals};
+use crate::error::{Error, Result};
+use crate::store::ContextRecord;
+
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS contexts (
+    id          INTEGER PRIMARY KEY AUTOINCREMENT,
+    doc         TEXT    NOT NULL,
+    seg         INTEGER NOT NULL,
+    text        TEXT    NOT NULL,
+    tokens      BLOB    NOT NULL,
+    n_tokens    INTEGER NOT NULL,
+    embedding   BLOB    NOT NULL,
+    fingerprint TEXT    NOT NULL,
+    state_file  TEXT    NOT NULL,
+    checksum    TEXT    NOT NULL,
+    state_bytes INTEGER NOT NULL,
+    created     INTEGER NOT NULL,
+    UNIQUE (doc, seg)
+);
+";
+
+const RECORD_COLUMNS: &str = "id, doc, seg, text, tokens, n_tokens, state_file, checksum, state_bytes, created";
+
+/// The retrieval index and the context id of each of its rows.
+struct Index {
+    flat: FlatIndex,
+    ids: Vec<i64>,
+}
+
+/// SQLite metadata in a store folder.
+pub struct SqliteCatalog {
+    dir: PathBuf,
+    conn: Mutex<Connection>,
+    index: RwLock<Index>,
+}
+
+impl std::fmt::Debug for SqliteCatalog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqliteCatalog").field("dir", &self.dir).finish()
+    }
+}
+
+fn record(r: &rusqlite::Row<'_>) -> rusqlite::Result<ContextRecord> {
+    Ok(ContextRecord {
+        id: r.get(0)?,
+        doc: r.get(1)?,
+        seg: r.get(2)?,
+        text: r.get(3)?,
+        tokens: blob_to_u32s(&r.get::<_, Vec<u8>>(4)?),
+        n_tokens: r.get::<_, i64>(5)? as usize,
+        state_file: r.get(6)?,
+        checksum: r.get(7)?,
+        state_bytes: r.get::<_, i64>(8)? as u64,
+        created: r.get(9)?,
+    })
+}
+
+impl SqliteCatalog {
+    /// Whether `dir` holds a store.
+    pub fn exists_at(dir: &Path) -> bool {
+        dir.join("store.sqlite").is_file()
+    }
+
+    /// Opens the store in `dir` (which must exist).
+    pub fn open(dir: &Path) -> Result<Self> {
+        if !Self::exists_at(dir) {
+            return Err(Error::Store {
+                location: dir.display().to_string(),
+                message: "not a picaso store (no store.sqlite); create one with `picaso ingest --db DIR ...`".into(),
+            });
+        }
+        let conn = Self::connect(dir)?;
+        let dim: Option<String> =
+            conn.query_row("SELECT value FROM meta WHERE key = 'dim'", [], |r| r.get(0)).optional()?;
+        let dim: usize = dim.and_then(|d| d.parse().ok()).ok_or_else(|| Error::Store {
+            location: dir.display().to_string(),
+            message: "metadata lacks a numeric `dim`".into(),
+        })?;
+        let mut index = Index { flat: FlatIndex::new(dim)?, ids: Vec::new() };
+        {
+            let mut stmt = conn.prepare("SELECT id, embedding FROM contexts ORDER BY id")?;
+            let mut rows = stmt.query([])?;
+            while let Some(row) = rows.next()? {
+                index.flat.add(&blob_to_f32s(&row.get::<_, Vec<u8>>(1)?))?;
+                index.ids.push(row.get(0)?);
+            }
+        }
+        Ok(Self { dir: dir.to_path_buf(), conn: Mutex::new(conn), index: RwLock::new(index) })
+    }
+
+    /// Creates the store in `dir` for `dim`-dimensional embeddings (or opens it if present).
+    pub fn create(dir: &Path, dim: usize) -> Result<Self> {
+        if Self::exists_at(dir) {
+            return Self::open(dir);
+        }
+        std::fs::create_dir_all(dir).map_err(|e| Error::Io { path: dir.to_path_buf(), source: e })?;
+        let conn = Self::connect(dir)?;
+        conn.execute_batch(SCHEMA)?;
+        conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('dim', ?1)", [dim.to_string()])?;
+        let index = Index { flat: FlatIndex::new(dim)?, ids: Vec::new() };
+        Ok(Self { dir: dir.to_path_buf(), conn: Mutex::new(conn), index: RwLock::new(index) })
+    }
+
+    fn connect(dir: &Path) -> Result<Connection> {
+        let conn = Connection::open(dir.join("store.sqlite"))?;
+        conn.execute_batch("PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL; PRAGMA foreign_keys = ON;")?;
+        conn.busy_timeout(std::time::Duration::from_secs(10))?;
+        Ok(conn)
+    }
+
+    fn conn(&self) -> std::sync::MutexGuard<'_, Connection> {
+        self.conn.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn index(&self) -> std::sync::RwLockReadGuard<'_, Index> {
+        self.index.read().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Catalog for SqliteCatalog {
+    fn url(&self) -> String {
+        self.dir.display().to_string()
+    }
+
+    fn meta(&self, key: &str) -> Result<Option<String>> {
+        let conn = self.conn();
+        Ok(conn.query_row("SELECT value FROM meta WHERE key = ?1", [key], |r| r.get(0)).optional()?)
+    }
+
+    fn init_meta(&self, key: &str, value: &str) -> Result<String> {
+        let conn = self.conn();
+        conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES (?1, ?2)", params![key, value])?;
+        Ok(conn.query_row("SELECT value FROM meta WHERE key = ?1", [key], |r| r.get(0))?)
+    }
+
+    fn segments_of(&self, doc: &str) -> Result<HashSet<u32>> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare_cached("SELECT seg FROM contexts WHERE doc = ?1")?;
+        let rows = stmt.query_map([doc], |r| r.get::<_, u32>(0))?;
+        Ok(rows.collect::<std::result::Result<_, _>>()?)
+    }
+
+    fn insert(&self, rows: &[Row<'_>], write_states: &mut dyn FnMut() -> Result<()>) -> Result<Vec<Option<i64>>> {
+        let mut conn = self.conn();
+        // Under the connection lock, so a delete in this process cannot remove a state these
+        // rows are about to share.
+        write_states()?;
+        let tx = conn.transaction()?;
+        let mut ids = Vec::with_capacity(rows.len());
+        {
+            let mut stmt = tx.prepare_cached(
+                "INSERT OR IGNORE INTO contexts
+                 (id, doc, seg, text, tokens, n_tokens, embedding, fingerprint, state_file, checksum, state_bytes, created)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
+            )?;
+            for r in rows {
+                let n = stmt.execute(params![
+                    r.id,
+                    r.doc,
+                    r.seg,
+                    r.text,
+                    u32s_to_blob(r.tokens),
+                    r.tokens.len() as i64,
+                    f32s_to_blob(r.embedding),
+                    r.fingerprint,
+                    r.state_file,
+                    r.checksum,
+                    r.state_bytes as i64,
+                    r.created
+                ])?;
+                ids.push((n == 1).then(|| tx.last_insert_rowid()));
+            }
+        }
+        tx.commit()?;
+        let mut index = self.index.write().unwrap_or_else(|p| p.into_inner());
+        drop(conn);
+        for (r, id) in rows.iter().zip(&ids) {
+            if let Some(id) = id {
+                index.flat.add(r.embedding)?;
+                // Ids ascend except when migrating ids in; keep the list sorted either way.
+                let at = index.ids.partition_point(|&x| x < *id);
+                if at == index.ids.len() {
+                    index.ids.push(*id);
+                } else {
+                    // Rare (explicit ids below existing ones): rebuild in id order.
+                    index.ids.push(*id);
+                    let dim = index.flat.dim();
+                    let mut order: Vec<usize> = (0..index.ids.len()).collect();
+                    order.sort_by_key(|&i| index.ids[i]);
+                    let flat: Vec<f32> =
+                        order.iter().flat_map(|&i| index.flat.vector(i).expect("row exists").to_vec()).collect();
+                    index.ids = order.iter().map(|&i| index.ids[i]).collect();
+                    index.flat = FlatIndex::from_flat(dim, flat)?;
+                }
+            }
+        }
+        Ok(ids)
+    }
+
+    fn id_of(&self, doc: &str, seg: u32) -> Result<Option<i64>> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare_cached("SELECT id FROM contexts WHERE doc = ?1 AND seg = ?2")?;
+        Ok(stmt.query_row(params![doc, seg], |r| r.get(0)).optional()?)
+    }
+
+    fn get_many(&self, ids: &[i64]) -> Result<Vec<ContextRecord>> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare_cached(&format!("SELECT {RECORD_COLUMNS} FROM contexts WHERE id = ?1"))?;
+        ids.iter().map(|&id| stmt.query_row([id], record).optional()?.ok_or(Error::NotFound(id))).collect()
+    }
+
+    fn doc_seg(&self, id: i64) -> Result<(String, u32)> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare_cached("SELECT doc, seg FROM contexts WHERE id = ?1")?;
+        stmt.query_row([id], |r| Ok((r.get(0)?, r.get(1)?))).optional()?.ok_or(Error::NotFound(id))
+    }
+
+    fn delete(&self, id: i64, remove_state: &mut dyn FnMut(&str) -> Result<()>) -> Result<()> {
+        {
+            let conn = self.conn();
+            let checksum: String = conn
+                .query_row("SELECT checksum FROM contexts WHERE id = ?1", [id], |r| r.get(0))
+                .optional()?
+                .ok_or(Error::NotFound(id))?;
+            conn.execute("DELETE FROM contexts WHERE id = ?1", [id])?;
+            let shared: i64 =
+                conn.query_row("SELECT COUNT(*) FROM contexts WHERE checksum = ?1", [&checksum], |r| r.get(0))?;
+            if shared == 0 {
+                remove_state(&checksum)?;
+            }
+        }
+        let mut index = self.index.write().unwrap_or_else(|p| p.into_inner());
+        if let Ok(pos) = index.ids.binary_search(&id) {
+            let dim = index.flat.dim();
+            let mut flat = index.flat.as_flat().to_vec();
+            flat.drain(pos * dim..(pos + 1) * dim);
+            index.flat = FlatIndex::from_flat(dim, flat)?;
+            index.ids.remove(pos);
+        }
+        Ok(())
+    }
+
+    fn search(&self, query: &[f32], k: usize, _exact: bool) -> Result<Vec<(i64, f32)>> {
+        let index = self.index();
+        let hits = index.flat.search(query, k)?;
+        Ok(hits.into_iter().map(|(row, score)| (index.ids[row], score)).collect())
+    }
+
+    fn embedding(&self, id: i64) -> Result<Vec<f32>> {
+        let index = self.index();
+        let row = index.ids.binary_search(&id).map_err(|_| Error::NotFound(id))?;
+        Ok(index.flat.vector(row).expect("index rows match ids").to_vec())
+    }
+
+    fn len(&self) -> Result<usize> {
+        Ok(self.index().ids.len())
+    }
+
+    fn ids(&self) -> Result<Vec<i64>> {
+        Ok(self.index().ids.clone())
+    }
+
+    fn totals(&self) -> Result<Totals> {
+        let conn = self.conn();
+        let t = conn.query_row(
+            "SELECT COUNT(*), COUNT(DISTINCT doc), COALESCE(SUM(n_tokens), 0), COALESCE(SUM(state_bytes), 0) FROM contexts",
+            [],
+            |r| Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?, r.get::<_, i64>(2)?, r.get::<_, i64>(3)?)),
+        )?;
+        Ok((t.0 as u64, t.1 as u64, t.2 as u64, t.3 as u64))
+    }
+
+    fn export(&self, after: i64, limit: usize) -> Result<Vec<(ContextRecord, Vec<f32>)>> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare_cached(&format!(
+            "SELECT {RECORD_COLUMNS}, embedding FROM contexts WHERE id > ?1 ORDER BY id LIMIT ?2"
+        ))?;
+        let rows = stmt
+            .query_map(params![after, limit as i64], |r| Ok((record(r)?, blob_to_f32s(&r.get::<_, Vec<u8>>(10)?))))?;
+        Ok(rows.collect::<std::result::Result<_, _>>()?)
+    }
+
+    fn set_ann_index(&self, hnsw: Option<(usize, usize)>) -> Result<()> {
+        match hnsw {
+            None => Ok(()),
+            Some(_) => Err(Error::Input(format!(
+                "store {}: approximate (HNSW) indexes need a PostgreSQL catalog; a folder store searches exactly",
+                self.dir.display()
+            ))),
+        }
+    }
+}

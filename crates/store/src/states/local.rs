@@ -1,0 +1,95 @@
+//! State files in a folder: written to a temporary file, fsynced and renamed into place (so a
+//! file is visible only when complete), read through memory maps.
+
+use std::path::PathBuf;
+
+use picaso_model::MappedState;
+use rayon::prelude::*;
+
+use super::StateObjects;
+use crate::error::{Error, Result};
+
+/// A folder of state files.
+#[derive(Debug, Clone)]
+pub struct LocalStates {
+    dir: PathBuf,
+}
+
+impl LocalStates {
+    /// State files under `dir` (created on first write).
+    pub fn new(dir: PathBuf) -> Self {
+        Self { dir }
+    }
+
+    fn path(&self, key: &str) -> PathBuf {
+        self.dir.join(key)
+    }
+}
+
+impl StateObjects for LocalStates {
+    fn url(&self) -> String {
+        self.dir.display().to_string()
+    }
+
+    fn put(&self, key: &str, bytes: &[u8]) -> Result<()> {
+        let path = self.path(key);
+        if path.is_file() {
+            return Ok(());
+        }
+        let parent = path.parent().expect("state keys have a folder");
+        std::fs::create_dir_all(parent).map_err(|e| Error::Io { path: parent.to_path_buf(), source: e })?;
+        Ok(picaso_model::state::write_atomic(&path, bytes)?)
+    }
+
+    fn exists(&self, key: &str) -> Result<bool> {
+        Ok(self.path(key).is_file())
+    }
+
+    fn get_many(
+        &self,
+        keys: &[String],
+        verify: &(dyn Fn(usize, &[u8]) -> Result<()> + Sync),
+    ) -> Result<Vec<MappedState>> {
+        // Map every file and request its pages up front, so the disk works on all at once.
+        let mut maps = Vec::with_capacity(keys.len());
+        for key in keys {
+            let path = self.path(key);
+            let file = std::fs::File::open(&path).map_err(|e| Error::Io { path: path.clone(), source: e })?;
+            // SAFETY: state files are written once and never modified in place (atomic rename).
+            let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::Io { path: path.clone(), source: e })?;
+            #[cfg(unix)]
+            let _ = mmap.advise(memmap2::Advice::WillNeed); // only a hint
+            maps.push((mmap, path));
+        }
+        maps.into_par_iter()
+            .enumerate()
+            .map(|(i, (mmap, path))| {
+                verify(i, &mmap)?;
+                MappedState::new(mmap).map_err(|e| Error::Model(e.at_state_file(&path)))
+            })
+            .collect()
+    }
+
+    fn delete(&self, key: &str) -> Result<()> {
+        match std::fs::remove_file(self.path(key)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(Error::Io { path: self.path(key), source: e }),
+            _ => Ok(()),
+        }
+    }
+
+    fn keys(&self) -> Result<Vec<String>> {
+        let mut out = Vec::new();
+        let Ok(shards) = std::fs::read_dir(&self.dir) else { return Ok(out) };
+        for shard in shards.flatten() {
+            let Ok(files) = std::fs::read_dir(shard.path()) else { continue };
+            for f in files.flatten() {
+                let name = f.file_name().to_string_lossy().into_owned();
+                if name.ends_with(".safetensors") && !name.starts_with('.') {
+                    out.push(format!("{}/{name}", shard.file_name().to_string_lossy()));
+                }
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
+}

@@ -1,0 +1,53 @@
+//! Where state files live: a folder or an S3-compatible object store, behind one interface.
+//!
+//! Objects are content-addressed (`ab/<xxh3-128>.safetensors`) and immutable: a key always
+//! names the same bytes, so a write that finds its key present can skip, any cache of them is
+//! never stale, and every reader verifies the bytes against the checksum in the key.
+
+mod local;
+mod s3;
+
+pub use local::LocalStates;
+pub use s3::S3States;
+
+use picaso_model::MappedState;
+
+use crate::error::Result;
+use crate::location::StatesUrl;
+use crate::runtime::Resilience;
+
+/// The object key of a state with this checksum.
+pub fn key_of(checksum: &str) -> String {
+    format!("{}/{checksum}.safetensors", &checksum[..2])
+}
+
+/// A backend holding state files.
+pub trait StateObjects: Send + Sync + std::fmt::Debug {
+    /// Where the objects are (no credentials).
+    fn url(&self) -> String;
+    /// Stores `bytes` under `key` so that readers see the object only once it is complete.
+    /// Storing the same key twice is harmless (keys name their content).
+    fn put(&self, key: &str, bytes: &[u8]) -> Result<()>;
+    /// Whether `key` is stored.
+    fn exists(&self, key: &str) -> Result<bool>;
+    /// The objects under `keys`, parsed (the caller verifies checksums first through
+    /// `verify`). Backends fetch them concurrently.
+    fn get_many(
+        &self,
+        keys: &[String],
+        verify: &(dyn Fn(usize, &[u8]) -> Result<()> + Sync),
+    ) -> Result<Vec<MappedState>>;
+    /// Removes `key` (absent keys are fine).
+    fn delete(&self, key: &str) -> Result<()>;
+    /// Every key stored (for `picaso migrate --verify` and tests).
+    fn keys(&self) -> Result<Vec<String>>;
+}
+
+/// Opens the state backend at `url`. (Hot states are cached in memory by
+/// [`crate::StateCache`], in front of any backend.)
+pub fn open(url: &StatesUrl) -> Result<Box<dyn StateObjects>> {
+    Ok(match url {
+        StatesUrl::Local(dir) => Box::new(LocalStates::new(dir.clone())),
+        StatesUrl::S3 { bucket, prefix } => Box::new(S3States::new(bucket, prefix, Resilience::from_env())?),
+    })
+}
