@@ -491,7 +491,7 @@ impl Store {
 
     /// Number of contexts.
     pub fn len(&self) -> Result<usize> {
-        self.catalog.len()
+        self.catalog.count()
     }
 
     /// Whether the store holds no context.

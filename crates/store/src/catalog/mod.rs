@@ -74,7 +74,7 @@ pub trait Catalog: Send + Sync + std::fmt::Debug {
     /// A context's embedding.
     fn embedding(&self, id: i64) -> Result<Vec<f32>>;
     /// Number of contexts.
-    fn len(&self) -> Result<usize>;
+    fn count(&self) -> Result<usize>;
     /// All ids, ascending.
     fn ids(&self) -> Result<Vec<i64>>;
     /// Totals.

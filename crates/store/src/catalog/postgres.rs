@@ -584,7 +584,7 @@ impl Catalog for PostgresCatalog {
         v.ok_or(Error::NotFound(id))
     }
 
-    fn len(&self) -> Result<usize> {
+    fn count(&self) -> Result<usize> {
         self.run(Box::new(|c| {
             Box::pin(async move {
                 Ok(c.query_one("SELECT COUNT(*) FROM picaso_contexts", &[]).await?.get::<_, i64>(0) as usize)

@@ -265,7 +265,7 @@ impl Catalog for SqliteCatalog {
         Ok(index.flat.vector(row).expect("index rows match ids").to_vec())
     }
 
-    fn len(&self) -> Result<usize> {
+    fn count(&self) -> Result<usize> {
         Ok(self.index().ids.len())
     }
 
