@@ -928,3 +928,14 @@ fn query(a: QueryArgs) -> Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    /// Clap checks the whole command tree (duplicate or conflicting argument names across
+    /// flattened groups) only when asked; release builds would otherwise misparse silently.
+    #[test]
+    fn command_line_definition_is_consistent() {
+        use clap::CommandFactory;
+        super::Cli::command().debug_assert();
+    }
+}

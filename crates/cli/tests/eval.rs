@@ -116,7 +116,10 @@ fn eval_and_compose_finetuning_end_to_end() {
     };
     assert_eq!(cells(&restated), cells(&direct), "restated states equal ingested ones");
     fails(&["eval", "wikitext", "--db", db_s, "--model", m, "--out", out_s, "--max-k", "50"], "k = 50 contexts asked");
-    fails(&["eval", "wikitext", "--db", "/no/such/db", "--model", m, "--out", out_s], "no store there");
+    fails(
+        &["eval", "wikitext", "--db", "/no/such/db", "--model", m, "--out", out_s],
+        "pass --data FILE --embedder DIR to build the store",
+    );
     fails(
         &["eval", "wikitext", "--db", db_s, "--model", m, "--out", out_s, "--methods", "concatenate"],
         "unknown method",
