@@ -198,6 +198,9 @@ fn two_servers_share_one_store() {
     // Deleted through B: gone for A.
     assert_eq!(b.call("DELETE", &format!("/v1/contexts/{id}"), None).0, 200);
     assert_eq!(a.call("GET", &format!("/v1/contexts/{id}"), None).0, 404);
+    let (status, v) =
+        a.call("POST", "/v1/completions", Some(json!({"prompt": "Bananas", "max_tokens": 2, "contexts": [id]})));
+    assert_eq!(status, 404, "A's cached state of a context deleted through B is not used: {v}");
 }
 
 /// A TCP proxy that can stop answering: new connections are closed at once, open ones are cut.

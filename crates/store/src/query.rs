@@ -110,6 +110,12 @@ pub fn prepare(
             let mut states: Vec<Option<Arc<MappedState>>> =
                 ids.iter().map(|&id| cache.and_then(|c| c.get(id))).collect();
             let cache_hits = states.iter().filter(|s| s.is_some()).count();
+            if cache_hits > 0 {
+                // A cached state outlives its row if another server deleted the context.
+                let cached: Vec<i64> =
+                    ids.iter().zip(&states).filter(|(_, s)| s.is_some()).map(|(&id, _)| id).collect();
+                store.require(&cached)?;
+            }
             let missing: Vec<i64> = ids.iter().zip(&states).filter(|(_, s)| s.is_none()).map(|(&id, _)| id).collect();
             let mut loaded = store.map_states(&missing)?.into_iter().map(Arc::new);
             for (slot, &id) in states.iter_mut().zip(ids) {

@@ -402,6 +402,15 @@ impl Store {
         Ok(())
     }
 
+    /// Fails with [`Error::NotFound`] for the first of `ids` not stored (e.g. deleted through
+    /// another server while its state sat in this one's cache).
+    pub fn require(&self, ids: &[i64]) -> Result<()> {
+        match ids.iter().zip(self.catalog.exist(ids)?).find(|(_, there)| !there) {
+            Some((&id, _)) => Err(Error::NotFound(id)),
+            None => Ok(()),
+        }
+    }
+
     /// The (document, segment) of context `id` (without reading its text and tokens).
     pub fn doc_seg(&self, id: i64) -> Result<(String, u32)> {
         self.catalog.doc_seg(id)

@@ -63,6 +63,8 @@ pub trait Catalog: Send + Sync + std::fmt::Debug {
     /// Metadata of several contexts, in the order asked ([`crate::Error::NotFound`] for a
     /// missing one).
     fn get_many(&self, ids: &[i64]) -> Result<Vec<ContextRecord>>;
+    /// Whether each of `ids` is stored (cheaper than fetching the rows).
+    fn exist(&self, ids: &[i64]) -> Result<Vec<bool>>;
     /// (document, segment) of a context.
     fn doc_seg(&self, id: i64) -> Result<(String, u32)>;
     /// Deletes a context; calls `remove_state(checksum)` if no other context shares its state,

@@ -502,6 +502,18 @@ impl Catalog for PostgresCatalog {
         ids.iter().map(|id| by_id.get(id).cloned().ok_or(Error::NotFound(*id))).collect()
     }
 
+    fn exist(&self, ids: &[i64]) -> Result<Vec<bool>> {
+        let wanted = ids.to_vec();
+        let found: HashSet<i64> = self.run(Box::new(move |c| {
+            let wanted = wanted.clone();
+            Box::pin(async move {
+                let rows = c.query("SELECT id FROM picaso_contexts WHERE id = ANY($1)", &[&wanted]).await?;
+                Ok(rows.iter().map(|r| r.get(0)).collect())
+            })
+        }))?;
+        Ok(ids.iter().map(|id| found.contains(id)).collect())
+    }
+
     fn doc_seg(&self, id: i64) -> Result<(String, u32)> {
         let row = self.run(Box::new(move |c| {
             Box::pin(async move {

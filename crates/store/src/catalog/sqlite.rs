@@ -222,6 +222,11 @@ impl Catalog for SqliteCatalog {
         ids.iter().map(|&id| stmt.query_row([id], record).optional()?.ok_or(Error::NotFound(id))).collect()
     }
 
+    fn exist(&self, ids: &[i64]) -> Result<Vec<bool>> {
+        let index = self.index();
+        Ok(ids.iter().map(|id| index.ids.binary_search(id).is_ok()).collect())
+    }
+
     fn doc_seg(&self, id: i64) -> Result<(String, u32)> {
         let conn = self.conn();
         let mut stmt = conn.prepare_cached("SELECT doc, seg FROM contexts WHERE id = ?1")?;
