@@ -80,6 +80,37 @@ impl Fail {
     }
 }
 
+/// `fut`, failing with [`Fail::Timeout`] if it takes longer than `limit`.
+async fn bounded<T>(
+    limit: std::time::Duration,
+    fut: impl std::future::Future<Output = std::result::Result<T, Fail>>,
+) -> std::result::Result<T, Fail> {
+    tokio::time::timeout(limit, fut).await.unwrap_or(Err(Fail::Timeout))
+}
+
+/// Pacing of retries: exponential backoff (capped at 2 s) within the retry budget.
+struct Backoff {
+    start: tokio::time::Instant,
+    next: std::time::Duration,
+    budget: std::time::Duration,
+}
+
+impl Backoff {
+    fn new(r: Resilience) -> Self {
+        Self { start: tokio::time::Instant::now(), next: r.backoff, budget: r.budget }
+    }
+
+    /// Waits before the next attempt; `false` (at once) if it would not fit the budget.
+    async fn wait(&mut self) -> bool {
+        if self.start.elapsed() + self.next >= self.budget {
+            return false;
+        }
+        tokio::time::sleep(self.next).await;
+        self.next = (self.next * 2).min(std::time::Duration::from_secs(2));
+        true
+    }
+}
+
 type Op<T> = Box<dyn for<'c> FnMut(&'c mut Client) -> BoxFuture<'c, std::result::Result<T, Fail>> + Send>;
 
 /// Connections to one database, reused; broken ones are dropped.
@@ -117,9 +148,7 @@ impl Pool {
     /// Runs `op` on a pooled connection, retrying transient failures within the budget.
     async fn run<T: Send + 'static>(self: Arc<Self>, mut op: Op<T>) -> Result<T> {
         let _permit = self.permits.acquire().await.expect("the semaphore is never closed");
-        let r = self.resilience;
-        let start = tokio::time::Instant::now();
-        let mut backoff = r.backoff;
+        let mut backoff = Backoff::new(self.resilience);
         loop {
             let attempt = async {
                 let mut client = self.checkout().await?;
@@ -129,16 +158,9 @@ impl Pool {
                 }
                 out
             };
-            let result = match tokio::time::timeout(r.attempt, attempt).await {
-                Ok(result) => result,
-                Err(_) => Err(Fail::Timeout),
-            };
-            match result {
+            match bounded(self.resilience.attempt, attempt).await {
                 Ok(v) => return Ok(v),
-                Err(e) if e.transient() && start.elapsed() + backoff < r.budget => {
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(std::time::Duration::from_secs(2));
-                }
+                Err(e) if e.transient() && backoff.wait().await => {}
                 Err(e) => return Err(e.into_error(&self.url)),
             }
         }
@@ -294,9 +316,7 @@ impl PostgresCatalog {
         sorted.sort_unstable();
         sorted.dedup();
         block_on(async move {
-            let r = pool.resilience;
-            let start = tokio::time::Instant::now();
-            let mut backoff = r.backoff;
+            let mut backoff = Backoff::new(pool.resilience);
             loop {
                 let attempt = async {
                     let client = pool.checkout().await?;
@@ -308,16 +328,9 @@ impl PostgresCatalog {
                         .await?;
                     Ok::<_, Fail>(client)
                 };
-                let result = match tokio::time::timeout(r.attempt, attempt).await {
-                    Ok(res) => res,
-                    Err(_) => Err(Fail::Timeout),
-                };
-                match result {
+                match bounded(pool.resilience.attempt, attempt).await {
                     Ok(c) => return Ok(c),
-                    Err(e) if e.transient() && start.elapsed() + backoff < r.budget => {
-                        tokio::time::sleep(backoff).await;
-                        backoff *= 2;
-                    }
+                    Err(e) if e.transient() && backoff.wait().await => {}
                     Err(e) => return Err(e.into_error(&pool.url)),
                 }
             }
@@ -337,11 +350,7 @@ impl PostgresCatalog {
                 client.batch_execute("COMMIT").await?;
                 Ok::<_, Fail>(out)
             };
-            let result = match tokio::time::timeout(pool.resilience.attempt, work).await {
-                Ok(r) => r,
-                Err(_) => Err(Fail::Timeout),
-            };
-            match result {
+            match bounded(pool.resilience.attempt, work).await {
                 Ok(v) => {
                     pool.checkin(client);
                     Ok(v)
