@@ -105,6 +105,10 @@ pub struct PretrainArgs {
     /// Stop after this many steps in this call (the run resumes later).
     #[arg(long)]
     stop_after: Option<u64>,
+    /// When OUT has no checkpoint, start from this model folder instead of fresh weights (e.g.
+    /// the bundled model on a new machine; its progress.json gives the step reached).
+    #[arg(long)]
+    warm_start: Option<PathBuf>,
 }
 
 /// The config file: the architecture (vocabulary from the tokenizer) and the run's settings.
@@ -144,6 +148,20 @@ struct RunFile {
     checkpoint_every: u64,
     #[serde(default = "chunk")]
     chunk: usize,
+    /// `random` (offsets with replacement) or `epochs` (each window once per epoch).
+    #[serde(default)]
+    sampler: picaso_train::pretrain::Sampler,
+    #[serde(default)]
+    init: picaso_train::pretrain::InitOptions,
+    /// Targets before this window position do not count.
+    #[serde(default)]
+    loss_from: usize,
+    /// Held-out paragraph pairs for the context-use check at each validation.
+    #[serde(default)]
+    context_pairs: usize,
+    /// Train the tokenizer on the first documents holding this many MB of text (0: all).
+    #[serde(default)]
+    tokenizer_mb: usize,
 }
 
 fn two() -> usize {
@@ -211,8 +229,19 @@ fn pretrain_cmd(a: PretrainArgs) -> Result<()> {
     if let Some(t) = &a.tokenizer {
         std::fs::copy(t, &tok_path).with_context(|| format!("copying --tokenizer {}", t.display()))?;
     } else if !tok_path.is_file() {
-        eprintln!("training a byte-level BPE of {} entries on {} documents…", f.vocab, docs.len());
-        let tok = picaso_train::bpe::train_bpe(&docs, f.vocab).map_err(anyhow::Error::msg)?;
+        let mut take = docs.len();
+        if f.tokenizer_mb > 0 {
+            let mut bytes = 0;
+            take = docs
+                .iter()
+                .position(|d| {
+                    bytes += d.len();
+                    bytes > f.tokenizer_mb * 1_000_000
+                })
+                .map_or(docs.len(), |i| i + 1);
+        }
+        eprintln!("training a byte-level BPE of {} entries on {take} documents…", f.vocab);
+        let tok = picaso_train::bpe::train_bpe(&docs[..take], f.vocab).map_err(anyhow::Error::msg)?;
         tok.save(&tok_path, false).map_err(|e| anyhow::anyhow!("saving {}: {e}", tok_path.display()))?;
     }
     let tokenizer = picaso_model::TextTokenizer::from_file(&tok_path)?;
@@ -224,13 +253,26 @@ fn pretrain_cmd(a: PretrainArgs) -> Result<()> {
         .inner()
         .encode_batch(docs.iter().map(String::as_str).collect::<Vec<_>>(), false)
         .map_err(|e| anyhow::anyhow!("tokenizing the corpora: {e}"))?;
-    let mut data = TokenData { train: Vec::new(), val: Vec::new() };
+    let mut data = TokenData::default();
+    let mut held_out = Vec::new();
     for (i, e) in encoded.iter().enumerate() {
-        let stream = if i % every == every - 1 { &mut data.val } else { &mut data.train };
+        let stream = if i % every == every - 1 {
+            held_out.push(i);
+            &mut data.val
+        } else {
+            &mut data.train
+        };
         stream.extend_from_slice(e.get_ids());
         stream.push(eos);
     }
-    eprintln!("{} training tokens, {} validation tokens", data.train.len(), data.val.len());
+    drop(encoded);
+    data.pairs = context_pairs(&tokenizer, &docs, &held_out, f.context_pairs, f.seed)?;
+    eprintln!(
+        "{} training tokens, {} validation tokens, {} held-out paragraph pairs",
+        data.train.len(),
+        data.val.len(),
+        data.pairs.len()
+    );
     if data.val.len() < f.seq_len + 1 {
         bail!(
             "the validation split has {} tokens, fewer than one sequence; raise val_fraction or add text",
@@ -270,6 +312,9 @@ fn pretrain_cmd(a: PretrainArgs) -> Result<()> {
         val_sequences: f.val_sequences,
         checkpoint_every: f.checkpoint_every,
         chunk: f.chunk,
+        sampler: f.sampler,
+        init: f.init.clone(),
+        loss_from: f.loss_from,
     };
     let need = config.estimated_peak_bytes();
     if let Some(avail) = available_memory_bytes() {
@@ -292,9 +337,22 @@ fn pretrain_cmd(a: PretrainArgs) -> Result<()> {
     );
     // Without a terminal (a log file, CI) the bar is hidden: print a line every 25 steps.
     let plain = bar.is_hidden();
-    let history = pretrain(&config, &data, &a.out, a.stop_after, |p| {
+    let start = match &a.warm_start {
+        Some(dir) => picaso_train::pretrain::Start::Warm(dir),
+        None => picaso_train::pretrain::Start::Fresh,
+    };
+    let history = pretrain(&config, &data, &a.out, a.stop_after, start, |p| {
         bar.set_position(p.row.step);
-        let val = p.row.val_loss.map(|v| format!(" · val {v:.3}")).unwrap_or_default();
+        let mut val = p.row.val_loss.map(|v| format!(" · val {v:.3}")).unwrap_or_default();
+        if let Some(c) = &p.row.context {
+            val += &format!(
+                " · context gain {:+.2}% (random {:+.2}%, recall {:.2}→{:.2})",
+                100.0 * c.gain,
+                100.0 * c.random_gain,
+                c.recall.0,
+                c.recall.1
+            );
+        }
         let msg = format!("loss {:.3}{val} · {:.0} tokens/s", p.row.loss, p.tokens_per_s);
         if plain && (p.row.step % 25 == 0 || p.row.val_loss.is_some()) {
             let left =
@@ -308,10 +366,16 @@ fn pretrain_cmd(a: PretrainArgs) -> Result<()> {
     // The loss curve as CSV, and the model as a loadable folder.
     let csv_path = a.out.join("loss.csv");
     let mut csv = std::fs::File::create(&csv_path).with_context(|| format!("writing {}", csv_path.display()))?;
-    writeln!(csv, "step,tokens,seconds,lr,grad_norm,train_loss,val_loss")?;
+    writeln!(csv, "step,tokens,seconds,lr,grad_norm,train_loss,val_loss,context_gain,random_gain")?;
     for r in &history {
         let val = r.val_loss.map(|v| v.to_string()).unwrap_or_default();
-        writeln!(csv, "{},{},{:.3},{:e},{:.4},{:.6},{val}", r.step, r.tokens, r.seconds, r.lr, r.grad_norm, r.loss)?;
+        let (gain, random) =
+            r.context.as_ref().map(|c| (c.gain.to_string(), c.random_gain.to_string())).unwrap_or_default();
+        writeln!(
+            csv,
+            "{},{},{:.3},{:e},{:.4},{:.6},{val},{gain},{random}",
+            r.step, r.tokens, r.seconds, r.lr, r.grad_norm, r.loss
+        )?;
     }
     write_loss_png(&a.out.join("loss.png"), &history)?;
     let ckpt = a.out.join("checkpoint");
@@ -319,6 +383,7 @@ fn pretrain_cmd(a: PretrainArgs) -> Result<()> {
     let weights = picaso_model::Mamba2Weights::load(&ckpt, &config.model)?;
     weights.save_pretrained(&model_dir, &config.model)?;
     std::fs::copy(&tok_path, model_dir.join("tokenizer.json"))?;
+    picaso_train::pretrain::write_progress(&a.out, &model_dir)?;
     let last = history.last();
     println!(
         "{}",
@@ -329,6 +394,70 @@ fn pretrain_cmd(a: PretrainArgs) -> Result<()> {
         })
     );
     Ok(())
+}
+
+/// Up to `n` held-out paragraph pairs (consecutive paragraphs of one held-out document, the
+/// second of at least 16 tokens), spread evenly, each with a paragraph of another held-out
+/// document as the control. Paragraphs are tokenized as they appear in the stream, followed
+/// by their blank line.
+fn context_pairs(
+    tokenizer: &picaso_model::TextTokenizer,
+    docs: &[String],
+    held_out: &[usize],
+    n: usize,
+    seed: u64,
+) -> Result<Vec<picaso_train::pretrain::ContextPair>> {
+    use rand::{Rng, SeedableRng};
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let encode = |p: &str| -> Result<Vec<u32>> {
+        Ok(tokenizer
+            .inner()
+            .encode(format!("{p}\n\n"), false)
+            .map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?
+            .get_ids()
+            .to_vec())
+    };
+    let paragraphs: Vec<Vec<&str>> =
+        held_out.iter().map(|&i| picaso_train::corpus::prose_paragraphs(&docs[i])).collect();
+    let mut candidates = Vec::new();
+    for (d, ps) in paragraphs.iter().enumerate() {
+        for j in 1..ps.len() {
+            candidates.push((d, j));
+        }
+    }
+    let with_text: Vec<usize> = (0..paragraphs.len()).filter(|&d| !paragraphs[d].is_empty()).collect();
+    if with_text.len() < 2 || candidates.is_empty() {
+        return Ok(Vec::new());
+    }
+    let stride = (candidates.len() as f64 / n as f64).max(1.0);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0xc0de);
+    let mut pairs = Vec::new();
+    let mut at = 0.0;
+    while (at as usize) < candidates.len() && pairs.len() < n {
+        let (d, j) = candidates[at as usize];
+        at += stride;
+        let cur = encode(paragraphs[d][j])?;
+        if cur.len() < 16 {
+            continue;
+        }
+        let other = loop {
+            let o = with_text[rng.random_range(0..with_text.len())];
+            if o != d {
+                break o;
+            }
+        };
+        let random = encode(paragraphs[other][rng.random_range(0..paragraphs[other].len())])?;
+        let half = cur.len() / 2;
+        pairs.push(picaso_train::pretrain::ContextPair {
+            previous: encode(paragraphs[d][j - 1])?,
+            random,
+            query: cur[..half].to_vec(),
+            continuation: cur[half..].to_vec(),
+        });
+    }
+    Ok(pairs)
 }
 
 /// A loss chart: `rows` as (x, training loss, validation loss), the training loss averaged

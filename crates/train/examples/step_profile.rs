@@ -1,43 +1,71 @@
-//! Times the parts of one training step (forward trunk, head + loss, backward) on random data.
+//! Times one training step (forward + loss + backward) of the candle trainer and of the CPU
+//! fast path on random data: `step_profile BATCH SEQ_LEN CHUNK [D_MODEL N_LAYER D_STATE HEADDIM VOCAB]`.
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
 use picaso_model::Mamba2Config;
+use picaso_train::cpu::CpuTrainer;
 use picaso_train::mamba::TrainMamba2;
 use picaso_train::pretrain::init_weights;
 
 fn main() -> candle_core::Result<()> {
-    let args: Vec<usize> = std::env::args().skip(1).map(|a| a.parse().unwrap()).collect();
-    let (b, t, chunk) =
-        (args.first().copied().unwrap_or(8), args.get(1).copied().unwrap_or(256), args.get(2).copied().unwrap_or(64));
+    let args: Vec<usize> = std::env::args().skip(1).map(|a| a.parse().expect("numbers")).collect();
+    let arg = |i: usize, default: usize| args.get(i).copied().unwrap_or(default);
+    let (b, t, chunk) = (arg(0, 8), arg(1, 256), arg(2, 64));
     let mut c = Mamba2Config::tiny(4, 4);
-    c.d_model = 256;
-    c.n_layer = 4;
-    c.d_state = 64;
-    c.headdim = 32;
-    c.nheads = 16;
-    c.vocab_size = 8192;
-    let net = TrainMamba2::from_weights(&c, &init_weights(&c, 1), DType::F32, &Device::Cpu)?.with_chunk(chunk);
-    let toks: Vec<u32> = (0..b * t).map(|i| (i * 7919 % 8192) as u32).collect();
-    let x = Tensor::from_vec(toks.clone(), (b, t), &Device::Cpu)?;
-    let y = toks;
+    c.d_model = arg(3, 256);
+    c.n_layer = arg(4, 4);
+    c.d_state = arg(5, 64);
+    c.headdim = arg(6, 32);
+    c.nheads = c.d_model * 2 / c.headdim;
+    c.n_groups = 1;
+    c.vocab_size = arg(7, 8192);
+    let skip_candle = std::env::var("SKIP_CANDLE").is_ok();
+    let w = init_weights(&c, 1);
+    let toks: Vec<u32> = (0..b * t).map(|i| (i * 7919 % c.vocab_size) as u32).collect();
+    let tokens_per_step = (b * t) as f64;
+    println!(
+        "batch {b} × {t} tokens, chunk {chunk}, d_model {} × {} layers, d_state {}, headdim {}, vocab {}, {} threads",
+        c.d_model,
+        c.n_layer,
+        c.d_state,
+        c.headdim,
+        c.vocab_size,
+        rayon::current_num_threads()
+    );
+    if !skip_candle {
+        let net = TrainMamba2::from_weights(&c, &w, DType::F32, &Device::Cpu)?.with_chunk(chunk);
+        let x = Tensor::from_vec(toks.clone(), (b, t), &Device::Cpu)?;
+        for _ in 0..3 {
+            let t0 = Instant::now();
+            let (loss, _) = net.loss(&x, &toks, None)?;
+            let t1 = Instant::now();
+            let _g = loss.backward()?;
+            let t2 = Instant::now();
+            let step = (t2 - t0).as_secs_f64();
+            println!(
+                "candle   fwd+loss {:.3}s  backward {:.3}s  step {:.3}s  {:.0} tokens/s",
+                (t1 - t0).as_secs_f64(),
+                (t2 - t1).as_secs_f64(),
+                step,
+                tokens_per_step / step
+            );
+        }
+    }
+    let fast = CpuTrainer::new(&c, chunk)?;
+    let mut grads = CpuTrainer::zero_grads(&w);
     for _ in 0..3 {
         let t0 = Instant::now();
-        let (h, _) = net.forward_hidden(&x, None)?;
+        fast.loss(&w, &toks, &toks, b, t)?;
         let t1 = Instant::now();
-        let (loss, _) = net.loss(&x, &y, None)?;
+        fast.loss_and_grads(&w, &toks, &toks, b, t, &mut grads)?;
         let t2 = Instant::now();
-        let _g = loss.backward()?;
-        let t3 = Instant::now();
-        let t4 = Instant::now();
-        let _g2 = h.sqr()?.mean_all()?.backward()?;
-        let t5 = Instant::now();
-        println!("trunk backward {:.3}s", (t5 - t4).as_secs_f64());
+        let step = (t2 - t1).as_secs_f64();
         println!(
-            "trunk fwd {:.3}s  full fwd+loss {:.3}s  backward {:.3}s",
+            "cpu-fast fwd+loss {:.3}s  step {:.3}s  {:.0} tokens/s",
             (t1 - t0).as_secs_f64(),
-            (t2 - t1).as_secs_f64(),
-            (t3 - t2).as_secs_f64()
+            step,
+            tokens_per_step / step
         );
     }
     Ok(())

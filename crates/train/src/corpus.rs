@@ -28,6 +28,10 @@ pub enum CorpusKind {
     Gcide,
     /// A WikiText `.tokens` file: one document per article.
     Wikitext,
+    /// Plain-prose articles (`articles.txt.gz` of ../shared/data/wikipedia-en, gzip or plain):
+    /// a line `= Title =` starts an article, `== Heading ==` lines head sections, blank lines
+    /// separate paragraphs. One document per article, paragraphs joined by a blank line.
+    Wikipedia,
 }
 
 impl std::str::FromStr for CorpusSpec {
@@ -42,9 +46,10 @@ impl std::str::FromStr for CorpusSpec {
             "nlp-corpus" => CorpusKind::NlpCorpus,
             "gcide" => CorpusKind::Gcide,
             "wikitext" => CorpusKind::Wikitext,
+            "wikipedia" => CorpusKind::Wikipedia,
             other => {
                 return Err(format!(
-                    "unknown corpus kind {other:?}: use text, kjv, brown, nlp-corpus, gcide or wikitext"
+                    "unknown corpus kind {other:?}: use text, kjv, brown, nlp-corpus, gcide, wikitext or wikipedia"
                 ))
             }
         };
@@ -60,6 +65,7 @@ impl std::fmt::Display for CorpusSpec {
             CorpusKind::NlpCorpus => "nlp-corpus",
             CorpusKind::Gcide => "gcide",
             CorpusKind::Wikitext => "wikitext",
+            CorpusKind::Wikipedia => "wikipedia",
         };
         write!(f, "{kind}:{}", self.path.display())
     }
@@ -190,6 +196,19 @@ pub fn read_corpus(spec: &CorpusSpec) -> Result<Vec<String>, CorpusError> {
             docs.retain(|d| !d.starts_with("00-database"));
             docs
         }
+        CorpusKind::Wikipedia => {
+            let text = if path.extension().is_some_and(|e| e == "gz") {
+                let file = std::fs::File::open(path).map_err(|e| err(path, e.to_string()))?;
+                let mut text = String::new();
+                flate2::read::MultiGzDecoder::new(file)
+                    .read_to_string(&mut text)
+                    .map_err(|e| err(path, format!("not a gzip text file: {e}")))?;
+                text
+            } else {
+                read_text(path)?
+            };
+            wikipedia_articles(&text)
+        }
         CorpusKind::Wikitext => {
             let text = read_text(path)?;
             let mut docs = Vec::new();
@@ -215,6 +234,46 @@ pub fn read_corpus(spec: &CorpusSpec) -> Result<Vec<String>, CorpusError> {
         return Err(err(path, "holds no text"));
     }
     Ok(docs)
+}
+
+/// Articles of the `wikipedia` format: each the title line and its blocks (headings and
+/// paragraphs), joined by blank lines.
+pub fn wikipedia_articles(text: &str) -> Vec<String> {
+    let mut docs = Vec::new();
+    let mut blocks: Vec<String> = Vec::new();
+    let mut para: Vec<&str> = Vec::new();
+    let flush = |para: &mut Vec<&str>, blocks: &mut Vec<String>| {
+        if !para.is_empty() {
+            blocks.push(para.join(" "));
+            para.clear();
+        }
+    };
+    for line in text.lines() {
+        let t = line.trim();
+        let title = t.starts_with("= ") && t.ends_with(" =") && !t.starts_with("==");
+        if title {
+            flush(&mut para, &mut blocks);
+            if !blocks.is_empty() {
+                docs.push(blocks.join("\n\n"));
+                blocks.clear();
+            }
+            blocks.push(t.to_string());
+        } else if t.is_empty() {
+            flush(&mut para, &mut blocks);
+        } else {
+            para.push(t);
+        }
+    }
+    flush(&mut para, &mut blocks);
+    if !blocks.is_empty() {
+        docs.push(blocks.join("\n\n"));
+    }
+    docs
+}
+
+/// The blocks of a document that are paragraphs (not titles or headings), in order.
+pub fn prose_paragraphs(doc: &str) -> Vec<&str> {
+    doc.split("\n\n").map(str::trim).filter(|b| !b.is_empty() && !(b.starts_with('=') && b.ends_with('='))).collect()
 }
 
 #[cfg(test)]
@@ -248,6 +307,20 @@ mod tests {
         let d = read_corpus(&CorpusSpec { kind: CorpusKind::Wikitext, path: wt }).unwrap();
         assert_eq!(d.len(), 2);
         assert!(d[0].contains("Alpha") && d[0].contains("More") && d[1].contains("Beta"));
+    }
+
+    #[test]
+    fn wikipedia_articles_keep_their_paragraphs() {
+        let text = "= A =\n\nFirst para\nsame para.\n\n== Sec ==\n\nSecond.\n= B =\n\nOnly.\n";
+        let d = wikipedia_articles(text);
+        assert_eq!(d, vec!["= A =\n\nFirst para same para.\n\n== Sec ==\n\nSecond.", "= B =\n\nOnly."]);
+        assert_eq!(prose_paragraphs(&d[0]), vec!["First para same para.", "Second."]);
+        let tmp = tempfile::tempdir().unwrap();
+        let gz = tmp.path().join("a.txt.gz");
+        let mut enc = flate2::write::GzEncoder::new(std::fs::File::create(&gz).unwrap(), flate2::Compression::fast());
+        std::io::Write::write_all(&mut enc, text.as_bytes()).unwrap();
+        enc.finish().unwrap();
+        assert_eq!(read_corpus(&format!("wikipedia:{}", gz.display()).parse().unwrap()).unwrap(), d);
     }
 
     #[test]

@@ -9,6 +9,7 @@
 pub mod bpe;
 pub mod compose;
 pub mod corpus;
+pub mod cpu;
 pub mod kernels;
 pub mod mamba;
 pub mod optim;

@@ -8,6 +8,8 @@ use std::path::Path;
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
 
+use rayon::prelude::*;
+
 use crate::Result;
 
 /// Hyper-parameters.
@@ -107,6 +109,102 @@ impl AdamW {
             let like = self.vars[i].as_tensor().clone();
             self.m[i] = take(format!("m.{i}"), &like)?;
             self.v[i] = take(format!("v.{i}"), &like)?;
+        }
+        self.t = map.remove("t").map(|t| t.to_vec1::<i64>()).transpose()?.and_then(|v| v.first().copied()).unwrap_or(0)
+            as u64;
+        Ok(())
+    }
+}
+
+/// AdamW over host slices, for the CPU fast path: the same update as [`AdamW`] and the same
+/// checkpoint file (`m.{i}`, `v.{i}` shaped like the parameters, `t`), so a run can resume
+/// with either trainer.
+pub struct HostAdamW {
+    config: AdamWConfig,
+    shapes: Vec<Vec<usize>>,
+    m: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+    /// Steps taken.
+    pub t: u64,
+}
+
+impl HostAdamW {
+    /// A fresh optimiser for parameters of these shapes.
+    pub fn new(shapes: Vec<Vec<usize>>, config: AdamWConfig) -> Self {
+        let zeros: Vec<Vec<f32>> = shapes.iter().map(|s| vec![0f32; s.iter().product()]).collect();
+        Self { config, shapes, m: zeros.clone(), v: zeros, t: 0 }
+    }
+
+    /// The global L2 norm of `grads`.
+    pub fn grad_norm(grads: &[&[f32]]) -> f64 {
+        grads
+            .par_iter()
+            .map(|g| g.iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>())
+            .collect::<Vec<f64>>()
+            .iter()
+            .sum::<f64>()
+            .sqrt()
+    }
+
+    /// One step at learning rate `lr`, gradients scaled by `grad_scale` (clipping).
+    pub fn step(&mut self, params: Vec<&mut [f32]>, grads: &[&[f32]], lr: f64, grad_scale: f64) -> Result<()> {
+        if params.len() != self.shapes.len() || grads.len() != self.shapes.len() {
+            candle_core::bail!(
+                "HostAdamW: {} parameters and {} gradients for {} slots",
+                params.len(),
+                grads.len(),
+                self.shapes.len()
+            );
+        }
+        self.t += 1;
+        let c = &self.config;
+        let (bc1, bc2) = (1.0 - c.beta1.powi(self.t as i32), 1.0 - c.beta2.powi(self.t as i32));
+        let (b1, b2, eps, scale) = (c.beta1 as f32, c.beta2 as f32, c.eps as f32, grad_scale as f32);
+        let (ibc1, ibc2, lr32) = ((1.0 / bc1) as f32, (1.0 / bc2) as f32, lr as f32);
+        for (i, (w, g)) in params.into_iter().zip(grads).enumerate() {
+            let decay = if self.shapes[i].len() >= 2 { (1.0 - lr * c.weight_decay) as f32 } else { 1.0 };
+            const BLOCK: usize = 4096;
+            w.par_chunks_mut(BLOCK)
+                .zip(g.par_chunks(BLOCK))
+                .zip(self.m[i].par_chunks_mut(BLOCK).zip(self.v[i].par_chunks_mut(BLOCK)))
+                .for_each(|((w, g), (m, v))| {
+                    for (((w, &g), m), v) in w.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+                        let g = g * scale;
+                        *m = b1 * *m + (1.0 - b1) * g;
+                        *v = b2 * *v + (1.0 - b2) * g * g;
+                        let update = (*m * ibc1) / ((*v * ibc2).sqrt() + eps);
+                        *w = *w * decay - update * lr32;
+                    }
+                });
+        }
+        Ok(())
+    }
+
+    /// Saves the moments and the step count ([`AdamW::save`]'s format).
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let mut map: HashMap<String, Tensor> = HashMap::new();
+        for (i, ((m, v), s)) in self.m.iter().zip(&self.v).zip(&self.shapes).enumerate() {
+            map.insert(format!("m.{i}"), Tensor::from_slice(m, s.as_slice(), &Device::Cpu)?);
+            map.insert(format!("v.{i}"), Tensor::from_slice(v, s.as_slice(), &Device::Cpu)?);
+        }
+        map.insert("t".into(), Tensor::new(&[self.t as i64], &Device::Cpu)?);
+        candle_core::safetensors::save(&map, path)
+    }
+
+    /// Restores what [`HostAdamW::save`] or [`AdamW::save`] wrote for the same parameters.
+    pub fn load(&mut self, path: &Path) -> Result<()> {
+        let mut map = candle_core::safetensors::load(path, &Device::Cpu)?;
+        let mut take = |k: String, shape: &[usize]| -> Result<Vec<f32>> {
+            let t = map.remove(&k).ok_or_else(|| candle_core::Error::Msg(format!("optimizer state lacks {k}")))?;
+            if t.dims() != shape {
+                candle_core::bail!("optimizer state {k} has shape {:?}, the model needs {shape:?}", t.dims());
+            }
+            t.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1()
+        };
+        for i in 0..self.shapes.len() {
+            let shape = self.shapes[i].clone();
+            self.m[i] = take(format!("m.{i}"), &shape)?;
+            self.v[i] = take(format!("v.{i}"), &shape)?;
         }
         self.t = map.remove("t").map(|t| t.to_vec1::<i64>()).transpose()?.and_then(|v| v.first().copied()).unwrap_or(0)
             as u64;

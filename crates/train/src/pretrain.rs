@@ -5,16 +5,23 @@
 //! Determinism: the batch of step `s` is a pure function of (seed, s) — no sampler state to
 //! save — and a checkpoint holds the weights (f32, exact), the optimiser's moments and step,
 //! and the loss history; so resuming at step s replays exactly what the uninterrupted run did.
+//!
+//! The step runs on the hand-written CPU path ([`crate::cpu`]); the validation steps also
+//! measure context use on held-out paragraph pairs ([`ContextPair`]): the loss of a
+//! paragraph's second half after its first half, with nothing before, with the true previous
+//! paragraph, and with a paragraph of another document.
 
 use std::path::Path;
 use std::time::Instant;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 use picaso_model::{Mamba2Config, Mamba2Weights};
 use rand::{Rng, SeedableRng};
 
+use crate::cpu::{param_shapes, params, params_mut, CpuTrainer};
 use crate::mamba::TrainMamba2;
-use crate::optim::{lr_at, AdamW, AdamWConfig};
+use crate::optim::{lr_at, AdamW, AdamWConfig, HostAdamW};
+use crate::xent::IGNORE;
 use crate::Result;
 
 /// Everything that defines a run (saved with each checkpoint; a resume must match it).
@@ -48,6 +55,42 @@ pub struct PretrainConfig {
     pub checkpoint_every: u64,
     /// Chunk length of the scan.
     pub chunk: usize,
+    /// How training windows are drawn.
+    #[serde(default)]
+    pub sampler: Sampler,
+    /// Initialisation beyond the Mamba reference's.
+    #[serde(default)]
+    pub init: InitOptions,
+    /// Targets before this position of a window do not count: the loss falls on tokens with
+    /// at least this much context (0: every token counts).
+    #[serde(default)]
+    pub loss_from: usize,
+}
+
+/// How the windows of a step are drawn from the training stream.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Sampler {
+    /// Windows at offsets drawn uniformly (with replacement) — what the first bundled model used.
+    #[default]
+    Random,
+    /// The stream cut into consecutive non-overlapping windows, shuffled anew each epoch: every
+    /// token is trained on once per epoch, and a window holds consecutive paragraphs of one
+    /// document (documents are long) or of neighbouring documents in the stream's order.
+    Epochs,
+}
+
+/// Initialisation options that help a small SSM learn to copy from far back.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct InitOptions {
+    /// Share of each layer's heads given long memory: dt log-uniform in [1e-4, 1e-3] and
+    /// |A| in [0.5, 1], so their decay per token is 0.9995–0.99995 (the reference init's median
+    /// head halves its content in ~10 tokens).
+    pub long_memory: f64,
+    /// "Mimetic" init (Trockman et al. 2024): C's rows of in_proj start equal to B's, so a
+    /// token's query matches its own key and the SSM starts out attention-like.
+    pub mimetic: bool,
 }
 
 impl PretrainConfig {
@@ -85,6 +128,41 @@ pub struct LogRow {
     pub tokens: u64,
     /// Wall seconds spent training so far (over all resumed parts).
     pub seconds: f64,
+    /// Context use on the held-out pairs, on validation steps that had pairs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context: Option<ContextUse>,
+}
+
+/// A held-out paragraph with its predecessor and a paragraph of another document.
+#[derive(Debug, Clone)]
+pub struct ContextPair {
+    /// The true previous paragraph.
+    pub previous: Vec<u32>,
+    /// A paragraph of another document (the control).
+    pub random: Vec<u32>,
+    /// The first half of the paragraph.
+    pub query: Vec<u32>,
+    /// The second half, which is scored.
+    pub continuation: Vec<u32>,
+}
+
+/// Mean continuation loss (nats/token, mean over pairs) under each context.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ContextUse {
+    /// Pairs scored.
+    pub pairs: usize,
+    /// Nothing before the query.
+    pub none: f64,
+    /// The true previous paragraph before it.
+    pub previous: f64,
+    /// A paragraph of another document before it.
+    pub random: f64,
+    /// Relative gain of the previous paragraph: (none − previous) / none.
+    pub gain: f64,
+    /// Relative gain of the random paragraph.
+    pub random_gain: f64,
+    /// Loss on recall tokens (completing a bigram of the previous paragraph): none, previous.
+    pub recall: (f64, f64),
 }
 
 /// What a checkpoint folder's `trainer.json` holds.
@@ -93,14 +171,21 @@ struct TrainerState {
     config: PretrainConfig,
     step: u64,
     history: Vec<LogRow>,
+    /// What happened to the run besides steps (warm starts).
+    #[serde(default)]
+    notes: Vec<String>,
 }
 
-/// Training and validation token streams (documents joined by EOS).
+/// Training and validation token streams (documents joined by EOS), and held-out paragraph
+/// pairs for the context-use check.
+#[derive(Default)]
 pub struct TokenData {
     /// Training tokens.
     pub train: Vec<u32>,
     /// Validation tokens.
     pub val: Vec<u32>,
+    /// Held-out pairs (may be empty).
+    pub pairs: Vec<ContextPair>,
 }
 
 /// Progress after each step.
@@ -153,22 +238,104 @@ pub fn init_weights(c: &Mamba2Config, seed: u64) -> Mamba2Weights {
     w
 }
 
-/// The (inputs, targets) of step `step`: `batch` windows of `seq_len + 1` tokens at offsets drawn
-/// from (seed, step).
-fn batch_at(tokens: &[u32], cfg: &PretrainConfig, step: u64, device: &Device) -> Result<(Tensor, Vec<u32>)> {
-    let mut rng = rand::rngs::StdRng::seed_from_u64(cfg.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ step);
-    let span = tokens.len() - cfg.seq_len - 1;
-    let (mut x, mut y) = (Vec::with_capacity(cfg.batch * cfg.seq_len), Vec::with_capacity(cfg.batch * cfg.seq_len));
-    for _ in 0..cfg.batch {
-        let o = rng.random_range(0..=span);
-        x.extend_from_slice(&tokens[o..o + cfg.seq_len]);
-        y.extend_from_slice(&tokens[o + 1..o + cfg.seq_len + 1]);
+/// [`init_weights`] with the extra options applied (per layer, the first
+/// `long_memory · nheads` heads get long memory).
+pub fn init_weights_with(c: &Mamba2Config, seed: u64, opts: &InitOptions) -> Mamba2Weights {
+    let mut w = init_weights(c, seed);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x10_6e);
+    let long = ((opts.long_memory.clamp(0.0, 1.0) * c.nheads as f64).round() as usize).min(c.nheads);
+    let (di, gn) = (c.d_inner(), c.n_groups * c.d_state);
+    for l in &mut w.layers {
+        for h in 0..long {
+            let dt = (1e-4f64.ln() + rng.random::<f64>() * (1e-3f64.ln() - 1e-4f64.ln())).exp();
+            l.dt_bias[h] = (dt + (-(-dt).exp_m1()).ln()) as f32;
+            l.a_log[h] = rng.random_range(0.5f64..1.0).ln() as f32;
+        }
+        if opts.mimetic {
+            // in_proj rows: [z (di) | x (di) | B (gn) | C (gn) | dt]; C ← B.
+            let d = c.d_model;
+            let (b0, c0) = ((2 * di) * d, (2 * di + gn) * d);
+            let b_rows = l.in_proj[b0..b0 + gn * d].to_vec();
+            l.in_proj[c0..c0 + gn * d].copy_from_slice(&b_rows);
+        }
     }
-    Ok((Tensor::from_vec(x, (cfg.batch, cfg.seq_len), device)?, y))
+    w
+}
+
+/// The (inputs, targets) of step `step`: `batch` windows of `seq_len + 1` tokens, drawn as the
+/// config's sampler says from (seed, step) alone. Targets before `loss_from` are ignored.
+fn batch_at(tokens: &[u32], cfg: &PretrainConfig, step: u64) -> (Vec<u32>, Vec<u32>) {
+    let (mut x, mut y) = (Vec::with_capacity(cfg.batch * cfg.seq_len), Vec::with_capacity(cfg.batch * cfg.seq_len));
+    let mut take = |o: usize| {
+        x.extend_from_slice(&tokens[o..o + cfg.seq_len]);
+        y.extend(
+            tokens[o + 1..o + cfg.seq_len + 1]
+                .iter()
+                .enumerate()
+                .map(|(i, &t)| if i < cfg.loss_from { IGNORE } else { t }),
+        );
+    };
+    match cfg.sampler {
+        Sampler::Random => {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(cfg.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ step);
+            let span = tokens.len() - cfg.seq_len - 1;
+            for _ in 0..cfg.batch {
+                take(rng.random_range(0..=span));
+            }
+        }
+        Sampler::Epochs => {
+            let windows = ((tokens.len() - 1) / cfg.seq_len) as u64;
+            let mut cached: Option<(u64, Vec<u32>)> = None;
+            for i in 0..cfg.batch as u64 {
+                let g = step * cfg.batch as u64 + i;
+                let (epoch, pos) = (g / windows, (g % windows) as usize);
+                if cached.as_ref().is_none_or(|(e, _)| *e != epoch) {
+                    cached = Some((epoch, epoch_order(windows as usize, cfg.seed, epoch)));
+                }
+                let order = &cached.as_ref().expect("just set").1;
+                take(order[pos] as usize * cfg.seq_len);
+            }
+        }
+    }
+    (x, y)
+}
+
+/// The window order of one epoch: a permutation seeded by (seed, epoch).
+fn epoch_order(windows: usize, seed: u64, epoch: u64) -> Vec<u32> {
+    let mut order: Vec<u32> = (0..windows as u32).collect();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed.wrapping_mul(0xA24B_AED4_963E_E407) ^ epoch);
+    rand::seq::SliceRandom::shuffle(order.as_mut_slice(), &mut rng);
+    order
 }
 
 /// Mean validation loss over `val_sequences` consecutive windows of the validation stream.
 pub fn validation_loss(net: &TrainMamba2, val: &[u32], seq_len: usize, n: usize, batch: usize) -> Result<f64> {
+    let dev = net.device().clone();
+    validation_with(val, seq_len, n, batch, |x, y, b| {
+        let (loss, _) = net.loss(&Tensor::from_vec(x.to_vec(), (b, seq_len), &dev)?, y, None)?;
+        loss.to_dtype(DType::F64)?.to_scalar::<f64>()
+    })
+}
+
+/// [`validation_loss`] on the CPU fast path.
+pub fn host_validation_loss(
+    trainer: &CpuTrainer,
+    w: &Mamba2Weights,
+    val: &[u32],
+    seq_len: usize,
+    n: usize,
+    batch: usize,
+) -> Result<f64> {
+    validation_with(val, seq_len, n, batch, |x, y, b| Ok(trainer.loss(w, x, y, b, seq_len)?.loss))
+}
+
+fn validation_with(
+    val: &[u32],
+    seq_len: usize,
+    n: usize,
+    batch: usize,
+    mut mean_loss: impl FnMut(&[u32], &[u32], usize) -> Result<f64>,
+) -> Result<f64> {
     let n = n.min(val.len().saturating_sub(1) / seq_len).max(1);
     let mut total = 0.0;
     let mut count = 0usize;
@@ -181,13 +348,80 @@ pub fn validation_loss(net: &TrainMamba2, val: &[u32], seq_len: usize, n: usize,
             x.extend_from_slice(&val[o..o + seq_len]);
             y.extend_from_slice(&val[o + 1..o + seq_len + 1]);
         }
-        let dev = net.device();
-        let (loss, _) = net.loss(&Tensor::from_vec(x, (b, seq_len), dev)?, &y, None)?;
-        total += loss.to_dtype(DType::F64)?.to_scalar::<f64>()? * b as f64;
+        total += mean_loss(&x, &y, b)? * b as f64;
         count += b;
         i += b;
     }
     Ok(total / count as f64)
+}
+
+/// Context use on `pairs`: each pair's continuation scored after its query with nothing, the
+/// previous paragraph or the random one before it, in batches of `batch` sequences.
+pub fn context_use(trainer: &CpuTrainer, w: &Mamba2Weights, pairs: &[ContextPair], batch: usize) -> Result<ContextUse> {
+    // One sequence per (pair, condition): [before] + query + continuation, targets on the
+    // continuation only; rows padded at the end with ignored targets.
+    struct Seq {
+        tokens: Vec<u32>,
+        first: usize,
+    }
+    let mut seqs = Vec::with_capacity(pairs.len() * 3);
+    for p in pairs {
+        for before in [&[][..], &p.previous[..], &p.random[..]] {
+            let mut tokens = before.to_vec();
+            tokens.extend_from_slice(&p.query);
+            let first = tokens.len();
+            tokens.extend_from_slice(&p.continuation);
+            seqs.push(Seq { tokens, first });
+        }
+    }
+    let mut per_token: Vec<Vec<f64>> = Vec::with_capacity(seqs.len());
+    for group in seqs.chunks(batch.max(1)) {
+        let t = group.iter().map(|s| s.tokens.len() - 1).max().unwrap_or(1).max(1);
+        let (mut x, mut y) = (Vec::with_capacity(group.len() * t), Vec::with_capacity(group.len() * t));
+        for s in group {
+            let n = s.tokens.len() - 1;
+            x.extend_from_slice(&s.tokens[..n]);
+            x.extend(std::iter::repeat_n(0u32, t - n));
+            // Position i predicts token i + 1: count it when i + 1 is in the continuation.
+            y.extend((0..n).map(|i| if i + 1 >= s.first { s.tokens[i + 1] } else { IGNORE }));
+            y.extend(std::iter::repeat_n(IGNORE, t - n));
+        }
+        let losses = trainer.token_losses(w, &x, &y, group.len(), t)?;
+        for (r, s) in group.iter().enumerate() {
+            let n = s.tokens.len() - 1;
+            per_token.push(losses[r * t + s.first - 1..r * t + n].to_vec());
+        }
+    }
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    let (mut none, mut previous, mut random) = (0.0, 0.0, 0.0);
+    let (mut recall_none, mut recall_prev, mut recall_n) = (0.0, 0.0, 0usize);
+    for (i, p) in pairs.iter().enumerate() {
+        let (a, b, c) = (&per_token[3 * i], &per_token[3 * i + 1], &per_token[3 * i + 2]);
+        none += mean(a);
+        previous += mean(b);
+        random += mean(c);
+        let bigrams: std::collections::HashSet<(u32, u32)> = p.previous.windows(2).map(|w| (w[0], w[1])).collect();
+        for (j, &tok) in p.continuation.iter().enumerate() {
+            let before = if j == 0 { *p.query.last().unwrap_or(&u32::MAX) } else { p.continuation[j - 1] };
+            if bigrams.contains(&(before, tok)) {
+                recall_none += a[j];
+                recall_prev += b[j];
+                recall_n += 1;
+            }
+        }
+    }
+    let n = pairs.len().max(1) as f64;
+    let (none, previous, random) = (none / n, previous / n, random / n);
+    let r = recall_n.max(1) as f64;
+    Ok(ContextUse {
+        pairs: pairs.len(),
+        none,
+        previous,
+        random,
+        gain: (none - previous) / none,
+        random_gain: (none - random) / none,
+        recall: (recall_none / r, recall_prev / r),
+    })
 }
 
 pub(crate) fn io(e: impl std::fmt::Display, path: &Path) -> candle_core::Error {
@@ -214,6 +448,68 @@ pub(crate) fn save_checkpoint(out: &Path, net: &TrainMamba2, opt: &AdamW, state:
     Ok(())
 }
 
+/// Saves a CPU-path checkpoint into `out/checkpoint` atomically (the same files as
+/// [`save_checkpoint`]).
+fn save_host_checkpoint(
+    out: &Path,
+    config: &Mamba2Config,
+    w: &Mamba2Weights,
+    opt: &HostAdamW,
+    state: &TrainerState,
+) -> Result<()> {
+    let tmp = out.join("checkpoint.tmp");
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).map_err(|e| io(e, &tmp))?;
+    w.save_pretrained(&tmp, config).map_err(|e| io(e, &tmp))?;
+    opt.save(&tmp.join("optimizer.safetensors"))?;
+    let json = serde_json::to_string_pretty(state).map_err(|e| io(e, &tmp))?;
+    std::fs::write(tmp.join("trainer.json"), json).map_err(|e| io(e, &tmp))?;
+    let dst = out.join("checkpoint");
+    let old = out.join("checkpoint.old");
+    let _ = std::fs::remove_dir_all(&old);
+    if dst.exists() {
+        std::fs::rename(&dst, &old).map_err(|e| io(e, &dst))?;
+    }
+    std::fs::rename(&tmp, &dst).map_err(|e| io(e, &dst))?;
+    let _ = std::fs::remove_dir_all(&old);
+    Ok(())
+}
+
+/// Where a run starts when `out` has no checkpoint of its own.
+pub enum Start<'a> {
+    /// Fresh weights from the config's seed and init options.
+    Fresh,
+    /// A warm start from a model folder (its `config.json` + weights, and `progress.json` if
+    /// present: the step and loss history it reached). The optimiser's moments start at zero
+    /// — they are not kept with a committed model — which the run log records.
+    Warm(&'a Path),
+}
+
+/// What a model folder's `progress.json` records of the run that made it.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct ModelProgress {
+    /// The run's config.
+    pub config: PretrainConfig,
+    /// Steps done.
+    pub step: u64,
+    /// The loss history.
+    pub history: Vec<LogRow>,
+    /// The run log's notes.
+    #[serde(default)]
+    pub notes: Vec<String>,
+}
+
+/// Writes `progress.json` (config, step, history, notes) of the run in `out` into `dir`, so a
+/// model folder can warm-start the run on another machine.
+pub fn write_progress(out: &Path, dir: &Path) -> Result<()> {
+    let ckpt = out.join("checkpoint").join("trainer.json");
+    let text = std::fs::read_to_string(&ckpt).map_err(|e| io(e, &ckpt))?;
+    let state: TrainerState = serde_json::from_str(&text).map_err(|e| io(e, &ckpt))?;
+    let p = ModelProgress { config: state.config, step: state.step, history: state.history, notes: state.notes };
+    let path = dir.join("progress.json");
+    std::fs::write(&path, serde_json::to_string(&p).map_err(|e| io(e, &path))?).map_err(|e| io(e, &path))
+}
+
 /// Trains (or resumes from `out/checkpoint`) until `config.steps`, or until `stop_after` steps
 /// have run in this call. Returns the loss history.
 pub fn pretrain(
@@ -221,9 +517,9 @@ pub fn pretrain(
     data: &TokenData,
     out: &Path,
     stop_after: Option<u64>,
+    start: Start<'_>,
     mut on_progress: impl FnMut(&Progress),
 ) -> Result<Vec<LogRow>> {
-    let device = Device::Cpu;
     if data.train.len() < config.seq_len + 2 {
         return Err(candle_core::Error::Msg(format!(
             "the training corpus has {} tokens, fewer than one sequence of {}",
@@ -231,9 +527,13 @@ pub fn pretrain(
             config.seq_len + 1
         )));
     }
+    if config.loss_from >= config.seq_len {
+        candle_core::bail!("loss_from ({}) must be below seq_len ({})", config.loss_from, config.seq_len);
+    }
     std::fs::create_dir_all(out).map_err(|e| io(e, out))?;
+    let trainer = CpuTrainer::new(&config.model, config.chunk)?;
     let ckpt = out.join("checkpoint");
-    let (net, mut opt, mut state) = if ckpt.join("trainer.json").is_file() {
+    let (mut weights, mut opt, mut state) = if ckpt.join("trainer.json").is_file() {
         let text = std::fs::read_to_string(ckpt.join("trainer.json")).map_err(|e| io(e, &ckpt))?;
         let state: TrainerState = serde_json::from_str(&text).map_err(|e| io(e, &ckpt))?;
         if &state.config != config {
@@ -243,55 +543,107 @@ pub fn pretrain(
             )));
         }
         let weights = Mamba2Weights::load(&ckpt, &config.model).map_err(|e| io(e, &ckpt))?;
-        let net = TrainMamba2::from_weights(&config.model, &weights, DType::F32, &device)?.with_chunk(config.chunk);
-        let mut opt = AdamW::new(net.vars(), config.adamw.clone())?;
+        let mut opt = HostAdamW::new(param_shapes(&config.model, &weights), config.adamw.clone());
         opt.load(&ckpt.join("optimizer.safetensors"))?;
-        (net, opt, state)
+        (weights, opt, state)
     } else {
-        let weights = init_weights(&config.model, config.seed);
-        let net = TrainMamba2::from_weights(&config.model, &weights, DType::F32, &device)?.with_chunk(config.chunk);
-        let opt = AdamW::new(net.vars(), config.adamw.clone())?;
-        (net, opt, TrainerState { config: config.clone(), step: 0, history: Vec::new() })
+        match start {
+            Start::Fresh => {
+                let weights = init_weights_with(&config.model, config.seed, &config.init);
+                let opt = HostAdamW::new(param_shapes(&config.model, &weights), config.adamw.clone());
+                (weights, opt, TrainerState { config: config.clone(), step: 0, history: Vec::new(), notes: Vec::new() })
+            }
+            Start::Warm(dir) => {
+                let weights = Mamba2Weights::load(dir, &config.model).map_err(|e| io(e, dir))?;
+                let progress = dir.join("progress.json");
+                let (step, history, mut notes) = if progress.is_file() {
+                    let text = std::fs::read_to_string(&progress).map_err(|e| io(e, &progress))?;
+                    let p: ModelProgress = serde_json::from_str(&text).map_err(|e| io(e, &progress))?;
+                    if &p.config != config {
+                        candle_core::bail!(
+                            "{}: the warm-start model was trained with another configuration; use its run config",
+                            progress.display()
+                        );
+                    }
+                    (p.step, p.history, p.notes)
+                } else {
+                    (0, Vec::new(), Vec::new())
+                };
+                let note = format!(
+                    "warm start at step {step} from {} (weights only; the optimiser's moments restart at zero)",
+                    dir.display()
+                );
+                eprintln!("{note}");
+                notes.push(note);
+                let opt = HostAdamW::new(param_shapes(&config.model, &weights), config.adamw.clone());
+                (weights, opt, TrainerState { config: config.clone(), step, history, notes })
+            }
+        }
     };
     let started = Instant::now();
     let seconds_before = state.history.last().map(|r| r.seconds).unwrap_or(0.0);
     let tokens_per_step = (config.batch * config.seq_len) as u64;
+    let mut grads = CpuTrainer::zero_grads(&weights);
     let mut ran = 0u64;
     while state.step < config.steps && stop_after.is_none_or(|n| ran < n) {
         let step = state.step;
-        let (x, y) = batch_at(&data.train, config, step, &device)?;
-        let (loss, _) = net.loss(&x, &y, None)?;
-        let grads = loss.backward()?;
-        let grad_norm = opt.grad_norm(&grads)?;
+        let (x, y) = batch_at(&data.train, config, step);
+        for g in params_mut(&mut grads) {
+            g.fill(0.0);
+        }
+        let result = trainer.loss_and_grads(&weights, &x, &y, config.batch, config.seq_len, &mut grads)?;
+        let grad_list = params(&grads);
+        let grad_norm = HostAdamW::grad_norm(&grad_list);
+        if !grad_norm.is_finite() || !result.loss.is_finite() {
+            candle_core::bail!(
+                "step {}: the loss or the gradient is not finite (loss {}, gradient norm {grad_norm}); lower lr and restart from the last checkpoint",
+                step + 1,
+                result.loss
+            );
+        }
         let scale = if grad_norm > config.clip { config.clip / grad_norm } else { 1.0 };
         let lr = lr_at(step, config.warmup, config.steps, config.lr, config.min_lr);
-        opt.step(&grads, lr, scale)?;
+        opt.step(params_mut(&mut weights), &grad_list, lr, scale)?;
         state.step += 1;
         ran += 1;
         let last = state.step == config.steps;
-        let val_loss = if state.step % config.val_every == 0 || last {
-            Some(validation_loss(&net, &data.val, config.seq_len, config.val_sequences, config.batch)?)
+        let validate = state.step % config.val_every == 0 || last;
+        let val_loss = if validate {
+            Some(host_validation_loss(
+                &trainer,
+                &weights,
+                &data.val,
+                config.seq_len,
+                config.val_sequences,
+                config.batch,
+            )?)
+        } else {
+            None
+        };
+        let context = if validate && !data.pairs.is_empty() {
+            Some(context_use(&trainer, &weights, &data.pairs, config.batch * 2)?)
         } else {
             None
         };
         let row = LogRow {
             step: state.step,
-            loss: loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
+            loss: result.loss,
             val_loss,
             lr,
             grad_norm,
             tokens: state.step * tokens_per_step,
             seconds: seconds_before + started.elapsed().as_secs_f64(),
+            context,
         };
         state.history.push(row);
         let tokens_per_s = (ran * tokens_per_step) as f64 / started.elapsed().as_secs_f64().max(1e-9);
         on_progress(&Progress { row: state.history.last().expect("pushed"), total: config.steps, tokens_per_s });
         if state.step % config.checkpoint_every == 0 || last {
-            save_checkpoint(out, &net, &opt, &state)?;
+            save_host_checkpoint(out, &config.model, &weights, &opt, &state)?;
         }
     }
     if ran > 0 && state.step % config.checkpoint_every != 0 && state.step != config.steps {
-        save_checkpoint(out, &net, &opt, &state)?;
+        save_host_checkpoint(out, &config.model, &weights, &opt, &state)?;
     }
     Ok(state.history)
 }

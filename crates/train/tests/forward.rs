@@ -149,7 +149,7 @@ fn gradients_match_finite_differences() {
 /// uninterrupted run (weights and loss history); a resume with another config is refused.
 #[test]
 fn a_resumed_run_equals_an_uninterrupted_one() {
-    use picaso_train::pretrain::{pretrain, PretrainConfig, TokenData};
+    use picaso_train::pretrain::{pretrain, InitOptions, PretrainConfig, Sampler, Start, TokenData};
     let model = Mamba2Config { vocab_size: 64, ..Mamba2Config::tiny(2, 4) };
     let config = PretrainConfig {
         model,
@@ -166,17 +166,20 @@ fn a_resumed_run_equals_an_uninterrupted_one() {
         val_sequences: 3,
         checkpoint_every: 4,
         chunk: 8,
+        sampler: Sampler::Epochs,
+        init: InitOptions { long_memory: 0.5, mimetic: true },
+        loss_from: 3,
     };
-    let data = TokenData { train: random_tokens(2000, 64, 1), val: random_tokens(200, 64, 2) };
+    let data = TokenData { train: random_tokens(2000, 64, 1), val: random_tokens(200, 64, 2), pairs: Vec::new() };
     let tmp = tempfile::tempdir().unwrap();
     let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
-    let full = pretrain(&config, &data, &a, None, |_| {}).unwrap();
+    let full = pretrain(&config, &data, &a, None, Start::Fresh, |_| {}).unwrap();
     assert_eq!(full.len(), 6);
     assert!(full.iter().filter(|r| r.val_loss.is_some()).count() == 3);
     // "Killed" after 3 steps (the checkpoint at the kill point), then after 2 more, then finished.
-    pretrain(&config, &data, &b, Some(3), |_| {}).unwrap();
-    pretrain(&config, &data, &b, Some(2), |_| {}).unwrap();
-    let resumed = pretrain(&config, &data, &b, None, |_| {}).unwrap();
+    pretrain(&config, &data, &b, Some(3), Start::Fresh, |_| {}).unwrap();
+    pretrain(&config, &data, &b, Some(2), Start::Fresh, |_| {}).unwrap();
+    let resumed = pretrain(&config, &data, &b, None, Start::Fresh, |_| {}).unwrap();
     // Equal up to float rounding: the CPU sums' association can depend on buffer alignment, so
     // the last bits of a gradient norm may differ between two identical runs.
     assert_eq!(full.len(), resumed.len());
@@ -197,7 +200,7 @@ fn a_resumed_run_equals_an_uninterrupted_one() {
     }
     assert!(full.last().unwrap().loss < full[0].loss, "it learns");
     let other = PretrainConfig { lr: 1e-3, ..config.clone() };
-    let e = pretrain(&other, &data, &b, None, |_| {}).unwrap_err().to_string();
+    let e = pretrain(&other, &data, &b, None, Start::Fresh, |_| {}).unwrap_err().to_string();
     assert!(e.contains("another configuration"), "{e}");
 }
 

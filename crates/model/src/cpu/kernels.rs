@@ -5,6 +5,8 @@
 use rayon::prelude::*;
 
 /// Defines `pub fn $name(...)` that runs `$body` compiled for the best instruction set present.
+/// Exported for the other CPU kernels of the workspace (the trainer's).
+#[macro_export]
 macro_rules! simd_fn {
     ($(#[$meta:meta])* pub fn $name:ident($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
         $(#[$meta])*
