@@ -255,16 +255,25 @@ pub struct FinetunedArgs {
 
 #[derive(Args)]
 pub struct ContextUseArgs {
-    #[command(flatten)]
-    data: DataArgs,
+    /// A WikiText file (raw `wiki.test.raw` or tokenized `wiki.test.tokens`; detokenized as
+    /// lm-evaluation-harness does).
+    #[arg(long, conflicts_with = "wikipedia")]
+    wikitext: Option<PathBuf>,
+    /// A `wikipedia` corpus file (`articles.txt.gz`): its held-out articles (see --held-out-every).
+    #[arg(long)]
+    wikipedia: Option<PathBuf>,
+    /// With --wikipedia: article i is held out when i % N == N − 1 (what `train pretrain` holds
+    /// out with val_fraction 1/N).
+    #[arg(long, default_value_t = 100)]
+    held_out_every: usize,
     #[command(flatten)]
     model: ModelArgs,
     /// Results folder.
     #[arg(long)]
     out: PathBuf,
-    /// Passages to score (drawn with --seed among those with a stored previous paragraph).
-    #[arg(long, default_value_t = 500)]
-    sample: usize,
+    /// Passages to score, drawn with --seed (default: every eligible paragraph).
+    #[arg(long)]
+    sample: Option<usize>,
     #[arg(long, default_value_t = 0)]
     seed: u64,
 }
@@ -543,11 +552,33 @@ fn finetuned(a: FinetunedArgs) -> Result<()> {
 }
 
 fn context_use(a: ContextUseArgs) -> Result<()> {
-    store_experiment(
-        &a.data,
-        &a.model,
-        &a.out,
-        |m, s, _| Ok(picaso_eval::context_use::run(m, s, a.sample, a.seed)?),
-        report::write_context_use,
-    )
+    let started = Instant::now();
+    let (source, docs) = match (&a.wikitext, &a.wikipedia) {
+        (Some(f), _) => (format!("WikiText {}", f.display()), picaso_store::read_wikitext(f)?),
+        (None, Some(f)) => {
+            if a.held_out_every < 2 {
+                bail!("--held-out-every must be at least 2");
+            }
+            let spec: picaso_train::corpus::CorpusSpec =
+                format!("wikipedia:{}", f.display()).parse().map_err(anyhow::Error::msg)?;
+            let articles = picaso_train::corpus::read_corpus(&spec)?;
+            let docs = articles
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| i % a.held_out_every == a.held_out_every - 1)
+                .map(|(_, text)| picaso_store::Document {
+                    id: text.lines().next().unwrap_or("").trim_matches(|c| c == '=' || c == ' ').to_string(),
+                    paragraphs: picaso_train::corpus::prose_paragraphs(text).into_iter().map(String::from).collect(),
+                })
+                .collect();
+            (format!("held-out Wikipedia articles of {} (every {}th)", f.display(), a.held_out_every), docs)
+        }
+        (None, None) => bail!("give --wikitext FILE (e.g. wiki.test.raw) or --wikipedia articles.txt.gz"),
+    };
+    let model = crate::load_model(&a.model, true)?;
+    eprintln!("{}: {} documents; scoring…", source, docs.len());
+    let report = picaso_eval::context_use::run(&model, &docs, a.sample, a.seed)?;
+    let bpb = picaso_eval::context_use::bits_per_byte(&model, &docs)?;
+    report::write_context_use(&a.out, &source, &report, &bpb, &report::RunInfo::collect(started))?;
+    print_results(&a.out)
 }

@@ -247,26 +247,53 @@ fn pretrain_cmd(a: PretrainArgs) -> Result<()> {
     let tokenizer = picaso_model::TextTokenizer::from_file(&tok_path)?;
     let eos = tokenizer.eos().context("the tokenizer has no end-of-text token (<|endoftext|>)")?;
 
-    // Token streams; every ⌈1/val_fraction⌉-th document is held out for validation.
+    // Token streams; every ⌈1/val_fraction⌉-th document is held out for validation. Encoding
+    // tens of millions of tokens takes minutes, so a resumed run reads them from OUT/tokens.bin
+    // when the tokenizer, the corpora and the split are the same.
     let every = (1.0 / f.val_fraction.clamp(1e-6, 0.5)).round() as usize;
-    let encoded = tokenizer
-        .inner()
-        .encode_batch(docs.iter().map(String::as_str).collect::<Vec<_>>(), false)
-        .map_err(|e| anyhow::anyhow!("tokenizing the corpora: {e}"))?;
-    let mut data = TokenData::default();
-    let mut held_out = Vec::new();
-    for (i, e) in encoded.iter().enumerate() {
-        let stream = if i % every == every - 1 {
-            held_out.push(i);
-            &mut data.val
-        } else {
-            &mut data.train
-        };
-        stream.extend_from_slice(e.get_ids());
-        stream.push(eos);
-    }
-    drop(encoded);
-    data.pairs = context_pairs(&tokenizer, &docs, &held_out, f.context_pairs, f.seed)?;
+    let key = {
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        h.update(&std::fs::read(&tok_path)?);
+        for spec in &a.corpus {
+            h.update(spec.to_string().as_bytes());
+        }
+        for d in &docs {
+            h.update(&(d.len() as u64).to_le_bytes());
+        }
+        h.update(format!("{every}/{}/{}", f.context_pairs, f.seed).as_bytes());
+        format!("{:032x}", h.digest128())
+    };
+    let cache = a.out.join("tokens.bin");
+    let data = match read_token_cache(&cache, &key) {
+        Some(d) => {
+            eprintln!("token streams read from {}", cache.display());
+            d
+        }
+        None => {
+            eprintln!("tokenizing {} documents…", docs.len());
+            let encoded = tokenizer
+                .inner()
+                .encode_batch(docs.iter().map(String::as_str).collect::<Vec<_>>(), false)
+                .map_err(|e| anyhow::anyhow!("tokenizing the corpora: {e}"))?;
+            let mut data = TokenData::default();
+            let mut held_out = Vec::new();
+            for (i, e) in encoded.iter().enumerate() {
+                let stream = if i % every == every - 1 {
+                    held_out.push(i);
+                    &mut data.val
+                } else {
+                    &mut data.train
+                };
+                stream.extend_from_slice(e.get_ids());
+                stream.push(eos);
+            }
+            drop(encoded);
+            data.pairs = context_pairs(&tokenizer, &docs, &held_out, f.context_pairs, f.seed)?;
+            write_token_cache(&cache, &key, &data)?;
+            data
+        }
+    };
+    drop(docs);
     eprintln!(
         "{} training tokens, {} validation tokens, {} held-out paragraph pairs",
         data.train.len(),
@@ -393,6 +420,59 @@ fn pretrain_cmd(a: PretrainArgs) -> Result<()> {
             "parameters": n_params, "model": model_dir, "loss_csv": csv_path, "loss_png": a.out.join("loss.png"),
         })
     );
+    Ok(())
+}
+
+/// The token streams cached under `key`, if the file holds them.
+fn read_token_cache(path: &std::path::Path, key: &str) -> Option<TokenData> {
+    let bytes = std::fs::read(path).ok()?;
+    let header_len = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?) as usize;
+    let header: serde_json::Value = serde_json::from_slice(bytes.get(8..8 + header_len)?).ok()?;
+    if header["key"] != key {
+        return None;
+    }
+    let body = bytes.get(8 + header_len..)?;
+    let ids: Vec<u32> = body.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+    let mut at = 0;
+    let mut take = |n: usize| -> Option<Vec<u32>> {
+        let v = ids.get(at..at + n)?.to_vec();
+        at += n;
+        Some(v)
+    };
+    let train = take(header["train"].as_u64()? as usize)?;
+    let val = take(header["val"].as_u64()? as usize)?;
+    let mut pairs = Vec::new();
+    for p in header["pairs"].as_array()? {
+        let n = |i: usize| p.get(i).and_then(|v| v.as_u64()).map(|v| v as usize);
+        pairs.push(picaso_train::pretrain::ContextPair {
+            previous: take(n(0)?)?,
+            random: take(n(1)?)?,
+            query: take(n(2)?)?,
+            continuation: take(n(3)?)?,
+        });
+    }
+    Some(TokenData { train, val, pairs })
+}
+
+/// Writes the token streams under `key` (aside, then renamed).
+fn write_token_cache(path: &std::path::Path, key: &str, data: &TokenData) -> Result<()> {
+    let pairs: Vec<[usize; 4]> =
+        data.pairs.iter().map(|p| [p.previous.len(), p.random.len(), p.query.len(), p.continuation.len()]).collect();
+    let header = serde_json::to_vec(&serde_json::json!({
+        "key": key, "train": data.train.len(), "val": data.val.len(), "pairs": pairs,
+    }))?;
+    let mut out = Vec::with_capacity(8 + header.len() + 4 * (data.train.len() + data.val.len()));
+    out.extend_from_slice(&(header.len() as u64).to_le_bytes());
+    out.extend_from_slice(&header);
+    let all = data.train.iter().chain(&data.val).chain(
+        data.pairs.iter().flat_map(|p| p.previous.iter().chain(&p.random).chain(&p.query).chain(&p.continuation)),
+    );
+    for id in all {
+        out.extend_from_slice(&id.to_le_bytes());
+    }
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, &out).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))?;
     Ok(())
 }
 

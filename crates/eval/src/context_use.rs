@@ -1,90 +1,222 @@
-//! Does the model use its context? The continuation of each passage is scored after its
-//! query with no context, after the true preceding paragraph, and after a paragraph drawn at
-//! random from another document (the control: any text in front might change the loss; only
-//! relevant text should lower it).
+//! Does the model use its context? Each paragraph that has a predecessor in its article is cut
+//! into a query half and a continuation half (by tokens); the continuation is scored after the
+//! query with nothing before it, after the true previous paragraph, and after a paragraph of
+//! another article (the control: any text in front may change the loss; only relevant text
+//! should lower it). Differences are paired per passage. The loss on *recall tokens* —
+//! continuation tokens that complete a bigram of the previous paragraph — is reported
+//! separately: that is where reading the context shows. Also measured: bits per byte of whole
+//! articles.
+//!
+//! Paragraphs are tokenized as they appear in a training stream: the text followed by its
+//! blank line (`"\n\n"`).
 
 use picaso_model::Model;
-use picaso_store::{passages, Store};
+use picaso_store::Document;
 use rand::{Rng, SeedableRng};
 
-use crate::methods::continuation_nll;
 use crate::stats::mean_ci95;
 use crate::{Error, Result};
+
+/// Shortest paragraph (tokens) that is cut into halves.
+pub const MIN_TOKENS: usize = 16;
 
 /// A condition's mean loss.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Condition {
     /// What precedes the query.
     pub context: &'static str,
-    /// Mean continuation NLL (nats/token).
+    /// Mean continuation NLL (nats/token, mean over passages).
     pub loss: f64,
     /// Half-width of its 95% confidence interval.
     pub ci95: f64,
-    /// Mean paired difference to no context (negative = lower loss), with its interval.
+    /// Mean paired difference to no context (negative = lower loss).
     pub delta_vs_none: f64,
     /// Half-width of the paired difference's interval.
     pub delta_ci95: f64,
+    /// The difference relative to no context's mean loss, in percent.
+    pub change_pct: f64,
+    /// Its interval's half-width, in percentage points.
+    pub change_ci95_pct: f64,
+    /// Mean loss on the recall tokens (pooled over passages).
+    pub recall_loss: f64,
 }
 
 /// The check's results.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Report {
-    /// Passages with a stored preceding paragraph that were scored.
+    /// Passages scored.
     pub passages: usize,
+    /// Passages eligible (before sampling).
+    pub eligible: usize,
     /// Seed of the sample and of the random paragraphs.
     pub seed: u64,
+    /// Recall tokens over all scored continuations.
+    pub recall_tokens: usize,
+    /// Continuation tokens over all scored passages.
+    pub continuation_tokens: usize,
     /// No context, the true previous paragraph, a random paragraph.
     pub conditions: Vec<Condition>,
+    /// How much more the true paragraph lowers the loss than the random one, in points of
+    /// relative change (paired; positive = the true paragraph helps more).
+    pub previous_over_random_pct: f64,
+    /// Its interval's half-width.
+    pub previous_over_random_ci95_pct: f64,
 }
 
-/// Scores up to `sample` passages that have a preceding paragraph in the store.
-pub fn run(model: &Model, store: &Store, sample: usize, seed: u64) -> Result<Report> {
-    let all = passages(store)?;
-    let with_previous: Vec<usize> = (0..all.len()).filter(|&i| all[i].previous.is_some()).collect();
-    if with_previous.is_empty() {
-        return Err(Error::Input(format!(
-            "{}: no passage has its preceding paragraph stored (ingest whole articles with --segment halves)",
-            store.location()
-        )));
+/// One passage: the paragraph's halves and what may precede them.
+struct Passage {
+    previous: Vec<u32>,
+    random: Vec<u32>,
+    query: Vec<u32>,
+    continuation: Vec<u32>,
+}
+
+fn encode(model: &Model, paragraph: &str) -> Result<Vec<u32>> {
+    Ok(model.tokenizer()?.encode(&format!("{paragraph}\n\n"))?)
+}
+
+/// Scores up to `sample` passages (all when `None`) of `docs` that have a previous paragraph.
+pub fn run(model: &Model, docs: &[Document], sample: Option<usize>, seed: u64) -> Result<Report> {
+    let with_text: Vec<usize> = (0..docs.len()).filter(|&d| !docs[d].paragraphs.is_empty()).collect();
+    if with_text.len() < 2 {
+        return Err(Error::Input("context use needs at least two documents with text".into()));
+    }
+    let mut eligible = Vec::new();
+    for (d, doc) in docs.iter().enumerate() {
+        for j in 1..doc.paragraphs.len() {
+            eligible.push((d, j));
+        }
     }
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let mut chosen = with_previous.clone();
-    rand::seq::SliceRandom::shuffle(chosen.as_mut_slice(), &mut rng);
-    chosen.truncate(sample.max(1));
-    let tokens_of = |i: usize| -> Result<Vec<u32>> {
-        let mut t = store.get(all[i].query)?.tokens;
-        t.extend(store.get(all[i].continuation)?.tokens);
-        Ok(t)
-    };
-    let (mut none, mut prev, mut random) = (Vec::new(), Vec::new(), Vec::new());
-    for &i in &chosen {
-        let query = store.get(all[i].query)?.tokens;
-        let continuation = store.get(all[i].continuation)?.tokens;
-        let zero = model.zero_state();
-        none.push(continuation_nll(model, &zero, &query, &continuation)?);
-        let before = tokens_of(all[i].previous.expect("filtered"))?;
-        prev.push(continuation_nll(model, &model.prefill(&before, &zero)?, &query, &continuation)?);
+    let mut chosen = eligible.clone();
+    if let Some(n) = sample {
+        rand::seq::SliceRandom::shuffle(chosen.as_mut_slice(), &mut rng);
+        chosen.truncate(n.max(1));
+        chosen.sort_unstable();
+    }
+    let mut passages = Vec::new();
+    for &(d, j) in &chosen {
+        let tokens = encode(model, &docs[d].paragraphs[j])?;
+        if tokens.len() < MIN_TOKENS {
+            continue;
+        }
         let other = loop {
-            let j = rng.random_range(0..all.len());
-            if all[j].doc != all[i].doc || all.len() == 1 {
-                break j;
+            let o = with_text[rng.random_range(0..with_text.len())];
+            if o != d {
+                break o;
             }
         };
-        random.push(continuation_nll(model, &model.prefill(&tokens_of(other)?, &zero)?, &query, &continuation)?);
+        let pick = rng.random_range(0..docs[other].paragraphs.len());
+        let half = tokens.len() / 2;
+        passages.push(Passage {
+            previous: encode(model, &docs[d].paragraphs[j - 1])?,
+            random: encode(model, &docs[other].paragraphs[pick])?,
+            query: tokens[..half].to_vec(),
+            continuation: tokens[half..].to_vec(),
+        });
     }
-    let condition = |context: &'static str, xs: &[f64]| {
-        let (loss, ci95) = mean_ci95(xs);
-        let diffs: Vec<f64> = xs.iter().zip(&none).map(|(a, b)| a - b).collect();
-        let (delta_vs_none, delta_ci95) = mean_ci95(&diffs);
-        Condition { context, loss, ci95, delta_vs_none, delta_ci95 }
-    };
+    if passages.is_empty() {
+        return Err(Error::Input(format!("no paragraph of at least {MIN_TOKENS} tokens has a previous one")));
+    }
+    // Per passage and condition: mean continuation loss and the losses of the recall tokens.
+    let zero = model.zero_state();
+    let mut losses = [Vec::new(), Vec::new(), Vec::new()];
+    let mut recall = [0f64; 3];
+    let (mut recall_n, mut cont_n) = (0usize, 0usize);
+    for p in &passages {
+        let bigrams: std::collections::HashSet<(u32, u32)> = p.previous.windows(2).map(|w| (w[0], w[1])).collect();
+        let is_recall: Vec<bool> = (0..p.continuation.len())
+            .map(|j| {
+                let before = if j == 0 { p.query[p.query.len() - 1] } else { p.continuation[j - 1] };
+                bigrams.contains(&(before, p.continuation[j]))
+            })
+            .collect();
+        recall_n += is_recall.iter().filter(|&&r| r).count();
+        cont_n += p.continuation.len();
+        for (c, before) in [&[][..], &p.previous[..], &p.random[..]].into_iter().enumerate() {
+            let state = if before.is_empty() { zero.clone() } else { model.prefill(before, &zero)? };
+            let scored = model.score_continuation(&p.query, &p.continuation, &state)?;
+            let nll: Vec<f64> = scored.logprobs.iter().map(|&l| -f64::from(l)).collect();
+            losses[c].push(nll.iter().sum::<f64>() / nll.len() as f64);
+            recall[c] += nll.iter().zip(&is_recall).filter(|(_, &r)| r).map(|(l, _)| l).sum::<f64>();
+        }
+    }
+    let (none_mean, _) = mean_ci95(&losses[0]);
+    let names = ["none", "previous paragraph", "random paragraph"];
+    let conditions = (0..3)
+        .map(|c| {
+            let (loss, ci95) = mean_ci95(&losses[c]);
+            let diffs: Vec<f64> = losses[c].iter().zip(&losses[0]).map(|(a, b)| a - b).collect();
+            let (delta_vs_none, delta_ci95) = mean_ci95(&diffs);
+            Condition {
+                context: names[c],
+                loss,
+                ci95,
+                delta_vs_none,
+                delta_ci95,
+                change_pct: 100.0 * delta_vs_none / none_mean,
+                change_ci95_pct: 100.0 * delta_ci95 / none_mean,
+                recall_loss: recall[c] / recall_n.max(1) as f64,
+            }
+        })
+        .collect();
+    let over: Vec<f64> = losses[2].iter().zip(&losses[1]).map(|(r, p)| r - p).collect();
+    let (over_mean, over_ci) = mean_ci95(&over);
     Ok(Report {
-        passages: chosen.len(),
+        passages: passages.len(),
+        eligible: eligible.len(),
         seed,
-        conditions: vec![
-            condition("none", &none),
-            condition("previous paragraph", &prev),
-            condition("random paragraph", &random),
-        ],
+        recall_tokens: recall_n,
+        continuation_tokens: cont_n,
+        conditions,
+        previous_over_random_pct: 100.0 * over_mean / none_mean,
+        previous_over_random_ci95_pct: 100.0 * over_ci / none_mean,
+    })
+}
+
+/// Bits per byte of whole documents.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct BitsPerByte {
+    /// Documents scored.
+    pub documents: usize,
+    /// Their UTF-8 bytes.
+    pub bytes: usize,
+    /// Their tokens.
+    pub tokens: usize,
+    /// Σ NLL / (ln 2 · bytes).
+    pub bits_per_byte: f64,
+    /// Mean NLL per token (nats).
+    pub nats_per_token: f64,
+}
+
+/// Each document as its training stream has it — the title line, then its paragraphs, each
+/// followed by a blank line — scored from the end-of-text token (documents are separated by it
+/// in training), every token counted.
+pub fn bits_per_byte(model: &Model, docs: &[Document]) -> Result<BitsPerByte> {
+    let tok = model.tokenizer()?;
+    let start = tok.eos().ok_or_else(|| Error::Input("the tokenizer has no end-of-text token".into()))?;
+    let (mut nll, mut bytes, mut tokens, mut n) = (0f64, 0usize, 0usize, 0usize);
+    for d in docs.iter().filter(|d| !d.paragraphs.is_empty()) {
+        let mut text = format!("= {} =\n\n", d.id);
+        for p in &d.paragraphs {
+            text.push_str(p);
+            text.push_str("\n\n");
+        }
+        let ids = tok.encode(&text)?;
+        let scored = model.score_continuation(&[start], &ids, &model.zero_state())?;
+        nll -= scored.logprobs.iter().map(|&l| f64::from(l)).sum::<f64>();
+        bytes += text.len();
+        tokens += ids.len();
+        n += 1;
+    }
+    if n == 0 {
+        return Err(Error::Input("no document has text".into()));
+    }
+    Ok(BitsPerByte {
+        documents: n,
+        bytes,
+        tokens,
+        bits_per_byte: nll / (std::f64::consts::LN_2 * bytes as f64),
+        nats_per_token: nll / tokens as f64,
     })
 }

@@ -190,25 +190,43 @@ fn plot_wikitext(out: &Path, report: &wikitext::Report, methods: &[EvalMethod]) 
 }
 
 /// Writes the context-use check into `out`.
-pub fn write_context_use(out: &Path, report: &context_use::Report, info: &RunInfo) -> Result<()> {
+pub fn write_context_use(
+    out: &Path,
+    source: &str,
+    report: &context_use::Report,
+    bpb: &context_use::BitsPerByte,
+    info: &RunInfo,
+) -> Result<()> {
     std::fs::create_dir_all(out).map_err(|source| Error::Io { path: out.to_path_buf(), source })?;
-    json(&out.join("results.json"), &serde_json::json!({ "run": info, "report": report }))?;
-    let mut csv = String::from("context,loss,ci95,delta_vs_none,delta_ci95\n");
+    json(
+        &out.join("results.json"),
+        &serde_json::json!({ "run": info, "source": source, "report": report, "bits_per_byte": bpb }),
+    )?;
+    let mut csv = String::from("context,loss,ci95,delta_vs_none,delta_ci95,change_pct,change_ci95_pct,recall_loss\n");
     let mut md = format!(
-        "# Context use: continuation loss after the query, by what precedes it\n\n{} WikiText-2 passages with a stored preceding paragraph (seed {}).\n\n| before the query | loss (nats/token) | change vs none |\n|---|---:|---:|\n",
-        report.passages, report.seed
+        "# Context use: continuation loss after the query, by what precedes it\n\n{source}: {} of {} paragraphs that have a previous paragraph in their article (at least {} tokens; seed {}), each cut into a query half and a continuation half. Intervals are 95%, paired per passage. Recall tokens ({} of {} continuation tokens) complete a bigram of the previous paragraph.\n\n| before the query | loss (nats/token) | change vs none | relative change | loss on recall tokens |\n|---|---:|---:|---:|---:|\n",
+        report.passages, report.eligible, context_use::MIN_TOKENS, report.seed, report.recall_tokens, report.continuation_tokens
     );
     for c in &report.conditions {
-        writeln!(csv, "{},{:.6},{:.6},{:.6},{:.6}", c.context, c.loss, c.ci95, c.delta_vs_none, c.delta_ci95)
-            .expect("string");
+        writeln!(
+            csv,
+            "{},{:.6},{:.6},{:.6},{:.6},{:.4},{:.4},{:.6}",
+            c.context, c.loss, c.ci95, c.delta_vs_none, c.delta_ci95, c.change_pct, c.change_ci95_pct, c.recall_loss
+        )
+        .expect("string");
         writeln!(
             md,
-            "| {} | {:.4} ± {:.4} | {:+.4} ± {:.4} |",
-            c.context, c.loss, c.ci95, c.delta_vs_none, c.delta_ci95
+            "| {} | {:.4} ± {:.4} | {:+.4} ± {:.4} | {:+.2}% ± {:.2} | {:.3} |",
+            c.context, c.loss, c.ci95, c.delta_vs_none, c.delta_ci95, c.change_pct, c.change_ci95_pct, c.recall_loss
         )
         .expect("string");
     }
-    md.push('\n');
+    writeln!(
+        md,
+        "\nThe true previous paragraph lowers the loss by {:+.2} ± {:.2} points more than a random paragraph of another article.\n\nBits per byte over the {} whole articles ({} bytes, {} tokens): **{:.4}** ({:.4} nats/token).\n",
+        report.previous_over_random_pct, report.previous_over_random_ci95_pct, bpb.documents, bpb.bytes, bpb.tokens, bpb.bits_per_byte, bpb.nats_per_token
+    )
+    .expect("string");
     md.push_str(&info.markdown());
     write(&out.join("results.csv"), &csv)?;
     write(&out.join("results.md"), &md)

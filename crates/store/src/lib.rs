@@ -35,5 +35,5 @@ pub use migrate::{migrate, MigrateReport};
 pub use passages::{passages, retrieve, Passage};
 pub use query::{prepare, ContextMethod, Prepared};
 pub use runtime::Resilience;
-pub use sources::{read_jsonl, read_text_dir, read_wikitext, Document, Segmentation};
+pub use sources::{detokenize_wikitext, read_jsonl, read_text_dir, read_wikitext, Document, Segmentation};
 pub use store::{checksum, ContextRecord, NewContext, Stats, Store, StoreInfo};

@@ -146,8 +146,61 @@ pub fn read_jsonl(path: &Path) -> Result<Vec<Document>> {
     Ok(docs)
 }
 
-/// Articles of a WikiText file. A line ` = Title = ` starts an article; ` = = Section = = `
-/// lines are headings, skipped; every other non-empty line is a paragraph.
+/// WikiText's spacing undone, as lm-evaluation-harness does for `wikitext-2-raw-v1`
+/// (`wikitext_detokenizer`): ` @-@ ` → `-`, ` , ` → `, `, `( x )` → `(x)`, ` 's` → `'s`, …, so a
+/// model trained on ordinary prose reads ordinary prose. `<unk>` (tokenized splits only) stays.
+pub fn detokenize_wikitext(text: &str) -> String {
+    use std::sync::OnceLock;
+    static PATTERNS: OnceLock<Vec<(regex::Regex, &'static str)>> = OnceLock::new();
+    let patterns = PATTERNS.get_or_init(|| {
+        [
+            (r"/' [0-9]/", r"/'[0-9]/"),
+            (r"\(\s*([^\)]*?)\s*\)", "($1)"),
+            (r"\[\s*([^\]]*?)\s*\]", "[$1]"),
+            (r"\{\s*([^}]*?)\s*\}", "{$1}"),
+            (r#""\s*([^"]*?)\s*""#, "\"$1\""),
+            (r"'\s*([^']*?)\s*'", "'$1'"),
+        ]
+        .into_iter()
+        .map(|(p, r)| (regex::Regex::new(p).expect("valid pattern"), r))
+        .collect()
+    });
+    let mut s = text.replace("s '", "s'");
+    s = patterns[0].0.replace_all(&s, patterns[0].1).into_owned();
+    for (from, to) in [
+        (" @-@ ", "-"),
+        (" @,@ ", ","),
+        (" @.@ ", "."),
+        (" : ", ": "),
+        (" ; ", "; "),
+        (" . ", ". "),
+        (" ! ", "! "),
+        (" ? ", "? "),
+        (" , ", ", "),
+    ] {
+        s = s.replace(from, to);
+    }
+    for (re, to) in &patterns[1..] {
+        s = re.replace_all(&s, *to).into_owned();
+    }
+    for (from, to) in [
+        ("= = = =", "===="),
+        ("= = =", "==="),
+        ("= =", "=="),
+        (" \u{b0} ", "\u{b0}"),
+        (" \n", "\n"),
+        ("\n ", "\n"),
+        (" N ", " 1 "),
+        (" 's", "'s"),
+    ] {
+        s = s.replace(from, to);
+    }
+    s
+}
+
+/// Articles of a WikiText file (the tokenized `wiki.*.tokens` or the raw `wiki.*.raw`, LF or
+/// CRLF). A line ` = Title = ` starts an article; ` = = Section = = ` lines are headings,
+/// skipped; every other non-empty line is a paragraph, detokenized ([`detokenize_wikitext`]).
 pub fn read_wikitext(path: &Path) -> Result<Vec<Document>> {
     let text = read(path)?;
     let mut docs: Vec<Document> = Vec::new();
@@ -160,7 +213,7 @@ pub fn read_wikitext(path: &Path) -> Result<Vec<Document>> {
             let inner = line.trim_matches('=').trim();
             let is_title = !line.starts_with("= =");
             if is_title {
-                let mut id = inner.to_string();
+                let mut id = detokenize_wikitext(inner);
                 // Titles repeat in WikiText; keep ids unique and stable.
                 let same = docs.iter().filter(|d| d.id == id || d.id.starts_with(&format!("{id} #"))).count();
                 if same > 0 {
@@ -173,7 +226,7 @@ pub fn read_wikitext(path: &Path) -> Result<Vec<Document>> {
         if docs.is_empty() {
             docs.push(Document { id: "preamble".into(), paragraphs: Vec::new() });
         }
-        docs.last_mut().expect("a document exists").paragraphs.push(line.to_string());
+        docs.last_mut().expect("a document exists").paragraphs.push(detokenize_wikitext(line).trim().to_string());
     }
     docs.retain(|d| !d.paragraphs.is_empty());
     Ok(docs)
@@ -187,6 +240,23 @@ mod tests {
     fn paragraphs_split_on_blank_lines() {
         assert_eq!(paragraphs("a\nb\n\n\n c \n\n"), vec!["a\nb".to_string(), "c".to_string()]);
         assert!(paragraphs("\n \n").is_empty());
+    }
+
+    #[test]
+    fn wikitext_is_detokenized_like_the_harness() {
+        let line = " The 2 @,@ 000 @-@ strong army , led by \" The Duke \" ( 1805 – 1852 ) , won . It 's 3 @.@ 5 km . ";
+        assert_eq!(
+            detokenize_wikitext(line).trim(),
+            "The 2,000-strong army, led by \"The Duke\" (1805 – 1852), won. It's 3.5 km."
+        );
+        let tmp = tempfile::tempdir().unwrap();
+        let f = tmp.path().join("wiki.test.raw");
+        std::fs::write(&f, " = Big Cat = \r\n Cats are big . \r\n = = Size = = \r\n They weigh 1 @,@ 000 kg . \r\n")
+            .unwrap();
+        let docs = read_wikitext(&f).unwrap();
+        assert_eq!(docs.len(), 1);
+        assert_eq!(docs[0].id, "Big Cat");
+        assert_eq!(docs[0].paragraphs, vec!["Cats are big.", "They weigh 1,000 kg."]);
     }
 
     #[test]
