@@ -5,7 +5,10 @@
 #
 #   scripts/bench_train.sh [ROUNDS] [BATCH] [SEQ_LEN]      (default 3 4 1024)
 #
-# Needs a Python with torch and transformers: PYTHON=/work/pyenv/venv/bin/python by default
+# The model shape is the bundled model's (models/picaso-mamba2/run.json): d_model 384, 4 layers,
+# d_state 64, headdim 64, vocab 8192; override with D_MODEL, LAYERS, D_STATE, HEADDIM, VOCAB.
+#
+# BF16=1 adds PyTorch under bf16 autocast. Needs a Python with torch and transformers: PYTHON=/work/pyenv/venv/bin/python by default
 # (python3 -m venv /work/pyenv/venv && /work/pyenv/venv/bin/pip install torch transformers).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,11 +16,15 @@ ROUNDS=${1:-3}
 BATCH=${2:-4}
 SEQ=${3:-1024}
 PYTHON=${PYTHON:-/work/pyenv/venv/bin/python}
+D_MODEL=${D_MODEL:-384}; LAYERS=${LAYERS:-4}; D_STATE=${D_STATE:-64}; HEADDIM=${HEADDIM:-64}; VOCAB=${VOCAB:-8192}
+SHAPE=(--d-model "$D_MODEL" --layers "$LAYERS" --d-state "$D_STATE" --headdim "$HEADDIM" --vocab "$VOCAB")
 cargo build --release -q --example step_profile -p picaso-train
 lscpu | grep -E "Model name|^CPU\(s\)"
 for r in $(seq 1 "$ROUNDS"); do
     echo "== round $r"
-    RAYON_NUM_THREADS=2 target/release/examples/step_profile "$BATCH" "$SEQ" 64
-    "$PYTHON" scripts/bench_train_torch.py --batch "$BATCH" --seq-len "$SEQ" --threads 2
-    "$PYTHON" scripts/bench_train_torch.py --batch "$BATCH" --seq-len "$SEQ" --threads 2 --bf16
+    RAYON_NUM_THREADS=2 target/release/examples/step_profile "$BATCH" "$SEQ" 64 "$D_MODEL" "$LAYERS" "$D_STATE" "$HEADDIM" "$VOCAB"
+    "$PYTHON" scripts/bench_train_torch.py --batch "$BATCH" --seq-len "$SEQ" --threads 2 "${SHAPE[@]}"
+    if [ -n "${BF16:-}" ]; then   # bf16 autocast: ~20x slower than f32 on CPUs without AVX512-BF16
+        "$PYTHON" scripts/bench_train_torch.py --batch "$BATCH" --seq-len "$SEQ" --threads 2 "${SHAPE[@]}" --bf16
+    fi
 done
