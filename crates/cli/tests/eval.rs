@@ -39,9 +39,16 @@ fn eval_and_compose_finetuning_end_to_end() {
         assert!((at(method, 1) - at("concat", 1)).abs() < 1e-4, "{method} at k=1");
     }
 
-    ok(&["eval", "context-use", "--db", db_s, "--model", m, "--out", tmp.path().join("cu").to_str().unwrap()]);
+    ok(&["eval", "context-use", "--wikitext", d, "--model", m, "--out", tmp.path().join("cu").to_str().unwrap()]);
     let cu = std::fs::read_to_string(tmp.path().join("cu/results.md")).unwrap();
-    assert!(cu.contains("previous paragraph") && cu.contains("random paragraph"), "{cu}");
+    assert!(
+        cu.contains("previous paragraph") && cu.contains("random paragraph") && cu.contains("Bits per byte"),
+        "{cu}"
+    );
+    let cu: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(tmp.path().join("cu/results.json")).unwrap()).unwrap();
+    assert!(cu["report"]["passages"].as_u64().unwrap() > 0, "{cu}");
+    assert!(cu["bits_per_byte"]["bits_per_byte"].as_f64().unwrap() > 0.0, "{cu}");
 
     // Fine-tuning with both objectives; a loadable model comes out.
     let cfg = tmp.path().join("ft.json");

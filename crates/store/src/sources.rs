@@ -213,7 +213,7 @@ pub fn read_wikitext(path: &Path) -> Result<Vec<Document>> {
             let inner = line.trim_matches('=').trim();
             let is_title = !line.starts_with("= =");
             if is_title {
-                let mut id = detokenize_wikitext(inner);
+                let mut id = detokenize_wikitext(&format!(" {inner} ")).trim().to_string();
                 // Titles repeat in WikiText; keep ids unique and stable.
                 let same = docs.iter().filter(|d| d.id == id || d.id.starts_with(&format!("{id} #"))).count();
                 if same > 0 {
@@ -226,7 +226,9 @@ pub fn read_wikitext(path: &Path) -> Result<Vec<Document>> {
         if docs.is_empty() {
             docs.push(Document { id: "preamble".into(), paragraphs: Vec::new() });
         }
-        docs.last_mut().expect("a document exists").paragraphs.push(detokenize_wikitext(line).trim().to_string());
+        // Detokenized with the spaces the file has around each line, as the harness sees them.
+        let text = detokenize_wikitext(&format!(" {line} "));
+        docs.last_mut().expect("a document exists").paragraphs.push(text.trim().to_string());
     }
     docs.retain(|d| !d.paragraphs.is_empty());
     Ok(docs)
