@@ -1,44 +1,67 @@
-//! `picaso demo`: the main job end to end. Ingests WikiText articles into a store with the
-//! bundled model, then for a few passages gives the first half as the prompt and compares
-//! how the retrieved contexts reach the model — not at all (naive), as tokens (concat), or as
-//! one composed state (picaso-r): the loss of the true second half, the time to first token,
-//! and the start of the generated text.
+//! `picaso demo`: the main job end to end. Ingests a corpus into a store with the bundled
+//! model, then answers prompts three ways — without the retrieved contexts (naive), with them
+//! as tokens in front of the prompt (concat), and with their stored states composed into one
+//! (picaso-r) — and prints, per prompt and method, the loss of the true answer, the time to
+//! first token and the generated text.
+//!
+//! The default corpus ships inside the binary (`crates/cli/demo/`): short articles about
+//! invented places and people, and prompts whose answers only a retrieved paragraph supplies.
+//! `--data` demos on WikiText instead: each paragraph's first half is the prompt, its second
+//! half the answer (the paper's WikiText experiment).
 
 use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use picaso_model::{generate, GenerateOptions, Method};
-use picaso_store::{prepare, ContextMethod};
+use picaso_model::{generate, GenerateOptions, Method, Model};
+use picaso_store::{prepare, ContextMethod, Document, Store};
 
 use crate::ModelArgs;
+
+/// The built-in corpus: articles (`= Title =`, blank-line paragraphs) written for this demo.
+const CORPUS: &str = include_str!("../demo/corpus.txt");
+/// Its prompts: one JSON object per line, `{"prompt", "answer"}`.
+const PROMPTS: &str = include_str!("../demo/prompts.jsonl");
 
 #[derive(Args)]
 pub struct DemoArgs {
     #[command(flatten)]
     model: ModelArgs,
-    /// A WikiText file to take articles from.
-    #[arg(long, default_value = "../shared/data/wikitext-2/wiki.test.tokens")]
-    data: PathBuf,
-    /// all-MiniLM-L6-v2 folder (the retriever).
-    #[arg(long, default_value = "../shared/data/all-MiniLM-L6-v2")]
-    embedder: PathBuf,
-    /// Store folder (created; re-runs reuse it).
-    #[arg(long, default_value = "target/demo-db")]
-    db: PathBuf,
-    /// Articles to ingest (from the start of the file).
+    /// A WikiText file (raw `wiki.test.raw` or tokenized) to demo on instead of the built-in
+    /// corpus: paragraphs are cut in halves, the first is the prompt, the second the answer.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// all-MiniLM-L6-v2 folder (the retriever; default: $PICASO_EMBEDDER, the store's own, the
+    /// Hugging Face hub, or ../shared/data/all-MiniLM-L6-v2).
+    #[arg(long)]
+    embedder: Option<PathBuf>,
+    /// Store folder (created; re-runs reuse it). Default: target/demo-db, or
+    /// target/demo-db-wikitext with --data.
+    #[arg(long)]
+    db: Option<PathBuf>,
+    /// Articles to ingest from --data (from the start of the file).
     #[arg(long, default_value_t = 12)]
     articles: usize,
     /// Prompts to answer.
     #[arg(long, default_value_t = 4)]
     prompts: usize,
     /// Contexts retrieved per prompt.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 3)]
     k: usize,
     /// Tokens generated per answer.
     #[arg(long, default_value_t = 16)]
     max_tokens: usize,
+}
+
+/// A prompt, its true answer and the contexts retrieved for it (least relevant first, so the
+/// most relevant ends nearest the prompt).
+struct Question {
+    prompt: Vec<u32>,
+    prompt_text: String,
+    answer: Vec<u32>,
+    answer_text: String,
+    contexts: Vec<i64>,
 }
 
 struct Row {
@@ -48,32 +71,69 @@ struct Row {
     output: String,
 }
 
+/// The built-in corpus as documents; each paragraph keeps the blank line that ends it, as
+/// the model saw paragraphs in training.
+fn builtin_documents() -> Vec<Document> {
+    picaso_train::corpus::wikipedia_articles(CORPUS)
+        .iter()
+        .map(|article| Document {
+            id: article.lines().next().unwrap_or("").trim_matches(|c| c == '=' || c == ' ').to_string(),
+            paragraphs: picaso_train::corpus::prose_paragraphs(article).iter().map(|p| format!("{p}\n\n")).collect(),
+        })
+        .collect()
+}
+
+fn builtin_prompts() -> Result<Vec<(String, String)>> {
+    PROMPTS
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).context("demo/prompts.jsonl")?;
+            let get = |k: &str| v[k].as_str().map(String::from).with_context(|| format!("demo prompt lacks {k}"));
+            Ok((get("prompt")?, get("answer")?))
+        })
+        .collect()
+}
+
 pub fn run(a: DemoArgs) -> Result<()> {
-    let model = crate::load_model(&a.model, true)?;
-    if !a.data.is_file() {
-        bail!(
-            "--data {}: no such file; pass a WikiText file (wikitext-2-raw-v1 from the Hugging Face hub, or ../shared/data/wikitext-2 beside a picaso checkout)",
-            a.data.display()
-        );
+    if let Some(d) = &a.data {
+        if !d.is_file() {
+            bail!(
+                "--data {}: no such file; pass a WikiText file (wikitext-2-raw-v1 from the Hugging Face hub, or ../shared/data/wikitext-2 beside a picaso checkout), or leave --data out for the built-in corpus",
+                d.display()
+            );
+        }
     }
-    let embedder = crate::load_embedder(&a.embedder)?;
-    let mut docs = picaso_store::read_wikitext(&a.data)?;
-    docs.truncate(a.articles.max(1));
+    let db = a
+        .db
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(if a.data.is_some() { "target/demo-db-wikitext" } else { "target/demo-db" }));
+    // The retriever first: without one the demo stops at once with what to fetch.
+    let existing = Store::open(&db).ok();
+    let embedder = crate::embedder::resolve(a.embedder.as_deref(), existing.as_ref())?;
+    drop(existing);
+    let model = crate::load_model(&a.model, true)?;
+    let (docs, segmentation) = match &a.data {
+        Some(d) => {
+            let mut docs = picaso_store::read_wikitext(d)?;
+            docs.truncate(a.articles.max(1));
+            (docs, picaso_store::Segmentation::Halves(picaso_store::sources::HALVES_MIN_TOKENS))
+        }
+        None => (builtin_documents(), picaso_store::Segmentation::Paragraph),
+    };
     let info = picaso_store::StoreInfo {
         fingerprint: model.fingerprint().to_string(),
         dim: embedder.dim(),
         state_dtype: picaso_model::StateDtype::F32,
     };
-    let store = picaso_store::Store::open_or_create(&a.db, &info).with_context(|| {
-        format!("{}: a demo store of another model? remove the folder or pass --db", a.db.display())
-    })?;
+    let store = Store::open_or_create(&db, &info)
+        .with_context(|| format!("{}: a demo store of another model? remove the folder or pass --db", db.display()))?;
     let t0 = Instant::now();
-    let seg = picaso_store::Segmentation::Halves(picaso_store::sources::HALVES_MIN_TOKENS);
-    let r = picaso_store::ingest(&store, &model, &embedder, &docs, seg, 32, |_| {})?;
+    let r = picaso_store::ingest(&store, &model, &embedder, &docs, segmentation, 32, |_| {})?;
     let stats = store.stats()?;
     println!(
-        "store {}: {} contexts from {} articles ({} new, {} tokens processed in {:.1} s); model {} ({} parameters)\n",
-        a.db.display(),
+        "store {}: {} contexts from {} documents ({} new, {} tokens processed in {:.1} s); model {} ({} parameters)\n",
+        db.display(),
         stats.contexts,
         stats.documents,
         r.done,
@@ -83,8 +143,10 @@ pub fn run(a: DemoArgs) -> Result<()> {
         model.n_params()
     );
 
-    let passages = picaso_store::passages(&store)?;
-    let n = a.prompts.clamp(1, passages.len());
+    let questions = match &a.data {
+        Some(_) => wikitext_questions(&store, a.prompts, a.k)?,
+        None => builtin_questions(&store, &model, &embedder, a.prompts, a.k)?,
+    };
     let methods = [
         ("naive", ContextMethod::Naive),
         ("concat", ContextMethod::Concat),
@@ -92,27 +154,27 @@ pub fn run(a: DemoArgs) -> Result<()> {
     ];
     let mut totals = vec![(0.0, 0.0); methods.len()];
     let opts = GenerateOptions { max_tokens: a.max_tokens, ..Default::default() };
-    for i in 0..n {
-        let passage = &passages[i * passages.len() / n];
-        let query = store.get(passage.query)?;
-        let continuation = store.get(passage.continuation)?;
-        let hits = picaso_store::retrieve(&store, passage, a.k)?;
-        // Least relevant first: the most relevant context ends nearest the prompt.
-        let ids: Vec<i64> = hits.iter().rev().map(|(id, _)| *id).collect();
-        println!("prompt {}: {}…", i + 1, snippet(&query.text, 110));
-        println!("  true continuation: {}…", snippet(&continuation.text, 90));
+    for (i, q) in questions.iter().enumerate() {
+        println!("prompt {}: {}", i + 1, snippet(&q.prompt_text, 110));
+        let sources: Vec<String> = q
+            .contexts
+            .iter()
+            .rev()
+            .map(|&id| store.get(id).map(|c| format!("{} #{}", c.doc, c.seg)))
+            .collect::<std::result::Result<_, _>>()?;
+        println!("  retrieved (best first): {}", sources.join(", "));
+        println!("  true answer: {}", snippet(&q.answer_text, 90));
         let mut rows = Vec::new();
         for (name, method) in methods {
             let started = Instant::now();
-            let prepared = prepare(&store, &model, &ids, method, None)?;
+            let prepared = prepare(&store, &model, &q.contexts, method, None)?;
             let mut first: Option<f64> = None;
-            let out = generate(&model, &query.tokens, &prepared.state, &opts, |_| {
+            let out = generate(&model, &q.prompt, &prepared.state, &opts, |_| {
                 first.get_or_insert_with(|| started.elapsed().as_secs_f64());
                 true
             })?;
             let ttft = first.unwrap_or_else(|| started.elapsed().as_secs_f64());
-            let loss =
-                picaso_eval::methods::continuation_nll(&model, &prepared.state, &query.tokens, &continuation.tokens)?;
+            let loss = picaso_eval::methods::continuation_nll(&model, &prepared.state, &q.prompt, &q.answer)?;
             rows.push(Row { method: name, loss, ttft_ms: 1e3 * ttft, output: out.text });
         }
         println!("  {:<9} {:>7} {:>9}  output", "method", "loss", "TTFT ms");
@@ -123,16 +185,89 @@ pub fn run(a: DemoArgs) -> Result<()> {
         }
         println!();
     }
-    println!("mean over {n} prompts, k = {} retrieved contexts each:", a.k);
+    let n = questions.len() as f64;
+    println!("mean over {} prompts, k = {} retrieved contexts each:", questions.len(), a.k);
     println!("  {:<9} {:>7} {:>9}", "method", "loss", "TTFT ms");
     for ((name, _), (loss, ttft)) in methods.iter().zip(&totals) {
-        println!("  {:<9} {:>7.3} {:>9.1}", name, loss / n as f64, ttft / n as f64);
+        println!("  {:<9} {:>7.3} {:>9.1}", name, loss / n, ttft / n);
     }
-    println!("\nloss: mean negative log-likelihood of the true continuation (nats/token; lower is better)");
+    println!("\nloss: mean negative log-likelihood of the true answer (nats/token; lower is better)");
     Ok(())
+}
+
+/// The built-in prompts, each with the contexts retrieved for it.
+fn builtin_questions(
+    store: &Store,
+    model: &Model,
+    embedder: &picaso_embed::Embedder,
+    n: usize,
+    k: usize,
+) -> Result<Vec<Question>> {
+    let tok = model.tokenizer()?;
+    let mut out = Vec::new();
+    for (prompt_text, answer_text) in builtin_prompts()?.into_iter().take(n.max(1)) {
+        let hits = store.search(&embedder.embed_one(&prompt_text)?, k.max(1))?;
+        out.push(Question {
+            prompt: tok.encode(&prompt_text)?,
+            answer: tok.encode(&answer_text)?,
+            contexts: hits.iter().rev().map(|(id, _)| *id).collect(),
+            prompt_text,
+            answer_text,
+        });
+    }
+    Ok(out)
+}
+
+/// WikiText passages spread over the store: the query half is the prompt, the continuation
+/// the answer; contexts retrieved by the query's stored embedding.
+fn wikitext_questions(store: &Store, n: usize, k: usize) -> Result<Vec<Question>> {
+    let passages = picaso_store::passages(store)?;
+    if passages.is_empty() {
+        bail!("{}: no passages to ask about", store.location());
+    }
+    let n = n.clamp(1, passages.len());
+    let mut out = Vec::new();
+    for i in 0..n {
+        let passage = &passages[i * passages.len() / n];
+        let query = store.get(passage.query)?;
+        let continuation = store.get(passage.continuation)?;
+        let hits = picaso_store::retrieve(store, passage, k)?;
+        out.push(Question {
+            prompt: query.tokens,
+            prompt_text: query.text,
+            answer: continuation.tokens,
+            answer_text: continuation.text,
+            contexts: hits.iter().rev().map(|(id, _)| *id).collect(),
+        });
+    }
+    Ok(out)
 }
 
 fn snippet(text: &str, chars: usize) -> String {
     let flat: String = text.split_whitespace().collect::<Vec<_>>().join(" ");
-    flat.chars().take(chars).collect()
+    if flat.chars().count() > chars {
+        format!("{}…", flat.chars().take(chars).collect::<String>())
+    } else {
+        flat
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_builtin_answer_is_in_the_corpus() {
+        let docs = builtin_documents();
+        assert!(docs.len() >= 6 && docs.iter().map(|d| d.paragraphs.len()).sum::<usize>() >= 24);
+        let prompts = builtin_prompts().unwrap();
+        assert!(prompts.len() >= 6);
+        let text = CORPUS.split_whitespace().collect::<Vec<_>>().join(" ");
+        for (prompt, answer) in prompts {
+            // The first words of the answer (a name) occur in the corpus, so only a retrieved
+            // paragraph can supply them.
+            let name: String = answer.split([',', '.']).next().unwrap().trim().to_string();
+            assert!(text.contains(&name), "{prompt}: {name} is not in the corpus");
+        }
+    }
 }

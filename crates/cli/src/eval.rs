@@ -42,9 +42,10 @@ pub struct DataArgs {
     db: crate::DbArgs,
     /// A WikiText file (e.g. wikitext-2/wiki.test.tokens) to ingest into --db first
     /// (idempotent: stored segments are skipped).
-    #[arg(long, requires = "embedder")]
+    #[arg(long)]
     data: Option<PathBuf>,
-    /// all-MiniLM-L6-v2 folder, for ingesting --data.
+    /// all-MiniLM-L6-v2 folder, for ingesting --data (default: $PICASO_EMBEDDER, the store's
+    /// own, the hub, or ../shared/data/all-MiniLM-L6-v2).
     #[arg(long)]
     embedder: Option<PathBuf>,
     /// Shortest paragraph kept when ingesting (tokens).
@@ -114,9 +115,10 @@ pub struct ObqaData {
     /// for the gold facts).
     #[arg(long)]
     data: PathBuf,
-    /// all-MiniLM-L6-v2 folder (retrieval of facts by similarity to the question).
+    /// all-MiniLM-L6-v2 folder (retrieval of facts by similarity to the question; default:
+    /// $PICASO_EMBEDDER, the hub, or ../shared/data/all-MiniLM-L6-v2).
     #[arg(long)]
-    embedder: PathBuf,
+    embedder: Option<PathBuf>,
     /// Split: test or dev.
     #[arg(long, default_value = "test")]
     split: String,
@@ -295,7 +297,9 @@ pub fn run(cmd: EvalCommand) -> Result<()> {
 /// Opens the store, ingesting --data into it first when given.
 fn open_store(d: &DataArgs, model: &picaso_model::Model) -> Result<picaso_store::Store> {
     if let Some(data) = &d.data {
-        let embedder = crate::load_embedder(d.embedder.as_ref().context("--data needs --embedder")?)?;
+        let existing = picaso_store::Store::open(d.db.location()?).ok();
+        let embedder = crate::embedder::resolve(d.embedder.as_deref(), existing.as_ref())?;
+        drop(existing);
         let docs = picaso_store::read_wikitext(data)?;
         let info = picaso_store::StoreInfo {
             fingerprint: model.fingerprint().to_string(),
@@ -321,7 +325,7 @@ fn open_store(d: &DataArgs, model: &picaso_model::Model) -> Result<picaso_store:
         return Ok(store);
     }
     picaso_store::Store::open(d.db.location()?)
-        .with_context(|| format!("--db {}: pass --data FILE --embedder DIR to build the store", d.db.db))
+        .with_context(|| format!("--db {}: pass --data FILE to build the store", d.db.db))
 }
 
 fn progress(what: &str) -> indicatif::ProgressBar {
@@ -412,7 +416,7 @@ fn obqa_prepare(
 ) -> Result<(picaso_eval::openbookqa::FactBase, picaso_eval::openbookqa::Prepared)> {
     use picaso_eval::openbookqa;
     let data = openbookqa::load(&d.data, &d.split)?;
-    let embedder = crate::load_embedder(&d.embedder)?;
+    let embedder = crate::embedder::resolve(d.embedder.as_deref(), None)?;
     eprintln!("{} facts, {} questions: processing and embedding", data.facts.len(), data.questions.len());
     let base = openbookqa::FactBase::build(model, &embedder, &data.facts)?;
     let prepared = openbookqa::Prepared::new(model, &embedder, data.questions)?;
@@ -521,8 +525,7 @@ fn finetuned(a: FinetunedArgs) -> Result<()> {
         }
         named.push((name.to_string(), dir.to_string()));
     }
-    let embedder = a.data.embedder.clone().context("finetuned needs --embedder (OpenBookQA retrieval)")?;
-    let obqa = ObqaData { data: a.obqa.clone(), embedder, split: "test".into() };
+    let obqa = ObqaData { data: a.obqa.clone(), embedder: a.data.embedder.clone(), split: "test".into() };
     // Every model but the store's own recomputes the states from the stored tokens.
     let sampling = Sampling { sample: a.sample, seed: a.seed, restate: true };
     let mut results = Vec::new();

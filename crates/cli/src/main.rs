@@ -13,6 +13,7 @@ use serde_json::json;
 
 mod backends;
 mod demo;
+mod embedder;
 mod eval;
 mod serve;
 mod train;
@@ -101,9 +102,10 @@ struct IngestArgs {
     db: DbArgs,
     #[command(flatten)]
     model: ModelArgs,
-    /// all-MiniLM-L6-v2 folder (model.safetensors, config.json, tokenizer.json).
+    /// all-MiniLM-L6-v2 folder (model.safetensors, config.json, tokenizer.json); default:
+    /// $PICASO_EMBEDDER, the store's own, the hub, or ../shared/data/all-MiniLM-L6-v2.
     #[arg(long)]
-    embedder: PathBuf,
+    embedder: Option<PathBuf>,
     /// A folder of .txt files, one document each.
     #[arg(long, group = "source", required_unless_present_any = ["jsonl", "wikitext"])]
     text_dir: Option<PathBuf>,
@@ -145,7 +147,8 @@ struct QueryArgs {
     prompt: String,
     #[command(flatten)]
     model: ModelArgs,
-    /// all-MiniLM-L6-v2 folder (needed unless --ids is given).
+    /// all-MiniLM-L6-v2 folder (to retrieve; default: $PICASO_EMBEDDER, else the one the store
+    /// was built with).
     #[arg(long)]
     embedder: Option<PathBuf>,
     /// Contexts to retrieve.
@@ -793,14 +796,12 @@ fn bench(a: BenchArgs) -> Result<()> {
     Ok(())
 }
 
-fn load_embedder(dir: &Path) -> Result<picaso_embed::Embedder> {
-    picaso_embed::Embedder::load(dir, &candle_core::Device::Cpu)
-        .with_context(|| format!("loading the embedder from {} (all-MiniLM-L6-v2 files)", dir.display()))
-}
-
 fn ingest(a: IngestArgs) -> Result<()> {
     let model = load_model(&a.model, true)?;
-    let embedder = load_embedder(&a.embedder)?;
+    let location = a.db.location()?;
+    let existing = picaso_store::Store::open(location.clone()).ok();
+    let embedder = embedder::resolve(a.embedder.as_deref(), existing.as_ref())?;
+    drop(existing);
     let docs = match (&a.text_dir, &a.jsonl, &a.wikitext) {
         (Some(d), _, _) => picaso_store::read_text_dir(d)?,
         (_, Some(f), _) => picaso_store::read_jsonl(f)?,
@@ -812,7 +813,7 @@ fn ingest(a: IngestArgs) -> Result<()> {
         dim: embedder.dim(),
         state_dtype: a.state_dtype,
     };
-    let store = picaso_store::Store::open_or_create(a.db.location()?, &info)?;
+    let store = picaso_store::Store::open_or_create(location, &info)?;
     let bar = (!a.json).then(|| {
         let bar = indicatif::ProgressBar::new(0);
         bar.set_style(
@@ -872,8 +873,7 @@ fn query(a: QueryArgs) -> Result<()> {
         Some(ids) => ids.iter().map(|&i| (i, None)).collect(),
         None if a.method == picaso_store::ContextMethod::Naive => Vec::new(),
         None => {
-            let dir = a.embedder.as_ref().context("--embedder DIR is needed to retrieve (or pass --ids)")?;
-            let embedder = load_embedder(dir)?;
+            let embedder = embedder::resolve(a.embedder.as_deref(), Some(&store))?;
             let q = embedder.embed_one(&a.prompt)?;
             let mut hits: Vec<(i64, Option<f32>)> =
                 store.search(&q, a.k)?.into_iter().map(|(i, s)| (i, Some(s))).collect();

@@ -10,7 +10,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde_json::{json, Value};
 
-use crate::{load_embedder, load_model, ModelArgs};
+use crate::{load_model, ModelArgs};
 
 #[derive(Args)]
 pub struct ServeArgs {
@@ -18,9 +18,10 @@ pub struct ServeArgs {
     db: crate::DbArgs,
     #[command(flatten)]
     model: ModelArgs,
-    /// all-MiniLM-L6-v2 folder (the store's retriever).
+    /// all-MiniLM-L6-v2 folder (the store's retriever; default: $PICASO_EMBEDDER, else the one
+    /// the store was built with).
     #[arg(long)]
-    embedder: PathBuf,
+    embedder: Option<PathBuf>,
     /// Address to listen on (port 0 picks a free port; the address is printed).
     #[arg(long, default_value = "127.0.0.1:8080")]
     addr: String,
@@ -44,7 +45,7 @@ pub struct ServeArgs {
 pub fn serve(a: ServeArgs) -> Result<()> {
     let store = picaso_store::Store::open(a.db.location()?)?;
     let model = load_model(&a.model, true)?;
-    let embedder = load_embedder(&a.embedder)?;
+    let embedder = crate::embedder::resolve(a.embedder.as_deref(), Some(&store))?;
     let model_name =
         model.dir().file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "picaso".to_string());
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);

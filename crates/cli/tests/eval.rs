@@ -125,7 +125,7 @@ fn eval_and_compose_finetuning_end_to_end() {
     fails(&["eval", "wikitext", "--db", db_s, "--model", m, "--out", out_s, "--max-k", "50"], "k = 50 contexts asked");
     fails(
         &["eval", "wikitext", "--db", "/no/such/db", "--model", m, "--out", out_s],
-        "pass --data FILE --embedder DIR to build the store",
+        "pass --data FILE to build the store",
     );
     fails(
         &["eval", "wikitext", "--db", db_s, "--model", m, "--out", out_s, "--methods", "concatenate"],

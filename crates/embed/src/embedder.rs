@@ -33,6 +33,29 @@ pub struct Embedder {
     max_tokens: usize,
     batch_size: usize,
     batch_tokens: usize,
+    fingerprint: String,
+    dir: PathBuf,
+}
+
+/// xxh3-128 over the files that define an embedder (config, tokenizer, weights), as 32 hex
+/// digits: two folders with the same fingerprint embed identically.
+fn fingerprint_files(dir: &Path) -> Result<String> {
+    use std::io::Read;
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    let mut buf = vec![0u8; 1 << 20];
+    for name in ["config.json", "tokenizer.json", "model.safetensors"] {
+        let path = dir.join(name);
+        let mut f = std::fs::File::open(&path).map_err(|source| Error::Io { path: path.clone(), source })?;
+        h.update(name.as_bytes());
+        loop {
+            let n = f.read(&mut buf).map_err(|source| Error::Io { path: path.clone(), source })?;
+            if n == 0 {
+                break;
+            }
+            h.update(&buf[..n]);
+        }
+    }
+    Ok(format!("{:032x}", h.digest128()))
 }
 
 impl Embedder {
@@ -78,7 +101,20 @@ impl Embedder {
             max_tokens,
             batch_size: DEFAULT_BATCH_SIZE,
             batch_tokens: DEFAULT_BATCH_TOKENS,
+            fingerprint: fingerprint_files(dir)?,
+            dir: std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf()),
         })
+    }
+
+    /// The folder it was loaded from (absolute when it could be resolved).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// A fingerprint of the embedder's files (config, tokenizer, weights): a store records it
+    /// at ingest and refuses queries embedded by anything else.
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
     }
 
     /// Sets the most sentences per encoder call (at least 1). Results do not depend on it.

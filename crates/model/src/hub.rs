@@ -1,5 +1,7 @@
 //! Download a model folder from the Hugging Face hub by repo id (`state-spaces/mamba2-130m`).
-//! Needs network access and the `hub` feature; offline, pass a local folder instead.
+//! Needs network access and the `hub` feature; offline, pass a local folder instead. Files go
+//! to the standard hub cache (`$HF_HOME/hub`, default `~/.cache/huggingface/hub`), and
+//! `$HF_ENDPOINT` selects a mirror, as with the Python tools.
 
 use std::path::PathBuf;
 
@@ -13,8 +15,7 @@ const OPTIONAL: &[&str] = &["tokenizer.json"];
 /// Downloads (or finds in the local hub cache) `repo_id` and returns the folder.
 #[cfg(feature = "hub")]
 pub fn download(repo_id: &str) -> Result<PathBuf> {
-    let api = hf_hub::api::sync::Api::new().map_err(|e| Error::Input(format!("hub: {e}")))?;
-    let repo = api.model(repo_id.to_string());
+    let repo = repo(repo_id)?;
     let fail = |f: &str, e: hf_hub::api::sync::ApiError| {
         Error::Input(format!(
             "downloading {f} of {repo_id} from the Hugging Face hub failed: {e} (offline? pass a local model folder)"
@@ -53,6 +54,36 @@ pub fn download(repo_id: &str) -> Result<PathBuf> {
         let _ = repo.get(f);
     }
     dir.ok_or_else(|| Error::Input(format!("{repo_id}: no local folder")))
+}
+
+#[cfg(feature = "hub")]
+fn repo(repo_id: &str) -> Result<hf_hub::api::sync::ApiRepo> {
+    let api = hf_hub::api::sync::ApiBuilder::from_env().build().map_err(|e| Error::Input(format!("hub: {e}")))?;
+    Ok(api.model(repo_id.to_string()))
+}
+
+/// Downloads (or finds in the hub cache) `required` files of `repo_id`, and `optional` ones
+/// where the repo has them; returns the folder that holds them.
+#[cfg(feature = "hub")]
+pub fn download_files(repo_id: &str, required: &[&str], optional: &[&str]) -> Result<PathBuf> {
+    let repo = repo(repo_id)?;
+    let mut dir = None;
+    for f in required {
+        let p = repo
+            .get(f)
+            .map_err(|e| Error::Input(format!("downloading {f} of {repo_id} from the Hugging Face hub failed: {e}")))?;
+        dir = p.parent().map(PathBuf::from);
+    }
+    for f in optional {
+        let _ = repo.get(f);
+    }
+    dir.ok_or_else(|| Error::Input(format!("{repo_id}: no files asked for")))
+}
+
+/// Without the `hub` feature the download is unavailable.
+#[cfg(not(feature = "hub"))]
+pub fn download_files(repo_id: &str, _required: &[&str], _optional: &[&str]) -> Result<PathBuf> {
+    Err(Error::Input(format!("{repo_id}: this build has no hub support (build with feature `hub`)")))
 }
 
 /// Without the `hub` feature the download is unavailable.

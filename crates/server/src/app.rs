@@ -109,6 +109,10 @@ impl App {
                 embedder.dim()
             ));
         }
+        // The server embeds queries and new contexts: it must be the store's embedder.
+        store
+            .bind_embedder(embedder.fingerprint(), &embedder.dir().display().to_string())
+            .map_err(|e| e.to_string())?;
         model.tokenizer().map_err(|e| e.to_string())?;
         let metrics = Metrics::default();
         metrics.contexts.set(store.len().map_err(|e| e.to_string())? as i64);

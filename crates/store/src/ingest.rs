@@ -102,6 +102,7 @@ pub fn ingest(
         });
     }
     store.bind_segmentation(&segmentation.to_string())?;
+    store.bind_embedder(embedder.fingerprint(), &embedder.dir().display().to_string())?;
     let start = Instant::now();
     let (pending, skipped) = plan(store, model, docs, segmentation)?;
     let mut progress = IngestProgress { total: pending.len(), skipped, ..Default::default() };

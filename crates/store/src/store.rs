@@ -35,6 +35,15 @@ pub struct StoreInfo {
     pub state_dtype: StateDtype,
 }
 
+/// The embedder a store's vectors were made with.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct EmbedderRecord {
+    /// [`picaso_embed::Embedder::fingerprint`].
+    pub fingerprint: String,
+    /// The folder it was loaded from at ingest (absolute where it could be resolved).
+    pub source: String,
+}
+
 /// A context to add.
 #[derive(Debug, Clone)]
 pub struct NewContext {
@@ -396,6 +405,31 @@ impl Store {
         if stored != segmentation {
             return Err(Error::Input(format!(
                 "store {} was ingested with --segment {stored}; ingest with the same segmentation or into a new store",
+                self.location.catalog
+            )));
+        }
+        Ok(())
+    }
+
+    /// The embedder the store's vectors were made with, recorded by the first ingest: its
+    /// fingerprint and the folder it was loaded from. `None` for a store that predates the record.
+    pub fn embedder(&self) -> Result<Option<EmbedderRecord>> {
+        let (Some(fingerprint), source) = (self.catalog.meta("embedder")?, self.catalog.meta("embedder_source")?)
+        else {
+            return Ok(None);
+        };
+        Ok(Some(EmbedderRecord { fingerprint, source: source.unwrap_or_default() }))
+    }
+
+    /// Records the embedder (`fingerprint`, loaded from `source`) on first use; refuses another
+    /// later: vectors of two embedders are not comparable, and retrieval would silently return
+    /// noise.
+    pub fn bind_embedder(&self, fingerprint: &str, source: &str) -> Result<()> {
+        let stored = self.catalog.init_meta("embedder", fingerprint)?;
+        let stored_source = self.catalog.init_meta("embedder_source", source)?;
+        if stored != fingerprint {
+            return Err(Error::Input(format!(
+                "the embedder {source} (fingerprint {fingerprint}) is not the one store {} was built with ({stored_source}, fingerprint {stored}); pass --embedder {stored_source} or leave --embedder out to use it",
                 self.location.catalog
             )));
         }
