@@ -14,7 +14,9 @@
 //! one for Mamba-1), which is all composition needs to know.
 //!
 //! On disk a state is one safetensors file with tensors `layers.{i}.ssm|conv|log_decay` and the
-//! model fingerprint and token count in the metadata. `ssm` and `conv` may be stored as bf16 to
+//! model fingerprint, token count and a checksum of the tensor bytes (xxh3-128) in the
+//! metadata: a file damaged after it was written is refused, not silently used. (Files of the
+//! first format, `picaso-state/1`, have no checksum and are still read.) `ssm` and `conv` may be stored as bf16 to
 //! halve the size; `log_decay` is always f32 because composition weights are exponentials of it.
 
 use std::path::Path;
@@ -25,7 +27,14 @@ use crate::config::Mamba2Config;
 use crate::error::{Error, Result};
 
 /// Format tag written into every state file's metadata.
-pub const STATE_FORMAT: &str = "picaso-state/1";
+pub const STATE_FORMAT: &str = "picaso-state/2";
+/// The first format, without a checksum: read, never written.
+const STATE_FORMAT_V1: &str = "picaso-state/1";
+
+/// xxh3-128 of a state file's tensor bytes, as 32 hex digits.
+fn data_checksum(data: &[u8]) -> String {
+    format!("{:032x}", xxhash_rust::xxh3::xxh3_128(data))
+}
 
 /// Storage precision of a state file's `ssm` and `conv` tensors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -232,8 +241,13 @@ impl State {
             tensors.push((format!("layers.{i}.log_decay"), "F32", &self.shape.log_decay, log_decay));
         }
         let quote = |s: &str| serde_json::to_string(s).expect("strings serialise");
+        let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+        for (_, _, _, bytes) in &tensors {
+            hasher.update(bytes);
+        }
         let metadata = [
             ("arch", self.shape.arch.name().to_string()),
+            ("checksum", format!("{:032x}", hasher.digest128())),
             ("fingerprint", self.fingerprint.clone()),
             ("format", STATE_FORMAT.to_string()),
             ("n_tokens", self.n_tokens.to_string()),
@@ -376,8 +390,18 @@ impl Parsed {
             meta.get(k).cloned().ok_or_else(|| Error::state(format!("metadata lacks `{k}`; not a picaso state file")))
         };
         let format = get("format")?;
-        if format != STATE_FORMAT {
+        if format != STATE_FORMAT && format != STATE_FORMAT_V1 {
             return Err(Error::state(format!("format {format:?} is not {STATE_FORMAT:?}")));
+        }
+        if format == STATE_FORMAT {
+            let want = get("checksum")?;
+            let header_len = u64::from_le_bytes(bytes[..8].try_into().expect("read_metadata checked the length"));
+            let got = data_checksum(&bytes[8 + header_len as usize..]);
+            if got != want {
+                return Err(Error::state(format!(
+                    "the tensor bytes do not match the file's checksum ({got} vs {want}): the file is damaged; make the state again"
+                )));
+            }
         }
         let arch = match get("arch")?.as_str() {
             "mamba2" => Arch::Mamba2,
@@ -615,5 +639,38 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// One flipped exponent bit (a value −0.0021 turned into −557) is refused with a clear
+    /// error, by the copying and the in-place readers; a file of the first format (no checksum)
+    /// is still read.
+    #[test]
+    fn a_damaged_state_file_is_refused() {
+        let s = sample_state();
+        let bytes = s.to_bytes(StateDtype::F32).unwrap();
+        let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let mut bad = bytes.clone();
+        bad[8 + header_len + 4 * 10 + 3] ^= 0x20; // the exponent of the 11th ssm value
+        let e = State::from_bytes(&bad).unwrap_err().to_string();
+        assert!(e.contains("damaged"), "{e}");
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("s.safetensors");
+        std::fs::write(&path, &bad).unwrap();
+        let e = State::load(&path).unwrap_err().to_string();
+        assert!(e.contains("damaged") && e.contains("s.safetensors"), "{e}");
+        assert!(MappedState::open(&path).is_err());
+        // The first format: same tensors, no checksum, older tag.
+        let text = String::from_utf8_lossy(&bytes[8..8 + header_len]).into_owned();
+        let start = text.find("\"checksum\":").unwrap();
+        let end = start + text[start..].find(',').unwrap() + 1;
+        let mut v1 = text[..start].to_string() + &text[end..];
+        v1 = v1.replace(STATE_FORMAT, STATE_FORMAT_V1);
+        while v1.len() < header_len {
+            v1.push(' ');
+        }
+        let mut old = (v1.len() as u64).to_le_bytes().to_vec();
+        old.extend_from_slice(v1.as_bytes());
+        old.extend_from_slice(&bytes[8 + header_len..]);
+        assert!(State::from_bytes(&old).unwrap().layers == s.layers);
     }
 }
