@@ -40,6 +40,22 @@ pub struct ServeArgs {
     /// Most contexts per completion.
     #[arg(long, default_value_t = 64)]
     max_contexts: usize,
+    /// Seconds a client has to send a request's headers before its connection is closed.
+    #[arg(long, default_value_t = 10.0)]
+    header_timeout_s: f64,
+    /// Seconds a client has to send a request's body (then 408).
+    #[arg(long, default_value_t = 30.0)]
+    body_timeout_s: f64,
+    /// Most open connections (more are closed when accepted).
+    #[arg(long, default_value_t = 512)]
+    max_connections: usize,
+}
+
+fn seconds(flag: &str, s: f64) -> Result<std::time::Duration> {
+    if !(s.is_finite() && s > 0.0) {
+        bail!("{flag} {s}: give a positive number of seconds");
+    }
+    Ok(std::time::Duration::from_secs_f64(s))
 }
 
 pub fn serve(a: ServeArgs) -> Result<()> {
@@ -56,6 +72,9 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             max_prompt_tokens: a.max_prompt_tokens,
             max_tokens: a.max_tokens_limit,
             max_contexts: a.max_contexts,
+            header_timeout: seconds("--header-timeout-s", a.header_timeout_s)?,
+            body_timeout: seconds("--body-timeout-s", a.body_timeout_s)?,
+            max_connections: a.max_connections.max(1),
             ..Default::default()
         },
         model_name,

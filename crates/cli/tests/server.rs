@@ -301,3 +301,116 @@ fn serve_completions_contexts_search_metrics_and_bad_input(arch: &str, db: &Test
     let (status, _) = server.call("GET", "/health", None);
     assert_eq!(status, 200);
 }
+
+/// Reads from `sock` until it closes or `limit` passes; returns what arrived and whether the
+/// server closed the connection.
+fn read_until_closed(sock: &mut TcpStream, limit: Duration) -> (String, bool) {
+    sock.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+    let t0 = Instant::now();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while t0.elapsed() < limit {
+        match sock.read(&mut buf) {
+            Ok(0) => return (String::from_utf8_lossy(&got).into_owned(), true),
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+            Err(_) => return (String::from_utf8_lossy(&got).into_owned(), true),
+        }
+    }
+    (String::from_utf8_lossy(&got).into_owned(), false)
+}
+
+/// What a hostile or careless client meets: JSON errors for a wrong method, an undecodable
+/// path, a form upload and duplicate contexts; a client that hangs up before a plain answer is
+/// counted (499) and its generation stopped; headers or a body that never arrive time out; and
+/// connections past the cap are closed at once.
+#[test]
+fn hostile_clients_get_json_errors_timeouts_and_a_connection_cap() {
+    let (Some(model), Some(embedder)) = (text_model_of("mamba2", 2), shared("all-MiniLM-L6-v2")) else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let docs = tmp.path().join("docs");
+    write_docs(&docs);
+    let db = tmp.path().join("db");
+    let (m, e, db_s) = (model.path().to_str().unwrap(), embedder.to_str().unwrap(), db.to_str().unwrap());
+    ok(&["ingest", "--db", db_s, "--model", m, "--embedder", e, "--text-dir", docs.to_str().unwrap(), "--json"]);
+    let server = Server::start(&[
+        "--db",
+        db_s,
+        "--model",
+        m,
+        "--max-tokens-limit",
+        "1000000",
+        "--header-timeout-s",
+        "1",
+        "--body-timeout-s",
+        "1",
+        "--max-connections",
+        "6",
+    ]);
+    let addr = server.url.trim_start_matches("http://").to_string();
+
+    for (method, path, status, needle) in [
+        ("GET", "/v1/completions", 405, "not allowed"),
+        ("POST", "/health", 405, "not allowed"),
+        ("GET", "/v1/contexts/%ff", 400, "not valid"),
+    ] {
+        let (got, v) = server.call(method, path, if method == "POST" { Some("{}") } else { None });
+        assert_eq!(got, status, "{method} {path}: {v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains(needle), "{v}");
+    }
+    let resp = ureq::post(&format!("{}/v1/completions", server.url))
+        .set("content-type", "multipart/form-data; boundary=x")
+        .send_string("--x--");
+    let Err(ureq::Error::Status(415, r)) = resp else { panic!("a form upload is not 415: {resp:?}") };
+    let v: Value = serde_json::from_str(&r.into_string().unwrap()).unwrap();
+    assert!(v["error"]["message"].as_str().unwrap().contains("send JSON"), "{v}");
+    let (got, v) = server.post("/v1/completions", json!({"prompt": "x", "contexts": [1, 1, 1]}));
+    assert!(got == 400 && v["error"]["message"].as_str().unwrap().contains("listed twice"), "{v}");
+
+    // A client that closes before its (long) plain answer: counted as 499, generation stopped.
+    let body = json!({"prompt": "Once", "max_tokens": 1_000_000, "temperature": 1}).to_string();
+    let mut sock = TcpStream::connect(&addr).unwrap();
+    write!(sock, "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}", body.len()).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    drop(sock);
+    let t0 = Instant::now();
+    while server.metric("picaso_generations_cancelled_total") < 1.0
+        || server.metric("picaso_requests_total{endpoint=\"/v1/completions\",method=\"POST\",status=\"499\"}") < 1.0
+    {
+        assert!(t0.elapsed() < Duration::from_secs(30), "the abandoned generation was not stopped and counted");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(server.metric("picaso_completion_tokens_total") < 1_000_000.0);
+    // Only the /metrics request itself is in flight.
+    assert_eq!(server.metric("picaso_requests_in_flight"), 1.0);
+
+    // Headers that never end: the connection is closed after the header timeout.
+    let mut slow = TcpStream::connect(&addr).unwrap();
+    write!(slow, "POST /v1/completions HTTP/1.1\r\nhost: x\r\n").unwrap();
+    let (_, closed) = read_until_closed(&mut slow, Duration::from_secs(5));
+    assert!(closed, "a connection with unfinished headers stayed open");
+    // A body that never arrives: 408, as JSON.
+    let mut half = TcpStream::connect(&addr).unwrap();
+    write!(half, "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{{\"prompt\"").unwrap();
+    let (answer, _) = read_until_closed(&mut half, Duration::from_secs(5));
+    assert!(answer.starts_with("HTTP/1.1 408") && answer.contains("did not arrive"), "{answer}");
+
+    // Six open connections fill the server; a seventh is closed at once.
+    let idle: Vec<TcpStream> = (0..6).map(|_| TcpStream::connect(&addr).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(100));
+    let mut extra = TcpStream::connect(&addr).unwrap();
+    let _ = write!(extra, "GET /health HTTP/1.1\r\nhost: x\r\n\r\n");
+    let (answer, closed) = read_until_closed(&mut extra, Duration::from_millis(800));
+    assert!(closed && answer.is_empty(), "a connection past the cap was served: {answer}");
+    drop(idle);
+    // Once they go, the server answers again.
+    let t0 = Instant::now();
+    loop {
+        if let Ok(r) = ureq::get(&format!("{}/health", server.url)).call() {
+            assert_eq!(r.status(), 200);
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "the server did not recover its connection slots");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}

@@ -26,11 +26,25 @@ pub struct Limits {
     pub max_contexts: usize,
     /// Largest request body in bytes; more is answered 413.
     pub max_body_bytes: usize,
+    /// Time a client has to send a request's headers; then the connection is closed.
+    pub header_timeout: std::time::Duration,
+    /// Time a client has to send a request's body; then it is answered 408.
+    pub body_timeout: std::time::Duration,
+    /// Most open connections; more are closed as soon as they are accepted.
+    pub max_connections: usize,
 }
 
 impl Default for Limits {
     fn default() -> Self {
-        Self { max_prompt_tokens: 8192, max_tokens: 2048, max_contexts: 64, max_body_bytes: 1 << 20 }
+        Self {
+            max_prompt_tokens: 8192,
+            max_tokens: 2048,
+            max_contexts: 64,
+            max_body_bytes: 1 << 20,
+            header_timeout: std::time::Duration::from_secs(10),
+            body_timeout: std::time::Duration::from_secs(30),
+            max_connections: 512,
+        }
     }
 }
 
@@ -158,6 +172,14 @@ impl App {
         if req.contexts.is_some() && req.retrieve.is_some() {
             return Err(ApiError::bad_request("give either `contexts` (ids) or `retrieve` (a count), not both"));
         }
+        if let Some(ids) = &req.contexts {
+            let mut seen = std::collections::HashSet::new();
+            if let Some(dup) = ids.iter().find(|id| !seen.insert(**id)) {
+                return Err(ApiError::bad_request(format!(
+                    "context {dup} is listed twice in `contexts`; list each context once (composition weighs each one by its place in the list)"
+                )));
+            }
+        }
         let n_contexts = req.contexts.as_ref().map(Vec::len).or(req.retrieve).unwrap_or(0);
         if n_contexts > self.limits.max_contexts {
             return Err(ApiError::bad_request(format!(
@@ -279,13 +301,21 @@ impl App {
         }
     }
 
-    /// Generates the whole completion. Blocking.
-    pub(crate) fn complete(&self, mut plan: Plan) -> Result<Completion, ApiError> {
+    /// Generates the whole completion; stops early once `cancelled` is set (the client went
+    /// away before the answer). Blocking.
+    pub(crate) fn complete(
+        &self,
+        mut plan: Plan,
+        cancelled: &std::sync::atomic::AtomicBool,
+    ) -> Result<Completion, ApiError> {
         let mut first = None;
         let g = picaso_model::generate(&self.model, &plan.prompt, &plan.state, &plan.opts, |_| {
             first.get_or_insert_with(|| plan.started.elapsed().as_secs_f64());
-            true
+            !cancelled.load(std::sync::atomic::Ordering::Relaxed)
         })?;
+        if g.stop_reason == StopReason::Cancelled {
+            self.metrics.cancelled.inc();
+        }
         let ttft = first.unwrap_or_else(|| plan.started.elapsed().as_secs_f64());
         self.metrics.time_to_first_token_seconds.observe(ttft);
         self.metrics.completion_tokens.inc_by(g.tokens.len() as u64);

@@ -30,8 +30,47 @@ pub use error::ApiError;
 pub use routes::router;
 
 /// Serves `app` on `listener` until Ctrl-C or SIGTERM, then finishes the requests in flight.
+///
+/// Slow or hostile clients cannot hold the server: a connection that has not sent its headers
+/// within `limits.header_timeout` is closed (a body late past `limits.body_timeout` is answered
+/// 408), and beyond `limits.max_connections` open connections new ones are closed at once.
 pub async fn serve(app: Arc<App>, listener: tokio::net::TcpListener) -> std::io::Result<()> {
-    axum::serve(listener, router(app)).with_graceful_shutdown(shutdown_signal()).await
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    let limits = app.limits.clone();
+    let service = hyper_util::service::TowerToHyperService::new(router(app));
+    let slots = Arc::new(tokio::sync::Semaphore::new(limits.max_connections.max(1)));
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut shutdown = std::pin::pin!(shutdown_signal());
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                // Errors of one accept (a reset connection, a full descriptor table) must not
+                // stop the server; the latter eases as connections close.
+                let stream = match accepted {
+                    Ok((stream, _)) => stream,
+                    Err(_) => {
+                        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                        continue;
+                    }
+                };
+                let Ok(slot) = slots.clone().try_acquire_owned() else {
+                    drop(stream);
+                    continue;
+                };
+                let mut builder = hyper::server::conn::http1::Builder::new();
+                builder.timer(TokioTimer::new()).header_read_timeout(limits.header_timeout);
+                let conn = builder.serve_connection(TokioIo::new(stream), service.clone());
+                let conn = graceful.watch(conn);
+                tokio::spawn(async move {
+                    let _ = conn.await;
+                    drop(slot);
+                });
+            }
+            _ = &mut shutdown => break,
+        }
+    }
+    graceful.shutdown().await;
+    Ok(())
 }
 
 async fn shutdown_signal() {

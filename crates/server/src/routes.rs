@@ -34,6 +34,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/metrics", get(metrics))
         .route_layer(middleware::from_fn_with_state(app.clone(), track))
         .fallback(no_route)
+        .method_not_allowed_fallback(wrong_method)
         .layer(axum::extract::DefaultBodyLimit::max(body_limit))
         .with_state(app)
 }
@@ -45,6 +46,7 @@ impl<T: DeserializeOwned> FromRequest<Arc<App>> for ApiJson<T> {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, app: &Arc<App>) -> Result<Self, ApiError> {
+        check_content_type(req.headers())?;
         let limit = app.limits.max_body_bytes;
         let too_large =
             || ApiError::too_large(format!("the request body is over this server's limit of {limit} bytes"));
@@ -53,16 +55,56 @@ impl<T: DeserializeOwned> FromRequest<Arc<App>> for ApiJson<T> {
         if declared.is_some_and(|n| n > limit as u64) {
             return Err(too_large());
         }
-        let bytes = Bytes::from_request(req, app).await.map_err(|r| {
-            if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
-                too_large()
-            } else {
-                ApiError::new(r.status(), r.body_text())
-            }
-        })?;
+        let timeout = app.limits.body_timeout;
+        let bytes = tokio::time::timeout(timeout, Bytes::from_request(req, app))
+            .await
+            .map_err(|_| {
+                ApiError::new(
+                    StatusCode::REQUEST_TIMEOUT,
+                    format!("the request body did not arrive within {} s", timeout.as_secs_f64()),
+                )
+            })?
+            .map_err(|r| {
+                if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                    too_large()
+                } else {
+                    ApiError::new(r.status(), r.body_text())
+                }
+            })?;
         serde_json::from_slice(&bytes)
             .map(ApiJson)
             .map_err(|e| ApiError::bad_request(format!("malformed JSON body: {e}")))
+    }
+}
+
+/// Bodies are JSON: a content type that is clearly something else (a form upload, XML, HTML,
+/// an image, binary) is 415. No content type, `application/json`, `*/*+json`, `text/plain` and
+/// `application/x-www-form-urlencoded` (what `curl -d` sends) are read as JSON.
+fn check_content_type(headers: &axum::http::HeaderMap) -> Result<(), ApiError> {
+    let Some(v) = headers.get(header::CONTENT_TYPE) else { return Ok(()) };
+    let media = v.to_str().unwrap_or("").split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+    let wrong = media.starts_with("multipart/")
+        || media.ends_with("/xml")
+        || media.ends_with("+xml")
+        || media == "text/html"
+        || media == "application/octet-stream"
+        || ["image/", "audio/", "video/", "font/"].iter().any(|p| media.starts_with(p));
+    if wrong {
+        return Err(ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            format!("the body is {media}; send JSON (Content-Type: application/json)"),
+        ));
+    }
+    Ok(())
+}
+
+/// Sets the flag when dropped: the handler future is dropped when its client goes away, which
+/// stops the generation running for it on a blocking thread.
+struct CancelOnDrop(Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -81,9 +123,11 @@ async fn completions(State(app): Shared, ApiJson(req): ApiJson<CompletionRequest
     let planner = app.clone();
     let plan = blocking(move || planner.plan(&req, method, opts, started)).await?;
     if !stream {
+        let cancelled = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let _guard = CancelOnDrop(cancelled.clone());
         let body = blocking(move || {
             let _permit = permit;
-            app.complete(plan)
+            app.complete(plan, &cancelled)
         })
         .await?;
         return Ok(Json(body).into_response());
@@ -108,18 +152,21 @@ async fn add_context(State(app): Shared, ApiJson(req): ApiJson<AddContext>) -> R
     Ok((status, Json(added)).into_response())
 }
 
-fn parse_id(id: &str) -> Result<i64, ApiError> {
+type IdPath = Result<Path<String>, axum::extract::rejection::PathRejection>;
+
+fn parse_id(id: IdPath) -> Result<i64, ApiError> {
+    let Path(id) = id.map_err(|e| ApiError::bad_request(format!("the context id in the path is not valid: {e}")))?;
     id.parse().map_err(|_| ApiError::bad_request(format!("context id {id:?} is not an integer")))
 }
 
-async fn get_context(State(app): Shared, Path(id): Path<String>) -> Result<Response, ApiError> {
-    let id = parse_id(&id)?;
+async fn get_context(State(app): Shared, id: IdPath) -> Result<Response, ApiError> {
+    let id = parse_id(id)?;
     let rec = blocking(move || Ok(app.store.get(id)?)).await?;
     Ok(Json(rec).into_response())
 }
 
-async fn delete_context(State(app): Shared, Path(id): Path<String>) -> Result<Response, ApiError> {
-    let id = parse_id(&id)?;
+async fn delete_context(State(app): Shared, id: IdPath) -> Result<Response, ApiError> {
+    let id = parse_id(id)?;
     blocking(move || app.delete_context(id)).await?;
     Ok(Json(json!({"id": id, "deleted": true})).into_response())
 }
@@ -155,19 +202,52 @@ async fn no_route(method: Method, uri: Uri) -> ApiError {
     ))
 }
 
+async fn wrong_method(method: Method, uri: Uri) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        format!(
+            "{method} is not allowed on {}; the API has POST /v1/completions, POST /v1/contexts, GET|DELETE /v1/contexts/{{id}}, POST /v1/search, GET /health, GET /metrics",
+            uri.path()
+        ),
+    )
+}
+
+/// One request in flight: counted when it starts, and recorded when it ends — with its
+/// status, or as 499 (client closed) when the client went away first and the handler was
+/// dropped.
+struct Tracked {
+    app: Arc<App>,
+    endpoint: String,
+    method: String,
+    started: Instant,
+    status: Option<u16>,
+}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        let m = &self.app.metrics;
+        m.in_flight.dec();
+        let status = self.status.unwrap_or(499).to_string();
+        m.requests
+            .get_or_create(&vec![
+                ("endpoint", self.endpoint.clone()),
+                ("method", self.method.clone()),
+                ("status", status),
+            ])
+            .inc();
+        m.request_seconds
+            .get_or_create(&vec![("endpoint", self.endpoint.clone())])
+            .observe(self.started.elapsed().as_secs_f64());
+    }
+}
+
 /// Counts requests and their latency per route.
 async fn track(State(app): Shared, req: Request, next: Next) -> Response {
     let endpoint = req.extensions().get::<MatchedPath>().map(|p| p.as_str().to_string()).unwrap_or_default();
-    let method = req.method().to_string();
-    let t0 = Instant::now();
     app.metrics.in_flight.inc();
+    let mut tracked =
+        Tracked { app: app.clone(), endpoint, method: req.method().to_string(), started: Instant::now(), status: None };
     let resp = next.run(req).await;
-    app.metrics.in_flight.dec();
-    let status = resp.status().as_u16().to_string();
-    app.metrics
-        .requests
-        .get_or_create(&vec![("endpoint", endpoint.clone()), ("method", method), ("status", status)])
-        .inc();
-    app.metrics.request_seconds.get_or_create(&vec![("endpoint", endpoint)]).observe(t0.elapsed().as_secs_f64());
+    tracked.status = Some(resp.status().as_u16());
     resp
 }
