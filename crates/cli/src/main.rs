@@ -122,9 +122,9 @@ struct IngestArgs {
     /// Contexts per committed batch.
     #[arg(long, default_value_t = 16)]
     batch: usize,
-    /// Precision of the state files.
-    #[arg(long, default_value = "f32")]
-    state_dtype: StateDtype,
+    /// Precision of the state files: f32 or bf16 (default: the store's, f32 for a new store).
+    #[arg(long)]
+    state_dtype: Option<StateDtype>,
     /// Print a JSON summary instead of a progress bar.
     #[arg(long)]
     json: bool,
@@ -811,9 +811,20 @@ fn ingest(a: IngestArgs) -> Result<()> {
     let info = picaso_store::StoreInfo {
         fingerprint: model.fingerprint().to_string(),
         dim: embedder.dim(),
-        state_dtype: a.state_dtype,
+        state_dtype: a.state_dtype.unwrap_or_default(),
     };
     let store = picaso_store::Store::open_or_create(location, &info)?;
+    if let Some(want) = a.state_dtype {
+        let kept = store.info().state_dtype;
+        if want != kept {
+            bail!(
+                "store {} keeps its states in {}; --state-dtype {} would mix precisions in one store (leave the flag out, or ingest into a new store)",
+                store.location(),
+                format!("{kept:?}").to_lowercase(),
+                format!("{want:?}").to_lowercase()
+            );
+        }
+    }
     let bar = (!a.json).then(|| {
         let bar = indicatif::ProgressBar::new(0);
         bar.set_style(

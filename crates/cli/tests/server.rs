@@ -348,6 +348,10 @@ fn hostile_clients_get_json_errors_timeouts_and_a_connection_cap() {
         "6",
     ]);
     let addr = server.url.trim_start_matches("http://").to_string();
+    // The server is the folder store's one writer: an ingest beside it is refused.
+    let (success, _, stderr) =
+        common::run(&["ingest", "--db", db_s, "--model", m, "--text-dir", docs.to_str().unwrap()]);
+    assert!(!success && stderr.contains("being written by another process"), "{stderr}");
 
     for (method, path, status, needle) in [
         ("GET", "/v1/completions", 405, "not allowed"),
@@ -413,4 +417,10 @@ fn hostile_clients_get_json_errors_timeouts_and_a_connection_cap() {
         assert!(t0.elapsed() < Duration::from_secs(10), "the server did not recover its connection slots");
         std::thread::sleep(Duration::from_millis(100));
     }
+
+    // A server failure (state files gone from disk) is a 500 that names no server path.
+    std::fs::remove_dir_all(db.join("states")).unwrap();
+    let (got, v) = server.post("/v1/completions", json!({"prompt": "x", "contexts": [2], "max_tokens": 1}));
+    let msg = v["error"]["message"].as_str().unwrap().to_string();
+    assert!(got >= 500 && !msg.contains(db_s) && !msg.contains("/tmp"), "{got} {v}");
 }

@@ -215,3 +215,19 @@ fn ingest_survives_sigkill(tmp: &std::path::Path, db: &TestDb) {
     let diff: Vec<_> = ka.iter().zip(&kb).filter(|(x, y)| x != y).take(3).collect();
     assert!(diff.is_empty(), "the resumed store differs from an uninterrupted ingest: {diff:?}");
 }
+
+/// `--state-dtype` that differs from what the store keeps is refused, not silently ignored.
+#[test]
+fn a_store_keeps_one_state_precision() {
+    let (Some(model), Some(embedder)) = (text_model(5), shared("all-MiniLM-L6-v2")) else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let docs = tmp.path().join("docs");
+    write_docs(&docs);
+    let db = tmp.path().join("db");
+    let (m, e, d, db) =
+        (model.path().to_str().unwrap(), embedder.to_str().unwrap(), docs.to_str().unwrap(), db.to_str().unwrap());
+    ok(&["ingest", "--db", db, "--model", m, "--embedder", e, "--text-dir", d, "--json"]);
+    let (success, _, stderr) = run(&["ingest", "--db", db, "--model", m, "--text-dir", d, "--state-dtype", "bf16"]);
+    assert!(!success && stderr.contains("keeps its states in f32"), "{stderr}");
+    ok(&["ingest", "--db", db, "--model", m, "--text-dir", d, "--state-dtype", "f32", "--json"]);
+}

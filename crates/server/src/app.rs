@@ -80,6 +80,8 @@ pub struct App {
     pub(crate) gate: Arc<Semaphore>,
     next_id: AtomicU64,
     boot: u64,
+    /// The server adds and deletes contexts: it is the folder store's one writer.
+    _writer: picaso_store::WriteLock,
 }
 
 /// A completion ready to generate: the prompt and the state it continues from.
@@ -123,6 +125,7 @@ impl App {
                 embedder.dim()
             ));
         }
+        let writer = store.lock_writes().map_err(|e| e.to_string())?;
         // The server embeds queries and new contexts: it must be the store's embedder.
         store
             .bind_embedder(embedder.fingerprint(), &embedder.dir().display().to_string())
@@ -141,6 +144,7 @@ impl App {
             gate: Arc::new(Semaphore::new(options.parallel.max(1))),
             next_id: AtomicU64::new(0),
             boot: unix_now(),
+            _writer: writer,
         })
     }
 

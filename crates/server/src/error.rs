@@ -52,7 +52,19 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = json!({"error": {"message": self.message, "type": self.kind(), "code": self.status.as_u16()}});
+        let kind = self.kind();
+        // A server failure's details (file paths, backend messages) go to the server's log, not
+        // to the client, which gets an id to quote.
+        let message = if self.status == StatusCode::INTERNAL_SERVER_ERROR {
+            use std::sync::atomic::{AtomicU64, Ordering};
+            static NEXT: AtomicU64 = AtomicU64::new(1);
+            let id = NEXT.fetch_add(1, Ordering::Relaxed);
+            eprintln!("internal error #{id}: {}", self.message);
+            format!("internal server error #{id}; the server's log has the details")
+        } else {
+            self.message
+        };
+        let body = json!({"error": {"message": message, "type": kind, "code": self.status.as_u16()}});
         (self.status, axum::Json(body)).into_response()
     }
 }

@@ -101,6 +101,7 @@ pub fn ingest(
             given: model.fingerprint().to_string(),
         });
     }
+    let _writer = store.lock_writes()?;
     store.bind_segmentation(&segmentation.to_string())?;
     store.bind_embedder(embedder.fingerprint(), &embedder.dir().display().to_string())?;
     let start = Instant::now();

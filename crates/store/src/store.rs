@@ -35,6 +35,40 @@ pub struct StoreInfo {
     pub state_dtype: StateDtype,
 }
 
+/// A process's claim on a folder store's writes (an advisory `flock` on `DIR/writer.lock`,
+/// released when dropped or when the process ends, however it ends).
+#[derive(Debug)]
+pub struct WriteLock {
+    _file: Option<std::fs::File>,
+}
+
+impl WriteLock {
+    fn take(dir: &std::path::Path) -> Result<Self> {
+        use std::io::{Read, Seek, Write};
+        use std::os::fd::AsRawFd;
+        let path = dir.join("writer.lock");
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(|source| Error::Io { path: path.clone(), source })?;
+        // SAFETY: flock on a descriptor this function owns.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            let mut holder = String::new();
+            let _ = file.read_to_string(&mut holder);
+            return Err(Error::Input(format!(
+                "store {} is being written by another process{}: stop it first (a folder store has one writer; a PostgreSQL store takes several)",
+                dir.display(),
+                holder.trim().parse::<u32>().map(|pid| format!(" (pid {pid})")).unwrap_or_default()
+            )));
+        }
+        let _ = file.set_len(0).and_then(|()| file.rewind()).and_then(|()| write!(file, "{}", std::process::id()));
+        Ok(Self { _file: Some(file) })
+    }
+}
+
 /// The embedder a store's vectors were made with.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct EmbedderRecord {
@@ -434,6 +468,15 @@ impl Store {
             )));
         }
         Ok(())
+    }
+
+    /// Claims a folder store's writes for this process until the lock is dropped: a second
+    /// writer (an `ingest` while a server holds the store, two servers) fails at once instead
+    /// of leaving a server's in-memory index stale. PostgreSQL stores take several writers and
+    /// need no claim.
+    pub fn lock_writes(&self) -> Result<WriteLock> {
+        let CatalogUrl::Sqlite(dir) = &self.location.catalog else { return Ok(WriteLock { _file: None }) };
+        WriteLock::take(dir)
     }
 
     /// Fails with [`Error::NotFound`] for the first of `ids` not stored (e.g. deleted through
