@@ -204,6 +204,49 @@ fn a_resumed_run_equals_an_uninterrupted_one() {
     assert!(e.contains("another configuration"), "{e}");
 }
 
+/// A run on a machine without its checkpoint warm-starts from a model folder with
+/// `progress.json`: it continues at the recorded step with the recorded history, starts the
+/// optimiser's moments afresh, and says so in its log; a folder of another config is refused.
+#[test]
+fn a_run_warm_starts_from_a_committed_snapshot() {
+    use picaso_train::pretrain::{pretrain, write_progress, PretrainConfig, Sampler, Start, TokenData};
+    let model = Mamba2Config { vocab_size: 64, ..Mamba2Config::tiny(2, 4) };
+    let config = PretrainConfig {
+        model,
+        seq_len: 16,
+        batch: 2,
+        steps: 6,
+        warmup: 2,
+        lr: 3e-3,
+        min_lr: 3e-4,
+        clip: 1.0,
+        adamw: Default::default(),
+        seed: 5,
+        val_every: 3,
+        val_sequences: 2,
+        checkpoint_every: 3,
+        chunk: 8,
+        sampler: Sampler::Epochs,
+        init: Default::default(),
+        loss_from: 0,
+    };
+    let data = TokenData { train: random_tokens(2000, 64, 1), val: random_tokens(200, 64, 2), pairs: Vec::new() };
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, snap, b) = (tmp.path().join("a"), tmp.path().join("snap"), tmp.path().join("b"));
+    pretrain(&config, &data, &a, Some(3), Start::Fresh, |_| {}).unwrap();
+    std::fs::create_dir_all(&snap).unwrap();
+    let w = Mamba2Weights::load(&a.join("checkpoint"), &config.model).unwrap();
+    w.save_pretrained(&snap, &config.model).unwrap();
+    write_progress(&a, &snap).unwrap();
+    let history = pretrain(&config, &data, &b, None, Start::Warm(&snap), |_| {}).unwrap();
+    assert_eq!(history.iter().map(|r| r.step).collect::<Vec<_>>(), vec![1, 2, 3, 4, 5, 6]);
+    let log = std::fs::read_to_string(b.join("checkpoint/trainer.json")).unwrap();
+    assert!(log.contains("warm start at step 3"), "{log}");
+    let other = PretrainConfig { lr: 1e-3, ..config.clone() };
+    let e = pretrain(&other, &data, &tmp.path().join("c"), None, Start::Warm(&snap), |_| {}).unwrap_err();
+    assert!(e.to_string().contains("another configuration"), "{e}");
+}
+
 /// The fused f32 CPU kernels (conv, RMSNorm, cross-entropy) give the same gradients as the
 /// composite f64 graph, which the finite-difference test checks.
 #[test]
