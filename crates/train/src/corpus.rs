@@ -273,7 +273,8 @@ pub fn wikipedia_articles(text: &str) -> Vec<String> {
 
 /// The blocks of a document that are paragraphs (not titles or headings), in order.
 pub fn prose_paragraphs(doc: &str) -> Vec<&str> {
-    doc.split("\n\n").map(str::trim).filter(|b| !b.is_empty() && !(b.starts_with('=') && b.ends_with('='))).collect()
+    let heading = |b: &str| b.starts_with('=') && b.ends_with('=');
+    doc.split("\n\n").map(str::trim).filter(|b| !b.is_empty() && !heading(b)).collect()
 }
 
 #[cfg(test)]

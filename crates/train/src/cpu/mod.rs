@@ -24,7 +24,7 @@ pub fn unsupported(c: &Mamba2Config) -> Option<&'static str> {
     if c.use_bias {
         return Some("in_proj/out_proj biases");
     }
-    if c.nheads % c.n_groups != 0 {
+    if c.n_groups == 0 || !c.nheads.is_multiple_of(c.n_groups) {
         return Some("heads not a multiple of groups");
     }
     None
