@@ -353,6 +353,14 @@ fn hostile_clients_get_json_errors_timeouts_and_a_connection_cap() {
         common::run(&["ingest", "--db", db_s, "--model", m, "--text-dir", docs.to_str().unwrap()]);
     assert!(!success && stderr.contains("being written by another process"), "{stderr}");
 
+    // What OpenAI clients call first.
+    let (got, models) = server.call("GET", "/v1/models", None);
+    let id = models["data"][0]["id"].as_str().unwrap().to_string();
+    assert!(got == 200 && models["object"] == "list" && models["data"][0]["object"] == "model", "{models}");
+    let (got, one) = server.call("GET", &format!("/v1/models/{id}"), None);
+    assert!(got == 200 && one["id"] == id.as_str(), "{one}");
+    assert_eq!(server.call("GET", "/v1/models/no-such-model", None).0, 404);
+
     for (method, path, status, needle) in [
         ("GET", "/v1/completions", 405, "not allowed"),
         ("POST", "/health", 405, "not allowed"),

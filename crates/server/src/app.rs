@@ -293,6 +293,11 @@ impl App {
         })
     }
 
+    /// When the server started (seconds since the Unix epoch): the model's `created`.
+    pub(crate) fn created(&self) -> u64 {
+        self.boot
+    }
+
     fn chunk(&self, plan: &Plan, text: String, finish: Option<&'static str>) -> Completion {
         Completion {
             id: plan.id.clone(),

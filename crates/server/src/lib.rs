@@ -10,6 +10,7 @@
 //! | `POST /v1/contexts` | add a text as a context → its id |
 //! | `GET /v1/contexts/{id}`, `DELETE /v1/contexts/{id}` | read or remove a context |
 //! | `POST /v1/search` | retrieval only |
+//! | `GET /v1/models`, `GET /v1/models/{id}` | the served model, as OpenAI clients list it |
 //! | `GET /health`, `GET /metrics` | liveness; Prometheus text |
 //!
 //! Concurrency: each request's model work runs on a blocking thread with its own state (the

@@ -30,6 +30,8 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/contexts", post(add_context))
         .route("/v1/contexts/{id}", get(get_context).delete(delete_context))
         .route("/v1/search", post(search))
+        .route("/v1/models", get(list_models))
+        .route("/v1/models/{id}", get(get_model))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route_layer(middleware::from_fn_with_state(app.clone(), track))
@@ -176,6 +178,24 @@ async fn search(State(app): Shared, ApiJson(req): ApiJson<SearchRequest>) -> Res
     Ok(Json(found).into_response())
 }
 
+/// The one model this server serves, as OpenAI's API describes models (clients such as the
+/// official `openai` package, LangChain and LiteLLM list them before use).
+fn model_object(app: &App) -> serde_json::Value {
+    json!({"id": app.model_name, "object": "model", "created": app.created(), "owned_by": "picaso"})
+}
+
+async fn list_models(State(app): Shared) -> Response {
+    Json(json!({"object": "list", "data": [model_object(&app)]})).into_response()
+}
+
+async fn get_model(State(app): Shared, id: IdPath) -> Result<Response, ApiError> {
+    let Path(id) = id.map_err(|e| ApiError::bad_request(format!("the model id in the path is not valid: {e}")))?;
+    if id != app.model_name {
+        return Err(ApiError::not_found(format!("no model {id:?}; this server serves {:?}", app.model_name)));
+    }
+    Ok(Json(model_object(&app)).into_response())
+}
+
 /// 200 when the store's backends answer, 503 (with the reason) when one does not, so a load
 /// balancer can route around a server that lost its database.
 async fn health(State(app): Shared) -> Result<Response, ApiError> {
@@ -198,7 +218,7 @@ async fn metrics(State(app): Shared) -> Response {
 
 async fn no_route(method: Method, uri: Uri) -> ApiError {
     ApiError::not_found(format!(
-        "no route {method} {uri}; the API has POST /v1/completions, POST /v1/contexts, GET|DELETE /v1/contexts/{{id}}, POST /v1/search, GET /health, GET /metrics"
+        "no route {method} {uri}; the API has POST /v1/completions, POST /v1/contexts, GET|DELETE /v1/contexts/{{id}}, POST /v1/search, GET /v1/models, GET /health, GET /metrics"
     ))
 }
 
@@ -206,7 +226,7 @@ async fn wrong_method(method: Method, uri: Uri) -> ApiError {
     ApiError::new(
         StatusCode::METHOD_NOT_ALLOWED,
         format!(
-            "{method} is not allowed on {}; the API has POST /v1/completions, POST /v1/contexts, GET|DELETE /v1/contexts/{{id}}, POST /v1/search, GET /health, GET /metrics",
+            "{method} is not allowed on {}; the API has POST /v1/completions, POST /v1/contexts, GET|DELETE /v1/contexts/{{id}}, POST /v1/search, GET /v1/models, GET /health, GET /metrics",
             uri.path()
         ),
     )
