@@ -28,27 +28,10 @@ fn host(t: &Tensor) -> Result<Vec<f32>> {
     t.contiguous()?.flatten_all()?.to_vec1::<f32>()
 }
 
-/// Sums `f` over `rows` in parallel: partial sums over fixed row blocks, added in block order,
-/// so the result depends neither on thread scheduling nor on the thread count (a resumed run
-/// must replay bit for bit, on any machine).
+/// Sums `f` over `rows` in parallel, in an order independent of the thread count
+/// ([`crate::cpu::ops::row_sums`]), rounded to f32.
 fn par_row_sums(rows: usize, width: usize, f: impl Fn(usize, &mut [f64]) + Sync) -> Vec<f32> {
-    const BLOCK: usize = 64; // fixed, so the result is the same on any number of threads
-    let block = BLOCK;
-    let partials: Vec<Vec<f64>> = (0..rows.div_ceil(block))
-        .into_par_iter()
-        .map(|i| {
-            let mut acc = vec![0f64; width];
-            for r in i * block..((i + 1) * block).min(rows) {
-                f(r, &mut acc);
-            }
-            acc
-        })
-        .collect();
-    let mut sums = vec![0f64; width];
-    for p in partials {
-        sums.iter_mut().zip(p).for_each(|(x, y)| *x += y);
-    }
-    sums.into_iter().map(|x| x as f32).collect()
+    crate::cpu::ops::row_sums(rows, width, f).into_iter().map(|x| x as f32).collect()
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -430,26 +430,10 @@ pub(crate) fn io(e: impl std::fmt::Display, path: &Path) -> candle_core::Error {
 
 /// Saves a checkpoint into `out/checkpoint` atomically (written aside, then renamed).
 pub(crate) fn save_checkpoint(out: &Path, net: &TrainMamba2, opt: &AdamW, state: &impl serde::Serialize) -> Result<()> {
-    let tmp = out.join("checkpoint.tmp");
-    let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::create_dir_all(&tmp).map_err(|e| io(e, &tmp))?;
-    net.to_weights()?.save_pretrained(&tmp, net.config()).map_err(|e| io(e, &tmp))?;
-    opt.save(&tmp.join("optimizer.safetensors"))?;
-    let json = serde_json::to_string_pretty(state).map_err(|e| io(e, &tmp))?;
-    std::fs::write(tmp.join("trainer.json"), json).map_err(|e| io(e, &tmp))?;
-    let dst = out.join("checkpoint");
-    let old = out.join("checkpoint.old");
-    let _ = std::fs::remove_dir_all(&old);
-    if dst.exists() {
-        std::fs::rename(&dst, &old).map_err(|e| io(e, &dst))?;
-    }
-    std::fs::rename(&tmp, &dst).map_err(|e| io(e, &dst))?;
-    let _ = std::fs::remove_dir_all(&old);
-    Ok(())
+    write_checkpoint(out, net.config(), &net.to_weights()?, |p| opt.save(p), state)
 }
 
-/// Saves a CPU-path checkpoint into `out/checkpoint` atomically (the same files as
-/// [`save_checkpoint`]).
+/// Saves a CPU-path checkpoint: the same files as [`save_checkpoint`].
 fn save_host_checkpoint(
     out: &Path,
     config: &Mamba2Config,
@@ -457,11 +441,23 @@ fn save_host_checkpoint(
     opt: &HostAdamW,
     state: &TrainerState,
 ) -> Result<()> {
+    write_checkpoint(out, config, w, |p| opt.save(p), state)
+}
+
+/// Writes weights, optimiser state (by `save_optimizer`) and `state` into
+/// `out/checkpoint.tmp`, then swaps it in for `out/checkpoint`.
+fn write_checkpoint(
+    out: &Path,
+    config: &Mamba2Config,
+    weights: &Mamba2Weights,
+    save_optimizer: impl FnOnce(&Path) -> Result<()>,
+    state: &impl serde::Serialize,
+) -> Result<()> {
     let tmp = out.join("checkpoint.tmp");
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).map_err(|e| io(e, &tmp))?;
-    w.save_pretrained(&tmp, config).map_err(|e| io(e, &tmp))?;
-    opt.save(&tmp.join("optimizer.safetensors"))?;
+    weights.save_pretrained(&tmp, config).map_err(|e| io(e, &tmp))?;
+    save_optimizer(&tmp.join("optimizer.safetensors"))?;
     let json = serde_json::to_string_pretty(state).map_err(|e| io(e, &tmp))?;
     std::fs::write(tmp.join("trainer.json"), json).map_err(|e| io(e, &tmp))?;
     let dst = out.join("checkpoint");
