@@ -1,0 +1,435 @@
+#!/usr/bin/env python3
+"""Pretrains the bundled Mamba-2 on a GPU with PyTorch (how models/picaso-mamba2 was made).
+
+picaso's own trainer (`picaso train pretrain`, CPU) is the reference; this script trains the same
+architecture with the same recipe (init, AdamW, schedule, epoch sampler) where a GPU is at hand.
+Its model is transformers' `Mamba2ForCausalLM` re-written around a chunked SSD scan of O(T *
+chunk) memory (transformers' own reference path needs O(T * chunk * d_state) and runs out of
+memory at batch 32 on an 80 GB GPU); `--check` compares the two on the CPU. The weights it
+exports are in transformers' layout, which every picaso engine loads (f32 or bf16).
+
+Tokens come from picaso's own token cache, so the text, tokenizer and held-out split are exactly
+the CPU trainer's:
+
+    picaso train pretrain --config models/training/picaso-mamba2-v2.json --out RUN \
+        --corpus wikipedia:../shared/data/wikipedia-en/articles.txt.gz \
+        --tokenizer models/picaso-mamba2/tokenizer.json --stop-after 0
+    python3 scripts/train_gpu.py --config models/training/picaso-mamba2-v3.json \
+        --tokens RUN/tokens.bin --out GPU_RUN --export MODEL_DIR
+
+`--train/--val/--pairs` take the same streams as raw little-endian u16 files (`.xz` allowed),
+which is how they travel to a machine without the corpus. The run checkpoints to
+OUT/checkpoint.pt when its time budget (`--minutes`) is spent and resumes from there.
+"""
+import argparse
+import json
+import lzma
+import math
+import os
+import struct
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+def read_u16(path):
+    raw = lzma.open(path).read() if path.endswith(".xz") else open(path, "rb").read()
+    return np.frombuffer(raw, dtype="<u2").astype(np.int64)
+
+
+def read_token_cache(path):
+    """picaso's OUT/tokens.bin: u64 header length, JSON header, then u32 ids (train, val, pairs)."""
+    b = open(path, "rb").read()
+    hl = struct.unpack("<Q", b[:8])[0]
+    h = json.loads(b[8 : 8 + hl])
+    ids = np.frombuffer(b, dtype="<u4", offset=8 + hl).astype(np.int64)
+    train, val = ids[: h["train"]], ids[h["train"] : h["train"] + h["val"]]
+    at, pairs = h["train"] + h["val"], []
+    for p in h["pairs"]:
+        parts = []
+        for n in p:
+            parts.append(ids[at : at + n].tolist())
+            at += n
+        pairs.append(dict(zip(["previous", "random", "query", "continuation"], parts)))
+    return train, val, pairs
+
+
+def segsum(x):
+    """exp(segsum(x))[..., i, j] = prod_{j < k <= i} exp(x_k): the decay from j to i (0 above the diagonal)."""
+    T = x.shape[-1]
+    x = x[..., None].expand(*x.shape, T)
+    x = x.masked_fill(~torch.tril(torch.ones(T, T, dtype=torch.bool, device=x.device), -1), 0)
+    s = torch.cumsum(x, dim=-2)
+    return s.masked_fill(~torch.tril(torch.ones(T, T, dtype=torch.bool, device=x.device), 0), -torch.inf)
+
+
+def ssd(x, a, b, c, chunk):
+    """Chunked state-space duality scan (Dao & Gu 2024), memory O(T * chunk) rather than the
+    O(T * chunk * d_state) of transformers' reference path. x: (B, T, H, P) already scaled by dt,
+    a: (B, T, H) = dt * A, b and c: (B, T, N) (one group). Returns y: (B, T, H, P)."""
+    Bsz, T, H, P = x.shape
+    k = T // chunk
+    x, a, b, c = (t.reshape(Bsz, k, chunk, *t.shape[2:]) for t in (x, a, b, c))
+    a = a.permute(0, 3, 1, 2)  # (B, H, k, l)
+    a_cum = torch.cumsum(a, dim=-1)
+    decay = torch.exp(segsum(a))  # (B, H, k, l, s)
+    g = torch.einsum("bkln,bksn->bkls", c, b)
+    y = torch.einsum("bkls,bhkls,bkshp->bklhp", g, decay, x)
+    states = torch.einsum("bkln,bhkl,bklhp->bkhpn", b, torch.exp(a_cum[..., -1:] - a_cum), x)
+    states = torch.cat([torch.zeros_like(states[:, :1]), states], dim=1)
+    chunk_decay = torch.exp(segsum(F.pad(a_cum[..., -1], (1, 0))))  # (B, H, k+1, k+1)
+    states = torch.einsum("bhzk,bkhpn->bzhpn", chunk_decay, states)[:, :-1]
+    y = y + torch.einsum("bkln,bkhpn,bhkl->bklhp", c, states, torch.exp(a_cum))
+    return y.reshape(Bsz, T, H, P)
+
+
+def wide(dtype):
+    """The accumulation dtype: f32 for bf16/f32 activations, f64 when checking in f64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, d, eps=1e-5):
+        super().__init__()
+        self.weight, self.eps = torch.nn.Parameter(torch.ones(d)), eps
+
+    def forward(self, h, gate=None):
+        dtype = h.dtype
+        h = h.to(wide(dtype))
+        if gate is not None:
+            h = h * F.silu(gate.to(h.dtype))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class Mixer(torch.nn.Module):
+    """One Mamba-2 mixer, parameters named as transformers' `Mamba2Mixer` (one group, no biases
+    but the conv's, gated norm after the gate)."""
+
+    def __init__(self, d_model, d_state, headdim, chunk):
+        super().__init__()
+        self.intermediate_size, self.ssm_state_size, self.n_groups = 2 * d_model, d_state, 1
+        self.num_heads, self.head_dim, self.chunk = 2 * d_model // headdim, headdim, chunk
+        di, conv_dim = self.intermediate_size, 2 * d_model + 2 * d_state
+        self.in_proj = torch.nn.Linear(d_model, 2 * di + 2 * d_state + self.num_heads, bias=False)
+        self.conv1d = torch.nn.Conv1d(conv_dim, conv_dim, 4, groups=conv_dim, padding=3)
+        self.dt_bias = torch.nn.Parameter(torch.ones(self.num_heads))
+        self.A_log = torch.nn.Parameter(torch.zeros(self.num_heads))
+        self.D = torch.nn.Parameter(torch.ones(self.num_heads))
+        self.norm = RMSNorm(di)
+        self.out_proj = torch.nn.Linear(di, d_model, bias=False)
+
+    def forward(self, h):
+        Bsz, T, _ = h.shape
+        di, n, H = self.intermediate_size, self.ssm_state_size, self.num_heads
+        z, xbc, dt = self.in_proj(h).split([di, di + 2 * n, H], dim=-1)
+        xbc = F.silu(self.conv1d(xbc.transpose(1, 2))[..., :T].transpose(1, 2))
+        x, b, c = xbc.split([di, n, n], dim=-1)
+        acc = wide(x.dtype)
+        dt = F.softplus(dt.to(acc) + self.dt_bias)
+        a = -torch.exp(self.A_log.to(acc))
+        x = x.to(acc).reshape(Bsz, T, H, self.head_dim)
+        pad = (-T) % self.chunk
+        with torch.autocast(h.device.type, enabled=False):
+            xs, av, bs, cs = x * dt[..., None], dt * a, b.to(acc), c.to(acc)
+            if pad:
+                xs, av, bs, cs = (F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in (xs, av, bs, cs))
+            y = ssd(xs, av, bs, cs, self.chunk)[:, :T]
+        y = (y + x * self.D[:, None]).reshape(Bsz, T, di)
+        return self.out_proj(self.norm(y, z).to(h.dtype))
+
+
+class Block(torch.nn.Module):
+    def __init__(self, *args):
+        super().__init__()
+        self.norm, self.mixer = RMSNorm(args[0]), Mixer(*args)
+
+    def forward(self, h):
+        return h.to(wide(h.dtype)) + self.mixer(self.norm(h))
+
+
+class Backbone(torch.nn.Module):
+    def __init__(self, run):
+        super().__init__()
+        d = run["d_model"]
+        self.embeddings = torch.nn.Embedding(run["vocab"], d)
+        self.layers = torch.nn.ModuleList(
+            [Block(d, run["d_state"], run["headdim"], run.get("chunk", 128)) for _ in range(run["n_layer"])])
+        self.norm_f = RMSNorm(d)
+
+
+class Mamba2LM(torch.nn.Module):
+    """Mamba-2 language model with transformers' `Mamba2ForCausalLM` parameter names and tied
+    head; the forward is equal to it (checked on CPU in f32, see --check)."""
+
+    def __init__(self, run):
+        super().__init__()
+        self.backbone = Backbone(run)
+
+    def forward(self, input_ids):
+        h = self.backbone.embeddings(input_ids)
+        for layer in self.backbone.layers:
+            h = layer(h)
+        h = self.backbone.norm_f(h)
+        return h.to(self.backbone.embeddings.weight.dtype) @ self.backbone.embeddings.weight.T
+
+
+def hf_config(run):
+    from transformers import Mamba2Config
+
+    d, hd = run["d_model"], run["headdim"]
+    return Mamba2Config(
+        vocab_size=run["vocab"], hidden_size=d, num_hidden_layers=run["n_layer"], state_size=run["d_state"],
+        head_dim=hd, num_heads=2 * d // hd, expand=2, n_groups=1, conv_kernel=4, use_bias=False,
+        use_conv_bias=True, rms_norm=True, norm_before_gate=False, residual_in_fp32=True,
+        tie_word_embeddings=True, layer_norm_epsilon=1e-5, time_step_limit=(0.0, float("inf")),
+        chunk_size=run.get("chunk", 256),
+    )
+
+
+@torch.no_grad()
+def init_weights(model, run, seed):
+    """picaso's `init_weights_with` (crates/train/src/pretrain.rs) in torch: normal(0, 0.02)
+    embedding and in_proj, out_proj scaled by 1/sqrt(2 n_layer), conv N(0, 1/d_conv), dt
+    log-uniform in [1e-3, 1e-1], A in U(1, 16); `long_memory` of the heads get dt in [1e-4, 1e-3]
+    and A in U(0.5, 1); `mimetic` copies B's rows of in_proj to C's."""
+    g = torch.Generator().manual_seed(seed)
+    L = run["n_layer"]
+    init = run.get("init", {})
+    model.backbone.embeddings.weight.copy_(torch.randn(model.backbone.embeddings.weight.shape, generator=g) * 0.02)
+    for layer in model.backbone.layers:
+        m = layer.mixer
+        m.in_proj.weight.copy_(torch.randn(m.in_proj.weight.shape, generator=g) * 0.02)
+        m.out_proj.weight.copy_(torch.randn(m.out_proj.weight.shape, generator=g) * (0.02 / math.sqrt(2 * L)))
+        m.conv1d.weight.copy_(torch.randn(m.conv1d.weight.shape, generator=g) / math.sqrt(m.conv1d.weight.shape[-1]))
+        m.conv1d.bias.zero_()
+        layer.norm.weight.fill_(1.0)
+        m.norm.weight.fill_(1.0)
+        m.D.fill_(1.0)
+        h = m.num_heads
+        lo, hi = math.log(1e-3), math.log(1e-1)
+        dt = torch.exp(lo + torch.rand(h, generator=g, dtype=torch.float64) * (hi - lo))
+        a = 1.0 + 15.0 * torch.rand(h, generator=g, dtype=torch.float64)
+        long = min(h, round(init.get("long_memory", 0.0) * h))
+        if long:
+            lo, hi = math.log(1e-4), math.log(1e-3)
+            dt[:long] = torch.exp(lo + torch.rand(long, generator=g, dtype=torch.float64) * (hi - lo))
+            a[:long] = 0.5 + 0.5 * torch.rand(long, generator=g, dtype=torch.float64)
+        m.dt_bias.copy_(torch.log(torch.expm1(dt)))  # softplus^-1
+        m.A_log.copy_(torch.log(a))
+        if init.get("mimetic", False):
+            di, gn = m.intermediate_size, m.n_groups * m.ssm_state_size
+            b0, c0 = 2 * di, 2 * di + gn
+            m.in_proj.weight[c0 : c0 + gn] = m.in_proj.weight[b0 : b0 + gn]
+    model.backbone.norm_f.weight.fill_(1.0)
+
+
+@torch.no_grad()
+def check_against_transformers(run, seed=0):
+    """Loads one random model into both this script's `Mamba2LM` and transformers'
+    `Mamba2ForCausalLM` and compares their logits on the CPU in f64 (transformers rounds A and dt to f32) (a length that is not a
+    multiple of the chunk included)."""
+    from transformers import Mamba2ForCausalLM
+
+    ours = Mamba2LM(run).double()
+    init_weights(ours, run, seed)
+    ref = Mamba2ForCausalLM(hf_config(run)).double()
+    missing, unexpected = ref.load_state_dict(ours.state_dict(), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    ref.tie_weights()
+    x = torch.randint(0, run["vocab"], (2, run.get("chunk", 128) + 37), generator=torch.Generator().manual_seed(seed))
+    a, b = ours(x), ref(input_ids=x, use_cache=False).logits
+    err = (a - b).abs().max().item()
+    print(f"max |logit difference| against transformers: {err:.3e}", flush=True)
+    assert err < 1e-5, err  # transformers computes A and dt in f32 even in an f64 model
+
+
+def lr_at(run, step):
+    peak, floor, warm, total = run["lr"], run["min_lr"], run["warmup"], run["steps"]
+    if step < warm:
+        return peak * (step + 1) / warm
+    t = min(1.0, (step - warm) / max(1, total - warm))
+    return floor + 0.5 * (peak - floor) * (1 + math.cos(math.pi * t))
+
+
+def batch_at(train, run, step, cache={}):
+    """The epoch sampler: every seq_len window once per epoch, shuffled by (seed, epoch)."""
+    seq, bsz = run["seq_len"], run["batch"]
+    windows = (len(train) - 1) // seq
+    rows = []
+    for i in range(bsz):
+        gidx = step * bsz + i
+        epoch, pos = divmod(gidx, windows)
+        if cache.get("epoch") != epoch:
+            cache["epoch"], cache["order"] = epoch, np.random.default_rng([run["seed"], epoch]).permutation(windows)
+        o = int(cache["order"][pos]) * seq
+        rows.append(train[o : o + seq + 1])
+    xy = torch.from_numpy(np.stack(rows))
+    return xy[:, :-1], xy[:, 1:]
+
+
+def token_losses(model, x, y):
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=x.device.type == "cuda"):
+        logits = model(x)
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none",
+                           ignore_index=-100).view(y.shape)
+
+
+@torch.no_grad()
+def validate(model, val, run, dev, n=64):
+    seq = run["seq_len"]
+    starts = np.linspace(0, len(val) - seq - 2, n).astype(np.int64)
+    xy = torch.from_numpy(np.stack([val[s : s + seq + 1] for s in starts])).to(dev)
+    total = 0.0
+    for i in range(0, n, 16):
+        total += token_losses(model, xy[i : i + 16, :-1], xy[i : i + 16, 1:]).mean().item() * len(xy[i : i + 16])
+    return total / n
+
+
+@torch.no_grad()
+def context_use(model, pairs, dev):
+    """Mean continuation loss with nothing, the true previous paragraph, or a paragraph of
+    another document before the query (picaso's `pretrain::context_use`)."""
+    seqs = []
+    for p in pairs:
+        for before in ([], p["previous"], p["random"]):
+            t = before + p["query"] + p["continuation"]
+            seqs.append((t, len(before) + len(p["query"])))
+    means = []
+    for i in range(0, len(seqs), 48):
+        group = seqs[i : i + 48]
+        T = max(len(t) for t, _ in group) - 1
+        x = torch.zeros(len(group), T, dtype=torch.long)
+        y = torch.full((len(group), T), -100, dtype=torch.long)
+        for r, (t, first) in enumerate(group):
+            n = len(t) - 1
+            x[r, :n] = torch.tensor(t[:-1])
+            y[r, first - 1 : n] = torch.tensor(t[first:])
+        losses = token_losses(model, x.to(dev), y.to(dev))
+        mask = (y != -100).to(dev)
+        means += ((losses * mask).sum(1) / mask.sum(1)).tolist()
+    none, prev, rand = (float(np.mean(means[k::3])) for k in range(3))
+    return dict(none=none, previous=prev, random=rand, gain=(none - prev) / none, random_gain=(none - rand) / none)
+
+
+def export(model, run, out, dtype, history):
+    from safetensors.torch import save_file
+
+    os.makedirs(out, exist_ok=True)
+    dt = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    sd = {k: v.detach().to(dt).contiguous().cpu() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(sd, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    d, hd = run["d_model"], run["headdim"]
+    config = {
+        "architectures": ["Mamba2ForCausalLM"], "conv_kernel": 4, "expand": 2, "head_dim": hd,
+        "hidden_size": d, "layer_norm_epsilon": 1e-5, "model_type": "mamba2", "n_groups": 1,
+        "norm_before_gate": False, "num_heads": 2 * d // hd, "num_hidden_layers": run["n_layer"],
+        "residual_in_fp32": True, "rms_norm": True, "state_size": run["d_state"], "tie_word_embeddings": True,
+        "time_step_limit": [0.0, {"__float__": "Infinity"}], "use_bias": False, "use_conv_bias": True,
+        "vocab_size": run["vocab"],
+    }
+    json.dump(config, open(os.path.join(out, "config.json"), "w"), indent=2)
+    with open(os.path.join(out, "log.jsonl"), "w") as f:
+        for h in history:
+            f.write(json.dumps(h) + "\n")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", required=True, help="run file (picaso's pretrain JSON: d_model, n_layer, ...)")
+    ap.add_argument("--tokens", help="picaso's token cache OUT/tokens.bin")
+    ap.add_argument("--train", nargs="*", default=[], help="training stream(s), raw u16 (.xz allowed)")
+    ap.add_argument("--val", help="validation stream, raw u16 (.xz allowed)")
+    ap.add_argument("--pairs", help="held-out paragraph pairs (JSON) for the context-use metric")
+    ap.add_argument("--out", help="run folder (checkpoint.pt, log.jsonl)")
+    ap.add_argument("--minutes", type=float, default=1e9, help="stop and checkpoint after this long")
+    ap.add_argument("--stop-after", type=int, help="stop and checkpoint at this step")
+    ap.add_argument("--plan-minutes", type=float,
+                    help="size the run (its step count, hence the lr schedule) to take this long in all, "
+                         "from the speed of its first 40 steps")
+    ap.add_argument("--export", help="write the model here when the run stops")
+    ap.add_argument("--dtype", default="bf16", choices=["f32", "bf16"], help="exported weights' dtype")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model")
+    ap.add_argument("--check", action="store_true", help="compare the model with transformers' and exit")
+    a = ap.parse_args()
+    t0 = time.time()
+    run = json.load(open(a.config))
+    if a.check:
+        return check_against_transformers({**run, "vocab": 512, "chunk": 16})
+    if a.tokens:
+        train, val, pairs = read_token_cache(a.tokens)
+    else:
+        train = np.concatenate([read_u16(p) for p in a.train])
+        val = read_u16(a.val)
+        pairs = json.load(open(a.pairs)) if a.pairs else []
+    print(f"{len(train):,} training tokens, {len(val):,} validation tokens, {len(pairs)} pairs", flush=True)
+    assert train.max() < run["vocab"], "token ids exceed the vocabulary"
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.manual_seed(run["seed"])
+    model = Mamba2LM(run)
+    init_weights(model, run, run["seed"])
+    model.to(dev)
+    print(f"{sum(p.numel() for n, p in model.named_parameters() ):,} parameters", flush=True)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and n != "lm_head.weight"]
+    keep = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": run["weight_decay"]}, {"params": keep, "weight_decay": 0.0}],
+                            lr=run["lr"], betas=(0.9, 0.95), eps=1e-8, fused=dev.type == "cuda")
+    os.makedirs(a.out, exist_ok=True)
+    ckpt_path = os.path.join(a.out, "checkpoint.pt")
+    step, history = 0, []
+    if os.path.exists(ckpt_path):
+        ck = torch.load(ckpt_path, map_location=dev)
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["opt"])
+        step, history, run["steps"] = ck["step"], ck["history"], ck["steps"]
+        print(f"resumed at step {step} of {run['steps']}", flush=True)
+    fwd = torch.compile(model) if a.compile else model
+    tokens_per_step = run["batch"] * run["seq_len"]
+    tick, tick_step = time.time(), step
+    plan = a.plan_minutes is not None and step == 0
+    while step < min(run["steps"], a.stop_after or run["steps"]) and time.time() - t0 < a.minutes * 60:
+        if plan and step == 40:
+            torch.cuda.synchronize()
+            per_step = (time.time() - tick) / 40
+            left = a.plan_minutes * 60 * 0.95 - (time.time() - t0)  # 5% for validation and saving
+            run["steps"] = 40 + int(left / per_step)
+            plan = False
+            print(f"{per_step * 1000:.0f} ms per step: the run is sized to {run['steps']} steps "
+                  f"({run['steps'] * tokens_per_step / 1e6:.0f} M tokens)", flush=True)
+        x, y = batch_at(train, run, step)
+        x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(run, step)
+        loss = token_losses(fwd, x, y).mean()
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), run.get("clip", 1.0))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        if step % 50 == 0 or step == run["steps"]:
+            rate = (step - tick_step) * tokens_per_step / (time.time() - tick)
+            tick, tick_step = time.time(), step
+            rec = dict(step=step, loss=loss.item(), lr=lr_at(run, step - 1), grad_norm=gnorm.item(),
+                       tokens=step * tokens_per_step, tokens_per_s=rate, seconds=time.time() - t0)
+            if step % run.get("val_every", 500) == 0 or step == run["steps"]:
+                model.eval()
+                rec["val_loss"] = validate(model, val, run, dev)
+                if pairs:
+                    rec["context_use"] = context_use(model, pairs, dev)
+                model.train()
+            history.append(rec)
+            print(json.dumps(rec), flush=True)
+    torch.save(dict(model=model.state_dict(), opt=opt.state_dict(), step=step, steps=run["steps"], history=history), ckpt_path + ".tmp")
+    os.replace(ckpt_path + ".tmp", ckpt_path)
+    print(f"checkpoint at step {step} ({time.time() - t0:.0f} s)", flush=True)
+    if a.export:
+        export(model, run, a.export, a.dtype, history)
+        print(f"exported to {a.export}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
