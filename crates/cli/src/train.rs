@@ -18,6 +18,19 @@ pub enum TrainCommand {
     /// Fine-tune a model to use composed states (BPTC or BP2C) on a store of WikiText halves
     /// (resumes OUT/checkpoint if present).
     Compose(ComposeArgs),
+    /// Draw a training log (JSON lines with tokens, loss and optional val_loss, as
+    /// `scripts/train_gpu.py` writes) as a loss chart.
+    Plot(PlotArgs),
+}
+
+#[derive(Args)]
+pub struct PlotArgs {
+    /// Training log: one JSON object per line with `tokens`, `loss` and optionally `val_loss`.
+    #[arg(long)]
+    log: PathBuf,
+    /// Chart to write (PNG).
+    #[arg(long)]
+    out: PathBuf,
 }
 
 #[derive(Args)]
@@ -190,6 +203,7 @@ pub fn run(cmd: TrainCommand) -> Result<()> {
     match cmd {
         TrainCommand::Pretrain(a) => pretrain_cmd(a),
         TrainCommand::Compose(a) => compose_cmd(a),
+        TrainCommand::Plot(a) => plot_cmd(a),
     }
 }
 
@@ -561,6 +575,30 @@ fn loss_chart(
         series.push(Series { name: names[1].into(), points: val });
     }
     line_chart(path, chart, &series).with_context(|| format!("drawing {}", path.display()))
+}
+
+fn plot_cmd(a: PlotArgs) -> Result<()> {
+    #[derive(Deserialize)]
+    struct Row {
+        tokens: u64,
+        loss: f64,
+        val_loss: Option<f64>,
+    }
+    let text = std::fs::read_to_string(&a.log).with_context(|| format!("reading --log {}", a.log.display()))?;
+    let mut rows = Vec::new();
+    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        let r: Row = serde_json::from_str(line)
+            .with_context(|| format!("--log {} line {}: want an object with tokens, loss and val_loss", a.log.display(), i + 1))?;
+        rows.push((r.tokens as f64 / 1e6, r.loss, r.val_loss));
+    }
+    if rows.is_empty() {
+        bail!("--log {}: no rows", a.log.display());
+    }
+    let chart =
+        picaso_eval::plot::Chart { title: "Pretraining loss", x: "tokens (millions)", y: "loss (nats/token)", log_x: false };
+    loss_chart(&a.out, &chart, ["train", "validation"], &rows, 100)?;
+    eprintln!("wrote {}", a.out.display());
+    Ok(())
 }
 
 /// Training loss (mean over windows of 1% of the run) and validation loss against tokens seen.

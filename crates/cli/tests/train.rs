@@ -80,3 +80,24 @@ fn pretrain_stops_resumes_and_writes_a_usable_model() {
         "GiB of memory",
     );
 }
+
+#[test]
+fn plot_draws_a_training_log_and_names_a_bad_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let log = tmp.path().join("log.jsonl");
+    std::fs::write(
+        &log,
+        "{\"step\": 50, \"tokens\": 1000, \"loss\": 7.0}\n{\"step\": 100, \"tokens\": 2000, \"loss\": 6.0, \"val_loss\": 6.2}\n",
+    )
+    .unwrap();
+    let png = tmp.path().join("loss.png");
+    let out = picaso(&["train", "plot", "--log", log.to_str().unwrap(), "--out", png.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(&std::fs::read(&png).unwrap()[1..4], b"PNG");
+
+    std::fs::write(&log, "{\"step\": 50, \"tokens\": 1000, \"loss\": 7.0}\n{\"step\": 100}\n").unwrap();
+    let out = picaso(&["train", "plot", "--log", log.to_str().unwrap(), "--out", png.to_str().unwrap()]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("line 2") && err.contains("tokens"), "{err}");
+}
