@@ -587,16 +587,15 @@ fn plot_cmd(a: PlotArgs) -> Result<()> {
     let text = std::fs::read_to_string(&a.log).with_context(|| format!("reading --log {}", a.log.display()))?;
     let mut rows = Vec::new();
     for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
-        let r: Row = serde_json::from_str(line)
-            .with_context(|| format!("--log {} line {}: want an object with tokens, loss and val_loss", a.log.display(), i + 1))?;
+        let r: Row = serde_json::from_str(line).with_context(|| {
+            format!("--log {} line {}: want an object with tokens, loss and val_loss", a.log.display(), i + 1)
+        })?;
         rows.push((r.tokens as f64 / 1e6, r.loss, r.val_loss));
     }
     if rows.is_empty() {
         bail!("--log {}: no rows", a.log.display());
     }
-    let chart =
-        picaso_eval::plot::Chart { title: "Pretraining loss", x: "tokens (millions)", y: "loss (nats/token)", log_x: false };
-    loss_chart(&a.out, &chart, ["train", "validation"], &rows, 100)?;
+    draw_pretrain_loss(&a.out, &rows)?;
     eprintln!("wrote {}", a.out.display());
     Ok(())
 }
@@ -605,13 +604,18 @@ fn plot_cmd(a: PlotArgs) -> Result<()> {
 fn write_loss_png(path: &std::path::Path, history: &[picaso_train::pretrain::LogRow]) -> Result<()> {
     let rows: Vec<(f64, f64, Option<f64>)> =
         history.iter().map(|r| (r.tokens as f64 / 1e6, r.loss, r.val_loss)).collect();
+    draw_pretrain_loss(path, &rows)
+}
+
+/// The pretraining chart of (million tokens, training loss, validation loss) rows.
+fn draw_pretrain_loss(path: &std::path::Path, rows: &[(f64, f64, Option<f64>)]) -> Result<()> {
     let chart = picaso_eval::plot::Chart {
         title: "Pretraining loss",
         x: "tokens (millions)",
         y: "loss (nats/token)",
         log_x: false,
     };
-    loss_chart(path, &chart, ["train", "validation"], &rows, 100)
+    loss_chart(path, &chart, ["train", "validation"], rows, 100)
 }
 
 fn compose_cmd(a: ComposeArgs) -> Result<()> {
