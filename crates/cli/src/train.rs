@@ -403,6 +403,15 @@ fn pretrain_cmd(a: PretrainArgs) -> Result<()> {
         bar.set_message(msg);
     })?;
     bar.finish();
+    if history.is_empty() {
+        // `--stop-after 0` on a new run: the tokenizer and the token cache are the product.
+        eprintln!(
+            "stopped before the first step; the tokenizer is {} and the token streams are cached in {}",
+            tok_path.display(),
+            a.out.join("tokens.bin").display()
+        );
+        return Ok(());
+    }
 
     // The loss curve as CSV, and the model as a loadable folder.
     let csv_path = a.out.join("loss.csv");

@@ -30,6 +30,11 @@ fn pretrain_stops_resumes_and_writes_a_usable_model() {
     .unwrap();
     let out = tmp.path().join("run");
     let (c, cfg_s, out_s) = (format!("text:{}", corpus.display()), cfg.to_str().unwrap(), out.to_str().unwrap());
+    // --stop-after 0: the tokenizer and the token cache only (what scripts/train_gpu.py reads).
+    let zero = picaso(&["train", "pretrain", "--corpus", &c, "--config", cfg_s, "--out", out_s, "--stop-after", "0"]);
+    assert!(zero.status.success(), "{}", String::from_utf8_lossy(&zero.stderr));
+    assert!(out.join("tokens.bin").is_file() && out.join("tokenizer.json").is_file());
+    assert!(!out.join("checkpoint").exists() && !out.join("model").exists());
     let first = picaso(&["train", "pretrain", "--corpus", &c, "--config", cfg_s, "--out", out_s, "--stop-after", "5"]);
     assert!(first.status.success(), "{}", String::from_utf8_lossy(&first.stderr));
     let v: serde_json::Value = serde_json::from_slice(&first.stdout).unwrap();
