@@ -5,8 +5,9 @@
 #
 #   scripts/bench_train.sh [ROUNDS] [BATCH] [SEQ_LEN]      (default 3 4 1024)
 #
-# The model shape is the bundled model's (models/picaso-mamba2/run.json): d_model 384, 4 layers,
-# d_state 64, headdim 64, vocab 8192; override with D_MODEL, LAYERS, D_STATE, HEADDIM, VOCAB.
+# The model shape is the CPU run's (models/training/picaso-mamba2-v2.json): d_model 384, 4 layers,
+# d_state 64, headdim 64, vocab 8192; override with D_MODEL, LAYERS, D_STATE, HEADDIM, VOCAB
+# (the bundled model, trained on a GPU: D_MODEL=512 LAYERS=8).
 #
 # BF16=1 adds PyTorch under bf16 autocast. Needs a Python with torch and transformers: PYTHON=/work/pyenv/venv/bin/python by default
 # (python3 -m venv /work/pyenv/venv && /work/pyenv/venv/bin/pip install torch transformers).
