@@ -331,7 +331,7 @@ def export(model, run, out, dtype, history):
         "vocab_size": run["vocab"],
     }
     json.dump(config, open(os.path.join(out, "config.json"), "w"), indent=2)
-    with open(os.path.join(out, "log.jsonl"), "w") as f:
+    with open(os.path.join(out, "train-log.jsonl"), "w") as f:
         for h in history:
             f.write(json.dumps(h) + "\n")
 
