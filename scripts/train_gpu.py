@@ -343,7 +343,7 @@ def main():
     ap.add_argument("--train", nargs="*", default=[], help="training stream(s), raw u16 (.xz allowed)")
     ap.add_argument("--val", help="validation stream, raw u16 (.xz allowed)")
     ap.add_argument("--pairs", help="held-out paragraph pairs (JSON) for the context-use metric")
-    ap.add_argument("--out", help="run folder (checkpoint.pt, log.jsonl)")
+    ap.add_argument("--out", help="run folder (checkpoint.pt); required to train")
     ap.add_argument("--minutes", type=float, default=1e9, help="stop and checkpoint after this long")
     ap.add_argument("--stop-after", type=int, help="stop and checkpoint at this step")
     ap.add_argument("--plan-minutes", type=float,
@@ -358,6 +358,8 @@ def main():
     run = json.load(open(a.config))
     if a.check:
         return check_against_transformers({**run, "vocab": 512, "chunk": 16})
+    if not a.out or not (a.tokens or (a.train and a.val)):
+        ap.error("training needs --out and either --tokens or --train and --val")
     if a.tokens:
         train, val, pairs = read_token_cache(a.tokens)
     else:
