@@ -145,14 +145,10 @@ fn gradients_match_finite_differences() {
     assert!(checked > 50);
 }
 
-/// A run killed after some steps and resumed from its checkpoint ends bit-identical to an
-/// uninterrupted run (weights and loss history); a resume with another config is refused.
-#[test]
-fn a_resumed_run_equals_an_uninterrupted_one() {
-    use picaso_train::pretrain::{pretrain, InitOptions, PretrainConfig, Sampler, Start, TokenData};
-    let model = Mamba2Config { vocab_size: 64, ..Mamba2Config::tiny(2, 4) };
-    let config = PretrainConfig {
-        model,
+/// Six steps of a two-layer model on 2 × 16 random tokens (the pretraining tests' base).
+fn tiny_pretrain_config() -> picaso_train::pretrain::PretrainConfig {
+    picaso_train::pretrain::PretrainConfig {
+        model: Mamba2Config { vocab_size: 64, ..Mamba2Config::tiny(2, 4) },
         seq_len: 16,
         batch: 2,
         steps: 6,
@@ -163,14 +159,38 @@ fn a_resumed_run_equals_an_uninterrupted_one() {
         adamw: Default::default(),
         seed: 5,
         val_every: 2,
+        val_sequences: 2,
+        checkpoint_every: 3,
+        chunk: 8,
+        sampler: picaso_train::pretrain::Sampler::Epochs,
+        init: Default::default(),
+        loss_from: 0,
+    }
+}
+
+/// Random training and validation streams for [`tiny_pretrain_config`], no paragraph pairs.
+fn tiny_token_data() -> picaso_train::pretrain::TokenData {
+    picaso_train::pretrain::TokenData {
+        train: random_tokens(2000, 64, 1),
+        val: random_tokens(200, 64, 2),
+        pairs: Vec::new(),
+    }
+}
+
+/// A run killed after some steps and resumed from its checkpoint ends bit-identical to an
+/// uninterrupted run (weights and loss history); a resume with another config is refused.
+#[test]
+fn a_resumed_run_equals_an_uninterrupted_one() {
+    use picaso_train::pretrain::{pretrain, InitOptions, PretrainConfig, Start};
+    let config = PretrainConfig {
+        val_every: 2,
         val_sequences: 3,
         checkpoint_every: 4,
-        chunk: 8,
-        sampler: Sampler::Epochs,
         init: InitOptions { long_memory: 0.5, mimetic: true },
         loss_from: 3,
+        ..tiny_pretrain_config()
     };
-    let data = TokenData { train: random_tokens(2000, 64, 1), val: random_tokens(200, 64, 2), pairs: Vec::new() };
+    let data = tiny_token_data();
     let tmp = tempfile::tempdir().unwrap();
     let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
     let full = pretrain(&config, &data, &a, None, Start::Fresh, |_| {}).unwrap();
@@ -209,28 +229,9 @@ fn a_resumed_run_equals_an_uninterrupted_one() {
 /// optimiser's moments afresh, and says so in its log; a folder of another config is refused.
 #[test]
 fn a_run_warm_starts_from_a_committed_snapshot() {
-    use picaso_train::pretrain::{pretrain, write_progress, PretrainConfig, Sampler, Start, TokenData};
-    let model = Mamba2Config { vocab_size: 64, ..Mamba2Config::tiny(2, 4) };
-    let config = PretrainConfig {
-        model,
-        seq_len: 16,
-        batch: 2,
-        steps: 6,
-        warmup: 2,
-        lr: 3e-3,
-        min_lr: 3e-4,
-        clip: 1.0,
-        adamw: Default::default(),
-        seed: 5,
-        val_every: 3,
-        val_sequences: 2,
-        checkpoint_every: 3,
-        chunk: 8,
-        sampler: Sampler::Epochs,
-        init: Default::default(),
-        loss_from: 0,
-    };
-    let data = TokenData { train: random_tokens(2000, 64, 1), val: random_tokens(200, 64, 2), pairs: Vec::new() };
+    use picaso_train::pretrain::{pretrain, write_progress, PretrainConfig, Start};
+    let config = PretrainConfig { val_every: 3, val_sequences: 2, checkpoint_every: 3, ..tiny_pretrain_config() };
+    let data = tiny_token_data();
     let tmp = tempfile::tempdir().unwrap();
     let (a, snap, b) = (tmp.path().join("a"), tmp.path().join("snap"), tmp.path().join("b"));
     pretrain(&config, &data, &a, Some(3), Start::Fresh, |_| {}).unwrap();
