@@ -31,6 +31,62 @@ pub enum EvalCommand {
     Finetuned(FinetunedArgs),
     /// Does the model use context? Loss with the true previous paragraph vs none vs a random one.
     ContextUse(ContextUseArgs),
+    /// Recall: facts spread over k contexts, a query about one, exact-match accuracy per
+    /// method, per k and per position of the context that holds the key.
+    Recall(RecallArgs),
+}
+
+#[derive(Args)]
+pub struct RecallArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Name of --model in the tables (default: its folder's name).
+    #[arg(long)]
+    name: Option<String>,
+    /// Another model scored on the same queries, NAME=DIR (e.g. a fine-tuned one); repeat for
+    /// several. Its differences to --model are paired per query.
+    #[arg(long, value_parser = parse_named)]
+    compare: Vec<(String, String)>,
+    /// Results folder.
+    #[arg(long)]
+    out: PathBuf,
+    /// synthetic (keys k0…, values v0…: the model's tokenizer must hold that vocabulary, as a
+    /// recall-trained model's does) or natural ("The code of Velmora is 4812.", any model).
+    #[arg(long, default_value = "synthetic")]
+    form: picaso_eval::recall::Form,
+    /// Numbers of contexts (comma-separated, ascending).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16")]
+    ks: Vec<usize>,
+    /// Facts per context.
+    #[arg(long, default_value_t = 4)]
+    facts: usize,
+    /// Invented names to draw keys from (natural form; the synthetic form uses the model's keys).
+    #[arg(long, default_value_t = 1000)]
+    keys: usize,
+    /// Episodes (sets of k contexts) per k.
+    #[arg(long, default_value_t = 100)]
+    episodes: usize,
+    /// Queries per episode (they cycle through the context positions).
+    #[arg(long, default_value_t = 4)]
+    queries: usize,
+    /// Orders each episode's contexts are scored in (order spread; 1 = the generated order).
+    #[arg(long, default_value_t = 2)]
+    orders: usize,
+    /// Distractor values the answer competes with.
+    #[arg(long, default_value_t = 9)]
+    distractors: usize,
+    /// Methods (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "naive,concat,piconcat-r,soup,caso,picaso-s,picaso-r")]
+    methods: Vec<EvalMethod>,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+fn parse_named(s: &str) -> std::result::Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((n, d)) if !n.is_empty() && !d.is_empty() => Ok((n.to_string(), d.to_string())),
+        _ => Err(format!("{s:?}: give NAME=DIR, e.g. bptc=runs/recall-bptc/model")),
+    }
 }
 
 /// The database of (query, continuation) halves.
@@ -291,6 +347,7 @@ pub fn run(cmd: EvalCommand) -> Result<()> {
         EvalCommand::Fidelity(a) => fidelity(a),
         EvalCommand::Finetuned(a) => finetuned(a),
         EvalCommand::ContextUse(a) => context_use(a),
+        EvalCommand::Recall(a) => recall(a),
     }
 }
 
@@ -583,5 +640,49 @@ fn context_use(a: ContextUseArgs) -> Result<()> {
     let report = picaso_eval::context_use::run(&model, &docs, a.sample, a.seed)?;
     let bpb = picaso_eval::context_use::bits_per_byte(&model, &docs)?;
     report::write_context_use(&a.out, &source, &report, &bpb, &report::RunInfo::collect(started))?;
+    print_results(&a.out)
+}
+
+fn recall(a: RecallArgs) -> Result<()> {
+    use picaso_eval::recall::{compare_models, run, Form, Options, Task};
+    let started = Instant::now();
+    let mut models = vec![(a.name.clone(), a.model)];
+    models.extend(a.compare.iter().map(|(n, d)| (Some(n.clone()), ModelArgs::for_dir(d))));
+    let mut runs: Vec<(String, picaso_eval::recall::Report)> = Vec::new();
+    let mut task: Option<Task> = None;
+    for (name, args) in &models {
+        let model = crate::load_model(args, true)?;
+        let name = name.clone().unwrap_or_else(|| {
+            model.dir().file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into())
+        });
+        let this = match a.form {
+            Form::Synthetic => Task::synthetic_from_vocab(&model.tokenizer()?.inner().get_vocab(true), a.facts)
+                .with_context(|| format!("model {name}"))?,
+            Form::Natural => Task { form: Form::Natural, facts: a.facts, keys: a.keys, values: 9000 },
+        };
+        if task.as_ref().is_some_and(|t| *t != this) {
+            bail!("model {name}: its recall vocabulary differs from the first model's, so their queries differ");
+        }
+        let options = Options {
+            task: this.clone(),
+            ks: a.ks.clone(),
+            episodes: a.episodes,
+            queries: a.queries,
+            orders: a.orders,
+            distractors: a.distractors,
+            methods: a.methods.clone(),
+            seed: a.seed,
+        };
+        task = Some(this);
+        eprintln!("{name}: {}", model.dir().display());
+        let r = with_progress("episodes", |p| run(&model, &options, p))?;
+        runs.push((name, r));
+    }
+    let mut paired = Vec::new();
+    for (name, r) in &runs[1..] {
+        paired.extend(compare_models(&runs[0].0, &runs[0].1, name, r)?);
+    }
+    let list: Vec<report::RecallRun<'_>> = runs.iter().map(|(name, r)| report::RecallRun { name, report: r }).collect();
+    report::write_recall(&a.out, &list, &paired, &report::RunInfo::collect(started))?;
     print_results(&a.out)
 }

@@ -104,7 +104,8 @@ fn val_passages() -> usize {
 #[derive(Args)]
 pub struct PretrainArgs {
     /// A corpus, KIND:PATH (text, kjv, brown, nlp-corpus, gcide, wikitext); repeat for several.
-    #[arg(long, required = true)]
+    /// Not used with a config that generates its data (a `recall` section).
+    #[arg(long)]
     corpus: Vec<CorpusSpec>,
     /// The run's JSON config (architecture and optimisation; see models/README.md).
     #[arg(long)]
@@ -175,6 +176,26 @@ struct RunFile {
     /// Train the tokenizer on the first documents holding this many MB of text (0: all).
     #[serde(default)]
     tokenizer_mb: usize,
+    /// Generate multi-query associative recall sequences instead of reading corpora.
+    #[serde(default)]
+    recall: Option<RecallData>,
+}
+
+/// The `recall` section of a config: synthetic recall sequences (see `picaso eval recall`),
+/// each exactly one training window long, scored on their answers only.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RecallData {
+    /// Key tokens `k0…`.
+    keys: usize,
+    /// Value tokens `v0…`.
+    values: usize,
+    /// Facts per context.
+    facts: usize,
+    /// Contexts per sequence are drawn from 1..=max_k.
+    max_k: usize,
+    /// Sequences generated (the validation share is held out of them).
+    sequences: usize,
 }
 
 fn two() -> usize {
@@ -229,91 +250,11 @@ fn pretrain_cmd(a: PretrainArgs) -> Result<()> {
     }
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
 
-    // Documents, in the order given.
-    let mut docs = Vec::new();
-    for spec in &a.corpus {
-        let d = read_corpus(spec)?;
-        let bytes: usize = d.iter().map(String::len).sum();
-        eprintln!("{spec}: {} documents, {:.1} MB", d.len(), bytes as f64 / 1e6);
-        docs.extend(d);
-    }
-
-    // Tokenizer: given, already trained by an earlier call, or trained now.
-    let tok_path = a.out.join("tokenizer.json");
-    if let Some(t) = &a.tokenizer {
-        std::fs::copy(t, &tok_path).with_context(|| format!("copying --tokenizer {}", t.display()))?;
-    } else if !tok_path.is_file() {
-        let mut take = docs.len();
-        if f.tokenizer_mb > 0 {
-            let mut bytes = 0;
-            take = docs
-                .iter()
-                .position(|d| {
-                    bytes += d.len();
-                    bytes > f.tokenizer_mb * 1_000_000
-                })
-                .map_or(docs.len(), |i| i + 1);
-        }
-        eprintln!("training a byte-level BPE of {} entries on {take} documents…", f.vocab);
-        let tok = picaso_train::bpe::train_bpe(&docs[..take], f.vocab).map_err(anyhow::Error::msg)?;
-        tok.save(&tok_path, false).map_err(|e| anyhow::anyhow!("saving {}: {e}", tok_path.display()))?;
-    }
+    let (tok_path, data) = match &f.recall {
+        Some(r) => recall_data(&a, &f, r)?,
+        None => text_data(&a, &f)?,
+    };
     let tokenizer = picaso_model::TextTokenizer::from_file(&tok_path)?;
-    let eos = tokenizer.eos().context("the tokenizer has no end-of-text token (<|endoftext|>)")?;
-
-    // Token streams; every ⌈1/val_fraction⌉-th document is held out for validation. Encoding
-    // tens of millions of tokens takes minutes, so a resumed run reads them from OUT/tokens.bin
-    // when the tokenizer, the corpora and the split are the same.
-    let every = (1.0 / f.val_fraction.clamp(1e-6, 0.5)).round() as usize;
-    let key = {
-        let mut h = xxhash_rust::xxh3::Xxh3::new();
-        h.update(&std::fs::read(&tok_path)?);
-        for spec in &a.corpus {
-            h.update(spec.to_string().as_bytes());
-        }
-        for d in &docs {
-            h.update(&(d.len() as u64).to_le_bytes());
-        }
-        h.update(format!("{every}/{}/{}", f.context_pairs, f.seed).as_bytes());
-        format!("{:032x}", h.digest128())
-    };
-    let cache = a.out.join("tokens.bin");
-    let data = match read_token_cache(&cache, &key) {
-        Some(d) => {
-            eprintln!("token streams read from {}", cache.display());
-            d
-        }
-        None => {
-            eprintln!("tokenizing {} documents…", docs.len());
-            let encoded = tokenizer
-                .inner()
-                .encode_batch(docs.iter().map(String::as_str).collect::<Vec<_>>(), false)
-                .map_err(|e| anyhow::anyhow!("tokenizing the corpora: {e}"))?;
-            let mut data = TokenData::default();
-            let mut held_out = Vec::new();
-            for (i, e) in encoded.iter().enumerate() {
-                let stream = if i % every == every - 1 {
-                    held_out.push(i);
-                    &mut data.val
-                } else {
-                    &mut data.train
-                };
-                stream.extend_from_slice(e.get_ids());
-                stream.push(eos);
-            }
-            drop(encoded);
-            data.pairs = context_pairs(&tokenizer, &docs, &held_out, f.context_pairs, f.seed)?;
-            write_token_cache(&cache, &key, &data)?;
-            data
-        }
-    };
-    drop(docs);
-    eprintln!(
-        "{} training tokens, {} validation tokens, {} held-out paragraph pairs",
-        data.train.len(),
-        data.val.len(),
-        data.pairs.len()
-    );
     if data.val.len() < f.seq_len + 1 {
         bail!(
             "the validation split has {} tokens, fewer than one sequence; raise val_fraction or add text",
@@ -446,6 +387,139 @@ fn pretrain_cmd(a: PretrainArgs) -> Result<()> {
     Ok(())
 }
 
+/// The tokenizer (given, trained earlier, or trained now) and the token streams of the text
+/// corpora; every ⌈1/val_fraction⌉-th document is held out for validation.
+fn text_data(a: &PretrainArgs, f: &RunFile) -> Result<(PathBuf, TokenData)> {
+    if a.corpus.is_empty() {
+        bail!("give at least one --corpus KIND:PATH (or a config with a \"recall\" section, which generates its data)");
+    }
+    // Documents, in the order given.
+    let mut docs = Vec::new();
+    for spec in &a.corpus {
+        let d = read_corpus(spec)?;
+        let bytes: usize = d.iter().map(String::len).sum();
+        eprintln!("{spec}: {} documents, {:.1} MB", d.len(), bytes as f64 / 1e6);
+        docs.extend(d);
+    }
+
+    // Tokenizer: given, already trained by an earlier call, or trained now.
+    let tok_path = a.out.join("tokenizer.json");
+    if let Some(t) = &a.tokenizer {
+        std::fs::copy(t, &tok_path).with_context(|| format!("copying --tokenizer {}", t.display()))?;
+    } else if !tok_path.is_file() {
+        let mut take = docs.len();
+        if f.tokenizer_mb > 0 {
+            let mut bytes = 0;
+            take = docs
+                .iter()
+                .position(|d| {
+                    bytes += d.len();
+                    bytes > f.tokenizer_mb * 1_000_000
+                })
+                .map_or(docs.len(), |i| i + 1);
+        }
+        eprintln!("training a byte-level BPE of {} entries on {take} documents…", f.vocab);
+        let tok = picaso_train::bpe::train_bpe(&docs[..take], f.vocab).map_err(anyhow::Error::msg)?;
+        tok.save(&tok_path, false).map_err(|e| anyhow::anyhow!("saving {}: {e}", tok_path.display()))?;
+    }
+    let tokenizer = picaso_model::TextTokenizer::from_file(&tok_path)?;
+    let eos = tokenizer.eos().context("the tokenizer has no end-of-text token (<|endoftext|>)")?;
+
+    // Token streams; every ⌈1/val_fraction⌉-th document is held out for validation. Encoding
+    // tens of millions of tokens takes minutes, so a resumed run reads them from OUT/tokens.bin
+    // when the tokenizer, the corpora and the split are the same.
+    let every = (1.0 / f.val_fraction.clamp(1e-6, 0.5)).round() as usize;
+    let key = {
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        h.update(&std::fs::read(&tok_path)?);
+        for spec in &a.corpus {
+            h.update(spec.to_string().as_bytes());
+        }
+        for d in &docs {
+            h.update(&(d.len() as u64).to_le_bytes());
+        }
+        h.update(format!("{every}/{}/{}", f.context_pairs, f.seed).as_bytes());
+        format!("{:032x}", h.digest128())
+    };
+    let cache = a.out.join("tokens.bin");
+    let data = match read_token_cache(&cache, &key) {
+        Some(d) => {
+            eprintln!("token streams read from {}", cache.display());
+            d
+        }
+        None => {
+            eprintln!("tokenizing {} documents…", docs.len());
+            let encoded = tokenizer
+                .inner()
+                .encode_batch(docs.iter().map(String::as_str).collect::<Vec<_>>(), false)
+                .map_err(|e| anyhow::anyhow!("tokenizing the corpora: {e}"))?;
+            let mut data = TokenData::default();
+            let mut held_out = Vec::new();
+            for (i, e) in encoded.iter().enumerate() {
+                let stream = if i % every == every - 1 {
+                    held_out.push(i);
+                    &mut data.val
+                } else {
+                    &mut data.train
+                };
+                stream.extend_from_slice(e.get_ids());
+                stream.push(eos);
+            }
+            drop(encoded);
+            data.pairs = context_pairs(&tokenizer, &docs, &held_out, f.context_pairs, f.seed)?;
+            write_token_cache(&cache, &key, &data)?;
+            data
+        }
+    };
+    drop(docs);
+    eprintln!(
+        "{} training tokens, {} validation tokens, {} held-out paragraph pairs",
+        data.train.len(),
+        data.val.len(),
+        data.pairs.len()
+    );
+    Ok((tok_path, data))
+}
+
+/// The synthetic recall vocabulary and its generated token streams: sequence i is held out
+/// for validation when i % ⌈1/val_fraction⌉ is the last residue; every sequence is seq_len − 1
+/// tokens and an end-of-text, so the `epochs` sampler's windows are whole sequences.
+fn recall_data(a: &PretrainArgs, f: &RunFile, r: &RecallData) -> Result<(PathBuf, TokenData)> {
+    use picaso_eval::recall::task::{answer_mask, synthetic_tokenizer, training_text, Form, Task, QUERY};
+    if !a.corpus.is_empty() || a.tokenizer.is_some() {
+        bail!(
+            "--config has a \"recall\" section, which generates its data and vocabulary: drop --corpus and --tokenizer"
+        );
+    }
+    if f.sampler != picaso_train::pretrain::Sampler::Epochs {
+        bail!("--config: recall sequences must be trained whole; set \"sampler\": \"epochs\"");
+    }
+    let task = Task { form: Form::Synthetic, facts: r.facts, keys: r.keys, values: r.values };
+    let tok = synthetic_tokenizer(r.keys, r.values);
+    let tok_path = a.out.join("tokenizer.json");
+    tok.save(&tok_path, false).map_err(|e| anyhow::anyhow!("saving {}: {e}", tok_path.display()))?;
+    let eos = tok.token_to_id("<|endoftext|>").expect("the recall vocabulary has an end-of-text token");
+    let query = tok.token_to_id(QUERY).expect("the recall vocabulary has a query token");
+    let every = (1.0 / f.val_fraction.clamp(1e-6, 0.5)).round() as usize;
+    let mut data = TokenData::default();
+    for i in 0..r.sequences {
+        let text = training_text(&task, f.seed, i, r.max_k, f.seq_len - 1).context("--config: recall")?;
+        let enc =
+            tok.encode(text.as_str(), false).map_err(|e| anyhow::anyhow!("tokenizing recall sequence {i}: {e}"))?;
+        let stream = if i % every == every - 1 { &mut data.val } else { &mut data.train };
+        stream.extend_from_slice(enc.get_ids());
+        stream.push(eos);
+    }
+    data.train_mask = answer_mask(&data.train, query);
+    data.val_mask = answer_mask(&data.val, query);
+    let answers = data.train_mask.iter().filter(|&&m| m).count();
+    eprintln!(
+        "{} recall sequences of {} tokens (k ≤ {}, {} facts per context): {} training tokens ({answers} answers), {} validation tokens",
+        r.sequences, f.seq_len, r.max_k, r.facts, data.train.len(), data.val.len()
+    );
+    Ok((tok_path, data))
+}
+
 /// The token streams cached under `key`, if the file holds them.
 fn read_token_cache(path: &std::path::Path, key: &str) -> Option<TokenData> {
     let bytes = std::fs::read(path).ok()?;
@@ -474,7 +548,7 @@ fn read_token_cache(path: &std::path::Path, key: &str) -> Option<TokenData> {
             continuation: take(n(3)?)?,
         });
     }
-    Some(TokenData { train, val, pairs })
+    Some(TokenData { train, val, pairs, ..Default::default() })
 }
 
 /// Writes the token streams under `key` (aside, then renamed).

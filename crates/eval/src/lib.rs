@@ -8,7 +8,8 @@
 //! multiple-choice questions from retrieved facts; [`attribution`] finds an answer's source by
 //! leaving contexts in or out (on OpenBookQA and [`msmarco`]); [`order`] measures how much the
 //! order of contexts matters; [`fidelity`] compares each method's state and predictions with
-//! Concat's; [`context_use`] checks that a model uses its context at all; [`report`] writes
+//! Concat's; [`context_use`] checks that a model uses its context at all; [`recall`] asks for facts spread
+//! over k contexts (exact-match recall per method, per k and per context position); [`report`] writes
 //! the results as JSON, CSV, Markdown and PNG plots.
 //!
 //! Design decision: experiments read their database from a [`picaso_store::Store`] — the
@@ -24,6 +25,7 @@ pub mod msmarco;
 pub mod openbookqa;
 pub mod order;
 pub mod plot;
+pub mod recall;
 pub mod report;
 pub mod stats;
 pub mod wikitext;

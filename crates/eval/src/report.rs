@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use crate::methods::EvalMethod;
 use crate::plot::{line_chart, Chart, Series};
-use crate::{attribution, context_use, fidelity, openbookqa, order, wikitext, Error, Result};
+use crate::{attribution, context_use, fidelity, openbookqa, order, recall, wikitext, Error, Result};
 
 /// Where and how a result was made.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -494,4 +494,206 @@ pub fn write_finetuned(out: &Path, models: &[ModelResults<'_>], info: &RunInfo) 
         "models": models.iter().map(|m| serde_json::json!({"name": m.name, "wikitext": m.wikitext, "openbookqa": m.openbookqa})).collect::<Vec<_>>(),
     });
     write_all(out, value, &csv, &md, info)
+}
+
+/// One model's recall run, by name.
+pub struct RecallRun<'a> {
+    /// Name in tables and file names.
+    pub name: &'a str,
+    /// Its results.
+    pub report: &'a recall::Report,
+}
+
+/// Writes the recall experiment of one or more models (same queries) into `out`, with the
+/// paired differences of each later model against the first.
+pub fn write_recall(out: &Path, runs: &[RecallRun<'_>], paired: &[recall::Paired], info: &RunInfo) -> Result<()> {
+    let first = runs.first().ok_or_else(|| Error::Input("no recall runs to write".into()))?;
+    let o = &first.report.options;
+    let pct = |x: f64| 100.0 * x;
+    let mut csv = String::from(
+        "model,method,k,queries,exact,exact_ci95,choice,choice_ci95,answer_nll,ready_ms,tokens_processed,order_range,order_flips\n",
+    );
+    let mut md = format!(
+        "# Recall through composition: a fact from one of k contexts\n\n{:?} task: {} facts per context, {} keys, {} values. Per k: {} episodes × {} queries × {} orders of the contexts (seed {}); the answer also competes with {} distractor values. Exact match = greedy decoding reproduces the value.\n",
+        o.task.form, o.task.facts, o.task.keys, o.task.values, o.episodes, o.queries, o.orders, o.seed, o.distractors
+    );
+    for run in runs {
+        let r = run.report;
+        let methods = methods_in(r.cells.iter().map(|c| &c.method));
+        let header = |title: &str| {
+            let mut h = format!("\n### {title}\n\n| k |");
+            for m in &methods {
+                write!(h, " {m} |").expect("string");
+            }
+            h.push_str("\n|---:|");
+            h.push_str(&"---:|".repeat(methods.len()));
+            h.push('\n');
+            h
+        };
+        writeln!(md, "\n## Model `{}`", run.name).expect("string");
+        let mut exact = header("Exact match (%, ± 95% CI)");
+        let mut choice = header("Answer chosen among the distractors (%, ± 95% CI)");
+        let mut ready = header("Time to the ready state (ms; tokens the model processed)");
+        for &k in &o.ks {
+            for t in [&mut exact, &mut choice, &mut ready] {
+                write!(t, "| {k} |").expect("string");
+            }
+            for &m in &methods {
+                let Some(c) = r.cell(m, k) else {
+                    for t in [&mut exact, &mut choice, &mut ready] {
+                        t.push_str(" |");
+                    }
+                    continue;
+                };
+                write!(exact, " {:.1} ± {:.1} |", pct(c.exact), pct(c.exact_ci95)).expect("string");
+                write!(choice, " {:.1} ± {:.1} |", pct(c.choice), pct(c.choice_ci95)).expect("string");
+                write!(ready, " {:.2} ({:.0}) |", c.ready_ms, c.tokens_processed).expect("string");
+                writeln!(
+                    csv,
+                    "{},{},{},{},{:.6},{:.6},{:.6},{:.6},{:.6},{:.4},{:.1},{:.6},{:.6}",
+                    run.name,
+                    m,
+                    k,
+                    c.queries,
+                    c.exact,
+                    c.exact_ci95,
+                    c.choice,
+                    c.choice_ci95,
+                    c.answer_nll,
+                    c.ready_ms,
+                    c.tokens_processed,
+                    c.order_range,
+                    c.order_flips
+                )
+                .expect("string");
+            }
+            for t in [&mut exact, &mut choice, &mut ready] {
+                t.push('\n');
+            }
+        }
+        md.push_str(&exact);
+        md.push_str(&choice);
+        md.push_str(&ready);
+        let kmax = *o.ks.last().expect("a report has ks");
+        write!(
+            md,
+            "\n### By position of the context that holds the key (k = {kmax}; 1 = first, {kmax} = next to the query; exact %)\n\n| position |"
+        )
+        .expect("string");
+        for m in &methods {
+            write!(md, " {m} |").expect("string");
+        }
+        writeln!(md, "\n|---:|{}", "---:|".repeat(methods.len())).expect("string");
+        for p in 1..=kmax {
+            write!(md, "| {p} |").expect("string");
+            for &m in &methods {
+                match r.positions.iter().find(|c| c.method == m && c.k == kmax && c.position == p) {
+                    Some(c) => write!(md, " {:.1} ± {:.1} |", pct(c.exact), pct(c.exact_ci95)),
+                    None => write!(md, " |"),
+                }
+                .expect("string");
+            }
+            md.push('\n');
+        }
+        if o.orders > 1 {
+            md.push_str("\n### Order: exact match in each order of the same contexts (%), range, share of queries that flip\n\n| k | method | per order | range (points) | flips |\n|---:|---|---|---:|---:|\n");
+            for c in r.cells.iter().filter(|c| c.k > 1 && c.method != EvalMethod::Naive) {
+                let per: Vec<String> = c.order_exact.iter().map(|&x| format!("{:.1}", pct(x))).collect();
+                writeln!(
+                    md,
+                    "| {} | {} | {} | {:.1} | {:.1}% |",
+                    c.k,
+                    c.method,
+                    per.join(" / "),
+                    pct(c.order_range),
+                    pct(c.order_flips)
+                )
+                .expect("string");
+            }
+            if let Some(g) = r.picaso_s_order_gap {
+                writeln!(md, "\nPICASO-S: largest change of an answer's log-likelihood between orders {g:.2e} nats (order-invariant up to rounding).").expect("string");
+            }
+        }
+        if !r.contrasts.is_empty() {
+            md.push_str("\n### Paired differences on the same queries (exact match, points, ± 95% CI)\n\n| k | a | b | a | b | a − b |\n|---:|---|---|---:|---:|---:|\n");
+            for p in &r.contrasts {
+                writeln!(
+                    md,
+                    "| {} | {} | {} | {:.1} | {:.1} | {:+.1} ± {:.1} |",
+                    p.k,
+                    p.a,
+                    p.b,
+                    pct(p.a_exact),
+                    pct(p.b_exact),
+                    pct(p.diff),
+                    pct(p.diff_ci95)
+                )
+                .expect("string");
+            }
+        }
+        let series: Vec<Series> = methods
+            .iter()
+            .map(|&m| Series {
+                name: m.to_string(),
+                points: r.cells.iter().filter(|c| c.method == m).map(|c| (c.k as f64, pct(c.exact))).collect(),
+            })
+            .collect();
+        let title = format!("Recall vs number of contexts ({})", run.name);
+        line_chart(
+            &out_file(out, "accuracy_vs_k", run.name)?,
+            &Chart { title: &title, x: "k (contexts)", y: "exact match (%)", log_x: false },
+            &series,
+        )?;
+        let series: Vec<Series> = methods
+            .iter()
+            .map(|&m| Series {
+                name: m.to_string(),
+                points: r
+                    .positions
+                    .iter()
+                    .filter(|c| c.method == m && c.k == kmax)
+                    .map(|c| (c.position as f64, pct(c.exact)))
+                    .collect(),
+            })
+            .collect();
+        let title = format!("Recall by position of the key's context, k = {kmax} ({})", run.name);
+        line_chart(
+            &out_file(out, "accuracy_vs_position", run.name)?,
+            &Chart {
+                title: &title,
+                x: "position (1 = first, k = next to the query)",
+                y: "exact match (%)",
+                log_x: false,
+            },
+            &series,
+        )?;
+    }
+    if !paired.is_empty() {
+        md.push_str("\n## Models compared on the same queries (exact match, points, ± 95% CI)\n\n| k | a | b | a | b | a − b |\n|---:|---|---|---:|---:|---:|\n");
+        for p in paired {
+            writeln!(
+                md,
+                "| {} | {} | {} | {:.1} | {:.1} | {:+.1} ± {:.1} |",
+                p.k,
+                p.a,
+                p.b,
+                pct(p.a_exact),
+                pct(p.b_exact),
+                pct(p.diff),
+                pct(p.diff_ci95)
+            )
+            .expect("string");
+        }
+    }
+    let models: Vec<serde_json::Value> =
+        runs.iter().map(|r| serde_json::json!({ "name": r.name, "report": r.report })).collect();
+    write_all(out, serde_json::json!({ "run": info, "models": models, "paired": paired }), &csv, &md, info)
+}
+
+/// `out/STEM-NAME.png`, the name made safe for a file name (the folder is created).
+fn out_file(out: &Path, stem: &str, name: &str) -> Result<std::path::PathBuf> {
+    create(out)?;
+    let safe: String =
+        name.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect();
+    Ok(out.join(format!("{stem}-{safe}.png")))
 }

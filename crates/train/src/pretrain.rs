@@ -186,6 +186,11 @@ pub struct TokenData {
     pub val: Vec<u32>,
     /// Held-out pairs (may be empty).
     pub pairs: Vec<ContextPair>,
+    /// Which training tokens count as targets (empty: all). A generated task scores only its
+    /// answers: the rest of its tokens are random by construction.
+    pub train_mask: Vec<bool>,
+    /// Which validation tokens count as targets (empty: all).
+    pub val_mask: Vec<bool>,
 }
 
 /// Progress after each step.
@@ -264,16 +269,17 @@ pub fn init_weights_with(c: &Mamba2Config, seed: u64, opts: &InitOptions) -> Mam
 
 /// The (inputs, targets) of step `step`: `batch` windows of `seq_len + 1` tokens, drawn as the
 /// config's sampler says from (seed, step) alone. Targets before `loss_from` are ignored.
-fn batch_at(tokens: &[u32], cfg: &PretrainConfig, step: u64) -> (Vec<u32>, Vec<u32>) {
+fn batch_at(tokens: &[u32], mask: &[bool], cfg: &PretrainConfig, step: u64) -> (Vec<u32>, Vec<u32>) {
     let (mut x, mut y) = (Vec::with_capacity(cfg.batch * cfg.seq_len), Vec::with_capacity(cfg.batch * cfg.seq_len));
     let mut take = |o: usize| {
         x.extend_from_slice(&tokens[o..o + cfg.seq_len]);
-        y.extend(
-            tokens[o + 1..o + cfg.seq_len + 1]
-                .iter()
-                .enumerate()
-                .map(|(i, &t)| if i < cfg.loss_from { IGNORE } else { t }),
-        );
+        y.extend(tokens[o + 1..o + cfg.seq_len + 1].iter().enumerate().map(|(i, &t)| {
+            if i < cfg.loss_from || !counts(mask, o + 1 + i) {
+                IGNORE
+            } else {
+                t
+            }
+        }));
     };
     match cfg.sampler {
         Sampler::Random => {
@@ -300,6 +306,11 @@ fn batch_at(tokens: &[u32], cfg: &PretrainConfig, step: u64) -> (Vec<u32>, Vec<u
     (x, y)
 }
 
+/// Whether the target at stream position `j` counts (an empty mask counts everything).
+fn counts(mask: &[bool], j: usize) -> bool {
+    mask.get(j).copied().unwrap_or(mask.is_empty())
+}
+
 /// The window order of one epoch: a permutation seeded by (seed, epoch).
 fn epoch_order(windows: usize, seed: u64, epoch: u64) -> Vec<u32> {
     let mut order: Vec<u32> = (0..windows as u32).collect();
@@ -308,10 +319,18 @@ fn epoch_order(windows: usize, seed: u64, epoch: u64) -> Vec<u32> {
     order
 }
 
-/// Mean validation loss over `val_sequences` consecutive windows of the validation stream.
-pub fn validation_loss(net: &TrainMamba2, val: &[u32], seq_len: usize, n: usize, batch: usize) -> Result<f64> {
+/// Mean validation loss over `val_sequences` consecutive windows of the validation stream
+/// (targets where `mask` is false do not count; an empty mask counts all).
+pub fn validation_loss(
+    net: &TrainMamba2,
+    val: &[u32],
+    mask: &[bool],
+    seq_len: usize,
+    n: usize,
+    batch: usize,
+) -> Result<f64> {
     let dev = net.device().clone();
-    validation_with(val, seq_len, n, batch, |x, y, b| {
+    validation_with(val, mask, seq_len, n, batch, |x, y, b| {
         let (loss, _) = net.loss(&Tensor::from_vec(x.to_vec(), (b, seq_len), &dev)?, y, None)?;
         loss.to_dtype(DType::F64)?.to_scalar::<f64>()
     })
@@ -322,15 +341,17 @@ pub fn host_validation_loss(
     trainer: &CpuTrainer,
     w: &Mamba2Weights,
     val: &[u32],
+    mask: &[bool],
     seq_len: usize,
     n: usize,
     batch: usize,
 ) -> Result<f64> {
-    validation_with(val, seq_len, n, batch, |x, y, b| Ok(trainer.loss(w, x, y, b, seq_len)?.loss))
+    validation_with(val, mask, seq_len, n, batch, |x, y, b| Ok(trainer.loss(w, x, y, b, seq_len)?.loss))
 }
 
 fn validation_with(
     val: &[u32],
+    mask: &[bool],
     seq_len: usize,
     n: usize,
     batch: usize,
@@ -346,7 +367,7 @@ fn validation_with(
         for j in i..i + b {
             let o = j * seq_len;
             x.extend_from_slice(&val[o..o + seq_len]);
-            y.extend_from_slice(&val[o + 1..o + seq_len + 1]);
+            y.extend((o + 1..o + seq_len + 1).map(|j| if counts(mask, j) { val[j] } else { IGNORE }));
         }
         total += mean_loss(&x, &y, b)? * b as f64;
         count += b;
@@ -583,7 +604,7 @@ pub fn pretrain(
     let mut ran = 0u64;
     while state.step < config.steps && stop_after.is_none_or(|n| ran < n) {
         let step = state.step;
-        let (x, y) = batch_at(&data.train, config, step);
+        let (x, y) = batch_at(&data.train, &data.train_mask, config, step);
         for g in params_mut(&mut grads) {
             g.fill(0.0);
         }
@@ -609,6 +630,7 @@ pub fn pretrain(
                 &trainer,
                 &weights,
                 &data.val,
+                &data.val_mask,
                 config.seq_len,
                 config.val_sequences,
                 config.batch,
@@ -642,4 +664,64 @@ pub fn pretrain(
         save_host_checkpoint(out, &config.model, &weights, &opt, &state)?;
     }
     Ok(state.history)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(sampler: Sampler, loss_from: usize) -> PretrainConfig {
+        PretrainConfig {
+            model: Mamba2Config::tiny(1, 4),
+            seq_len: 4,
+            batch: 3,
+            steps: 10,
+            warmup: 1,
+            lr: 1e-3,
+            min_lr: 1e-4,
+            clip: 1.0,
+            adamw: AdamWConfig::default(),
+            seed: 3,
+            val_every: 5,
+            val_sequences: 2,
+            checkpoint_every: 5,
+            chunk: 4,
+            sampler,
+            init: InitOptions::default(),
+            loss_from,
+        }
+    }
+
+    /// Targets are the inputs shifted by one; masked-out targets and those before
+    /// `loss_from` are ignored, and an empty mask counts everything.
+    #[test]
+    fn batches_respect_the_target_mask() {
+        let tokens: Vec<u32> = (0..41).collect();
+        let mask: Vec<bool> = (0..41).map(|j| j % 3 == 0).collect();
+        for sampler in [Sampler::Random, Sampler::Epochs] {
+            for loss_from in [0, 2] {
+                let cfg = config(sampler, loss_from);
+                let (x, y) = batch_at(&tokens, &mask, &cfg, 4);
+                let (_, all) = batch_at(&tokens, &[], &cfg, 4);
+                for (i, (&xi, &yi)) in x.iter().zip(&y).enumerate() {
+                    let counted = i % 4 >= loss_from && (xi + 1) % 3 == 0;
+                    assert_eq!(yi, if counted { xi + 1 } else { IGNORE }, "{sampler:?} position {i}");
+                    assert_eq!(all[i], if i % 4 >= loss_from { xi + 1 } else { IGNORE });
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn validation_counts_only_masked_targets() {
+        let val: Vec<u32> = (0..9).collect();
+        let mask: Vec<bool> = (0..9).map(|j| j == 2 || j == 7).collect();
+        let mut seen = Vec::new();
+        validation_with(&val, &mask, 4, 2, 2, |_, y, _| {
+            seen = y.to_vec();
+            Ok(0.0)
+        })
+        .unwrap();
+        assert_eq!(seen, vec![IGNORE, 2, IGNORE, IGNORE, IGNORE, IGNORE, 7, IGNORE]);
+    }
 }

@@ -173,7 +173,7 @@ fn tiny_token_data() -> picaso_train::pretrain::TokenData {
     picaso_train::pretrain::TokenData {
         train: random_tokens(2000, 64, 1),
         val: random_tokens(200, 64, 2),
-        pairs: Vec::new(),
+        ..Default::default()
     }
 }
 
