@@ -40,9 +40,13 @@ pub struct ComposeArgs {
     #[arg(long)]
     objective: picaso_train::compose::Objective,
     /// Store of training passages ingested with `--segment halves` by the starting model
-    /// (e.g. WikiText-2 validation; never the test split you evaluate on).
-    #[command(flatten)]
-    db: crate::DbArgs,
+    /// (e.g. WikiText-2 train; never the test split you evaluate on). Not used with a config
+    /// that generates recall episodes (a `recall` section).
+    #[arg(long)]
+    db: Option<String>,
+    /// Where the store's state objects live (see `picaso ingest`).
+    #[arg(long, requires = "db")]
+    states: Option<String>,
     #[command(flatten)]
     model: crate::ModelArgs,
     /// The run's JSON config (see models/README.md).
@@ -89,6 +93,24 @@ struct ComposeFile {
     checkpoint_every: u64,
     #[serde(default = "chunk")]
     chunk: usize,
+    /// Smallest k drawn (1 when every example's first context holds its answer).
+    #[serde(default)]
+    min_k: usize,
+    /// Fine-tune on generated recall episodes (the model's synthetic recall vocabulary)
+    /// instead of a store.
+    #[serde(default)]
+    recall: Option<RecallEpisodes>,
+}
+
+/// The `recall` section of a fine-tuning config: each example asks for one fact of its first
+/// context, among max_k − 1 other contexts of facts.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RecallEpisodes {
+    /// Facts per context.
+    facts: usize,
+    /// Training examples generated (validation: `val_passages` more).
+    episodes: usize,
 }
 
 fn ten() -> usize {
@@ -702,19 +724,92 @@ fn draw_pretrain_loss(path: &std::path::Path, rows: &[(f64, f64, Option<f64>)]) 
 }
 
 fn compose_cmd(a: ComposeArgs) -> Result<()> {
-    use picaso_train::compose::{finetune, ComposeConfig, ContextItem, Dataset, Example};
     let text =
         std::fs::read_to_string(&a.config).with_context(|| format!("reading --config {}", a.config.display()))?;
     let f: ComposeFile = serde_json::from_str(&text).with_context(|| format!("--config {}", a.config.display()))?;
     if f.batch == 0 || f.steps == 0 || f.val_every == 0 || f.checkpoint_every == 0 || f.chunk == 0 {
         bail!("--config: batch, steps, val_every, checkpoint_every and chunk must be at least 1");
     }
-    if f.val_k > f.max_k {
-        bail!("--config: val_k ({}) must not exceed max_k ({})", f.val_k, f.max_k);
+    if f.val_k > f.max_k || f.min_k > f.max_k {
+        bail!("--config: val_k ({}) and min_k ({}) must not exceed max_k ({})", f.val_k, f.min_k, f.max_k);
     }
     let model = crate::load_model(&a.model, true)?;
-    let store = picaso_store::Store::open(a.db.location()?)?;
-    if store.info().fingerprint != model.fingerprint() && !a.restate {
+    let data = match (&f.recall, &a.db) {
+        (Some(r), None) => recall_examples(&model, &f, r)?,
+        (None, Some(db)) => {
+            store_examples(&model, &crate::DbArgs { db: db.clone(), states: a.states.clone() }, &f, a.restate)?
+        }
+        (Some(_), Some(_)) => bail!("--config has a \"recall\" section, which generates its examples: drop --db"),
+        (None, None) => bail!(
+            "give --db (a store of passages ingested with --segment halves), or a config with a \"recall\" section"
+        ),
+    };
+    fit_compose(&a, &f, &model, &data)
+}
+
+/// Recall examples: episode i of max_k contexts (generated with the config's seed), asking
+/// for one fact of its first context — "most relevant first", as retrieval would rank it.
+fn recall_examples(
+    model: &picaso_model::Model,
+    f: &ComposeFile,
+    r: &RecallEpisodes,
+) -> Result<picaso_train::compose::Dataset> {
+    use picaso_eval::recall::Task;
+    use picaso_train::compose::{ContextItem, Dataset, Example};
+    let tok = model.tokenizer()?;
+    let task = Task::synthetic_from_vocab(&tok.inner().get_vocab(true), r.facts)?;
+    let mut data = Dataset { contexts: Vec::new(), train: Vec::new(), val: Vec::new() };
+    let bar = indicatif::ProgressBar::new((r.episodes + f.val_passages) as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} recall episodes · ETA {eta}")
+            .expect("valid template"),
+    );
+    for i in 0..r.episodes + f.val_passages {
+        // Validation episodes come from another seed than any training one.
+        let seed = if i < r.episodes { f.seed } else { f.seed ^ 0x7a1d_a7e0 };
+        let ep = task.episode(seed, i, f.max_k.max(1), 1)?;
+        let (c, fact) = ep.queries[0];
+        let mut contexts = Vec::with_capacity(ep.contexts.len());
+        for j in std::iter::once(c).chain((0..ep.contexts.len()).filter(|&j| j != c)) {
+            let tokens = tok.encode(&task.context_text(&ep.contexts[j]))?;
+            let state = model.prefill(&tokens, &model.zero_state())?;
+            contexts.push(data.contexts.len());
+            data.contexts.push(ContextItem { tokens, state });
+        }
+        let fact = ep.contexts[c][fact];
+        let example = Example {
+            contexts,
+            query: tok.encode(&task.query_text(fact.key))?,
+            continuation: tok.encode(&task.answer_text(fact.value))?,
+        };
+        if i < r.episodes {
+            data.train.push(example)
+        } else {
+            data.val.push(example)
+        }
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    eprintln!(
+        "{} training and {} validation recall episodes of {} contexts",
+        data.train.len(),
+        data.val.len(),
+        f.max_k
+    );
+    Ok(data)
+}
+
+/// Examples from a store of halves: every passage with its retrieved contexts; every n-th
+/// passage held out.
+fn store_examples(
+    model: &picaso_model::Model,
+    db: &crate::DbArgs,
+    f: &ComposeFile,
+    restate: bool,
+) -> Result<picaso_train::compose::Dataset> {
+    use picaso_train::compose::{ContextItem, Dataset, Example};
+    let store = picaso_store::Store::open(db.location()?)?;
+    if store.info().fingerprint != model.fingerprint() && !restate {
         bail!(
             "--db {}: its states were made by model {}, not by the model being fine-tuned ({}); ingest the passages with this model, or pass --restate to recompute them",
             store.location(),
@@ -741,7 +836,7 @@ fn compose_cmd(a: ComposeArgs) -> Result<()> {
             if at == next {
                 let tokens = store.get(id)?.tokens;
                 let state =
-                    if a.restate { model.prefill(&tokens, &model.zero_state())? } else { store.load_state(id)? };
+                    if restate { model.prefill(&tokens, &model.zero_state())? } else { store.load_state(id)? };
                 data.contexts.push(ContextItem { tokens, state });
             }
             contexts.push(at);
@@ -762,7 +857,17 @@ fn compose_cmd(a: ComposeArgs) -> Result<()> {
         data.val.len(),
         data.contexts.len()
     );
+    Ok(data)
+}
 
+/// Fine-tunes `model` on `data` as the config says; writes OUT's log, chart and model.
+fn fit_compose(
+    a: &ComposeArgs,
+    f: &ComposeFile,
+    model: &picaso_model::Model,
+    data: &picaso_train::compose::Dataset,
+) -> Result<()> {
+    use picaso_train::compose::{finetune, ComposeConfig};
     let mut adamw = picaso_train::optim::AdamWConfig::default();
     if let Some(wd) = f.weight_decay {
         adamw.weight_decay = wd;
@@ -785,6 +890,7 @@ fn compose_cmd(a: ComposeArgs) -> Result<()> {
         clip: f.clip,
         adamw,
         max_k: f.max_k,
+        min_k: f.min_k,
         seed: f.seed,
         val_every: f.val_every,
         val_k: f.val_k,

@@ -149,7 +149,19 @@ pub fn write_wikitext(out: &Path, report: &wikitext::Report, info: &RunInfo) -> 
         }
     }
     let ci = report.cells.iter().filter(|c| c.method != EvalMethod::Naive).map(|c| c.ci95).fold(0.0, f64::max);
-    writeln!(md, "Largest 95% confidence half-width of a cell: {ci:.4}.\n").expect("string");
+    writeln!(md, "\nLargest 95% confidence half-width of a cell: {ci:.4}.").expect("string");
+    if !report.contrasts.is_empty() {
+        md.push_str("\nPaired differences on the same passages: how much lower `a`'s loss is than `b`'s (nats/token, and % of Naive's loss, ± 95% CI). An interval that excludes 0 resolves the comparison.\n\n| k | a | b | gain (nats) | gain (% of naive) |\n|---:|---|---|---:|---:|\n");
+        for c in &report.contrasts {
+            writeln!(
+                md,
+                "| {} | {} | {} | {:+.4} ± {:.4} | {:+.2} ± {:.2} |",
+                c.k, c.a, c.b, c.gain, c.gain_ci95, c.gain_pct, c.gain_pct_ci95
+            )
+            .expect("string");
+        }
+    }
+    md.push('\n');
     md.push_str(&info.markdown());
     write(&out.join("results.md"), &md)?;
     plot_wikitext(out, report, &methods)

@@ -71,6 +71,29 @@ pub struct Report {
     pub naive_ci95: f64,
     /// One cell per (method, k).
     pub cells: Vec<Cell>,
+    /// Paired comparisons on the same passages, per k.
+    pub contrasts: Vec<Contrast>,
+}
+
+/// Method `a` against method `b` on the same passages: the mean per-passage loss difference
+/// `b − a` (positive: `a` is better) with its paired 95% interval — far narrower than the
+/// cells' own intervals, because the passages' difficulty cancels.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Contrast {
+    /// Contexts.
+    pub k: usize,
+    /// The method compared.
+    pub a: EvalMethod,
+    /// What it is compared with.
+    pub b: EvalMethod,
+    /// Mean of `loss_b − loss_a` (nats/token).
+    pub gain: f64,
+    /// Its 95% interval half-width.
+    pub gain_ci95: f64,
+    /// The same as a percentage of Naive's mean loss.
+    pub gain_pct: f64,
+    /// Its 95% interval half-width (percentage points).
+    pub gain_pct_ci95: f64,
 }
 
 impl Options {
@@ -178,6 +201,8 @@ pub fn run(model: &Model, store: &Store, options: &Options, mut progress: impl F
             });
         }
     }
+    losses.extend(options.ks.iter().map(|&k| ((EvalMethod::Naive, k), naive.clone())));
+    let contrasts = contrasts(&options.ks, &losses, naive_loss);
     Ok(Report {
         options: options.clone(),
         passages_available: available,
@@ -187,5 +212,66 @@ pub fn run(model: &Model, store: &Store, options: &Options, mut progress: impl F
         naive_loss,
         naive_ci95,
         cells,
+        contrasts,
     })
+}
+
+/// The comparisons the paper's claims rest on, where both methods were scored: every method
+/// against Naive and against Concat; PICASO-R against Soup, CASO and PICASO-S; CASO against Soup.
+fn contrasts(ks: &[usize], losses: &HashMap<(EvalMethod, usize), Vec<f64>>, naive_loss: f64) -> Vec<Contrast> {
+    use picaso_model::Method::{Caso, PicasoR, PicasoS, Soup};
+    use EvalMethod::{Compose, Concat, Naive};
+    let mut pairs: Vec<(EvalMethod, EvalMethod)> = Vec::new();
+    for m in EvalMethod::ALL.into_iter().filter(|&m| m != Naive) {
+        pairs.push((m, Naive));
+        if m != Concat {
+            pairs.push((m, Concat));
+        }
+    }
+    pairs.extend([(Compose(PicasoR), Compose(Soup)), (Compose(PicasoR), Compose(Caso))]);
+    pairs.extend([(Compose(PicasoR), Compose(PicasoS)), (Compose(Caso), Compose(Soup))]);
+    let mut out = Vec::new();
+    for &k in ks {
+        for &(a, b) in &pairs {
+            let (Some(la), Some(lb)) = (losses.get(&(a, k)), losses.get(&(b, k))) else { continue };
+            let diffs: Vec<f64> = la.iter().zip(lb).map(|(x, y)| y - x).collect();
+            let (gain, gain_ci95) = mean_ci95(&diffs);
+            let pct = 100.0 / naive_loss;
+            out.push(Contrast { k, a, b, gain, gain_ci95, gain_pct: gain * pct, gain_pct_ci95: gain_ci95 * pct });
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use picaso_model::Method;
+
+    use super::*;
+
+    /// Paired gains are the mean per-passage difference; their interval is narrow when the
+    /// methods move together even if the passages' losses spread widely.
+    #[test]
+    fn contrasts_are_paired_per_passage() {
+        let naive = vec![2.0, 6.0, 4.0];
+        let concat = vec![1.9, 5.9, 3.9];
+        let soup = vec![2.0, 6.0, 4.0];
+        let r = vec![1.95, 5.95, 3.95];
+        let mut losses = HashMap::new();
+        losses.insert((EvalMethod::Naive, 1), naive);
+        losses.insert((EvalMethod::Concat, 1), concat);
+        losses.insert((EvalMethod::Compose(Method::Soup), 1), soup);
+        losses.insert((EvalMethod::Compose(Method::PicasoR), 1), r);
+        let c = contrasts(&[1], &losses, 4.0);
+        let find = |a: EvalMethod, b: EvalMethod| c.iter().find(|x| x.a == a && x.b == b).unwrap();
+        let cn = find(EvalMethod::Concat, EvalMethod::Naive);
+        assert!((cn.gain - 0.1).abs() < 1e-12 && cn.gain_ci95 < 1e-9, "{cn:?}");
+        assert!((cn.gain_pct - 2.5).abs() < 1e-9);
+        let rs = find(EvalMethod::Compose(Method::PicasoR), EvalMethod::Compose(Method::Soup));
+        assert!((rs.gain - 0.05).abs() < 1e-12);
+        let rc = find(EvalMethod::Compose(Method::PicasoR), EvalMethod::Concat);
+        assert!((rc.gain + 0.05).abs() < 1e-12, "PICASO-R is worse than Concat here");
+        // Methods that were not scored are left out.
+        assert!(c.iter().all(|x| x.a != EvalMethod::Compose(Method::Caso)));
+    }
 }

@@ -97,8 +97,11 @@ pub struct ComposeConfig {
     pub clip: f64,
     /// Optimiser settings.
     pub adamw: AdamWConfig,
-    /// k is drawn uniformly from 0..=max_k per batch.
+    /// k is drawn uniformly from min_k..=max_k per batch.
     pub max_k: usize,
+    /// Smallest k drawn (0 before this field existed).
+    #[serde(default)]
+    pub min_k: usize,
     /// Seed of the batch order and of k.
     pub seed: u64,
     /// Validate every this many steps (and at the end).
@@ -244,7 +247,7 @@ pub fn eval_loss(
 /// (examples, k) of step `step`.
 fn batch_at<'a>(data: &'a Dataset, cfg: &ComposeConfig, step: u64) -> (Vec<&'a Example>, usize) {
     let mut rng = rand::rngs::StdRng::seed_from_u64(cfg.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ step);
-    let k = rng.random_range(0..=cfg.max_k);
+    let k = rng.random_range(cfg.min_k.min(cfg.max_k)..=cfg.max_k);
     let examples = (0..cfg.batch).map(|_| &data.train[rng.random_range(0..data.train.len())]).collect();
     (examples, k)
 }

@@ -123,6 +123,7 @@ fn config(c: &Mamba2Config, objective: Objective) -> ComposeConfig {
         clip: 1.0,
         adamw: Default::default(),
         max_k: 3,
+        min_k: 0,
         seed: 9,
         val_every: 2,
         val_k: 2,

@@ -205,6 +205,13 @@ fn log_softmax(logits: &[f32]) -> Vec<f64> {
     logits.iter().map(|&l| f64::from(l) - lse).collect()
 }
 
+/// A query's tokens: the prompt, the answer and the distractor values.
+struct Asked {
+    prompt: Vec<u32>,
+    answer: Vec<u32>,
+    distractors: Vec<Vec<u32>>,
+}
+
 /// Per-query records of one (method, k) cell while the run collects them.
 #[derive(Default, Clone)]
 struct Tally {
@@ -250,7 +257,7 @@ pub fn run(model: &Model, options: &Options, mut progress: impl FnMut(usize, usi
             let states: Vec<State> =
                 tokens.iter().map(|t| model.prefill(t, &model.zero_state())).collect::<picaso_model::Result<_>>()?;
             let mut rng = task::rng_for(o.seed, e as u64, k as u64, 0xd157);
-            let asked: Vec<(Vec<u32>, Vec<u32>, Vec<Vec<u32>>)> = episode
+            let asked: Vec<Asked> = episode
                 .queries
                 .iter()
                 .map(|&(c, f)| {
@@ -261,7 +268,11 @@ pub fn run(model: &Model, options: &Options, mut progress: impl FnMut(usize, usi
                         .into_iter()
                         .map(|v| encode(&o.task.answer_text(v)))
                         .collect::<Result<Vec<_>>>()?;
-                    Ok((encode(&o.task.query_text(fact.key))?, encode(&o.task.answer_text(fact.value))?, distractors))
+                    Ok(Asked {
+                        prompt: encode(&o.task.query_text(fact.key))?,
+                        answer: encode(&o.task.answer_text(fact.value))?,
+                        distractors,
+                    })
                 })
                 .collect::<Result<_>>()?;
             let mut s_first: Vec<f64> = Vec::new();
@@ -280,13 +291,13 @@ pub fn run(model: &Model, options: &Options, mut progress: impl FnMut(usize, usi
                     let t = &mut tallies[ki][mi];
                     t.ready_s.push(started.seconds);
                     t.processed.push(started.tokens_processed as f64);
-                    for (qi, (prompt, answer, distractors)) in asked.iter().enumerate() {
-                        let s = score_answer(model, &started.state, prompt, answer, distractors)?;
+                    for (qi, q) in asked.iter().enumerate() {
+                        let s = score_answer(model, &started.state, &q.prompt, &q.answer, &q.distractors)?;
                         let position =
                             perm.iter().position(|&i| i == episode.queries[qi].0).expect("a permutation") + 1;
                         t.exact.push(f64::from(u8::from(s.exact)));
                         t.choice.push(f64::from(u8::from(s.choice)));
-                        t.nll.push(-s.loglik / answer.len() as f64);
+                        t.nll.push(-s.loglik / q.answer.len() as f64);
                         t.at.push((position, f64::from(u8::from(s.exact))));
                         if method == EvalMethod::Compose(Method::PicasoS) && o.orders > 1 {
                             if r == 0 {
