@@ -904,7 +904,7 @@ fn fit_compose(
             .expect("valid template"),
     );
     let plain = bar.is_hidden();
-    let history = finetune(&config, &weights, &data, &a.out, a.stop_after, |r| {
+    let history = finetune(&config, &weights, data, &a.out, a.stop_after, |r| {
         bar.set_position(r.step);
         let val = r.val_loss.map(|v| format!(" · val {v:.3}")).unwrap_or_default();
         let msg = format!("k {} · loss {:.3}{val} · {:.2} s/step", r.k, r.loss, r.step_seconds);
