@@ -415,6 +415,19 @@ impl Parsed {
         if n_layer == 0 {
             return Err(Error::state("holds no `layers.0.ssm` tensor"));
         }
+        // Every tensor must be one of the layers' three: a renamed or extra tensor would
+        // otherwise be skipped and the state silently cut short (found by fuzzing).
+        if st.len() != 3 * n_layer {
+            let mut names: Vec<&str> = st.names();
+            names.sort();
+            return Err(Error::state(format!(
+                "holds {} tensors, but a state whose layers run to layers.{}.ssm has {} (layers.i.ssm, .conv, .log_decay for each): {}",
+                st.len(),
+                n_layer - 1,
+                3 * n_layer,
+                names.join(", ")
+            )));
+        }
         let dims = |name: &str| -> Result<Vec<usize>> {
             st.tensor(name).map(|v| v.shape().to_vec()).map_err(|_| Error::state(format!("missing tensor `{name}`")))
         };
