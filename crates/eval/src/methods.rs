@@ -152,18 +152,29 @@ pub fn continuation_nll(model: &Model, state: &State, query: &[u32], continuatio
 /// property makes this equal to scoring `prompt + choice` whole).
 pub fn choice_logliks(model: &Model, state: &State, prompt: &[u32], choices: &[Vec<u32>]) -> Result<Vec<f64>> {
     let (logits, after) = model.prefill_last_logits(prompt, state)?;
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let lse = f64::from(max) + logits.iter().map(|&l| f64::from(l - max).exp()).sum::<f64>().ln();
+    choice_logliks_after(model, &logits, &after, choices)
+}
+
+/// [`choice_logliks`] from what the prompt left: its next-token `logits` and the state `after`
+/// it (for callers that need the logits too).
+pub fn choice_logliks_after(model: &Model, logits: &[f32], after: &State, choices: &[Vec<u32>]) -> Result<Vec<f64>> {
+    let lp = log_softmax(logits);
     choices
         .iter()
         .map(|c| {
             let (&first, _) =
                 c.split_first().ok_or_else(|| Error::Input("an empty choice has no likelihood".into()))?;
-            let lp0 = f64::from(logits[first as usize]) - lse;
-            let rest = if c.len() > 1 { model.score(c, &after)?.logprobs } else { Vec::new() };
-            Ok(lp0 + rest.iter().map(|&l| f64::from(l)).sum::<f64>())
+            let rest = if c.len() > 1 { model.score(c, after)?.logprobs } else { Vec::new() };
+            Ok(lp[first as usize] + rest.iter().map(|&l| f64::from(l)).sum::<f64>())
         })
         .collect()
+}
+
+/// Log-probabilities (f64) of next-token `logits`.
+pub fn log_softmax(logits: &[f32]) -> Vec<f64> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let lse = f64::from(max) + logits.iter().map(|&l| f64::from(l - max).exp()).sum::<f64>().ln();
+    logits.iter().map(|&l| f64::from(l) - lse).collect()
 }
 
 #[cfg(test)]

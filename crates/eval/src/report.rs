@@ -626,23 +626,7 @@ pub fn write_recall(out: &Path, runs: &[RecallRun<'_>], paired: &[recall::Paired
                 writeln!(md, "\nPICASO-S: largest change of an answer's log-likelihood between orders {g:.2e} nats (order-invariant up to rounding).").expect("string");
             }
         }
-        if !r.contrasts.is_empty() {
-            md.push_str("\n### Paired differences on the same queries (exact match, points, ± 95% CI)\n\n| k | a | b | a | b | a − b |\n|---:|---|---|---:|---:|---:|\n");
-            for p in &r.contrasts {
-                writeln!(
-                    md,
-                    "| {} | {} | {} | {:.1} | {:.1} | {:+.1} ± {:.1} |",
-                    p.k,
-                    p.a,
-                    p.b,
-                    pct(p.a_exact),
-                    pct(p.b_exact),
-                    pct(p.diff),
-                    pct(p.diff_ci95)
-                )
-                .expect("string");
-            }
-        }
+        recall_paired_table(&mut md, "\n### Paired differences on the same queries", &r.contrasts);
         let series: Vec<Series> = methods
             .iter()
             .map(|&m| Series {
@@ -680,26 +664,37 @@ pub fn write_recall(out: &Path, runs: &[RecallRun<'_>], paired: &[recall::Paired
             &series,
         )?;
     }
-    if !paired.is_empty() {
-        md.push_str("\n## Models compared on the same queries (exact match, points, ± 95% CI)\n\n| k | a | b | a | b | a − b |\n|---:|---|---|---:|---:|---:|\n");
-        for p in paired {
-            writeln!(
-                md,
-                "| {} | {} | {} | {:.1} | {:.1} | {:+.1} ± {:.1} |",
-                p.k,
-                p.a,
-                p.b,
-                pct(p.a_exact),
-                pct(p.b_exact),
-                pct(p.diff),
-                pct(p.diff_ci95)
-            )
-            .expect("string");
-        }
-    }
+    recall_paired_table(&mut md, "\n## Models compared on the same queries", paired);
     let models: Vec<serde_json::Value> =
         runs.iter().map(|r| serde_json::json!({ "name": r.name, "report": r.report })).collect();
     write_all(out, serde_json::json!({ "run": info, "models": models, "paired": paired }), &csv, &md, info)
+}
+
+/// Appends `title` and a table of paired exact-match differences (nothing when `rows` is empty).
+fn recall_paired_table(md: &mut String, title: &str, rows: &[recall::Paired]) {
+    if rows.is_empty() {
+        return;
+    }
+    let pct = |x: f64| 100.0 * x;
+    write!(
+        md,
+        "{title} (exact match, points, ± 95% CI)\n\n| k | a | b | a | b | a − b |\n|---:|---|---|---:|---:|---:|\n"
+    )
+    .expect("string");
+    for p in rows {
+        writeln!(
+            md,
+            "| {} | {} | {} | {:.1} | {:.1} | {:+.1} ± {:.1} |",
+            p.k,
+            p.a,
+            p.b,
+            pct(p.a_exact),
+            pct(p.b_exact),
+            pct(p.diff),
+            pct(p.diff_ci95)
+        )
+        .expect("string");
+    }
 }
 
 /// `out/STEM-NAME.png`, the name made safe for a file name (the folder is created).

@@ -14,9 +14,24 @@ pub fn mean_ci95(xs: &[f64]) -> (f64, f64) {
     (mean, 1.96 * (var / n).sqrt())
 }
 
+/// Mean and 95% half-width of the per-item differences `a − b` of two measurements of the
+/// same items: the paired interval, far narrower than either mean's own when the items'
+/// difficulty moves both.
+pub fn paired_ci95(a: &[f64], b: &[f64]) -> (f64, f64) {
+    let diffs: Vec<f64> = a.iter().zip(b).map(|(x, y)| x - y).collect();
+    mean_ci95(&diffs)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn paired_interval_of_differences() {
+        let (d, h) = paired_ci95(&[2.0, 6.0, 4.0], &[1.0, 5.0, 3.0]);
+        assert_eq!((d, h), (1.0, 0.0));
+        assert!(paired_ci95(&[], &[]).0.is_nan());
+    }
 
     #[test]
     fn mean_and_interval() {

@@ -12,7 +12,7 @@ use rand::SeedableRng;
 
 use crate::database::{cache_cap, check_model, Contexts};
 use crate::methods::{continuation_nll, start_state, EvalMethod};
-use crate::stats::mean_ci95;
+use crate::stats::{mean_ci95, paired_ci95};
 use crate::{Error, Result};
 
 /// What to run.
@@ -234,8 +234,7 @@ fn contrasts(ks: &[usize], losses: &HashMap<(EvalMethod, usize), Vec<f64>>, naiv
     for &k in ks {
         for &(a, b) in &pairs {
             let (Some(la), Some(lb)) = (losses.get(&(a, k)), losses.get(&(b, k))) else { continue };
-            let diffs: Vec<f64> = la.iter().zip(lb).map(|(x, y)| y - x).collect();
-            let (gain, gain_ci95) = mean_ci95(&diffs);
+            let (gain, gain_ci95) = paired_ci95(lb, la);
             let pct = 100.0 / naive_loss;
             out.push(Contrast { k, a, b, gain, gain_ci95, gain_pct: gain * pct, gain_pct_ci95: gain_ci95 * pct });
         }

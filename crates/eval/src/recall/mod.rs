@@ -16,8 +16,8 @@ pub mod task;
 use picaso_model::{Method, Model, State};
 use rand::seq::SliceRandom;
 
-use crate::methods::{start_state, Context, EvalMethod};
-use crate::stats::mean_ci95;
+use crate::methods::{choice_logliks_after, log_softmax, start_state, Context, EvalMethod};
+use crate::stats::{mean_ci95, paired_ci95};
 use crate::wikitext::check_ks;
 use crate::{Error, Result};
 pub use task::{Episode, Fact, Form, Task};
@@ -177,15 +177,7 @@ pub fn score_answer(
             loglik += log_softmax(row)[want as usize];
         }
     }
-    let mut choice = true;
-    for d in distractors {
-        let (&d0, d_rest) = d.split_first().ok_or_else(|| Error::Input("an empty distractor".into()))?;
-        let mut ll = lp[d0 as usize];
-        if !d_rest.is_empty() {
-            ll += model.score(d, &after)?.logprobs.iter().map(|&l| f64::from(l)).sum::<f64>();
-        }
-        choice &= loglik > ll;
-    }
+    let choice = choice_logliks_after(model, &logits, &after, distractors)?.iter().all(|&ll| loglik > ll);
     Ok(AnswerScore { exact, choice, loglik })
 }
 
@@ -197,12 +189,6 @@ fn argmax(xs: &[f32]) -> usize {
         }
     }
     best
-}
-
-fn log_softmax(logits: &[f32]) -> Vec<f64> {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let lse = f64::from(max) + logits.iter().map(|&l| f64::from(l - max).exp()).sum::<f64>().ln();
-    logits.iter().map(|&l| f64::from(l) - lse).collect()
 }
 
 /// A query's tokens: the prompt, the answer and the distractor values.
@@ -220,8 +206,8 @@ struct Tally {
     nll: Vec<f64>,
     ready_s: Vec<f64>,
     processed: Vec<f64>,
-    /// (position, exact) per query.
-    at: Vec<(usize, f64)>,
+    /// Position of the key's context, per query (parallel to `exact`).
+    position: Vec<usize>,
 }
 
 /// Runs the experiment; `progress(done, total)` after each episode.
@@ -246,7 +232,6 @@ pub fn run(model: &Model, options: &Options, mut progress: impl FnMut(usize, usi
     };
     let total = o.ks.len() * o.episodes;
     let mut tallies: Vec<Vec<Tally>> = vec![vec![Tally::default(); o.methods.len()]; o.ks.len()];
-    // Per (k, method, episode·query), the exact outcome in each order — for flips.
     let mut s_gap: Option<f64> = None;
     let mut done = 0;
     for (ki, &k) in o.ks.iter().enumerate() {
@@ -298,7 +283,7 @@ pub fn run(model: &Model, options: &Options, mut progress: impl FnMut(usize, usi
                         t.exact.push(f64::from(u8::from(s.exact)));
                         t.choice.push(f64::from(u8::from(s.choice)));
                         t.nll.push(-s.loglik / q.answer.len() as f64);
-                        t.at.push((position, f64::from(u8::from(s.exact))));
+                        t.position.push(position);
                         if method == EvalMethod::Compose(Method::PicasoS) && o.orders > 1 {
                             if r == 0 {
                                 s_first.push(s.loglik);
@@ -358,7 +343,8 @@ pub fn run(model: &Model, options: &Options, mut progress: impl FnMut(usize, usi
                 order_flips: flips as f64 / (o.episodes * o.queries) as f64,
             });
             for position in 1..=k {
-                let xs: Vec<f64> = t.at.iter().filter(|(p, _)| *p == position).map(|&(_, x)| x).collect();
+                let xs: Vec<f64> =
+                    t.position.iter().zip(&t.exact).filter(|(&p, _)| p == position).map(|(_, &x)| x).collect();
                 let (exact, exact_ci95) = mean_ci95(&xs);
                 positions.push(PositionCell { method, k, position, queries: xs.len(), exact, exact_ci95 });
             }
@@ -391,8 +377,7 @@ fn contrasts(report: &Report) -> Vec<Paired> {
 }
 
 fn paired(k: usize, a: String, b: String, xa: &[f64], xb: &[f64]) -> Paired {
-    let diffs: Vec<f64> = xa.iter().zip(xb).map(|(x, y)| x - y).collect();
-    let (diff, diff_ci95) = mean_ci95(&diffs);
+    let (diff, diff_ci95) = paired_ci95(xa, xb);
     Paired { k, a, b, a_exact: mean_ci95(xa).0, b_exact: mean_ci95(xb).0, diff, diff_ci95 }
 }
 
