@@ -115,7 +115,7 @@ impl Mamba2Config {
         let d_model = f.usize("hidden_size")?;
         let headdim = f.usize_or("head_dim", 64)?;
         let expand = f.usize_or("expand", 2)?;
-        let nheads = f.usize_or("num_heads", expand * d_model / headdim.max(1))?;
+        let nheads = f.usize_or("num_heads", expand.saturating_mul(d_model) / headdim.max(1))?;
         let eps = f.f64_or("layer_norm_epsilon", 1e-5)?;
         Ok(Self {
             d_model,
@@ -174,19 +174,19 @@ impl Mamba2Config {
             return Err(Error::config(path, "only RMSNorm models (rms_norm = true) are supported"));
         }
         let d_ssm = match ssm.get("d_ssm") {
-            None | Some(Value::Null) => expand * d_model,
+            None | Some(Value::Null) => expand.saturating_mul(d_model),
             Some(_) => s.usize("d_ssm")?,
         };
-        if d_ssm != expand * d_model {
+        if d_ssm != expand.saturating_mul(d_model) {
             return Err(Error::config(path, "ssm_cfg.d_ssm different from expand * d_model is not supported"));
         }
         Ok(Self {
             d_model,
             n_layer: f.usize("n_layer")?,
-            vocab_size: raw_vocab.div_ceil(multiple) * multiple,
+            vocab_size: raw_vocab.div_ceil(multiple).saturating_mul(multiple),
             d_state: s.usize_or("d_state", 128)?,
             headdim,
-            nheads: expand * d_model / headdim.max(1),
+            nheads: expand.saturating_mul(d_model) / headdim.max(1),
             expand,
             n_groups: s.usize_or("ngroups", 1)?,
             d_conv: s.usize_or("d_conv", 4)?,
@@ -218,6 +218,26 @@ impl Mamba2Config {
                 return bad(format!("{name} must be positive"));
             }
         }
+        let (d, l) = (self.d_model as u128, self.n_layer as u128);
+        let inner = self.nheads as u128 * self.headdim as u128;
+        let conv = inner + 2 * self.n_groups as u128 * self.d_state as u128;
+        check_scale(
+            path,
+            &[
+                ("d_model", self.d_model),
+                ("n_layer", self.n_layer),
+                ("vocab_size", self.vocab_size),
+                ("d_state", self.d_state),
+                ("headdim", self.headdim),
+                ("nheads", self.nheads),
+                ("n_groups", self.n_groups),
+                ("d_conv", self.d_conv),
+                ("expand", self.expand),
+            ],
+            self.vocab_size as u128 * d
+                + l * (d * (2 * inner + conv + self.nheads as u128) + conv * self.d_conv as u128),
+            l * (inner * self.d_state as u128 + conv * self.d_conv as u128 + self.nheads as u128),
+        )?;
         if self.nheads * self.headdim != self.expand * self.d_model {
             return bad(format!(
                 "num_heads ({}) * head_dim ({}) must equal expand ({}) * hidden size ({})",
@@ -533,6 +553,32 @@ fn as_float(v: &Value) -> Option<f64> {
 
 /// Parses JSON that may contain Python's bare `Infinity`, `-Infinity` and `NaN` literals (as
 /// `json.dumps` writes them) by rewriting them, outside strings, to transformers' object form.
+/// Largest size of one dimension: beyond every real model, small enough that products of a few
+/// dimensions cannot overflow.
+const MAX_DIM: usize = 1 << 24;
+/// Most values in a model's weights or in one state (4 TiB of f32).
+const MAX_VALUES: u128 = 1 << 40;
+
+/// Refuses a config whose sizes could overflow arithmetic or never fit in memory, before
+/// anything is allocated from them. `weights` and `state` are the value counts they imply,
+/// computed in u128 from dimensions already bounded by [`MAX_DIM`].
+pub(crate) fn check_scale(path: &Path, dims: &[(&str, usize)], weights: u128, state: u128) -> Result<()> {
+    if let Some((name, v)) = dims.iter().find(|(_, v)| *v > MAX_DIM) {
+        return Err(Error::config(path, format!("{name} is {v}, over the largest supported size {MAX_DIM}")));
+    }
+    for (what, n) in [("weights", weights), ("state", state)] {
+        if n > MAX_VALUES {
+            return Err(Error::config(
+                path,
+                format!(
+                    "these sizes make the {what} {n} values, over the supported {MAX_VALUES}; is config.json damaged?"
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 pub(crate) fn parse_json_with_infinity(text: &str) -> serde_json::Result<Value> {
     if let Ok(v) = serde_json::from_str(text) {
         return Ok(v);

@@ -14,10 +14,13 @@
 //! one for Mamba-1), which is all composition needs to know.
 //!
 //! On disk a state is one safetensors file with tensors `layers.{i}.ssm|conv|log_decay` and the
-//! model fingerprint, token count and a checksum of the tensor bytes (xxh3-128) in the
-//! metadata: a file damaged after it was written is refused, not silently used. (Files of the
-//! first format, `picaso-state/1`, have no checksum and are still read.) `ssm` and `conv` may be stored as bf16 to
-//! halve the size; `log_decay` is always f32 because composition weights are exponentials of it.
+//! model fingerprint, token count and a checksum in the metadata. The checksum (xxh3-128) covers
+//! every byte of the file but its own 32 hex digits, which are zeros while hashing: a file
+//! damaged after it was written — tensors, metadata or layout — is refused, not silently used.
+//! Older files are still read: `picaso-state/2` (checksum of the tensor bytes only) and
+//! `picaso-state/1` (no checksum); a file tagged `/1` that carries a checksum is a damaged newer
+//! file and is refused. `ssm` and `conv` may be stored as bf16 to halve the size; `log_decay` is
+//! always f32 because composition weights are exponentials of it.
 
 use std::path::Path;
 
@@ -27,13 +30,33 @@ use crate::config::Mamba2Config;
 use crate::error::{Error, Result};
 
 /// Format tag written into every state file's metadata.
-pub const STATE_FORMAT: &str = "picaso-state/2";
+pub const STATE_FORMAT: &str = "picaso-state/3";
+/// The second format, whose checksum covers only the tensor bytes: read, never written.
+const STATE_FORMAT_V2: &str = "picaso-state/2";
 /// The first format, without a checksum: read, never written.
 const STATE_FORMAT_V1: &str = "picaso-state/1";
 
-/// xxh3-128 of a state file's tensor bytes, as 32 hex digits.
-fn data_checksum(data: &[u8]) -> String {
-    format!("{:032x}", xxhash_rust::xxh3::xxh3_128(data))
+/// xxh3-128 as 32 hex digits.
+fn checksum(bytes: &[u8]) -> String {
+    format!("{:032x}", xxhash_rust::xxh3::xxh3_128(bytes))
+}
+
+/// What the checksum's digits are while the file is hashed.
+const CHECKSUM_PLACEHOLDER: &str = "00000000000000000000000000000000";
+
+/// Where the checksum's 32 hex digits sit in a file's header; None unless the key occurs
+/// exactly once (JSON escapes quotes inside values, so the key cannot hide in a string).
+fn checksum_digits(bytes: &[u8], header_end: usize) -> Option<std::ops::Range<usize>> {
+    const KEY: &[u8] = b"\"checksum\":\"";
+    let header = &bytes[8..header_end];
+    let mut hits = header.windows(KEY.len()).enumerate().filter(|(_, w)| *w == KEY).map(|(i, _)| i);
+    let first = hits.next()?;
+    if hits.next().is_some() {
+        return None;
+    }
+    let start = 8 + first + KEY.len();
+    let end = start + CHECKSUM_PLACEHOLDER.len();
+    (end < header_end && bytes[end] == b'"').then_some(start..end)
 }
 
 /// Storage precision of a state file's `ssm` and `conv` tensors.
@@ -241,13 +264,9 @@ impl State {
             tensors.push((format!("layers.{i}.log_decay"), "F32", &self.shape.log_decay, log_decay));
         }
         let quote = |s: &str| serde_json::to_string(s).expect("strings serialise");
-        let mut hasher = xxhash_rust::xxh3::Xxh3::new();
-        for (_, _, _, bytes) in &tensors {
-            hasher.update(bytes);
-        }
         let metadata = [
             ("arch", self.shape.arch.name().to_string()),
-            ("checksum", format!("{:032x}", hasher.digest128())),
+            ("checksum", CHECKSUM_PLACEHOLDER.to_string()),
             ("fingerprint", self.fingerprint.clone()),
             ("format", STATE_FORMAT.to_string()),
             ("n_tokens", self.n_tokens.to_string()),
@@ -278,6 +297,9 @@ impl State {
         for (_, _, _, bytes) in &tensors {
             out.extend_from_slice(bytes);
         }
+        let digits = checksum_digits(&out, 8 + header.len()).expect("the header holds one checksum");
+        let sum = checksum(&out);
+        out[digits].copy_from_slice(sum.as_bytes());
         Ok(out)
     }
 
@@ -390,18 +412,41 @@ impl Parsed {
             meta.get(k).cloned().ok_or_else(|| Error::state(format!("metadata lacks `{k}`; not a picaso state file")))
         };
         let format = get("format")?;
-        if format != STATE_FORMAT && format != STATE_FORMAT_V1 {
-            return Err(Error::state(format!("format {format:?} is not {STATE_FORMAT:?}")));
-        }
-        if format == STATE_FORMAT {
-            let want = get("checksum")?;
-            let header_len = u64::from_le_bytes(bytes[..8].try_into().expect("read_metadata checked the length"));
-            let got = data_checksum(&bytes[8 + header_len as usize..]);
-            if got != want {
-                return Err(Error::state(format!(
-                    "the tensor bytes do not match the file's checksum ({got} vs {want}): the file is damaged; make the state again"
-                )));
+        let header_end =
+            8 + u64::from_le_bytes(bytes[..8].try_into().expect("read_metadata checked the length")) as usize;
+        let damaged = |got: &str, want: &str| {
+            Error::state(format!(
+                "the file's bytes do not match its checksum ({got} vs {want}): the file is damaged; make the state again"
+            ))
+        };
+        match format.as_str() {
+            STATE_FORMAT => {
+                let want = get("checksum")?;
+                let digits = checksum_digits(bytes, header_end)
+                    .ok_or_else(|| Error::state("the header's checksum cannot be located: the file is damaged"))?;
+                let mut zeroed = xxhash_rust::xxh3::Xxh3::new();
+                zeroed.update(&bytes[..digits.start]);
+                zeroed.update(CHECKSUM_PLACEHOLDER.as_bytes());
+                zeroed.update(&bytes[digits.end..]);
+                let got = format!("{:032x}", zeroed.digest128());
+                if got != want {
+                    return Err(damaged(&got, &want));
+                }
             }
+            STATE_FORMAT_V2 => {
+                let want = get("checksum")?;
+                let got = checksum(&bytes[header_end..]);
+                if got != want {
+                    return Err(damaged(&got, &want));
+                }
+            }
+            STATE_FORMAT_V1 if meta.contains_key("checksum") => {
+                return Err(Error::state(
+                    "the format tag says picaso-state/1, which had no checksum, but the file carries one: the file is damaged; make the state again",
+                ));
+            }
+            STATE_FORMAT_V1 => {}
+            _ => return Err(Error::state(format!("format {format:?} is not {STATE_FORMAT:?}"))),
         }
         let arch = match get("arch")?.as_str() {
             "mamba2" => Arch::Mamba2,
@@ -685,5 +730,58 @@ mod tests {
         old.extend_from_slice(v1.as_bytes());
         old.extend_from_slice(&bytes[8 + header_len..]);
         assert!(State::from_bytes(&old).unwrap().layers == s.layers);
+    }
+
+    /// Replaces `from` by `to` (same length) in a file's header.
+    fn edit_header(bytes: &[u8], from: &str, to: &str) -> Vec<u8> {
+        assert_eq!(from.len(), to.len());
+        let header_end = 8 + u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let text = std::str::from_utf8(&bytes[8..header_end]).unwrap();
+        assert_eq!(text.matches(from).count(), 1, "{from} occurs once");
+        let mut out = bytes[..8].to_vec();
+        out.extend_from_slice(text.replace(from, to).as_bytes());
+        out.extend_from_slice(&bytes[header_end..]);
+        out
+    }
+
+    /// The checksum covers the metadata too: a changed token count or fingerprint, or a format
+    /// tag rewritten to an older format, is refused; genuine files of the older formats are read.
+    #[test]
+    fn damaged_metadata_and_downgraded_tags_are_refused() {
+        let s = sample_state();
+        let bytes = s.to_bytes(StateDtype::F32).unwrap();
+        for (from, to) in [
+            ("\"n_tokens\":\"7\"", "\"n_tokens\":\"8\""),
+            ("mamba2-test", "mamba2-tesu"),
+            (STATE_FORMAT, STATE_FORMAT_V2),
+        ] {
+            let e = State::from_bytes(&edit_header(&bytes, from, to)).unwrap_err().to_string();
+            assert!(e.contains("damaged"), "{from} → {to}: {e}");
+        }
+        let e = State::from_bytes(&edit_header(&bytes, STATE_FORMAT, STATE_FORMAT_V1)).unwrap_err().to_string();
+        assert!(e.contains("carries one") && e.contains("damaged"), "{e}");
+        // A genuine second-format file: the checksum of the tensor bytes.
+        let header_end = 8 + u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let digits = checksum_digits(&bytes, header_end).unwrap();
+        let current = std::str::from_utf8(&bytes[digits]).unwrap().to_string();
+        let v2 = edit_header(&bytes, STATE_FORMAT, STATE_FORMAT_V2);
+        let v2 = edit_header(&v2, &current, &checksum(&bytes[header_end..]));
+        assert!(State::from_bytes(&v2).unwrap().layers == s.layers);
+    }
+
+    /// The case the fuzzer found (before the checksum covered the header): one flipped bit
+    /// renamed `layers.1.ssm` to `mayers.1.ssm`, and the reader loaded a one-layer state,
+    /// skipping the stray tensors. Even with a checksum that matches, it is refused.
+    #[test]
+    fn a_renamed_layer_tensor_is_refused_not_skipped() {
+        let bytes = sample_state().to_bytes(StateDtype::Bf16).unwrap();
+        let mut renamed = edit_header(&bytes, "\"layers.1.ssm\"", "\"mayers.1.ssm\"");
+        let header_end = 8 + u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let digits = checksum_digits(&renamed, header_end).unwrap();
+        renamed[digits.clone()].copy_from_slice(CHECKSUM_PLACEHOLDER.as_bytes());
+        let sum = checksum(&renamed);
+        renamed[digits].copy_from_slice(sum.as_bytes());
+        let e = State::from_bytes(&renamed).unwrap_err().to_string();
+        assert!(e.contains("mayers.1.ssm") && e.contains("holds 6 tensors"), "{e}");
     }
 }

@@ -41,6 +41,13 @@ pub struct IngestProgress {
 /// and empty ones.
 fn plan(store: &Store, model: &Model, docs: &[Document], segmentation: Segmentation) -> Result<(Vec<Pending>, usize)> {
     let tokenizer = model.tokenizer()?;
+    let mut ids = std::collections::HashSet::new();
+    if let Some(doc) = docs.iter().find(|d| !ids.insert(d.id.as_str())) {
+        return Err(Error::Input(format!(
+            "two documents have the id {:?}; give every document its own id (the store keeps one context per id and segment)",
+            doc.id
+        )));
+    }
     let mut pending = Vec::new();
     let mut skipped = 0;
     for doc in docs {

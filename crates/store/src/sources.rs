@@ -125,6 +125,7 @@ pub fn read_text_dir(dir: &Path) -> Result<Vec<Document>> {
 pub fn read_jsonl(path: &Path) -> Result<Vec<Document>> {
     let text = read(path)?;
     let mut docs = Vec::new();
+    let mut first_line_of: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
     for (i, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
             continue;
@@ -141,6 +142,13 @@ pub fn read_jsonl(path: &Path) -> Result<Vec<Document>> {
             Some(serde_json::Value::Number(n)) => n.to_string(),
             _ => format!("line-{}", i + 1),
         };
+        if let Some(first) = first_line_of.insert(id.clone(), i + 1) {
+            return Err(Error::Input(format!(
+                "{}: id {id:?} is also the id of line {first}; give every document its own id \
+                 (ingest keeps one context per id and paragraph)",
+                at()
+            )));
+        }
         docs.push(Document { id, paragraphs: paragraphs(body) });
     }
     Ok(docs)
@@ -204,6 +212,7 @@ pub fn detokenize_wikitext(text: &str) -> String {
 pub fn read_wikitext(path: &Path) -> Result<Vec<Document>> {
     let text = read(path)?;
     let mut docs: Vec<Document> = Vec::new();
+    let mut ids = std::collections::HashSet::new();
     for raw in text.lines() {
         let line = raw.trim();
         if line.is_empty() {
@@ -213,17 +222,20 @@ pub fn read_wikitext(path: &Path) -> Result<Vec<Document>> {
             let inner = line.trim_matches('=').trim();
             let is_title = !line.starts_with("= =");
             if is_title {
-                let mut id = detokenize_wikitext(&format!(" {inner} ")).trim().to_string();
-                // Titles repeat in WikiText; keep ids unique and stable.
-                let same = docs.iter().filter(|d| d.id == id || d.id.starts_with(&format!("{id} #"))).count();
-                if same > 0 {
-                    id = format!("{id} #{}", same + 1);
+                let title = detokenize_wikitext(&format!(" {inner} ")).trim().to_string();
+                // Titles repeat in WikiText; keep ids unique and stable: "T", "T #2", "T #3", …
+                let mut id = title.clone();
+                let mut n = 1;
+                while !ids.insert(id.clone()) {
+                    n += 1;
+                    id = format!("{title} #{n}");
                 }
                 docs.push(Document { id, paragraphs: Vec::new() });
             }
             continue;
         }
         if docs.is_empty() {
+            ids.insert("preamble".to_string());
             docs.push(Document { id: "preamble".into(), paragraphs: Vec::new() });
         }
         // Detokenized with the spaces the file has around each line, as the harness sees them.

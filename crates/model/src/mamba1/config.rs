@@ -115,7 +115,7 @@ impl Mamba1Config {
         let config = Self {
             d_model,
             n_layer: f.usize("n_layer")?,
-            vocab_size: f.usize("vocab_size")?.div_ceil(multiple) * multiple,
+            vocab_size: f.usize("vocab_size")?.div_ceil(multiple).saturating_mul(multiple),
             d_state: s.usize_or("d_state", 16)?,
             d_conv: s.usize_or("d_conv", 4)?,
             expand: s.usize_or("expand", 2)?,
@@ -145,6 +145,23 @@ impl Mamba1Config {
                 return Err(Error::config(path, format!("{name} must be positive")));
             }
         }
+        let (d, l, n, r) = (self.d_model as u128, self.n_layer as u128, self.d_state as u128, self.dt_rank as u128);
+        let inner = self.d_model as u128 * self.expand as u128;
+        crate::config::check_scale(
+            path,
+            &[
+                ("d_model", self.d_model),
+                ("n_layer", self.n_layer),
+                ("vocab_size", self.vocab_size),
+                ("d_state", self.d_state),
+                ("d_conv", self.d_conv),
+                ("expand", self.expand),
+                ("dt_rank", self.dt_rank),
+            ],
+            self.vocab_size as u128 * d
+                + l * (d * 3 * inner + inner * (r + 2 * n) + r * inner + inner * (n + self.d_conv as u128 + 4)),
+            l * inner * (2 * n + self.d_conv as u128),
+        )?;
         if self.norm_eps.is_nan() || self.norm_eps <= 0.0 {
             return Err(Error::config(path, "layer_norm_epsilon must be positive"));
         }
