@@ -163,6 +163,11 @@ pub fn checksum(bytes: &[u8]) -> String {
     format!("{:032x}", xxhash_rust::xxh3::xxh3_128(bytes))
 }
 
+/// Whether `s` is what [`checksum`] makes: 32 lowercase hex digits.
+fn is_checksum(s: &str) -> bool {
+    s.len() == 32 && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
 fn dtype_name(d: StateDtype) -> &'static str {
     match d {
         StateDtype::F32 => "f32",
@@ -422,7 +427,32 @@ impl Store {
 
     /// The metadata of context `id`.
     pub fn get(&self, id: i64) -> Result<ContextRecord> {
-        Ok(self.catalog.get_many(&[id])?.remove(0))
+        self.checked(self.catalog.get_many(&[id])?.remove(0))
+    }
+
+    /// A catalog row as read, checked for what a damaged or hand-edited row could break: the
+    /// checksum names the state object (32 hex digits, so it cannot point outside the store),
+    /// and the token count matches the tokens.
+    fn checked(&self, rec: ContextRecord) -> Result<ContextRecord> {
+        let problem = if !is_checksum(&rec.checksum) {
+            Some(format!("its checksum {:?} is not 32 hex digits", rec.checksum))
+        } else if rec.state_file != format!("states/{}", key_of(&rec.checksum)) {
+            Some(format!("its state file {:?} does not match its checksum {}", rec.state_file, rec.checksum))
+        } else if rec.n_tokens != rec.tokens.len() {
+            Some(format!("it records {} tokens but holds {}", rec.n_tokens as i64, rec.tokens.len()))
+        } else {
+            None
+        };
+        match problem {
+            None => Ok(rec),
+            Some(p) => Err(Error::Store {
+                location: self.location.to_string(),
+                message: format!(
+                    "the catalog row of context {} is damaged: {p}; delete the context and ingest its text again",
+                    rec.id
+                ),
+            }),
+        }
     }
 
     /// How the store's documents were cut into contexts (`paragraph`, `tokens:N`, `halves:N`),
@@ -502,7 +532,7 @@ impl Store {
     /// [`Store::map_state`] for several contexts: all objects are requested up front (the disk
     /// or the network works on all of them at once), then verified in parallel.
     pub fn map_states(&self, ids: &[i64]) -> Result<Vec<MappedState>> {
-        let records = self.catalog.get_many(ids)?;
+        let records = self.catalog.get_many(ids)?.into_iter().map(|r| self.checked(r)).collect::<Result<Vec<_>>>()?;
         let keys: Vec<String> = records.iter().map(|r| key_of(&r.checksum)).collect();
         let verify = |i: usize, bytes: &[u8]| -> Result<()> {
             let found = checksum(bytes);
@@ -528,7 +558,8 @@ impl Store {
 
     /// Removes context `id` (and its state object unless another context shares it).
     pub fn delete(&self, id: i64) -> Result<()> {
-        self.catalog.delete(id, &mut |sum| self.states.delete(&key_of(sum)))
+        // A damaged checksum names no object of this store: nothing to remove.
+        self.catalog.delete(id, &mut |sum| if is_checksum(sum) { self.states.delete(&key_of(sum)) } else { Ok(()) })
     }
 
     /// The `k` contexts most similar to `query` (a normalised embedding): (id, cosine), best
@@ -567,7 +598,7 @@ impl Store {
 
     /// Up to `limit` contexts with ids above `after`, ascending, with embeddings.
     pub fn export(&self, after: i64, limit: usize) -> Result<Vec<(ContextRecord, Vec<f32>)>> {
-        self.catalog.export(after, limit)
+        self.catalog.export(after, limit)?.into_iter().map(|(r, e)| Ok((self.checked(r)?, e))).collect()
     }
 
     /// Keys of every state object in the store's states location (for verification).

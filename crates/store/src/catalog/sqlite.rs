@@ -94,8 +94,23 @@ impl SqliteCatalog {
             let mut stmt = conn.prepare("SELECT id, embedding FROM contexts ORDER BY id")?;
             let mut rows = stmt.query([])?;
             while let Some(row) = rows.next()? {
-                index.flat.add(&blob_to_f32s(&row.get::<_, Vec<u8>>(1)?))?;
-                index.ids.push(row.get(0)?);
+                let id: i64 = row.get(0)?;
+                let embedding = blob_to_f32s(&row.get::<_, Vec<u8>>(1)?);
+                if embedding.len() != dim || embedding.iter().any(|v| !v.is_finite()) {
+                    return Err(Error::Store {
+                        location: dir.display().to_string(),
+                        message: format!(
+                            "the catalog row of context {id} is damaged: its embedding has {} values{}, the store's \
+                             dimension is {dim}; remove it (`sqlite3 {}/store.sqlite \"DELETE FROM contexts WHERE \
+                             id = {id}\"`) and ingest its text again",
+                            embedding.len(),
+                            if embedding.iter().any(|v| !v.is_finite()) { " (some not finite)" } else { "" },
+                            dir.display(),
+                        ),
+                    });
+                }
+                index.flat.add(&embedding)?;
+                index.ids.push(id);
             }
         }
         Ok(Self { dir: dir.to_path_buf(), conn: Mutex::new(conn), index: RwLock::new(index) })
