@@ -4,15 +4,23 @@
 # its minimal failing input.
 #
 #   scripts/fuzz.sh state 1800      # damaged state files (crates/model/tests/fuzz_state.rs)
+#   scripts/fuzz.sh loaders 1800    # config.json and model.safetensors (crates/model/tests/fuzz_loaders.rs)
+#   scripts/fuzz.sh sources 1800    # WikiText, JSON-lines, text folders (crates/store/tests/fuzz_sources.rs)
+#   scripts/fuzz.sh catalog 1800    # hand-edited or damaged catalog rows (crates/store/tests/fuzz_catalog.rs)
+#   scripts/fuzz.sh http 1800       # request bodies, paths, content types (crates/cli/tests/fuzz_http.rs)
 #
 # No nightly toolchain is needed. CI runs every target's default case count as part of the
 # test suite; this script is for long runs (RELIABILITY.md).
 set -euo pipefail
-usage="usage: scripts/fuzz.sh TARGET SECONDS (targets: state)"
+usage="usage: scripts/fuzz.sh TARGET SECONDS (targets: state, loaders, sources, catalog, http)"
 target=${1:?$usage}
 seconds=${2:?$usage}
 case "$target" in
   state) pkg=picaso-model; test=fuzz_state ;;
+  loaders) pkg=picaso-model; test=fuzz_loaders ;;
+  sources) pkg=picaso-store; test=fuzz_sources ;;
+  catalog) pkg=picaso-store; test=fuzz_catalog ;;
+  http) pkg=picaso; test=fuzz_http ;;
   *) echo "unknown target '$target'; $usage" >&2; exit 2 ;;
 esac
 per_round=${FUZZ_CASES_PER_ROUND:-20000}

@@ -4,65 +4,14 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
 mod common;
-use common::{args, backends, ok, ok_s, shared, text_model_of, write_docs, TestDb};
-
-/// A running `picaso serve`, killed on drop.
-struct Server {
-    child: Child,
-    url: String,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+use common::{args, backends, ok, ok_s, shared, text_model_of, write_docs, Server, TestDb};
 
 impl Server {
-    fn start(args: &[&str]) -> Server {
-        Self::start_with(args, &[])
-    }
-
-    /// Starts a server with extra environment variables.
-    fn start_with(args: &[&str], env: &[(&str, &str)]) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_picaso"))
-            .args(["serve", "--addr", "127.0.0.1:0"])
-            .args(args)
-            .envs(env.iter().copied())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("picaso serve starts");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-        let url =
-            line.trim().strip_prefix("listening on ").unwrap_or_else(|| panic!("unexpected: {line:?}")).to_string();
-        Server { child, url }
-    }
-
-    /// (status, JSON body) of a request; 4xx and 5xx are answers too.
-    fn call(&self, method: &str, path: &str, body: Option<&str>) -> (u16, Value) {
-        let req = ureq::request(method, &format!("{}{path}", self.url)).set("content-type", "application/json");
-        let resp = match body {
-            Some(b) => req.send_string(b),
-            None => req.call(),
-        };
-        let resp = match resp {
-            Ok(r) => r,
-            Err(ureq::Error::Status(_, r)) => r,
-            Err(e) => panic!("{method} {path}: {e}"),
-        };
-        let status = resp.status();
-        let text = resp.into_string().unwrap();
-        (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("{method} {path}: not JSON ({e}): {text}")))
-    }
-
     fn post(&self, path: &str, body: Value) -> (u16, Value) {
         self.call("POST", path, Some(&body.to_string()))
     }
@@ -88,14 +37,6 @@ impl Server {
             events.push(serde_json::from_str(data).unwrap());
         }
         panic!("the stream ended without [DONE]")
-    }
-
-    fn metric(&self, name: &str) -> f64 {
-        let text = ureq::get(&format!("{}/metrics", self.url)).call().unwrap().into_string().unwrap();
-        text.lines()
-            .filter(|l| l.starts_with(name) && !l.starts_with('#'))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
     }
 }
 
