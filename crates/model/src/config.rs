@@ -203,25 +203,10 @@ impl Mamba2Config {
     /// Checks the sizes fit together; called by every constructor.
     pub fn validate(&self, path: &Path) -> Result<()> {
         let bad = |m: String| Err(Error::config(path, m));
-        for (name, v) in [
-            ("d_model", self.d_model),
-            ("n_layer", self.n_layer),
-            ("vocab_size", self.vocab_size),
-            ("d_state", self.d_state),
-            ("headdim", self.headdim),
-            ("nheads", self.nheads),
-            ("n_groups", self.n_groups),
-            ("d_conv", self.d_conv),
-            ("expand", self.expand),
-        ] {
-            if v == 0 {
-                return bad(format!("{name} must be positive"));
-            }
-        }
         let (d, l) = (self.d_model as u128, self.n_layer as u128);
         let inner = self.nheads as u128 * self.headdim as u128;
         let conv = inner + 2 * self.n_groups as u128 * self.d_state as u128;
-        check_scale(
+        check_sizes(
             path,
             &[
                 ("d_model", self.d_model),
@@ -559,10 +544,13 @@ const MAX_DIM: usize = 1 << 24;
 /// Most values in a model's weights or in one state (4 TiB of f32).
 const MAX_VALUES: u128 = 1 << 40;
 
-/// Refuses a config whose sizes could overflow arithmetic or never fit in memory, before
-/// anything is allocated from them. `weights` and `state` are the value counts they imply,
-/// computed in u128 from dimensions already bounded by [`MAX_DIM`].
-pub(crate) fn check_scale(path: &Path, dims: &[(&str, usize)], weights: u128, state: u128) -> Result<()> {
+/// Refuses a config with a zero size, or whose sizes could overflow arithmetic or never fit in
+/// memory, before anything is allocated from them. `weights` and `state` are the value counts
+/// they imply, computed in u128 from the `dims` (bounded here by [`MAX_DIM`]).
+pub(crate) fn check_sizes(path: &Path, dims: &[(&str, usize)], weights: u128, state: u128) -> Result<()> {
+    if let Some((name, _)) = dims.iter().find(|(_, v)| *v == 0) {
+        return Err(Error::config(path, format!("{name} must be positive")));
+    }
     if let Some((name, v)) = dims.iter().find(|(_, v)| *v > MAX_DIM) {
         return Err(Error::config(path, format!("{name} is {v}, over the largest supported size {MAX_DIM}")));
     }

@@ -132,22 +132,9 @@ impl Mamba1Config {
 
     /// Checks the sizes are usable.
     pub fn validate(&self, path: &Path) -> Result<()> {
-        for (name, v) in [
-            ("d_model", self.d_model),
-            ("n_layer", self.n_layer),
-            ("vocab_size", self.vocab_size),
-            ("d_state", self.d_state),
-            ("d_conv", self.d_conv),
-            ("expand", self.expand),
-            ("dt_rank", self.dt_rank),
-        ] {
-            if v == 0 {
-                return Err(Error::config(path, format!("{name} must be positive")));
-            }
-        }
         let (d, l, n, r) = (self.d_model as u128, self.n_layer as u128, self.d_state as u128, self.dt_rank as u128);
         let inner = self.d_model as u128 * self.expand as u128;
-        crate::config::check_scale(
+        crate::config::check_sizes(
             path,
             &[
                 ("d_model", self.d_model),
