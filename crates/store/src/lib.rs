@@ -36,4 +36,6 @@ pub use passages::{passages, retrieve, Passage};
 pub use query::{prepare, ContextMethod, Prepared};
 pub use runtime::Resilience;
 pub use sources::{detokenize_wikitext, read_jsonl, read_text_dir, read_wikitext, Document, Segmentation};
-pub use store::{checksum, ContextRecord, EmbedderRecord, NewContext, Stats, Store, StoreInfo, WriteLock};
+pub use store::{
+    checksum, ContextRecord, EmbedderRecord, NewContext, Stats, Store, StoreInfo, WriteLock, RETRIEVAL_ATTEMPTS,
+};

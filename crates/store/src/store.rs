@@ -21,6 +21,9 @@ use crate::error::{Error, Result};
 use crate::location::{CatalogUrl, Location, StatesUrl};
 use crate::states::{key_of, StateObjects};
 
+/// How often a retrieval is repeated (without the contexts found gone) when a context it ranked
+/// is deleted before it is read; more than a couple means writers delete very fast.
+pub const RETRIEVAL_ATTEMPTS: usize = 3;
 /// Format tag of the metadata database.
 pub const STORE_FORMAT: &str = "picaso-store/1";
 
@@ -546,7 +549,15 @@ impl Store {
             }
             Ok(())
         };
-        self.states.get_many(&keys, &verify)
+        self.states.get_many(&keys, &verify).or_else(|e| {
+            // A state object removed with its row after the row was read (a concurrent delete)
+            // is a context that is gone, not a broken store.
+            let sums: Vec<String> = records.iter().map(|r| r.checksum.clone()).collect();
+            match ids.iter().zip(self.catalog.exist_settled(ids, &sums)?).find(|(_, there)| !there) {
+                Some((&id, _)) => Err(Error::NotFound(id)),
+                None => Err(e),
+            }
+        })
     }
 
     /// Reads context `id`'s state into memory (checksum and values verified).
@@ -567,6 +578,36 @@ impl Store {
     pub fn search(&self, query: &[f32], k: usize) -> Result<Vec<(i64, f32)>> {
         self.check_query(query)?;
         self.catalog.search(query, k, false)
+    }
+
+    /// [`Store::search`] leaving out `gone` (contexts found deleted since an earlier search).
+    pub fn search_without(&self, query: &[f32], k: usize, gone: &[i64]) -> Result<Vec<(i64, f32)>> {
+        let mut hits = self.search(query, k + gone.len())?;
+        hits.retain(|(id, _)| !gone.contains(id));
+        hits.truncate(k);
+        Ok(hits)
+    }
+
+    /// [`Store::search`] with each hit's record. A context deleted (by another writer) between
+    /// the ranking and the read is left out and the search runs again without it, so a
+    /// concurrent delete never becomes a "not found" for a caller who named no id.
+    pub fn search_records(&self, query: &[f32], k: usize) -> Result<Vec<(ContextRecord, f32)>> {
+        let mut gone = Vec::new();
+        loop {
+            let hits = self.search_without(query, k, &gone)?;
+            let mut found = Vec::with_capacity(hits.len());
+            let before = gone.len();
+            for (id, score) in hits {
+                match self.get(id) {
+                    Ok(record) => found.push((record, score)),
+                    Err(Error::NotFound(id)) => gone.push(id),
+                    Err(e) => return Err(e),
+                }
+            }
+            if gone.len() == before || gone.len() >= RETRIEVAL_ATTEMPTS * k.max(1) {
+                return Ok(found);
+            }
+        }
     }
 
     /// [`Store::search`] by exhaustive scan, whatever indexes exist (ground truth for recall).

@@ -65,6 +65,12 @@ pub trait Catalog: Send + Sync + std::fmt::Debug {
     fn get_many(&self, ids: &[i64]) -> Result<Vec<ContextRecord>>;
     /// Whether each of `ids` is stored (cheaper than fetching the rows).
     fn exist(&self, ids: &[i64]) -> Result<Vec<bool>>;
+    /// [`Catalog::exist`] once every delete in flight of the state objects `checksums` has
+    /// committed: a reader that found such an object gone asks this to tell a concurrent
+    /// delete from a broken store.
+    fn exist_settled(&self, ids: &[i64], _checksums: &[String]) -> Result<Vec<bool>> {
+        self.exist(ids)
+    }
     /// (document, segment) of a context.
     fn doc_seg(&self, id: i64) -> Result<(String, u32)>;
     /// Deletes a context; calls `remove_state(checksum)` if no other context shares its state,

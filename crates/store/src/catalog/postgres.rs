@@ -523,6 +523,24 @@ impl Catalog for PostgresCatalog {
         Ok(ids.iter().map(|id| found.contains(id)).collect())
     }
 
+    fn exist_settled(&self, ids: &[i64], checksums: &[String]) -> Result<Vec<bool>> {
+        // A delete holds its object's lock exclusively until it commits; waiting for the
+        // shared lock orders this read after it.
+        let client = self.begin_locked(checksums.iter().map(|c| lock_key(c)).collect(), false)?;
+        let wanted = ids.to_vec();
+        let found: HashSet<i64> = self.finish(
+            client,
+            Box::new(move |c| {
+                let wanted = wanted.clone();
+                Box::pin(async move {
+                    let rows = c.query("SELECT id FROM picaso_contexts WHERE id = ANY($1)", &[&wanted]).await?;
+                    Ok(rows.iter().map(|r| r.get(0)).collect())
+                })
+            }),
+        )?;
+        Ok(ids.iter().map(|id| found.contains(id)).collect())
+    }
+
     fn doc_seg(&self, id: i64) -> Result<(String, u32)> {
         let row = self.run(Box::new(move |c| {
             Box::pin(async move {

@@ -249,26 +249,27 @@ impl Catalog for SqliteCatalog {
     }
 
     fn delete(&self, id: i64, remove_state: &mut dyn FnMut(&str) -> Result<()>) -> Result<()> {
+        let conn = self.conn();
+        let checksum: String = conn
+            .query_row("SELECT checksum FROM contexts WHERE id = ?1", [id], |r| r.get(0))
+            .optional()?
+            .ok_or(Error::NotFound(id))?;
+        conn.execute("DELETE FROM contexts WHERE id = ?1", [id])?;
         {
-            let conn = self.conn();
-            let checksum: String = conn
-                .query_row("SELECT checksum FROM contexts WHERE id = ?1", [id], |r| r.get(0))
-                .optional()?
-                .ok_or(Error::NotFound(id))?;
-            conn.execute("DELETE FROM contexts WHERE id = ?1", [id])?;
-            let shared: i64 =
-                conn.query_row("SELECT COUNT(*) FROM contexts WHERE checksum = ?1", [&checksum], |r| r.get(0))?;
-            if shared == 0 {
-                remove_state(&checksum)?;
+            // Before searches can run again: a search never ranks a context whose row is gone.
+            let mut index = self.index.write().unwrap_or_else(|p| p.into_inner());
+            if let Ok(pos) = index.ids.binary_search(&id) {
+                let dim = index.flat.dim();
+                let mut flat = index.flat.as_flat().to_vec();
+                flat.drain(pos * dim..(pos + 1) * dim);
+                index.flat = FlatIndex::from_flat(dim, flat)?;
+                index.ids.remove(pos);
             }
         }
-        let mut index = self.index.write().unwrap_or_else(|p| p.into_inner());
-        if let Ok(pos) = index.ids.binary_search(&id) {
-            let dim = index.flat.dim();
-            let mut flat = index.flat.as_flat().to_vec();
-            flat.drain(pos * dim..(pos + 1) * dim);
-            index.flat = FlatIndex::from_flat(dim, flat)?;
-            index.ids.remove(pos);
+        let shared: i64 =
+            conn.query_row("SELECT COUNT(*) FROM contexts WHERE checksum = ?1", [&checksum], |r| r.get(0))?;
+        if shared == 0 {
+            remove_state(&checksum)?;
         }
         Ok(())
     }
