@@ -8,13 +8,36 @@
 #   scripts/fuzz.sh sources 1800    # WikiText, JSON-lines, text folders (crates/store/tests/fuzz_sources.rs)
 #   scripts/fuzz.sh catalog 1800    # hand-edited or damaged catalog rows (crates/store/tests/fuzz_catalog.rs)
 #   scripts/fuzz.sh http 1800       # request bodies, paths, content types (crates/cli/tests/fuzz_http.rs)
+#   scripts/fuzz.sh afl-state 1800  # coverage-guided (AFL++): the state-file reader (fuzz/afl/src/state.rs)
+#   scripts/fuzz.sh afl-loader 1800 # coverage-guided (AFL++): config.json or model.safetensors (fuzz/afl/src/loader.rs)
 #
 # No nightly toolchain is needed. CI runs every target's default case count as part of the
 # test suite; this script is for long runs (RELIABILITY.md).
 set -euo pipefail
-usage="usage: scripts/fuzz.sh TARGET SECONDS (targets: state, loaders, sources, catalog, http)"
+usage="usage: scripts/fuzz.sh TARGET SECONDS (targets: state, loaders, sources, catalog, http, afl-state, afl-loader)"
 target=${1:?$usage}
 seconds=${2:?$usage}
+if [[ $target == afl-* ]]; then
+  # AFL++ through cargo-afl (stable toolchain; needs a C compiler and make). Its corpus and
+  # findings go to FUZZ_OUT (default /tmp/picaso-afl/TARGET); seeds are in fuzz/afl/seeds.
+  bin=${target#afl-}
+  [ -f "fuzz/afl/src/$bin.rs" ] || { echo "unknown target '$target'; $usage" >&2; exit 2; }
+  command -v cargo-afl >/dev/null || cargo install --locked cargo-afl
+  cargo afl config --build 2>/dev/null || true # builds AFL++ itself once
+  (cd fuzz/afl && cargo afl build --release -q --bin "$bin")
+  out=${FUZZ_OUT:-/tmp/picaso-afl/$bin}
+  rm -rf "$out"
+  # No UI, no CPU binding or frequency checks (shared machines); a piped core_pattern only
+  # slows crash detection.
+  AFL_NO_UI=1 AFL_SKIP_CPUFREQ=1 AFL_NO_AFFINITY=1 AFL_I_DONT_CARE_ABOUT_MISSING_CRASHES=1 \
+    cargo afl fuzz -V "$seconds" -i "fuzz/afl/seeds/$bin" -o "$out" "fuzz/afl/target/release/$bin" >"$out.log" 2>&1 || {
+    tail -20 "$out.log" >&2; exit 1; }
+  stat() { awk -F' *: *' -v k="$1" '$1 == k { print $2 }' "$out/default/fuzzer_stats"; }
+  echo "$target: $(stat execs_done) executions, $(stat corpus_count) corpus entries, $(stat run_time) s," \
+    "$(stat saved_crashes) crashes, $(stat saved_hangs) hangs"
+  [ "$(stat saved_crashes)" = 0 ] || { echo "crashes in $out/default/crashes" >&2; exit 1; }
+  exit 0
+fi
 case "$target" in
   state) pkg=picaso-model; test=fuzz_state ;;
   loaders) pkg=picaso-model; test=fuzz_loaders ;;

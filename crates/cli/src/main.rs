@@ -880,21 +880,25 @@ fn query(a: QueryArgs) -> Result<()> {
     let model = load_model(&a.model, true)?;
     let t_retrieve = Instant::now();
     // Best first from retrieval; composition wants the most relevant last (nearest the prompt).
-    let hits: Vec<(i64, Option<f32>)> = match &a.ids {
-        Some(ids) => ids.iter().map(|&i| (i, None)).collect(),
-        None if a.method == picaso_store::ContextMethod::Naive => Vec::new(),
+    let (hits, prepared): (Vec<(i64, Option<f32>)>, _) = match &a.ids {
+        Some(ids) => {
+            let prepared = picaso_store::prepare(&store, &model, ids, a.method, None)?;
+            (ids.iter().map(|&i| (i, None)).collect(), prepared)
+        }
+        None if a.method == picaso_store::ContextMethod::Naive => {
+            (Vec::new(), picaso_store::prepare(&store, &model, &[], a.method, None)?)
+        }
         None => {
             let embedder = embedder::resolve(a.embedder.as_deref(), Some(&store))?;
             let q = embedder.embed_one(&a.prompt)?;
-            let mut hits: Vec<(i64, Option<f32>)> =
-                store.search(&q, a.k)?.into_iter().map(|(i, s)| (i, Some(s))).collect();
-            hits.reverse();
-            hits
+            let (hits, prepared) = picaso_store::retrieve_and_prepare(&store, &model, &q, a.k, a.method, None)?;
+            (hits.into_iter().map(|(i, s)| (i, Some(s))).collect(), prepared)
         }
     };
-    let retrieve_seconds = t_retrieve.elapsed().as_secs_f64();
+    // Retrieval is what the preparation did besides loading and composing.
+    let retrieve_seconds =
+        (t_retrieve.elapsed().as_secs_f64() - prepared.load_seconds - prepared.compose_seconds).max(0.0);
     let ids: Vec<i64> = hits.iter().map(|h| h.0).collect();
-    let prepared = picaso_store::prepare(&store, &model, &ids, a.method, None)?;
     let prompt = model.tokenizer()?.encode(&a.prompt)?;
     if prompt.is_empty() {
         bail!("the prompt must contain at least one token");

@@ -8,7 +8,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use picaso_embed::Embedder;
 use picaso_model::{GenerateOptions, Model, State, StopReason};
-use picaso_store::{prepare, ContextMethod, NewContext, StateCache, Store, RETRIEVAL_ATTEMPTS};
+use picaso_store::{prepare, retrieve_and_prepare, ContextMethod, NewContext, StateCache, Store};
 use tokio::sync::Semaphore;
 
 use crate::api::*;
@@ -245,36 +245,24 @@ impl App {
         }
         self.model.check_tokens(&prompt)?;
         let t_retrieve = Instant::now();
-        let retrieved = !matches!(method, ContextMethod::Naive) && req.contexts.is_none();
-        let query = match req.retrieve {
-            Some(k) if k > 0 && retrieved => Some((self.embedder.embed_one(&text)?, k)),
-            _ => None,
-        };
-        let (mut attempts, mut gone) = (0, Vec::new());
-        let (contexts, retrieve_ms, prepared) = loop {
-            attempts += 1;
-            let contexts: Vec<UsedContext> = match (method, &req.contexts, &query) {
-                (ContextMethod::Naive, _, _) => Vec::new(),
-                (_, Some(ids), _) => ids.iter().map(|&id| UsedContext { id, score: None }).collect(),
-                (_, None, Some((q, k))) => {
-                    let mut hits = self.store.search_without(q, *k, &gone)?;
-                    hits.reverse(); // the most relevant nearest the prompt
-                    hits.into_iter().map(|(id, score)| UsedContext { id, score: Some(score) }).collect()
-                }
-                _ => Vec::new(),
-            };
-            let retrieve_ms = 1e3 * t_retrieve.elapsed().as_secs_f64();
-            let ids: Vec<i64> = contexts.iter().map(|c| c.id).collect();
-            match prepare(&self.store, &self.model, &ids, method, Some(&self.cache)) {
-                Ok(prepared) => break (contexts, retrieve_ms, prepared),
-                // A context the client did not name, deleted (by another writer) between the
-                // search and the read: retrieve again without it.
-                Err(picaso_store::Error::NotFound(id)) if query.is_some() && attempts < RETRIEVAL_ATTEMPTS => {
-                    gone.push(id)
-                }
-                Err(e) => return Err(e.into()),
+        let (contexts, prepared) = match (method, &req.contexts, req.retrieve) {
+            (ContextMethod::Naive, _, _) | (_, None, None | Some(0)) => {
+                (Vec::new(), prepare(&self.store, &self.model, &[], method, Some(&self.cache))?)
+            }
+            (_, Some(ids), _) => {
+                let prepared = prepare(&self.store, &self.model, ids, method, Some(&self.cache))?;
+                (ids.iter().map(|&id| UsedContext { id, score: None }).collect(), prepared)
+            }
+            (_, None, Some(k)) => {
+                let query = self.embedder.embed_one(&text)?;
+                let (hits, prepared) =
+                    retrieve_and_prepare(&self.store, &self.model, &query, k, method, Some(&self.cache))?;
+                (hits.into_iter().map(|(id, score)| UsedContext { id, score: Some(score) }).collect(), prepared)
             }
         };
+        // Retrieval is what the preparation did besides loading and composing.
+        let retrieve_ms =
+            1e3 * (t_retrieve.elapsed().as_secs_f64() - prepared.load_seconds - prepared.compose_seconds).max(0.0);
         let ids: Vec<i64> = contexts.iter().map(|c| c.id).collect();
         let m = &self.metrics;
         m.states_loaded.inc_by(prepared.states_loaded as u64);

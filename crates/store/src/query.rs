@@ -9,7 +9,7 @@ use picaso_model::{compose_views, MappedState, Method, Model, State, StateView};
 
 use crate::cache::StateCache;
 use crate::error::{Error, Result};
-use crate::store::Store;
+use crate::store::{Store, RETRIEVAL_ATTEMPTS};
 
 /// How the contexts reach the model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,6 +67,32 @@ pub struct Prepared {
 impl Prepared {
     fn empty(state: State) -> Self {
         Self { state, load_seconds: 0.0, compose_seconds: 0.0, states_loaded: 0, cache_hits: 0, tokens_processed: 0 }
+    }
+}
+
+/// Retrieves the `k` contexts nearest `query` (a normalised embedding) and builds their state
+/// with `method`. Returns the hits in composition order (most relevant last, nearest the
+/// prompt) and the state. A context deleted by another writer between the search and the read
+/// is left out and the search runs again without it, so a concurrent delete never fails a
+/// caller that named no context.
+pub fn retrieve_and_prepare(
+    store: &Store,
+    model: &Model,
+    query: &[f32],
+    k: usize,
+    method: ContextMethod,
+    cache: Option<&StateCache>,
+) -> Result<(Vec<(i64, f32)>, Prepared)> {
+    let mut gone = Vec::new();
+    loop {
+        let mut hits = store.search_without(query, k, &gone)?;
+        hits.reverse();
+        let ids: Vec<i64> = hits.iter().map(|h| h.0).collect();
+        match prepare(store, model, &ids, method, cache) {
+            Ok(prepared) => return Ok((hits, prepared)),
+            Err(Error::NotFound(id)) if ids.contains(&id) && gone.len() < RETRIEVAL_ATTEMPTS => gone.push(id),
+            Err(e) => return Err(e),
+        }
     }
 }
 

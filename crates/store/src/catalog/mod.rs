@@ -73,8 +73,10 @@ pub trait Catalog: Send + Sync + std::fmt::Debug {
     }
     /// (document, segment) of a context.
     fn doc_seg(&self, id: i64) -> Result<(String, u32)>;
-    /// Deletes a context; calls `remove_state(checksum)` if no other context shares its state,
-    /// inside the lock that keeps a concurrent insert from reusing it meanwhile.
+    /// Deletes a context, then calls `remove_state(checksum)` if no other context shares its
+    /// state, inside the lock that keeps a concurrent insert from reusing it meanwhile. The row
+    /// goes first (committed): a crash or a failed removal leaves an orphan object, never a row
+    /// without its object.
     fn delete(&self, id: i64, remove_state: &mut dyn FnMut(&str) -> Result<()>) -> Result<()>;
     /// The `k` nearest contexts to `query` by inner product (cosine for normalised vectors),
     /// best first. `exact` forbids approximate indexes.
