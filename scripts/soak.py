@@ -21,7 +21,7 @@ What is checked (and written to OUT/soak.json, OUT/soak.md, OUT/soak.png):
     added context's id, `{"error": {"message", "type"}}` for every error), SSE streams whose
     events are JSON and end with [DONE] when read to the end;
   * errors: 503 only while a fault is on (or within GRACE seconds after it ends); connection
-    errors only to a server that is down; no 500, no other 5xx, no 4xx (the traffic is valid);
+    errors, and streams cut off before [DONE], only from a server that is down (SIGKILLed); no 500, no other 5xx, no 4xx (the traffic is valid);
   * no acknowledged write lost: after the run, every context whose add was answered 200/201 and
     that was never deleted is read back from both servers with the same text, and its state
     loads (completions over all of them, 64 per request); every acknowledged delete stays deleted;
@@ -33,6 +33,7 @@ import http.client
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -47,6 +48,11 @@ WORDS = (
     "lantern copper marble falcon orchard meadow summit quarry beacon furnace chapel ferry "
     "granite saddle compass anchor parchment telescope cathedral monastery aqueduct citadel"
 ).split()
+
+
+# Outcomes a killed server explains: a refused connection, a stream cut off mid-way.
+SERVER_KILLED = ("conn_refused_server_down", "stream_cut_server_killed")
+EXPECTED = ("ok", "503_during_fault") + SERVER_KILLED
 
 
 def log(*a):
@@ -259,6 +265,9 @@ class Soak:
                     elif result in ("error", "error_in_stream"):
                         outcome = "503" if status == 503 or result == "error_in_stream" else f"http_{status}"
                         outcome = self.expected(outcome)
+                    elif result == "stream ended without [DONE]" and self.faults_on(time.time() - self.t0)[1] == server:
+                        # a SIGKILLed server cannot finish its streams: the connection just closes
+                        outcome, detail = "stream_cut_server_killed", result
                     else:
                         outcome, detail = "malformed", result
                 elif op == "search":
@@ -331,6 +340,12 @@ def percentile(xs, q):
 
 
 def main():
+    if sys.argv[1:2] == ["--render"]:
+        # Rewrites OUT/soak.md from OUT/soak.json (after a change to the report's layout).
+        out = sys.argv[2] if len(sys.argv) > 2 else "results/soak"
+        with open(os.path.join(out, "soak.json")) as f:
+            write_markdown(os.path.join(out, "soak.md"), json.load(f))
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--picaso", default="target/release/picaso")
     ap.add_argument("--model", default="models/picaso-mamba2")
@@ -357,6 +372,8 @@ def main():
     env = dict(os.environ, AWS_ACCESS_KEY_ID="S3RVER", AWS_SECRET_ACCESS_KEY="S3RVER", AWS_REGION="us-east-1",
                AWS_ENDPOINT_URL=f"http://127.0.0.1:{args.s3_port}", AWS_ALLOW_HTTP="true",
                PICASO_BACKEND_RETRY_MS="3000", PICASO_BACKEND_TIMEOUT_MS="5000")
+    # A run writes about 8 GB of states; only the last run's objects are kept.
+    shutil.rmtree(os.path.join(args.run, "s3-data"), ignore_errors=True)
     s3 = Service("s3rver", [args.s3rver, "-d", os.path.join(args.run, "s3-data"), "-a", "127.0.0.1", "-p",
                             str(args.s3_port), "--configure-bucket", bucket, "--silent"],
                  env, os.path.join(args.run, "s3rver.log"), lambda: port_answers("127.0.0.1", args.s3_port))
@@ -519,7 +536,7 @@ def main():
         d["p50_ms"] = round(1000 * percentile(lat, 0.5), 1) if lat else None
         d["p99_ms"] = round(1000 * percentile(lat, 0.99), 1) if lat else None
     defects = {k: v for k, v in by_outcome.items()
-               if k not in ("ok", "503_during_fault", "conn_refused_server_down")}
+               if k not in EXPECTED}
     examples = {}
     for r in rows:
         if r[5] in defects and r[5] not in examples:
@@ -529,7 +546,7 @@ def main():
     summary = {
         "command": " ".join(sys.argv),
         "revision": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
-        "machine": f"{os.cpu_count()} cores, " + open("/proc/cpuinfo").read().split("model name")[1].split("\n")[0].strip(": "),
+        "machine": machine(),
         "seconds": round(elapsed),
         "clients": args.clients,
         "requests": len(rows),
@@ -552,7 +569,7 @@ def main():
         "panics_in_logs": panics,
         "rss_mib": {n: {"first_half_max": max([m for (t, s, m) in rss if s == n and t < half], default=None),
                         "second_half_max": max([m for (t, s, m) in rss if s == n and t >= half], default=None),
-                        "max": max(v, default=None), "end": rss_end[n]} for n, v in rss_by.items()},
+                        "max": max(v, default=None), "end": round(rss_end[n], 1)} for n, v in rss_by.items()},
     }
     ok = (not defects and not lost and not wrong and not resurrected and not half_written
           and all(v == 0 for v in in_flight.values()) and not any(panics.values()))
@@ -575,6 +592,14 @@ def main():
 BUCKET = 10  # seconds per timeline row
 
 
+def machine():
+    """CPU model and core count, as /proc/cpuinfo names them."""
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("model name"):
+            return f"{os.cpu_count()} cores, {line.split(':', 1)[1].strip()}"
+    return f"{os.cpu_count()} cores"
+
+
 def write_timeline(path, rows, rss, duration):
     n = int(duration // BUCKET) + 1
     with open(path, "w") as f:
@@ -586,8 +611,8 @@ def write_timeline(path, rows, rss, duration):
             rb = [m for (t, s, m) in rss if s == "B" and b * BUCKET <= t < (b + 1) * BUCKET]
             f.write(",".join(str(x) for x in [
                 b * BUCKET, len(rs), sum(r[5] == "ok" for r in rs), sum(r[5] == "503_during_fault" for r in rs),
-                sum(r[5] == "conn_refused_server_down" for r in rs),
-                sum(r[5] not in ("ok", "503_during_fault", "conn_refused_server_down") for r in rs),
+                sum(r[5] in SERVER_KILLED for r in rs),
+                sum(r[5] not in EXPECTED for r in rs),
                 round(1000 * percentile(lat, 0.5), 1) if lat else "", round(1000 * percentile(lat, 0.99), 1) if lat else "",
                 max(ra) if ra else "", max(rb) if rb else ""]) + "\n")
 
@@ -611,8 +636,8 @@ def write_markdown(path, s):
     lines += [f"| {op} | {d['requests']:,} | {d['ok']:,} | {d['p50_ms']} | {d['p99_ms']} |" for op, d in sorted(s["by_op"].items())]
     lines += ["", "| fault | from (s) | to (s) |", "|---|---:|---:|"]
     lines += [f"| {f['name']} | {f['start_s']} | {f['end_s']} |" for f in s["faults"]]
-    lines += ["", "| server | RSS max, first half (MiB) | RSS max, second half | at the end |", "|---|---:|---:|---:|"]
-    lines += [f"| {n} | {d['first_half_max']} | {d['second_half_max']} | {d['end']} |" for n, d in s["rss_mib"].items()]
+    lines += ["", "| server | RSS max, first half (MiB) | RSS max, second half | after the check (every state loaded) |", "|---|---:|---:|---:|"]
+    lines += [f"| {n} | {d['first_half_max']} | {d['second_half_max']} | {round(d['end'], 1)} |" for n, d in s["rss_mib"].items()]
     if s["defect_examples"]:
         lines += ["", "Defects (first of each kind):", ""] + [f"- {k}: {v}" for k, v in s["defect_examples"].items()]
     lines += ["", "![soak](soak.png)", ""]
@@ -641,9 +666,9 @@ def plot(path, rows, rss, faults, duration):
     ax[0].set_ylabel("requests/s")
     ax[0].set_title("Soak: 2 servers on PostgreSQL + S3, faults shaded")
     ax[1].plot(ts, per_bucket(lambda r: r[5] == "503_during_fault"), label="503 during a fault", color="tab:orange")
-    ax[1].plot(ts, per_bucket(lambda r: r[5] == "conn_refused_server_down"), label="connection refused (server killed)",
+    ax[1].plot(ts, per_bucket(lambda r: r[5] in SERVER_KILLED), label="refused or cut off (server killed)",
                color="tab:purple")
-    ax[1].plot(ts, per_bucket(lambda r: r[5] not in ("ok", "503_during_fault", "conn_refused_server_down")),
+    ax[1].plot(ts, per_bucket(lambda r: r[5] not in EXPECTED),
                label="anything else (defects)", color="tab:red")
     ax[1].set_ylabel("errors/s")
     for op_group, color in [(("add",), "tab:blue"), (("complete_retrieve", "complete_ids"), "tab:brown")]:

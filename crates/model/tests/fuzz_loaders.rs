@@ -292,3 +292,30 @@ fn overflowing_sizes_are_refused() {
         assert!(e.contains("over the largest supported size") || e.contains("values, over"), "{key} = {value}: {e}");
     }
 }
+
+/// The AFL++ corpus of the loader target (fuzz/afl: seeds and the inputs a coverage-guided run
+/// kept) replayed: the first byte picks the file the rest replaces in the target's tiny
+/// checkpoint (even, config.json; odd, model.safetensors); a model or an error, never a panic.
+#[test]
+fn afl_corpus_loads_or_is_refused() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/afl");
+    let mut files: Vec<_> = ["seeds", "corpus"]
+        .iter()
+        .filter_map(|d| std::fs::read_dir(root.join(d).join("loader")).ok())
+        .flatten()
+        .map(|e| e.unwrap().path())
+        .collect();
+    files.sort();
+    assert!(!files.is_empty(), "no AFL++ inputs found under fuzz/afl");
+    let (config, weights) = &originals()[0];
+    for path in files {
+        let input = std::fs::read(&path).unwrap();
+        let Some((&pick, rest)) = input.split_first() else { continue };
+        let (c, w) = if pick % 2 == 0 { (rest, weights.as_slice()) } else { (config.as_bytes(), rest) };
+        let tmp = tempfile::tempdir().unwrap();
+        std::fs::write(tmp.path().join("config.json"), c).unwrap();
+        std::fs::write(tmp.path().join("model.safetensors"), w).unwrap();
+        let outcome = load_and_use(tmp.path());
+        assert!(outcome.is_ok(), "panicked on {}: {}", path.display(), outcome.unwrap_err());
+    }
+}

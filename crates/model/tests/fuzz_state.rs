@@ -101,3 +101,40 @@ proptest! {
         }
     }
 }
+
+/// The AFL++ corpus (fuzz/afl: seeds and the inputs a coverage-guided run kept) replayed under
+/// the AFL target's property: no panic, and a file that is read holds finite values and
+/// survives a round trip in both dtypes.
+#[test]
+fn afl_corpus_is_read_or_refused() {
+    let files = afl_inputs("state");
+    assert!(!files.is_empty(), "no AFL++ inputs found under fuzz/afl");
+    for path in files {
+        let bytes = std::fs::read(&path).unwrap();
+        let read = std::panic::catch_unwind(|| State::from_bytes(&bytes));
+        let Ok(state) = read.unwrap_or_else(|_| panic!("the reader panicked on {}", path.display())) else {
+            continue;
+        };
+        if state.check_values().is_err() {
+            continue;
+        }
+        for dtype in [StateDtype::F32, StateDtype::Bf16] {
+            let again = state.to_bytes(dtype).unwrap();
+            let back = State::from_bytes(&again).unwrap();
+            assert_eq!((back.n_tokens, &back.fingerprint), (state.n_tokens, &state.fingerprint), "{}", path.display());
+        }
+    }
+}
+
+/// Every file of fuzz/afl/seeds/TARGET and fuzz/afl/corpus/TARGET.
+fn afl_inputs(target: &str) -> Vec<std::path::PathBuf> {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/afl");
+    let mut files: Vec<_> = ["seeds", "corpus"]
+        .iter()
+        .filter_map(|d| std::fs::read_dir(root.join(d).join(target)).ok())
+        .flatten()
+        .map(|e| e.unwrap().path())
+        .collect();
+    files.sort();
+    files
+}
