@@ -15,7 +15,9 @@
 //! A "decay element" is whatever shares one scalar decay: a (layer, head) for Mamba-2, a
 //! (layer, channel, state) entry for Mamba-1. [`weights`] works on one element's n log-decays;
 //! [`weights_per_element`] on many; [`weighted_sum_blocks`] applies per-element weights to
-//! states laid out as blocks of equal size, one block per decay element.
+//! states laid out as blocks of equal size, one block per decay element. When every value has
+//! its own decay (Mamba-1), [`compose_per_value`] computes the weights and applies them in one
+//! pass, never storing them.
 //!
 //! Numerics: weights are computed in f64 from log-decays (≤ 0), only ever adding non-negative
 //! terms, so decays that underflow to 0 (log-decay −1e4) and n up to hundreds give exact,
@@ -30,7 +32,12 @@
 //! ```
 #![deny(missing_docs)]
 
+mod elementwise;
+mod simd;
+
 use rayon::prelude::*;
+
+pub use elementwise::compose_per_value;
 
 /// A composition method.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

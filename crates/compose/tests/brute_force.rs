@@ -2,7 +2,7 @@
 //! orders, PICASO-R over the n rotations (to 1e-12 in f64), with invariances and edge cases,
 //! and finite, exact results for decays that underflow and n up to 64.
 
-use picaso_compose::{weighted_sum_blocks, weights, weights_per_element, Method};
+use picaso_compose::{compose_per_value, weighted_sum_blocks, weights, weights_per_element, Method};
 use proptest::prelude::*;
 
 /// CASO weights straight from the definition: product of the decays after each context.
@@ -207,4 +207,66 @@ fn weighted_sum_with_a_weight_per_value() {
     bad[33_000] = f32::INFINITY;
     let refs = [refs[0], refs[1], &bad[..]];
     assert!(weighted_sum_blocks(&refs, &w, 1, &mut out).unwrap_err().to_string().contains("finite"));
+}
+
+/// The fused per-value composition (weights computed in lanes and applied at once) against the
+/// two-step path (every weight stored, then summed), for every method, over lengths that end
+/// mid-lane and cross tasks; the composed log-decay is the sum of the parts'.
+#[test]
+fn per_value_composition_equals_stored_weights_then_sum() {
+    let mut seed = 7u64;
+    let mut next = move || {
+        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (seed >> 40) as f32 / (1u64 << 24) as f32
+    };
+    for (n, len) in [(1usize, 5usize), (2, 8), (3, 4_101), (10, 9_000)] {
+        let ssm: Vec<Vec<f32>> = (0..n).map(|_| (0..len).map(|_| next() * 4.0 - 2.0).collect()).collect();
+        // Decays from ~1 to underflow, some exactly 1.
+        let ld: Vec<Vec<f32>> = (0..n)
+            .map(|_| {
+                (0..len)
+                    .map(|_| match (next() * 5.0) as u32 {
+                        0 => 0.0,
+                        1 => -next() * 1e4,
+                        _ => -next() * 2.0,
+                    })
+                    .collect()
+            })
+            .collect();
+        let (ssm, ld): (Vec<&[f32]>, Vec<&[f32]>) =
+            (ssm.iter().map(Vec::as_slice).collect(), ld.iter().map(Vec::as_slice).collect());
+        for method in [Method::Soup, Method::Caso, Method::PicasoS, Method::PicasoR] {
+            let w = weights_per_element(method, &ld).unwrap();
+            let mut want = vec![0.0f32; len];
+            weighted_sum_blocks(&ssm, &w, 1, &mut want).unwrap();
+            let (mut got, mut got_ld) = (vec![0.0f32; len], vec![0.0f32; len]);
+            compose_per_value(method, &ld, &ssm, &mut got, &mut got_ld).unwrap();
+            for e in 0..len {
+                let scale: f32 = (0..n).map(|i| w[e * n + i].abs() * ssm[i][e].abs()).sum();
+                assert!((got[e] - want[e]).abs() <= 4.0 * f32::EPSILON * scale, "{method:?} n={n} value {e}");
+                let sum = ld.iter().map(|l| l[e] as f64).sum::<f64>() as f32;
+                assert_eq!(got_ld[e], sum, "log-decay of value {e}");
+            }
+        }
+    }
+}
+
+/// Bad input to the per-value composition: a positive or NaN log-decay names its context, a
+/// non-finite state value is reported, mismatched lengths are refused.
+#[test]
+fn per_value_composition_refuses_bad_input() {
+    let (x, ld) = (vec![1.0f32; 20], vec![-0.5f32; 20]);
+    let mut bad_ld = ld.clone();
+    bad_ld[13] = 0.25;
+    let (mut out, mut out_ld) = (vec![0.0; 20], vec![0.0; 20]);
+    let e = compose_per_value(Method::PicasoR, &[&ld, &bad_ld], &[&x, &x], &mut out, &mut out_ld).unwrap_err();
+    assert!(matches!(e, picaso_compose::Error::BadLogDecay { context: 1, .. }), "{e}");
+    bad_ld[13] = f32::NAN;
+    assert!(compose_per_value(Method::Soup, &[&bad_ld], &[&x], &mut out, &mut out_ld).is_err());
+    let mut bad_x = x.clone();
+    bad_x[19] = f32::NAN;
+    let e = compose_per_value(Method::Caso, &[&ld, &ld], &[&x, &bad_x], &mut out, &mut out_ld).unwrap_err();
+    assert!(e.to_string().contains("finite"), "{e}");
+    assert!(compose_per_value(Method::Caso, &[&ld], &[&x[..19]], &mut out, &mut out_ld).is_err());
+    assert!(compose_per_value(Method::Caso, &[], &[], &mut out, &mut out_ld).is_err());
 }

@@ -123,11 +123,12 @@ fn clone_cost(state: &State) -> f64 {
     t
 }
 
-/// Sums every float of every state once, in parallel: the memory-bandwidth floor of composing.
+/// Sums every float of every state once (SSM states, conv tails and log-decays, all of which
+/// composing reads), in parallel: the memory-bandwidth floor of composing.
 /// Sixteen independent lanes let the compiler vectorise (a plain f32 `sum` cannot reorder).
 fn read_all(states: &[&State]) -> f32 {
     let arrays: Vec<&[f32]> =
-        states.iter().flat_map(|s| s.layers.iter()).flat_map(|l| [&l.ssm[..], &l.conv[..]]).collect();
+        states.iter().flat_map(|s| s.layers.iter()).flat_map(|l| [&l.ssm[..], &l.conv[..], &l.log_decay[..]]).collect();
     arrays.par_iter().flat_map(|a| a.par_chunks(16 * 1024)).map(picaso_compose::lane_sum).sum()
 }
 

@@ -4,7 +4,7 @@
 //! tails are averaged (as in the paper); the composed log-decay is the sum of the parts' — the
 //! decay of any concatenation of them — so a composed state can itself be composed or continued.
 
-use picaso_compose::{mean, weighted_sum_blocks, weights_per_element, Method};
+use picaso_compose::{compose_per_value, mean, weighted_sum_blocks, weights_per_element, Method};
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
@@ -63,18 +63,22 @@ pub fn compose_views_into(
         }
         None => states.iter().collect(),
     };
-    for (i, s) in states.iter().enumerate() {
-        for (l, layer) in s.layers.iter().enumerate() {
-            if let Some(v) = layer.log_decay.iter().find(|v| !(v.is_finite() && **v <= 0.0)) {
-                return Err(Error::state(format!(
-                    "state {i}: layers.{l}.log_decay holds {v}; log-decays must be finite and <= 0"
-                )));
+    let bad_decay = |i: usize, l: usize, v: f64| {
+        Error::state(format!("state {i}: layers.{l}.log_decay holds {v}; log-decays must be finite and <= 0"))
+    };
+    let block = first.shape.ssm.iter().product::<usize>() / first.shape.log_decay.iter().product::<usize>();
+    if block > 1 {
+        // (With a decay per value, compose_per_value checks them as it reads them.)
+        for (i, s) in states.iter().enumerate() {
+            for (l, layer) in s.layers.iter().enumerate() {
+                if let Some(v) = layer.log_decay.iter().find(|v| !(v.is_finite() && **v <= 0.0)) {
+                    return Err(bad_decay(i, l, *v as f64));
+                }
             }
         }
     }
     out.fingerprint = first.fingerprint.to_string();
     out.n_tokens = ordered.iter().map(|s| s.n_tokens).sum();
-    let block = first.shape.ssm.iter().product::<usize>() / first.shape.log_decay.iter().product::<usize>();
     // Layers in parallel (and blocks within a layer): one pass over the inputs, no barriers.
     let results: Vec<Result<()>> = out
         .layers
@@ -83,11 +87,22 @@ pub fn compose_views_into(
         .map(|(l, dst)| {
             let parts: Vec<_> = ordered.iter().map(|s| s.layers[l]).collect();
             let decays: Vec<&[f32]> = parts.iter().map(|p| p.log_decay).collect();
-            let w = weights_per_element(method, &decays)?;
             let ssm: Vec<&[f32]> = parts.iter().map(|p| p.ssm).collect();
             let conv: Vec<&[f32]> = parts.iter().map(|p| p.conv).collect();
-            let sums = weighted_sum_blocks(&ssm, &w, block, &mut dst.ssm).and_then(|()| mean(&conv, &mut dst.conv));
-            sums?;
+            mean(&conv, &mut dst.conv)?;
+            if block == 1 {
+                // A decay per value (Mamba-1): weights applied as they are computed, never stored.
+                return compose_per_value(method, &decays, &ssm, &mut dst.ssm, &mut dst.log_decay).map_err(
+                    |e| match e {
+                        picaso_compose::Error::BadLogDecay { context, value } => {
+                            bad_decay(order.map_or(context, |o| o[context]), l, value)
+                        }
+                        other => other.into(),
+                    },
+                );
+            }
+            let w = weights_per_element(method, &decays)?;
+            weighted_sum_blocks(&ssm, &w, block, &mut dst.ssm)?;
             for (e, v) in dst.log_decay.iter_mut().enumerate() {
                 *v = parts.iter().map(|p| p.log_decay[e] as f64).sum::<f64>() as f32;
             }

@@ -112,6 +112,109 @@ pub fn sample(logits: &[f32], vocab: usize, opts: &GenerateOptions, rng: &mut St
     probs.last().map(|p| p.0 as u32).unwrap_or_else(|| argmax() as u32)
 }
 
+/// What [`Decoder::push`] made of one set of next-token logits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Next {
+    /// A token was picked: feed it to the model and push the logits after it. `text` is the
+    /// new text that is final (possibly empty: held back while it could become a stop string).
+    Feed {
+        /// The token to feed.
+        token: u32,
+        /// New final text.
+        text: String,
+    },
+    /// Generation ended; `text` is the rest of the output.
+    Done {
+        /// The rest of the text.
+        text: String,
+        /// Why it ended.
+        reason: StopReason,
+        /// A generated token the model has not yet seen (its state lags `tokens` by it).
+        unfed: Option<u32>,
+    },
+}
+
+/// The sampling side of generation, one token at a time: given the next-token logits, picks
+/// the token, decodes it, watches for EOS, stop strings and the token budget. The model side
+/// is the caller's, so one request can run alone ([`generate`]) or in a batch with others
+/// (the server) and pick the same tokens.
+pub struct Decoder<'m> {
+    tokenizer: &'m crate::tokenizer::TextTokenizer,
+    vocab: usize,
+    opts: GenerateOptions,
+    rng: StdRng,
+    tokens: Vec<u32>,
+    text: String,
+    incremental: IncrementalDecoder,
+    /// Bytes of `text` already returned.
+    emitted: usize,
+    /// Longest stop string: text that could still become one is held back.
+    hold: usize,
+}
+
+impl<'m> Decoder<'m> {
+    /// A decoder for `model`'s vocabulary; checks `opts`.
+    pub fn new(model: &'m Model, opts: &GenerateOptions) -> Result<Self> {
+        opts.validate()?;
+        let tokenizer = model.tokenizer()?;
+        Ok(Self {
+            tokenizer,
+            vocab: tokenizer.vocab_size().min(model.config().vocab_size()),
+            rng: StdRng::seed_from_u64(opts.seed),
+            hold: opts.stop.iter().map(String::len).max().unwrap_or(0),
+            opts: opts.clone(),
+            tokens: Vec::new(),
+            text: String::new(),
+            incremental: IncrementalDecoder::default(),
+            emitted: 0,
+        })
+    }
+
+    /// The tokens generated so far (a stop string's tokens included, the EOS token not).
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// The text generated so far, cut before any stop string once one is found.
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
+    /// Takes the logits after the last fed token and says what comes next.
+    pub fn push(&mut self, logits: &[f32]) -> Result<Next> {
+        if self.tokens.len() >= self.opts.max_tokens {
+            return Ok(self.done(StopReason::Length, None));
+        }
+        let next = sample(logits, self.vocab, &self.opts, &mut self.rng);
+        if Some(next) == self.tokenizer.eos() {
+            return Ok(self.done(StopReason::Eos, None));
+        }
+        self.tokens.push(next);
+        let searched_from = floor_char_boundary(&self.text, self.text.len().saturating_sub(self.hold));
+        let piece = self.incremental.next_piece(self.tokenizer, &self.tokens)?;
+        self.text.push_str(&piece);
+        if let Some(cut) = self.opts.stop.iter().filter_map(|s| self.text[searched_from..].find(s.as_str())).min() {
+            self.text.truncate(searched_from + cut);
+            return Ok(self.done(StopReason::Stop, Some(next)));
+        }
+        if self.tokens.len() == self.opts.max_tokens {
+            return Ok(self.done(StopReason::Length, Some(next)));
+        }
+        // Hold back text that could still become a stop string.
+        let safe = floor_char_boundary(&self.text, self.text.len().saturating_sub(self.hold));
+        let text = self.text[self.emitted..safe.max(self.emitted)].to_string();
+        self.emitted = safe.max(self.emitted);
+        Ok(Next::Feed { token: next, text })
+    }
+
+    /// Ends generation: everything not yet returned.
+    fn done(&mut self, reason: StopReason, unfed: Option<u32>) -> Next {
+        let text = self.text[self.emitted.min(self.text.len())..].to_string();
+        self.emitted = self.text.len();
+        Next::Done { text, reason, unfed }
+    }
+}
+
 /// Continues `prompt` (at least one token) from `state` and samples up to `max_tokens` tokens,
 /// calling `on_text` with each new piece of text as soon as it is final. `on_text` returns
 /// whether to go on: false stops generation at once (no further model work).
@@ -122,55 +225,35 @@ pub fn generate(
     opts: &GenerateOptions,
     mut on_text: impl FnMut(&str) -> bool,
 ) -> Result<Generation> {
-    opts.validate()?;
-    let tokenizer = model.tokenizer()?;
-    let vocab = tokenizer.vocab_size().min(model.config().vocab_size());
+    let mut decoder = Decoder::new(model, opts)?;
     let (mut logits, mut state) = model.prefill_last_logits(prompt, state)?;
-    let mut rng = StdRng::seed_from_u64(opts.seed);
-    let mut tokens = Vec::new();
-    let mut text = String::new();
-    let mut decoder = IncrementalDecoder::default();
-    let mut emitted = 0usize; // bytes of `text` already passed to on_text
-    let hold = opts.stop.iter().map(String::len).max().unwrap_or(0);
-    let mut reason = StopReason::Length;
-    while tokens.len() < opts.max_tokens {
-        let next = sample(&logits, vocab, opts, &mut rng);
-        if Some(next) == tokenizer.eos() {
-            reason = StopReason::Eos;
-            break;
-        }
-        tokens.push(next);
-        let searched_from = floor_char_boundary(&text, text.len().saturating_sub(hold));
-        text.push_str(&decoder.next_piece(tokenizer, &tokens)?);
-        if let Some(cut) = opts.stop.iter().filter_map(|s| text[searched_from..].find(s.as_str())).min() {
-            text.truncate(searched_from + cut);
-            reason = StopReason::Stop;
-            break;
-        }
-        // Hold back text that could still become a stop string.
-        let safe = floor_char_boundary(&text, text.len().saturating_sub(hold));
-        if safe > emitted {
-            let go_on = on_text(&text[emitted..safe]);
-            emitted = safe;
-            if !go_on {
-                // One last step keeps `state` consistent with `tokens`; then no more work.
-                model.step(next, &mut state)?;
-                text.truncate(emitted);
-                reason = StopReason::Cancelled;
-                break;
+    let stop_reason = loop {
+        match decoder.push(&logits)? {
+            Next::Feed { token, text } => {
+                let go_on = text.is_empty() || on_text(&text);
+                // One step keeps `state` consistent with the tokens, even when stopping here.
+                let after = model.step(token, &mut state)?;
+                if !go_on {
+                    break StopReason::Cancelled;
+                }
+                logits = after;
+            }
+            Next::Done { text, reason, unfed } => {
+                if let Some(token) = unfed {
+                    model.step(token, &mut state)?;
+                }
+                if !text.is_empty() {
+                    on_text(&text);
+                }
+                break reason;
             }
         }
-        if tokens.len() < opts.max_tokens {
-            logits = model.step(next, &mut state)?;
-        } else {
-            // Keep the returned state consistent with all generated tokens.
-            model.step(next, &mut state)?;
-        }
+    };
+    let (tokens, mut text) = (decoder.tokens, decoder.text);
+    if stop_reason == StopReason::Cancelled {
+        text.truncate(decoder.emitted);
     }
-    if text.len() > emitted && reason != StopReason::Cancelled {
-        on_text(&text[emitted..]);
-    }
-    Ok(Generation { tokens, text, stop_reason: reason, state })
+    Ok(Generation { tokens, text, stop_reason, state })
 }
 
 /// The largest char boundary of `s` at or below `i`.

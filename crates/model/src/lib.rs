@@ -42,9 +42,11 @@ pub use composition::{compose, compose_into, compose_views, compose_views_into};
 pub use config::{CheckpointFormat, Mamba2Config, ModelConfig};
 pub use cpu::WeightDtype;
 pub use error::{Error, Result};
-pub use generate::{generate, GenerateOptions, Generation, StopReason};
+pub use generate::{generate, Decoder, GenerateOptions, Generation, Next, StopReason};
 pub use mamba1::{Mamba1Config, Mamba1Weights};
 pub use model::{Backend, LoadOptions, Model, Scored};
+/// The run-time instruction-set dispatch of the CPU kernels (defined in picaso-compose).
+pub use picaso_compose::simd_fn;
 pub use picaso_compose::Method;
 pub use state::{Arch, LayerState, LayerView, MappedState, State, StateDtype, StateShape, StateView};
 pub use tokenizer::TextTokenizer;

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use crate::candle_engine::CandleMamba2;
 use crate::config::{Mamba2Config, ModelConfig};
-use crate::cpu::{CpuMamba2, WeightDtype};
+use crate::cpu::{CpuMamba2, Rows, WeightDtype};
 use crate::error::{Error, Result};
 use crate::mamba1::{CandleMamba1, CpuMamba1, Mamba1Weights};
 use crate::state::{State, StateShape};
@@ -114,10 +114,31 @@ impl Engine {
             Engine::CandleMamba1 { engine, .. } => engine.forward(tokens, state),
         }
     }
-    fn logits(&self, hidden: &[f32]) -> Result<Vec<f32>> {
+    /// Several sequences in one pass (`lens[i]` tokens continue `states[i]`). The candle
+    /// engines run them one after another.
+    fn forward_batch(&self, tokens: &[u32], lens: &[usize], states: &mut [&mut State]) -> Result<Vec<f32>> {
         match self {
-            Engine::Cpu(e) => Ok(e.logits(hidden)),
-            Engine::CpuMamba1(e) => Ok(e.logits(hidden)),
+            Engine::Cpu(e) => Ok(e.forward_batch(tokens, lens, states)),
+            Engine::CpuMamba1(e) => Ok(e.forward_batch(tokens, lens, states)),
+            Engine::Candle { .. } | Engine::CandleMamba1 { .. } => {
+                let mut hidden = Vec::new();
+                let mut rest = tokens;
+                for (state, &t) in states.iter_mut().zip(lens) {
+                    let (seq, tail) = rest.split_at(t);
+                    rest = tail;
+                    hidden.extend(self.forward(seq, state)?);
+                }
+                Ok(hidden)
+            }
+        }
+    }
+    fn logits(&self, hidden: &[f32]) -> Result<Vec<f32>> {
+        self.logits_of(hidden, Rows::Tokens)
+    }
+    fn logits_of(&self, hidden: &[f32], kind: Rows) -> Result<Vec<f32>> {
+        match self {
+            Engine::Cpu(e) => Ok(e.logits(hidden, kind)),
+            Engine::CpuMamba1(e) => Ok(e.logits(hidden, kind)),
             Engine::Candle { engine, .. } => engine.logits(hidden),
             Engine::CandleMamba1 { engine, .. } => engine.logits(hidden),
         }
@@ -343,6 +364,41 @@ impl Model {
         self.check_state(state)?;
         let hidden = self.engine.forward(&[token], state)?;
         self.engine.logits(&hidden)
+    }
+
+    /// One decode step of several sequences at once: `tokens[i]` continues `states[i]`
+    /// (advanced in place). Returns the next-token logits of each (B × vocab), each to the bit
+    /// what [`Model::step`] gives that sequence alone, for one pass over the weights.
+    pub fn step_batch(&self, tokens: &[u32], states: &mut [&mut State]) -> Result<Vec<f32>> {
+        if tokens.len() != states.len() {
+            return Err(Error::Input(format!("{} tokens for {} states", tokens.len(), states.len())));
+        }
+        self.check_tokens(tokens)?;
+        for s in states.iter() {
+            self.check_state(s)?;
+        }
+        let hidden = self.engine.forward_batch(tokens, &vec![1; tokens.len()], states)?;
+        self.engine.logits_of(&hidden, Rows::of(&vec![1; tokens.len()]))
+    }
+
+    /// Processes several token sequences in one forward pass, `sequences[i]` from
+    /// `states[i]`, and returns the state after each: what [`Model::prefill`] gives each alone,
+    /// to float rounding (the projections of all rows are one matrix product).
+    pub fn prefill_batch(&self, sequences: &[&[u32]], states: &[&State]) -> Result<Vec<State>> {
+        if sequences.len() != states.len() {
+            return Err(Error::Input(format!("{} sequences for {} states", sequences.len(), states.len())));
+        }
+        let tokens: Vec<u32> = sequences.concat();
+        self.check_tokens(&tokens)?;
+        let mut next = Vec::with_capacity(states.len());
+        for s in states {
+            self.check_state(s)?;
+            next.push((*s).clone());
+        }
+        let lens: Vec<usize> = sequences.iter().map(|s| s.len()).collect();
+        let mut refs: Vec<&mut State> = next.iter_mut().collect();
+        self.engine.forward_batch(&tokens, &lens, &mut refs)?;
+        Ok(next)
     }
 
     /// Scores `tokens` from `state`: the first token is context, each later one is scored.

@@ -2,40 +2,8 @@
 //! lane arrays, no reductions across lanes inside the loop) and compiled three times — AVX-512,
 //! AVX2+FMA and portable — with the best chosen at run time, so one binary is fast everywhere.
 
+use picaso_compose::simd_fn;
 use rayon::prelude::*;
-
-/// Defines `pub fn $name(...)` that runs `$body` compiled for the best instruction set present.
-/// Exported for the other CPU kernels of the workspace (the trainer's).
-#[macro_export]
-macro_rules! simd_fn {
-    ($(#[$meta:meta])* pub fn $name:ident($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
-        $(#[$meta])*
-        #[allow(clippy::too_many_arguments)]
-        pub fn $name($($arg: $ty),*) $(-> $ret)? {
-            #[inline(always)]
-            #[allow(clippy::too_many_arguments)]
-            fn body($($arg: $ty),*) $(-> $ret)? $body
-            #[cfg(target_arch = "x86_64")]
-            {
-                #[target_feature(enable = "avx512f,avx512vl,fma,avx2")]
-                #[allow(clippy::too_many_arguments)]
-                unsafe fn avx512($($arg: $ty),*) $(-> $ret)? { body($($arg),*) }
-                #[target_feature(enable = "avx2,fma")]
-                #[allow(clippy::too_many_arguments)]
-                unsafe fn avx2($($arg: $ty),*) $(-> $ret)? { body($($arg),*) }
-                if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512vl") {
-                    // SAFETY: the CPU supports the features the function was compiled for.
-                    return unsafe { avx512($($arg),*) };
-                }
-                if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-                    // SAFETY: as above.
-                    return unsafe { avx2($($arg),*) };
-                }
-            }
-            body($($arg),*)
-        }
-    };
-}
 
 /// Lanes of the hand-vectorised loops (one AVX-512 register, two AVX2 registers of f32).
 pub const LANES: usize = 16;
@@ -80,26 +48,7 @@ simd_fn! {
     /// Σ a_i·b_i.
     pub fn dot(a: &[f32], b: &[f32]) -> f32 {
         let n = a.len().min(b.len());
-        let (a, b) = (&a[..n], &b[..n]);
-        let mut acc = [[0.0f32; LANES]; 4];
-        let mut ca = a.chunks_exact(4 * LANES);
-        let mut cb = b.chunks_exact(4 * LANES);
-        for (xa, xb) in (&mut ca).zip(&mut cb) {
-            for j in 0..4 {
-                for i in 0..LANES {
-                    acc[j][i] = xa[j * LANES + i].mul_add(xb[j * LANES + i], acc[j][i]);
-                }
-            }
-        }
-        let mut s = 0.0f32;
-        for (x, y) in ca.remainder().iter().zip(cb.remainder()) {
-            s = x.mul_add(*y, s);
-        }
-        let mut lanes = [0.0f32; LANES];
-        for i in 0..LANES {
-            lanes[i] = (acc[0][i] + acc[1][i]) + (acc[2][i] + acc[3][i]);
-        }
-        lanes.iter().sum::<f32>() + s
+        dot_fixed(&a[..n], &b[..n], false)
     }
 }
 
@@ -120,42 +69,78 @@ impl Widen for u16 {
     }
 }
 
-/// out[r] (+)= dot(w[r·k .. (r+1)·k], x) for each row r of `w`.
+/// dot(row, x) in a fixed order (four chains of LANES lanes, then the tail), whatever calls
+/// it: a decode step gives the same bits alone or in a batch. With `prefetch`, asks for the
+/// memory [`PREFETCH_AHEAD_BYTES`] ahead of `row`.
 #[inline(always)]
-fn matvec_body<W: Widen>(w: &[W], x: &[f32], out: &mut [f32], accumulate: bool) {
-    let k = x.len();
+fn dot_fixed<W: Widen>(row: &[W], x: &[f32], prefetch: bool) -> f32 {
     // Software prefetch far ahead keeps more DRAM requests in flight than the hardware
     // streamer alone, which stops at 4 KiB boundaries: +25-30% decode throughput here.
     let ahead = PREFETCH_AHEAD_BYTES / std::mem::size_of::<W>();
     let line = 64 / std::mem::size_of::<W>();
-    for (r, o) in out.iter_mut().enumerate() {
-        let row = &w[r * k..(r + 1) * k];
-        let mut acc = [[0.0f32; LANES]; 4];
-        let mut cw = row.chunks_exact(4 * LANES);
-        let mut cx = x.chunks_exact(4 * LANES);
-        for (a, b) in (&mut cw).zip(&mut cx) {
+    let mut acc = [[0.0f32; LANES]; 4];
+    let mut cw = row.chunks_exact(4 * LANES);
+    let mut cx = x.chunks_exact(4 * LANES);
+    for (a, b) in (&mut cw).zip(&mut cx) {
+        if prefetch {
             let p = a.as_ptr().wrapping_add(ahead);
             let mut off = 0;
             while off < 4 * LANES {
                 prefetch_l2(p.wrapping_add(off).cast());
                 off += line;
             }
-            for j in 0..4 {
-                for i in 0..LANES {
-                    acc[j][i] = a[j * LANES + i].widen().mul_add(b[j * LANES + i], acc[j][i]);
-                }
+        }
+        for j in 0..4 {
+            for i in 0..LANES {
+                acc[j][i] = a[j * LANES + i].widen().mul_add(b[j * LANES + i], acc[j][i]);
             }
         }
-        let mut s = 0.0f32;
-        for (a, b) in cw.remainder().iter().zip(cx.remainder()) {
-            s = a.widen().mul_add(*b, s);
-        }
-        let mut lanes = [0.0f32; LANES];
-        for i in 0..LANES {
-            lanes[i] = (acc[0][i] + acc[1][i]) + (acc[2][i] + acc[3][i]);
-        }
-        let v = lanes.iter().sum::<f32>() + s;
+    }
+    let mut s = 0.0f32;
+    for (a, b) in cw.remainder().iter().zip(cx.remainder()) {
+        s = a.widen().mul_add(*b, s);
+    }
+    let mut lanes = [0.0f32; LANES];
+    for i in 0..LANES {
+        lanes[i] = (acc[0][i] + acc[1][i]) + (acc[2][i] + acc[3][i]);
+    }
+    lanes.iter().sum::<f32>() + s
+}
+
+/// out[r] (+)= dot(w[r·k .. (r+1)·k], x) for each row r of `w`.
+#[inline(always)]
+fn matvec_body<W: Widen>(w: &[W], x: &[f32], out: &mut [f32], accumulate: bool) {
+    let k = x.len();
+    for (r, o) in out.iter_mut().enumerate() {
+        let v = dot_fixed(&w[r * k..(r + 1) * k], x, true);
         *o = if accumulate { *o + v } else { v };
+    }
+}
+
+/// out_t[r·m + i] = dot(w row r, x row i) for the m rows of `x`: each weight row is read from
+/// memory once (then from L1) for all m inputs.
+#[inline(always)]
+fn matvecs_body<W: Widen>(w: &[W], x: &[f32], k: usize, out_t: &mut [f32]) {
+    let m = x.len() / k;
+    for (r, o) in out_t.chunks_exact_mut(m).enumerate() {
+        let row = &w[r * k..(r + 1) * k];
+        for (i, v) in o.iter_mut().enumerate() {
+            *v = dot_fixed(row, &x[i * k..(i + 1) * k], i == 0);
+        }
+    }
+}
+
+simd_fn! {
+    /// [`matvecs_body`] for f32 `w`.
+    pub fn matvecs_rows(w: &[f32], x: &[f32], k: usize, out_t: &mut [f32]) {
+        matvecs_body(w, x, k, out_t)
+    }
+}
+
+simd_fn! {
+    /// [`matvecs_body`] for bf16 `w` (stored as bits).
+    pub fn matvecs_rows_bf16(w: &[u16], x: &[f32], k: usize, out_t: &mut [f32]) {
+        matvecs_body(w, x, k, out_t)
     }
 }
 
@@ -253,6 +238,35 @@ pub fn matmul_t(x: &[f32], m: usize, k: usize, w: &Matrix, n: usize, out: &mut [
                 });
                 gemm_t(x, m, k, t, rows, start, out, n, accumulate);
             }
+        }
+    }
+}
+
+/// out (m×n) (+)= x (m×k) · wᵀ as m independent matrix-vector products: each output equals,
+/// to the bit, what [`matmul_t`] gives that row alone (m = 1), so a batch of decode steps
+/// gives each sequence exactly its unbatched result. Each weight is read once for all rows.
+pub fn matmul_rows_t(x: &[f32], m: usize, k: usize, w: &Matrix, n: usize, out: &mut [f32], accumulate: bool) {
+    if m == 1 {
+        return matmul_t(x, m, k, w, n, out, accumulate);
+    }
+    assert_eq!(x.len(), m * k, "matmul_rows_t: x is not m×k");
+    assert_eq!(w.len(), n * k, "matmul_rows_t: w is not n×k");
+    assert_eq!(out.len(), m * n, "matmul_rows_t: out is not m×n");
+    let rows = (n / (8 * rayon::current_num_threads())).max(16);
+    // Transposed (n × m) so that each task writes one contiguous block.
+    let mut out_t = vec![0.0f32; n * m];
+    match w {
+        Matrix::F32(w) => out_t.par_chunks_mut(rows * m).enumerate().for_each(|(i, o)| {
+            matvecs_rows(&w[i * rows * k..(i * rows + o.len() / m) * k], x, k, o);
+        }),
+        Matrix::Bf16(w) => out_t.par_chunks_mut(rows * m).enumerate().for_each(|(i, o)| {
+            matvecs_rows_bf16(&w[i * rows * k..(i * rows + o.len() / m) * k], x, k, o);
+        }),
+    }
+    for (r, col) in out_t.chunks_exact(m).enumerate() {
+        for (i, &v) in col.iter().enumerate() {
+            let o = &mut out[i * n + r];
+            *o = if accumulate { *o + v } else { v };
         }
     }
 }

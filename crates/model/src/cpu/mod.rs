@@ -104,12 +104,13 @@ impl TokenIo {
         self.lm_head.as_ref().unwrap_or(&self.embedding)
     }
 
-    /// Logits (rows × vocab) of `rows` final hidden states.
-    pub(crate) fn logits(&self, hidden: &[f32]) -> Vec<f32> {
+    /// Logits (rows × vocab) of `rows` final hidden states. `Rows::Independent` computes
+    /// each row exactly as it would be alone (a batch of decode steps).
+    pub(crate) fn logits(&self, hidden: &[f32], kind: Rows) -> Vec<f32> {
         let (d, v) = (self.d_model, self.vocab);
         let rows = hidden.len() / d;
         let mut out = vec![0.0f32; rows * v];
-        kernels::matmul_t(hidden, rows, d, self.head(), v, &mut out, false);
+        kind.matmul_t(hidden, rows, d, self.head(), v, &mut out, false);
         out
     }
 
@@ -198,36 +199,59 @@ impl CpuMamba2 {
     /// states (T × d_model), ready for the LM head. Token ids must be in range (checked by
     /// the caller).
     pub fn forward(&self, tokens: &[u32], state: &mut State) -> Vec<f32> {
-        let t = tokens.len();
-        if t == 0 {
-            return Vec::new();
-        }
-        let mut h = self.io.embed(tokens);
-        for (lw, ls) in self.layers.iter().zip(&mut state.layers) {
-            self.layer(lw, ls, &mut h, t);
-        }
-        state.n_tokens += t as u64;
-        self.io.final_norm(&h)
+        self.forward_batch(tokens, &[tokens.len()], &mut [state])
     }
 
-    /// One Mamba-2 block on `h` (T × d_model), residual included.
-    fn layer(&self, lw: &CpuLayer, ls: &mut LayerState, h: &mut [f32], t: usize) {
-        let c = &self.config;
-        let (d, di, conv_dim, k) = (c.d_model, c.d_inner(), c.conv_dim(), c.d_conv);
-        let (nh, p, n, g) = (c.nheads, c.headdim, c.d_state, c.n_groups);
-        let width = c.d_in_proj();
+    /// Runs several sequences at once: `tokens` holds the `lens[i]` new tokens of sequence i
+    /// after those of sequence i-1, each continuing from `states[i]` (updated in place). The
+    /// projections read each weight once for all rows, so B decode steps cost little more
+    /// than one; each sequence gets what [`CpuMamba2::forward`] gives it alone. Returns the
+    /// final-normed hidden states of every row.
+    pub fn forward_batch(&self, tokens: &[u32], lens: &[usize], states: &mut [&mut State]) -> Vec<f32> {
+        run_layers(&self.io, &self.layers, tokens, lens, states, |lw, ls, kind, h| self.layer(lw, ls, lens, kind, h))
+    }
 
-        // Pre-norm and in_proj: zxbcdt (T × width) = [z | xBC | dt].
-        let mut xn = vec![0.0f32; t * d];
+    /// One Mamba-2 block on `h` (rows × d_model: the sequences' rows one after another),
+    /// residual included.
+    fn layer(&self, lw: &CpuLayer, states: &mut [&mut LayerState], lens: &[usize], kind: Rows, h: &mut [f32]) {
+        let c = &self.config;
+        let (d, di) = (c.d_model, c.d_inner());
+        let width = c.d_in_proj();
+        let rows = h.len() / d;
+
+        // Pre-norm and in_proj: zxbcdt (rows × width) = [z | xBC | dt].
+        let mut xn = vec![0.0f32; rows * d];
         rows_par(h, &mut xn, d, d, |x, o| kernels::rmsnorm(x, &lw.norm, c.norm_eps as f32, o));
-        let mut zxbcdt = vec![0.0f32; t * width];
-        kernels::matmul_t(&xn, t, d, &lw.in_proj, width, &mut zxbcdt, false);
+        let mut zxbcdt = vec![0.0f32; rows * width];
+        kind.matmul_t(&xn, rows, d, &lw.in_proj, width, &mut zxbcdt, false);
         if let Some(b) = &lw.in_proj_bias {
             add_bias_rows(&mut zxbcdt, b);
         }
 
+        // Each sequence's conv and scan from its own state.
+        let mut gated = vec![0.0f32; rows * di];
+        per_sequence(states, lens, &zxbcdt, width, &mut gated, di, |ls, zx, t, out| self.mixer(lw, ls, zx, t, out));
+
+        kind.matmul_t(&gated, rows, di, &lw.out_proj, d, h, true);
+        if let Some(b) = &lw.out_proj_bias {
+            add_bias_rows(h, b);
+        }
+    }
+
+    /// The part of a block that carries state, for one sequence: the causal conv, the
+    /// selective scan and the gated RMSNorm of its `t` rows of in_proj output `zxbcdt`,
+    /// written to `gated` (t × d_inner).
+    fn mixer(&self, lw: &CpuLayer, ls: &mut LayerState, zxbcdt: &[f32], t: usize, gated: &mut [f32]) {
+        if t == 0 {
+            return;
+        }
+        let c = &self.config;
+        let (di, conv_dim, k) = (c.d_inner(), c.conv_dim(), c.d_conv);
+        let (nh, p, n, g) = (c.nheads, c.headdim, c.d_state, c.n_groups);
+        let width = c.d_in_proj();
+
         // Causal depthwise conv over [tail; xBC], then SiLU.
-        let xbc = causal_conv_silu(&zxbcdt, width, di, t, conv_dim, k, &lw.conv_wt, &lw.conv_bias, &mut ls.conv);
+        let xbc = causal_conv_silu(zxbcdt, width, di, t, conv_dim, k, &lw.conv_wt, &lw.conv_bias, &mut ls.conv);
 
         // dt = clamp(softplus(dt_raw + dt_bias)); per-head decay exp(dt·A); head-major (H × T).
         let (lo, hi) = c.time_step_limit;
@@ -267,8 +291,7 @@ impl CpuMamba2 {
             );
         });
 
-        // Gated RMSNorm per token, then out_proj added onto the residual stream.
-        let mut gated = vec![0.0f32; t * di];
+        // Gated RMSNorm per token.
         gated.par_chunks_mut(di).enumerate().for_each(|(ti, o)| {
             let mut yt = vec![0.0f32; di];
             for hd in 0..nh {
@@ -277,15 +300,11 @@ impl CpuMamba2 {
             let z = &zxbcdt[ti * width..ti * width + di];
             kernels::gated_rmsnorm(&yt, z, &lw.gated_norm, di / g, c.gated_norm_eps as f32, o);
         });
-        kernels::matmul_t(&gated, t, di, &lw.out_proj, d, h, true);
-        if let Some(b) = &lw.out_proj_bias {
-            add_bias_rows(h, b);
-        }
     }
 
     /// Logits (rows × vocab) of `rows` final hidden states.
-    pub fn logits(&self, hidden: &[f32]) -> Vec<f32> {
-        self.io.logits(hidden)
+    pub fn logits(&self, hidden: &[f32], kind: Rows) -> Vec<f32> {
+        self.io.logits(hidden, kind)
     }
 
     /// log p(targets[i] | hidden row i) for each row.
@@ -332,6 +351,86 @@ pub(crate) fn causal_conv_silu(
         }
     }
     out
+}
+
+/// What the rows of a forward pass are, which decides how its matrix products run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rows {
+    /// Tokens of sequences being prefilled: one matrix product (gemm) for all rows.
+    Tokens,
+    /// One decode step of each of several sequences: each row is multiplied exactly as it
+    /// would be alone, so batching never changes a sequence's results (each weight is still
+    /// read once for all rows).
+    Independent,
+}
+
+impl Rows {
+    /// `Independent` for a batch of single tokens, else `Tokens`.
+    pub fn of(lens: &[usize]) -> Self {
+        if lens.len() > 1 && lens.iter().all(|&t| t == 1) {
+            Rows::Independent
+        } else {
+            Rows::Tokens
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn matmul_t(self, x: &[f32], m: usize, k: usize, w: &Matrix, n: usize, out: &mut [f32], acc: bool) {
+        match self {
+            Rows::Tokens => kernels::matmul_t(x, m, k, w, n, out, acc),
+            Rows::Independent => kernels::matmul_rows_t(x, m, k, w, n, out, acc),
+        }
+    }
+}
+
+/// Embeds the tokens of a batch of sequences (`lens[i]` tokens of sequence i, one after
+/// another), runs `layer(weights, states of that layer, rows kind, hidden)` for each layer and
+/// returns the final-normed hidden states. Shared by the Mamba-1 and Mamba-2 engines.
+pub(crate) fn run_layers<L>(
+    io: &TokenIo,
+    layers: &[L],
+    tokens: &[u32],
+    lens: &[usize],
+    states: &mut [&mut State],
+    layer: impl Fn(&L, &mut [&mut LayerState], Rows, &mut [f32]),
+) -> Vec<f32> {
+    assert_eq!(lens.iter().sum::<usize>(), tokens.len(), "lens must add up to the tokens");
+    assert_eq!(lens.len(), states.len(), "one state per sequence");
+    if tokens.is_empty() {
+        return Vec::new();
+    }
+    let mut h = io.embed(tokens);
+    let kind = Rows::of(lens);
+    for (l, lw) in layers.iter().enumerate() {
+        let mut ls: Vec<&mut LayerState> = states.iter_mut().map(|s| &mut s.layers[l]).collect();
+        layer(lw, &mut ls, kind, &mut h);
+    }
+    for (s, &t) in states.iter_mut().zip(lens) {
+        s.n_tokens += t as u64;
+    }
+    io.final_norm(&h)
+}
+
+/// Runs `f(state, input rows, t, output rows)` for each sequence of a batch, in parallel:
+/// sequence i owns `lens[i]` consecutive rows of `input` (width `in_width`) and of `output`.
+pub(crate) fn per_sequence(
+    states: &mut [&mut LayerState],
+    lens: &[usize],
+    input: &[f32],
+    in_width: usize,
+    output: &mut [f32],
+    out_width: usize,
+    f: impl Fn(&mut LayerState, &[f32], usize, &mut [f32]) + Sync,
+) {
+    let (mut input, mut output) = (input, output);
+    let mut seqs = Vec::with_capacity(lens.len());
+    for (ls, &t) in states.iter_mut().zip(lens) {
+        let (i, rest_in) = input.split_at(t * in_width);
+        let (o, rest_out) = std::mem::take(&mut output).split_at_mut(t * out_width);
+        (input, output) = (rest_in, rest_out);
+        seqs.push((&mut **ls, i, t, o));
+    }
+    seqs.into_par_iter().for_each(|(ls, i, t, o)| f(ls, i, t, o));
 }
 
 /// Applies `f(input_row_block, output_row_block)` over row blocks in parallel.

@@ -8,7 +8,7 @@ use rayon::prelude::*;
 use super::config::Mamba1Config;
 use super::weights::Mamba1Weights;
 use crate::cpu::kernels::{self, Matrix, LANES};
-use crate::cpu::{add_bias_rows, causal_conv_silu, rows_par, TokenIo, WeightDtype};
+use crate::cpu::{add_bias_rows, causal_conv_silu, per_sequence, rows_par, run_layers, Rows, TokenIo, WeightDtype};
 use crate::state::{LayerState, State};
 
 /// One block, laid out for the kernels.
@@ -83,34 +83,52 @@ impl CpuMamba1 {
     /// Runs `tokens` from `state` (updated in place) and returns the final-normed hidden
     /// states (T × d_model).
     pub fn forward(&self, tokens: &[u32], state: &mut State) -> Vec<f32> {
-        let t = tokens.len();
-        if t == 0 {
-            return Vec::new();
-        }
-        let mut h = self.io.embed(tokens);
-        for (lw, ls) in self.layers.iter().zip(&mut state.layers) {
-            self.layer(lw, ls, &mut h, t);
-        }
-        state.n_tokens += t as u64;
-        self.io.final_norm(&h)
+        self.forward_batch(tokens, &[tokens.len()], &mut [state])
     }
 
-    /// One Mamba-1 block on `h` (T × d_model), residual included.
-    fn layer(&self, lw: &Layer, ls: &mut LayerState, h: &mut [f32], t: usize) {
-        let c = &self.config;
-        let (d, di, n, k, r) = (c.d_model, c.d_inner(), c.d_state, c.d_conv, c.dt_rank);
+    /// Several sequences at once, as [`crate::cpu::CpuMamba2::forward_batch`].
+    pub fn forward_batch(&self, tokens: &[u32], lens: &[usize], states: &mut [&mut State]) -> Vec<f32> {
+        run_layers(&self.io, &self.layers, tokens, lens, states, |lw, ls, kind, h| self.layer(lw, ls, lens, kind, h))
+    }
 
-        // Pre-norm and in_proj: xz (T × 2D) = [x | z].
-        let mut xn = vec![0.0f32; t * d];
+    /// One Mamba-1 block on `h` (rows × d_model: the sequences' rows one after another),
+    /// residual included.
+    fn layer(&self, lw: &Layer, states: &mut [&mut LayerState], lens: &[usize], kind: Rows, h: &mut [f32]) {
+        let c = &self.config;
+        let (d, di) = (c.d_model, c.d_inner());
+        let rows = h.len() / d;
+
+        // Pre-norm and in_proj: xz (rows × 2D) = [x | z].
+        let mut xn = vec![0.0f32; rows * d];
         rows_par(h, &mut xn, d, d, |x, o| kernels::rmsnorm(x, &lw.norm, c.norm_eps as f32, o));
-        let mut xz = vec![0.0f32; t * 2 * di];
-        kernels::matmul_t(&xn, t, d, &lw.in_proj, 2 * di, &mut xz, false);
+        let mut xz = vec![0.0f32; rows * 2 * di];
+        kind.matmul_t(&xn, rows, d, &lw.in_proj, 2 * di, &mut xz, false);
         if let Some(b) = &lw.in_proj_bias {
             add_bias_rows(&mut xz, b);
         }
 
+        // Each sequence's conv and scan from its own state.
+        let mut gated = vec![0.0f32; rows * di];
+        per_sequence(states, lens, &xz, 2 * di, &mut gated, di, |ls, xz, t, out| self.mixer(lw, ls, xz, t, out));
+
+        kind.matmul_t(&gated, rows, di, &lw.out_proj, d, h, true);
+        if let Some(bias) = &lw.out_proj_bias {
+            add_bias_rows(h, bias);
+        }
+    }
+
+    /// The part of a block that carries state, for one sequence: conv, projections to dt, B
+    /// and C, the selective scan and the gate, from its `t` rows of in_proj output `xz`,
+    /// written to `gated` (t × d_inner).
+    fn mixer(&self, lw: &Layer, ls: &mut LayerState, xz: &[f32], t: usize, gated: &mut [f32]) {
+        if t == 0 {
+            return;
+        }
+        let c = &self.config;
+        let (di, n, k, r) = (c.d_inner(), c.d_state, c.d_conv, c.dt_rank);
+
         // Causal depthwise conv over [tail; x], then SiLU.
-        let xc = causal_conv_silu(&xz, 2 * di, 0, t, di, k, &lw.conv_wt, &lw.conv_bias, &mut ls.conv);
+        let xc = causal_conv_silu(xz, 2 * di, 0, t, di, k, &lw.conv_wt, &lw.conv_bias, &mut ls.conv);
 
         // x_proj → [dt_low | B | C]; dt = softplus(dt_proj(dt_low) + bias), all (T × ·).
         let xp = c.x_proj_dim();
@@ -148,23 +166,18 @@ impl CpuMamba1 {
                 }
             });
 
-        // y · silu(z), then out_proj added onto the residual stream.
-        let mut gated = vec![0.0f32; t * di];
+        // y · silu(z).
         gated.par_chunks_mut(di).enumerate().for_each(|(ti, o)| {
             let z = &xz[ti * 2 * di + di..(ti + 1) * 2 * di];
             for (ch, (ov, &zv)) in o.iter_mut().zip(z).enumerate() {
                 *ov = y_blk[((ch / LANES) * t + ti) * LANES + ch % LANES] * kernels::silu(zv);
             }
         });
-        kernels::matmul_t(&gated, t, di, &lw.out_proj, d, h, true);
-        if let Some(bias) = &lw.out_proj_bias {
-            add_bias_rows(h, bias);
-        }
     }
 
     /// Logits (rows × vocab) of `rows` final hidden states.
-    pub fn logits(&self, hidden: &[f32]) -> Vec<f32> {
-        self.io.logits(hidden)
+    pub fn logits(&self, hidden: &[f32], kind: Rows) -> Vec<f32> {
+        self.io.logits(hidden, kind)
     }
 
     /// log p(targets[i] | hidden row i) for each row.
