@@ -28,9 +28,17 @@ pub struct ServeArgs {
     /// Memory for hot context states, MiB.
     #[arg(long, default_value_t = 512)]
     cache_mb: usize,
-    /// Requests doing model work at once (others queue); default: the number of cores.
+    /// Requests preparing at once (retrieval, loading and composing states; others queue);
+    /// default: the number of cores.
     #[arg(long)]
     parallel: Option<usize>,
+    /// Most generations advancing together (continuous batching: one batched decode step per
+    /// token for all of them).
+    #[arg(long, default_value_t = 32)]
+    max_batch: usize,
+    /// Most generations waiting to join the batch; more are answered 503 with Retry-After.
+    #[arg(long, default_value_t = 256)]
+    max_queue: usize,
     /// Most prompt tokens per request (413 above).
     #[arg(long, default_value_t = 8192)]
     max_prompt_tokens: usize,
@@ -68,6 +76,8 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     let options = picaso_server::Options {
         cache_bytes: a.cache_mb << 20,
         parallel: a.parallel.unwrap_or(cores),
+        max_batch: a.max_batch,
+        max_queue: a.max_queue,
         limits: picaso_server::Limits {
             max_prompt_tokens: a.max_prompt_tokens,
             max_tokens: a.max_tokens_limit,

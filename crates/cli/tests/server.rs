@@ -418,3 +418,103 @@ fn retrieval_during_deletes_never_answers_not_found() {
         });
     }
 }
+
+/// Continuous batching: at most `--max-batch` generations advance together and `--max-queue`
+/// wait (beyond: 503 with Retry-After); a long prompt is prefilled in chunks and generates what
+/// it generates alone; a non-streaming client that goes away frees its slot.
+#[test]
+fn continuous_batching_caps_the_batch_queues_and_frees_slots() {
+    let (Some(model), Some(embedder)) = (text_model_of("mamba2", 1), shared("all-MiniLM-L6-v2")) else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let docs = tmp.path().join("docs");
+    write_docs(&docs);
+    let db = tmp.path().join("db");
+    let (m, e, db_s) = (model.path().to_str().unwrap(), embedder.to_str().unwrap(), db.to_str().unwrap());
+    ok(&["ingest", "--db", db_s, "--model", m, "--embedder", e, "--text-dir", docs.to_str().unwrap(), "--json"]);
+    let server = Server::start(&[
+        "--db",
+        db_s,
+        "--model",
+        m,
+        "--max-batch",
+        "3",
+        "--max-queue",
+        "2",
+        "--max-prompt-tokens",
+        "2000",
+        "--max-tokens-limit",
+        "1000000",
+    ]);
+
+    // A prompt of more than one prefill chunk (256 tokens), next to short ones: each greedy
+    // answer is the CLI's (which prefills in one pass and decodes alone).
+    let long = "The tower stands in the city and the river runs past it. ".repeat(30);
+    let prompts = [long.as_str(), "Cats", "The tower", "Mamba models"];
+    let alone: Vec<Value> = prompts
+        .iter()
+        .map(|p| ok(&["generate", "--model", m, "--prompt", p, "--max-tokens", "10", "--json"])["text"].clone())
+        .collect();
+    let server_ref = &server;
+    std::thread::scope(|s| {
+        let handles: Vec<_> = prompts
+            .iter()
+            .map(|&p| s.spawn(move || server_ref.complete(json!({"prompt": p, "max_tokens": 10, "temperature": 0}))))
+            .collect();
+        for (h, want) in handles.into_iter().zip(&alone) {
+            let v = h.join().unwrap();
+            assert_eq!(&v["choices"][0]["text"], want, "batched answer differs from the one alone: {v}");
+        }
+    });
+
+    // Fill the batch (3) and the queue (2) with endless streams: the next request is refused
+    // at once with 503 and Retry-After, and at most 3 advance together.
+    let endless = json!({"prompt": "Once", "max_tokens": 1_000_000, "stream": true, "temperature": 1}).to_string();
+    let open_stream = || {
+        let mut sock = TcpStream::connect(server.url.trim_start_matches("http://")).unwrap();
+        write!(sock, "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{endless}", endless.len()).unwrap();
+        let mut head = [0u8; 256];
+        let n = sock.read(&mut head).unwrap();
+        assert!(String::from_utf8_lossy(&head[..n]).starts_with("HTTP/1.1 200"));
+        sock
+    };
+    let socks: Vec<TcpStream> = (0..5).map(|_| open_stream()).collect();
+    let t0 = Instant::now();
+    while server.metric("picaso_batch_active") < 3.0 || server.metric("picaso_batch_queued") < 2.0 {
+        assert!(t0.elapsed() < Duration::from_secs(30), "the batch and queue did not fill");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(server.metric("picaso_batch_active"), 3.0, "--max-batch caps the batch");
+    let resp = ureq::post(&format!("{}/v1/completions", server.url)).send_string(&json!({"prompt": "x"}).to_string());
+    let Err(ureq::Error::Status(503, r)) = resp else { panic!("expected 503, got {resp:?}") };
+    assert_eq!(r.header("retry-after"), Some("1"));
+    let body: Value = serde_json::from_str(&r.into_string().unwrap()).unwrap();
+    assert!(body["error"]["message"].as_str().unwrap().contains("retry"), "{body}");
+
+    // Clients that go away leave the batch; the queued ones join, then the server is idle.
+    drop(socks);
+    let t0 = Instant::now();
+    while server.metric("picaso_batch_active") > 0.0 || server.metric("picaso_batch_queued") > 0.0 {
+        assert!(t0.elapsed() < Duration::from_secs(30), "disconnected streams still hold slots");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(server.metric("picaso_generations_cancelled_total") >= 5.0);
+
+    // A non-streaming client that disconnects frees its slot too.
+    let cancelled = server.metric("picaso_generations_cancelled_total");
+    let body = json!({"prompt": "Once", "max_tokens": 1_000_000, "temperature": 1}).to_string();
+    let mut sock = TcpStream::connect(server.url.trim_start_matches("http://")).unwrap();
+    write!(sock, "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}", body.len()).unwrap();
+    let t0 = Instant::now();
+    while server.metric("picaso_batch_active") < 1.0 {
+        assert!(t0.elapsed() < Duration::from_secs(30), "the generation did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(sock);
+    let t0 = Instant::now();
+    while server.metric("picaso_generations_cancelled_total") < cancelled + 1.0 {
+        assert!(t0.elapsed() < Duration::from_secs(30), "an abandoned non-streaming generation kept running");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(server.metric("picaso_batch_active"), 0.0);
+    assert_eq!(server.call("GET", "/health", None).0, 200);
+}

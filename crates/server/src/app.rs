@@ -9,9 +9,11 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use picaso_embed::Embedder;
 use picaso_model::{GenerateOptions, Model, State, StopReason};
 use picaso_store::{prepare, retrieve_and_prepare, ContextMethod, NewContext, StateCache, Store};
-use tokio::sync::Semaphore;
+use serde_json::json;
+use tokio::sync::{mpsc, Semaphore};
 
 use crate::api::*;
+use crate::batcher::{Batcher, Event, Job, Refused};
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 
@@ -53,8 +55,13 @@ impl Default for Limits {
 pub struct Options {
     /// Byte budget of the in-memory state cache.
     pub cache_bytes: usize,
-    /// Requests doing model work at the same time (others wait their turn).
+    /// Requests preparing at the same time (retrieval, loading and composing states, concat's
+    /// prefill); others wait their turn.
     pub parallel: usize,
+    /// Most generations advancing together in the batch.
+    pub max_batch: usize,
+    /// Most generations waiting to join the batch; more are answered 503 with Retry-After.
+    pub max_queue: usize,
     /// Request limits.
     pub limits: Limits,
     /// The model name reported in responses.
@@ -64,7 +71,7 @@ pub struct Options {
 /// Everything a request needs, shared by all of them.
 pub struct App {
     /// The model.
-    pub model: Model,
+    pub model: Arc<Model>,
     /// The store of context states.
     pub store: Store,
     /// The retriever.
@@ -78,6 +85,7 @@ pub struct App {
     /// The model name reported in responses.
     pub model_name: String,
     pub(crate) gate: Arc<Semaphore>,
+    batcher: Batcher,
     next_id: AtomicU64,
     boot: u64,
     /// The server adds and deletes contexts: it is the folder store's one writer.
@@ -89,7 +97,6 @@ pub(crate) struct Plan {
     pub id: String,
     pub created: u64,
     pub prompt: Vec<u32>,
-    pub state: State,
     pub opts: GenerateOptions,
     pub info: CompletionInfo,
     pub started: Instant,
@@ -133,8 +140,11 @@ impl App {
         model.tokenizer().map_err(|e| e.to_string())?;
         let metrics = Metrics::default();
         metrics.contexts.set(store.len().map_err(|e| e.to_string())? as i64);
+        let model = Arc::new(model);
+        let batcher = Batcher::start(model.clone(), options.max_batch, options.max_queue, metrics.batch.clone());
         Ok(Self {
             model,
+            batcher,
             store,
             embedder,
             cache: StateCache::new(options.cache_bytes),
@@ -223,7 +233,7 @@ impl App {
         method: ContextMethod,
         opts: GenerateOptions,
         started: Instant,
-    ) -> Result<Plan, ApiError> {
+    ) -> Result<(Plan, State), ApiError> {
         let tokenizer = self.model.tokenizer()?;
         let (text, prompt) = match &req.prompt {
             Prompt::Text(t) => (t.clone(), tokenizer.encode(t)?),
@@ -277,11 +287,10 @@ impl App {
         }
         m.prompt_tokens.inc_by(prompt.len() as u64);
         let n = self.next_id.fetch_add(1, Ordering::Relaxed);
-        Ok(Plan {
+        let plan = Plan {
             id: format!("cmpl-{:x}-{n}", self.boot),
             created: unix_now(),
             prompt,
-            state: prepared.state,
             opts,
             info: CompletionInfo {
                 composition: method.name(),
@@ -295,7 +304,8 @@ impl App {
                 time_to_first_token_ms: None,
             },
             started,
-        })
+        };
+        Ok((plan, prepared.state))
     }
 
     /// When the server started (seconds since the Unix epoch): the model's `created`.
@@ -315,74 +325,86 @@ impl App {
         }
     }
 
-    /// Generates the whole completion; stops early once `cancelled` is set (the client went
-    /// away before the answer). Blocking.
-    pub(crate) fn complete(
-        &self,
-        mut plan: Plan,
-        cancelled: &std::sync::atomic::AtomicBool,
-    ) -> Result<Completion, ApiError> {
-        let mut first = None;
-        let g = picaso_model::generate(&self.model, &plan.prompt, &plan.state, &plan.opts, |_| {
-            first.get_or_insert_with(|| plan.started.elapsed().as_secs_f64());
-            !cancelled.load(std::sync::atomic::Ordering::Relaxed)
-        })?;
-        if g.stop_reason == StopReason::Cancelled {
-            self.metrics.cancelled.inc();
+    /// Hands the plan's generation to the batch; its events arrive on the returned receiver
+    /// (dropping it cancels the generation). 503 with Retry-After when the queue is full.
+    pub(crate) fn submit(&self, plan: &Plan, state: State) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let job =
+            Job { prompt: plan.prompt.clone(), state, opts: plan.opts.clone(), started: plan.started, events: tx };
+        match self.batcher.submit(job) {
+            Ok(()) => Ok(rx),
+            Err(Refused::Busy) => {
+                Err(ApiError::busy("every generation slot and the queue are taken; retry shortly", 1))
+            }
+            Err(Refused::Stopped) => Err(ApiError::internal("the batching thread stopped")),
         }
-        let ttft = first.unwrap_or_else(|| plan.started.elapsed().as_secs_f64());
-        self.metrics.time_to_first_token_seconds.observe(ttft);
-        self.metrics.completion_tokens.inc_by(g.tokens.len() as u64);
-        plan.info.time_to_first_token_ms = Some(1e3 * ttft);
-        let mut out = self.chunk(&plan, g.text, Some(finish_reason(g.stop_reason)));
-        out.usage = Some(Usage {
-            prompt_tokens: plan.prompt.len(),
-            completion_tokens: g.tokens.len(),
-            total_tokens: plan.prompt.len() + g.tokens.len(),
-        });
-        out.picaso = Some(plan.info);
-        Ok(out)
     }
 
-    /// Generates and hands each chunk to `send` (serialised JSON); stops as soon as `send`
-    /// returns false (the client went away). Blocking.
-    pub(crate) fn stream(&self, mut plan: Plan, mut send: impl FnMut(String) -> bool) {
+    /// Waits for the whole completion.
+    pub(crate) async fn complete(&self, mut plan: Plan, state: State) -> Result<Completion, ApiError> {
+        let mut events = self.submit(&plan, state)?;
+        let mut text = String::new();
+        loop {
+            match events.recv().await {
+                Some(Event::Text(piece)) => text.push_str(&piece),
+                Some(Event::Done { tokens, reason, ttft }) => {
+                    plan.info.time_to_first_token_ms = Some(1e3 * ttft);
+                    let mut out = self.chunk(&plan, text, Some(finish_reason(reason)));
+                    out.usage = Some(Usage {
+                        prompt_tokens: plan.prompt.len(),
+                        completion_tokens: tokens,
+                        total_tokens: plan.prompt.len() + tokens,
+                    });
+                    out.picaso = Some(plan.info);
+                    return Ok(out);
+                }
+                Some(Event::Failed(message)) => return Err(ApiError::internal(message)),
+                None => return Err(ApiError::internal("the batching thread stopped")),
+            }
+        }
+    }
+
+    /// Streams the completion as JSON chunks into `out`; stops once the client is gone (`out`
+    /// closed), which drops the events and so takes the generation out of the batch.
+    pub(crate) async fn stream(
+        &self,
+        mut plan: Plan,
+        mut events: mpsc::UnboundedReceiver<Event>,
+        out: mpsc::Sender<String>,
+    ) {
         let json = |c: &Completion| serde_json::to_string(c).expect("completions serialise");
+        let send = async |chunk: String| out.send(chunk).await.is_ok();
         let mut head = self.chunk(&plan, String::new(), None);
         head.picaso = Some(plan.info.clone());
-        if !send(json(&head)) {
-            self.metrics.cancelled.inc();
+        if !send(json(&head)).await {
             return;
         }
-        let mut first = None;
-        let result = picaso_model::generate(&self.model, &plan.prompt, &plan.state, &plan.opts, |piece| {
-            first.get_or_insert_with(|| plan.started.elapsed().as_secs_f64());
-            send(json(&self.chunk(&plan, piece.to_string(), None)))
-        });
-        match result {
-            Ok(g) if g.stop_reason == StopReason::Cancelled => {
-                self.metrics.cancelled.inc();
-                self.metrics.completion_tokens.inc_by(g.tokens.len() as u64);
-            }
-            Ok(g) => {
-                let ttft = first.unwrap_or_else(|| plan.started.elapsed().as_secs_f64());
-                self.metrics.time_to_first_token_seconds.observe(ttft);
-                self.metrics.completion_tokens.inc_by(g.tokens.len() as u64);
-                plan.info.time_to_first_token_ms = Some(1e3 * ttft);
-                let mut last = self.chunk(&plan, String::new(), Some(finish_reason(g.stop_reason)));
-                last.usage = Some(Usage {
-                    prompt_tokens: plan.prompt.len(),
-                    completion_tokens: g.tokens.len(),
-                    total_tokens: plan.prompt.len() + g.tokens.len(),
-                });
-                last.picaso = Some(plan.info);
-                if send(json(&last)) {
-                    send("[DONE]".into());
+        while let Some(event) = events.recv().await {
+            match event {
+                Event::Text(piece) => {
+                    if !send(json(&self.chunk(&plan, piece, None))).await {
+                        return;
+                    }
                 }
-            }
-            Err(e) => {
-                let e = ApiError::from(e);
-                send(serde_json::json!({"error": {"message": e.message, "type": "server_error"}}).to_string());
+                Event::Done { tokens, reason, ttft } => {
+                    plan.info.time_to_first_token_ms = Some(1e3 * ttft);
+                    let mut last = self.chunk(&plan, String::new(), Some(finish_reason(reason)));
+                    last.usage = Some(Usage {
+                        prompt_tokens: plan.prompt.len(),
+                        completion_tokens: tokens,
+                        total_tokens: plan.prompt.len() + tokens,
+                    });
+                    last.picaso = Some(plan.info);
+                    if send(json(&last)).await {
+                        send("[DONE]".into()).await;
+                    }
+                    return;
+                }
+                Event::Failed(message) => {
+                    let e = ApiError::internal(message);
+                    send(json!({"error": {"message": e.public_message(), "type": "server_error"}}).to_string()).await;
+                    return;
+                }
             }
         }
     }

@@ -12,12 +12,14 @@ pub struct ApiError {
     pub status: StatusCode,
     /// What went wrong and how to fix it.
     pub message: String,
+    /// Seconds after which a retry may succeed (sent as Retry-After).
+    pub retry_after: Option<u32>,
 }
 
 impl ApiError {
     /// An error with `status`.
     pub fn new(status: StatusCode, message: impl Into<String>) -> Self {
-        Self { status, message: message.into() }
+        Self { status, message: message.into(), retry_after: None }
     }
     /// 400: the request is malformed or asks for something unsupported.
     pub fn bad_request(message: impl Into<String>) -> Self {
@@ -35,6 +37,10 @@ impl ApiError {
     pub fn unavailable(message: impl Into<String>) -> Self {
         Self::new(StatusCode::SERVICE_UNAVAILABLE, message)
     }
+    /// 503 with a Retry-After of `seconds`: the server is at capacity.
+    pub fn busy(message: impl Into<String>, seconds: u32) -> Self {
+        Self { retry_after: Some(seconds), ..Self::unavailable(message) }
+    }
     /// 500: the server failed.
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, message)
@@ -50,22 +56,31 @@ impl ApiError {
     }
 }
 
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let kind = self.kind();
-        // A server failure's details (file paths, backend messages) go to the server's log, not
-        // to the client, which gets an id to quote.
-        let message = if self.status == StatusCode::INTERNAL_SERVER_ERROR {
+impl ApiError {
+    /// The message for the client. A server failure's details (file paths, backend messages)
+    /// go to the server's log instead, and the client gets an id to quote.
+    pub fn public_message(&self) -> String {
+        if self.status == StatusCode::INTERNAL_SERVER_ERROR {
             use std::sync::atomic::{AtomicU64, Ordering};
             static NEXT: AtomicU64 = AtomicU64::new(1);
             let id = NEXT.fetch_add(1, Ordering::Relaxed);
             eprintln!("internal error #{id}: {}", self.message);
             format!("internal server error #{id}; the server's log has the details")
         } else {
-            self.message
-        };
-        let body = json!({"error": {"message": message, "type": kind, "code": self.status.as_u16()}});
-        (self.status, axum::Json(body)).into_response()
+            self.message.clone()
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body =
+            json!({"error": {"message": self.public_message(), "type": self.kind(), "code": self.status.as_u16()}});
+        let mut response = (self.status, axum::Json(body)).into_response();
+        if let Some(s) = self.retry_after {
+            response.headers_mut().insert(axum::http::header::RETRY_AFTER, s.into());
+        }
+        response
     }
 }
 

@@ -13,13 +13,16 @@
 //! | `GET /v1/models`, `GET /v1/models/{id}` | the served model, as OpenAI clients list it |
 //! | `GET /health`, `GET /metrics` | liveness; Prometheus text |
 //!
-//! Concurrency: each request's model work runs on a blocking thread with its own state (the
-//! model's weights are shared read-only), at most `parallel` at a time. A streaming client that
-//! disconnects stops its generation within one token.
+//! Concurrency: preparing a request (retrieval, loading and composing states) runs on a
+//! blocking thread, at most `parallel` at a time. Generation is continuously batched: every
+//! active generation advances by one batched decode step per token (one pass over the weights
+//! for all of them), at most `max_batch` at once and `max_queue` waiting (503 with Retry-After
+//! beyond). A client that disconnects, streaming or not, leaves the batch within one step.
 #![deny(missing_docs)]
 
 pub mod api;
 mod app;
+mod batcher;
 pub mod error;
 mod metrics;
 mod routes;

@@ -46,6 +46,8 @@ pub struct Metrics {
     pub completion_tokens: Counter,
     /// Generations stopped because the client went away.
     pub cancelled: Counter,
+    /// What the batching thread updates (tokens, cancellations, first-token times, batch size).
+    pub(crate) batch: crate::batcher::BatchMetrics,
 }
 
 impl Default for Metrics {
@@ -54,20 +56,29 @@ impl Default for Metrics {
         let requests = Family::<Labels, Counter>::default();
         let request_seconds = HistogramFamily::new_with_constructor(seconds_histogram);
         let compose_seconds = HistogramFamily::new_with_constructor(seconds_histogram);
+        // The batching thread updates these handles; the registry reads the same values.
+        let batch = crate::batcher::BatchMetrics {
+            completion_tokens: Counter::default(),
+            cancelled: Counter::default(),
+            time_to_first_token_seconds: seconds_histogram(),
+            active: Gauge::default(),
+            queued: Gauge::default(),
+        };
         let m = Self {
             requests,
             request_seconds,
             in_flight: Gauge::default(),
             compose_seconds,
             load_seconds: seconds_histogram(),
-            time_to_first_token_seconds: seconds_histogram(),
+            time_to_first_token_seconds: batch.time_to_first_token_seconds.clone(),
             states_loaded: Counter::default(),
             cache_hits: Counter::default(),
             cache_bytes: Gauge::default(),
             contexts: Gauge::default(),
             prompt_tokens: Counter::default(),
-            completion_tokens: Counter::default(),
-            cancelled: Counter::default(),
+            completion_tokens: batch.completion_tokens.clone(),
+            cancelled: batch.cancelled.clone(),
+            batch: batch.clone(),
             registry: Registry::default(),
         };
         registry.register("requests", "HTTP requests by endpoint, method and status", m.requests.clone());
@@ -87,6 +98,8 @@ impl Default for Metrics {
         registry.register("prompt_tokens", "Prompt tokens processed", m.prompt_tokens.clone());
         registry.register("completion_tokens", "Tokens generated", m.completion_tokens.clone());
         registry.register("generations_cancelled", "Generations stopped by a client going away", m.cancelled.clone());
+        registry.register("batch_active", "Generations advancing together in the batch", m.batch.active.clone());
+        registry.register("batch_queued", "Generations waiting to join the batch", m.batch.queued.clone());
         Self { registry, ..m }
     }
 }

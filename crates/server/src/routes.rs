@@ -15,6 +15,7 @@ use axum::{Json, Router};
 use serde::de::DeserializeOwned;
 use serde_json::json;
 use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::StreamExt;
 
 use crate::api::*;
 use crate::app::App;
@@ -100,16 +101,6 @@ fn check_content_type(headers: &axum::http::HeaderMap) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// Sets the flag when dropped: the handler future is dropped when its client goes away, which
-/// stops the generation running for it on a blocking thread.
-struct CancelOnDrop(Arc<std::sync::atomic::AtomicBool>);
-
-impl Drop for CancelOnDrop {
-    fn drop(&mut self) {
-        self.0.store(true, std::sync::atomic::Ordering::Relaxed);
-    }
-}
-
 /// Runs model or disk work off the async threads.
 async fn blocking<T: Send + 'static>(
     work: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
@@ -123,24 +114,21 @@ async fn completions(State(app): Shared, ApiJson(req): ApiJson<CompletionRequest
     let permit = app.gate.clone().acquire_owned().await.map_err(|_| ApiError::internal("server shutting down"))?;
     let stream = req.stream;
     let planner = app.clone();
-    let plan = blocking(move || planner.plan(&req, method, opts, started)).await?;
-    if !stream {
-        let cancelled = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let _guard = CancelOnDrop(cancelled.clone());
-        let body = blocking(move || {
-            let _permit = permit;
-            app.complete(plan, &cancelled)
-        })
-        .await?;
-        return Ok(Json(body).into_response());
-    }
-    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Event, Infallible>>(16);
-    tokio::task::spawn_blocking(move || {
+    // Preparing (retrieval, states, composition) holds a permit; generating joins the batch.
+    let (plan, state) = blocking(move || {
         let _permit = permit;
-        // A send fails once the client is gone and the response stream dropped.
-        app.stream(plan, |data| tx.blocking_send(Ok(Event::default().data(data))).is_ok());
-    });
-    Ok(Sse::new(ReceiverStream::new(rx)).keep_alive(KeepAlive::default()).into_response())
+        planner.plan(&req, method, opts, started)
+    })
+    .await?;
+    if !stream {
+        // Dropped with the handler when the client goes away, which cancels the generation.
+        return Ok(Json(app.complete(plan, state).await?).into_response());
+    }
+    let events = app.submit(&plan, state)?;
+    let (tx, rx) = tokio::sync::mpsc::channel::<String>(16);
+    tokio::spawn(async move { app.stream(plan, events, tx).await });
+    let chunks = ReceiverStream::new(rx).map(|data| Ok::<_, Infallible>(Event::default().data(data)));
+    Ok(Sse::new(chunks).keep_alive(KeepAlive::default()).into_response())
 }
 
 async fn add_context(State(app): Shared, ApiJson(req): ApiJson<AddContext>) -> Result<Response, ApiError> {

@@ -1,0 +1,262 @@
+//! Continuous batching: every active generation advances together, one batched decode step
+//! per token, so the weights stream from memory once per step for all of them instead of once
+//! per request. New requests join between steps: their prompt is prefilled in chunks, one
+//! chunk per step, so a long prompt delays the others by one chunk at most. A request whose
+//! client went away (its event receiver dropped) leaves before the next step.
+//!
+//! Sampling runs per request ([`Decoder`]: its own options, seed and stop strings), and a
+//! batched step gives each sequence, to the bit, the logits it would get alone, so batching
+//! never changes what a request generates.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use picaso_model::{Decoder, GenerateOptions, Model, Next, State, StopReason};
+use prometheus_client::metrics::{counter::Counter, gauge::Gauge, histogram::Histogram};
+use tokio::sync::mpsc;
+
+/// Prompt tokens prefilled per step for a request that is joining.
+pub const PREFILL_CHUNK: usize = 256;
+
+/// A generation to run: the prompt, the state it continues from, how to sample, and where
+/// its events go.
+pub(crate) struct Job {
+    pub prompt: Vec<u32>,
+    pub state: State,
+    pub opts: GenerateOptions,
+    /// When the request arrived (for the time to first token).
+    pub started: Instant,
+    pub events: mpsc::UnboundedSender<Event>,
+}
+
+/// What a generation reports, in order: text pieces, then one `Done` or `Failed`.
+#[derive(Debug)]
+pub(crate) enum Event {
+    /// New final text.
+    Text(String),
+    /// The end.
+    Done {
+        /// Tokens generated.
+        tokens: usize,
+        /// Why it ended.
+        reason: StopReason,
+        /// Seconds from the request to its first text (or to the end, if it made none).
+        ttft: f64,
+    },
+    /// The model failed; the message is for the server's log.
+    Failed(String),
+}
+
+/// The metrics the batcher keeps (handles shared with [`crate::metrics::Metrics`]).
+#[derive(Clone, Debug)]
+pub(crate) struct BatchMetrics {
+    pub completion_tokens: Counter,
+    pub cancelled: Counter,
+    pub time_to_first_token_seconds: Histogram,
+    /// Generations in the running batch.
+    pub active: Gauge,
+    /// Requests waiting to join it.
+    pub queued: Gauge,
+}
+
+/// Hands jobs to the batching thread. Dropping it stops the thread once the batch drains.
+pub(crate) struct Batcher {
+    jobs: mpsc::UnboundedSender<Job>,
+    /// Jobs submitted and not yet finished (in the batch or waiting for it).
+    outstanding: Arc<AtomicUsize>,
+    /// Most outstanding jobs: the batch's cap plus the queue's.
+    limit: usize,
+    queued: Gauge,
+}
+
+/// Why a job was not taken.
+pub(crate) enum Refused {
+    /// The queue is full: retry later.
+    Busy,
+    /// The batching thread is gone.
+    Stopped,
+}
+
+impl Batcher {
+    /// Starts the batching thread: at most `max_batch` generations at once, and `max_queue`
+    /// more waiting to join.
+    pub fn start(model: Arc<Model>, max_batch: usize, max_queue: usize, metrics: BatchMetrics) -> Self {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let outstanding = Arc::new(AtomicUsize::new(0));
+        let (queued, left) = (metrics.queued.clone(), outstanding.clone());
+        let max_batch = max_batch.max(1);
+        std::thread::Builder::new()
+            .name("picaso-batcher".into())
+            .spawn(move || run(&model, rx, max_batch, &metrics, &left))
+            .expect("the batching thread starts");
+        Self { jobs: tx, outstanding, limit: max_batch + max_queue, queued }
+    }
+
+    /// Queues a job; refuses at once when the batch and the queue are full.
+    pub fn submit(&self, job: Job) -> Result<(), Refused> {
+        if self.outstanding.fetch_add(1, Ordering::SeqCst) >= self.limit {
+            self.outstanding.fetch_sub(1, Ordering::SeqCst);
+            return Err(Refused::Busy);
+        }
+        self.queued.inc();
+        self.jobs.send(job).map_err(|_| {
+            self.queued.dec();
+            self.outstanding.fetch_sub(1, Ordering::SeqCst);
+            Refused::Stopped
+        })
+    }
+}
+
+/// One generation in the batch.
+struct Sequence<'m> {
+    job: Job,
+    decoder: Decoder<'m>,
+    /// Prompt tokens already prefilled.
+    prefilled: usize,
+    /// Next-token logits, once the prompt is in (then after each step).
+    logits: Option<Vec<f32>>,
+    /// The token this step feeds.
+    fed: Option<u32>,
+    ttft: Option<f64>,
+    /// Finished (done or failed): leaves the batch at the end of the step.
+    ended: bool,
+}
+
+impl Sequence<'_> {
+    fn send(&mut self, event: Event) {
+        if matches!(event, Event::Text(_) | Event::Done { .. }) && self.ttft.is_none() {
+            self.ttft = Some(self.job.started.elapsed().as_secs_f64());
+        }
+        if matches!(event, Event::Done { .. } | Event::Failed(_)) {
+            self.ended = true;
+        }
+        // A closed receiver is noticed before the next step.
+        let _ = self.job.events.send(event);
+    }
+
+    /// Prefills the next chunk of the prompt; the last chunk gives the first logits.
+    fn prefill_chunk(&mut self, model: &Model) {
+        let end = (self.prefilled + PREFILL_CHUNK).min(self.job.prompt.len());
+        let chunk = &self.job.prompt[self.prefilled..end];
+        let result = if end == self.job.prompt.len() {
+            model.prefill_last_logits(chunk, &self.job.state).map(|(l, st)| (Some(l), st))
+        } else {
+            model.prefill(chunk, &self.job.state).map(|st| (None, st))
+        };
+        match result {
+            Ok((logits, state)) => {
+                self.job.state = state;
+                self.prefilled = end;
+                self.logits = logits;
+            }
+            Err(e) => self.send(Event::Failed(e.to_string())),
+        }
+    }
+
+    /// Samples from the logits, if there are any: sets the token to feed, or ends.
+    fn sample(&mut self, m: &BatchMetrics) {
+        let Some(logits) = self.logits.take() else { return };
+        match self.decoder.push(&logits) {
+            Ok(Next::Feed { token, text }) => {
+                if !text.is_empty() {
+                    self.send(Event::Text(text));
+                }
+                self.fed = Some(token);
+            }
+            Ok(Next::Done { text, reason, .. }) => {
+                if !text.is_empty() {
+                    self.send(Event::Text(text));
+                }
+                let ttft = self.ttft.unwrap_or_else(|| self.job.started.elapsed().as_secs_f64());
+                let tokens = self.decoder.tokens().len();
+                m.time_to_first_token_seconds.observe(ttft);
+                m.completion_tokens.inc_by(tokens as u64);
+                self.send(Event::Done { tokens, reason, ttft });
+            }
+            Err(e) => self.send(Event::Failed(e.to_string())),
+        }
+    }
+}
+
+/// The batching loop: admit, prefill one chunk, sample, step.
+fn run(
+    model: &Model,
+    mut jobs: mpsc::UnboundedReceiver<Job>,
+    max_batch: usize,
+    m: &BatchMetrics,
+    outstanding: &AtomicUsize,
+) {
+    let mut batch: Vec<Sequence> = Vec::new();
+    let mut open = true;
+    loop {
+        // Admit: wait when idle, else take what is queued, up to the cap.
+        if batch.is_empty() {
+            match open.then(|| jobs.blocking_recv()).flatten() {
+                Some(job) => admit(model, job, &mut batch, m, outstanding),
+                None => return,
+            }
+        }
+        while open && batch.len() < max_batch {
+            match jobs.try_recv() {
+                Ok(job) => admit(model, job, &mut batch, m, outstanding),
+                Err(mpsc::error::TryRecvError::Empty) => break,
+                Err(mpsc::error::TryRecvError::Disconnected) => open = false,
+            }
+        }
+        // Clients that went away leave now.
+        let before = batch.len();
+        batch.retain(|s| {
+            let gone = s.job.events.is_closed();
+            if gone {
+                m.cancelled.inc();
+                m.completion_tokens.inc_by(s.decoder.tokens().len() as u64);
+            }
+            !gone
+        });
+        outstanding.fetch_sub(before - batch.len(), Ordering::SeqCst);
+        // One prompt chunk, for the request that has waited longest.
+        if let Some(s) = batch.iter_mut().find(|s| s.logits.is_none() && s.prefilled < s.job.prompt.len()) {
+            s.prefill_chunk(model);
+        }
+        for s in &mut batch {
+            s.sample(m);
+        }
+        // One batched decode step for every sequence that goes on.
+        let (feed, mut states): (Vec<u32>, Vec<&mut State>) =
+            batch.iter_mut().filter_map(|s| Some((s.fed?, &mut s.job.state))).unzip();
+        if !feed.is_empty() {
+            let result = model.step_batch(&feed, &mut states);
+            let stepped = batch.iter_mut().filter(|s| s.fed.is_some());
+            match result {
+                Ok(logits) => {
+                    let v = logits.len() / feed.len();
+                    for (s, l) in stepped.zip(logits.chunks_exact(v)) {
+                        s.fed = None;
+                        s.logits = Some(l.to_vec());
+                    }
+                }
+                Err(e) => stepped.for_each(|s| s.send(Event::Failed(e.to_string()))),
+            }
+        }
+        let before = batch.len();
+        batch.retain(|s| !s.ended);
+        outstanding.fetch_sub(before - batch.len(), Ordering::SeqCst);
+        m.active.set(batch.len() as i64);
+    }
+}
+
+/// Starts a job: a decoder for its options (checked when the request was validated).
+fn admit<'m>(model: &'m Model, job: Job, batch: &mut Vec<Sequence<'m>>, m: &BatchMetrics, outstanding: &AtomicUsize) {
+    m.queued.dec();
+    match Decoder::new(model, &job.opts) {
+        Ok(decoder) => {
+            batch.push(Sequence { job, decoder, prefilled: 0, logits: None, fed: None, ttft: None, ended: false })
+        }
+        Err(e) => {
+            outstanding.fetch_sub(1, Ordering::SeqCst);
+            let _ = job.events.send(Event::Failed(e.to_string()));
+        }
+    }
+    m.active.set(batch.len() as i64);
+}
