@@ -64,17 +64,23 @@ case "$target" in
   *) echo "unknown target '$target'; $usage" >&2; exit 2 ;;
 esac
 per_round=${FUZZ_CASES_PER_ROUND:-20000}
-# Built once and run from a copy, so that editing or rebuilding the sources during a long run
-# changes nothing under it (the http target also runs target/release/picaso: leave it be).
+# Built once and run from a copy (the http target's server too, through PICASO_BIN), so that
+# editing or rebuilding the sources during a long run changes nothing under it.
 exe=$(cargo test --release -q -p "$pkg" --test "$test" --no-run --message-format=json |
-  sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -1)
+  grep "\"name\":\"$test\"" | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -1)
 [ -x "$exe" ] || { echo "could not build the $test test binary" >&2; exit 1; }
 copy="${TMPDIR:-/tmp}/fuzz-$target.bin"
 cp "$exe" "$copy"
+if [ "$target" = http ]; then
+  cargo build --release -q -p picaso
+  cp target/release/picaso "${TMPDIR:-/tmp}/fuzz-picaso"
+  export PICASO_BIN="${TMPDIR:-/tmp}/fuzz-picaso"
+fi
 start=$SECONDS
 rounds=0
 while (( SECONDS - start < seconds )); do
-  PROPTEST_CASES=$per_round "$copy" >/dev/null 2>"${TMPDIR:-/tmp}/fuzz-$target.err" || {
+  # libtest reports a failing test on stdout: keep both streams of the round.
+  PROPTEST_CASES=$per_round "$copy" >"${TMPDIR:-/tmp}/fuzz-$target.err" 2>&1 || {
     cat "${TMPDIR:-/tmp}/fuzz-$target.err" >&2
     echo "$target: FAILED in round $((rounds + 1)) after $((rounds * per_round)) clean cases" >&2
     exit 1

@@ -48,6 +48,9 @@ enum Command {
     Weights(WeightsArgs),
     /// Measure prefill, scoring, decode and composition throughput.
     Bench(BenchArgs),
+    /// Write a model folder with random weights of a known shape (for speed benchmarks of the
+    /// server or of peers: the same weights for every engine).
+    RandomModel(RandomModelArgs),
     /// What k contexts cost at query time: composing their stored states vs processing them.
     BenchContext(BenchContextArgs),
     /// Add documents to a store of states (idempotent, resumable).
@@ -356,6 +359,9 @@ struct SamplingArgs {
     /// Stop when this string appears (repeatable).
     #[arg(long)]
     stop: Vec<String>,
+    /// Generate past the end-of-text token, up to --max-tokens.
+    #[arg(long)]
+    ignore_eos: bool,
 }
 
 impl SamplingArgs {
@@ -366,6 +372,7 @@ impl SamplingArgs {
             top_p: self.top_p,
             seed: self.seed,
             stop: self.stop,
+            ignore_eos: self.ignore_eos,
         }
     }
 }
@@ -425,6 +432,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Compose(a) => compose_cmd(a),
         Command::Weights(a) => weights_cmd(a),
         Command::Bench(a) => bench(a),
+        Command::RandomModel(a) => random_model(a),
         Command::BenchContext(a) => bench_context(a),
         Command::Ingest(a) => ingest(a),
         Command::Stats(a) => stats(a),
@@ -655,6 +663,51 @@ fn weights_cmd(a: WeightsArgs) -> Result<()> {
             println!("context {i}: log-decay {ld:>10.4}  weight {wi:.6}");
         }
     }
+    Ok(())
+}
+
+#[derive(Args)]
+struct RandomModelArgs {
+    /// Shape: 130m (state-spaces/mamba2-130m), mamba1-130m (state-spaces/mamba-130m) or tiny.
+    #[arg(long, default_value = "130m")]
+    shape: String,
+    /// Seed of the weights.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Folder to write (config.json, model.safetensors; must not exist yet).
+    #[arg(long)]
+    out: PathBuf,
+    /// A tokenizer.json to copy beside the weights (GPT-NeoX-20B's for the 130m shapes).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+}
+
+fn random_model(a: RandomModelArgs) -> Result<()> {
+    if a.out.exists() {
+        bail!("{} exists; give a new folder to --out", a.out.display());
+    }
+    if let Some(t) = &a.tokenizer {
+        picaso_model::TextTokenizer::from_file(t)?;
+    }
+    let config = match a.shape.as_str() {
+        "130m" => picaso_model::ModelConfig::Mamba2(picaso_model::Mamba2Config::mamba2_130m()),
+        "mamba1-130m" => picaso_model::ModelConfig::Mamba1(picaso_model::Mamba1Config::mamba_130m()),
+        "tiny" => picaso_model::ModelConfig::Mamba2(picaso_model::Mamba2Config::tiny(2, 4)),
+        other => bail!("--shape {other:?}: use 130m (Mamba-2), mamba1-130m or tiny"),
+    };
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    match &config {
+        picaso_model::ModelConfig::Mamba1(c) => {
+            picaso_model::Mamba1Weights::random(c, a.seed).save_pretrained(&a.out, c)?
+        }
+        picaso_model::ModelConfig::Mamba2(c) => {
+            picaso_model::Mamba2Weights::random(c, a.seed).save_pretrained(&a.out, c)?
+        }
+    }
+    if let Some(t) = &a.tokenizer {
+        std::fs::copy(t, a.out.join("tokenizer.json")).with_context(|| format!("copying {}", t.display()))?;
+    }
+    println!("wrote {} ({} shape, seed {})", a.out.display(), a.shape, a.seed);
     Ok(())
 }
 

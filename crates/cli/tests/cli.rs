@@ -326,3 +326,20 @@ fn text_commands_generate_and_score() {
     fails_with(&["generate", "--model", m, "--prompt", "x", "--temperature", "-1"], "temperature");
     fails_with(&["generate", "--model", m, "--prompt", "", "--max-tokens", "3"], "at least one token");
 }
+
+/// `random-model` writes a loadable folder of a known shape, refuses to overwrite, and leaves
+/// nothing behind for an unknown shape.
+#[test]
+fn random_model_writes_a_loadable_folder() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("tiny");
+    let o = out.to_str().unwrap();
+    let done = picaso(&["random-model", "--shape", "tiny", "--seed", "3", "--out", o]);
+    assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
+    let info = ok_json(&["info", "--model", o, "--json"]);
+    assert_eq!(info["config"]["num_hidden_layers"], 2, "{info}");
+    fails_with(&["random-model", "--shape", "tiny", "--out", o], "exists");
+    let bad = tmp.path().join("bad");
+    fails_with(&["random-model", "--shape", "huge", "--out", bad.to_str().unwrap()], "--shape");
+    assert!(!bad.exists(), "a refused shape leaves no folder");
+}

@@ -20,11 +20,13 @@ pub struct GenerateOptions {
     pub seed: u64,
     /// Stop when the generated text contains one of these (the stop string is not returned).
     pub stop: Vec<String>,
+    /// Keep going past the end-of-text token (benchmarks that need exactly `max_tokens`).
+    pub ignore_eos: bool,
 }
 
 impl Default for GenerateOptions {
     fn default() -> Self {
-        Self { max_tokens: 64, temperature: 0.0, top_p: 1.0, seed: 0, stop: Vec::new() }
+        Self { max_tokens: 64, temperature: 0.0, top_p: 1.0, seed: 0, stop: Vec::new(), ignore_eos: false }
     }
 }
 
@@ -186,7 +188,7 @@ impl<'m> Decoder<'m> {
             return Ok(self.done(StopReason::Length, None));
         }
         let next = sample(logits, self.vocab, &self.opts, &mut self.rng);
-        if Some(next) == self.tokenizer.eos() {
+        if Some(next) == self.tokenizer.eos() && !self.opts.ignore_eos {
             return Ok(self.done(StopReason::Eos, None));
         }
         self.tokens.push(next);

@@ -165,3 +165,21 @@ fn greedy_generation_in_a_batch_picks_the_tokens_it_picks_alone() {
         assert_eq!(d.tokens().len(), opts(i).max_tokens, "sequence {i} ran to its budget");
     }
 }
+
+#[test]
+fn the_decoder_stops_at_end_of_text_unless_told_to_ignore_it() {
+    let c = Mamba2Config { d_model: 128, headdim: 32, ..Mamba2Config::tiny(2, 4) };
+    let model = with_tokenizer(|t| Model::from_weights(c.clone(), Mamba2Weights::random(&c, 11), t));
+    let eos = model.tokenizer().unwrap().eos().expect("the bundled tokenizer has an end-of-text token");
+    let mut logits = vec![0.0f32; model.config().vocab_size()];
+    logits[eos as usize] = 10.0;
+    let stop = GenerateOptions { max_tokens: 3, ..Default::default() };
+    let mut d = Decoder::new(&model, &stop).unwrap();
+    assert!(matches!(d.push(&logits).unwrap(), Next::Done { reason: picaso_model::StopReason::Eos, .. }));
+    let go_on = GenerateOptions { ignore_eos: true, ..stop };
+    let mut d = Decoder::new(&model, &go_on).unwrap();
+    assert_eq!(d.push(&logits).unwrap(), Next::Feed { token: eos, text: String::new() });
+    assert!(matches!(d.push(&logits).unwrap(), Next::Feed { .. }));
+    assert!(matches!(d.push(&logits).unwrap(), Next::Done { reason: picaso_model::StopReason::Length, .. }));
+    assert_eq!(d.tokens(), &[eos; 3]);
+}

@@ -47,6 +47,10 @@ pub struct CompletionRequest {
     /// Stream the text as server-sent events.
     #[serde(default)]
     pub stream: bool,
+    /// Generate past the end-of-text token, up to `max_tokens` (as vLLM and llama.cpp's
+    /// server allow; for benchmarks).
+    #[serde(default)]
+    pub ignore_eos: bool,
     /// picaso: use these contexts (ids, the last nearest the prompt).
     pub contexts: Option<Vec<i64>>,
     /// picaso: retrieve this many contexts by similarity to the prompt.

@@ -219,8 +219,14 @@ impl App {
             let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
             nanos ^ self.next_id.load(Ordering::Relaxed).rotate_left(32)
         });
-        let opts =
-            GenerateOptions { max_tokens: req.max_tokens, temperature: req.temperature, top_p: req.top_p, seed, stop };
+        let opts = GenerateOptions {
+            max_tokens: req.max_tokens,
+            temperature: req.temperature,
+            top_p: req.top_p,
+            seed,
+            stop,
+            ignore_eos: req.ignore_eos,
+        };
         opts.validate()?;
         Ok((method, opts))
     }

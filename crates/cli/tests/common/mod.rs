@@ -129,7 +129,7 @@ pub fn shared_backend(name: &str) -> Option<TestDb> {
 
 /// Runs `picaso` with `args`: (success, stdout as JSON or null, stderr). Never a panic.
 pub fn run(args: &[&str]) -> (bool, Value, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_picaso")).args(args).output().expect("picaso runs");
+    let out = Command::new(picaso_bin()).args(args).output().expect("picaso runs");
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(!stderr.contains("panicked"), "picaso {args:?} panicked: {stderr}");
     (out.status.success(), serde_json::from_slice(&out.stdout).unwrap_or(Value::Null), stderr)
@@ -203,6 +203,12 @@ pub fn wikitext(dir: &std::path::Path) -> std::path::PathBuf {
     path
 }
 
+/// The `picaso` binary under test: this build's, or `$PICASO_BIN` (scripts/fuzz.sh runs a copy,
+/// so that rebuilding during a long run changes nothing under it).
+pub fn picaso_bin() -> PathBuf {
+    std::env::var_os("PICASO_BIN").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_picaso")))
+}
+
 /// A running `picaso serve`, killed on drop.
 pub struct Server {
     pub child: Child,
@@ -223,7 +229,7 @@ impl Server {
 
     /// Starts a server with extra environment variables.
     pub fn start_with(args: &[&str], env: &[(&str, &str)]) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_picaso"))
+        let mut child = Command::new(picaso_bin())
             .args(["serve", "--addr", "127.0.0.1:0"])
             .args(args)
             .envs(env.iter().copied())
