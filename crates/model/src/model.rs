@@ -381,12 +381,16 @@ impl Model {
         self.engine.logits_of(&hidden, Rows::of(&vec![1; tokens.len()]))
     }
 
-    /// Processes several token sequences in one forward pass, `sequences[i]` from
-    /// `states[i]`, and returns the state after each: what [`Model::prefill`] gives each alone,
+    /// Processes several token sequences (each at least one token) in one forward pass,
+    /// `sequences[i]` from `states[i]`, and returns for each the next-token logits after its
+    /// last token and the state after it: what [`Model::prefill_last_logits`] gives each alone,
     /// to float rounding (the projections of all rows are one matrix product).
-    pub fn prefill_batch(&self, sequences: &[&[u32]], states: &[&State]) -> Result<Vec<State>> {
+    pub fn prefill_batch(&self, sequences: &[&[u32]], states: &[&State]) -> Result<Vec<(Vec<f32>, State)>> {
         if sequences.len() != states.len() {
             return Err(Error::Input(format!("{} sequences for {} states", sequences.len(), states.len())));
+        }
+        if let Some(i) = sequences.iter().position(|s| s.is_empty()) {
+            return Err(Error::Input(format!("sequence {i} is empty; each needs at least one token")));
         }
         let tokens: Vec<u32> = sequences.concat();
         self.check_tokens(&tokens)?;
@@ -397,8 +401,18 @@ impl Model {
         }
         let lens: Vec<usize> = sequences.iter().map(|s| s.len()).collect();
         let mut refs: Vec<&mut State> = next.iter_mut().collect();
-        self.engine.forward_batch(&tokens, &lens, &mut refs)?;
-        Ok(next)
+        let hidden = self.engine.forward_batch(&tokens, &lens, &mut refs)?;
+        // The last row of each sequence.
+        let d = self.config.d_model();
+        let mut last = Vec::with_capacity(lens.len() * d);
+        let mut end = 0;
+        for t in &lens {
+            end += t;
+            last.extend_from_slice(&hidden[(end - 1) * d..end * d]);
+        }
+        let logits = self.engine.logits(&last)?;
+        let v = logits.len() / lens.len();
+        Ok(logits.chunks_exact(v).map(<[f32]>::to_vec).zip(next).collect())
     }
 
     /// Scores `tokens` from `state`: the first token is context, each later one is scored.

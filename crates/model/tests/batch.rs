@@ -81,12 +81,15 @@ fn a_batched_prefill_gives_each_sequence_its_state_alone() {
         let refs: Vec<&[u32]> = seqs.iter().map(Vec::as_slice).collect();
         let batched = model.prefill_batch(&refs, &from).unwrap();
         for (i, (seq, start)) in seqs.iter().zip(&from).enumerate() {
-            let alone = model.prefill(seq, start).unwrap();
-            assert_same_state(&batched[i], &alone, 1e-5, &format!("{name}: sequence {i}"));
+            let (logits, alone) = model.prefill_last_logits(seq, start).unwrap();
+            assert_same_state(&batched[i].1, &alone, 1e-5, &format!("{name}: sequence {i}"));
+            for (a, b) in batched[i].0.iter().zip(&logits) {
+                assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{name}: sequence {i}: logit {a} vs {b}");
+            }
         }
         // Markov property across the boundary: continuing a batched state scores like one pass.
         let more = tokens(&model, 77, 9);
-        let cont = model.score(&more, &batched[2]).unwrap();
+        let cont = model.score(&more, &batched[2].1).unwrap();
         let mut all = seqs[2].clone();
         all.extend(&more);
         let one = model.score(&all, &zero).unwrap();
@@ -107,6 +110,9 @@ fn batch_arguments_are_checked() {
     assert!(err.contains("outside the vocabulary"), "{err}");
     let err = model.prefill_batch(&[&[1, 2]], &[]).unwrap_err().to_string();
     assert!(err.contains("1 sequences for 0 states"), "{err}");
+    let z = model.zero_state();
+    let err = model.prefill_batch(&[&[1, 2], &[]], &[&z, &z]).unwrap_err().to_string();
+    assert!(err.contains("sequence 1 is empty"), "{err}");
     let other = mamba1();
     let err = model.step_batch(&[1], &mut [&mut other.zero_state()]).unwrap_err().to_string();
     assert!(err.contains("model"), "{err}");

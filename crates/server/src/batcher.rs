@@ -1,7 +1,8 @@
 //! Continuous batching: every active generation advances together, one batched decode step
 //! per token, so the weights stream from memory once per step for all of them instead of once
-//! per request. New requests join between steps: their prompt is prefilled in chunks, one
-//! chunk per step, so a long prompt delays the others by one chunk at most. A request whose
+//! per request. New requests join between steps: up to 256 prompt tokens per step, over all
+//! joining requests, are prefilled in one forward pass, so a long prompt delays the others by
+//! one chunk at most and many short ones start together. A request whose
 //! client went away (its event receiver dropped) leaves before the next step.
 //!
 //! Sampling runs per request ([`Decoder`]: its own options, seed and stop strings), and a
@@ -16,8 +17,9 @@ use picaso_model::{Decoder, GenerateOptions, Model, Next, State, StopReason};
 use prometheus_client::metrics::{counter::Counter, gauge::Gauge, histogram::Histogram};
 use tokio::sync::mpsc;
 
-/// Prompt tokens prefilled per step for a request that is joining.
-pub const PREFILL_CHUNK: usize = 256;
+/// Prompt tokens prefilled per step, over all joining requests (oldest first), in one forward
+/// pass: a long prompt is cut into chunks, and many short ones start together.
+pub const PREFILL_BUDGET: usize = 256;
 
 /// A generation to run: the prompt, the state it continues from, how to sample, and where
 /// its events go.
@@ -135,25 +137,6 @@ impl Sequence<'_> {
         let _ = self.job.events.send(event);
     }
 
-    /// Prefills the next chunk of the prompt; the last chunk gives the first logits.
-    fn prefill_chunk(&mut self, model: &Model) {
-        let end = (self.prefilled + PREFILL_CHUNK).min(self.job.prompt.len());
-        let chunk = &self.job.prompt[self.prefilled..end];
-        let result = if end == self.job.prompt.len() {
-            model.prefill_last_logits(chunk, &self.job.state).map(|(l, st)| (Some(l), st))
-        } else {
-            model.prefill(chunk, &self.job.state).map(|st| (None, st))
-        };
-        match result {
-            Ok((logits, state)) => {
-                self.job.state = state;
-                self.prefilled = end;
-                self.logits = logits;
-            }
-            Err(e) => self.send(Event::Failed(e.to_string())),
-        }
-    }
-
     /// Samples from the logits, if there are any: sets the token to feed, or ends.
     fn sample(&mut self, m: &BatchMetrics) {
         let Some(logits) = self.logits.take() else { return };
@@ -179,7 +162,39 @@ impl Sequence<'_> {
     }
 }
 
-/// The batching loop: admit, prefill one chunk, sample, step.
+/// Prefills up to [`PREFILL_BUDGET`] prompt tokens of the joining requests, oldest first, in
+/// one forward pass; a request whose prompt is all in gets its first logits.
+fn prefill_chunks(model: &Model, batch: &mut [Sequence]) {
+    let mut budget = PREFILL_BUDGET;
+    let mut joining: Vec<(&mut Sequence, usize)> = Vec::new();
+    for s in batch.iter_mut().filter(|s| s.prefilled < s.job.prompt.len() && !s.ended) {
+        if budget == 0 {
+            break;
+        }
+        let end = (s.prefilled + budget).min(s.job.prompt.len());
+        budget -= end - s.prefilled;
+        joining.push((s, end));
+    }
+    if joining.is_empty() {
+        return;
+    }
+    let chunks: Vec<&[u32]> = joining.iter().map(|(s, end)| &s.job.prompt[s.prefilled..*end]).collect();
+    let states: Vec<&State> = joining.iter().map(|(s, _)| &s.job.state).collect();
+    match model.prefill_batch(&chunks, &states) {
+        Ok(done) => {
+            for ((s, end), (logits, state)) in joining.into_iter().zip(done) {
+                s.job.state = state;
+                s.prefilled = end;
+                if end == s.job.prompt.len() {
+                    s.logits = Some(logits);
+                }
+            }
+        }
+        Err(e) => joining.into_iter().for_each(|(s, _)| s.send(Event::Failed(e.to_string()))),
+    }
+}
+
+/// The batching loop: admit, prefill, sample, step.
 fn run(
     model: &Model,
     mut jobs: mpsc::UnboundedReceiver<Job>,
@@ -215,10 +230,7 @@ fn run(
             !gone
         });
         outstanding.fetch_sub(before - batch.len(), Ordering::SeqCst);
-        // One prompt chunk, for the request that has waited longest.
-        if let Some(s) = batch.iter_mut().find(|s| s.logits.is_none() && s.prefilled < s.job.prompt.len()) {
-            s.prefill_chunk(model);
-        }
+        prefill_chunks(model, &mut batch);
         for s in &mut batch {
             s.sample(m);
         }
