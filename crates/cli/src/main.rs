@@ -413,6 +413,13 @@ struct WeightsArgs {
 }
 
 fn main() -> ExitCode {
+    // Output piped into a reader that quits (`picaso info | head`) ends the process quietly, as
+    // for any Unix tool, instead of a panic on the failed write (Rust ignores SIGPIPE).
+    #[cfg(unix)]
+    // SAFETY: restores the default action of one signal, before any other thread exists.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,

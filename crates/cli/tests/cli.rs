@@ -343,3 +343,19 @@ fn random_model_writes_a_loadable_folder() {
     fails_with(&["random-model", "--shape", "huge", "--out", bad.to_str().unwrap()], "--shape");
     assert!(!bad.exists(), "a refused shape leaves no folder");
 }
+
+/// Output into a pipe whose reader is gone (`picaso info | head`) ends the command without a
+/// panic.
+#[test]
+fn a_closed_stdout_ends_the_command_without_a_panic() {
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let model = fixture("g1").join("hf");
+    let out = Command::new(env!("CARGO_BIN_EXE_picaso"))
+        .args(["info", "--model", model.to_str().unwrap(), "--json"])
+        .stdout(writer)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
