@@ -413,14 +413,17 @@ struct WeightsArgs {
 }
 
 fn main() -> ExitCode {
-    // Output piped into a reader that quits (`picaso info | head`) ends the process quietly, as
-    // for any Unix tool, instead of a panic on the failed write (Rust ignores SIGPIPE).
-    #[cfg(unix)]
-    // SAFETY: restores the default action of one signal, before any other thread exists.
-    unsafe {
-        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-    }
     let cli = Cli::parse();
+    // Output piped into a reader that quits (`picaso info | head`) ends the process quietly, as
+    // for any Unix tool, instead of a panic on the failed write (Rust ignores SIGPIPE). Not for
+    // the server, which must outlive any one client.
+    #[cfg(unix)]
+    if !matches!(cli.command, Command::Serve(_)) {
+        // SAFETY: restores the default action of one signal, before any other thread exists.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
