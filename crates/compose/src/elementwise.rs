@@ -123,14 +123,7 @@ fn lane_weights(method: Method, s: &mut Scratch) {
         }
         Method::PicasoS => {
             decays(s);
-            s.coeff.clear();
-            let mut binom = 1.0f64;
-            for m in 0..n {
-                if m > 0 {
-                    binom = binom * (n - m) as f64 / m as f64;
-                }
-                s.coeff.push(1.0 / (n as f64 * binom));
-            }
+            crate::picaso_s_coefficients(n, &mut s.coeff);
             // prefix: L_0..L_{n-1} as a triangle (L_k: k+1 entries from k(k+1)/2).
             s.prefix.clear();
             s.prefix.push([1.0; L]);

@@ -197,6 +197,18 @@ fn picaso_r(log_decays: &[f64], out: &mut [f64], s: &mut Scratch) {
     out.iter_mut().for_each(|w| *w *= inv);
 }
 
+/// PICASO-S's coefficients c_m = 1 / (n C(n-1, m)), m = 0..n-1, into `out`.
+pub(crate) fn picaso_s_coefficients(n: usize, out: &mut Vec<f64>) {
+    out.clear();
+    let mut binom = 1.0f64;
+    for m in 0..n {
+        if m > 0 {
+            binom = binom * (n - m) as f64 / m as f64;
+        }
+        out.push(1.0 / (n as f64 * binom));
+    }
+}
+
 /// PICASO-S: w_k = Σ_m e_m(A without k) · c_m with c_m = 1 / (n · C(n-1, m)).
 ///
 /// e(A without k) is the coefficient vector of L_k(t)·R_k(t), L_k = Π_{j<k}(1 + A_j t) and
@@ -208,15 +220,7 @@ fn picaso_s(log_decays: &[f64], out: &mut [f64], s: &mut Scratch) {
     let n = log_decays.len();
     s.decays.clear();
     s.decays.extend(log_decays.iter().map(|a| a.exp()));
-    // c_m = 1 / (n C(n-1, m)), m = 0..n-1.
-    s.coeff.clear();
-    let mut binom = 1.0f64;
-    for m in 0..n {
-        if m > 0 {
-            binom = binom * (n - m) as f64 / m as f64;
-        }
-        s.coeff.push(1.0 / (n as f64 * binom));
-    }
+    picaso_s_coefficients(n, &mut s.coeff);
     // prefix holds L_0..L_{n-1} as a triangle: L_k occupies k+1 entries starting at k(k+1)/2.
     s.prefix.clear();
     s.prefix.push(1.0);
