@@ -30,8 +30,6 @@ pub struct Metrics {
     pub compose_seconds: HistogramFamily,
     /// Time to read states from disk for a completion.
     pub load_seconds: Histogram,
-    /// Time from a completion request to its first generated text.
-    pub time_to_first_token_seconds: Histogram,
     /// States read from disk.
     pub states_loaded: Counter,
     /// States served from the in-memory cache.
@@ -42,11 +40,8 @@ pub struct Metrics {
     pub contexts: Gauge,
     /// Prompt tokens processed.
     pub prompt_tokens: Counter,
-    /// Tokens generated.
-    pub completion_tokens: Counter,
-    /// Generations stopped because the client went away.
-    pub cancelled: Counter,
-    /// What the batching thread updates (tokens, cancellations, first-token times, batch size).
+    /// What the batching thread updates: tokens generated, generations cancelled by a client
+    /// going away, time to first token, batch size and queue.
     pub(crate) batch: crate::batcher::BatchMetrics,
 }
 
@@ -56,7 +51,6 @@ impl Default for Metrics {
         let requests = Family::<Labels, Counter>::default();
         let request_seconds = HistogramFamily::new_with_constructor(seconds_histogram);
         let compose_seconds = HistogramFamily::new_with_constructor(seconds_histogram);
-        // The batching thread updates these handles; the registry reads the same values.
         let batch = crate::batcher::BatchMetrics {
             completion_tokens: Counter::default(),
             cancelled: Counter::default(),
@@ -70,15 +64,12 @@ impl Default for Metrics {
             in_flight: Gauge::default(),
             compose_seconds,
             load_seconds: seconds_histogram(),
-            time_to_first_token_seconds: batch.time_to_first_token_seconds.clone(),
             states_loaded: Counter::default(),
             cache_hits: Counter::default(),
             cache_bytes: Gauge::default(),
             contexts: Gauge::default(),
             prompt_tokens: Counter::default(),
-            completion_tokens: batch.completion_tokens.clone(),
-            cancelled: batch.cancelled.clone(),
-            batch: batch.clone(),
+            batch,
             registry: Registry::default(),
         };
         registry.register("requests", "HTTP requests by endpoint, method and status", m.requests.clone());
@@ -89,15 +80,19 @@ impl Default for Metrics {
         registry.register(
             "time_to_first_token_seconds",
             "Time from a completion request to its first text",
-            m.time_to_first_token_seconds.clone(),
+            m.batch.time_to_first_token_seconds.clone(),
         );
         registry.register("states_loaded", "Context states read from disk", m.states_loaded.clone());
         registry.register("state_cache_hits", "Context states served from memory", m.cache_hits.clone());
         registry.register("state_cache_bytes", "Bytes held by the state cache", m.cache_bytes.clone());
         registry.register("contexts", "Contexts in the store", m.contexts.clone());
         registry.register("prompt_tokens", "Prompt tokens processed", m.prompt_tokens.clone());
-        registry.register("completion_tokens", "Tokens generated", m.completion_tokens.clone());
-        registry.register("generations_cancelled", "Generations stopped by a client going away", m.cancelled.clone());
+        registry.register("completion_tokens", "Tokens generated", m.batch.completion_tokens.clone());
+        registry.register(
+            "generations_cancelled",
+            "Generations stopped by a client going away",
+            m.batch.cancelled.clone(),
+        );
         registry.register("batch_active", "Generations advancing together in the batch", m.batch.active.clone());
         registry.register("batch_queued", "Generations waiting to join the batch", m.batch.queued.clone());
         Self { registry, ..m }
