@@ -386,6 +386,29 @@ impl Model {
     /// last token and the state after it: what [`Model::prefill_last_logits`] gives each alone,
     /// to float rounding (the projections of all rows are one matrix product).
     pub fn prefill_batch(&self, sequences: &[&[u32]], states: &[&State]) -> Result<Vec<(Vec<f32>, State)>> {
+        let (hidden, next) = self.forward_many(sequences, states)?;
+        // The last row of each sequence.
+        let d = self.config.d_model();
+        let mut last = Vec::with_capacity(sequences.len() * d);
+        let mut end = 0;
+        for s in sequences {
+            end += s.len();
+            last.extend_from_slice(&hidden[(end - 1) * d..end * d]);
+        }
+        let logits = self.engine.logits(&last)?;
+        let v = logits.len() / sequences.len();
+        Ok(logits.chunks_exact(v).map(<[f32]>::to_vec).zip(next).collect())
+    }
+
+    /// The state after each of several token sequences (each at least one token),
+    /// `sequences[i]` from `states[i]`, in one forward pass: what [`Model::prefill`] gives each
+    /// alone, to float rounding. Many short contexts (ingest) share each matrix product.
+    pub fn prefill_states(&self, sequences: &[&[u32]], states: &[&State]) -> Result<Vec<State>> {
+        self.forward_many(sequences, states).map(|(_, next)| next)
+    }
+
+    /// The hidden rows of the concatenated sequences and the state after each.
+    fn forward_many(&self, sequences: &[&[u32]], states: &[&State]) -> Result<(Vec<f32>, Vec<State>)> {
         if sequences.len() != states.len() {
             return Err(Error::Input(format!("{} sequences for {} states", sequences.len(), states.len())));
         }
@@ -402,17 +425,7 @@ impl Model {
         let lens: Vec<usize> = sequences.iter().map(|s| s.len()).collect();
         let mut refs: Vec<&mut State> = next.iter_mut().collect();
         let hidden = self.engine.forward_batch(&tokens, &lens, &mut refs)?;
-        // The last row of each sequence.
-        let d = self.config.d_model();
-        let mut last = Vec::with_capacity(lens.len() * d);
-        let mut end = 0;
-        for t in &lens {
-            end += t;
-            last.extend_from_slice(&hidden[(end - 1) * d..end * d]);
-        }
-        let logits = self.engine.logits(&last)?;
-        let v = logits.len() / lens.len();
-        Ok(logits.chunks_exact(v).map(<[f32]>::to_vec).zip(next).collect())
+        Ok((hidden, next))
     }
 
     /// Scores `tokens` from `state`: the first token is context, each later one is scored.

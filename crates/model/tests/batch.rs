@@ -80,9 +80,11 @@ fn a_batched_prefill_gives_each_sequence_its_state_alone() {
         let from: Vec<&State> = (0..seqs.len()).map(|i| if i % 2 == 0 { &zero } else { &warm }).collect();
         let refs: Vec<&[u32]> = seqs.iter().map(Vec::as_slice).collect();
         let batched = model.prefill_batch(&refs, &from).unwrap();
+        let states_only = model.prefill_states(&refs, &from).unwrap();
         for (i, (seq, start)) in seqs.iter().zip(&from).enumerate() {
             let (logits, alone) = model.prefill_last_logits(seq, start).unwrap();
             assert_same_state(&batched[i].1, &alone, 1e-5, &format!("{name}: sequence {i}"));
+            assert_same_state(&states_only[i], &batched[i].1, 0.0, &format!("{name}: states only, sequence {i}"));
             for (a, b) in batched[i].0.iter().zip(&logits) {
                 assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{name}: sequence {i}: logit {a} vs {b}");
             }
@@ -113,6 +115,8 @@ fn batch_arguments_are_checked() {
     let z = model.zero_state();
     let err = model.prefill_batch(&[&[1, 2], &[]], &[&z, &z]).unwrap_err().to_string();
     assert!(err.contains("sequence 1 is empty"), "{err}");
+    let err = model.prefill_states(&[&[1, 2]], &[&z, &z]).unwrap_err().to_string();
+    assert!(err.contains("1 sequences for 2 states"), "{err}");
     let other = mamba1();
     let err = model.step_batch(&[1], &mut [&mut other.zero_state()]).unwrap_err().to_string();
     assert!(err.contains("model"), "{err}");

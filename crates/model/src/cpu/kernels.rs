@@ -44,22 +44,26 @@ pub fn softplus(x: f32) -> f32 {
     }
 }
 
-simd_fn! {
-    /// Σ a_i·b_i.
-    pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-        let n = a.len().min(b.len());
-        dot_fixed(&a[..n], &b[..n], false)
-    }
-}
-
 /// A weight element the kernels can widen to f32: f32 itself, or bf16 stored as its bits.
 trait Widen: Copy {
     fn widen(self) -> f32;
+    /// Eight elements from `p` widened to f32 (AVX2).
+    ///
+    /// # Safety
+    /// `p` must be valid for eight reads and the CPU must have AVX2.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
 }
 impl Widen for f32 {
     #[inline(always)]
     fn widen(self) -> f32 {
         self
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
+        // SAFETY: the caller's contract.
+        unsafe { std::arch::x86_64::_mm256_loadu_ps(p) }
     }
 }
 impl Widen for u16 {
@@ -67,66 +71,241 @@ impl Widen for u16 {
     fn widen(self) -> f32 {
         f32::from_bits((self as u32) << 16)
     }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract; bf16 → f32 is the 16 bits moved to the top.
+        unsafe {
+            let h = _mm_loadu_si128(p.cast());
+            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+        }
+    }
 }
 
-/// dot(row, x) in a fixed order (four chains of LANES lanes, then the tail), whatever calls
-/// it: a decode step gives the same bits alone or in a batch. With `prefetch`, asks for the
-/// memory [`PREFETCH_AHEAD_BYTES`] ahead of `row`.
+/// The dot products of `R` weight rows with `M` inputs, each in one canonical order: lane `l`
+/// of LANES sums the elements `j ≡ l (mod LANES)` of the body in order, the tail (past the last
+/// whole LANES) is summed in order, and the lanes are added as a fixed tree, then the tail.
+/// Every kernel below computes every dot this way whatever `R` and `M` it blocks with, so a
+/// decode step gives the same bits alone or in a batch; blocking only shares loads (a weight
+/// load serves `M` inputs, an input load `R` rows) and hides the FMA latency (`R·M` chains).
+/// With `prefetch`, asks for the memory [`PREFETCH_AHEAD_BYTES`] ahead of each row.
 #[inline(always)]
-fn dot_fixed<W: Widen>(row: &[W], x: &[f32], prefetch: bool) -> f32 {
-    // Software prefetch far ahead keeps more DRAM requests in flight than the hardware
-    // streamer alone, which stops at 4 KiB boundaries: +25-30% decode throughput here.
-    let ahead = PREFETCH_AHEAD_BYTES / std::mem::size_of::<W>();
-    let line = 64 / std::mem::size_of::<W>();
-    let mut acc = [[0.0f32; LANES]; 4];
-    let mut cw = row.chunks_exact(4 * LANES);
-    let mut cx = x.chunks_exact(4 * LANES);
-    for (a, b) in (&mut cw).zip(&mut cx) {
-        if prefetch {
-            let p = a.as_ptr().wrapping_add(ahead);
-            let mut off = 0;
-            while off < 4 * LANES {
-                prefetch_l2(p.wrapping_add(off).cast());
-                off += line;
-            }
-        }
-        for j in 0..4 {
-            for i in 0..LANES {
-                acc[j][i] = a[j * LANES + i].widen().mul_add(b[j * LANES + i], acc[j][i]);
-            }
-        }
+fn dots<W: Widen, const R: usize, const M: usize>(rows: [&[W]; R], xs: [&[f32]; M], prefetch: bool) -> [[f32; M]; R] {
+    let k = xs[0].len();
+    assert!(rows.iter().all(|r| r.len() == k) && xs.iter().all(|x| x.len() == k), "dots: lengths differ");
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2_fma() {
+        // SAFETY: the CPU has AVX2 and FMA; the lengths are checked above.
+        return unsafe { dots_avx2(rows, xs, prefetch) };
     }
-    let mut s = 0.0f32;
-    for (a, b) in cw.remainder().iter().zip(cx.remainder()) {
-        s = a.widen().mul_add(*b, s);
-    }
-    let mut lanes = [0.0f32; LANES];
-    for i in 0..LANES {
-        lanes[i] = (acc[0][i] + acc[1][i]) + (acc[2][i] + acc[3][i]);
-    }
-    lanes.iter().sum::<f32>() + s
+    dots_portable(rows, xs, prefetch)
 }
+
+/// Whether the CPU has AVX2 and FMA (detected once).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn has_avx2_fma() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma"))
+}
+
+/// [`dots`] with AVX2 intrinsics: each dot's 16 lanes are two registers (lanes 0–7, 8–15), so
+/// the block's R·M·2 accumulators stay in the 16 registers, and the lane tree is the same adds
+/// in the same order as [`lane_sum`]: the bits equal the portable loop's.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA, and every row and input must have the same length.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dots_avx2<W: Widen, const R: usize, const M: usize>(
+    rows: [&[W]; R],
+    xs: [&[f32]; M],
+    prefetch: bool,
+) -> [[f32; M]; R] {
+    use std::arch::x86_64::*;
+    let k = xs[0].len();
+    let body = k - k % LANES;
+    let ahead = PREFETCH_AHEAD_BYTES / std::mem::size_of::<W>();
+    let mut lo = [[_mm256_setzero_ps(); M]; R];
+    let mut hi = [[_mm256_setzero_ps(); M]; R];
+    let mut j = 0;
+    while j < body {
+        if prefetch {
+            for row in &rows {
+                prefetch_l2(row.as_ptr().wrapping_add(j + ahead).cast());
+            }
+        }
+        // SAFETY: j + LANES <= body <= k, every slice's length.
+        unsafe {
+            let xl: [__m256; M] = std::array::from_fn(|i| _mm256_loadu_ps(xs[i].as_ptr().add(j)));
+            let xh: [__m256; M] = std::array::from_fn(|i| _mm256_loadu_ps(xs[i].as_ptr().add(j + 8)));
+            for r in 0..R {
+                let wl = W::load8(rows[r].as_ptr().add(j));
+                let wh = W::load8(rows[r].as_ptr().add(j + 8));
+                for i in 0..M {
+                    lo[r][i] = _mm256_fmadd_ps(wl, xl[i], lo[r][i]);
+                    hi[r][i] = _mm256_fmadd_ps(wh, xh[i], hi[r][i]);
+                }
+            }
+        }
+        j += LANES;
+    }
+    let mut out = [[0.0f32; M]; R];
+    for r in 0..R {
+        for i in 0..M {
+            // The lane tree of lane_sum: v[l] += v[l+8], then +4, +2, +1.
+            let s8 = _mm256_add_ps(lo[r][i], hi[r][i]);
+            let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+            let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+            let s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
+            let mut tail = 0.0f32;
+            for t in body..k {
+                tail = rows[r][t].widen().mul_add(xs[i][t], tail);
+            }
+            out[r][i] = _mm_cvtss_f32(s1) + tail;
+        }
+    }
+    out
+}
+
+/// [`dots`] in plain Rust: the definition of the order.
+#[inline(always)]
+fn dots_portable<W: Widen, const R: usize, const M: usize>(
+    rows: [&[W]; R],
+    xs: [&[f32]; M],
+    prefetch: bool,
+) -> [[f32; M]; R] {
+    let k = xs[0].len();
+    let body = k - k % LANES;
+    let ahead = PREFETCH_AHEAD_BYTES / std::mem::size_of::<W>();
+    let mut acc = [[[0.0f32; LANES]; M]; R];
+    let mut j = 0;
+    while j < body {
+        if prefetch {
+            for row in &rows {
+                prefetch_l2(row.as_ptr().wrapping_add(j + ahead).cast());
+            }
+        }
+        for r in 0..R {
+            for i in 0..M {
+                for l in 0..LANES {
+                    acc[r][i][l] = rows[r][j + l].widen().mul_add(xs[i][j + l], acc[r][i][l]);
+                }
+            }
+        }
+        j += LANES;
+    }
+    let mut out = [[0.0f32; M]; R];
+    for r in 0..R {
+        for i in 0..M {
+            let mut tail = 0.0f32;
+            for t in body..k {
+                tail = rows[r][t].widen().mul_add(xs[i][t], tail);
+            }
+            out[r][i] = lane_sum(acc[r][i]) + tail;
+        }
+    }
+    out
+}
+
+/// Σ of the lanes as a fixed tree (halves added pairwise), which vectorises.
+#[inline(always)]
+fn lane_sum(mut v: [f32; LANES]) -> f32 {
+    let mut n = LANES;
+    while n > 1 {
+        n /= 2;
+        for l in 0..n {
+            v[l] += v[l + n];
+        }
+    }
+    v[0]
+}
+
+simd_fn! {
+    /// Σ a_i·b_i (in the kernels' canonical order).
+    pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len().min(b.len());
+        dots::<f32, 1, 1>([&a[..n]], [&b[..n]], false)[0][0]
+    }
+}
+
+/// Weight rows per block of the one-input kernel: four chains hide the FMA latency.
+const MATVEC_ROWS: usize = 4;
 
 /// out[r] (+)= dot(w[r·k .. (r+1)·k], x) for each row r of `w`.
 #[inline(always)]
 fn matvec_body<W: Widen>(w: &[W], x: &[f32], out: &mut [f32], accumulate: bool) {
     let k = x.len();
-    for (r, o) in out.iter_mut().enumerate() {
-        let v = dot_fixed(&w[r * k..(r + 1) * k], x, true);
-        *o = if accumulate { *o + v } else { v };
+    let store = |o: &mut f32, v: f32| *o = if accumulate { *o + v } else { v };
+    let mut blocks = out.chunks_exact_mut(MATVEC_ROWS);
+    let mut r = 0;
+    for o in &mut blocks {
+        let rows = std::array::from_fn(|b| &w[(r + b) * k..(r + b + 1) * k]);
+        let v = dots::<W, MATVEC_ROWS, 1>(rows, [x], true);
+        o.iter_mut().zip(v).for_each(|(o, v)| store(o, v[0]));
+        r += MATVEC_ROWS;
+    }
+    for o in blocks.into_remainder() {
+        store(o, dots::<W, 1, 1>([&w[r * k..(r + 1) * k]], [x], true)[0][0]);
+        r += 1;
     }
 }
+
+/// Weight rows and inputs per block of the many-input kernel: 3 × 2 dots keep 12 AVX2
+/// registers of accumulators, and each input load serves three rows, which keeps the inputs'
+/// traffic from L2 (16 inputs overflow L1) below the FMA rate. Measured against 2 × 3, 4 × 1
+/// and 4 × 2 with `cargo bench -p picaso-model --bench matvecs` (BENCHMARKS.md).
+const BATCH_ROWS: usize = 3;
+const BATCH_INPUTS: usize = 2;
 
 /// out_t[r·m + i] = dot(w row r, x row i) for the m rows of `x`: each weight row is read from
 /// memory once (then from L1) for all m inputs.
 #[inline(always)]
 fn matvecs_body<W: Widen>(w: &[W], x: &[f32], k: usize, out_t: &mut [f32]) {
     let m = x.len() / k;
-    for (r, o) in out_t.chunks_exact_mut(m).enumerate() {
-        let row = &w[r * k..(r + 1) * k];
-        for (i, v) in o.iter_mut().enumerate() {
-            *v = dot_fixed(row, &x[i * k..(i + 1) * k], i == 0);
+    let n = out_t.len() / m;
+    let mut r = 0;
+    while r < n {
+        let rows = BATCH_ROWS.min(n - r);
+        let mut i = 0;
+        while i < m {
+            let inputs = BATCH_INPUTS.min(m - i);
+            // Full blocks and the edges (smaller blocks of the same order).
+            macro_rules! by_shape {
+                ($(($r:literal, $c:literal)),*) => {
+                    match (rows, inputs) {
+                        $(($r, $c) => block::<W, $r, $c>(w, x, k, r, i, m, out_t),)*
+                        _ => unreachable!("blocks are at most {BATCH_ROWS} × {BATCH_INPUTS}"),
+                    }
+                };
+            }
+            by_shape!((1, 1), (1, 2), (1, 3), (2, 1), (2, 2), (2, 3), (3, 1), (3, 2), (3, 3), (4, 1), (4, 2), (4, 3));
+            i += inputs;
         }
+        r += rows;
+    }
+}
+
+/// out_t[(r0+b)·m + i0+c] = dot(w row r0+b, x row i0+c) for an R × M block.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn block<W: Widen, const R: usize, const M: usize>(
+    w: &[W],
+    x: &[f32],
+    k: usize,
+    r0: usize,
+    i0: usize,
+    m: usize,
+    out_t: &mut [f32],
+) {
+    let v = dots::<W, R, M>(
+        std::array::from_fn(|b| &w[(r0 + b) * k..(r0 + b + 1) * k]),
+        std::array::from_fn(|c| &x[(i0 + c) * k..(i0 + c + 1) * k]),
+        i0 == 0,
+    );
+    for (b, vr) in v.iter().enumerate() {
+        out_t[(r0 + b) * m + i0..(r0 + b) * m + i0 + M].copy_from_slice(vr);
     }
 }
 
@@ -534,5 +713,60 @@ mod tests {
         let mut acc = vec![1.0; m * n];
         matmul_t(&x, m, k, &Matrix::F32(w.clone()), n, &mut acc, true);
         assert!((acc[5] - 1.0 - naive[5]).abs() < 1e-4);
+    }
+
+    #[test]
+    fn rows_of_a_batch_equal_lone_rows_to_the_bit() {
+        // Every block shape the batch kernel takes (full blocks, row and input edges, a tail
+        // past the last whole LANES) gives each row what a lone matrix-vector product gives.
+        for (k, n) in [(70, 37), (64, 8), (15, 5)] {
+            let w: Vec<f32> = (0..n * k).map(|i| (((i * 7919) % 1013) as f32 - 506.0) / 333.0).collect();
+            for matrix in
+                [Matrix::new(w.clone(), crate::cpu::WeightDtype::F32), Matrix::new(w, crate::cpu::WeightDtype::Bf16)]
+            {
+                for m in 1..=8 {
+                    let x: Vec<f32> = (0..m * k).map(|i| (((i * 104_729) % 997) as f32 - 498.0) / 211.0).collect();
+                    let mut batch = vec![0.5; m * n];
+                    matmul_rows_t(&x, m, k, &matrix, n, &mut batch, true);
+                    for i in 0..m {
+                        let mut lone = vec![0.5; n];
+                        matmul_t(&x[i * k..(i + 1) * k], 1, k, &matrix, n, &mut lone, true);
+                        let got: Vec<u32> = batch[i * n..(i + 1) * n].iter().map(|v| v.to_bits()).collect();
+                        let want: Vec<u32> = lone.iter().map(|v| v.to_bits()).collect();
+                        assert_eq!(got, want, "k {k}, n {n}, m {m}, row {i}");
+                        let mut naive = vec![0.0f32; n];
+                        let mut wr = vec![0.0f32; k];
+                        for (r, o) in naive.iter_mut().enumerate() {
+                            matrix.row_into(r, &mut wr);
+                            *o = 0.5 + wr.iter().zip(&x[i * k..(i + 1) * k]).map(|(a, b)| a * b).sum::<f32>();
+                        }
+                        for (a, b) in lone.iter().zip(&naive) {
+                            assert!((a - b).abs() < 1e-3 * (1.0 + b.abs()), "{a} vs {b}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn the_avx2_dots_equal_the_portable_definition_to_the_bit() {
+        if !has_avx2_fma() {
+            return;
+        }
+        for k in [1usize, 15, 16, 17, 64, 70, 771] {
+            let w: Vec<f32> = (0..2 * k).map(|i| (((i * 7919) % 1013) as f32 - 506.0) / 333.0).collect();
+            let wb: Vec<u16> = w.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+            let x: Vec<f32> = (0..3 * k).map(|i| (((i * 104_729) % 997) as f32 - 498.0) / 211.0).collect();
+            let rows = [&w[..k], &w[k..]];
+            let rows_b = [&wb[..k], &wb[k..]];
+            let xs = [&x[..k], &x[k..2 * k], &x[2 * k..]];
+            // SAFETY: AVX2 and FMA were detected; the slices have equal lengths.
+            let (fast, fast_b) = unsafe { (dots_avx2(rows, xs, true), dots_avx2(rows_b, xs, false)) };
+            let bits = |v: [[f32; 3]; 2]| v.map(|r| r.map(f32::to_bits));
+            assert_eq!(bits(fast), bits(dots_portable(rows, xs, false)), "f32, k {k}");
+            assert_eq!(bits(fast_b), bits(dots_portable(rows_b, xs, true)), "bf16, k {k}");
+        }
     }
 }

@@ -1,0 +1,41 @@
+//! The decode step's matrix products at mamba2-130m's shapes: B inputs through one weight
+//! matrix, with the batch-invariant kernel (`matmul_rows_t`: each row gives what it gives alone)
+//! and with gemm (`matmul_t`, faster per row but its bits depend on the batch).
+//!
+//!     cargo bench -p picaso-model --bench matvecs
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use picaso_model::cpu::kernels::{matmul_rows_t, matmul_t, Matrix};
+use picaso_model::cpu::WeightDtype;
+
+fn bench(c: &mut Criterion) {
+    // in_proj of mamba2-130m (768 → 3,352: z, x, B, C, dt) and out_proj (1,536 → 768).
+    for (name, k, n, dtype) in [
+        ("in_proj", 768, 3352, WeightDtype::F32),
+        ("out_proj", 1536, 768, WeightDtype::F32),
+        ("in_proj", 768, 3352, WeightDtype::Bf16),
+    ] {
+        let w: Vec<f32> = (0..n * k).map(|i| ((i % 97) as f32 - 48.0) / 500.0).collect();
+        let matrix = Matrix::new(w, dtype);
+        let mut group = c.benchmark_group(format!("{name} {dtype:?}"));
+        for m in [1usize, 4, 16, 32] {
+            let x: Vec<f32> = (0..m * k).map(|i| ((i % 13) as f32 - 6.0) / 7.0).collect();
+            let mut out = vec![0.0f32; m * n];
+            group.throughput(Throughput::Elements(m as u64));
+            group.bench_with_input(BenchmarkId::new("rows (batch-invariant)", m), &m, |b, &m| {
+                b.iter(|| matmul_rows_t(&x, m, k, &matrix, n, &mut out, false))
+            });
+            group.bench_with_input(BenchmarkId::new("gemm", m), &m, |b, &m| {
+                b.iter(|| matmul_t(&x, m, k, &matrix, n, &mut out, false))
+            });
+        }
+        group.finish();
+    }
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().sample_size(20).warm_up_time(std::time::Duration::from_millis(500)).measurement_time(std::time::Duration::from_secs(2));
+    targets = bench
+}
+criterion_main!(benches);
