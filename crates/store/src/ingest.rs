@@ -119,20 +119,18 @@ pub fn ingest(
     for chunk in pending.chunks(batch.max(1)) {
         let texts: Vec<&str> = chunk.iter().map(|p| p.text.as_str()).collect();
         let embeddings = embedder.embed(&texts)?;
-        let states = prefill_grouped(model, chunk, &zero)?;
-        let items: Vec<NewContext> = chunk
-            .iter()
-            .zip(embeddings)
-            .zip(states)
-            .map(|((p, embedding), state)| NewContext {
+        let mut items = Vec::with_capacity(chunk.len());
+        for (p, embedding) in chunk.iter().zip(embeddings) {
+            let state = model.prefill(&p.tokens, &zero)?;
+            items.push(NewContext {
                 doc: p.doc.clone(),
                 seg: p.seg,
                 text: p.text.clone(),
                 tokens: p.tokens.clone(),
                 embedding,
                 state,
-            })
-            .collect();
+            });
+        }
         store.insert(&items)?;
         progress.done += chunk.len();
         progress.tokens += chunk.iter().map(|p| p.tokens.len()).sum::<usize>();
@@ -141,27 +139,4 @@ pub fn ingest(
     }
     progress.seconds = start.elapsed().as_secs_f64();
     Ok(progress)
-}
-
-/// Tokens per forward pass when ingesting: short contexts are prefilled together (each matrix
-/// product then serves many of them), and the cap bounds the activations a pass keeps.
-const PREFILL_TOKENS: usize = 4096;
-
-/// The states of `items` from the zero state, grouped into forward passes of at most
-/// [`PREFILL_TOKENS`] tokens (a longer context gets a pass of its own).
-fn prefill_grouped(model: &Model, items: &[Pending], zero: &picaso_model::State) -> Result<Vec<picaso_model::State>> {
-    let mut states = Vec::with_capacity(items.len());
-    let mut start = 0;
-    while start < items.len() {
-        let mut end = start + 1;
-        let mut tokens = items[start].tokens.len();
-        while end < items.len() && tokens + items[end].tokens.len() <= PREFILL_TOKENS {
-            tokens += items[end].tokens.len();
-            end += 1;
-        }
-        let seqs: Vec<&[u32]> = items[start..end].iter().map(|p| p.tokens.as_slice()).collect();
-        states.extend(model.prefill_states(&seqs, &vec![zero; seqs.len()])?);
-        start = end;
-    }
-    Ok(states)
 }
