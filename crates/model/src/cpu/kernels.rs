@@ -132,9 +132,7 @@ unsafe fn dots_avx2<W: Widen, const R: usize, const M: usize>(
     let mut j = 0;
     while j < body {
         if prefetch {
-            for row in &rows {
-                prefetch_l2(row.as_ptr().wrapping_add(j + ahead).cast());
-            }
+            prefetch_rows(&rows, j + ahead);
         }
         // SAFETY: j + LANES <= body <= k, every slice's length.
         unsafe {
@@ -159,11 +157,7 @@ unsafe fn dots_avx2<W: Widen, const R: usize, const M: usize>(
             let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
             let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
             let s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
-            let mut tail = 0.0f32;
-            for t in body..k {
-                tail = rows[r][t].widen().mul_add(xs[i][t], tail);
-            }
-            out[r][i] = _mm_cvtss_f32(s1) + tail;
+            out[r][i] = _mm_cvtss_f32(s1) + tail_dot(rows[r], xs[i], body);
         }
     }
     out
@@ -183,9 +177,7 @@ fn dots_portable<W: Widen, const R: usize, const M: usize>(
     let mut j = 0;
     while j < body {
         if prefetch {
-            for row in &rows {
-                prefetch_l2(row.as_ptr().wrapping_add(j + ahead).cast());
-            }
+            prefetch_rows(&rows, j + ahead);
         }
         for r in 0..R {
             for i in 0..M {
@@ -199,14 +191,24 @@ fn dots_portable<W: Widen, const R: usize, const M: usize>(
     let mut out = [[0.0f32; M]; R];
     for r in 0..R {
         for i in 0..M {
-            let mut tail = 0.0f32;
-            for t in body..k {
-                tail = rows[r][t].widen().mul_add(xs[i][t], tail);
-            }
-            out[r][i] = lane_sum(acc[r][i]) + tail;
+            out[r][i] = lane_sum(acc[r][i]) + tail_dot(rows[r], xs[i], body);
         }
     }
     out
+}
+
+/// Asks for the cache line `at` elements into each row (see [`prefetch_l2`]).
+#[inline(always)]
+fn prefetch_rows<W>(rows: &[&[W]], at: usize) {
+    for row in rows {
+        prefetch_l2(row.as_ptr().wrapping_add(at).cast());
+    }
+}
+
+/// Σ row[t]·x[t] for t from `body` to the end, one chain in order: the tail of every dot.
+#[inline(always)]
+fn tail_dot<W: Widen>(row: &[W], x: &[f32], body: usize) -> f32 {
+    row[body..].iter().zip(&x[body..]).fold(0.0f32, |acc, (w, v)| w.widen().mul_add(*v, acc))
 }
 
 /// Σ of the lanes as a fixed tree (halves added pairwise), which vectorises.
