@@ -38,6 +38,7 @@ mod simd;
 use rayon::prelude::*;
 
 pub use elementwise::compose_per_value;
+pub use simd::prefetch_l2;
 
 /// A composition method.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -32,3 +32,17 @@ macro_rules! simd_fn {
         }
     };
 }
+
+/// Asks for the cache line at `p` to be brought into L2 ahead of use (a hint: never faults,
+/// whatever the address). For loops that read more streams at once than the hardware
+/// prefetchers track.
+#[inline(always)]
+pub fn prefetch_l2(p: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: prefetch instructions do not access memory architecturally and never fault.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch(p.cast::<i8>(), std::arch::x86_64::_MM_HINT_T1);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}

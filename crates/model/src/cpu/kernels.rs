@@ -2,7 +2,7 @@
 //! lane arrays, no reductions across lanes inside the loop) and compiled three times — AVX-512,
 //! AVX2+FMA and portable — with the best chosen at run time, so one binary is fast everywhere.
 
-use picaso_compose::simd_fn;
+use picaso_compose::{prefetch_l2, simd_fn};
 use rayon::prelude::*;
 
 /// Lanes of the hand-vectorised loops (one AVX-512 register, two AVX2 registers of f32).
@@ -341,19 +341,6 @@ simd_fn! {
 
 /// How far ahead the matrix-vector kernel prefetches.
 const PREFETCH_AHEAD_BYTES: usize = 8192;
-
-/// Hints the CPU to bring the cache line at `p` into L2. Never faults, even past the end of
-/// an allocation, so the address need not be valid.
-#[inline(always)]
-fn prefetch_l2(p: *const u8) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: prefetch instructions do not access memory architecturally and never fault.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch(p.cast::<i8>(), std::arch::x86_64::_MM_HINT_T1);
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
-}
 
 /// A weight matrix (rows × cols, row-major, as PyTorch stores Linear weights) in f32 or bf16.
 #[derive(Debug, Clone)]
