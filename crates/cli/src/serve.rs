@@ -39,6 +39,10 @@ pub struct ServeArgs {
     /// Most generations waiting to join the batch; more are answered 503 with Retry-After.
     #[arg(long, default_value_t = 256)]
     max_queue: usize,
+    /// Most prompt tokens prefilled per batch step, over all joining requests: smaller keeps
+    /// the running streams' inter-token latency low, larger starts new requests sooner.
+    #[arg(long, default_value_t = picaso_server::DEFAULT_PREFILL_CHUNK)]
+    prefill_chunk: usize,
     /// Most prompt tokens per request (413 above).
     #[arg(long, default_value_t = 8192)]
     max_prompt_tokens: usize,
@@ -78,6 +82,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         parallel: a.parallel.unwrap_or(cores),
         max_batch: a.max_batch,
         max_queue: a.max_queue,
+        prefill_chunk: a.prefill_chunk,
         limits: picaso_server::Limits {
             max_prompt_tokens: a.max_prompt_tokens,
             max_tokens: a.max_tokens_limit,

@@ -62,6 +62,8 @@ pub struct Options {
     pub max_batch: usize,
     /// Most generations waiting to join the batch; more are answered 503 with Retry-After.
     pub max_queue: usize,
+    /// Most prompt tokens prefilled per batch step (see [`crate::DEFAULT_PREFILL_CHUNK`]).
+    pub prefill_chunk: usize,
     /// Request limits.
     pub limits: Limits,
     /// The model name reported in responses.
@@ -141,7 +143,13 @@ impl App {
         let metrics = Metrics::default();
         metrics.contexts.set(store.len().map_err(|e| e.to_string())? as i64);
         let model = Arc::new(model);
-        let batcher = Batcher::start(model.clone(), options.max_batch, options.max_queue, metrics.batch.clone());
+        let batcher = Batcher::start(
+            model.clone(),
+            options.max_batch,
+            options.max_queue,
+            options.prefill_chunk,
+            metrics.batch.clone(),
+        );
         Ok(Self {
             model,
             batcher,

@@ -1,8 +1,9 @@
 //! Continuous batching: every active generation advances together, one batched decode step
 //! per token, so the weights stream from memory once per step for all of them instead of once
-//! per request. New requests join between steps: up to 256 prompt tokens per step, over all
-//! joining requests, are prefilled in one forward pass, so a long prompt delays the others by
-//! one chunk at most and many short ones start together. A request whose
+//! per request. New requests join between steps: up to a chunk of prompt tokens per step
+//! ([`DEFAULT_PREFILL_CHUNK`] unless configured), over all joining requests, is prefilled in one
+//! forward pass, so a long prompt delays the others by one chunk at most and several short ones
+//! start together. A request whose
 //! client went away (its event receiver dropped) leaves before the next step.
 //!
 //! Sampling runs per request ([`Decoder`]: its own options, seed and stop strings), and a
@@ -17,9 +18,11 @@ use picaso_model::{Decoder, GenerateOptions, Model, Next, State, StopReason};
 use prometheus_client::metrics::{counter::Counter, gauge::Gauge, histogram::Histogram};
 use tokio::sync::mpsc;
 
-/// Prompt tokens prefilled per step, over all joining requests (oldest first), in one forward
-/// pass: a long prompt is cut into chunks, and many short ones start together.
-pub const PREFILL_BUDGET: usize = 256;
+/// Prompt tokens prefilled per step by default, over all joining requests (oldest first), in
+/// one forward pass: a long prompt is cut into chunks, and several short ones start together.
+/// Every running stream waits for that prefill, so the chunk trades the joiners' time to first
+/// token against the others' inter-token latency (BENCHMARKS.md measures both).
+pub const DEFAULT_PREFILL_CHUNK: usize = 64;
 
 /// A generation to run: the prompt, the state it continues from, how to sample, and where
 /// its events go.
@@ -81,16 +84,22 @@ pub(crate) enum Refused {
 }
 
 impl Batcher {
-    /// Starts the batching thread: at most `max_batch` generations at once, and `max_queue`
-    /// more waiting to join.
-    pub fn start(model: Arc<Model>, max_batch: usize, max_queue: usize, metrics: BatchMetrics) -> Self {
+    /// Starts the batching thread: at most `max_batch` generations at once, `max_queue` more
+    /// waiting to join, and at most `prefill_chunk` prompt tokens prefilled per step.
+    pub fn start(
+        model: Arc<Model>,
+        max_batch: usize,
+        max_queue: usize,
+        prefill_chunk: usize,
+        metrics: BatchMetrics,
+    ) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
         let outstanding = Arc::new(AtomicUsize::new(0));
         let (queued, left) = (metrics.queued.clone(), outstanding.clone());
-        let max_batch = max_batch.max(1);
+        let (max_batch, prefill_chunk) = (max_batch.max(1), prefill_chunk.max(1));
         std::thread::Builder::new()
             .name("picaso-batcher".into())
-            .spawn(move || run(&model, rx, max_batch, &metrics, &left))
+            .spawn(move || run(&model, rx, max_batch, prefill_chunk, &metrics, &left))
             .expect("the batching thread starts");
         Self { jobs: tx, outstanding, limit: max_batch + max_queue, queued }
     }
@@ -162,10 +171,16 @@ impl Sequence<'_> {
     }
 }
 
-/// Prefills up to [`PREFILL_BUDGET`] prompt tokens of the joining requests, oldest first, in
-/// one forward pass; a request whose prompt is all in gets its first logits.
-fn prefill_chunks(model: &Model, batch: &mut [Sequence]) {
-    let mut budget = PREFILL_BUDGET;
+/// Prompt tokens prefilled per step while no generation is streaming: nobody waits on the
+/// step then, so a burst of requests starts in one pass.
+pub const IDLE_PREFILL_CHUNK: usize = 1024;
+
+/// Prefills up to `chunk` prompt tokens of the joining requests (up to
+/// [`IDLE_PREFILL_CHUNK`] when none is streaming yet), oldest first, in one forward pass; a
+/// request whose prompt is all in gets its first logits.
+fn prefill_chunks(model: &Model, batch: &mut [Sequence], chunk: usize) {
+    let streaming = batch.iter().any(|s| s.prefilled == s.job.prompt.len() && !s.ended);
+    let mut budget = if streaming { chunk } else { chunk.max(IDLE_PREFILL_CHUNK) };
     let mut joining: Vec<(&mut Sequence, usize)> = Vec::new();
     for s in batch.iter_mut().filter(|s| s.prefilled < s.job.prompt.len() && !s.ended) {
         if budget == 0 {
@@ -199,6 +214,7 @@ fn run(
     model: &Model,
     mut jobs: mpsc::UnboundedReceiver<Job>,
     max_batch: usize,
+    prefill_chunk: usize,
     m: &BatchMetrics,
     outstanding: &AtomicUsize,
 ) {
@@ -230,7 +246,7 @@ fn run(
             !gone
         });
         outstanding.fetch_sub(before - batch.len(), Ordering::SeqCst);
-        prefill_chunks(model, &mut batch);
+        prefill_chunks(model, &mut batch, prefill_chunk);
         for s in &mut batch {
             s.sample(m);
         }

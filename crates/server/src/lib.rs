@@ -30,6 +30,7 @@ mod routes;
 use std::sync::Arc;
 
 pub use app::{App, Limits, Options};
+pub use batcher::DEFAULT_PREFILL_CHUNK;
 pub use error::ApiError;
 pub use routes::router;
 
@@ -41,6 +42,7 @@ pub use routes::router;
 pub async fn serve(app: Arc<App>, listener: tokio::net::TcpListener) -> std::io::Result<()> {
     use hyper_util::rt::{TokioIo, TokioTimer};
     let limits = app.limits.clone();
+    let connections = app.metrics.connections.clone();
     let service = hyper_util::service::TowerToHyperService::new(router(app));
     let slots = Arc::new(tokio::sync::Semaphore::new(limits.max_connections.max(1)));
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
@@ -65,8 +67,11 @@ pub async fn serve(app: Arc<App>, listener: tokio::net::TcpListener) -> std::io:
                 builder.timer(TokioTimer::new()).header_read_timeout(limits.header_timeout);
                 let conn = builder.serve_connection(TokioIo::new(stream), service.clone());
                 let conn = graceful.watch(conn);
+                let open = connections.clone();
+                open.inc();
                 tokio::spawn(async move {
                     let _ = conn.await;
+                    open.dec();
                     drop(slot);
                 });
             }

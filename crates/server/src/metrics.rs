@@ -26,6 +26,8 @@ pub struct Metrics {
     pub request_seconds: HistogramFamily,
     /// Requests being served.
     pub in_flight: Gauge,
+    /// Open client connections (at most `limits.max_connections`).
+    pub connections: Gauge,
     /// Time to compose states (for concat: to process the context tokens), by method.
     pub compose_seconds: HistogramFamily,
     /// Time to read states from disk for a completion.
@@ -62,6 +64,7 @@ impl Default for Metrics {
             requests,
             request_seconds,
             in_flight: Gauge::default(),
+            connections: Gauge::default(),
             compose_seconds,
             load_seconds: seconds_histogram(),
             states_loaded: Counter::default(),
@@ -75,6 +78,7 @@ impl Default for Metrics {
         registry.register("requests", "HTTP requests by endpoint, method and status", m.requests.clone());
         registry.register("request_seconds", "HTTP request latency by endpoint", m.request_seconds.clone());
         registry.register("requests_in_flight", "HTTP requests being served", m.in_flight.clone());
+        registry.register("open_connections", "Client connections open", m.connections.clone());
         registry.register("compose_seconds", "Time to compose context states, by method", m.compose_seconds.clone());
         registry.register("state_load_seconds", "Time to read context states from disk", m.load_seconds.clone());
         registry.register(
