@@ -3,11 +3,10 @@
 //! much memory traffic as the states themselves; here they are computed a block of values at a
 //! time, in L1, and applied at once.
 //!
-//! Soup, CASO and PICASO-R work in f32 on blocks of [`B`] values (fixed-width loops that
-//! vectorise): one exponential per (value, context), the decay A = e^ld, and products and sums
-//! of decays after that. The weights carry a few ulp of f32 where [`crate::weights_into`]
-//! (f64, then rounded) carries one; PICASO-S, whose O(n²) sums of products are not on the hot
-//! path, keeps [`crate::weights_into`]'s f64 arithmetic, eight values at a time in lanes.
+//! Every method works in f32 on blocks of [`B`] values (fixed-width loops that vectorise): one
+//! exponential per (value, context), the decay A = e^ld, then [`crate::weights_into`]'s
+//! arithmetic on decays (products and sums of non-negative numbers). The weights carry a few ulp
+//! of f32 where [`crate::weights_into`] (f64, then rounded) carries one.
 
 use rayon::prelude::*;
 
@@ -69,11 +68,13 @@ fn exp_f32(x: &Block) -> Block {
 /// Buffers of one task.
 #[derive(Default)]
 pub struct Scratch {
-    /// Per context, one block's decays e^ld (f32 path) and weights.
+    /// Per context, one block's decays e^ld and weights.
     a: Vec<Block>,
     w: Vec<Block>,
-    /// The f64 lanes of PICASO-S: per context, log-decays, decays and weights, and the sums.
-    lanes: LaneScratch,
+    /// PICASO-S: the triangle of prefix polynomials, the suffix sums and the coefficients.
+    prefix: Vec<Block>,
+    suffix: Vec<Block>,
+    coeff: Vec<f64>,
 }
 
 /// Weights below [`TINY_WEIGHT`] as 0 (a whole block at once: a select, not masked stores).
@@ -86,11 +87,9 @@ fn flush_tiny(w: Block) -> Block {
 
 /// The f32 weights of one block for Soup, CASO and PICASO-S (PICASO-R's are applied as they
 /// are computed, [`picaso_r_block`]): `s.w[k][j]` for context k and value j, from the block's
-/// log-decays `ld[k]` and (CASO) their decays `s.a`, as [`read_log_decays`] leaves them.
-/// Weights below [`TINY_WEIGHT`] are 0.
+/// decays `s.a` as [`read_log_decays`] leaves them. Weights below [`TINY_WEIGHT`] are 0.
 #[inline(always)]
-fn block_weights(method: Method, ld: &[&[f32]], e: usize, s: &mut Scratch) {
-    let n = ld.len();
+fn block_weights(method: Method, n: usize, s: &mut Scratch) {
     s.w.resize(n, [0.0; B]);
     match method {
         Method::Soup => s.w.fill([(1.0 / n as f64) as f32; B]),
@@ -106,27 +105,7 @@ fn block_weights(method: Method, ld: &[&[f32]], e: usize, s: &mut Scratch) {
             }
         }
         Method::PicasoR => unreachable!("PICASO-R's weights are applied as they are computed"),
-        Method::PicasoS => {
-            for g in 0..B / L {
-                let v = &mut s.lanes;
-                v.ld.resize(n, [0.0; L]);
-                for (lanes, ld) in v.ld.iter_mut().zip(ld) {
-                    let ld = block(ld, e);
-                    for j in 0..L {
-                        lanes[j] = ld[g * L + j] as f64;
-                    }
-                }
-                picaso_s_lanes(v);
-                for (w, lanes) in s.w.iter_mut().zip(&v.w) {
-                    for j in 0..L {
-                        w[g * L + j] = lanes[j] as f32;
-                    }
-                }
-            }
-            for w in &mut s.w {
-                *w = flush_tiny(*w);
-            }
-        }
+        Method::PicasoS => picaso_s_block(s),
     }
 }
 
@@ -156,11 +135,11 @@ fn picaso_r_block(a: &[Block], total: &Block, x: &[&[f32]], e: usize) -> Block {
 }
 
 /// One pass over a block's log-decays: checks them (finite, ≤ 0), returns their sum (in f64,
-/// rounded once), or None if one is bad; for CASO and PICASO-R, also each context's decays
+/// rounded once), or None if one is bad; but for Soup, also each context's decays
 /// `s.a[k] = e^ld[k]` while the log-decays are in registers.
 #[inline(always)]
 fn read_log_decays(method: Method, ld: &[&[f32]], e: usize, s: &mut Scratch) -> Option<Block> {
-    let decays = matches!(method, Method::Caso | Method::PicasoR);
+    let decays = method != Method::Soup;
     if decays {
         s.a.resize(ld.len(), [0.0; B]);
     }
@@ -208,7 +187,7 @@ fn compose_block(
     let acc = if method == Method::PicasoR {
         picaso_r_block(&s.a, &total, x, e)
     } else {
-        block_weights(method, ld, e, s);
+        block_weights(method, ld.len(), s);
         let mut acc = [0.0f32; B];
         for (i, (x, w)) in x.iter().zip(&s.w).enumerate() {
             let x = block(x, e);
@@ -270,115 +249,41 @@ crate::simd_fn! {
     }
 }
 
-/// PICASO-S values whose weights are computed together (one AVX-512 register of f64, two of AVX2).
-const L: usize = 8;
-type Lanes = [f64; L];
-
-/// exp(x) of each lane in f64 for x ≤ 0, to about 1 ulp, branch-free. Below −708 (where exp
-/// leaves the normal range) it is 0: such weights are flushed anyway ([`crate::TINY_WEIGHT`] is
-/// e^−69). Every step is a loop over the lanes, so that each becomes one vector instruction.
+/// PICASO-S's weights of one block into `s.w`, from the decays `s.a`: w_k = Σ_i L_k[i]·h_k[i]
+/// with L_k the coefficients of Π_{j<k}(1 + A_j t), built forwards, and h_k = h_{k+1} +
+/// A_{k+1}·shift(h_{k+1}) from h_{n-1} = c, built backwards ([`crate::weights_into`]'s
+/// arithmetic, in f32 and a block at a time). O(n²) per value, adding only non-negative numbers.
 #[inline(always)]
-fn exp(x: Lanes) -> Lanes {
-    const LN2_HI: f64 = 6.931_471_803_691_238e-1; // ln 2 with its last 21 bits zero: k·LN2_HI is exact
-    const LN2_LO: f64 = 1.908_214_929_270_587_7e-10;
-    const SHIFT: f64 = 6_755_399_441_055_744.0; // 1.5·2^52: adding it rounds to an integer
-                                                // Taylor series to r^13 / 13! (|r| ≤ ln2 / 2): the next term is below 2^-57.
-    const INV_FACTORIAL: [f64; 13] = [
-        1.0 / 479_001_600.0,
-        1.0 / 39_916_800.0,
-        1.0 / 3_628_800.0,
-        1.0 / 362_880.0,
-        1.0 / 40_320.0,
-        1.0 / 5_040.0,
-        1.0 / 720.0,
-        1.0 / 120.0,
-        1.0 / 24.0,
-        1.0 / 6.0,
-        0.5,
-        1.0,
-        1.0,
-    ];
-    let (mut shifted, mut r, mut p, mut out) = ([0.0; L], [0.0; L], [1.0 / 6_227_020_800.0; L], [0.0; L]);
-    for j in 0..L {
-        let xc = if x[j] < -708.0 { -708.0 } else { x[j] };
-        shifted[j] = xc * std::f64::consts::LOG2_E + SHIFT;
-        let k = shifted[j] - SHIFT;
-        r[j] = xc - k * LN2_HI - k * LN2_LO;
-    }
-    for c in INV_FACTORIAL {
-        for j in 0..L {
-            p[j] = p[j] * r[j] + c;
-        }
-    }
-    for j in 0..L {
-        // 2^k from the low bits of `shifted` (= 2^51 + k in its mantissa): k + 1023 in [1, 1023].
-        let scale = f64::from_bits((shifted[j].to_bits().wrapping_add(1023)) << 52);
-        out[j] = if x[j] < -708.0 { 0.0 } else { p[j] * scale };
-    }
-    out
-}
-
-/// Buffers of PICASO-S's f64 lanes: per context, log-decays, decays and weights, and the
-/// triangle of prefix sums and the suffix sums of [`crate::weights_into`].
-#[derive(Default)]
-struct LaneScratch {
-    ld: Vec<Lanes>,
-    a: Vec<Lanes>,
-    w: Vec<Lanes>,
-    prefix: Vec<Lanes>,
-    suffix: Vec<Lanes>,
-    coeff: Vec<f64>,
-}
-
-/// PICASO-S's weights of eight values, `s.w[k][j]`, from `s.ld` ([`crate::weights_into`]'s
-/// arithmetic lane by lane). Every inner loop runs over whole lanes of local copies.
-#[inline(always)]
-fn picaso_s_lanes(s: &mut LaneScratch) {
-    let n = s.ld.len();
-    s.w.resize(n, [0.0; L]);
-    s.a.resize(n, [0.0; L]);
-    for (a, ld) in s.a.iter_mut().zip(&s.ld) {
-        *a = exp(*ld);
-    }
+fn picaso_s_block(s: &mut Scratch) {
+    let n = s.a.len();
     crate::picaso_s_coefficients(n, &mut s.coeff);
     // prefix: L_0..L_{n-1} as a triangle (L_k: k+1 entries from k(k+1)/2).
     s.prefix.clear();
-    s.prefix.push([1.0; L]);
+    s.prefix.push([1.0; B]);
     for k in 1..n {
         let start = (k - 1) * k / 2;
         let a = s.a[k - 1];
         for i in 0..=k {
-            let prev = if i < k { s.prefix[start + i] } else { [0.0; L] };
-            let shifted = if i > 0 { s.prefix[start + i - 1] } else { [0.0; L] };
-            let mut v = [0.0; L];
-            for j in 0..L {
-                v[j] = prev[j] + a[j] * shifted[j];
-            }
-            s.prefix.push(v);
+            let prev = if i < k { s.prefix[start + i] } else { [0.0; B] };
+            let shifted = if i > 0 { s.prefix[start + i - 1] } else { [0.0; B] };
+            s.prefix.push(std::array::from_fn(|j| a[j].mul_add(shifted[j], prev[j])));
         }
     }
     s.suffix.clear();
-    s.suffix.extend(s.coeff.iter().map(|&c| [c; L]));
+    s.suffix.extend(s.coeff.iter().map(|&c| [c as f32; B]));
     for k in (0..n).rev() {
         if k < n - 1 {
             let a = s.a[k + 1];
             for i in 0..=k {
-                let next = s.suffix[i + 1];
-                let mut v = s.suffix[i];
-                for j in 0..L {
-                    v[j] += a[j] * next[j];
-                }
-                s.suffix[i] = v;
+                let (v, next) = (s.suffix[i], s.suffix[i + 1]);
+                s.suffix[i] = std::array::from_fn(|j| a[j].mul_add(next[j], v[j]));
             }
         }
-        let mut w = [0.0; L];
+        let mut w = [0.0f32; B];
         for (x, y) in s.prefix[k * (k + 1) / 2..k * (k + 1) / 2 + k + 1].iter().zip(&s.suffix) {
-            let (x, y) = (*x, *y);
-            for j in 0..L {
-                w[j] += x[j] * y[j];
-            }
+            w = std::array::from_fn(|j| x[j].mul_add(y[j], w[j]));
         }
-        s.w[k] = w;
+        s.w[k] = flush_tiny(w);
     }
 }
 
@@ -443,22 +348,6 @@ pub fn compose_per_value(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn exp_is_within_two_ulp_of_libm() {
-        let mut x = 0.0f64;
-        while x > -720.0 {
-            let (got, want) = (exp([x; L])[0], x.exp());
-            if x >= -708.0 {
-                assert!((got - want).abs() <= 2.0 * f64::EPSILON * want, "exp({x}) = {got}, libm {want}");
-            } else {
-                assert!(got == 0.0 && want < 1e-307, "exp({x}) = {got}");
-            }
-            x -= 0.0137;
-        }
-        assert_eq!(exp([0.0; L]), [1.0; L]);
-        assert_eq!(exp([-1e30; L]), [0.0; L]);
-    }
 
     #[test]
     fn exp_f32_is_within_an_ulp_of_libm() {
