@@ -6,9 +6,7 @@
 //! services with `.ci/services`); outages are made by a TCP proxy between the server and each
 //! service that stops answering, cuts its open connections, and later resumes.
 
-use std::io::{BufRead, BufReader};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -16,56 +14,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 mod common;
-use common::{args, ok, ok_s, run, shared, shared_backend, text_model, write_docs, TestDb};
-
-/// A running `picaso serve`, killed on drop.
-struct Server {
-    child: Child,
-    url: String,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Server {
-    fn start(args: &[String], env: &[(&str, String)]) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_picaso"))
-            .args(["serve", "--addr", "127.0.0.1:0"])
-            .args(args)
-            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("picaso serve starts");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-        let url =
-            line.trim().strip_prefix("listening on ").unwrap_or_else(|| panic!("unexpected: {line:?}")).to_string();
-        Server { child, url }
-    }
-
-    /// (status, JSON body); 4xx and 5xx are answers too.
-    fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
-        let req = ureq::request(method, &format!("{}{path}", self.url))
-            .set("content-type", "application/json")
-            .timeout(Duration::from_secs(60));
-        let resp = match body {
-            Some(b) => req.send_string(&b.to_string()),
-            None => req.call(),
-        };
-        let resp = match resp {
-            Ok(r) => r,
-            Err(ureq::Error::Status(_, r)) => r,
-            Err(e) => panic!("{method} {path}: {e}"),
-        };
-        let status = resp.status();
-        let text = resp.into_string().unwrap();
-        (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("{method} {path}: not JSON ({e}): {text}")))
-    }
-}
+use common::{args, ok, ok_s, run, shared, shared_backend, text_model, write_docs, Server, TestDb};
 
 /// Contexts 1..=4 of `write_docs` in a new store at `db`; returns (model, embedder) paths.
 fn ingested(db: &TestDb, model: &tempfile::TempDir, embedder: &std::path::Path, docs: &std::path::Path) {
@@ -180,26 +129,27 @@ fn two_servers_share_one_store() {
     ingested(&db, &model, &embedder, &docs);
     let serve_args =
         args(&[], &db, &["--model", model.path().to_str().unwrap(), "--embedder", embedder.to_str().unwrap()]);
-    let (a, b) = (Server::start(&serve_args, &[]), Server::start(&serve_args, &[]));
-    let (status, added) = a.call("POST", "/v1/contexts", Some(json!({"text": "Bananas are rich in potassium."})));
+    let serve_args: Vec<&str> = serve_args.iter().map(String::as_str).collect();
+    let (a, b) = (Server::start(&serve_args), Server::start(&serve_args));
+    let (status, added) = a.call_json("POST", "/v1/contexts", Some(json!({"text": "Bananas are rich in potassium."})));
     assert_eq!(status, 201, "{added}");
     let id = added["id"].as_i64().unwrap();
-    let (status, rec) = b.call("GET", &format!("/v1/contexts/{id}"), None);
+    let (status, rec) = b.call_json("GET", &format!("/v1/contexts/{id}"), None);
     assert_eq!((status, rec["text"].as_str()), (200, Some("Bananas are rich in potassium.")));
-    let (_, found) = b.call("POST", "/v1/search", Some(json!({"query": "Which fruit has potassium?", "k": 1})));
+    let (_, found) = b.call_json("POST", "/v1/search", Some(json!({"query": "Which fruit has potassium?", "k": 1})));
     assert_eq!(found["results"][0]["id"].as_i64(), Some(id), "B retrieves A's context: {found}");
     let body = json!({"prompt": "Bananas", "max_tokens": 6, "temperature": 0, "contexts": [id, 2]});
-    let (sa, va) = a.call("POST", "/v1/completions", Some(body.clone()));
-    let (sb, vb) = b.call("POST", "/v1/completions", Some(body));
+    let (sa, va) = a.call_json("POST", "/v1/completions", Some(body.clone()));
+    let (sb, vb) = b.call_json("POST", "/v1/completions", Some(body));
     assert_eq!((sa, sb), (200, 200), "{vb}");
     assert_eq!(va["choices"][0]["text"], vb["choices"][0]["text"], "both servers compose the same states");
-    let (_, hb) = b.call("GET", "/health", None);
+    let (_, hb) = b.call_json("GET", "/health", None);
     assert_eq!(hb["contexts"], 5);
     // Deleted through B: gone for A.
-    assert_eq!(b.call("DELETE", &format!("/v1/contexts/{id}"), None).0, 200);
-    assert_eq!(a.call("GET", &format!("/v1/contexts/{id}"), None).0, 404);
+    assert_eq!(b.call_json("DELETE", &format!("/v1/contexts/{id}"), None).0, 200);
+    assert_eq!(a.call_json("GET", &format!("/v1/contexts/{id}"), None).0, 404);
     let (status, v) =
-        a.call("POST", "/v1/completions", Some(json!({"prompt": "Bananas", "max_tokens": 2, "contexts": [id]})));
+        a.call_json("POST", "/v1/completions", Some(json!({"prompt": "Bananas", "max_tokens": 2, "contexts": [id]})));
     assert_eq!(status, 404, "A's cached state of a context deleted through B is not used: {v}");
 }
 
@@ -287,9 +237,11 @@ fn backend_outages_fail_fast_and_recover() {
         &proxied,
         &["--model", model.path().to_str().unwrap(), "--embedder", embedder.to_str().unwrap(), "--cache-mb", "0"],
     );
-    let server = Server::start(&serve_args, &env);
+    let serve_args: Vec<&str> = serve_args.iter().map(String::as_str).collect();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let server = Server::start_with(&serve_args, &env);
     let complete = json!({"prompt": "The tower", "max_tokens": 2, "temperature": 0, "contexts": [3, 2]});
-    assert_eq!(server.call("POST", "/v1/completions", Some(complete.clone())).0, 200);
+    assert_eq!(server.call_json("POST", "/v1/completions", Some(complete.clone())).0, 200);
 
     // A load run in the background for the whole test: every answer is 200 or 503.
     let stop = Arc::new(AtomicBool::new(false));
@@ -311,7 +263,7 @@ fn backend_outages_fail_fast_and_recover() {
 
     let expect_503 = |method: &str, path: &str, body: Option<Value>| {
         let t0 = Instant::now();
-        let (status, v) = server.call(method, path, body);
+        let (status, v) = server.call_json(method, path, body);
         let took = t0.elapsed();
         assert_eq!(status, 503, "{method} {path} while a backend is down: {v}");
         assert_eq!(v["error"]["type"], "unavailable_error", "{v}");
@@ -321,7 +273,7 @@ fn backend_outages_fail_fast_and_recover() {
     let recovers = |what: &str| {
         let t0 = Instant::now();
         loop {
-            let (status, v) = server.call("POST", "/v1/completions", Some(complete.clone()));
+            let (status, v) = server.call_json("POST", "/v1/completions", Some(complete.clone()));
             if status == 200 {
                 break;
             }
@@ -343,10 +295,10 @@ fn backend_outages_fail_fast_and_recover() {
     s3_proxy.down();
     expect_503("POST", "/v1/completions", Some(complete.clone()));
     expect_503("POST", "/v1/contexts", Some(json!({"text": "Written while the object store is down."})));
-    assert_eq!(server.call("GET", "/health", None).0, 200, "the catalog still answers");
+    assert_eq!(server.call_json("GET", "/health", None).0, 200, "the catalog still answers");
     s3_proxy.resume();
     recovers("S3");
-    let (status, v) = server.call("POST", "/v1/contexts", Some(json!({"text": "Written after recovery."})));
+    let (status, v) = server.call_json("POST", "/v1/contexts", Some(json!({"text": "Written after recovery."})));
     assert_eq!(status, 201, "{v}");
 
     stop.store(true, Ordering::SeqCst);

@@ -5,6 +5,7 @@
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::time::Duration;
 
 use picaso_model::{Mamba2Config, Mamba2Weights};
 use serde_json::Value;
@@ -245,7 +246,9 @@ impl Server {
 
     /// (status, JSON body) of a request; 4xx and 5xx are answers too.
     pub fn call(&self, method: &str, path: &str, body: Option<&str>) -> (u16, Value) {
-        let req = ureq::request(method, &format!("{}{path}", self.url)).set("content-type", "application/json");
+        let req = ureq::request(method, &format!("{}{path}", self.url))
+            .set("content-type", "application/json")
+            .timeout(Duration::from_secs(60));
         let resp = match body {
             Some(b) => req.send_string(b),
             None => req.call(),
@@ -258,6 +261,11 @@ impl Server {
         let status = resp.status();
         let text = resp.into_string().unwrap();
         (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("{method} {path}: not JSON ({e}): {text}")))
+    }
+
+    /// As [`Server::call`], with a JSON value for the body.
+    pub fn call_json(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
+        self.call(method, path, body.map(|b| b.to_string()).as_deref())
     }
 
     pub fn metric(&self, name: &str) -> f64 {
