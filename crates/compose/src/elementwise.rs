@@ -135,9 +135,10 @@ fn picaso_r_block(a: &[Block], total: &Block, x: &[&[f32]], e: usize) -> Block {
     acc.map(|v| v * inv)
 }
 
-/// One pass over a block's log-decays: checks them (finite, ≤ 0), returns their sum (in f64,
-/// rounded once), or None if one is bad; but for Soup, also each context's decays
-/// `s.a[k] = e^ld[k]` while the log-decays are in registers.
+/// Reads a block's log-decays: checks them (finite, ≤ 0) and returns their sum (in f64,
+/// rounded once), or None if one is bad; for every method but Soup, also each context's decays
+/// `s.a[k] = e^ld[k]` (a second loop over the block, now in L1: fused into the first, it ran
+/// slower).
 #[inline(always)]
 fn read_log_decays(method: Method, ld: &[&[f32]], e: usize, s: &mut Scratch) -> Option<Block> {
     let decays = method != Method::Soup;
@@ -293,7 +294,7 @@ fn picaso_s_block(s: &mut Scratch) {
 /// `log_decays[·][e]` (contexts in order), and `log_decay_out[e] = Σᵢ log_decays[i][e]`, the
 /// composed state's decay (summed in f64, rounded once). Agrees with
 /// [`crate::weights_per_element`] then [`crate::weighted_sum_blocks`] (f64 weights) within a
-/// few ulp of f32 per term: Soup, CASO and PICASO-R compute their weights in f32.
+/// few ulp of f32 per term: the weights are computed in f32.
 pub fn compose_per_value(
     method: Method,
     log_decays: &[&[f32]],

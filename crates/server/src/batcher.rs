@@ -3,8 +3,9 @@
 //! per request. New requests join between steps: up to a chunk of prompt tokens per step
 //! ([`DEFAULT_PREFILL_CHUNK`] unless configured), over all joining requests, is prefilled in one
 //! forward pass, so a long prompt delays the others by one chunk at most and several short ones
-//! start together. A request whose
-//! client went away (its event receiver dropped) leaves before the next step.
+//! start together; while no generation streams, nobody waits on the step, and up to
+//! [`IDLE_PREFILL_CHUNK`] tokens go in at once. A request whose client went away (its event
+//! receiver dropped) leaves before the next step.
 //!
 //! Sampling runs per request ([`Decoder`]: its own options, seed and stop strings), and a
 //! batched step gives each sequence, to the bit, the logits it would get alone, so batching
@@ -135,6 +136,11 @@ struct Sequence<'m> {
 }
 
 impl Sequence<'_> {
+    /// Whether part of the prompt is still to be prefilled.
+    fn joining(&self) -> bool {
+        self.prefilled < self.job.prompt.len()
+    }
+
     fn send(&mut self, event: Event) {
         if matches!(event, Event::Text(_) | Event::Done { .. }) && self.ttft.is_none() {
             self.ttft = Some(self.job.started.elapsed().as_secs_f64());
@@ -173,16 +179,16 @@ impl Sequence<'_> {
 
 /// Prompt tokens prefilled per step while no generation is streaming: nobody waits on the
 /// step then, so a burst of requests starts in one pass.
-pub const IDLE_PREFILL_CHUNK: usize = 1024;
+const IDLE_PREFILL_CHUNK: usize = 1024;
 
 /// Prefills up to `chunk` prompt tokens of the joining requests (up to
 /// [`IDLE_PREFILL_CHUNK`] when none is streaming yet), oldest first, in one forward pass; a
 /// request whose prompt is all in gets its first logits.
 fn prefill_chunks(model: &Model, batch: &mut [Sequence], chunk: usize) {
-    let streaming = batch.iter().any(|s| s.prefilled == s.job.prompt.len() && !s.ended);
+    let streaming = batch.iter().any(|s| !s.ended && !s.joining());
     let mut budget = if streaming { chunk } else { chunk.max(IDLE_PREFILL_CHUNK) };
     let mut joining: Vec<(&mut Sequence, usize)> = Vec::new();
-    for s in batch.iter_mut().filter(|s| s.prefilled < s.job.prompt.len() && !s.ended) {
+    for s in batch.iter_mut().filter(|s| !s.ended && s.joining()) {
         if budget == 0 {
             break;
         }
