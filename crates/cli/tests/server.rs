@@ -482,7 +482,8 @@ fn continuous_batching_caps_the_batch_queues_and_frees_slots() {
         write!(sock, "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{endless}", endless.len()).unwrap();
         let mut head = [0u8; 256];
         let n = sock.read(&mut head).unwrap();
-        assert!(String::from_utf8_lossy(&head[..n]).starts_with("HTTP/1.1 200"));
+        let head = String::from_utf8_lossy(&head[..n]);
+        assert!(head.starts_with("HTTP/1.1 200"), "a stream within the batch and queue caps was refused: {head}");
         sock
     };
     let socks: Vec<TcpStream> = (0..5).map(|_| open_stream()).collect();

@@ -66,9 +66,19 @@ pub(crate) struct BatchMetrics {
     pub queued: Gauge,
 }
 
+/// A job's place in the batch or its queue, given back when dropped: before the job's last
+/// event is sent, so a client that has its answer can submit again at once.
+struct Slot(Arc<AtomicUsize>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 /// Hands jobs to the batching thread. Dropping it stops the thread once the batch drains.
 pub(crate) struct Batcher {
-    jobs: mpsc::UnboundedSender<Job>,
+    jobs: mpsc::UnboundedSender<(Job, Slot)>,
     /// Jobs submitted and not yet finished (in the batch or waiting for it).
     outstanding: Arc<AtomicUsize>,
     /// Most outstanding jobs: the batch's cap plus the queue's.
@@ -96,25 +106,24 @@ impl Batcher {
     ) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
         let outstanding = Arc::new(AtomicUsize::new(0));
-        let (queued, left) = (metrics.queued.clone(), outstanding.clone());
+        let queued = metrics.queued.clone();
         let (max_batch, prefill_chunk) = (max_batch.max(1), prefill_chunk.max(1));
         std::thread::Builder::new()
             .name("picaso-batcher".into())
-            .spawn(move || run(&model, rx, max_batch, prefill_chunk, &metrics, &left))
+            .spawn(move || run(&model, rx, max_batch, prefill_chunk, &metrics))
             .expect("the batching thread starts");
         Self { jobs: tx, outstanding, limit: max_batch + max_queue, queued }
     }
 
     /// Queues a job; refuses at once when the batch and the queue are full.
     pub fn submit(&self, job: Job) -> Result<(), Refused> {
+        let slot = Slot(self.outstanding.clone());
         if self.outstanding.fetch_add(1, Ordering::SeqCst) >= self.limit {
-            self.outstanding.fetch_sub(1, Ordering::SeqCst);
             return Err(Refused::Busy);
         }
         self.queued.inc();
-        self.jobs.send(job).map_err(|_| {
+        self.jobs.send((job, slot)).map_err(|_| {
             self.queued.dec();
-            self.outstanding.fetch_sub(1, Ordering::SeqCst);
             Refused::Stopped
         })
     }
@@ -123,6 +132,8 @@ impl Batcher {
 /// One generation in the batch.
 struct Sequence<'m> {
     job: Job,
+    /// Held until the generation ends.
+    slot: Option<Slot>,
     decoder: Decoder<'m>,
     /// Prompt tokens already prefilled.
     prefilled: usize,
@@ -147,6 +158,7 @@ impl Sequence<'_> {
         }
         if matches!(event, Event::Done { .. } | Event::Failed(_)) {
             self.ended = true;
+            self.slot = None;
         }
         // A closed receiver is noticed before the next step.
         let _ = self.job.events.send(event);
@@ -218,11 +230,10 @@ fn prefill_chunks(model: &Model, batch: &mut [Sequence], chunk: usize) {
 /// The batching loop: admit, prefill, sample, step.
 fn run(
     model: &Model,
-    mut jobs: mpsc::UnboundedReceiver<Job>,
+    mut jobs: mpsc::UnboundedReceiver<(Job, Slot)>,
     max_batch: usize,
     prefill_chunk: usize,
     m: &BatchMetrics,
-    outstanding: &AtomicUsize,
 ) {
     let mut batch: Vec<Sequence> = Vec::new();
     let mut open = true;
@@ -230,19 +241,18 @@ fn run(
         // Admit: wait when idle, else take what is queued, up to the cap.
         if batch.is_empty() {
             match open.then(|| jobs.blocking_recv()).flatten() {
-                Some(job) => admit(model, job, &mut batch, m, outstanding),
+                Some(job) => admit(model, job, &mut batch, m),
                 None => return,
             }
         }
         while open && batch.len() < max_batch {
             match jobs.try_recv() {
-                Ok(job) => admit(model, job, &mut batch, m, outstanding),
+                Ok(job) => admit(model, job, &mut batch, m),
                 Err(mpsc::error::TryRecvError::Empty) => break,
                 Err(mpsc::error::TryRecvError::Disconnected) => open = false,
             }
         }
         // Clients that went away leave now.
-        let before = batch.len();
         batch.retain(|s| {
             let gone = s.job.events.is_closed();
             if gone {
@@ -251,7 +261,6 @@ fn run(
             }
             !gone
         });
-        outstanding.fetch_sub(before - batch.len(), Ordering::SeqCst);
         prefill_chunks(model, &mut batch, prefill_chunk);
         for s in &mut batch {
             s.sample(m);
@@ -273,22 +282,27 @@ fn run(
                 Err(e) => stepped.for_each(|s| s.send(Event::Failed(e.to_string()))),
             }
         }
-        let before = batch.len();
         batch.retain(|s| !s.ended);
-        outstanding.fetch_sub(before - batch.len(), Ordering::SeqCst);
         m.active.set(batch.len() as i64);
     }
 }
 
 /// Starts a job: a decoder for its options (checked when the request was validated).
-fn admit<'m>(model: &'m Model, job: Job, batch: &mut Vec<Sequence<'m>>, m: &BatchMetrics, outstanding: &AtomicUsize) {
+fn admit<'m>(model: &'m Model, (job, slot): (Job, Slot), batch: &mut Vec<Sequence<'m>>, m: &BatchMetrics) {
     m.queued.dec();
     match Decoder::new(model, &job.opts) {
-        Ok(decoder) => {
-            batch.push(Sequence { job, decoder, prefilled: 0, logits: None, fed: None, ttft: None, ended: false })
-        }
+        Ok(decoder) => batch.push(Sequence {
+            job,
+            slot: Some(slot),
+            decoder,
+            prefilled: 0,
+            logits: None,
+            fed: None,
+            ttft: None,
+            ended: false,
+        }),
         Err(e) => {
-            outstanding.fetch_sub(1, Ordering::SeqCst);
+            drop(slot);
             let _ = job.events.send(Event::Failed(e.to_string()));
         }
     }
