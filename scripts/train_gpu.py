@@ -68,20 +68,22 @@ def segsum(x):
 def ssd(x, a, b, c, chunk):
     """Chunked state-space duality scan (Dao & Gu 2024), memory O(T * chunk) rather than the
     O(T * chunk * d_state) of transformers' reference path. x: (B, T, H, P) already scaled by dt,
-    a: (B, T, H) = dt * A, b and c: (B, T, N) (one group). Returns y: (B, T, H, P)."""
+    a: (B, T, H) = dt * A, b and c: (B, T, N) for one group shared by every head, or
+    (B, T, H, N) per head (groups expanded). Returns y: (B, T, H, P)."""
     Bsz, T, H, P = x.shape
     k = T // chunk
     x, a, b, c = (t.reshape(Bsz, k, chunk, *t.shape[2:]) for t in (x, a, b, c))
     a = a.permute(0, 3, 1, 2)  # (B, H, k, l)
     a_cum = torch.cumsum(a, dim=-1)
     decay = torch.exp(segsum(a))  # (B, H, k, l, s)
-    g = torch.einsum("bkln,bksn->bkls", c, b)
-    y = torch.einsum("bkls,bhkls,bkshp->bklhp", g, decay, x)
-    states = torch.einsum("bkln,bhkl,bklhp->bkhpn", b, torch.exp(a_cum[..., -1:] - a_cum), x)
+    h = "" if b.dim() == 4 else "h"  # b, c: (B, k, l, N) or (B, k, l, H, N)
+    g = torch.einsum(f"bkl{h}n,bks{h}n->b{h}kls", c, b)
+    y = torch.einsum(f"b{h}kls,bhkls,bkshp->bklhp", g, decay, x)
+    states = torch.einsum(f"bkl{h}n,bhkl,bklhp->bkhpn", b, torch.exp(a_cum[..., -1:] - a_cum), x)
     states = torch.cat([torch.zeros_like(states[:, :1]), states], dim=1)
     chunk_decay = torch.exp(segsum(F.pad(a_cum[..., -1], (1, 0))))  # (B, H, k+1, k+1)
     states = torch.einsum("bhzk,bkhpn->bzhpn", chunk_decay, states)[:, :-1]
-    y = y + torch.einsum("bkln,bkhpn,bhkl->bklhp", c, states, torch.exp(a_cum))
+    y = y + torch.einsum(f"bkl{h}n,bkhpn,bhkl->bklhp", c, states, torch.exp(a_cum))
     return y.reshape(Bsz, T, H, P)
 
 
@@ -91,16 +93,20 @@ def wide(dtype):
 
 
 class RMSNorm(torch.nn.Module):
-    def __init__(self, d, eps=1e-5):
+    """RMS norm, optionally gated and over `groups` equal parts of the last axis (the mixer's
+    gated norm normalises each group of heads on its own, as transformers and mamba_ssm do)."""
+
+    def __init__(self, d, eps=1e-5, groups=1):
         super().__init__()
-        self.weight, self.eps = torch.nn.Parameter(torch.ones(d)), eps
+        self.weight, self.eps, self.groups = torch.nn.Parameter(torch.ones(d)), eps, groups
 
     def forward(self, h, gate=None):
         dtype = h.dtype
         h = h.to(wide(dtype))
         if gate is not None:
             h = h * F.silu(gate.to(h.dtype))
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        g = h.reshape(*h.shape[:-1], self.groups, -1)
+        h = (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)).reshape(h.shape)
         return self.weight * h.to(dtype)
 
 
@@ -108,25 +114,28 @@ class Mixer(torch.nn.Module):
     """One Mamba-2 mixer, parameters named as transformers' `Mamba2Mixer` (one group, no biases
     but the conv's, gated norm after the gate)."""
 
-    def __init__(self, d_model, d_state, headdim, chunk):
+    def __init__(self, d_model, d_state, headdim, chunk, n_groups=1):
         super().__init__()
-        self.intermediate_size, self.ssm_state_size, self.n_groups = 2 * d_model, d_state, 1
+        self.intermediate_size, self.ssm_state_size, self.n_groups = 2 * d_model, d_state, n_groups
         self.num_heads, self.head_dim, self.chunk = 2 * d_model // headdim, headdim, chunk
-        di, conv_dim = self.intermediate_size, 2 * d_model + 2 * d_state
-        self.in_proj = torch.nn.Linear(d_model, 2 * di + 2 * d_state + self.num_heads, bias=False)
+        gn = n_groups * d_state
+        di, conv_dim = self.intermediate_size, 2 * d_model + 2 * gn
+        self.in_proj = torch.nn.Linear(d_model, 2 * di + 2 * gn + self.num_heads, bias=False)
         self.conv1d = torch.nn.Conv1d(conv_dim, conv_dim, 4, groups=conv_dim, padding=3)
         self.dt_bias = torch.nn.Parameter(torch.ones(self.num_heads))
         self.A_log = torch.nn.Parameter(torch.zeros(self.num_heads))
         self.D = torch.nn.Parameter(torch.ones(self.num_heads))
-        self.norm = RMSNorm(di)
+        self.norm = RMSNorm(di, groups=n_groups)
         self.out_proj = torch.nn.Linear(di, d_model, bias=False)
 
     def forward(self, h):
         Bsz, T, _ = h.shape
-        di, n, H = self.intermediate_size, self.ssm_state_size, self.num_heads
-        z, xbc, dt = self.in_proj(h).split([di, di + 2 * n, H], dim=-1)
+        di, n, H, G = self.intermediate_size, self.ssm_state_size, self.num_heads, self.n_groups
+        z, xbc, dt = self.in_proj(h).split([di, di + 2 * G * n, H], dim=-1)
         xbc = F.silu(self.conv1d(xbc.transpose(1, 2))[..., :T].transpose(1, 2))
-        x, b, c = xbc.split([di, n, n], dim=-1)
+        x, b, c = xbc.split([di, G * n, G * n], dim=-1)
+        if G > 1:  # head j reads group j // (H / G)
+            b, c = (t.reshape(Bsz, T, G, n).repeat_interleave(H // G, dim=2) for t in (b, c))
         acc = wide(x.dtype)
         dt = F.softplus(dt.to(acc) + self.dt_bias)
         a = -torch.exp(self.A_log.to(acc))
@@ -156,7 +165,8 @@ class Backbone(torch.nn.Module):
         d = run["d_model"]
         self.embeddings = torch.nn.Embedding(run["vocab"], d)
         self.layers = torch.nn.ModuleList(
-            [Block(d, run["d_state"], run["headdim"], run.get("chunk", 128)) for _ in range(run["n_layer"])])
+            [Block(d, run["d_state"], run["headdim"], run.get("chunk", 128), run.get("n_groups", 1))
+             for _ in range(run["n_layer"])])
         self.norm_f = RMSNorm(d)
 
 
@@ -182,7 +192,7 @@ def hf_config(run):
     d, hd = run["d_model"], run["headdim"]
     return Mamba2Config(
         vocab_size=run["vocab"], hidden_size=d, num_hidden_layers=run["n_layer"], state_size=run["d_state"],
-        head_dim=hd, num_heads=2 * d // hd, expand=2, n_groups=1, conv_kernel=4, use_bias=False,
+        head_dim=hd, num_heads=2 * d // hd, expand=2, n_groups=run.get("n_groups", 1), conv_kernel=4, use_bias=False,
         use_conv_bias=True, rms_norm=True, norm_before_gate=False, residual_in_fp32=True,
         tie_word_embeddings=True, layer_norm_epsilon=1e-5, time_step_limit=(0.0, float("inf")),
         chunk_size=run.get("chunk", 256),
@@ -324,8 +334,8 @@ def export(model, run, out, dtype, history):
     d, hd = run["d_model"], run["headdim"]
     config = {
         "architectures": ["Mamba2ForCausalLM"], "conv_kernel": 4, "expand": 2, "head_dim": hd,
-        "hidden_size": d, "layer_norm_epsilon": 1e-5, "model_type": "mamba2", "n_groups": 1,
-        "norm_before_gate": False, "num_heads": 2 * d // hd, "num_hidden_layers": run["n_layer"],
+        "hidden_size": d, "layer_norm_epsilon": 1e-5, "model_type": "mamba2",
+        "norm_before_gate": False, "num_heads": 2 * d // hd, "num_hidden_layers": run["n_layer"], "n_groups": run.get("n_groups", 1),
         "residual_in_fp32": True, "rms_norm": True, "state_size": run["d_state"], "tie_word_embeddings": True,
         "time_step_limit": [0.0, {"__float__": "Infinity"}], "use_bias": False, "use_conv_bias": True,
         "vocab_size": run["vocab"],
@@ -352,6 +362,8 @@ def main():
     ap.add_argument("--export", help="write the model here when the run stops")
     ap.add_argument("--dtype", default="bf16", choices=["f32", "bf16"], help="exported weights' dtype")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model")
+    ap.add_argument("--export-only", action="store_true",
+                    help="export the checkpoint in --out to --export and exit (also while the run goes on)")
     ap.add_argument("--check", action="store_true", help="compare the model with transformers' and exit")
     a = ap.parse_args()
     t0 = time.time()
@@ -389,6 +401,19 @@ def main():
         opt.load_state_dict(ck["opt"])
         step, history, run["steps"] = ck["step"], ck["history"], ck["steps"]
         print(f"resumed at step {step} of {run['steps']}", flush=True)
+    if a.export_only:
+        if not a.export:
+            ap.error("--export-only needs --export")
+        export(model, run, a.export, a.dtype, history)
+        return print(f"step {step}: exported to {a.export}", flush=True)
+
+    def save():
+        """The checkpoint, written aside and renamed, so a reader never sees half of it."""
+        torch.save(dict(model=model.state_dict(), opt=opt.state_dict(), step=step, steps=run["steps"],
+                        history=history), ckpt_path + ".tmp")
+        os.replace(ckpt_path + ".tmp", ckpt_path)
+        print(f"checkpoint at step {step} ({time.time() - t0:.0f} s)", flush=True)
+
     fwd = torch.compile(model) if a.compile else model
     tokens_per_step = run["batch"] * run["seq_len"]
     tick, tick_step = time.time(), step
@@ -406,8 +431,12 @@ def main():
         x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
         for group in opt.param_groups:
             group["lr"] = lr_at(run, step)
-        loss = token_losses(fwd, x, y).mean()
-        loss.backward()
+        accum = run.get("accum", 1)  # micro-batches per step: the same step in 1/accum the memory
+        loss = 0.0
+        for xm, ym in zip(x.chunk(accum), y.chunk(accum)):
+            part = token_losses(fwd, xm, ym).mean() / accum
+            part.backward()
+            loss = loss + part.detach()
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), run.get("clip", 1.0))
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -425,9 +454,9 @@ def main():
                 model.train()
             history.append(rec)
             print(json.dumps(rec), flush=True)
-    torch.save(dict(model=model.state_dict(), opt=opt.state_dict(), step=step, steps=run["steps"], history=history), ckpt_path + ".tmp")
-    os.replace(ckpt_path + ".tmp", ckpt_path)
-    print(f"checkpoint at step {step} ({time.time() - t0:.0f} s)", flush=True)
+        if run.get("checkpoint_every") and step % run["checkpoint_every"] == 0 and step < run["steps"]:
+            save()
+    save()
     if a.export:
         export(model, run, a.export, a.dtype, history)
         print(f"exported to {a.export}", flush=True)

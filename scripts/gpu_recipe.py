@@ -1,0 +1,142 @@
+#!/usr/bin/env python3
+"""Chooses the bundled model's recipe by short ablations on one GPU, then trains it.
+
+Every arm is the base run with one change, trained side by side (one process each, same tokens,
+same seed, same schedule, gradient accumulation so that all fit in the GPU's memory); each
+ends with the validation loss and context use on the held-out paragraph pairs. The final run
+is the base with every change that raised context use by at least `--min-gain` points without
+costing more than `--max-val-loss` nats of validation loss, within the parameter budget; it is
+sized to `--final-minutes` and checkpoints as it goes, then exports its weights.
+
+    python3 scripts/gpu_recipe.py --base models/training/picaso-mamba2-v3.json \\
+        --train train-a.u16.xz train-b.u16.xz --arm-train train-a.u16.xz --val val.u16.xz \\
+        --pairs pairs.json.xz --work WORK --steps 500 --final-minutes 15
+
+Writes WORK/ablation.json (one row per arm), WORK/final.json (the chosen run), WORK/final/
+(the run: checkpoint.pt, train.log) and WORK/export/ (config.json, model.safetensors,
+train-log.jsonl).
+"""
+import argparse
+import json
+import lzma
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# name -> change to the base run; each is one ingredient of the issue's recipe list.
+ARMS = {
+    "base": {},
+    "d_state 128": {"d_state": 128},
+    "headdim 32": {"headdim": 32},
+    "4 groups": {"n_groups": 4},
+    "12 layers": {"n_layer": 12},
+}
+
+
+def params(run):
+    """Parameter count of a Mamba-2 LM with tied embeddings (the trainer's layout)."""
+    d, n, g, L, v = run["d_model"], run["d_state"], run.get("n_groups", 1), run["n_layer"], run["vocab"]
+    di, h = 2 * d, 2 * d // run["headdim"]
+    conv = di + 2 * g * n
+    layer = d * (2 * di + 2 * g * n + h) + conv * 4 + conv + 3 * h + di + di * d + d
+    return v * d + L * layer + d
+
+
+def unpack(path, out):
+    """`path` (.xz allowed) as a plain file `out`, once."""
+    if not os.path.exists(out):
+        data = lzma.open(path).read() if path.endswith(".xz") else open(path, "rb").read()
+        with open(out + ".tmp", "wb") as f:
+            f.write(data)
+        os.replace(out + ".tmp", out)
+    return out
+
+
+def train(config, out, data, extra, log):
+    cmd = [sys.executable, os.path.join(HERE, "train_gpu.py"), "--config", config, "--out", out,
+           "--train", *data["train"], "--val", data["val"], "--pairs", data["pairs"], *extra]
+    return subprocess.Popen(cmd, stdout=open(log, "a"), stderr=subprocess.STDOUT)
+
+
+def last_record(out_log):
+    recs = [json.loads(line) for line in open(out_log) if line.startswith("{")]
+    return [r for r in recs if "val_loss" in r][-1]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--base", required=True, help="the base run (picaso's pretrain JSON)")
+    ap.add_argument("--train", nargs="+", required=True, help="the final run's training streams (u16, .xz allowed)")
+    ap.add_argument("--arm-train", nargs="+", required=True, help="the arms' training streams")
+    ap.add_argument("--val", required=True)
+    ap.add_argument("--pairs", required=True)
+    ap.add_argument("--work", required=True)
+    ap.add_argument("--steps", type=int, default=500, help="each arm's steps (its whole schedule)")
+    ap.add_argument("--accum", type=int, default=4, help="the arms' micro-batches per step")
+    ap.add_argument("--min-gain", type=float, default=0.1, help="points of context gain an arm must add")
+    ap.add_argument("--max-val-loss", type=float, default=0.03, help="validation loss an arm may cost")
+    ap.add_argument("--max-params", type=float, default=24.5e6, help="bf16 weights <= 48 MiB")
+    ap.add_argument("--final-minutes", type=float, default=15)
+    ap.add_argument("--skip-arms", action="store_true", help="reuse WORK/ablation.json")
+    a = ap.parse_args()
+    os.makedirs(a.work, exist_ok=True)
+    plain = lambda p: unpack(p, os.path.join(a.work, os.path.basename(p).removesuffix(".xz")))
+    data = {"val": plain(a.val), "pairs": plain(a.pairs)}
+    base = json.load(open(a.base))
+
+    table = os.path.join(a.work, "ablation.json")
+    if not a.skip_arms:
+        arm_data = {**data, "train": [plain(p) for p in a.arm_train]}
+        procs = {}
+        for name, change in ARMS.items():
+            run = {**base, **change, "steps": a.steps, "warmup": a.steps // 10, "val_every": a.steps // 2,
+                   "accum": a.accum}
+            folder = os.path.join(a.work, "arm-" + name.replace(" ", "-"))
+            os.makedirs(folder, exist_ok=True)
+            json.dump(run, open(folder + ".json", "w"))
+            procs[name] = (train(folder + ".json", folder, arm_data, [], folder + ".log"), folder, run)
+            print(f"arm {name!r}: {params(run):,} parameters", flush=True)
+        rows = []
+        for name, (p, folder, run) in procs.items():
+            rc = p.wait()
+            if rc != 0:
+                print(f"arm {name!r} failed ({rc}); see {folder}.log", flush=True)
+                continue
+            r = last_record(folder + ".log")
+            rows.append(dict(arm=name, change=ARMS[name], params=params(run), steps=a.steps,
+                             tokens=r["tokens"], val_loss=r["val_loss"], tokens_per_s=r["tokens_per_s"],
+                             **{k: r["context_use"][k] for k in ("none", "previous", "random", "gain", "random_gain")},
+                             history=[json.loads(line) for line in open(folder + ".log")
+                                      if line.startswith("{") and "val_loss" in line]))
+            print(f"{name:>12}: val {r['val_loss']:.4f} · previous {100 * r['context_use']['gain']:+.2f}% · "
+                  f"random {100 * r['context_use']['random_gain']:+.2f}% · {r['tokens_per_s']:,.0f} tokens/s", flush=True)
+        json.dump(rows, open(table, "w"), indent=1)
+    rows = {r["arm"]: r for r in json.load(open(table))}
+
+    final = dict(base)
+    ref = rows["base"]
+    for name, r in rows.items():
+        if name == "base":
+            continue
+        helps = 100 * (r["gain"] - ref["gain"]) >= a.min_gain and r["val_loss"] - ref["val_loss"] <= a.max_val_loss
+        if helps and params({**final, **r["change"]}) <= a.max_params:
+            final.update(r["change"])
+            print(f"kept: {name}", flush=True)
+    final.update(val_every=1000, checkpoint_every=500, accum=1)
+    json.dump(final, open(os.path.join(a.work, "final.json"), "w"))
+    print(f"final run: {json.dumps(final)} ({params(final):,} parameters)", flush=True)
+    while not all(os.path.exists(p) for p in a.train):  # the last streams may still be on their way
+        time.sleep(5)
+    data["train"] = [plain(p) for p in a.train]
+    out = os.path.join(a.work, "final")
+    p = train(os.path.join(a.work, "final.json"), out, data,
+              ["--plan-minutes", str(a.final_minutes), "--minutes", str(a.final_minutes + 0.5),
+               "--export", os.path.join(a.work, "export")], os.path.join(a.work, "final.log"))
+    sys.exit(p.wait())
+
+
+if __name__ == "__main__":
+    main()
