@@ -1,0 +1,120 @@
+"""Type stubs of the picaso extension (crates/python/src/lib.rs)."""
+from os import PathLike
+from typing import Any, Callable, Optional, Sequence, Union
+
+import numpy as np
+import numpy.typing as npt
+
+__version__: str
+
+Text = Union[str, Sequence[int]]
+Path = Union[str, PathLike]
+
+class Model:
+    """A Mamba language model (Mamba-2 or Mamba-1) ready to score, continue states and generate."""
+
+    @staticmethod
+    def load(path: Optional[Path] = None, *, weights: str = "f32", tokenizer: Optional[Path] = None) -> "Model":
+        """Loads a model folder or a Hugging Face hub id; weights "f32" or "bf16"."""
+    @property
+    def fingerprint(self) -> str: ...
+    @property
+    def arch(self) -> str: ...
+    @property
+    def n_params(self) -> int: ...
+    @property
+    def path(self) -> PathLike: ...
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: Sequence[int]) -> str: ...
+    def zero_state(self) -> "State": ...
+    def score(self, input: Text, state: Optional["State"] = None) -> npt.NDArray[np.float32]:
+        """out[i] = log p(token[i+1] | state, token[..=i]); the first token is context."""
+    def next_logits(self, input: Text, state: Optional["State"] = None) -> npt.NDArray[np.float32]:
+        """Logits of the token after `input`, continued from `state`."""
+    def state(self, input: Text, start: Optional["State"] = None) -> "State":
+        """The state after `input`, continued from `start`."""
+    def generate(
+        self,
+        prompt: Text,
+        state: Optional["State"] = None,
+        *,
+        max_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        stop: Optional[Sequence[str]] = None,
+    ) -> "Generation": ...
+
+class Generation:
+    text: str
+    token_ids: list[int]
+    stop_reason: str
+    state: "State"
+    contexts: list[dict[str, Any]]
+
+class State:
+    """Per layer: SSM state, conv tail and log of the accumulated decay (read-only numpy views)."""
+
+    @staticmethod
+    def load(path: Path) -> "State": ...
+    def save(self, path: Path, dtype: str = "f32") -> None: ...
+    @staticmethod
+    def from_arrays(
+        layers: Sequence[tuple[npt.ArrayLike, npt.ArrayLike, npt.ArrayLike]], *, fingerprint: str, n_tokens: int
+    ) -> "State": ...
+    @property
+    def n_tokens(self) -> int: ...
+    @property
+    def fingerprint(self) -> str: ...
+    @property
+    def arch(self) -> str: ...
+    @property
+    def n_layers(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def layers(self) -> list[dict[str, npt.NDArray[np.float32]]]: ...
+    def ssm(self, i: int) -> npt.NDArray[np.float32]: ...
+    def conv(self, i: int) -> npt.NDArray[np.float32]: ...
+    def log_decay(self, i: int) -> npt.NDArray[np.float32]: ...
+
+def compose(states: Sequence[State], method: str = "picaso-r", order: Optional[Sequence[int]] = None) -> State:
+    """soup, caso, picaso-s or picaso-r; the last state is nearest the prompt."""
+
+def weights(log_decays: Sequence[float], method: str = "picaso-r") -> list[float]: ...
+
+class Store:
+    """A database of states: a folder, or postgres:// metadata with states in a folder or s3://."""
+
+    @staticmethod
+    def open(url: str, *, model: Optional[Model] = None, embedder: Optional[Path] = None) -> "Store": ...
+    @staticmethod
+    def create(
+        url: str, model: Model, *, embedder: Optional[Path] = None, states: Optional[str] = None, state_dtype: str = "f32"
+    ) -> "Store": ...
+    def ingest(
+        self,
+        documents: list[Union[str, dict[str, str]]],
+        *,
+        segment: str = "paragraph",
+        batch: int = 8,
+        progress: Optional[Callable[[int, int], Any]] = None,
+    ) -> dict[str, Any]: ...
+    def search(self, query: str, k: int = 4) -> list[dict[str, Any]]: ...
+    def state(self, ids: Sequence[int], method: str = "picaso-r") -> State: ...
+    def query(
+        self,
+        prompt: str,
+        k: int = 4,
+        method: str = "picaso-r",
+        *,
+        max_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        stop: Optional[Sequence[str]] = None,
+    ) -> Generation: ...
+    def get(self, id: int) -> dict[str, Any]: ...
+    def load_state(self, id: int) -> State: ...
+    def stats(self) -> dict[str, Any]: ...
+    def __len__(self) -> int: ...

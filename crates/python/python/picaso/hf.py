@@ -1,0 +1,146 @@
+"""picaso states in and out of Hugging Face transformers' Mamba caches.
+
+A picaso `State` holds, per layer, the SSM state, the last d_conv - 1 inputs of the causal
+convolution and the log of the accumulated decay. transformers (>= 5) keeps the first two in
+its `DynamicCache` (a linear-attention layer per Mamba layer: `recurrent_states` of shape
+(batch, heads, headdim, d_state) for Mamba-2 or (batch, d_inner, d_state) for Mamba-1, and
+`conv_states` of shape (batch, conv_dim, d_conv)), so a state moves across exactly:
+
+    >>> from transformers import Mamba2ForCausalLM
+    >>> from picaso import hf
+    >>> hf_model = Mamba2ForCausalLM.from_pretrained(path)
+    >>> cache = hf.to_cache(state, hf_model)                      # picaso -> transformers
+    >>> out = hf_model(input_ids, **hf.cache_kwargs(hf_model, cache))
+    >>> back = hf.from_cache(hf.output_cache(out), hf_model, fingerprint=model.fingerprint,
+    ...                      n_tokens=..., log_decays=hf.log_decays(hf_model, input_ids))
+
+transformers does not keep the log-decays. They are only needed to *compose* a state (every
+method but soup weights contexts by them); `log_decays(hf_model, input_ids)` computes them
+from the tokens, or `from_cache` fills zeros (a state to continue from, not to compose).
+Needs torch and transformers >= 5.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._errors import InvalidArgument
+from ._picaso import State
+
+__all__ = ["to_cache", "from_cache", "log_decays", "cache_kwargs", "output_cache"]
+
+
+def cache_kwargs(hf_model, cache) -> dict:
+    """The keyword arguments that hand `cache` to `hf_model`'s forward: transformers 5.24
+    renamed `cache_params` to `cache`; this works with either."""
+    import inspect
+
+    name = "cache" if "cache" in inspect.signature(hf_model.forward).parameters else "cache_params"
+    return {name: cache, "use_cache": True}
+
+
+def output_cache(output):
+    """The cache in a forward's output (`cache` or, before transformers 5.24, `cache_params`)."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.cache_params
+
+
+def _layers_of(cache):
+    layers = getattr(cache, "layers", None)
+    if layers is None or not all(hasattr(layer, "recurrent_states") for layer in layers):
+        raise InvalidArgument(
+            "expected a transformers >= 5 DynamicCache of a Mamba model (linear-attention layers); "
+            f"got {type(cache).__name__}"
+        )
+    return layers
+
+
+def to_cache(state: State, hf_model, *, dtype=None, device=None):
+    """A transformers `DynamicCache` holding `state`, for `hf_model` (a Mamba2ForCausalLM or
+    MambaForCausalLM of the same checkpoint as the picaso model that made the state). Pass it
+    with `cache_kwargs(hf_model, cache)`; the model continues exactly where the state stopped."""
+    import torch
+    from transformers import DynamicCache
+
+    config = hf_model.config
+    if state.n_layers != config.num_hidden_layers:
+        raise InvalidArgument(f"the state has {state.n_layers} layers, the model {config.num_hidden_layers}")
+    param = next(hf_model.parameters())
+    dtype = dtype or param.dtype
+    device = device or param.device
+    cache = DynamicCache(config=config)
+    for i in range(state.n_layers):
+        conv = np.asarray(state.conv(i))
+        # transformers keeps d_conv columns; the oldest never reaches an output, so it is zero.
+        full = torch.zeros((1, conv.shape[0], conv.shape[1] + 1), dtype=dtype, device=device)
+        full[0, :, 1:] = torch.from_numpy(conv.copy())
+        ssm = torch.from_numpy(np.asarray(state.ssm(i)).copy()).to(dtype=dtype, device=device)[None]
+        cache.update_conv_state(full, layer_idx=i)
+        cache.update_recurrent_state(ssm, layer_idx=i)
+    return cache
+
+
+def from_cache(cache, hf_model, *, fingerprint: str, n_tokens: int, log_decays=None, batch_index: int = 0) -> State:
+    """The picaso `State` in row `batch_index` of a transformers Mamba cache.
+
+    `fingerprint` is the picaso model's (`Model.fingerprint`), `n_tokens` the tokens the cache
+    has seen, `log_decays` one array per layer (from `log_decays()`); without them the state
+    continues exactly but carries zero log-decays, so composing it weighs it wrongly (soup aside).
+    """
+    layers = _layers_of(cache)
+    n_layer = hf_model.config.num_hidden_layers
+    if len(layers) != n_layer:
+        raise InvalidArgument(f"the cache has {len(layers)} layers, the model {n_layer}")
+    out = []
+    for i, layer in enumerate(layers):
+        conv, ssm = layer.conv_states[0], layer.recurrent_states[0]
+        if conv is None or ssm is None:
+            raise InvalidArgument(f"layer {i} of the cache is empty: run the model on some tokens first")
+        conv = conv[batch_index, :, 1:].detach().float().cpu().numpy()
+        ssm = ssm[batch_index].detach().float().cpu().numpy()
+        if log_decays is None:
+            ld = np.zeros(ssm.shape[:1] if ssm.ndim == 3 else ssm.shape, dtype=np.float32)
+        else:
+            ld = np.asarray(log_decays[i], dtype=np.float32)
+        out.append((np.ascontiguousarray(ssm, dtype=np.float32), np.ascontiguousarray(conv, dtype=np.float32), ld))
+    return State.from_arrays(out, fingerprint=fingerprint, n_tokens=n_tokens)
+
+
+def log_decays(hf_model, input_ids, *, batch_index: int = 0):
+    """Per layer, the log of the decay accumulated over `input_ids` (what a picaso state's
+    `log_decay` holds): Mamba-2 Σ_t dt_t,h · A_h per head, Mamba-1 Σ_t dt_t,d · A_d,n.
+    Runs the model once, reading each mixer's time steps."""
+    import torch
+    import torch.nn.functional as F
+
+    captured = {}
+    hooks = []
+    mixers = [layer.mixer for layer in hf_model.backbone.layers]
+    for i, mixer in enumerate(mixers):
+        target = mixer.in_proj if hasattr(mixer, "num_heads") else mixer.x_proj
+
+        def hook(module, args, output, i=i):
+            captured[i] = output.detach()
+
+        hooks.append(target.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            hf_model(input_ids=torch.as_tensor(input_ids).reshape(1, -1) if np.ndim(input_ids) == 1 else input_ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    out = []
+    for i, mixer in enumerate(mixers):
+        A = -torch.exp(mixer.A_log.detach().float())
+        if hasattr(mixer, "num_heads"):  # Mamba-2: dt is the projection's last `num_heads` columns
+            dt = captured[i][batch_index, :, -mixer.num_heads :].float()
+            dt = F.softplus(dt + mixer.dt_bias.detach().float())
+            lo, hi = mixer.time_step_limit
+            if (lo, hi) != (0.0, float("inf")):
+                dt = dt.clamp(lo, hi)
+            out.append((dt * A).sum(0).cpu().numpy().astype(np.float32))
+        else:  # Mamba-1: x_proj's first time_step_rank columns through dt_proj (with its bias), softplus
+            rank = mixer.time_step_rank
+            ts = captured[i][batch_index, :, :rank].float()  # (T, rank)
+            dt = F.softplus(ts @ mixer.dt_proj.weight.detach().float().T + mixer.dt_proj.bias.detach().float())
+            out.append((dt.sum(0)[:, None] * A).cpu().numpy().astype(np.float32))
+    return out

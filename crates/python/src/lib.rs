@@ -1,0 +1,852 @@
+//! # picaso-python
+//!
+//! The `picaso._picaso` extension module behind the `picaso` Python package: the engine
+//! ([`Model`]), states as numpy arrays ([`State`]), composition ([`compose`], [`weights`]) and the
+//! store ([`Store`]). The package's `__init__.py` re-exports these and adds the exception classes
+//! and the transformers interop (pure Python).
+//!
+//! Design: a thin shell. Every call goes straight to the Rust crates the CLI uses, so the same
+//! inputs give the same numbers and the same error messages; model and store work runs with the
+//! GIL released (`Python::detach`), so Python threads can serve several requests at once.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use numpy::ndarray::{ArrayView, IxDyn};
+use numpy::{PyArray1, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods};
+use pyo3::exceptions::PyTypeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyString};
+
+use picaso_model::{Arch, GenerateOptions, LayerState, LoadOptions, Method, StateDtype, StateShape, WeightDtype};
+
+/// The bundled model, where this extension was built from a picaso checkout.
+const BUNDLED_MODEL: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../models/picaso-mamba2");
+
+/// The kinds of error the package raises; their classes live in `picaso/_errors.py` so that each
+/// can derive from both `picaso.Error` and the built-in it means (ValueError, FileNotFoundError).
+enum Kind {
+    /// Bad argument values (ValueError).
+    Invalid,
+    /// A missing file or folder (FileNotFoundError).
+    NotFound,
+    /// A state that does not fit the model (ValueError).
+    StateMismatch,
+    /// Anything else (picaso.Error).
+    Other,
+}
+
+fn raise(kind: Kind, message: impl Into<String>) -> PyErr {
+    let name = match kind {
+        Kind::Invalid => "InvalidArgument",
+        Kind::NotFound => "NotFound",
+        Kind::StateMismatch => "StateMismatch",
+        Kind::Other => "Error",
+    };
+    let message = message.into();
+    Python::attach(|py| {
+        match py.import("picaso._errors").and_then(|m| m.getattr(name)) {
+            Ok(class) => match class.call1((message.clone(),)) {
+                Ok(instance) => PyErr::from_value(instance),
+                Err(e) => e,
+            },
+            // Used without the package around it (a bare `_picaso` import): plain built-ins.
+            Err(_) => match kind {
+                Kind::NotFound => pyo3::exceptions::PyFileNotFoundError::new_err(message),
+                Kind::Other => pyo3::exceptions::PyRuntimeError::new_err(message),
+                _ => pyo3::exceptions::PyValueError::new_err(message),
+            },
+        }
+    })
+}
+
+fn model_err(e: picaso_model::Error) -> PyErr {
+    use picaso_model::Error as E;
+    let kind = match &e {
+        E::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => Kind::NotFound,
+        E::Input(_) | E::Compose(_) => Kind::Invalid,
+        E::State { .. } => Kind::StateMismatch,
+        _ => Kind::Other,
+    };
+    raise(kind, e.to_string())
+}
+
+fn store_err(e: picaso_store::Error) -> PyErr {
+    use picaso_store::Error as E;
+    match e {
+        E::Model(m) => model_err(m),
+        E::WrongModel { .. } => raise(Kind::StateMismatch, e.to_string()),
+        E::NotFound(_) | E::Input(_) => raise(Kind::Invalid, e.to_string()),
+        E::Io { ref source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
+            raise(Kind::NotFound, e.to_string())
+        }
+        other => raise(Kind::Other, other.to_string()),
+    }
+}
+
+fn embed_err(e: picaso_embed::Error) -> PyErr {
+    raise(Kind::Other, e.to_string())
+}
+
+fn method_of(name: &str) -> PyResult<Method> {
+    name.parse::<Method>().map_err(|e| raise(Kind::Invalid, e.to_string()))
+}
+
+/// Text or token ids, as callers pass them.
+fn tokens_of(model: &picaso_model::Model, input: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    let tokens = if let Ok(text) = input.cast::<PyString>() {
+        {
+            let text = text.to_cow()?;
+            model.tokenizer().and_then(|t| t.encode(&text)).map_err(model_err)?
+        }
+    } else if let Ok(ids) = input.extract::<Vec<i64>>() {
+        ids.into_iter()
+            .map(|i| {
+                u32::try_from(i).map_err(|_| raise(Kind::Invalid, format!("token id {i} is negative or too large")))
+            })
+            .collect::<PyResult<_>>()?
+    } else {
+        return Err(PyTypeError::new_err("expected text (str) or token ids (a sequence of int)"));
+    };
+    model.check_tokens(&tokens).map_err(model_err)?;
+    Ok(tokens)
+}
+
+/// A local folder, else a Hugging Face hub id (`owner/name`), else $PICASO_MODEL, else the
+/// bundled model of the checkout this extension was built in.
+fn resolve_model(path: Option<&str>) -> PyResult<PathBuf> {
+    let given = path.map(str::to_string).or_else(|| std::env::var("PICASO_MODEL").ok());
+    let Some(given) = given else {
+        let bundled = PathBuf::from(BUNDLED_MODEL);
+        return if bundled.join("config.json").is_file() {
+            Ok(bundled)
+        } else {
+            Err(raise(Kind::Invalid, "no model given: pass a model folder or a hub id, or set PICASO_MODEL"))
+        };
+    };
+    let p = Path::new(&given);
+    if p.exists() {
+        return Ok(p.to_path_buf());
+    }
+    let looks_like_repo = given.split('/').count() == 2 && !given.starts_with('.') && !given.starts_with('/');
+    if looks_like_repo {
+        return picaso_model::hub::download(&given).map_err(model_err);
+    }
+    Err(raise(Kind::NotFound, format!("{given}: model folder not found")))
+}
+
+/// A Mamba language model (Mamba-2 or Mamba-1) ready to score, continue states and generate.
+#[pyclass(frozen, module = "picaso")]
+struct Model {
+    inner: Arc<picaso_model::Model>,
+}
+
+#[pymethods]
+impl Model {
+    /// Loads a model folder (config.json, weights, tokenizer.json) or a Hugging Face hub id.
+    ///
+    /// `weights`: "f32" (exact) or "bf16" (half the memory, faster decode; log-probs within ~1e-2).
+    /// With no path: $PICASO_MODEL, else the bundled model of a picaso checkout.
+    #[staticmethod]
+    #[pyo3(signature = (path=None, *, weights="f32", tokenizer=None))]
+    fn load(py: Python<'_>, path: Option<PathBuf>, weights: &str, tokenizer: Option<PathBuf>) -> PyResult<Self> {
+        let dir = resolve_model(path.as_deref().map(|p| p.to_str().unwrap_or_default()))?;
+        let weight_dtype = weights.parse::<WeightDtype>().map_err(|e| raise(Kind::Invalid, e.to_string()))?;
+        let opts = LoadOptions { weight_dtype, tokenizer, ..LoadOptions::default() };
+        let model = py.detach(|| picaso_model::Model::load(&dir, &opts)).map_err(model_err)?;
+        Ok(Self { inner: Arc::new(model) })
+    }
+
+    /// The model's fingerprint: states carry it and continue only on this model.
+    #[getter]
+    fn fingerprint(&self) -> &str {
+        self.inner.fingerprint()
+    }
+
+    /// "mamba2" or "mamba1".
+    #[getter]
+    fn arch(&self) -> &'static str {
+        self.inner.state_shape().arch.name()
+    }
+
+    /// Number of parameters.
+    #[getter]
+    fn n_params(&self) -> usize {
+        self.inner.n_params()
+    }
+
+    /// The folder the model was loaded from.
+    #[getter]
+    fn path(&self) -> PathBuf {
+        self.inner.dir().to_path_buf()
+    }
+
+    /// Token ids of `text` (the model's tokenizer).
+    fn encode(&self, text: &str) -> PyResult<Vec<u32>> {
+        self.inner.tokenizer().and_then(|t| t.encode(text)).map_err(model_err)
+    }
+
+    /// Text of token ids.
+    fn decode(&self, ids: Vec<u32>) -> PyResult<String> {
+        self.inner.tokenizer().and_then(|t| t.decode(&ids)).map_err(model_err)
+    }
+
+    /// The state before any token (all zeros).
+    fn zero_state(&self) -> State {
+        State { inner: self.inner.zero_state() }
+    }
+
+    /// Log-probabilities of `input` (text or token ids) continued from `state` (default: the zero
+    /// state): `out[i] = log p(token[i+1] | state, token[..=i])`; the first token is context.
+    #[pyo3(signature = (input, state=None))]
+    fn score<'py>(
+        &self,
+        py: Python<'py>,
+        input: &Bound<'py, PyAny>,
+        state: Option<&State>,
+    ) -> PyResult<Bound<'py, PyArray1<f32>>> {
+        let tokens = tokens_of(&self.inner, input)?;
+        let start = self.start(state)?;
+        let model = &self.inner;
+        let scored =
+            py.detach(|| model.score(&tokens, start.as_ref().unwrap_or(&model.zero_state()))).map_err(model_err)?;
+        Ok(PyArray1::from_vec(py, scored.logprobs))
+    }
+
+    /// The logits of the token after `input` (text or token ids) continued from `state`
+    /// (default: zero): a float32 array of the vocabulary's size.
+    #[pyo3(signature = (input, state=None))]
+    fn next_logits<'py>(
+        &self,
+        py: Python<'py>,
+        input: &Bound<'py, PyAny>,
+        state: Option<&State>,
+    ) -> PyResult<Bound<'py, PyArray1<f32>>> {
+        let tokens = tokens_of(&self.inner, input)?;
+        if tokens.is_empty() {
+            return Err(raise(Kind::Invalid, "next_logits needs at least one token"));
+        }
+        let start = self.start(state)?;
+        let model = &self.inner;
+        let (logits, _) = py
+            .detach(|| model.prefill_last_logits(&tokens, start.as_ref().unwrap_or(&model.zero_state())))
+            .map_err(model_err)?;
+        Ok(PyArray1::from_vec(py, logits))
+    }
+
+    /// The state after `input` (text or token ids), continued from `start` (default: zero).
+    #[pyo3(signature = (input, start=None))]
+    fn state(&self, py: Python<'_>, input: &Bound<'_, PyAny>, start: Option<&State>) -> PyResult<State> {
+        let tokens = tokens_of(&self.inner, input)?;
+        let from = self.start(start)?;
+        let model = &self.inner;
+        let next =
+            py.detach(|| model.prefill(&tokens, from.as_ref().unwrap_or(&model.zero_state()))).map_err(model_err)?;
+        Ok(State { inner: next })
+    }
+
+    /// Continues `prompt` (text or token ids) from `state` (default: zero) and returns a
+    /// Generation (text, token ids, stop reason, final state). temperature 0 is greedy.
+    #[pyo3(signature = (prompt, state=None, *, max_tokens=64, temperature=0.0, top_p=1.0, seed=0, stop=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn generate(
+        &self,
+        py: Python<'_>,
+        prompt: &Bound<'_, PyAny>,
+        state: Option<&State>,
+        max_tokens: usize,
+        temperature: f32,
+        top_p: f32,
+        seed: u64,
+        stop: Option<Vec<String>>,
+    ) -> PyResult<Generation> {
+        let tokens = tokens_of(&self.inner, prompt)?;
+        if tokens.is_empty() {
+            return Err(raise(Kind::Invalid, "the prompt must contain at least one token"));
+        }
+        let from = self.start(state)?;
+        let opts =
+            GenerateOptions { max_tokens, temperature, top_p, seed, stop: stop.unwrap_or_default(), ignore_eos: false };
+        opts.validate().map_err(model_err)?;
+        let model = &self.inner;
+        let g = py
+            .detach(|| {
+                picaso_model::generate(model, &tokens, from.as_ref().unwrap_or(&model.zero_state()), &opts, |_| true)
+            })
+            .map_err(model_err)?;
+        Ok(Generation::from(g, Vec::new()))
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Model(path={:?}, arch={:?}, params={}, fingerprint={:?})",
+            self.inner.dir().display().to_string(),
+            self.arch(),
+            self.inner.n_params(),
+            self.inner.fingerprint()
+        )
+    }
+}
+
+impl Model {
+    /// A copy of the caller's start state after checking that it fits; None for the zero state.
+    fn start(&self, state: Option<&State>) -> PyResult<Option<picaso_model::State>> {
+        match state {
+            None => Ok(None),
+            Some(s) => {
+                self.inner.check_state(&s.inner).map_err(model_err)?;
+                Ok(Some(s.inner.clone()))
+            }
+        }
+    }
+}
+
+/// What `generate` and `Store.query` return.
+#[pyclass(frozen, module = "picaso", get_all)]
+struct Generation {
+    /// The generated text (without a stop string that ended it).
+    text: String,
+    /// The generated token ids.
+    token_ids: Vec<u32>,
+    /// "length", "eos", "stop" or "cancelled".
+    stop_reason: String,
+    /// The state after the prompt and the generated tokens.
+    state: Py<State>,
+    /// The contexts a store query composed (dicts: id, score, doc, text), best first.
+    contexts: Vec<Py<PyDict>>,
+}
+
+impl Generation {
+    fn from(g: picaso_model::Generation, contexts: Vec<Py<PyDict>>) -> Self {
+        let stop_reason = serde_json::to_value(g.stop_reason)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_string))
+            .unwrap_or_else(|| format!("{:?}", g.stop_reason).to_lowercase());
+        let state = Python::attach(|py| Py::new(py, State { inner: g.state })).expect("a State object is created");
+        Self { text: g.text, token_ids: g.tokens, stop_reason, state, contexts }
+    }
+}
+
+#[pymethods]
+impl Generation {
+    fn __repr__(&self) -> String {
+        format!("Generation(text={:?}, stop_reason={:?}, tokens={})", self.text, self.stop_reason, self.token_ids.len())
+    }
+}
+
+/// The state of a model after some tokens: per layer the SSM state, the conv tail and the log
+/// of the accumulated decay. Immutable; its arrays are read-only numpy views of its memory.
+#[pyclass(frozen, module = "picaso")]
+struct State {
+    inner: picaso_model::State,
+}
+
+fn view<'py>(this: &Bound<'py, State>, shape: &[usize], data: &[f32]) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {
+    let view = ArrayView::from_shape(IxDyn(shape), data).map_err(|e| raise(Kind::Other, e.to_string()))?;
+    // SAFETY: the State is frozen, so `data` is never written or reallocated while the array
+    // (which keeps `this` alive as its base object) exists.
+    let array = unsafe { PyArrayDyn::borrow_from_array(&view, this.clone().into_any()) };
+    array.readwrite().make_nonwriteable();
+    Ok(array)
+}
+
+#[pymethods]
+impl State {
+    /// Reads a state file (safetensors, checksum-verified).
+    #[staticmethod]
+    fn load(py: Python<'_>, path: PathBuf) -> PyResult<Self> {
+        let inner = py.detach(|| picaso_model::State::load(&path)).map_err(model_err)?;
+        Ok(Self { inner })
+    }
+
+    /// Writes the state (atomically); `dtype` "f32" or "bf16" (ssm and conv halved; log-decay stays f32).
+    #[pyo3(signature = (path, dtype="f32"))]
+    fn save(&self, py: Python<'_>, path: PathBuf, dtype: &str) -> PyResult<()> {
+        let dtype = dtype.parse::<StateDtype>().map_err(|e| raise(Kind::Invalid, e.to_string()))?;
+        py.detach(|| self.inner.save(&path, dtype)).map_err(model_err)
+    }
+
+    /// Builds a state from arrays, one (ssm, conv, log_decay) triple per layer: Mamba-2 ssm
+    /// (heads, headdim, d_state), conv (conv_dim, d_conv - 1), log_decay (heads); Mamba-1 ssm
+    /// (d_inner, d_state), conv (d_inner, d_conv - 1), log_decay (d_inner, d_state). The
+    /// fingerprint names the model it belongs to (`Model.fingerprint`).
+    #[staticmethod]
+    #[pyo3(signature = (layers, *, fingerprint, n_tokens))]
+    fn from_arrays(
+        layers: Vec<(PyReadonlyArrayDyn<'_, f32>, PyReadonlyArrayDyn<'_, f32>, PyReadonlyArrayDyn<'_, f32>)>,
+        fingerprint: String,
+        n_tokens: u64,
+    ) -> PyResult<Self> {
+        let Some((s0, c0, l0)) = layers.first() else {
+            return Err(raise(Kind::Invalid, "a state needs at least one layer"));
+        };
+        let arch = match s0.ndim() {
+            3 => Arch::Mamba2,
+            2 => Arch::Mamba1,
+            n => return Err(raise(Kind::Invalid, format!("layer 0: ssm has {n} axes; Mamba-2 has 3, Mamba-1 2"))),
+        };
+        let shape = StateShape {
+            arch,
+            n_layer: layers.len(),
+            ssm: s0.shape().to_vec(),
+            conv: c0.shape().to_vec(),
+            log_decay: l0.shape().to_vec(),
+        };
+        let mut out = Vec::with_capacity(layers.len());
+        for (i, (s, c, l)) in layers.iter().enumerate() {
+            for (name, a, want) in
+                [("ssm", s, &shape.ssm), ("conv", c, &shape.conv), ("log_decay", l, &shape.log_decay)]
+            {
+                if a.shape() != want.as_slice() {
+                    return Err(raise(
+                        Kind::Invalid,
+                        format!("layer {i}: {name} has shape {:?}, layer 0's is {want:?}", a.shape()),
+                    ));
+                }
+            }
+            let flat = |a: &PyReadonlyArrayDyn<'_, f32>| a.as_array().iter().copied().collect::<Vec<f32>>();
+            out.push(LayerState { ssm: flat(s), conv: flat(c), log_decay: flat(l) });
+        }
+        let inner = picaso_model::State { fingerprint, n_tokens, shape, layers: out };
+        inner.check_values().map_err(model_err)?;
+        Ok(Self { inner })
+    }
+
+    /// Tokens the state summarises (for a composed state, the sum over its parts).
+    #[getter]
+    fn n_tokens(&self) -> u64 {
+        self.inner.n_tokens
+    }
+
+    /// Fingerprint of the model that made it.
+    #[getter]
+    fn fingerprint(&self) -> &str {
+        &self.inner.fingerprint
+    }
+
+    /// "mamba2" or "mamba1".
+    #[getter]
+    fn arch(&self) -> &'static str {
+        self.inner.shape.arch.name()
+    }
+
+    /// Number of layers.
+    #[getter]
+    fn n_layers(&self) -> usize {
+        self.inner.layers.len()
+    }
+
+    /// Bytes of the state in f32.
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.inner.nbytes_f32()
+    }
+
+    /// Layer `i`'s SSM state: Mamba-2 (heads, headdim, d_state), Mamba-1 (d_inner, d_state).
+    fn ssm<'py>(this: &Bound<'py, Self>, i: usize) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {
+        let s = this.get();
+        view(this, &s.inner.shape.ssm, &s.layer(i)?.ssm)
+    }
+
+    /// Layer `i`'s conv tail (conv_dim, d_conv - 1): the last inputs of the convolution, oldest first.
+    fn conv<'py>(this: &Bound<'py, Self>, i: usize) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {
+        let s = this.get();
+        view(this, &s.inner.shape.conv, &s.layer(i)?.conv)
+    }
+
+    /// Layer `i`'s log of the accumulated decay: Mamba-2 (heads), Mamba-1 (d_inner, d_state).
+    fn log_decay<'py>(this: &Bound<'py, Self>, i: usize) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {
+        let s = this.get();
+        view(this, &s.inner.shape.log_decay, &s.layer(i)?.log_decay)
+    }
+
+    /// Every layer as a dict of read-only arrays: {"ssm", "conv", "log_decay"}.
+    #[getter]
+    fn layers<'py>(this: &Bound<'py, Self>) -> PyResult<Bound<'py, PyList>> {
+        let py = this.py();
+        let list = PyList::empty(py);
+        for i in 0..this.get().inner.layers.len() {
+            let d = PyDict::new(py);
+            d.set_item("ssm", Self::ssm(this, i)?)?;
+            d.set_item("conv", Self::conv(this, i)?)?;
+            d.set_item("log_decay", Self::log_decay(this, i)?)?;
+            list.append(d)?;
+        }
+        Ok(list)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "State(arch={:?}, layers={}, n_tokens={}, fingerprint={:?})",
+            self.arch(),
+            self.inner.layers.len(),
+            self.inner.n_tokens,
+            self.inner.fingerprint
+        )
+    }
+}
+
+impl State {
+    fn layer(&self, i: usize) -> PyResult<&LayerState> {
+        self.inner.layers.get(i).ok_or_else(|| {
+            pyo3::exceptions::PyIndexError::new_err(format!(
+                "layer {i} out of range: the state has {}",
+                self.inner.layers.len()
+            ))
+        })
+    }
+}
+
+/// Composes states of one model into one: "soup" (mean), "caso", "picaso-s" (exact average of
+/// CASO over all orders) or "picaso-r" (average over rotations). The last state is nearest the
+/// prompt; `order` (a permutation of range(len(states))) reorders them first.
+#[pyfunction]
+#[pyo3(signature = (states, method="picaso-r", order=None))]
+fn compose(py: Python<'_>, states: Vec<PyRef<'_, State>>, method: &str, order: Option<Vec<usize>>) -> PyResult<State> {
+    let method = method_of(method)?;
+    let refs: Vec<&picaso_model::State> = states.iter().map(|s| &s.inner).collect();
+    let inner = py.detach(|| picaso_model::compose(method, &refs, order.as_deref())).map_err(model_err)?;
+    Ok(State { inner })
+}
+
+/// Benchmark hook: seconds of each of `calls` compositions of `states` timed inside Rust (the
+/// result allocated and freed within the timing), to compare with the same call made from
+/// Python in the same process (scripts/bench_python_compose.py).
+#[pyfunction]
+fn _compose_seconds(py: Python<'_>, states: Vec<PyRef<'_, State>>, method: &str, calls: usize) -> PyResult<Vec<f64>> {
+    let method = method_of(method)?;
+    let refs: Vec<&picaso_model::State> = states.iter().map(|s| &s.inner).collect();
+    py.detach(|| {
+        (0..calls)
+            .map(|_| {
+                let t = std::time::Instant::now();
+                drop(picaso_model::compose(method, &refs, None)?);
+                Ok(t.elapsed().as_secs_f64())
+            })
+            .collect::<picaso_model::Result<Vec<f64>>>()
+    })
+    .map_err(model_err)
+}
+
+/// The weights a method gives n contexts whose log-decays (log A(u_i), each <= 0) are given:
+/// composed x = Σ_i w_i x_i for one decay channel.
+#[pyfunction]
+#[pyo3(signature = (log_decays, method="picaso-r"))]
+fn weights(log_decays: Vec<f64>, method: &str) -> PyResult<Vec<f64>> {
+    picaso_compose::weights(method_of(method)?, &log_decays).map_err(|e| raise(Kind::Invalid, e.to_string()))
+}
+
+/// A database of states: contexts processed once, retrieved by meaning, composed at query time.
+/// A folder, or postgres:// metadata with states in a folder or s3://.
+#[pyclass(frozen, module = "picaso")]
+struct Store {
+    inner: Arc<picaso_store::Store>,
+    model: Option<Arc<picaso_model::Model>>,
+    embedder: Arc<picaso_embed::Embedder>,
+}
+
+fn location(url: &str, states: Option<&str>) -> PyResult<picaso_store::Location> {
+    picaso_store::Location::parse(url, states).map_err(store_err)
+}
+
+/// The embedder: the folder given, else $PICASO_EMBEDDER, else the one the store recorded.
+fn embedder_for(given: Option<PathBuf>, store: Option<&picaso_store::Store>) -> PyResult<picaso_embed::Embedder> {
+    let recorded = match store {
+        Some(s) => s.embedder().map_err(store_err)?,
+        None => None,
+    };
+    let dir = given
+        .or_else(|| std::env::var_os("PICASO_EMBEDDER").map(PathBuf::from))
+        .or_else(|| recorded.as_ref().map(|r| PathBuf::from(&r.source)))
+        .ok_or_else(|| {
+            raise(
+                Kind::Invalid,
+                "no embedder: pass embedder= (an all-MiniLM-L6-v2 folder: config.json, tokenizer.json, model.safetensors) or set PICASO_EMBEDDER",
+            )
+        })?;
+    if !dir.is_dir() {
+        return Err(raise(Kind::NotFound, format!("{}: embedder folder not found (all-MiniLM-L6-v2)", dir.display())));
+    }
+    let e = picaso_embed::Embedder::load(&dir, &candle_core::Device::Cpu).map_err(embed_err)?;
+    if let Some(r) = recorded {
+        if r.fingerprint != e.fingerprint() {
+            return Err(raise(
+                Kind::StateMismatch,
+                format!("embedder {} is not the one this store was built with ({})", dir.display(), r.source),
+            ));
+        }
+    }
+    Ok(e)
+}
+
+fn record_dict<'py>(
+    py: Python<'py>,
+    r: &picaso_store::ContextRecord,
+    score: Option<f32>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("id", r.id)?;
+    d.set_item("score", score)?;
+    d.set_item("doc", &r.doc)?;
+    d.set_item("segment", r.seg)?;
+    d.set_item("text", &r.text)?;
+    Ok(d)
+}
+
+#[pymethods]
+impl Store {
+    /// Opens an existing store. `model` is needed to ingest and query; `embedder` (an
+    /// all-MiniLM-L6-v2 folder) defaults to $PICASO_EMBEDDER or the one the store recorded.
+    #[staticmethod]
+    #[pyo3(signature = (url, *, model=None, embedder=None))]
+    fn open(py: Python<'_>, url: &str, model: Option<&Model>, embedder: Option<PathBuf>) -> PyResult<Self> {
+        let loc = location(url, None)?;
+        let store = py.detach(|| picaso_store::Store::open(loc)).map_err(store_err)?;
+        let embedder = embedder_for(embedder, Some(&store))?;
+        Self::new(store, model, embedder)
+    }
+
+    /// Creates a store for `model` (or opens it if it exists, checking that it was made with
+    /// this model). `states` places state files elsewhere (a folder or s3://bucket/prefix) when
+    /// `url` is postgres://; `state_dtype` "f32" or "bf16".
+    #[staticmethod]
+    #[pyo3(signature = (url, model, *, embedder=None, states=None, state_dtype="f32"))]
+    fn create(
+        py: Python<'_>,
+        url: &str,
+        model: &Model,
+        embedder: Option<PathBuf>,
+        states: Option<&str>,
+        state_dtype: &str,
+    ) -> PyResult<Self> {
+        let loc = location(url, states)?;
+        let state_dtype = state_dtype.parse::<StateDtype>().map_err(|e| raise(Kind::Invalid, e.to_string()))?;
+        let embedder = embedder_for(embedder, None)?;
+        let info = picaso_store::StoreInfo {
+            fingerprint: model.inner.fingerprint().to_string(),
+            dim: embedder.dim(),
+            state_dtype,
+        };
+        let store = py.detach(|| picaso_store::Store::open_or_create(loc, &info)).map_err(store_err)?;
+        let store = Self::new(store, Some(model), embedder)?;
+        // Recorded now, so that `Store.open` finds it even before the first ingest.
+        let e = &store.embedder;
+        store.inner.bind_embedder(e.fingerprint(), &e.dir().display().to_string()).map_err(store_err)?;
+        Ok(store)
+    }
+
+    /// Adds documents: a list of strings (one document each, paragraphs split at blank lines,
+    /// ids "0", "1", …) or of dicts {"id": str, "text": str}. One context per paragraph by
+    /// default; `segment` "tokens:N" cuts runs of N tokens. Documents already stored (same id
+    /// and segment) are skipped. `progress(done, total)` is called as contexts are stored.
+    /// Returns {"added", "skipped", "tokens", "seconds"}.
+    #[pyo3(signature = (documents, *, segment="paragraph", batch=8, progress=None))]
+    fn ingest<'py>(
+        &self,
+        py: Python<'py>,
+        documents: &Bound<'py, PyList>,
+        segment: &str,
+        batch: usize,
+        progress: Option<Py<PyAny>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let model = self.need_model()?;
+        let docs = documents_of(documents)?;
+        let segmentation = segment.parse::<picaso_store::Segmentation>().map_err(|e| raise(Kind::Invalid, e))?;
+        if batch == 0 {
+            return Err(raise(Kind::Invalid, "batch must be at least 1"));
+        }
+        let (store, embedder) = (&self.inner, &self.embedder);
+        let mut callback_error = None;
+        let report = py
+            .detach(|| {
+                picaso_store::ingest(store, model, embedder, &docs, segmentation, batch, |p| {
+                    if let (Some(f), None) = (&progress, &callback_error) {
+                        if let Err(e) = Python::attach(|py| f.call1(py, (p.done, p.total))) {
+                            callback_error = Some(e);
+                        }
+                    }
+                })
+            })
+            .map_err(store_err)?;
+        if let Some(e) = callback_error {
+            return Err(e);
+        }
+        let d = PyDict::new(py);
+        d.set_item("added", report.done)?;
+        d.set_item("skipped", report.skipped)?;
+        d.set_item("tokens", report.tokens)?;
+        d.set_item("seconds", report.seconds)?;
+        Ok(d)
+    }
+
+    /// The `k` contexts nearest to `query` by meaning, best first: dicts {id, score, doc, segment, text}.
+    #[pyo3(signature = (query, k=4))]
+    fn search<'py>(&self, py: Python<'py>, query: &str, k: usize) -> PyResult<Bound<'py, PyList>> {
+        let (store, embedder) = (&self.inner, &self.embedder);
+        let hits = py.detach(|| -> PyResult<_> {
+            let q = embedder.embed_one(query).map_err(embed_err)?;
+            store.search_records(&q, k).map_err(store_err)
+        })?;
+        let list = PyList::empty(py);
+        for (r, score) in &hits {
+            list.append(record_dict(py, r, Some(*score))?)?;
+        }
+        Ok(list)
+    }
+
+    /// The state of the contexts with these ids, composed by `method` (picaso-r, picaso-s, caso,
+    /// soup; concat processes their tokens; naive is the zero state). The last id is nearest the prompt.
+    #[pyo3(signature = (ids, method="picaso-r"))]
+    fn state(&self, py: Python<'_>, ids: Vec<i64>, method: &str) -> PyResult<State> {
+        let model = self.need_model()?;
+        let method = method.parse::<picaso_store::ContextMethod>().map_err(|e| raise(Kind::Invalid, e))?;
+        let store = &self.inner;
+        let prepared = py.detach(|| picaso_store::prepare(store, model, &ids, method, None)).map_err(store_err)?;
+        Ok(State { inner: prepared.state })
+    }
+
+    /// Retrieves the `k` contexts nearest to `prompt`, composes their states by `method` and
+    /// continues the prompt from the composed state. Returns a Generation whose `contexts` are
+    /// the retrieved ones, best first.
+    #[pyo3(signature = (prompt, k=4, method="picaso-r", *, max_tokens=64, temperature=0.0, top_p=1.0, seed=0, stop=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn query(
+        &self,
+        py: Python<'_>,
+        prompt: &str,
+        k: usize,
+        method: &str,
+        max_tokens: usize,
+        temperature: f32,
+        top_p: f32,
+        seed: u64,
+        stop: Option<Vec<String>>,
+    ) -> PyResult<Generation> {
+        let model = self.need_model()?;
+        let method = method.parse::<picaso_store::ContextMethod>().map_err(|e| raise(Kind::Invalid, e))?;
+        let tokens = model.tokenizer().and_then(|t| t.encode(prompt)).map_err(model_err)?;
+        if tokens.is_empty() {
+            return Err(raise(Kind::Invalid, "the prompt must contain at least one token"));
+        }
+        let opts =
+            GenerateOptions { max_tokens, temperature, top_p, seed, stop: stop.unwrap_or_default(), ignore_eos: false };
+        opts.validate().map_err(model_err)?;
+        let (store, embedder) = (&self.inner, &self.embedder);
+        let (hits, g) = py.detach(|| -> PyResult<_> {
+            let (hits, prepared) = if method == picaso_store::ContextMethod::Naive {
+                (Vec::new(), picaso_store::prepare(store, model, &[], method, None).map_err(store_err)?)
+            } else {
+                let q = embedder.embed_one(prompt).map_err(embed_err)?;
+                picaso_store::retrieve_and_prepare(store, model, &q, k, method, None).map_err(store_err)?
+            };
+            let g = picaso_model::generate(model, &tokens, &prepared.state, &opts, |_| true).map_err(model_err)?;
+            Ok((hits, g))
+        })?;
+        // Composition wants the most relevant last; callers read best first.
+        let mut contexts = Vec::with_capacity(hits.len());
+        for (id, score) in hits.iter().rev() {
+            let r = store.get(*id).map_err(store_err)?;
+            contexts.push(record_dict(py, &r, Some(*score))?.unbind());
+        }
+        Ok(Generation::from(g, contexts))
+    }
+
+    /// The context with this id: {id, score (None), doc, segment, text}.
+    fn get<'py>(&self, py: Python<'py>, id: i64) -> PyResult<Bound<'py, PyDict>> {
+        let r = self.inner.get(id).map_err(store_err)?;
+        record_dict(py, &r, None)
+    }
+
+    /// The stored state of one context.
+    fn load_state(&self, py: Python<'_>, id: i64) -> PyResult<State> {
+        let store = &self.inner;
+        let inner = py.detach(|| store.load_state(id)).map_err(store_err)?;
+        Ok(State { inner })
+    }
+
+    /// {"contexts", "documents", "tokens", "state_bytes", "model", "catalog", "states"}.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.stats().map_err(store_err)?;
+        let d = PyDict::new(py);
+        d.set_item("contexts", s.contexts)?;
+        d.set_item("documents", s.documents)?;
+        d.set_item("tokens", s.tokens)?;
+        d.set_item("state_bytes", s.state_bytes)?;
+        d.set_item("model", s.model)?;
+        d.set_item("catalog", s.catalog)?;
+        d.set_item("states", s.states)?;
+        Ok(d)
+    }
+
+    fn __len__(&self) -> PyResult<usize> {
+        self.inner.len().map_err(store_err)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Store({:?})", self.inner.location().to_string())
+    }
+}
+
+impl Store {
+    fn new(store: picaso_store::Store, model: Option<&Model>, embedder: picaso_embed::Embedder) -> PyResult<Self> {
+        if let Some(m) = model {
+            if store.info().fingerprint != m.inner.fingerprint() {
+                return Err(store_err(picaso_store::Error::WrongModel {
+                    location: store.location().to_string(),
+                    stored: store.info().fingerprint.clone(),
+                    given: m.inner.fingerprint().to_string(),
+                }));
+            }
+        }
+        Ok(Self { inner: Arc::new(store), model: model.map(|m| m.inner.clone()), embedder: Arc::new(embedder) })
+    }
+
+    fn need_model(&self) -> PyResult<&picaso_model::Model> {
+        self.model
+            .as_deref()
+            .ok_or_else(|| raise(Kind::Invalid, "this store was opened without a model: pass model= to Store.open"))
+    }
+}
+
+/// Documents from a list of strings or of {"id", "text"} dicts.
+fn documents_of(list: &Bound<'_, PyList>) -> PyResult<Vec<picaso_store::Document>> {
+    let mut docs = Vec::with_capacity(list.len());
+    for (i, item) in list.iter().enumerate() {
+        let (id, text) = if let Ok(text) = item.extract::<String>() {
+            (i.to_string(), text)
+        } else if let Ok(d) = item.cast::<PyDict>() {
+            let get = |k: &str| -> PyResult<String> {
+                d.get_item(k)?
+                    .ok_or_else(|| raise(Kind::Invalid, format!("document {i}: no {k:?} key")))?
+                    .extract::<String>()
+                    .map_err(|_| raise(Kind::Invalid, format!("document {i}: {k:?} must be a string")))
+            };
+            (get("id")?, get("text")?)
+        } else {
+            return Err(PyTypeError::new_err(format!(
+                "document {i}: expected a str or a dict with \"id\" and \"text\""
+            )));
+        };
+        let paragraphs: Vec<String> =
+            text.split("\n\n").map(|p| p.trim().to_string()).filter(|p| !p.is_empty()).collect();
+        if paragraphs.is_empty() {
+            return Err(raise(Kind::Invalid, format!("document {i} ({id:?}) has no text")));
+        }
+        docs.push(picaso_store::Document { id, paragraphs });
+    }
+    Ok(docs)
+}
+
+/// The extension module.
+#[pymodule]
+fn _picaso(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Model>()?;
+    m.add_class::<State>()?;
+    m.add_class::<Generation>()?;
+    m.add_class::<Store>()?;
+    m.add_function(wrap_pyfunction!(compose, m)?)?;
+    m.add_function(wrap_pyfunction!(weights, m)?)?;
+    m.add_function(wrap_pyfunction!(_compose_seconds, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -1,0 +1,74 @@
+"""picaso states in and out of transformers' caches: continuing from a moved state gives
+transformers' own logits (to 1e-4), wherever transformers agrees with itself."""
+import os
+
+import numpy as np
+import pytest
+
+import picaso
+from conftest import FIXTURES
+
+if os.environ.get("CI"):  # CI installs both: their absence there is a failure, not a skip
+    import torch
+    import transformers
+else:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+from picaso import hf  # noqa: E402
+
+
+def load(case):
+    path = FIXTURES / case / "hf"
+    return picaso.Model.load(str(path)), transformers.AutoModelForCausalLM.from_pretrained(str(path)).float().eval()
+
+
+def ids(vocab, n, seed):
+    return [int(x) for x in np.random.default_rng(seed).integers(0, vocab, n)]
+
+
+def hf_logits(hf_model, tokens, cache):
+    with torch.no_grad():
+        return hf_model(input_ids=torch.tensor([tokens]), **hf.cache_kwargs(hf_model, cache)).logits[0, -1].numpy()
+
+
+# transformers' own paths disagree in two places, so each check uses the path it trusts:
+# its one-token Mamba-2 step ignores time_step_limit (g2 sets one), and its many-token
+# Mamba-1 forward ignores the cached state (it starts from zeros).
+@pytest.mark.parametrize("case,many,one", [("mamba2/g1", True, True), ("mamba2/g2", True, False), ("mamba1/a", False, True)])
+def test_state_continues_in_transformers(case, many, one):
+    model, hf_model = load(case)
+    a, b = ids(hf_model.config.vocab_size, 13, 0), ids(hf_model.config.vocab_size, 5, 1)
+    state = model.state(a)
+    if many:
+        np.testing.assert_allclose(hf_logits(hf_model, b, hf.to_cache(state, hf_model)), model.next_logits(b, state=state), atol=1e-4)
+    if one:
+        np.testing.assert_allclose(hf_logits(hf_model, b[:1], hf.to_cache(state, hf_model)), model.next_logits(b[:1], state=state), atol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["mamba2/g1", "mamba2/g2", "mamba1/a"])
+def test_transformers_cache_back_to_picaso(case):
+    model, hf_model = load(case)
+    a, b = ids(hf_model.config.vocab_size, 13, 0), ids(hf_model.config.vocab_size, 4, 2)
+    with torch.no_grad():
+        out = hf_model(input_ids=torch.tensor([a]), use_cache=True)
+    back = hf.from_cache(hf.output_cache(out), hf_model, fingerprint=model.fingerprint, n_tokens=len(a),
+                         log_decays=hf.log_decays(hf_model, a))
+    mine = model.state(a)
+    for i in range(mine.n_layers):
+        np.testing.assert_allclose(back.ssm(i), mine.ssm(i), atol=1e-5)
+        np.testing.assert_allclose(back.conv(i), mine.conv(i), atol=1e-5)
+        np.testing.assert_allclose(back.log_decay(i), mine.log_decay(i), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(model.score(b, state=back), model.score(b, state=mine), atol=1e-4)
+    # Composable: the log-decays came along.
+    c = picaso.compose([back, model.state(b)], "picaso-r")
+    d = picaso.compose([mine, model.state(b)], "picaso-r")
+    np.testing.assert_allclose(c.ssm(0), d.ssm(0), atol=1e-5)
+
+
+def test_interop_errors():
+    model, hf_model = load("mamba2/g1")
+    other, _ = load("mamba2/g2")
+    with pytest.raises(picaso.InvalidArgument, match="layers"):
+        hf.to_cache(other.state([1, 2, 3]), hf_model)
+    with pytest.raises(picaso.InvalidArgument, match="DynamicCache"):
+        hf.from_cache(object(), hf_model, fingerprint=model.fingerprint, n_tokens=0)

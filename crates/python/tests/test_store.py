@@ -1,0 +1,64 @@
+"""The store from Python: a folder, and S3 + PostgreSQL where CI's services run."""
+import numpy as np
+import pytest
+
+import picaso
+from conftest import store_locations
+
+DOCS = [
+    "The Eiffel Tower is a wrought-iron lattice tower in Paris.\n\nIt was finished in 1889 for the World's Fair.",
+    "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen.\n\nIt happens in chloroplasts.",
+    {"id": "volcano", "text": "A volcano is a rupture in the crust of a planet through which lava escapes."},
+]
+
+
+def test_store_end_to_end(model, embedder, tmp_path):
+    for url, states in store_locations(tmp_path):
+        calls = []
+        store = picaso.Store.create(url, model, embedder=embedder, states=states)
+        report = store.ingest(DOCS, progress=lambda done, total: calls.append((done, total)))
+        assert report["added"] == 5 and report["skipped"] == 0 and report["tokens"] > 0
+        assert calls and calls[-1] == (5, 5)
+        assert store.ingest(DOCS)["skipped"] == 5  # (document, segment) pairs already there
+        stats = store.stats()
+        assert stats["contexts"] == len(store) == 5 and stats["documents"] == 3 and stats["model"] == model.fingerprint
+
+        hits = store.search("Where do plants make sugar?", k=2)
+        assert len(hits) == 2 and hits[0]["doc"] == "1" and hits[0]["score"] >= hits[1]["score"]
+        assert set(hits[0]) == {"id", "score", "doc", "segment", "text"}
+
+        again = picaso.Store.open(url, model=model)  # the embedder the store recorded
+        g = again.query("The tower in Paris was finished in", k=2, method="picaso-r", max_tokens=6)
+        assert [c["doc"] for c in g.contexts][0] == "0" and len(g.token_ids) == 6
+
+        # The store's composed state is picaso.compose of its stored states (last id nearest the prompt).
+        ids = [c["id"] for c in reversed(g.contexts)]
+        mine = picaso.compose([again.load_state(i) for i in ids], "picaso-r")
+        np.testing.assert_array_equal(again.state(ids, "picaso-r").ssm(3), mine.ssm(3))
+        assert again.get(ids[0])["text"]
+        naive = again.query("The tower", method="naive", max_tokens=4)
+        assert naive.contexts == [] and naive.text == model.generate("The tower", max_tokens=4).text
+
+
+def test_store_errors(model, tiny, embedder, tmp_path):
+    url = str(tmp_path / "db")
+    with pytest.raises(picaso.Error):
+        picaso.Store.open(url)  # nothing there yet
+    store = picaso.Store.create(url, model, embedder=embedder)
+    with pytest.raises(TypeError, match="document 0"):
+        store.ingest([3])
+    with pytest.raises(ValueError, match='no "text" key'):
+        store.ingest([{"id": "x"}])
+    with pytest.raises(ValueError, match="has no text"):
+        store.ingest(["   "])
+    with pytest.raises(ValueError, match="unknown method"):
+        store.query("x", method="mean")
+    with pytest.raises(picaso.StateMismatch):
+        picaso.Store.open(url, model=tiny)
+    reader = picaso.Store.open(url)
+    with pytest.raises(ValueError, match="without a model"):
+        reader.query("x")
+    with pytest.raises(FileNotFoundError):
+        picaso.Store.create(str(tmp_path / "db2"), model, embedder=str(tmp_path / "no-embedder"))
+    with pytest.raises(ValueError, match="no context with id"):
+        store.get(12345)
