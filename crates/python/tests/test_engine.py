@@ -1,5 +1,7 @@
 """The engine, states and composition from Python, checked against brute force in numpy."""
 import itertools
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -196,3 +198,18 @@ def test_tiny_model_token_ids(tiny):
     s = tiny.state([5, 6, 7])
     assert s.ssm(0).shape == (4, 16, 8)
     np.testing.assert_allclose(tiny.score([5, 6, 7, 8, 9])[2:], tiny.score([7, 8, 9], state=tiny.state([5, 6])), atol=1e-5)
+
+
+def test_model_work_releases_the_gil(model):
+    """Another Python thread runs while a long score is under way."""
+    ids = model.encode(A) * 60  # ~1,000 tokens: about half a second here
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (model.score(ids), done.set()))
+    worker.start()
+    time.sleep(0.02)  # the worker is inside score now
+    counted = 0
+    while not done.is_set() and counted < 100_000:
+        counted += 1
+    finished_first = done.is_set()
+    worker.join()
+    assert counted == 100_000 and not finished_first

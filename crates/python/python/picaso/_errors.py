@@ -16,3 +16,7 @@ class NotFound(Error, FileNotFoundError):
 
 class StateMismatch(Error, ValueError):
     """A state or store made by another model (fingerprints differ) or of the wrong shape."""
+
+
+for _cls in (Error, InvalidArgument, NotFound, StateMismatch):
+    _cls.__module__ = "picaso"  # shown as picaso.Error, not picaso._errors.Error
