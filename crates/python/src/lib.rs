@@ -205,12 +205,8 @@ impl Model {
         input: &Bound<'py, PyAny>,
         state: Option<&State>,
     ) -> PyResult<Bound<'py, PyArray1<f32>>> {
-        let tokens = tokens_of(&self.inner, input)?;
-        let start = self.start(state)?;
-        let model = &self.inner;
-        let scored =
-            py.detach(|| model.score(&tokens, start.as_ref().unwrap_or(&model.zero_state()))).map_err(model_err)?;
-        Ok(PyArray1::from_vec(py, scored.logprobs))
+        let logprobs = self.run(py, input, state, |m, tokens, from| Ok(m.score(tokens, from)?.logprobs))?;
+        Ok(PyArray1::from_vec(py, logprobs))
     }
 
     /// The logits of the token after `input` (text or token ids) continued from `state`
@@ -222,27 +218,19 @@ impl Model {
         input: &Bound<'py, PyAny>,
         state: Option<&State>,
     ) -> PyResult<Bound<'py, PyArray1<f32>>> {
-        let tokens = tokens_of(&self.inner, input)?;
-        if tokens.is_empty() {
-            return Err(raise(Kind::Invalid, "next_logits needs at least one token"));
-        }
-        let start = self.start(state)?;
-        let model = &self.inner;
-        let (logits, _) = py
-            .detach(|| model.prefill_last_logits(&tokens, start.as_ref().unwrap_or(&model.zero_state())))
-            .map_err(model_err)?;
+        let logits = self.run(py, input, state, |m, tokens, from| {
+            if tokens.is_empty() {
+                return Err(picaso_model::Error::Input("next_logits needs at least one token".into()));
+            }
+            Ok(m.prefill_last_logits(tokens, from)?.0)
+        })?;
         Ok(PyArray1::from_vec(py, logits))
     }
 
     /// The state after `input` (text or token ids), continued from `start` (default: zero).
     #[pyo3(signature = (input, start=None))]
     fn state(&self, py: Python<'_>, input: &Bound<'_, PyAny>, start: Option<&State>) -> PyResult<State> {
-        let tokens = tokens_of(&self.inner, input)?;
-        let from = self.start(start)?;
-        let model = &self.inner;
-        let next =
-            py.detach(|| model.prefill(&tokens, from.as_ref().unwrap_or(&model.zero_state()))).map_err(model_err)?;
-        Ok(State { inner: next })
+        Ok(State { inner: self.run(py, input, start, |m, tokens, from| m.prefill(tokens, from))? })
     }
 
     /// Continues `prompt` (text or token ids) from `state` (default: zero) and returns a
@@ -260,20 +248,15 @@ impl Model {
         seed: u64,
         stop: Option<Vec<String>>,
     ) -> PyResult<Generation> {
-        let tokens = tokens_of(&self.inner, prompt)?;
-        if tokens.is_empty() {
-            return Err(raise(Kind::Invalid, "the prompt must contain at least one token"));
-        }
-        let from = self.start(state)?;
         let opts =
             GenerateOptions { max_tokens, temperature, top_p, seed, stop: stop.unwrap_or_default(), ignore_eos: false };
         opts.validate().map_err(model_err)?;
-        let model = &self.inner;
-        let g = py
-            .detach(|| {
-                picaso_model::generate(model, &tokens, from.as_ref().unwrap_or(&model.zero_state()), &opts, |_| true)
-            })
-            .map_err(model_err)?;
+        let g = self.run(py, prompt, state, |m, tokens, from| {
+            if tokens.is_empty() {
+                return Err(picaso_model::Error::Input("the prompt must contain at least one token".into()));
+            }
+            picaso_model::generate(m, tokens, from, &opts, |_| true)
+        })?;
         Ok(Generation::from(g, Vec::new()))
     }
 
@@ -289,15 +272,29 @@ impl Model {
 }
 
 impl Model {
-    /// A copy of the caller's start state after checking that it fits; None for the zero state.
-    fn start(&self, state: Option<&State>) -> PyResult<Option<picaso_model::State>> {
-        match state {
-            None => Ok(None),
+    /// `work` on the tokens of `input`, from `state` (checked against the model; the zero state
+    /// when None), with the GIL released.
+    fn run<T: Send>(
+        &self,
+        py: Python<'_>,
+        input: &Bound<'_, PyAny>,
+        state: Option<&State>,
+        work: impl FnOnce(&picaso_model::Model, &[u32], &picaso_model::State) -> picaso_model::Result<T> + Send,
+    ) -> PyResult<T> {
+        let tokens = tokens_of(&self.inner, input)?;
+        let model = &*self.inner;
+        let zero;
+        let from = match state {
             Some(s) => {
-                self.inner.check_state(&s.inner).map_err(model_err)?;
-                Ok(Some(s.inner.clone()))
+                model.check_state(&s.inner).map_err(model_err)?;
+                &s.inner
             }
-        }
+            None => {
+                zero = model.zero_state();
+                &zero
+            }
+        };
+        py.detach(|| work(model, &tokens, from)).map_err(model_err)
     }
 }
 
