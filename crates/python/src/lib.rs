@@ -539,7 +539,11 @@ fn weights(log_decays: Vec<f64>, method: &str) -> PyResult<Vec<f64>> {
 struct Store {
     inner: Arc<picaso_store::Store>,
     model: Option<Arc<picaso_model::Model>>,
-    embedder: Arc<picaso_embed::Embedder>,
+    /// Loaded when first needed (ingest, search, query), so a store opens for reading even
+    /// where its embedder is not at hand.
+    embedder: std::sync::OnceLock<picaso_embed::Embedder>,
+    /// The embedder folder given to `open`, if any.
+    embedder_dir: Option<PathBuf>,
 }
 
 fn location(url: &str, states: Option<&str>) -> PyResult<picaso_store::Location> {
@@ -593,14 +597,18 @@ fn record_dict<'py>(
 #[pymethods]
 impl Store {
     /// Opens an existing store. `model` is needed to ingest and query; `embedder` (an
-    /// all-MiniLM-L6-v2 folder) defaults to $PICASO_EMBEDDER or the one the store recorded.
+    /// all-MiniLM-L6-v2 folder, loaded when first needed) defaults to $PICASO_EMBEDDER or the
+    /// one the store recorded.
     #[staticmethod]
     #[pyo3(signature = (url, *, model=None, embedder=None))]
     fn open(py: Python<'_>, url: &str, model: Option<&Model>, embedder: Option<PathBuf>) -> PyResult<Self> {
         let loc = location(url, None)?;
         let store = py.detach(|| picaso_store::Store::open(loc)).map_err(store_err)?;
-        let embedder = embedder_for(embedder, Some(&store))?;
-        Self::new(store, model, embedder)
+        let store = Self::new(store, model, embedder)?;
+        if store.embedder_dir.is_some() {
+            store.embedder()?; // an embedder named explicitly is checked at once
+        }
+        Ok(store)
     }
 
     /// Creates a store for `model` (or opens it if it exists, checking that it was made with
@@ -625,10 +633,10 @@ impl Store {
             state_dtype,
         };
         let store = py.detach(|| picaso_store::Store::open_or_create(loc, &info)).map_err(store_err)?;
-        let store = Self::new(store, Some(model), embedder)?;
         // Recorded now, so that `Store.open` finds it even before the first ingest.
-        let e = &store.embedder;
-        store.inner.bind_embedder(e.fingerprint(), &e.dir().display().to_string()).map_err(store_err)?;
+        store.bind_embedder(embedder.fingerprint(), &embedder.dir().display().to_string()).map_err(store_err)?;
+        let store = Self::new(store, Some(model), None)?;
+        let _ = store.embedder.set(embedder);
         Ok(store)
     }
 
@@ -652,7 +660,7 @@ impl Store {
         if batch == 0 {
             return Err(raise(Kind::Invalid, "batch must be at least 1"));
         }
-        let (store, embedder) = (&self.inner, &self.embedder);
+        let (store, embedder) = (&self.inner, self.embedder()?);
         let mut callback_error = None;
         let report = py
             .detach(|| {
@@ -679,7 +687,7 @@ impl Store {
     /// The `k` contexts nearest to `query` by meaning, best first: dicts {id, score, doc, segment, text}.
     #[pyo3(signature = (query, k=4))]
     fn search<'py>(&self, py: Python<'py>, query: &str, k: usize) -> PyResult<Bound<'py, PyList>> {
-        let (store, embedder) = (&self.inner, &self.embedder);
+        let (store, embedder) = (&self.inner, self.embedder()?);
         let hits = py.detach(|| -> PyResult<_> {
             let q = embedder.embed_one(query).map_err(embed_err)?;
             store.search_records(&q, k).map_err(store_err)
@@ -728,13 +736,14 @@ impl Store {
         let opts =
             GenerateOptions { max_tokens, temperature, top_p, seed, stop: stop.unwrap_or_default(), ignore_eos: false };
         opts.validate().map_err(model_err)?;
-        let (store, embedder) = (&self.inner, &self.embedder);
+        let store = &self.inner;
+        let embedder = if method == picaso_store::ContextMethod::Naive { None } else { Some(self.embedder()?) };
         let (hits, g) = py.detach(|| -> PyResult<_> {
-            let (hits, prepared) = if method == picaso_store::ContextMethod::Naive {
-                (Vec::new(), picaso_store::prepare(store, model, &[], method, None).map_err(store_err)?)
-            } else {
+            let (hits, prepared) = if let Some(embedder) = embedder {
                 let q = embedder.embed_one(prompt).map_err(embed_err)?;
                 picaso_store::retrieve_and_prepare(store, model, &q, k, method, None).map_err(store_err)?
+            } else {
+                (Vec::new(), picaso_store::prepare(store, model, &[], method, None).map_err(store_err)?)
             };
             let g = picaso_model::generate(model, &tokens, &prepared.state, &opts, |_| true).map_err(model_err)?;
             Ok((hits, g))
@@ -785,7 +794,7 @@ impl Store {
 }
 
 impl Store {
-    fn new(store: picaso_store::Store, model: Option<&Model>, embedder: picaso_embed::Embedder) -> PyResult<Self> {
+    fn new(store: picaso_store::Store, model: Option<&Model>, embedder_dir: Option<PathBuf>) -> PyResult<Self> {
         if let Some(m) = model {
             if store.info().fingerprint != m.inner.fingerprint() {
                 return Err(store_err(picaso_store::Error::WrongModel {
@@ -795,7 +804,21 @@ impl Store {
                 }));
             }
         }
-        Ok(Self { inner: Arc::new(store), model: model.map(|m| m.inner.clone()), embedder: Arc::new(embedder) })
+        Ok(Self {
+            inner: Arc::new(store),
+            model: model.map(|m| m.inner.clone()),
+            embedder: std::sync::OnceLock::new(),
+            embedder_dir,
+        })
+    }
+
+    /// The embedder, loaded on first use (see `embedder_for`).
+    fn embedder(&self) -> PyResult<&picaso_embed::Embedder> {
+        if let Some(e) = self.embedder.get() {
+            return Ok(e);
+        }
+        let e = embedder_for(self.embedder_dir.clone(), Some(&self.inner))?;
+        Ok(self.embedder.get_or_init(|| e))
     }
 
     fn need_model(&self) -> PyResult<&picaso_model::Model> {

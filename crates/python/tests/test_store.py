@@ -62,3 +62,27 @@ def test_store_errors(model, tiny, embedder, tmp_path):
         picaso.Store.create(str(tmp_path / "db2"), model, embedder=str(tmp_path / "no-embedder"))
     with pytest.raises(ValueError, match="no context with id"):
         store.get(12345)
+
+
+def test_store_opens_without_its_embedder(model, embedder, tmp_path, monkeypatch):
+    """Reading a store needs no embedder; search names the missing folder."""
+    import pathlib
+
+    moved = tmp_path / "minilm"
+    moved.mkdir()
+    for f in pathlib.Path(embedder).iterdir():
+        (moved / f.name).symlink_to(f)
+    url = str(tmp_path / "db")
+    store = picaso.Store.create(url, model, embedder=str(moved))
+    store.ingest(DOCS[:1])
+    for f in moved.iterdir():
+        f.unlink()
+    moved.rmdir()
+    monkeypatch.delenv("PICASO_EMBEDDER", raising=False)
+    reader = picaso.Store.open(url, model=model)
+    assert reader.stats()["contexts"] == 2 and reader.get(1)["doc"] == "0"
+    assert reader.state([1, 2]).n_tokens == reader.load_state(1).n_tokens + reader.load_state(2).n_tokens
+    assert reader.query("The tower", method="naive", max_tokens=2).contexts == []
+    with pytest.raises(FileNotFoundError, match="minilm: embedder folder not found"):
+        reader.search("tower")
+    assert picaso.Store.open(url, model=model, embedder=embedder).search("tower", k=1)[0]["doc"] == "0"
