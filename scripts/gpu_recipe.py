@@ -12,6 +12,13 @@ sized to `--final-minutes` and checkpoints as it goes, then exports its weights.
         --train train-a.u16.xz train-b.u16.xz --arm-train train-a.u16.xz --val val.u16.xz \\
         --pairs pairs.json.xz --work WORK --steps 500 --final-minutes 15
 
+    # in-context pretraining and the learning rate against the base, on the same tokens:
+    python3 scripts/pack_neighbours.py --train train-a.u16.xz --order-out order-a.npz
+    cat train-a.u16 train-b.u16 > train.u16    # the final run's order is over both halves
+    python3 scripts/pack_neighbours.py --train train.u16 --order-out order-full.npz
+    python3 scripts/gpu_recipe.py ... --arm-order order-a.npz --final-order order-full.npz \\
+        --arms base neighbours "lr x2" "lr /2"
+
 Writes WORK/ablation.json (one row per arm), WORK/final.json (the chosen run), WORK/final/
 (the run: checkpoint.pt, train.log) and WORK/export/ (config.json, model.safetensors,
 train-log.jsonl).
@@ -26,13 +33,18 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# name -> change to the base run; each is one ingredient of the issue's recipe list.
+# name -> change to the base run; each is one ingredient of the issue's recipe list. "data":
+# "neighbours" trains on the arms' tokens reordered by --arm-order (scripts/pack_neighbours.py:
+# related passages follow each other). `--arms` picks some of them.
 ARMS = {
     "base": {},
     "d_state 128": {"d_state": 128},
     "headdim 32": {"headdim": 32},
     "4 groups": {"n_groups": 4},
     "12 layers": {"n_layer": 12},
+    "neighbours": {"data": "neighbours"},
+    "lr x2": {"lr": 4e-3, "min_lr": 4e-4},
+    "lr /2": {"lr": 1e-3, "min_lr": 1e-4},
 }
 
 
@@ -55,6 +67,20 @@ def unpack(path, out):
     return out
 
 
+def packed_stream(streams, order, work, name):
+    """The u16 `streams`, concatenated, with their runs in `order` (pack_neighbours.py), as a file."""
+    import numpy as np
+
+    from pack_neighbours import packed
+
+    out = os.path.join(work, f"train-{name}-neighbours.u16")
+    if not os.path.exists(out):
+        ids = np.concatenate([np.fromfile(p, dtype="<u2") for p in streams])
+        packed(ids, order).astype("<u2").tofile(out + ".tmp")
+        os.replace(out + ".tmp", out)
+    return out
+
+
 def train(config, out, data, extra, log):
     cmd = [sys.executable, os.path.join(HERE, "train_gpu.py"), "--config", config, "--out", out,
            "--train", *data["train"], "--val", data["val"], "--pairs", data["pairs"], *extra]
@@ -71,6 +97,10 @@ def main():
     ap.add_argument("--base", required=True, help="the base run (picaso's pretrain JSON)")
     ap.add_argument("--train", nargs="+", required=True, help="the final run's training streams (u16, .xz allowed)")
     ap.add_argument("--arm-train", nargs="+", required=True, help="the arms' training streams")
+    ap.add_argument("--arm-order", help="pack_neighbours.py's order (.npz) over the arms' streams")
+    ap.add_argument("--final-order", help="its order over the final run's streams, if the neighbours arm is kept")
+    ap.add_argument("--arms", nargs="+", default=[a for a in ARMS if a != "neighbours"], choices=list(ARMS),
+                    help="the arms to run (base always runs)")
     ap.add_argument("--val", required=True)
     ap.add_argument("--pairs", required=True)
     ap.add_argument("--work", required=True)
@@ -88,16 +118,22 @@ def main():
     base = json.load(open(a.base))
 
     table = os.path.join(a.work, "ablation.json")
+    if "neighbours" in a.arms and not a.arm_order:
+        ap.error("the neighbours arm needs --arm-order")
     if not a.skip_arms:
         arm_data = {**data, "train": [plain(p) for p in a.arm_train]}
+        if "neighbours" in a.arms:
+            nb_data = {**data, "train": [packed_stream(arm_data["train"], a.arm_order, a.work, "arms")]}
         procs = {}
-        for name, change in ARMS.items():
+        for name in ["base"] + [n for n in a.arms if n != "base"]:
+            change = {k: v for k, v in ARMS[name].items() if k != "data"}
             run = {**base, **change, "steps": a.steps, "warmup": a.steps // 10, "val_every": a.steps // 2,
                    "accum": a.accum}
-            folder = os.path.join(a.work, "arm-" + name.replace(" ", "-"))
+            folder = os.path.join(a.work, "arm-" + name.replace(" ", "-").replace("/", "div"))
             os.makedirs(folder, exist_ok=True)
             json.dump(run, open(folder + ".json", "w"))
-            procs[name] = (train(folder + ".json", folder, arm_data, [], folder + ".log"), folder, run)
+            arm = nb_data if ARMS[name].get("data") == "neighbours" else arm_data
+            procs[name] = (train(folder + ".json", folder, arm, [], folder + ".log"), folder, run)
             print(f"arm {name!r}: {params(run):,} parameters", flush=True)
         rows = []
         for name, (p, folder, run) in procs.items():
@@ -118,19 +154,27 @@ def main():
 
     final = dict(base)
     ref = rows["base"]
+    neighbours = False
     for name, r in rows.items():
         if name == "base":
             continue
+        change = {k: v for k, v in r["change"].items() if k != "data"}
         helps = 100 * (r["gain"] - ref["gain"]) >= a.min_gain and r["val_loss"] - ref["val_loss"] <= a.max_val_loss
-        if helps and params({**final, **r["change"]}) <= a.max_params:
-            final.update(r["change"])
+        if helps and params({**final, **change}) <= a.max_params:
+            final.update(change)
+            neighbours |= r["change"].get("data") == "neighbours"
             print(f"kept: {name}", flush=True)
     final.update(val_every=1000, checkpoint_every=500, accum=1)
     json.dump(final, open(os.path.join(a.work, "final.json"), "w"))
     print(f"final run: {json.dumps(final)} ({params(final):,} parameters)", flush=True)
+    streams = a.train
+    if neighbours and not a.final_order:
+        sys.exit("the neighbours arm was kept: give the final run's order (--final-order)")
     while not all(os.path.exists(p) for p in a.train):  # the last streams may still be on their way
         time.sleep(5)
     data["train"] = [plain(p) for p in a.train]
+    if neighbours:
+        data["train"] = [packed_stream(data["train"], a.final_order, a.work, "final")]
     out = os.path.join(a.work, "final")
     p = train(os.path.join(a.work, "final.json"), out, data,
               ["--plan-minutes", str(a.final_minutes), "--minutes", str(a.final_minutes + 0.5),
