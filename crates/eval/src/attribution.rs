@@ -9,7 +9,7 @@ use std::time::Instant;
 use picaso_model::Model;
 
 use crate::methods::{choice_logliks, start_state, Context, EvalMethod};
-use crate::stats::mean_ci95;
+use crate::stats::{mean_ci95, paired_ci95};
 use crate::Result;
 
 /// The candidate each rule picked.
@@ -85,6 +85,23 @@ pub struct Report {
     pub chance: f64,
     /// Leave-One-In, then Leave-One-Out per method.
     pub rows: Vec<Row>,
+    /// Rules against each other on the same items: every Leave-One-Out rule against
+    /// Leave-One-In, and Leave-One-Out with PICASO-R against the other Leave-One-Out rules.
+    pub paired: Vec<RulePair>,
+}
+
+/// Rule `a` against rule `b` on the same items: mean of `right_a − right_b` with its paired
+/// 95% interval (an interval that excludes 0 resolves which rule attributes better).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct RulePair {
+    /// The rule compared.
+    pub a: String,
+    /// What it is compared with.
+    pub b: String,
+    /// Mean difference of precision.
+    pub diff: f64,
+    /// Its 95% interval half-width.
+    pub ci95: f64,
 }
 
 /// Accumulates picks into precisions.
@@ -126,7 +143,18 @@ impl Tally {
         let n = items.max(1) as f64;
         let names = std::iter::once("leave-one-in".to_string())
             .chain(self.methods.iter().map(|m| format!("leave-one-out {m}")));
+        let names: Vec<String> = names.collect();
+        let pair = |a: usize, b: usize| {
+            let (diff, ci95) = paired_ci95(&self.hits[a], &self.hits[b]);
+            RulePair { a: names[a].clone(), b: names[b].clone(), diff, ci95 }
+        };
+        let mut paired: Vec<RulePair> = (1..names.len()).map(|r| pair(r, 0)).collect();
+        if let Some(r) = self.methods.iter().position(|&m| m == EvalMethod::Compose(picaso_model::Method::PicasoR)) {
+            paired.extend((1..names.len()).filter(|&o| o != r + 1).map(|o| pair(r + 1, o)));
+        }
         let rows = names
+            .iter()
+            .cloned()
             .zip(&self.hits)
             .zip(&self.seconds)
             .map(|((rule, hits), secs)| {
@@ -141,6 +169,7 @@ impl Tally {
             mean_candidates: self.candidates as f64 / n,
             chance: self.chance / n,
             rows,
+            paired,
         }
     }
 }
@@ -187,5 +216,18 @@ mod tests {
         assert_eq!(r.rows[0].precision, 1.0);
         assert_eq!(r.chance, 0.25);
         assert_eq!(r.rows.len(), 3);
+        // Rules against Leave-One-In, and PICASO-R's against Concat's: one item, no spread.
+        let names: Vec<(&str, &str)> = r.paired.iter().map(|p| (p.a.as_str(), p.b.as_str())).collect();
+        assert_eq!(
+            names,
+            [
+                ("leave-one-out picaso-r", "leave-one-in"),
+                ("leave-one-out concat", "leave-one-in"),
+                ("leave-one-out picaso-r", "leave-one-out concat")
+            ]
+        );
+        let right = |rule: usize| r.rows[rule].precision;
+        assert_eq!(r.paired[0].diff, right(1) - right(0));
+        assert_eq!(r.paired[2].diff, right(1) - right(2));
     }
 }

@@ -34,6 +34,23 @@ impl EvalMethod {
         EvalMethod::Compose(Method::PicasoR),
     ];
 
+    /// The comparisons the paper's claims rest on: every method against Naive and against
+    /// Concat; PICASO-R against Soup, CASO and PICASO-S; CASO against Soup. Each experiment
+    /// reports them as paired intervals over its items, where both methods were scored.
+    pub fn claim_pairs() -> Vec<(EvalMethod, EvalMethod)> {
+        use Method::{Caso, PicasoR, PicasoS, Soup};
+        let mut pairs = Vec::new();
+        for m in Self::ALL.into_iter().filter(|&m| m != Self::Naive) {
+            pairs.push((m, Self::Naive));
+            if m != Self::Concat {
+                pairs.push((m, Self::Concat));
+            }
+        }
+        let c = Self::Compose;
+        pairs.extend([(c(PicasoR), c(Soup)), (c(PicasoR), c(Caso)), (c(PicasoR), c(PicasoS)), (c(Caso), c(Soup))]);
+        pairs
+    }
+
     /// The name used in tables and on the command line.
     pub fn name(self) -> &'static str {
         match self {

@@ -16,7 +16,7 @@ use serde::Deserialize;
 
 use crate::attribution::{self, Tally};
 use crate::methods::{choice_logliks, start_state, Context, EvalMethod};
-use crate::stats::mean_ci95;
+use crate::stats::{mean_ci95, paired_ci95};
 use crate::wikitext::{check_ks, choose};
 use crate::{Error, Result};
 
@@ -276,6 +276,45 @@ pub struct Report {
     pub facts: usize,
     /// Naive first (k = 0), then one cell per (method, k).
     pub cells: Vec<Cell>,
+    /// The paper's comparisons, paired on the same questions, per k.
+    pub contrasts: Vec<Contrast>,
+}
+
+/// Method `a` against method `b` on the same questions: the mean per-question difference of
+/// being right (a − b, in accuracy points / 100) with its paired 95% interval, for acc and
+/// acc_norm.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Contrast {
+    /// Facts.
+    pub k: usize,
+    /// The method compared.
+    pub a: EvalMethod,
+    /// What it is compared with.
+    pub b: EvalMethod,
+    /// Mean of `right_a − right_b` by acc.
+    pub acc_diff: f64,
+    /// Its 95% interval half-width.
+    pub acc_diff_ci95: f64,
+    /// Mean of `right_a − right_b` by acc_norm.
+    pub acc_norm_diff: f64,
+    /// Its 95% interval half-width.
+    pub acc_norm_diff_ci95: f64,
+}
+
+/// The paper's comparisons ([`EvalMethod::claim_pairs`]) where both methods were scored;
+/// Naive's answers (k = 0) stand for every k.
+fn contrasts(ks: &[usize], hits: &HashMap<(EvalMethod, usize), Hits>) -> Vec<Contrast> {
+    let get = |m: EvalMethod, k: usize| hits.get(&(m, if m == EvalMethod::Naive { 0 } else { k }));
+    let mut out = Vec::new();
+    for &k in ks {
+        for (a, b) in EvalMethod::claim_pairs() {
+            let (Some(ha), Some(hb)) = (get(a, k), get(b, k)) else { continue };
+            let (acc_diff, acc_diff_ci95) = paired_ci95(&ha.0, &hb.0);
+            let (acc_norm_diff, acc_norm_diff_ci95) = paired_ci95(&ha.1, &hb.1);
+            out.push(Contrast { k, a, b, acc_diff, acc_diff_ci95, acc_norm_diff, acc_norm_diff_ci95 });
+        }
+    }
+    out
 }
 
 impl Report {
@@ -355,7 +394,8 @@ pub fn run(
             cells.push(cell(m, k));
         }
     }
-    Ok(Report { options: options.clone(), questions: chosen.len(), facts: base.len(), cells })
+    let contrasts = contrasts(&options.ks, &hits);
+    Ok(Report { options: options.clone(), questions: chosen.len(), facts: base.len(), cells, contrasts })
 }
 
 /// Attribution options for OpenBookQA.

@@ -307,6 +307,23 @@ pub fn write_openbookqa(out: &Path, report: &openbookqa::Report, info: &RunInfo)
         let last = report.cell(m, *ks.last().expect("non-empty")).expect("filled");
         writeln!(md, " {:.3} |", last.prepare_ms).expect("string");
     }
+    if !report.contrasts.is_empty() {
+        md.push_str("\nPaired differences on the same questions: how many more questions `a` gets right than `b` (points, ± 95% CI). An interval that excludes 0 resolves the comparison.\n\n| k | a | b | acc | acc_norm |\n|---:|---|---|---:|---:|\n");
+        for c in &report.contrasts {
+            writeln!(
+                md,
+                "| {} | {} | {} | {:+.1} ± {:.1} | {:+.1} ± {:.1} |",
+                c.k,
+                c.a,
+                c.b,
+                100.0 * c.acc_diff,
+                100.0 * c.acc_diff_ci95,
+                100.0 * c.acc_norm_diff,
+                100.0 * c.acc_norm_diff_ci95
+            )
+            .expect("string");
+        }
+    }
     write_all(out, serde_json::json!({ "run": info, "report": report }), &csv, &md, info)?;
     let series: Vec<Series> = methods
         .iter()
@@ -336,6 +353,12 @@ pub fn write_attribution(out: &Path, report: &attribution::Report, info: &RunInf
     for r in &report.rows {
         writeln!(csv, "{},{:.4},{:.4},{:.3}", r.rule, r.precision, r.ci95, r.ms_per_item).expect("string");
         writeln!(md, "| {} | {:.3} ± {:.3} | {:.1} |", r.rule, r.precision, r.ci95, r.ms_per_item).expect("string");
+    }
+    if !report.paired.is_empty() {
+        md.push_str("\nPaired on the same items: precision of `a` minus that of `b` (± 95% CI; an interval that excludes 0 resolves the comparison).\n\n| a | b | a − b |\n|---|---|---:|\n");
+        for p in &report.paired {
+            writeln!(md, "| {} | {} | {:+.3} ± {:.3} |", p.a, p.b, p.diff, p.ci95).expect("string");
+        }
     }
     write_all(out, serde_json::json!({ "run": info, "report": report }), &csv, &md, info)
 }

@@ -216,20 +216,9 @@ pub fn run(model: &Model, store: &Store, options: &Options, mut progress: impl F
     })
 }
 
-/// The comparisons the paper's claims rest on, where both methods were scored: every method
-/// against Naive and against Concat; PICASO-R against Soup, CASO and PICASO-S; CASO against Soup.
+/// The paper's comparisons ([`EvalMethod::claim_pairs`]) where both methods were scored.
 fn contrasts(ks: &[usize], losses: &HashMap<(EvalMethod, usize), Vec<f64>>, naive_loss: f64) -> Vec<Contrast> {
-    use picaso_model::Method::{Caso, PicasoR, PicasoS, Soup};
-    use EvalMethod::{Compose, Concat, Naive};
-    let mut pairs: Vec<(EvalMethod, EvalMethod)> = Vec::new();
-    for m in EvalMethod::ALL.into_iter().filter(|&m| m != Naive) {
-        pairs.push((m, Naive));
-        if m != Concat {
-            pairs.push((m, Concat));
-        }
-    }
-    pairs.extend([(Compose(PicasoR), Compose(Soup)), (Compose(PicasoR), Compose(Caso))]);
-    pairs.extend([(Compose(PicasoR), Compose(PicasoS)), (Compose(Caso), Compose(Soup))]);
+    let pairs = EvalMethod::claim_pairs();
     let mut out = Vec::new();
     for &k in ks {
         for &(a, b) in &pairs {
