@@ -239,6 +239,10 @@ fn order_fidelity_scaling_and_finetuned() {
     ]);
     let md = std::fs::read_to_string(ft.join("results.md")).unwrap();
     assert!(md.contains("| other | picaso-r |") && md.contains("| zero-shot | naive |"), "{md}");
+    // The second model against the first, paired: every method, and its PICASO-R against
+    // the first's Concat; OpenBookQA's acc_norm likewise.
+    assert!(md.contains("| other | naive | naive | ") && md.contains("| other | picaso-r | concat | "), "{md}");
+    assert!(md.contains("acc_norm of each model minus `zero-shot`'s"), "{md}");
     assert!(ft.join("other/wikitext/results.json").is_file() && ft.join("zero-shot/openbookqa/results.json").is_file());
 
     // Bad input.

@@ -278,6 +278,10 @@ pub struct Report {
     pub cells: Vec<Cell>,
     /// The paper's comparisons, paired on the same questions, per k.
     pub contrasts: Vec<Contrast>,
+    /// Per question, right (1) or not (0) by acc_norm, per (method, k), in the order scored
+    /// (Naive under k = 0): what pairs two models. Not written to results.json.
+    #[serde(skip)]
+    pub right_norm: HashMap<(EvalMethod, usize), Vec<f64>>,
 }
 
 /// Method `a` against method `b` on the same questions: the mean per-question difference of
@@ -395,7 +399,8 @@ pub fn run(
         }
     }
     let contrasts = contrasts(&options.ks, &hits);
-    Ok(Report { options: options.clone(), questions: chosen.len(), facts: base.len(), cells, contrasts })
+    let right_norm = hits.into_iter().map(|(key, h)| (key, h.1)).collect();
+    Ok(Report { options: options.clone(), questions: chosen.len(), facts: base.len(), cells, contrasts, right_norm })
 }
 
 /// Attribution options for OpenBookQA.

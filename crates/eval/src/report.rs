@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use crate::methods::EvalMethod;
 use crate::plot::{line_chart, Chart, Series};
+use crate::stats::paired_ci95;
 use crate::{attribution, context_use, fidelity, openbookqa, order, recall, wikitext, Error, Result};
 
 /// Where and how a result was made.
@@ -480,6 +481,77 @@ pub struct ModelResults<'a> {
     pub openbookqa: &'a openbookqa::Report,
 }
 
+/// Each later model against the first (the zero-shot one), paired on the same passages at the
+/// largest k: every method's loss, and the later model's PICASO-R against the
+/// first model's Concat (does fine-tuning close the gap?).
+fn finetuned_pairs(md: &mut String, models: &[ModelResults<'_>]) {
+    let Some((first, rest)) = models.split_first() else { return };
+    if rest.is_empty() {
+        return;
+    }
+    let k = first.wikitext.options.max_k();
+    let pct = 100.0 / first.wikitext.naive_loss;
+    writeln!(
+        md,
+        "\nPaired on the same passages at k={k}: how much lower each model's loss is than `{}`'s (nats/token and % of its Naive loss, ± 95% CI; an interval that excludes 0 resolves it).\n\n| model | method | against `{}`'s | gain (nats) | gain (%) |\n|---|---|---|---:|---:|",
+        first.name, first.name
+    )
+    .expect("string");
+    let picaso_r = EvalMethod::Compose(picaso_model::Method::PicasoR);
+    for m in rest {
+        let mut rows: Vec<(EvalMethod, EvalMethod)> =
+            methods_in(m.wikitext.cells.iter().map(|c| &c.method)).into_iter().map(|x| (x, x)).collect();
+        rows.push((picaso_r, EvalMethod::Concat));
+        for (mine, theirs) in rows {
+            let (Some(a), Some(b)) = (m.wikitext.losses.get(&(mine, k)), first.wikitext.losses.get(&(theirs, k)))
+            else {
+                continue;
+            };
+            if a.len() != b.len() {
+                continue;
+            }
+            let (gain, ci) = paired_ci95(b, a);
+            writeln!(
+                md,
+                "| {} | {mine} | {theirs} | {gain:+.4} ± {ci:.4} | {:+.2} ± {:.2} |",
+                m.name,
+                gain * pct,
+                ci * pct
+            )
+            .expect("string");
+        }
+    }
+}
+
+/// OpenBookQA's part of [`finetuned_pairs`]: acc_norm, paired on the same questions.
+fn finetuned_obqa_pairs(md: &mut String, models: &[ModelResults<'_>]) {
+    let Some((first, rest)) = models.split_first() else { return };
+    if rest.is_empty() {
+        return;
+    }
+    let kq = *first.openbookqa.options.ks.last().expect("non-empty");
+    writeln!(
+        md,
+        "\nOpenBookQA, paired on the same questions at k={kq}: acc_norm of each model minus `{}`'s (points, ± 95% CI).\n\n| model | method | a − b |\n|---|---|---:|",
+        first.name
+    )
+    .expect("string");
+    for m in rest {
+        for method in methods_in(m.openbookqa.cells.iter().map(|c| &c.method)) {
+            let key = (method, if method == EvalMethod::Naive { 0 } else { kq });
+            let (Some(a), Some(b)) = (m.openbookqa.right_norm.get(&key), first.openbookqa.right_norm.get(&key)) else {
+                continue;
+            };
+            if a.len() != b.len() {
+                continue;
+            }
+            let (d, ci) = paired_ci95(a, b);
+            writeln!(md, "| {} | {method} | {:+.1} ± {:.1} |", m.name, 100.0 * d, 100.0 * ci).expect("string");
+        }
+    }
+    md.push('\n');
+}
+
 /// Writes the fine-tuned-vs-zero-shot comparison into `out` (each model's own results are in
 /// sub-folders written by the other writers).
 pub fn write_finetuned(out: &Path, models: &[ModelResults<'_>], info: &RunInfo) -> Result<()> {
@@ -511,6 +583,7 @@ pub fn write_finetuned(out: &Path, models: &[ModelResults<'_>], info: &RunInfo) 
                 writeln!(md, "| {} | picaso-r share of concat's gain | | {:.0}% |", m.name, 100.0 * s).expect("string");
             }
         }
+        finetuned_pairs(&mut md, models);
         let q = first.openbookqa;
         let k = *q.options.ks.last().expect("non-empty");
         writeln!(md, "\n## OpenBookQA ({} questions): acc / acc_norm (%) at k={k}\n", q.questions).expect("string");
@@ -523,6 +596,7 @@ pub fn write_finetuned(out: &Path, models: &[ModelResults<'_>], info: &RunInfo) 
                 writeln!(csv, "{},openbookqa-acc_norm,{method},{},{:.4}", m.name, c.k, c.acc_norm).expect("string");
             }
         }
+        finetuned_obqa_pairs(&mut md, models);
     }
     let value = serde_json::json!({
         "run": info,

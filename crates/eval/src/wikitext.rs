@@ -73,6 +73,10 @@ pub struct Report {
     pub cells: Vec<Cell>,
     /// Paired comparisons on the same passages, per k.
     pub contrasts: Vec<Contrast>,
+    /// Every passage's loss per (method, k), in the order scored (Naive under every k): what
+    /// pairs two models run on the same passages. Not written to results.json.
+    #[serde(skip)]
+    pub losses: HashMap<(EvalMethod, usize), Vec<f64>>,
 }
 
 /// Method `a` against method `b` on the same passages: the mean per-passage loss difference
@@ -213,6 +217,7 @@ pub fn run(model: &Model, store: &Store, options: &Options, mut progress: impl F
         naive_ci95,
         cells,
         contrasts,
+        losses,
     })
 }
 
