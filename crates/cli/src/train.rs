@@ -675,9 +675,9 @@ fn loss_chart(
         .map(|c| (c.last().expect("chunks are non-empty").0, c.iter().map(|r| r.1).sum::<f64>() / c.len() as f64))
         .collect();
     let val: Vec<(f64, f64)> = rows.iter().filter_map(|r| r.2.map(|v| (r.0, v))).collect();
-    let mut series = vec![Series { name: names[0].into(), points: train }];
+    let mut series = vec![Series::line(names[0], train)];
     if !val.is_empty() {
-        series.push(Series { name: names[1].into(), points: val });
+        series.push(Series::line(names[1], val));
     }
     line_chart(path, chart, &series).with_context(|| format!("drawing {}", path.display()))
 }

@@ -172,10 +172,28 @@ fn plot_wikitext(out: &Path, report: &wikitext::Report, methods: &[EvalMethod]) 
     let by_k: Vec<Series> = methods
         .iter()
         .map(|&m| Series {
+            errors: Vec::new(),
             name: m.to_string(),
             points: report.cells.iter().filter(|c| c.method == m).map(|c| (c.k as f64, c.loss)).collect(),
         })
         .collect();
+    let gains: Vec<Series> = paired_gains(
+        methods,
+        |m, k| {
+            report
+                .contrasts
+                .iter()
+                .find(|c| c.a == m && c.b == EvalMethod::Naive && c.k == k)
+                .map(|c| (c.gain_pct, c.gain_pct_ci95))
+        },
+        &report.options.ks,
+    );
+    let title = format!("WikiText-2: loss reduction over Naive, paired 95% CI ({} passages)", report.passages);
+    line_chart(
+        &out.join("gain_vs_k.png"),
+        &Chart { title: &title, x: "k (segments)", y: "% of Naive's loss", log_x: false },
+        &gains,
+    )?;
     let title = format!("WikiText-2: continuation loss vs retrieved segments ({} passages)", report.passages);
     line_chart(
         &out.join("loss_vs_k.png"),
@@ -186,6 +204,7 @@ fn plot_wikitext(out: &Path, report: &wikitext::Report, methods: &[EvalMethod]) 
         .iter()
         .filter(|&&m| m != EvalMethod::Naive)
         .map(|&m| Series {
+            errors: Vec::new(),
             name: m.to_string(),
             points: report.cells.iter().filter(|c| c.method == m).map(|c| (c.prepare_ms, c.loss)).collect(),
         })
@@ -267,6 +286,29 @@ fn methods_in<'a>(cells: impl Iterator<Item = &'a EvalMethod>) -> Vec<EvalMethod
     out
 }
 
+/// One series per method (Naive left out) of its paired gain over Naive at each k with the
+/// interval's half-width (`gain(method, k)`), each method's points shifted a little along x so
+/// that the error bars of methods at the same k stay apart.
+fn paired_gains(
+    methods: &[EvalMethod],
+    gain: impl Fn(EvalMethod, usize) -> Option<(f64, f64)>,
+    ks: &[usize],
+) -> Vec<Series> {
+    let shown: Vec<EvalMethod> = methods.iter().copied().filter(|&m| m != EvalMethod::Naive).collect();
+    let step = ks.windows(2).map(|w| (w[1] - w[0]) as f64).fold(f64::MAX, f64::min).min(1.0);
+    let step = if step == f64::MAX { 1.0 } else { step };
+    shown
+        .iter()
+        .enumerate()
+        .map(|(i, &m)| {
+            let shift = (i as f64 - (shown.len() as f64 - 1.0) / 2.0) * 0.5 * step / shown.len().max(1) as f64;
+            let (points, errors) =
+                ks.iter().filter_map(|&k| gain(m, k).map(|(g, e)| ((k as f64 + shift, g), e))).unzip();
+            Series { name: m.to_string(), points, errors }
+        })
+        .collect()
+}
+
 /// Writes the OpenBookQA accuracy experiment into `out`.
 pub fn write_openbookqa(out: &Path, report: &openbookqa::Report, info: &RunInfo) -> Result<()> {
     let mut csv = String::from("method,k,acc,acc_ci95,acc_norm,acc_norm_ci95,prepare_ms,tokens_processed\n");
@@ -329,6 +371,7 @@ pub fn write_openbookqa(out: &Path, report: &openbookqa::Report, info: &RunInfo)
     let series: Vec<Series> = methods
         .iter()
         .map(|&m| Series {
+            errors: Vec::new(),
             name: m.to_string(),
             points: ks.iter().map(|&k| (k as f64, 100.0 * report.cell(m, k).expect("filled").acc_norm)).collect(),
         })
@@ -337,6 +380,23 @@ pub fn write_openbookqa(out: &Path, report: &openbookqa::Report, info: &RunInfo)
         &out.join("acc_norm_vs_k.png"),
         &Chart { title: "OpenBookQA: acc_norm vs retrieved facts", x: "k (facts)", y: "acc_norm (%)", log_x: false },
         &series,
+    )?;
+    let gains = paired_gains(
+        &methods,
+        |m, k| {
+            report
+                .contrasts
+                .iter()
+                .find(|c| c.a == m && c.b == EvalMethod::Naive && c.k == k)
+                .map(|c| (100.0 * c.acc_norm_diff, 100.0 * c.acc_norm_diff_ci95))
+        },
+        ks,
+    );
+    let title = format!("OpenBookQA: acc_norm over Naive, paired 95% CI ({} questions)", report.questions);
+    line_chart(
+        &out.join("gain_vs_k.png"),
+        &Chart { title: &title, x: "k (facts)", y: "points over Naive", log_x: false },
+        &gains,
     )
 }
 
@@ -396,6 +456,7 @@ pub fn write_order(out: &Path, report: &order::Report, info: &RunInfo) -> Result
     let series: Vec<Series> = names
         .iter()
         .map(|&m| Series {
+            errors: Vec::new(),
             name: m.to_string(),
             points: report.rows.iter().filter(|r| r.method == m).map(|r| (r.n as f64, r.range)).collect(),
         })
@@ -455,6 +516,7 @@ pub fn write_fidelity(out: &Path, report: &fidelity::Report, info: &RunInfo) -> 
     let series: Vec<Series> = methods
         .iter()
         .map(|&m| Series {
+            errors: Vec::new(),
             name: m.to_string(),
             points: report.rows.iter().filter(|r| r.method == m).map(|r| (r.k as f64, r.kl)).collect(),
         })
@@ -727,6 +789,7 @@ pub fn write_recall(out: &Path, runs: &[RecallRun<'_>], paired: &[recall::Paired
         let series: Vec<Series> = methods
             .iter()
             .map(|&m| Series {
+                errors: Vec::new(),
                 name: m.to_string(),
                 points: r.cells.iter().filter(|c| c.method == m).map(|c| (c.k as f64, pct(c.exact))).collect(),
             })
@@ -740,6 +803,7 @@ pub fn write_recall(out: &Path, runs: &[RecallRun<'_>], paired: &[recall::Paired
         let series: Vec<Series> = methods
             .iter()
             .map(|&m| Series {
+                errors: Vec::new(),
                 name: m.to_string(),
                 points: r
                     .positions
