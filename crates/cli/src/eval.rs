@@ -416,6 +416,7 @@ fn run_wikitext(
     ks: Vec<usize>,
     methods: &[EvalMethod],
     s: &Sampling,
+    out: &std::path::Path,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<picaso_eval::wikitext::Report> {
     let options = picaso_eval::wikitext::Options {
@@ -424,8 +425,23 @@ fn run_wikitext(
         sample: s.sample,
         seed: s.seed,
         restate: s.restate,
+        journal: Some(journal(out)),
     };
     Ok(picaso_eval::wikitext::run(model, store, &options, progress)?)
+}
+
+/// Where an experiment journals its finished passages, so that a stopped run resumes: in its
+/// results folder until the report is written.
+fn journal(out: &std::path::Path) -> PathBuf {
+    out.join("journal.jsonl")
+}
+
+/// Removes a finished run's journal (its results are in the report now).
+fn finish_journal(out: &std::path::Path) -> Result<()> {
+    match std::fs::remove_file(journal(out)) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e.into()),
+        _ => Ok(()),
+    }
 }
 
 /// An experiment over a store of halves: loads the model and the store, runs `run` with a
@@ -442,6 +458,7 @@ fn store_experiment<R>(
     let store = open_store(data, &model)?;
     let r = with_progress("passages", |p| run(&model, &store, p))?;
     write(out, &r, &report::RunInfo::collect(started))?;
+    finish_journal(out)?;
     print_results(out)
 }
 
@@ -451,7 +468,7 @@ fn wikitext(a: WikitextArgs) -> Result<()> {
         &a.data,
         &a.model,
         &a.out,
-        |m, s, p| run_wikitext(m, s, ks, &a.methods, &a.sampling, p),
+        |m, s, p| run_wikitext(m, s, ks, &a.methods, &a.sampling, &a.out, p),
         report::write_wikitext,
     )
 }
@@ -461,7 +478,7 @@ fn scaling(a: ScalingArgs) -> Result<()> {
         &a.data,
         &a.model,
         &a.out,
-        |m, s, p| run_wikitext(m, s, a.ks.clone(), &a.methods, &a.sampling, p),
+        |m, s, p| run_wikitext(m, s, a.ks.clone(), &a.methods, &a.sampling, &a.out, p),
         report::write_wikitext,
     )
 }
@@ -591,10 +608,12 @@ fn finetuned(a: FinetunedArgs) -> Result<()> {
         let margs = ModelArgs::for_dir(dir);
         let model = crate::load_model(&margs, true)?;
         let store = open_store(&a.data, &model)?;
+        let wt = a.out.join(name).join("wikitext");
         let w = with_progress("passages", |p| {
-            run_wikitext(&model, &store, (1..=a.max_k).collect(), &a.methods, &sampling, p)
+            run_wikitext(&model, &store, (1..=a.max_k).collect(), &a.methods, &sampling, &wt, p)
         })?;
-        report::write_wikitext(&a.out.join(name).join("wikitext"), &w, &report::RunInfo::collect(started))?;
+        report::write_wikitext(&wt, &w, &report::RunInfo::collect(started))?;
+        finish_journal(&wt)?;
         let options = picaso_eval::openbookqa::Options {
             ks: a.obqa_ks.clone(),
             methods: a.methods.clone(),

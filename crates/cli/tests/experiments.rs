@@ -215,6 +215,37 @@ fn order_fidelity_scaling_and_finetuned() {
     ok(&["eval", "scaling", "--db", db_s, "--model", m, "--out", sc.to_str().unwrap(), "--ks", "1,4"]);
     let md = std::fs::read_to_string(sc.join("results.md")).unwrap();
     assert!(md.contains("| k=4 |") && md.contains("speed-up"), "{md}");
+    assert!(!sc.join("journal.jsonl").exists(), "a finished run's journal is removed");
+
+    // A stopped run resumes from its journal. Here the report cannot be written (results.md is
+    // a folder), so the journal of every scored passage stays; a run with the same settings
+    // then takes its passages from it instead of scoring them again.
+    let wk = tmp.path().join("wikitext-resume");
+    std::fs::create_dir_all(wk.join("results.md")).unwrap();
+    let args = ["eval", "wikitext", "--db", db_s, "--model", m, "--out", wk.to_str().unwrap(), "--ks", "1,2"];
+    assert!(!run(&args).0, "the report cannot be written");
+    let journal = wk.join("journal.jsonl");
+    let text = std::fs::read_to_string(&journal).unwrap();
+    let mut lines: Vec<String> = text.lines().map(String::from).collect();
+    let passages = lines.len() - 1;
+    assert!(passages >= 2, "{text}");
+    // Mark the first passage's Naive loss, and tear a last line as a kill mid-write would.
+    let mut first: serde_json::Value = serde_json::from_str(&lines[1]).unwrap();
+    first["naive"] = serde_json::json!(1000.0);
+    lines[1] = first.to_string();
+    std::fs::write(&journal, lines.join("\n") + "\n" + "{\"query_tok").unwrap();
+    std::fs::remove_dir(wk.join("results.md")).unwrap();
+    ok(&args);
+    let naive = results(&wk)["report"]["naive_loss"].as_f64().unwrap();
+    assert!(naive > 1000.0 / passages as f64, "the journaled passage was not scored again: naive {naive}");
+    assert!(!journal.exists());
+    // A journal of other settings is refused, with what to do.
+    std::fs::remove_file(wk.join("results.md")).unwrap();
+    std::fs::create_dir_all(wk.join("results.md")).unwrap();
+    assert!(!run(&args).0);
+    std::fs::remove_dir(wk.join("results.md")).unwrap();
+    let other = ["eval", "wikitext", "--db", db_s, "--model", m, "--out", wk.to_str().unwrap(), "--ks", "1,3"];
+    fails(&other, "delete it to start over");
 
     let other = text_model(4).unwrap();
     let ft = tmp.path().join("ft");

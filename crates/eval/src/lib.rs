@@ -20,6 +20,7 @@ pub mod attribution;
 pub mod context_use;
 pub mod database;
 pub mod fidelity;
+pub mod journal;
 pub mod methods;
 pub mod msmarco;
 pub mod openbookqa;

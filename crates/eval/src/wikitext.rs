@@ -31,6 +31,20 @@ pub struct Options {
     /// reading the stored states (to evaluate another model, e.g. a fine-tuned one, on a store
     /// ingested once: retrieval uses the stored embeddings, which do not depend on the model).
     pub restate: bool,
+    /// Journal every scored passage here, and resume from what it holds (a long run that is
+    /// stopped goes on where it was; see [`crate::journal`]).
+    #[serde(skip)]
+    pub journal: Option<std::path::PathBuf>,
+}
+
+/// One passage's results, as journaled.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct Scored {
+    query_tokens: usize,
+    continuation_tokens: usize,
+    naive: f64,
+    /// (method, k, loss, seconds to make the state, tokens processed to make it).
+    cells: Vec<(String, usize, f64, f64, usize)>,
 }
 
 /// One (method, k) cell of the table.
@@ -156,24 +170,39 @@ pub fn run(model: &Model, store: &Store, options: &Options, mut progress: impl F
     let (mut q_tokens, mut c_tokens) = (0usize, 0usize);
     let mut contexts = Contexts::new(store, options.restate);
     let cap = cache_cap(model);
+    let (mut journal, mut resumed) = match &options.journal {
+        Some(path) => {
+            let header = serde_json::json!({
+                "experiment": "wikitext",
+                "model": model.fingerprint(),
+                "options": options,
+                "queries": chosen.iter().map(|p| p.query).collect::<Vec<_>>(),
+            });
+            let (j, done) = crate::journal::Journal::open::<Scored>(path, &header)?;
+            (Some(j), done.into_iter())
+        }
+        None => (None, Vec::new().into_iter()),
+    };
     for (done, passage) in chosen.iter().enumerate() {
-        let query = store.get(passage.query)?.tokens;
-        let continuation = store.get(passage.continuation)?.tokens;
-        q_tokens += query.len();
-        c_tokens += continuation.len();
-        naive.push(continuation_nll(model, &model.zero_state(), &query, &continuation)?);
-        let ids: Vec<i64> = retrieve(store, passage, options.max_k())?.into_iter().map(|(id, _)| id).collect();
-        contexts.load(model, &ids, cap)?;
-        let retrieved = contexts.get(&ids);
-        for &k in &options.ks {
-            for &method in &methods {
-                let started = start_state(model, method, &retrieved[..k])?;
-                let nll = continuation_nll(model, &started.state, &query, &continuation)?;
-                losses.entry((method, k)).or_default().push(nll);
-                let c = costs.entry((method, k)).or_default();
-                c.0 += started.seconds;
-                c.1 += started.tokens_processed as f64;
+        let scored = match resumed.next() {
+            Some(s) => s,
+            None => {
+                let s = score_passage(model, store, passage, options, &methods, &mut contexts, cap)?;
+                if let Some(j) = journal.as_mut() {
+                    j.append(&s)?;
+                }
+                s
             }
+        };
+        q_tokens += scored.query_tokens;
+        c_tokens += scored.continuation_tokens;
+        naive.push(scored.naive);
+        for (name, k, nll, seconds, tokens) in scored.cells {
+            let method: EvalMethod = name.parse().map_err(Error::Input)?;
+            losses.entry((method, k)).or_default().push(nll);
+            let c = costs.entry((method, k)).or_default();
+            c.0 += seconds;
+            c.1 += tokens as f64;
         }
         progress(done + 1, chosen.len());
     }
@@ -219,6 +248,33 @@ pub fn run(model: &Model, store: &Store, options: &Options, mut progress: impl F
         contrasts,
         losses,
     })
+}
+
+/// Scores one passage: Naive, then every method at every k from its retrieved contexts.
+fn score_passage(
+    model: &Model,
+    store: &Store,
+    passage: &Passage,
+    options: &Options,
+    methods: &[EvalMethod],
+    contexts: &mut Contexts<'_>,
+    cap: usize,
+) -> Result<Scored> {
+    let query = store.get(passage.query)?.tokens;
+    let continuation = store.get(passage.continuation)?.tokens;
+    let naive = continuation_nll(model, &model.zero_state(), &query, &continuation)?;
+    let ids: Vec<i64> = retrieve(store, passage, options.max_k())?.into_iter().map(|(id, _)| id).collect();
+    contexts.load(model, &ids, cap)?;
+    let retrieved = contexts.get(&ids);
+    let mut cells = Vec::new();
+    for &k in &options.ks {
+        for &method in methods {
+            let started = start_state(model, method, &retrieved[..k])?;
+            let nll = continuation_nll(model, &started.state, &query, &continuation)?;
+            cells.push((method.to_string(), k, nll, started.seconds, started.tokens_processed));
+        }
+    }
+    Ok(Scored { query_tokens: query.len(), continuation_tokens: continuation.len(), naive, cells })
 }
 
 /// The paper's comparisons ([`EvalMethod::claim_pairs`]) where both methods were scored.
