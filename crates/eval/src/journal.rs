@@ -35,12 +35,12 @@ impl Journal {
         let mut good_len = 0u64;
         if path.exists() {
             let reader = BufReader::new(File::open(path).map_err(|e| io(path, e))?);
-            let mut lines = reader.split(b'\n');
+            let lines = reader.split(b'\n');
             let mut first = true;
             let total = std::fs::metadata(path).map_err(|e| io(path, e))?.len();
-            while let Some(line) = lines.next() {
+            for line in lines {
                 let line = line.map_err(|e| io(path, e))?;
-                let complete = good_len + line.len() as u64 + 1 <= total;
+                let complete = good_len + (line.len() as u64) < total; // its newline is there
                 if first && !complete {
                     break; // the header itself was torn: start over
                 }
