@@ -9,7 +9,8 @@
 #    the bundled model (RUNS/db-train): the first TRAIN_ARTICLES (120) of its 629 articles, with
 #    bf16 state files (a state of the bundled model is 2.1 MiB in f32: all ~35,000 halves of the
 #    split would need 37 GB of disk in bf16, 74 GB in f32);
-# 2. BP2C and BPTC on it (models/training/finetune-wikitext.json: k drawn from 0..10);
+# 2. BP2C and BPTC on it (models/training/finetune-wikitext.json: k drawn from 0..10), two
+#    examples per forward pass (a batch of 8 at k = 10 in one BPTC pass would hold 24 GB);
 # 3. a store of the raw *test* split (RUNS/db-test) and `eval finetuned`: zero-shot vs BPTC vs
 #    BP2C on the same test passages, paired, into results/finetuned.
 # RUNS defaults to /work/runs/ft-wikitext; DATA to ../shared/data (WikiText-2 and MiniLM; see
@@ -32,7 +33,7 @@ awk -v n="$TRAIN_ARTICLES" '/^ = [^=].* = $/ { a++ } a <= n' "$D/wikitext-2/wiki
 $P ingest --db "$RUNS/db-train" --embedder "$E" --wikitext "$train" --segment halves --state-dtype bf16
 for objective in bp2c bptc; do   # a finished run resumes to its end at once
   $P train compose --objective $objective --db "$RUNS/db-train" \
-    --config models/training/finetune-wikitext.json --out "$RUNS/$objective"
+    --config models/training/finetune-wikitext.json --micro-batch 2 --out "$RUNS/$objective"
 done
 $P ingest --db "$RUNS/db-test" --embedder "$E" --wikitext "$D/wikitext-2/wiki.test.raw.crlf_nonempty" --segment halves
 $P eval finetuned --db "$RUNS/db-test" --embedder "$E" --obqa "$D/openbookqa" \

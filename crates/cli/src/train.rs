@@ -58,6 +58,11 @@ pub struct ComposeArgs {
     /// Stop after this many steps in this call (the run resumes later).
     #[arg(long)]
     stop_after: Option<u64>,
+    /// Examples per forward pass (default: the whole batch). The gradients of a batch's
+    /// micro-batches are summed, so the steps are the same; a smaller value needs less memory
+    /// (BPTC of the bundled model at k = 10 holds 24 GB for a batch of 8 in one pass).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    micro_batch: Option<u64>,
     /// Recompute the contexts' states with --model from the stored tokens (a store ingested
     /// by another model with the same tokenizer; retrieval uses the stored embeddings). The
     /// result equals a store this model ingested.
@@ -755,7 +760,7 @@ fn recall_examples(
     r: &RecallEpisodes,
 ) -> Result<picaso_train::compose::Dataset> {
     use picaso_eval::recall::Task;
-    use picaso_train::compose::{ContextItem, Dataset, Example};
+    use picaso_train::compose::{ContextItem, ContextState, Dataset, Example};
     let tok = model.tokenizer()?;
     let task = Task::synthetic_from_vocab(&tok.inner().get_vocab(true), r.facts)?;
     let mut data = Dataset { contexts: Vec::new(), train: Vec::new(), val: Vec::new() };
@@ -772,7 +777,7 @@ fn recall_examples(
         let mut contexts = Vec::with_capacity(ep.contexts.len());
         for j in std::iter::once(c).chain((0..ep.contexts.len()).filter(|&j| j != c)) {
             let tokens = tok.encode(&task.context_text(&ep.contexts[j]))?;
-            let state = model.prefill(&tokens, &model.zero_state())?;
+            let state = ContextState::Held(model.prefill(&tokens, &model.zero_state())?);
             contexts.push(data.contexts.len());
             data.contexts.push(ContextItem { tokens, state });
         }
@@ -807,8 +812,8 @@ fn store_examples(
     f: &ComposeFile,
     restate: bool,
 ) -> Result<picaso_train::compose::Dataset> {
-    use picaso_train::compose::{ContextItem, Dataset, Example};
-    let store = picaso_store::Store::open(db.location()?)?;
+    use picaso_train::compose::{ContextItem, ContextState, Dataset, Example};
+    let store = std::rc::Rc::new(picaso_store::Store::open(db.location()?)?);
     if store.info().fingerprint != model.fingerprint() && !restate {
         bail!(
             "--db {}: its states were made by model {}, not by the model being fine-tuned ({}); ingest the passages with this model, or pass --restate to recompute them",
@@ -835,8 +840,14 @@ fn store_examples(
             let at = *slot.entry(id).or_insert(next);
             if at == next {
                 let tokens = store.get(id)?.tokens;
-                let state =
-                    if restate { model.prefill(&tokens, &model.zero_state())? } else { store.load_state(id)? };
+                let state = if restate {
+                    ContextState::Held(model.prefill(&tokens, &model.zero_state())?)
+                } else {
+                    let store = store.clone();
+                    ContextState::Read(std::rc::Rc::new(move || {
+                        store.load_state(id).map_err(|e| candle_core::Error::Msg(format!("reading a context's state: {e}")))
+                    }))
+                };
                 data.contexts.push(ContextItem { tokens, state });
             }
             contexts.push(at);
@@ -904,7 +915,8 @@ fn fit_compose(
             .expect("valid template"),
     );
     let plain = bar.is_hidden();
-    let history = finetune(&config, &weights, data, &a.out, a.stop_after, |r| {
+    let micro = a.micro_batch.map_or(config.batch, |m| m as usize);
+    let history = finetune(&config, &weights, data, &a.out, a.stop_after, micro, |r| {
         bar.set_position(r.step);
         let val = r.val_loss.map(|v| format!(" · val {v:.3}")).unwrap_or_default();
         let msg = format!("k {} · loss {:.3}{val} · {:.2} s/step", r.k, r.loss, r.step_seconds);

@@ -11,9 +11,12 @@
 //! Batches are a pure function of (seed, step), like pretraining, so a resumed run replays the
 //! uninterrupted one; k is drawn uniformly from 0..=max_k per batch.
 
+use std::borrow::Cow;
 use std::path::Path;
+use std::rc::Rc;
 use std::time::Instant;
 
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor};
 use picaso_model::{Mamba2Config, Mamba2Weights, State};
 use rand::{Rng, SeedableRng};
@@ -51,7 +54,36 @@ pub struct ContextItem {
     /// Token ids.
     pub tokens: Vec<u32>,
     /// The stored state after them.
-    pub state: State,
+    pub state: ContextState,
+}
+
+/// Where a context's state comes from when a BP2C step needs it.
+#[derive(Clone)]
+pub enum ContextState {
+    /// Held in memory (generated episodes, recomputed states).
+    Held(State),
+    /// Read again at each use: a store's thousands of states do not fit in memory (the bundled
+    /// model's 5,486 WikiText-2 train contexts are 11.5 GB in f32), and BPTC never reads them.
+    Read(Rc<dyn Fn() -> Result<State>>),
+}
+
+impl ContextState {
+    /// The state, borrowed when held, read when stored.
+    pub fn get(&self) -> Result<Cow<'_, State>> {
+        match self {
+            Self::Held(s) => Ok(Cow::Borrowed(s)),
+            Self::Read(read) => Ok(Cow::Owned(read()?)),
+        }
+    }
+}
+
+impl std::fmt::Debug for ContextState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Held(s) => f.debug_tuple("Held").field(&s.fingerprint).finish(),
+            Self::Read(_) => f.write_str("Read"),
+        }
+    }
 }
 
 /// One training example.
@@ -215,7 +247,8 @@ fn composed(
             net.context_states(&lists, 16)?
         }
         Objective::Bp2c => {
-            let refs: Vec<&State> = ids.iter().map(|&i| &data.contexts[i].state).collect();
+            let states: Vec<Cow<'_, State>> = ids.iter().map(|&i| data.contexts[i].state.get()).collect::<Result<_>>()?;
+            let refs: Vec<&State> = states.iter().map(|s| s.as_ref()).collect();
             TrainState::from_states(&refs, net.dtype(), net.device())?
         }
     };
@@ -229,10 +262,11 @@ pub fn eval_loss(
     examples: &[Example],
     k: usize,
     objective: Objective,
+    micro_batch: usize,
 ) -> Result<f64> {
     let mut total = 0.0;
     let mut count = 0usize;
-    for chunk in examples.chunks(8) {
+    for chunk in examples.chunks(micro_batch.max(1)) {
         let refs: Vec<&Example> = chunk.iter().collect();
         let init = composed(net, data, &refs, k, objective)?;
         let (x, y) = query_batch(&refs, net.device())?;
@@ -244,6 +278,61 @@ pub fn eval_loss(
     Ok(total / count.max(1) as f64)
 }
 
+/// The mean continuation loss of `examples` at `k` and its gradients, `micro_batch` examples
+/// per forward pass. Each micro-batch's loss is weighted by its share of the batch's counted
+/// tokens and the gradients are summed, so the step is the one of a single pass over the
+/// batch, while the autograd graph held at once shrinks by batch / micro_batch (BPTC at k = 10
+/// and batch 8 holds 24 GB in one pass for the bundled model).
+fn batch_gradients(
+    net: &TrainMamba2,
+    data: &Dataset,
+    examples: &[&Example],
+    k: usize,
+    objective: Objective,
+    micro_batch: usize,
+) -> Result<(f64, GradStore)> {
+    let parts: Vec<&[&Example]> = examples.chunks(micro_batch.max(1)).collect();
+    let batches = parts
+        .iter()
+        .map(|part| {
+            let (x, y) = query_batch(part, net.device())?;
+            let n = y.iter().filter(|&&t| t != IGNORE).count();
+            Ok((x, y, n))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let total: usize = batches.iter().map(|b| b.2).sum();
+    if total == 0 {
+        candle_core::bail!("a batch with no continuation tokens to score");
+    }
+    let mut loss_sum = 0.0;
+    let mut summed: Option<GradStore> = None;
+    for (part, (x, y, n)) in parts.iter().zip(&batches) {
+        if *n == 0 {
+            continue;
+        }
+        let share = *n as f64 / total as f64;
+        let init = composed(net, data, part, k, objective)?;
+        let (loss, _) = net.loss(x, y, init.as_ref())?;
+        loss_sum += loss.to_dtype(DType::F64)?.to_scalar::<f64>()? * share;
+        let grads = (loss * share)?.backward()?;
+        summed = Some(match summed {
+            None => grads,
+            Some(mut acc) => {
+                for var in net.vars() {
+                    let Some(g) = grads.get(var.as_tensor()) else { continue };
+                    let sum = match acc.get(var.as_tensor()) {
+                        Some(prev) => (prev + g)?,
+                        None => g.clone(),
+                    };
+                    acc.insert(var.as_tensor(), sum);
+                }
+                acc
+            }
+        });
+    }
+    Ok((loss_sum, summed.expect("a batch with counted tokens has a micro-batch")))
+}
+
 /// (examples, k) of step `step`.
 fn batch_at<'a>(data: &'a Dataset, cfg: &ComposeConfig, step: u64) -> (Vec<&'a Example>, usize) {
     let mut rng = rand::rngs::StdRng::seed_from_u64(cfg.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ step);
@@ -253,13 +342,16 @@ fn batch_at<'a>(data: &'a Dataset, cfg: &ComposeConfig, step: u64) -> (Vec<&'a E
 }
 
 /// Fine-tunes `weights` (or resumes `out/checkpoint`) until `config.steps` or `stop_after`
-/// steps in this call; `on_row` after each step. Returns the log.
+/// steps in this call; `on_row` after each step. Returns the log. `micro_batch` examples go
+/// through the model at once (the steps are the same for any value, to float rounding; a
+/// smaller one needs less memory).
 pub fn finetune(
     config: &ComposeConfig,
     weights: &Mamba2Weights,
     data: &Dataset,
     out: &Path,
     stop_after: Option<u64>,
+    micro_batch: usize,
     mut on_row: impl FnMut(&ComposeRow),
 ) -> Result<Vec<ComposeRow>> {
     let device = Device::Cpu;
@@ -296,10 +388,7 @@ pub fn finetune(
     while state.step < config.steps && stop_after.is_none_or(|n| ran < n) {
         let t0 = Instant::now();
         let (examples, k) = batch_at(data, config, state.step);
-        let init = composed(&net, data, &examples, k, config.objective)?;
-        let (x, y) = query_batch(&examples, &device)?;
-        let (loss, _) = net.loss(&x, &y, init.as_ref())?;
-        let grads = loss.backward()?;
+        let (loss, grads) = batch_gradients(&net, data, &examples, k, config.objective, micro_batch)?;
         let grad_norm = opt.grad_norm(&grads)?;
         let scale = if grad_norm > config.clip { config.clip / grad_norm } else { 1.0 };
         let lr = lr_at(state.step, config.warmup, config.steps, config.lr, config.min_lr);
@@ -309,14 +398,14 @@ pub fn finetune(
         ran += 1;
         let last = state.step == config.steps;
         let val_loss = if !data.val.is_empty() && (state.step % config.val_every == 0 || last) {
-            Some(eval_loss(&net, data, &data.val, config.val_k, Objective::Bptc)?)
+            Some(eval_loss(&net, data, &data.val, config.val_k, Objective::Bptc, micro_batch)?)
         } else {
             None
         };
         let row = ComposeRow {
             step: state.step,
             k,
-            loss: loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
+            loss,
             val_loss,
             lr,
             grad_norm,

@@ -5,7 +5,7 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 use picaso_model::{compose, Mamba2Config, Mamba2Weights, Method, Model, State};
-use picaso_train::compose::{finetune, picaso_r, ComposeConfig, ContextItem, Dataset, Example, Objective};
+use picaso_train::compose::{finetune, picaso_r, ComposeConfig, ContextItem, ContextState, Dataset, Example, Objective};
 use picaso_train::{TrainMamba2, TrainState};
 use rand::{Rng, SeedableRng};
 
@@ -100,7 +100,7 @@ fn dataset(m: &Model) -> Dataset {
         .map(|i| {
             let t = tokens(4 + i % 5, 48, 100 + i as u64);
             let state = m.prefill(&t, &m.zero_state()).unwrap();
-            ContextItem { tokens: t, state }
+            ContextItem { tokens: t, state: ContextState::Held(state) }
         })
         .collect();
     let example = |i: u64| Example {
@@ -139,9 +139,9 @@ fn a_resumed_finetune_equals_an_uninterrupted_one() {
     for objective in [Objective::Bptc, Objective::Bp2c] {
         let cfg = config(&c, objective);
         let tmp = tempfile::tempdir().unwrap();
-        let full = finetune(&cfg, &w, &data, &tmp.path().join("a"), None, |_| {}).unwrap();
-        finetune(&cfg, &w, &data, &tmp.path().join("b"), Some(3), |_| {}).unwrap();
-        let resumed = finetune(&cfg, &w, &data, &tmp.path().join("b"), None, |_| {}).unwrap();
+        let full = finetune(&cfg, &w, &data, &tmp.path().join("a"), None, usize::MAX, |_| {}).unwrap();
+        finetune(&cfg, &w, &data, &tmp.path().join("b"), Some(3), usize::MAX, |_| {}).unwrap();
+        let resumed = finetune(&cfg, &w, &data, &tmp.path().join("b"), None, usize::MAX, |_| {}).unwrap();
         // Equal up to float rounding: the CPU sums' association can depend on buffer alignment,
         // so the last bits of a gradient norm may differ between two identical runs.
         assert_eq!(full.len(), resumed.len());
@@ -168,7 +168,35 @@ fn a_resumed_finetune_equals_an_uninterrupted_one() {
         }
         assert!(max_diff(&wa.embedding, &wb.embedding) < 1e-6);
         let other = ComposeConfig { lr: 1e-3, ..cfg.clone() };
-        assert!(finetune(&other, &w, &data, &tmp.path().join("b"), None, |_| {}).is_err());
+        assert!(finetune(&other, &w, &data, &tmp.path().join("b"), None, usize::MAX, |_| {}).is_err());
+    }
+}
+
+/// Micro-batches change the memory a step holds, not the step: the losses, gradient norms
+/// and weights of a run one example per pass equal those of whole-batch passes.
+#[test]
+fn micro_batches_take_the_same_steps_as_whole_batches() {
+    let (c, w, m) = setup();
+    let data = dataset(&m);
+    for objective in [Objective::Bptc, Objective::Bp2c] {
+        let cfg = config(&c, objective);
+        assert!(cfg.batch > 1, "the test needs several examples per batch");
+        let tmp = tempfile::tempdir().unwrap();
+        let whole = finetune(&cfg, &w, &data, &tmp.path().join("whole"), None, cfg.batch, |_| {}).unwrap();
+        let micro = finetune(&cfg, &w, &data, &tmp.path().join("micro"), None, 1, |_| {}).unwrap();
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-5 * a.abs().max(1.0);
+        for (x, y) in whole.iter().zip(&micro) {
+            assert_eq!((x.step, x.k), (y.step, y.k));
+            assert!(close(x.loss, y.loss) && close(x.grad_norm, y.grad_norm), "{objective:?}: {x:?} vs {y:?}");
+            if let (Some(a), Some(b)) = (x.val_loss, y.val_loss) {
+                assert!(close(a, b), "{objective:?} step {}: {a} vs {b}", x.step);
+            }
+        }
+        let wa = Mamba2Weights::load(&tmp.path().join("whole/checkpoint"), &c).unwrap();
+        let wb = Mamba2Weights::load(&tmp.path().join("micro/checkpoint"), &c).unwrap();
+        for (x, y) in wa.layers.iter().zip(&wb.layers) {
+            assert!(max_diff(&x.in_proj, &y.in_proj) < 1e-5, "{objective:?}: the same weights");
+        }
     }
 }
 
@@ -189,7 +217,8 @@ fn bptc_differentiates_the_context_states_and_bp2c_does_not() {
                 net.context_states(&lists, 4).unwrap()
             }
             Objective::Bp2c => {
-                let refs: Vec<&State> = ids.iter().map(|&i| &data.contexts[i].state).collect();
+                let held: Vec<_> = ids.iter().map(|&i| data.contexts[i].state.get().unwrap()).collect();
+                let refs: Vec<&State> = held.iter().map(|s| s.as_ref()).collect();
                 TrainState::from_states(&refs, DType::F32, &Device::Cpu).unwrap()
             }
         };
