@@ -38,4 +38,4 @@ done
 $P ingest --db "$RUNS/db-test" --embedder "$E" --wikitext "$D/wikitext-2/wiki.test.raw.crlf_nonempty" --segment halves
 $P eval finetuned --db "$RUNS/db-test" --embedder "$E" --obqa "$D/openbookqa" \
   --models "zero-shot=models/picaso-mamba2,bptc=$RUNS/bptc/model,bp2c=$RUNS/bp2c/model" \
-  --sample "$SAMPLE" --seed 0 --out results/finetuned
+  --obqa-ks 10 --sample "$SAMPLE" --seed 0 --out results/finetuned
