@@ -845,7 +845,9 @@ fn store_examples(
                 } else {
                     let store = store.clone();
                     ContextState::Read(std::rc::Rc::new(move || {
-                        store.load_state(id).map_err(|e| candle_core::Error::Msg(format!("reading a context's state: {e}")))
+                        store
+                            .load_state(id)
+                            .map_err(|e| candle_core::Error::Msg(format!("reading a context's state: {e}")))
                     }))
                 };
                 data.contexts.push(ContextItem { tokens, state });

@@ -247,7 +247,8 @@ fn composed(
             net.context_states(&lists, 16)?
         }
         Objective::Bp2c => {
-            let states: Vec<Cow<'_, State>> = ids.iter().map(|&i| data.contexts[i].state.get()).collect::<Result<_>>()?;
+            let states: Vec<Cow<'_, State>> =
+                ids.iter().map(|&i| data.contexts[i].state.get()).collect::<Result<_>>()?;
             let refs: Vec<&State> = states.iter().map(|s| s.as_ref()).collect();
             TrainState::from_states(&refs, net.dtype(), net.device())?
         }

@@ -5,7 +5,9 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 use picaso_model::{compose, Mamba2Config, Mamba2Weights, Method, Model, State};
-use picaso_train::compose::{finetune, picaso_r, ComposeConfig, ContextItem, ContextState, Dataset, Example, Objective};
+use picaso_train::compose::{
+    finetune, picaso_r, ComposeConfig, ContextItem, ContextState, Dataset, Example, Objective,
+};
 use picaso_train::{TrainMamba2, TrainState};
 use rand::{Rng, SeedableRng};
 
