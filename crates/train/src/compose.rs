@@ -208,9 +208,9 @@ pub fn picaso_r(states: &TrainState, b: usize, k: usize) -> Result<TrainState> {
     Ok(out)
 }
 
-/// Tokens (B, T) of query+continuation right-padded, and targets with only the continuation
-/// counted.
-fn query_batch(examples: &[&Example], device: &Device) -> Result<(Tensor, Vec<u32>)> {
+/// Tokens (B, T) of query+continuation right-padded, targets with only the continuation
+/// counted, and how many targets count.
+fn query_batch(examples: &[&Example], device: &Device) -> Result<(Tensor, Vec<u32>, usize)> {
     let t = examples.iter().map(|e| e.query.len() + e.continuation.len() - 1).max().unwrap_or(1);
     let (mut x, mut y) = (Vec::with_capacity(examples.len() * t), Vec::with_capacity(examples.len() * t));
     for e in examples {
@@ -225,7 +225,8 @@ fn query_batch(examples: &[&Example], device: &Device) -> Result<(Tensor, Vec<u3
             y.push(IGNORE);
         }
     }
-    Ok((Tensor::from_vec(x, (examples.len(), t), device)?, y))
+    let counted = y.iter().filter(|&&t| t != IGNORE).count();
+    Ok((Tensor::from_vec(x, (examples.len(), t), device)?, y, counted))
 }
 
 /// The composed starting states of `examples` at `k` under `objective`.
@@ -270,8 +271,7 @@ pub fn eval_loss(
     for chunk in examples.chunks(micro_batch.max(1)) {
         let refs: Vec<&Example> = chunk.iter().collect();
         let init = composed(net, data, &refs, k, objective)?;
-        let (x, y) = query_batch(&refs, net.device())?;
-        let n = y.iter().filter(|&&t| t != IGNORE).count();
+        let (x, y, n) = query_batch(&refs, net.device())?;
         let (loss, _) = net.loss(&x, &y, init.as_ref())?;
         total += loss.to_dtype(DType::F64)?.to_scalar::<f64>()? * n as f64;
         count += n;
@@ -293,14 +293,7 @@ fn batch_gradients(
     micro_batch: usize,
 ) -> Result<(f64, GradStore)> {
     let parts: Vec<&[&Example]> = examples.chunks(micro_batch.max(1)).collect();
-    let batches = parts
-        .iter()
-        .map(|part| {
-            let (x, y) = query_batch(part, net.device())?;
-            let n = y.iter().filter(|&&t| t != IGNORE).count();
-            Ok((x, y, n))
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let batches = parts.iter().map(|part| query_batch(part, net.device())).collect::<Result<Vec<_>>>()?;
     let total: usize = batches.iter().map(|b| b.2).sum();
     if total == 0 {
         candle_core::bail!("a batch with no continuation tokens to score");
