@@ -7,7 +7,10 @@
 # the GGUF files are the same weights converted by llama.cpp's convert_hf_to_gguf.py (see
 # BENCHMARKS.md for the recipe). Engines run one after another, ROUNDS times interleaved (default
 # 3), so drift on a shared machine hits all of them alike. Prints JSON lines, then a summary table
-# of medians (scripts/bench_summary.py). Needs a release build: cargo build --release -p picaso.
+# of medians and of per-round ratios (scripts/bench_summary.py). Needs a release build:
+# cargo build --release -p picaso. picaso's bf16 runs twice: on the kernel this CPU runs best
+# (AVX512-BF16 dot products where present) and, as `picaso-widen`, on the widening kernel every
+# CPU has. TRANSFORMERS=0 leaves transformers out (it needs torch; its bf16 is slow on CPUs).
 set -euo pipefail
 model=$1 f32=$2 bf16=$3 rounds=${4:-3}
 here=$(cd "$(dirname "$0")" && pwd)
@@ -18,9 +21,14 @@ out=$(mktemp)
 for r in $(seq "$rounds"); do
   "$picaso" bench --model "$model" --weights f32 --compose-n 10 --json | tag picaso f32 "$r" | tee -a "$out"
   "$picaso" bench --model "$model" --weights bf16 --compose-n 0 --json | tag picaso bf16 "$r" | tee -a "$out"
+  PICASO_BF16_KERNEL=widen "$picaso" bench --model "$model" --weights bf16 --compose-n 0 --json | tag picaso-widen bf16 "$r" | tee -a "$out"
   "$here/bench_llamacpp.sh" "$f32" | tag llama.cpp f32 "$r" | tee -a "$out"
   "$here/bench_llamacpp.sh" "$bf16" | tag llama.cpp bf16 "$r" | tee -a "$out"
-  "$py" "$here/bench_transformers.py" "$model" --dtype f32 | tag transformers f32 "$r" | tee -a "$out"
-  "$py" "$here/bench_transformers.py" "$model" --dtype bf16 | tag transformers bf16 "$r" | tee -a "$out"
+  if [ "${TRANSFORMERS:-1}" != 0 ]; then
+    "$py" "$here/bench_transformers.py" "$model" --dtype f32 | tag transformers f32 "$r" | tee -a "$out"
+    "$py" "$here/bench_transformers.py" "$model" --dtype bf16 | tag transformers bf16 "$r" | tee -a "$out"
+  fi
 done
+grep -m1 '^model name' /proc/cpuinfo || true
+grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -E '^(avx512f|avx512_bf16|amx_bf16|amx_tile|avx2|fma)$' | tr '\n' ' '; echo
 "$py" "$here/bench_summary.py" "$out"

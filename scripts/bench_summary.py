@@ -16,15 +16,22 @@ print("|---|---|---|---|---|")
 for (engine, dtype), m in sorted(med.items()):
     n = len(by[(engine, dtype)]["prefill_tokens_per_s"])
     print(f"| {engine} | {dtype} | {m['prefill_tokens_per_s']:.0f} | {m['decode_tokens_per_s']:.1f} | {n} |")
-for dtype in ("f32", "bf16"):
-    p = med.get(("picaso", dtype))
-    if not p:
+# Ratios within each round (engines of one round ran minutes apart), then their median: drift
+# between rounds cancels.
+by_round = defaultdict(dict)
+for r in rows:
+    by_round[r["round"]][(r["engine"], r["dtype"])] = r
+pairs = [(("picaso", d), (peer, d)) for d in ("f32", "bf16") for peer in ("llama.cpp", "transformers", "picaso-widen")]
+pairs.append((("picaso", "bf16"), ("picaso", "f32")))
+for a, b in pairs:
+    rounds = [(n, rr[a], rr[b]) for n, rr in sorted(by_round.items()) if a in rr and b in rr]
+    if not rounds:
         continue
-    for peer in ("llama.cpp", "transformers"):
-        q = med.get((peer, dtype))
-        if q:
-            print(f"picaso/{peer} {dtype}: prefill {p['prefill_tokens_per_s'] / q['prefill_tokens_per_s']:.2f}x, "
-                  f"decode {p['decode_tokens_per_s'] / q['decode_tokens_per_s']:.2f}x")
+    print(f"{a[0]} {a[1]} / {b[0]} {b[1]}:")
+    for key, label in (("prefill_tokens_per_s", "prefill"), ("decode_tokens_per_s", "decode")):
+        ratios = [x[key] / y[key] for _, x, y in rounds]
+        per = " ".join(f"{v:.2f}" for v in ratios)
+        print(f"  {label}: median {statistics.median(ratios):.2f}x (rounds: {per})")
 comp = [r for r in rows if r["engine"] == "picaso" and r.get("compose_into_ms")]
 if comp:
     print(f"composition of {comp[0].get('compose_n', 10)} states of this model (ms, median): read", round(statistics.median(r["read_states_ms"] for r in comp), 2))

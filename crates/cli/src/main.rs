@@ -413,6 +413,7 @@ struct WeightsArgs {
 }
 
 fn main() -> ExitCode {
+    picaso_model::reuse_freed_buffers();
     let cli = Cli::parse();
     // Output piped into a reader that quits (`picaso info | head`) ends the process quietly, as
     // for any Unix tool, instead of a panic on the failed write (Rust ignores SIGPIPE). Not for

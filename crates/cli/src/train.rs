@@ -941,7 +941,7 @@ fn fit_compose(
         )?;
     }
     let rows: Vec<(f64, f64, Option<f64>)> = history.iter().map(|r| (r.step as f64, r.loss, r.val_loss)).collect();
-    let title = format!("Composition fine-tuning ({:?})", config.objective);
+    let title = format!("Composition fine-tuning ({})", config.objective.name());
     let chart =
         picaso_eval::plot::Chart { title: &title, x: "step", y: "continuation loss (nats/token)", log_x: false };
     let val_name = format!("validation (PICASO-R, k = {})", config.val_k);

@@ -188,18 +188,20 @@ fn plot_wikitext(out: &Path, report: &wikitext::Report, methods: &[EvalMethod]) 
         },
         &report.options.ks,
     );
-    let title = format!("WikiText-2: loss reduction over Naive, paired 95% CI ({} passages)", report.passages);
-    line_chart(
-        &out.join("gain_vs_k.png"),
-        &Chart { title: &title, x: "k (segments)", y: "% of Naive's loss", log_x: false },
-        &gains,
-    )?;
-    let title = format!("WikiText-2: continuation loss vs retrieved segments ({} passages)", report.passages);
-    line_chart(
-        &out.join("loss_vs_k.png"),
-        &Chart { title: &title, x: "k (segments)", y: "loss (nats/token)", log_x: false },
-        &by_k,
-    )?;
+    if against_k(out, &report.options.ks, &["gain_vs_k.png", "loss_vs_k.png"])? {
+        let title = format!("WikiText-2: loss reduction over Naive, paired 95% CI ({} passages)", report.passages);
+        line_chart(
+            &out.join("gain_vs_k.png"),
+            &Chart { title: &title, x: "k (segments)", y: "% of Naive's loss", log_x: false },
+            &gains,
+        )?;
+        let title = format!("WikiText-2: continuation loss vs retrieved segments ({} passages)", report.passages);
+        line_chart(
+            &out.join("loss_vs_k.png"),
+            &Chart { title: &title, x: "k (segments)", y: "loss (nats/token)", log_x: false },
+            &by_k,
+        )?;
+    }
     let by_time: Vec<Series> = methods
         .iter()
         .filter(|&&m| m != EvalMethod::Naive)
@@ -309,6 +311,22 @@ fn paired_gains(
         .collect()
 }
 
+/// Whether charts against k say anything: they need two or more k. With one, the `charts` an
+/// earlier run left in `out` are removed, so the folder never shows results of another run.
+fn against_k(out: &Path, ks: &[usize], charts: &[&str]) -> Result<bool> {
+    if ks.len() > 1 {
+        return Ok(true);
+    }
+    for chart in charts {
+        let path = out.join(chart);
+        match std::fs::remove_file(&path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(Error::Io { path, source: e }),
+            _ => {}
+        }
+    }
+    Ok(false)
+}
+
 /// Writes the OpenBookQA accuracy experiment into `out`.
 pub fn write_openbookqa(out: &Path, report: &openbookqa::Report, info: &RunInfo) -> Result<()> {
     let mut csv = String::from("method,k,acc,acc_ci95,acc_norm,acc_norm_ci95,prepare_ms,tokens_processed\n");
@@ -368,6 +386,9 @@ pub fn write_openbookqa(out: &Path, report: &openbookqa::Report, info: &RunInfo)
         }
     }
     write_all(out, serde_json::json!({ "run": info, "report": report }), &csv, &md, info)?;
+    if !against_k(out, ks, &["acc_norm_vs_k.png", "gain_vs_k.png"])? {
+        return Ok(());
+    }
     let series: Vec<Series> = methods
         .iter()
         .map(|&m| Series {

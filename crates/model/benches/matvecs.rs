@@ -16,7 +16,7 @@ fn bench(c: &mut Criterion) {
         ("in_proj", 768, 3352, WeightDtype::Bf16),
     ] {
         let w: Vec<f32> = (0..n * k).map(|i| ((i % 97) as f32 - 48.0) / 500.0).collect();
-        let matrix = Matrix::new(w, dtype);
+        let matrix = Matrix::new(w, k, dtype);
         let mut group = c.benchmark_group(format!("{name} {dtype:?}"));
         for m in [1usize, 4, 16, 32] {
             let x: Vec<f32> = (0..m * k).map(|i| ((i % 13) as f32 - 6.0) / 7.0).collect();

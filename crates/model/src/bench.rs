@@ -7,6 +7,7 @@ use std::time::Instant;
 use rayon::prelude::*;
 
 use crate::composition::{compose, compose_into};
+use crate::cpu::kernels::Bf16Kernel;
 use crate::error::Result;
 use crate::model::Model;
 use crate::state::State;
@@ -46,6 +47,10 @@ pub struct BenchReport {
     pub peak_rss_bytes: Option<u64>,
     /// Worker threads.
     pub threads: usize,
+    /// The kernel bf16 weights run on this CPU ([`Bf16Kernel`]).
+    pub bf16_kernel: &'static str,
+    /// The CPU's model name (Linux: /proc/cpuinfo), so a number says where it was measured.
+    pub cpu: Option<String>,
 }
 
 fn best_of<T>(repeats: usize, mut f: impl FnMut() -> Result<T>) -> Result<f64> {
@@ -107,7 +112,15 @@ pub fn run(model: &Model, opts: &BenchOptions) -> Result<BenchReport> {
         state_bytes: zero.nbytes_f32(),
         peak_rss_bytes: peak_rss(),
         threads: rayon::current_num_threads(),
+        bf16_kernel: Bf16Kernel::detect().name(),
+        cpu: cpu_model(),
     })
+}
+
+fn cpu_model() -> Option<String> {
+    let info = std::fs::read_to_string("/proc/cpuinfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("model name"))?;
+    Some(line.split_once(':')?.1.trim().to_string())
 }
 
 fn argmax(v: &[f32]) -> u32 {

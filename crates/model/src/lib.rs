@@ -33,6 +33,7 @@ pub mod generate;
 pub mod hub;
 pub mod mamba1;
 mod memory;
+pub use memory::reuse_freed_buffers;
 pub mod model;
 pub mod state;
 pub mod tokenizer;

@@ -119,7 +119,7 @@ fn to_f32(path: &Path, name: &str, dtype: Dtype, bytes: &[u8]) -> Result<Vec<f32
             ))
         }
     };
-    let mut out = crate::memory::big_vec(bytes.len() / width);
+    let mut out = crate::memory::big_vec(bytes.len() / width, 0.0f32);
     let chunks = bytes.chunks_exact(width);
     match dtype {
         Dtype::F32 => out.iter_mut().zip(chunks).for_each(|(o, b)| *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]])),

@@ -37,6 +37,16 @@ pub enum Objective {
     Bp2c,
 }
 
+impl Objective {
+    /// The paper's name for it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Bptc => "BPTC",
+            Self::Bp2c => "BP2C",
+        }
+    }
+}
+
 impl std::str::FromStr for Objective {
     type Err = String;
     fn from_str(s: &str) -> std::result::Result<Self, String> {

@@ -3,6 +3,8 @@
 //! AVX2+FMA and portable — with the best chosen at run time, so one binary is fast everywhere.
 
 use picaso_compose::{prefetch_l2, simd_fn};
+
+use super::bf16_dot::PairedBf16;
 use rayon::prelude::*;
 
 /// Lanes of the hand-vectorised loops (one AVX-512 register, two AVX2 registers of f32).
@@ -342,21 +344,72 @@ simd_fn! {
 /// How far ahead the matrix-vector kernel prefetches.
 const PREFETCH_AHEAD_BYTES: usize = 8192;
 
+/// How bf16 weights are multiplied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Bf16Kernel {
+    /// With the CPU's bf16 dot-product instruction (AVX512-BF16), inputs rounded to bf16.
+    Dot,
+    /// Weights widened to f32 in registers, all arithmetic in f32 (any CPU).
+    Widen,
+}
+
+impl Bf16Kernel {
+    /// `Dot` where the CPU has AVX512-BF16, else `Widen`; `PICASO_BF16_KERNEL=widen` forces
+    /// `Widen` (to compare, or to keep inputs in f32).
+    pub fn detect() -> Self {
+        static KERNEL: std::sync::OnceLock<Bf16Kernel> = std::sync::OnceLock::new();
+        *KERNEL.get_or_init(|| {
+            let forced_widen = std::env::var("PICASO_BF16_KERNEL").is_ok_and(|v| v.eq_ignore_ascii_case("widen"));
+            if super::bf16_dot::available() && !forced_widen {
+                Bf16Kernel::Dot
+            } else {
+                Bf16Kernel::Widen
+            }
+        })
+    }
+
+    /// The name benchmarks report.
+    pub fn name(self) -> &'static str {
+        match self {
+            Bf16Kernel::Dot => "avx512bf16-dot",
+            Bf16Kernel::Widen => "widen-to-f32",
+        }
+    }
+}
+
 /// A weight matrix (rows × cols, row-major, as PyTorch stores Linear weights) in f32 or bf16.
 #[derive(Debug, Clone)]
 pub enum Matrix {
     /// f32 values.
     F32(Vec<f32>),
-    /// bf16 values as their 16-bit patterns.
+    /// bf16 values as their 16-bit patterns, widened to f32 by the kernels.
     Bf16(Vec<u16>),
+    /// bf16 values in the layout of the CPU's bf16 dot-product instruction.
+    Bf16Pairs(PairedBf16),
 }
 
 impl Matrix {
-    /// Stores `v` in `dtype` (bf16 rounds to nearest even).
-    pub fn new(v: Vec<f32>, dtype: super::WeightDtype) -> Self {
-        match dtype {
-            super::WeightDtype::F32 => Matrix::F32(v),
-            super::WeightDtype::Bf16 => Matrix::Bf16(v.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect()),
+    /// Stores `v` (rows of `cols` values) in `dtype` (bf16 rounds to nearest even), for the bf16
+    /// kernel this CPU runs best ([`Bf16Kernel::detect`]).
+    pub fn new(v: Vec<f32>, cols: usize, dtype: super::WeightDtype) -> Self {
+        Self::with_kernel(v, cols, dtype, Bf16Kernel::detect())
+    }
+
+    /// As [`Matrix::new`] for a chosen bf16 kernel (`Dot` also runs, more slowly, without the
+    /// instruction).
+    pub fn with_kernel(v: Vec<f32>, cols: usize, dtype: super::WeightDtype, kernel: Bf16Kernel) -> Self {
+        assert!(cols > 0 && v.len() % cols == 0, "Matrix: {} values are not rows of {cols}", v.len());
+        match (dtype, kernel) {
+            (super::WeightDtype::F32, _) => Matrix::F32(v),
+            (super::WeightDtype::Bf16, Bf16Kernel::Widen) => {
+                // On huge pages, as the f32 weights are (decode streams every one).
+                let mut bits = crate::memory::big_vec(v.len(), 0u16);
+                bits.par_iter_mut().zip(&v).for_each(|(b, &x)| *b = half::bf16::from_f32(x).to_bits());
+                Matrix::Bf16(bits)
+            }
+            (super::WeightDtype::Bf16, Bf16Kernel::Dot) => {
+                Matrix::Bf16Pairs(PairedBf16::from_f32(&v, v.len() / cols, cols))
+            }
         }
     }
 
@@ -364,6 +417,7 @@ impl Matrix {
         match self {
             Matrix::F32(v) => v.len(),
             Matrix::Bf16(v) => v.len(),
+            Matrix::Bf16Pairs(p) => p.rows() * p.cols(),
         }
     }
 
@@ -373,6 +427,7 @@ impl Matrix {
         match self {
             Matrix::F32(v) => out.copy_from_slice(&v[r * k..(r + 1) * k]),
             Matrix::Bf16(v) => out.iter_mut().zip(&v[r * k..(r + 1) * k]).for_each(|(o, b)| *o = b.widen()),
+            Matrix::Bf16Pairs(p) => p.row_into(r, out),
         }
     }
 }
@@ -395,6 +450,10 @@ pub fn matmul_t(x: &[f32], m: usize, k: usize, w: &Matrix, n: usize, out: &mut [
             matvec_rows_bf16(&w[i * rows * k..(i * rows + o.len()) * k], x, o, accumulate);
         }),
         Matrix::F32(w) => gemm_t(x, m, k, w, n, 0, out, n, accumulate),
+        Matrix::Bf16Pairs(w) => {
+            assert_eq!((w.rows(), w.cols()), (n, k), "matmul_t: w is not n×k");
+            w.matmul_t(x, m, out, accumulate)
+        }
         Matrix::Bf16(w) => {
             const TILE: usize = 256;
             let mut tile = vec![0.0f32; TILE.min(n) * k];
@@ -414,7 +473,8 @@ pub fn matmul_t(x: &[f32], m: usize, k: usize, w: &Matrix, n: usize, out: &mut [
 /// to the bit, what [`matmul_t`] gives that row alone (m = 1), so a batch of decode steps
 /// gives each sequence exactly its unbatched result. Each weight is read once for all rows.
 pub fn matmul_rows_t(x: &[f32], m: usize, k: usize, w: &Matrix, n: usize, out: &mut [f32], accumulate: bool) {
-    if m == 1 {
+    // The pair layout's outputs do not depend on the rows computed together.
+    if m == 1 || matches!(w, Matrix::Bf16Pairs(_)) {
         return matmul_t(x, m, k, w, n, out, accumulate);
     }
     assert_eq!(x.len(), m * k, "matmul_rows_t: x is not m×k");
@@ -430,6 +490,7 @@ pub fn matmul_rows_t(x: &[f32], m: usize, k: usize, w: &Matrix, n: usize, out: &
         Matrix::Bf16(w) => out_t.par_chunks_mut(rows * m).enumerate().for_each(|(i, o)| {
             matvecs_rows_bf16(&w[i * rows * k..(i * rows + o.len() / m) * k], x, k, o);
         }),
+        Matrix::Bf16Pairs(_) => unreachable!("handled above"),
     }
     for (r, col) in out_t.chunks_exact(m).enumerate() {
         for (i, &v) in col.iter().enumerate() {
@@ -533,34 +594,79 @@ simd_fn! {
         d_skip: f32,
         y: &mut [f32],
     ) {
-        for (t, (&dt_t, &a_t)) in dt.iter().zip(decay).enumerate() {
-            let row = &xbc[t * stride..(t + 1) * stride];
-            let x = &row[x_off..x_off + p_dim];
-            let b = &row[b_off..b_off + n_dim];
-            let c = &row[c_off..c_off + n_dim];
-            let yt = &mut y[t * p_dim..(t + 1) * p_dim];
-            for p in 0..p_dim {
-                let sp = &mut s[p * n_dim..(p + 1) * n_dim];
-                let xdt = x[p] * dt_t;
-                let mut acc = [0.0f32; LANES];
-                let mut cs = sp.chunks_exact_mut(LANES);
-                let mut cb = b.chunks_exact(LANES);
-                let mut cc = c.chunks_exact(LANES);
-                for ((sv, bv), cv) in (&mut cs).zip(&mut cb).zip(&mut cc) {
-                    for i in 0..LANES {
-                        let v = sv[i].mul_add(a_t, xdt * bv[i]);
-                        sv[i] = v;
-                        acc[i] = v.mul_add(cv[i], acc[i]);
-                    }
-                }
-                let mut tail = 0.0f32;
-                for ((sv, bv), cv) in cs.into_remainder().iter_mut().zip(cb.remainder()).zip(cc.remainder()) {
-                    let v = sv.mul_add(a_t, xdt * bv);
-                    *sv = v;
-                    tail = v.mul_add(*cv, tail);
-                }
-                yt[p] = acc.iter().sum::<f32>() + tail + d_skip * x[p];
+        let h = ScanHead { xbc, stride, x_off, b_off, c_off, p_dim, n_dim, dt, decay, d_skip };
+        let mut t0 = 0;
+        while t0 < dt.len() {
+            let tokens = SCAN_TOKENS.min(dt.len() - t0);
+            match tokens {
+                1 => scan_tokens::<1>(s, &h, t0, y),
+                2 => scan_tokens::<2>(s, &h, t0, y),
+                3 => scan_tokens::<3>(s, &h, t0, y),
+                _ => scan_tokens::<SCAN_TOKENS>(s, &h, t0, y),
             }
+            t0 += tokens;
+        }
+    }
+}
+
+/// Tokens a state row stays in registers for: the head's state (P×N, 32 KiB for 64 × 128)
+/// fills a 32 KiB L1, so reading and writing it once per token was the scan's bottleneck.
+const SCAN_TOKENS: usize = 4;
+
+/// The inputs of [`scan_head`] but the state and the output.
+struct ScanHead<'a> {
+    xbc: &'a [f32],
+    stride: usize,
+    x_off: usize,
+    b_off: usize,
+    c_off: usize,
+    p_dim: usize,
+    n_dim: usize,
+    dt: &'a [f32],
+    decay: &'a [f32],
+    d_skip: f32,
+}
+
+/// [`scan_head`] for the `T` tokens from `t0`: each state row is loaded once, advanced through
+/// the T tokens and stored. Every element sees the same operations in the same order as one
+/// token at a time, so the bits do not depend on T.
+#[inline(always)]
+fn scan_tokens<const T: usize>(s: &mut [f32], h: &ScanHead<'_>, t0: usize, y: &mut [f32]) {
+    let (p_dim, n_dim) = (h.p_dim, h.n_dim);
+    let rows: [&[f32]; T] = std::array::from_fn(|j| &h.xbc[(t0 + j) * h.stride..(t0 + j + 1) * h.stride]);
+    let b: [&[f32]; T] = std::array::from_fn(|j| &rows[j][h.b_off..h.b_off + n_dim]);
+    let c: [&[f32]; T] = std::array::from_fn(|j| &rows[j][h.c_off..h.c_off + n_dim]);
+    let a: [f32; T] = std::array::from_fn(|j| h.decay[t0 + j]);
+    let body = n_dim - n_dim % LANES;
+    for p in 0..p_dim {
+        let x: [f32; T] = std::array::from_fn(|j| rows[j][h.x_off + p]);
+        let xdt: [f32; T] = std::array::from_fn(|j| x[j] * h.dt[t0 + j]);
+        let sp = &mut s[p * n_dim..(p + 1) * n_dim];
+        let mut acc = [[0.0f32; LANES]; T];
+        let mut at = 0;
+        while at < body {
+            let mut sv: [f32; LANES] = sp[at..at + LANES].try_into().expect("LANES");
+            for j in 0..T {
+                let (bv, cv) = (&b[j][at..at + LANES], &c[j][at..at + LANES]);
+                for i in 0..LANES {
+                    let v = sv[i].mul_add(a[j], xdt[j] * bv[i]);
+                    sv[i] = v;
+                    acc[j][i] = v.mul_add(cv[i], acc[j][i]);
+                }
+            }
+            sp[at..at + LANES].copy_from_slice(&sv);
+            at += LANES;
+        }
+        let mut tail = [0.0f32; T];
+        for (i, sv) in sp[body..].iter_mut().enumerate() {
+            for j in 0..T {
+                let v = sv.mul_add(a[j], xdt[j] * b[j][body + i]);
+                *sv = v;
+                tail[j] = v.mul_add(c[j][body + i], tail[j]);
+            }
+        }
+        for j in 0..T {
+            y[(t0 + j) * p_dim + p] = acc[j].iter().sum::<f32>() + tail[j] + h.d_skip * x[j];
         }
     }
 }
@@ -710,9 +816,17 @@ mod tests {
         // past the last whole LANES) gives each row what a lone matrix-vector product gives.
         for (k, n) in [(70, 37), (64, 8), (15, 5)] {
             let w: Vec<f32> = (0..n * k).map(|i| (((i * 7919) % 1013) as f32 - 506.0) / 333.0).collect();
-            for matrix in
-                [Matrix::new(w.clone(), crate::cpu::WeightDtype::F32), Matrix::new(w, crate::cpu::WeightDtype::Bf16)]
-            {
+            use crate::cpu::WeightDtype::{Bf16, F32};
+            for matrix in [
+                Matrix::new(w.clone(), k, F32),
+                Matrix::with_kernel(w.clone(), k, Bf16, Bf16Kernel::Widen),
+                Matrix::with_kernel(w, k, Bf16, Bf16Kernel::Dot),
+            ] {
+                // The dot-product kernel rounds its inputs to bf16.
+                let input = |v: f32| match matrix {
+                    Matrix::Bf16Pairs(_) => half::bf16::from_f32(v).to_f32(),
+                    _ => v,
+                };
                 for m in 1..=8 {
                     let x: Vec<f32> = (0..m * k).map(|i| (((i * 104_729) % 997) as f32 - 498.0) / 211.0).collect();
                     let mut batch = vec![0.5; m * n];
@@ -727,7 +841,7 @@ mod tests {
                         let mut wr = vec![0.0f32; k];
                         for (r, o) in naive.iter_mut().enumerate() {
                             matrix.row_into(r, &mut wr);
-                            *o = 0.5 + wr.iter().zip(&x[i * k..(i + 1) * k]).map(|(a, b)| a * b).sum::<f32>();
+                            *o = 0.5 + wr.iter().zip(&x[i * k..(i + 1) * k]).map(|(a, b)| a * input(*b)).sum::<f32>();
                         }
                         for (a, b) in lone.iter().zip(&naive) {
                             assert!((a - b).abs() < 1e-3 * (1.0 + b.abs()), "{a} vs {b}");

@@ -5,6 +5,7 @@
 //! reads the state's conv tail as its first K-1 rows, and the selective scan runs head by head
 //! so each head's (P, N) state stays in L1 while all T tokens stream past it.
 
+pub mod bf16_dot;
 pub mod kernels;
 
 use rayon::prelude::*;
@@ -72,8 +73,8 @@ impl TokenIo {
     ) -> Self {
         let d_model = norm_f.len();
         Self {
-            embedding: Matrix::new(embedding, dtype),
-            lm_head: lm_head.map(|m| Matrix::new(m, dtype)),
+            embedding: Matrix::new(embedding, d_model, dtype),
+            lm_head: lm_head.map(|m| Matrix::new(m, d_model, dtype)),
             norm_f,
             norm_eps: norm_eps as f32,
             d_model,
@@ -159,7 +160,7 @@ impl CpuMamba2 {
     /// Takes ownership of validated weights, storing the large matrices in `dtype`.
     pub fn new(config: Mamba2Config, weights: Mamba2Weights, dtype: WeightDtype) -> Self {
         let (c, k) = (config.conv_dim(), config.d_conv);
-        let mat = |v: Vec<f32>| Matrix::new(v, dtype);
+        let mat = |v: Vec<f32>, cols: usize| Matrix::new(v, cols, dtype);
         let layers = weights
             .layers
             .into_iter()
@@ -172,7 +173,7 @@ impl CpuMamba2 {
                 }
                 CpuLayer {
                     norm: l.norm,
-                    in_proj: mat(l.in_proj),
+                    in_proj: mat(l.in_proj, config.d_model),
                     in_proj_bias: l.in_proj_bias,
                     conv_wt,
                     conv_bias: l.conv_bias.unwrap_or_else(|| vec![0.0; c]),
@@ -180,7 +181,7 @@ impl CpuMamba2 {
                     a: l.a_log.iter().map(|v| -v.exp()).collect(),
                     d: l.d,
                     gated_norm: l.gated_norm,
-                    out_proj: mat(l.out_proj),
+                    out_proj: mat(l.out_proj, config.d_inner()),
                     out_proj_bias: l.out_proj_bias,
                 }
             })

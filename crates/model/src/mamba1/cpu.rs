@@ -42,7 +42,7 @@ impl CpuMamba1 {
     /// Takes ownership of validated weights, storing the large matrices in `dtype`.
     pub fn new(config: Mamba1Config, weights: Mamba1Weights, dtype: WeightDtype) -> Self {
         let (di, k) = (config.d_inner(), config.d_conv);
-        let mat = |v: Vec<f32>| Matrix::new(v, dtype);
+        let mat = |v: Vec<f32>, cols: usize| Matrix::new(v, cols, dtype);
         let layers = weights
             .layers
             .into_iter()
@@ -55,17 +55,17 @@ impl CpuMamba1 {
                 }
                 Layer {
                     norm: l.norm,
-                    in_proj: mat(l.in_proj),
+                    in_proj: mat(l.in_proj, config.d_model),
                     in_proj_bias: l.in_proj_bias,
                     conv_wt,
                     conv_bias: l.conv_bias.unwrap_or_else(|| vec![0.0; di]),
                     // Small matrices stay exact whatever the storage of the large ones.
-                    x_proj: Matrix::new(l.x_proj, WeightDtype::F32),
-                    dt_proj: Matrix::new(l.dt_proj, WeightDtype::F32),
+                    x_proj: Matrix::new(l.x_proj, di, WeightDtype::F32),
+                    dt_proj: Matrix::new(l.dt_proj, config.dt_rank, WeightDtype::F32),
                     dt_proj_bias: l.dt_proj_bias,
                     a: l.a_log.iter().map(|v| -v.exp()).collect(),
                     d: l.d,
-                    out_proj: mat(l.out_proj),
+                    out_proj: mat(l.out_proj, di),
                     out_proj_bias: l.out_proj_bias,
                 }
             })

@@ -1,0 +1,472 @@
+//! bf16 matrix products on the CPU's bf16 dot-product instruction (AVX512-BF16 `vdpbf16ps`:
+//! AMD Zen 4 and later, Intel Cooper Lake, Sapphire Rapids and later). The inputs are rounded to
+//! bf16 (nearest even) and each instruction adds, for 16 outputs at once, the products of one pair
+//! of columns into f32 accumulators: twice the multiply-adds of an f32 FMA, and the weights are
+//! never widened. CPUs without the instruction keep the widening kernels of [`super::kernels`].
+//!
+//! Layout: the weight rows are grouped in blocks of 16, and within a block pair `p` holds, for
+//! each of the 16 rows, its columns `2p` and `2p + 1` side by side in one u32 — the instruction's
+//! operand layout. One 64-byte load then holds a pair of 16 rows, and one input pair broadcast to
+//! every lane feeds 16 dot products. Every output is one chain over the pairs in order, whatever
+//! the number of input rows computed with it: a decode step, a batch of decode steps and a
+//! prefill give each row the same bits.
+
+use picaso_compose::prefetch_l2;
+use rayon::prelude::*;
+
+/// Output rows per block: one AVX-512 register of f32 accumulators.
+const BLOCK: usize = 16;
+
+/// Whether this CPU has AVX512-BF16 (detected once).
+pub fn available() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bf16")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
+/// A bf16 weight matrix (n rows × k columns) in the dot-product instruction's pair layout.
+#[derive(Debug, Clone)]
+pub struct PairedBf16 {
+    /// `n.div_ceil(16)` blocks of `k.div_ceil(2)` × 16 pairs; padding (rows past n, the odd
+    /// column past k) is zero.
+    pairs: Vec<u32>,
+    n: usize,
+    k: usize,
+}
+
+/// Two bf16 bit patterns as one pair: `lo` (the even column) in the low half.
+fn pair(lo: u16, hi: u16) -> u32 {
+    lo as u32 | (hi as u32) << 16
+}
+
+/// f32 → bf16 bits, rounding to nearest even (NaN stays NaN).
+fn to_bf16(v: f32) -> u16 {
+    half::bf16::from_f32(v).to_bits()
+}
+
+fn widen(bits: u16) -> f32 {
+    f32::from_bits((bits as u32) << 16)
+}
+
+impl PairedBf16 {
+    /// Rounds `w` (n × k, row-major) to bf16 and lays it out in pairs.
+    pub fn from_f32(w: &[f32], n: usize, k: usize) -> Self {
+        assert_eq!(w.len(), n * k, "PairedBf16: w is not {n}×{k}");
+        let kp = k.div_ceil(2);
+        // On huge pages: a decode step streams every pair, and 4 KiB pages cost a TLB miss each.
+        let mut pairs = crate::memory::big_vec(n.div_ceil(BLOCK) * kp * BLOCK, 0u32);
+        pairs.par_chunks_mut(kp * BLOCK).enumerate().for_each(|(b, block)| {
+            for lane in 0..BLOCK.min(n - b * BLOCK) {
+                let row = &w[(b * BLOCK + lane) * k..(b * BLOCK + lane + 1) * k];
+                for (p, two) in row.chunks(2).enumerate() {
+                    block[p * BLOCK + lane] = pair(to_bf16(two[0]), two.get(1).map_or(0, |&v| to_bf16(v)));
+                }
+            }
+        });
+        Self { pairs, n, k }
+    }
+
+    /// Rows (outputs).
+    pub fn rows(&self) -> usize {
+        self.n
+    }
+
+    /// Columns (inputs).
+    pub fn cols(&self) -> usize {
+        self.k
+    }
+
+    /// Copies row `r` into `out` (k values) as f32.
+    pub fn row_into(&self, r: usize, out: &mut [f32]) {
+        assert!(r < self.n && out.len() == self.k, "PairedBf16::row_into: row {r} of {}×{}", self.n, self.k);
+        let kp = self.k.div_ceil(2);
+        let block = &self.pairs[(r / BLOCK) * kp * BLOCK..(r / BLOCK + 1) * kp * BLOCK];
+        for (j, o) in out.iter_mut().enumerate() {
+            let two = block[(j / 2) * BLOCK + r % BLOCK];
+            *o = widen(if j % 2 == 0 { two as u16 } else { (two >> 16) as u16 });
+        }
+    }
+
+    /// out (m × n) (+)= bf16(x) (m × k) · wᵀ. Each output's bits are the same whatever `m`.
+    pub fn matmul_t(&self, x: &[f32], m: usize, out: &mut [f32], accumulate: bool) {
+        let (n, k) = (self.n, self.k);
+        assert_eq!(x.len(), m * k, "PairedBf16::matmul_t: x is not m×k");
+        assert_eq!(out.len(), m * n, "PairedBf16::matmul_t: out is not m×n");
+        if m == 0 || n == 0 {
+            return;
+        }
+        let xp = pack_rows(x, m, k);
+        #[cfg(target_arch = "x86_64")]
+        if available() {
+            return self.run_avx512(&xp, m, out, accumulate);
+        }
+        self.run_portable(&xp, m, out, accumulate);
+    }
+
+    /// The pairs of output block `b` (kp × 16).
+    fn block(&self, b: usize) -> &[u32] {
+        let len = self.k.div_ceil(2) * BLOCK;
+        &self.pairs[b * len..(b + 1) * len]
+    }
+
+    /// Blocks of 16 rows.
+    fn blocks(&self) -> usize {
+        self.n.div_ceil(BLOCK)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn run_avx512(&self, xp: &[u32], m: usize, out: &mut [f32], accumulate: bool) {
+        let (n, kp) = (self.n, self.k.div_ceil(2));
+        let out = SharedOut(out.as_mut_ptr());
+        // One task per panel of blocks; a task computes every input row against its panel, so
+        // the panel's weights are read from memory once and then from L2.
+        let panel = if m == 1 { DECODE_BLOCKS } else { PANEL_BLOCKS };
+        let tasks = self.blocks().div_ceil(panel);
+        // Decode streams the weights: fewer, larger tasks (see kernels::matmul_t).
+        let per_task = if m == 1 { (tasks / (8 * rayon::current_num_threads())).max(1) } else { 1 };
+        (0..tasks.div_ceil(per_task)).into_par_iter().for_each(|t| {
+            for p in t * per_task..((t + 1) * per_task).min(tasks) {
+                let b0 = p * panel;
+                let nb = panel.min(self.blocks() - b0);
+                let col0 = b0 * BLOCK;
+                let valid = (n - col0).min(nb * BLOCK) - (nb - 1) * BLOCK;
+                let mut i = 0;
+                while i < m {
+                    let mr = ROWS.min(m - i);
+                    // SAFETY: the CPU has AVX512-BF16 (checked by the caller); rows i..i+mr of xp
+                    // and blocks b0..b0+nb exist; the task writes only columns col0..col0+nb·16
+                    // (masked to n) of out's rows i..i+mr, which no other task writes.
+                    unsafe {
+                        let args = Panel {
+                            x: xp.as_ptr().add(i * kp),
+                            kp,
+                            w: self.block(b0).as_ptr(),
+                            out: out.at(i * n + col0),
+                            ld: n,
+                            valid,
+                            accumulate,
+                        };
+                        dispatch(mr, nb, &args);
+                    }
+                    i += mr;
+                }
+            }
+        });
+    }
+
+    /// The same sums in plain Rust, for CPUs without the instruction (rounding may differ from
+    /// the instruction's in the last bit).
+    fn run_portable(&self, xp: &[u32], m: usize, out: &mut [f32], accumulate: bool) {
+        let (n, kp) = (self.n, self.k.div_ceil(2));
+        for i in 0..m {
+            let xr = &xp[i * kp..(i + 1) * kp];
+            for r in 0..n {
+                let block = self.block(r / BLOCK);
+                let mut acc = 0.0f32;
+                for (p, &xv) in xr.iter().enumerate() {
+                    let wv = block[p * BLOCK + r % BLOCK];
+                    acc += widen(xv as u16) * widen(wv as u16) + widen((xv >> 16) as u16) * widen((wv >> 16) as u16);
+                }
+                let o = &mut out[i * n + r];
+                *o = if accumulate { *o + acc } else { acc };
+            }
+        }
+    }
+}
+
+/// An input rounded to bf16 as `vcvtne2ps2bf16` rounds it: nearest even, subnormals to ±0.
+fn round_input(v: f32) -> u16 {
+    to_bf16(if v.is_subnormal() { 0.0f32.copysign(v) } else { v })
+}
+
+/// Two inputs (the second 0 when absent) as a pair.
+fn input_pair(two: &[f32]) -> u32 {
+    pair(round_input(two[0]), two.get(1).map_or(0, |&v| round_input(v)))
+}
+
+/// Rows of x rounded to bf16 pairs (m × k.div_ceil(2); an odd k pads with 0).
+fn pack_rows(x: &[f32], m: usize, k: usize) -> Vec<u32> {
+    let kp = k.div_ceil(2);
+    let mut xp = vec![0u32; m * kp];
+    for (row, dst) in x.chunks_exact(k).zip(xp.chunks_exact_mut(kp)) {
+        #[cfg(target_arch = "x86_64")]
+        if available() {
+            // SAFETY: the CPU has AVX512-BF16; row has k values and dst kp ≥ k/2 pairs.
+            unsafe { pack_row_avx512(row, dst) };
+            continue;
+        }
+        for (d, two) in dst.iter_mut().zip(row.chunks(2)) {
+            *d = input_pair(two);
+        }
+    }
+    xp
+}
+
+/// [`pack_rows`] of one row with `vcvtne2ps2bf16`.
+///
+/// # Safety
+/// The CPU must have AVX512-BF16, and `dst.len()` must be `row.len().div_ceil(2)`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn pack_row_avx512(row: &[f32], dst: &mut [u32]) {
+    use std::arch::x86_64::*;
+    let body = row.len() - row.len() % 32;
+    let mut j = 0;
+    while j < body {
+        // SAFETY: j + 32 <= body <= row.len(), and dst holds (j + 32) / 2 pairs.
+        unsafe {
+            // The low 16 bf16 of the result come from the second operand: x[j..j+16] first.
+            let v =
+                _mm512_cvtne2ps_pbh(_mm512_loadu_ps(row.as_ptr().add(j + 16)), _mm512_loadu_ps(row.as_ptr().add(j)));
+            _mm512_storeu_si512(dst.as_mut_ptr().add(j / 2).cast(), std::mem::transmute::<__m512bh, __m512i>(v));
+        }
+        j += 32;
+    }
+    for (d, two) in dst[body / 2..].iter_mut().zip(row[body..].chunks(2)) {
+        *d = input_pair(two);
+    }
+}
+
+/// Input rows per micro-kernel call, and blocks (of 16 outputs) per panel: 6 × 4 = 24 of the 32
+/// AVX-512 registers accumulate, 4 hold the panel's weights and 1 the broadcast input.
+const ROWS: usize = 6;
+const PANEL_BLOCKS: usize = 4;
+/// A decode step (one input row) runs 8 blocks at once: 8 independent chains cover the
+/// instruction's latency, and 8 weight streams keep the memory busy.
+const DECODE_BLOCKS: usize = 8;
+/// How far ahead (bytes) a decode step prefetches each weight stream.
+const PREFETCH_AHEAD_BYTES: usize = 4096;
+
+/// `out`, written by several tasks at disjoint columns.
+#[derive(Clone, Copy)]
+struct SharedOut(*mut f32);
+// SAFETY: tasks write disjoint elements (see run_avx512).
+unsafe impl Send for SharedOut {}
+unsafe impl Sync for SharedOut {}
+
+impl SharedOut {
+    /// The element `i` past the start (a method, so closures capture the whole wrapper).
+    ///
+    /// # Safety
+    /// `i` must be inside the slice the pointer came from.
+    unsafe fn at(self, i: usize) -> *mut f32 {
+        // SAFETY: the caller's contract.
+        unsafe { self.0.add(i) }
+    }
+}
+
+/// One micro-kernel call: `mr` input rows against `nb` consecutive blocks.
+struct Panel {
+    /// First pair of the first input row; rows are `kp` apart.
+    x: *const u32,
+    kp: usize,
+    /// First pair of the first block; blocks are `kp · 16` apart.
+    w: *const u32,
+    /// Output of the first row's first column; rows are `ld` apart.
+    out: *mut f32,
+    ld: usize,
+    /// Valid outputs (1..=16) of the last block (the others are padding and not stored).
+    valid: usize,
+    accumulate: bool,
+}
+
+/// Calls [`micro`] with `mr` and `nb` as constants.
+///
+/// # Safety
+/// As [`micro`].
+#[cfg(target_arch = "x86_64")]
+unsafe fn dispatch(mr: usize, nb: usize, a: &Panel) {
+    macro_rules! shapes {
+        ($(($r:literal, $b:literal)),*) => {
+            match (mr, nb) {
+                // SAFETY: the caller's contract.
+                $(($r, $b) => unsafe { micro::<$r, $b>(a) },)*
+                _ => unreachable!("micro-kernels are at most {ROWS} rows × {DECODE_BLOCKS} blocks"),
+            }
+        };
+    }
+    shapes!(
+        (1, 1),
+        (1, 2),
+        (1, 3),
+        (1, 4),
+        (1, 5),
+        (1, 6),
+        (1, 7),
+        (1, 8),
+        (2, 1),
+        (2, 2),
+        (2, 3),
+        (2, 4),
+        (3, 1),
+        (3, 2),
+        (3, 3),
+        (3, 4),
+        (4, 1),
+        (4, 2),
+        (4, 3),
+        (4, 4),
+        (5, 1),
+        (5, 2),
+        (5, 3),
+        (5, 4),
+        (6, 1),
+        (6, 2),
+        (6, 3),
+        (6, 4)
+    )
+}
+
+/// out[i][b·16 + l] (+)= Σ_p dot(x row i pair p, block b row l pair p), each sum one chain of
+/// `vdpbf16ps` over p in order.
+///
+/// # Safety
+/// The CPU must have AVX512-BF16; `a.x` must hold MR rows of `a.kp` pairs, `a.w` NB blocks of
+/// `a.kp · 16` pairs, and `a.out` MR rows (`a.ld` apart) of NB·16 columns, the last block's
+/// first `a.valid`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn micro<const MR: usize, const NB: usize>(a: &Panel) {
+    use std::arch::x86_64::*;
+    let block_len = a.kp * BLOCK;
+    let ahead = PREFETCH_AHEAD_BYTES / 4;
+    let mut acc = [[_mm512_setzero_ps(); NB]; MR];
+    for p in 0..a.kp {
+        // SAFETY: p < kp, so every read is inside the rows and blocks of the contract.
+        unsafe {
+            let w: [__m512bh; NB] = std::array::from_fn(|b| {
+                let at = a.w.add(b * block_len + p * BLOCK);
+                if MR == 1 {
+                    prefetch_l2(at.wrapping_add(ahead).cast());
+                }
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(at.cast()))
+            });
+            for (i, row) in acc.iter_mut().enumerate() {
+                let x = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(*a.x.add(i * a.kp + p) as i32));
+                for (b, v) in row.iter_mut().enumerate() {
+                    *v = _mm512_dpbf16_ps(*v, x, w[b]);
+                }
+            }
+        }
+    }
+    for (i, row) in acc.iter().enumerate() {
+        for (b, &v) in row.iter().enumerate() {
+            let mask: __mmask16 = if b + 1 == NB { ((1u32 << a.valid) - 1) as u16 } else { u16::MAX };
+            // SAFETY: the contract: the masked lanes are inside out's row.
+            unsafe {
+                let o = a.out.add(i * a.ld + b * BLOCK);
+                let v = if a.accumulate { _mm512_add_ps(_mm512_maskz_loadu_ps(mask, o), v) } else { v };
+                _mm512_mask_storeu_ps(o, mask, v);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn random(len: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (0..len)
+            .map(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0
+            })
+            .collect()
+    }
+
+    /// Σ in f64 of the bf16-rounded operands (what the kernel approximates in f32), and a bound
+    /// on the f32 sum's rounding error: k ulps of Σ|terms|.
+    fn reference(x: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<(f64, f64)> {
+        let r = |v: f32| widen(to_bf16(v)) as f64;
+        let mut out = vec![(0.0, 0.0); m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let terms = (0..k).map(|t| r(x[i * k + t]) * r(w[j * k + t]));
+                let abs: f64 = terms.clone().map(f64::abs).sum();
+                out[i * n + j] = (terms.sum(), k as f64 * f32::EPSILON as f64 * abs);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn products_match_the_rounded_operands_and_rows_do_not_depend_on_the_batch() {
+        if !available() {
+            eprintln!("skipped: this CPU has no AVX512-BF16 (the portable path is tested below)");
+            return;
+        }
+        // Odd k (a padded pair), n not a multiple of 16 (masked stores), m across the 6-row kernel.
+        for (m, n, k) in [(1, 37, 33), (7, 70, 64), (13, 16, 5), (2, 129, 768)] {
+            let (x, w) = (random(m * k, 1), random(n * k, 2));
+            let mat = PairedBf16::from_f32(&w, n, k);
+            let mut out = vec![0.0f32; m * n];
+            mat.matmul_t(&x, m, &mut out, false);
+            for (got, (want, bound)) in out.iter().zip(reference(&x, &w, m, n, k)) {
+                assert!((*got as f64 - want).abs() <= bound, "m {m} n {n} k {k}: {got} vs {want}");
+            }
+            // Each row alone gives the same bits, and accumulate adds to what is there.
+            for i in 0..m {
+                let mut alone = vec![1.0f32; n];
+                mat.matmul_t(&x[i * k..(i + 1) * k], 1, &mut alone, true);
+                for (a, b) in alone.iter().zip(&out[i * n..(i + 1) * n]) {
+                    assert_eq!(a.to_bits(), (1.0 + b).to_bits(), "m {m} n {n} k {k} row {i}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_portable_path_computes_the_same_products() {
+        let (m, n, k) = (3, 21, 11);
+        let (x, w) = (random(m * k, 3), random(n * k, 4));
+        let mat = PairedBf16::from_f32(&w, n, k);
+        let mut out = vec![0.0f32; m * n];
+        mat.run_portable(&pack_rows(&x, m, k), m, &mut out, false);
+        for (got, (want, bound)) in out.iter().zip(reference(&x, &w, m, n, k)) {
+            assert!((*got as f64 - want).abs() <= bound, "{got} vs {want}");
+        }
+    }
+
+    #[test]
+    fn rows_read_back_as_their_rounded_values() {
+        let (n, k) = (19, 7);
+        let w = random(n * k, 5);
+        let mat = PairedBf16::from_f32(&w, n, k);
+        let mut row = vec![0.0f32; k];
+        for r in 0..n {
+            mat.row_into(r, &mut row);
+            for (got, want) in row.iter().zip(&w[r * k..(r + 1) * k]) {
+                assert_eq!(got.to_bits(), widen(to_bf16(*want)).to_bits());
+            }
+        }
+    }
+
+    #[test]
+    fn inputs_round_to_nearest_even_and_subnormals_flush_to_zero() {
+        // Subnormals at both ends of a row: in the vectorised body and in the scalar tail.
+        let mut x = random(77, 6);
+        x[3] = 1e-40;
+        x.extend([f32::MAX, -1e-40, -0.0, 3.0039062, f32::NAN]);
+        let packed = pack_rows(&x, 1, x.len());
+        for (j, v) in x.iter().enumerate() {
+            let two = packed[j / 2];
+            let bits = if j % 2 == 0 { two as u16 } else { (two >> 16) as u16 };
+            let want = if v.is_subnormal() { to_bf16(0.0f32.copysign(*v)) } else { to_bf16(*v) };
+            if v.is_nan() {
+                assert!(widen(bits).is_nan(), "element {j}");
+            } else {
+                assert_eq!(bits, want, "element {j} ({v})");
+            }
+        }
+    }
+}
