@@ -594,79 +594,34 @@ simd_fn! {
         d_skip: f32,
         y: &mut [f32],
     ) {
-        let h = ScanHead { xbc, stride, x_off, b_off, c_off, p_dim, n_dim, dt, decay, d_skip };
-        let mut t0 = 0;
-        while t0 < dt.len() {
-            let tokens = SCAN_TOKENS.min(dt.len() - t0);
-            match tokens {
-                1 => scan_tokens::<1>(s, &h, t0, y),
-                2 => scan_tokens::<2>(s, &h, t0, y),
-                3 => scan_tokens::<3>(s, &h, t0, y),
-                _ => scan_tokens::<SCAN_TOKENS>(s, &h, t0, y),
-            }
-            t0 += tokens;
-        }
-    }
-}
-
-/// Tokens a state row stays in registers for: the head's state (P×N, 32 KiB for 64 × 128)
-/// fills a 32 KiB L1, so reading and writing it once per token was the scan's bottleneck.
-const SCAN_TOKENS: usize = 4;
-
-/// The inputs of [`scan_head`] but the state and the output.
-struct ScanHead<'a> {
-    xbc: &'a [f32],
-    stride: usize,
-    x_off: usize,
-    b_off: usize,
-    c_off: usize,
-    p_dim: usize,
-    n_dim: usize,
-    dt: &'a [f32],
-    decay: &'a [f32],
-    d_skip: f32,
-}
-
-/// [`scan_head`] for the `T` tokens from `t0`: each state row is loaded once, advanced through
-/// the T tokens and stored. Every element sees the same operations in the same order as one
-/// token at a time, so the bits do not depend on T.
-#[inline(always)]
-fn scan_tokens<const T: usize>(s: &mut [f32], h: &ScanHead<'_>, t0: usize, y: &mut [f32]) {
-    let (p_dim, n_dim) = (h.p_dim, h.n_dim);
-    let rows: [&[f32]; T] = std::array::from_fn(|j| &h.xbc[(t0 + j) * h.stride..(t0 + j + 1) * h.stride]);
-    let b: [&[f32]; T] = std::array::from_fn(|j| &rows[j][h.b_off..h.b_off + n_dim]);
-    let c: [&[f32]; T] = std::array::from_fn(|j| &rows[j][h.c_off..h.c_off + n_dim]);
-    let a: [f32; T] = std::array::from_fn(|j| h.decay[t0 + j]);
-    let body = n_dim - n_dim % LANES;
-    for p in 0..p_dim {
-        let x: [f32; T] = std::array::from_fn(|j| rows[j][h.x_off + p]);
-        let xdt: [f32; T] = std::array::from_fn(|j| x[j] * h.dt[t0 + j]);
-        let sp = &mut s[p * n_dim..(p + 1) * n_dim];
-        let mut acc = [[0.0f32; LANES]; T];
-        let mut at = 0;
-        while at < body {
-            let mut sv: [f32; LANES] = sp[at..at + LANES].try_into().expect("LANES");
-            for j in 0..T {
-                let (bv, cv) = (&b[j][at..at + LANES], &c[j][at..at + LANES]);
-                for i in 0..LANES {
-                    let v = sv[i].mul_add(a[j], xdt[j] * bv[i]);
-                    sv[i] = v;
-                    acc[j][i] = v.mul_add(cv[i], acc[j][i]);
+        for (t, (&dt_t, &a_t)) in dt.iter().zip(decay).enumerate() {
+            let row = &xbc[t * stride..(t + 1) * stride];
+            let x = &row[x_off..x_off + p_dim];
+            let b = &row[b_off..b_off + n_dim];
+            let c = &row[c_off..c_off + n_dim];
+            let yt = &mut y[t * p_dim..(t + 1) * p_dim];
+            for p in 0..p_dim {
+                let sp = &mut s[p * n_dim..(p + 1) * n_dim];
+                let xdt = x[p] * dt_t;
+                let mut acc = [0.0f32; LANES];
+                let mut cs = sp.chunks_exact_mut(LANES);
+                let mut cb = b.chunks_exact(LANES);
+                let mut cc = c.chunks_exact(LANES);
+                for ((sv, bv), cv) in (&mut cs).zip(&mut cb).zip(&mut cc) {
+                    for i in 0..LANES {
+                        let v = sv[i].mul_add(a_t, xdt * bv[i]);
+                        sv[i] = v;
+                        acc[i] = v.mul_add(cv[i], acc[i]);
+                    }
                 }
+                let mut tail = 0.0f32;
+                for ((sv, bv), cv) in cs.into_remainder().iter_mut().zip(cb.remainder()).zip(cc.remainder()) {
+                    let v = sv.mul_add(a_t, xdt * bv);
+                    *sv = v;
+                    tail = v.mul_add(*cv, tail);
+                }
+                yt[p] = acc.iter().sum::<f32>() + tail + d_skip * x[p];
             }
-            sp[at..at + LANES].copy_from_slice(&sv);
-            at += LANES;
-        }
-        let mut tail = [0.0f32; T];
-        for (i, sv) in sp[body..].iter_mut().enumerate() {
-            for j in 0..T {
-                let v = sv.mul_add(a[j], xdt[j] * b[j][body + i]);
-                *sv = v;
-                tail[j] = v.mul_add(c[j][body + i], tail[j]);
-            }
-        }
-        for j in 0..T {
-            y[(t0 + j) * p_dim + p] = acc[j].iter().sum::<f32>() + tail[j] + h.d_skip * x[j];
         }
     }
 }
