@@ -398,7 +398,7 @@ impl Matrix {
     /// As [`Matrix::new`] for a chosen bf16 kernel (`Dot` also runs, more slowly, without the
     /// instruction).
     pub fn with_kernel(v: Vec<f32>, cols: usize, dtype: super::WeightDtype, kernel: Bf16Kernel) -> Self {
-        assert!(cols > 0 && v.len() % cols == 0, "Matrix: {} values are not rows of {cols}", v.len());
+        assert!(cols > 0 && v.len().is_multiple_of(cols), "Matrix: {} values are not rows of {cols}", v.len());
         match (dtype, kernel) {
             (super::WeightDtype::F32, _) => Matrix::F32(v),
             (super::WeightDtype::Bf16, Bf16Kernel::Widen) => {
