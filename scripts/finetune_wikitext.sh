@@ -9,8 +9,9 @@
 #    the bundled model (RUNS/no-unk/db): the split's 3,870 paragraphs without `<unk>`, with bf16
 #    state files (a state of the bundled model is 2.1 MiB in f32). The train split is the
 #    tokenized one: 79% of its paragraphs hold `<unk>`, which the raw test split never has, and
-#    a model fine-tuned on them learns to write `<unk>` (every method ~2% worse on the test
-#    split: results/finetuned at a3b2bfd);
+#    a model fine-tuned on them learns to write `<unk>`. Removing them did not help (BP2C still
+#    ~2% worse on the test split: results/finetuned-no-unk); the split's tokenized spacing is
+#    the next suspect;
 # 2. BP2C and BPTC on it (models/training/finetune-wikitext.json: k drawn from 0..10), two
 #    examples per forward pass (a batch of 8 at k = 10 in one BPTC pass would hold 24 GB);
 # 3. a store of the raw *test* split (RUNS/db-test) and `eval finetuned`: zero-shot vs BPTC vs
