@@ -38,14 +38,7 @@ impl RunInfo {
         };
         let git_revision =
             describe(".").or_else(|| describe(env!("CARGO_MANIFEST_DIR"))).unwrap_or_else(|| "unknown".into());
-        let cpu = std::fs::read_to_string("/proc/cpuinfo")
-            .ok()
-            .and_then(|s| {
-                s.lines()
-                    .find(|l| l.starts_with("model name"))
-                    .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
-            })
-            .unwrap_or_else(|| std::env::consts::ARCH.to_string());
+        let cpu = picaso_model::bench::cpu_model().unwrap_or_else(|| std::env::consts::ARCH.to_string());
         let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
         Self {
             command,

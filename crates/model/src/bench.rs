@@ -117,7 +117,8 @@ pub fn run(model: &Model, opts: &BenchOptions) -> Result<BenchReport> {
     })
 }
 
-fn cpu_model() -> Option<String> {
+/// The CPU's model name from /proc/cpuinfo (Linux), for saying where a number was measured.
+pub fn cpu_model() -> Option<String> {
     let info = std::fs::read_to_string("/proc/cpuinfo").ok()?;
     let line = info.lines().find(|l| l.starts_with("model name"))?;
     Some(line.split_once(':')?.1.trim().to_string())

@@ -14,6 +14,8 @@
 use picaso_compose::prefetch_l2;
 use rayon::prelude::*;
 
+use super::kernels::Widen;
+
 /// Output rows per block: one AVX-512 register of f32 accumulators.
 const BLOCK: usize = 16;
 
@@ -47,13 +49,23 @@ fn pair(lo: u16, hi: u16) -> u32 {
     lo as u32 | (hi as u32) << 16
 }
 
-/// f32 → bf16 bits, rounding to nearest even (NaN stays NaN).
-fn to_bf16(v: f32) -> u16 {
-    half::bf16::from_f32(v).to_bits()
+/// Two values (the second 0 when absent) rounded by `round` as one pair.
+fn pair_of(two: &[f32], round: fn(f32) -> u16) -> u32 {
+    pair(round(two[0]), two.get(1).map_or(0, |&v| round(v)))
 }
 
-fn widen(bits: u16) -> f32 {
-    f32::from_bits((bits as u32) << 16)
+/// Element `j` of a row from its pair (`j / 2`): the low half for even `j`.
+fn half_of(two: u32, j: usize) -> u16 {
+    if j.is_multiple_of(2) {
+        two as u16
+    } else {
+        (two >> 16) as u16
+    }
+}
+
+/// f32 → bf16 bits, rounding to nearest even (NaN stays NaN).
+pub(super) fn to_bf16(v: f32) -> u16 {
+    half::bf16::from_f32(v).to_bits()
 }
 
 impl PairedBf16 {
@@ -67,7 +79,7 @@ impl PairedBf16 {
             for lane in 0..BLOCK.min(n - b * BLOCK) {
                 let row = &w[(b * BLOCK + lane) * k..(b * BLOCK + lane + 1) * k];
                 for (p, two) in row.chunks(2).enumerate() {
-                    block[p * BLOCK + lane] = pair(to_bf16(two[0]), two.get(1).map_or(0, |&v| to_bf16(v)));
+                    block[p * BLOCK + lane] = pair_of(two, to_bf16);
                 }
             }
         });
@@ -90,8 +102,7 @@ impl PairedBf16 {
         let kp = self.k.div_ceil(2);
         let block = &self.pairs[(r / BLOCK) * kp * BLOCK..(r / BLOCK + 1) * kp * BLOCK];
         for (j, o) in out.iter_mut().enumerate() {
-            let two = block[(j / 2) * BLOCK + r % BLOCK];
-            *o = widen(if j % 2 == 0 { two as u16 } else { (two >> 16) as u16 });
+            *o = half_of(block[(j / 2) * BLOCK + r % BLOCK], j).widen();
         }
     }
 
@@ -173,7 +184,8 @@ impl PairedBf16 {
                 let mut acc = 0.0f32;
                 for (p, &xv) in xr.iter().enumerate() {
                     let wv = block[p * BLOCK + r % BLOCK];
-                    acc += widen(xv as u16) * widen(wv as u16) + widen((xv >> 16) as u16) * widen((wv >> 16) as u16);
+                    acc += half_of(xv, 0).widen() * half_of(wv, 0).widen()
+                        + half_of(xv, 1).widen() * half_of(wv, 1).widen();
                 }
                 let o = &mut out[i * n + r];
                 *o = if accumulate { *o + acc } else { acc };
@@ -185,11 +197,6 @@ impl PairedBf16 {
 /// An input rounded to bf16 as `vcvtne2ps2bf16` rounds it: nearest even, subnormals to ±0.
 fn round_input(v: f32) -> u16 {
     to_bf16(if v.is_subnormal() { 0.0f32.copysign(v) } else { v })
-}
-
-/// Two inputs (the second 0 when absent) as a pair.
-fn input_pair(two: &[f32]) -> u32 {
-    pair(round_input(two[0]), two.get(1).map_or(0, |&v| round_input(v)))
 }
 
 /// Rows of x rounded to bf16 pairs (m × k.div_ceil(2); an odd k pads with 0).
@@ -204,7 +211,7 @@ fn pack_rows(x: &[f32], m: usize, k: usize) -> Vec<u32> {
             continue;
         }
         for (d, two) in dst.iter_mut().zip(row.chunks(2)) {
-            *d = input_pair(two);
+            *d = pair_of(two, round_input);
         }
     }
     xp
@@ -231,7 +238,7 @@ unsafe fn pack_row_avx512(row: &[f32], dst: &mut [u32]) {
         j += 32;
     }
     for (d, two) in dst[body / 2..].iter_mut().zip(row[body..].chunks(2)) {
-        *d = input_pair(two);
+        *d = pair_of(two, round_input);
     }
 }
 
@@ -387,7 +394,7 @@ mod tests {
     /// Σ in f64 of the bf16-rounded operands (what the kernel approximates in f32), and a bound
     /// on the f32 sum's rounding error: k ulps of Σ|terms|.
     fn reference(x: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<(f64, f64)> {
-        let r = |v: f32| widen(to_bf16(v)) as f64;
+        let r = |v: f32| to_bf16(v).widen() as f64;
         let mut out = vec![(0.0, 0.0); m * n];
         for i in 0..m {
             for j in 0..n {
@@ -446,7 +453,7 @@ mod tests {
         for r in 0..n {
             mat.row_into(r, &mut row);
             for (got, want) in row.iter().zip(&w[r * k..(r + 1) * k]) {
-                assert_eq!(got.to_bits(), widen(to_bf16(*want)).to_bits());
+                assert_eq!(got.to_bits(), to_bf16(*want).widen().to_bits());
             }
         }
     }
@@ -459,11 +466,10 @@ mod tests {
         x.extend([f32::MAX, -1e-40, -0.0, 3.0039062, f32::NAN]);
         let packed = pack_rows(&x, 1, x.len());
         for (j, v) in x.iter().enumerate() {
-            let two = packed[j / 2];
-            let bits = if j % 2 == 0 { two as u16 } else { (two >> 16) as u16 };
+            let bits = half_of(packed[j / 2], j);
             let want = if v.is_subnormal() { to_bf16(0.0f32.copysign(*v)) } else { to_bf16(*v) };
             if v.is_nan() {
-                assert!(widen(bits).is_nan(), "element {j}");
+                assert!(bits.widen().is_nan(), "element {j}");
             } else {
                 assert_eq!(bits, want, "element {j} ({v})");
             }

@@ -47,7 +47,7 @@ pub fn softplus(x: f32) -> f32 {
 }
 
 /// A weight element the kernels can widen to f32: f32 itself, or bf16 stored as its bits.
-trait Widen: Copy {
+pub(super) trait Widen: Copy {
     fn widen(self) -> f32;
     /// Eight elements from `p` widened to f32 (AVX2).
     ///
@@ -404,7 +404,7 @@ impl Matrix {
             (super::WeightDtype::Bf16, Bf16Kernel::Widen) => {
                 // On huge pages, as the f32 weights are (decode streams every one).
                 let mut bits = crate::memory::big_vec(v.len(), 0u16);
-                bits.par_iter_mut().zip(&v).for_each(|(b, &x)| *b = half::bf16::from_f32(x).to_bits());
+                bits.par_iter_mut().zip(&v).for_each(|(b, &x)| *b = super::bf16_dot::to_bf16(x));
                 Matrix::Bf16(bits)
             }
             (super::WeightDtype::Bf16, Bf16Kernel::Dot) => {
