@@ -823,9 +823,14 @@ fn store_examples(
         );
     }
 
-    // Examples: every passage, its retrieved contexts; every n-th passage held out.
+    // Examples: every passage with its retrieved contexts. Validation holds out every n-th
+    // *document* whole: a held-out paragraph of an article the model trains on shares its
+    // names and facts, so its loss rewards memorising the training articles (on WikiText-2
+    // train such paragraphs improved 1.2% while the test split's unseen articles got 2.2%
+    // worse). A store of fewer documents than that holds out every n-th passage instead.
     let passages = picaso_store::passages(&store)?;
     let every = (passages.len() / f.val_passages.max(1)).max(2);
+    let held_out = held_out_documents(&passages, every);
     let mut slot: std::collections::HashMap<i64, usize> = std::collections::HashMap::new();
     let mut data = Dataset { contexts: Vec::new(), train: Vec::new(), val: Vec::new() };
     let bar = indicatif::ProgressBar::new(passages.len() as u64);
@@ -856,10 +861,15 @@ fn store_examples(
         }
         let example =
             Example { contexts, query: store.get(p.query)?.tokens, continuation: store.get(p.continuation)?.tokens };
-        if i % every == every - 1 && data.val.len() < f.val_passages {
-            data.val.push(example)
-        } else {
-            data.train.push(example)
+        match &held_out {
+            Some(docs) if docs.contains(p.doc.as_str()) => {
+                // Beyond the cap a held-out article's passages are used for nothing.
+                if data.val.len() < f.val_passages {
+                    data.val.push(example)
+                }
+            }
+            None if i % every == every - 1 && data.val.len() < f.val_passages => data.val.push(example),
+            _ => data.train.push(example),
         }
         bar.inc(1);
     }
@@ -871,6 +881,14 @@ fn store_examples(
         data.contexts.len()
     );
     Ok(data)
+}
+
+/// Every `every`-th document of `passages` (in store order), or `None` when there are fewer
+/// than `2 · every` documents to choose from.
+fn held_out_documents(passages: &[picaso_store::Passage], every: usize) -> Option<std::collections::HashSet<&str>> {
+    let mut seen = std::collections::HashSet::new();
+    let docs: Vec<&str> = passages.iter().map(|p| p.doc.as_str()).filter(|d| seen.insert(*d)).collect();
+    (docs.len() >= 2 * every).then(|| docs.into_iter().skip(every - 1).step_by(every).collect())
 }
 
 /// Fine-tunes `model` on `data` as the config says; writes OUT's log, chart and model.
@@ -974,4 +992,41 @@ fn available_memory_bytes() -> Option<u64> {
     let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::held_out_documents;
+    use picaso_store::Passage;
+
+    fn passages(docs: usize, per_doc: u32) -> Vec<Passage> {
+        let mut out = Vec::new();
+        for d in 0..docs {
+            for paragraph in 0..per_doc {
+                let id = out.len() as i64 * 2;
+                out.push(Passage {
+                    doc: format!("doc {d}"),
+                    paragraph,
+                    query: id,
+                    continuation: id + 1,
+                    previous: None,
+                });
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn validation_holds_out_whole_documents() {
+        let all = passages(100, 3);
+        let held = held_out_documents(&all, 10).expect("enough documents");
+        let expected: std::collections::HashSet<String> = (0..10).map(|i| format!("doc {}", 10 * i + 9)).collect();
+        assert_eq!(held.iter().map(|d| d.to_string()).collect::<std::collections::HashSet<_>>(), expected);
+    }
+
+    #[test]
+    fn too_few_documents_fall_back_to_passages() {
+        assert!(held_out_documents(&passages(19, 30), 10).is_none());
+        assert!(held_out_documents(&passages(20, 30), 10).is_some());
+    }
 }

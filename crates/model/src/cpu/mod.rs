@@ -111,13 +111,17 @@ impl TokenIo {
         let (d, v) = (self.d_model, self.vocab);
         let rows = hidden.len() / d;
         let mut out = vec![0.0f32; rows * v];
-        kind.matmul_t(hidden, rows, d, self.head(), v, &mut out, false);
+        on_pool(|| kind.matmul_t(hidden, rows, d, self.head(), v, &mut out, false));
         out
     }
 
     /// log p(targets[i] | hidden row i) for each row, computed in blocks so the full
     /// (T × vocab) logits never exist at once.
     pub(crate) fn logprobs(&self, hidden: &[f32], targets: &[u32]) -> Vec<f32> {
+        on_pool(|| self.logprobs_on_pool(hidden, targets))
+    }
+
+    fn logprobs_on_pool(&self, hidden: &[f32], targets: &[u32]) -> Vec<f32> {
         let (d, v) = (self.d_model, self.vocab);
         const BLOCK: usize = 128;
         let mut out = Vec::with_capacity(targets.len());
@@ -393,23 +397,36 @@ pub(crate) fn run_layers<L>(
     tokens: &[u32],
     lens: &[usize],
     states: &mut [&mut State],
-    layer: impl Fn(&L, &mut [&mut LayerState], Rows, &mut [f32]),
-) -> Vec<f32> {
+    layer: impl Fn(&L, &mut [&mut LayerState], Rows, &mut [f32]) + Sync,
+) -> Vec<f32>
+where
+    L: Sync,
+{
     assert_eq!(lens.iter().sum::<usize>(), tokens.len(), "lens must add up to the tokens");
     assert_eq!(lens.len(), states.len(), "one state per sequence");
     if tokens.is_empty() {
         return Vec::new();
     }
-    let mut h = io.embed(tokens);
-    let kind = Rows::of(lens);
-    for (l, lw) in layers.iter().enumerate() {
-        let mut ls: Vec<&mut LayerState> = states.iter_mut().map(|s| &mut s.layers[l]).collect();
-        layer(lw, &mut ls, kind, &mut h);
-    }
-    for (s, &t) in states.iter_mut().zip(lens) {
-        s.n_tokens += t as u64;
-    }
-    io.final_norm(&h)
+    on_pool(|| {
+        let mut h = io.embed(tokens);
+        let kind = Rows::of(lens);
+        for (l, lw) in layers.iter().enumerate() {
+            let mut ls: Vec<&mut LayerState> = states.iter_mut().map(|s| &mut s.layers[l]).collect();
+            layer(lw, &mut ls, kind, &mut h);
+        }
+        for (s, &t) in states.iter_mut().zip(lens) {
+            s.n_tokens += t as u64;
+        }
+        io.final_norm(&h)
+    })
+}
+
+/// Runs `f` on a thread of rayon's pool. Called from outside the pool, every parallel region
+/// of a forward pass would hand its work to the pool and put the caller to sleep until it is
+/// done: ~150 such round trips per decoded token. From inside, a region that does not split
+/// runs in place and one that does is shared by work stealing; the caller waits once.
+pub(crate) fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    rayon::scope(|_| f())
 }
 
 /// Runs `f(state, input rows, t, output rows)` for each sequence of a batch, in parallel:
