@@ -4,6 +4,7 @@
 # script can be stopped at any point and run again (in the next session too).
 #
 #   scripts/finetune_wikitext.sh [SAMPLE]     # SAMPLE: test passages to evaluate (default 100)
+#   OBJECTIVES=bptc OUT=results/finetuned-bptc scripts/finetune_wikitext.sh   # one objective only
 #
 # 1. a store of WikiText-2 *train* paragraphs cut into query/continuation halves, ingested by
 #    the bundled model (RUNS/no-unk/db): the split's 3,870 paragraphs without `<unk>`, with bf16
@@ -16,16 +17,18 @@
 #    and the rate was chosen on them (results/finetune-lr-ablation);
 # 2. BP2C and BPTC on it (models/training/finetune-wikitext.json: lr 1e-4, k drawn from 0..10),
 #    two examples per forward pass (a batch of 8 at k = 10 in one BPTC pass would hold 24 GB);
-# 3. a store of the raw *test* split (RUNS/db-test) and `eval finetuned`: zero-shot vs BPTC vs
+# 3. a store of the raw *test* split (RUNS/db-test) and `eval finetuned` (Concat and PICASO-R): zero-shot vs BPTC vs
 #    BP2C on the same test passages, paired, into results/finetuned.
 # RUNS defaults to /work/runs/ft-wikitext; DATA to ../shared/data (WikiText-2 and MiniLM; see
-# their PROVENANCE.md).
+# their PROVENANCE.md); OBJECTIVES to "bp2c bptc"; OUT (the report's folder) to results/finetuned.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-/work/runs/ft-wikitext}
 D=${DATA:-../shared/data}
 E=$D/all-MiniLM-L6-v2
 SAMPLE=${1:-100}
+OBJECTIVES=${OBJECTIVES:-bp2c bptc}
+OUT=${OUT:-results/finetuned}
 BIN=${PICASO_BIN:-target/release/picaso}
 [ -x "$BIN" ] || cargo build --release -p picaso
 mkdir -p "$RUNS"
@@ -36,11 +39,12 @@ T=$RUNS/no-unk
 mkdir -p "$T"
 grep -v '<unk>' "$D/wikitext-2/wiki.train.tokens" > "$T/wiki.train.no-unk.tokens"   # headings kept
 $P ingest --db "$T/db" --embedder "$E" --wikitext "$T/wiki.train.no-unk.tokens" --segment halves --state-dtype bf16
-for objective in bp2c bptc; do   # a finished run resumes to its end at once
+MODELS=zero-shot=models/picaso-mamba2
+for objective in $OBJECTIVES; do   # a finished run resumes to its end at once
   $P train compose --objective $objective --db "$T/db" \
     --config models/training/finetune-wikitext.json --micro-batch 2 --out "$T/$objective"
+  MODELS="$MODELS,$objective=$T/$objective/model"
 done
 $P ingest --db "$RUNS/db-test" --embedder "$E" --wikitext "$D/wikitext-2/wiki.test.raw.crlf_nonempty" --segment halves
 $P eval finetuned --db "$RUNS/db-test" --embedder "$E" --obqa "$D/openbookqa" \
-  --models "zero-shot=models/picaso-mamba2,bptc=$T/bptc/model,bp2c=$T/bp2c/model" \
-  --obqa-ks 10 --sample "$SAMPLE" --seed 0 --out results/finetuned
+  --models "$MODELS" --obqa-ks 10 --methods concat,picaso-r --sample "$SAMPLE" --seed 0 --out "$OUT"
