@@ -49,6 +49,7 @@ fn eval_and_compose_finetuning_end_to_end() {
         serde_json::from_str(&std::fs::read_to_string(tmp.path().join("cu/results.json")).unwrap()).unwrap();
     assert!(cu["report"]["passages"].as_u64().unwrap() > 0, "{cu}");
     assert!(cu["bits_per_byte"]["bits_per_byte"].as_f64().unwrap() > 0.0, "{cu}");
+    assert!(tmp.path().join("cu/change.png").is_file(), "the context-use chart");
 
     // Fine-tuning with both objectives; a loadable model comes out.
     let cfg = tmp.path().join("ft.json");

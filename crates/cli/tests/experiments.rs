@@ -117,6 +117,7 @@ fn openbookqa_attribution_and_msmarco() {
     assert_eq!(r["report"]["rows"].as_array().unwrap().len(), 6, "leave-one-in and 5 leave-one-out rules");
     let chance = r["report"]["chance"].as_f64().unwrap();
     assert!(chance > 0.25 && chance < 0.34, "1 gold among 3 or 4 candidates: {chance}");
+    assert!(attr.join("precision.png").is_file(), "the attribution chart");
 
     let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../eval/tests/fixtures/msmarco_v2.1_tiny.json");
     let ms = tmp.path().join("ms");

@@ -1,9 +1,10 @@
-//! PNG line charts (plotters, with DejaVu Sans embedded so no system font is needed).
+//! PNG line and bar charts (plotters, with DejaVu Sans embedded so no system font is needed).
 
 use std::path::Path;
 use std::sync::Once;
 
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use crate::{Error, Result};
 
@@ -37,6 +38,29 @@ pub struct Chart<'a> {
     /// Logarithmic x axis.
     pub log_x: bool,
 }
+
+/// One labelled bar of a [`bar_chart`].
+#[derive(Debug, Clone)]
+pub struct Bar {
+    /// Its label under the x axis.
+    pub label: String,
+    /// Its height.
+    pub value: f64,
+    /// Half-width of its interval, drawn as an error bar (`None`: no interval).
+    pub error: Option<f64>,
+}
+
+/// The eight colours of every chart, in the order series and bars take them.
+const COLORS: [RGBColor; 8] = [
+    RGBColor(0x1f, 0x77, 0xb4),
+    RGBColor(0xff, 0x7f, 0x0e),
+    RGBColor(0x2c, 0xa0, 0x2c),
+    RGBColor(0xd6, 0x27, 0x28),
+    RGBColor(0x94, 0x67, 0xbd),
+    RGBColor(0x8c, 0x56, 0x4b),
+    RGBColor(0xe3, 0x77, 0xc2),
+    RGBColor(0x7f, 0x7f, 0x7f),
+];
 
 fn register_font() {
     static ONCE: Once = Once::new();
@@ -82,16 +106,7 @@ pub fn line_chart(path: &Path, chart: &Chart<'_>, series: &[Series]) -> Result<(
     }
     let root = BitMapBackend::new(path, (960, 600)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(path, e))?;
-    let colors = [
-        RGBColor(0x1f, 0x77, 0xb4),
-        RGBColor(0xff, 0x7f, 0x0e),
-        RGBColor(0x2c, 0xa0, 0x2c),
-        RGBColor(0xd6, 0x27, 0x28),
-        RGBColor(0x94, 0x67, 0xbd),
-        RGBColor(0x8c, 0x56, 0x4b),
-        RGBColor(0xe3, 0x77, 0xc2),
-        RGBColor(0x7f, 0x7f, 0x7f),
-    ];
+    let colors = COLORS;
     macro_rules! draw {
         ($chart:expr) => {{
             let mut c = $chart;
@@ -145,6 +160,99 @@ pub fn line_chart(path: &Path, chart: &Chart<'_>, series: &[Series]) -> Result<(
     Ok(())
 }
 
+/// Draws `bars` side by side into a 960×600 PNG at `path`, each with its value written above
+/// it and its error bar if it has one; a line at y = 0 when the bars straddle it, and a dashed
+/// line at `reference` (such as chance) when given.
+pub fn bar_chart(path: &Path, title: &str, y: &str, bars: &[Bar], reference: Option<(&str, f64)>) -> Result<()> {
+    register_font();
+    if bars.is_empty() || bars.iter().any(|b| !b.value.is_finite()) {
+        return Err(Error::Input(format!("{}: bars need finite values", path.display())));
+    }
+    let ends = |b: &Bar| {
+        let e = b.error.filter(|e| e.is_finite()).unwrap_or(0.0);
+        [b.value - e, b.value + e]
+    };
+    let (mut y0, mut y1) = (0f64, 0f64);
+    for v in bars.iter().flat_map(ends).chain(reference.map(|r| r.1)) {
+        (y0, y1) = (y0.min(v), y1.max(v));
+    }
+    // Room for the labels above the bars.
+    let pad = ((y1 - y0) * 0.12).max(1e-3);
+    let (y0, y1) = (if y0 < 0.0 { y0 - pad } else { 0.0 }, if y1 > 0.0 { y1 + pad } else { 0.0 });
+    let n = bars.len();
+    let root = BitMapBackend::new(path, (960, 600)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(path, e))?;
+    let mut c = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 24))
+        .margin(16)
+        .x_label_area_size(48)
+        .y_label_area_size(72)
+        .build_cartesian_2d(-0.5..n as f64 - 0.5, y0..y1)
+        .map_err(|e| err(path, e))?;
+    let label = |x: &f64| {
+        let i = x.round();
+        if (x - i).abs() < 1e-6 && i >= 0.0 && (i as usize) < n {
+            bars[i as usize].label.clone()
+        } else {
+            String::new()
+        }
+    };
+    c.configure_mesh()
+        .disable_x_mesh()
+        .light_line_style(TRANSPARENT)
+        .x_labels(n)
+        .x_label_formatter(&label)
+        .y_desc(y)
+        .label_style(("sans-serif", 16))
+        .draw()
+        .map_err(|e| err(path, e))?;
+    c.draw_series(bars.iter().enumerate().map(|(i, b)| {
+        let x = i as f64;
+        Rectangle::new([(x - 0.3, 0.0), (x + 0.3, b.value)], COLORS[i % COLORS.len()].mix(0.8).filled())
+    }))
+    .map_err(|e| err(path, e))?;
+    // Error bars: a vertical line with a cap at each end.
+    for (i, b) in bars.iter().enumerate() {
+        let Some(e) = b.error.filter(|e| e.is_finite()) else { continue };
+        let (x, lo, hi) = (i as f64, b.value - e, b.value + e);
+        let lines =
+            [vec![(x, lo), (x, hi)], vec![(x - 0.06, lo), (x + 0.06, lo)], vec![(x - 0.06, hi), (x + 0.06, hi)]];
+        c.draw_series(lines.into_iter().map(|l| PathElement::new(l, BLACK.stroke_width(2))))
+            .map_err(|e| err(path, e))?;
+    }
+    // Each bar's value beyond its end (above a positive bar, below a negative one).
+    c.draw_series(bars.iter().enumerate().map(|(i, b)| {
+        let text = match b.error {
+            Some(e) => format!("{:.3} ± {:.3}", b.value, e),
+            None => format!("{:.3}", b.value),
+        };
+        let [lo, hi] = ends(b);
+        let (y, v) = if b.value < 0.0 { (lo - 0.1 * pad, VPos::Top) } else { (hi + 0.1 * pad, VPos::Bottom) };
+        let style = TextStyle::from(("sans-serif", 16).into_font()).pos(Pos::new(HPos::Center, v));
+        Text::new(text, (i as f64, y), style)
+    }))
+    .map_err(|e| err(path, e))?;
+    if y0 < 0.0 && y1 > 0.0 {
+        c.draw_series(LineSeries::new([(-0.5, 0.0), (n as f64 - 0.5, 0.0)], BLACK.stroke_width(1)))
+            .map_err(|e| err(path, e))?;
+    }
+    if let Some((name, v)) = reference {
+        c.draw_series(DashedLineSeries::new([(-0.5, v), (n as f64 - 0.5, v)], 8, 6, BLACK.stroke_width(1)))
+            .map_err(|e| err(path, e))?
+            .label(name.to_string())
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK.stroke_width(1)));
+        c.configure_series_labels()
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .label_font(("sans-serif", 16))
+            .position(SeriesLabelPosition::UpperRight)
+            .draw()
+            .map_err(|e| err(path, e))?;
+    }
+    root.present().map_err(|e| err(path, e))?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -162,5 +270,17 @@ mod tests {
         assert_eq!(&bytes[1..4], b"PNG");
         let empty = vec![Series::line("nan", vec![(f64::NAN, 1.0)])];
         assert!(line_chart(&path, &Chart { title: "t", x: "x", y: "y", log_x: false }, &empty).is_err());
+    }
+
+    #[test]
+    fn draws_bars_and_refuses_non_finite_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("b.png");
+        let bar = |label: &str, value: f64, error: Option<f64>| Bar { label: label.into(), value, error };
+        let bars = vec![bar("down", -2.3, Some(0.25)), bar("up", 2.0, Some(0.16)), bar("plain", -19.0, None)];
+        bar_chart(&path, "t", "y", &bars, Some(("chance", 0.5))).unwrap();
+        assert_eq!(&std::fs::read(&path).unwrap()[1..4], b"PNG");
+        assert!(bar_chart(&path, "t", "y", &[bar("nan", f64::NAN, None)], None).is_err());
+        assert!(bar_chart(&path, "t", "y", &[], None).is_err());
     }
 }

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use crate::methods::EvalMethod;
-use crate::plot::{line_chart, Chart, Series};
+use crate::plot::{bar_chart, line_chart, Bar, Chart, Series};
 use crate::stats::paired_ci95;
 use crate::{attribution, context_use, fidelity, openbookqa, order, recall, wikitext, Error, Result};
 
@@ -256,7 +256,38 @@ pub fn write_context_use(
     .expect("string");
     md.push_str(&info.markdown());
     write(&out.join("results.csv"), &csv)?;
-    write(&out.join("results.md"), &md)
+    write(&out.join("results.md"), &md)?;
+    context_use_chart(&out.join("change.png"), report)
+}
+
+/// The conditions' relative change of the continuation's loss against no context: on all
+/// tokens (paired intervals) and on the recall tokens (pooled, so without one).
+fn context_use_chart(path: &Path, report: &context_use::Report) -> Result<()> {
+    let Some(none) = report.conditions.iter().find(|c| c.context == "none") else {
+        return Err(Error::Input("context use: no 'none' condition to compare with".into()));
+    };
+    let others = report.conditions.iter().filter(|c| c.context != "none");
+    let mut bars: Vec<Bar> = others
+        .clone()
+        .map(|c| Bar {
+            label: format!("{}, all tokens", c.context),
+            value: c.change_pct,
+            error: Some(c.change_ci95_pct),
+        })
+        .collect();
+    // Recall tokens are pooled over passages: no interval, and none at all in a text without any.
+    bars.extend(others.filter(|_| report.recall_tokens > 0).map(|c| Bar {
+        label: format!("{}, recall tokens", c.context),
+        value: 100.0 * (c.recall_loss - none.recall_loss) / none.recall_loss,
+        error: None,
+    }));
+    bar_chart(
+        path,
+        &format!("Continuation loss against no context ({} passages, paired 95% CI)", report.passages),
+        "change of loss (%)",
+        &bars,
+        None,
+    )
 }
 
 fn create(out: &Path) -> Result<()> {
@@ -435,7 +466,27 @@ pub fn write_attribution(out: &Path, report: &attribution::Report, info: &RunInf
             writeln!(md, "| {} | {} | {:+.3} ± {:.3} |", p.a, p.b, p.diff, p.ci95).expect("string");
         }
     }
-    write_all(out, serde_json::json!({ "run": info, "report": report }), &csv, &md, info)
+    write_all(out, serde_json::json!({ "run": info, "report": report }), &csv, &md, info)?;
+    let bars: Vec<Bar> = report
+        .rows
+        .iter()
+        .filter(|r| r.precision.is_finite())
+        .map(|r| Bar {
+            label: r.rule.replace("leave-one-in", "LOI").replace("leave-one-out", "LOO"),
+            value: r.precision,
+            error: Some(r.ci95),
+        })
+        .collect();
+    if bars.is_empty() {
+        return Ok(());
+    }
+    bar_chart(
+        &out.join("precision.png"),
+        &format!("Attribution precision, {} items (LOI leave-one-in, LOO leave-one-out; 95% CI)", report.items),
+        "share of items whose pick is the source",
+        &bars,
+        Some(("a random pick", report.chance)),
+    )
 }
 
 /// Writes the order-sensitivity experiment into `out`.
