@@ -270,17 +270,21 @@ fn context_use_chart(path: &Path, report: &context_use::Report) -> Result<()> {
     let mut bars: Vec<Bar> = others
         .clone()
         .map(|c| Bar {
-            label: format!("{}, all tokens", c.context),
+            label: format!("{}, all tokens", short(c.context)),
             value: c.change_pct,
             error: Some(c.change_ci95_pct),
         })
         .collect();
     // Recall tokens are pooled over passages: no interval, and none at all in a text without any.
     bars.extend(others.filter(|_| report.recall_tokens > 0).map(|c| Bar {
-        label: format!("{}, recall tokens", c.context),
+        label: format!("{}, recall tokens", short(c.context)),
         value: 100.0 * (c.recall_loss - none.recall_loss) / none.recall_loss,
         error: None,
     }));
+    // "previous paragraph" → "previous": four labels of 960 pixels.
+    fn short(context: &str) -> &str {
+        context.split(' ').next().unwrap_or(context)
+    }
     bar_chart(
         path,
         &format!("Continuation loss against no context ({} passages, paired 95% CI)", report.passages),
