@@ -17,8 +17,8 @@
 #    and the rate was chosen on them (results/finetune-lr-ablation);
 # 2. BP2C and BPTC on it (models/training/finetune-wikitext.json: lr 1e-4, k drawn from 0..10),
 #    two examples per forward pass (a batch of 8 at k = 10 in one BPTC pass would hold 24 GB);
-# 3. a store of the raw *test* split (RUNS/db-test) and `eval finetuned` (Concat and PICASO-R): zero-shot vs BPTC vs
-#    BP2C on the same test passages, paired, into results/finetuned.
+# 3. a store of the raw *test* split (RUNS/db-test) and `eval finetuned` of Concat and PICASO-R:
+#    zero-shot vs BPTC vs BP2C on the same test passages, paired, into OUT.
 # RUNS defaults to /work/runs/ft-wikitext; DATA to ../shared/data (WikiText-2 and MiniLM; see
 # their PROVENANCE.md); OBJECTIVES to "bp2c bptc"; OUT (the report's folder) to results/finetuned.
 set -euo pipefail

@@ -50,6 +50,13 @@ pub struct Bar {
     pub error: Option<f64>,
 }
 
+impl Bar {
+    /// The interval's half-width, when it has a finite one.
+    fn interval(&self) -> Option<f64> {
+        self.error.filter(|e| e.is_finite())
+    }
+}
+
 /// The eight colours of every chart, in the order series and bars take them.
 const COLORS: [RGBColor; 8] = [
     RGBColor(0x1f, 0x77, 0xb4),
@@ -68,6 +75,20 @@ fn register_font() {
         // The font is valid TTF; failure would be a bug in the dejavu crate.
         let _ = plotters::style::register_font("sans-serif", FontStyle::Normal, dejavu::sans::regular());
     });
+}
+
+/// The series' legend, in the upper right corner of every chart.
+fn legend<'a, DB: DrawingBackend + 'a, CT: CoordTranslate>(
+    c: &mut ChartContext<'a, DB, CT>,
+    path: &Path,
+) -> Result<()> {
+    c.configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 16))
+        .position(SeriesLabelPosition::UpperRight)
+        .draw()
+        .map_err(|e| err(path, e))
 }
 
 fn err(path: &Path, e: impl std::fmt::Display) -> Error {
@@ -106,7 +127,6 @@ pub fn line_chart(path: &Path, chart: &Chart<'_>, series: &[Series]) -> Result<(
     }
     let root = BitMapBackend::new(path, (960, 600)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(path, e))?;
-    let colors = COLORS;
     macro_rules! draw {
         ($chart:expr) => {{
             let mut c = $chart;
@@ -121,7 +141,7 @@ pub fn line_chart(path: &Path, chart: &Chart<'_>, series: &[Series]) -> Result<(
                     .map_err(|e| err(path, e))?;
             }
             for (i, s) in series.iter().enumerate() {
-                let color = colors[i % colors.len()];
+                let color = COLORS[i % COLORS.len()];
                 let points: Vec<(f64, f64)> =
                     s.points.iter().copied().filter(|p| p.0.is_finite() && p.1.is_finite()).collect();
                 c.draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))
@@ -139,13 +159,7 @@ pub fn line_chart(path: &Path, chart: &Chart<'_>, series: &[Series]) -> Result<(
                     .map_err(|e| err(path, e))?;
                 }
             }
-            c.configure_series_labels()
-                .background_style(WHITE.mix(0.85))
-                .border_style(BLACK)
-                .label_font(("sans-serif", 16))
-                .position(SeriesLabelPosition::UpperRight)
-                .draw()
-                .map_err(|e| err(path, e))?;
+            legend(&mut c, path)?;
         }};
     }
     let mut builder = ChartBuilder::on(&root);
@@ -169,7 +183,7 @@ pub fn bar_chart(path: &Path, title: &str, y: &str, bars: &[Bar], reference: Opt
         return Err(Error::Input(format!("{}: bars need finite values", path.display())));
     }
     let ends = |b: &Bar| {
-        let e = b.error.filter(|e| e.is_finite()).unwrap_or(0.0);
+        let e = b.interval().unwrap_or(0.0);
         [b.value - e, b.value + e]
     };
     let (mut y0, mut y1) = (0f64, 0f64);
@@ -213,7 +227,7 @@ pub fn bar_chart(path: &Path, title: &str, y: &str, bars: &[Bar], reference: Opt
     .map_err(|e| err(path, e))?;
     // Error bars: a vertical line with a cap at each end.
     for (i, b) in bars.iter().enumerate() {
-        let Some(e) = b.error.filter(|e| e.is_finite()) else { continue };
+        let Some(e) = b.interval() else { continue };
         let (x, lo, hi) = (i as f64, b.value - e, b.value + e);
         let lines =
             [vec![(x, lo), (x, hi)], vec![(x - 0.06, lo), (x + 0.06, lo)], vec![(x - 0.06, hi), (x + 0.06, hi)]];
@@ -222,7 +236,7 @@ pub fn bar_chart(path: &Path, title: &str, y: &str, bars: &[Bar], reference: Opt
     }
     // Each bar's value beyond its end (above a positive bar, below a negative one).
     c.draw_series(bars.iter().enumerate().map(|(i, b)| {
-        let text = match b.error {
+        let text = match b.interval() {
             Some(e) => format!("{:.3} ± {:.3}", b.value, e),
             None => format!("{:.3}", b.value),
         };
@@ -241,13 +255,7 @@ pub fn bar_chart(path: &Path, title: &str, y: &str, bars: &[Bar], reference: Opt
             .map_err(|e| err(path, e))?
             .label(name.to_string())
             .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK.stroke_width(1)));
-        c.configure_series_labels()
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .label_font(("sans-serif", 16))
-            .position(SeriesLabelPosition::UpperRight)
-            .draw()
-            .map_err(|e| err(path, e))?;
+        legend(&mut c, path)?;
     }
     root.present().map_err(|e| err(path, e))?;
     Ok(())
