@@ -25,7 +25,7 @@ fn eval_and_compose_finetuning_end_to_end() {
         serde_json::from_str(&std::fs::read_to_string(out.join("results.json")).unwrap()).unwrap();
     assert_eq!(r["report"]["passages"], 9, "nine paragraphs, the heading and the short line skipped");
     assert_eq!(r["report"]["cells"].as_array().unwrap().len(), 14, "7 methods × 2 values of k");
-    for f in ["results.csv", "results.md", "loss_vs_k.png", "loss_vs_time.png"] {
+    for f in ["results.csv", "results.md", "loss_vs_k.png", "gain_vs_k.png", "gain_at_max_k.png", "loss_vs_time.png"] {
         assert!(out.join(f).is_file(), "{f} written");
     }
     let md = std::fs::read_to_string(out.join("results.md")).unwrap();

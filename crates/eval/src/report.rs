@@ -195,6 +195,25 @@ fn plot_wikitext(out: &Path, report: &wikitext::Report, methods: &[EvalMethod]) 
             &by_k,
         )?;
     }
+    // The headline at a glance, also when only one k was scored: each method's paired gain at
+    // the largest k.
+    let k = report.options.max_k();
+    let bars: Vec<Bar> = methods
+        .iter()
+        .filter_map(|&m| {
+            let c = report.contrasts.iter().find(|c| c.a == m && c.b == EvalMethod::Naive && c.k == k)?;
+            Some(Bar { label: m.to_string(), value: c.gain_pct, error: Some(c.gain_pct_ci95) })
+        })
+        .collect();
+    if !bars.is_empty() {
+        bar_chart(
+            &out.join("gain_at_max_k.png"),
+            &format!("WikiText-2, k = {k}: loss reduction over Naive, paired 95% CI ({} passages)", report.passages),
+            "% of Naive's loss",
+            &bars,
+            None,
+        )?;
+    }
     let by_time: Vec<Series> = methods
         .iter()
         .filter(|&&m| m != EvalMethod::Naive)
