@@ -223,10 +223,12 @@ fn plot_wikitext(out: &Path, report: &wikitext::Report, methods: &[EvalMethod]) 
             points: report.cells.iter().filter(|c| c.method == m).map(|c| (c.prepare_ms, c.loss)).collect(),
         })
         .collect();
+    let ks: Vec<String> = report.options.ks.iter().map(usize::to_string).collect();
+    let title = format!("Loss vs time to make the state (k = {})", ks.join(", "));
     line_chart(
         &out.join("loss_vs_time.png"),
         &Chart {
-            title: "Loss vs time to make the state (k = 1..max)",
+            title: &title,
             x: "ms per query to compose / process the contexts (log)",
             y: "loss (nats/token)",
             log_x: true,
