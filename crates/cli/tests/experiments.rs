@@ -250,7 +250,8 @@ fn order_fidelity_scaling_and_finetuned() {
 
     let other = text_model(4).unwrap();
     let ft = tmp.path().join("ft");
-    let models = format!("zero-shot={m},other={}", other.path().to_str().unwrap());
+    // A third model pairs with both earlier ones (fine-tuned models against each other).
+    let models = format!("zero-shot={m},other={},third={m}", other.path().to_str().unwrap());
     ok(&[
         "eval",
         "finetuned",
@@ -271,10 +272,17 @@ fn order_fidelity_scaling_and_finetuned() {
     ]);
     let md = std::fs::read_to_string(ft.join("results.md")).unwrap();
     assert!(md.contains("| other | picaso-r |") && md.contains("| zero-shot | naive |"), "{md}");
-    // The second model against the first, paired: every method, and its PICASO-R against
-    // the first's Concat; OpenBookQA's acc_norm likewise.
-    assert!(md.contains("| other | naive | naive | ") && md.contains("| other | picaso-r | concat | "), "{md}");
-    assert!(md.contains("acc_norm of each model minus `zero-shot`'s"), "{md}");
+    // Each model against every earlier one, paired: every method, and its PICASO-R against
+    // the earlier model's Concat; OpenBookQA's acc_norm likewise.
+    assert!(
+        md.contains("| other | naive | zero-shot naive | ") && md.contains("| other | picaso-r | zero-shot concat | "),
+        "{md}"
+    );
+    assert!(md.contains("| third | picaso-r | other picaso-r | ") && md.contains("| third | soup | other "), "{md}");
+    // The third model is the first one again: every pair with it is exactly zero.
+    assert!(md.contains("| third | picaso-r | zero-shot picaso-r | +0.0000 ± 0.0000 |"), "{md}");
+    assert!(md.contains("| third | picaso-r | zero-shot | +0.0 ± 0.0 |"), "{md}");
+    assert!(md.contains("acc_norm of each model minus an earlier model's"), "{md}");
     assert!(ft.join("other/wikitext/results.json").is_file() && ft.join("zero-shot/openbookqa/results.json").is_file());
 
     // Bad input.

@@ -633,72 +633,79 @@ pub struct ModelResults<'a> {
     pub openbookqa: &'a openbookqa::Report,
 }
 
-/// Each later model against the first (the zero-shot one), paired on the same passages at the
-/// largest k: every method's loss, and the later model's PICASO-R against the
-/// first model's Concat (does fine-tuning close the gap?).
+/// Every pair of models, each later one against each earlier one (the first is the zero-shot
+/// model; later pairs set the fine-tuned models against each other), paired on the same
+/// passages at the largest k: every method's loss, and the later model's PICASO-R against the
+/// earlier model's Concat (does fine-tuning close the gap?).
 fn finetuned_pairs(md: &mut String, models: &[ModelResults<'_>]) {
-    let Some((first, rest)) = models.split_first() else { return };
-    if rest.is_empty() {
+    let Some(first) = models.first() else { return };
+    if models.len() < 2 {
         return;
     }
     let k = first.wikitext.options.max_k();
     let pct = 100.0 / first.wikitext.naive_loss;
     writeln!(
         md,
-        "\nPaired on the same passages at k={k}: how much lower each model's loss is than `{}`'s (nats/token and % of its Naive loss, ± 95% CI; an interval that excludes 0 resolves it).\n\n| model | method | against `{}`'s | gain (nats) | gain (%) |\n|---|---|---|---:|---:|",
-        first.name, first.name
+        "\nPaired on the same passages at k={k}: how much lower each model's loss is than an earlier model's (nats/token and % of `{}`'s Naive loss, ± 95% CI; an interval that excludes 0 resolves it).\n\n| model | method | against | gain (nats) | gain (%) |\n|---|---|---|---:|---:|",
+        first.name
     )
     .expect("string");
     let picaso_r = EvalMethod::Compose(picaso_model::Method::PicasoR);
-    for m in rest {
-        let mut rows: Vec<(EvalMethod, EvalMethod)> =
-            methods_in(m.wikitext.cells.iter().map(|c| &c.method)).into_iter().map(|x| (x, x)).collect();
-        rows.push((picaso_r, EvalMethod::Concat));
-        for (mine, theirs) in rows {
-            let (Some(a), Some(b)) = (m.wikitext.losses.get(&(mine, k)), first.wikitext.losses.get(&(theirs, k)))
-            else {
-                continue;
-            };
-            if a.len() != b.len() {
-                continue;
+    for (j, m) in models.iter().enumerate().skip(1) {
+        for earlier in &models[..j] {
+            let mut rows: Vec<(EvalMethod, EvalMethod)> =
+                methods_in(m.wikitext.cells.iter().map(|c| &c.method)).into_iter().map(|x| (x, x)).collect();
+            rows.push((picaso_r, EvalMethod::Concat));
+            for (mine, theirs) in rows {
+                let (Some(a), Some(b)) = (m.wikitext.losses.get(&(mine, k)), earlier.wikitext.losses.get(&(theirs, k)))
+                else {
+                    continue;
+                };
+                if a.len() != b.len() {
+                    continue;
+                }
+                let (gain, ci) = paired_ci95(b, a);
+                writeln!(
+                    md,
+                    "| {} | {mine} | {} {theirs} | {gain:+.4} ± {ci:.4} | {:+.2} ± {:.2} |",
+                    m.name,
+                    earlier.name,
+                    gain * pct,
+                    ci * pct
+                )
+                .expect("string");
             }
-            let (gain, ci) = paired_ci95(b, a);
-            writeln!(
-                md,
-                "| {} | {mine} | {theirs} | {gain:+.4} ± {ci:.4} | {:+.2} ± {:.2} |",
-                m.name,
-                gain * pct,
-                ci * pct
-            )
-            .expect("string");
         }
     }
 }
 
 /// OpenBookQA's part of [`finetuned_pairs`]: acc_norm, paired on the same questions.
 fn finetuned_obqa_pairs(md: &mut String, models: &[ModelResults<'_>]) {
-    let Some((first, rest)) = models.split_first() else { return };
-    if rest.is_empty() {
+    let Some(first) = models.first() else { return };
+    if models.len() < 2 {
         return;
     }
     let kq = *first.openbookqa.options.ks.last().expect("non-empty");
     writeln!(
         md,
-        "\nOpenBookQA, paired on the same questions at k={kq}: acc_norm of each model minus `{}`'s (points, ± 95% CI).\n\n| model | method | a − b |\n|---|---|---:|",
-        first.name
+        "\nOpenBookQA, paired on the same questions at k={kq}: acc_norm of each model minus an earlier model's (points, ± 95% CI).\n\n| model | method | against | a − b |\n|---|---|---|---:|"
     )
     .expect("string");
-    for m in rest {
-        for method in methods_in(m.openbookqa.cells.iter().map(|c| &c.method)) {
-            let key = (method, if method == EvalMethod::Naive { 0 } else { kq });
-            let (Some(a), Some(b)) = (m.openbookqa.right_norm.get(&key), first.openbookqa.right_norm.get(&key)) else {
-                continue;
-            };
-            if a.len() != b.len() {
-                continue;
+    for (j, m) in models.iter().enumerate().skip(1) {
+        for earlier in &models[..j] {
+            for method in methods_in(m.openbookqa.cells.iter().map(|c| &c.method)) {
+                let key = (method, if method == EvalMethod::Naive { 0 } else { kq });
+                let (Some(a), Some(b)) = (m.openbookqa.right_norm.get(&key), earlier.openbookqa.right_norm.get(&key))
+                else {
+                    continue;
+                };
+                if a.len() != b.len() {
+                    continue;
+                }
+                let (d, ci) = paired_ci95(a, b);
+                writeln!(md, "| {} | {method} | {} | {:+.1} ± {:.1} |", m.name, earlier.name, 100.0 * d, 100.0 * ci)
+                    .expect("string");
             }
-            let (d, ci) = paired_ci95(a, b);
-            writeln!(md, "| {} | {method} | {:+.1} ± {:.1} |", m.name, 100.0 * d, 100.0 * ci).expect("string");
         }
     }
     md.push('\n');
