@@ -4,7 +4,7 @@
 # script can be stopped at any point and run again (in the next session too).
 #
 #   scripts/finetune_wikitext.sh [SAMPLE]     # SAMPLE: test passages to evaluate (default 100)
-#   OBJECTIVES=bptc OUT=results/finetuned-bptc scripts/finetune_wikitext.sh   # one objective only
+#   OBJECTIVES=bptc OUT=/tmp/finetuned-bptc scripts/finetune_wikitext.sh   # one objective only
 #
 # 1. a store of WikiText-2 *train* paragraphs cut into query/continuation halves, ingested by
 #    the bundled model (RUNS/no-unk/db): the split's 3,870 paragraphs without `<unk>`, with bf16
@@ -12,13 +12,14 @@
 #    tokenized one: 79% of its paragraphs hold `<unk>`, which the raw test split never has, and
 #    a model fine-tuned on them learns to write `<unk>`. (Both splits' WikiText spacing is
 #    undone at ingest.) Removing `<unk>` alone did not help: at lr 3e-4, BP2C left the test
-#    split ~2% worse (results/finetuned-no-unk), because validation on held-out paragraphs of
+#    split ~2% worse (git history, f0d0247), because validation on held-out paragraphs of
 #    the trained articles rewarded memorising them. Validation now holds out whole articles,
 #    and the rate was chosen on them (results/finetune-lr-ablation);
 # 2. BP2C and BPTC on it (models/training/finetune-wikitext.json: lr 1e-4, k drawn from 0..10),
 #    two examples per forward pass (a batch of 8 at k = 10 in one BPTC pass would hold 24 GB);
 # 3. a store of the raw *test* split (RUNS/db-test) and `eval finetuned` of Concat and PICASO-R:
-#    zero-shot vs BPTC vs BP2C on the same test passages, paired, into OUT.
+#    zero-shot vs BPTC vs BP2C on the same test passages, each pair of models paired, into
+#    OUT, with each objective's training log and loss curve in OUT/training-OBJECTIVE.
 # RUNS defaults to /work/runs/ft-wikitext; DATA to ../shared/data (WikiText-2 and MiniLM; see
 # their PROVENANCE.md); OBJECTIVES to "bp2c bptc"; OUT (the report's folder) to results/finetuned.
 set -euo pipefail
@@ -48,3 +49,7 @@ done
 $P ingest --db "$RUNS/db-test" --embedder "$E" --wikitext "$D/wikitext-2/wiki.test.raw.crlf_nonempty" --segment halves
 $P eval finetuned --db "$RUNS/db-test" --embedder "$E" --obqa "$D/openbookqa" \
   --models "$MODELS" --obqa-ks 10 --methods concat,picaso-r --sample "$SAMPLE" --seed 0 --out "$OUT"
+for objective in $OBJECTIVES; do
+  mkdir -p "$OUT/training-$objective"
+  cp "$T/$objective/finetune.csv" "$T/$objective/loss.png" "$OUT/training-$objective/"
+done
