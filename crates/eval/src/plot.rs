@@ -190,8 +190,9 @@ pub fn bar_chart(path: &Path, title: &str, y: &str, bars: &[Bar], reference: Opt
     for v in bars.iter().flat_map(ends).chain(reference.map(|r| r.1)) {
         (y0, y1) = (y0.min(v), y1.max(v));
     }
-    // Room for the labels above the bars.
-    let pad = ((y1 - y0) * 0.12).max(1e-3);
+    // Room for the labels above the bars, and for the legend above them when there is one.
+    let headroom = if reference.is_some() { 0.3 } else { 0.12 };
+    let pad = ((y1 - y0) * headroom).max(1e-3);
     let (y0, y1) = (if y0 < 0.0 { y0 - pad } else { 0.0 }, if y1 > 0.0 { y1 + pad } else { 0.0 });
     let n = bars.len();
     let root = BitMapBackend::new(path, (960, 600)).into_drawing_area();
@@ -241,7 +242,8 @@ pub fn bar_chart(path: &Path, title: &str, y: &str, bars: &[Bar], reference: Opt
             None => format!("{:.3}", b.value),
         };
         let [lo, hi] = ends(b);
-        let (y, v) = if b.value < 0.0 { (lo - 0.1 * pad, VPos::Top) } else { (hi + 0.1 * pad, VPos::Bottom) };
+        // A negative bar's label hangs below its interval, clear of the lower cap.
+        let (y, v) = if b.value < 0.0 { (lo - 0.25 * pad, VPos::Top) } else { (hi + 0.1 * pad, VPos::Bottom) };
         let style = TextStyle::from(("sans-serif", 16).into_font()).pos(Pos::new(HPos::Center, v));
         Text::new(text, (i as f64, y), style)
     }))
