@@ -633,15 +633,19 @@ pub struct ModelResults<'a> {
     pub openbookqa: &'a openbookqa::Report,
 }
 
+/// Each model with every model before it, as (later, earlier).
+fn later_earlier<'m, 'a>(
+    models: &'m [ModelResults<'a>],
+) -> impl Iterator<Item = (&'m ModelResults<'a>, &'m ModelResults<'a>)> {
+    models.iter().enumerate().flat_map(move |(j, m)| models[..j].iter().map(move |e| (m, e)))
+}
+
 /// Every pair of models, each later one against each earlier one (the first is the zero-shot
 /// model; later pairs set the fine-tuned models against each other), paired on the same
 /// passages at the largest k: every method's loss, and the later model's PICASO-R against the
 /// earlier model's Concat (does fine-tuning close the gap?).
 fn finetuned_pairs(md: &mut String, models: &[ModelResults<'_>]) {
-    let Some(first) = models.first() else { return };
-    if models.len() < 2 {
-        return;
-    }
+    let [first, _, ..] = models else { return };
     let k = first.wikitext.options.max_k();
     let pct = 100.0 / first.wikitext.naive_loss;
     writeln!(
@@ -651,61 +655,54 @@ fn finetuned_pairs(md: &mut String, models: &[ModelResults<'_>]) {
     )
     .expect("string");
     let picaso_r = EvalMethod::Compose(picaso_model::Method::PicasoR);
-    for (j, m) in models.iter().enumerate().skip(1) {
-        for earlier in &models[..j] {
-            let mut rows: Vec<(EvalMethod, EvalMethod)> =
-                methods_in(m.wikitext.cells.iter().map(|c| &c.method)).into_iter().map(|x| (x, x)).collect();
-            rows.push((picaso_r, EvalMethod::Concat));
-            for (mine, theirs) in rows {
-                let (Some(a), Some(b)) = (m.wikitext.losses.get(&(mine, k)), earlier.wikitext.losses.get(&(theirs, k)))
-                else {
-                    continue;
-                };
-                if a.len() != b.len() {
-                    continue;
-                }
-                let (gain, ci) = paired_ci95(b, a);
-                writeln!(
-                    md,
-                    "| {} | {mine} | {} {theirs} | {gain:+.4} ± {ci:.4} | {:+.2} ± {:.2} |",
-                    m.name,
-                    earlier.name,
-                    gain * pct,
-                    ci * pct
-                )
-                .expect("string");
+    for (m, earlier) in later_earlier(models) {
+        let mut rows: Vec<(EvalMethod, EvalMethod)> =
+            methods_in(m.wikitext.cells.iter().map(|c| &c.method)).into_iter().map(|x| (x, x)).collect();
+        rows.push((picaso_r, EvalMethod::Concat));
+        for (mine, theirs) in rows {
+            let (Some(a), Some(b)) = (m.wikitext.losses.get(&(mine, k)), earlier.wikitext.losses.get(&(theirs, k)))
+            else {
+                continue;
+            };
+            if a.len() != b.len() {
+                continue;
             }
+            let (gain, ci) = paired_ci95(b, a);
+            writeln!(
+                md,
+                "| {} | {mine} | {} {theirs} | {gain:+.4} ± {ci:.4} | {:+.2} ± {:.2} |",
+                m.name,
+                earlier.name,
+                gain * pct,
+                ci * pct
+            )
+            .expect("string");
         }
     }
 }
 
 /// OpenBookQA's part of [`finetuned_pairs`]: acc_norm, paired on the same questions.
 fn finetuned_obqa_pairs(md: &mut String, models: &[ModelResults<'_>]) {
-    let Some(first) = models.first() else { return };
-    if models.len() < 2 {
-        return;
-    }
+    let [first, _, ..] = models else { return };
     let kq = *first.openbookqa.options.ks.last().expect("non-empty");
     writeln!(
         md,
         "\nOpenBookQA, paired on the same questions at k={kq}: acc_norm of each model minus an earlier model's (points, ± 95% CI).\n\n| model | method | against | a − b |\n|---|---|---|---:|"
     )
     .expect("string");
-    for (j, m) in models.iter().enumerate().skip(1) {
-        for earlier in &models[..j] {
-            for method in methods_in(m.openbookqa.cells.iter().map(|c| &c.method)) {
-                let key = (method, if method == EvalMethod::Naive { 0 } else { kq });
-                let (Some(a), Some(b)) = (m.openbookqa.right_norm.get(&key), earlier.openbookqa.right_norm.get(&key))
-                else {
-                    continue;
-                };
-                if a.len() != b.len() {
-                    continue;
-                }
-                let (d, ci) = paired_ci95(a, b);
-                writeln!(md, "| {} | {method} | {} | {:+.1} ± {:.1} |", m.name, earlier.name, 100.0 * d, 100.0 * ci)
-                    .expect("string");
+    for (m, earlier) in later_earlier(models) {
+        for method in methods_in(m.openbookqa.cells.iter().map(|c| &c.method)) {
+            let key = (method, if method == EvalMethod::Naive { 0 } else { kq });
+            let (Some(a), Some(b)) = (m.openbookqa.right_norm.get(&key), earlier.openbookqa.right_norm.get(&key))
+            else {
+                continue;
+            };
+            if a.len() != b.len() {
+                continue;
             }
+            let (d, ci) = paired_ci95(a, b);
+            writeln!(md, "| {} | {method} | {} | {:+.1} ± {:.1} |", m.name, earlier.name, 100.0 * d, 100.0 * ci)
+                .expect("string");
         }
     }
     md.push('\n');
