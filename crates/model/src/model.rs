@@ -407,6 +407,47 @@ impl Model {
         self.forward_many(sequences, states).map(|(_, next)| next)
     }
 
+    /// The state after each of several token sequences (each at least one token) from the zero
+    /// state: to the bit what [`Model::prefill`] gives each alone, so a store built this way
+    /// equals one rebuilt context by context. Sequences share forward passes of up to
+    /// `max_tokens` tokens where the engine is batch-invariant ([`Model::batch_invariant`]);
+    /// otherwise each runs alone.
+    pub fn prefill_each(&self, sequences: &[&[u32]], max_tokens: usize) -> Result<Vec<State>> {
+        if let Some(i) = sequences.iter().position(|s| s.is_empty()) {
+            return Err(Error::Input(format!("sequence {i} is empty; each needs at least one token")));
+        }
+        let zero = self.zero_state();
+        if !self.batch_invariant() {
+            return sequences.iter().map(|s| self.prefill(s, &zero)).collect();
+        }
+        let mut out = Vec::with_capacity(sequences.len());
+        let mut rest = sequences;
+        while !rest.is_empty() {
+            // At least one sequence per pass, then as many as fit in max_tokens.
+            let mut n = 1;
+            let mut tokens = rest[0].len();
+            while n < rest.len() && tokens + rest[n].len() <= max_tokens {
+                tokens += rest[n].len();
+                n += 1;
+            }
+            let (group, tail) = rest.split_at(n);
+            out.extend(self.prefill_states(group, &vec![&zero; n])?);
+            rest = tail;
+        }
+        Ok(out)
+    }
+
+    /// Whether a forward pass of several sequences gives each, to the bit, what it gives that
+    /// sequence alone: on the CPU engine when its projections use the bf16 pair layout (the
+    /// AVX512-BF16 kernel, `--weights bf16`), on candle where sequences run one after another.
+    pub fn batch_invariant(&self) -> bool {
+        match &self.engine {
+            Engine::Cpu(e) => e.batch_invariant(),
+            Engine::CpuMamba1(_) => false,
+            Engine::Candle { .. } | Engine::CandleMamba1 { .. } => true,
+        }
+    }
+
     /// The hidden rows of the concatenated sequences and the state after each.
     fn forward_many(&self, sequences: &[&[u32]], states: &[&State]) -> Result<(Vec<f32>, Vec<State>)> {
         if sequences.len() != states.len() {

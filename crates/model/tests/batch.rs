@@ -103,6 +103,31 @@ fn a_batched_prefill_gives_each_sequence_its_state_alone() {
 }
 
 #[test]
+fn prefill_each_gives_each_sequence_its_lone_state_to_the_bit() {
+    use picaso_model::cpu::kernels::Bf16Kernel;
+    for (name, model) in models() {
+        // Batched only where the products are batch-invariant: the bf16 pair layout (chosen on
+        // CPUs with AVX512-BF16); f32 and widened bf16 run each sequence alone.
+        let want = name == "mamba2 bf16" && Bf16Kernel::detect() == Bf16Kernel::Dot;
+        assert_eq!(model.batch_invariant(), want, "{name}");
+        let seqs: Vec<Vec<u32>> =
+            [1usize, 7, 40, 2, 65, 3].iter().enumerate().map(|(i, &n)| tokens(&model, i as u32, n)).collect();
+        let refs: Vec<&[u32]> = seqs.iter().map(Vec::as_slice).collect();
+        // 50 tokens per pass: groups of several sequences, and one sequence longer than that.
+        for max_tokens in [1, 50, 10_000] {
+            let each = model.prefill_each(&refs, max_tokens).unwrap();
+            assert_eq!(each.len(), seqs.len(), "{name}");
+            for (i, (seq, got)) in seqs.iter().zip(&each).enumerate() {
+                let alone = model.prefill(seq, &model.zero_state()).unwrap();
+                assert_same_state(got, &alone, 0.0, &format!("{name}: max_tokens {max_tokens}, sequence {i}"));
+            }
+        }
+        let err = model.prefill_each(&[&[1], &[]], 100).unwrap_err().to_string();
+        assert!(err.contains("sequence 1 is empty"), "{name}: {err}");
+    }
+}
+
+#[test]
 fn batch_arguments_are_checked() {
     let model = mamba2(WeightDtype::F32);
     let mut s = model.zero_state();

@@ -413,6 +413,13 @@ impl Matrix {
         }
     }
 
+    /// Whether a product gives each input row the same bits whatever other rows it shares the
+    /// product with (true of the pair layout: every output is one chain over the pairs in order).
+    /// gemm's blocking, used for f32 and widened bf16, depends on the number of rows.
+    pub fn batch_invariant(&self) -> bool {
+        matches!(self, Matrix::Bf16Pairs(_))
+    }
+
     fn len(&self) -> usize {
         match self {
             Matrix::F32(v) => v.len(),

@@ -163,8 +163,19 @@ struct CpuLayer {
 impl CpuMamba2 {
     /// Takes ownership of validated weights, storing the large matrices in `dtype`.
     pub fn new(config: Mamba2Config, weights: Mamba2Weights, dtype: WeightDtype) -> Self {
+        Self::with_kernel(config, weights, dtype, kernels::Bf16Kernel::detect())
+    }
+
+    /// As [`CpuMamba2::new`], with the layers' bf16 projections on a chosen kernel (`Dot` runs
+    /// without the instruction too, slowly): tests reach either kernel on any CPU.
+    pub fn with_kernel(
+        config: Mamba2Config,
+        weights: Mamba2Weights,
+        dtype: WeightDtype,
+        kernel: kernels::Bf16Kernel,
+    ) -> Self {
         let (c, k) = (config.conv_dim(), config.d_conv);
-        let mat = |v: Vec<f32>, cols: usize| Matrix::new(v, cols, dtype);
+        let mat = |v: Vec<f32>, cols: usize| Matrix::with_kernel(v, cols, dtype, kernel);
         let layers = weights
             .layers
             .into_iter()
@@ -198,6 +209,13 @@ impl CpuMamba2 {
     /// The config.
     pub fn config(&self) -> &Mamba2Config {
         &self.config
+    }
+
+    /// Whether a batched forward pass gives each sequence its lone result to the bit: true when
+    /// every projection is batch-invariant ([`Matrix::batch_invariant`]); the conv, scan and
+    /// norms work per sequence or per row anyway.
+    pub fn batch_invariant(&self) -> bool {
+        self.layers.iter().all(|l| l.in_proj.batch_invariant() && l.out_proj.batch_invariant())
     }
 
     /// Runs `tokens` from `state` (updated in place) and returns the final-normed hidden
@@ -463,6 +481,41 @@ pub(crate) fn add_bias_rows(x: &mut [f32], bias: &[f32]) {
     for row in x.chunks_exact_mut(bias.len()) {
         for (v, b) in row.iter_mut().zip(bias) {
             *v += b;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::kernels::Bf16Kernel;
+    use super::*;
+
+    /// The pair layout makes a batched forward pass give each sequence its lone result to the bit
+    /// (what batched ingest relies on), on every CPU: without AVX512-BF16 the portable sums run.
+    #[test]
+    fn a_batched_forward_on_the_pair_layout_gives_each_sequence_its_lone_bits() {
+        let c = Mamba2Config { d_model: 64, headdim: 16, ..Mamba2Config::tiny(2, 4) };
+        for (kernel, invariant) in [(Bf16Kernel::Dot, true), (Bf16Kernel::Widen, false)] {
+            let m = CpuMamba2::with_kernel(c.clone(), Mamba2Weights::random(&c, 11), WeightDtype::Bf16, kernel);
+            assert_eq!(m.batch_invariant(), invariant, "{kernel:?}");
+        }
+        let m = CpuMamba2::with_kernel(c.clone(), Mamba2Weights::random(&c, 11), WeightDtype::Bf16, Bf16Kernel::Dot);
+        let lens = [5usize, 1, 9];
+        let tokens: Vec<u32> = (0..15u32).map(|i| (i * 37 + 3) % c.vocab_size as u32).collect();
+        let zero = State::zeros(crate::state::StateShape::of(&c), "test");
+        let mut batched = vec![zero.clone(); lens.len()];
+        let mut refs: Vec<&mut State> = batched.iter_mut().collect();
+        let hidden = m.forward_batch(&tokens, &lens, &mut refs);
+        let mut start = 0;
+        for (i, &t) in lens.iter().enumerate() {
+            let mut alone = zero.clone();
+            let h = m.forward(&tokens[start..start + t], &mut alone);
+            let d = c.d_model;
+            assert!(hidden[start * d..(start + t) * d] == h[..], "sequence {i}: hidden rows differ");
+            for (l, (a, b)) in alone.layers.iter().zip(&batched[i].layers).enumerate() {
+                assert!(a.ssm == b.ssm && a.conv == b.conv && a.log_decay == b.log_decay, "sequence {i}, layer {l}");
+            }
+            start += t;
         }
     }
 }
