@@ -413,9 +413,7 @@ impl Model {
     /// `max_tokens` tokens where the engine is batch-invariant ([`Model::batch_invariant`]);
     /// otherwise each runs alone.
     pub fn prefill_each(&self, sequences: &[&[u32]], max_tokens: usize) -> Result<Vec<State>> {
-        if let Some(i) = sequences.iter().position(|s| s.is_empty()) {
-            return Err(Error::Input(format!("sequence {i} is empty; each needs at least one token")));
-        }
+        check_nonempty(sequences)?;
         let zero = self.zero_state();
         if !self.batch_invariant() {
             return sequences.iter().map(|s| self.prefill(s, &zero)).collect();
@@ -453,9 +451,7 @@ impl Model {
         if sequences.len() != states.len() {
             return Err(Error::Input(format!("{} sequences for {} states", sequences.len(), states.len())));
         }
-        if let Some(i) = sequences.iter().position(|s| s.is_empty()) {
-            return Err(Error::Input(format!("sequence {i} is empty; each needs at least one token")));
-        }
+        check_nonempty(sequences)?;
         let tokens: Vec<u32> = sequences.concat();
         self.check_tokens(&tokens)?;
         let mut next = Vec::with_capacity(states.len());
@@ -494,5 +490,13 @@ impl Model {
         let from = context.len() - 1;
         let rows = &hidden[from * d..(all.len() - 1) * d];
         Ok(Scored { logprobs: self.engine.logprobs(rows, continuation)?, state: next })
+    }
+}
+
+/// Refuses an empty sequence among several: each must have a token to end its state on.
+fn check_nonempty(sequences: &[&[u32]]) -> Result<()> {
+    match sequences.iter().position(|s| s.is_empty()) {
+        Some(i) => Err(Error::Input(format!("sequence {i} is empty; each needs at least one token"))),
+        None => Ok(()),
     }
 }
