@@ -5,19 +5,29 @@
 //!     cargo bench -p picaso-model --bench matvecs
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use picaso_model::cpu::kernels::{matmul_rows_t, matmul_t, Matrix};
+use picaso_model::cpu::kernels::{matmul_rows_t, matmul_t, Bf16Kernel, Matrix};
 use picaso_model::cpu::WeightDtype;
 
 fn bench(c: &mut Criterion) {
-    // in_proj of mamba2-130m (768 → 3,352: z, x, B, C, dt) and out_proj (1,536 → 768).
-    for (name, k, n, dtype) in [
-        ("in_proj", 768, 3352, WeightDtype::F32),
-        ("out_proj", 1536, 768, WeightDtype::F32),
-        ("in_proj", 768, 3352, WeightDtype::Bf16),
-    ] {
+    // in_proj of mamba2-130m (768 → 3,352: z, x, B, C, dt) and out_proj (1,536 → 768); bf16
+    // with this CPU's best kernel and with the widening one (CPUs without AVX512-BF16).
+    let best = Bf16Kernel::detect();
+    for (name, k, n, dtype, kernel) in [
+        ("in_proj", 768, 3352, WeightDtype::F32, best),
+        ("out_proj", 1536, 768, WeightDtype::F32, best),
+        ("in_proj", 768, 3352, WeightDtype::Bf16, best),
+        ("in_proj", 768, 3352, WeightDtype::Bf16, Bf16Kernel::Widen),
+    ]
+    .into_iter()
+    .enumerate()
+    .filter(|&(i, _)| i < 3 || best != Bf16Kernel::Widen)
+    .map(|(_, case)| case)
+    {
         let w: Vec<f32> = (0..n * k).map(|i| ((i % 97) as f32 - 48.0) / 500.0).collect();
-        let matrix = Matrix::new(w, k, dtype);
-        let mut group = c.benchmark_group(format!("{name} {dtype:?}"));
+        let matrix = Matrix::with_kernel(w, k, dtype, kernel);
+        let label =
+            if dtype == WeightDtype::Bf16 { format!("{dtype:?} {}", kernel.name()) } else { format!("{dtype:?}") };
+        let mut group = c.benchmark_group(format!("{name} {label}"));
         for m in [1usize, 4, 16, 32] {
             let x: Vec<f32> = (0..m * k).map(|i| ((i % 13) as f32 - 6.0) / 7.0).collect();
             let mut out = vec![0.0f32; m * n];

@@ -55,6 +55,12 @@ pub(super) trait Widen: Copy {
     /// `p` must be valid for eight reads and the CPU must have AVX2.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+    /// Sixteen elements from `p` widened to f32 (AVX-512).
+    ///
+    /// # Safety
+    /// `p` must be valid for sixteen reads and the CPU must have AVX-512F.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
 }
 impl Widen for f32 {
     #[inline(always)]
@@ -66,6 +72,12 @@ impl Widen for f32 {
     unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
         // SAFETY: the caller's contract.
         unsafe { std::arch::x86_64::_mm256_loadu_ps(p) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
+        // SAFETY: the caller's contract.
+        unsafe { std::arch::x86_64::_mm512_loadu_ps(p) }
     }
 }
 impl Widen for u16 {
@@ -81,6 +93,16 @@ impl Widen for u16 {
         unsafe {
             let h = _mm_loadu_si128(p.cast());
             _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract; as load8.
+        unsafe {
+            let h = _mm256_loadu_si256(p.cast());
+            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
         }
     }
 }
@@ -102,6 +124,33 @@ fn dots<W: Widen, const R: usize, const M: usize>(rows: [&[W]; R], xs: [&[f32]; 
         return unsafe { dots_avx2(rows, xs, prefetch) };
     }
     dots_portable(rows, xs, prefetch)
+}
+
+/// [`dots`] for the many-input kernel: with AVX-512 where the CPU has it (same bits). The
+/// one-input kernel stays on AVX2: with AVX-512, a lone in_proj product of mamba2-130m took
+/// 109–120 µs on a Zen 4 against AVX2's 91–96.
+#[inline(always)]
+fn dots_batch<W: Widen, const R: usize, const M: usize>(
+    rows: [&[W]; R],
+    xs: [&[f32]; M],
+    prefetch: bool,
+) -> [[f32; M]; R] {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        let k = xs[0].len();
+        assert!(rows.iter().all(|r| r.len() == k) && xs.iter().all(|x| x.len() == k), "dots: lengths differ");
+        // SAFETY: the CPU has AVX-512F, AVX2 and FMA; the lengths are checked above.
+        return unsafe { dots_avx512(rows, xs, prefetch) };
+    }
+    dots(rows, xs, prefetch)
+}
+
+/// Whether the CPU has AVX-512F besides AVX2 and FMA (detected once).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn has_avx512() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| has_avx2_fma() && std::arch::is_x86_feature_detected!("avx512f"))
 }
 
 /// Whether the CPU has AVX2 and FMA (detected once).
@@ -156,6 +205,56 @@ unsafe fn dots_avx2<W: Widen, const R: usize, const M: usize>(
         for i in 0..M {
             // The lane tree of lane_sum: v[l] += v[l+8], then +4, +2, +1.
             let s8 = _mm256_add_ps(lo[r][i], hi[r][i]);
+            let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+            let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+            let s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
+            out[r][i] = _mm_cvtss_f32(s1) + tail_dot(rows[r], xs[i], body);
+        }
+    }
+    out
+}
+
+/// [`dots`] with AVX-512: each dot's 16 lanes are one register, so a block holds up to 32
+/// accumulators, and the lane tree adds the upper eight lanes to the lower eight and goes on
+/// as [`dots_avx2`] does: the same FMAs and adds in the same order, the same bits.
+///
+/// # Safety
+/// The CPU must have AVX-512F, AVX2 and FMA, and every row and input must have the same length.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn dots_avx512<W: Widen, const R: usize, const M: usize>(
+    rows: [&[W]; R],
+    xs: [&[f32]; M],
+    prefetch: bool,
+) -> [[f32; M]; R] {
+    use std::arch::x86_64::*;
+    let k = xs[0].len();
+    let body = k - k % LANES;
+    let ahead = PREFETCH_AHEAD_BYTES / std::mem::size_of::<W>();
+    let mut acc = [[_mm512_setzero_ps(); M]; R];
+    let mut j = 0;
+    while j < body {
+        if prefetch {
+            prefetch_rows(&rows, j + ahead);
+        }
+        // SAFETY: j + LANES <= body <= k, every slice's length.
+        unsafe {
+            let x: [__m512; M] = std::array::from_fn(|i| _mm512_loadu_ps(xs[i].as_ptr().add(j)));
+            for r in 0..R {
+                let w = W::load16(rows[r].as_ptr().add(j));
+                for i in 0..M {
+                    acc[r][i] = _mm512_fmadd_ps(w, x[i], acc[r][i]);
+                }
+            }
+        }
+        j += LANES;
+    }
+    let mut out = [[0.0f32; M]; R];
+    for r in 0..R {
+        for i in 0..M {
+            let v = acc[r][i];
+            let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+            let s8 = _mm256_add_ps(_mm512_castps512_ps256(v), hi);
             let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
             let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
             let s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
@@ -256,35 +355,58 @@ fn matvec_body<W: Widen>(w: &[W], x: &[f32], out: &mut [f32], accumulate: bool) 
     }
 }
 
-/// Weight rows and inputs per block of the many-input kernel: 3 × 2 dots keep 12 AVX2
-/// registers of accumulators, and each input load serves three rows, which keeps the inputs'
-/// traffic from L2 (16 inputs overflow L1) below the FMA rate. Measured against 2 × 3, 4 × 1
-/// and 4 × 2 with `cargo bench -p picaso-model --bench matvecs` (BENCHMARKS.md).
-const BATCH_ROWS: usize = 3;
-const BATCH_INPUTS: usize = 2;
+/// Weight rows and inputs per block of the many-input kernel, with AVX2: 3 × 2 dots keep 12
+/// registers of accumulators (two each), and each input load serves three rows, which keeps
+/// the inputs' traffic from L2 (16 inputs overflow L1) below the FMA rate. Measured against
+/// 2 × 3, 4 × 1 and 4 × 2 with `cargo bench -p picaso-model --bench matvecs` (BENCHMARKS.md).
+const BATCH_AVX2: (usize, usize) = (3, 2);
+/// The same with AVX-512: 4 × 4 dots in 16 of the 32 registers (one each). Measured against
+/// 3 × 2, 4 × 2, 4 × 3, 3 × 4, 6 × 2, 6 × 3, 8 × 2 and 2 × 4 on a Zen 4 (BENCHMARKS.md).
+const BATCH_AVX512: (usize, usize) = (4, 4);
 
 /// out_t[r·m + i] = dot(w row r, x row i) for the m rows of `x`: each weight row is read from
 /// memory once (then from L1) for all m inputs.
 #[inline(always)]
 fn matvecs_body<W: Widen>(w: &[W], x: &[f32], k: usize, out_t: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    let (block_rows, block_inputs) = if has_avx512() { BATCH_AVX512 } else { BATCH_AVX2 };
+    #[cfg(not(target_arch = "x86_64"))]
+    let (block_rows, block_inputs) = BATCH_AVX2;
     let m = x.len() / k;
     let n = out_t.len() / m;
     let mut r = 0;
     while r < n {
-        let rows = BATCH_ROWS.min(n - r);
+        let rows = block_rows.min(n - r);
         let mut i = 0;
         while i < m {
-            let inputs = BATCH_INPUTS.min(m - i);
+            let inputs = block_inputs.min(m - i);
             // Full blocks and the edges (smaller blocks of the same order).
             macro_rules! by_shape {
                 ($(($r:literal, $c:literal)),*) => {
                     match (rows, inputs) {
                         $(($r, $c) => block::<W, $r, $c>(w, x, k, r, i, m, out_t),)*
-                        _ => unreachable!("blocks are at most {BATCH_ROWS} × {BATCH_INPUTS}"),
+                        _ => unreachable!("blocks are at most 4 × 4"),
                     }
                 };
             }
-            by_shape!((1, 1), (1, 2), (1, 3), (2, 1), (2, 2), (2, 3), (3, 1), (3, 2), (3, 3), (4, 1), (4, 2), (4, 3));
+            by_shape!(
+                (1, 1),
+                (1, 2),
+                (1, 3),
+                (1, 4),
+                (2, 1),
+                (2, 2),
+                (2, 3),
+                (2, 4),
+                (3, 1),
+                (3, 2),
+                (3, 3),
+                (3, 4),
+                (4, 1),
+                (4, 2),
+                (4, 3),
+                (4, 4)
+            );
             i += inputs;
         }
         r += rows;
@@ -303,7 +425,7 @@ fn block<W: Widen, const R: usize, const M: usize>(
     m: usize,
     out_t: &mut [f32],
 ) {
-    let v = dots::<W, R, M>(
+    let v = dots_batch::<W, R, M>(
         std::array::from_fn(|b| &w[(r0 + b) * k..(r0 + b + 1) * k]),
         std::array::from_fn(|c| &x[(i0 + c) * k..(i0 + c + 1) * k]),
         i0 == 0,
@@ -816,7 +938,7 @@ mod tests {
 
     #[test]
     #[cfg(target_arch = "x86_64")]
-    fn the_avx2_dots_equal_the_portable_definition_to_the_bit() {
+    fn the_avx2_and_avx512_dots_equal_the_portable_definition_to_the_bit() {
         if !has_avx2_fma() {
             return;
         }
@@ -832,6 +954,12 @@ mod tests {
             let bits = |v: [[f32; 3]; 2]| v.map(|r| r.map(f32::to_bits));
             assert_eq!(bits(fast), bits(dots_portable(rows, xs, false)), "f32, k {k}");
             assert_eq!(bits(fast_b), bits(dots_portable(rows_b, xs, true)), "bf16, k {k}");
+            if has_avx512() {
+                // SAFETY: AVX-512F was detected; the slices have equal lengths.
+                let (wide, wide_b) = unsafe { (dots_avx512(rows, xs, true), dots_avx512(rows_b, xs, false)) };
+                assert_eq!(bits(wide), bits(fast), "AVX-512, f32, k {k}");
+                assert_eq!(bits(wide_b), bits(fast_b), "AVX-512, bf16, k {k}");
+            }
         }
     }
 }
