@@ -197,6 +197,10 @@ struct BenchArgs {
     /// States to compose (0 skips the composition benchmark).
     #[arg(long, default_value_t = 10)]
     compose_n: usize,
+    /// Sequences to decode together, one batched step per token, as `serve` batches its
+    /// clients (0 skips the batched decode benchmark).
+    #[arg(long, default_value_t = 16)]
+    decode_batch: usize,
     /// Print JSON.
     #[arg(long)]
     json: bool,
@@ -826,6 +830,7 @@ fn bench(a: BenchArgs) -> Result<()> {
         decode_tokens: a.decode_tokens,
         repeats: a.repeats,
         compose_n: a.compose_n,
+        decode_batch: a.decode_batch,
     };
     let r = picaso_model::bench::run(&model, &opts)?;
     if a.json {
@@ -836,6 +841,16 @@ fn bench(a: BenchArgs) -> Result<()> {
     println!("prefill      {:>8.1} tokens/s  ({} tokens → state)", r.prefill_tokens_per_s, opts.prompt_tokens);
     println!("score        {:>8.1} tokens/s  (with log-probs of every token)", r.score_tokens_per_s);
     println!("decode       {:>8.1} tokens/s  ({:.2} ms/token)", r.decode_tokens_per_s, 1e3 / r.decode_tokens_per_s);
+    if let Some(t) = r.batched_decode_tokens_per_s {
+        println!(
+            "decode ×{:<3}  {:>8.1} tokens/s  ({:.2} ms per step of all {}; {:.1}× one sequence)",
+            r.decode_batch,
+            t,
+            1e3 * r.decode_batch as f64 / t,
+            r.decode_batch,
+            t / r.decode_tokens_per_s
+        );
+    }
     if !r.compose_ms.is_empty() {
         println!(
             "read states  {:>8.2} ms  ({} × {:.1} MiB, {:.1} GB/s)",

@@ -24,6 +24,8 @@ pub struct BenchOptions {
     pub repeats: usize,
     /// States composed in the composition run (0 skips it).
     pub compose_n: usize,
+    /// Sequences decoded together in the batched decode run (0 skips it).
+    pub decode_batch: usize,
 }
 
 /// Results, in the units BENCHMARKS.md reports.
@@ -35,6 +37,12 @@ pub struct BenchReport {
     pub score_tokens_per_s: f64,
     /// Greedy decode from the prefilled state, tokens/s.
     pub decode_tokens_per_s: f64,
+    /// Greedy decode of `decode_batch` sequences together, one batched step per token
+    /// ([`Model::step_batch`]: what a server's continuous batching runs), tokens/s of all
+    /// sequences; `None` when skipped.
+    pub batched_decode_tokens_per_s: Option<f64>,
+    /// Sequences in the batched decode run.
+    pub decode_batch: usize,
     /// Milliseconds per composition of `compose_n` states into a fresh state, per method.
     pub compose_ms: Vec<(String, f64)>,
     /// The same into a reused output state (no allocation, no page faults).
@@ -82,6 +90,27 @@ pub fn run(model: &Model, opts: &BenchOptions) -> Result<BenchReport> {
         Ok(next)
     })?;
     let decode_per_token = (decode - clone_cost(&state)) / opts.decode_tokens.max(1) as f64;
+    let batched_decode_tokens_per_s = match opts.decode_batch {
+        0 => None,
+        b => {
+            // Each sequence starts from the prompt's state with its own first token, so the
+            // sequences differ (as a server's do) from the first step on.
+            let firsts: Vec<u32> = (0..b as u64).map(|i| ((i * 40_503 + 7) % vocab) as u32).collect();
+            let t = best_of(opts.repeats, || {
+                let mut states: Vec<State> = (0..b).map(|_| state.clone()).collect();
+                let mut next = firsts.clone();
+                for _ in 0..opts.decode_tokens {
+                    let mut refs: Vec<&mut State> = states.iter_mut().collect();
+                    let logits = model.step_batch(&next, &mut refs)?;
+                    let vocab = logits.len() / b;
+                    next = logits.chunks_exact(vocab).map(argmax).collect();
+                }
+                Ok(next)
+            })?;
+            let t = t - b as f64 * clone_cost(&state);
+            Some((b * opts.decode_tokens.max(1)) as f64 / t)
+        }
+    };
     let mut compose_ms = Vec::new();
     let mut compose_into_ms = Vec::new();
     let mut read_states_ms = 0.0;
@@ -106,6 +135,8 @@ pub fn run(model: &Model, opts: &BenchOptions) -> Result<BenchReport> {
         prefill_tokens_per_s: opts.prompt_tokens as f64 / prefill,
         score_tokens_per_s: opts.prompt_tokens as f64 / score,
         decode_tokens_per_s: 1.0 / decode_per_token,
+        batched_decode_tokens_per_s,
+        decode_batch: opts.decode_batch,
         compose_ms,
         compose_into_ms,
         read_states_ms,
