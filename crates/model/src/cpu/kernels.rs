@@ -203,15 +203,31 @@ unsafe fn dots_avx2<W: Widen, const R: usize, const M: usize>(
     let mut out = [[0.0f32; M]; R];
     for r in 0..R {
         for i in 0..M {
-            // The lane tree of lane_sum: v[l] += v[l+8], then +4, +2, +1.
-            let s8 = _mm256_add_ps(lo[r][i], hi[r][i]);
-            let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-            let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-            let s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
-            out[r][i] = _mm_cvtss_f32(s1) + tail_dot(rows[r], xs[i], body);
+            // The lane tree of lane_sum: v[l] += v[l+8], then the rest.
+            // SAFETY: the CPU has AVX2 (this function's contract).
+            let sum = unsafe { lane_tree8(_mm256_add_ps(lo[r][i], hi[r][i])) };
+            out[r][i] = sum + tail_dot(rows[r], xs[i], body);
         }
     }
     out
+}
+
+/// The lane tree of [`lane_sum`] after its first level: the eight sums v[l] + v[l+8], added
+/// +4, then +2, then +1, as the portable loop adds them.
+///
+/// # Safety
+/// The CPU must have AVX.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn lane_tree8(s8: std::arch::x86_64::__m256) -> f32 {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's contract.
+    unsafe {
+        let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        let s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
+        _mm_cvtss_f32(s1)
+    }
 }
 
 /// [`dots`] with AVX-512: each dot's 16 lanes are one register, so a block holds up to 32
@@ -252,13 +268,12 @@ unsafe fn dots_avx512<W: Widen, const R: usize, const M: usize>(
     let mut out = [[0.0f32; M]; R];
     for r in 0..R {
         for i in 0..M {
+            // v[l] += v[l+8] (the upper eight lanes onto the lower), then the rest.
             let v = acc[r][i];
             let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-            let s8 = _mm256_add_ps(_mm512_castps512_ps256(v), hi);
-            let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-            let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-            let s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
-            out[r][i] = _mm_cvtss_f32(s1) + tail_dot(rows[r], xs[i], body);
+            // SAFETY: the CPU has AVX-512F (this function's contract).
+            let sum = unsafe { lane_tree8(_mm256_add_ps(_mm512_castps512_ps256(v), hi)) };
+            out[r][i] = sum + tail_dot(rows[r], xs[i], body);
         }
     }
     out
