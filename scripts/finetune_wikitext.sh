@@ -3,7 +3,8 @@
 # every step skips what is done and the training runs resume from their checkpoints, so the
 # script can be stopped at any point and run again (in the next session too).
 #
-#   scripts/finetune_wikitext.sh [SAMPLE]     # SAMPLE: test passages to evaluate (default 100)
+#   scripts/finetune_wikitext.sh [SAMPLE]     # SAMPLE: test passages to evaluate (default 100; "all": every one)
+#   KS=10 OUT=results/finetuned-full scripts/finetune_wikitext.sh all   # every passage, at k = 10 only
 #   OBJECTIVES=bptc OUT=/tmp/finetuned-bptc scripts/finetune_wikitext.sh   # one objective only
 #
 # 1. a store of WikiText-2 *train* paragraphs cut into query/continuation halves, ingested by
@@ -28,6 +29,10 @@ RUNS=${RUNS:-/work/runs/ft-wikitext}
 D=${DATA:-../shared/data}
 E=$D/all-MiniLM-L6-v2
 SAMPLE=${1:-100}
+# Which passages and which k the WikiText evaluation scores (KS: comma-separated; default 1..10).
+SELECT=()
+[ "$SAMPLE" = all ] || SELECT+=(--sample "$SAMPLE")
+[ -z "${KS:-}" ] || SELECT+=(--ks "$KS")
 OBJECTIVES=${OBJECTIVES:-bp2c bptc}
 OUT=${OUT:-results/finetuned}
 BIN=${PICASO_BIN:-target/release/picaso}
@@ -48,7 +53,7 @@ for objective in $OBJECTIVES; do   # a finished run resumes to its end at once
 done
 $P ingest --db "$RUNS/db-test" --embedder "$E" --wikitext "$D/wikitext-2/wiki.test.raw.crlf_nonempty" --segment halves
 $P eval finetuned --db "$RUNS/db-test" --embedder "$E" --obqa "$D/openbookqa" \
-  --models "$MODELS" --obqa-ks 10 --methods concat,picaso-r --sample "$SAMPLE" --seed 0 --out "$OUT"
+  --models "$MODELS" --obqa-ks 10 --methods concat,picaso-r "${SELECT[@]}" --seed 0 --out "$OUT"
 for objective in $OBJECTIVES; do
   mkdir -p "$OUT/training-$objective"
   cp "$T/$objective/finetune.csv" "$T/$objective/loss.png" "$OUT/training-$objective/"

@@ -298,6 +298,10 @@ pub struct FinetunedArgs {
     /// WikiText: k = 1..=MAX_K.
     #[arg(long, default_value_t = 10)]
     max_k: usize,
+    /// WikiText: score these k instead (comma-separated, ascending), e.g. `10` to score every
+    /// passage at one k in a tenth of the time.
+    #[arg(long, value_delimiter = ',', conflicts_with = "max_k")]
+    ks: Option<Vec<usize>>,
     /// OpenBookQA: numbers of retrieved facts.
     #[arg(long, value_delimiter = ',', default_value = "1,2,3,5,10")]
     obqa_ks: Vec<usize>,
@@ -602,6 +606,7 @@ fn finetuned(a: FinetunedArgs) -> Result<()> {
     let obqa = ObqaData { data: a.obqa.clone(), embedder: a.data.embedder.clone(), split: "test".into() };
     // Every model but the store's own recomputes the states from the stored tokens.
     let sampling = Sampling { sample: a.sample, seed: a.seed, restate: true };
+    let ks = a.ks.clone().unwrap_or_else(|| (1..=a.max_k).collect());
     let mut results = Vec::new();
     for (name, dir) in &named {
         eprintln!("== {name}: {dir}");
@@ -609,9 +614,7 @@ fn finetuned(a: FinetunedArgs) -> Result<()> {
         let model = crate::load_model(&margs, true)?;
         let store = open_store(&a.data, &model)?;
         let wt = a.out.join(name).join("wikitext");
-        let w = with_progress("passages", |p| {
-            run_wikitext(&model, &store, (1..=a.max_k).collect(), &a.methods, &sampling, &wt, p)
-        })?;
+        let w = with_progress("passages", |p| run_wikitext(&model, &store, ks.clone(), &a.methods, &sampling, &wt, p))?;
         report::write_wikitext(&wt, &w, &report::RunInfo::collect(started))?;
         finish_journal(&wt)?;
         let options = picaso_eval::openbookqa::Options {

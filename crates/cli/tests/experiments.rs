@@ -265,7 +265,7 @@ fn order_fidelity_scaling_and_finetuned() {
         &models,
         "--out",
         ft.to_str().unwrap(),
-        "--max-k",
+        "--ks",
         "2",
         "--obqa-ks",
         "1,2",
