@@ -434,6 +434,11 @@ fn run_wikitext(
     Ok(picaso_eval::wikitext::run(model, store, &options, progress)?)
 }
 
+/// The k to score: `--ks` if given, else 1..=`--max-k`.
+fn ks_or_up_to(ks: &Option<Vec<usize>>, max_k: usize) -> Vec<usize> {
+    ks.clone().unwrap_or_else(|| (1..=max_k).collect())
+}
+
 /// Where an experiment journals its finished passages, so that a stopped run resumes: in its
 /// results folder until the report is written.
 fn journal(out: &std::path::Path) -> PathBuf {
@@ -467,7 +472,7 @@ fn store_experiment<R>(
 }
 
 fn wikitext(a: WikitextArgs) -> Result<()> {
-    let ks = a.ks.clone().unwrap_or_else(|| (1..=a.max_k).collect());
+    let ks = ks_or_up_to(&a.ks, a.max_k);
     store_experiment(
         &a.data,
         &a.model,
@@ -606,7 +611,7 @@ fn finetuned(a: FinetunedArgs) -> Result<()> {
     let obqa = ObqaData { data: a.obqa.clone(), embedder: a.data.embedder.clone(), split: "test".into() };
     // Every model but the store's own recomputes the states from the stored tokens.
     let sampling = Sampling { sample: a.sample, seed: a.seed, restate: true };
-    let ks = a.ks.clone().unwrap_or_else(|| (1..=a.max_k).collect());
+    let ks = ks_or_up_to(&a.ks, a.max_k);
     let mut results = Vec::new();
     for (name, dir) in &named {
         eprintln!("== {name}: {dir}");

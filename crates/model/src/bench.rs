@@ -102,8 +102,7 @@ pub fn run(model: &Model, opts: &BenchOptions) -> Result<BenchReport> {
                 for _ in 0..opts.decode_tokens {
                     let mut refs: Vec<&mut State> = states.iter_mut().collect();
                     let logits = model.step_batch(&next, &mut refs)?;
-                    let vocab = logits.len() / b;
-                    next = logits.chunks_exact(vocab).map(argmax).collect();
+                    next = logits.chunks_exact(logits.len() / b).map(argmax).collect();
                 }
                 Ok(next)
             })?;

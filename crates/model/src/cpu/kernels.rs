@@ -116,8 +116,7 @@ impl Widen for u16 {
 /// With `prefetch`, asks for the memory [`PREFETCH_AHEAD_BYTES`] ahead of each row.
 #[inline(always)]
 fn dots<W: Widen, const R: usize, const M: usize>(rows: [&[W]; R], xs: [&[f32]; M], prefetch: bool) -> [[f32; M]; R] {
-    let k = xs[0].len();
-    assert!(rows.iter().all(|r| r.len() == k) && xs.iter().all(|x| x.len() == k), "dots: lengths differ");
+    assert_same_lengths(&rows, &xs);
     #[cfg(target_arch = "x86_64")]
     if has_avx2_fma() {
         // SAFETY: the CPU has AVX2 and FMA; the lengths are checked above.
@@ -137,12 +136,18 @@ fn dots_batch<W: Widen, const R: usize, const M: usize>(
 ) -> [[f32; M]; R] {
     #[cfg(target_arch = "x86_64")]
     if has_avx512() {
-        let k = xs[0].len();
-        assert!(rows.iter().all(|r| r.len() == k) && xs.iter().all(|x| x.len() == k), "dots: lengths differ");
+        assert_same_lengths(&rows, &xs);
         // SAFETY: the CPU has AVX-512F, AVX2 and FMA; the lengths are checked above.
         return unsafe { dots_avx512(rows, xs, prefetch) };
     }
     dots(rows, xs, prefetch)
+}
+
+/// The SIMD kernels' precondition: every row and input as long as the first input.
+#[inline(always)]
+fn assert_same_lengths<W>(rows: &[&[W]], xs: &[&[f32]]) {
+    let k = xs[0].len();
+    assert!(rows.iter().all(|r| r.len() == k) && xs.iter().all(|x| x.len() == k), "dots: lengths differ");
 }
 
 /// Whether the CPU has AVX-512F besides AVX2 and FMA (detected once).
