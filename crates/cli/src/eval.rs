@@ -34,6 +34,15 @@ pub enum EvalCommand {
     /// Recall: facts spread over k contexts, a query about one, exact-match accuracy per
     /// method, per k and per position of the context that holds the key.
     Recall(RecallArgs),
+    /// Rewrite a WikiText or scaling results folder's tables and charts from its results.json
+    /// (after the report or the charts changed), keeping the run's command, revision and times.
+    Replot(ReplotArgs),
+}
+
+#[derive(Args)]
+pub struct ReplotArgs {
+    /// The results folder (holds results.json).
+    results: PathBuf,
 }
 
 #[derive(Args)]
@@ -352,6 +361,10 @@ pub fn run(cmd: EvalCommand) -> Result<()> {
         EvalCommand::Finetuned(a) => finetuned(a),
         EvalCommand::ContextUse(a) => context_use(a),
         EvalCommand::Recall(a) => recall(a),
+        EvalCommand::Replot(a) => {
+            report::rewrite_wikitext(&a.results)?;
+            print_results(&a.results)
+        }
     }
 }
 

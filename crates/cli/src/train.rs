@@ -724,6 +724,7 @@ fn draw_pretrain_loss(path: &std::path::Path, rows: &[(f64, f64, Option<f64>)]) 
         x: "tokens (millions)",
         y: "loss (nats/token)",
         log_x: false,
+        whole_x: false,
     };
     loss_chart(path, &chart, ["train", "validation"], rows, 100)
 }
@@ -960,8 +961,13 @@ fn fit_compose(
     }
     let rows: Vec<(f64, f64, Option<f64>)> = history.iter().map(|r| (r.step as f64, r.loss, r.val_loss)).collect();
     let title = format!("Composition fine-tuning ({})", config.objective.name());
-    let chart =
-        picaso_eval::plot::Chart { title: &title, x: "step", y: "continuation loss (nats/token)", log_x: false };
+    let chart = picaso_eval::plot::Chart {
+        title: &title,
+        x: "step",
+        y: "continuation loss (nats/token)",
+        log_x: false,
+        whole_x: true,
+    };
     let val_name = format!("validation (PICASO-R, k = {})", config.val_k);
     loss_chart(&a.out.join("loss.png"), &chart, ["train (k drawn 0..max_k)", &val_name], &rows, 50)?;
     let model_dir = a.out.join("model");

@@ -38,6 +38,18 @@ fn eval_and_compose_finetuning_end_to_end() {
     for method in ["piconcat-r", "soup", "caso", "picaso-s", "picaso-r"] {
         assert!((at(method, 1) - at("concat", 1)).abs() < 1e-4, "{method} at k=1");
     }
+    // `eval replot` rewrites the tables and charts from results.json alone, run info kept.
+    let json = std::fs::read_to_string(out.join("results.json")).unwrap();
+    for f in ["results.md", "results.csv", "gain_vs_k.png"] {
+        std::fs::remove_file(out.join(f)).unwrap();
+    }
+    let (success, _, stderr) = run(&["eval", "replot", out_s]);
+    assert!(success, "{stderr}");
+    assert_eq!(std::fs::read_to_string(out.join("results.md")).unwrap(), md, "the same report");
+    assert_eq!(std::fs::read_to_string(out.join("results.json")).unwrap(), json, "floats re-read exactly");
+    assert!(out.join("results.csv").is_file() && out.join("gain_vs_k.png").is_file());
+    let (success, _, stderr) = run(&["eval", "replot", tmp.path().to_str().unwrap()]);
+    assert!(!success && stderr.contains("results.json"), "no results there: {stderr}");
 
     ok(&["eval", "context-use", "--wikitext", d, "--model", m, "--out", tmp.path().join("cu").to_str().unwrap()]);
     let cu = std::fs::read_to_string(tmp.path().join("cu/results.md")).unwrap();
@@ -50,6 +62,8 @@ fn eval_and_compose_finetuning_end_to_end() {
     assert!(cu["report"]["passages"].as_u64().unwrap() > 0, "{cu}");
     assert!(cu["bits_per_byte"]["bits_per_byte"].as_f64().unwrap() > 0.0, "{cu}");
     assert!(tmp.path().join("cu/change.png").is_file(), "the context-use chart");
+    let (success, _, stderr) = run(&["eval", "replot", tmp.path().join("cu").to_str().unwrap()]);
+    assert!(!success && stderr.contains("not the results of a WikiText"), "{stderr}");
 
     // Fine-tuning with both objectives; a loadable model comes out.
     let cfg = tmp.path().join("ft.json");

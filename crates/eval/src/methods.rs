@@ -68,6 +68,13 @@ impl serde::Serialize for EvalMethod {
     }
 }
 
+impl<'de> serde::Deserialize<'de> for EvalMethod {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let name = String::deserialize(d)?;
+        name.parse().map_err(serde::de::Error::custom)
+    }
+}
+
 impl std::fmt::Display for EvalMethod {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())

@@ -37,6 +37,9 @@ pub struct Chart<'a> {
     pub y: &'a str,
     /// Logarithmic x axis.
     pub log_x: bool,
+    /// x counts things (k, n, steps): ticks are labelled 1, 2, 3 (not 1.0, 2.0, 3.0), and none
+    /// between whole numbers, also when points are shifted apart around their whole x.
+    pub whole_x: bool,
 }
 
 /// One labelled bar of a [`bar_chart`].
@@ -77,18 +80,73 @@ fn register_font() {
     });
 }
 
-/// The series' legend, in the upper right corner of every chart.
+/// The series' legend, in the given corner.
 fn legend<'a, DB: DrawingBackend + 'a, CT: CoordTranslate>(
     c: &mut ChartContext<'a, DB, CT>,
+    corner: SeriesLabelPosition,
     path: &Path,
 ) -> Result<()> {
     c.configure_series_labels()
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
         .label_font(("sans-serif", 16))
-        .position(SeriesLabelPosition::UpperRight)
+        .position(corner)
         .draw()
         .map_err(|e| err(path, e))
+}
+
+/// The corner of the plot where the legend hides the least data: each corner's legend-sized
+/// box is charged for the points, line segments and error bars that fall in it (sampled along
+/// their length), in the unit square of the axes. Upper right wins ties, then upper left.
+fn legend_corner(series: &[Series], to_unit: impl Fn(f64, f64) -> (f64, f64)) -> SeriesLabelPosition {
+    // The legend's size as a share of the plot area (about 856 × 490 pixels at 960 × 600):
+    // 21 pixels a row at 16 px type, the sample line, and ~9 pixels a character.
+    let longest = series.iter().map(|s| s.name.chars().count()).max().unwrap_or(0);
+    let (w, h) = ((longest as f64 * 9.0 + 60.0) / 856.0, (series.len() as f64 * 21.0 + 16.0) / 490.0);
+    let mut marks: Vec<(f64, f64)> = Vec::new();
+    let mut along = |a: (f64, f64), b: (f64, f64)| {
+        let (a, b) = (to_unit(a.0, a.1), to_unit(b.0, b.1));
+        marks.extend((0..=16).map(|i| {
+            let t = i as f64 / 16.0;
+            (a.0 + t * (b.0 - a.0), a.1 + t * (b.1 - a.1))
+        }));
+    };
+    for s in series {
+        let points: Vec<(f64, f64)> = s.points.iter().copied().filter(|p| p.0.is_finite() && p.1.is_finite()).collect();
+        for pair in points.windows(2) {
+            along(pair[0], pair[1]);
+        }
+        if let [only] = points[..] {
+            along(only, only);
+        }
+        if !s.errors.is_empty() {
+            for (x, lo, hi) in spans(s) {
+                along((x, lo), (x, hi));
+            }
+        }
+    }
+    let hidden = |right: bool, upper: bool| {
+        marks
+            .iter()
+            .filter(|&&(x, y)| (if right { x > 1.0 - w } else { x < w }) && (if upper { y > 1.0 - h } else { y < h }))
+            .count()
+    };
+    let corners = [
+        (SeriesLabelPosition::UpperRight, hidden(true, true)),
+        (SeriesLabelPosition::UpperLeft, hidden(false, true)),
+        (SeriesLabelPosition::LowerRight, hidden(true, false)),
+        (SeriesLabelPosition::LowerLeft, hidden(false, false)),
+    ];
+    corners.into_iter().min_by_key(|&(_, n)| n).map(|(c, _)| c).expect("four corners")
+}
+
+/// An x tick's label on a [`Chart::whole_x`] axis.
+fn whole_tick_label(x: &f64) -> String {
+    if (x - x.round()).abs() < 1e-9 {
+        format!("{}", x.round())
+    } else {
+        String::new()
+    }
 }
 
 fn err(path: &Path, e: impl std::fmt::Display) -> Error {
@@ -125,17 +183,26 @@ pub fn line_chart(path: &Path, chart: &Chart<'_>, series: &[Series]) -> Result<(
     if x1 <= x0 {
         x1 = x0 + 1.0;
     }
+    let unit_x = |x: f64| {
+        if chart.log_x {
+            let (a, b) = ((x0.max(1e-9) * 0.8).ln(), (x1 * 1.25).ln());
+            (x.max(1e-300).ln() - a) / (b - a)
+        } else {
+            (x - x0) / (x1 - x0)
+        }
+    };
+    let corner = legend_corner(series, |x, y| (unit_x(x), (y - y0) / (y1 - y0)));
     let root = BitMapBackend::new(path, (960, 600)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(path, e))?;
     macro_rules! draw {
         ($chart:expr) => {{
             let mut c = $chart;
-            c.configure_mesh()
-                .x_desc(chart.x)
-                .y_desc(chart.y)
-                .label_style(("sans-serif", 16))
-                .draw()
-                .map_err(|e| err(path, e))?;
+            let mut mesh = c.configure_mesh();
+            mesh.x_desc(chart.x).y_desc(chart.y).label_style(("sans-serif", 16));
+            if chart.whole_x {
+                mesh.x_label_formatter(&whole_tick_label);
+            }
+            mesh.draw().map_err(|e| err(path, e))?;
             if intervals && y0 < 0.0 && y1 > 0.0 {
                 c.draw_series(LineSeries::new([(x0, 0.0), (x1, 0.0)], BLACK.stroke_width(1)))
                     .map_err(|e| err(path, e))?;
@@ -159,7 +226,7 @@ pub fn line_chart(path: &Path, chart: &Chart<'_>, series: &[Series]) -> Result<(
                     .map_err(|e| err(path, e))?;
                 }
             }
-            legend(&mut c, path)?;
+            legend(&mut c, corner, path)?;
         }};
     }
     let mut builder = ChartBuilder::on(&root);
@@ -257,7 +324,7 @@ pub fn bar_chart(path: &Path, title: &str, y: &str, bars: &[Bar], reference: Opt
             .map_err(|e| err(path, e))?
             .label(name.to_string())
             .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK.stroke_width(1)));
-        legend(&mut c, path)?;
+        legend(&mut c, SeriesLabelPosition::UpperRight, path)?;
     }
     root.present().map_err(|e| err(path, e))?;
     Ok(())
@@ -275,11 +342,32 @@ mod tests {
             Series::line("a", vec![(1.0, 2.0), (2.0, 1.5), (3.0, 1.2)]),
             Series { name: "b".into(), points: vec![(1.0, 2.1), (3.0, -1.0)], errors: vec![0.5, 1.5] },
         ];
-        line_chart(&path, &Chart { title: "t", x: "x", y: "y", log_x: true }, &s).unwrap();
+        line_chart(&path, &Chart { title: "t", x: "x", y: "y", log_x: true, whole_x: true }, &s).unwrap();
         let bytes = std::fs::read(&path).unwrap();
         assert_eq!(&bytes[1..4], b"PNG");
         let empty = vec![Series::line("nan", vec![(f64::NAN, 1.0)])];
-        assert!(line_chart(&path, &Chart { title: "t", x: "x", y: "y", log_x: false }, &empty).is_err());
+        assert!(line_chart(&path, &Chart { title: "t", x: "x", y: "y", log_x: false, whole_x: false }, &empty).is_err());
+    }
+
+    #[test]
+    fn the_legend_goes_where_it_hides_the_least() {
+        let unit = |x: f64, y: f64| (x, y);
+        let rising = [Series::line("up", vec![(0.0, 0.0), (1.0, 1.0)])];
+        assert_eq!(legend_corner(&rising, unit), SeriesLabelPosition::UpperLeft, "the line runs through upper right");
+        let falling = [Series::line("down", vec![(0.0, 1.0), (1.0, 0.0)])];
+        assert_eq!(legend_corner(&falling, unit), SeriesLabelPosition::UpperRight, "the default when it is free");
+        let top =
+            [Series::line("top", vec![(0.0, 0.98), (1.0, 0.98)]), Series::line("rise", vec![(0.0, 0.0), (1.0, 0.5)])];
+        assert_eq!(
+            legend_corner(&top, unit),
+            SeriesLabelPosition::LowerRight,
+            "a high line, and a rise from the lower left"
+        );
+        // An error bar counts along its length.
+        let bar = [Series { name: "bar".into(), points: vec![(1.0, 0.5), (0.0, 0.0)], errors: vec![0.5, 0.0] }];
+        assert_ne!(legend_corner(&bar, unit), SeriesLabelPosition::UpperRight);
+        assert_eq!(whole_tick_label(&3.0), "3");
+        assert_eq!(whole_tick_label(&2.5), "");
     }
 
     #[test]

@@ -11,7 +11,7 @@ use crate::stats::paired_ci95;
 use crate::{attribution, context_use, fidelity, openbookqa, order, recall, wikitext, Error, Result};
 
 /// Where and how a result was made.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct RunInfo {
     /// The command line.
     pub command: String,
@@ -69,6 +69,26 @@ pub fn picaso_r_share(report: &wikitext::Report) -> Option<f64> {
     let r = report.mean_improvement(EvalMethod::Compose(picaso_model::Method::PicasoR))?;
     let c = report.mean_improvement(EvalMethod::Concat)?;
     (c != 0.0).then_some(r / c)
+}
+
+/// Rewrites a WikiText (or scaling) results folder's tables and charts from its results.json,
+/// keeping the run's own command, revision, machine and wall time: how a change to the report
+/// or the charts reaches results that took hours to measure, without measuring them again.
+pub fn rewrite_wikitext(out: &Path) -> Result<()> {
+    #[derive(serde::Deserialize)]
+    struct Saved {
+        run: RunInfo,
+        report: wikitext::Report,
+    }
+    let path = out.join("results.json");
+    let text = std::fs::read_to_string(&path).map_err(|source| Error::Io { path: path.clone(), source })?;
+    let saved: Saved = serde_json::from_str(&text).map_err(|e| {
+        Error::Input(format!(
+            "{}: not the results of a WikiText or scaling run ({e}); re-run the command in its results.md instead",
+            path.display()
+        ))
+    })?;
+    write_wikitext(out, &saved.report, &saved.run)
 }
 
 /// Writes the WikiText experiment into `out`.
@@ -185,13 +205,13 @@ fn plot_wikitext(out: &Path, report: &wikitext::Report, methods: &[EvalMethod]) 
         let title = format!("WikiText-2: loss reduction over Naive, paired 95% CI ({} passages)", report.passages);
         line_chart(
             &out.join("gain_vs_k.png"),
-            &Chart { title: &title, x: "k (segments)", y: "% of Naive's loss", log_x: false },
+            &Chart { title: &title, x: "k (segments)", y: "% of Naive's loss", log_x: false, whole_x: true },
             &gains,
         )?;
         let title = format!("WikiText-2: continuation loss vs retrieved segments ({} passages)", report.passages);
         line_chart(
             &out.join("loss_vs_k.png"),
-            &Chart { title: &title, x: "k (segments)", y: "loss (nats/token)", log_x: false },
+            &Chart { title: &title, x: "k (segments)", y: "loss (nats/token)", log_x: false, whole_x: true },
             &by_k,
         )?;
     }
@@ -232,6 +252,7 @@ fn plot_wikitext(out: &Path, report: &wikitext::Report, methods: &[EvalMethod]) 
             x: "ms per query to compose / process the contexts (log)",
             y: "loss (nats/token)",
             log_x: true,
+            whole_x: false,
         },
         &by_time,
     )
@@ -448,7 +469,13 @@ pub fn write_openbookqa(out: &Path, report: &openbookqa::Report, info: &RunInfo)
         .collect();
     line_chart(
         &out.join("acc_norm_vs_k.png"),
-        &Chart { title: "OpenBookQA: acc_norm vs retrieved facts", x: "k (facts)", y: "acc_norm (%)", log_x: false },
+        &Chart {
+            title: "OpenBookQA: acc_norm vs retrieved facts",
+            x: "k (facts)",
+            y: "acc_norm (%)",
+            log_x: false,
+            whole_x: true,
+        },
         &series,
     )?;
     let gains = paired_gains(
@@ -465,7 +492,7 @@ pub fn write_openbookqa(out: &Path, report: &openbookqa::Report, info: &RunInfo)
     let title = format!("OpenBookQA: acc_norm over Naive, paired 95% CI ({} questions)", report.questions);
     line_chart(
         &out.join("gain_vs_k.png"),
-        &Chart { title: &title, x: "k (facts)", y: "points over Naive", log_x: false },
+        &Chart { title: &title, x: "k (facts)", y: "points over Naive", log_x: false, whole_x: true },
         &gains,
     )
 }
@@ -558,6 +585,7 @@ pub fn write_order(out: &Path, report: &order::Report, info: &RunInfo) -> Result
             x: "n (contexts)",
             y: "worst − best order (nats/token)",
             log_x: false,
+            whole_x: true,
         },
         &series,
     )
@@ -618,6 +646,7 @@ pub fn write_fidelity(out: &Path, report: &fidelity::Report, info: &RunInfo) -> 
             x: "k (segments)",
             y: "KL (nats/token)",
             log_x: false,
+            whole_x: true,
         },
         &series,
     )
@@ -891,7 +920,7 @@ pub fn write_recall(out: &Path, runs: &[RecallRun<'_>], paired: &[recall::Paired
         let title = format!("Recall vs number of contexts ({})", run.name);
         line_chart(
             &out_file(out, "accuracy_vs_k", run.name)?,
-            &Chart { title: &title, x: "k (contexts)", y: "exact match (%)", log_x: false },
+            &Chart { title: &title, x: "k (contexts)", y: "exact match (%)", log_x: false, whole_x: true },
             &series,
         )?;
         let series: Vec<Series> = methods
@@ -915,6 +944,7 @@ pub fn write_recall(out: &Path, runs: &[RecallRun<'_>], paired: &[recall::Paired
                 x: "position (1 = first, k = next to the query)",
                 y: "exact match (%)",
                 log_x: false,
+                whole_x: true,
             },
             &series,
         )?;

@@ -16,7 +16,7 @@ use crate::stats::{mean_ci95, paired_ci95};
 use crate::{Error, Result};
 
 /// What to run.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Options {
     /// Numbers of retrieved contexts to score, ascending (e.g. 1..=10; the scaling experiment
     /// goes to 50).
@@ -48,7 +48,7 @@ struct Scored {
 }
 
 /// One (method, k) cell of the table.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Cell {
     /// Method.
     pub method: EvalMethod,
@@ -67,7 +67,7 @@ pub struct Cell {
 }
 
 /// The experiment's results.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Report {
     /// Options used.
     pub options: Options,
@@ -96,7 +96,7 @@ pub struct Report {
 /// Method `a` against method `b` on the same passages: the mean per-passage loss difference
 /// `b − a` (positive: `a` is better) with its paired 95% interval — far narrower than the
 /// cells' own intervals, because the passages' difficulty cancels.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Contrast {
     /// Contexts.
     pub k: usize,
