@@ -26,7 +26,7 @@ fn bench(c: &mut Criterion) {
         let label =
             if dtype == WeightDtype::Bf16 { format!("{dtype:?} {}", kernel.name()) } else { format!("{dtype:?}") };
         let mut group = c.benchmark_group(format!("{name} {label}"));
-        for m in [1usize, 4, 16, 32] {
+        for m in [1usize, 4, 16, 32, 64, 128, 256, 512] {
             let x: Vec<f32> = (0..m * k).map(|i| ((i % 13) as f32 - 6.0) / 7.0).collect();
             let mut out = vec![0.0f32; m * n];
             group.throughput(Throughput::Elements(m as u64));

@@ -581,9 +581,16 @@ impl Matrix {
     }
 }
 
+/// Up to this many rows, [`matmul_t`] multiplies with the matrix-vector kernel of
+/// [`matmul_rows_t`] rather than gemm: on mamba2-130m's in_proj the two are even at 128 rows and
+/// gemm wins from 256; on out_proj the kernel stays ahead (`cargo bench -p picaso-model --bench
+/// matvecs`, BENCHMARKS.md).
+pub const ROWS_KERNEL_MAX: usize = 128;
+
 /// out (m×n) (+)= x (m×k) · wᵀ, with w stored (n×k) row-major as in PyTorch checkpoints.
-/// One row of x uses a bandwidth-bound matrix-vector kernel; more use gemm (bf16 weights are
-/// widened to f32 one L2-sized tile of rows at a time).
+/// One row of x uses a bandwidth-bound matrix-vector kernel, up to [`ROWS_KERNEL_MAX`] rows
+/// its many-input form; more use gemm (bf16 weights are widened to f32 one L2-sized tile of
+/// rows at a time).
 pub fn matmul_t(x: &[f32], m: usize, k: usize, w: &Matrix, n: usize, out: &mut [f32], accumulate: bool) {
     assert_eq!(x.len(), m * k, "matmul_t: x is not m×k");
     assert_eq!(w.len(), n * k, "matmul_t: w is not n×k");
@@ -598,6 +605,9 @@ pub fn matmul_t(x: &[f32], m: usize, k: usize, w: &Matrix, n: usize, out: &mut [
         Matrix::Bf16(w) if m == 1 => out.par_chunks_mut(rows).enumerate().for_each(|(i, o)| {
             matvec_rows_bf16(&w[i * rows * k..(i * rows + o.len()) * k], x, o, accumulate);
         }),
+        // A few rows: the matrix-vector kernel reads each weight once for all of them, while
+        // gemm packs the weights on every call (BENCHMARKS.md: 2× faster at 32 rows).
+        Matrix::F32(_) | Matrix::Bf16(_) if m <= ROWS_KERNEL_MAX => matmul_rows_t(x, m, k, w, n, out, accumulate),
         Matrix::F32(w) => gemm_t(x, m, k, w, n, 0, out, n, accumulate),
         Matrix::Bf16Pairs(w) => {
             assert_eq!((w.rows(), w.cols()), (n, k), "matmul_t: w is not n×k");
@@ -890,28 +900,32 @@ mod tests {
 
     #[test]
     fn matvec_equals_gemm_and_naive() {
-        let (m, k, n) = (3, 70, 37);
-        let x: Vec<f32> = (0..m * k).map(|i| ((i * 7 % 13) as f32 - 6.0) / 7.0).collect();
-        let w: Vec<f32> = (0..n * k).map(|i| ((i * 5 % 11) as f32 - 5.0) / 9.0).collect();
-        let naive: Vec<f32> = (0..m * n)
-            .map(|ij| {
-                let (i, j) = (ij / n, ij % n);
-                (0..k).map(|l| x[i * k + l] * w[j * k + l]).sum()
-            })
-            .collect();
-        let mut g = vec![1.0; m * n];
-        matmul_t(&x, m, k, &Matrix::F32(w.clone()), n, &mut g, false);
-        for r in 0..m {
-            let mut v = vec![0.0; n];
-            matmul_t(&x[r * k..(r + 1) * k], 1, k, &Matrix::F32(w.clone()), n, &mut v, false);
-            for j in 0..n {
-                assert!((v[j] - naive[r * n + j]).abs() < 1e-4);
-                assert!((g[r * n + j] - naive[r * n + j]).abs() < 1e-4);
+        // A few rows take the many-input kernel, more take gemm: both equal the naive product.
+        for m in [3, ROWS_KERNEL_MAX + 2] {
+            let (k, n) = (70, 37);
+            let x: Vec<f32> = (0..m * k).map(|i| ((i * 7 % 13) as f32 - 6.0) / 7.0).collect();
+            let w: Vec<f32> = (0..n * k).map(|i| ((i * 5 % 11) as f32 - 5.0) / 9.0).collect();
+            let naive: Vec<f32> = (0..m * n)
+                .map(|ij| {
+                    let (i, j) = (ij / n, ij % n);
+                    (0..k).map(|l| x[i * k + l] * w[j * k + l]).sum()
+                })
+                .collect();
+            let mut g = vec![1.0; m * n];
+            matmul_t(&x, m, k, &Matrix::F32(w.clone()), n, &mut g, false);
+            for r in 0..m {
+                let mut v = vec![0.0; n];
+                matmul_t(&x[r * k..(r + 1) * k], 1, k, &Matrix::F32(w.clone()), n, &mut v, false);
+                for j in 0..n {
+                    assert!((v[j] - naive[r * n + j]).abs() < 1e-4);
+                    assert!((g[r * n + j] - naive[r * n + j]).abs() < 1e-4, "m = {m}");
+                }
             }
+            let mut acc = vec![1.0; m * n];
+            matmul_t(&x, m, k, &Matrix::F32(w.clone()), n, &mut acc, true);
+            assert!((acc[5] - 1.0 - naive[5]).abs() < 1e-4);
+            assert!((acc[m * n - 1] - 1.0 - naive[m * n - 1]).abs() < 1e-4, "m = {m}");
         }
-        let mut acc = vec![1.0; m * n];
-        matmul_t(&x, m, k, &Matrix::F32(w.clone()), n, &mut acc, true);
-        assert!((acc[5] - 1.0 - naive[5]).abs() < 1e-4);
     }
 
     #[test]
