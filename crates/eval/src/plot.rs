@@ -183,9 +183,11 @@ pub fn line_chart(path: &Path, chart: &Chart<'_>, series: &[Series]) -> Result<(
     if x1 <= x0 {
         x1 = x0 + 1.0;
     }
+    // A log axis gets a margin of a quarter of a factor either side.
+    let log_range = x0.max(1e-9) * 0.8..x1 * 1.25;
     let unit_x = |x: f64| {
         if chart.log_x {
-            let (a, b) = ((x0.max(1e-9) * 0.8).ln(), (x1 * 1.25).ln());
+            let (a, b) = (log_range.start.ln(), log_range.end.ln());
             (x.max(1e-300).ln() - a) / (b - a)
         } else {
             (x - x0) / (x1 - x0)
@@ -232,8 +234,7 @@ pub fn line_chart(path: &Path, chart: &Chart<'_>, series: &[Series]) -> Result<(
     let mut builder = ChartBuilder::on(&root);
     builder.caption(chart.title, ("sans-serif", 24)).margin(16).x_label_area_size(48).y_label_area_size(72);
     if chart.log_x {
-        let x0 = x0.max(1e-9);
-        draw!(builder.build_cartesian_2d((x0 * 0.8..x1 * 1.25).log_scale(), y0..y1).map_err(|e| err(path, e))?);
+        draw!(builder.build_cartesian_2d(log_range.clone().log_scale(), y0..y1).map_err(|e| err(path, e))?);
     } else {
         draw!(builder.build_cartesian_2d(x0..x1, y0..y1).map_err(|e| err(path, e))?);
     }
