@@ -633,8 +633,10 @@ fn finetuned(a: FinetunedArgs) -> Result<()> {
         let store = open_store(&a.data, &model)?;
         let wt = a.out.join(name).join("wikitext");
         let w = with_progress("passages", |p| run_wikitext(&model, &store, ks.clone(), &a.methods, &sampling, &wt, p))?;
+        // The journal stays until the comparison is written: it holds the per-passage losses
+        // that pair this model with the others, so a run stopped at a later model resumes
+        // without scoring this one again.
         report::write_wikitext(&wt, &w, &report::RunInfo::collect(started))?;
-        finish_journal(&wt)?;
         let options = picaso_eval::openbookqa::Options {
             ks: a.obqa_ks.clone(),
             methods: a.methods.clone(),
@@ -648,6 +650,9 @@ fn finetuned(a: FinetunedArgs) -> Result<()> {
     let models: Vec<report::ModelResults<'_>> =
         results.iter().map(|(name, w, q)| report::ModelResults { name, wikitext: w, openbookqa: q }).collect();
     report::write_finetuned(&a.out, &models, &report::RunInfo::collect(started))?;
+    for (name, _) in &named {
+        finish_journal(&a.out.join(name).join("wikitext"))?;
+    }
     print_results(&a.out)
 }
 

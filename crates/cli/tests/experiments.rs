@@ -250,26 +250,46 @@ fn order_fidelity_scaling_and_finetuned() {
 
     let other = text_model(4).unwrap();
     let ft = tmp.path().join("ft");
+    let finetuned = |models: &str| {
+        run(&[
+            "eval",
+            "finetuned",
+            "--db",
+            db_s,
+            "--embedder",
+            e,
+            "--obqa",
+            obqa.to_str().unwrap(),
+            "--models",
+            models,
+            "--out",
+            ft.to_str().unwrap(),
+            "--ks",
+            "2",
+            "--obqa-ks",
+            "1,2",
+        ])
+    };
+    // Stopped at its second model (here: a folder that is not there), the run keeps the first
+    // model's journal, and the next run takes that model's passages from it.
+    let missing = tmp.path().join("no-such-model");
+    assert!(!finetuned(&format!("zero-shot={m},other={}", missing.display())).0, "the second model is missing");
+    let zs_journal = ft.join("zero-shot/wikitext/journal.jsonl");
+    let text = std::fs::read_to_string(&zs_journal).expect("the finished model's journal stays");
+    let mut lines: Vec<String> = text.lines().map(String::from).collect();
+    let mut first: serde_json::Value = serde_json::from_str(&lines[1]).unwrap();
+    first["naive"] = serde_json::json!(1000.0);
+    lines[1] = first.to_string();
+    std::fs::write(&zs_journal, lines.join("\n") + "\n").unwrap();
     // A third model pairs with both earlier ones (fine-tuned models against each other).
     let models = format!("zero-shot={m},other={},third={m}", other.path().to_str().unwrap());
-    ok(&[
-        "eval",
-        "finetuned",
-        "--db",
-        db_s,
-        "--embedder",
-        e,
-        "--obqa",
-        obqa.to_str().unwrap(),
-        "--models",
-        &models,
-        "--out",
-        ft.to_str().unwrap(),
-        "--ks",
-        "2",
-        "--obqa-ks",
-        "1,2",
-    ]);
+    let (done, _, out) = finetuned(&models);
+    assert!(done, "{out}");
+    let naive = results(&ft.join("zero-shot/wikitext"))["report"]["naive_loss"].as_f64().unwrap();
+    assert!(naive > 1000.0 / (lines.len() - 1) as f64, "the journaled model was scored again: naive {naive}");
+    for name in ["zero-shot", "other", "third"] {
+        assert!(!ft.join(name).join("wikitext/journal.jsonl").exists(), "{name}: a finished run's journals go");
+    }
     let md = std::fs::read_to_string(ft.join("results.md")).unwrap();
     assert!(md.contains("| other | picaso-r |") && md.contains("| zero-shot | naive |"), "{md}");
     // Each model against every earlier one, paired: every method, and its PICASO-R against
