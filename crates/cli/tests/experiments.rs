@@ -304,6 +304,7 @@ fn order_fidelity_scaling_and_finetuned() {
     assert!(md.contains("| third | picaso-r | zero-shot | +0.0 ± 0.0 |"), "{md}");
     assert!(md.contains("acc_norm of each model minus an earlier model's"), "{md}");
     assert!(ft.join("other/wikitext/results.json").is_file() && ft.join("zero-shot/openbookqa/results.json").is_file());
+    assert!(ft.join("gain_vs_first_naive.png").is_file() && md.contains("](gain_vs_first_naive.png)"), "{md}");
 
     // Bad input.
     let o = ft.to_str().unwrap();

@@ -263,7 +263,9 @@ pub fn bar_chart(path: &Path, title: &str, y: &str, bars: &[Bar], reference: Opt
     let pad = ((y1 - y0) * headroom).max(1e-3);
     let (y0, y1) = (if y0 < 0.0 { y0 - pad } else { 0.0 }, if y1 > 0.0 { y1 + pad } else { 0.0 });
     let n = bars.len();
-    let root = BitMapBackend::new(path, (960, 600)).into_drawing_area();
+    // Wide enough for every bar's label (~18 characters) side by side.
+    let width = 960.max(150 * n as u32 + 100);
+    let root = BitMapBackend::new(path, (width, 600)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(path, e))?;
     let mut c = ChartBuilder::on(&root)
         .caption(title, ("sans-serif", 24))

@@ -710,6 +710,47 @@ fn finetuned_pairs(md: &mut String, models: &[ModelResults<'_>]) {
     }
 }
 
+/// Every model's methods at the largest k as loss reductions from the *first* model's Naive loss
+/// (paired on the same passages, 95% intervals), with the first model's Concat as the line to
+/// reach: what fine-tuning bought at a glance.
+fn finetuned_chart(out: &Path, models: &[ModelResults<'_>]) -> Result<()> {
+    let Some(first) = models.first() else { return Ok(()) };
+    let k = first.wikitext.options.max_k();
+    let pct = 100.0 / first.wikitext.naive_loss;
+    let Some(base) = first.wikitext.losses.get(&(EvalMethod::Naive, k)) else { return Ok(()) };
+    let gain = |m: &ModelResults<'_>, method: EvalMethod| {
+        let a = m.wikitext.losses.get(&(method, k)).filter(|a| a.len() == base.len())?;
+        let (g, ci) = paired_ci95(base, a);
+        Some((g * pct, ci * pct))
+    };
+    let mut bars = Vec::new();
+    for (i, m) in models.iter().enumerate() {
+        for method in methods_in(m.wikitext.cells.iter().map(|c| &c.method)) {
+            if i == 0 && method == EvalMethod::Naive {
+                continue;
+            }
+            if let Some((value, ci)) = gain(m, method) {
+                bars.push(Bar { label: format!("{} {method}", m.name), value, error: Some(ci) });
+            }
+        }
+    }
+    if bars.is_empty() {
+        return Ok(());
+    }
+    let reference = gain(first, EvalMethod::Concat);
+    let name = format!("{} concat", first.name);
+    bar_chart(
+        &out.join("gain_vs_first_naive.png"),
+        &format!(
+            "WikiText-2, k = {k}: loss reduction from {}'s Naive, paired 95% CI ({} passages)",
+            first.name, first.wikitext.passages
+        ),
+        &format!("% of {}'s Naive loss", first.name),
+        &bars,
+        reference.map(|(v, _)| (name.as_str(), v)),
+    )
+}
+
 /// OpenBookQA's part of [`finetuned_pairs`]: acc_norm, paired on the same questions.
 fn finetuned_obqa_pairs(md: &mut String, models: &[ModelResults<'_>]) {
     let [first, _, ..] = models else { return };
@@ -769,6 +810,8 @@ pub fn write_finetuned(out: &Path, models: &[ModelResults<'_>], info: &RunInfo) 
             }
         }
         finetuned_pairs(&mut md, models);
+        finetuned_chart(out, models)?;
+        md.push_str("\n![every model's methods against the first model's Naive](gain_vs_first_naive.png)\n");
         let q = first.openbookqa;
         let k = *q.options.ks.last().expect("non-empty");
         writeln!(md, "\n## OpenBookQA ({} questions): acc / acc_norm (%) at k={k}\n", q.questions).expect("string");
