@@ -43,9 +43,23 @@ ARMS = {
     "4 groups": {"n_groups": 4},
     "12 layers": {"n_layer": 12},
     "neighbours": {"data": "neighbours"},
-    "lr x2": {"lr": 4e-3, "min_lr": 4e-4},
-    "lr /2": {"lr": 1e-3, "min_lr": 1e-4},
+    "lr x2": {"lr_scale": 2.0},
+    "lr /2": {"lr_scale": 0.5},
 }
+# The arms that change the architecture: a warm start (--init) cannot take them.
+SHAPE = {"d_state", "headdim", "n_groups", "n_layer", "d_model", "vocab"}
+
+
+def applied(run, change):
+    """`run` with an arm's `change`: `lr_scale` multiplies the peak and final learning rates,
+    `data` is not part of the run file, the rest replace the run's values."""
+    out = dict(run)
+    for k, v in change.items():
+        if k == "lr_scale":
+            out["lr"], out["min_lr"] = run["lr"] * v, run["min_lr"] * v
+        elif k != "data":
+            out[k] = v
+    return out
 
 
 def params(run):
@@ -84,6 +98,8 @@ def packed_stream(streams, order, work, name):
 def train(config, out, data, extra, log):
     cmd = [sys.executable, os.path.join(HERE, "train_gpu.py"), "--config", config, "--out", out,
            "--train", *data["train"], "--val", data["val"], "--pairs", data["pairs"], *extra]
+    if data.get("init"):
+        cmd += ["--init", data["init"]]
     return subprocess.Popen(cmd, stdout=open(log, "a"), stderr=subprocess.STDOUT)
 
 
@@ -111,10 +127,17 @@ def main():
     ap.add_argument("--max-params", type=float, default=24.5e6, help="bf16 weights <= 48 MiB")
     ap.add_argument("--final-minutes", type=float, default=15)
     ap.add_argument("--skip-arms", action="store_true", help="reuse WORK/ablation.json")
+    ap.add_argument("--arms-only", action="store_true", help="stop after the arms' table (no final run)")
+    ap.add_argument("--init", help="warm start: every arm and the final run continue this model's training "
+                                   "(its folder; --base must have its shape and a smaller learning rate)")
     a = ap.parse_args()
+    if a.init:
+        shaped = [n for n in a.arms if SHAPE & set(ARMS[n])]
+        if shaped:
+            ap.error(f"--init continues one model's training: the arms {shaped} change its shape")
     os.makedirs(a.work, exist_ok=True)
     plain = lambda p: unpack(p, os.path.join(a.work, os.path.basename(p).removesuffix(".xz")))
-    data = {"val": plain(a.val), "pairs": plain(a.pairs)}
+    data = {"val": plain(a.val), "pairs": plain(a.pairs), "init": a.init}
     base = json.load(open(a.base))
 
     table = os.path.join(a.work, "ablation.json")
@@ -126,9 +149,8 @@ def main():
             nb_data = {**data, "train": [packed_stream(arm_data["train"], a.arm_order, a.work, "arms")]}
         procs = {}
         for name in ["base"] + [n for n in a.arms if n != "base"]:
-            change = {k: v for k, v in ARMS[name].items() if k != "data"}
-            run = {**base, **change, "steps": a.steps, "warmup": a.steps // 10, "val_every": a.steps // 2,
-                   "accum": a.accum}
+            run = {**applied(base, ARMS[name]), "steps": a.steps, "warmup": a.steps // 10,
+                   "val_every": a.steps // 2, "accum": a.accum}
             folder = os.path.join(a.work, "arm-" + name.replace(" ", "-").replace("/", "div"))
             os.makedirs(folder, exist_ok=True)
             json.dump(run, open(folder + ".json", "w"))
@@ -150,6 +172,8 @@ def main():
             print(f"{name:>12}: val {r['val_loss']:.4f} · previous {100 * r['context_use']['gain']:+.2f}% · "
                   f"random {100 * r['context_use']['random_gain']:+.2f}% · {r['tokens_per_s']:,.0f} tokens/s", flush=True)
         json.dump(rows, open(table, "w"), indent=1)
+    if a.arms_only:
+        return
     rows = {r["arm"]: r for r in json.load(open(table))}
 
     final = dict(base)
@@ -158,10 +182,9 @@ def main():
     for name, r in rows.items():
         if name == "base":
             continue
-        change = {k: v for k, v in r["change"].items() if k != "data"}
         helps = 100 * (r["gain"] - ref["gain"]) >= a.min_gain and r["val_loss"] - ref["val_loss"] <= a.max_val_loss
-        if helps and params({**final, **change}) <= a.max_params:
-            final.update(change)
+        if helps and params(applied(final, r["change"])) <= a.max_params:
+            final = applied(final, r["change"])
             neighbours |= r["change"].get("data") == "neighbours"
             print(f"kept: {name}", flush=True)
     final.update(val_every=1000, checkpoint_every=500, accum=1)

@@ -19,7 +19,9 @@ the CPU trainer's:
 
 `--train/--val/--pairs` take the same streams as raw little-endian u16 files (`.xz` allowed),
 which is how they travel to a machine without the corpus. The run checkpoints to
-OUT/checkpoint.pt when its time budget (`--minutes`) is spent and resumes from there.
+OUT/checkpoint.pt when its time budget (`--minutes`) is spent and resumes from there. `--init
+MODEL_DIR` starts it from a trained model's weights (a warm start: the optimiser's moments and
+the schedule start afresh, so give the run a smaller peak learning rate).
 """
 import argparse
 import json
@@ -27,6 +29,7 @@ import lzma
 import math
 import os
 import struct
+import sys
 import time
 
 import numpy as np
@@ -324,6 +327,25 @@ def context_use(model, pairs, dev):
     return dict(none=none, previous=prev, random=rand, gain=(none - prev) / none, random_gain=(none - rand) / none)
 
 
+@torch.no_grad()
+def load_weights(model, run, folder):
+    """A model folder's weights (transformers' layout, as `export` writes them; bf16 is widened)
+    into `model`, refusing one of another shape: a warm start continues that model's training."""
+    from safetensors.torch import load_file
+
+    cfg = json.load(open(os.path.join(folder, "config.json")))
+    want = {"hidden_size": run["d_model"], "num_hidden_layers": run["n_layer"], "state_size": run["d_state"],
+            "head_dim": run["headdim"], "vocab_size": run["vocab"], "n_groups": run.get("n_groups", 1)}
+    other = {k: (cfg.get(k), v) for k, v in want.items() if cfg.get(k) != v}
+    if other:
+        sys.exit(f"--init {folder}: its config differs from the run's (theirs, ours): {other}")
+    sd = {k: v.float() for k, v in load_file(os.path.join(folder, "model.safetensors")).items() if k != "lm_head.weight"}
+    mine = {k for k in model.state_dict() if k != "lm_head.weight"}
+    if set(sd) != mine:
+        sys.exit(f"--init {folder}: tensors missing {sorted(mine - set(sd))[:4]}, unexpected {sorted(set(sd) - mine)[:4]}")
+    model.load_state_dict(sd, strict=False)
+
+
 def export(model, run, out, dtype, history):
     from safetensors.torch import save_file
 
@@ -359,6 +381,8 @@ def main():
     ap.add_argument("--plan-minutes", type=float,
                     help="size the run (its step count, hence the lr schedule) to take this long in all, "
                          "from the speed of its first 40 steps")
+    ap.add_argument("--init", help="start a new run from this model folder's weights (config.json + "
+                                   "model.safetensors, e.g. models/picaso-mamba2) instead of fresh ones")
     ap.add_argument("--export", help="write the model here when the run stops")
     ap.add_argument("--dtype", default="bf16", choices=["f32", "bf16"], help="exported weights' dtype")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model")
@@ -370,22 +394,30 @@ def main():
     run = json.load(open(a.config))
     if a.check:
         return check_against_transformers({**run, "vocab": 512, "chunk": 16})
-    if not a.out or not (a.tokens or (a.train and a.val)):
+    if a.export_only:
+        if not (a.out and a.export):
+            ap.error("--export-only needs --out (the run) and --export")
+        train = val = pairs = None
+    elif not a.out or not (a.tokens or (a.train and a.val)):
         ap.error("training needs --out and either --tokens or --train and --val")
-    if a.tokens:
+    elif a.tokens:
         train, val, pairs = read_token_cache(a.tokens)
     else:
         train = np.concatenate([read_u16(p) for p in a.train])
         val = read_u16(a.val)
         pairs = json.load(open(a.pairs)) if a.pairs else []
-    print(f"{len(train):,} training tokens, {len(val):,} validation tokens, {len(pairs)} pairs", flush=True)
-    assert train.max() < run["vocab"], "token ids exceed the vocabulary"
+    if train is not None:
+        print(f"{len(train):,} training tokens, {len(val):,} validation tokens, {len(pairs)} pairs", flush=True)
+        assert train.max() < run["vocab"], "token ids exceed the vocabulary"
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.manual_seed(run["seed"])
     model = Mamba2LM(run)
     init_weights(model, run, run["seed"])
+    if a.init and not os.path.exists(os.path.join(a.out, "checkpoint.pt")):
+        load_weights(model, run, a.init)
+        print(f"warm start from {a.init}", flush=True)
     model.to(dev)
     print(f"{sum(p.numel() for n, p in model.named_parameters() ):,} parameters", flush=True)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and n != "lm_head.weight"]
@@ -402,8 +434,8 @@ def main():
         step, history, run["steps"] = ck["step"], ck["history"], ck["steps"]
         print(f"resumed at step {step} of {run['steps']}", flush=True)
     if a.export_only:
-        if not a.export:
-            ap.error("--export-only needs --export")
+        if step == 0:
+            sys.exit(f"--export-only: no checkpoint in {a.out}")
         export(model, run, a.export, a.dtype, history)
         return print(f"step {step}: exported to {a.export}", flush=True)
 
