@@ -190,7 +190,6 @@ def main():
     final.update(val_every=1000, checkpoint_every=500, accum=1)
     json.dump(final, open(os.path.join(a.work, "final.json"), "w"))
     print(f"final run: {json.dumps(final)} ({params(final):,} parameters)", flush=True)
-    streams = a.train
     if neighbours and not a.final_order:
         sys.exit("the neighbours arm was kept: give the final run's order (--final-order)")
     while not all(os.path.exists(p) for p in a.train):  # the last streams may still be on their way

@@ -5,7 +5,7 @@ A lent GPU machine has no corpus and takes at most 64 MiB of ignored files per c
 training stream goes in two halves cut at an article boundary (each .xz under the limit), with
 the validation stream and the held-out paragraph pairs beside the first:
 
-    picaso train pretrain --config models/training/picaso-mamba2-v2.json --out RUN \\
+    picaso train pretrain --config models/training/gpu-streams.json --out RUN \\
         --corpus wikipedia:../shared/data/wikipedia-en/articles.txt.gz \\
         --tokenizer models/picaso-mamba2/tokenizer.json --stop-after 0
     python3 scripts/gpu_streams.py --tokens RUN/tokens.bin --out .gpu
@@ -59,17 +59,16 @@ def main():
     ap.add_argument("--val-tokens", type=int, help="keep only the validation stream's first tokens")
     a = ap.parse_args()
     train, val, pairs = read_cache(a.tokens)
+    ends = np.append(np.flatnonzero(train == 0) + 1, len(train))  # an article ends after its <|endoftext|>
     if a.first:
-        ends = np.flatnonzero(train == 0) + 1
-        train = train[: int(ends[min(np.searchsorted(ends, a.first), len(ends) - 1)])]
+        train = train[: int(ends[np.searchsorted(ends, a.first)])]
+        cut = len(train)  # one stream, in a/
+    else:
+        cut = int(ends[np.searchsorted(ends, len(train) // 2)])
     if a.val_tokens:
         val = val[: a.val_tokens]
     if max(int(train.max()), int(val.max())) >= 1 << 16:
         raise SystemExit(f"{a.tokens}: token ids above 65535 do not fit u16 streams")
-    ends = np.flatnonzero(train == 0) + 1  # an article ends after its <|endoftext|>
-    cut = int(ends[np.searchsorted(ends, len(train) // 2)]) if len(ends) else len(train) // 2
-    if a.first:
-        cut = len(train)  # one stream, in a/
     print(f"{len(train):,} training tokens cut at {cut:,}; {len(val):,} validation tokens; {len(pairs)} pairs")
     write_xz(os.path.join(a.out, "a", "train-a.u16.xz"), train[:cut].astype("<u2").tobytes())
     if cut < len(train):

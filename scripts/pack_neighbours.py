@@ -27,7 +27,6 @@ to another article, or jump at random, and the mean similarity of a step.
 import argparse
 import json
 import lzma
-import struct
 import sys
 
 import numpy as np
@@ -35,10 +34,9 @@ import numpy as np
 
 def read_stream(args):
     if args.tokens:
-        b = open(args.tokens, "rb").read()
-        hl = struct.unpack("<Q", b[:8])[0]
-        h = json.loads(b[8 : 8 + hl])
-        return np.frombuffer(b, dtype="<u4", offset=8 + hl, count=h["train"]).astype(np.uint16)
+        from gpu_streams import read_cache
+
+        return read_cache(args.tokens)[0].astype(np.uint16)
     raw = lzma.open(args.train).read() if args.train.endswith(".xz") else open(args.train, "rb").read()
     return np.frombuffer(raw, dtype="<u2").copy()
 

@@ -28,7 +28,6 @@ import json
 import lzma
 import math
 import os
-import struct
 import sys
 import time
 
@@ -43,20 +42,11 @@ def read_u16(path):
 
 
 def read_token_cache(path):
-    """picaso's OUT/tokens.bin: u64 header length, JSON header, then u32 ids (train, val, pairs)."""
-    b = open(path, "rb").read()
-    hl = struct.unpack("<Q", b[:8])[0]
-    h = json.loads(b[8 : 8 + hl])
-    ids = np.frombuffer(b, dtype="<u4", offset=8 + hl).astype(np.int64)
-    train, val = ids[: h["train"]], ids[h["train"] : h["train"] + h["val"]]
-    at, pairs = h["train"] + h["val"], []
-    for p in h["pairs"]:
-        parts = []
-        for n in p:
-            parts.append(ids[at : at + n].tolist())
-            at += n
-        pairs.append(dict(zip(["previous", "random", "query", "continuation"], parts)))
-    return train, val, pairs
+    """picaso's OUT/tokens.bin (`gpu_streams.read_cache`), ids widened for torch's indexing."""
+    from gpu_streams import read_cache
+
+    train, val, pairs = read_cache(path)
+    return train.astype(np.int64), val.astype(np.int64), pairs
 
 
 def segsum(x):
