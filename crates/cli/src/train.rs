@@ -150,6 +150,12 @@ pub struct PretrainArgs {
     /// the bundled model on a new machine; its progress.json gives the step reached).
     #[arg(long)]
     warm_start: Option<PathBuf>,
+    /// Train on this token stream instead of the corpora's training text: the run tokenizer's
+    /// ids as little-endian u16 (`.u16`) or u32 (`.u32`), e.g. `scripts/pack_neighbours.py`'s
+    /// reordered stream (in-context pretraining). Validation and the context-use pairs still
+    /// come from the corpora; give the tokenizer the stream was made with (--tokenizer).
+    #[arg(long)]
+    train_stream: Option<PathBuf>,
 }
 
 /// The config file: the architecture (vocabulary from the tokenizer) and the run's settings.
@@ -277,11 +283,28 @@ fn pretrain_cmd(a: PretrainArgs) -> Result<()> {
     }
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
 
-    let (tok_path, data) = match &f.recall {
+    let (tok_path, mut data) = match &f.recall {
         Some(r) => recall_data(&a, &f, r)?,
         None => text_data(&a, &f)?,
     };
     let tokenizer = picaso_model::TextTokenizer::from_file(&tok_path)?;
+    let train_stream = match &a.train_stream {
+        Some(_) if f.recall.is_some() => {
+            bail!("--train-stream replaces a corpus's training text; a config with a \"recall\" section generates its own")
+        }
+        Some(path) => {
+            let (ids, fingerprint) = read_train_stream(path, tokenizer.vocab_size())?;
+            eprintln!(
+                "{}: {} training tokens in place of the corpora's {}",
+                path.display(),
+                ids.len(),
+                data.train.len()
+            );
+            data.train = ids;
+            Some(fingerprint)
+        }
+        None => None,
+    };
     if data.val.len() < f.seq_len + 1 {
         bail!(
             "the validation split has {} tokens, fewer than one sequence; raise val_fraction or add text",
@@ -324,6 +347,7 @@ fn pretrain_cmd(a: PretrainArgs) -> Result<()> {
         sampler: f.sampler,
         init: f.init.clone(),
         loss_from: f.loss_from,
+        train_stream,
     };
     let need = config.estimated_peak_bytes();
     if let Some(avail) = available_memory_bytes() {
@@ -545,6 +569,40 @@ fn recall_data(a: &PretrainArgs, f: &RunFile, r: &RecallData) -> Result<(PathBuf
         r.sequences, f.seq_len, r.max_k, r.facts, data.train.len(), data.val.len()
     );
     Ok((tok_path, data))
+}
+
+/// A `--train-stream` file's token ids (u16 or u32 by its extension), checked against the
+/// vocabulary, and its fingerprint.
+fn read_train_stream(path: &std::path::Path, vocab: usize) -> Result<(Vec<u32>, String)> {
+    let width = match path.extension().and_then(|e| e.to_str()) {
+        Some("u16") => 2,
+        Some("u32") => 4,
+        _ => bail!(
+            "--train-stream {}: name the id width in the extension, .u16 or .u32 (little-endian token ids)",
+            path.display()
+        ),
+    };
+    let bytes = std::fs::read(path).with_context(|| format!("reading --train-stream {}", path.display()))?;
+    if bytes.len() % width != 0 {
+        bail!(
+            "--train-stream {}: {} bytes is not a whole number of {width}-byte ids; is it a .u{} file?",
+            path.display(),
+            bytes.len(),
+            8 * width
+        );
+    }
+    let ids: Vec<u32> = if width == 2 {
+        bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]]) as u32).collect()
+    } else {
+        bytes.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    };
+    if let Some((i, id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
+        bail!(
+            "--train-stream {}: token {i} is id {id}, outside the tokenizer's {vocab} entries; make the stream with the run's tokenizer (--tokenizer)",
+            path.display()
+        );
+    }
+    Ok((ids, format!("{:032x}", xxhash_rust::xxh3::xxh3_128(&bytes))))
 }
 
 /// The token streams cached under `key`, if the file holds them.

@@ -86,6 +86,82 @@ fn pretrain_stops_resumes_and_writes_a_usable_model() {
     );
 }
 
+/// `--train-stream` trains on given token ids in place of the corpora's training text (the
+/// corpora still give validation), a resume refuses a different stream, and a bad file is named.
+#[test]
+fn a_train_stream_replaces_the_training_text() {
+    let tmp = tempfile::tempdir().unwrap();
+    let corpus = tmp.path().join("a.txt");
+    let text: Vec<String> = (0..300).map(|i| format!("Paragraph {i} names the river {} twice.", i % 17)).collect();
+    std::fs::write(&corpus, text.join("\n\n")).unwrap();
+    let cfg = tmp.path().join("cfg.json");
+    std::fs::write(
+        &cfg,
+        r#"{"d_model": 32, "n_layer": 1, "d_state": 8, "headdim": 8, "vocab": 300, "val_fraction": 0.1,
+            "seq_len": 16, "batch": 2, "steps": 6, "warmup": 1, "lr": 3e-3, "min_lr": 3e-4,
+            "val_every": 3, "val_sequences": 2, "checkpoint_every": 3}"#,
+    )
+    .unwrap();
+    let (c, cfg_s) = (format!("text:{}", corpus.display()), cfg.to_str().unwrap());
+    let tok_run = tmp.path().join("tok");
+    let o = picaso(&[
+        "train",
+        "pretrain",
+        "--corpus",
+        &c,
+        "--config",
+        cfg_s,
+        "--out",
+        tok_run.to_str().unwrap(),
+        "--stop-after",
+        "0",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let tok = tok_run.join("tokenizer.json");
+    let write = |name: &str, ids: &[u16]| {
+        let p = tmp.path().join(name);
+        std::fs::write(&p, ids.iter().flat_map(|i| i.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
+        p
+    };
+    let stream = write("s.u16", &(0..400).map(|i| (i * 7 % 250) as u16).collect::<Vec<_>>());
+    let other = write("t.u16", &(0..400).map(|i| (i * 11 % 250) as u16).collect::<Vec<_>>());
+    let out = tmp.path().join("run");
+    let args = |s: &std::path::Path, stop: &'static str| -> Vec<String> {
+        let mut v: Vec<String> = ["train", "pretrain", "--corpus", &c, "--config", cfg_s, "--tokenizer"]
+            .iter()
+            .map(|x| x.to_string())
+            .collect();
+        v.extend([tok.display().to_string(), "--out".into(), out.display().to_string()]);
+        v.extend(["--train-stream".into(), s.display().to_string(), "--stop-after".into(), stop.into()]);
+        v
+    };
+    let run = |v: Vec<String>| picaso(&v.iter().map(String::as_str).collect::<Vec<_>>());
+    let o = run(args(&stream, "3"));
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{e}");
+    assert!(e.contains("400 training tokens in place of the corpora's"), "{e}");
+    let state: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("checkpoint").join("trainer.json")).unwrap()).unwrap();
+    assert!(state["config"]["train_stream"].is_string(), "the checkpoint records the stream's fingerprint");
+    let fails = |v: Vec<String>, needle: &str| {
+        let o = run(v);
+        let e = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && e.contains(needle) && !e.contains("panicked"), "{e}");
+    };
+    fails(args(&other, "3"), "another configuration");
+    let o = run(args(&stream, "3"));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["step"], 6);
+    let bin = write("s.bin", &[1, 2, 3]);
+    fails(args(&bin, "1"), ".u16 or .u32");
+    let big = write("big.u16", &[1, 2, 60000]);
+    fails(args(&big, "1"), "token 2 is id 60000, outside the tokenizer's");
+    let odd = tmp.path().join("odd.u32");
+    std::fs::write(&odd, [1u8, 0, 0, 0, 2, 0]).unwrap();
+    fails(args(&odd, "1"), "not a whole number of 4-byte ids");
+}
+
 #[test]
 fn plot_draws_a_training_log_and_names_a_bad_line() {
     let tmp = tempfile::tempdir().unwrap();

@@ -65,6 +65,10 @@ pub struct PretrainConfig {
     /// at least this much context (0: every token counts).
     #[serde(default)]
     pub loss_from: usize,
+    /// The fingerprint (xxh3-128, hex) of a training stream given in place of the corpora's
+    /// (`picaso train pretrain --train-stream`), so a resumed run refuses a different one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub train_stream: Option<String>,
 }
 
 /// How the windows of a step are drawn from the training stream.
@@ -689,6 +693,7 @@ mod tests {
             sampler,
             init: InitOptions::default(),
             loss_from,
+            train_stream: None,
         }
     }
 

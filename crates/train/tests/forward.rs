@@ -165,6 +165,7 @@ fn tiny_pretrain_config() -> picaso_train::pretrain::PretrainConfig {
         sampler: picaso_train::pretrain::Sampler::Epochs,
         init: Default::default(),
         loss_from: 0,
+        train_stream: None,
     }
 }
 
