@@ -339,6 +339,13 @@ pub struct ContextUseArgs {
     held_out_every: usize,
     #[command(flatten)]
     model: ModelArgs,
+    /// Name of --model in the comparison tables (default: its folder's name).
+    #[arg(long)]
+    name: Option<String>,
+    /// Another model scored on the same passages, NAME=DIR; repeat for several. Its results go
+    /// to OUT/NAME, its differences to --model (paired per passage) to OUT/comparison.*.
+    #[arg(long, value_parser = parse_named)]
+    compare: Vec<(String, String)>,
     /// Results folder.
     #[arg(long)]
     out: PathBuf,
@@ -680,11 +687,34 @@ fn context_use(a: ContextUseArgs) -> Result<()> {
         }
         (None, None) => bail!("give --wikitext FILE (e.g. wiki.test.raw) or --wikipedia articles.txt.gz"),
     };
-    let model = crate::load_model(&a.model, true)?;
-    eprintln!("{}: {} documents; scoring…", source, docs.len());
-    let report = picaso_eval::context_use::run(&model, &docs, a.sample, a.seed)?;
-    let bpb = picaso_eval::context_use::bits_per_byte(&model, &docs)?;
-    report::write_context_use(&a.out, &source, &report, &bpb, &report::RunInfo::collect(started))?;
+    let mut models = vec![(a.name.clone(), a.model, a.out.clone())];
+    for (name, dir) in &a.compare {
+        if a.name.as_deref() == Some(name.as_str()) || models[1..].iter().any(|m| m.0.as_deref() == Some(name.as_str()))
+        {
+            bail!("--compare {name}={dir}: the name {name} is already taken; give each model its own");
+        }
+        models.push((Some(name.clone()), ModelArgs::for_dir(dir), a.out.join(name)));
+    }
+    let mut reports = Vec::new();
+    for (name, args, out) in &models {
+        let model = crate::load_model(args, true)?;
+        let name = name.clone().unwrap_or_else(|| {
+            model.dir().file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into())
+        });
+        eprintln!("{name} ({}) on {}: {} documents; scoring…", model.dir().display(), source, docs.len());
+        let report = picaso_eval::context_use::run(&model, &docs, a.sample, a.seed)?;
+        let bpb = picaso_eval::context_use::bits_per_byte(&model, &docs)?;
+        report::write_context_use(out, &source, &report, &bpb, &report::RunInfo::collect(started))?;
+        reports.push((name, report));
+    }
+    if reports.len() > 1 {
+        let (first, rest) = reports.split_first().expect("at least one model");
+        let comparisons = rest
+            .iter()
+            .map(|(name, r)| picaso_eval::context_use::compare(&first.0, &first.1, name, r))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        report::write_context_use_comparisons(&a.out, &comparisons)?;
+    }
     print_results(&a.out)
 }
 

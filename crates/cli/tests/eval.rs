@@ -64,6 +64,51 @@ fn eval_and_compose_finetuning_end_to_end() {
     assert!(tmp.path().join("cu/change.png").is_file(), "the context-use chart");
     let (success, _, stderr) = run(&["eval", "replot", tmp.path().join("cu").to_str().unwrap()]);
     assert!(!success && stderr.contains("not the results of a WikiText"), "{stderr}");
+    // --compare pairs another model passage by passage: the same model under another name
+    // differs by exactly nothing; a model with another tokenizer scores other passages.
+    let cmp = tmp.path().join("cu-cmp");
+    let same = format!("same={m}");
+    ok(&[
+        "eval",
+        "context-use",
+        "--wikitext",
+        d,
+        "--model",
+        m,
+        "--name",
+        "first",
+        "--compare",
+        &same,
+        "--out",
+        cmp.to_str().unwrap(),
+    ]);
+    let c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(cmp.join("comparison.json")).unwrap()).unwrap();
+    let rows = c[0]["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 6, "{c}");
+    assert_eq!(c[0]["passages"], cu["report"]["passages"]);
+    for r in rows {
+        assert_eq!(r["delta"].as_f64().unwrap(), 0.0, "{r}");
+        assert_eq!(r["first"], r["other"], "{r}");
+    }
+    assert!(cmp.join("same/results.md").is_file() && cmp.join("comparison.csv").is_file());
+    let md = std::fs::read_to_string(cmp.join("results.md")).unwrap();
+    assert!(md.contains("## same against first") && md.contains("| change with the previous paragraph (%) |"), "{md}");
+    let (success, _, stderr) = run(&[
+        "eval",
+        "context-use",
+        "--wikitext",
+        d,
+        "--model",
+        m,
+        "--name",
+        "x",
+        "--compare",
+        &format!("x={m}"),
+        "--out",
+        cmp.to_str().unwrap(),
+    ]);
+    assert!(!success && stderr.contains("already taken"), "{stderr}");
 
     // Fine-tuning with both objectives; a loadable model comes out.
     let cfg = tmp.path().join("ft.json");

@@ -61,10 +61,15 @@ pub struct Report {
     pub previous_over_random_pct: f64,
     /// Its interval's half-width.
     pub previous_over_random_ci95_pct: f64,
+    /// Each scored passage's (document, paragraph) and its loss per condition (none,
+    /// previous, random): what another model's report is paired with.
+    #[serde(skip)]
+    pub per_passage: Vec<((usize, usize), [f64; 3])>,
 }
 
 /// One passage: the paragraph's halves and what may precede them.
 struct Passage {
+    at: (usize, usize),
     previous: Vec<u32>,
     random: Vec<u32>,
     query: Vec<u32>,
@@ -109,6 +114,7 @@ pub fn run(model: &Model, docs: &[Document], sample: Option<usize>, seed: u64) -
         let pick = rng.random_range(0..docs[other].paragraphs.len());
         let half = tokens.len() / 2;
         passages.push(Passage {
+            at: (d, j),
             previous: encode(model, &docs[d].paragraphs[j - 1])?,
             random: encode(model, &docs[other].paragraphs[pick])?,
             query: tokens[..half].to_vec(),
@@ -171,7 +177,75 @@ pub fn run(model: &Model, docs: &[Document], sample: Option<usize>, seed: u64) -
         conditions,
         previous_over_random_pct: 100.0 * over_mean / none_mean,
         previous_over_random_ci95_pct: 100.0 * over_ci / none_mean,
+        per_passage: passages
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (p.at, [losses[0][i], losses[1][i], losses[2][i]]))
+            .collect(),
     })
+}
+
+/// One quantity of two models side by side, with the paired interval of their difference.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Paired {
+    /// What is compared.
+    pub what: String,
+    /// The first model's value.
+    pub first: f64,
+    /// The other model's value.
+    pub other: f64,
+    /// Mean per-passage difference, other − first.
+    pub delta: f64,
+    /// Half-width of its 95% interval.
+    pub ci95: f64,
+}
+
+/// Another model against the first on the same passages. The losses are in nats/token; the
+/// changes are each model's relative change against its own no-context loss, in percent, so
+/// their difference (in points) says which model reads the context better.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Comparison {
+    /// The first model's name.
+    pub first: String,
+    /// The other model's name.
+    pub other: String,
+    /// Passages paired.
+    pub passages: usize,
+    /// Loss per condition, then the relative changes.
+    pub rows: Vec<Paired>,
+}
+
+/// Pairs `other` with `first` passage by passage. Both must have scored the same passages
+/// (same text, seed and sample; a tokenizer that drops a short paragraph breaks the pairing).
+pub fn compare(first_name: &str, first: &Report, other_name: &str, other: &Report) -> Result<Comparison> {
+    let same = first.per_passage.len() == other.per_passage.len()
+        && first.per_passage.iter().zip(&other.per_passage).all(|(a, b)| a.0 == b.0);
+    if !same || first.per_passage.is_empty() {
+        return Err(Error::Input(format!(
+            "{other_name} scored other passages than {first_name} ({} against {}): compare models with the same tokenizer, text, seed and sample",
+            other.per_passage.len(),
+            first.per_passage.len()
+        )));
+    }
+    let none = |r: &Report| mean_ci95(&r.per_passage.iter().map(|p| p.1[0]).collect::<Vec<_>>()).0;
+    let (none_a, none_b) = (none(first), none(other));
+    let pairs = || first.per_passage.iter().zip(&other.per_passage).map(|(a, b)| (a.1, b.1));
+    let row = |what: &str, f: &dyn Fn([f64; 3], f64) -> f64| {
+        let a: Vec<f64> = first.per_passage.iter().map(|p| f(p.1, none_a)).collect();
+        let b: Vec<f64> = other.per_passage.iter().map(|p| f(p.1, none_b)).collect();
+        let diffs: Vec<f64> = pairs().map(|(x, y)| f(y, none_b) - f(x, none_a)).collect();
+        let (delta, ci95) = mean_ci95(&diffs);
+        Paired { what: what.to_string(), first: mean_ci95(&a).0, other: mean_ci95(&b).0, delta, ci95 }
+    };
+    let rows = vec![
+        row("loss, no context", &|l, _| l[0]),
+        row("loss, previous paragraph", &|l, _| l[1]),
+        row("loss, random paragraph", &|l, _| l[2]),
+        row("change with the previous paragraph (%)", &|l, n| 100.0 * (l[1] - l[0]) / n),
+        row("change with a random paragraph (%)", &|l, n| 100.0 * (l[2] - l[0]) / n),
+        row("previous over random (points)", &|l, n| 100.0 * (l[2] - l[1]) / n),
+    ];
+    Ok(Comparison { first: first_name.into(), other: other_name.into(), passages: first.per_passage.len(), rows })
 }
 
 /// Bits per byte of whole documents.

@@ -302,6 +302,35 @@ pub fn write_context_use(
     context_use_chart(&out.join("change.png"), report)
 }
 
+/// Other models against the first (`eval context-use --compare`): `comparison.json`,
+/// `comparison.csv`, and a section per model at the end of `results.md`.
+pub fn write_context_use_comparisons(out: &Path, comparisons: &[context_use::Comparison]) -> Result<()> {
+    json(&out.join("comparison.json"), &comparisons)?;
+    let mut csv = String::from("first,other,passages,what,first_value,other_value,delta,ci95\n");
+    let md_path = out.join("results.md");
+    let mut md = std::fs::read_to_string(&md_path).map_err(|source| Error::Io { path: md_path.clone(), source })?;
+    for c in comparisons {
+        writeln!(
+            md,
+            "\n## {} against {}\n\nThe same {} passages, paired per passage (95%). Changes are each model's against its own no-context loss.\n\n| | {} | {} | {} − {} |\n|---|---:|---:|---:|",
+            c.other, c.first, c.passages, c.first, c.other, c.other, c.first
+        )
+        .expect("string");
+        for r in &c.rows {
+            writeln!(
+                csv,
+                "{},{},{},{},{:.6},{:.6},{:.6},{:.6}",
+                c.first, c.other, c.passages, r.what, r.first, r.other, r.delta, r.ci95
+            )
+            .expect("string");
+            writeln!(md, "| {} | {:.4} | {:.4} | {:+.4} ± {:.4} |", r.what, r.first, r.other, r.delta, r.ci95)
+                .expect("string");
+        }
+    }
+    write(&out.join("comparison.csv"), &csv)?;
+    write(&md_path, &md)
+}
+
 /// The conditions' relative change of the continuation's loss against no context: on all
 /// tokens (paired intervals) and on the recall tokens (pooled, so without one).
 fn context_use_chart(path: &Path, report: &context_use::Report) -> Result<()> {
