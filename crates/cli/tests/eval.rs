@@ -62,6 +62,8 @@ fn eval_and_compose_finetuning_end_to_end() {
     assert!(cu["report"]["passages"].as_u64().unwrap() > 0, "{cu}");
     assert!(cu["bits_per_byte"]["bits_per_byte"].as_f64().unwrap() > 0.0, "{cu}");
     assert!(tmp.path().join("cu/change.png").is_file(), "the context-use chart");
+    let rows = std::fs::read_to_string(tmp.path().join("cu/passages.csv")).unwrap();
+    assert_eq!(rows.lines().count() as u64, 1 + cu["report"]["passages"].as_u64().unwrap(), "a row per passage");
     let (success, _, stderr) = run(&["eval", "replot", tmp.path().join("cu").to_str().unwrap()]);
     assert!(!success && stderr.contains("not the results of a WikiText"), "{stderr}");
     // --compare pairs another model passage by passage: the same model under another name

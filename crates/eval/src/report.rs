@@ -299,6 +299,12 @@ pub fn write_context_use(
     md.push_str(&info.markdown());
     write(&out.join("results.csv"), &csv)?;
     write(&out.join("results.md"), &md)?;
+    // Per passage, so runs scored apart can still be paired after the fact.
+    let mut passages = String::from("document,paragraph,none,previous,random\n");
+    for ((d, j), l) in &report.per_passage {
+        writeln!(passages, "{d},{j},{:.6},{:.6},{:.6}", l[0], l[1], l[2]).expect("string");
+    }
+    write(&out.join("passages.csv"), &passages)?;
     context_use_chart(&out.join("change.png"), report)
 }
 
