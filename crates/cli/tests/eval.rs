@@ -67,7 +67,7 @@ fn eval_and_compose_finetuning_end_to_end() {
     let (success, _, stderr) = run(&["eval", "replot", tmp.path().join("cu").to_str().unwrap()]);
     assert!(!success && stderr.contains("not the results of a WikiText"), "{stderr}");
     // --compare pairs another model passage by passage: the same model under another name
-    // differs by exactly nothing; a model with another tokenizer scores other passages.
+    // differs by exactly nothing; a name given to two models is refused.
     let cmp = tmp.path().join("cu-cmp");
     let same = format!("same={m}");
     ok(&[

@@ -227,13 +227,13 @@ pub fn compare(first_name: &str, first: &Report, other_name: &str, other: &Repor
             first.per_passage.len()
         )));
     }
-    let none = |r: &Report| mean_ci95(&r.per_passage.iter().map(|p| p.1[0]).collect::<Vec<_>>()).0;
+    // Each report's mean no-context loss (the denominator of its relative changes).
+    let none = |r: &Report| r.conditions.iter().find(|c| c.context == "none").map_or(f64::NAN, |c| c.loss);
     let (none_a, none_b) = (none(first), none(other));
-    let pairs = || first.per_passage.iter().zip(&other.per_passage).map(|(a, b)| (a.1, b.1));
     let row = |what: &str, f: &dyn Fn([f64; 3], f64) -> f64| {
         let a: Vec<f64> = first.per_passage.iter().map(|p| f(p.1, none_a)).collect();
         let b: Vec<f64> = other.per_passage.iter().map(|p| f(p.1, none_b)).collect();
-        let diffs: Vec<f64> = pairs().map(|(x, y)| f(y, none_b) - f(x, none_a)).collect();
+        let diffs: Vec<f64> = a.iter().zip(&b).map(|(x, y)| y - x).collect();
         let (delta, ci95) = mean_ci95(&diffs);
         Paired { what: what.to_string(), first: mean_ci95(&a).0, other: mean_ci95(&b).0, delta, ci95 }
     };
