@@ -39,6 +39,44 @@ fn bench(c: &mut Criterion) {
         }
         group.finish();
     }
+    step_from_memory(c);
+}
+
+/// All of a decode step's products (24 layers' in_proj and out_proj, then the tied LM head,
+/// 50,280 × 768) for B sequences. The weights (0.5 GB in f32) are read from memory as in a
+/// real step, not from a cache a lone matrix would fit in.
+fn step_from_memory(c: &mut Criterion) {
+    let (d, width, di, vocab, layers) = (768, 3352, 1536, 50_280, 24);
+    let values =
+        |len: usize, salt: usize| -> Vec<f32> { (0..len).map(|i| (((i + salt) % 97) as f32 - 48.0) / 500.0).collect() };
+    for dtype in [WeightDtype::F32, WeightDtype::Bf16] {
+        let kernel = Bf16Kernel::detect();
+        let layer_mats: Vec<(Matrix, Matrix)> = (0..layers)
+            .map(|l| {
+                (
+                    Matrix::with_kernel(values(width * d, l), d, dtype, kernel),
+                    Matrix::with_kernel(values(d * di, l + 1), di, dtype, kernel),
+                )
+            })
+            .collect();
+        let head = Matrix::with_kernel(values(vocab * d, 7), d, dtype, kernel);
+        let mut group = c.benchmark_group(format!("decode step products {dtype:?}"));
+        for m in [1usize, 4, 16, 32] {
+            let x = values(m * di, 3);
+            let (mut zx, mut h, mut logits) = (vec![0.0f32; m * width], vec![0.0f32; m * d], vec![0.0f32; m * vocab]);
+            group.throughput(Throughput::Elements(m as u64));
+            group.bench_with_input(BenchmarkId::new("sequences", m), &m, |b, &m| {
+                b.iter(|| {
+                    for (in_proj, out_proj) in &layer_mats {
+                        matmul_rows_t(&x[..m * d], m, d, in_proj, width, &mut zx, false);
+                        matmul_rows_t(&x, m, di, out_proj, d, &mut h, true);
+                    }
+                    matmul_rows_t(&h, m, d, &head, vocab, &mut logits, false);
+                })
+            });
+        }
+        group.finish();
+    }
 }
 
 criterion_group! {

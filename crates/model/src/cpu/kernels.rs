@@ -736,6 +736,30 @@ simd_fn! {
 }
 
 simd_fn! {
+    /// [`conv_silu`] of one new row `x` (c channels) after the conv tail (c × (k-1), channel-
+    /// major, oldest first), which is shifted to end with `x`. Each channel's sum runs in
+    /// [`conv_silu`]'s order, so a decode step gives the bits of a prefill.
+    pub fn conv_step_silu(x: &[f32], wt: &[f32], bias: &[f32], k: usize, tail: &mut [f32], out: &mut [f32]) {
+        let (c, kt) = (x.len(), k - 1);
+        for ((ch, o), (&xv, &b)) in out.iter_mut().enumerate().zip(x.iter().zip(bias)) {
+            let tl = &mut tail[ch * kt..(ch + 1) * kt];
+            let mut acc = b;
+            for (j, &sv) in tl.iter().enumerate() {
+                acc = sv.mul_add(wt[j * c + ch], acc);
+            }
+            *o = xv.mul_add(wt[kt * c + ch], acc);
+            if kt > 0 {
+                tl.copy_within(1.., 0);
+                tl[kt - 1] = xv;
+            }
+        }
+        for v in out.iter_mut() {
+            *v = silu(*v);
+        }
+    }
+}
+
+simd_fn! {
     /// The selective scan of one head over `dt.len()` tokens, updating `s` (P×N) in place:
     /// s ← exp(dt·A)·s + dt·x⊗B, y = s·C + D·x. `xbc` is (T, stride); x, B, C start at the
     /// given offsets of each row. `decay[t]` = exp(dt_t·A). y is written (T, P).
@@ -882,6 +906,35 @@ pub fn log_softmax_at(logits: &[f32], target: usize) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_conv_step_gives_the_bits_of_the_conv_over_tail_and_row() {
+        // Channels past one AVX-512 register and an odd tail: the decode step's sums from the
+        // channel-major tail equal those of the row-major [tail; x] the prefill path builds.
+        let (c, k) = (37, 4);
+        let kt = k - 1;
+        let v = |len: usize, salt: usize| -> Vec<f32> {
+            (0..len).map(|i| (((i * 31 + salt) % 23) as f32 - 11.0) / 7.0).collect()
+        };
+        let (x, wt, bias, mut tail) = (v(c, 1), v(k * c, 2), v(c, 3), v(c * kt, 4));
+        let mut seq = vec![0.0f32; k * c];
+        for ch in 0..c {
+            for j in 0..kt {
+                seq[j * c + ch] = tail[ch * kt + j];
+            }
+            seq[kt * c + ch] = x[ch];
+        }
+        let mut want = vec![0.0f32; c];
+        conv_silu(&seq, &wt, &bias, c, k, &mut want);
+        let mut got = vec![0.0f32; c];
+        conv_step_silu(&x, &wt, &bias, k, &mut tail, &mut got);
+        for ch in 0..c {
+            assert_eq!(got[ch].to_bits(), want[ch].to_bits(), "channel {ch}");
+            for j in 0..kt {
+                assert_eq!(tail[ch * kt + j], seq[(j + 1) * c + ch], "tail of channel {ch}, slot {j}");
+            }
+        }
+    }
 
     #[test]
     fn fast_exp_is_accurate() {

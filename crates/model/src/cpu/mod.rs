@@ -352,6 +352,12 @@ pub(crate) fn causal_conv_silu(
     tail: &mut [f32],
 ) -> Vec<f32> {
     let kt = k - 1;
+    if t == 1 {
+        // A decode step: the same sums in the same order, straight from the channel-major tail.
+        let mut out = vec![0.0f32; c];
+        kernels::conv_step_silu(&input[offset..offset + c], wt, bias, k, tail, &mut out);
+        return out;
+    }
     // [tail (K-1 rows); input (T rows)], row-major (K-1+T, C).
     let mut seq = vec![0.0f32; (kt + t) * c];
     for ch in 0..c {
