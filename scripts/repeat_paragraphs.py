@@ -45,7 +45,7 @@ def main():
     ids = np.frombuffer(raw, dtype="<u2")
     cap = a.tokens or len(ids)
     rng = np.random.default_rng(a.seed)
-    out, n, last_end, echoed, kept = [], 0, 0, 0, 0
+    out, n, last_end, echoed, kept, counts = [], 0, 0, 0, 0, []
     for s, e in paragraphs(ids, a.eos, a.para):
         piece = ids[s:e]
         body_is_text = piece[-1] == a.para  # an article's final <|endoftext|> is not echoed
@@ -59,14 +59,19 @@ def main():
         kept += 1
         if piece[-1] == a.eos:
             last_end = len(out)
+            counts.append((echoed, kept))
             if n >= cap:
                 break
     stream = np.concatenate(out[:last_end] if last_end else out)
+    articles = int((stream == a.eos).sum())
     if len(stream) > cap:  # the last article crossed the cap: end at the article before it
         stream = stream[: np.flatnonzero(stream[:cap] == a.eos)[-1] + 1]
+        articles -= 1
+    if articles:
+        echoed, kept = counts[articles - 1]
     stream.astype("<u2").tofile(a.out)
     print(f"{len(stream):,} tokens ({len(ids):,} in), {echoed:,} of {kept:,} paragraphs echoed, "
-          f"{int((stream == a.eos).sum()):,} articles")
+          f"{articles:,} articles")
 
 
 if __name__ == "__main__":
