@@ -25,6 +25,12 @@ import struct
 import numpy as np
 
 
+def read_u16(path):
+    """A raw little-endian u16 token stream (.xz allowed), read-only."""
+    raw = lzma.open(path).read() if path.endswith(".xz") else open(path, "rb").read()
+    return np.frombuffer(raw, dtype="<u2")
+
+
 def read_cache(path):
     """picaso's OUT/tokens.bin: u64 header length, JSON header, then u32 ids (train, val, pairs)."""
     b = open(path, "rb").read()

@@ -37,8 +37,14 @@ def read_stream(args):
         from gpu_streams import read_cache
 
         return read_cache(args.tokens)[0].astype(np.uint16)
-    raw = lzma.open(args.train).read() if args.train.endswith(".xz") else open(args.train, "rb").read()
-    return np.frombuffer(raw, dtype="<u2").copy()
+    from gpu_streams import read_u16
+
+    return read_u16(args.train).copy()
+
+
+def paragraph_ends(ids, para):
+    """Positions just after each paragraph's "\n\n" (two `para` tokens in a row)."""
+    return np.flatnonzero((ids[:-1] == para) & (ids[1:] == para)) + 2
 
 
 def runs_of(ids, eos, para, run_tokens):
@@ -47,7 +53,7 @@ def runs_of(ids, eos, para, run_tokens):
     ends = np.flatnonzero(ids == eos) + 1  # an article ends after its <|endoftext|>
     if len(ends) == 0 or ends[-1] != len(ids):
         ends = np.append(ends, len(ids))
-    pb = np.flatnonzero((ids[:-1] == para) & (ids[1:] == para)) + 2  # a paragraph ends after "\n\n"
+    pb = paragraph_ends(ids, para)
     runs, start, pi = [], 0, 0
     for art, end in enumerate(ends):
         cuts = []

@@ -12,17 +12,17 @@ Input: a raw little-endian u16 stream (.xz allowed), articles ending in token 0 
 in two newline tokens (`--para`), as scripts/pack_neighbours.py reads it.
 """
 import argparse
-import lzma
 
 import numpy as np
 
+from gpu_streams import read_u16
+from pack_neighbours import paragraph_ends
+
 
 def paragraphs(ids, eos, para):
-    """(start, end) of each paragraph: it ends after the second token of its "\n\n", or after
-    its article's <|endoftext|>."""
-    second_newline = np.zeros(len(ids), dtype=bool)
-    second_newline[1:] = (ids[1:] == para) & (ids[:-1] == para)
-    ends = np.flatnonzero(second_newline | (ids == eos)) + 1
+    """(start, end) of each paragraph: it ends after its "\n\n", or after its article's
+    <|endoftext|>."""
+    ends = np.union1d(paragraph_ends(ids, para), np.flatnonzero(ids == eos) + 1)
     if len(ends) == 0 or ends[-1] != len(ids):
         ends = np.append(ends, len(ids))
     starts = np.concatenate([[0], ends[:-1]])
@@ -41,34 +41,34 @@ def main():
     ap.add_argument("--para", type=int, default=199, help="the newline token (a paragraph ends in two)")
     ap.add_argument("--seed", type=int, default=1)
     a = ap.parse_args()
-    raw = lzma.open(a.train).read() if a.train.endswith(".xz") else open(a.train, "rb").read()
-    ids = np.frombuffer(raw, dtype="<u2")
+    ids = read_u16(a.train)
     cap = a.tokens or len(ids)
     rng = np.random.default_rng(a.seed)
-    out, n, last_end, echoed, kept, counts = [], 0, 0, 0, 0, []
+    # Whole articles, while they fit the cap: an article's pieces wait in `article` until its end.
+    out, n, articles, echoed, kept = [], 0, 0, 0, 0
+    article, article_paragraphs, article_echoes = [], 0, 0
     for s, e in paragraphs(ids, a.eos, a.para):
         piece = ids[s:e]
-        body_is_text = piece[-1] == a.para  # an article's final <|endoftext|> is not echoed
-        parts = [piece]
-        if body_is_text and a.min_tokens <= len(piece) <= a.max_tokens and rng.random() < a.p:
-            parts.append(piece)
-            echoed += 1
-        for p in parts:
-            out.append(p)
-            n += len(p)
-        kept += 1
-        if piece[-1] == a.eos:
-            last_end = len(out)
-            counts.append((echoed, kept))
-            if n >= cap:
-                break
-    stream = np.concatenate(out[:last_end] if last_end else out)
-    articles = int((stream == a.eos).sum())
-    if len(stream) > cap:  # the last article crossed the cap: end at the article before it
-        stream = stream[: np.flatnonzero(stream[:cap] == a.eos)[-1] + 1]
-        articles -= 1
-    if articles:
-        echoed, kept = counts[articles - 1]
+        article.append(piece)
+        article_paragraphs += 1
+        # An article's final <|endoftext|> piece is not echoed.
+        if piece[-1] == a.para and a.min_tokens <= len(piece) <= a.max_tokens and rng.random() < a.p:
+            article.append(piece)
+            article_echoes += 1
+        if piece[-1] != a.eos:
+            continue
+        length = sum(len(p) for p in article)
+        if n + length > cap:
+            break
+        out += article
+        n += length
+        articles += 1
+        echoed += article_echoes
+        kept += article_paragraphs
+        article, article_paragraphs, article_echoes = [], 0, 0
+    if not out:
+        raise SystemExit(f"{a.train}: no whole article (ending in token {a.eos}) fits in {cap:,} tokens")
+    stream = np.concatenate(out)
     stream.astype("<u2").tofile(a.out)
     print(f"{len(stream):,} tokens ({len(ids):,} in), {echoed:,} of {kept:,} paragraphs echoed, "
           f"{articles:,} articles")

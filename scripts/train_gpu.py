@@ -25,7 +25,6 @@ the schedule start afresh, so give the run a smaller peak learning rate).
 """
 import argparse
 import json
-import lzma
 import math
 import os
 import sys
@@ -37,8 +36,10 @@ import torch.nn.functional as F
 
 
 def read_u16(path):
-    raw = lzma.open(path).read() if path.endswith(".xz") else open(path, "rb").read()
-    return np.frombuffer(raw, dtype="<u2").astype(np.int64)
+    """A raw u16 stream (`gpu_streams.read_u16`), ids widened for torch's indexing."""
+    from gpu_streams import read_u16 as read
+
+    return read(path).astype(np.int64)
 
 
 def read_token_cache(path):
