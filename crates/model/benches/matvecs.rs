@@ -21,7 +21,7 @@ fn bench(c: &mut Criterion) {
         cases.push(("in_proj", 768, 3352, WeightDtype::Bf16, Bf16Kernel::Widen));
     }
     for (name, k, n, dtype, kernel) in cases {
-        let w: Vec<f32> = (0..n * k).map(|i| ((i % 97) as f32 - 48.0) / 500.0).collect();
+        let w = weights(n * k, 0);
         let matrix = Matrix::with_kernel(w, k, dtype, kernel);
         let label =
             if dtype == WeightDtype::Bf16 { format!("{dtype:?} {}", kernel.name()) } else { format!("{dtype:?}") };
@@ -47,22 +47,20 @@ fn bench(c: &mut Criterion) {
 /// real step, not from a cache a lone matrix would fit in.
 fn step_from_memory(c: &mut Criterion) {
     let (d, width, di, vocab, layers) = (768, 3352, 1536, 50_280, 24);
-    let values =
-        |len: usize, salt: usize| -> Vec<f32> { (0..len).map(|i| (((i + salt) % 97) as f32 - 48.0) / 500.0).collect() };
+    let kernel = Bf16Kernel::detect();
     for dtype in [WeightDtype::F32, WeightDtype::Bf16] {
-        let kernel = Bf16Kernel::detect();
         let layer_mats: Vec<(Matrix, Matrix)> = (0..layers)
             .map(|l| {
                 (
-                    Matrix::with_kernel(values(width * d, l), d, dtype, kernel),
-                    Matrix::with_kernel(values(d * di, l + 1), di, dtype, kernel),
+                    Matrix::with_kernel(weights(width * d, l), d, dtype, kernel),
+                    Matrix::with_kernel(weights(d * di, l + 1), di, dtype, kernel),
                 )
             })
             .collect();
-        let head = Matrix::with_kernel(values(vocab * d, 7), d, dtype, kernel);
+        let head = Matrix::with_kernel(weights(vocab * d, 7), d, dtype, kernel);
         let mut group = c.benchmark_group(format!("decode step products {dtype:?}"));
         for m in [1usize, 4, 16, 32] {
-            let x = values(m * di, 3);
+            let x = weights(m * di, 3);
             let (mut zx, mut h, mut logits) = (vec![0.0f32; m * width], vec![0.0f32; m * d], vec![0.0f32; m * vocab]);
             group.throughput(Throughput::Elements(m as u64));
             group.bench_with_input(BenchmarkId::new("sequences", m), &m, |b, &m| {
@@ -77,6 +75,12 @@ fn step_from_memory(c: &mut Criterion) {
         }
         group.finish();
     }
+}
+
+/// Deterministic values in [-0.096, 0.096] (a period-97 ramp shifted by `salt`), so distinct
+/// matrices differ while every run multiplies the same numbers.
+fn weights(len: usize, salt: usize) -> Vec<f32> {
+    (0..len).map(|i| (((i + salt) % 97) as f32 - 48.0) / 500.0).collect()
 }
 
 criterion_group! {
