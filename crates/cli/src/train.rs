@@ -21,6 +21,28 @@ pub enum TrainCommand {
     /// Draw a training log (JSON lines with tokens, loss and optional val_loss, as
     /// `scripts/train_gpu.py` writes) as a loss chart.
     Plot(PlotArgs),
+    /// Draw what the context-use check logged during training (the loss drop a held-out
+    /// paragraph's continuation gets from its previous paragraph, and from a random one, in
+    /// nats/token) for one or more training logs, and print it as a table.
+    PlotContext(PlotContextArgs),
+}
+
+#[derive(Args)]
+pub struct PlotContextArgs {
+    /// NAME=LOG: a training log (JSON lines; rows with `tokens` and a `context` or
+    /// `context_use` object holding `none`, `previous` and `random`). Repeat to compare runs.
+    #[arg(long = "log", required = true, value_parser = named_path)]
+    logs: Vec<(String, PathBuf)>,
+    /// Chart to write (PNG).
+    #[arg(long)]
+    out: PathBuf,
+}
+
+fn named_path(s: &str) -> std::result::Result<(String, PathBuf), String> {
+    match s.split_once('=') {
+        Some((name, path)) if !name.is_empty() && !path.is_empty() => Ok((name.to_string(), path.into())),
+        _ => Err(format!("want NAME=PATH (e.g. v3=models/picaso-mamba2/train-log.jsonl), got {s:?}")),
+    }
 }
 
 #[derive(Args)]
@@ -258,6 +280,7 @@ pub fn run(cmd: TrainCommand) -> Result<()> {
         TrainCommand::Pretrain(a) => pretrain_cmd(a),
         TrainCommand::Compose(a) => compose_cmd(a),
         TrainCommand::Plot(a) => plot_cmd(a),
+        TrainCommand::PlotContext(a) => plot_context_cmd(a),
     }
 }
 
@@ -764,6 +787,88 @@ fn plot_cmd(a: PlotArgs) -> Result<()> {
         bail!("--log {}: no rows", a.log.display());
     }
     draw_pretrain_loss(&a.out, &rows)?;
+    eprintln!("wrote {}", a.out.display());
+    Ok(())
+}
+
+/// One logged context-use check: tokens seen and the three mean losses.
+struct ContextPoint {
+    tokens: u64,
+    none: f64,
+    previous: f64,
+    random: f64,
+}
+
+/// The context-use rows of a training log (the CPU trainer writes `context`, the GPU trainer
+/// `context_use`); rows without one (most steps) are skipped.
+fn read_context_points(path: &std::path::Path) -> Result<Vec<ContextPoint>> {
+    #[derive(Deserialize)]
+    struct Losses {
+        none: f64,
+        previous: f64,
+        random: f64,
+    }
+    #[derive(Deserialize)]
+    struct Row {
+        tokens: u64,
+        #[serde(alias = "context_use")]
+        context: Option<Losses>,
+    }
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading --log {}", path.display()))?;
+    let mut points = Vec::new();
+    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        let r: Row = serde_json::from_str(line).with_context(|| {
+            format!(
+                "--log {} line {}: want an object with tokens and optionally context {{none, previous, random}}",
+                path.display(),
+                i + 1
+            )
+        })?;
+        if let Some(c) = r.context {
+            points.push(ContextPoint { tokens: r.tokens, none: c.none, previous: c.previous, random: c.random });
+        }
+    }
+    if points.is_empty() {
+        bail!(
+            "--log {}: no row has a context-use check (train with held-out pairs: the trainers log one at \
+             each validation step when the corpus keeps paragraphs)",
+            path.display()
+        );
+    }
+    Ok(points)
+}
+
+fn plot_context_cmd(a: PlotContextArgs) -> Result<()> {
+    use picaso_eval::plot::{line_chart, Chart, Series};
+    let mut series = Vec::new();
+    println!("| run | tokens (M) | none | previous − none | previous gain | random − none |");
+    println!("|---|---:|---:|---:|---:|---:|");
+    for (name, path) in &a.logs {
+        let points = read_context_points(path)?;
+        for p in &points {
+            println!(
+                "| {name} | {:.1} | {:.4} | {:+.4} | {:.2}% | {:+.4} |",
+                p.tokens as f64 / 1e6,
+                p.none,
+                p.previous - p.none,
+                100.0 * (p.none - p.previous) / p.none,
+                p.random - p.none
+            );
+        }
+        let curve = |f: &dyn Fn(&ContextPoint) -> f64| -> Vec<(f64, f64)> {
+            points.iter().map(|p| (p.tokens as f64 / 1e6, f(p))).collect()
+        };
+        series.push(Series::line(format!("{name}: previous paragraph"), curve(&|p| p.none - p.previous)));
+        series.push(Series::line(format!("{name}: random paragraph"), curve(&|p| p.none - p.random)));
+    }
+    let chart = Chart {
+        title: "Loss drop from a paragraph before the query, during training",
+        x: "tokens (millions)",
+        y: "none − with it (nats/token)",
+        log_x: false,
+        whole_x: false,
+    };
+    line_chart(&a.out, &chart, &series).with_context(|| format!("drawing {}", a.out.display()))?;
     eprintln!("wrote {}", a.out.display());
     Ok(())
 }

@@ -183,6 +183,52 @@ fn plot_draws_a_training_log_and_names_a_bad_line() {
     assert!(err.contains("line 2") && err.contains("tokens"), "{err}");
 }
 
+/// `train plot-context` reads both trainers' spellings of the context-use check, prints the
+/// drop in nats and percent per check, draws the chart, and names a log without any check.
+#[test]
+fn plot_context_compares_logs_and_names_a_log_without_checks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let gpu = tmp.path().join("gpu.jsonl");
+    std::fs::write(
+        &gpu,
+        "{\"step\": 50, \"tokens\": 1000, \"loss\": 7.0}\n\
+         {\"step\": 100, \"tokens\": 2000000, \"loss\": 6.0, \"context_use\": {\"none\": 4.0, \"previous\": 3.9, \"random\": 4.1}}\n",
+    )
+    .unwrap();
+    let cpu = tmp.path().join("cpu.jsonl");
+    std::fs::write(
+        &cpu,
+        "{\"step\": 10, \"tokens\": 500000, \"loss\": 5.0, \"context\": {\"pairs\": 3, \"none\": 5.0, \"previous\": 4.5, \"random\": 5.25, \"gain\": 0.1, \"random_gain\": -0.05}}\n",
+    )
+    .unwrap();
+    let png = tmp.path().join("gain.png");
+    let arg = |name: &str, p: &std::path::Path| format!("{name}={}", p.display());
+    let out = picaso(&[
+        "train",
+        "plot-context",
+        "--log",
+        &arg("gpu", &gpu),
+        "--log",
+        &arg("cpu", &cpu),
+        "--out",
+        png.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(&std::fs::read(&png).unwrap()[1..4], b"PNG");
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(table.contains("| gpu | 2.0 | 4.0000 | -0.1000 | 2.50% | +0.1000 |"), "{table}");
+    assert!(table.contains("| cpu | 0.5 | 5.0000 | -0.5000 | 10.00% | +0.2500 |"), "{table}");
+
+    let plain = tmp.path().join("plain.jsonl");
+    std::fs::write(&plain, "{\"step\": 50, \"tokens\": 1000, \"loss\": 7.0}\n").unwrap();
+    let out = picaso(&["train", "plot-context", "--log", &arg("p", &plain), "--out", png.to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no row has a context-use check"));
+    let out = picaso(&["train", "plot-context", "--log", plain.to_str().unwrap(), "--out", png.to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("want NAME=PATH"));
+}
+
 /// The recall pipeline end to end at toy size: a config with a `recall` section trains on
 /// generated MQAR sequences; `eval recall` scores the model; `train compose` fine-tunes it on
 /// recall episodes; `eval recall --compare` pairs the two models on the same queries. Bad

@@ -80,25 +80,26 @@ fn register_font() {
     });
 }
 
-/// The series' legend, in the given corner.
+/// The series' legend, at the given place.
 fn legend<'a, DB: DrawingBackend + 'a, CT: CoordTranslate>(
     c: &mut ChartContext<'a, DB, CT>,
-    corner: SeriesLabelPosition,
+    place: SeriesLabelPosition,
     path: &Path,
 ) -> Result<()> {
     c.configure_series_labels()
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
         .label_font(("sans-serif", 16))
-        .position(corner)
+        .position(place)
         .draw()
         .map_err(|e| err(path, e))
 }
 
-/// The corner of the plot where the legend hides the least data: each corner's legend-sized
-/// box is charged for the points, line segments and error bars that fall in it (sampled along
-/// their length), in the unit square of the axes. Upper right wins ties, then upper left.
-fn legend_corner(series: &[Series], to_unit: impl Fn(f64, f64) -> (f64, f64)) -> SeriesLabelPosition {
+/// The corner (or, when every corner is crowded, the middle of a side) of the plot where the
+/// legend hides the least data: each place's legend-sized box is charged for the points, line
+/// segments and error bars that fall in it (sampled along their length), in the unit square of
+/// the axes. Corners win ties, upper right first, then upper left.
+fn legend_place(series: &[Series], to_unit: impl Fn(f64, f64) -> (f64, f64)) -> SeriesLabelPosition {
     // The legend's size as a share of the plot area (about 856 × 490 pixels at 960 × 600):
     // 21 pixels a row at 16 px type, the sample line, and ~9 pixels a character.
     let longest = series.iter().map(|s| s.name.chars().count()).max().unwrap_or(0);
@@ -125,19 +126,20 @@ fn legend_corner(series: &[Series], to_unit: impl Fn(f64, f64) -> (f64, f64)) ->
             }
         }
     }
-    let hidden = |right: bool, upper: bool| {
-        marks
-            .iter()
-            .filter(|&&(x, y)| (if right { x > 1.0 - w } else { x < w }) && (if upper { y > 1.0 - h } else { y < h }))
-            .count()
+    // Vertical places: the box's lowest and highest y.
+    let (upper, lower, middle) = ((1.0 - h, 1.0), (0.0, h), (0.5 - h / 2.0, 0.5 + h / 2.0));
+    let hidden = |right: bool, (lo, hi): (f64, f64)| {
+        marks.iter().filter(|&&(x, y)| (if right { x > 1.0 - w } else { x < w }) && y > lo && y < hi).count()
     };
-    let corners = [
-        (SeriesLabelPosition::UpperRight, hidden(true, true)),
-        (SeriesLabelPosition::UpperLeft, hidden(false, true)),
-        (SeriesLabelPosition::LowerRight, hidden(true, false)),
-        (SeriesLabelPosition::LowerLeft, hidden(false, false)),
+    let places = [
+        (SeriesLabelPosition::UpperRight, hidden(true, upper)),
+        (SeriesLabelPosition::UpperLeft, hidden(false, upper)),
+        (SeriesLabelPosition::LowerRight, hidden(true, lower)),
+        (SeriesLabelPosition::LowerLeft, hidden(false, lower)),
+        (SeriesLabelPosition::MiddleRight, hidden(true, middle)),
+        (SeriesLabelPosition::MiddleLeft, hidden(false, middle)),
     ];
-    corners.into_iter().min_by_key(|&(_, n)| n).map(|(c, _)| c).expect("four corners")
+    places.into_iter().min_by_key(|&(_, n)| n).map(|(c, _)| c).expect("six places")
 }
 
 /// An x tick's label on a [`Chart::whole_x`] axis.
@@ -193,7 +195,7 @@ pub fn line_chart(path: &Path, chart: &Chart<'_>, series: &[Series]) -> Result<(
             (x - x0) / (x1 - x0)
         }
     };
-    let corner = legend_corner(series, |x, y| (unit_x(x), (y - y0) / (y1 - y0)));
+    let place = legend_place(series, |x, y| (unit_x(x), (y - y0) / (y1 - y0)));
     let root = BitMapBackend::new(path, (960, 600)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(path, e))?;
     macro_rules! draw {
@@ -228,7 +230,7 @@ pub fn line_chart(path: &Path, chart: &Chart<'_>, series: &[Series]) -> Result<(
                     .map_err(|e| err(path, e))?;
                 }
             }
-            legend(&mut c, corner, path)?;
+            legend(&mut c, place, path)?;
         }};
     }
     let mut builder = ChartBuilder::on(&root);
@@ -356,19 +358,22 @@ mod tests {
     fn the_legend_goes_where_it_hides_the_least() {
         let unit = |x: f64, y: f64| (x, y);
         let rising = [Series::line("up", vec![(0.0, 0.0), (1.0, 1.0)])];
-        assert_eq!(legend_corner(&rising, unit), SeriesLabelPosition::UpperLeft, "the line runs through upper right");
+        assert_eq!(legend_place(&rising, unit), SeriesLabelPosition::UpperLeft, "the line runs through upper right");
         let falling = [Series::line("down", vec![(0.0, 1.0), (1.0, 0.0)])];
-        assert_eq!(legend_corner(&falling, unit), SeriesLabelPosition::UpperRight, "the default when it is free");
+        assert_eq!(legend_place(&falling, unit), SeriesLabelPosition::UpperRight, "the default when it is free");
         let top =
             [Series::line("top", vec![(0.0, 0.98), (1.0, 0.98)]), Series::line("rise", vec![(0.0, 0.0), (1.0, 0.5)])];
         assert_eq!(
-            legend_corner(&top, unit),
+            legend_place(&top, unit),
             SeriesLabelPosition::LowerRight,
             "a high line, and a rise from the lower left"
         );
+        let edges =
+            [Series::line("high", vec![(0.0, 0.97), (1.0, 0.97)]), Series::line("low", vec![(0.0, 0.03), (1.0, 0.03)])];
+        assert_eq!(legend_place(&edges, unit), SeriesLabelPosition::MiddleRight, "every corner is crossed");
         // An error bar counts along its length.
         let bar = [Series { name: "bar".into(), points: vec![(1.0, 0.5), (0.0, 0.0)], errors: vec![0.5, 0.0] }];
-        assert_ne!(legend_corner(&bar, unit), SeriesLabelPosition::UpperRight);
+        assert_ne!(legend_place(&bar, unit), SeriesLabelPosition::UpperRight);
         assert_eq!(whole_tick_label(&3.0), "3");
         assert_eq!(whole_tick_label(&2.5), "");
     }
