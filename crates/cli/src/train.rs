@@ -29,8 +29,9 @@ pub enum TrainCommand {
 
 #[derive(Args)]
 pub struct PlotContextArgs {
-    /// NAME=LOG: a training log (JSON lines; rows with `tokens` and a `context` or
-    /// `context_use` object holding `none`, `previous` and `random`). Repeat to compare runs.
+    /// NAME=LOG: a training log with context-use checks: `scripts/train_gpu.py`'s JSON lines,
+    /// a `progress.json` of `picaso train pretrain`, or a model folder holding either. Repeat
+    /// to compare runs.
     #[arg(long = "log", required = true, value_parser = named_path)]
     logs: Vec<(String, PathBuf)>,
     /// Chart to write (PNG).
@@ -799,8 +800,10 @@ struct ContextPoint {
     random: f64,
 }
 
-/// The context-use rows of a training log (the CPU trainer writes `context`, the GPU trainer
-/// `context_use`); rows without one (most steps) are skipped.
+/// The context-use rows of a training log: the JSON lines `scripts/train_gpu.py` writes
+/// (`context_use`), or the `progress.json` that `picaso train pretrain` writes into its model
+/// folder (`history` rows with `context`); a folder is read through whichever of the two it
+/// holds. Rows without a check (most steps) are skipped.
 fn read_context_points(path: &std::path::Path) -> Result<Vec<ContextPoint>> {
     #[derive(Deserialize)]
     struct Losses {
@@ -814,25 +817,47 @@ fn read_context_points(path: &std::path::Path) -> Result<Vec<ContextPoint>> {
         #[serde(alias = "context_use")]
         context: Option<Losses>,
     }
-    let text = std::fs::read_to_string(path).with_context(|| format!("reading --log {}", path.display()))?;
-    let mut points = Vec::new();
-    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
-        let r: Row = serde_json::from_str(line).with_context(|| {
-            format!(
-                "--log {} line {}: want an object with tokens and optionally context {{none, previous, random}}",
-                path.display(),
-                i + 1
-            )
-        })?;
-        if let Some(c) = r.context {
-            points.push(ContextPoint { tokens: r.tokens, none: c.none, previous: c.previous, random: c.random });
-        }
+    #[derive(Deserialize)]
+    struct Progress {
+        history: Vec<Row>,
     }
+    let file =
+        if path.is_dir() {
+            ["train-log.jsonl", "progress.json"].iter().map(|f| path.join(f)).find(|f| f.is_file()).with_context(
+                || format!("--log {}: a folder without train-log.jsonl or progress.json", path.display()),
+            )?
+        } else {
+            path.to_path_buf()
+        };
+    let text = std::fs::read_to_string(&file).with_context(|| format!("reading --log {}", file.display()))?;
+    let rows = match serde_json::from_str::<Progress>(&text) {
+        Ok(p) => p.history,
+        Err(_) => {
+            let mut rows = Vec::new();
+            for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+                rows.push(serde_json::from_str::<Row>(line).with_context(|| {
+                    format!(
+                        "--log {} line {}: want an object with tokens and optionally context_use \
+                         {{none, previous, random}} (or a progress.json with a history)",
+                        file.display(),
+                        i + 1
+                    )
+                })?);
+            }
+            rows
+        }
+    };
+    let points: Vec<ContextPoint> = rows
+        .into_iter()
+        .filter_map(|r| {
+            r.context.map(|c| ContextPoint { tokens: r.tokens, none: c.none, previous: c.previous, random: c.random })
+        })
+        .collect();
     if points.is_empty() {
         bail!(
-            "--log {}: no row has a context-use check (train with held-out pairs: the trainers log one at \
-             each validation step when the corpus keeps paragraphs)",
-            path.display()
+            "--log {}: no row has a context-use check (the trainers log one at each validation step \
+             when the corpus keeps paragraphs)",
+            file.display()
         );
     }
     Ok(points)

@@ -183,8 +183,9 @@ fn plot_draws_a_training_log_and_names_a_bad_line() {
     assert!(err.contains("line 2") && err.contains("tokens"), "{err}");
 }
 
-/// `train plot-context` reads both trainers' spellings of the context-use check, prints the
-/// drop in nats and percent per check, draws the chart, and names a log without any check.
+/// `train plot-context` reads both trainers' logs (JSON lines; a model folder's progress.json),
+/// prints the drop in nats and percent per check, draws the chart, and names a log without any
+/// check.
 #[test]
 fn plot_context_compares_logs_and_names_a_log_without_checks() {
     let tmp = tempfile::tempdir().unwrap();
@@ -195,10 +196,14 @@ fn plot_context_compares_logs_and_names_a_log_without_checks() {
          {\"step\": 100, \"tokens\": 2000000, \"loss\": 6.0, \"context_use\": {\"none\": 4.0, \"previous\": 3.9, \"random\": 4.1}}\n",
     )
     .unwrap();
-    let cpu = tmp.path().join("cpu.jsonl");
+    // A model folder of `picaso train pretrain`: its progress.json.
+    let cpu = tmp.path().join("cpu-model");
+    std::fs::create_dir(&cpu).unwrap();
     std::fs::write(
-        &cpu,
-        "{\"step\": 10, \"tokens\": 500000, \"loss\": 5.0, \"context\": {\"pairs\": 3, \"none\": 5.0, \"previous\": 4.5, \"random\": 5.25, \"gain\": 0.1, \"random_gain\": -0.05}}\n",
+        cpu.join("progress.json"),
+        "{\"config\": {}, \"step\": 10, \"history\": [{\"step\": 5, \"tokens\": 250000, \"loss\": 6.0}, \
+         {\"step\": 10, \"tokens\": 500000, \"loss\": 5.0, \"context\": {\"pairs\": 3, \"none\": 5.0, \
+         \"previous\": 4.5, \"random\": 5.25, \"gain\": 0.1, \"random_gain\": -0.05}}], \"notes\": []}",
     )
     .unwrap();
     let png = tmp.path().join("gain.png");
