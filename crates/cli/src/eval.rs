@@ -92,10 +92,7 @@ pub struct RecallArgs {
 }
 
 fn parse_named(s: &str) -> std::result::Result<(String, String), String> {
-    match s.split_once('=') {
-        Some((n, d)) if !n.is_empty() && !d.is_empty() => Ok((n.to_string(), d.to_string())),
-        _ => Err(format!("{s:?}: give NAME=DIR, e.g. bptc=runs/recall-bptc/model")),
-    }
+    crate::parse_name_value(s, "NAME=DIR, e.g. bptc=runs/recall-bptc/model")
 }
 
 /// The database of (query, continuation) halves.

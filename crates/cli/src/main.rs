@@ -467,6 +467,15 @@ fn run(cli: Cli) -> Result<()> {
 const BUNDLED_MODEL: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../models/picaso-mamba2");
 
 /// The model used when `--model` is not given: `$PICASO_MODEL`, else the bundled model.
+/// A `NAME=VALUE` argument (a named model folder or log), both sides non-empty; `usage`
+/// (e.g. "NAME=DIR, e.g. bptc=runs/bptc/model") says what to give instead.
+fn parse_name_value(s: &str, usage: &str) -> std::result::Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((n, v)) if !n.is_empty() && !v.is_empty() => Ok((n.to_string(), v.to_string())),
+        _ => Err(format!("{s:?}: give {usage}")),
+    }
+}
+
 fn default_model_dir() -> Result<PathBuf> {
     if let Some(m) = std::env::var_os("PICASO_MODEL") {
         return resolve_model_dir(&m.to_string_lossy());

@@ -32,18 +32,15 @@ pub struct PlotContextArgs {
     /// NAME=LOG: a training log with context-use checks: `scripts/train_gpu.py`'s JSON lines,
     /// a `progress.json` of `picaso train pretrain`, or a model folder holding either. Repeat
     /// to compare runs.
-    #[arg(long = "log", required = true, value_parser = named_path)]
-    logs: Vec<(String, PathBuf)>,
+    #[arg(long = "log", required = true, value_parser = named_log)]
+    logs: Vec<(String, String)>,
     /// Chart to write (PNG).
     #[arg(long)]
     out: PathBuf,
 }
 
-fn named_path(s: &str) -> std::result::Result<(String, PathBuf), String> {
-    match s.split_once('=') {
-        Some((name, path)) if !name.is_empty() && !path.is_empty() => Ok((name.to_string(), path.into())),
-        _ => Err(format!("want NAME=PATH (e.g. v3=models/picaso-mamba2/train-log.jsonl), got {s:?}")),
-    }
+fn named_log(s: &str) -> std::result::Result<(String, String), String> {
+    crate::parse_name_value(s, "NAME=PATH, e.g. v3=models/picaso-mamba2/train-log.jsonl")
 }
 
 #[derive(Args)]
@@ -777,19 +774,29 @@ fn plot_cmd(a: PlotArgs) -> Result<()> {
         val_loss: Option<f64>,
     }
     let text = std::fs::read_to_string(&a.log).with_context(|| format!("reading --log {}", a.log.display()))?;
-    let mut rows = Vec::new();
-    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
-        let r: Row = serde_json::from_str(line).with_context(|| {
-            format!("--log {} line {}: want an object with tokens, loss and val_loss", a.log.display(), i + 1)
-        })?;
-        rows.push((r.tokens as f64 / 1e6, r.loss, r.val_loss));
-    }
+    let rows: Vec<(f64, f64, Option<f64>)> =
+        json_lines::<Row>(&text, &a.log, "an object with tokens, loss and val_loss")?
+            .into_iter()
+            .map(|r| (r.tokens as f64 / 1e6, r.loss, r.val_loss))
+            .collect();
     if rows.is_empty() {
         bail!("--log {}: no rows", a.log.display());
     }
     draw_pretrain_loss(&a.out, &rows)?;
     eprintln!("wrote {}", a.out.display());
     Ok(())
+}
+
+/// The objects of a JSON-lines `--log` (blank lines skipped); a line that is not `want` is an
+/// error naming the file and line.
+fn json_lines<T: serde::de::DeserializeOwned>(text: &str, file: &std::path::Path, want: &str) -> Result<Vec<T>> {
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, line)| {
+            serde_json::from_str(line).with_context(|| format!("--log {} line {}: want {want}", file.display(), i + 1))
+        })
+        .collect()
 }
 
 /// One logged context-use check: tokens seen and the three mean losses.
@@ -832,20 +839,12 @@ fn read_context_points(path: &std::path::Path) -> Result<Vec<ContextPoint>> {
     let text = std::fs::read_to_string(&file).with_context(|| format!("reading --log {}", file.display()))?;
     let rows = match serde_json::from_str::<Progress>(&text) {
         Ok(p) => p.history,
-        Err(_) => {
-            let mut rows = Vec::new();
-            for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
-                rows.push(serde_json::from_str::<Row>(line).with_context(|| {
-                    format!(
-                        "--log {} line {}: want an object with tokens and optionally context_use \
-                         {{none, previous, random}} (or a progress.json with a history)",
-                        file.display(),
-                        i + 1
-                    )
-                })?);
-            }
-            rows
-        }
+        Err(_) => json_lines::<Row>(
+            &text,
+            &file,
+            "an object with tokens and optionally context_use {none, previous, random} (or a progress.json \
+             with a history)",
+        )?,
     };
     let points: Vec<ContextPoint> = rows
         .into_iter()
@@ -869,7 +868,7 @@ fn plot_context_cmd(a: PlotContextArgs) -> Result<()> {
     println!("| run | tokens (M) | none | previous − none | previous gain | random − none |");
     println!("|---|---:|---:|---:|---:|---:|");
     for (name, path) in &a.logs {
-        let points = read_context_points(path)?;
+        let points = read_context_points(std::path::Path::new(path))?;
         for p in &points {
             println!(
                 "| {name} | {:.1} | {:.4} | {:+.4} | {:.2}% | {:+.4} |",

@@ -231,7 +231,7 @@ fn plot_context_compares_logs_and_names_a_log_without_checks() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("no row has a context-use check"));
     let out = picaso(&["train", "plot-context", "--log", plain.to_str().unwrap(), "--out", png.to_str().unwrap()]);
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("want NAME=PATH"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("give NAME=PATH"));
 }
 
 /// The recall pipeline end to end at toy size: a config with a `recall` section trains on
