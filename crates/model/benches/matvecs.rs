@@ -1,6 +1,7 @@
 //! The decode step's matrix products at mamba2-130m's shapes: B inputs through one weight
 //! matrix, with the batch-invariant kernel (`matmul_rows_t`: each row gives what it gives alone)
-//! and with gemm (`matmul_t`, faster per row but its bits depend on the batch).
+//! and with `matmul_t` (gemm, or AMX tiles for bf16 where the CPU has them: faster per row, but
+//! for f32 its bits depend on the batch).
 //!
 //!     cargo bench -p picaso-model --bench matvecs
 
@@ -17,6 +18,11 @@ fn bench(c: &mut Criterion) {
         ("out_proj", 1536, 768, WeightDtype::F32, best),
         ("in_proj", 768, 3352, WeightDtype::Bf16, best),
     ];
+    if best == Bf16Kernel::Tiles {
+        cases.push(("in_proj", 768, 3352, WeightDtype::Bf16, Bf16Kernel::Dot));
+        cases.push(("out_proj", 1536, 768, WeightDtype::Bf16, Bf16Kernel::Tiles));
+        cases.push(("out_proj", 1536, 768, WeightDtype::Bf16, Bf16Kernel::Dot));
+    }
     if best != Bf16Kernel::Widen {
         cases.push(("in_proj", 768, 3352, WeightDtype::Bf16, Bf16Kernel::Widen));
     }

@@ -395,7 +395,8 @@ impl Model {
             end += s.len();
             last.extend_from_slice(&hidden[(end - 1) * d..end * d]);
         }
-        let logits = self.engine.logits(&last)?;
+        // One row per sequence: each as its lone row would be.
+        let logits = self.engine.logits_of(&last, Rows::Independent)?;
         let v = logits.len() / sequences.len();
         Ok(logits.chunks_exact(v).map(<[f32]>::to_vec).zip(next).collect())
     }

@@ -111,16 +111,34 @@ fn bf16_weights_stay_close_to_f32_and_keep_the_markov_property() {
     let kernel = picaso_model::cpu::kernels::Bf16Kernel::detect().name();
     eprintln!("bf16 weights ({kernel}): max |Δ logprob| {err:.4}, mean {mean:.4}");
     assert!(err > 0.0 && err < 0.2 && mean < 0.03, "bf16 weights change log-probs by {err} (mean {mean})");
-    // Prefill and decode agree with each other, on whichever bf16 kernel this CPU runs
-    // (widened tiles through gemm vs a matrix-vector kernel, or the same dot-product chains).
+    // Prefill and decode agree with each other, on whichever bf16 kernel this CPU runs. Widened
+    // weights (gemm vs a matrix-vector kernel) and the dot-product chains (the same chains) agree
+    // to float rounding. AMX tiles (prefill) and `vdpbf16ps` (decode) sum in different orders,
+    // and a last-bit difference in an activation can flip its rounding to bf16 (a step of 2⁻⁸
+    // relative) in the next product: they agree to that rounding, far inside bf16's own change.
     let v = bf16.config().vocab_size();
     let (all, _) = bf16.forward_all_logits(&tokens, &bf16.zero_state()).unwrap();
     let mut s = bf16.zero_state();
-    for (i, &t) in tokens.iter().enumerate() {
+    let mut diffs = Vec::new();
+    for &t in &tokens {
         let l = bf16.step(t, &mut s).unwrap();
-        assert!(max_abs_diff(&l, &all[i * v..(i + 1) * v]) < 1e-4);
+        diffs.push(max_abs_diff(&l, &all[diffs.len() * v..(diffs.len() + 1) * v]));
+    }
+    let (worst, typical) = (diffs.iter().cloned().fold(0.0, f64::max), median(&diffs));
+    eprintln!("prefill vs decode logits ({kernel}): max |Δ| {worst:.2e}, median {typical:.2e}");
+    if kernel == "amx-tiles" {
+        assert!(worst < 0.05 && typical < 1e-5, "prefill and decode differ by {worst} (median {typical})");
+    } else {
+        assert!(worst < 1e-4, "prefill and decode differ by {worst}");
     }
     let half = bf16.prefill(&tokens[..40], &bf16.zero_state()).unwrap();
     let cont = bf16.score(&tokens[40..], &half).unwrap();
     assert!(max_abs_diff(&cont.logprobs, &b.logprobs[40..]) < 1e-5);
+}
+
+/// The median of `v` (not empty).
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    s[s.len() / 2]
 }

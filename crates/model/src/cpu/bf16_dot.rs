@@ -14,6 +14,7 @@
 use picaso_compose::prefetch_l2;
 use rayon::prelude::*;
 
+use super::bf16_tiles;
 use super::kernels::Widen;
 
 /// Output rows per block: one AVX-512 register of f32 accumulators.
@@ -37,11 +38,15 @@ pub fn available() -> bool {
 /// A bf16 weight matrix (n rows × k columns) in the dot-product instruction's pair layout.
 #[derive(Debug, Clone)]
 pub struct PairedBf16 {
-    /// `n.div_ceil(16)` blocks of `k.div_ceil(2)` × 16 pairs; padding (rows past n, the odd
-    /// column past k) is zero.
+    /// `n.div_ceil(16)` blocks of `kp_pad` × 16 pairs; padding (rows past n, the odd column
+    /// past k, the pairs past `k.div_ceil(2)`) is zero.
     pairs: Vec<u32>,
     n: usize,
     k: usize,
+    /// Pairs per block: `k.div_ceil(2)` rounded up to whole AMX tiles (16 pairs).
+    kp_pad: usize,
+    /// [`PairedBf16::matmul_t_tiles`] runs on AMX tiles.
+    tiles: bool,
 }
 
 /// Two bf16 bit patterns as one pair: `lo` (the even column) in the low half.
@@ -72,10 +77,10 @@ impl PairedBf16 {
     /// Rounds `w` (n × k, row-major) to bf16 and lays it out in pairs.
     pub fn from_f32(w: &[f32], n: usize, k: usize) -> Self {
         assert_eq!(w.len(), n * k, "PairedBf16: w is not {n}×{k}");
-        let kp = k.div_ceil(2);
+        let kp_pad = k.div_ceil(2).next_multiple_of(bf16_tiles::TILE);
         // On huge pages: a decode step streams every pair, and 4 KiB pages cost a TLB miss each.
-        let mut pairs = crate::memory::big_vec(n.div_ceil(BLOCK) * kp * BLOCK, 0u32);
-        pairs.par_chunks_mut(kp * BLOCK).enumerate().for_each(|(b, block)| {
+        let mut pairs = crate::memory::big_vec(n.div_ceil(BLOCK) * kp_pad * BLOCK, 0u32);
+        pairs.par_chunks_mut(kp_pad * BLOCK).enumerate().for_each(|(b, block)| {
             for lane in 0..BLOCK.min(n - b * BLOCK) {
                 let row = &w[(b * BLOCK + lane) * k..(b * BLOCK + lane + 1) * k];
                 for (p, two) in row.chunks(2).enumerate() {
@@ -83,7 +88,14 @@ impl PairedBf16 {
                 }
             }
         });
-        Self { pairs, n, k }
+        Self { pairs, n, k, kp_pad, tiles: false }
+    }
+
+    /// Lets [`PairedBf16::matmul_t_tiles`] run on AMX tiles, if the CPU has them
+    /// ([`bf16_tiles::available`]).
+    pub fn with_tiles(mut self, tiles: bool) -> Self {
+        self.tiles = tiles && bf16_tiles::available();
+        self
     }
 
     /// Rows (outputs).
@@ -99,14 +111,32 @@ impl PairedBf16 {
     /// Copies row `r` into `out` (k values) as f32.
     pub fn row_into(&self, r: usize, out: &mut [f32]) {
         assert!(r < self.n && out.len() == self.k, "PairedBf16::row_into: row {r} of {}×{}", self.n, self.k);
-        let kp = self.k.div_ceil(2);
-        let block = &self.pairs[(r / BLOCK) * kp * BLOCK..(r / BLOCK + 1) * kp * BLOCK];
+        let block = self.block(r / BLOCK);
         for (j, o) in out.iter_mut().enumerate() {
             *o = half_of(block[(j / 2) * BLOCK + r % BLOCK], j).widen();
         }
     }
 
-    /// out (m × n) (+)= bf16(x) (m × k) · wᵀ. Each output's bits are the same whatever `m`.
+    /// Whether [`PairedBf16::matmul_t_tiles`] runs on AMX tiles.
+    pub fn tiles(&self) -> bool {
+        self.tiles
+    }
+
+    /// As [`PairedBf16::matmul_t`], on AMX tiles where they are enabled ([`PairedBf16::with_tiles`])
+    /// and `m` ≥ 2. Each output's bits are again the same whatever `m` (≥ 2), but not those of
+    /// `vdpbf16ps`: the tiles add a pair's two products in another order.
+    pub fn matmul_t_tiles(&self, x: &[f32], m: usize, out: &mut [f32], accumulate: bool) {
+        #[cfg(target_arch = "x86_64")]
+        if self.tiles && m >= 2 && self.n > 0 {
+            assert_eq!(x.len(), m * self.k, "PairedBf16::matmul_t_tiles: x is not m×k");
+            assert_eq!(out.len(), m * self.n, "PairedBf16::matmul_t_tiles: out is not m×n");
+            return self.run_tiles(x, m, out, accumulate);
+        }
+        self.matmul_t(x, m, out, accumulate)
+    }
+
+    /// out (m × n) (+)= bf16(x) (m × k) · wᵀ with `vdpbf16ps`. Each output's bits are the same
+    /// whatever `m`.
     pub fn matmul_t(&self, x: &[f32], m: usize, out: &mut [f32], accumulate: bool) {
         let (n, k) = (self.n, self.k);
         assert_eq!(x.len(), m * k, "PairedBf16::matmul_t: x is not m×k");
@@ -122,9 +152,9 @@ impl PairedBf16 {
         self.run_portable(&xp, m, out, accumulate);
     }
 
-    /// The pairs of output block `b` (kp × 16).
+    /// The pairs of output block `b` (`kp_pad` × 16).
     fn block(&self, b: usize) -> &[u32] {
-        let len = self.k.div_ceil(2) * BLOCK;
+        let len = self.kp_pad * BLOCK;
         &self.pairs[b * len..(b + 1) * len]
     }
 
@@ -160,6 +190,7 @@ impl PairedBf16 {
                             x: xp.as_ptr().add(i * kp),
                             kp,
                             w: self.block(b0).as_ptr(),
+                            w_stride: self.kp_pad * BLOCK,
                             out: out.at(i * n + col0),
                             ld: n,
                             valid,
@@ -169,6 +200,39 @@ impl PairedBf16 {
                     }
                     i += mr;
                 }
+            }
+        });
+    }
+
+    /// [`PairedBf16::matmul_t`] on AMX tiles: one task per two blocks (32 outputs), which keeps
+    /// their weights in cache while every group of 32 input rows passes them.
+    #[cfg(target_arch = "x86_64")]
+    fn run_tiles(&self, x: &[f32], m: usize, out: &mut [f32], accumulate: bool) {
+        const GROUP: usize = 2 * bf16_tiles::TILE;
+        let (n, kp) = (self.n, self.kp_pad);
+        let groups = m.div_ceil(GROUP);
+        let xp = pack_rows_strided(x, m, self.k, kp, groups * GROUP);
+        let out = SharedOut(out.as_mut_ptr());
+        let blocks = self.blocks();
+        (0..blocks.div_ceil(2)).into_par_iter().for_each(|panel| {
+            let b0 = 2 * panel;
+            let w0 = self.block(b0).as_ptr();
+            // An odd last block is multiplied twice and its copy dropped.
+            let w1 = if b0 + 1 < blocks { self.block(b0 + 1).as_ptr() } else { w0 };
+            let cols = (n - b0 * BLOCK).min(2 * BLOCK);
+            let mut c = [0.0f32; 1024];
+            // SAFETY: `tiles` is only set where bf16_tiles::available(); xp holds groups · 32 rows
+            // of kp pairs (kp a positive multiple of 16), each block kp pairs of 16 outputs; the
+            // task writes only columns b0·16 .. b0·16 + cols of out's first m rows, which no
+            // other task writes.
+            unsafe {
+                bf16_tiles::with_tiles(|| {
+                    for g in 0..groups {
+                        bf16_tiles::tile_2x2(xp.as_ptr().add(g * GROUP * kp), 4 * kp, w0, w1, kp / 16, &mut c);
+                        let rows = (m - g * GROUP).min(GROUP);
+                        store_tiles(&c, rows, cols, out.at(g * GROUP * n + b0 * BLOCK), n, accumulate);
+                    }
+                })
             }
         });
     }
@@ -215,6 +279,44 @@ fn pack_rows(x: &[f32], m: usize, k: usize) -> Vec<u32> {
         }
     }
     xp
+}
+
+/// Rows of x rounded to bf16 pairs, `stride` pairs apart, `rows` rows (≥ m): what AMX tiles
+/// read whole. Everything past the values is zero.
+#[cfg(target_arch = "x86_64")]
+fn pack_rows_strided(x: &[f32], m: usize, k: usize, stride: usize, rows: usize) -> Vec<u32> {
+    let kp = k.div_ceil(2);
+    let mut xp = vec![0u32; rows * stride];
+    xp.par_chunks_mut(stride).zip(x.par_chunks_exact(k)).take(m).for_each(|(dst, row)| {
+        // SAFETY: tiles run only where the CPU has AVX512-BF16; dst[..kp] holds k.div_ceil(2) pairs.
+        unsafe { pack_row_avx512(row, &mut dst[..kp]) };
+    });
+    xp
+}
+
+/// Writes (or adds) the first `rows` rows and `cols` columns of the 32 × 32 outputs of
+/// [`bf16_tiles::tile_2x2`] to `out` (rows `ld` apart).
+///
+/// # Safety
+/// The CPU must have AVX-512; `out` must hold `rows` rows of `cols` columns, `ld` apart.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn store_tiles(c: &[f32; 1024], rows: usize, cols: usize, out: *mut f32, ld: usize, accumulate: bool) {
+    use std::arch::x86_64::*;
+    for r in 0..rows {
+        for b in 0..cols.div_ceil(BLOCK) {
+            let valid = (cols - b * BLOCK).min(BLOCK);
+            let mask = ((1u32 << valid) - 1) as __mmask16;
+            let tile = (r / BLOCK) * 2 + b;
+            // SAFETY: the tile row is inside c; the masked lanes are inside out's row r.
+            unsafe {
+                let v = _mm512_loadu_ps(c.as_ptr().add(tile * 256 + (r % BLOCK) * BLOCK));
+                let o = out.add(r * ld + b * BLOCK);
+                let v = if accumulate { _mm512_add_ps(_mm512_maskz_loadu_ps(mask, o), v) } else { v };
+                _mm512_mask_storeu_ps(o, mask, v);
+            }
+        }
+    }
 }
 
 /// [`pack_rows`] of one row with `vcvtne2ps2bf16`.
@@ -275,8 +377,9 @@ struct Panel {
     /// First pair of the first input row; rows are `kp` apart.
     x: *const u32,
     kp: usize,
-    /// First pair of the first block; blocks are `kp · 16` apart.
+    /// First pair of the first block; blocks are `w_stride` pairs apart.
     w: *const u32,
+    w_stride: usize,
     /// Output of the first row's first column; rows are `ld` apart.
     out: *mut f32,
     ld: usize,
@@ -337,13 +440,13 @@ unsafe fn dispatch(mr: usize, nb: usize, a: &Panel) {
 ///
 /// # Safety
 /// The CPU must have AVX512-BF16; `a.x` must hold MR rows of `a.kp` pairs, `a.w` NB blocks of
-/// `a.kp · 16` pairs, and `a.out` MR rows (`a.ld` apart) of NB·16 columns, the last block's
+/// `a.w_stride` pairs, and `a.out` MR rows (`a.ld` apart) of NB·16 columns, the last block's
 /// first `a.valid`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
 unsafe fn micro<const MR: usize, const NB: usize>(a: &Panel) {
     use std::arch::x86_64::*;
-    let block_len = a.kp * BLOCK;
+    let block_len = a.w_stride;
     let ahead = PREFETCH_AHEAD_BYTES / 4;
     let mut acc = [[_mm512_setzero_ps(); NB]; MR];
     for p in 0..a.kp {
@@ -427,6 +530,36 @@ mod tests {
                 mat.matmul_t(&x[i * k..(i + 1) * k], 1, &mut alone, true);
                 for (a, b) in alone.iter().zip(&out[i * n..(i + 1) * n]) {
                     assert_eq!(a.to_bits(), (1.0 + b).to_bits(), "m {m} n {n} k {k} row {i}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn amx_tiles_match_the_rounded_operands_and_rows_do_not_depend_on_the_batch() {
+        if !bf16_tiles::available() {
+            eprintln!("skipped: this CPU has no AMX-BF16 (or the OS does not grant it)");
+            return;
+        }
+        // Rows across and past the tile groups of 32, outputs with an odd last block and a
+        // masked one, k with padded pairs and an odd column.
+        for (m, n, k) in [(2, 16, 32), (33, 37, 33), (70, 70, 64), (128, 129, 768), (17, 48, 1537)] {
+            let (x, w) = (random(m * k, 7), random(n * k, 8));
+            let mat = PairedBf16::from_f32(&w, n, k).with_tiles(true);
+            let mut out = vec![0.0f32; m * n];
+            mat.matmul_t_tiles(&x, m, &mut out, false);
+            for (got, (want, bound)) in out.iter().zip(reference(&x, &w, m, n, k)) {
+                assert!((*got as f64 - want).abs() <= bound, "m {m} n {n} k {k}: {got} vs {want}");
+            }
+            // Any two or more consecutive rows give the same bits, and accumulate adds.
+            for (i, j) in [(0, 2), (1, m), (m / 2, m)] {
+                if j - i < 2 {
+                    continue;
+                }
+                let mut part = vec![1.0f32; (j - i) * n];
+                mat.matmul_t_tiles(&x[i * k..j * k], j - i, &mut part, true);
+                for (a, b) in part.iter().zip(&out[i * n..j * n]) {
+                    assert_eq!(a.to_bits(), (1.0 + b).to_bits(), "m {m} n {n} k {k} rows {i}..{j}");
                 }
             }
         }

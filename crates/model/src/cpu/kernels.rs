@@ -489,6 +489,8 @@ const PREFETCH_AHEAD_BYTES: usize = 8192;
 /// How bf16 weights are multiplied.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Bf16Kernel {
+    /// AMX tiles (`tdpbf16ps`) for products of many rows, `Dot` for the others.
+    Tiles,
     /// With the CPU's bf16 dot-product instruction (AVX512-BF16), inputs rounded to bf16.
     Dot,
     /// Weights widened to f32 in registers, all arithmetic in f32 (any CPU).
@@ -496,13 +498,16 @@ pub enum Bf16Kernel {
 }
 
 impl Bf16Kernel {
-    /// `Dot` where the CPU has AVX512-BF16, else `Widen`; `PICASO_BF16_KERNEL=widen` forces
-    /// `Widen` (to compare, or to keep inputs in f32).
+    /// The fastest this CPU has: `Tiles` with AMX-BF16, `Dot` with AVX512-BF16, else `Widen`.
+    /// `PICASO_BF16_KERNEL=dot` or `=widen` picks a slower one (to compare, or to keep inputs
+    /// in f32); a kernel the CPU lacks falls back to the next.
     pub fn detect() -> Self {
         static KERNEL: std::sync::OnceLock<Bf16Kernel> = std::sync::OnceLock::new();
         *KERNEL.get_or_init(|| {
-            let forced_widen = std::env::var("PICASO_BF16_KERNEL").is_ok_and(|v| v.eq_ignore_ascii_case("widen"));
-            if super::bf16_dot::available() && !forced_widen {
+            let asked = std::env::var("PICASO_BF16_KERNEL").unwrap_or_default().to_ascii_lowercase();
+            if asked != "widen" && asked != "dot" && super::bf16_tiles::available() {
+                Bf16Kernel::Tiles
+            } else if asked != "widen" && super::bf16_dot::available() {
                 Bf16Kernel::Dot
             } else {
                 Bf16Kernel::Widen
@@ -513,6 +518,7 @@ impl Bf16Kernel {
     /// The name benchmarks report.
     pub fn name(self) -> &'static str {
         match self {
+            Bf16Kernel::Tiles => "amx-tiles",
             Bf16Kernel::Dot => "avx512bf16-dot",
             Bf16Kernel::Widen => "widen-to-f32",
         }
@@ -549,15 +555,17 @@ impl Matrix {
                 bits.par_iter_mut().zip(&v).for_each(|(b, &x)| *b = super::bf16_dot::to_bf16(x));
                 Matrix::Bf16(bits)
             }
-            (super::WeightDtype::Bf16, Bf16Kernel::Dot) => {
-                Matrix::Bf16Pairs(PairedBf16::from_f32(&v, v.len() / cols, cols))
-            }
+            (super::WeightDtype::Bf16, kernel @ (Bf16Kernel::Dot | Bf16Kernel::Tiles)) => Matrix::Bf16Pairs(
+                PairedBf16::from_f32(&v, v.len() / cols, cols).with_tiles(kernel == Bf16Kernel::Tiles),
+            ),
         }
     }
 
     /// Whether a product gives each input row the same bits whatever other rows it shares the
-    /// product with (true of the pair layout: every output is one chain over the pairs in order).
-    /// gemm's blocking, used for f32 and widened bf16, depends on the number of rows.
+    /// product with (true of the pair layout: every output is one chain over the pairs in order,
+    /// on `vdpbf16ps` for one row and for [`matmul_rows_t`], on AMX tiles, where present, for
+    /// two rows or more in [`matmul_t`]). gemm's blocking, used for f32 and widened bf16,
+    /// depends on the number of rows.
     pub fn batch_invariant(&self) -> bool {
         matches!(self, Matrix::Bf16Pairs(_))
     }
@@ -590,7 +598,8 @@ pub const ROWS_KERNEL_MAX: usize = 128;
 /// out (m×n) (+)= x (m×k) · wᵀ, with w stored (n×k) row-major as in PyTorch checkpoints.
 /// One row of x uses a bandwidth-bound matrix-vector kernel, up to [`ROWS_KERNEL_MAX`] rows
 /// its many-input form; more use gemm (bf16 weights are widened to f32 one L2-sized tile of
-/// rows at a time).
+/// rows at a time). The bf16 pair layout runs on AMX tiles from two rows where the CPU has
+/// them, else on `vdpbf16ps`.
 pub fn matmul_t(x: &[f32], m: usize, k: usize, w: &Matrix, n: usize, out: &mut [f32], accumulate: bool) {
     assert_eq!(x.len(), m * k, "matmul_t: x is not m×k");
     assert_eq!(w.len(), n * k, "matmul_t: w is not n×k");
@@ -611,7 +620,7 @@ pub fn matmul_t(x: &[f32], m: usize, k: usize, w: &Matrix, n: usize, out: &mut [
         Matrix::F32(w) => gemm_t(x, m, k, w, n, 0, out, n, accumulate),
         Matrix::Bf16Pairs(w) => {
             assert_eq!((w.rows(), w.cols()), (n, k), "matmul_t: w is not n×k");
-            w.matmul_t(x, m, out, accumulate)
+            w.matmul_t_tiles(x, m, out, accumulate)
         }
         Matrix::Bf16(w) => {
             const TILE: usize = 256;
@@ -632,8 +641,11 @@ pub fn matmul_t(x: &[f32], m: usize, k: usize, w: &Matrix, n: usize, out: &mut [
 /// to the bit, what [`matmul_t`] gives that row alone (m = 1), so a batch of decode steps
 /// gives each sequence exactly its unbatched result. Each weight is read once for all rows.
 pub fn matmul_rows_t(x: &[f32], m: usize, k: usize, w: &Matrix, n: usize, out: &mut [f32], accumulate: bool) {
-    // The pair layout's outputs do not depend on the rows computed together.
-    if m == 1 || matches!(w, Matrix::Bf16Pairs(_)) {
+    // The pair layout's `vdpbf16ps` outputs do not depend on the rows computed together.
+    if let Matrix::Bf16Pairs(p) = w {
+        return p.matmul_t(x, m, out, accumulate);
+    }
+    if m == 1 {
         return matmul_t(x, m, k, w, n, out, accumulate);
     }
     assert_eq!(x.len(), m * k, "matmul_rows_t: x is not m×k");

@@ -6,6 +6,7 @@
 //! so each head's (P, N) state stays in L1 while all T tokens stream past it.
 
 pub mod bf16_dot;
+pub mod bf16_tiles;
 pub mod kernels;
 
 use rayon::prelude::*;
@@ -231,7 +232,9 @@ impl CpuMamba2 {
     /// than one; each sequence gets what [`CpuMamba2::forward`] gives it alone. Returns the
     /// final-normed hidden states of every row.
     pub fn forward_batch(&self, tokens: &[u32], lens: &[usize], states: &mut [&mut State]) -> Vec<f32> {
-        run_layers(&self.io, &self.layers, tokens, lens, states, |lw, ls, kind, h| self.layer(lw, ls, lens, kind, h))
+        run_layers(&self.io, &self.layers, tokens, lens, states, |lw, ls, lens, kind, h| {
+            self.layer(lw, ls, lens, kind, h)
+        })
     }
 
     /// One Mamba-2 block on `h` (rows × d_model: the sequences' rows one after another),
@@ -394,9 +397,9 @@ pub enum Rows {
 }
 
 impl Rows {
-    /// `Independent` for a batch of single tokens, else `Tokens`.
+    /// `Independent` when every sequence brings one token (decode steps), else `Tokens`.
     pub fn of(lens: &[usize]) -> Self {
-        if lens.len() > 1 && lens.iter().all(|&t| t == 1) {
+        if lens.iter().all(|&t| t == 1) {
             Rows::Independent
         } else {
             Rows::Tokens
@@ -413,15 +416,20 @@ impl Rows {
 }
 
 /// Embeds the tokens of a batch of sequences (`lens[i]` tokens of sequence i, one after
-/// another), runs `layer(weights, states of that layer, rows kind, hidden)` for each layer and
-/// returns the final-normed hidden states. Shared by the Mamba-1 and Mamba-2 engines.
+/// another), runs `layer(weights, states of that layer, lens, rows kind, hidden)` for each
+/// layer and returns the final-normed hidden states. Shared by the Mamba-1 and Mamba-2 engines.
+///
+/// Sequences of one token and longer ones run as two passes, so that a sequence's bits never
+/// depend on the others: a lone token is a decode step ([`Rows::Independent`]), while rows of
+/// longer sequences may share a faster product ([`Rows::Tokens`], e.g. AMX tiles) whose bits
+/// differ from a decode step's.
 pub(crate) fn run_layers<L>(
     io: &TokenIo,
     layers: &[L],
     tokens: &[u32],
     lens: &[usize],
     states: &mut [&mut State],
-    layer: impl Fn(&L, &mut [&mut LayerState], Rows, &mut [f32]) + Sync,
+    layer: impl Fn(&L, &mut [&mut LayerState], &[usize], Rows, &mut [f32]) + Sync,
 ) -> Vec<f32>
 where
     L: Sync,
@@ -431,12 +439,51 @@ where
     if tokens.is_empty() {
         return Vec::new();
     }
+    let singles = lens.iter().filter(|&&t| t == 1).count();
+    if singles == 0 || singles == lens.len() {
+        return run_layers_of_one_kind(io, layers, tokens, lens, states, &layer);
+    }
+    // Split by kind, run each part, and put the rows back in the sequences' order.
+    let (mut one, mut many) = ((Vec::new(), Vec::new(), Vec::new()), (Vec::new(), Vec::new(), Vec::new()));
+    let mut rest = tokens;
+    for (s, &t) in states.iter_mut().zip(lens) {
+        let (seq, tail) = rest.split_at(t);
+        rest = tail;
+        let part = if t == 1 { &mut one } else { &mut many };
+        part.0.extend_from_slice(seq);
+        part.1.push(t);
+        part.2.push(&mut **s);
+    }
+    let h_one = run_layers_of_one_kind(io, layers, &one.0, &one.1, &mut one.2, &layer);
+    let h_many = run_layers_of_one_kind(io, layers, &many.0, &many.1, &mut many.2, &layer);
+    let d = io.d_model;
+    let (mut from_one, mut from_many) = (h_one.chunks_exact(d), h_many.chunks(d));
+    let mut h = Vec::with_capacity(tokens.len() * d);
+    for &t in lens {
+        if t == 1 {
+            h.extend_from_slice(from_one.next().expect("one row per single token"));
+        } else {
+            (0..t).for_each(|_| h.extend_from_slice(from_many.next().expect("t rows per sequence")));
+        }
+    }
+    h
+}
+
+/// [`run_layers`] of sequences that are all single tokens or all longer.
+fn run_layers_of_one_kind<L: Sync>(
+    io: &TokenIo,
+    layers: &[L],
+    tokens: &[u32],
+    lens: &[usize],
+    states: &mut [&mut State],
+    layer: &(impl Fn(&L, &mut [&mut LayerState], &[usize], Rows, &mut [f32]) + Sync),
+) -> Vec<f32> {
     on_pool(|| {
         let mut h = io.embed(tokens);
         let kind = Rows::of(lens);
         for (l, lw) in layers.iter().enumerate() {
             let mut ls: Vec<&mut LayerState> = states.iter_mut().map(|s| &mut s.layers[l]).collect();
-            layer(lw, &mut ls, kind, &mut h);
+            layer(lw, &mut ls, lens, kind, &mut h);
         }
         for (s, &t) in states.iter_mut().zip(lens) {
             s.n_tokens += t as u64;
@@ -497,31 +544,38 @@ mod tests {
     use super::*;
 
     /// The pair layout makes a batched forward pass give each sequence its lone result to the bit
-    /// (what batched ingest relies on), on every CPU: without AVX512-BF16 the portable sums run.
+    /// (what batched ingest relies on), on every CPU: without AVX512-BF16 the portable sums run,
+    /// and `Tiles` runs on AMX where the CPU has it (else as `Dot`). A lone token among longer
+    /// sequences keeps its decode-step bits.
     #[test]
     fn a_batched_forward_on_the_pair_layout_gives_each_sequence_its_lone_bits() {
         let c = Mamba2Config { d_model: 64, headdim: 16, ..Mamba2Config::tiny(2, 4) };
-        for (kernel, invariant) in [(Bf16Kernel::Dot, true), (Bf16Kernel::Widen, false)] {
+        for (kernel, invariant) in [(Bf16Kernel::Tiles, true), (Bf16Kernel::Dot, true), (Bf16Kernel::Widen, false)] {
             let m = CpuMamba2::with_kernel(c.clone(), Mamba2Weights::random(&c, 11), WeightDtype::Bf16, kernel);
             assert_eq!(m.batch_invariant(), invariant, "{kernel:?}");
         }
-        let m = CpuMamba2::with_kernel(c.clone(), Mamba2Weights::random(&c, 11), WeightDtype::Bf16, Bf16Kernel::Dot);
-        let lens = [5usize, 1, 9];
-        let tokens: Vec<u32> = (0..15u32).map(|i| (i * 37 + 3) % c.vocab_size as u32).collect();
-        let zero = State::zeros(crate::state::StateShape::of(&c), "test");
-        let mut batched = vec![zero.clone(); lens.len()];
-        let mut refs: Vec<&mut State> = batched.iter_mut().collect();
-        let hidden = m.forward_batch(&tokens, &lens, &mut refs);
-        let mut start = 0;
-        for (i, &t) in lens.iter().enumerate() {
-            let mut alone = zero.clone();
-            let h = m.forward(&tokens[start..start + t], &mut alone);
-            let d = c.d_model;
-            assert!(hidden[start * d..(start + t) * d] == h[..], "sequence {i}: hidden rows differ");
-            for (l, (a, b)) in alone.layers.iter().zip(&batched[i].layers).enumerate() {
-                assert!(a.ssm == b.ssm && a.conv == b.conv && a.log_decay == b.log_decay, "sequence {i}, layer {l}");
+        for kernel in [Bf16Kernel::Tiles, Bf16Kernel::Dot] {
+            let m = CpuMamba2::with_kernel(c.clone(), Mamba2Weights::random(&c, 11), WeightDtype::Bf16, kernel);
+            for lens in [vec![5usize, 1, 9], vec![2, 3], vec![1, 1, 1]] {
+                let total: usize = lens.iter().sum();
+                let tokens: Vec<u32> = (0..total as u32).map(|i| (i * 37 + 3) % c.vocab_size as u32).collect();
+                let zero = State::zeros(crate::state::StateShape::of(&c), "test");
+                let mut batched = vec![zero.clone(); lens.len()];
+                let mut refs: Vec<&mut State> = batched.iter_mut().collect();
+                let hidden = m.forward_batch(&tokens, &lens, &mut refs);
+                let mut start = 0;
+                for (i, &t) in lens.iter().enumerate() {
+                    let mut alone = zero.clone();
+                    let h = m.forward(&tokens[start..start + t], &mut alone);
+                    let d = c.d_model;
+                    let at = format!("{kernel:?} lens {lens:?} sequence {i}");
+                    assert!(hidden[start * d..(start + t) * d] == h[..], "{at}: hidden rows differ");
+                    for (l, (a, b)) in alone.layers.iter().zip(&batched[i].layers).enumerate() {
+                        assert!(a.ssm == b.ssm && a.conv == b.conv && a.log_decay == b.log_decay, "{at}, layer {l}");
+                    }
+                    start += t;
+                }
             }
-            start += t;
         }
     }
 }

@@ -88,7 +88,9 @@ impl CpuMamba1 {
 
     /// Several sequences at once, as [`crate::cpu::CpuMamba2::forward_batch`].
     pub fn forward_batch(&self, tokens: &[u32], lens: &[usize], states: &mut [&mut State]) -> Vec<f32> {
-        run_layers(&self.io, &self.layers, tokens, lens, states, |lw, ls, kind, h| self.layer(lw, ls, lens, kind, h))
+        run_layers(&self.io, &self.layers, tokens, lens, states, |lw, ls, lens, kind, h| {
+            self.layer(lw, ls, lens, kind, h)
+        })
     }
 
     /// One Mamba-1 block on `h` (rows × d_model: the sequences' rows one after another),
