@@ -21,7 +21,7 @@ for (engine, dtype), m in sorted(med.items()):
 by_round = defaultdict(dict)
 for r in rows:
     by_round[r["round"]][(r["engine"], r["dtype"])] = r
-pairs = [(("picaso", d), (peer, d)) for d in ("f32", "bf16") for peer in ("llama.cpp", "transformers", "picaso-widen")]
+pairs = [(("picaso", d), (peer, d)) for d in ("f32", "bf16") for peer in ("llama.cpp", "transformers", "picaso-dot", "picaso-widen")]
 pairs.append((("picaso", "bf16"), ("picaso", "f32")))
 for a, b in pairs:
     rounds = [(n, rr[a], rr[b]) for n, rr in sorted(by_round.items()) if a in rr and b in rr]

@@ -789,34 +789,110 @@ simd_fn! {
         d_skip: f32,
         y: &mut [f32],
     ) {
-        for (t, (&dt_t, &a_t)) in dt.iter().zip(decay).enumerate() {
-            let row = &xbc[t * stride..(t + 1) * stride];
-            let x = &row[x_off..x_off + p_dim];
-            let b = &row[b_off..b_off + n_dim];
-            let c = &row[c_off..c_off + n_dim];
-            let yt = &mut y[t * p_dim..(t + 1) * p_dim];
-            for p in 0..p_dim {
-                let sp = &mut s[p * n_dim..(p + 1) * n_dim];
-                let xdt = x[p] * dt_t;
-                let mut acc = [0.0f32; LANES];
-                let mut cs = sp.chunks_exact_mut(LANES);
-                let mut cb = b.chunks_exact(LANES);
-                let mut cc = c.chunks_exact(LANES);
-                for ((sv, bv), cv) in (&mut cs).zip(&mut cb).zip(&mut cc) {
-                    for i in 0..LANES {
-                        let v = sv[i].mul_add(a_t, xdt * bv[i]);
-                        sv[i] = v;
-                        acc[i] = v.mul_add(cv[i], acc[i]);
-                    }
+        // d_state a whole number of up to 8 vectors (128 for mamba2-130m): B and C stay in
+        // registers while every row of the state passes them.
+        macro_rules! fixed {
+            ($($nv:literal),*) => {
+                match n_dim / LANES {
+                    $($nv if n_dim % LANES == 0 => {
+                        return scan_head_fixed::<$nv>(s, xbc, stride, x_off, b_off, c_off, p_dim, dt, decay, d_skip, y)
+                    })*
+                    _ => {}
                 }
-                let mut tail = 0.0f32;
-                for ((sv, bv), cv) in cs.into_remainder().iter_mut().zip(cb.remainder()).zip(cc.remainder()) {
-                    let v = sv.mul_add(a_t, xdt * bv);
-                    *sv = v;
-                    tail = v.mul_add(*cv, tail);
+            };
+        }
+        fixed!(1, 2, 3, 4, 5, 6, 7, 8);
+        scan_head_any(s, xbc, stride, x_off, b_off, c_off, p_dim, n_dim, dt, decay, d_skip, y)
+    }
+}
+
+/// [`scan_head`] for any d_state.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn scan_head_any(
+    s: &mut [f32],
+    xbc: &[f32],
+    stride: usize,
+    x_off: usize,
+    b_off: usize,
+    c_off: usize,
+    p_dim: usize,
+    n_dim: usize,
+    dt: &[f32],
+    decay: &[f32],
+    d_skip: f32,
+    y: &mut [f32],
+) {
+    for (t, (&dt_t, &a_t)) in dt.iter().zip(decay).enumerate() {
+        let row = &xbc[t * stride..(t + 1) * stride];
+        let x = &row[x_off..x_off + p_dim];
+        let b = &row[b_off..b_off + n_dim];
+        let c = &row[c_off..c_off + n_dim];
+        let yt = &mut y[t * p_dim..(t + 1) * p_dim];
+        for p in 0..p_dim {
+            let sp = &mut s[p * n_dim..(p + 1) * n_dim];
+            let xdt = x[p] * dt_t;
+            let mut acc = [0.0f32; LANES];
+            let mut cs = sp.chunks_exact_mut(LANES);
+            let mut cb = b.chunks_exact(LANES);
+            let mut cc = c.chunks_exact(LANES);
+            for ((sv, bv), cv) in (&mut cs).zip(&mut cb).zip(&mut cc) {
+                for i in 0..LANES {
+                    let v = sv[i].mul_add(a_t, xdt * bv[i]);
+                    sv[i] = v;
+                    acc[i] = v.mul_add(cv[i], acc[i]);
                 }
-                yt[p] = acc.iter().sum::<f32>() + tail + d_skip * x[p];
             }
+            let mut tail = 0.0f32;
+            for ((sv, bv), cv) in cs.into_remainder().iter_mut().zip(cb.remainder()).zip(cc.remainder()) {
+                let v = sv.mul_add(a_t, xdt * bv);
+                *sv = v;
+                tail = v.mul_add(*cv, tail);
+            }
+            yt[p] = acc.iter().sum::<f32>() + tail + d_skip * x[p];
+        }
+    }
+}
+
+/// [`scan_head`] for d_state = NV · [`LANES`], the same operations in the same order (so the
+/// same bits), with B and C held as NV vectors each.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn scan_head_fixed<const NV: usize>(
+    s: &mut [f32],
+    xbc: &[f32],
+    stride: usize,
+    x_off: usize,
+    b_off: usize,
+    c_off: usize,
+    p_dim: usize,
+    dt: &[f32],
+    decay: &[f32],
+    d_skip: f32,
+    y: &mut [f32],
+) {
+    let n_dim = NV * LANES;
+    let vectors = |from: &[f32]| -> [[f32; LANES]; NV] {
+        std::array::from_fn(|j| from[j * LANES..(j + 1) * LANES].try_into().expect("LANES values"))
+    };
+    for (t, (&dt_t, &a_t)) in dt.iter().zip(decay).enumerate() {
+        let row = &xbc[t * stride..(t + 1) * stride];
+        let x = &row[x_off..x_off + p_dim];
+        let (b, c) = (vectors(&row[b_off..b_off + n_dim]), vectors(&row[c_off..c_off + n_dim]));
+        let yt = &mut y[t * p_dim..(t + 1) * p_dim];
+        for (p, sp) in s.chunks_exact_mut(n_dim).take(p_dim).enumerate() {
+            let xdt = x[p] * dt_t;
+            let mut acc = [0.0f32; LANES];
+            for j in 0..NV {
+                let sv = &mut sp[j * LANES..(j + 1) * LANES];
+                for i in 0..LANES {
+                    let v = sv[i].mul_add(a_t, xdt * b[j][i]);
+                    sv[i] = v;
+                    acc[i] = v.mul_add(c[j][i], acc[i]);
+                }
+            }
+            // `+ 0.0`: the general loop's (empty) tail, so that -0.0 sums alike.
+            yt[p] = acc.iter().sum::<f32>() + 0.0 + d_skip * x[p];
         }
     }
 }
@@ -918,6 +994,42 @@ pub fn log_softmax_at(logits: &[f32], target: usize) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_scan_with_b_and_c_in_registers_gives_the_bits_of_the_general_loop() {
+        let (p_dim, t) = (5, 7);
+        let wave = |len: usize, k: f32| -> Vec<f32> {
+            (0..len).map(|i| ((i as f32 * k).sin() * 1.7).tan().clamp(-3.0, 3.0)).collect()
+        };
+        for n_dim in [16, 48, 128] {
+            let stride = p_dim + 2 * n_dim + 3;
+            let (xbc, s0) = (wave(t * stride, 0.37), wave(p_dim * n_dim, 0.91));
+            let (dt, decay) = (
+                wave(t, 1.3).iter().map(|v| v.abs() * 0.1).collect::<Vec<_>>(),
+                wave(t, 0.7).iter().map(|v| (v.abs() * -0.2).exp()).collect::<Vec<_>>(),
+            );
+            let (mut s1, mut s2) = (s0.clone(), s0);
+            let (mut y1, mut y2) = (vec![0.0f32; t * p_dim], vec![0.0f32; t * p_dim]);
+            scan_head(&mut s1, &xbc, stride, 1, 1 + p_dim, 1 + p_dim + n_dim, p_dim, n_dim, &dt, &decay, 0.3, &mut y1);
+            scan_head_any(
+                &mut s2,
+                &xbc,
+                stride,
+                1,
+                1 + p_dim,
+                1 + p_dim + n_dim,
+                p_dim,
+                n_dim,
+                &dt,
+                &decay,
+                0.3,
+                &mut y2,
+            );
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&s1), bits(&s2), "state, d_state {n_dim}");
+            assert_eq!(bits(&y1), bits(&y2), "y, d_state {n_dim}");
+        }
+    }
 
     #[test]
     fn a_conv_step_gives_the_bits_of_the_conv_over_tail_and_row() {
