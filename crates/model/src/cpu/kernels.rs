@@ -789,40 +789,43 @@ simd_fn! {
         d_skip: f32,
         y: &mut [f32],
     ) {
+        let head = ScanInputs { xbc, stride, x_off, b_off, c_off, p_dim, n_dim, dt, decay, d_skip };
         // d_state a whole number of up to 8 vectors (128 for mamba2-130m): B and C stay in
         // registers while every row of the state passes them.
         macro_rules! fixed {
             ($($nv:literal),*) => {
                 match n_dim / LANES {
                     $($nv if n_dim % LANES == 0 => {
-                        return scan_head_fixed::<$nv>(s, xbc, stride, x_off, b_off, c_off, p_dim, dt, decay, d_skip, y)
+                        return scan_head_fixed::<$nv>(s, &head, y)
                     })*
                     _ => {}
                 }
             };
         }
         fixed!(1, 2, 3, 4, 5, 6, 7, 8);
-        scan_head_any(s, xbc, stride, x_off, b_off, c_off, p_dim, n_dim, dt, decay, d_skip, y)
+        scan_head_any(s, &head, y)
     }
 }
 
-/// [`scan_head`] for any d_state.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn scan_head_any(
-    s: &mut [f32],
-    xbc: &[f32],
+/// What [`scan_head`] reads, besides the state it updates and the output it writes.
+#[derive(Clone, Copy)]
+struct ScanInputs<'a> {
+    xbc: &'a [f32],
     stride: usize,
     x_off: usize,
     b_off: usize,
     c_off: usize,
     p_dim: usize,
     n_dim: usize,
-    dt: &[f32],
-    decay: &[f32],
+    dt: &'a [f32],
+    decay: &'a [f32],
     d_skip: f32,
-    y: &mut [f32],
-) {
+}
+
+/// [`scan_head`] for any d_state.
+#[inline(always)]
+fn scan_head_any(s: &mut [f32], head: &ScanInputs, y: &mut [f32]) {
+    let ScanInputs { xbc, stride, x_off, b_off, c_off, p_dim, n_dim, dt, decay, d_skip } = *head;
     for (t, (&dt_t, &a_t)) in dt.iter().zip(decay).enumerate() {
         let row = &xbc[t * stride..(t + 1) * stride];
         let x = &row[x_off..x_off + p_dim];
@@ -857,20 +860,8 @@ fn scan_head_any(
 /// [`scan_head`] for d_state = NV · [`LANES`], the same operations in the same order (so the
 /// same bits), with B and C held as NV vectors each.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn scan_head_fixed<const NV: usize>(
-    s: &mut [f32],
-    xbc: &[f32],
-    stride: usize,
-    x_off: usize,
-    b_off: usize,
-    c_off: usize,
-    p_dim: usize,
-    dt: &[f32],
-    decay: &[f32],
-    d_skip: f32,
-    y: &mut [f32],
-) {
+fn scan_head_fixed<const NV: usize>(s: &mut [f32], head: &ScanInputs, y: &mut [f32]) {
+    let ScanInputs { xbc, stride, x_off, b_off, c_off, p_dim, dt, decay, d_skip, .. } = *head;
     let n_dim = NV * LANES;
     let vectors = |from: &[f32]| -> [[f32; LANES]; NV] {
         std::array::from_fn(|j| from[j * LANES..(j + 1) * LANES].try_into().expect("LANES values"))
@@ -1011,20 +1002,19 @@ mod tests {
             let (mut s1, mut s2) = (s0.clone(), s0);
             let (mut y1, mut y2) = (vec![0.0f32; t * p_dim], vec![0.0f32; t * p_dim]);
             scan_head(&mut s1, &xbc, stride, 1, 1 + p_dim, 1 + p_dim + n_dim, p_dim, n_dim, &dt, &decay, 0.3, &mut y1);
-            scan_head_any(
-                &mut s2,
-                &xbc,
+            let head = ScanInputs {
+                xbc: &xbc,
                 stride,
-                1,
-                1 + p_dim,
-                1 + p_dim + n_dim,
+                x_off: 1,
+                b_off: 1 + p_dim,
+                c_off: 1 + p_dim + n_dim,
                 p_dim,
                 n_dim,
-                &dt,
-                &decay,
-                0.3,
-                &mut y2,
-            );
+                dt: &dt,
+                decay: &decay,
+                d_skip: 0.3,
+            };
+            scan_head_any(&mut s2, &head, &mut y2);
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&s1), bits(&s2), "state, d_state {n_dim}");
             assert_eq!(bits(&y1), bits(&y2), "y, d_state {n_dim}");
