@@ -117,11 +117,6 @@ impl PairedBf16 {
         }
     }
 
-    /// Whether [`PairedBf16::matmul_t_tiles`] runs on AMX tiles.
-    pub fn tiles(&self) -> bool {
-        self.tiles
-    }
-
     /// As [`PairedBf16::matmul_t`], on AMX tiles where they are enabled ([`PairedBf16::with_tiles`])
     /// and `m` ≥ 2. Each output's bits are again the same whatever `m` (≥ 2), but not those of
     /// `vdpbf16ps`: the tiles add a pair's two products in another order.
@@ -265,31 +260,25 @@ fn round_input(v: f32) -> u16 {
 
 /// Rows of x rounded to bf16 pairs (m × k.div_ceil(2); an odd k pads with 0).
 fn pack_rows(x: &[f32], m: usize, k: usize) -> Vec<u32> {
-    let kp = k.div_ceil(2);
-    let mut xp = vec![0u32; m * kp];
-    for (row, dst) in x.chunks_exact(k).zip(xp.chunks_exact_mut(kp)) {
-        #[cfg(target_arch = "x86_64")]
-        if available() {
-            // SAFETY: the CPU has AVX512-BF16; row has k values and dst kp ≥ k/2 pairs.
-            unsafe { pack_row_avx512(row, dst) };
-            continue;
-        }
-        for (d, two) in dst.iter_mut().zip(row.chunks(2)) {
-            *d = pair_of(two, round_input);
-        }
-    }
-    xp
+    pack_rows_strided(x, m, k, k.div_ceil(2), m)
 }
 
-/// Rows of x rounded to bf16 pairs, `stride` pairs apart, `rows` rows (≥ m): what AMX tiles
-/// read whole. Everything past the values is zero.
-#[cfg(target_arch = "x86_64")]
+/// Rows of x rounded to bf16 pairs, `stride` pairs apart, `rows` rows (≥ m; AMX tiles read
+/// whole groups of rows). Everything past the values is zero.
 fn pack_rows_strided(x: &[f32], m: usize, k: usize, stride: usize, rows: usize) -> Vec<u32> {
     let kp = k.div_ceil(2);
     let mut xp = vec![0u32; rows * stride];
     xp.par_chunks_mut(stride).zip(x.par_chunks_exact(k)).take(m).for_each(|(dst, row)| {
-        // SAFETY: tiles run only where the CPU has AVX512-BF16; dst[..kp] holds k.div_ceil(2) pairs.
-        unsafe { pack_row_avx512(row, &mut dst[..kp]) };
+        let dst = &mut dst[..kp];
+        #[cfg(target_arch = "x86_64")]
+        if available() {
+            // SAFETY: the CPU has AVX512-BF16; row has k values and dst k.div_ceil(2) pairs.
+            unsafe { pack_row_avx512(row, dst) };
+            return;
+        }
+        for (d, two) in dst.iter_mut().zip(row.chunks(2)) {
+            *d = pair_of(two, round_input);
+        }
     });
     xp
 }
@@ -311,11 +300,24 @@ unsafe fn store_tiles(c: &[f32; 1024], rows: usize, cols: usize, out: *mut f32, 
             // SAFETY: the tile row is inside c; the masked lanes are inside out's row r.
             unsafe {
                 let v = _mm512_loadu_ps(c.as_ptr().add(tile * 256 + (r % BLOCK) * BLOCK));
-                let o = out.add(r * ld + b * BLOCK);
-                let v = if accumulate { _mm512_add_ps(_mm512_maskz_loadu_ps(mask, o), v) } else { v };
-                _mm512_mask_storeu_ps(o, mask, v);
+                store16(out.add(r * ld + b * BLOCK), mask, v, accumulate);
             }
         }
+    }
+}
+
+/// Writes (or adds, with `accumulate`) the `mask`ed lanes of 16 outputs at `o`.
+///
+/// # Safety
+/// The CPU must have AVX-512; the masked lanes must be inside `o`'s allocation.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn store16(o: *mut f32, mask: std::arch::x86_64::__mmask16, v: std::arch::x86_64::__m512, accumulate: bool) {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's contract.
+    unsafe {
+        let v = if accumulate { _mm512_add_ps(_mm512_maskz_loadu_ps(mask, o), v) } else { v };
+        _mm512_mask_storeu_ps(o, mask, v);
     }
 }
 
@@ -471,11 +473,7 @@ unsafe fn micro<const MR: usize, const NB: usize>(a: &Panel) {
         for (b, &v) in row.iter().enumerate() {
             let mask: __mmask16 = if b + 1 == NB { ((1u32 << a.valid) - 1) as u16 } else { u16::MAX };
             // SAFETY: the contract: the masked lanes are inside out's row.
-            unsafe {
-                let o = a.out.add(i * a.ld + b * BLOCK);
-                let v = if a.accumulate { _mm512_add_ps(_mm512_maskz_loadu_ps(mask, o), v) } else { v };
-                _mm512_mask_storeu_ps(o, mask, v);
-            }
+            unsafe { store16(a.out.add(i * a.ld + b * BLOCK), mask, v, a.accumulate) };
         }
     }
 }

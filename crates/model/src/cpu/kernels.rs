@@ -772,54 +772,50 @@ simd_fn! {
 }
 
 simd_fn! {
-    /// The selective scan of one head over `dt.len()` tokens, updating `s` (P×N) in place:
-    /// s ← exp(dt·A)·s + dt·x⊗B, y = s·C + D·x. `xbc` is (T, stride); x, B, C start at the
-    /// given offsets of each row. `decay[t]` = exp(dt_t·A). y is written (T, P).
-    pub fn scan_head(
-        s: &mut [f32],
-        xbc: &[f32],
-        stride: usize,
-        x_off: usize,
-        b_off: usize,
-        c_off: usize,
-        p_dim: usize,
-        n_dim: usize,
-        dt: &[f32],
-        decay: &[f32],
-        d_skip: f32,
-        y: &mut [f32],
-    ) {
-        let head = ScanInputs { xbc, stride, x_off, b_off, c_off, p_dim, n_dim, dt, decay, d_skip };
+    /// The selective scan of one head over `head.dt.len()` tokens, updating `s` (P×N) in place:
+    /// s ← exp(dt·A)·s + dt·x⊗B, y = s·C + D·x. y is written (T, P).
+    pub fn scan_head(s: &mut [f32], head: &ScanInputs, y: &mut [f32]) {
+        let n_dim = head.n_dim;
         // d_state a whole number of up to 8 vectors (128 for mamba2-130m): B and C stay in
         // registers while every row of the state passes them.
         macro_rules! fixed {
             ($($nv:literal),*) => {
                 match n_dim / LANES {
                     $($nv if n_dim % LANES == 0 => {
-                        return scan_head_fixed::<$nv>(s, &head, y)
+                        return scan_head_fixed::<$nv>(s, head, y)
                     })*
                     _ => {}
                 }
             };
         }
         fixed!(1, 2, 3, 4, 5, 6, 7, 8);
-        scan_head_any(s, &head, y)
+        scan_head_any(s, head, y)
     }
 }
 
 /// What [`scan_head`] reads, besides the state it updates and the output it writes.
-#[derive(Clone, Copy)]
-struct ScanInputs<'a> {
-    xbc: &'a [f32],
-    stride: usize,
-    x_off: usize,
-    b_off: usize,
-    c_off: usize,
-    p_dim: usize,
-    n_dim: usize,
-    dt: &'a [f32],
-    decay: &'a [f32],
-    d_skip: f32,
+#[derive(Debug, Clone, Copy)]
+pub struct ScanInputs<'a> {
+    /// The conv output, (T, `stride`).
+    pub xbc: &'a [f32],
+    /// Values per row of `xbc`.
+    pub stride: usize,
+    /// Where this head's x starts in each row.
+    pub x_off: usize,
+    /// Where its group's B starts.
+    pub b_off: usize,
+    /// Where its group's C starts.
+    pub c_off: usize,
+    /// Head dimension P.
+    pub p_dim: usize,
+    /// State dimension N.
+    pub n_dim: usize,
+    /// dt per token.
+    pub dt: &'a [f32],
+    /// exp(dt·A) per token.
+    pub decay: &'a [f32],
+    /// The skip connection D.
+    pub d_skip: f32,
 }
 
 /// [`scan_head`] for any d_state.
@@ -1001,7 +997,6 @@ mod tests {
             );
             let (mut s1, mut s2) = (s0.clone(), s0);
             let (mut y1, mut y2) = (vec![0.0f32; t * p_dim], vec![0.0f32; t * p_dim]);
-            scan_head(&mut s1, &xbc, stride, 1, 1 + p_dim, 1 + p_dim + n_dim, p_dim, n_dim, &dt, &decay, 0.3, &mut y1);
             let head = ScanInputs {
                 xbc: &xbc,
                 stride,
@@ -1014,6 +1009,7 @@ mod tests {
                 decay: &decay,
                 d_skip: 0.3,
             };
+            scan_head(&mut s1, &head, &mut y1);
             scan_head_any(&mut s2, &head, &mut y2);
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&s1), bits(&s2), "state, d_state {n_dim}");

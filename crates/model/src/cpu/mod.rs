@@ -301,20 +301,19 @@ impl CpuMamba2 {
         let mut y = vec![0.0f32; nh * t * p];
         ls.ssm.par_chunks_mut(p * n).zip(y.par_chunks_mut(t * p)).enumerate().for_each(|(hd, (s, yh))| {
             let grp = hd / heads_per_group;
-            kernels::scan_head(
-                s,
-                &xbc,
-                conv_dim,
-                hd * p,
-                di + grp * n,
-                di + g * n + grp * n,
-                p,
-                n,
-                &dt[hd * t..(hd + 1) * t],
-                &decay[hd * t..(hd + 1) * t],
-                lw.d[hd],
-                yh,
-            );
+            let head = kernels::ScanInputs {
+                xbc: &xbc,
+                stride: conv_dim,
+                x_off: hd * p,
+                b_off: di + grp * n,
+                c_off: di + g * n + grp * n,
+                p_dim: p,
+                n_dim: n,
+                dt: &dt[hd * t..(hd + 1) * t],
+                decay: &decay[hd * t..(hd + 1) * t],
+                d_skip: lw.d[hd],
+            };
+            kernels::scan_head(s, &head, yh);
         });
 
         // Gated RMSNorm per token.
