@@ -223,6 +223,10 @@ struct RunFile {
     /// Targets before this window position do not count.
     #[serde(default)]
     loss_from: usize,
+    /// `f32` (default) or `bf16`: the training step's matrix products with bf16 operands on
+    /// the CPU's bf16 instructions (AMX or AVX512-BF16; f32 on CPUs without them).
+    #[serde(default)]
+    matmul: picaso_train::cpu::ops::Matmul,
     /// Held-out paragraph pairs for the context-use check at each validation.
     #[serde(default)]
     context_pairs: usize,
@@ -369,6 +373,7 @@ fn pretrain_cmd(a: PretrainArgs) -> Result<()> {
         init: f.init.clone(),
         loss_from: f.loss_from,
         train_stream,
+        matmul: f.matmul,
     };
     let need = config.estimated_peak_bytes();
     if let Some(avail) = available_memory_bytes() {

@@ -4,11 +4,14 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
 use picaso_model::Mamba2Config;
+use picaso_train::cpu::ops::Matmul;
 use picaso_train::cpu::CpuTrainer;
 use picaso_train::mamba::TrainMamba2;
 use picaso_train::pretrain::init_weights;
 
 fn main() -> candle_core::Result<()> {
+    // As the picaso binary does: freed activations are reused, not mapped and zeroed anew.
+    picaso_model::reuse_freed_buffers();
     let args: Vec<usize> = std::env::args().skip(1).map(|a| a.parse().expect("numbers")).collect();
     let arg = |i: usize, default: usize| args.get(i).copied().unwrap_or(default);
     let (b, t, chunk) = (arg(0, 8), arg(1, 256), arg(2, 64));
@@ -52,17 +55,39 @@ fn main() -> candle_core::Result<()> {
             );
         }
     }
-    let fast = CpuTrainer::new(&c, chunk)?;
-    let mut grads = CpuTrainer::zero_grads(&w);
+    // The fast path in each precision asked for (MATMUL=f32,bf16; default f32).
+    let asked = std::env::var("MATMUL").unwrap_or_else(|_| "f32".into());
+    for name in asked.split(',') {
+        let matmul = match name {
+            "f32" => Matmul::F32,
+            "bf16" => Matmul::Bf16,
+            other => panic!("MATMUL={other}: expected f32 or bf16"),
+        };
+        fast_steps(&CpuTrainer::new(&c, chunk)?.with_matmul(matmul), matmul, &w, &toks, b, t)?;
+    }
+    Ok(())
+}
+
+fn fast_steps(
+    fast: &CpuTrainer,
+    matmul: Matmul,
+    w: &picaso_model::Mamba2Weights,
+    toks: &[u32],
+    b: usize,
+    t: usize,
+) -> candle_core::Result<()> {
+    let tokens_per_step = (b * t) as f64;
+    let mut grads = CpuTrainer::zero_grads(w);
     for _ in 0..3 {
         let t0 = Instant::now();
-        fast.loss(&w, &toks, &toks, b, t)?;
+        fast.loss(w, toks, toks, b, t)?;
         let t1 = Instant::now();
-        fast.loss_and_grads(&w, &toks, &toks, b, t, &mut grads)?;
+        fast.loss_and_grads(w, toks, toks, b, t, &mut grads)?;
         let t2 = Instant::now();
         let step = (t2 - t1).as_secs_f64();
         println!(
-            "cpu-fast fwd+loss {:.3}s  step {:.3}s  {:.0} tokens/s",
+            "cpu-fast {} fwd+loss {:.3}s  step {:.3}s  {:.0} tokens/s",
+            matmul.describe(),
             (t1 - t0).as_secs_f64(),
             step,
             tokens_per_step / step

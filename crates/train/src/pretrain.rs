@@ -18,6 +18,7 @@ use candle_core::{DType, Tensor};
 use picaso_model::{Mamba2Config, Mamba2Weights};
 use rand::{Rng, SeedableRng};
 
+use crate::cpu::ops::Matmul;
 use crate::cpu::{param_shapes, params, params_mut, CpuTrainer};
 use crate::mamba::TrainMamba2;
 use crate::optim::{lr_at, AdamW, AdamWConfig, HostAdamW};
@@ -69,6 +70,13 @@ pub struct PretrainConfig {
     /// (`picaso train pretrain --train-stream`), so a resumed run refuses a different one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub train_stream: Option<String>,
+    /// The precision of the training step's matrix products (validation is always f32).
+    #[serde(default, skip_serializing_if = "is_f32")]
+    pub matmul: Matmul,
+}
+
+fn is_f32(m: &Matmul) -> bool {
+    *m == Matmul::F32
 }
 
 /// How the windows of a step are drawn from the training stream.
@@ -552,7 +560,10 @@ pub fn pretrain(
         candle_core::bail!("loss_from ({}) must be below seq_len ({})", config.loss_from, config.seq_len);
     }
     std::fs::create_dir_all(out).map_err(|e| io(e, out))?;
+    // Validation and the context-use check measure in f32 whatever the step multiplies in, so
+    // runs of either precision compare on the same scale.
     let trainer = CpuTrainer::new(&config.model, config.chunk)?;
+    let step_trainer = CpuTrainer::new(&config.model, config.chunk)?.with_matmul(config.matmul);
     let ckpt = out.join("checkpoint");
     let (mut weights, mut opt, mut state) = if ckpt.join("trainer.json").is_file() {
         let text = std::fs::read_to_string(ckpt.join("trainer.json")).map_err(|e| io(e, &ckpt))?;
@@ -601,6 +612,12 @@ pub fn pretrain(
             }
         }
     };
+    if config.matmul != Matmul::F32 {
+        // Which kernel a (re)start got: a run resumed on another CPU may multiply differently.
+        let note = format!("step {}: the step's matrix products run in {}", state.step, config.matmul.describe());
+        eprintln!("{note}");
+        state.notes.push(note);
+    }
     let started = Instant::now();
     let seconds_before = state.history.last().map(|r| r.seconds).unwrap_or(0.0);
     let tokens_per_step = (config.batch * config.seq_len) as u64;
@@ -612,7 +629,7 @@ pub fn pretrain(
         for g in params_mut(&mut grads) {
             g.fill(0.0);
         }
-        let result = trainer.loss_and_grads(&weights, &x, &y, config.batch, config.seq_len, &mut grads)?;
+        let result = step_trainer.loss_and_grads(&weights, &x, &y, config.batch, config.seq_len, &mut grads)?;
         let grad_list = params(&grads);
         let grad_norm = HostAdamW::grad_norm(&grad_list);
         if !grad_norm.is_finite() || !result.loss.is_finite() {
@@ -694,6 +711,7 @@ mod tests {
             init: InitOptions::default(),
             loss_from,
             train_stream: None,
+            matmul: Default::default(),
         }
     }
 

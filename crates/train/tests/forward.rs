@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor, Var};
 use picaso_model::{Mamba2Config, Mamba2Weights, Model, State};
+use picaso_train::cpu::ops::Matmul;
 use picaso_train::{TrainMamba2, TrainState};
 use rand::{Rng, SeedableRng};
 
@@ -166,6 +167,7 @@ fn tiny_pretrain_config() -> picaso_train::pretrain::PretrainConfig {
         init: Default::default(),
         loss_from: 0,
         train_stream: None,
+        matmul: Default::default(),
     }
 }
 
@@ -179,11 +181,19 @@ fn tiny_token_data() -> picaso_train::pretrain::TokenData {
 }
 
 /// A run killed after some steps and resumed from its checkpoint ends bit-identical to an
-/// uninterrupted run (weights and loss history); a resume with another config is refused.
+/// uninterrupted run (weights and loss history), with f32 and with bf16 matrix products; a
+/// resume with another config is refused.
 #[test]
 fn a_resumed_run_equals_an_uninterrupted_one() {
+    for matmul in [Matmul::F32, Matmul::Bf16] {
+        resumed_run_equals_uninterrupted(matmul);
+    }
+}
+
+fn resumed_run_equals_uninterrupted(matmul: Matmul) {
     use picaso_train::pretrain::{pretrain, InitOptions, PretrainConfig, Start};
     let config = PretrainConfig {
+        matmul,
         val_every: 2,
         val_sequences: 3,
         checkpoint_every: 4,
@@ -220,9 +230,13 @@ fn a_resumed_run_equals_an_uninterrupted_one() {
         assert!(diff(&x.in_proj, &y.in_proj) < 1e-6 && diff(&x.a_log, &y.a_log) < 1e-6);
     }
     assert!(full.last().unwrap().loss < full[0].loss, "it learns");
-    let other = PretrainConfig { lr: 1e-3, ..config.clone() };
-    let e = pretrain(&other, &data, &b, None, Start::Fresh, |_| {}).unwrap_err().to_string();
-    assert!(e.contains("another configuration"), "{e}");
+    for other in [
+        PretrainConfig { lr: 1e-3, ..config.clone() },
+        PretrainConfig { matmul: if matmul == Matmul::F32 { Matmul::Bf16 } else { Matmul::F32 }, ..config.clone() },
+    ] {
+        let e = pretrain(&other, &data, &b, None, Start::Fresh, |_| {}).unwrap_err().to_string();
+        assert!(e.contains("another configuration"), "{e}");
+    }
 }
 
 /// A run on a machine without its checkpoint warm-starts from a model folder with

@@ -14,11 +14,11 @@
 use picaso_compose::prefetch_l2;
 use rayon::prelude::*;
 
-use super::bf16_tiles;
+use super::{bf16_gemm, bf16_tiles};
 use super::kernels::Widen;
 
 /// Output rows per block: one AVX-512 register of f32 accumulators.
-const BLOCK: usize = 16;
+pub(super) const BLOCK: usize = 16;
 
 /// Whether this CPU has AVX512-BF16 (detected once).
 pub fn available() -> bool {
@@ -26,7 +26,9 @@ pub fn available() -> bool {
     *HAS.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bf16")
+            std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bw")
+                && std::arch::is_x86_feature_detected!("avx512bf16")
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
@@ -55,7 +57,7 @@ fn pair(lo: u16, hi: u16) -> u32 {
 }
 
 /// Two values (the second 0 when absent) rounded by `round` as one pair.
-fn pair_of(two: &[f32], round: fn(f32) -> u16) -> u32 {
+pub(super) fn pair_of(two: &[f32], round: fn(f32) -> u16) -> u32 {
     pair(round(two[0]), two.get(1).map_or(0, |&v| round(v)))
 }
 
@@ -88,6 +90,14 @@ impl PairedBf16 {
                 }
             }
         });
+        Self { pairs, n, k, kp_pad, tiles: false }
+    }
+
+    /// A matrix from pairs already in this layout (`n.div_ceil(16)` blocks of `kp_pad` × 16,
+    /// `kp_pad` a multiple of 16 pairs, padding zero).
+    pub(super) fn from_blocks(pairs: Vec<u32>, n: usize, k: usize, kp_pad: usize) -> Self {
+        assert!(kp_pad.is_multiple_of(bf16_tiles::TILE) && kp_pad >= k.div_ceil(2), "PairedBf16: bad padding");
+        assert_eq!(pairs.len(), n.div_ceil(BLOCK) * kp_pad * BLOCK, "PairedBf16: pairs are not {n}×{k}");
         Self { pairs, n, k, kp_pad, tiles: false }
     }
 
@@ -159,7 +169,7 @@ impl PairedBf16 {
     }
 
     #[cfg(target_arch = "x86_64")]
-    fn run_avx512(&self, xp: &[u32], m: usize, out: &mut [f32], accumulate: bool) {
+    pub(super) fn run_avx512(&self, xp: &[u32], m: usize, out: &mut [f32], accumulate: bool) {
         let (n, kp) = (self.n, self.k.div_ceil(2));
         let out = SharedOut(out.as_mut_ptr());
         // One task per panel of blocks; a task computes every input row against its panel, so
@@ -203,10 +213,18 @@ impl PairedBf16 {
     /// their weights in cache while every group of 32 input rows passes them.
     #[cfg(target_arch = "x86_64")]
     fn run_tiles(&self, x: &[f32], m: usize, out: &mut [f32], accumulate: bool) {
-        const GROUP: usize = 2 * bf16_tiles::TILE;
+        let xp = pack_rows_strided(x, m, self.k, self.kp_pad, m.next_multiple_of(TILE_GROUP));
+        self.run_tiles_packed(&xp, m, out, accumulate)
+    }
+
+    /// [`PairedBf16::run_tiles`] of inputs already packed: `m.next_multiple_of(32)` rows of
+    /// `kp_pad` pairs (rows past m zero).
+    #[cfg(target_arch = "x86_64")]
+    pub(super) fn run_tiles_packed(&self, xp: &[u32], m: usize, out: &mut [f32], accumulate: bool) {
+        const GROUP: usize = TILE_GROUP;
         let (n, kp) = (self.n, self.kp_pad);
         let groups = m.div_ceil(GROUP);
-        let xp = pack_rows_strided(x, m, self.k, kp, groups * GROUP);
+        assert!(self.tiles && xp.len() >= groups * GROUP * kp && out.len() >= m * n, "run_tiles_packed: sizes");
         let out = SharedOut(out.as_mut_ptr());
         let blocks = self.blocks();
         (0..blocks.div_ceil(2)).into_par_iter().for_each(|panel| {
@@ -253,8 +271,11 @@ impl PairedBf16 {
     }
 }
 
+/// Input rows per group of AMX tiles (2 tiles of 16 rows).
+pub(super) const TILE_GROUP: usize = 2 * bf16_tiles::TILE;
+
 /// An input rounded to bf16 as `vcvtne2ps2bf16` rounds it: nearest even, subnormals to ±0.
-fn round_input(v: f32) -> u16 {
+pub(super) fn round_input(v: f32) -> u16 {
     to_bf16(if v.is_subnormal() { 0.0f32.copysign(v) } else { v })
 }
 
@@ -266,21 +287,7 @@ fn pack_rows(x: &[f32], m: usize, k: usize) -> Vec<u32> {
 /// Rows of x rounded to bf16 pairs, `stride` pairs apart, `rows` rows (≥ m; AMX tiles read
 /// whole groups of rows). Everything past the values is zero.
 fn pack_rows_strided(x: &[f32], m: usize, k: usize, stride: usize, rows: usize) -> Vec<u32> {
-    let kp = k.div_ceil(2);
-    let mut xp = vec![0u32; rows * stride];
-    xp.par_chunks_mut(stride).zip(x.par_chunks_exact(k)).take(m).for_each(|(dst, row)| {
-        let dst = &mut dst[..kp];
-        #[cfg(target_arch = "x86_64")]
-        if available() {
-            // SAFETY: the CPU has AVX512-BF16; row has k values and dst k.div_ceil(2) pairs.
-            unsafe { pack_row_avx512(row, dst) };
-            return;
-        }
-        for (d, two) in dst.iter_mut().zip(row.chunks(2)) {
-            *d = pair_of(two, round_input);
-        }
-    });
-    xp
+    bf16_gemm::pack_rows(bf16_gemm::Strided { data: x, rs: k, cs: 1 }, m, k, stride, rows)
 }
 
 /// Writes (or adds) the first `rows` rows and `cols` columns of the 32 × 32 outputs of
@@ -327,7 +334,7 @@ unsafe fn store16(o: *mut f32, mask: std::arch::x86_64::__mmask16, v: std::arch:
 /// The CPU must have AVX512-BF16, and `dst.len()` must be `row.len().div_ceil(2)`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
-unsafe fn pack_row_avx512(row: &[f32], dst: &mut [u32]) {
+pub(super) unsafe fn pack_row_avx512(row: &[f32], dst: &mut [u32]) {
     use std::arch::x86_64::*;
     let body = row.len() - row.len() % 32;
     let mut j = 0;

@@ -6,6 +6,7 @@
 //! so each head's (P, N) state stays in L1 while all T tokens stream past it.
 
 pub mod bf16_dot;
+pub mod bf16_gemm;
 pub mod bf16_tiles;
 pub mod kernels;
 

@@ -3,7 +3,8 @@
 //! selective scan and cross-entropy. Hot loops are compiled for AVX-512, AVX2+FMA and
 //! portable code, chosen at run time (`picaso_model::simd_fn!`).
 
-use picaso_model::cpu::kernels::{exp, LANES};
+use picaso_model::cpu::bf16_gemm::{self, Strided};
+use picaso_model::cpu::kernels::{exp, Bf16Kernel, LANES};
 use picaso_model::simd_fn;
 use rayon::prelude::*;
 
@@ -31,10 +32,50 @@ impl<'a> Mat<'a> {
     pub fn t(data: &'a [f32], cols: usize) -> Self {
         Self { data, rs: 1, cs: cols }
     }
+
+    fn strided(self) -> Strided<'a> {
+        Strided { data: self.data, rs: self.rs, cs: self.cs }
+    }
 }
 
-/// dst (m×n, row-major) = a (m×k) · b (k×n), or += when `accumulate`.
-pub fn gemm(m: usize, n: usize, k: usize, dst: &mut [f32], accumulate: bool, a: Mat, b: Mat) {
+/// How the trainer's matrix products multiply: in f32, or with both operands rounded to bf16
+/// (f32 sums) on the CPU's bf16 instructions — AMX tiles or AVX512-BF16 — as PyTorch's bf16
+/// autocast does. Weights, gradients, optimiser state and everything else stay f32.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Matmul {
+    /// f32 operands (the `gemm` crate).
+    #[default]
+    F32,
+    /// bf16 operands where the CPU has bf16 instructions, else f32.
+    Bf16,
+}
+
+impl Matmul {
+    /// What runs on this CPU: `Bf16` only where it has AVX512-BF16 (see [`bf16_gemm::available`]).
+    pub fn effective(self) -> Self {
+        if self == Matmul::Bf16 && bf16_gemm::available() {
+            Matmul::Bf16
+        } else {
+            Matmul::F32
+        }
+    }
+
+    /// The name logs report: `f32`, `bf16-amx-tiles` or `bf16-avx512-bf16`.
+    pub fn describe(self) -> String {
+        match self.effective() {
+            Matmul::F32 => "f32".into(),
+            Matmul::Bf16 => format!("bf16-{}", Bf16Kernel::detect().name()),
+        }
+    }
+}
+
+/// dst (m×n, row-major) = a (m×k) · b (k×n), or += when `accumulate`, in `mm`'s precision.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm(mm: Matmul, m: usize, n: usize, k: usize, dst: &mut [f32], accumulate: bool, a: Mat, b: Mat) {
+    if mm.effective() == Matmul::Bf16 {
+        return bf16_gemm::gemm(Bf16Kernel::detect(), m, n, k, dst, accumulate, a.strided(), b.strided());
+    }
     assert!(dst.len() >= m * n, "gemm: dst too small");
     let reach = |x: &Mat, r: usize, c: usize| (r.max(1) - 1) * x.rs + (c.max(1) - 1) * x.cs + 1;
     assert!(m == 0 || k == 0 || a.data.len() >= reach(&a, m, k), "gemm: a too small");
@@ -78,14 +119,15 @@ pub fn gemm(m: usize, n: usize, k: usize, dst: &mut [f32], accumulate: bool, a: 
 }
 
 /// A linear layer `y = x·wᵀ` for x (m×k) and w (n×k), as PyTorch stores weights.
-pub fn linear(x: &[f32], m: usize, k: usize, w: &[f32], n: usize, y: &mut [f32]) {
-    gemm(m, n, k, y, false, Mat::rows(x, k), Mat::t(w, k));
+pub fn linear(mm: Matmul, x: &[f32], m: usize, k: usize, w: &[f32], n: usize, y: &mut [f32]) {
+    gemm(mm, m, n, k, y, false, Mat::rows(x, k), Mat::t(w, k));
 }
 
 /// The linear layer's backward: `dx = dy·w` (written, or added when `accumulate_dx`) and
 /// `dw += dyᵀ·x`.
 #[allow(clippy::too_many_arguments)]
 pub fn linear_backward(
+    mm: Matmul,
     x: &[f32],
     m: usize,
     k: usize,
@@ -96,9 +138,9 @@ pub fn linear_backward(
     dw: &mut [f32],
 ) {
     if let Some(dx) = dx {
-        gemm(m, k, n, dx, false, Mat::rows(dy, n), Mat::rows(w, k));
+        gemm(mm, m, k, n, dx, false, Mat::rows(dy, n), Mat::rows(w, k));
     }
-    gemm(n, k, m, dw, true, Mat::t(dy, n), Mat::rows(x, k));
+    gemm(mm, n, k, m, dw, true, Mat::t(dy, n), Mat::rows(x, k));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -383,6 +425,14 @@ pub struct HeadView {
     pub n: usize,
 }
 
+impl HeadView {
+    /// d_state in whole vectors of [`LANES`], where it is one (the scan keeps B and C in
+    /// registers then).
+    fn whole_vectors(&self) -> Option<usize> {
+        (self.n > 0 && self.n.is_multiple_of(LANES)).then_some(self.n / LANES)
+    }
+}
+
 simd_fn! {
     /// The scan of one head over `dt.len()` tokens from the zero state: s ← α_t·s + dt_t·x_t⊗B_t,
     /// y_t = s·C_t + D·x_t with α_t = exp(dt_t·A). `xbc` holds the sequence's rows; `y` is
@@ -398,24 +448,95 @@ simd_fn! {
         checkpoints: &mut [f32],
         y: &mut [f32],
     ) {
-        let (p_dim, n_dim) = (v.p, v.n);
-        s.fill(0.0);
-        for (t, &dt_t) in dt.iter().enumerate() {
-            if t % chunk == 0 {
-                checkpoints[(t / chunk) * p_dim * n_dim..][..p_dim * n_dim].copy_from_slice(s);
+        match v.whole_vectors() {
+            Some(1) => scan_forward_fixed::<1>(xbc, v, dt, a, d_skip, chunk, s, checkpoints, y),
+            Some(2) => scan_forward_fixed::<2>(xbc, v, dt, a, d_skip, chunk, s, checkpoints, y),
+            Some(4) => scan_forward_fixed::<4>(xbc, v, dt, a, d_skip, chunk, s, checkpoints, y),
+            Some(8) => scan_forward_fixed::<8>(xbc, v, dt, a, d_skip, chunk, s, checkpoints, y),
+            _ => scan_forward_any(xbc, v, dt, a, d_skip, chunk, s, checkpoints, y),
+        }
+    }
+}
+
+/// [`scan_forward`] for any d_state.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn scan_forward_any(
+    xbc: &[f32],
+    v: HeadView,
+    dt: &[f32],
+    a: f32,
+    d_skip: f32,
+    chunk: usize,
+    s: &mut [f32],
+    checkpoints: &mut [f32],
+    y: &mut [f32],
+) {
+    let (p_dim, n_dim) = (v.p, v.n);
+    s.fill(0.0);
+    for (t, &dt_t) in dt.iter().enumerate() {
+        if t % chunk == 0 {
+            checkpoints[(t / chunk) * p_dim * n_dim..][..p_dim * n_dim].copy_from_slice(s);
+        }
+        let row = &xbc[t * v.ld..];
+        let (x, bm, cm) = (&row[v.x..v.x + p_dim], &row[v.b..v.b + n_dim], &row[v.c..v.c + n_dim]);
+        let alpha = exp(dt_t * a);
+        let yt = &mut y[t * p_dim..(t + 1) * p_dim];
+        for p in 0..p_dim {
+            let u = x[p] * dt_t;
+            let sp = &mut s[p * n_dim..(p + 1) * n_dim];
+            for (sv, &bv) in sp.iter_mut().zip(bm) {
+                *sv = sv.mul_add(alpha, u * bv);
             }
-            let row = &xbc[t * v.ld..];
-            let (x, bm, cm) = (&row[v.x..v.x + p_dim], &row[v.b..v.b + n_dim], &row[v.c..v.c + n_dim]);
-            let alpha = exp(dt_t * a);
-            let yt = &mut y[t * p_dim..(t + 1) * p_dim];
-            for p in 0..p_dim {
-                let u = x[p] * dt_t;
-                let sp = &mut s[p * n_dim..(p + 1) * n_dim];
-                for (sv, &bv) in sp.iter_mut().zip(bm) {
-                    *sv = sv.mul_add(alpha, u * bv);
+            yt[p] = d_skip.mul_add(x[p], dot(sp, cm));
+        }
+    }
+}
+
+/// NV vectors of [`LANES`] values from the start of `from`.
+#[inline(always)]
+fn vectors<const NV: usize>(from: &[f32]) -> [[f32; LANES]; NV] {
+    std::array::from_fn(|j| from[j * LANES..(j + 1) * LANES].try_into().expect("LANES values"))
+}
+
+/// [`scan_forward`] for d_state = NV · [`LANES`]: the token's B and C stay in registers, and
+/// each state row is updated and read against C in one pass.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn scan_forward_fixed<const NV: usize>(
+    xbc: &[f32],
+    v: HeadView,
+    dt: &[f32],
+    a: f32,
+    d_skip: f32,
+    chunk: usize,
+    s: &mut [f32],
+    checkpoints: &mut [f32],
+    y: &mut [f32],
+) {
+    let (p_dim, n_dim) = (v.p, NV * LANES);
+    s.fill(0.0);
+    for (t, &dt_t) in dt.iter().enumerate() {
+        if t % chunk == 0 {
+            checkpoints[(t / chunk) * p_dim * n_dim..][..p_dim * n_dim].copy_from_slice(s);
+        }
+        let row = &xbc[t * v.ld..];
+        let x = &row[v.x..v.x + p_dim];
+        let (b, c) = (vectors::<NV>(&row[v.b..]), vectors::<NV>(&row[v.c..]));
+        let alpha = exp(dt_t * a);
+        let yt = &mut y[t * p_dim..(t + 1) * p_dim];
+        for (p, sp) in s.chunks_exact_mut(n_dim).take(p_dim).enumerate() {
+            let u = x[p] * dt_t;
+            let mut acc = [0.0f32; LANES];
+            for j in 0..NV {
+                let sv = &mut sp[j * LANES..(j + 1) * LANES];
+                for i in 0..LANES {
+                    let nv = sv[i].mul_add(alpha, u * b[j][i]);
+                    sv[i] = nv;
+                    acc[i] = nv.mul_add(c[j][i], acc[i]);
                 }
-                yt[p] = d_skip.mul_add(x[p], dot(sp, cm));
             }
+            yt[p] = d_skip.mul_add(x[p], acc.iter().sum::<f32>());
         }
     }
 }
@@ -449,77 +570,189 @@ simd_fn! {
         ds: &mut [f32],
         g: HeadGrads<'_>,
     ) -> (f64, f64) {
-        let (p_dim, n_dim) = (v.p, v.n);
-        let pn = p_dim * n_dim;
-        let t_len = dt.len();
-        let (mut da, mut dd) = (0f64, 0f64);
-        let mut du = vec![0f32; p_dim];
-        ds.fill(0.0);
-        for c0 in (0..t_len.div_ceil(chunk)).rev() {
-            let start = c0 * chunk;
-            let len = chunk.min(t_len - start);
-            states[..pn].copy_from_slice(&checkpoints[c0 * pn..(c0 + 1) * pn]);
-            for i in 0..len {
-                let t = start + i;
-                let row = &xbc[t * v.ld..];
-                let (x, bm) = (&row[v.x..v.x + p_dim], &row[v.b..v.b + n_dim]);
-                let alpha = exp(dt[t] * a);
-                let (prev, next) = states[i * pn..(i + 2) * pn].split_at_mut(pn);
-                for p in 0..p_dim {
-                    let u = x[p] * dt[t];
-                    for ((nv, &pv), &bv) in next[p * n_dim..(p + 1) * n_dim].iter_mut().zip(&prev[p * n_dim..(p + 1) * n_dim]).zip(bm) {
-                        *nv = pv.mul_add(alpha, u * bv);
-                    }
-                }
-            }
-            for i in (0..len).rev() {
-                let t = start + i;
-                let row = &xbc[t * v.ld..];
-                let (x, bm, cm) = (&row[v.x..v.x + p_dim], &row[v.b..v.b + n_dim], &row[v.c..v.c + n_dim]);
-                let dt_t = dt[t];
-                let alpha = exp(dt_t * a);
-                let dyt = &dy[t * p_dim..(t + 1) * p_dim];
-                let (prev, cur) = states[i * pn..(i + 2) * pn].split_at(pn);
-                let dbt = &mut g.db[t * n_dim..(t + 1) * n_dim];
-                let dct = &mut g.dc[t * n_dim..(t + 1) * n_dim];
-                dbt.fill(0.0);
-                dct.fill(0.0);
-                let mut dalpha = 0.0f32;
-                for p in 0..p_dim {
-                    let span = p * n_dim..(p + 1) * n_dim;
-                    let dsp = &mut ds[span.clone()];
-                    let gy = dyt[p];
-                    // y_t = s_t·C_t: ds_t += dy ⊗ C, dC += s_t·dy.
-                    for ((dv, &cv), (dcv, &sv)) in dsp.iter_mut().zip(cm).zip(dct.iter_mut().zip(&cur[span.clone()])) {
-                        *dv = gy.mul_add(cv, *dv);
-                        *dcv = gy.mul_add(sv, *dcv);
-                    }
-                    // s_t = α·s_{t−1} + u⊗B: du = ds·B, dB += ds·u, dα += ds·s_{t−1}.
-                    let u = x[p] * dt_t;
-                    du[p] = dot(dsp, bm);
-                    dalpha += dot(dsp, &prev[span]);
-                    for (dbv, &dv) in dbt.iter_mut().zip(dsp.iter()) {
-                        *dbv = dv.mul_add(u, *dbv);
-                    }
-                    for dv in dsp.iter_mut() {
-                        *dv *= alpha;
-                    }
-                }
-                // α = exp(dt·A): dla = dα·α; la = dt·A.
-                let dla = dalpha * alpha;
-                da += f64::from(dla * dt_t);
-                let mut ddt = dla * a;
-                let dxt = &mut g.dx[t * p_dim..(t + 1) * p_dim];
-                for p in 0..p_dim {
-                    ddt = x[p].mul_add(du[p], ddt);
-                    dxt[p] = dt_t.mul_add(du[p], d_skip * dyt[p]);
-                    dd += f64::from(dyt[p] * x[p]);
-                }
-                g.ddt[t] = ddt;
+        let args = (xbc, v, dt, a, d_skip, chunk, checkpoints, dy);
+        match v.whole_vectors() {
+            Some(1) => scan_backward_fixed::<1>(args, states, ds, g),
+            Some(2) => scan_backward_fixed::<2>(args, states, ds, g),
+            Some(4) => scan_backward_fixed::<4>(args, states, ds, g),
+            Some(8) => scan_backward_fixed::<8>(args, states, ds, g),
+            _ => scan_backward_any(args, states, ds, g),
+        }
+    }
+}
+
+/// What [`scan_backward`] reads: xbc, the head, dt, A, D, the chunk, the checkpoints and dy.
+type BackwardInputs<'a> = (&'a [f32], HeadView, &'a [f32], f32, f32, usize, &'a [f32], &'a [f32]);
+
+/// Recomputes the states of the chunk at `start` (`len` tokens) from its checkpoint into
+/// `states` (len + 1 of them).
+#[inline(always)]
+fn recompute_chunk(inp: &BackwardInputs, start: usize, len: usize, states: &mut [f32]) {
+    let (xbc, v, dt, a, _, _, checkpoints, _) = *inp;
+    let (p_dim, n_dim) = (v.p, v.n);
+    let pn = p_dim * n_dim;
+    let c0 = start / inp.5;
+    states[..pn].copy_from_slice(&checkpoints[c0 * pn..(c0 + 1) * pn]);
+    for i in 0..len {
+        let t = start + i;
+        let row = &xbc[t * v.ld..];
+        let (x, bm) = (&row[v.x..v.x + p_dim], &row[v.b..v.b + n_dim]);
+        let alpha = exp(dt[t] * a);
+        let (prev, next) = states[i * pn..(i + 2) * pn].split_at_mut(pn);
+        for p in 0..p_dim {
+            let u = x[p] * dt[t];
+            for ((nv, &pv), &bv) in
+                next[p * n_dim..(p + 1) * n_dim].iter_mut().zip(&prev[p * n_dim..(p + 1) * n_dim]).zip(bm)
+            {
+                *nv = pv.mul_add(alpha, u * bv);
             }
         }
-        (da, dd)
     }
+}
+
+/// The per-token tail of the adjoint step: d dt, d x and the (dA, dD) contributions, from
+/// du = ds·B per row and dα.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn finish_token(
+    inp: &BackwardInputs,
+    t: usize,
+    du: &[f32],
+    dalpha: f32,
+    g: &mut HeadGrads<'_>,
+    da: &mut f64,
+    dd: &mut f64,
+) {
+    let (xbc, v, dt, a, d_skip, _, _, dy) = *inp;
+    let p_dim = v.p;
+    let x = &xbc[t * v.ld + v.x..][..p_dim];
+    let dyt = &dy[t * p_dim..(t + 1) * p_dim];
+    let dt_t = dt[t];
+    let alpha = exp(dt_t * a);
+    // α = exp(dt·A): dla = dα·α; la = dt·A.
+    let dla = dalpha * alpha;
+    *da += f64::from(dla * dt_t);
+    let mut ddt = dla * a;
+    let dxt = &mut g.dx[t * p_dim..(t + 1) * p_dim];
+    for p in 0..p_dim {
+        ddt = x[p].mul_add(du[p], ddt);
+        dxt[p] = dt_t.mul_add(du[p], d_skip * dyt[p]);
+        *dd += f64::from(dyt[p] * x[p]);
+    }
+    g.ddt[t] = ddt;
+}
+
+/// [`scan_backward`] for any d_state.
+#[inline(always)]
+fn scan_backward_any(inp: BackwardInputs, states: &mut [f32], ds: &mut [f32], mut g: HeadGrads<'_>) -> (f64, f64) {
+    let (xbc, v, dt, a, _, chunk, _, dy) = inp;
+    let (p_dim, n_dim) = (v.p, v.n);
+    let pn = p_dim * n_dim;
+    let t_len = dt.len();
+    let (mut da, mut dd) = (0f64, 0f64);
+    let mut du = vec![0f32; p_dim];
+    ds.fill(0.0);
+    for c0 in (0..t_len.div_ceil(chunk)).rev() {
+        let start = c0 * chunk;
+        let len = chunk.min(t_len - start);
+        recompute_chunk(&inp, start, len, states);
+        for i in (0..len).rev() {
+            let t = start + i;
+            let row = &xbc[t * v.ld..];
+            let (x, bm, cm) = (&row[v.x..v.x + p_dim], &row[v.b..v.b + n_dim], &row[v.c..v.c + n_dim]);
+            let dt_t = dt[t];
+            let alpha = exp(dt_t * a);
+            let dyt = &dy[t * p_dim..(t + 1) * p_dim];
+            let (prev, cur) = states[i * pn..(i + 2) * pn].split_at(pn);
+            let dbt = &mut g.db[t * n_dim..(t + 1) * n_dim];
+            let dct = &mut g.dc[t * n_dim..(t + 1) * n_dim];
+            dbt.fill(0.0);
+            dct.fill(0.0);
+            let mut dalpha = 0.0f32;
+            for p in 0..p_dim {
+                let span = p * n_dim..(p + 1) * n_dim;
+                let dsp = &mut ds[span.clone()];
+                let gy = dyt[p];
+                // y_t = s_t·C_t: ds_t += dy ⊗ C, dC += s_t·dy.
+                for ((dv, &cv), (dcv, &sv)) in dsp.iter_mut().zip(cm).zip(dct.iter_mut().zip(&cur[span.clone()])) {
+                    *dv = gy.mul_add(cv, *dv);
+                    *dcv = gy.mul_add(sv, *dcv);
+                }
+                // s_t = α·s_{t−1} + u⊗B: du = ds·B, dB += ds·u, dα += ds·s_{t−1}.
+                let u = x[p] * dt_t;
+                du[p] = dot(dsp, bm);
+                dalpha += dot(dsp, &prev[span]);
+                for (dbv, &dv) in dbt.iter_mut().zip(dsp.iter()) {
+                    *dbv = dv.mul_add(u, *dbv);
+                }
+                for dv in dsp.iter_mut() {
+                    *dv *= alpha;
+                }
+            }
+            finish_token(&inp, t, &du, dalpha, &mut g, &mut da, &mut dd);
+        }
+    }
+    (da, dd)
+}
+
+/// [`scan_backward`] for d_state = NV · [`LANES`]: the token's B and C, and its dB and dC
+/// sums, stay in registers, and each adjoint row is read and written once per token.
+#[inline(always)]
+fn scan_backward_fixed<const NV: usize>(
+    inp: BackwardInputs,
+    states: &mut [f32],
+    ds: &mut [f32],
+    mut g: HeadGrads<'_>,
+) -> (f64, f64) {
+    let (xbc, v, dt, a, _, chunk, _, dy) = inp;
+    let (p_dim, n_dim) = (v.p, NV * LANES);
+    let pn = p_dim * n_dim;
+    let t_len = dt.len();
+    let (mut da, mut dd) = (0f64, 0f64);
+    let mut du = vec![0f32; p_dim];
+    ds.fill(0.0);
+    for c0 in (0..t_len.div_ceil(chunk)).rev() {
+        let start = c0 * chunk;
+        let len = chunk.min(t_len - start);
+        recompute_chunk(&inp, start, len, states);
+        for i in (0..len).rev() {
+            let t = start + i;
+            let row = &xbc[t * v.ld..];
+            let x = &row[v.x..v.x + p_dim];
+            let (b, c) = (vectors::<NV>(&row[v.b..]), vectors::<NV>(&row[v.c..]));
+            let dt_t = dt[t];
+            let alpha = exp(dt_t * a);
+            let dyt = &dy[t * p_dim..(t + 1) * p_dim];
+            let (prev, cur) = states[i * pn..(i + 2) * pn].split_at(pn);
+            let mut db = [[0.0f32; LANES]; NV];
+            let mut dc = [[0.0f32; LANES]; NV];
+            let mut dalpha = [0.0f32; LANES];
+            for p in 0..p_dim {
+                let (gy, u) = (dyt[p], x[p] * dt_t);
+                let dsp = &mut ds[p * n_dim..(p + 1) * n_dim];
+                let (sp, pp) = (&cur[p * n_dim..(p + 1) * n_dim], &prev[p * n_dim..(p + 1) * n_dim]);
+                let mut dup = [0.0f32; LANES];
+                for j in 0..NV {
+                    for l in 0..LANES {
+                        let k = j * LANES + l;
+                        // y_t = s_t·C_t: ds_t += dy ⊗ C, dC += s_t·dy; then s_t = α·s_{t−1} + u⊗B:
+                        // du = ds·B, dB += ds·u, dα += ds·s_{t−1}, ds_{t−1} = α·ds_t.
+                        let d = gy.mul_add(c[j][l], dsp[k]);
+                        dc[j][l] = gy.mul_add(sp[k], dc[j][l]);
+                        dup[l] = d.mul_add(b[j][l], dup[l]);
+                        dalpha[l] = d.mul_add(pp[k], dalpha[l]);
+                        db[j][l] = d.mul_add(u, db[j][l]);
+                        dsp[k] = d * alpha;
+                    }
+                }
+                du[p] = dup.iter().sum();
+            }
+            g.db[t * n_dim..(t + 1) * n_dim].copy_from_slice(db.as_flattened());
+            g.dc[t * n_dim..(t + 1) * n_dim].copy_from_slice(dc.as_flattened());
+            finish_token(&inp, t, &du, dalpha.iter().sum(), &mut g, &mut da, &mut dd);
+        }
+    }
+    (da, dd)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -621,7 +854,7 @@ mod tests {
         let x: Vec<f32> = (0..m * k).map(|i| ((i * 7 % 13) as f32 - 6.0) / 7.0).collect();
         let w: Vec<f32> = (0..n * k).map(|i| ((i * 5 % 11) as f32 - 5.0) / 9.0).collect();
         let mut y = vec![0.0; m * n];
-        linear(&x, m, k, &w, n, &mut y);
+        linear(Matmul::F32, &x, m, k, &w, n, &mut y);
         for i in 0..m {
             for j in 0..n {
                 let want: f32 = (0..k).map(|l| x[i * k + l] * w[j * k + l]).sum();
@@ -631,7 +864,7 @@ mod tests {
         let dy: Vec<f32> = (0..m * n).map(|i| (i as f32 * 0.37).sin()).collect();
         let mut dx = vec![0.0; m * k];
         let mut dw = vec![1.0; n * k];
-        linear_backward(&x, m, k, &w, n, &dy, Some(&mut dx), &mut dw);
+        linear_backward(Matmul::F32, &x, m, k, &w, n, &dy, Some(&mut dx), &mut dw);
         for i in 0..m {
             for l in 0..k {
                 let want: f32 = (0..n).map(|j| dy[i * n + j] * w[j * k + l]).sum();
