@@ -224,7 +224,7 @@ struct RunFile {
     #[serde(default)]
     loss_from: usize,
     /// `f32` (default) or `bf16`: the training step's matrix products with bf16 operands on
-    /// the CPU's bf16 instructions (AMX or AVX512-BF16; f32 on CPUs without them).
+    /// AMX tiles (f32 on CPUs without them; the run log says which ran).
     #[serde(default)]
     matmul: picaso_train::cpu::ops::Matmul,
     /// Held-out paragraph pairs for the context-use check at each validation.

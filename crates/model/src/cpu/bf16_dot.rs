@@ -14,8 +14,8 @@
 use picaso_compose::prefetch_l2;
 use rayon::prelude::*;
 
-use super::{bf16_gemm, bf16_tiles};
 use super::kernels::Widen;
+use super::{bf16_gemm, bf16_tiles};
 
 /// Output rows per block: one AVX-512 register of f32 accumulators.
 pub(super) const BLOCK: usize = 16;

@@ -4,6 +4,7 @@
 //! portable code, chosen at run time (`picaso_model::simd_fn!`).
 
 use picaso_model::cpu::bf16_gemm::{self, Strided};
+use picaso_model::cpu::bf16_tiles;
 use picaso_model::cpu::kernels::{exp, Bf16Kernel, LANES};
 use picaso_model::simd_fn;
 use rayon::prelude::*;
@@ -39,33 +40,40 @@ impl<'a> Mat<'a> {
 }
 
 /// How the trainer's matrix products multiply: in f32, or with both operands rounded to bf16
-/// (f32 sums) on the CPU's bf16 instructions — AMX tiles or AVX512-BF16 — as PyTorch's bf16
-/// autocast does. Weights, gradients, optimiser state and everything else stay f32.
+/// (f32 sums) on AMX tiles, as PyTorch's bf16 autocast does. Weights, gradients, optimiser
+/// state and everything else stay f32.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Matmul {
     /// f32 operands (the `gemm` crate).
     #[default]
     F32,
-    /// bf16 operands where the CPU has bf16 instructions, else f32.
+    /// bf16 operands on AMX tiles where the CPU has them, else f32.
     Bf16,
 }
 
 impl Matmul {
-    /// What runs on this CPU: `Bf16` only where it has AVX512-BF16 (see [`bf16_gemm::available`]).
+    /// What runs on this CPU: `Bf16` only with AMX tiles. Without them it is `F32`: a step on
+    /// AVX512-BF16's `vdpbf16ps` alone measured slower than the f32 gemm (BENCHMARKS.md);
+    /// `PICASO_BF16_KERNEL=dot` still runs that kernel on an AMX CPU, to compare.
     pub fn effective(self) -> Self {
-        if self == Matmul::Bf16 && bf16_gemm::available() {
+        let kernel = Bf16Kernel::detect();
+        if self == Matmul::Bf16 && bf16_tiles::available() && kernel != Bf16Kernel::Widen {
             Matmul::Bf16
         } else {
             Matmul::F32
         }
     }
 
-    /// The name logs report: `f32`, `bf16-amx-tiles` or `bf16-avx512-bf16`.
+    /// The name logs report: `f32`, `bf16-amx-tiles` (`bf16-avx512bf16-dot` when forced), or
+    /// why a bf16 request runs in f32.
     pub fn describe(self) -> String {
-        match self.effective() {
-            Matmul::F32 => "f32".into(),
-            Matmul::Bf16 => format!("bf16-{}", Bf16Kernel::detect().name()),
+        match (self, self.effective()) {
+            (_, Matmul::Bf16) => format!("bf16-{}", Bf16Kernel::detect().name()),
+            (Matmul::Bf16, Matmul::F32) => {
+                "f32 (bf16 asked for: no AMX tiles here, or PICASO_BF16_KERNEL=widen)".into()
+            }
+            _ => "f32".into(),
         }
     }
 }
