@@ -486,10 +486,11 @@ unsafe fn micro<const MR: usize, const NB: usize>(a: &Panel) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
-    fn random(len: usize, seed: u64) -> Vec<f32> {
+    /// `len` values in [-1, 1) from a fixed LCG (also used by `bf16_gemm`'s tests).
+    pub(in crate::cpu) fn random(len: usize, seed: u64) -> Vec<f32> {
         let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         (0..len)
             .map(|_| {

@@ -228,17 +228,8 @@ unsafe fn lane_pairs(m: Strided, r0: usize, valid: usize, col: usize, k: usize, 
 
 #[cfg(test)]
 mod tests {
+    use super::super::bf16_dot::tests::random;
     use super::*;
-
-    fn random(len: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        (0..len)
-            .map(|_| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0
-            })
-            .collect()
-    }
 
     fn bf16(v: f32) -> f64 {
         half::bf16::from_f32(v).to_f64()
