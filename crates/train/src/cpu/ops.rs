@@ -650,23 +650,15 @@ fn finish_token(
     g.ddt[t] = ddt;
 }
 
-/// The adjoint walk both backward scans share: chunks last to first, each recomputed from its
-/// checkpoint into `states`, then its tokens last to first. `token(t, prev, cur, ds, g, du)`
-/// runs one token's adjoint step over the state rows — s_{t−1} in `prev`, s_t in `cur`, the
-/// adjoint in `ds` — writing dB and dC into `g` and du = ds·B per row, and returns dα.
+/// [`scan_backward`] for any d_state.
 #[inline(always)]
-fn adjoint_walk(
-    inp: BackwardInputs,
-    states: &mut [f32],
-    ds: &mut [f32],
-    mut g: HeadGrads<'_>,
-    mut token: impl FnMut(usize, &[f32], &[f32], &mut [f32], &mut HeadGrads<'_>, &mut [f32]) -> f32,
-) -> (f64, f64) {
-    let (v, dt, chunk) = (inp.1, inp.2, inp.5);
-    let pn = v.p * v.n;
+fn scan_backward_any(inp: BackwardInputs, states: &mut [f32], ds: &mut [f32], mut g: HeadGrads<'_>) -> (f64, f64) {
+    let (xbc, v, dt, a, _, chunk, _, dy) = inp;
+    let (p_dim, n_dim) = (v.p, v.n);
+    let pn = p_dim * n_dim;
     let t_len = dt.len();
     let (mut da, mut dd) = (0f64, 0f64);
-    let mut du = vec![0f32; v.p];
+    let mut du = vec![0f32; p_dim];
     ds.fill(0.0);
     for c0 in (0..t_len.div_ceil(chunk)).rev() {
         let start = c0 * chunk;
@@ -674,99 +666,105 @@ fn adjoint_walk(
         recompute_chunk(&inp, start, len, states);
         for i in (0..len).rev() {
             let t = start + i;
+            let row = &xbc[t * v.ld..];
+            let (x, bm, cm) = (&row[v.x..v.x + p_dim], &row[v.b..v.b + n_dim], &row[v.c..v.c + n_dim]);
+            let dt_t = dt[t];
+            let alpha = exp(dt_t * a);
+            let dyt = &dy[t * p_dim..(t + 1) * p_dim];
             let (prev, cur) = states[i * pn..(i + 2) * pn].split_at(pn);
-            let dalpha = token(t, prev, cur, ds, &mut g, &mut du);
+            let dbt = &mut g.db[t * n_dim..(t + 1) * n_dim];
+            let dct = &mut g.dc[t * n_dim..(t + 1) * n_dim];
+            dbt.fill(0.0);
+            dct.fill(0.0);
+            let mut dalpha = 0.0f32;
+            for p in 0..p_dim {
+                let span = p * n_dim..(p + 1) * n_dim;
+                let dsp = &mut ds[span.clone()];
+                let gy = dyt[p];
+                // y_t = s_t·C_t: ds_t += dy ⊗ C, dC += s_t·dy.
+                for ((dv, &cv), (dcv, &sv)) in dsp.iter_mut().zip(cm).zip(dct.iter_mut().zip(&cur[span.clone()])) {
+                    *dv = gy.mul_add(cv, *dv);
+                    *dcv = gy.mul_add(sv, *dcv);
+                }
+                // s_t = α·s_{t−1} + u⊗B: du = ds·B, dB += ds·u, dα += ds·s_{t−1}.
+                let u = x[p] * dt_t;
+                du[p] = dot(dsp, bm);
+                dalpha += dot(dsp, &prev[span]);
+                for (dbv, &dv) in dbt.iter_mut().zip(dsp.iter()) {
+                    *dbv = dv.mul_add(u, *dbv);
+                }
+                for dv in dsp.iter_mut() {
+                    *dv *= alpha;
+                }
+            }
             finish_token(&inp, t, &du, dalpha, &mut g, &mut da, &mut dd);
         }
     }
     (da, dd)
 }
 
-/// [`scan_backward`] for any d_state.
-#[inline(always)]
-fn scan_backward_any(inp: BackwardInputs, states: &mut [f32], ds: &mut [f32], g: HeadGrads<'_>) -> (f64, f64) {
-    let (xbc, v, dt, a, _, _, _, dy) = inp;
-    let (p_dim, n_dim) = (v.p, v.n);
-    adjoint_walk(inp, states, ds, g, |t, prev, cur, ds, g, du| {
-        let row = &xbc[t * v.ld..];
-        let (x, bm, cm) = (&row[v.x..v.x + p_dim], &row[v.b..v.b + n_dim], &row[v.c..v.c + n_dim]);
-        let dt_t = dt[t];
-        let alpha = exp(dt_t * a);
-        let dyt = &dy[t * p_dim..(t + 1) * p_dim];
-        let dbt = &mut g.db[t * n_dim..(t + 1) * n_dim];
-        let dct = &mut g.dc[t * n_dim..(t + 1) * n_dim];
-        dbt.fill(0.0);
-        dct.fill(0.0);
-        let mut dalpha = 0.0f32;
-        for p in 0..p_dim {
-            let span = p * n_dim..(p + 1) * n_dim;
-            let dsp = &mut ds[span.clone()];
-            let gy = dyt[p];
-            // y_t = s_t·C_t: ds_t += dy ⊗ C, dC += s_t·dy.
-            for ((dv, &cv), (dcv, &sv)) in dsp.iter_mut().zip(cm).zip(dct.iter_mut().zip(&cur[span.clone()])) {
-                *dv = gy.mul_add(cv, *dv);
-                *dcv = gy.mul_add(sv, *dcv);
-            }
-            // s_t = α·s_{t−1} + u⊗B: du = ds·B, dB += ds·u, dα += ds·s_{t−1}.
-            let u = x[p] * dt_t;
-            du[p] = dot(dsp, bm);
-            dalpha += dot(dsp, &prev[span]);
-            for (dbv, &dv) in dbt.iter_mut().zip(dsp.iter()) {
-                *dbv = dv.mul_add(u, *dbv);
-            }
-            for dv in dsp.iter_mut() {
-                *dv *= alpha;
-            }
-        }
-        dalpha
-    })
-}
-
 /// [`scan_backward`] for d_state = NV · [`LANES`]: the token's B and C, and its dB and dC
 /// sums, stay in registers, and each adjoint row is read and written once per token.
+///
+/// It repeats [`scan_backward_any`]'s walk over chunks and tokens on purpose: sharing it through
+/// a closure compiled the token's loop without `simd_fn!`'s target features (a closure does not
+/// get them from the function it is inlined into), and the training step ran 5× slower.
 #[inline(always)]
 fn scan_backward_fixed<const NV: usize>(
     inp: BackwardInputs,
     states: &mut [f32],
     ds: &mut [f32],
-    g: HeadGrads<'_>,
+    mut g: HeadGrads<'_>,
 ) -> (f64, f64) {
-    let (xbc, v, dt, a, _, _, _, dy) = inp;
+    let (xbc, v, dt, a, _, chunk, _, dy) = inp;
     let (p_dim, n_dim) = (v.p, NV * LANES);
-    adjoint_walk(inp, states, ds, g, |t, prev, cur, ds, g, du| {
-        let row = &xbc[t * v.ld..];
-        let x = &row[v.x..v.x + p_dim];
-        let (b, c) = (vectors::<NV>(&row[v.b..]), vectors::<NV>(&row[v.c..]));
-        let dt_t = dt[t];
-        let alpha = exp(dt_t * a);
-        let dyt = &dy[t * p_dim..(t + 1) * p_dim];
-        let mut db = [[0.0f32; LANES]; NV];
-        let mut dc = [[0.0f32; LANES]; NV];
-        let mut dalpha = [0.0f32; LANES];
-        for p in 0..p_dim {
-            let (gy, u) = (dyt[p], x[p] * dt_t);
-            let dsp = &mut ds[p * n_dim..(p + 1) * n_dim];
-            let (sp, pp) = (&cur[p * n_dim..(p + 1) * n_dim], &prev[p * n_dim..(p + 1) * n_dim]);
-            let mut dup = [0.0f32; LANES];
-            for j in 0..NV {
-                for l in 0..LANES {
-                    let k = j * LANES + l;
-                    // y_t = s_t·C_t: ds_t += dy ⊗ C, dC += s_t·dy; then s_t = α·s_{t−1} + u⊗B:
-                    // du = ds·B, dB += ds·u, dα += ds·s_{t−1}, ds_{t−1} = α·ds_t.
-                    let d = gy.mul_add(c[j][l], dsp[k]);
-                    dc[j][l] = gy.mul_add(sp[k], dc[j][l]);
-                    dup[l] = d.mul_add(b[j][l], dup[l]);
-                    dalpha[l] = d.mul_add(pp[k], dalpha[l]);
-                    db[j][l] = d.mul_add(u, db[j][l]);
-                    dsp[k] = d * alpha;
+    let pn = p_dim * n_dim;
+    let t_len = dt.len();
+    let (mut da, mut dd) = (0f64, 0f64);
+    let mut du = vec![0f32; p_dim];
+    ds.fill(0.0);
+    for c0 in (0..t_len.div_ceil(chunk)).rev() {
+        let start = c0 * chunk;
+        let len = chunk.min(t_len - start);
+        recompute_chunk(&inp, start, len, states);
+        for i in (0..len).rev() {
+            let t = start + i;
+            let row = &xbc[t * v.ld..];
+            let x = &row[v.x..v.x + p_dim];
+            let (b, c) = (vectors::<NV>(&row[v.b..]), vectors::<NV>(&row[v.c..]));
+            let dt_t = dt[t];
+            let alpha = exp(dt_t * a);
+            let dyt = &dy[t * p_dim..(t + 1) * p_dim];
+            let (prev, cur) = states[i * pn..(i + 2) * pn].split_at(pn);
+            let mut db = [[0.0f32; LANES]; NV];
+            let mut dc = [[0.0f32; LANES]; NV];
+            let mut dalpha = [0.0f32; LANES];
+            for p in 0..p_dim {
+                let (gy, u) = (dyt[p], x[p] * dt_t);
+                let dsp = &mut ds[p * n_dim..(p + 1) * n_dim];
+                let (sp, pp) = (&cur[p * n_dim..(p + 1) * n_dim], &prev[p * n_dim..(p + 1) * n_dim]);
+                let mut dup = [0.0f32; LANES];
+                for j in 0..NV {
+                    for l in 0..LANES {
+                        let k = j * LANES + l;
+                        // y_t = s_t·C_t: ds_t += dy ⊗ C, dC += s_t·dy; then s_t = α·s_{t−1} + u⊗B:
+                        // du = ds·B, dB += ds·u, dα += ds·s_{t−1}, ds_{t−1} = α·ds_t.
+                        let d = gy.mul_add(c[j][l], dsp[k]);
+                        dc[j][l] = gy.mul_add(sp[k], dc[j][l]);
+                        dup[l] = d.mul_add(b[j][l], dup[l]);
+                        dalpha[l] = d.mul_add(pp[k], dalpha[l]);
+                        db[j][l] = d.mul_add(u, db[j][l]);
+                        dsp[k] = d * alpha;
+                    }
                 }
+                du[p] = dup.iter().sum();
             }
-            du[p] = dup.iter().sum();
+            g.db[t * n_dim..(t + 1) * n_dim].copy_from_slice(db.as_flattened());
+            g.dc[t * n_dim..(t + 1) * n_dim].copy_from_slice(dc.as_flattened());
+            finish_token(&inp, t, &du, dalpha.iter().sum(), &mut g, &mut da, &mut dd);
         }
-        g.db[t * n_dim..(t + 1) * n_dim].copy_from_slice(db.as_flattened());
-        g.dc[t * n_dim..(t + 1) * n_dim].copy_from_slice(dc.as_flattened());
-        dalpha.iter().sum()
-    })
+    }
+    (da, dd)
 }
 
 // ---------------------------------------------------------------------------------------------
