@@ -28,6 +28,11 @@ pub struct Strided<'a> {
 }
 
 impl<'a> Strided<'a> {
+    /// A row-major matrix with `cols` columns.
+    pub fn rows(data: &'a [f32], cols: usize) -> Self {
+        Self { data, rs: cols, cs: 1 }
+    }
+
     /// Its transpose (no copy).
     pub fn t(self) -> Self {
         Self { data: self.data, rs: self.cs, cs: self.rs }
@@ -38,7 +43,7 @@ impl<'a> Strided<'a> {
     }
 
     /// Whether a `rows` × `cols` matrix fits in `data`.
-    fn fits(&self, rows: usize, cols: usize) -> bool {
+    pub fn fits(&self, rows: usize, cols: usize) -> bool {
         rows == 0 || cols == 0 || self.data.len() > (rows - 1) * self.rs + (cols - 1) * self.cs
     }
 }

@@ -12,33 +12,6 @@ use rayon::prelude::*;
 // ---------------------------------------------------------------------------------------------
 // Matrix products
 
-/// A matrix operand: a slice with its row and column strides.
-#[derive(Clone, Copy)]
-pub struct Mat<'a> {
-    /// The values.
-    pub data: &'a [f32],
-    /// Stride between rows.
-    pub rs: usize,
-    /// Stride between columns.
-    pub cs: usize,
-}
-
-impl<'a> Mat<'a> {
-    /// A row-major matrix with `cols` columns.
-    pub fn rows(data: &'a [f32], cols: usize) -> Self {
-        Self { data, rs: cols, cs: 1 }
-    }
-
-    /// The transpose of a row-major matrix with `cols` columns.
-    pub fn t(data: &'a [f32], cols: usize) -> Self {
-        Self { data, rs: 1, cs: cols }
-    }
-
-    fn strided(self) -> Strided<'a> {
-        Strided { data: self.data, rs: self.rs, cs: self.cs }
-    }
-}
-
 /// How the trainer's matrix products multiply: in f32, or with both operands rounded to bf16
 /// (f32 sums) on AMX tiles, as PyTorch's bf16 autocast does. Weights, gradients, optimiser
 /// state and everything else stay f32.
@@ -80,14 +53,13 @@ impl Matmul {
 
 /// dst (m×n, row-major) = a (m×k) · b (k×n), or += when `accumulate`, in `mm`'s precision.
 #[allow(clippy::too_many_arguments)]
-pub fn gemm(mm: Matmul, m: usize, n: usize, k: usize, dst: &mut [f32], accumulate: bool, a: Mat, b: Mat) {
+pub fn gemm(mm: Matmul, m: usize, n: usize, k: usize, dst: &mut [f32], accumulate: bool, a: Strided, b: Strided) {
     if mm.effective() == Matmul::Bf16 {
-        return bf16_gemm::gemm(Bf16Kernel::detect(), m, n, k, dst, accumulate, a.strided(), b.strided());
+        return bf16_gemm::gemm(Bf16Kernel::detect(), m, n, k, dst, accumulate, a, b);
     }
     assert!(dst.len() >= m * n, "gemm: dst too small");
-    let reach = |x: &Mat, r: usize, c: usize| (r.max(1) - 1) * x.rs + (c.max(1) - 1) * x.cs + 1;
-    assert!(m == 0 || k == 0 || a.data.len() >= reach(&a, m, k), "gemm: a too small");
-    assert!(k == 0 || n == 0 || b.data.len() >= reach(&b, k, n), "gemm: b too small");
+    assert!(a.fits(m, k), "gemm: a too small");
+    assert!(b.fits(k, n), "gemm: b too small");
     if m == 0 || n == 0 {
         return;
     }
@@ -128,7 +100,7 @@ pub fn gemm(mm: Matmul, m: usize, n: usize, k: usize, dst: &mut [f32], accumulat
 
 /// A linear layer `y = x·wᵀ` for x (m×k) and w (n×k), as PyTorch stores weights.
 pub fn linear(mm: Matmul, x: &[f32], m: usize, k: usize, w: &[f32], n: usize, y: &mut [f32]) {
-    gemm(mm, m, n, k, y, false, Mat::rows(x, k), Mat::t(w, k));
+    gemm(mm, m, n, k, y, false, Strided::rows(x, k), Strided::rows(w, k).t());
 }
 
 /// The linear layer's backward: `dx = dy·w` (written, or added when `accumulate_dx`) and
@@ -146,9 +118,9 @@ pub fn linear_backward(
     dw: &mut [f32],
 ) {
     if let Some(dx) = dx {
-        gemm(mm, m, k, n, dx, false, Mat::rows(dy, n), Mat::rows(w, k));
+        gemm(mm, m, k, n, dx, false, Strided::rows(dy, n), Strided::rows(w, k));
     }
-    gemm(mm, n, k, m, dw, true, Mat::t(dy, n), Mat::rows(x, k));
+    gemm(mm, n, k, m, dw, true, Strided::rows(dy, n).t(), Strided::rows(x, k));
 }
 
 // ---------------------------------------------------------------------------------------------
