@@ -8,6 +8,8 @@
 #
 # MODEL_DIR: an HF-format Mamba-2 folder (`picaso random-model --shape 130m` makes one);
 # MODEL.gguf: the same weights converted by llama.cpp's convert_hf_to_gguf.py (BENCHMARKS.md).
+# WEIGHTS: picaso's storage of the weights, f32 (default) or bf16 (then give llama-server a bf16
+# GGUF of the same weights).
 # LLAMA_SERVER: the llama-server binary (default /work/peers/llama.cpp/build/bin/llama-server).
 # Appends one JSON line per engine, level and round to OUT (default results-serving.jsonl), then
 # prints the medians. Both servers get 2 threads; clients run on the same machine.
@@ -17,6 +19,7 @@ out=${OUT:-results-serving.jsonl}
 llama=${LLAMA_SERVER:-/work/peers/llama.cpp/build/bin/llama-server}
 bin=${PICASO_BIN:-target/release/picaso}
 requests=${REQUESTS:-2}
+weights=${WEIGHTS:-f32}
 cd "$(dirname "$0")/.."
 db=$(mktemp -d)
 trap 'rm -rf "$db"; kill $(jobs -p) 2>/dev/null || true' EXIT
@@ -35,7 +38,7 @@ bench() { # name url clients
 for round in $(seq "$rounds"); do
   for n in $levels; do
     RAYON_NUM_THREADS=2 "$bin" serve --db "$db/store" --model "$model" --addr 127.0.0.1:8091 \
-      --max-batch 32 > "$db/picaso.log" 2>&1 &
+      --max-batch 32 --weights "$weights" > "$db/picaso.log" 2>&1 &
     pid=$!; wait_ready http://127.0.0.1:8091; bench picaso http://127.0.0.1:8091 "$n"
     kill "$pid"; wait "$pid" || true
     "$llama" -m "$gguf" -t 2 -np "$n" --cont-batching -c $((n * 256)) --port 8092 > "$db/llama.log" 2>&1 &

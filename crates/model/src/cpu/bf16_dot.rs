@@ -127,12 +127,14 @@ impl PairedBf16 {
         }
     }
 
-    /// As [`PairedBf16::matmul_t`], on AMX tiles where they are enabled ([`PairedBf16::with_tiles`])
-    /// and `m` ≥ 2. Each output's bits are again the same whatever `m` (≥ 2), but not those of
-    /// `vdpbf16ps`: the tiles add a pair's two products in another order.
+    /// As [`PairedBf16::matmul_t`], on AMX tiles where they are enabled ([`PairedBf16::with_tiles`]).
+    /// Each output's bits are again the same whatever `m` (a tile computes every output as its
+    /// own chain over the pairs in order, whatever the other rows of the tile hold), but not
+    /// those of `vdpbf16ps`: the tiles add a pair's two products in another order. So a matrix
+    /// with tiles runs every product on them, a decode step of one row included.
     pub fn matmul_t_tiles(&self, x: &[f32], m: usize, out: &mut [f32], accumulate: bool) {
         #[cfg(target_arch = "x86_64")]
-        if self.tiles && m >= 2 && self.n > 0 {
+        if self.tiles && m >= 1 && self.n > 0 {
             assert_eq!(x.len(), m * self.k, "PairedBf16::matmul_t_tiles: x is not m×k");
             assert_eq!(out.len(), m * self.n, "PairedBf16::matmul_t_tiles: out is not m×n");
             return self.run_tiles(x, m, out, accumulate);
@@ -213,37 +215,54 @@ impl PairedBf16 {
     /// their weights in cache while every group of 32 input rows passes them.
     #[cfg(target_arch = "x86_64")]
     fn run_tiles(&self, x: &[f32], m: usize, out: &mut [f32], accumulate: bool) {
-        let xp = pack_rows_strided(x, m, self.k, self.kp_pad, m.next_multiple_of(TILE_GROUP));
+        let rows = if m <= bf16_tiles::TILE { bf16_tiles::TILE } else { m.next_multiple_of(TILE_GROUP) };
+        let xp = pack_rows_strided(x, m, self.k, self.kp_pad, rows);
         self.run_tiles_packed(&xp, m, out, accumulate)
     }
 
     /// [`PairedBf16::run_tiles`] of inputs already packed: `m.next_multiple_of(32)` rows of
-    /// `kp_pad` pairs (rows past m zero).
+    /// `kp_pad` pairs (16 where m ≤ 16; rows past m zero). Up to 16 rows use one input tile,
+    /// which halves the instructions of a decode step.
     #[cfg(target_arch = "x86_64")]
     pub(super) fn run_tiles_packed(&self, xp: &[u32], m: usize, out: &mut [f32], accumulate: bool) {
         const GROUP: usize = TILE_GROUP;
         let (n, kp) = (self.n, self.kp_pad);
         let groups = m.div_ceil(GROUP);
-        assert!(self.tiles && xp.len() >= groups * GROUP * kp && out.len() >= m * n, "run_tiles_packed: sizes");
+        let one_tile = m <= bf16_tiles::TILE;
+        let packed = if one_tile { bf16_tiles::TILE } else { groups * GROUP };
+        assert!(self.tiles && xp.len() >= packed * kp && out.len() >= m * n, "run_tiles_packed: sizes");
         let out = SharedOut(out.as_mut_ptr());
         let blocks = self.blocks();
-        (0..blocks.div_ceil(2)).into_par_iter().for_each(|panel| {
-            let b0 = 2 * panel;
-            let w0 = self.block(b0).as_ptr();
-            // An odd last block is multiplied twice and its copy dropped.
-            let w1 = if b0 + 1 < blocks { self.block(b0 + 1).as_ptr() } else { w0 };
-            let cols = (n - b0 * BLOCK).min(2 * BLOCK);
+        let panels = blocks.div_ceil(2);
+        // One group of rows (a decode step, a batch of them) streams the weights: fewer, larger
+        // tasks, as in run_avx512.
+        let weights = if groups == 1 { bf16_tiles::Weights::Stream } else { bf16_tiles::Weights::Cached };
+        let per_task = if groups == 1 { (panels / (8 * rayon::current_num_threads())).max(1) } else { 1 };
+        (0..panels.div_ceil(per_task)).into_par_iter().for_each(|t| {
             let mut c = [0.0f32; 1024];
             // SAFETY: `tiles` is only set where bf16_tiles::available(); xp holds groups · 32 rows
             // of kp pairs (kp a positive multiple of 16), each block kp pairs of 16 outputs; the
-            // task writes only columns b0·16 .. b0·16 + cols of out's first m rows, which no
-            // other task writes.
+            // task writes only columns b0·16 .. b0·16 + cols of out's first m rows for its
+            // panels, which no other task writes.
             unsafe {
                 bf16_tiles::with_tiles(|| {
-                    for g in 0..groups {
-                        bf16_tiles::tile_2x2(xp.as_ptr().add(g * GROUP * kp), 4 * kp, w0, w1, kp / 16, &mut c);
-                        let rows = (m - g * GROUP).min(GROUP);
-                        store_tiles(&c, rows, cols, out.at(g * GROUP * n + b0 * BLOCK), n, accumulate);
+                    for panel in t * per_task..((t + 1) * per_task).min(panels) {
+                        let b0 = 2 * panel;
+                        let w0 = self.block(b0).as_ptr();
+                        // An odd last block is multiplied twice and its copy dropped.
+                        let w1 = if b0 + 1 < blocks { self.block(b0 + 1).as_ptr() } else { w0 };
+                        let cols = (n - b0 * BLOCK).min(2 * BLOCK);
+                        if one_tile {
+                            bf16_tiles::tile_1x2(xp.as_ptr(), 4 * kp, w0, w1, kp / 16, &mut c);
+                            store_tiles(&c, m, cols, out.at(b0 * BLOCK), n, accumulate);
+                            continue;
+                        }
+                        for g in 0..groups {
+                            let x = xp.as_ptr().add(g * GROUP * kp);
+                            bf16_tiles::tile_2x2(x, 4 * kp, w0, w1, kp / 16, &mut c, weights);
+                            let rows = (m - g * GROUP).min(GROUP);
+                            store_tiles(&c, rows, cols, out.at(g * GROUP * n + b0 * BLOCK), n, accumulate);
+                        }
                     }
                 })
             }
@@ -549,7 +568,7 @@ pub(super) mod tests {
         }
         // Rows across and past the tile groups of 32, outputs with an odd last block and a
         // masked one, k with padded pairs and an odd column.
-        for (m, n, k) in [(2, 16, 32), (33, 37, 33), (70, 70, 64), (128, 129, 768), (17, 48, 1537)] {
+        for (m, n, k) in [(2, 16, 32), (33, 37, 33), (70, 70, 64), (128, 129, 768), (17, 48, 1537), (1, 100, 768)] {
             let (x, w) = (random(m * k, 7), random(n * k, 8));
             let mat = PairedBf16::from_f32(&w, n, k).with_tiles(true);
             let mut out = vec![0.0f32; m * n];
@@ -557,9 +576,10 @@ pub(super) mod tests {
             for (got, (want, bound)) in out.iter().zip(reference(&x, &w, m, n, k)) {
                 assert!((*got as f64 - want).abs() <= bound, "m {m} n {n} k {k}: {got} vs {want}");
             }
-            // Any two or more consecutive rows give the same bits, and accumulate adds.
-            for (i, j) in [(0, 2), (1, m), (m / 2, m)] {
-                if j - i < 2 {
+            // Any consecutive rows give the same bits — one row (a decode step), up to 16 (one
+            // input tile), more (pairs of tiles) — and accumulate adds.
+            for (i, j) in [(0, 1), (m - 1, m), (0, 2), (1, m), (m / 2, m)] {
+                if j > m || j <= i {
                     continue;
                 }
                 let mut part = vec![1.0f32; (j - i) * n];

@@ -489,7 +489,7 @@ const PREFETCH_AHEAD_BYTES: usize = 8192;
 /// How bf16 weights are multiplied.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Bf16Kernel {
-    /// AMX tiles (`tdpbf16ps`) for products of many rows, `Dot` for the others.
+    /// AMX tiles (`tdpbf16ps`) for every product of the pair layout, decode steps included.
     Tiles,
     /// With the CPU's bf16 dot-product instruction (AVX512-BF16), inputs rounded to bf16.
     Dot,
@@ -563,9 +563,8 @@ impl Matrix {
 
     /// Whether a product gives each input row the same bits whatever other rows it shares the
     /// product with (true of the pair layout: every output is one chain over the pairs in order,
-    /// on `vdpbf16ps` for one row and for [`matmul_rows_t`], on AMX tiles, where present, for
-    /// two rows or more in [`matmul_t`]). gemm's blocking, used for f32 and widened bf16,
-    /// depends on the number of rows.
+    /// on AMX tiles where present, else on `vdpbf16ps`, for one row or many). gemm's blocking,
+    /// used for f32 and widened bf16, depends on the number of rows.
     pub fn batch_invariant(&self) -> bool {
         matches!(self, Matrix::Bf16Pairs(_))
     }
@@ -641,9 +640,10 @@ pub fn matmul_t(x: &[f32], m: usize, k: usize, w: &Matrix, n: usize, out: &mut [
 /// to the bit, what [`matmul_t`] gives that row alone (m = 1), so a batch of decode steps
 /// gives each sequence exactly its unbatched result. Each weight is read once for all rows.
 pub fn matmul_rows_t(x: &[f32], m: usize, k: usize, w: &Matrix, n: usize, out: &mut [f32], accumulate: bool) {
-    // The pair layout's `vdpbf16ps` outputs do not depend on the rows computed together.
+    // The pair layout's outputs (on tiles or `vdpbf16ps`) do not depend on the rows computed
+    // together.
     if let Matrix::Bf16Pairs(p) = w {
-        return p.matmul_t(x, m, out, accumulate);
+        return p.matmul_t_tiles(x, m, out, accumulate);
     }
     if m == 1 {
         return matmul_t(x, m, k, w, n, out, accumulate);

@@ -421,7 +421,7 @@ impl Rows {
 ///
 /// Sequences of one token and longer ones run as two passes, so that a sequence's bits never
 /// depend on the others: a lone token is a decode step ([`Rows::Independent`]), while rows of
-/// longer sequences may share a faster product ([`Rows::Tokens`], e.g. AMX tiles) whose bits
+/// longer sequences may share a faster product ([`Rows::Tokens`], e.g. gemm) whose bits
 /// differ from a decode step's.
 pub(crate) fn run_layers<L>(
     io: &TokenIo,
