@@ -9,7 +9,7 @@
 # 3), so drift on a shared machine hits all of them alike. Prints JSON lines, then a summary table
 # of medians and of per-round ratios (scripts/bench_summary.py). Needs a release build:
 # cargo build --release -p picaso. picaso's bf16 runs on the kernel this CPU runs best (AMX tiles
-# for prefill where present, AVX512-BF16 dot products), as `picaso-dot` without the tiles (CPUs
+# where present, else AVX512-BF16 dot products), as `picaso-dot` without the tiles (CPUs
 # with AMX only) and, as `picaso-widen`, on the widening kernel every CPU has. TRANSFORMERS=0 leaves transformers out (it needs torch; its bf16 is slow on CPUs).
 set -euo pipefail
 model=$1 f32=$2 bf16=$3 rounds=${4:-3}
