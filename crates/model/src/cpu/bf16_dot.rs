@@ -211,36 +211,38 @@ impl PairedBf16 {
         });
     }
 
-    /// [`PairedBf16::matmul_t`] on AMX tiles: one task per two blocks (32 outputs), which keeps
-    /// their weights in cache while every group of 32 input rows passes them.
+    /// [`PairedBf16::matmul_t`] on AMX tiles: a panel of two blocks (32 outputs) at a time,
+    /// which keeps their weights in cache while every group of 32 input rows passes them.
     #[cfg(target_arch = "x86_64")]
     fn run_tiles(&self, x: &[f32], m: usize, out: &mut [f32], accumulate: bool) {
-        let rows = if m <= bf16_tiles::TILE { bf16_tiles::TILE } else { m.next_multiple_of(TILE_GROUP) };
-        let xp = pack_rows_strided(x, m, self.k, self.kp_pad, rows);
+        let xp = pack_rows_strided(x, m, self.k, self.kp_pad, tile_rows(m));
         self.run_tiles_packed(&xp, m, out, accumulate)
     }
 
-    /// [`PairedBf16::run_tiles`] of inputs already packed: `m.next_multiple_of(32)` rows of
-    /// `kp_pad` pairs (16 where m ≤ 16; rows past m zero). Up to 16 rows use one input tile,
-    /// which halves the instructions of a decode step.
+    /// [`PairedBf16::run_tiles`] of inputs already packed: [`tile_rows`]`(m)` rows of `kp_pad`
+    /// pairs (rows past m zero). Up to 16 rows use one input tile, which halves the
+    /// instructions of a decode step; one group of rows streams the weights, several panels
+    /// per task.
     #[cfg(target_arch = "x86_64")]
     pub(super) fn run_tiles_packed(&self, xp: &[u32], m: usize, out: &mut [f32], accumulate: bool) {
         const GROUP: usize = TILE_GROUP;
         let (n, kp) = (self.n, self.kp_pad);
         let groups = m.div_ceil(GROUP);
         let one_tile = m <= bf16_tiles::TILE;
-        let packed = if one_tile { bf16_tiles::TILE } else { groups * GROUP };
-        assert!(self.tiles && xp.len() >= packed * kp && out.len() >= m * n, "run_tiles_packed: sizes");
+        assert!(self.tiles && xp.len() >= tile_rows(m) * kp && out.len() >= m * n, "run_tiles_packed: sizes");
         let out = SharedOut(out.as_mut_ptr());
         let blocks = self.blocks();
         let panels = blocks.div_ceil(2);
         // One group of rows (a decode step, a batch of them) streams the weights: fewer, larger
         // tasks, as in run_avx512.
-        let weights = if groups == 1 { bf16_tiles::Weights::Stream } else { bf16_tiles::Weights::Cached };
-        let per_task = if groups == 1 { (panels / (8 * rayon::current_num_threads())).max(1) } else { 1 };
+        let (weights, per_task) = if groups == 1 {
+            (bf16_tiles::Weights::Stream, (panels / (8 * rayon::current_num_threads())).max(1))
+        } else {
+            (bf16_tiles::Weights::Cached, 1)
+        };
         (0..panels.div_ceil(per_task)).into_par_iter().for_each(|t| {
             let mut c = [0.0f32; 1024];
-            // SAFETY: `tiles` is only set where bf16_tiles::available(); xp holds groups · 32 rows
+            // SAFETY: `tiles` is only set where bf16_tiles::available(); xp holds tile_rows(m) rows
             // of kp pairs (kp a positive multiple of 16), each block kp pairs of 16 outputs; the
             // task writes only columns b0·16 .. b0·16 + cols of out's first m rows for its
             // panels, which no other task writes.
@@ -255,13 +257,13 @@ impl PairedBf16 {
                         if one_tile {
                             bf16_tiles::tile_1x2(xp.as_ptr(), 4 * kp, w0, w1, kp / 16, &mut c);
                             store_tiles(&c, m, cols, out.at(b0 * BLOCK), n, accumulate);
-                            continue;
-                        }
-                        for g in 0..groups {
-                            let x = xp.as_ptr().add(g * GROUP * kp);
-                            bf16_tiles::tile_2x2(x, 4 * kp, w0, w1, kp / 16, &mut c, weights);
-                            let rows = (m - g * GROUP).min(GROUP);
-                            store_tiles(&c, rows, cols, out.at(g * GROUP * n + b0 * BLOCK), n, accumulate);
+                        } else {
+                            for g in 0..groups {
+                                let x = xp.as_ptr().add(g * GROUP * kp);
+                                bf16_tiles::tile_2x2(x, 4 * kp, w0, w1, kp / 16, &mut c, weights);
+                                let rows = (m - g * GROUP).min(GROUP);
+                                store_tiles(&c, rows, cols, out.at(g * GROUP * n + b0 * BLOCK), n, accumulate);
+                            }
                         }
                     }
                 })
@@ -292,6 +294,16 @@ impl PairedBf16 {
 
 /// Input rows per group of AMX tiles (2 tiles of 16 rows).
 pub(super) const TILE_GROUP: usize = 2 * bf16_tiles::TILE;
+
+/// Rows the AMX kernels read for `m` input rows (the rows past m packed as zeros): one tile of
+/// 16 up to 16 rows, else whole groups of 32.
+pub(super) fn tile_rows(m: usize) -> usize {
+    if m <= bf16_tiles::TILE {
+        bf16_tiles::TILE
+    } else {
+        m.next_multiple_of(TILE_GROUP)
+    }
+}
 
 /// An input rounded to bf16 as `vcvtne2ps2bf16` rounds it: nearest even, subnormals to ±0.
 pub(super) fn round_input(v: f32) -> u16 {

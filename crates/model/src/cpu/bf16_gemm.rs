@@ -12,7 +12,7 @@
 
 use rayon::prelude::*;
 
-use super::bf16_dot::{self, pair_of, round_input, PairedBf16, BLOCK, TILE_GROUP};
+use super::bf16_dot::{self, pair_of, round_input, tile_rows, PairedBf16, BLOCK};
 use super::bf16_tiles;
 use super::kernels::Bf16Kernel;
 
@@ -107,7 +107,7 @@ fn product(tiles: bool, m: usize, n: usize, k: usize, c: &mut [f32], accumulate:
     #[cfg(target_arch = "x86_64")]
     {
         if tiles {
-            let xp = pack_rows(a, m, k, kp_pad, m.next_multiple_of(TILE_GROUP));
+            let xp = pack_rows(a, m, k, kp_pad, tile_rows(m));
             return w.run_tiles_packed(&xp, m, c, accumulate);
         }
         let xp = pack_rows(a, m, k, k.div_ceil(2), m);
