@@ -187,6 +187,14 @@ impl<'m> Decoder<'m> {
         if self.tokens.len() >= self.opts.max_tokens {
             return Ok(self.done(StopReason::Length, None));
         }
+        if let Some(i) = logits[..self.vocab.min(logits.len())].iter().position(|x| !x.is_finite()) {
+            return Err(Error::state(format!(
+                "the logits after {} generated tokens are not finite ({} for token id {i}): the state \
+                 diverged (a state held as f16 does this beyond ±65,504: decode with f32 states)",
+                self.tokens.len(),
+                logits[i]
+            )));
+        }
         let next = sample(logits, self.vocab, &self.opts, &mut self.rng);
         if Some(next) == self.tokenizer.eos() && !self.opts.ignore_eos {
             return Ok(self.done(StopReason::Eos, None));

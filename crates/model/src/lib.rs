@@ -49,6 +49,6 @@ pub use model::{Backend, LoadOptions, Model, Scored};
 /// The run-time instruction-set dispatch of the CPU kernels (defined in picaso-compose).
 pub use picaso_compose::simd_fn;
 pub use picaso_compose::Method;
-pub use state::{Arch, LayerState, LayerView, MappedState, State, StateDtype, StateShape, StateView};
+pub use state::{Arch, LayerState, LayerView, MappedState, SsmValue, State, StateDtype, StateShape, StateView};
 pub use tokenizer::TextTokenizer;
 pub use weights::{HostTensor, Mamba2Weights};

@@ -9,7 +9,7 @@ use crate::config::{Mamba2Config, ModelConfig};
 use crate::cpu::{CpuMamba2, Rows, WeightDtype};
 use crate::error::{Error, Result};
 use crate::mamba1::{CandleMamba1, CpuMamba1, Mamba1Weights};
-use crate::state::{State, StateShape};
+use crate::state::{SsmValue, State, StateShape};
 use crate::tokenizer::TextTokenizer;
 use crate::weights::Mamba2Weights;
 
@@ -115,8 +115,14 @@ impl Engine {
         }
     }
     /// Several sequences in one pass (`lens[i]` tokens continue `states[i]`). The candle
-    /// engines run them one after another.
-    fn forward_batch(&self, tokens: &[u32], lens: &[usize], states: &mut [&mut State]) -> Result<Vec<f32>> {
+    /// engines run them one after another. Only the CPU Mamba-2 engine takes f16 SSM values.
+    fn forward_batch<S: SsmValue>(&self, tokens: &[u32], lens: &[usize], states: &mut [&mut State<S>]) -> Result<Vec<f32>> {
+        if let Engine::Cpu(e) = self {
+            return Ok(e.forward_batch(tokens, lens, states));
+        }
+        let states = S::as_f32(states).ok_or_else(|| {
+            Error::Input("f16 decode states run on the cpu engine of a Mamba-2 model only; use f32 states".into())
+        })?;
         match self {
             Engine::Cpu(e) => Ok(e.forward_batch(tokens, lens, states)),
             Engine::CpuMamba1(e) => Ok(e.forward_batch(tokens, lens, states)),
@@ -313,7 +319,7 @@ impl Model {
     }
 
     /// Checks that `state` belongs to this model.
-    pub fn check_state(&self, state: &State) -> Result<()> {
+    pub fn check_state<S>(&self, state: &State<S>) -> Result<()> {
         state.check_compatible(&self.fingerprint, &self.state_shape())
     }
 
@@ -368,8 +374,10 @@ impl Model {
 
     /// One decode step of several sequences at once: `tokens[i]` continues `states[i]`
     /// (advanced in place). Returns the next-token logits of each (B × vocab), each to the bit
-    /// what [`Model::step`] gives that sequence alone, for one pass over the weights.
-    pub fn step_batch(&self, tokens: &[u32], states: &mut [&mut State]) -> Result<Vec<f32>> {
+    /// what [`Model::step`] gives that sequence alone, for one pass over the weights. The
+    /// states may hold their SSM values as f16 where [`Model::runs_f16_states`] (a step then
+    /// gives the bits of the f32 step from the widened values, and rounds the new ones).
+    pub fn step_batch<S: SsmValue>(&self, tokens: &[u32], states: &mut [&mut State<S>]) -> Result<Vec<f32>> {
         if tokens.len() != states.len() {
             return Err(Error::Input(format!("{} tokens for {} states", tokens.len(), states.len())));
         }
@@ -445,6 +453,12 @@ impl Model {
             Engine::CpuMamba1(_) => false,
             Engine::Candle { .. } | Engine::CandleMamba1 { .. } => true,
         }
+    }
+
+    /// Whether [`Model::step_batch`] takes states with f16 SSM values: on the CPU engine of a
+    /// Mamba-2 model.
+    pub fn runs_f16_states(&self) -> bool {
+        matches!(self.engine, Engine::Cpu(_))
     }
 
     /// The hidden rows of the concatenated sequences and the state after each.

@@ -164,11 +164,11 @@ impl StateShape {
     }
 }
 
-/// One layer's state. Lengths follow [`StateShape`].
+/// One layer's state. Lengths follow [`StateShape`]; `S` stores the SSM values (see [`State`]).
 #[derive(Debug, Clone, PartialEq)]
-pub struct LayerState {
+pub struct LayerState<S = f32> {
     /// SSM state, (H, P, N) row-major.
-    pub ssm: Vec<f32>,
+    pub ssm: Vec<S>,
     /// Conv tail, (C, K-1) row-major, oldest input first.
     pub conv: Vec<f32>,
     /// Log of the accumulated decay per head, (H).
@@ -176,8 +176,12 @@ pub struct LayerState {
 }
 
 /// The state of a model after a token sequence (or a composition of such states).
+///
+/// `S` is how the SSM values are held: f32 (exact; what every operation takes) or, while a
+/// server decodes many sequences at once, [`half::f16`] (half the bytes per step; see
+/// [`SsmValue`]). The conv tail and the log-decays are f32 either way.
 #[derive(Debug, Clone, PartialEq)]
-pub struct State {
+pub struct State<S = f32> {
     /// Fingerprint of the model that made it; a state only continues on that model.
     pub fingerprint: String,
     /// Tokens it summarises (for a composed state, the sum over its parts).
@@ -185,25 +189,10 @@ pub struct State {
     /// Tensor shapes.
     pub shape: StateShape,
     /// One entry per layer.
-    pub layers: Vec<LayerState>,
+    pub layers: Vec<LayerState<S>>,
 }
 
-impl State {
-    /// The state before any token: all zeros.
-    pub fn zeros(shape: StateShape, fingerprint: impl Into<String>) -> Self {
-        let layer = LayerState {
-            ssm: vec![0.0; shape.ssm_len()],
-            conv: vec![0.0; shape.conv_len()],
-            log_decay: vec![0.0; shape.log_decay_len()],
-        };
-        Self { fingerprint: fingerprint.into(), n_tokens: 0, layers: vec![layer; shape.n_layer], shape }
-    }
-
-    /// Bytes of the state in f32.
-    pub fn nbytes_f32(&self) -> usize {
-        4 * self.shape.n_layer * (self.shape.ssm_len() + self.shape.conv_len() + self.shape.log_decay_len())
-    }
-
+impl<S> State<S> {
     /// Checks that this state belongs to the model with `fingerprint` and has `shape`.
     /// Values are checked where states enter from outside ([`State::load`], composition), not
     /// here: this runs before every decoded token.
@@ -227,6 +216,86 @@ impl State {
             return Err(Error::state("tensor sizes do not match the declared shape"));
         }
         Ok(())
+    }
+
+    /// The same state with its SSM values mapped by `f`.
+    fn map_ssm<T>(&self, f: impl Fn(&[S], &mut [T])) -> State<T>
+    where
+        T: Clone + Default,
+    {
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                let mut ssm = vec![T::default(); l.ssm.len()];
+                f(&l.ssm, &mut ssm);
+                LayerState { ssm, conv: l.conv.clone(), log_decay: l.log_decay.clone() }
+            })
+            .collect();
+        State { fingerprint: self.fingerprint.clone(), n_tokens: self.n_tokens, shape: self.shape.clone(), layers }
+    }
+}
+
+impl State<half::f16> {
+    /// The f32 state (exact: every f16 is an f32).
+    pub fn to_f32(&self) -> State {
+        self.map_ssm(crate::cpu::f16_state::widen)
+    }
+}
+
+/// How a state's SSM values are held while a model advances it ([`crate::Model::step_batch`]).
+///
+/// * `f32`: exact; every engine.
+/// * [`half::f16`]: half the bytes, for decoding many sequences at once on the CPU engine of a
+///   Mamba-2 model ([`crate::Model::runs_f16_states`]), where reading and writing the states is
+///   most of a step's memory traffic. The arithmetic stays f32; the values are rounded to f16
+///   after every step, so log-probs drift slowly from the f32 ones (measured in BENCHMARKS.md),
+///   and a value beyond ±65,504 becomes infinite (the next logits are then not finite).
+pub trait SsmValue: Copy + Default + Send + Sync + std::fmt::Debug + PartialEq + 'static {
+    /// The selective scan of one head ([`crate::cpu::kernels::scan_head`]) on values held as `Self`.
+    fn scan_head(s: &mut [Self], head: &crate::cpu::kernels::ScanInputs, y: &mut [f32]);
+    /// `states`, if they hold f32 (what the engines other than the CPU Mamba-2 one take).
+    fn as_f32<'a, 'b>(states: &'a mut [&'b mut State<Self>]) -> Option<&'a mut [&'b mut State]>;
+}
+
+impl SsmValue for f32 {
+    fn scan_head(s: &mut [f32], head: &crate::cpu::kernels::ScanInputs, y: &mut [f32]) {
+        crate::cpu::kernels::scan_head(s, head, y);
+    }
+    fn as_f32<'a, 'b>(states: &'a mut [&'b mut State]) -> Option<&'a mut [&'b mut State]> {
+        Some(states)
+    }
+}
+
+impl SsmValue for half::f16 {
+    fn scan_head(s: &mut [half::f16], head: &crate::cpu::kernels::ScanInputs, y: &mut [f32]) {
+        crate::cpu::f16_state::scan_head_f16(s, head, y);
+    }
+    fn as_f32<'a, 'b>(_: &'a mut [&'b mut State<half::f16>]) -> Option<&'a mut [&'b mut State]> {
+        None
+    }
+}
+
+impl State {
+    /// This state with its SSM values rounded to f16 (to nearest): what decoding with f16
+    /// states ([`SsmValue`]) starts from.
+    pub fn to_f16(&self) -> State<half::f16> {
+        self.map_ssm(crate::cpu::f16_state::narrow)
+    }
+
+    /// The state before any token: all zeros.
+    pub fn zeros(shape: StateShape, fingerprint: impl Into<String>) -> Self {
+        let layer = LayerState {
+            ssm: vec![0.0; shape.ssm_len()],
+            conv: vec![0.0; shape.conv_len()],
+            log_decay: vec![0.0; shape.log_decay_len()],
+        };
+        Self { fingerprint: fingerprint.into(), n_tokens: 0, layers: vec![layer; shape.n_layer], shape }
+    }
+
+    /// Bytes of the state in f32.
+    pub fn nbytes_f32(&self) -> usize {
+        4 * self.shape.n_layer * (self.shape.ssm_len() + self.shape.conv_len() + self.shape.log_decay_len())
     }
 
     /// Rejects NaN or infinite values (a corrupted or diverged state must not propagate).

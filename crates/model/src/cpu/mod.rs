@@ -8,12 +8,13 @@
 pub mod bf16_dot;
 pub mod bf16_gemm;
 pub mod bf16_tiles;
+pub mod f16_state;
 pub mod kernels;
 
 use rayon::prelude::*;
 
 use crate::config::Mamba2Config;
-use crate::state::{LayerState, State};
+use crate::state::{LayerState, SsmValue, State};
 use crate::weights::Mamba2Weights;
 use kernels::Matrix;
 
@@ -232,7 +233,8 @@ impl CpuMamba2 {
     /// projections read each weight once for all rows, so B decode steps cost little more
     /// than one; each sequence gets what [`CpuMamba2::forward`] gives it alone. Returns the
     /// final-normed hidden states of every row.
-    pub fn forward_batch(&self, tokens: &[u32], lens: &[usize], states: &mut [&mut State]) -> Vec<f32> {
+    /// The SSM values may be held as f16 ([`SsmValue`]).
+    pub fn forward_batch<S: SsmValue>(&self, tokens: &[u32], lens: &[usize], states: &mut [&mut State<S>]) -> Vec<f32> {
         run_layers(&self.io, &self.layers, tokens, lens, states, |lw, ls, lens, kind, h| {
             self.layer(lw, ls, lens, kind, h)
         })
@@ -240,7 +242,14 @@ impl CpuMamba2 {
 
     /// One Mamba-2 block on `h` (rows × d_model: the sequences' rows one after another),
     /// residual included.
-    fn layer(&self, lw: &CpuLayer, states: &mut [&mut LayerState], lens: &[usize], kind: Rows, h: &mut [f32]) {
+    fn layer<S: SsmValue>(
+        &self,
+        lw: &CpuLayer,
+        states: &mut [&mut LayerState<S>],
+        lens: &[usize],
+        kind: Rows,
+        h: &mut [f32],
+    ) {
         let c = &self.config;
         let (d, di) = (c.d_model, c.d_inner());
         let width = c.d_in_proj();
@@ -268,7 +277,7 @@ impl CpuMamba2 {
     /// The part of a block that carries state, for one sequence: the causal conv, the
     /// selective scan and the gated RMSNorm of its `t` rows of in_proj output `zxbcdt`,
     /// written to `gated` (t × d_inner).
-    fn mixer(&self, lw: &CpuLayer, ls: &mut LayerState, zxbcdt: &[f32], t: usize, gated: &mut [f32]) {
+    fn mixer<S: SsmValue>(&self, lw: &CpuLayer, ls: &mut LayerState<S>, zxbcdt: &[f32], t: usize, gated: &mut [f32]) {
         if t == 0 {
             return;
         }
@@ -314,7 +323,7 @@ impl CpuMamba2 {
                 decay: &decay[hd * t..(hd + 1) * t],
                 d_skip: lw.d[hd],
             };
-            kernels::scan_head(s, &head, yh);
+            S::scan_head(s, &head, yh);
         });
 
         // Gated RMSNorm per token.
@@ -423,16 +432,17 @@ impl Rows {
 /// depend on the others: a lone token is a decode step ([`Rows::Independent`]), while rows of
 /// longer sequences may share a faster product ([`Rows::Tokens`], e.g. gemm) whose bits
 /// differ from a decode step's.
-pub(crate) fn run_layers<L>(
+pub(crate) fn run_layers<L, S>(
     io: &TokenIo,
     layers: &[L],
     tokens: &[u32],
     lens: &[usize],
-    states: &mut [&mut State],
-    layer: impl Fn(&L, &mut [&mut LayerState], &[usize], Rows, &mut [f32]) + Sync,
+    states: &mut [&mut State<S>],
+    layer: impl Fn(&L, &mut [&mut LayerState<S>], &[usize], Rows, &mut [f32]) + Sync,
 ) -> Vec<f32>
 where
     L: Sync,
+    S: Send,
 {
     assert_eq!(lens.iter().sum::<usize>(), tokens.len(), "lens must add up to the tokens");
     assert_eq!(lens.len(), states.len(), "one state per sequence");
@@ -470,19 +480,19 @@ where
 }
 
 /// [`run_layers`] of sequences that are all single tokens or all longer.
-fn run_layers_of_one_kind<L: Sync>(
+fn run_layers_of_one_kind<L: Sync, S: Send>(
     io: &TokenIo,
     layers: &[L],
     tokens: &[u32],
     lens: &[usize],
-    states: &mut [&mut State],
-    layer: &(impl Fn(&L, &mut [&mut LayerState], &[usize], Rows, &mut [f32]) + Sync),
+    states: &mut [&mut State<S>],
+    layer: &(impl Fn(&L, &mut [&mut LayerState<S>], &[usize], Rows, &mut [f32]) + Sync),
 ) -> Vec<f32> {
     on_pool(|| {
         let mut h = io.embed(tokens);
         let kind = Rows::of(lens);
         for (l, lw) in layers.iter().enumerate() {
-            let mut ls: Vec<&mut LayerState> = states.iter_mut().map(|s| &mut s.layers[l]).collect();
+            let mut ls: Vec<&mut LayerState<S>> = states.iter_mut().map(|s| &mut s.layers[l]).collect();
             layer(lw, &mut ls, lens, kind, &mut h);
         }
         for (s, &t) in states.iter_mut().zip(lens) {
@@ -502,14 +512,14 @@ pub(crate) fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
 
 /// Runs `f(state, input rows, t, output rows)` for each sequence of a batch, in parallel:
 /// sequence i owns `lens[i]` consecutive rows of `input` (width `in_width`) and of `output`.
-pub(crate) fn per_sequence(
-    states: &mut [&mut LayerState],
+pub(crate) fn per_sequence<S: Send>(
+    states: &mut [&mut LayerState<S>],
     lens: &[usize],
     input: &[f32],
     in_width: usize,
     output: &mut [f32],
     out_width: usize,
-    f: impl Fn(&mut LayerState, &[f32], usize, &mut [f32]) + Sync,
+    f: impl Fn(&mut LayerState<S>, &[f32], usize, &mut [f32]) + Sync,
 ) {
     let (mut input, mut output) = (input, output);
     let mut seqs = Vec::with_capacity(lens.len());
