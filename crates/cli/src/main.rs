@@ -860,6 +860,14 @@ fn bench(a: BenchArgs) -> Result<()> {
             t / r.decode_tokens_per_s
         );
     }
+    if let Some(t) = r.batched_decode_f16_state_tokens_per_s {
+        println!(
+            "  f16 states  {:>8.1} tokens/s  ({:.2} ms per step of all {}; serve --decode-state f16)",
+            t,
+            1e3 * r.decode_batch as f64 / t,
+            r.decode_batch
+        );
+    }
     if !r.compose_ms.is_empty() {
         println!(
             "read states  {:>8.2} ms  ({} × {:.1} MiB, {:.1} GB/s)",

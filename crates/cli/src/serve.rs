@@ -43,6 +43,11 @@ pub struct ServeArgs {
     /// the running streams' inter-token latency low, larger starts new requests sooner.
     #[arg(long, default_value_t = picaso_server::DEFAULT_PREFILL_CHUNK)]
     prefill_chunk: usize,
+    /// How the batch holds each generation's SSM state between decode steps: f32 (exact) or
+    /// f16 (half the bytes a batched step reads and writes: faster with many clients; log-probs
+    /// drift ~1e-3 over hundreds of tokens; Mamba-2 on the cpu engine).
+    #[arg(long, default_value = "f32")]
+    decode_state: picaso_server::DecodeStates,
     /// Most prompt tokens per request (413 above).
     #[arg(long, default_value_t = 8192)]
     max_prompt_tokens: usize,
@@ -83,6 +88,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         max_batch: a.max_batch,
         max_queue: a.max_queue,
         prefill_chunk: a.prefill_chunk,
+        decode_states: a.decode_state,
         limits: picaso_server::Limits {
             max_prompt_tokens: a.max_prompt_tokens,
             max_tokens: a.max_tokens_limit,

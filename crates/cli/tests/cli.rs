@@ -350,7 +350,13 @@ fn random_model_writes_a_loadable_folder() {
 fn bench_measures_single_and_batched_decode() {
     let args = ["bench", "--random", "tiny", "--prompt-tokens", "8", "--decode-tokens", "4", "--repeats", "1"];
     let r = ok_json(&[&args[..], &["--compose-n", "3", "--decode-batch", "3", "--json"]].concat());
-    for key in ["prefill_tokens_per_s", "decode_tokens_per_s", "batched_decode_tokens_per_s", "read_states_ms"] {
+    for key in [
+        "prefill_tokens_per_s",
+        "decode_tokens_per_s",
+        "batched_decode_tokens_per_s",
+        "batched_decode_f16_state_tokens_per_s",
+        "read_states_ms",
+    ] {
         let v = r[key].as_f64().unwrap_or_else(|| panic!("{key} missing: {r}"));
         assert!(v.is_finite() && v > 0.0, "{key} = {v}");
     }
@@ -358,7 +364,9 @@ fn bench_measures_single_and_batched_decode() {
     assert_eq!(r["compose_ms"].as_array().map(Vec::len), Some(picaso_compose::Method::ALL.len()), "{r}");
     let skipped = ok_json(&[&args[..], &["--compose-n", "0", "--decode-batch", "0", "--json"]].concat());
     assert!(
-        skipped["batched_decode_tokens_per_s"].is_null() && skipped["compose_ms"] == serde_json::json!([]),
+        skipped["batched_decode_tokens_per_s"].is_null()
+            && skipped["batched_decode_f16_state_tokens_per_s"].is_null()
+            && skipped["compose_ms"] == serde_json::json!([]),
         "{skipped}"
     );
 }

@@ -527,3 +527,49 @@ fn continuous_batching_caps_the_batch_queues_and_frees_slots() {
     assert_eq!(server.metric("picaso_batch_active"), 0.0);
     assert_eq!(server.call("GET", "/health", None).0, 200);
 }
+
+/// `--decode-state f16`: generations decode with their SSM states held as f16, and batching
+/// still changes nothing a request sees (each answer is what it gets alone on that server); a
+/// model or engine that cannot hold f16 states is refused at startup with what to do instead.
+#[test]
+fn f16_decode_states_batch_like_alone_and_are_refused_where_unsupported() {
+    let (Some(model), Some(model1), Some(embedder)) =
+        (text_model_of("mamba2", 2), text_model_of("mamba1", 2), shared("all-MiniLM-L6-v2"))
+    else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let docs = tmp.path().join("docs");
+    write_docs(&docs);
+    let (m, e) = (model.path().to_str().unwrap(), embedder.to_str().unwrap());
+    let db = tmp.path().join("db");
+    let db_s = db.to_str().unwrap();
+    ok(&["ingest", "--db", db_s, "--model", m, "--embedder", e, "--text-dir", docs.to_str().unwrap(), "--json"]);
+    let server = Server::start(&["--db", db_s, "--model", m, "--decode-state", "f16"]);
+    let prompts = ["The tower stands in the city", "Cats", "Mamba models read", "A river"];
+    let complete = |p: &str| server.complete(json!({"prompt": p, "max_tokens": 12, "temperature": 0}));
+    let alone: Vec<Value> = prompts.iter().map(|p| complete(p)).collect();
+    for a in &alone {
+        assert_eq!(a["usage"]["completion_tokens"], 12, "{a}");
+    }
+    std::thread::scope(|s| {
+        let handles: Vec<_> = prompts.iter().map(|&p| s.spawn(move || complete(p))).collect();
+        for (h, want) in handles.into_iter().zip(&alone) {
+            let got = h.join().unwrap();
+            assert_eq!(got["choices"][0]["text"], want["choices"][0]["text"], "batched f16 answer differs: {got}");
+        }
+    });
+    drop(server);
+
+    let refused = |extra: &[&str], db: &str| {
+        let (ok, _, stderr) = common::run(&[&["serve", "--db", db, "--addr", "127.0.0.1:0"], extra].concat());
+        assert!(!ok && stderr.contains("f16") && stderr.contains("--decode-state f32"), "{extra:?}: {stderr}");
+    };
+    refused(&["--model", m, "--decode-state", "f16", "--device", "candle-cpu"], db_s);
+    let (m1, db1) = (model1.path().to_str().unwrap(), tmp.path().join("db1"));
+    let db1_s = db1.to_str().unwrap();
+    ok(&["ingest", "--db", db1_s, "--model", m1, "--embedder", e, "--text-dir", docs.to_str().unwrap(), "--json"]);
+    refused(&["--model", m1, "--decode-state", "f16"], db1_s);
+    let (ok, _, stderr) = common::run(&["serve", "--db", db_s, "--model", m, "--decode-state", "bf16"]);
+    assert!(!ok && stderr.contains("f32 or f16"), "{stderr}");
+}

@@ -10,7 +10,7 @@ use crate::composition::{compose, compose_into};
 use crate::cpu::kernels::Bf16Kernel;
 use crate::error::Result;
 use crate::model::Model;
-use crate::state::State;
+use crate::state::{SsmValue, State};
 use picaso_compose::Method;
 
 /// What to measure.
@@ -41,6 +41,9 @@ pub struct BenchReport {
     /// ([`Model::step_batch`]: what a server's continuous batching runs), tokens/s of all
     /// sequences; `None` when skipped.
     pub batched_decode_tokens_per_s: Option<f64>,
+    /// The same with the states' SSM values held as f16 ([`crate::SsmValue`]; `serve
+    /// --decode-state f16`); `None` when skipped or where the engine cannot.
+    pub batched_decode_f16_state_tokens_per_s: Option<f64>,
     /// Sequences in the batched decode run.
     pub decode_batch: usize,
     /// Milliseconds per composition of `compose_n` states into a fresh state, per method.
@@ -92,23 +95,12 @@ pub fn run(model: &Model, opts: &BenchOptions) -> Result<BenchReport> {
     let decode_per_token = (decode - clone_cost(&state)) / opts.decode_tokens.max(1) as f64;
     let batched_decode_tokens_per_s = match opts.decode_batch {
         0 => None,
-        b => {
-            // Each sequence starts from the prompt's state with its own first token, so the
-            // sequences differ (as a server's do) from the first step on.
-            let firsts: Vec<u32> = (0..b as u64).map(|i| ((i * 40_503 + 7) % vocab) as u32).collect();
-            let t = best_of(opts.repeats, || {
-                let mut states: Vec<State> = (0..b).map(|_| state.clone()).collect();
-                let mut next = firsts.clone();
-                for _ in 0..opts.decode_tokens {
-                    let mut refs: Vec<&mut State> = states.iter_mut().collect();
-                    let logits = model.step_batch(&next, &mut refs)?;
-                    next = logits.chunks_exact(logits.len() / b).map(argmax).collect();
-                }
-                Ok(next)
-            })?;
-            let t = t - b as f64 * clone_cost(&state);
-            Some((b * opts.decode_tokens.max(1)) as f64 / t)
-        }
+        b => Some(batched_decode(model, &state, b, opts, vocab)?),
+    };
+    let batched_decode_f16_state_tokens_per_s = match opts.decode_batch {
+        0 => None,
+        _ if !model.runs_f16_states() => None,
+        b => Some(batched_decode(model, &state.to_f16(), b, opts, vocab)?),
     };
     let mut compose_ms = Vec::new();
     let mut compose_into_ms = Vec::new();
@@ -135,6 +127,7 @@ pub fn run(model: &Model, opts: &BenchOptions) -> Result<BenchReport> {
         score_tokens_per_s: opts.prompt_tokens as f64 / score,
         decode_tokens_per_s: 1.0 / decode_per_token,
         batched_decode_tokens_per_s,
+        batched_decode_f16_state_tokens_per_s,
         decode_batch: opts.decode_batch,
         compose_ms,
         compose_into_ms,
@@ -154,12 +147,37 @@ pub fn cpu_model() -> Option<String> {
     Some(line.split_once(':')?.1.trim().to_string())
 }
 
+/// Tokens/s of `b` sequences decoded together from `state`, one batched step per token. Each
+/// sequence starts with its own first token, so the sequences differ (as a server's do) from
+/// the first step on.
+fn batched_decode<S: SsmValue>(
+    model: &Model,
+    state: &State<S>,
+    b: usize,
+    opts: &BenchOptions,
+    vocab: u64,
+) -> Result<f64> {
+    let firsts: Vec<u32> = (0..b as u64).map(|i| ((i * 40_503 + 7) % vocab) as u32).collect();
+    let t = best_of(opts.repeats, || {
+        let mut states: Vec<State<S>> = (0..b).map(|_| state.clone()).collect();
+        let mut next = firsts.clone();
+        for _ in 0..opts.decode_tokens {
+            let mut refs: Vec<&mut State<S>> = states.iter_mut().collect();
+            let logits = model.step_batch(&next, &mut refs)?;
+            next = logits.chunks_exact(logits.len() / b).map(argmax).collect();
+        }
+        Ok(next)
+    })?;
+    let t = t - b as f64 * clone_cost(state);
+    Ok((b * opts.decode_tokens.max(1)) as f64 / t)
+}
+
 fn argmax(v: &[f32]) -> u32 {
     v.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b }).0 as u32
 }
 
 /// The decode loop clones the start state once; that copy is not decode work.
-fn clone_cost(state: &State) -> f64 {
+fn clone_cost<S: Clone>(state: &State<S>) -> f64 {
     let t0 = Instant::now();
     let s = state.clone();
     let t = t0.elapsed().as_secs_f64();

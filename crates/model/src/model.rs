@@ -116,7 +116,12 @@ impl Engine {
     }
     /// Several sequences in one pass (`lens[i]` tokens continue `states[i]`). The candle
     /// engines run them one after another. Only the CPU Mamba-2 engine takes f16 SSM values.
-    fn forward_batch<S: SsmValue>(&self, tokens: &[u32], lens: &[usize], states: &mut [&mut State<S>]) -> Result<Vec<f32>> {
+    fn forward_batch<S: SsmValue>(
+        &self,
+        tokens: &[u32],
+        lens: &[usize],
+        states: &mut [&mut State<S>],
+    ) -> Result<Vec<f32>> {
         if let Engine::Cpu(e) = self {
             return Ok(e.forward_batch(tokens, lens, states));
         }

@@ -13,7 +13,7 @@ use serde_json::json;
 use tokio::sync::{mpsc, Semaphore};
 
 use crate::api::*;
-use crate::batcher::{Batcher, Event, Job, Refused};
+use crate::batcher::{Batcher, DecodeStates, Event, Job, Refused};
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 
@@ -64,6 +64,8 @@ pub struct Options {
     pub max_queue: usize,
     /// Most prompt tokens prefilled per batch step (see [`crate::DEFAULT_PREFILL_CHUNK`]).
     pub prefill_chunk: usize,
+    /// How the batch holds its generations' SSM states between decode steps.
+    pub decode_states: DecodeStates,
     /// Request limits.
     pub limits: Limits,
     /// The model name reported in responses.
@@ -140,6 +142,12 @@ impl App {
             .bind_embedder(embedder.fingerprint(), &embedder.dir().display().to_string())
             .map_err(|e| e.to_string())?;
         model.tokenizer().map_err(|e| e.to_string())?;
+        if options.decode_states == DecodeStates::F16 && !model.runs_f16_states() {
+            return Err(
+                "f16 decode states need a Mamba-2 model on the cpu engine (--device cpu); use --decode-state f32"
+                    .into(),
+            );
+        }
         let metrics = Metrics::default();
         metrics.contexts.set(store.len().map_err(|e| e.to_string())? as i64);
         let model = Arc::new(model);
@@ -148,6 +156,7 @@ impl App {
             options.max_batch,
             options.max_queue,
             options.prefill_chunk,
+            options.decode_states,
             metrics.batch.clone(),
         );
         Ok(Self {
@@ -343,9 +352,8 @@ impl App {
     /// (dropping it cancels the generation). 503 with Retry-After when the queue is full.
     pub(crate) fn submit(&self, plan: &Plan, state: State) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
         let (tx, rx) = mpsc::unbounded_channel();
-        let job =
-            Job { prompt: plan.prompt.clone(), state, opts: plan.opts.clone(), started: plan.started, events: tx };
-        match self.batcher.submit(job) {
+        let job = Job { prompt: plan.prompt.clone(), opts: plan.opts.clone(), started: plan.started, events: tx };
+        match self.batcher.submit(job, state) {
             Ok(()) => Ok(rx),
             Err(Refused::Busy) => {
                 Err(ApiError::busy("every generation slot and the queue are taken; retry shortly", 1))

@@ -10,12 +10,17 @@
 //! Sampling runs per request ([`Decoder`]: its own options, seed and stop strings), and a
 //! batched step gives each sequence, to the bit, the logits it would get alone, so batching
 //! never changes what a request generates.
+//!
+//! With [`DecodeStates::F16`] a generation's SSM state is held as f16 from its first decoded
+//! token on: a step of 16 sequences then reads and writes half the state bytes, which are most
+//! of its memory traffic (the prompt is still prefilled in f32; see [`picaso_model::SsmValue`]).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use picaso_model::{Decoder, GenerateOptions, Model, Next, State, StopReason};
+use half::f16;
+use picaso_model::{Decoder, GenerateOptions, Model, Next, SsmValue, State, StopReason};
 use prometheus_client::metrics::{counter::Counter, gauge::Gauge, histogram::Histogram};
 use tokio::sync::mpsc;
 
@@ -25,11 +30,32 @@ use tokio::sync::mpsc;
 /// token against the others' inter-token latency (BENCHMARKS.md measures both).
 pub const DEFAULT_PREFILL_CHUNK: usize = 64;
 
-/// A generation to run: the prompt, the state it continues from, how to sample, and where
-/// its events go.
+/// How the batch holds its generations' SSM states between decode steps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DecodeStates {
+    /// Exact: every generation gets the bits it would get alone, batched or not.
+    #[default]
+    F32,
+    /// Half the bytes per step: faster batched decoding, log-probs within ~1e-3 of f32's over
+    /// hundreds of tokens (BENCHMARKS.md). Needs a Mamba-2 model on the cpu engine.
+    F16,
+}
+
+impl std::str::FromStr for DecodeStates {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "f32" => Ok(Self::F32),
+            "f16" => Ok(Self::F16),
+            other => Err(format!("unknown decode-state dtype {other:?}: use f32 or f16")),
+        }
+    }
+}
+
+/// A generation to run: the prompt, how to sample, and where its events go (the state it
+/// continues from is submitted beside it).
 pub(crate) struct Job {
     pub prompt: Vec<u32>,
-    pub state: State,
     pub opts: GenerateOptions,
     /// When the request arrived (for the time to first token).
     pub started: Instant,
@@ -78,7 +104,7 @@ impl Drop for Slot {
 
 /// Hands jobs to the batching thread. Dropping it stops the thread once the batch drains.
 pub(crate) struct Batcher {
-    jobs: mpsc::UnboundedSender<(Job, Slot)>,
+    jobs: mpsc::UnboundedSender<(Job, State, Slot)>,
     /// Jobs submitted and not yet finished (in the batch or waiting for it).
     outstanding: Arc<AtomicUsize>,
     /// Most outstanding jobs: the batch's cap plus the queue's.
@@ -102,6 +128,7 @@ impl Batcher {
         max_batch: usize,
         max_queue: usize,
         prefill_chunk: usize,
+        states: DecodeStates,
         metrics: BatchMetrics,
     ) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
@@ -110,28 +137,56 @@ impl Batcher {
         let (max_batch, prefill_chunk) = (max_batch.max(1), prefill_chunk.max(1));
         std::thread::Builder::new()
             .name("picaso-batcher".into())
-            .spawn(move || run(&model, rx, max_batch, prefill_chunk, &metrics))
+            .spawn(move || run(&model, rx, max_batch, prefill_chunk, states, &metrics))
             .expect("the batching thread starts");
         Self { jobs: tx, outstanding, limit: max_batch + max_queue, queued }
     }
 
-    /// Queues a job; refuses at once when the batch and the queue are full.
-    pub fn submit(&self, job: Job) -> Result<(), Refused> {
+    /// Queues a job that continues from `state`; refuses at once when the batch and the queue
+    /// are full.
+    pub fn submit(&self, job: Job, state: State) -> Result<(), Refused> {
         let slot = Slot(self.outstanding.clone());
         if self.outstanding.fetch_add(1, Ordering::SeqCst) >= self.limit {
             return Err(Refused::Busy);
         }
         self.queued.inc();
-        self.jobs.send((job, slot)).map_err(|_| {
+        self.jobs.send((job, state, slot)).map_err(|_| {
             self.queued.dec();
             Refused::Stopped
         })
     }
 }
 
+/// A generation's state as the batch holds it.
+enum Live {
+    F32(State),
+    F16(State<f16>),
+}
+
+impl Live {
+    /// The f32 state (widened back, exactly, if it was held as f16).
+    fn wide(&mut self) -> &mut State {
+        if let Live::F16(s) = self {
+            *self = Live::F32(s.to_f32());
+        }
+        match self {
+            Live::F32(s) => s,
+            Live::F16(_) => unreachable!("just widened"),
+        }
+    }
+
+    /// Holds the state as f16 from now on.
+    fn narrow(&mut self) {
+        if let Live::F32(s) = self {
+            *self = Live::F16(s.to_f16());
+        }
+    }
+}
+
 /// One generation in the batch.
 struct Sequence<'m> {
     job: Job,
+    state: Live,
     /// Held until the generation ends.
     slot: Option<Slot>,
     decoder: Decoder<'m>,
@@ -211,12 +266,17 @@ fn prefill_chunks(model: &Model, batch: &mut [Sequence], chunk: usize) {
     if joining.is_empty() {
         return;
     }
-    let chunks: Vec<&[u32]> = joining.iter().map(|(s, end)| &s.job.prompt[s.prefilled..*end]).collect();
-    let states: Vec<&State> = joining.iter().map(|(s, _)| &s.job.state).collect();
+    let (chunks, states): (Vec<&[u32]>, Vec<&State>) = joining
+        .iter_mut()
+        .map(|(s, end)| {
+            let s = &mut **s;
+            (&s.job.prompt[s.prefilled..*end], &*s.state.wide())
+        })
+        .unzip();
     match model.prefill_batch(&chunks, &states) {
         Ok(done) => {
             for ((s, end), (logits, state)) in joining.into_iter().zip(done) {
-                s.job.state = state;
+                s.state = Live::F32(state);
                 s.prefilled = end;
                 if end == s.job.prompt.len() {
                     s.logits = Some(logits);
@@ -230,9 +290,10 @@ fn prefill_chunks(model: &Model, batch: &mut [Sequence], chunk: usize) {
 /// The batching loop: admit, prefill, sample, step.
 fn run(
     model: &Model,
-    mut jobs: mpsc::UnboundedReceiver<(Job, Slot)>,
+    mut jobs: mpsc::UnboundedReceiver<(Job, State, Slot)>,
     max_batch: usize,
     prefill_chunk: usize,
+    states: DecodeStates,
     m: &BatchMetrics,
 ) {
     let mut batch: Vec<Sequence> = Vec::new();
@@ -266,33 +327,56 @@ fn run(
             s.sample(m);
         }
         // One batched decode step for every sequence that goes on.
-        let (feed, mut states): (Vec<u32>, Vec<&mut State>) =
-            batch.iter_mut().filter_map(|s| Some((s.fed?, &mut s.job.state))).unzip();
-        if !feed.is_empty() {
-            let result = model.step_batch(&feed, &mut states);
-            let stepped = batch.iter_mut().filter(|s| s.fed.is_some());
-            match result {
-                Ok(logits) => {
-                    let v = logits.len() / feed.len();
-                    for (s, l) in stepped.zip(logits.chunks_exact(v)) {
-                        s.fed = None;
-                        s.logits = Some(l.to_vec());
-                    }
-                }
-                Err(e) => stepped.for_each(|s| s.send(Event::Failed(e.to_string()))),
-            }
+        if states == DecodeStates::F16 {
+            batch.iter_mut().filter(|s| s.fed.is_some()).for_each(|s| s.state.narrow());
         }
+        step(model, &mut batch, |l| match l {
+            Live::F32(s) => Some(s),
+            Live::F16(_) => None,
+        });
+        step(model, &mut batch, |l| match l {
+            Live::F16(s) => Some(s),
+            Live::F32(_) => None,
+        });
         batch.retain(|s| !s.ended);
         m.active.set(batch.len() as i64);
     }
 }
 
+/// One batched decode step for the sequences that have a token to feed and whose state `held`
+/// picks (those held as f32, or as f16): each gets its next logits.
+fn step<S: SsmValue>(model: &Model, batch: &mut [Sequence], held: impl Fn(&mut Live) -> Option<&mut State<S>>) {
+    let (feed, mut states): (Vec<u32>, Vec<&mut State<S>>) =
+        batch.iter_mut().filter_map(|s| Some((s.fed?, held(&mut s.state)?))).unzip();
+    if feed.is_empty() {
+        return;
+    }
+    let result = model.step_batch(&feed, &mut states);
+    let stepped = batch.iter_mut().filter_map(|s| (s.fed.is_some() && held(&mut s.state).is_some()).then_some(s));
+    match result {
+        Ok(logits) => {
+            let v = logits.len() / feed.len();
+            for (s, l) in stepped.zip(logits.chunks_exact(v)) {
+                s.fed = None;
+                s.logits = Some(l.to_vec());
+            }
+        }
+        Err(e) => stepped.for_each(|s| s.send(Event::Failed(e.to_string()))),
+    }
+}
+
 /// Starts a job: a decoder for its options (checked when the request was validated).
-fn admit<'m>(model: &'m Model, (job, slot): (Job, Slot), batch: &mut Vec<Sequence<'m>>, m: &BatchMetrics) {
+fn admit<'m>(
+    model: &'m Model,
+    (job, state, slot): (Job, State, Slot),
+    batch: &mut Vec<Sequence<'m>>,
+    m: &BatchMetrics,
+) {
     m.queued.dec();
     match Decoder::new(model, &job.opts) {
         Ok(decoder) => batch.push(Sequence {
             job,
+            state: Live::F32(state),
             slot: Some(slot),
             decoder,
             prefilled: 0,

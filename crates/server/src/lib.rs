@@ -30,7 +30,7 @@ mod routes;
 use std::sync::Arc;
 
 pub use app::{App, Limits, Options};
-pub use batcher::DEFAULT_PREFILL_CHUNK;
+pub use batcher::{DecodeStates, DEFAULT_PREFILL_CHUNK};
 pub use error::ApiError;
 pub use routes::router;
 
