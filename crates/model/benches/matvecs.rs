@@ -91,6 +91,18 @@ fn step_from_memory(c: &mut Criterion) {
     }
 }
 
+/// One decode step's causal conv of mamba2-130m's 1,792 conv channels (d_conv 4), as every
+/// layer of every sequence runs it.
+fn conv_step(c: &mut Criterion) {
+    let (ch, k) = (1792, 4);
+    let (x, wt, bias) = (weights(ch, 1), weights(k * ch, 2), weights(ch, 3));
+    let mut tail = weights(ch * (k - 1), 4);
+    let mut out = vec![0.0f32; ch];
+    c.bench_function("conv step 1792 channels", |b| {
+        b.iter(|| picaso_model::cpu::kernels::conv_step_silu(&x, &wt, &bias, k, &mut tail, &mut out))
+    });
+}
+
 /// Deterministic values in [-0.096, 0.096] (a period-97 ramp shifted by `salt`), so distinct
 /// matrices differ while every run multiplies the same numbers.
 fn weights(len: usize, salt: usize) -> Vec<f32> {
@@ -100,6 +112,6 @@ fn weights(len: usize, salt: usize) -> Vec<f32> {
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(20).warm_up_time(std::time::Duration::from_millis(500)).measurement_time(std::time::Duration::from_secs(2));
-    targets = bench
+    targets = bench, conv_step
 }
 criterion_main!(benches);

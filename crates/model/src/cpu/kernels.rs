@@ -26,8 +26,16 @@ pub fn exp(x: f32) -> f32 {
     p = p * r + 1.666_666_5e-1;
     p = p * r + 0.5;
     let y = p * r * r + r + 1.0;
-    // 2^k by building the exponent bits; k is within [-126, 127] thanks to the clamp.
-    y * f32::from_bits(((k as i32 + 127) as u32) << 23)
+    y * pow2(k)
+}
+
+/// 2^k for an integer-valued k in [-126, 127], by building the exponent bits. Adding 2^23 puts
+/// the integer k + 127 in the low mantissa bits, whence a shift moves it into the exponent
+/// field: no float-to-int conversion, which LLVM does not vectorise for Rust's saturating `as`
+/// (it ran lane by lane, 16 scalar conversions per vector, in every loop calling [`exp`]).
+#[inline(always)]
+fn pow2(k: f32) -> f32 {
+    f32::from_bits((k + (127.0 + 8_388_608.0)).to_bits() << 23)
 }
 
 /// SiLU x·σ(x).
@@ -753,7 +761,10 @@ simd_fn! {
     /// [`conv_silu`]'s order, so a decode step gives the bits of a prefill.
     pub fn conv_step_silu(x: &[f32], wt: &[f32], bias: &[f32], k: usize, tail: &mut [f32], out: &mut [f32]) {
         let (c, kt) = (x.len(), k - 1);
-        for ((ch, o), (&xv, &b)) in out.iter_mut().enumerate().zip(x.iter().zip(bias)) {
+        // d_conv = 4 (every Mamba checkpoint): LANES channels at a time, their tails (48
+        // contiguous values) taken apart into three registers, instead of channel by channel.
+        let done = if kt == 3 { conv_step_blocks::<3>(x, wt, bias, tail, out) } else { 0 };
+        for ((ch, o), (&xv, &b)) in out.iter_mut().enumerate().zip(x.iter().zip(bias)).skip(done) {
             let tl = &mut tail[ch * kt..(ch + 1) * kt];
             let mut acc = b;
             for (j, &sv) in tl.iter().enumerate() {
@@ -769,6 +780,38 @@ simd_fn! {
             *v = silu(*v);
         }
     }
+}
+
+/// [`conv_step_silu`]'s sums (before SiLU) and tail shift for the whole blocks of [`LANES`]
+/// channels, for a tail of `KT` values per channel: each channel's operations in the same
+/// order, so the same bits. Returns the channels done.
+#[inline(always)]
+fn conv_step_blocks<const KT: usize>(x: &[f32], wt: &[f32], bias: &[f32], tail: &mut [f32], out: &mut [f32]) -> usize {
+    let c = x.len();
+    let blocks = c / LANES;
+    for blk in 0..blocks {
+        let ch0 = blk * LANES;
+        let tb = &mut tail[ch0 * KT..(ch0 + LANES) * KT];
+        let t: [[f32; LANES]; KT] = std::array::from_fn(|j| std::array::from_fn(|l| tb[l * KT + j]));
+        let mut acc: [f32; LANES] = bias[ch0..ch0 + LANES].try_into().expect("LANES values");
+        for (j, tj) in t.iter().enumerate() {
+            let w = &wt[j * c + ch0..j * c + ch0 + LANES];
+            for l in 0..LANES {
+                acc[l] = tj[l].mul_add(w[l], acc[l]);
+            }
+        }
+        let (xb, w) = (&x[ch0..ch0 + LANES], &wt[KT * c + ch0..KT * c + ch0 + LANES]);
+        let o = &mut out[ch0..ch0 + LANES];
+        for l in 0..LANES {
+            o[l] = xb[l].mul_add(w[l], acc[l]);
+        }
+        for l in 0..LANES {
+            for j in 0..KT {
+                tb[l * KT + j] = if j + 1 < KT { t[j + 1][l] } else { xb[l] };
+            }
+        }
+    }
+    blocks * LANES
 }
 
 simd_fn! {
@@ -1021,7 +1064,12 @@ mod tests {
     fn a_conv_step_gives_the_bits_of_the_conv_over_tail_and_row() {
         // Channels past one AVX-512 register and an odd tail: the decode step's sums from the
         // channel-major tail equal those of the row-major [tail; x] the prefill path builds.
-        let (c, k) = (37, 4);
+        for k in [2, 3, 4, 5] {
+            conv_step_case(37, k);
+        }
+    }
+
+    fn conv_step_case(c: usize, k: usize) {
         let kt = k - 1;
         let v = |len: usize, salt: usize| -> Vec<f32> {
             (0..len).map(|i| (((i * 31 + salt) % 23) as f32 - 11.0) / 7.0).collect()
@@ -1039,9 +1087,9 @@ mod tests {
         let mut got = vec![0.0f32; c];
         conv_step_silu(&x, &wt, &bias, k, &mut tail, &mut got);
         for ch in 0..c {
-            assert_eq!(got[ch].to_bits(), want[ch].to_bits(), "channel {ch}");
+            assert_eq!(got[ch].to_bits(), want[ch].to_bits(), "k {k}: channel {ch}");
             for j in 0..kt {
-                assert_eq!(tail[ch * kt + j], seq[(j + 1) * c + ch], "tail of channel {ch}, slot {j}");
+                assert_eq!(tail[ch * kt + j], seq[(j + 1) * c + ch], "k {k}: tail of channel {ch}, slot {j}");
             }
         }
     }
@@ -1059,6 +1107,15 @@ mod tests {
         assert!(worst < 4e-7, "worst relative error {worst}");
         assert_eq!(exp(-1000.0), exp(-87.336_55));
         assert!(exp(1000.0).is_finite());
+        assert!(exp(f32::NAN).is_nan());
+    }
+
+    #[test]
+    fn pow2_builds_the_exponent_of_every_integer_in_range() {
+        for k in -126..=127 {
+            assert_eq!(pow2(k as f32), f32::from_bits(((k + 127) as u32) << 23), "2^{k}");
+            assert_eq!(pow2(k as f32) as f64, 2f64.powi(k), "2^{k}");
+        }
     }
 
     #[test]
