@@ -122,19 +122,18 @@ impl Engine {
         lens: &[usize],
         states: &mut [&mut State<S>],
     ) -> Result<Vec<f32>> {
-        if let Engine::Cpu(e) = self {
-            return Ok(e.forward_batch(tokens, lens, states));
-        }
-        let states = S::as_f32(states).ok_or_else(|| {
-            Error::Input("f16 decode states run on the cpu engine of a Mamba-2 model only; use f32 states".into())
-        })?;
+        let f32_states = |states| {
+            S::as_f32(states).ok_or_else(|| {
+                Error::Input("f16 decode states run on the cpu engine of a Mamba-2 model only; use f32 states".into())
+            })
+        };
         match self {
             Engine::Cpu(e) => Ok(e.forward_batch(tokens, lens, states)),
-            Engine::CpuMamba1(e) => Ok(e.forward_batch(tokens, lens, states)),
+            Engine::CpuMamba1(e) => Ok(e.forward_batch(tokens, lens, f32_states(states)?)),
             Engine::Candle { .. } | Engine::CandleMamba1 { .. } => {
                 let mut hidden = Vec::new();
                 let mut rest = tokens;
-                for (state, &t) in states.iter_mut().zip(lens) {
+                for (state, &t) in f32_states(states)?.iter_mut().zip(lens) {
                     let (seq, tail) = rest.split_at(t);
                     rest = tail;
                     hidden.extend(self.forward(seq, state)?);
