@@ -198,7 +198,7 @@ struct BenchArgs {
     #[arg(long, default_value_t = 10)]
     compose_n: usize,
     /// Sequences to decode together, one batched step per token, as `serve` batches its
-    /// clients (0 skips the batched decode benchmark).
+    /// clients; as many prompts are also prefilled together (0 skips both).
     #[arg(long, default_value_t = 16)]
     decode_batch: usize,
     /// Print JSON.
@@ -866,6 +866,12 @@ fn bench(a: BenchArgs) -> Result<()> {
             t,
             1e3 * r.decode_batch as f64 / t,
             r.decode_batch
+        );
+    }
+    if let Some(t) = r.batched_prefill_tokens_per_s {
+        println!(
+            "prefill ×{:<3} {:>8.1} tokens/s  ({} prompts of {} tokens in one pass, to their first logits)",
+            r.decode_batch, t, r.decode_batch, opts.prompt_tokens
         );
     }
     if !r.compose_ms.is_empty() {

@@ -448,13 +448,15 @@ fn continuous_batching_caps_the_batch_queues_and_frees_slots() {
         "3",
         "--max-queue",
         "2",
+        "--prefill-chunk",
+        "64",
         "--max-prompt-tokens",
         "2000",
         "--max-tokens-limit",
         "1000000",
     ]);
 
-    // A prompt of more than one prefill chunk (256 tokens), next to short ones: each greedy
+    // A prompt of several prefill chunks (64 tokens), next to short ones: each greedy
     // answer is the CLI's (which prefills in one pass and decodes alone).
     let long = "The tower stands in the city and the river runs past it. ".repeat(30);
     let prompts = [long.as_str(), "Cats", "The tower", "Mamba models"];

@@ -103,6 +103,37 @@ fn conv_step(c: &mut Criterion) {
     });
 }
 
+/// One head's selective scan at mamba2-130m's shapes (headdim 64, d_state 128), from a state
+/// in cache: one token (a decode step) and 32 (a short prompt).
+fn scan_head(c: &mut Criterion) {
+    use picaso_model::cpu::kernels::ScanInputs;
+    let (p_dim, n_dim) = (64, 128);
+    let stride = p_dim + 2 * n_dim;
+    for t in [1, 32] {
+        // No exact zeros in x or B: a state value fed nothing decays into subnormals, which
+        // cost ~10x (a benchmark artefact; real inputs are not exactly 0 for thousands of tokens).
+        let xbc: Vec<f32> = weights(t * stride, 5).iter().map(|v| v + 1e-3).collect();
+        let (dt, decay) = (vec![0.05f32; t], vec![0.97f32; t]);
+        let head = ScanInputs {
+            xbc: &xbc,
+            stride,
+            x_off: 0,
+            b_off: p_dim,
+            c_off: p_dim + n_dim,
+            p_dim,
+            n_dim,
+            dt: &dt,
+            decay: &decay,
+            d_skip: 0.5,
+        };
+        let mut s = weights(p_dim * n_dim, 6);
+        let mut y = vec![0.0f32; t * p_dim];
+        c.bench_function(&format!("scan head 64x128, {t} tokens"), |b| {
+            b.iter(|| picaso_model::cpu::kernels::scan_head(&mut s, &head, &mut y))
+        });
+    }
+}
+
 /// Deterministic values in [-0.096, 0.096] (a period-97 ramp shifted by `salt`), so distinct
 /// matrices differ while every run multiplies the same numbers.
 fn weights(len: usize, salt: usize) -> Vec<f32> {
@@ -112,6 +143,6 @@ fn weights(len: usize, salt: usize) -> Vec<f32> {
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(20).warm_up_time(std::time::Duration::from_millis(500)).measurement_time(std::time::Duration::from_secs(2));
-    targets = bench, conv_step
+    targets = bench, conv_step, scan_head
 }
 criterion_main!(benches);

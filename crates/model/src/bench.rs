@@ -46,6 +46,10 @@ pub struct BenchReport {
     pub batched_decode_f16_state_tokens_per_s: Option<f64>,
     /// Sequences in the batched decode run.
     pub decode_batch: usize,
+    /// `decode_batch` prompts of `prompt_tokens` each prefilled in one forward pass, each to
+    /// its first logits ([`Model::prefill_batch`]: how a server starts requests that join
+    /// together), tokens/s of all prompts; `None` when skipped.
+    pub batched_prefill_tokens_per_s: Option<f64>,
     /// Milliseconds per composition of `compose_n` states into a fresh state, per method.
     pub compose_ms: Vec<(String, f64)>,
     /// The same into a reused output state (no allocation, no page faults).
@@ -102,6 +106,10 @@ pub fn run(model: &Model, opts: &BenchOptions) -> Result<BenchReport> {
         _ if !model.runs_f16_states() => None,
         b => Some(batched_decode(model, &state.to_f16(), b, opts, vocab)?),
     };
+    let batched_prefill_tokens_per_s = match opts.decode_batch {
+        0 => None,
+        b => Some(batched_prefill(model, &tokens, b, opts, vocab)?),
+    };
     let mut compose_ms = Vec::new();
     let mut compose_into_ms = Vec::new();
     let mut read_states_ms = 0.0;
@@ -129,6 +137,7 @@ pub fn run(model: &Model, opts: &BenchOptions) -> Result<BenchReport> {
         batched_decode_tokens_per_s,
         batched_decode_f16_state_tokens_per_s,
         decode_batch: opts.decode_batch,
+        batched_prefill_tokens_per_s,
         compose_ms,
         compose_into_ms,
         read_states_ms,
@@ -170,6 +179,18 @@ fn batched_decode<S: SsmValue>(
     })?;
     let t = t - b as f64 * clone_cost(state);
     Ok((b * opts.decode_tokens.max(1)) as f64 / t)
+}
+
+/// Tokens/s of `b` different prompts of `tokens.len()` tokens each, prefilled together from
+/// the zero state to their first logits.
+fn batched_prefill(model: &Model, tokens: &[u32], b: usize, opts: &BenchOptions, vocab: u64) -> Result<f64> {
+    let prompts: Vec<Vec<u32>> =
+        (0..b as u64).map(|i| tokens.iter().map(|&t| ((t as u64 + i * 7_919) % vocab) as u32).collect()).collect();
+    let seqs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+    let zero = model.zero_state();
+    let zeros = vec![&zero; b];
+    let t = best_of(opts.repeats, || model.prefill_batch(&seqs, &zeros))?;
+    Ok((b * tokens.len()) as f64 / t)
 }
 
 fn argmax(v: &[f32]) -> u32 {

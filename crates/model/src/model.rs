@@ -398,7 +398,28 @@ impl Model {
     /// last token and the state after it: what [`Model::prefill_last_logits`] gives each alone,
     /// to float rounding (the projections of all rows are one matrix product).
     pub fn prefill_batch(&self, sequences: &[&[u32]], states: &[&State]) -> Result<Vec<(Vec<f32>, State)>> {
-        let (hidden, next) = self.forward_many(sequences, states)?;
+        let mut next: Vec<State> = states.iter().map(|&s| s.clone()).collect();
+        let mut refs: Vec<&mut State> = next.iter_mut().collect();
+        let logits = self.prefill_batch_in_place(sequences, &mut refs)?;
+        Ok(logits.into_iter().zip(next).collect())
+    }
+
+    /// [`Model::prefill_batch`] continuing each state in place (no copy of the states: a
+    /// server's joining requests, whose states are theirs alone). Returns each sequence's
+    /// next-token logits. Bad input (token ids, state shapes, empty sequences) is refused before
+    /// any state is touched.
+    pub fn prefill_batch_in_place(&self, sequences: &[&[u32]], states: &mut [&mut State]) -> Result<Vec<Vec<f32>>> {
+        if sequences.len() != states.len() {
+            return Err(Error::Input(format!("{} sequences for {} states", sequences.len(), states.len())));
+        }
+        check_nonempty(sequences)?;
+        let tokens: Vec<u32> = sequences.concat();
+        self.check_tokens(&tokens)?;
+        for s in states.iter() {
+            self.check_state(s)?;
+        }
+        let lens: Vec<usize> = sequences.iter().map(|s| s.len()).collect();
+        let hidden = self.engine.forward_batch(&tokens, &lens, states)?;
         // The last row of each sequence.
         let d = self.config.d_model();
         let mut last = Vec::with_capacity(sequences.len() * d);
@@ -410,7 +431,7 @@ impl Model {
         // One row per sequence: each as its lone row would be.
         let logits = self.engine.logits_of(&last, Rows::Independent)?;
         let v = logits.len() / sequences.len();
-        Ok(logits.chunks_exact(v).map(<[f32]>::to_vec).zip(next).collect())
+        Ok(logits.chunks_exact(v).map(<[f32]>::to_vec).collect())
     }
 
     /// The state after each of several token sequences (each at least one token),

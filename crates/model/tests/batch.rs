@@ -81,6 +81,13 @@ fn a_batched_prefill_gives_each_sequence_its_state_alone() {
         let refs: Vec<&[u32]> = seqs.iter().map(Vec::as_slice).collect();
         let batched = model.prefill_batch(&refs, &from).unwrap();
         let states_only = model.prefill_states(&refs, &from).unwrap();
+        // In place (a server's joining requests): the same bits as from copies.
+        let mut own: Vec<State> = from.iter().map(|&s| s.clone()).collect();
+        let in_place = model.prefill_batch_in_place(&refs, &mut own.iter_mut().collect::<Vec<_>>()).unwrap();
+        for (i, ((logits, state), (l, s))) in batched.iter().zip(in_place.iter().zip(&own)).enumerate() {
+            assert!(logits == l, "{name}: in place, sequence {i}: logits differ");
+            assert_same_state(s, state, 0.0, &format!("{name}: in place, sequence {i}"));
+        }
         for (i, (seq, start)) in seqs.iter().zip(&from).enumerate() {
             let (logits, alone) = model.prefill_last_logits(seq, start).unwrap();
             assert_same_state(&batched[i].1, &alone, 1e-5, &format!("{name}: sequence {i}"));
@@ -141,6 +148,11 @@ fn batch_arguments_are_checked() {
     let z = model.zero_state();
     let err = model.prefill_batch(&[&[1, 2], &[]], &[&z, &z]).unwrap_err().to_string();
     assert!(err.contains("sequence 1 is empty"), "{err}");
+    // Refused before any state is touched.
+    let (mut a, mut b) = (model.zero_state(), model.zero_state());
+    let err = model.prefill_batch_in_place(&[&[1, 2], &[3, 1000]], &mut [&mut a, &mut b]).unwrap_err().to_string();
+    assert!(err.contains("outside the vocabulary"), "{err}");
+    assert!(a.n_tokens == 0 && b.n_tokens == 0, "a refused prefill must leave the states as they were");
     let err = model.prefill_states(&[&[1, 2]], &[&z, &z]).unwrap_err().to_string();
     assert!(err.contains("1 sequences for 2 states"), "{err}");
     let other = mamba1();

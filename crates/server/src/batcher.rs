@@ -27,8 +27,10 @@ use tokio::sync::mpsc;
 /// Prompt tokens prefilled per step by default, over all joining requests (oldest first), in
 /// one forward pass: a long prompt is cut into chunks, and several short ones start together.
 /// Every running stream waits for that prefill, so the chunk trades the joiners' time to first
-/// token against the others' inter-token latency (BENCHMARKS.md measures both).
-pub const DEFAULT_PREFILL_CHUNK: usize = 64;
+/// token against the others' inter-token latency (BENCHMARKS.md measures both). Each pass
+/// reads every weight once, so a pass of 64 tokens costs ~70 ms and one of 256 ~200 ms on the
+/// CPUs measured: 256 lets 8 short prompts join per step at a third of the cost per token.
+pub const DEFAULT_PREFILL_CHUNK: usize = 256;
 
 /// How the batch holds its generations' SSM states between decode steps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -90,6 +92,15 @@ pub(crate) struct BatchMetrics {
     pub active: Gauge,
     /// Requests waiting to join it.
     pub queued: Gauge,
+    /// Seconds of each batched decode step (the forward pass of every sequence that steps).
+    pub step_seconds: Histogram,
+    /// Sequences in each batched decode step.
+    pub step_sequences: Histogram,
+    /// Seconds of each prefill pass over joining prompts.
+    pub prefill_seconds: Histogram,
+    /// Seconds per batch iteration spent sampling every sequence's next token and handing out
+    /// its text (what the batch waits on besides the forward passes).
+    pub sample_seconds: Histogram,
 }
 
 /// A job's place in the batch or its queue, given back when dropped: before the job's last
@@ -251,7 +262,7 @@ const IDLE_PREFILL_CHUNK: usize = 1024;
 /// Prefills up to `chunk` prompt tokens of the joining requests (up to
 /// [`IDLE_PREFILL_CHUNK`] when none is streaming yet), oldest first, in one forward pass; a
 /// request whose prompt is all in gets its first logits.
-fn prefill_chunks(model: &Model, batch: &mut [Sequence], chunk: usize) {
+fn prefill_chunks(model: &Model, batch: &mut [Sequence], chunk: usize, m: &BatchMetrics) {
     let streaming = batch.iter().any(|s| !s.ended && !s.joining());
     let mut budget = if streaming { chunk } else { chunk.max(IDLE_PREFILL_CHUNK) };
     let mut joining: Vec<(&mut Sequence, usize)> = Vec::new();
@@ -266,17 +277,19 @@ fn prefill_chunks(model: &Model, batch: &mut [Sequence], chunk: usize) {
     if joining.is_empty() {
         return;
     }
-    let (chunks, states): (Vec<&[u32]>, Vec<&State>) = joining
+    let (chunks, mut states): (Vec<&[u32]>, Vec<&mut State>) = joining
         .iter_mut()
         .map(|(s, end)| {
             let s = &mut **s;
-            (&s.job.prompt[s.prefilled..*end], &*s.state.wide())
+            (&s.job.prompt[s.prefilled..*end], s.state.wide())
         })
         .unzip();
-    match model.prefill_batch(&chunks, &states) {
-        Ok(done) => {
-            for ((s, end), (logits, state)) in joining.into_iter().zip(done) {
-                s.state = Live::F32(state);
+    let t0 = Instant::now();
+    let done = model.prefill_batch_in_place(&chunks, &mut states);
+    m.prefill_seconds.observe(t0.elapsed().as_secs_f64());
+    match done {
+        Ok(logits) => {
+            for ((s, end), logits) in joining.into_iter().zip(logits) {
                 s.prefilled = end;
                 if end == s.job.prompt.len() {
                     s.logits = Some(logits);
@@ -322,34 +335,44 @@ fn run(
             }
             !gone
         });
-        prefill_chunks(model, &mut batch, prefill_chunk);
+        prefill_chunks(model, &mut batch, prefill_chunk, m);
+        let t0 = Instant::now();
         for s in &mut batch {
             s.sample(m);
         }
+        m.sample_seconds.observe(t0.elapsed().as_secs_f64());
         // One batched decode step for every sequence that goes on.
+        let t0 = Instant::now();
         if states == DecodeStates::F16 {
             batch.iter_mut().filter(|s| s.fed.is_some()).for_each(|s| s.state.narrow());
         }
-        step(model, &mut batch, |l| match l {
+        let stepped = step(model, &mut batch, |l| match l {
             Live::F32(s) => Some(s),
             Live::F16(_) => None,
-        });
-        step(model, &mut batch, |l| match l {
+        }) + step(model, &mut batch, |l| match l {
             Live::F16(s) => Some(s),
             Live::F32(_) => None,
         });
+        if stepped > 0 {
+            m.step_seconds.observe(t0.elapsed().as_secs_f64());
+            m.step_sequences.observe(stepped as f64);
+        }
         batch.retain(|s| !s.ended);
         m.active.set(batch.len() as i64);
     }
 }
 
 /// One batched decode step for the sequences that have a token to feed and whose state `held`
-/// picks (those held as f32, or as f16): each gets its next logits.
-fn step<S: SsmValue>(model: &Model, batch: &mut [Sequence], held: impl Fn(&mut Live) -> Option<&mut State<S>>) {
+/// picks (those held as f32, or as f16): each gets its next logits. Returns how many stepped.
+fn step<S: SsmValue>(
+    model: &Model,
+    batch: &mut [Sequence],
+    held: impl Fn(&mut Live) -> Option<&mut State<S>>,
+) -> usize {
     let (feed, mut states): (Vec<u32>, Vec<&mut State<S>>) =
         batch.iter_mut().filter_map(|s| Some((s.fed?, held(&mut s.state)?))).unzip();
     if feed.is_empty() {
-        return;
+        return 0;
     }
     let result = model.step_batch(&feed, &mut states);
     let stepped = batch.iter_mut().filter_map(|s| (s.fed.is_some() && held(&mut s.state).is_some()).then_some(s));
@@ -363,6 +386,7 @@ fn step<S: SsmValue>(model: &Model, batch: &mut [Sequence], held: impl Fn(&mut L
         }
         Err(e) => stepped.for_each(|s| s.send(Event::Failed(e.to_string()))),
     }
+    feed.len()
 }
 
 /// Starts a job: a decoder for its options (checked when the request was validated).

@@ -59,6 +59,10 @@ impl Default for Metrics {
             time_to_first_token_seconds: seconds_histogram(),
             active: Gauge::default(),
             queued: Gauge::default(),
+            step_seconds: seconds_histogram(),
+            step_sequences: Histogram::new(exponential_buckets(1.0, 2.0, 8)),
+            prefill_seconds: seconds_histogram(),
+            sample_seconds: seconds_histogram(),
         };
         let m = Self {
             requests,
@@ -99,6 +103,26 @@ impl Default for Metrics {
         );
         registry.register("batch_active", "Generations advancing together in the batch", m.batch.active.clone());
         registry.register("batch_queued", "Generations waiting to join the batch", m.batch.queued.clone());
+        registry.register(
+            "batch_step_seconds",
+            "Time of each batched decode step (one token of every generation in it)",
+            m.batch.step_seconds.clone(),
+        );
+        registry.register(
+            "batch_step_sequences",
+            "Generations in each batched decode step",
+            m.batch.step_sequences.clone(),
+        );
+        registry.register(
+            "batch_prefill_seconds",
+            "Time of each prefill pass over the prompts of joining generations",
+            m.batch.prefill_seconds.clone(),
+        );
+        registry.register(
+            "batch_sample_seconds",
+            "Time per batch iteration to sample every generation's next token and hand out its text",
+            m.batch.sample_seconds.clone(),
+        );
         Self { registry, ..m }
     }
 }
