@@ -47,8 +47,9 @@ pub struct BenchReport {
     /// Sequences in the batched decode run.
     pub decode_batch: usize,
     /// `decode_batch` prompts of `prompt_tokens` each prefilled in one forward pass, each to
-    /// its first logits ([`Model::prefill_batch`]: how a server starts requests that join
-    /// together), tokens/s of all prompts; `None` when skipped.
+    /// its first logits ([`Model::prefill_batch`], copies of the zero state included: a server
+    /// starts requests that join together this way, in place), tokens/s of all prompts; `None`
+    /// when skipped.
     pub batched_prefill_tokens_per_s: Option<f64>,
     /// Milliseconds per composition of `compose_n` states into a fresh state, per method.
     pub compose_ms: Vec<(String, f64)>,

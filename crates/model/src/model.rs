@@ -409,17 +409,7 @@ impl Model {
     /// next-token logits. Bad input (token ids, state shapes, empty sequences) is refused before
     /// any state is touched.
     pub fn prefill_batch_in_place(&self, sequences: &[&[u32]], states: &mut [&mut State]) -> Result<Vec<Vec<f32>>> {
-        if sequences.len() != states.len() {
-            return Err(Error::Input(format!("{} sequences for {} states", sequences.len(), states.len())));
-        }
-        check_nonempty(sequences)?;
-        let tokens: Vec<u32> = sequences.concat();
-        self.check_tokens(&tokens)?;
-        for s in states.iter() {
-            self.check_state(s)?;
-        }
-        let lens: Vec<usize> = sequences.iter().map(|s| s.len()).collect();
-        let hidden = self.engine.forward_batch(&tokens, &lens, states)?;
+        let hidden = self.forward_many(sequences, states)?;
         // The last row of each sequence.
         let d = self.config.d_model();
         let mut last = Vec::with_capacity(sequences.len() * d);
@@ -438,7 +428,9 @@ impl Model {
     /// `sequences[i]` from `states[i]`, in one forward pass: what [`Model::prefill`] gives each
     /// alone, to float rounding. Many short contexts (ingest) share each matrix product.
     pub fn prefill_states(&self, sequences: &[&[u32]], states: &[&State]) -> Result<Vec<State>> {
-        self.forward_many(sequences, states).map(|(_, next)| next)
+        let mut next: Vec<State> = states.iter().map(|&s| s.clone()).collect();
+        self.forward_many(sequences, &mut next.iter_mut().collect::<Vec<_>>())?;
+        Ok(next)
     }
 
     /// The state after each of several token sequences (each at least one token) from the zero
@@ -486,23 +478,20 @@ impl Model {
         matches!(self.engine, Engine::Cpu(_))
     }
 
-    /// The hidden rows of the concatenated sequences and the state after each.
-    fn forward_many(&self, sequences: &[&[u32]], states: &[&State]) -> Result<(Vec<f32>, Vec<State>)> {
+    /// Continues each state in place with its sequence and returns the hidden rows of the
+    /// concatenated sequences. Bad input is refused before any state is touched.
+    fn forward_many(&self, sequences: &[&[u32]], states: &mut [&mut State]) -> Result<Vec<f32>> {
         if sequences.len() != states.len() {
             return Err(Error::Input(format!("{} sequences for {} states", sequences.len(), states.len())));
         }
         check_nonempty(sequences)?;
         let tokens: Vec<u32> = sequences.concat();
         self.check_tokens(&tokens)?;
-        let mut next = Vec::with_capacity(states.len());
-        for s in states {
+        for s in states.iter() {
             self.check_state(s)?;
-            next.push((*s).clone());
         }
         let lens: Vec<usize> = sequences.iter().map(|s| s.len()).collect();
-        let mut refs: Vec<&mut State> = next.iter_mut().collect();
-        let hidden = self.engine.forward_batch(&tokens, &lens, &mut refs)?;
-        Ok((hidden, next))
+        self.engine.forward_batch(&tokens, &lens, states)
     }
 
     /// Scores `tokens` from `state`: the first token is context, each later one is scored.
