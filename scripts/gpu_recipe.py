@@ -45,6 +45,7 @@ ARMS = {
     "neighbours": {"data": "neighbours"},
     "lr x2": {"lr_scale": 2.0},
     "lr /2": {"lr_scale": 0.5},
+    "lr x4": {"lr_scale": 4.0},
 }
 # The arms that change the architecture: a warm start (--init) cannot take them.
 SHAPE = {"d_state", "headdim", "n_groups", "n_layer", "d_model", "vocab"}
