@@ -131,6 +131,15 @@ fn scan_head(c: &mut Criterion) {
         c.bench_function(&format!("scan head 64x128, {t} tokens"), |b| {
             b.iter(|| picaso_model::cpu::kernels::scan_head(&mut s, &head, &mut y))
         });
+        if t == 1 {
+            // A decode step on a state held as f16: in registers, and through an f32 copy.
+            use picaso_model::cpu::f16_state::{scan_head_f16, scan_head_f16_widened};
+            let mut h: Vec<half::f16> = s.iter().map(|&v| half::f16::from_f32(v)).collect();
+            c.bench_function("scan head 64x128 f16, 1 token", |b| b.iter(|| scan_head_f16(&mut h, &head, &mut y)));
+            c.bench_function("scan head 64x128 f16 widened, 1 token", |b| {
+                b.iter(|| scan_head_f16_widened(&mut h, &head, &mut y))
+            });
+        }
     }
 }
 

@@ -5,7 +5,9 @@
 //! memory traffic. Held as f16 they cost half. The arithmetic stays f32: a head's values are
 //! widened into a per-thread buffer, scanned by the f32 kernel, and rounded back (to nearest,
 //! ties to even), so one step from an f16 state gives the bits of the f32 step from its widened
-//! values. f16 rather than bf16: 11 significant bits against 8; measured on the bundled model
+//! values. A one-token step (every batched decode step) on AVX-512 does the same per row in
+//! registers instead, with no f32 copy of the head: the same operations in the same order, so
+//! the same bits. f16 rather than bf16: 11 significant bits against 8; measured on the bundled model
 //! (BENCHMARKS.md), bf16 states moved single log-probs ~15× more. A value beyond ±65,504 becomes
 //! infinite, and the next logits are then not finite, which decoding reports as an error.
 
@@ -18,6 +20,38 @@ use super::kernels::{scan_head, ScanInputs};
 
 /// [`scan_head`] on a state stored as f16: widened, scanned in f32, rounded back.
 pub fn scan_head_f16(s: &mut [f16], head: &ScanInputs, y: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let n_vectors = head.n_dim / 16;
+        if head.dt.len() == 1
+            && head.n_dim % 16 == 0
+            && (1..=8).contains(&n_vectors)
+            && s.len() == head.p_dim * head.n_dim
+            && std::arch::is_x86_feature_detected!("avx512f")
+        {
+            let bits: &mut [u16] = s.reinterpret_cast_mut();
+            // SAFETY: the CPU has AVX-512F; the state holds P rows of N = 16·NV values.
+            unsafe {
+                match n_vectors {
+                    1 => x86::scan_token_avx512::<1>(bits, head, y),
+                    2 => x86::scan_token_avx512::<2>(bits, head, y),
+                    3 => x86::scan_token_avx512::<3>(bits, head, y),
+                    4 => x86::scan_token_avx512::<4>(bits, head, y),
+                    5 => x86::scan_token_avx512::<5>(bits, head, y),
+                    6 => x86::scan_token_avx512::<6>(bits, head, y),
+                    7 => x86::scan_token_avx512::<7>(bits, head, y),
+                    _ => x86::scan_token_avx512::<8>(bits, head, y),
+                }
+            }
+            return;
+        }
+    }
+    scan_head_f16_widened(s, head, y)
+}
+
+/// [`scan_head_f16`] through an f32 copy of the head: any CPU, any number of tokens (rounded
+/// to f16 once, after the last).
+pub fn scan_head_f16_widened(s: &mut [f16], head: &ScanInputs, y: &mut [f32]) {
     thread_local! {
         /// One head's state in f32 (32 KiB for mamba2-130m: it stays in L1/L2).
         static HEAD: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
@@ -81,6 +115,45 @@ fn narrow_scalar(src: &[f32], dst: &mut [u16]) {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
+
+    use super::ScanInputs;
+
+    /// One token of [`super::scan_head`] on an f16 state of P rows of N = 16·NV values, row by
+    /// row in registers: widen, s ← decay·s + (x·dt)·B, round back, y += s·C — the f32 kernel's
+    /// operations in its order (fused multiply-adds where it uses `mul_add`, the 16 partial sums
+    /// of y added in lane order), so the f32 step's bits, rounded.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F; `head.dt.len() == 1`, `head.n_dim == 16 * NV` and
+    /// `s.len() == head.p_dim * head.n_dim`.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn scan_token_avx512<const NV: usize>(s: &mut [u16], head: &ScanInputs, y: &mut [f32]) {
+        let ScanInputs { xbc, x_off, b_off, c_off, p_dim, n_dim, dt, decay, d_skip, .. } = *head;
+        let (x, b, c) = (&xbc[x_off..x_off + p_dim], &xbc[b_off..b_off + n_dim], &xbc[c_off..c_off + n_dim]);
+        let y = &mut y[..p_dim];
+        // SAFETY (all loads and stores below): b and c hold n_dim = 16·NV values; each row of
+        // s holds n_dim values and s holds p_dim rows (the caller's contract).
+        let bv: [__m512; NV] = std::array::from_fn(|j| unsafe { _mm512_loadu_ps(b.as_ptr().add(16 * j)) });
+        let cv: [__m512; NV] = std::array::from_fn(|j| unsafe { _mm512_loadu_ps(c.as_ptr().add(16 * j)) });
+        let a = _mm512_set1_ps(decay[0]);
+        for p in 0..p_dim {
+            let xdt = _mm512_set1_ps(x[p] * dt[0]);
+            let row = unsafe { s.as_mut_ptr().add(p * n_dim) };
+            let mut acc = _mm512_setzero_ps();
+            for j in 0..NV {
+                unsafe {
+                    let at = row.add(16 * j).cast::<__m256i>();
+                    let v = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256(at)), a, _mm512_mul_ps(xdt, bv[j]));
+                    _mm256_storeu_si256(at, _mm512_cvtps_ph::<NEAREST>(v));
+                    acc = _mm512_fmadd_ps(v, cv[j], acc);
+                }
+            }
+            let mut lanes = [0.0f32; 16];
+            unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), acc) };
+            // As the f32 kernel sums: lanes in order, its empty tail, then the skip.
+            y[p] = lanes.iter().sum::<f32>() + 0.0 + d_skip * x[p];
+        }
+    }
 
     /// Round to nearest (ties to even), no exceptions: IEEE's rounding, as the scalar path.
     const NEAREST: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
@@ -206,6 +279,49 @@ mod tests {
         }
         assert!(f16::from_f32(65520.0).is_infinite() && narrow_bits[2].is_infinite());
         assert_eq!(narrow_bits[0].to_f32(), 65504.0);
+    }
+
+    #[test]
+    fn a_one_token_step_in_registers_gives_the_widened_steps_bits() {
+        // Every d_state the register path takes (and two it leaves to the widened one), states
+        // with subnormal, ordinary and near-overflow values, several steps in a row.
+        let mut seed = 11u64;
+        let mut rand = || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        };
+        for n in [16usize, 32, 48, 64, 80, 96, 112, 128, 40, 144] {
+            let p = 5;
+            let stride = p + 2 * n + 3;
+            let scale = [6e-6f32, 1.0, 3.0, 60000.0];
+            let start: Vec<f16> = (0..p * n).map(|i| f16::from_f32(scale[i % 4] * rand())).collect();
+            let (mut fused, mut widened) = (start.clone(), start.clone());
+            for step in 0..4 {
+                let xbc: Vec<f32> = (0..stride).map(|_| 3.0 * rand()).collect();
+                let dt = [0.02 + 0.2 * rand().abs()];
+                let decay = [(-dt[0] * (1.0 + rand().abs())).exp()];
+                let head = ScanInputs {
+                    xbc: &xbc,
+                    stride,
+                    x_off: 2,
+                    b_off: 2 + p,
+                    c_off: 2 + p + n,
+                    p_dim: p,
+                    n_dim: n,
+                    dt: &dt,
+                    decay: &decay,
+                    d_skip: 0.7,
+                };
+                let (mut y_fused, mut y_widened) = (vec![0.0f32; p], vec![0.0f32; p]);
+                scan_head_f16(&mut fused, &head, &mut y_fused);
+                scan_head_f16_widened(&mut widened, &head, &mut y_widened);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&y_fused), bits(&y_widened), "d_state {n}, step {step}: y");
+                let hbits = |v: &[f16]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(hbits(&fused), hbits(&widened), "d_state {n}, step {step}: state");
+            }
+            assert_ne!(fused, start, "d_state {n}: the state moved");
+        }
     }
 
     #[test]
