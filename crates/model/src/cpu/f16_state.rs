@@ -24,7 +24,7 @@ pub fn scan_head_f16(s: &mut [f16], head: &ScanInputs, y: &mut [f32]) {
     {
         let n_vectors = head.n_dim / 16;
         if head.dt.len() == 1
-            && head.n_dim % 16 == 0
+            && head.n_dim.is_multiple_of(16)
             && (1..=8).contains(&n_vectors)
             && s.len() == head.p_dim * head.n_dim
             && std::arch::is_x86_feature_detected!("avx512f")
