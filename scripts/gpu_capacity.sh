@@ -10,27 +10,32 @@
 #   cat FILES/s/model.safetensors.part-* > S/model.safetensors; cp FILES/s/config.json S/  # here
 #
 # SHAPES ("NAME:D_MODEL:N_LAYER ...", default "s:256:4 m:384:6"), MINUTES (each run's budget,
-# default 3.9) and LR (peak; the final is a tenth) override the arms.
+# default 3.9), LR (peak; the final is a tenth) and BASE (the run file the rest comes from,
+# default v3's) override the arms.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:?give OUT, the folder whose files come back}
 SHAPES=${SHAPES:-s:256:4 m:384:6}
 MINUTES=${MINUTES:-3.9}
 LR=${LR:-3e-3}
+BASE=${BASE:-models/training/picaso-mamba2-v3.json}
 G=${GPU_DATA:-.gpu/a}
 W=${WORK:-/tmp/capacity}
 export PYTHONUNBUFFERED=1
 mkdir -p "$W"
 xz -dc "$G/pairs.json.xz" > "$W/pairs.json"
-min_lr=$(python3 -c "print($LR / 10)")
-recipe="\"d_state\": 64, \"headdim\": 64, \"vocab\": 8192, \"seq_len\": 1024, \"batch\": 32, \"steps\": 100000,
-  \"warmup\": 100, \"lr\": $LR, \"min_lr\": $min_lr, \"weight_decay\": 0.1, \"clip\": 1.0, \"seed\": 1,
-  \"sampler\": \"epochs\", \"init\": {\"long_memory\": 0.5, \"mimetic\": true}, \"val_every\": 500"
 names=()
 for shape in $SHAPES; do
   IFS=: read -r name d layers <<< "$shape"
   names+=("$name")
-  echo "{\"d_model\": $d, \"n_layer\": $layers, $recipe}" > "$W/$name.json"
+  # The base run with this shape, its learning rate, a short warmup; --plan-minutes sets the steps.
+  python3 - "$BASE" "$d" "$layers" "$LR" > "$W/$name.json" <<'PY'
+import json, sys
+run = json.load(open(sys.argv[1]))
+lr = float(sys.argv[4])
+run.update(d_model=int(sys.argv[2]), n_layer=int(sys.argv[3]), lr=lr, min_lr=lr / 10, warmup=100, steps=100000)
+print(json.dumps(run))
+PY
   # --minutes stops (and exports) even if validation made the run late; timeout is the backstop.
   timeout "$(python3 -c "print(int($MINUTES * 60 + 60))")" python3 scripts/train_gpu.py \
     --config "$W/$name.json" --out "$W/$name" --train "$G/train-a.u16.xz" --val "$G/val.u16.xz" \
