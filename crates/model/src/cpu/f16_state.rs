@@ -5,10 +5,10 @@
 //! memory traffic. Held as f16 they cost half. The arithmetic stays f32: a head's values are
 //! widened into a per-thread buffer, scanned by the f32 kernel, and rounded back (to nearest,
 //! ties to even), so one step from an f16 state gives the bits of the f32 step from its widened
-//! values. A one-token step (every batched decode step) on AVX-512 does the same per row in
-//! registers instead, with no f32 copy of the head: the same operations in the same order, so
-//! the same bits. f16 rather than bf16: 11 significant bits against 8; measured on the bundled model
-//! (BENCHMARKS.md), bf16 states moved single log-probs ~15× more. A value beyond ±65,504 becomes
+//! values. A one-token step (every batched decode step) on AVX-512 does the same in registers
+//! instead ([`super::scan_avx512`]), with no f32 copy of the head: the same operations in the
+//! same order, so the same bits. f16 rather than bf16: 11 significant bits against 8; measured
+//! on the bundled model (BENCHMARKS.md), bf16 states moved single log-probs ~15× more. A value beyond ±65,504 becomes
 //! infinite, and the next logits are then not finite, which decoding reports as an error.
 
 use std::cell::RefCell;
@@ -27,20 +27,22 @@ pub fn scan_head_f16(s: &mut [f16], head: &ScanInputs, y: &mut [f32]) {
             && head.n_dim.is_multiple_of(16)
             && (1..=8).contains(&n_vectors)
             && s.len() == head.p_dim * head.n_dim
+            && y.len() >= head.p_dim
             && std::arch::is_x86_feature_detected!("avx512f")
         {
+            use super::scan_avx512::scan_head as avx512;
             let bits: &mut [u16] = s.reinterpret_cast_mut();
             // SAFETY: the CPU has AVX-512F; the state holds P rows of N = 16·NV values.
             unsafe {
                 match n_vectors {
-                    1 => x86::scan_token_avx512::<1>(bits, head, y),
-                    2 => x86::scan_token_avx512::<2>(bits, head, y),
-                    3 => x86::scan_token_avx512::<3>(bits, head, y),
-                    4 => x86::scan_token_avx512::<4>(bits, head, y),
-                    5 => x86::scan_token_avx512::<5>(bits, head, y),
-                    6 => x86::scan_token_avx512::<6>(bits, head, y),
-                    7 => x86::scan_token_avx512::<7>(bits, head, y),
-                    _ => x86::scan_token_avx512::<8>(bits, head, y),
+                    1 => avx512::<1, u16>(bits, head, y),
+                    2 => avx512::<2, u16>(bits, head, y),
+                    3 => avx512::<3, u16>(bits, head, y),
+                    4 => avx512::<4, u16>(bits, head, y),
+                    5 => avx512::<5, u16>(bits, head, y),
+                    6 => avx512::<6, u16>(bits, head, y),
+                    7 => avx512::<7, u16>(bits, head, y),
+                    _ => avx512::<8, u16>(bits, head, y),
                 }
             }
             return;
@@ -115,45 +117,6 @@ fn narrow_scalar(src: &[f32], dst: &mut [u16]) {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
-
-    use super::ScanInputs;
-
-    /// One token of [`super::scan_head`] on an f16 state of P rows of N = 16·NV values, row by
-    /// row in registers: widen, s ← decay·s + (x·dt)·B, round back, y += s·C — the f32 kernel's
-    /// operations in its order (fused multiply-adds where it uses `mul_add`, the 16 partial sums
-    /// of y added in lane order), so the f32 step's bits, rounded.
-    ///
-    /// # Safety
-    /// The CPU must have AVX-512F; `head.dt.len() == 1`, `head.n_dim == 16 * NV` and
-    /// `s.len() == head.p_dim * head.n_dim`.
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn scan_token_avx512<const NV: usize>(s: &mut [u16], head: &ScanInputs, y: &mut [f32]) {
-        let ScanInputs { xbc, x_off, b_off, c_off, p_dim, n_dim, dt, decay, d_skip, .. } = *head;
-        let (x, b, c) = (&xbc[x_off..x_off + p_dim], &xbc[b_off..b_off + n_dim], &xbc[c_off..c_off + n_dim]);
-        let y = &mut y[..p_dim];
-        // SAFETY (all loads and stores below): b and c hold n_dim = 16·NV values; each row of
-        // s holds n_dim values and s holds p_dim rows (the caller's contract).
-        let bv: [__m512; NV] = std::array::from_fn(|j| unsafe { _mm512_loadu_ps(b.as_ptr().add(16 * j)) });
-        let cv: [__m512; NV] = std::array::from_fn(|j| unsafe { _mm512_loadu_ps(c.as_ptr().add(16 * j)) });
-        let a = _mm512_set1_ps(decay[0]);
-        for p in 0..p_dim {
-            let xdt = _mm512_set1_ps(x[p] * dt[0]);
-            let row = unsafe { s.as_mut_ptr().add(p * n_dim) };
-            let mut acc = _mm512_setzero_ps();
-            for j in 0..NV {
-                unsafe {
-                    let at = row.add(16 * j).cast::<__m256i>();
-                    let v = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256(at)), a, _mm512_mul_ps(xdt, bv[j]));
-                    _mm256_storeu_si256(at, _mm512_cvtps_ph::<NEAREST>(v));
-                    acc = _mm512_fmadd_ps(v, cv[j], acc);
-                }
-            }
-            let mut lanes = [0.0f32; 16];
-            unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), acc) };
-            // As the f32 kernel sums: lanes in order, its empty tail, then the skip.
-            y[p] = lanes.iter().sum::<f32>() + 0.0 + d_skip * x[p];
-        }
-    }
 
     /// Round to nearest (ties to even), no exceptions: IEEE's rounding, as the scalar path.
     const NEAREST: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
@@ -291,7 +254,8 @@ mod tests {
             ((seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
         };
         for n in [16usize, 32, 48, 64, 80, 96, 112, 128, 40, 144] {
-            let p = 5;
+            // 37 rows: two blocks of 16 reduced together, and 5 summed alone.
+            let p = 37;
             let stride = p + 2 * n + 3;
             let scale = [6e-6f32, 1.0, 3.0, 60000.0];
             let start: Vec<f16> = (0..p * n).map(|i| f16::from_f32(scale[i % 4] * rand())).collect();

@@ -10,6 +10,8 @@ pub mod bf16_gemm;
 pub mod bf16_tiles;
 pub mod f16_state;
 pub mod kernels;
+#[cfg(target_arch = "x86_64")]
+pub mod scan_avx512;
 
 use rayon::prelude::*;
 
