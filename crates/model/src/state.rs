@@ -285,12 +285,15 @@ impl State {
 
     /// The state before any token: all zeros.
     pub fn zeros(shape: StateShape, fingerprint: impl Into<String>) -> Self {
-        let layer = LayerState {
-            ssm: vec![0.0; shape.ssm_len()],
-            conv: vec![0.0; shape.conv_len()],
-            log_decay: vec![0.0; shape.log_decay_len()],
-        };
-        Self { fingerprint: fingerprint.into(), n_tokens: 0, layers: vec![layer; shape.n_layer], shape }
+        // Each layer allocated zeroed (fresh pages from the OS), not one layer copied n times.
+        let layers = (0..shape.n_layer)
+            .map(|_| LayerState {
+                ssm: vec![0.0; shape.ssm_len()],
+                conv: vec![0.0; shape.conv_len()],
+                log_decay: vec![0.0; shape.log_decay_len()],
+            })
+            .collect();
+        Self { fingerprint: fingerprint.into(), n_tokens: 0, layers, shape }
     }
 
     /// Bytes of the state in f32.
