@@ -20,33 +20,11 @@ use super::kernels::{scan_head, ScanInputs};
 
 /// [`scan_head`] on a state stored as f16: widened, scanned in f32, rounded back.
 pub fn scan_head_f16(s: &mut [f16], head: &ScanInputs, y: &mut [f32]) {
+    // One token in registers (rounded as it is stored); several go through the f32 copy,
+    // rounded once after the last.
     #[cfg(target_arch = "x86_64")]
-    {
-        let n_vectors = head.n_dim / 16;
-        if head.dt.len() == 1
-            && head.n_dim.is_multiple_of(16)
-            && (1..=8).contains(&n_vectors)
-            && s.len() == head.p_dim * head.n_dim
-            && y.len() >= head.p_dim
-            && std::arch::is_x86_feature_detected!("avx512f")
-        {
-            use super::scan_avx512::scan_head as avx512;
-            let bits: &mut [u16] = s.reinterpret_cast_mut();
-            // SAFETY: the CPU has AVX-512F; the state holds P rows of N = 16·NV values.
-            unsafe {
-                match n_vectors {
-                    1 => avx512::<1, u16>(bits, head, y),
-                    2 => avx512::<2, u16>(bits, head, y),
-                    3 => avx512::<3, u16>(bits, head, y),
-                    4 => avx512::<4, u16>(bits, head, y),
-                    5 => avx512::<5, u16>(bits, head, y),
-                    6 => avx512::<6, u16>(bits, head, y),
-                    7 => avx512::<7, u16>(bits, head, y),
-                    _ => avx512::<8, u16>(bits, head, y),
-                }
-            }
-            return;
-        }
+    if head.dt.len() == 1 && super::scan_avx512::try_scan_head::<u16>(s.reinterpret_cast_mut(), head, y) {
+        return;
     }
     scan_head_f16_widened(s, head, y)
 }

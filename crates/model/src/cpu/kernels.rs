@@ -832,28 +832,8 @@ simd_fn! {
             };
         }
         #[cfg(target_arch = "x86_64")]
-        {
-            if n_dim.is_multiple_of(LANES)
-                && (1..=8).contains(&(n_dim / LANES))
-                && s.len() == head.p_dim * n_dim
-                && y.len() >= head.dt.len() * head.p_dim
-                && std::arch::is_x86_feature_detected!("avx512f")
-            {
-                use super::scan_avx512::scan_head as avx512;
-                // SAFETY: the CPU has AVX-512F; N = 16·NV, the state holds P rows, y T·P values.
-                unsafe {
-                    return match n_dim / LANES {
-                        1 => avx512::<1, f32>(s, head, y),
-                        2 => avx512::<2, f32>(s, head, y),
-                        3 => avx512::<3, f32>(s, head, y),
-                        4 => avx512::<4, f32>(s, head, y),
-                        5 => avx512::<5, f32>(s, head, y),
-                        6 => avx512::<6, f32>(s, head, y),
-                        7 => avx512::<7, f32>(s, head, y),
-                        _ => avx512::<8, f32>(s, head, y),
-                    };
-                }
-            }
+        if super::scan_avx512::try_scan_head(s, head, y) {
+            return;
         }
         fixed!(1, 2, 3, 4, 5, 6, 7, 8);
         scan_head_any(s, head, y)

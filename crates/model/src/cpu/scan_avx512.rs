@@ -59,6 +59,34 @@ impl Held for u16 {
     }
 }
 
+/// Runs [`scan_head`] where this CPU and head allow it (AVX-512F; d_state a multiple of 16, at
+/// most 128; a state of P rows; room for T·P outputs) and says whether it did.
+pub fn try_scan_head<H: Held>(s: &mut [H], head: &ScanInputs, y: &mut [f32]) -> bool {
+    let nv = head.n_dim / 16;
+    if !(head.n_dim.is_multiple_of(16)
+        && (1..=8).contains(&nv)
+        && s.len() == head.p_dim * head.n_dim
+        && y.len() >= head.dt.len() * head.p_dim
+        && std::arch::is_x86_feature_detected!("avx512f"))
+    {
+        return false;
+    }
+    // SAFETY: the CPU has AVX-512F and the shapes are as `scan_head` requires (checked above).
+    unsafe {
+        match nv {
+            1 => scan_head::<1, H>(s, head, y),
+            2 => scan_head::<2, H>(s, head, y),
+            3 => scan_head::<3, H>(s, head, y),
+            4 => scan_head::<4, H>(s, head, y),
+            5 => scan_head::<5, H>(s, head, y),
+            6 => scan_head::<6, H>(s, head, y),
+            7 => scan_head::<7, H>(s, head, y),
+            _ => scan_head::<8, H>(s, head, y),
+        }
+    }
+    true
+}
+
 /// [`super::kernels::scan_head`] for d_state N = 16·NV: over every token of `head`, the state
 /// `s` (P rows of N values, held as `H`) is updated in place and y (T, P) written. For f16
 /// (`H = u16`) each token's values are rounded back as they are stored.
@@ -199,4 +227,39 @@ unsafe fn reduce_quarters(q: [__m512; 4]) -> __m512 {
     // Row r sits in lane 4·(r mod 4) + r / 4.
     let rows = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     _mm512_permutexvar_ps(rows, sums)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The bit-for-bit tests compare this kernel with the portable ones through the dispatching
+    /// `scan_head`s; this one makes sure the dispatch does pick it (else they would compare the
+    /// portable kernels with themselves).
+    #[test]
+    fn the_kernel_takes_the_heads_it_can_on_a_cpu_with_avx512() {
+        let (p, t) = (37, 2);
+        for (n, takes) in [(16, true), (128, true), (40, false), (144, false)] {
+            let stride = p + 2 * n;
+            let xbc: Vec<f32> = (0..t * stride).map(|i| (i % 7) as f32 * 0.1).collect();
+            let (dt, decay) = (vec![0.1f32; t], vec![0.9f32; t]);
+            let head = ScanInputs {
+                xbc: &xbc,
+                stride,
+                x_off: 0,
+                b_off: p,
+                c_off: p + n,
+                p_dim: p,
+                n_dim: n,
+                dt: &dt,
+                decay: &decay,
+                d_skip: 0.5,
+            };
+            let (mut s, mut y) = (vec![0.5f32; p * n], vec![0.0f32; t * p]);
+            let mut h = vec![0u16; p * n];
+            let avx512 = std::arch::is_x86_feature_detected!("avx512f");
+            assert_eq!(try_scan_head(&mut s, &head, &mut y), takes && avx512, "f32, d_state {n}");
+            assert_eq!(try_scan_head(&mut h, &head, &mut y), takes && avx512, "f16, d_state {n}");
+        }
+    }
 }
