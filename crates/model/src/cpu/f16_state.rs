@@ -8,8 +8,9 @@
 //! values. A one-token step (every batched decode step) on AVX-512 does the same in registers
 //! instead ([`super::scan_avx512`]), with no f32 copy of the head: the same operations in the
 //! same order, so the same bits. f16 rather than bf16: 11 significant bits against 8; measured
-//! on the bundled model (BENCHMARKS.md), bf16 states moved single log-probs ~15× more. A value beyond ±65,504 becomes
-//! infinite, and the next logits are then not finite, which decoding reports as an error.
+//! on the bundled model (BENCHMARKS.md), bf16 states moved single log-probs ~15× more. A value
+//! beyond ±65,504 becomes infinite, and the next logits are then not finite, which decoding
+//! reports as an error.
 
 use std::cell::RefCell;
 
@@ -96,9 +97,9 @@ fn narrow_scalar(src: &[f32], dst: &mut [u16]) {
 mod x86 {
     use std::arch::x86_64::*;
 
-    /// Round to nearest (ties to even), no exceptions: IEEE's rounding, as the scalar path.
-    const NEAREST: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-    /// The same for F16C, whose immediate has no exception bit.
+    use super::super::scan_avx512::NEAREST;
+
+    /// [`NEAREST`] for F16C, whose immediate has no exception bit.
     const NEAREST_F16C: i32 = _MM_FROUND_TO_NEAREST_INT;
 
     /// # Safety

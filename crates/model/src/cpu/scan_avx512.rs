@@ -42,7 +42,7 @@ impl Held for f32 {
 }
 
 /// Round to nearest (ties to even), no exceptions: IEEE's rounding, as `half`'s scalar path.
-const NEAREST: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+pub(crate) const NEAREST: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 
 impl Held for u16 {
     #[target_feature(enable = "avx512f")]
@@ -136,7 +136,8 @@ pub unsafe fn scan_head<const NV: usize, H: Held>(s: &mut [H], head: &ScanInputs
 }
 
 /// One row of N = 16·NV values at `row`: s ← a·s + xdt·B, stored back; returns its 16 partial
-/// sums of s·C.
+/// sums of s·C. ([`update_rows4`] with one row; a single function generic over the number of
+/// rows measured 45% slower in f32: 0.54 µs per head and token against 0.37.)
 ///
 /// # Safety
 /// The CPU must have AVX-512F; `row` must point at 16·NV values.
