@@ -99,6 +99,8 @@ pub(crate) struct BatchMetrics {
     pub step_sequences: Histogram,
     /// Seconds of each prefill pass over joining prompts.
     pub prefill_seconds: Histogram,
+    /// Prompt tokens in each prefill pass.
+    pub prefill_tokens: Histogram,
     /// Seconds per batch iteration spent sampling every sequence's next token and handing out
     /// its text (what the batch waits on besides the forward passes).
     pub sample_seconds: Histogram,
@@ -288,6 +290,8 @@ fn prefill_chunks(model: &Model, batch: &mut [Sequence], chunk: usize, m: &Batch
     let t0 = Instant::now();
     let done = model.prefill_batch_in_place(&chunks, &mut states);
     m.prefill_seconds.observe(t0.elapsed().as_secs_f64());
+    let tokens: usize = chunks.iter().map(|c| c.len()).sum();
+    m.prefill_tokens.observe(tokens as f64);
     match done {
         Ok(logits) => {
             for ((s, end), logits) in joining.into_iter().zip(logits) {

@@ -62,6 +62,7 @@ impl Default for Metrics {
             step_seconds: seconds_histogram(),
             step_sequences: Histogram::new(exponential_buckets(1.0, 2.0, 8)),
             prefill_seconds: seconds_histogram(),
+            prefill_tokens: Histogram::new(exponential_buckets(16.0, 2.0, 8)),
             sample_seconds: seconds_histogram(),
         };
         let m = Self {
@@ -117,6 +118,11 @@ impl Default for Metrics {
             "batch_prefill_seconds",
             "Time of each prefill pass over the prompts of joining generations",
             m.batch.prefill_seconds.clone(),
+        );
+        registry.register(
+            "batch_prefill_tokens",
+            "Prompt tokens in each prefill pass over joining generations",
+            m.batch.prefill_tokens.clone(),
         );
         registry.register(
             "batch_sample_seconds",
