@@ -755,6 +755,33 @@ mod tests {
         s
     }
 
+    /// Pages of `v` that are in memory (Linux `mincore`): 4 KiB pages wholly inside it.
+    #[cfg(target_os = "linux")]
+    fn resident_pages(v: &[f32]) -> (usize, usize) {
+        const PAGE: usize = 4096;
+        let start = (v.as_ptr() as usize).div_ceil(PAGE) * PAGE;
+        let end = (v.as_ptr() as usize + 4 * v.len()) / PAGE * PAGE;
+        let pages = (end - start) / PAGE;
+        let mut flags = vec![0u8; pages];
+        // SAFETY: the range is page-aligned and inside v's allocation; flags holds one byte per page.
+        let rc = unsafe { libc::mincore(start as *mut libc::c_void, end - start, flags.as_mut_ptr()) };
+        assert_eq!(rc, 0, "mincore failed");
+        (flags.iter().filter(|&&f| f & 1 == 1).count(), pages)
+    }
+
+    #[test]
+    #[cfg(target_os = "linux")]
+    fn a_zero_state_is_in_memory_before_the_scan_reads_it() {
+        // Untouched calloc'd pages would map to the zero page and fault twice under the scan's
+        // read-then-write (see written_zeros); this fails with `vec![0.0; n]` (tried).
+        let s = State::zeros(StateShape::of(&Mamba2Config::mamba2_130m()), "m");
+        for l in &s.layers {
+            let (resident, pages) = resident_pages(&l.ssm);
+            assert!(pages > 100, "the layer spans {pages} pages");
+            assert_eq!(resident, pages, "pages of a zero state not yet in memory");
+        }
+    }
+
     #[test]
     fn bytes_are_deterministic_valid_safetensors_and_round_trip() {
         let s = sample_state();
