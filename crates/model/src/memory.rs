@@ -1,10 +1,12 @@
-//! Large buffers for weights: backed by 2 MiB pages where the OS allows it.
+//! Large buffers (weights, zero states): written on creation, and backed by 2 MiB pages where
+//! the OS allows it.
 //!
 //! Decoding streams every weight once per token; with 4 KiB pages that is one TLB miss per
 //! 4 KiB (≈130k per token for a 130M model). Transparent huge pages cut that 512-fold. Linux
 //! often enables them only on request (`madvise` mode), so we ask before the first write.
 
-/// A buffer of `n` copies of `fill`, on huge pages when available.
+/// A buffer of `n` copies of `fill`, on huge pages when available. Every element is written, so
+/// each page is faulted in once here, never mapped to the shared zero page as calloc's are.
 pub fn big_vec<T: Clone>(n: usize, fill: T) -> Vec<T> {
     let mut v: Vec<T> = Vec::with_capacity(n);
     advise_huge(v.as_mut_ptr().cast(), n * std::mem::size_of::<T>());

@@ -28,6 +28,7 @@ use safetensors::{Dtype, SafeTensors};
 
 use crate::config::Mamba2Config;
 use crate::error::{Error, Result};
+use crate::memory::big_vec;
 
 /// Format tag written into every state file's metadata.
 pub const STATE_FORMAT: &str = "picaso-state/3";
@@ -285,11 +286,17 @@ impl State {
 
     /// The state before any token: all zeros.
     pub fn zeros(shape: StateShape, fingerprint: impl Into<String>) -> Self {
+        // Zeros written, not `vec![0.0; n]`: that is calloc, whose fresh pages map the shared
+        // zero page until written. The scan reads a state before writing it, so each page then
+        // faulted twice, and the second fault (copy-on-write) flushed the page from the other
+        // cores' TLBs by interrupt: ~36 ms per mamba2-130m state, a third of a server's prefill
+        // pass (perf, 16 clients). Written once, a page faults once.
+        let zeros = |n| big_vec(n, 0.0f32);
         let layers = (0..shape.n_layer)
             .map(|_| LayerState {
-                ssm: written_zeros(shape.ssm_len()),
-                conv: written_zeros(shape.conv_len()),
-                log_decay: written_zeros(shape.log_decay_len()),
+                ssm: zeros(shape.ssm_len()),
+                conv: zeros(shape.conv_len()),
+                log_decay: zeros(shape.log_decay_len()),
             })
             .collect();
         Self { fingerprint: fingerprint.into(), n_tokens: 0, layers, shape }
@@ -728,17 +735,6 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     })
 }
 
-/// `n` zeros, written. `vec![0.0; n]` gets fresh memory from the OS uncleared (calloc), mapped
-/// to the shared zero page until written; a state is read before it is written (the scan's
-/// `decay · h`), so every 4 KiB page then faulted twice, and the second fault (copy-on-write)
-/// flushed the page from the other cores' TLBs by interrupt: ~36 ms per mamba2-130m state, a
-/// third of a server's prefill pass (perf, 16 clients). Written once here, a page faults once.
-fn written_zeros(n: usize) -> Vec<f32> {
-    let mut v = Vec::with_capacity(n);
-    v.resize(n, 0.0);
-    v
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -773,7 +769,7 @@ mod tests {
     #[cfg(target_os = "linux")]
     fn a_zero_state_is_in_memory_before_the_scan_reads_it() {
         // Untouched calloc'd pages would map to the zero page and fault twice under the scan's
-        // read-then-write (see written_zeros); this fails with `vec![0.0; n]` (tried).
+        // read-then-write (see State::zeros); this fails with `vec![0.0; n]` (tried).
         let s = State::zeros(StateShape::of(&Mamba2Config::mamba2_130m()), "m");
         for l in &s.layers {
             let (resident, pages) = resident_pages(&l.ssm);
