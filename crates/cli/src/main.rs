@@ -432,10 +432,26 @@ fn main() -> ExitCode {
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", error_message(&e));
             ExitCode::FAILURE
         }
     }
+}
+
+/// The error and its causes, outermost first, `: `-joined, skipping a cause whose text the
+/// message already ends with (errors that print their source themselves, as ours do for file
+/// errors, would otherwise say it twice).
+fn error_message(e: &anyhow::Error) -> String {
+    let mut message = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if message.is_empty() {
+            message = text;
+        } else if !message.ends_with(&text) {
+            message = format!("{message}: {text}");
+        }
+    }
+    message
 }
 
 fn run(cli: Cli) -> Result<()> {
@@ -657,11 +673,7 @@ fn generate_cmd(a: GenerateArgs) -> Result<()> {
 }
 
 fn compose_cmd(a: ComposeArgs) -> Result<()> {
-    let states = a
-        .state_files
-        .iter()
-        .map(|p| State::load(p).with_context(|| format!("reading state {}", p.display())))
-        .collect::<Result<Vec<_>>>()?;
+    let states = a.state_files.iter().map(|p| Ok(State::load(p)?)).collect::<Result<Vec<_>>>()?;
     let refs: Vec<&State> = states.iter().collect();
     let t0 = Instant::now();
     let composed = compose(a.method, &refs, a.order.as_deref())?;
@@ -1054,5 +1066,15 @@ mod tests {
     fn command_line_definition_is_consistent() {
         use clap::CommandFactory;
         super::Cli::command().debug_assert();
+    }
+
+    /// A cause the message already ends with is said once; other causes are joined on.
+    #[test]
+    fn an_error_says_each_cause_once() {
+        let io = || std::io::Error::new(std::io::ErrorKind::NotFound, "No such file or directory (os error 2)");
+        let own = anyhow::Error::from(picaso_model::Error::Io { path: "/m/config.json".into(), source: io() });
+        assert_eq!(super::error_message(&own), "/m/config.json: No such file or directory (os error 2)");
+        let wrapped = anyhow::Error::from(io()).context("reading /m/config.json");
+        assert_eq!(super::error_message(&wrapped), "reading /m/config.json: No such file or directory (os error 2)");
     }
 }

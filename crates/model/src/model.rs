@@ -212,13 +212,16 @@ pub struct Scored {
 impl Model {
     /// Loads `dir/config.json`, the weights and (unless skipped) a tokenizer.
     pub fn load(dir: &Path, options: &LoadOptions) -> Result<Self> {
+        let expected = "expected a folder with config.json and model.safetensors";
         if !dir.is_dir() {
-            return Err(Error::Input(format!(
-                "{}: model folder not found (expected a folder with config.json and model.safetensors)",
-                dir.display()
-            )));
+            return Err(Error::Input(format!("{}: model folder not found ({expected})", dir.display())));
         }
-        let config = ModelConfig::from_file(&dir.join("config.json"))?;
+        let config_file = dir.join("config.json");
+        if !config_file.is_file() {
+            let why = format!("not found: {} is not a model folder ({expected})", dir.display());
+            return Err(Error::io(config_file, std::io::Error::new(std::io::ErrorKind::NotFound, why)));
+        }
+        let config = ModelConfig::from_file(&config_file)?;
         let weights = Weights::load(dir, &config)?;
         let fingerprint = weights.fingerprint(&config);
         let n_params = weights.n_params();

@@ -714,6 +714,10 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     use std::io::Write;
     let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let name = path.file_name().ok_or_else(|| Error::Input(format!("{}: not a file path", path.display())))?;
+    if !dir.is_dir() {
+        let why = format!("the folder {} does not exist (create it, or write elsewhere)", dir.display());
+        return Err(Error::io(path, std::io::Error::new(std::io::ErrorKind::NotFound, why)));
+    }
     // Unique per process and call, so that concurrent writers of one path never share a temp file.
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -749,6 +753,19 @@ mod tests {
             l.log_decay.iter_mut().enumerate().for_each(|(j, x)| *x = -(j as f32) - 0.5);
         }
         s
+    }
+
+    /// Saving into a folder that does not exist names the folder, and writes nothing.
+    #[test]
+    fn saving_into_a_missing_folder_names_it() {
+        let dir = std::env::temp_dir().join(format!("picaso-missing-{}", std::process::id()));
+        let path = dir.join("s.safetensors");
+        let err = sample_state().save(&path, StateDtype::F32).unwrap_err();
+        // A missing file's kind, as for any write into a missing folder (Python: FileNotFoundError).
+        assert!(matches!(&err, Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound));
+        let e = err.to_string();
+        assert!(e.contains(&format!("the folder {} does not exist", dir.display())), "{e}");
+        assert!(!dir.exists());
     }
 
     /// Pages of `v` that are in memory (Linux `mincore`): 4 KiB pages wholly inside it.
