@@ -31,8 +31,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// The main job, end to end: ingest WikiText articles with the bundled model, answer
-    /// prompts with naive / concat / picaso-r, print loss and time to first token.
+    /// The main job, end to end: ingest a corpus (built in, or WikiText with --data) with the
+    /// bundled model, answer prompts with naive / concat / picaso-r, print loss and time to
+    /// first token.
     Demo(demo::DemoArgs),
     /// Print a model's config, parameter count and state size per context.
     Info(InfoArgs),
@@ -69,10 +70,10 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Drive a running server with concurrent clients; report throughput and latency.
     Load(serve::LoadArgs),
-    /// Train a model: pretraining (composition fine-tuning comes next).
+    /// Train a model: pretraining, composition fine-tuning (BPTC / BP2C), loss charts.
     #[command(subcommand)]
     Train(train::TrainCommand),
-    /// Run an experiment (WikiText composition benchmark, context use) and write its report.
+    /// Run an experiment (the paper's WikiText, OpenBookQA, attribution and more) and write its report.
     #[command(subcommand)]
     Eval(eval::EvalCommand),
 }
