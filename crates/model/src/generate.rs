@@ -6,6 +6,7 @@ use rand::{rngs::StdRng, Rng, SeedableRng};
 use crate::error::{Error, Result};
 use crate::model::Model;
 use crate::state::State;
+use vectorised::softmax_weights;
 
 /// How to pick tokens.
 #[derive(Debug, Clone)]
@@ -73,48 +74,61 @@ pub struct Generation {
     pub state: State,
 }
 
-/// Picks a token id from logits restricted to the first `vocab` entries.
+/// Picks a token id from logits restricted to the first `vocab` entries: the largest at
+/// temperature 0, else a draw from softmax(logits / temperature), cut to the nucleus when
+/// `top_p` < 1. One draw of `rng` per pick.
 pub fn sample(logits: &[f32], vocab: usize, opts: &GenerateOptions, rng: &mut StdRng) -> u32 {
     let logits = &logits[..vocab.min(logits.len())];
-    let argmax = || argmax(logits);
     if opts.temperature == 0.0 {
-        return argmax() as u32;
+        return argmax(logits) as u32;
     }
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut probs: Vec<(usize, f64)> =
-        logits.iter().enumerate().map(|(i, &v)| (i, (((v - max) / opts.temperature) as f64).exp())).collect();
-    let total: f64 = probs.iter().map(|p| p.1).sum();
+    let max = max_of(logits);
+    if max == f32::NEG_INFINITY {
+        return argmax(logits) as u32;
+    }
+    let mut w = vec![0.0f32; logits.len()];
+    let sums = softmax_weights(logits, max, opts.temperature, &mut w);
+    let u = rng.random::<f64>();
     if opts.top_p < 1.0 {
-        probs.sort_unstable_by(|a, b| b.1.total_cmp(&a.1));
-        let mut acc = 0.0;
-        let mut keep = probs.len();
-        for (i, p) in probs.iter().enumerate() {
-            acc += p.1 / total;
-            if acc >= opts.top_p as f64 {
-                keep = i + 1;
-                break;
-            }
-        }
-        probs.truncate(keep);
+        let total: f64 = sums.iter().sum();
+        let kept = nucleus(&w, total, opts.top_p);
+        let mass: f64 = kept.iter().map(|&i| w[i as usize] as f64).sum();
+        return draw(kept.iter().map(|&i| (i as usize, w[i as usize])), u * mass)
+            .or(kept.last().map(|&i| i as usize))
+            .unwrap_or_else(|| argmax(logits)) as u32;
     }
-    let mass: f64 = probs.iter().map(|p| p.1).sum();
-    let mut u = rng.random::<f64>() * mass;
-    for &(i, p) in &probs {
+    // The block that holds the draw, by the blocks' sums, then the token within it.
+    let mut u = u * sums.iter().sum::<f64>();
+    for (b, &sum) in sums.iter().enumerate() {
+        if u < sum {
+            let start = b * SUM_BLOCK;
+            let block = &w[start..(start + SUM_BLOCK).min(w.len())];
+            let last = block.iter().rposition(|&p| p > 0.0).unwrap_or(0);
+            return (start + draw(block.iter().copied().enumerate(), u).unwrap_or(last)) as u32;
+        }
+        u -= sum;
+    }
+    w.iter().rposition(|&p| p > 0.0).unwrap_or_else(|| argmax(logits)) as u32
+}
+
+/// Weights summed per block, so that a draw walks one block instead of the whole vocabulary.
+const SUM_BLOCK: usize = 1024;
+
+/// The first of `weights` (index, weight) where `u`, less the weights before it, falls below
+/// its weight; None when rounding leaves `u` past them all.
+fn draw(weights: impl Iterator<Item = (usize, f32)>, mut u: f64) -> Option<usize> {
+    for (i, p) in weights {
+        let p = p as f64;
         if u < p {
-            return i as u32;
+            return Some(i);
         }
         u -= p;
     }
-    probs.last().map(|p| p.0 as u32).unwrap_or_else(|| argmax() as u32)
+    None
 }
 
-/// Lanes of the vectorised scans below: independent accumulators the compiler keeps in
-/// vector registers (a scalar fold over 50,000 logits is one dependent chain, ~30 µs a token).
-const LANES: usize = 16;
-
-/// The first index of the largest value, ignoring NaN; 0 when no value exceeds -∞. Greedy
-/// decoding's pick: the maxima of 16 lanes, then the first place that holds their maximum.
-fn argmax(v: &[f32]) -> usize {
+/// The largest value, ignoring NaN (-∞ when there is none).
+fn max_of(v: &[f32]) -> f32 {
     let pick = |m: f32, x: f32| if x > m { x } else { m };
     let mut lanes = [f32::NEG_INFINITY; LANES];
     let chunks = v.chunks_exact(LANES);
@@ -124,7 +138,90 @@ fn argmax(v: &[f32]) -> usize {
             *m = pick(*m, x);
         }
     }
-    let max = lanes.iter().chain(tail).fold(f32::NEG_INFINITY, |m, &x| pick(m, x));
+    lanes.iter().chain(tail).fold(f32::NEG_INFINITY, |m, &x| pick(m, x))
+}
+
+/// Loops compiled for the CPU's vector instructions (a module of their own: `simd_fn!` makes
+/// public functions, which are not part of this crate's API).
+mod vectorised {
+    use super::{LANES, SUM_BLOCK};
+
+    picaso_compose::simd_fn! {
+        /// w[i] = e^((v[i] − max) / t) (the largest is exactly 1); returns the sum of each
+        /// [`SUM_BLOCK`] of weights, in f64. Vectorised (an f32 exp of ~2 ulp, 16 lanes of sums)
+        /// and compiled for the CPU's vector instructions: the exp rounds with `floor`, a library
+        /// call per value without SSE4.1.
+        pub fn softmax_weights(v: &[f32], max: f32, t: f32, w: &mut [f32]) -> Vec<f64> {
+            // Plain loops: iterator adapters would be compiled apart from this function, without
+            // its instruction set.
+            use crate::cpu::kernels::exp;
+            let mut sums = Vec::with_capacity(v.len().div_ceil(SUM_BLOCK));
+            let mut start = 0;
+            while start < v.len() {
+                let end = (start + SUM_BLOCK).min(v.len());
+                let mut lanes = [0.0f64; LANES];
+                let mut i = start;
+                while i + LANES <= end {
+                    let x: &[f32; LANES] = v[i..i + LANES].try_into().expect("a whole chunk");
+                    let y: &mut [f32; LANES] = (&mut w[i..i + LANES]).try_into().expect("a whole chunk");
+                    for j in 0..LANES {
+                        y[j] = exp((x[j] - max) / t);
+                        lanes[j] += y[j] as f64;
+                    }
+                    i += LANES;
+                }
+                let mut sum = 0.0;
+                for lane in lanes {
+                    sum += lane;
+                }
+                for j in i..end {
+                    w[j] = exp((v[j] - max) / t);
+                    sum += w[j] as f64;
+                }
+                sums.push(sum);
+                start = end;
+            }
+            sums
+        }
+    }
+}
+
+/// The nucleus: the fewest tokens, most probable first (ties by index), whose probability
+/// `w / total` adds up to `top_p`. Only tokens of weight ≥ τ are sorted, for falling τ until
+/// they hold the nucleus: every token left out weighs less than every token sorted, so the
+/// order the nucleus is cut from is the full sort's.
+fn nucleus(w: &[f32], total: f64, top_p: f32) -> Vec<u32> {
+    for tau in [1.0 / 16.0, 1.0 / 256.0, 1.0 / 4096.0, 1.0 / 65536.0, 1.0 / 16_777_216.0, 0.0f32] {
+        // One integer per token that sorts as (weight descending, index ascending): weights are
+        // ≥ 0, so their bits order as they do.
+        let mut keys: Vec<u64> = (0..w.len() as u32)
+            .filter(|&i| w[i as usize] >= tau)
+            .map(|i| (w[i as usize].to_bits() as u64) << 32 | !i as u64)
+            .collect();
+        keys.sort_unstable_by(|a, b| b.cmp(a));
+        let index = |key: u64| !(key as u32);
+        let mut acc = 0.0;
+        for (n, &key) in keys.iter().enumerate() {
+            acc += w[index(key) as usize] as f64 / total;
+            if acc >= top_p as f64 {
+                return keys[..=n].iter().map(|&k| index(k)).collect();
+            }
+        }
+        if tau == 0.0 {
+            return keys.iter().map(|&k| index(k)).collect();
+        }
+    }
+    unreachable!("the last threshold keeps every token")
+}
+
+/// Lanes of the vectorised scans below: independent accumulators the compiler keeps in
+/// vector registers (a scalar fold over 50,000 logits is one dependent chain, ~30 µs a token).
+const LANES: usize = 16;
+
+/// The first index of the largest value, ignoring NaN; 0 when no value exceeds -∞. Greedy
+/// decoding's pick: the maxima of 16 lanes, then the first place that holds their maximum.
+fn argmax(v: &[f32]) -> usize {
+    let max = max_of(v);
     if max == f32::NEG_INFINITY {
         return 0;
     }
@@ -347,7 +444,99 @@ mod tests {
         ]
     }
 
+    /// The nucleus by brute force: every token sorted (most probable first, ties by index),
+    /// cut where the probability reaches `top_p`.
+    fn nucleus_by_full_sort(w: &[f32], total: f64, top_p: f32) -> Vec<u32> {
+        let mut all: Vec<u32> = (0..w.len() as u32).collect();
+        all.sort_by(|&a, &b| w[b as usize].total_cmp(&w[a as usize]).then(a.cmp(&b)));
+        let mut acc = 0.0;
+        let keep = all.iter().position(|&i| {
+            acc += w[i as usize] as f64 / total;
+            acc >= top_p as f64
+        });
+        all.truncate(keep.map_or(all.len(), |k| k + 1));
+        all
+    }
+
+    #[test]
+    fn weights_are_the_softmax_numerators_and_sums_add_them() {
+        let logits: Vec<f32> = (0..2500).map(|i| ((i * 7919) % 1009) as f32 / 37.0 - 20.0).collect();
+        let (max, t) = (max_of(&logits), 0.7f32);
+        let mut w = vec![0.0; logits.len()];
+        let sums = softmax_weights(&logits, max, t, &mut w);
+        assert_eq!(sums.len(), 3);
+        for (x, &got) in logits.iter().zip(&w) {
+            let want = (((x - max) / t) as f64).exp();
+            assert!((got as f64 - want).abs() <= 4e-7 * want + 1e-38, "{x}: {got} vs {want}");
+        }
+        for (b, sum) in sums.iter().enumerate() {
+            let want: f64 = w[b * SUM_BLOCK..((b + 1) * SUM_BLOCK).min(w.len())].iter().map(|&p| p as f64).sum();
+            assert!((sum - want).abs() <= 1e-12 * want, "block {b}");
+        }
+        assert_eq!(w.iter().copied().fold(0.0f32, f32::max), 1.0, "the largest weight is exactly 1");
+    }
+
+    /// Draws many tokens and compares their frequencies with the probabilities (5 standard
+    /// deviations; seeded, so it does not flake).
+    fn frequencies_match(logits: &[f32], opts: &GenerateOptions, want: &[(usize, f64)]) {
+        let draws = 200_000;
+        let mut rng = StdRng::seed_from_u64(opts.seed);
+        let mut count = vec![0usize; logits.len()];
+        for _ in 0..draws {
+            count[sample(logits, logits.len(), opts, &mut rng) as usize] += 1;
+        }
+        let listed: usize = want.iter().map(|&(i, _)| count[i]).sum();
+        for &(i, p) in want {
+            let sd = (draws as f64 * p * (1.0 - p)).sqrt();
+            let diff = (count[i] as f64 - draws as f64 * p).abs();
+            assert!(diff <= 5.0 * sd + 1.0, "token {i}: {} draws, expected {:.0}", count[i], draws as f64 * p);
+        }
+        if want.iter().map(|w| w.1).sum::<f64>() > 1.0 - 1e-9 {
+            assert_eq!(listed, draws, "tokens outside the support were drawn");
+        }
+    }
+
+    #[test]
+    fn temperature_draws_follow_the_softmax_across_blocks() {
+        // 3,000 tokens (three blocks of sums), four likely ones in different blocks.
+        let mut logits = vec![-30.0f32; 3000];
+        for (i, v) in [(5, 2.0), (1500, 1.0), (2047, 1.5), (2999, 0.0)] {
+            logits[i] = v;
+        }
+        let t = 0.8f32;
+        let z: f64 = logits.iter().map(|&x| ((x as f64 - 2.0) / t as f64).exp()).sum();
+        let want: Vec<(usize, f64)> =
+            [5, 1500, 2047, 2999].iter().map(|&i| (i, ((logits[i] as f64 - 2.0) / t as f64).exp() / z)).collect();
+        frequencies_match(&logits, &GenerateOptions { temperature: t, seed: 3, ..Default::default() }, &want);
+    }
+
+    #[test]
+    fn nucleus_draws_stay_in_the_nucleus_in_proportion() {
+        // Probabilities ∝ 8, 4, 2, 1, 1 (ties), then a long tail: top_p 0.8 keeps the first
+        // three (8 + 4 + 2 of 16 + tail); their shares are 8 : 4 : 2.
+        let mut logits = vec![-40.0f32; 5000];
+        for (i, v) in [(4000, 3.0), (10, 2.0), (2500, 1.0), (7, 0.0), (3, 0.0)] {
+            logits[i] = v * std::f32::consts::LN_2;
+        }
+        let want = [(4000, 8.0 / 14.0), (10, 4.0 / 14.0), (2500, 2.0 / 14.0)];
+        frequencies_match(
+            &logits,
+            &GenerateOptions { temperature: 1.0, top_p: 0.8, seed: 5, ..Default::default() },
+            &want,
+        );
+    }
+
     proptest! {
+        #[test]
+        fn the_nucleus_is_the_full_sorts(
+            w in prop::collection::vec(prop_oneof![3 => 0.0f32..1.0, 1 => Just(0.5f32), 1 => Just(0.0f32)], 1..400),
+            top_p in 0.01f32..1.0,
+        ) {
+            let total: f64 = w.iter().map(|&p| p as f64).sum();
+            prop_assume!(total > 0.0);
+            prop_assert_eq!(nucleus(&w, total, top_p), nucleus_by_full_sort(&w, total, top_p));
+        }
+
         #[test]
         fn argmax_and_the_finite_check_agree_with_scalar_scans(v in prop::collection::vec(value(), 0..300)) {
             prop_assert_eq!(argmax(&v), argmax_scalar(&v));
