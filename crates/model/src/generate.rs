@@ -76,7 +76,7 @@ pub struct Generation {
 
 /// Picks a token id from logits restricted to the first `vocab` entries: the largest at
 /// temperature 0, else a draw from softmax(logits / temperature), cut to the nucleus when
-/// `top_p` < 1. One draw of `rng` per pick.
+/// `top_p` < 1 (one draw of `rng` per sampled pick).
 pub fn sample(logits: &[f32], vocab: usize, opts: &GenerateOptions, rng: &mut StdRng) -> u32 {
     let logits = &logits[..vocab.min(logits.len())];
     if opts.temperature == 0.0 {
@@ -214,8 +214,8 @@ fn nucleus(w: &[f32], total: f64, top_p: f32) -> Vec<u32> {
     unreachable!("the last threshold keeps every token")
 }
 
-/// Lanes of the vectorised scans below: independent accumulators the compiler keeps in
-/// vector registers (a scalar fold over 50,000 logits is one dependent chain, ~30 µs a token).
+/// Lanes of the vectorised scans: independent accumulators the compiler keeps in vector
+/// registers (a scalar fold over 50,000 logits is one dependent chain, ~30 µs a token).
 const LANES: usize = 16;
 
 /// The first index of the largest value, ignoring NaN; 0 when no value exceeds -∞. Greedy
