@@ -2,9 +2,10 @@
 """Serving throughput and latency of an OpenAI-style completions server under concurrent clients.
 
 Each of N clients sends streaming `POST /v1/completions` requests one after another (a prompt of
---prompt-tokens token ids, --max-tokens new tokens, greedy); all N start together. Reported per N:
-aggregate generated tokens/s (all tokens of all clients over the wall time), p50/p99 time to first
-token, p50/p99 inter-token latency (gaps between streamed chunks), and requests refused (503).
+--prompt-tokens token ids, --max-tokens new tokens, greedy unless --temperature); all N start
+together. Reported per N: aggregate generated tokens/s (all tokens of all clients over the wall
+time), p50/p99 time to first token, p50/p99 inter-token latency (gaps between streamed chunks),
+and requests refused (503).
 Works against `picaso serve` and llama.cpp's `llama-server` alike (both take token-id prompts;
 `ignore_eos` is sent for llama-server, which honours it; picaso's count is what it generated).
 
@@ -30,12 +31,13 @@ def percentile(xs, q):
     return xs[k]
 
 
-def one_request(url, prompt, max_tokens, model):
-    """Streams one completion; returns (ttft s, [inter-chunk gaps s], tokens, status)."""
+def one_request(url, prompt, max_tokens, model, sampling=None):
+    """Streams one completion; returns (ttft s, [inter-chunk gaps s], tokens, status).
+    `sampling`: request fields that replace greedy decoding (temperature, top_p, seed)."""
     u = urllib.parse.urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "model": model}
+            "ignore_eos": True, "model": model, **(sampling or {})}
     t0 = time.perf_counter()
     conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
     resp = conn.getresponse()
@@ -68,7 +70,7 @@ def one_request(url, prompt, max_tokens, model):
     return ttft, gaps, usage if usage is not None else chunks, 200
 
 
-def run_level(url, clients, requests_per_client, prompt_tokens, max_tokens, vocab, model):
+def run_level(url, clients, requests_per_client, prompt_tokens, max_tokens, vocab, model, sampling=None):
     rng = random.Random(clients)
     prompts = [[rng.randrange(2, vocab) for _ in range(prompt_tokens)] for _ in range(clients)]
     results, lock = [], threading.Lock()
@@ -77,7 +79,7 @@ def run_level(url, clients, requests_per_client, prompt_tokens, max_tokens, voca
     def client(i):
         start.wait()
         for _ in range(requests_per_client):
-            r = one_request(url, prompts[i], max_tokens, model)
+            r = one_request(url, prompts[i], max_tokens, model, sampling and {**sampling, "seed": i})
             with lock:
                 results.append(r)
 
@@ -118,13 +120,18 @@ def main():
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=50000, help="prompt ids are drawn from [2, vocab)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sample at this temperature instead of greedy (each client its own seed)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling, with --temperature")
     ap.add_argument("--json", help="append one JSON line per level here")
     a = ap.parse_args()
+    sampling = {"temperature": a.temperature, "top_p": a.top_p} if a.temperature > 0 else None
     # One short request first: loads caches, starts threads.
     one_request(a.url, [2, 3, 4], 2, a.model)
     for n in [int(x) for x in a.clients.split(",")]:
-        r = run_level(a.url, n, a.requests_per_client, a.prompt_tokens, a.max_tokens, a.vocab, a.model)
+        r = run_level(a.url, n, a.requests_per_client, a.prompt_tokens, a.max_tokens, a.vocab, a.model, sampling)
         r["engine"] = a.name
+        r["temperature"], r["top_p"] = a.temperature, a.top_p
         print(f"{a.name:>10} clients={n:>3}  {r['tokens_per_s']:8.1f} tok/s  ttft p50/p99 "
               f"{r['ttft_p50_ms']:7.1f}/{r['ttft_p99_ms']:7.1f} ms  itl p50/p99 "
               f"{r['itl_p50_ms']:6.1f}/{r['itl_p99_ms']:6.1f} ms  tokens={r['tokens']} refused={r['refused']}",
