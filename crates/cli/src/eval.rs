@@ -232,7 +232,7 @@ pub struct AttributionArgs {
 
 #[derive(Args)]
 pub struct MsmarcoArgs {
-    /// MS MARCO v2.1 JSON (dev_v2.1.json from https://microsoft.github.io/msmarco/).
+    /// MS MARCO v2.1 JSON (dev_v2.1.json from <https://microsoft.github.io/msmarco/>).
     #[arg(long)]
     data: PathBuf,
     #[command(flatten)]

@@ -119,7 +119,7 @@ struct IngestArgs {
     /// A WikiText file (articles start at ` = Title = ` lines).
     #[arg(long, group = "source")]
     wikitext: Option<PathBuf>,
-    /// paragraph (one context per paragraph), tokens:N, or halves[:MIN] (paragraphs of at least
+    /// paragraph (one context per paragraph), `tokens:N`, or `halves[:MIN]` (paragraphs of at least
     /// MIN tokens, default 16, as two halves: segments 2p and 2p+1, the WikiText experiment).
     #[arg(long, default_value = "paragraph")]
     segment: picaso_store::Segmentation,
@@ -255,7 +255,7 @@ pub struct ModelArgs {
     #[arg(long)]
     tokenizer: Option<PathBuf>,
     /// Engine: cpu (the fast CPU path), candle-cpu (the generic path, for checking),
-    /// cuda[:N] or metal (need a build with the `cuda` / `metal` feature).
+    /// `cuda[:N]` or metal (need a build with the `cuda` / `metal` feature).
     #[arg(long, default_value = "cpu")]
     device: String,
     /// Storage of the large weight matrices on the cpu engine: f32 (exact) or bf16 (half the

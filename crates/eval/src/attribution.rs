@@ -60,7 +60,7 @@ pub fn attribute(
 /// One attribution rule's precision.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Row {
-    /// "leave-one-in", or "leave-one-out <method>".
+    /// "leave-one-in", or "leave-one-out `<method>`".
     pub rule: String,
     /// Share of items where the pick is a gold context.
     pub precision: f64,

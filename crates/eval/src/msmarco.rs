@@ -1,7 +1,7 @@
 //! MS MARCO v2.1 (Bajaj et al., 2016) for attribution, as in the paper: each query comes with
 //! about ten passages, those marked `is_selected` were used to write the answer; attribution
 //! must find one of them. The data cannot be downloaded here: users get `dev_v2.1.json` from
-//! https://microsoft.github.io/msmarco/ and pass it to `picaso eval msmarco --data`.
+//! <https://microsoft.github.io/msmarco/> and pass it to `picaso eval msmarco --data`.
 //!
 //! The file is column-oriented: `{"query": {"0": "…"}, "passages": {"0": [{"is_selected": 1,
 //! "passage_text": "…", "url": "…"}, …]}, "answers": {"0": ["…"]}, "wellFormedAnswers":

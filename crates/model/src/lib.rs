@@ -3,7 +3,7 @@
 //! A Mamba language model (Mamba-2 or Mamba-1, detected from `config.json`) whose state is a
 //! first-class value. [`Model::prefill`] turns any
 //! token sequence, started from any [`State`], into the state after it; [`Model::score`] also
-//! returns the log-probabilities; [`generate`] continues from a state. States save to and load
+//! returns the log-probabilities; [`generate()`] continues from a state. States save to and load
 //! from safetensors files ([`State::save`], [`State::load`]) and carry the fingerprint of the
 //! model that made them, so they are never applied to another model.
 //!

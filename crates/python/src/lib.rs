@@ -1,8 +1,8 @@
 //! # picaso-python
 //!
 //! The `picaso._picaso` extension module behind the `picaso` Python package: the engine
-//! ([`Model`]), states as numpy arrays ([`State`]), composition ([`compose`], [`weights`]) and the
-//! store ([`Store`]). The package's `__init__.py` re-exports these and adds the exception classes
+//! (`Model`), states as numpy arrays (`State`), composition (`compose`, `weights`) and the
+//! store (`Store`). The package's `__init__.py` re-exports these and adds the exception classes
 //! and the transformers interop (pure Python).
 //!
 //! Design: a thin shell. Every call goes straight to the Rust crates the CLI uses, so the same

@@ -1030,7 +1030,7 @@ simd_fn! {
     }
 }
 
-/// log-softmax of `logits` evaluated at `target`: logit[target] - logsumexp(logits).
+/// log-softmax of `logits` evaluated at `target`: `logits[target] - logsumexp(logits)`.
 pub fn log_softmax_at(logits: &[f32], target: usize) -> f32 {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let sum: f64 = logits.iter().map(|&v| ((v - max) as f64).exp()).sum();

@@ -344,7 +344,7 @@ impl CpuMamba2 {
         self.io.logits(hidden, kind)
     }
 
-    /// log p(targets[i] | hidden row i) for each row.
+    /// `log p(targets[i] | hidden row i)` for each row.
     pub fn logprobs(&self, hidden: &[f32], targets: &[u32]) -> Vec<f32> {
         self.io.logprobs(hidden, targets)
     }

@@ -182,7 +182,7 @@ impl CpuMamba1 {
         self.io.logits(hidden, kind)
     }
 
-    /// log p(targets[i] | hidden row i) for each row.
+    /// `log p(targets[i] | hidden row i)` for each row.
     pub fn logprobs(&self, hidden: &[f32], targets: &[u32]) -> Vec<f32> {
         self.io.logprobs(hidden, targets)
     }
