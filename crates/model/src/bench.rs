@@ -214,8 +214,9 @@ fn batched_prefill(model: &Model, tokens: &[u32], b: usize, opts: &BenchOptions,
     Ok((b * tokens.len()) as f64 / t)
 }
 
+/// Greedy decoding's pick, as `generate` makes it.
 fn argmax(v: &[f32]) -> u32 {
-    v.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b }).0 as u32
+    crate::generate::argmax(v) as u32
 }
 
 /// Sums every float of every state once (SSM states, conv tails and log-decays, all of which

@@ -220,7 +220,7 @@ const LANES: usize = 16;
 
 /// The first index of the largest value, ignoring NaN; 0 when no value exceeds -∞. Greedy
 /// decoding's pick: the maxima of 16 lanes, then the first place that holds their maximum.
-fn argmax(v: &[f32]) -> usize {
+pub(crate) fn argmax(v: &[f32]) -> usize {
     let max = max_of(v);
     if max == f32::NEG_INFINITY {
         return 0;
