@@ -166,6 +166,15 @@ struct QueryArgs {
     ids: Option<Vec<i64>>,
     #[command(flatten)]
     sampling: SamplingArgs,
+    /// Also tell which context the answer owes most to: each is left out in turn, the others
+    /// are combined again by --method and the answer is scored; prints the log-likelihood the
+    /// answer loses without each (leave-one-out, the paper's attribution).
+    #[arg(long)]
+    attribute: bool,
+    /// Attribute this answer (text continuing the prompt) instead of generating one; implies
+    /// --attribute.
+    #[arg(long)]
+    answer: Option<String>,
     /// Print JSON.
     #[arg(long)]
     json: bool,
@@ -1014,39 +1023,88 @@ fn query(a: QueryArgs) -> Result<()> {
     let retrieve_seconds =
         (t_retrieve.elapsed().as_secs_f64() - prepared.load_seconds - prepared.compose_seconds).max(0.0);
     let ids: Vec<i64> = hits.iter().map(|h| h.0).collect();
-    let prompt = model.tokenizer()?.encode(&a.prompt)?;
+    let tokenizer = model.tokenizer()?;
+    let prompt = tokenizer.encode(&a.prompt)?;
     if prompt.is_empty() {
         bail!("the prompt must contain at least one token");
     }
-    let opts = a.sampling.options();
-    let t0 = Instant::now();
-    let mut first = None;
-    let mut out = std::io::stdout();
-    let g = generate(&model, &prompt, &prepared.state, &opts, |piece| {
-        first.get_or_insert_with(|| t0.elapsed().as_secs_f64());
-        // A closed stdout (`| head`) stops generation.
-        a.json || out.write_all(piece.as_bytes()).and_then(|()| out.flush()).is_ok()
-    })?;
-    let first = first.unwrap_or_else(|| t0.elapsed().as_secs_f64());
     let ready = prepared.load_seconds + prepared.compose_seconds;
+    if a.attribute || a.answer.is_some() {
+        if a.method == picaso_store::ContextMethod::Naive {
+            bail!("--attribute leaves each context out in turn, but naive uses none: pick picaso-r, picaso-s, caso, soup or concat");
+        }
+        if ids.is_empty() {
+            bail!("no contexts to attribute the answer to: retrieve some (--k) or name them (--ids)");
+        }
+    }
+    // The answer: the one given, else generated (streamed to stdout unless --json).
+    let (generation, answer) = match &a.answer {
+        Some(answer) => {
+            let tokens = tokenizer.encode(answer)?;
+            if tokens.is_empty() {
+                bail!("--answer {answer:?} has no tokens: give the text to attribute");
+            }
+            (None, tokens)
+        }
+        None => {
+            let opts = a.sampling.options();
+            let t0 = Instant::now();
+            let mut first = None;
+            let mut out = std::io::stdout();
+            let g = generate(&model, &prompt, &prepared.state, &opts, |piece| {
+                first.get_or_insert_with(|| t0.elapsed().as_secs_f64());
+                // A closed stdout (`| head`) stops generation.
+                a.json || out.write_all(piece.as_bytes()).and_then(|()| out.flush()).is_ok()
+            })?;
+            let first = first.unwrap_or_else(|| t0.elapsed().as_secs_f64());
+            let tokens = g.tokens.clone();
+            (Some((g, first)), tokens)
+        }
+    };
+    let attribution = if a.attribute || a.answer.is_some() {
+        if answer.is_empty() {
+            eprintln!("(the answer is empty: nothing to attribute)");
+            None
+        } else {
+            Some(picaso_store::attribute(&store, &model, &ids, a.method, &prompt, &answer, None)?)
+        }
+    } else {
+        None
+    };
+    let doc_of = |id: i64| store.get(id).map(|r| (r.doc, r.seg, r.text)).unwrap_or_default();
     if a.json {
         let contexts: Vec<_> = hits
             .iter()
-            .map(|(id, score)| {
-                let doc = store.get(*id).map(|r| r.doc).unwrap_or_default();
-                json!({"id": id, "score": score, "doc": doc})
+            .enumerate()
+            .map(|(i, (id, score))| {
+                let mut c = json!({"id": id, "score": score, "doc": doc_of(*id).0});
+                if let Some(at) = &attribution {
+                    c["loglik_without"] = json!(at.without[i]);
+                    c["drop_nats"] = json!(at.drop(i));
+                }
+                c
             })
             .collect();
-        println!(
-            "{}",
-            json!({
-                "method": a.method.name(), "contexts": contexts, "retrieve_ms": 1e3 * retrieve_seconds,
-                "load_ms": 1e3 * prepared.load_seconds, "compose_ms": 1e3 * prepared.compose_seconds,
-                "time_to_first_token_ms": 1e3 * (ready + first), "text": g.text, "token_ids": g.tokens,
-                "stop_reason": g.stop_reason,
-            })
-        );
-    } else {
+        let mut v = json!({
+            "method": a.method.name(), "contexts": contexts, "retrieve_ms": 1e3 * retrieve_seconds,
+            "load_ms": 1e3 * prepared.load_seconds, "compose_ms": 1e3 * prepared.compose_seconds,
+        });
+        if let Some((g, first)) = &generation {
+            v["time_to_first_token_ms"] = json!(1e3 * (ready + first));
+            v["text"] = json!(g.text);
+            v["token_ids"] = json!(g.tokens);
+            v["stop_reason"] = json!(g.stop_reason);
+        }
+        if let Some(at) = &attribution {
+            v["attribution"] = json!({
+                "answer": tokenizer.decode(&answer)?, "answer_tokens": at.answer_tokens, "loglik": at.loglik,
+                "ranking": at.ranking().iter().map(|&i| ids[i]).collect::<Vec<_>>(), "ms": 1e3 * at.seconds,
+            });
+        }
+        println!("{v}");
+        return Ok(());
+    }
+    if let Some((_, first)) = &generation {
         println!();
         eprintln!(
             "[{} · contexts {:?} · state ready in {:.1} ms · first token after {:.1} ms]",
@@ -1056,7 +1114,36 @@ fn query(a: QueryArgs) -> Result<()> {
             1e3 * (ready + first)
         );
     }
+    if let Some(at) = &attribution {
+        print_attribution(at, &ids, doc_of);
+    }
     Ok(())
+}
+
+/// The attribution table: the contexts, the one the answer owes most to first.
+fn print_attribution(at: &picaso_store::Attribution, ids: &[i64], doc_of: impl Fn(i64) -> (String, u32, String)) {
+    println!(
+        "attribution: the answer's {} tokens have log-likelihood {:.3} nats with all {} contexts ({}); without each:",
+        at.answer_tokens,
+        at.loglik,
+        ids.len(),
+        at.method.name()
+    );
+    println!("  {:>10}  {:>6}  context", "drop nats", "id");
+    for i in at.ranking() {
+        let (doc, segment, text) = doc_of(ids[i]);
+        println!("  {:>+10.3}  {:>6}  {doc} #{segment}: {}", at.drop(i), ids[i], snippet(&text, 60));
+    }
+    eprintln!("[leave-one-out over {} contexts in {:.1} ms]", ids.len(), 1e3 * at.seconds);
+}
+
+/// The start of `text` on one line, at most `chars` characters, with an ellipsis when cut.
+fn snippet(text: &str, chars: usize) -> String {
+    let one_line: String = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    match one_line.char_indices().nth(chars) {
+        Some((cut, _)) => format!("{}…", &one_line[..cut]),
+        None => one_line,
+    }
 }
 
 #[cfg(test)]

@@ -138,6 +138,42 @@ fn serve_completions_contexts_search_metrics_and_bad_input(arch: &str, db: &Test
     assert!(last["choices"][0]["finish_reason"].is_string());
     assert!(events[..events.len() - 1].iter().all(|e| e["choices"][0]["finish_reason"].is_null()));
 
+    // Attribution over HTTP: the CLI's numbers for the same contexts, answer and method.
+    for method in ["picaso-r", "concat"] {
+        let (status, v) = server.post(
+            "/v1/attribute",
+            json!({"prompt": "The tower", "answer": " is in Paris.", "contexts": [3, 2], "composition": method}),
+        );
+        assert_eq!(status, 200, "{v}");
+        let q = ok(&[
+            "query",
+            "--db",
+            db_s,
+            "--model",
+            m,
+            "--ids",
+            "3,2",
+            "--method",
+            method,
+            "--answer",
+            " is in Paris.",
+            "--json",
+            "The tower",
+        ]);
+        assert_eq!(v["loglik"], q["attribution"]["loglik"], "{method}");
+        assert_eq!(v["ranking"], q["attribution"]["ranking"], "{method}");
+        for (c, qc) in v["contexts"].as_array().unwrap().iter().zip(q["contexts"].as_array().unwrap()) {
+            assert_eq!((&c["id"], &c["loglik_without"]), (&qc["id"], &qc["loglik_without"]), "{method}");
+        }
+    }
+    let (status, v) = server
+        .post("/v1/attribute", json!({"prompt": "Where is the Eiffel Tower?", "answer": " Paris", "retrieve": 2}));
+    assert_eq!((status, v["contexts"].as_array().map(Vec::len)), (200, Some(2)), "{v}");
+    assert!(
+        v["contexts"][0]["score"].as_f64().unwrap() <= v["contexts"][1]["score"].as_f64().unwrap(),
+        "most relevant last"
+    );
+
     // Contexts over HTTP: add (idempotent), read, search, use, delete.
     let (status, added) = server.post("/v1/contexts", json!({"text": "Bananas are rich in potassium."}));
     assert_eq!(status, 201, "{added}");
@@ -174,6 +210,27 @@ fn serve_completions_contexts_search_metrics_and_bad_input(arch: &str, db: &Test
         ("/v1/contexts", json!({"text": "  "}).to_string(), 400, "empty"),
         ("/v1/contexts", json!({"text": "long ".repeat(60)}).to_string(), 413, "at most 40"),
         ("/v1/search", json!({"k": 2}).to_string(), 400, "missing field `query`"),
+        ("/v1/attribute", json!({"prompt": "x", "answer": "y"}).to_string(), 400, "no contexts"),
+        ("/v1/attribute", json!({"prompt": "x", "answer": "", "contexts": [1]}).to_string(), 400, "answer is empty"),
+        (
+            "/v1/attribute",
+            json!({"prompt": "x", "answer": "y", "contexts": [99]}).to_string(),
+            404,
+            "no context with id 99",
+        ),
+        ("/v1/attribute", json!({"prompt": "x", "answer": "y", "contexts": [1, 1]}).to_string(), 400, "listed twice"),
+        (
+            "/v1/attribute",
+            json!({"prompt": "x", "answer": "y", "contexts": [1], "composition": "naive"}).to_string(),
+            400,
+            "naive",
+        ),
+        (
+            "/v1/attribute",
+            json!({"prompt": "x", "answer": "word ".repeat(60), "contexts": [1]}).to_string(),
+            413,
+            "at most 40",
+        ),
     ];
     for (path, body, status, needle) in cases {
         let (got, v) = server.call("POST", path, Some(&body));

@@ -95,6 +95,69 @@ fn ingest_stats_query_and_compose(
     }
     assert_eq!(cache.stats().misses, 2, "each state is read from the backend once, then served from memory");
 
+    // Attribution leaves each context out in turn: the same numbers as combining the rest by
+    // hand and scoring the answer from that state.
+    let (prompt, answer) = (tok.encode("Tell me about").unwrap(), tok.encode(" cats and the tower.").unwrap());
+    let ll = |s: &State| -> f64 {
+        let scored = model_obj.score_continuation(&prompt, &answer, s).unwrap();
+        scored.logprobs.iter().map(|&l| f64::from(l)).sum()
+    };
+    let ids = [1i64, 2, 3];
+    let stored3: Vec<State> = ids.iter().map(|&id| store.load_state(id).unwrap()).collect();
+    let tokens3: Vec<Vec<u32>> = ids.iter().map(|&id| store.get(id).unwrap().tokens).collect();
+    for method in ["picaso-r", "soup", "caso", "concat"] {
+        let method: picaso_store::ContextMethod = method.parse().unwrap();
+        let by_hand = |keep: &[usize]| -> State {
+            match method {
+                picaso_store::ContextMethod::Compose(m) => {
+                    compose(m, &keep.iter().map(|&i| &stored3[i]).collect::<Vec<_>>(), None).unwrap()
+                }
+                _ => {
+                    let joined: Vec<u32> = keep.iter().flat_map(|&i| tokens3[i].clone()).collect();
+                    model_obj.prefill(&joined, &model_obj.zero_state()).unwrap()
+                }
+            }
+        };
+        let at = picaso_store::attribute(&store, &model_obj, &ids, method, &prompt, &answer, Some(&cache)).unwrap();
+        assert_eq!((at.loglik, at.answer_tokens), (ll(&by_hand(&[0, 1, 2])), answer.len()), "{method:?}");
+        for (out, keep) in [[1, 2], [0, 2], [0, 1]].iter().enumerate() {
+            assert_eq!(at.without[out], ll(&by_hand(keep)), "{method:?} without context {}", ids[out]);
+        }
+        let drops: Vec<f64> = at.ranking().iter().map(|&i| at.drop(i)).collect();
+        assert!(drops.windows(2).all(|w| w[0] >= w[1]), "{method:?}: ranking by drop {drops:?}");
+    }
+    // Leaving out the only context leaves no context at all.
+    let one = picaso_store::attribute(&store, &model_obj, &[2], method_r(), &prompt, &answer, None).unwrap();
+    assert_eq!(one.without, vec![ll(&model_obj.zero_state())]);
+    for (ids, method, answer, says) in [
+        (&[1i64][..], picaso_store::ContextMethod::Naive, &answer[..], "naive uses no context"),
+        (&[][..], method_r(), &answer[..], "no contexts"),
+        (&[1][..], method_r(), &[][..], "the answer is empty"),
+    ] {
+        let e = picaso_store::attribute(&store, &model_obj, ids, method, &prompt, answer, None).unwrap_err();
+        assert!(e.to_string().contains(says), "{e}");
+    }
+    // Through the CLI: the answer given, or the one generated.
+    let v =
+        ok_s(&args(&["query"], db, &["--model", m, "--ids", "1,2", "--answer", " cats", "--json", "Tell me about"]));
+    let at = &v["attribution"];
+    assert!(v.get("text").is_none(), "--answer attributes instead of generating: {v}");
+    assert_eq!(at["answer"], " cats");
+    for c in v["contexts"].as_array().unwrap() {
+        let drop = at["loglik"].as_f64().unwrap() - c["loglik_without"].as_f64().unwrap();
+        assert!((c["drop_nats"].as_f64().unwrap() - drop).abs() < 1e-9, "{c}");
+    }
+    let v = ok_s(&args(
+        &["query"],
+        db,
+        &["--model", m, "--ids", "1,2", "--max-tokens", "3", "--attribute", "--json", "Tell me about"],
+    ));
+    assert_eq!(v["attribution"]["answer_tokens"].as_u64(), Some(v["token_ids"].as_array().unwrap().len() as u64));
+    assert_eq!(v["attribution"]["ranking"].as_array().unwrap().len(), 2);
+    let (success, _, stderr) =
+        run_s(&args(&["query"], db, &["--model", m, "--ids", "1", "--method", "naive", "--attribute", "Hi"]));
+    assert!(!success && stderr.contains("naive uses none"), "{stderr}");
+
     // Search agrees between the index in use and an exhaustive scan.
     let q = store.embedding(2).unwrap();
     assert_eq!(store.search(&q, 4).unwrap(), store.search_exact(&q, 4).unwrap());
@@ -230,4 +293,8 @@ fn a_store_keeps_one_state_precision() {
     let (success, _, stderr) = run(&["ingest", "--db", db, "--model", m, "--text-dir", d, "--state-dtype", "bf16"]);
     assert!(!success && stderr.contains("keeps its states in f32"), "{stderr}");
     ok(&["ingest", "--db", db, "--model", m, "--text-dir", d, "--state-dtype", "f32", "--json"]);
+}
+
+fn method_r() -> picaso_store::ContextMethod {
+    picaso_store::ContextMethod::Compose(Method::PicasoR)
 }

@@ -757,6 +757,58 @@ impl Store {
         Ok(Generation::from(g, contexts))
     }
 
+    /// Which of the contexts does `answer` (continuing `prompt`) owe most to? Each context is
+    /// left out in turn, the others are combined again by `method` and the answer is scored.
+    /// The contexts are `ids` (the last nearest the prompt) or else the `k` retrieved for the
+    /// prompt. Returns {"method", "answer_tokens", "loglik" (nats with every context),
+    /// "contexts"}: each context's record with "loglik_without" and "drop" (what the answer
+    /// loses without it), the one it owes most to first.
+    #[pyo3(signature = (prompt, answer, ids=None, k=4, method="picaso-r"))]
+    fn attribute<'py>(
+        &self,
+        py: Python<'py>,
+        prompt: &str,
+        answer: &str,
+        ids: Option<Vec<i64>>,
+        k: usize,
+        method: &str,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let model = self.need_model()?;
+        let method = method.parse::<picaso_store::ContextMethod>().map_err(|e| raise(Kind::Invalid, e))?;
+        let tokenizer = model.tokenizer().map_err(model_err)?;
+        let (prompt_ids, answer_ids) =
+            (tokenizer.encode(prompt).map_err(model_err)?, tokenizer.encode(answer).map_err(model_err)?);
+        let store = &self.inner;
+        let hits: Vec<(i64, Option<f32>)> = match ids {
+            Some(ids) => ids.into_iter().map(|id| (id, None)).collect(),
+            None => {
+                let embedder = self.embedder()?;
+                let q = py.detach(|| embedder.embed_one(prompt)).map_err(embed_err)?;
+                let found = py.detach(|| store.search(&q, k)).map_err(store_err)?;
+                // Best first from the search; composition wants the most relevant last.
+                found.into_iter().rev().map(|(id, score)| (id, Some(score))).collect()
+            }
+        };
+        let order: Vec<i64> = hits.iter().map(|h| h.0).collect();
+        let at = py
+            .detach(|| picaso_store::attribute(store, model, &order, method, &prompt_ids, &answer_ids, None))
+            .map_err(store_err)?;
+        let contexts = PyList::empty(py);
+        for i in at.ranking() {
+            let r = store.get(hits[i].0).map_err(store_err)?;
+            let d = record_dict(py, &r, hits[i].1)?;
+            d.set_item("loglik_without", at.without[i])?;
+            d.set_item("drop", at.drop(i))?;
+            contexts.append(d)?;
+        }
+        let out = PyDict::new(py);
+        out.set_item("method", method.name())?;
+        out.set_item("answer_tokens", at.answer_tokens)?;
+        out.set_item("loglik", at.loglik)?;
+        out.set_item("contexts", contexts)?;
+        Ok(out)
+    }
+
     /// The context with this id: {id, score (None), doc, segment, text}.
     fn get<'py>(&self, py: Python<'py>, id: i64) -> PyResult<Bound<'py, PyDict>> {
         let r = self.inner.get(id).map_err(store_err)?;

@@ -36,6 +36,18 @@ def test_store_end_to_end(model, embedder, tmp_path):
         mine = picaso.compose([again.load_state(i) for i in ids], "picaso-r")
         np.testing.assert_array_equal(again.state(ids, "picaso-r").ssm(3), mine.ssm(3))
         assert again.get(ids[0])["text"]
+        # Attribution: leave-one-out over the composed states, the context the answer owes most to first.
+        at = again.attribute("The tower in Paris was finished in", " 1889 for the World's Fair.", ids=ids)
+        assert at["method"] == "picaso-r" and at["answer_tokens"] > 0 and len(at["contexts"]) == 2
+        drops = [c["drop"] for c in at["contexts"]]
+        assert drops == sorted(drops, reverse=True)
+        for c in at["contexts"]:
+            assert c["drop"] == pytest.approx(at["loglik"] - c["loglik_without"])
+        assert at["contexts"][0]["text"].startswith("It was finished in 1889"), at["contexts"]
+        retrieved = again.attribute("Where do plants make sugar?", " In chloroplasts.", k=2, method="concat")
+        assert retrieved["method"] == "concat" and {c["doc"] for c in retrieved["contexts"]} == {"1"}
+        with pytest.raises(ValueError, match="naive uses no context"):
+            again.attribute("The tower", " is tall.", ids=ids, method="naive")
         naive = again.query("The tower", method="naive", max_tokens=4)
         assert naive.contexts == [] and naive.text == model.generate("The tower", max_tokens=4).text
 

@@ -228,3 +228,53 @@ pub struct SearchResponse {
     /// Hits, best first.
     pub results: Vec<SearchHit>,
 }
+
+/// `POST /v1/attribute`: which of the contexts does an answer owe most to?
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AttributeRequest {
+    /// The prompt the answer continues.
+    pub prompt: String,
+    /// The answer to attribute (for instance a completion's text).
+    pub answer: String,
+    /// Use these contexts (ids, the last nearest the prompt).
+    pub contexts: Option<Vec<i64>>,
+    /// Retrieve this many contexts by similarity to the prompt (as a completion with
+    /// `retrieve` does).
+    pub retrieve: Option<usize>,
+    /// How to combine them: picaso-r (default), picaso-s, caso, soup or concat.
+    pub composition: Option<String>,
+}
+
+/// One context's share of an answer.
+#[derive(Debug, Clone, Serialize)]
+pub struct AttributedContext {
+    /// Context id.
+    pub id: i64,
+    /// Cosine similarity to the prompt, when retrieved.
+    pub score: Option<f32>,
+    /// The answer's log-likelihood with this context left out (nats).
+    pub loglik_without: f64,
+    /// What the answer loses without it: `loglik` − `loglik_without` (nats; negative when the
+    /// answer is likelier without it).
+    pub drop: f64,
+}
+
+/// Answer to `POST /v1/attribute`.
+#[derive(Debug, Clone, Serialize)]
+pub struct AttributeResponse {
+    /// The composition method.
+    pub composition: &'static str,
+    /// Tokens in the answer.
+    pub answer_tokens: usize,
+    /// The answer's log-likelihood after the prompt with every context (nats, summed).
+    pub loglik: f64,
+    /// The contexts in composition order (the last nearest the prompt).
+    pub contexts: Vec<AttributedContext>,
+    /// Context ids, the one the answer owes most to first.
+    pub ranking: Vec<i64>,
+    /// Milliseconds to retrieve the contexts.
+    pub retrieve_ms: f64,
+    /// Milliseconds for the k + 1 states and scorings.
+    pub attribute_ms: f64,
+}

@@ -203,21 +203,7 @@ impl App {
         if req.contexts.is_some() && req.retrieve.is_some() {
             return Err(ApiError::bad_request("give either `contexts` (ids) or `retrieve` (a count), not both"));
         }
-        if let Some(ids) = &req.contexts {
-            let mut seen = std::collections::HashSet::new();
-            if let Some(dup) = ids.iter().find(|id| !seen.insert(**id)) {
-                return Err(ApiError::bad_request(format!(
-                    "context {dup} is listed twice in `contexts`; list each context once (composition weighs each one by its place in the list)"
-                )));
-            }
-        }
-        let n_contexts = req.contexts.as_ref().map(Vec::len).or(req.retrieve).unwrap_or(0);
-        if n_contexts > self.limits.max_contexts {
-            return Err(ApiError::bad_request(format!(
-                "{n_contexts} contexts requested; this server composes at most {}",
-                self.limits.max_contexts
-            )));
-        }
+        self.check_contexts(req.contexts.as_deref(), req.retrieve)?;
         if req.max_tokens > self.limits.max_tokens {
             return Err(ApiError::bad_request(format!(
                 "max_tokens {} is over this server's limit of {}",
@@ -478,6 +464,83 @@ impl App {
     }
 
     /// Retrieval only. Blocking.
+    /// Refuses a context listed twice and more contexts than the server combines.
+    fn check_contexts(&self, ids: Option<&[i64]>, retrieve: Option<usize>) -> Result<(), ApiError> {
+        if let Some(ids) = ids {
+            let mut seen = std::collections::HashSet::new();
+            if let Some(dup) = ids.iter().find(|id| !seen.insert(**id)) {
+                return Err(ApiError::bad_request(format!(
+                    "context {dup} is listed twice in `contexts`; list each context once (composition weighs each one by its place in the list)"
+                )));
+            }
+        }
+        let n_contexts = ids.map(<[i64]>::len).or(retrieve).unwrap_or(0);
+        if n_contexts > self.limits.max_contexts {
+            return Err(ApiError::bad_request(format!(
+                "{n_contexts} contexts requested; this server composes at most {}",
+                self.limits.max_contexts
+            )));
+        }
+        Ok(())
+    }
+
+    /// Attributes an answer to its contexts by leaving each out in turn. Blocking (k + 1
+    /// scorings of the prompt and answer; for concat, k + 1 passes over the contexts too).
+    pub(crate) fn attribute(&self, req: AttributeRequest) -> Result<AttributeResponse, ApiError> {
+        let method = match &req.composition {
+            None => ContextMethod::Compose(picaso_model::Method::PicasoR),
+            Some(name) => name.parse().map_err(ApiError::bad_request)?,
+        };
+        let retrieve = match (&req.contexts, req.retrieve) {
+            (Some(_), Some(_)) => {
+                return Err(ApiError::bad_request("give either `contexts` (ids) or `retrieve` (a count), not both"))
+            }
+            (None, None) => {
+                return Err(ApiError::bad_request(
+                    "no contexts to attribute the answer to: give `contexts` (ids) or `retrieve` (a count)",
+                ))
+            }
+            (_, k) => k,
+        };
+        self.check_contexts(req.contexts.as_deref(), retrieve)?;
+        let tokenizer = self.model.tokenizer()?;
+        let (prompt, answer) = (tokenizer.encode(&req.prompt)?, tokenizer.encode(&req.answer)?);
+        if prompt.len() + answer.len() > self.limits.max_prompt_tokens {
+            return Err(ApiError::too_large(format!(
+                "the prompt and answer have {} tokens together; this server accepts at most {}",
+                prompt.len() + answer.len(),
+                self.limits.max_prompt_tokens
+            )));
+        }
+        let t_retrieve = Instant::now();
+        let hits: Vec<(i64, Option<f32>)> = match (&req.contexts, retrieve) {
+            (Some(ids), _) => ids.iter().map(|&id| (id, None)).collect(),
+            (None, k) => {
+                let query = self.embedder.embed_one(&req.prompt)?;
+                // Best first from the search; composition wants the most relevant last.
+                let hits = self.store.search(&query, k.unwrap_or(0))?;
+                hits.into_iter().rev().map(|(id, score)| (id, Some(score))).collect()
+            }
+        };
+        let retrieve_ms = 1e3 * t_retrieve.elapsed().as_secs_f64();
+        let ids: Vec<i64> = hits.iter().map(|h| h.0).collect();
+        let at = picaso_store::attribute(&self.store, &self.model, &ids, method, &prompt, &answer, Some(&self.cache))?;
+        let contexts = hits
+            .iter()
+            .enumerate()
+            .map(|(i, &(id, score))| AttributedContext { id, score, loglik_without: at.without[i], drop: at.drop(i) })
+            .collect();
+        Ok(AttributeResponse {
+            composition: method.name(),
+            answer_tokens: at.answer_tokens,
+            loglik: at.loglik,
+            contexts,
+            ranking: at.ranking().into_iter().map(|i| ids[i]).collect(),
+            retrieve_ms,
+            attribute_ms: 1e3 * at.seconds,
+        })
+    }
+
     pub(crate) fn search(&self, req: SearchRequest) -> Result<SearchResponse, ApiError> {
         if req.k > self.limits.max_contexts {
             return Err(ApiError::bad_request(format!(

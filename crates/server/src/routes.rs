@@ -31,6 +31,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/contexts", post(add_context))
         .route("/v1/contexts/{id}", get(get_context).delete(delete_context))
         .route("/v1/search", post(search))
+        .route("/v1/attribute", post(attribute))
         .route("/v1/models", get(list_models))
         .route("/v1/models/{id}", get(get_model))
         .route("/health", get(health))
@@ -161,6 +162,16 @@ async fn delete_context(State(app): Shared, id: IdPath) -> Result<Response, ApiE
     Ok(Json(json!({"id": id, "deleted": true})).into_response())
 }
 
+async fn attribute(State(app): Shared, ApiJson(req): ApiJson<AttributeRequest>) -> Result<Response, ApiError> {
+    let permit = app.gate.clone().acquire_owned().await.map_err(|_| ApiError::internal("server shutting down"))?;
+    let attributed = blocking(move || {
+        let _permit = permit;
+        app.attribute(req)
+    })
+    .await?;
+    Ok(Json(attributed).into_response())
+}
+
 async fn search(State(app): Shared, ApiJson(req): ApiJson<SearchRequest>) -> Result<Response, ApiError> {
     let found = blocking(move || app.search(req)).await?;
     Ok(Json(found).into_response())
@@ -206,7 +217,7 @@ async fn metrics(State(app): Shared) -> Response {
 
 async fn no_route(method: Method, uri: Uri) -> ApiError {
     ApiError::not_found(format!(
-        "no route {method} {uri}; the API has POST /v1/completions, POST /v1/contexts, GET|DELETE /v1/contexts/{{id}}, POST /v1/search, GET /v1/models, GET /health, GET /metrics"
+        "no route {method} {uri}; the API has POST /v1/completions, POST /v1/contexts, GET|DELETE /v1/contexts/{{id}}, POST /v1/search, POST /v1/attribute, GET /v1/models, GET /health, GET /metrics"
     ))
 }
 
@@ -214,7 +225,7 @@ async fn wrong_method(method: Method, uri: Uri) -> ApiError {
     ApiError::new(
         StatusCode::METHOD_NOT_ALLOWED,
         format!(
-            "{method} is not allowed on {}; the API has POST /v1/completions, POST /v1/contexts, GET|DELETE /v1/contexts/{{id}}, POST /v1/search, GET /v1/models, GET /health, GET /metrics",
+            "{method} is not allowed on {}; the API has POST /v1/completions, POST /v1/contexts, GET|DELETE /v1/contexts/{{id}}, POST /v1/search, POST /v1/attribute, GET /v1/models, GET /health, GET /metrics",
             uri.path()
         ),
     )

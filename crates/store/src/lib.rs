@@ -6,13 +6,14 @@
 //! [`ingest()`] fills it from documents ([`sources`]); [`Store::search`] retrieves;
 //! [`Store::load_state`] reads a state back (memory-mapped, checksum-verified) for composition;
 //! [`StateCache`] keeps hot ones in memory; [`prepare`] turns context ids into the state a prompt
-//! continues from.
+//! continues from; [`attribute()`] tells which of them an answer owes most to (leave-one-out).
 //!
 //! Design decision: files before rows. State files are durable before the transaction that
 //! records them commits, so a crash never leaves a row without its state, and ingest resumes by
 //! skipping recorded (document, segment) pairs.
 #![deny(missing_docs)]
 
+pub mod attribution;
 pub mod bench;
 pub mod cache;
 pub mod catalog;
@@ -27,6 +28,7 @@ pub mod sources;
 pub mod states;
 pub mod store;
 
+pub use attribution::{attribute, Attribution};
 pub use cache::{CacheStats, StateCache};
 pub use error::{Error, Result};
 pub use ingest::{ingest, IngestProgress};

@@ -105,13 +105,7 @@ pub fn prepare(
     method: ContextMethod,
     cache: Option<&StateCache>,
 ) -> Result<Prepared> {
-    if store.info().fingerprint != model.fingerprint() {
-        return Err(Error::WrongModel {
-            location: store.location().to_string(),
-            stored: store.info().fingerprint.clone(),
-            given: model.fingerprint().to_string(),
-        });
-    }
+    check_model(store, model)?;
     match method {
         ContextMethod::Naive => Ok(Prepared::empty(model.zero_state())),
         ContextMethod::Concat => {
@@ -132,28 +126,7 @@ pub fn prepare(
                 return Ok(Prepared::empty(model.zero_state()));
             }
             let t0 = Instant::now();
-            // Cached states first; the misses are mapped together (their reads overlap).
-            let mut states: Vec<Option<Arc<MappedState>>> =
-                ids.iter().map(|&id| cache.and_then(|c| c.get(id))).collect();
-            let cache_hits = states.iter().filter(|s| s.is_some()).count();
-            if cache_hits > 0 {
-                // A cached state outlives its row if another server deleted the context.
-                let cached: Vec<i64> =
-                    ids.iter().zip(&states).filter(|(_, s)| s.is_some()).map(|(&id, _)| id).collect();
-                store.require(&cached)?;
-            }
-            let missing: Vec<i64> = ids.iter().zip(&states).filter(|(_, s)| s.is_none()).map(|(&id, _)| id).collect();
-            let mut loaded = store.map_states(&missing)?.into_iter().map(Arc::new);
-            for (slot, &id) in states.iter_mut().zip(ids) {
-                if slot.is_none() {
-                    let state = loaded.next().expect("one mapped state per missing id");
-                    if let Some(c) = cache {
-                        c.insert(id, state.clone());
-                    }
-                    *slot = Some(state);
-                }
-            }
-            let states: Vec<Arc<MappedState>> = states.into_iter().map(|s| s.expect("filled above")).collect();
+            let (states, cache_hits) = map_states(store, ids, cache)?;
             let load_seconds = t0.elapsed().as_secs_f64();
             let t1 = Instant::now();
             let views: Vec<StateView<'_>> = states.iter().map(|s| s.view()).collect();
@@ -168,4 +141,44 @@ pub fn prepare(
             })
         }
     }
+}
+
+/// Refuses a model other than the one the store's states were made with.
+pub(crate) fn check_model(store: &Store, model: &Model) -> Result<()> {
+    if store.info().fingerprint != model.fingerprint() {
+        return Err(Error::WrongModel {
+            location: store.location().to_string(),
+            stored: store.info().fingerprint.clone(),
+            given: model.fingerprint().to_string(),
+        });
+    }
+    Ok(())
+}
+
+/// The stored states of `ids`, in order, memory-mapped, and how many came from `cache`: cached
+/// states first, the misses mapped together (their reads overlap) and added to the cache.
+pub(crate) fn map_states(
+    store: &Store,
+    ids: &[i64],
+    cache: Option<&StateCache>,
+) -> Result<(Vec<Arc<MappedState>>, usize)> {
+    let mut states: Vec<Option<Arc<MappedState>>> = ids.iter().map(|&id| cache.and_then(|c| c.get(id))).collect();
+    let cache_hits = states.iter().filter(|s| s.is_some()).count();
+    if cache_hits > 0 {
+        // A cached state outlives its row if another server deleted the context.
+        let cached: Vec<i64> = ids.iter().zip(&states).filter(|(_, s)| s.is_some()).map(|(&id, _)| id).collect();
+        store.require(&cached)?;
+    }
+    let missing: Vec<i64> = ids.iter().zip(&states).filter(|(_, s)| s.is_none()).map(|(&id, _)| id).collect();
+    let mut loaded = store.map_states(&missing)?.into_iter().map(Arc::new);
+    for (slot, &id) in states.iter_mut().zip(ids) {
+        if slot.is_none() {
+            let state = loaded.next().expect("one mapped state per missing id");
+            if let Some(c) = cache {
+                c.insert(id, state.clone());
+            }
+            *slot = Some(state);
+        }
+    }
+    Ok((states.into_iter().map(|s| s.expect("filled above")).collect(), cache_hits))
 }
