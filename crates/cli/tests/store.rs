@@ -119,16 +119,25 @@ fn ingest_stats_query_and_compose(
             }
         };
         let at = picaso_store::attribute(&store, &model_obj, &ids, method, &prompt, &answer, Some(&cache)).unwrap();
-        assert_eq!((at.loglik, at.answer_tokens), (ll(&by_hand(&[0, 1, 2])), answer.len()), "{method:?}");
+        // The answer is scored from several states in one pass: equal to float rounding.
+        assert_eq!(at.answer_tokens, answer.len());
+        let all = ll(&by_hand(&[0, 1, 2]));
+        assert!(close_to(at.loglik, all), "{method:?}: {} vs {all}", at.loglik);
         for (out, keep) in [[1, 2], [0, 2], [0, 1]].iter().enumerate() {
-            assert_eq!(at.without[out], ll(&by_hand(keep)), "{method:?} without context {}", ids[out]);
+            let want = ll(&by_hand(keep));
+            assert!(
+                close_to(at.without[out], want),
+                "{method:?} without context {}: {} vs {want}",
+                ids[out],
+                at.without[out]
+            );
         }
         let drops: Vec<f64> = at.ranking().iter().map(|&i| at.drop(i)).collect();
         assert!(drops.windows(2).all(|w| w[0] >= w[1]), "{method:?}: ranking by drop {drops:?}");
     }
     // Leaving out the only context leaves no context at all.
     let one = picaso_store::attribute(&store, &model_obj, &[2], method_r(), &prompt, &answer, None).unwrap();
-    assert_eq!(one.without, vec![ll(&model_obj.zero_state())]);
+    assert!(close_to(one.without[0], ll(&model_obj.zero_state())), "{:?}", one.without);
     for (ids, method, answer, says) in [
         (&[1i64][..], picaso_store::ContextMethod::Naive, &answer[..], "naive uses no context"),
         (&[][..], method_r(), &answer[..], "no contexts"),
@@ -297,4 +306,9 @@ fn a_store_keeps_one_state_precision() {
 
 fn method_r() -> picaso_store::ContextMethod {
     picaso_store::ContextMethod::Compose(Method::PicasoR)
+}
+
+/// Equal to float rounding (sums of log-probabilities scored in different batches).
+fn close_to(a: f64, b: f64) -> bool {
+    (a - b).abs() <= 1e-5 * (1.0 + b.abs())
 }

@@ -523,6 +523,38 @@ impl Model {
         let rows = &hidden[from * d..(all.len() - 1) * d];
         Ok(Scored { logprobs: self.engine.logprobs(rows, continuation)?, state: next })
     }
+
+    /// [`Model::score_continuation`] of one `context` and `continuation` from each of several
+    /// states, in one forward pass (each weight read once for all of them), continuing each
+    /// state in place: what scoring from each alone gives, to float rounding. Leave-one-out
+    /// attribution scores one answer from k + 1 states.
+    pub fn score_continuation_batch(
+        &self,
+        context: &[u32],
+        continuation: &[u32],
+        states: &mut [&mut State],
+    ) -> Result<Vec<Vec<f32>>> {
+        if context.is_empty() {
+            return Err(Error::Input("score_continuation_batch needs at least one context token".into()));
+        }
+        if states.is_empty() {
+            return Ok(Vec::new());
+        }
+        let all = [context, continuation].concat();
+        let hidden = self.forward_many(&vec![&all[..]; states.len()], states)?;
+        if continuation.is_empty() {
+            return Ok(vec![Vec::new(); states.len()]);
+        }
+        // Each sequence's rows that predict the continuation.
+        let (d, t, from) = (self.config.d_model(), all.len(), context.len() - 1);
+        let mut rows = Vec::with_capacity(states.len() * continuation.len() * d);
+        for i in 0..states.len() {
+            rows.extend_from_slice(&hidden[(i * t + from) * d..(i * t + t - 1) * d]);
+        }
+        let targets = continuation.repeat(states.len());
+        let logprobs = self.engine.logprobs(&rows, &targets)?;
+        Ok(logprobs.chunks_exact(continuation.len()).map(<[f32]>::to_vec).collect())
+    }
 }
 
 /// Refuses an empty sequence among several: each must have a token to end its state on.

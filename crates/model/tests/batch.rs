@@ -231,3 +231,34 @@ fn the_decoder_stops_at_end_of_text_unless_told_to_ignore_it() {
     assert!(matches!(d.push(&logits).unwrap(), Next::Done { reason: picaso_model::StopReason::Length, .. }));
     assert_eq!(d.tokens(), &[eos; 3]);
 }
+
+/// Scoring one continuation from several states in one pass gives each state's scores and
+/// final state alone, to float rounding (to the bit where the engine is batch-invariant).
+#[test]
+fn scoring_a_continuation_from_several_states_at_once_matches_each_alone() {
+    for (name, model) in models() {
+        let starts: Vec<State> = (0..4)
+            .map(|i| model.prefill(&tokens(&model, 40 + i, 2 + 3 * i as usize), &model.zero_state()).unwrap())
+            .collect();
+        let (context, continuation) = (tokens(&model, 7, 5), tokens(&model, 8, 6));
+        let mut batched = starts.clone();
+        let got = model
+            .score_continuation_batch(&context, &continuation, &mut batched.iter_mut().collect::<Vec<_>>())
+            .unwrap();
+        let tol = if model.batch_invariant() { 0.0 } else { 1e-4 };
+        for (i, start) in starts.iter().enumerate() {
+            let alone = model.score_continuation(&context, &continuation, start).unwrap();
+            assert_eq!(got[i].len(), continuation.len(), "{name}");
+            for (p, q) in got[i].iter().zip(&alone.logprobs) {
+                assert!((p - q).abs() <= tol * (1.0 + q.abs()), "{name} state {i}: {p} vs {q}");
+            }
+            assert_same_state(&batched[i], &alone.state, if tol == 0.0 { 0.0 } else { 1e-4 }, name);
+        }
+        // No continuation: the states still advance past the context.
+        let mut refs: Vec<State> = starts.clone();
+        let none = model.score_continuation_batch(&context, &[], &mut refs.iter_mut().collect::<Vec<_>>()).unwrap();
+        assert_eq!(none, vec![Vec::<f32>::new(); 4]);
+        assert_eq!(refs[0].n_tokens, starts[0].n_tokens + context.len() as u64);
+        assert!(model.score_continuation_batch(&[], &continuation, &mut [&mut starts[0].clone()]).is_err());
+    }
+}

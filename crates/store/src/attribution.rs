@@ -3,7 +3,8 @@
 //! from that state: the log-likelihood the answer loses without a context is what it owes to
 //! it. With a composed method every leave-one-out state is arithmetic on the stored states, no
 //! model work for the contexts (the paper's case for attributing with composed states); with
-//! concat each one processes the other contexts' tokens again.
+//! concat each one processes the other contexts' tokens again. The answer is scored from
+//! several states in each forward pass.
 
 use std::time::Instant;
 
@@ -77,38 +78,40 @@ pub fn attribute(
     model.check_tokens(prompt)?;
     model.check_tokens(answer)?;
     let started = Instant::now();
-    let score = |state: &State| -> Result<f64> {
-        let scored = model.score_continuation(prompt, answer, state)?;
-        Ok(scored.logprobs.iter().map(|&l| f64::from(l)).sum())
+    // What each state is built from: the contexts' tokens (concat) or their stored states.
+    let tokens: Vec<Vec<u32>> = match method {
+        ContextMethod::Concat => ids.iter().map(|&id| Ok(store.get(id)?.tokens)).collect::<Result<_>>()?,
+        _ => Vec::new(),
     };
-    // The state of the contexts at `keep` (positions into ids), by the method.
-    let lls: Vec<f64> = match method {
-        ContextMethod::Naive => unreachable!("refused above"),
-        ContextMethod::Concat => {
-            let tokens: Vec<Vec<u32>> = ids.iter().map(|&id| Ok(store.get(id)?.tokens)).collect::<Result<_>>()?;
-            subsets(ids.len())
-                .map(|keep| {
-                    let joined: Vec<u32> = keep.iter().flat_map(|&i| tokens[i].iter().copied()).collect();
-                    let state = if joined.is_empty() {
-                        model.zero_state()
-                    } else {
-                        model.prefill(&joined, &model.zero_state())?
-                    };
-                    score(&state)
-                })
-                .collect::<Result<_>>()?
-        }
-        ContextMethod::Compose(m) => {
-            let (states, _) = map_states(store, ids, cache)?;
-            subsets(ids.len())
-                .map(|keep| {
-                    let kept: Vec<StateView<'_>> = keep.iter().map(|&i| states[i].view()).collect();
-                    let state = if kept.is_empty() { model.zero_state() } else { compose_views(m, &kept, None)? };
-                    score(&state)
-                })
-                .collect::<Result<_>>()?
-        }
+    let mapped = match method {
+        ContextMethod::Compose(_) => map_states(store, ids, cache)?.0,
+        _ => Vec::new(),
     };
+    // The state of the contexts at positions `keep`, combined by the method.
+    let state_of = |keep: &[usize]| -> Result<State> {
+        if keep.is_empty() {
+            return Ok(model.zero_state());
+        }
+        Ok(match method {
+            ContextMethod::Compose(m) => {
+                compose_views(m, &keep.iter().map(|&i| mapped[i].view()).collect::<Vec<StateView<'_>>>(), None)?
+            }
+            _ => {
+                let joined: Vec<u32> = keep.iter().flat_map(|&i| tokens[i].iter().copied()).collect();
+                model.prefill(&joined, &model.zero_state())?
+            }
+        })
+    };
+    // Scored a group at a time: each pass over the weights serves the group, and at most a
+    // group of states is in memory at once.
+    let subsets: Vec<Vec<usize>> = subsets(ids.len()).collect();
+    let mut lls = Vec::with_capacity(subsets.len());
+    for group in subsets.chunks(SCORE_GROUP) {
+        let mut states: Vec<State> = group.iter().map(|keep| state_of(keep)).collect::<Result<_>>()?;
+        let scored =
+            model.score_continuation_batch(prompt, answer, &mut states.iter_mut().collect::<Vec<&mut State>>())?;
+        lls.extend(scored.iter().map(|logprobs| logprobs.iter().map(|&l| f64::from(l)).sum::<f64>()));
+    }
     Ok(Attribution {
         method,
         loglik: lls[0],
@@ -117,6 +120,9 @@ pub fn attribute(
         seconds: started.elapsed().as_secs_f64(),
     })
 }
+
+/// States scored together in one forward pass.
+const SCORE_GROUP: usize = 8;
 
 /// The positions kept in each of the k + 1 states: all of `0..k`, then each one left out.
 fn subsets(k: usize) -> impl Iterator<Item = Vec<usize>> {
