@@ -183,6 +183,21 @@ pub fn run(a: DemoArgs) -> Result<()> {
             totals[j].0 += r.loss;
             totals[j].1 += r.ttft_ms;
         }
+        // Which retrieved context the true answer owes most to, by leaving each out of the
+        // composed state (`picaso query --answer`).
+        if !q.contexts.is_empty() && !q.answer.is_empty() {
+            let picaso_r = ContextMethod::Compose(Method::PicasoR);
+            let at = picaso_store::attribute(&store, &model, &q.contexts, picaso_r, &q.prompt, &q.answer, None)?;
+            let top = at.ranking()[0];
+            let c = store.get(q.contexts[top])?;
+            println!(
+                "  the true answer owes most to {} #{}: {:+.2} nats without it (leave-one-out over picaso-r, {:.0} ms)",
+                c.doc,
+                c.seg,
+                at.drop(top),
+                1e3 * at.seconds
+            );
+        }
         println!();
     }
     let n = questions.len() as f64;
@@ -243,7 +258,8 @@ fn wikitext_questions(store: &Store, n: usize, k: usize) -> Result<Vec<Question>
     Ok(out)
 }
 
-fn snippet(text: &str, chars: usize) -> String {
+/// The start of `text` on one line, at most `chars` characters, with an ellipsis when cut.
+pub(crate) fn snippet(text: &str, chars: usize) -> String {
     let flat: String = text.split_whitespace().collect::<Vec<_>>().join(" ");
     if flat.chars().count() > chars {
         format!("{}…", flat.chars().take(chars).collect::<String>())

@@ -1132,18 +1132,9 @@ fn print_attribution(at: &picaso_store::Attribution, ids: &[i64], doc_of: impl F
     println!("  {:>10}  {:>6}  context", "drop nats", "id");
     for i in at.ranking() {
         let (doc, segment, text) = doc_of(ids[i]);
-        println!("  {:>+10.3}  {:>6}  {doc} #{segment}: {}", at.drop(i), ids[i], snippet(&text, 60));
+        println!("  {:>+10.3}  {:>6}  {doc} #{segment}: {}", at.drop(i), ids[i], demo::snippet(&text, 60));
     }
     eprintln!("[leave-one-out over {} contexts in {:.1} ms]", ids.len(), 1e3 * at.seconds);
-}
-
-/// The start of `text` on one line, at most `chars` characters, with an ellipsis when cut.
-fn snippet(text: &str, chars: usize) -> String {
-    let one_line: String = text.split_whitespace().collect::<Vec<_>>().join(" ");
-    match one_line.char_indices().nth(chars) {
-        Some((cut, _)) => format!("{}…", &one_line[..cut]),
-        None => one_line,
-    }
 }
 
 #[cfg(test)]
