@@ -386,3 +386,35 @@ fn a_closed_stdout_ends_the_command_without_a_panic() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
+
+/// The demo with the bundled model: for every prompt, leave-one-out over the composed state
+/// names the retrieved paragraph that holds the true answer.
+#[test]
+fn the_demo_attributes_each_answer_to_the_paragraph_that_holds_it() {
+    let Some(embedder) = common::shared("all-MiniLM-L6-v2") else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let db = tmp.path().join("demo-db");
+    let out = picaso(&["demo", "--embedder", embedder.to_str().unwrap(), "--db", db.to_str().unwrap()]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let store = picaso_store::Store::open(picaso_store::Location::from(db.as_path())).unwrap();
+    let (mut answer, mut checked) = (None, 0);
+    for line in stdout.lines().map(str::trim) {
+        if let Some(a) = line.strip_prefix("true answer: ") {
+            answer = Some(a.split(',').next().unwrap().trim_end_matches('.').to_string());
+        }
+        if let Some(rest) = line.strip_prefix("the true answer owes most to ") {
+            let (source, _) = rest.split_once(':').unwrap();
+            let (doc, seg) = source.rsplit_once(" #").unwrap();
+            let context = (1..=store.len().unwrap() as i64)
+                .map(|id| store.get(id).unwrap())
+                .find(|c| c.doc == doc && c.seg.to_string() == seg)
+                .unwrap_or_else(|| panic!("no context {source}"));
+            let text = context.text;
+            let answer = answer.take().expect("the true answer comes first");
+            assert!(text.contains(&answer), "{source} does not hold {answer:?}: {text}");
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 4, "{stdout}");
+}
