@@ -1,5 +1,7 @@
 """Which context does an answer come from? Leave each one out of the composed state and see
-how much the answer's loss rises (leave-one-out attribution over composed states).
+how much the answer's loss rises (leave-one-out attribution over composed states). This is the
+method spelled out on states in memory; for a store, `store.attribute(prompt, answer, k=5)` does
+it over the retrieved contexts (as `picaso query --answer` and `POST /v1/attribute`).
 
     python examples/python/attribution.py
 """
