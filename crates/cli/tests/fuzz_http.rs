@@ -176,6 +176,29 @@ fn search() -> impl Strategy<Value = Value> {
         .prop_map(|(query, k, extra)| object(vec![("query", query), ("k", k)], extra))
 }
 
+fn attribute() -> impl Strategy<Value = Value> {
+    (
+        field(vec![json!("The tower"), json!(""), json!(["a"]), json!("word ".repeat(70))]),
+        field(vec![json!(" is in Paris."), json!(""), json!(3), json!("x".repeat(300))]),
+        field(vec![json!([1, 2]), json!([4]), json!([]), json!([1, 1]), json!([999]), json!([-1])]),
+        field(vec![json!(0), json!(1), json!(3), json!(1000)]),
+        field(vec![json!("picaso-r"), json!("concat"), json!("naive"), json!("soup"), json!("PICASO-R")]),
+        extra(),
+    )
+        .prop_map(|(prompt, answer, contexts, retrieve, composition, extra)| {
+            object(
+                vec![
+                    ("prompt", prompt),
+                    ("answer", answer),
+                    ("contexts", contexts),
+                    ("retrieve", retrieve),
+                    ("composition", composition),
+                ],
+                extra,
+            )
+        })
+}
+
 #[derive(Debug, Clone)]
 enum Body {
     Json(Value),
@@ -244,11 +267,12 @@ fn call() -> impl Strategy<Value = Call> {
         6 => (content_type(), body(completion())).prop_map(|(ct, b)| Call { method: "POST", path: "/v1/completions".into(), content_type: ct, body: Some(b) }),
         2 => (content_type(), body(add_context())).prop_map(|(ct, b)| Call { method: "POST", path: "/v1/contexts".into(), content_type: ct, body: Some(b) }),
         2 => (content_type(), body(search())).prop_map(|(ct, b)| Call { method: "POST", path: "/v1/search".into(), content_type: ct, body: Some(b) }),
+        2 => (content_type(), body(attribute())).prop_map(|(ct, b)| Call { method: "POST", path: "/v1/attribute".into(), content_type: ct, body: Some(b) }),
         2 => (prop::sample::select(vec!["GET", "DELETE", "POST", "PUT"]), context_id())
             .prop_map(|(method, id)| Call { method, path: format!("/v1/contexts/{id}"), content_type: None, body: None }),
         1 => prop::sample::select(vec![
             ("GET", "/v1/completions"), ("GET", "/v1/models"), ("GET", "/v1/models/picaso"), ("GET", "/v1/models/x%ff"),
-            ("POST", "/health"), ("GET", "/nowhere"), ("PATCH", "/v1/search"), ("GET", "/metrics"),
+            ("POST", "/health"), ("GET", "/nowhere"), ("PATCH", "/v1/search"), ("GET", "/metrics"), ("GET", "/v1/attribute"),
         ])
         .prop_map(|(method, path)| Call { method, path: path.into(), content_type: None, body: None }),
     ]
