@@ -1080,7 +1080,7 @@ fn query(a: QueryArgs) -> Result<()> {
                 let mut c = json!({"id": id, "score": score, "doc": doc_of(*id).0});
                 if let Some(at) = &attribution {
                     c["loglik_without"] = json!(at.without[i]);
-                    c["drop_nats"] = json!(at.drop(i));
+                    c["drop"] = json!(at.drop(i));
                 }
                 c
             })

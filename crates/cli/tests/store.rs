@@ -154,7 +154,7 @@ fn ingest_stats_query_and_compose(
     assert_eq!(at["answer"], " cats");
     for c in v["contexts"].as_array().unwrap() {
         let drop = at["loglik"].as_f64().unwrap() - c["loglik_without"].as_f64().unwrap();
-        assert!((c["drop_nats"].as_f64().unwrap() - drop).abs() < 1e-9, "{c}");
+        assert!((c["drop"].as_f64().unwrap() - drop).abs() < 1e-9, "{c}");
     }
     let v = ok_s(&args(
         &["query"],
