@@ -463,7 +463,6 @@ impl App {
         Ok(())
     }
 
-    /// Retrieval only. Blocking.
     /// Refuses a context listed twice and more contexts than the server combines.
     fn check_contexts(&self, ids: Option<&[i64]>, retrieve: Option<usize>) -> Result<(), ApiError> {
         if let Some(ids) = ids {
@@ -541,6 +540,7 @@ impl App {
         })
     }
 
+    /// Retrieval only. Blocking.
     pub(crate) fn search(&self, req: SearchRequest) -> Result<SearchResponse, ApiError> {
         if req.k > self.limits.max_contexts {
             return Err(ApiError::bad_request(format!(
