@@ -477,6 +477,9 @@ fn retrieval_during_deletes_never_answers_not_found() {
                         let body = json!({"prompt": "The Eiffel", "retrieve": 2, "max_tokens": 1});
                         let (status, v) = server.post("/v1/completions", body);
                         assert_eq!(status, 200, "completion with retrieval during deletes: {v}");
+                        let body = json!({"prompt": "The Eiffel", "answer": " Tower", "retrieve": 2});
+                        let (status, v) = server.post("/v1/attribute", body);
+                        assert_eq!(status, 200, "attribution with retrieval during deletes: {v}");
                     }
                 });
             }

@@ -779,20 +779,21 @@ impl Store {
         let (prompt_ids, answer_ids) =
             (tokenizer.encode(prompt).map_err(model_err)?, tokenizer.encode(answer).map_err(model_err)?);
         let store = &self.inner;
-        let hits: Vec<(i64, Option<f32>)> = match ids {
-            Some(ids) => ids.into_iter().map(|id| (id, None)).collect(),
+        let attribute =
+            |ids: &[i64]| picaso_store::attribute(store, model, ids, method, &prompt_ids, &answer_ids, None);
+        let (hits, at): (Vec<(i64, Option<f32>)>, _) = match ids {
+            Some(ids) => {
+                let at = py.detach(|| attribute(&ids)).map_err(store_err)?;
+                (ids.into_iter().map(|id| (id, None)).collect(), at)
+            }
             None => {
                 let embedder = self.embedder()?;
                 let q = py.detach(|| embedder.embed_one(prompt)).map_err(embed_err)?;
-                let found = py.detach(|| store.search(&q, k)).map_err(store_err)?;
-                // Best first from the search; composition wants the most relevant last.
-                found.into_iter().rev().map(|(id, score)| (id, Some(score))).collect()
+                let (hits, at) =
+                    py.detach(|| picaso_store::retrieve_then(store, &q, k, attribute)).map_err(store_err)?;
+                (hits.into_iter().map(|(id, score)| (id, Some(score))).collect(), at)
             }
         };
-        let order: Vec<i64> = hits.iter().map(|h| h.0).collect();
-        let at = py
-            .detach(|| picaso_store::attribute(store, model, &order, method, &prompt_ids, &answer_ids, None))
-            .map_err(store_err)?;
         let contexts = PyList::empty(py);
         for i in at.ranking() {
             let r = store.get(hits[i].0).map_err(store_err)?;

@@ -8,7 +8,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use picaso_embed::Embedder;
 use picaso_model::{GenerateOptions, Model, State, StopReason};
-use picaso_store::{prepare, retrieve_and_prepare, ContextMethod, NewContext, StateCache, Store};
+use picaso_store::{prepare, retrieve_and_prepare, retrieve_then, ContextMethod, NewContext, StateCache, Store};
 use serde_json::json;
 use tokio::sync::{mpsc, Semaphore};
 
@@ -511,19 +511,21 @@ impl App {
                 self.limits.max_prompt_tokens
             )));
         }
-        let t_retrieve = Instant::now();
-        let hits: Vec<(i64, Option<f32>)> = match (&req.contexts, retrieve) {
-            (Some(ids), _) => ids.iter().map(|&id| (id, None)).collect(),
+        let started = Instant::now();
+        let attribute = |ids: &[i64]| {
+            picaso_store::attribute(&self.store, &self.model, ids, method, &prompt, &answer, Some(&self.cache))
+        };
+        let (hits, at): (Vec<(i64, Option<f32>)>, _) = match (&req.contexts, retrieve) {
+            (Some(ids), _) => (ids.iter().map(|&id| (id, None)).collect(), attribute(ids)?),
             (None, k) => {
                 let query = self.embedder.embed_one(&req.prompt)?;
-                // Best first from the search; composition wants the most relevant last.
-                let hits = self.store.search(&query, k.unwrap_or(0))?;
-                hits.into_iter().rev().map(|(id, score)| (id, Some(score))).collect()
+                let (hits, at) = retrieve_then(&self.store, &query, k.unwrap_or(0), attribute)?;
+                (hits.into_iter().map(|(id, score)| (id, Some(score))).collect(), at)
             }
         };
-        let retrieve_ms = 1e3 * t_retrieve.elapsed().as_secs_f64();
+        // Retrieval is what the request did besides attributing.
+        let retrieve_ms = 1e3 * (started.elapsed().as_secs_f64() - at.seconds).max(0.0);
         let ids: Vec<i64> = hits.iter().map(|h| h.0).collect();
-        let at = picaso_store::attribute(&self.store, &self.model, &ids, method, &prompt, &answer, Some(&self.cache))?;
         let contexts = hits
             .iter()
             .enumerate()

@@ -35,7 +35,7 @@ pub use ingest::{ingest, IngestProgress};
 pub use location::{CatalogUrl, Location, StatesUrl};
 pub use migrate::{migrate, MigrateReport};
 pub use passages::{passages, retrieve, Passage};
-pub use query::{prepare, retrieve_and_prepare, ContextMethod, Prepared};
+pub use query::{prepare, retrieve_and_prepare, retrieve_then, ContextMethod, Prepared};
 pub use runtime::Resilience;
 pub use sources::{detokenize_wikitext, read_jsonl, read_text_dir, read_wikitext, Document, Segmentation};
 pub use store::{

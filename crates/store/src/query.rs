@@ -72,9 +72,7 @@ impl Prepared {
 
 /// Retrieves the `k` contexts nearest `query` (a normalised embedding) and builds their state
 /// with `method`. Returns the hits in composition order (most relevant last, nearest the
-/// prompt) and the state. A context deleted by another writer between the search and the read
-/// is left out and the search runs again without it, so a concurrent delete never fails a
-/// caller that named no context.
+/// prompt) and the state. A concurrent delete never fails it ([`retrieve_then`]).
 pub fn retrieve_and_prepare(
     store: &Store,
     model: &Model,
@@ -83,13 +81,27 @@ pub fn retrieve_and_prepare(
     method: ContextMethod,
     cache: Option<&StateCache>,
 ) -> Result<(Vec<(i64, f32)>, Prepared)> {
+    retrieve_then(store, query, k, |ids| prepare(store, model, ids, method, cache))
+}
+
+/// Retrieves the `k` contexts nearest `query` (a normalised embedding) and runs `work` on their
+/// ids in composition order (most relevant last, nearest the prompt). Returns the hits in that
+/// order and what `work` made. A context deleted by another writer between the search and the
+/// work is left out and the search runs again without it, so a concurrent delete never fails a
+/// caller that named no context.
+pub fn retrieve_then<T>(
+    store: &Store,
+    query: &[f32],
+    k: usize,
+    mut work: impl FnMut(&[i64]) -> Result<T>,
+) -> Result<(Vec<(i64, f32)>, T)> {
     let mut gone = Vec::new();
     loop {
         let mut hits = store.search_without(query, k, &gone)?;
         hits.reverse();
         let ids: Vec<i64> = hits.iter().map(|h| h.0).collect();
-        match prepare(store, model, &ids, method, cache) {
-            Ok(prepared) => return Ok((hits, prepared)),
+        match work(&ids) {
+            Ok(done) => return Ok((hits, done)),
             Err(Error::NotFound(id)) if ids.contains(&id) && gone.len() < RETRIEVAL_ATTEMPTS => gone.push(id),
             Err(e) => return Err(e),
         }
