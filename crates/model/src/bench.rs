@@ -69,15 +69,10 @@ pub struct BenchReport {
     pub cpu: Option<String>,
 }
 
+/// Seconds of the fastest of `repeats` runs of `f` after a warm-up; what `f` returns is dropped
+/// inside the timed run.
 fn best_of<T>(repeats: usize, mut f: impl FnMut() -> Result<T>) -> Result<f64> {
-    f()?; // warm-up
-    let mut best = f64::INFINITY;
-    for _ in 0..repeats.max(1) {
-        let t0 = Instant::now();
-        f()?;
-        best = best.min(t0.elapsed().as_secs_f64());
-    }
-    Ok(best)
+    best_of_with(repeats, || (), |()| f().map(drop))
 }
 
 /// As [`best_of`] for work that consumes fresh inputs (decode advances its states): `setup`

@@ -512,16 +512,9 @@ impl Model {
     /// Scores only `continuation` after `context` from `state`: `logprobs[i] = log p(continuation[i] | ...)`.
     /// `context` must be non-empty (it predicts the first continuation token).
     pub fn score_continuation(&self, context: &[u32], continuation: &[u32], state: &State) -> Result<Scored> {
-        if context.is_empty() {
-            return Err(Error::Input("score_continuation needs at least one context token".into()));
-        }
-        let mut all = context.to_vec();
-        all.extend_from_slice(continuation);
-        let (hidden, next) = self.run(&all, state)?;
-        let d = self.config.d_model();
-        let from = context.len() - 1;
-        let rows = &hidden[from * d..(all.len() - 1) * d];
-        Ok(Scored { logprobs: self.engine.logprobs(rows, continuation)?, state: next })
+        let mut next = state.clone();
+        let logprobs = self.score_continuation_batch(context, continuation, &mut [&mut next])?.remove(0);
+        Ok(Scored { logprobs, state: next })
     }
 
     /// [`Model::score_continuation`] of one `context` and `continuation` from each of several
@@ -535,7 +528,7 @@ impl Model {
         states: &mut [&mut State],
     ) -> Result<Vec<Vec<f32>>> {
         if context.is_empty() {
-            return Err(Error::Input("score_continuation_batch needs at least one context token".into()));
+            return Err(Error::Input("scoring a continuation needs at least one context token".into()));
         }
         if states.is_empty() {
             return Ok(Vec::new());
