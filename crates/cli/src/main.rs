@@ -1003,32 +1003,32 @@ fn query(a: QueryArgs) -> Result<()> {
     let store = picaso_store::Store::open(a.db.location()?)?;
     let model = load_model(&a.model, true)?;
     let t_retrieve = Instant::now();
+    // The state to generate from. An answer given with --answer is not generated, so its
+    // contexts are only looked up: attribution builds the states it scores.
+    let prepare = |ids: &[i64]| match a.answer {
+        Some(_) => Ok(None),
+        None => picaso_store::prepare(&store, &model, ids, a.method, None).map(Some),
+    };
     // Best first from retrieval; composition wants the most relevant last (nearest the prompt).
     let (hits, prepared): (Vec<(i64, Option<f32>)>, _) = match &a.ids {
-        Some(ids) => {
-            let prepared = picaso_store::prepare(&store, &model, ids, a.method, None)?;
-            (ids.iter().map(|&i| (i, None)).collect(), prepared)
-        }
-        None if a.method == picaso_store::ContextMethod::Naive => {
-            (Vec::new(), picaso_store::prepare(&store, &model, &[], a.method, None)?)
-        }
+        Some(ids) => (ids.iter().map(|&i| (i, None)).collect(), prepare(ids)?),
+        None if a.method == picaso_store::ContextMethod::Naive => (Vec::new(), prepare(&[])?),
         None => {
             let embedder = embedder::resolve(a.embedder.as_deref(), Some(&store))?;
             let q = embedder.embed_one(&a.prompt)?;
-            let (hits, prepared) = picaso_store::retrieve_and_prepare(&store, &model, &q, a.k, a.method, None)?;
+            let (hits, prepared) = picaso_store::retrieve_then(&store, &q, a.k, prepare)?;
             (hits.into_iter().map(|(i, s)| (i, Some(s))).collect(), prepared)
         }
     };
     // Retrieval is what the preparation did besides loading and composing.
-    let retrieve_seconds =
-        (t_retrieve.elapsed().as_secs_f64() - prepared.load_seconds - prepared.compose_seconds).max(0.0);
+    let ready = prepared.as_ref().map_or(0.0, |p| p.load_seconds + p.compose_seconds);
+    let retrieve_seconds = (t_retrieve.elapsed().as_secs_f64() - ready).max(0.0);
     let ids: Vec<i64> = hits.iter().map(|h| h.0).collect();
     let tokenizer = model.tokenizer()?;
     let prompt = tokenizer.encode(&a.prompt)?;
     if prompt.is_empty() {
         bail!("the prompt must contain at least one token");
     }
-    let ready = prepared.load_seconds + prepared.compose_seconds;
     if a.attribute || a.answer.is_some() {
         if a.method == picaso_store::ContextMethod::Naive {
             bail!("--attribute leaves each context out in turn, but naive uses none: pick picaso-r, picaso-s, caso, soup or concat");
@@ -1038,15 +1038,16 @@ fn query(a: QueryArgs) -> Result<()> {
         }
     }
     // The answer: the one given, else generated (streamed to stdout unless --json).
-    let (generation, answer) = match &a.answer {
-        Some(answer) => {
+    let (generation, answer) = match (&a.answer, &prepared) {
+        (Some(answer), _) => {
             let tokens = tokenizer.encode(answer)?;
             if tokens.is_empty() {
                 bail!("--answer {answer:?} has no tokens: give the text to attribute");
             }
             (None, tokens)
         }
-        None => {
+        (None, None) => unreachable!("the state is prepared unless --answer is given"),
+        (None, Some(prepared)) => {
             let opts = a.sampling.options();
             let t0 = Instant::now();
             let mut first = None;
@@ -1085,10 +1086,11 @@ fn query(a: QueryArgs) -> Result<()> {
                 c
             })
             .collect();
-        let mut v = json!({
-            "method": a.method.name(), "contexts": contexts, "retrieve_ms": 1e3 * retrieve_seconds,
-            "load_ms": 1e3 * prepared.load_seconds, "compose_ms": 1e3 * prepared.compose_seconds,
-        });
+        let mut v = json!({"method": a.method.name(), "contexts": contexts, "retrieve_ms": 1e3 * retrieve_seconds});
+        if let Some(p) = &prepared {
+            v["load_ms"] = json!(1e3 * p.load_seconds);
+            v["compose_ms"] = json!(1e3 * p.compose_seconds);
+        }
         if let Some((g, first)) = &generation {
             v["time_to_first_token_ms"] = json!(1e3 * (ready + first));
             v["text"] = json!(g.text);
