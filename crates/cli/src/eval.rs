@@ -399,7 +399,7 @@ fn open_store(d: &DataArgs, model: &picaso_model::Model) -> Result<picaso_store:
             },
         )?;
         bar.finish_and_clear();
-        eprintln!("{}: {} contexts added ({} already stored)", store.location(), r.done, r.skipped);
+        eprintln!("{}: {}", store.location(), r.summary());
         return Ok(store);
     }
     picaso_store::Store::open(d.db.location()?)

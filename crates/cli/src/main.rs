@@ -12,6 +12,7 @@ use picaso_model::{compose, generate, GenerateOptions, LoadOptions, Method, Mode
 use serde_json::json;
 
 mod backends;
+mod contexts;
 mod demo;
 mod embedder;
 mod eval;
@@ -58,6 +59,10 @@ enum Command {
     Ingest(IngestArgs),
     /// Totals of a store.
     Stats(StatsArgs),
+    /// List a store's contexts: all, one document's, or some ids.
+    Contexts(contexts::ContextsArgs),
+    /// Remove contexts, or whole documents, from a store.
+    Delete(contexts::DeleteArgs),
     /// Retrieve contexts, compose their states, continue with a prompt.
     Query(QueryArgs),
     /// Copy a store to another backend (folder, S3 + PostgreSQL), verifying every context.
@@ -477,6 +482,8 @@ fn run(cli: Cli) -> Result<()> {
         Command::BenchContext(a) => bench_context(a),
         Command::Ingest(a) => ingest(a),
         Command::Stats(a) => stats(a),
+        Command::Contexts(a) => contexts::list(a),
+        Command::Delete(a) => contexts::delete(a),
         Command::Query(a) => query(a),
         Command::Migrate(a) => backends::migrate(a),
         Command::Index(a) => backends::index(a),
@@ -971,12 +978,22 @@ fn ingest(a: IngestArgs) -> Result<()> {
     if a.json {
         println!(
             "{}",
-            json!({"added": report.done, "skipped": report.skipped, "tokens": report.tokens, "seconds": report.seconds, "store": stats})
+            json!({
+                "added": report.added(),
+                "replaced": report.replaced,
+                "removed": report.removed,
+                "skipped": report.skipped,
+                "tokens": report.tokens,
+                "seconds": report.seconds,
+                "store": stats
+            })
         );
     } else {
         println!(
-            "added {} contexts ({} tokens) in {:.1} s, skipped {} already stored; the store holds {} contexts from {} documents",
-            report.done, report.tokens, report.seconds, report.skipped, stats.contexts, stats.documents
+            "{}; the store holds {} contexts from {} documents",
+            report.summary(),
+            stats.contexts,
+            stats.documents
         );
     }
     Ok(())

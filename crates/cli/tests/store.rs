@@ -197,6 +197,79 @@ fn ingest_stats_query_and_compose(
     }
 }
 
+/// A document ingested again with other text is brought up to date: its changed segment gets a
+/// new context whose state is its new text's, the segment it lost is removed, unchanged ones
+/// keep their ids. `picaso contexts` lists what is stored and `picaso delete` removes contexts
+/// and documents (every backend).
+#[test]
+fn changed_documents_are_replaced_and_contexts_listed_and_deleted() {
+    let (Some(model), Some(embedder)) = (text_model(1), shared("all-MiniLM-L6-v2")) else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let docs = tmp.path().join("docs");
+    write_docs(&docs);
+    let (m, e, d) = (model.path().to_str().unwrap(), embedder.to_str().unwrap(), docs.to_str().unwrap());
+    for db in backends(tmp.path(), "changed") {
+        eprintln!("backend {}", db.kind());
+        std::fs::write(docs.join("eiffel.txt"), "The Eiffel Tower is in Paris.\n\nIt was finished in 1889.\n").unwrap();
+        let ingest = args(&["ingest"], &db, &["--model", m, "--embedder", e, "--text-dir", d, "--json"]);
+        assert_eq!(ok_s(&ingest)["added"], 4);
+        let lines = |more: &[&str]| -> Vec<String> {
+            let out = Command::new(common::picaso_bin()).args(args(&["contexts"], &db, more)).output().unwrap();
+            assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+            String::from_utf8(out.stdout).unwrap().lines().map(str::to_string).collect()
+        };
+        let listed = |more: &[&str]| -> Vec<serde_json::Value> {
+            lines(more).iter().map(|l| serde_json::from_str(l).unwrap()).collect()
+        };
+        let all = listed(&["--json"]);
+        let ids: Vec<i64> = all.iter().map(|r| r["id"].as_i64().unwrap()).collect();
+        assert_eq!(ids, [1, 2, 3, 4], "every context, by id");
+        let eiffel = listed(&["--doc", "eiffel.txt", "--json"]);
+        assert_eq!(eiffel.iter().map(|r| r["seg"].as_u64().unwrap()).collect::<Vec<_>>(), [0, 1]);
+
+        // The first paragraph changes, the second goes.
+        std::fs::write(docs.join("eiffel.txt"), "The Eiffel Tower stands in Paris, France.\n").unwrap();
+        let v = ok_s(&ingest);
+        let counts = ["added", "replaced", "removed", "skipped"].map(|k| v[k].as_u64().unwrap());
+        assert_eq!(counts, [0, 1, 1, 2], "{v}");
+        assert_eq!(v["store"]["contexts"], 3);
+        let now = listed(&["--doc", "eiffel.txt", "--json"]);
+        assert_eq!(now.len(), 1);
+        assert_eq!(now[0]["text"], "The Eiffel Tower stands in Paris, France.");
+        let new_id = now[0]["id"].as_i64().unwrap();
+        assert!(!ids.contains(&new_id), "a replaced context gets a new id");
+        let store = picaso_store::Store::open(db.location()).unwrap();
+        for gone in [2, 3] {
+            assert!(matches!(store.get(gone), Err(picaso_store::Error::NotFound(_))), "context {gone}");
+        }
+        let model_obj = Model::load(model.path(), &LoadOptions::default()).unwrap();
+        let tokens = model_obj.tokenizer().unwrap().encode("The Eiffel Tower stands in Paris, France.").unwrap();
+        let fresh = model_obj.prefill(&tokens, &model_obj.zero_state()).unwrap();
+        assert!(store.load_state(new_id).unwrap().layers == fresh.layers, "the new text's state");
+        let q = store.embedding(new_id).unwrap();
+        assert!(store.search(&q, 10).unwrap().iter().all(|(id, _)| *id != 2 && *id != 3), "gone from retrieval");
+        let again = ok_s(&ingest);
+        assert_eq!((again["added"].as_u64(), again["skipped"].as_u64()), (Some(0), Some(3)), "then nothing to do");
+
+        // Deleting: an id and a document; unknown ones are refused before anything is removed.
+        let (success, _, stderr) = run_s(&args(&["delete"], &db, &["1", "99"]));
+        assert!(!success && stderr.contains("no context with id 99"), "{stderr}");
+        let (success, _, stderr) = run_s(&args(&["delete"], &db, &["--doc", "nope.txt"]));
+        assert!(!success && stderr.contains("holds no document \"nope.txt\""), "{stderr}");
+        let (success, _, stderr) = run_s(&args(&["contexts"], &db, &["--doc", "nope.txt"]));
+        assert!(!success && stderr.contains("holds no document"), "{stderr}");
+        assert_eq!(listed(&["--json"]).len(), 3, "refused deletes remove nothing");
+        let v = ok_s(&args(&["delete"], &db, &["1", "--doc", "eiffel.txt", "--json"]));
+        assert_eq!(v["deleted"], serde_json::json!([1, new_id]));
+        assert_eq!(v["store"]["contexts"], 1);
+        let table = lines(&[]);
+        assert!(table.len() == 1 && table[0].contains("mamba.txt #0"), "a line per context: {table:?}");
+        assert_eq!(listed(&["--ids", "4", "--json"])[0]["doc"], "mamba.txt");
+        let (success, _, stderr) = run_s(&args(&["delete"], &db, &[]));
+        assert!(!success && stderr.contains("required"), "{stderr}");
+    }
+}
+
 /// Ingest killed with SIGKILL at several points leaves a consistent store each time (every
 /// recorded context's state file is complete and matches its checksum), and re-running it
 /// completes the store without redoing committed work — ending equal to an uninterrupted ingest.

@@ -641,10 +641,12 @@ impl Store {
     }
 
     /// Adds documents: a list of strings (one document each, paragraphs split at blank lines,
-    /// ids "0", "1", …) or of dicts {"id": str, "text": str}. One context per paragraph by
-    /// default; `segment` "tokens:N" cuts runs of N tokens. Documents already stored (same id
-    /// and segment) are skipped. `progress(done, total)` is called as contexts are stored.
-    /// Returns {"added", "skipped", "tokens", "seconds"}.
+    /// its id "text/" + a hash of the text) or of dicts {"id": str, "text": str}. One context
+    /// per paragraph by default; `segment` "tokens:N" cuts runs of N tokens. Segments already
+    /// stored with the same text are skipped; a document given again with other text is
+    /// brought up to date (changed segments replaced, segments it no longer has removed).
+    /// `progress(done, total)` is called as contexts are stored.
+    /// Returns {"added", "replaced", "removed", "skipped", "tokens", "seconds"}.
     #[pyo3(signature = (documents, *, segment="paragraph", batch=8, progress=None))]
     fn ingest<'py>(
         &self,
@@ -677,7 +679,9 @@ impl Store {
             return Err(e);
         }
         let d = PyDict::new(py);
-        d.set_item("added", report.done)?;
+        d.set_item("added", report.added())?;
+        d.set_item("replaced", report.replaced)?;
+        d.set_item("removed", report.removed)?;
         d.set_item("skipped", report.skipped)?;
         d.set_item("tokens", report.tokens)?;
         d.set_item("seconds", report.seconds)?;
@@ -816,6 +820,37 @@ impl Store {
         record_dict(py, &r, None)
     }
 
+    /// The contexts of document `doc`, in segment order: [{id, score (None), doc, segment,
+    /// text}]; empty for a document the store does not hold.
+    fn document<'py>(&self, py: Python<'py>, doc: &str) -> PyResult<Bound<'py, PyList>> {
+        let records = self.inner.document(doc).map_err(store_err)?;
+        let list = PyList::empty(py);
+        for r in &records {
+            list.append(record_dict(py, r, None)?)?;
+        }
+        Ok(list)
+    }
+
+    /// Removes the context with this id (and its stored state unless another context shares it).
+    fn delete(&self, py: Python<'_>, id: i64) -> PyResult<()> {
+        let store = &self.inner;
+        py.detach(|| {
+            let _writer = store.lock_writes()?;
+            store.delete(id)
+        })
+        .map_err(store_err)
+    }
+
+    /// Removes every context of document `doc`; returns how many (0 if it holds none).
+    fn delete_document(&self, py: Python<'_>, doc: &str) -> PyResult<usize> {
+        let store = &self.inner;
+        py.detach(|| {
+            let _writer = store.lock_writes()?;
+            store.delete_document(doc)
+        })
+        .map_err(store_err)
+    }
+
     /// The stored state of one context.
     fn load_state(&self, py: Python<'_>, id: i64) -> PyResult<State> {
         let store = &self.inner;
@@ -886,7 +921,8 @@ fn documents_of(list: &Bound<'_, PyList>) -> PyResult<Vec<picaso_store::Document
     let mut docs = Vec::with_capacity(list.len());
     for (i, item) in list.iter().enumerate() {
         let (id, text) = if let Ok(text) = item.extract::<String>() {
-            (i.to_string(), text)
+            // Named by its text: the same text again is skipped, other text is another document.
+            (format!("text/{}", picaso_store::checksum(text.as_bytes())), text)
         } else if let Ok(d) = item.cast::<PyDict>() {
             let get = |k: &str| -> PyResult<String> {
                 d.get_item(k)?

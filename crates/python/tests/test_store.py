@@ -20,16 +20,18 @@ def test_store_end_to_end(model, embedder, tmp_path):
         assert report["added"] == 5 and report["skipped"] == 0 and report["tokens"] > 0
         assert calls and calls[-1] == (5, 5)
         assert store.ingest(DOCS)["skipped"] == 5  # (document, segment) pairs already there
+        eiffel, plants = store.get(1)["doc"], store.get(3)["doc"]
+        assert eiffel.startswith("text/") and plants.startswith("text/") and eiffel != plants
         stats = store.stats()
         assert stats["contexts"] == len(store) == 5 and stats["documents"] == 3 and stats["model"] == model.fingerprint
 
         hits = store.search("Where do plants make sugar?", k=2)
-        assert len(hits) == 2 and hits[0]["doc"] == "1" and hits[0]["score"] >= hits[1]["score"]
+        assert len(hits) == 2 and hits[0]["doc"] == plants and hits[0]["score"] >= hits[1]["score"]
         assert set(hits[0]) == {"id", "score", "doc", "segment", "text"}
 
         again = picaso.Store.open(url, model=model)  # the embedder the store recorded
         g = again.query("The tower in Paris was finished in", k=2, method="picaso-r", max_tokens=6)
-        assert [c["doc"] for c in g.contexts][0] == "0" and len(g.token_ids) == 6
+        assert [c["doc"] for c in g.contexts][0] == eiffel and len(g.token_ids) == 6
 
         # The store's composed state is picaso.compose of its stored states (last id nearest the prompt).
         ids = [c["id"] for c in reversed(g.contexts)]
@@ -45,11 +47,43 @@ def test_store_end_to_end(model, embedder, tmp_path):
             assert c["drop"] == pytest.approx(at["loglik"] - c["loglik_without"])
         assert at["contexts"][0]["text"].startswith("It was finished in 1889"), at["contexts"]
         retrieved = again.attribute("Where do plants make sugar?", " In chloroplasts.", k=2, method="concat")
-        assert retrieved["method"] == "concat" and {c["doc"] for c in retrieved["contexts"]} == {"1"}
+        assert retrieved["method"] == "concat" and {c["doc"] for c in retrieved["contexts"]} == {plants}
         with pytest.raises(ValueError, match="naive uses no context"):
             again.attribute("The tower", " is tall.", ids=ids, method="naive")
         naive = again.query("The tower", method="naive", max_tokens=4)
         assert naive.contexts == [] and naive.text == model.generate("The tower", max_tokens=4).text
+
+
+def test_documents_are_kept_up_to_date(model, embedder, tmp_path):
+    """Ingesting a document again with other text replaces its changed segments and removes
+    the ones it lost; deleting a context or a document removes it from retrieval."""
+    for url, states in store_locations(tmp_path):
+        store = picaso.Store.create(url, model, embedder=embedder, states=states)
+        store.ingest(["One text.", "Another text."])
+        again = store.ingest(["One text."])
+        assert (again["added"], again["replaced"], again["removed"], again["skipped"]) == (0, 0, 0, 1)
+        assert len(store) == 2  # a str is named by its text: a new one adds, it never replaces
+        first = {"id": "notes", "text": "Cats purr.\n\nCats sleep a lot.\n\nCats hunt mice."}
+        assert store.ingest([first])["added"] == 3
+        old = [c["id"] for c in store.document("notes")]
+        report = store.ingest([{"id": "notes", "text": "Cats purr.\n\nCats sleep all day."}])
+        assert (report["added"], report["replaced"], report["removed"], report["skipped"]) == (0, 1, 1, 1)
+        now = store.document("notes")
+        assert [c["text"] for c in now] == ["Cats purr.", "Cats sleep all day."]
+        assert now[0]["id"] == old[0] and now[1]["id"] not in old and len(store) == 4
+        for gone in old[1:]:
+            with pytest.raises(ValueError, match="no context with id"):
+                store.get(gone)
+        fresh = model.state("Cats sleep all day.")
+        np.testing.assert_array_equal(store.load_state(now[1]["id"]).ssm(0), fresh.ssm(0))
+
+        store.delete(now[0]["id"])
+        assert [c["segment"] for c in store.document("notes")] == [1]
+        with pytest.raises(ValueError, match="no context with id"):
+            store.delete(now[0]["id"])
+        assert store.delete_document("notes") == 1 and store.document("notes") == []
+        assert store.delete_document("notes") == 0
+        assert all(h["doc"] != "notes" for h in store.search("cats", k=4)) and len(store) == 2
 
 
 def test_store_errors(model, tiny, embedder, tmp_path):
@@ -92,9 +126,9 @@ def test_store_opens_without_its_embedder(model, embedder, tmp_path, monkeypatch
     moved.rmdir()
     monkeypatch.delenv("PICASO_EMBEDDER", raising=False)
     reader = picaso.Store.open(url, model=model)
-    assert reader.stats()["contexts"] == 2 and reader.get(1)["doc"] == "0"
+    assert reader.stats()["contexts"] == 2 and reader.get(1)["doc"].startswith("text/")
     assert reader.state([1, 2]).n_tokens == reader.load_state(1).n_tokens + reader.load_state(2).n_tokens
     assert reader.query("The tower", method="naive", max_tokens=2).contexts == []
     with pytest.raises(FileNotFoundError, match="minilm: embedder folder not found"):
         reader.search("tower")
-    assert picaso.Store.open(url, model=model, embedder=embedder).search("tower", k=1)[0]["doc"] == "0"
+    assert picaso.Store.open(url, model=model, embedder=embedder).search("tower", k=1)[0]["id"] in (1, 2)

@@ -190,8 +190,36 @@ pub struct AddedContext {
     pub segment: u32,
     /// Its tokens.
     pub n_tokens: usize,
-    /// False when this (doc, segment) was already stored (its existing id is returned).
+    /// False when this (doc, segment) was already stored with the same text (its existing id
+    /// is returned).
     pub created: bool,
+    /// The context this one replaced: the (doc, segment) was stored with other text, which is
+    /// gone now (its id answers 404 from here on).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replaced: Option<i64>,
+}
+
+/// `GET /v1/contexts` query: one document's contexts, or a page of all of them by id.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListContexts {
+    /// Only this document's contexts, in segment order (not paged).
+    pub doc: Option<String>,
+    /// Contexts with ids above this one (the previous page's `next_after`).
+    pub after: Option<i64>,
+    /// Contexts per page (default 100, at most 1000).
+    pub limit: Option<usize>,
+}
+
+/// Answer to `GET /v1/contexts`.
+#[derive(Debug, Clone, Serialize)]
+pub struct ContextList {
+    /// Always "list".
+    pub object: &'static str,
+    /// The contexts' records, as `GET /v1/contexts/{id}` gives them.
+    pub data: Vec<picaso_store::ContextRecord>,
+    /// Pass as `after` for the next page; `null` on the last one.
+    pub next_after: Option<i64>,
 }
 
 /// `POST /v1/search`.

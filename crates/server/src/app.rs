@@ -426,10 +426,25 @@ impl App {
         if doc.is_empty() {
             return Err(ApiError::bad_request("`doc` is empty"));
         }
-        if let Some(id) = self.store.id_of(&doc, req.segment)? {
-            let rec = self.store.get(id)?;
-            return Ok(AddedContext { id, doc, segment: req.segment, n_tokens: rec.n_tokens, created: false });
-        }
+        let stored = match self.store.id_of(&doc, req.segment)? {
+            Some(id) => match self.store.get(id) {
+                Ok(rec) if rec.text == req.text => {
+                    let n_tokens = rec.n_tokens;
+                    return Ok(AddedContext {
+                        id,
+                        doc,
+                        segment: req.segment,
+                        n_tokens,
+                        created: false,
+                        replaced: None,
+                    });
+                }
+                Ok(_) => Some(id),
+                Err(picaso_store::Error::NotFound(_)) => None, // deleted meanwhile
+                Err(e) => return Err(e.into()),
+            },
+            None => None,
+        };
         let tokens = self.model.tokenizer()?.encode(&req.text)?;
         if tokens.len() > self.limits.max_prompt_tokens {
             return Err(ApiError::too_large(format!(
@@ -442,15 +457,59 @@ impl App {
         let embedding = self.embedder.embed_one(&req.text)?;
         let n_tokens = tokens.len();
         let item = NewContext { doc: doc.clone(), seg: req.segment, text: req.text, tokens, embedding, state };
+        // Other text for a stored (doc, segment) replaces it: the old context goes just before
+        // the new one is recorded, so its state is never served for text that is gone.
+        let mut replaced = None;
+        if let Some(old) = stored {
+            match self.store.delete(old) {
+                Ok(()) => replaced = Some(old),
+                Err(picaso_store::Error::NotFound(_)) => {}
+                Err(e) => return Err(e.into()),
+            }
+            self.cache.remove(old);
+        }
         let id = match self.store.insert(std::slice::from_ref(&item))?[0] {
             Some(id) => id,
-            // Another request stored the same (doc, segment) meanwhile.
-            None => self.store.id_of(&doc, req.segment)?.ok_or_else(|| ApiError::internal("context vanished"))?,
+            // Another request stored the same (doc, segment) meanwhile: the same text is this
+            // request's context; other text means two writers raced on one segment.
+            None => {
+                let id = self.store.id_of(&doc, req.segment)?.ok_or_else(|| ApiError::internal("context vanished"))?;
+                if self.store.get(id)?.text != item.text {
+                    return Err(ApiError::conflict(format!(
+                        "another request stored other text for document {doc:?} segment {} at the same time (context {id}); send yours again to replace it",
+                        req.segment
+                    )));
+                }
+                id
+            }
         };
         if let Ok(n) = self.store.len() {
             self.metrics.contexts.set(n as i64);
         }
-        Ok(AddedContext { id, doc, segment: req.segment, n_tokens, created: true })
+        Ok(AddedContext { id, doc, segment: req.segment, n_tokens, created: true, replaced })
+    }
+
+    /// One document's contexts, or a page of all of them by ascending id. Blocking.
+    pub(crate) fn list_contexts(&self, q: ListContexts) -> Result<ContextList, ApiError> {
+        const DEFAULT: usize = 100;
+        const MAX: usize = 1000;
+        if let Some(doc) = q.doc {
+            if q.after.is_some() || q.limit.is_some() {
+                return Err(ApiError::bad_request("`doc` lists a whole document: leave out `after` and `limit`"));
+            }
+            let data = self.store.document(&doc)?;
+            if data.is_empty() {
+                return Err(ApiError::not_found(format!("no document {doc:?} in this store")));
+            }
+            return Ok(ContextList { object: "list", data, next_after: None });
+        }
+        let limit = q.limit.unwrap_or(DEFAULT);
+        if !(1..=MAX).contains(&limit) {
+            return Err(ApiError::bad_request(format!("`limit` is {limit}; give 1 to {MAX}")));
+        }
+        let data: Vec<_> = self.store.export(q.after.unwrap_or(i64::MIN), limit)?.into_iter().map(|(r, _)| r).collect();
+        let next_after = (data.len() == limit).then(|| data[limit - 1].id);
+        Ok(ContextList { object: "list", data, next_after })
     }
 
     /// Removes a context. Blocking.

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use axum::body::Bytes;
-use axum::extract::{FromRequest, MatchedPath, Path, Request, State};
+use axum::extract::{FromRequest, MatchedPath, Path, Query, Request, State};
 use axum::http::{header, Method, StatusCode, Uri};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -28,7 +28,7 @@ pub fn router(app: Arc<App>) -> Router {
     let body_limit = app.limits.max_body_bytes;
     Router::new()
         .route("/v1/completions", post(completions))
-        .route("/v1/contexts", post(add_context))
+        .route("/v1/contexts", post(add_context).get(list_contexts))
         .route("/v1/contexts/{id}", get(get_context).delete(delete_context))
         .route("/v1/search", post(search))
         .route("/v1/attribute", post(attribute))
@@ -141,6 +141,15 @@ async fn add_context(State(app): Shared, ApiJson(req): ApiJson<AddContext>) -> R
     .await?;
     let status = if added.created { StatusCode::CREATED } else { StatusCode::OK };
     Ok((status, Json(added)).into_response())
+}
+
+async fn list_contexts(
+    State(app): Shared,
+    query: Result<Query<ListContexts>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, ApiError> {
+    let Query(q) = query.map_err(|e| ApiError::bad_request(format!("bad query string: {}", e.body_text())))?;
+    let listed = blocking(move || app.list_contexts(q)).await?;
+    Ok(Json(listed).into_response())
 }
 
 type IdPath = Result<Path<String>, axum::extract::rejection::PathRejection>;

@@ -1,8 +1,10 @@
 //! Ingest: documents → segments → (tokens, state, embedding) → store, in batches.
 //!
-//! Idempotent and resumable: segments whose (document, index) the store already holds are
-//! skipped, and each batch commits on its own, so a killed run loses at most the batch in
-//! flight and a re-run completes the rest.
+//! Idempotent and resumable: segments whose (document, index) the store already holds with the
+//! same text are skipped, and each batch commits on its own, so a killed run loses at most the
+//! batch in flight and a re-run completes the rest. A document given again with other text is
+//! brought up to date: its changed segments are replaced (new state, new id) and the segments
+//! it no longer has are removed, so the store never serves a state of text that is gone.
 
 use std::time::Instant;
 
@@ -20,27 +22,96 @@ struct Pending {
     seg: u32,
     text: String,
     tokens: Vec<u32>,
+    /// The context stored for this (document, segment) with other text, removed when this
+    /// segment's batch commits.
+    replaces: Option<i64>,
 }
 
 /// Progress of a run, reported after each batch.
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct IngestProgress {
-    /// Contexts this run has to process (stored ones excluded).
+    /// Contexts this run has to process (new and changed segments; unchanged ones excluded).
     pub total: usize,
-    /// Contexts processed and committed by this run so far.
+    /// Contexts processed and committed by this run so far (replacements included).
     pub done: usize,
+    /// Of `done`, those that replaced a stored context whose text changed.
+    pub replaced: usize,
+    /// Stored contexts removed because their document no longer has their segment (counted
+    /// once the last batch has committed).
+    pub removed: usize,
     /// Tokens processed by this run so far.
     pub tokens: usize,
-    /// Segments skipped because the store already had them.
+    /// Segments skipped because the store already had them, with the same text.
     pub skipped: usize,
     /// Seconds since the run started.
     pub seconds: f64,
 }
 
-/// Cuts `docs` into segments (token ids included), leaving out those `store` already holds
-/// and empty ones.
-fn plan(store: &Store, model: &Model, docs: &[Document], segmentation: Segmentation) -> Result<(Vec<Pending>, usize)> {
+impl IngestProgress {
+    /// Contexts this run added for segments the store lacked (`done` less the replacements).
+    pub fn added(&self) -> usize {
+        self.done - self.replaced
+    }
+
+    /// One line for people: what was added, replaced, removed and skipped.
+    pub fn summary(&self) -> String {
+        let mut s = format!("added {} contexts", self.added());
+        if self.replaced > 0 {
+            s += &format!(" and replaced {} whose text changed", self.replaced);
+        }
+        s += &format!(" ({} tokens) in {:.1} s", self.tokens, self.seconds);
+        if self.removed > 0 {
+            s += &format!(", removed {} that their documents no longer have", self.removed);
+        }
+        s + &format!(", skipped {} already stored", self.skipped)
+    }
+}
+
+/// What a run has to do: the segments to process, the number of unchanged ones, and the stored
+/// contexts whose segments the documents no longer have.
+struct Plan {
+    pending: Vec<Pending>,
+    skipped: usize,
+    stale: Vec<i64>,
+}
+
+/// A document's segments: (index, text, tokens), empty ones included.
+fn segments(model: &Model, doc: &Document, segmentation: Segmentation) -> Result<Vec<(u32, String, Vec<u32>)>> {
     let tokenizer = model.tokenizer()?;
+    Ok(match segmentation {
+        Segmentation::Paragraph => doc
+            .paragraphs
+            .iter()
+            .enumerate()
+            .map(|(i, p)| Ok((i as u32, p.clone(), tokenizer.encode(p)?)))
+            .collect::<std::result::Result<_, picaso_model::Error>>()?,
+        Segmentation::Tokens(n) => {
+            let all = tokenizer.encode(&doc.paragraphs.join("\n"))?;
+            all.chunks(n)
+                .enumerate()
+                .map(|(i, c)| Ok((i as u32, tokenizer.decode(c)?, c.to_vec())))
+                .collect::<std::result::Result<_, picaso_model::Error>>()?
+        }
+        Segmentation::Halves(min) => {
+            let mut out = Vec::new();
+            for (p, text) in doc.paragraphs.iter().enumerate() {
+                let tokens = tokenizer.encode(text)?;
+                if tokens.len() < min {
+                    continue;
+                }
+                let (a, b) = tokens.split_at(tokens.len() / 2);
+                out.push((2 * p as u32, tokenizer.decode(a)?, a.to_vec()));
+                out.push((2 * p as u32 + 1, tokenizer.decode(b)?, b.to_vec()));
+            }
+            out
+        }
+    })
+}
+
+/// Cuts `docs` into segments (token ids included) and sets them against what `store` holds:
+/// unchanged segments are skipped, changed ones replace their stored context, and stored
+/// segments a document no longer has (or has empty) become stale.
+fn plan(store: &Store, model: &Model, docs: &[Document], segmentation: Segmentation) -> Result<Plan> {
     let mut ids = std::collections::HashSet::new();
     if let Some(doc) = docs.iter().find(|d| !ids.insert(d.id.as_str())) {
         return Err(Error::Input(format!(
@@ -48,56 +119,44 @@ fn plan(store: &Store, model: &Model, docs: &[Document], segmentation: Segmentat
             doc.id
         )));
     }
-    let mut pending = Vec::new();
-    let mut skipped = 0;
+    let mut plan = Plan { pending: Vec::new(), skipped: 0, stale: Vec::new() };
     for doc in docs {
-        let have = store.segments_of(&doc.id)?;
-        let segments: Vec<(u32, String, Vec<u32>)> = match segmentation {
-            Segmentation::Paragraph => doc
-                .paragraphs
-                .iter()
-                .enumerate()
-                .map(|(i, p)| Ok((i as u32, p.clone(), tokenizer.encode(p)?)))
-                .collect::<std::result::Result<_, picaso_model::Error>>()?,
-            Segmentation::Tokens(n) => {
-                let all = tokenizer.encode(&doc.paragraphs.join("\n"))?;
-                all.chunks(n)
-                    .enumerate()
-                    .map(|(i, c)| Ok((i as u32, tokenizer.decode(c)?, c.to_vec())))
-                    .collect::<std::result::Result<_, picaso_model::Error>>()?
-            }
-            Segmentation::Halves(min) => {
-                let mut out = Vec::new();
-                for (p, text) in doc.paragraphs.iter().enumerate() {
-                    let tokens = tokenizer.encode(text)?;
-                    if tokens.len() < min {
-                        continue;
-                    }
-                    let (a, b) = tokens.split_at(tokens.len() / 2);
-                    out.push((2 * p as u32, tokenizer.decode(a)?, a.to_vec()));
-                    out.push((2 * p as u32 + 1, tokenizer.decode(b)?, b.to_vec()));
-                }
-                out
-            }
-        };
-        for (seg, text, tokens) in segments {
-            if have.contains(&seg) {
-                skipped += 1;
-            } else if !tokens.is_empty() {
-                pending.push(Pending { doc: doc.id.clone(), seg, text, tokens });
+        let mut stored: std::collections::BTreeMap<u32, crate::ContextRecord> =
+            store.document(&doc.id)?.into_iter().map(|r| (r.seg, r)).collect();
+        for (seg, text, tokens) in segments(model, doc, segmentation)? {
+            let old = stored.remove(&seg);
+            if tokens.is_empty() {
+                plan.stale.extend(old.map(|r| r.id));
+            } else if old.as_ref().is_some_and(|r| r.text == text && r.tokens == tokens) {
+                plan.skipped += 1;
+            } else {
+                plan.pending.push(Pending { doc: doc.id.clone(), seg, text, tokens, replaces: old.map(|r| r.id) });
             }
         }
+        plan.stale.extend(stored.into_values().map(|r| r.id));
     }
-    Ok((pending, skipped))
+    Ok(plan)
+}
+
+/// Removes context `id`; one already gone (another writer deleted it) is no error.
+fn remove(store: &Store, id: i64) -> Result<bool> {
+    match store.delete(id) {
+        Ok(()) => Ok(true),
+        Err(Error::NotFound(_)) => Ok(false),
+        Err(e) => Err(e),
+    }
 }
 
 /// Tokens per forward pass when a batch's contexts are prefilled together: enough rows to share
 /// each weight read widely, few enough that the activations stay small (~160 MiB at mamba2-130m's width).
 const PREFILL_TOKENS: usize = 4096;
 
-/// Processes and stores every segment of `docs` the store lacks, `batch` contexts per commit.
-/// Where the model is batch-invariant, a batch's contexts share forward passes: each state is
-/// still, to the bit, the one its context gives alone (so `--restate` reproduces the store).
+/// Processes and stores every segment of `docs` the store lacks or holds with other text,
+/// `batch` contexts per commit, then removes the stored segments the documents no longer have.
+/// A changed segment's old context is deleted just before the batch holding its new one commits
+/// (a kill in between leaves the segment absent until the next run, never stale). Where the
+/// model is batch-invariant, a batch's contexts share forward passes: each state is still, to
+/// the bit, the one its context gives alone (so `--restate` reproduces the store).
 pub fn ingest(
     store: &Store,
     model: &Model,
@@ -118,7 +177,7 @@ pub fn ingest(
     store.bind_segmentation(&segmentation.to_string())?;
     store.bind_embedder(embedder.fingerprint(), &embedder.dir().display().to_string())?;
     let start = Instant::now();
-    let (pending, skipped) = plan(store, model, docs, segmentation)?;
+    let Plan { pending, skipped, stale } = plan(store, model, docs, segmentation)?;
     let mut progress = IngestProgress { total: pending.len(), skipped, ..Default::default() };
     on_progress(&progress);
     for chunk in pending.chunks(batch.max(1)) {
@@ -137,11 +196,17 @@ pub fn ingest(
                 state,
             });
         }
+        for id in chunk.iter().filter_map(|p| p.replaces) {
+            progress.replaced += usize::from(remove(store, id)?);
+        }
         store.insert(&items)?;
         progress.done += chunk.len();
         progress.tokens += chunk.iter().map(|p| p.tokens.len()).sum::<usize>();
         progress.seconds = start.elapsed().as_secs_f64();
         on_progress(&progress);
+    }
+    for id in stale {
+        progress.removed += usize::from(remove(store, id)?);
     }
     progress.seconds = start.elapsed().as_secs_f64();
     Ok(progress)

@@ -10,7 +10,7 @@
 //! object, if any, is an orphan that the next write of the same state simply replaces) or a row
 //! whose object is complete. Re-running an ingest skips the (document, segment) pairs recorded.
 
-use std::collections::HashSet;
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use picaso_model::{MappedState, State, StateDtype};
@@ -326,9 +326,30 @@ impl Store {
         &self.info
     }
 
-    /// Segments of `doc` already stored (ingest skips them).
-    pub fn segments_of(&self, doc: &str) -> Result<HashSet<u32>> {
+    /// Segments of `doc` stored, each with its context's id.
+    pub fn segments_of(&self, doc: &str) -> Result<BTreeMap<u32, i64>> {
         self.catalog.segments_of(doc)
+    }
+
+    /// The contexts stored for document `doc`, in segment order (none for a document the store
+    /// does not hold). A context deleted by another writer while they are read is left out.
+    pub fn document(&self, doc: &str) -> Result<Vec<ContextRecord>> {
+        let ids: Vec<i64> = self.segments_of(doc)?.into_values().collect();
+        match self.catalog.get_many(&ids) {
+            Ok(records) => records.into_iter().map(|r| self.checked(r)).collect(),
+            Err(Error::NotFound(_)) => {
+                let mut kept = Vec::with_capacity(ids.len());
+                for id in ids {
+                    match self.get(id) {
+                        Ok(r) => kept.push(r),
+                        Err(Error::NotFound(_)) => {}
+                        Err(e) => return Err(e),
+                    }
+                }
+                Ok(kept)
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// Adds contexts: their state objects first (durable), then their rows in one transaction.
@@ -571,6 +592,20 @@ impl Store {
     pub fn delete(&self, id: i64) -> Result<()> {
         // A damaged checksum names no object of this store: nothing to remove.
         self.catalog.delete(id, &mut |sum| if is_checksum(sum) { self.states.delete(&key_of(sum)) } else { Ok(()) })
+    }
+
+    /// Removes every context of document `doc` (see [`Store::delete`]); returns how many were
+    /// removed (0 for a document the store does not hold).
+    pub fn delete_document(&self, doc: &str) -> Result<usize> {
+        let mut removed = 0;
+        for id in self.segments_of(doc)?.into_values() {
+            match self.delete(id) {
+                Ok(()) => removed += 1,
+                Err(Error::NotFound(_)) => {} // removed meanwhile by another writer
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(removed)
     }
 
     /// The `k` contexts most similar to `query` (a normalised embedding): (id, cosine), best

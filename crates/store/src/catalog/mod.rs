@@ -8,7 +8,7 @@ mod sqlite;
 pub use postgres::PostgresCatalog;
 pub use sqlite::SqliteCatalog;
 
-use std::collections::HashSet;
+use std::collections::BTreeMap;
 
 use crate::error::Result;
 use crate::store::ContextRecord;
@@ -52,8 +52,8 @@ pub trait Catalog: Send + Sync + std::fmt::Debug {
     /// Sets `key` unless it is set, atomically; returns the value stored afterwards (another
     /// writer's, if it was first).
     fn init_meta(&self, key: &str, value: &str) -> Result<String>;
-    /// Segments of `doc` stored.
-    fn segments_of(&self, doc: &str) -> Result<HashSet<u32>>;
+    /// Segments of `doc` stored, each with its context's id.
+    fn segments_of(&self, doc: &str) -> Result<BTreeMap<u32, i64>>;
     /// Inserts rows in one transaction, skipping (doc, seg) pairs present; returns the new ids
     /// (`None` for skipped rows). `write_states` runs before the commit, inside whatever lock
     /// keeps a concurrent delete from removing a state object the rows will refer to.

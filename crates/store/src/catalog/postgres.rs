@@ -17,7 +17,7 @@
 //! before checking whether others still use its state. So a delete never removes an object a
 //! concurrent insert (on any server) is about to refer to.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 use futures_util::future::BoxFuture;
@@ -433,13 +433,13 @@ impl Catalog for PostgresCatalog {
         }))
     }
 
-    fn segments_of(&self, doc: &str) -> Result<HashSet<u32>> {
+    fn segments_of(&self, doc: &str) -> Result<BTreeMap<u32, i64>> {
         let doc = doc.to_string();
         self.run(Box::new(move |c| {
             let doc = doc.clone();
             Box::pin(async move {
-                let rows = c.query("SELECT seg FROM picaso_contexts WHERE doc = $1", &[&doc]).await?;
-                Ok(rows.iter().map(|r| r.get::<_, i64>(0) as u32).collect())
+                let rows = c.query("SELECT seg, id FROM picaso_contexts WHERE doc = $1", &[&doc]).await?;
+                Ok(rows.iter().map(|r| (r.get::<_, i64>(0) as u32, r.get::<_, i64>(1))).collect())
             })
         }))
     }

@@ -2,7 +2,7 @@
 //! in-memory exact index over the embeddings, loaded at open. One process owns a folder store;
 //! several servers share a PostgreSQL catalog instead.
 
-use std::collections::HashSet;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, RwLock};
 
@@ -161,10 +161,10 @@ impl Catalog for SqliteCatalog {
         Ok(conn.query_row("SELECT value FROM meta WHERE key = ?1", [key], |r| r.get(0))?)
     }
 
-    fn segments_of(&self, doc: &str) -> Result<HashSet<u32>> {
+    fn segments_of(&self, doc: &str) -> Result<BTreeMap<u32, i64>> {
         let conn = self.conn();
-        let mut stmt = conn.prepare_cached("SELECT seg FROM contexts WHERE doc = ?1")?;
-        let rows = stmt.query_map([doc], |r| r.get::<_, u32>(0))?;
+        let mut stmt = conn.prepare_cached("SELECT seg, id FROM contexts WHERE doc = ?1")?;
+        let rows = stmt.query_map([doc], |r| Ok((r.get::<_, u32>(0)?, r.get::<_, i64>(1)?)))?;
         Ok(rows.collect::<std::result::Result<_, _>>()?)
     }
 

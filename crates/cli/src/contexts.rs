@@ -1,0 +1,118 @@
+//! Looking after a store's contexts: `picaso contexts` lists them (all, one document's, or some
+//! ids), `picaso delete` removes contexts or whole documents.
+
+use anyhow::{bail, Result};
+use clap::Args;
+use serde_json::json;
+
+use crate::{demo::snippet, DbArgs};
+
+/// Contexts read from the catalog per round trip when listing a whole store.
+const PAGE: usize = 1000;
+
+#[derive(Args)]
+pub struct ContextsArgs {
+    #[command(flatten)]
+    db: DbArgs,
+    /// Only the contexts of this document, in segment order.
+    #[arg(long, conflicts_with = "ids")]
+    doc: Option<String>,
+    /// Only these contexts (comma-separated ids), in the order given.
+    #[arg(long, value_delimiter = ',')]
+    ids: Vec<i64>,
+    /// Print JSON lines: each context's record (id, doc, seg, text, tokens, n_tokens,
+    /// state_file, checksum, state_bytes, created), as `GET /v1/contexts/{id}` gives it.
+    #[arg(long)]
+    json: bool,
+}
+
+/// `picaso contexts`: one line per context (id, document and segment, tokens, the text's start).
+pub fn list(a: ContextsArgs) -> Result<()> {
+    let store = picaso_store::Store::open(a.db.location()?)?;
+    let show = |r: &picaso_store::ContextRecord| -> Result<()> {
+        if a.json {
+            println!("{}", serde_json::to_string(r)?);
+        } else {
+            println!("{:>7}  {} #{}  {} tokens  {}", r.id, r.doc, r.seg, r.n_tokens, snippet(&r.text, 60));
+        }
+        Ok(())
+    };
+    if let Some(doc) = &a.doc {
+        let records = store.document(doc)?;
+        if records.is_empty() {
+            bail!(
+                "store {} holds no document {doc:?}; `picaso contexts --db {}` lists what it holds",
+                store.location(),
+                a.db.db
+            );
+        }
+        records.iter().try_for_each(show)
+    } else if !a.ids.is_empty() {
+        a.ids.iter().try_for_each(|&id| show(&store.get(id)?))
+    } else {
+        let mut after = i64::MIN;
+        loop {
+            let page = store.export(after, PAGE)?;
+            let Some((last, _)) = page.last() else { return Ok(()) };
+            after = last.id;
+            page.iter().try_for_each(|(r, _)| show(r))?;
+        }
+    }
+}
+
+#[derive(Args)]
+#[command(group(clap::ArgGroup::new("what").required(true).multiple(true).args(["ids", "doc"])))]
+pub struct DeleteArgs {
+    #[command(flatten)]
+    db: DbArgs,
+    /// Contexts to remove (ids, as `picaso contexts` lists them).
+    #[arg(value_delimiter = ',')]
+    ids: Vec<i64>,
+    /// Remove every context of this document (repeatable).
+    #[arg(long)]
+    doc: Vec<String>,
+    /// Print JSON: {"deleted": [ids], "store": totals}.
+    #[arg(long)]
+    json: bool,
+}
+
+/// `picaso delete`: checks that every id and document named is there, then removes them (each
+/// context with its state object unless another context shares it).
+pub fn delete(a: DeleteArgs) -> Result<()> {
+    let store = picaso_store::Store::open(a.db.location()?)?;
+    // A folder store has one writer: a server holding it would keep serving deleted contexts.
+    let _writer = store.lock_writes()?;
+    store.require(&a.ids)?;
+    let mut ids = a.ids.clone();
+    for doc in &a.doc {
+        let segments = store.segments_of(doc)?;
+        if segments.is_empty() {
+            bail!(
+                "store {} holds no document {doc:?}; `picaso contexts --db {}` lists what it holds",
+                store.location(),
+                a.db.db
+            );
+        }
+        ids.extend(segments.into_values());
+    }
+    let mut seen = std::collections::HashSet::new();
+    ids.retain(|id| seen.insert(*id));
+    for &id in &ids {
+        match store.delete(id) {
+            Ok(()) | Err(picaso_store::Error::NotFound(_)) => {} // gone already: another writer's delete
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let stats = store.stats()?;
+    if a.json {
+        println!("{}", json!({"deleted": ids, "store": stats}));
+    } else {
+        println!(
+            "deleted {} contexts; the store holds {} contexts from {} documents",
+            ids.len(),
+            stats.contexts,
+            stats.documents
+        );
+    }
+    Ok(())
+}
