@@ -163,7 +163,12 @@ fn completion() -> impl Strategy<Value = Value> {
 
 fn add_context() -> impl Strategy<Value = Value> {
     (
-        field(vec![json!("A new paragraph about towers."), json!(""), json!("x".repeat(300))]),
+        field(vec![
+            json!("A new paragraph about towers."),
+            json!("Another paragraph, about bridges."),
+            json!(""),
+            json!("x".repeat(300)),
+        ]),
         field(vec![json!("fuzz"), json!(""), json!("eiffel.txt")]),
         field(vec![json!(0), json!(1), json!(-1), json!(u32::MAX), json!(u64::MAX)]),
         extra(),
@@ -262,12 +267,37 @@ fn context_id() -> impl Strategy<Value = String> {
     ]
 }
 
+/// A query string for `GET /v1/contexts`: plausible, wrong and hostile parameters.
+fn list_query() -> impl Strategy<Value = String> {
+    let part = prop::sample::select(vec![
+        "doc=fuzz",
+        "doc=eiffel.txt",
+        "doc=",
+        "doc=%ff",
+        "after=2",
+        "after=-9223372036854775808",
+        "after=x",
+        "limit=1",
+        "limit=1000",
+        "limit=1001",
+        "limit=0",
+        "limit=-1",
+        "limit=18446744073709551616",
+        "page=2",
+        "doc=a&doc=b",
+        "%zz",
+        "&&",
+    ]);
+    prop::collection::vec(part, 0..3).prop_map(|parts| parts.join("&"))
+}
+
 fn call() -> impl Strategy<Value = Call> {
     prop_oneof![
         6 => (content_type(), body(completion())).prop_map(|(ct, b)| Call { method: "POST", path: "/v1/completions".into(), content_type: ct, body: Some(b) }),
         2 => (content_type(), body(add_context())).prop_map(|(ct, b)| Call { method: "POST", path: "/v1/contexts".into(), content_type: ct, body: Some(b) }),
         2 => (content_type(), body(search())).prop_map(|(ct, b)| Call { method: "POST", path: "/v1/search".into(), content_type: ct, body: Some(b) }),
         2 => (content_type(), body(attribute())).prop_map(|(ct, b)| Call { method: "POST", path: "/v1/attribute".into(), content_type: ct, body: Some(b) }),
+        1 => list_query().prop_map(|q| Call { method: "GET", path: format!("/v1/contexts?{q}"), content_type: None, body: None }),
         2 => (prop::sample::select(vec!["GET", "DELETE", "POST", "PUT"]), context_id())
             .prop_map(|(method, id)| Call { method, path: format!("/v1/contexts/{id}"), content_type: None, body: None }),
         1 => prop::sample::select(vec![

@@ -194,6 +194,55 @@ fn serve_completions_contexts_search_metrics_and_bad_input(arch: &str, db: &Test
     assert_eq!(status, 404, "a deleted context is gone, from the cache too: {err}");
     assert_eq!(server.call("GET", "/health", None).1["contexts"], 4);
 
+    // A named segment sent again with other text replaces it: new id, new state, the old id gone
+    // (from the state cache too); the same text again changes nothing.
+    let fruit = |text: &str| server.post("/v1/contexts", json!({"text": text, "doc": "fruit", "segment": 0}));
+    let (status, first) = fruit("Bananas are yellow.");
+    assert_eq!(status, 201, "{first}");
+    let old = first["id"].as_i64().unwrap();
+    server.complete(json!({"prompt": "Bananas", "max_tokens": 1, "contexts": [old]})); // cached now
+    let (status, second) = fruit("Bananas are rich in potassium.");
+    let new = second["id"].as_i64().unwrap();
+    assert_eq!((status, second["replaced"].as_i64(), second["created"].as_bool()), (201, Some(old), Some(true)));
+    assert_ne!(new, old);
+    assert_eq!(server.call("GET", &format!("/v1/contexts/{old}"), None).0, 404);
+    let (status, _) = server.post("/v1/completions", json!({"prompt": "Bananas", "contexts": [old]}));
+    assert_eq!(status, 404, "the replaced context is gone from the cache too");
+    let (status, same) = fruit("Bananas are rich in potassium.");
+    assert_eq!((status, same["id"].as_i64(), same.get("replaced")), (200, Some(new), None));
+    let (status, list) = server.call("GET", "/v1/contexts?doc=fruit", None);
+    assert_eq!((status, list["data"].as_array().map(Vec::len)), (200, Some(1)), "{list}");
+    assert_eq!(list["data"][0]["text"], "Bananas are rich in potassium.");
+    // Listing pages through every context by id.
+    let mut seen = Vec::new();
+    let mut after: Option<i64> = None;
+    loop {
+        let path = match after {
+            Some(a) => format!("/v1/contexts?limit=2&after={a}"),
+            None => "/v1/contexts?limit=2".to_string(),
+        };
+        let (status, page) = server.call("GET", &path, None);
+        assert_eq!(status, 200, "{page}");
+        seen.extend(page["data"].as_array().unwrap().iter().map(|r| r["id"].as_i64().unwrap()));
+        match page["next_after"].as_i64() {
+            Some(a) => after = Some(a),
+            None => break,
+        }
+    }
+    assert_eq!(seen, [1, 2, 3, 4, new], "every context once, by id");
+    for (path, status, needle) in [
+        ("/v1/contexts?doc=nope", 404, "no document \"nope\""),
+        ("/v1/contexts?limit=0", 400, "give 1 to 1000"),
+        ("/v1/contexts?limit=two", 400, "limit"),
+        ("/v1/contexts?page=2", 400, "unknown field `page`"),
+        ("/v1/contexts?doc=fruit&limit=5", 400, "whole document"),
+    ] {
+        let (got, v) = server.call("GET", path, None);
+        assert_eq!(got, status, "{path}: {v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains(needle), "{path}: {v}");
+    }
+    assert_eq!(server.call("DELETE", &format!("/v1/contexts/{new}"), None).0, 200);
+
     // Bad input: a JSON error with the right 4xx status, and the server keeps serving.
     let cases: Vec<(&str, String, u16, &str)> = vec![
         ("/v1/completions", "{not json".into(), 400, "malformed JSON"),

@@ -7,7 +7,8 @@
 //! | route | what |
 //! |---|---|
 //! | `POST /v1/completions` | OpenAI completions + `contexts` (ids) or `retrieve` (k), `composition` (method); `stream` as server-sent events |
-//! | `POST /v1/contexts` | add a text as a context → its id |
+//! | `POST /v1/contexts` | add a text as a context → its id (other text for a stored document segment replaces it) |
+//! | `GET /v1/contexts` | list contexts: one document's (`?doc=`), or a page of all (`?after=&limit=`) |
 //! | `GET /v1/contexts/{id}`, `DELETE /v1/contexts/{id}` | read or remove a context |
 //! | `POST /v1/search` | retrieval only |
 //! | `GET /v1/models`, `GET /v1/models/{id}` | the served model, as OpenAI clients list it |

@@ -226,7 +226,7 @@ async fn metrics(State(app): Shared) -> Response {
 
 async fn no_route(method: Method, uri: Uri) -> ApiError {
     ApiError::not_found(format!(
-        "no route {method} {uri}; the API has POST /v1/completions, POST /v1/contexts, GET|DELETE /v1/contexts/{{id}}, POST /v1/search, POST /v1/attribute, GET /v1/models, GET /health, GET /metrics"
+        "no route {method} {uri}; the API has POST /v1/completions, GET|POST /v1/contexts, GET|DELETE /v1/contexts/{{id}}, POST /v1/search, POST /v1/attribute, GET /v1/models, GET /health, GET /metrics"
     ))
 }
 
@@ -234,7 +234,7 @@ async fn wrong_method(method: Method, uri: Uri) -> ApiError {
     ApiError::new(
         StatusCode::METHOD_NOT_ALLOWED,
         format!(
-            "{method} is not allowed on {}; the API has POST /v1/completions, POST /v1/contexts, GET|DELETE /v1/contexts/{{id}}, POST /v1/search, POST /v1/attribute, GET /v1/models, GET /health, GET /metrics",
+            "{method} is not allowed on {}; the API has POST /v1/completions, GET|POST /v1/contexts, GET|DELETE /v1/contexts/{{id}}, POST /v1/search, POST /v1/attribute, GET /v1/models, GET /health, GET /metrics",
             uri.path()
         ),
     )
