@@ -872,6 +872,11 @@ impl Store {
         Ok(d)
     }
 
+    /// The ids of every context, ascending (read one with `get`).
+    fn ids(&self) -> PyResult<Vec<i64>> {
+        self.inner.ids().map_err(store_err)
+    }
+
     fn __len__(&self) -> PyResult<usize> {
         self.inner.len().map_err(store_err)
     }

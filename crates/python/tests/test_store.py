@@ -84,6 +84,7 @@ def test_documents_are_kept_up_to_date(model, embedder, tmp_path):
         assert store.delete_document("notes") == 1 and store.document("notes") == []
         assert store.delete_document("notes") == 0
         assert all(h["doc"] != "notes" for h in store.search("cats", k=4)) and len(store) == 2
+        assert store.ids() == [1, 2] and [store.get(i)["text"] for i in store.ids()] == ["One text.", "Another text."]
 
 
 def test_store_errors(model, tiny, embedder, tmp_path):

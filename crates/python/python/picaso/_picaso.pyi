@@ -126,6 +126,8 @@ class Store:
     def get(self, id: int) -> dict[str, Any]: ...
     def document(self, doc: str) -> list[dict[str, Any]]:
         """The contexts of document `doc`, in segment order (empty if the store holds none)."""
+    def ids(self) -> list[int]:
+        """The ids of every context, ascending."""
     def delete(self, id: int) -> None: ...
     def delete_document(self, doc: str) -> int:
         """Removes every context of document `doc`; returns how many."""
