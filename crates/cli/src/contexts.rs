@@ -1,7 +1,7 @@
 //! Looking after a store's contexts: `picaso contexts` lists them (all, one document's, or some
 //! ids), `picaso delete` removes contexts or whole documents.
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use clap::Args;
 use serde_json::json;
 
@@ -26,6 +26,15 @@ pub struct ContextsArgs {
     json: bool,
 }
 
+/// The error for a document name the store does not hold, with the command that lists them.
+fn no_document(store: &picaso_store::Store, db: &DbArgs, doc: &str) -> anyhow::Error {
+    anyhow::anyhow!(
+        "store {} holds no document {doc:?}; `picaso contexts --db {}` lists what it holds",
+        store.location(),
+        db.db
+    )
+}
+
 /// `picaso contexts`: one line per context (id, document and segment, tokens, the text's start).
 pub fn list(a: ContextsArgs) -> Result<()> {
     let store = picaso_store::Store::open(a.db.location()?)?;
@@ -40,11 +49,7 @@ pub fn list(a: ContextsArgs) -> Result<()> {
     if let Some(doc) = &a.doc {
         let records = store.document(doc)?;
         if records.is_empty() {
-            bail!(
-                "store {} holds no document {doc:?}; `picaso contexts --db {}` lists what it holds",
-                store.location(),
-                a.db.db
-            );
+            return Err(no_document(&store, &a.db, doc));
         }
         records.iter().try_for_each(show)
     } else if !a.ids.is_empty() {
@@ -87,11 +92,7 @@ pub fn delete(a: DeleteArgs) -> Result<()> {
     for doc in &a.doc {
         let segments = store.segments_of(doc)?;
         if segments.is_empty() {
-            bail!(
-                "store {} holds no document {doc:?}; `picaso contexts --db {}` lists what it holds",
-                store.location(),
-                a.db.db
-            );
+            return Err(no_document(&store, &a.db, doc));
         }
         ids.extend(segments.into_values());
     }
