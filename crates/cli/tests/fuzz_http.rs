@@ -176,6 +176,21 @@ fn add_context() -> impl Strategy<Value = Value> {
         .prop_map(|(text, doc, segment, extra)| object(vec![("text", text), ("doc", doc), ("segment", segment)], extra))
 }
 
+fn add_document() -> impl Strategy<Value = Value> {
+    (
+        field(vec![json!("fuzz-doc"), json!("a/b"), json!(""), json!("eiffel.txt")]),
+        field(vec![
+            json!("Towers.\n\nBridges."),
+            json!("Towers, rewritten."),
+            json!("\n\n"),
+            json!("x".repeat(300)),
+            json!("a\r\n\r\nb"),
+        ]),
+        extra(),
+    )
+        .prop_map(|(id, text, extra)| object(vec![("id", id), ("text", text)], extra))
+}
+
 fn search() -> impl Strategy<Value = Value> {
     (field(vec![json!("towers"), json!("")]), field(vec![json!(0), json!(1), json!(5), json!(1_000_000)]), extra())
         .prop_map(|(query, k, extra)| object(vec![("query", query), ("k", k)], extra))
@@ -271,9 +286,6 @@ fn context_id() -> impl Strategy<Value = String> {
 fn list_query() -> impl Strategy<Value = String> {
     let part = prop::sample::select(vec![
         "doc=fuzz",
-        "doc=eiffel.txt",
-        "doc=",
-        "doc=%ff",
         "after=2",
         "after=-9223372036854775808",
         "after=x",
@@ -297,6 +309,9 @@ fn call() -> impl Strategy<Value = Call> {
         2 => (content_type(), body(add_context())).prop_map(|(ct, b)| Call { method: "POST", path: "/v1/contexts".into(), content_type: ct, body: Some(b) }),
         2 => (content_type(), body(search())).prop_map(|(ct, b)| Call { method: "POST", path: "/v1/search".into(), content_type: ct, body: Some(b) }),
         2 => (content_type(), body(attribute())).prop_map(|(ct, b)| Call { method: "POST", path: "/v1/attribute".into(), content_type: ct, body: Some(b) }),
+        1 => (content_type(), body(add_document())).prop_map(|(ct, b)| Call { method: "POST", path: "/v1/documents".into(), content_type: ct, body: Some(b) }),
+        1 => (prop::sample::select(vec!["GET", "DELETE", "PUT"]), prop::sample::select(vec!["fuzz-doc", "a/b", "a%2Fb", "eiffel.txt", "%ff", "", "x/../y"]))
+            .prop_map(|(method, id)| Call { method, path: format!("/v1/documents/{id}"), content_type: None, body: None }),
         1 => list_query().prop_map(|q| Call { method: "GET", path: format!("/v1/contexts?{q}"), content_type: None, body: None }),
         2 => (prop::sample::select(vec!["GET", "DELETE", "POST", "PUT"]), context_id())
             .prop_map(|(method, id)| Call { method, path: format!("/v1/contexts/{id}"), content_type: None, body: None }),

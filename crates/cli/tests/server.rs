@@ -210,9 +210,9 @@ fn serve_completions_contexts_search_metrics_and_bad_input(arch: &str, db: &Test
     assert_eq!(status, 404, "the replaced context is gone from the cache too");
     let (status, same) = fruit("Bananas are rich in potassium.");
     assert_eq!((status, same["id"].as_i64(), same.get("replaced")), (200, Some(new), None));
-    let (status, list) = server.call("GET", "/v1/contexts?doc=fruit", None);
-    assert_eq!((status, list["data"].as_array().map(Vec::len)), (200, Some(1)), "{list}");
-    assert_eq!(list["data"][0]["text"], "Bananas are rich in potassium.");
+    let (status, doc) = server.call("GET", "/v1/documents/fruit", None);
+    assert_eq!((status, doc["contexts"].as_array().map(Vec::len)), (200, Some(1)), "{doc}");
+    assert_eq!(doc["contexts"][0]["text"], "Bananas are rich in potassium.");
     // Listing pages through every context by id.
     let mut seen = Vec::new();
     let mut after: Option<i64> = None;
@@ -231,17 +231,50 @@ fn serve_completions_contexts_search_metrics_and_bad_input(arch: &str, db: &Test
     }
     assert_eq!(seen, [1, 2, 3, 4, new], "every context once, by id");
     for (path, status, needle) in [
-        ("/v1/contexts?doc=nope", 404, "no document \"nope\""),
         ("/v1/contexts?limit=0", 400, "give 1 to 1000"),
         ("/v1/contexts?limit=two", 400, "limit"),
-        ("/v1/contexts?page=2", 400, "unknown field `page`"),
-        ("/v1/contexts?doc=fruit&limit=5", 400, "whole document"),
+        ("/v1/contexts?doc=fruit", 400, "unknown field `doc`"),
+        ("/v1/documents/nope", 404, "no document \"nope\""),
     ] {
         let (got, v) = server.call("GET", path, None);
         assert_eq!(got, status, "{path}: {v}");
         assert!(v["error"]["message"].as_str().unwrap().contains(needle), "{path}: {v}");
     }
     assert_eq!(server.call("DELETE", &format!("/v1/contexts/{new}"), None).0, 200);
+
+    // Documents: cut into paragraphs as the store's documents are, updated in place when sent
+    // again (changed paragraphs replaced, lost ones removed, the rest kept), then deleted.
+    let birds = |text: &str| server.post("/v1/documents", json!({"id": "notes/birds", "text": text}));
+    let (status, first) = birds("Birds fly.\n\nBirds sing at dawn.\n\nSome birds swim.");
+    assert_eq!((status, first["added"].as_u64(), first["segmentation"].as_str()), (201, Some(3), Some("paragraph")));
+    let ids: Vec<i64> = first["contexts"].as_array().unwrap().iter().map(|c| c["id"].as_i64().unwrap()).collect();
+    server.complete(json!({"prompt": "Birds", "max_tokens": 1, "contexts": ids.clone()})); // cached now
+    let (status, same) = birds("Birds fly.\n\nBirds sing at dawn.\n\nSome birds swim.");
+    assert_eq!((status, same["skipped"].as_u64(), &same["contexts"]), (200, Some(3), &first["contexts"]));
+    let (status, edited) = birds("Birds fly.\n\nBirds sing at night.");
+    let counts = ["added", "replaced", "removed", "skipped"].map(|k| edited[k].as_u64().unwrap());
+    assert_eq!((status, counts), (201, [0, 1, 1, 1]), "{edited}");
+    let now: Vec<i64> = edited["contexts"].as_array().unwrap().iter().map(|c| c["id"].as_i64().unwrap()).collect();
+    assert_eq!(now[0], ids[0], "an unchanged paragraph keeps its context");
+    assert!(!ids.contains(&now[1]));
+    for gone in &ids[1..] {
+        let (status, _) = server.post("/v1/completions", json!({"prompt": "Birds", "contexts": [gone]}));
+        assert_eq!(status, 404, "context {gone} of the old text is gone, from the cache too");
+    }
+    let (status, doc) = server.call("GET", "/v1/documents/notes%2Fbirds", None);
+    assert_eq!((status, doc["contexts"][1]["text"].as_str()), (200, Some("Birds sing at night.")), "{doc}");
+    let (_, found) = server.post("/v1/search", json!({"query": "When do birds sing?", "k": 1}));
+    assert_eq!(found["results"][0]["id"].as_i64(), Some(now[1]), "{found}");
+    let (status, deleted) = server.call("DELETE", "/v1/documents/notes/birds", None);
+    assert_eq!((status, deleted["deleted"].as_u64()), (200, Some(2)));
+    assert_eq!(server.call("DELETE", "/v1/documents/notes/birds", None).0, 404);
+    assert_eq!(server.call("GET", &format!("/v1/contexts/{}", now[0]), None).0, 404);
+    let (status, v) =
+        server.post("/v1/documents", json!({"id": "long", "text": format!("ok\n\n{}", "word ".repeat(60))}));
+    assert_eq!(status, 413, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("segment 1"), "{v}");
+    assert_eq!(server.call("GET", "/v1/documents/long", None).0, 404, "a refused document stores nothing");
+    assert_eq!(server.call("GET", "/health", None).1["contexts"], 4);
 
     // Bad input: a JSON error with the right 4xx status, and the server keeps serving.
     let cases: Vec<(&str, String, u16, &str)> = vec![
@@ -258,6 +291,9 @@ fn serve_completions_contexts_search_metrics_and_bad_input(arch: &str, db: &Test
         ("/v1/completions", json!({"prompt": [99_999_999]}).to_string(), 400, "token"),
         ("/v1/contexts", json!({"text": "  "}).to_string(), 400, "empty"),
         ("/v1/contexts", json!({"text": "long ".repeat(60)}).to_string(), 413, "at most 40"),
+        ("/v1/documents", json!({"id": "d", "text": "\n\n  \n"}).to_string(), 400, "empty"),
+        ("/v1/documents", json!({"id": "", "text": "x"}).to_string(), 400, "`id` is empty"),
+        ("/v1/documents", json!({"text": "x"}).to_string(), 400, "missing field `id`"),
         ("/v1/search", json!({"k": 2}).to_string(), 400, "missing field `query`"),
         ("/v1/attribute", json!({"prompt": "x", "answer": "y"}).to_string(), 400, "no contexts"),
         ("/v1/attribute", json!({"prompt": "x", "answer": "", "contexts": [1]}).to_string(), 400, "answer is empty"),

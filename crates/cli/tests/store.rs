@@ -221,6 +221,18 @@ fn changed_documents_are_replaced_and_contexts_listed_and_deleted() {
         let listed = |more: &[&str]| -> Vec<serde_json::Value> {
             lines(more).iter().map(|l| serde_json::from_str(l).unwrap()).collect()
         };
+        if db.states.is_none() {
+            // A folder store's writes are claimed per `Store`: its holders share the claim (a
+            // server ingests through the store it holds), another `Store` is refused.
+            let one = picaso_store::Store::open(db.location()).unwrap();
+            let held = one.lock_writes().unwrap();
+            assert!(one.lock_writes().is_ok(), "the same store shares its claim");
+            let other = picaso_store::Store::open(db.location()).unwrap();
+            let e = other.lock_writes().unwrap_err().to_string();
+            assert!(e.contains("being written by another process"), "{e}");
+            drop(held);
+            assert!(other.lock_writes().is_ok(), "released with its last holder");
+        }
         let all = listed(&["--json"]);
         let ids: Vec<i64> = all.iter().map(|r| r["id"].as_i64().unwrap()).collect();
         assert_eq!(ids, [1, 2, 3, 4], "every context, by id");

@@ -941,8 +941,8 @@ fn documents_of(list: &Bound<'_, PyList>) -> PyResult<Vec<picaso_store::Document
                 "document {i}: expected a str or a dict with \"id\" and \"text\""
             )));
         };
-        let paragraphs: Vec<String> =
-            text.split("\n\n").map(|p| p.trim().to_string()).filter(|p| !p.is_empty()).collect();
+        // Cut as `picaso ingest --text-dir` and `POST /v1/documents` cut a file.
+        let paragraphs = picaso_store::sources::paragraphs(&text);
         if paragraphs.is_empty() {
             return Err(raise(Kind::Invalid, format!("document {i} ({id:?}) has no text")));
         }

@@ -199,12 +199,10 @@ pub struct AddedContext {
     pub replaced: Option<i64>,
 }
 
-/// `GET /v1/contexts` query: one document's contexts, or a page of all of them by id.
+/// `GET /v1/contexts` query: a page of contexts by ascending id.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ListContexts {
-    /// Only this document's contexts, in segment order (not paged).
-    pub doc: Option<String>,
     /// Contexts with ids above this one (the previous page's `next_after`).
     pub after: Option<i64>,
     /// Contexts per page (default 100, at most 1000).
@@ -220,6 +218,57 @@ pub struct ContextList {
     pub data: Vec<picaso_store::ContextRecord>,
     /// Pass as `after` for the next page; `null` on the last one.
     pub next_after: Option<i64>,
+}
+
+/// `POST /v1/documents`: a document, cut into contexts as the store's documents are.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AddDocument {
+    /// The document's id: sending the same id again with other text updates it.
+    pub id: String,
+    /// Its text (paragraphs separated by blank lines).
+    pub text: String,
+}
+
+/// One context of a document, in answers about documents.
+#[derive(Debug, Clone, Serialize)]
+pub struct DocumentContext {
+    /// The context id.
+    pub id: i64,
+    /// Its segment.
+    pub segment: u32,
+    /// Its tokens.
+    pub n_tokens: usize,
+}
+
+/// Answer to `POST /v1/documents`: what the request changed and the document's contexts now.
+#[derive(Debug, Clone, Serialize)]
+pub struct AddedDocument {
+    /// The document's id.
+    pub id: String,
+    /// How the store cuts documents (`paragraph`, `tokens:N`, `halves:N`).
+    pub segmentation: String,
+    /// Contexts added for segments the store lacked.
+    pub added: usize,
+    /// Contexts that replaced a segment whose text changed (the old ids are gone).
+    pub replaced: usize,
+    /// Segments the document no longer has, removed.
+    pub removed: usize,
+    /// Segments stored already with the same text.
+    pub skipped: usize,
+    /// Tokens processed.
+    pub tokens: usize,
+    /// The document's contexts, in segment order.
+    pub contexts: Vec<DocumentContext>,
+}
+
+/// Answer to `GET /v1/documents/{id}`.
+#[derive(Debug, Clone, Serialize)]
+pub struct DocumentRecords {
+    /// The document's id.
+    pub id: String,
+    /// Its contexts' records in segment order, as `GET /v1/contexts/{id}` gives them.
+    pub contexts: Vec<picaso_store::ContextRecord>,
 }
 
 /// `POST /v1/search`.

@@ -94,6 +94,9 @@ pub struct App {
     boot: u64,
     /// The server adds and deletes contexts: it is the folder store's one writer.
     _writer: picaso_store::WriteLock,
+    /// Held while a document or a named segment is written, so two requests for one document
+    /// do not interleave their replacements.
+    documents: std::sync::Mutex<()>,
 }
 
 /// A completion ready to generate: the prompt and the state it continues from.
@@ -172,6 +175,7 @@ impl App {
             next_id: AtomicU64::new(0),
             boot: unix_now(),
             _writer: writer,
+            documents: std::sync::Mutex::new(()),
         })
     }
 
@@ -459,6 +463,7 @@ impl App {
         let item = NewContext { doc: doc.clone(), seg: req.segment, text: req.text, tokens, embedding, state };
         // Other text for a stored (doc, segment) replaces it: the old context goes just before
         // the new one is recorded, so its state is never served for text that is gone.
+        let _one_writer = self.documents.lock().unwrap_or_else(|p| p.into_inner());
         let mut replaced = None;
         if let Some(old) = stored {
             match self.store.delete(old) {
@@ -489,20 +494,10 @@ impl App {
         Ok(AddedContext { id, doc, segment: req.segment, n_tokens, created: true, replaced })
     }
 
-    /// One document's contexts, or a page of all of them by ascending id. Blocking.
+    /// A page of contexts by ascending id. Blocking.
     pub(crate) fn list_contexts(&self, q: ListContexts) -> Result<ContextList, ApiError> {
         const DEFAULT: usize = 100;
         const MAX: usize = 1000;
-        if let Some(doc) = q.doc {
-            if q.after.is_some() || q.limit.is_some() {
-                return Err(ApiError::bad_request("`doc` lists a whole document: leave out `after` and `limit`"));
-            }
-            let data = self.store.document(&doc)?;
-            if data.is_empty() {
-                return Err(ApiError::not_found(format!("no document {doc:?} in this store")));
-            }
-            return Ok(ContextList { object: "list", data, next_after: None });
-        }
         let limit = q.limit.unwrap_or(DEFAULT);
         if !(1..=MAX).contains(&limit) {
             return Err(ApiError::bad_request(format!("`limit` is {limit}; give 1 to {MAX}")));
@@ -510,6 +505,93 @@ impl App {
         let data: Vec<_> = self.store.export(q.after.unwrap_or(i64::MIN), limit)?.into_iter().map(|(r, _)| r).collect();
         let next_after = (data.len() == limit).then(|| data[limit - 1].id);
         Ok(ContextList { object: "list", data, next_after })
+    }
+
+    /// Adds or updates a document: cut as the store's documents are, new and changed segments
+    /// processed (batched), segments it lost removed. Blocking. Returns whether anything changed.
+    pub(crate) fn add_document(&self, req: AddDocument) -> Result<(bool, AddedDocument), ApiError> {
+        if req.id.is_empty() {
+            return Err(ApiError::bad_request("`id` is empty; name the document (sending it again updates it)"));
+        }
+        let paragraphs = picaso_store::sources::paragraphs(&req.text);
+        if paragraphs.is_empty() {
+            return Err(ApiError::bad_request("`text` is empty"));
+        }
+        let segmentation = match self.store.segmentation()? {
+            Some(s) => s.parse().map_err(|e: String| ApiError::internal(format!("the store's segmentation: {e}")))?,
+            None => picaso_store::Segmentation::Paragraph,
+        };
+        let doc = picaso_store::Document { id: req.id, paragraphs };
+        for (seg, _, tokens) in picaso_store::ingest::segments(&self.model, &doc, segmentation)? {
+            if tokens.len() > self.limits.max_prompt_tokens {
+                return Err(ApiError::too_large(format!(
+                    "segment {seg} of the document has {} tokens; this server accepts contexts of at most {} (split the text into shorter paragraphs)",
+                    tokens.len(),
+                    self.limits.max_prompt_tokens
+                )));
+            }
+        }
+        let _one_writer = self.documents.lock().unwrap_or_else(|p| p.into_inner());
+        let before: Vec<i64> = self.store.segments_of(&doc.id)?.into_values().collect();
+        let report = picaso_store::ingest(
+            &self.store,
+            &self.model,
+            &self.embedder,
+            std::slice::from_ref(&doc),
+            segmentation,
+            16,
+            |_| {},
+        )?;
+        let contexts = self.store.document(&doc.id)?;
+        for id in before.iter().filter(|id| !contexts.iter().any(|c| c.id == **id)) {
+            self.cache.remove(*id);
+        }
+        if let Ok(n) = self.store.len() {
+            self.metrics.contexts.set(n as i64);
+        }
+        let changed = report.done + report.removed > 0;
+        Ok((
+            changed,
+            AddedDocument {
+                id: doc.id,
+                segmentation: segmentation.to_string(),
+                added: report.added(),
+                replaced: report.replaced,
+                removed: report.removed,
+                skipped: report.skipped,
+                tokens: report.tokens,
+                contexts: contexts
+                    .iter()
+                    .map(|c| DocumentContext { id: c.id, segment: c.seg, n_tokens: c.n_tokens })
+                    .collect(),
+            },
+        ))
+    }
+
+    /// A document's contexts. Blocking.
+    pub(crate) fn get_document(&self, id: String) -> Result<DocumentRecords, ApiError> {
+        let contexts = self.store.document(&id)?;
+        if contexts.is_empty() {
+            return Err(ApiError::not_found(format!("no document {id:?} in this store")));
+        }
+        Ok(DocumentRecords { id, contexts })
+    }
+
+    /// Removes a document's contexts; returns how many. Blocking.
+    pub(crate) fn delete_document(&self, id: &str) -> Result<usize, ApiError> {
+        let _one_writer = self.documents.lock().unwrap_or_else(|p| p.into_inner());
+        let ids: Vec<i64> = self.store.segments_of(id)?.into_values().collect();
+        let removed = self.store.delete_document(id)?;
+        if removed == 0 {
+            return Err(ApiError::not_found(format!("no document {id:?} in this store")));
+        }
+        for id in ids {
+            self.cache.remove(id);
+        }
+        if let Ok(n) = self.store.len() {
+            self.metrics.contexts.set(n as i64);
+        }
+        Ok(removed)
     }
 
     /// Removes a context. Blocking.

@@ -30,6 +30,8 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/contexts", post(add_context).get(list_contexts))
         .route("/v1/contexts/{id}", get(get_context).delete(delete_context))
+        .route("/v1/documents", post(add_document))
+        .route("/v1/documents/{*id}", get(get_document).delete(delete_document))
         .route("/v1/search", post(search))
         .route("/v1/attribute", post(attribute))
         .route("/v1/models", get(list_models))
@@ -152,6 +154,36 @@ async fn list_contexts(
     Ok(Json(listed).into_response())
 }
 
+async fn add_document(State(app): Shared, ApiJson(req): ApiJson<AddDocument>) -> Result<Response, ApiError> {
+    let permit = app.gate.clone().acquire_owned().await.map_err(|_| ApiError::internal("server shutting down"))?;
+    let (changed, added) = blocking(move || {
+        let _permit = permit;
+        app.add_document(req)
+    })
+    .await?;
+    let status = if changed { StatusCode::CREATED } else { StatusCode::OK };
+    Ok((status, Json(added)).into_response())
+}
+
+/// A document id from the path (slashes included: ids such as `api/…` are paths themselves).
+fn parse_doc(id: IdPath) -> Result<String, ApiError> {
+    let Path(id) = id.map_err(|e| ApiError::bad_request(format!("the document id in the path is not valid: {e}")))?;
+    Ok(id)
+}
+
+async fn get_document(State(app): Shared, id: IdPath) -> Result<Response, ApiError> {
+    let id = parse_doc(id)?;
+    let doc = blocking(move || app.get_document(id)).await?;
+    Ok(Json(doc).into_response())
+}
+
+async fn delete_document(State(app): Shared, id: IdPath) -> Result<Response, ApiError> {
+    let id = parse_doc(id)?;
+    let shown = id.clone();
+    let removed = blocking(move || app.delete_document(&id)).await?;
+    Ok(Json(json!({"id": shown, "deleted": removed})).into_response())
+}
+
 type IdPath = Result<Path<String>, axum::extract::rejection::PathRejection>;
 
 fn parse_id(id: IdPath) -> Result<i64, ApiError> {
@@ -226,7 +258,7 @@ async fn metrics(State(app): Shared) -> Response {
 
 async fn no_route(method: Method, uri: Uri) -> ApiError {
     ApiError::not_found(format!(
-        "no route {method} {uri}; the API has POST /v1/completions, GET|POST /v1/contexts, GET|DELETE /v1/contexts/{{id}}, POST /v1/search, POST /v1/attribute, GET /v1/models, GET /health, GET /metrics"
+        "no route {method} {uri}; the API has POST /v1/completions, GET|POST /v1/contexts, GET|DELETE /v1/contexts/{{id}}, POST /v1/documents, GET|DELETE /v1/documents/{{id}}, POST /v1/search, POST /v1/attribute, GET /v1/models, GET /health, GET /metrics"
     ))
 }
 
@@ -234,7 +266,7 @@ async fn wrong_method(method: Method, uri: Uri) -> ApiError {
     ApiError::new(
         StatusCode::METHOD_NOT_ALLOWED,
         format!(
-            "{method} is not allowed on {}; the API has POST /v1/completions, GET|POST /v1/contexts, GET|DELETE /v1/contexts/{{id}}, POST /v1/search, POST /v1/attribute, GET /v1/models, GET /health, GET /metrics",
+            "{method} is not allowed on {}; the API has POST /v1/completions, GET|POST /v1/contexts, GET|DELETE /v1/contexts/{{id}}, POST /v1/documents, GET|DELETE /v1/documents/{{id}}, POST /v1/search, POST /v1/attribute, GET /v1/models, GET /health, GET /metrics",
             uri.path()
         ),
     )

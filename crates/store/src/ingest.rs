@@ -75,8 +75,8 @@ struct Plan {
     stale: Vec<i64>,
 }
 
-/// A document's segments: (index, text, tokens), empty ones included.
-fn segments(model: &Model, doc: &Document, segmentation: Segmentation) -> Result<Vec<(u32, String, Vec<u32>)>> {
+/// A document's segments as ingest cuts them: (segment index, text, tokens), empty ones included.
+pub fn segments(model: &Model, doc: &Document, segmentation: Segmentation) -> Result<Vec<(u32, String, Vec<u32>)>> {
     let tokenizer = model.tokenizer()?;
     Ok(match segmentation {
         Segmentation::Paragraph => doc

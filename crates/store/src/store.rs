@@ -38,15 +38,15 @@ pub struct StoreInfo {
     pub state_dtype: StateDtype,
 }
 
-/// A process's claim on a folder store's writes (an advisory `flock` on `DIR/writer.lock`,
-/// released when dropped or when the process ends, however it ends).
-#[derive(Debug)]
+/// A claim on a folder store's writes (an advisory `flock` on `DIR/writer.lock`, released
+/// when the last holder drops it or when the process ends, however it ends).
+#[derive(Debug, Clone)]
 pub struct WriteLock {
-    _file: Option<std::fs::File>,
+    _file: Option<std::sync::Arc<std::fs::File>>,
 }
 
 impl WriteLock {
-    fn take(dir: &std::path::Path) -> Result<Self> {
+    fn take(dir: &std::path::Path) -> Result<std::fs::File> {
         use std::io::{Read, Seek, Write};
         use std::os::fd::AsRawFd;
         let path = dir.join("writer.lock");
@@ -68,7 +68,7 @@ impl WriteLock {
             )));
         }
         let _ = file.set_len(0).and_then(|()| file.rewind()).and_then(|()| write!(file, "{}", std::process::id()));
-        Ok(Self { _file: Some(file) })
+        Ok(file)
     }
 }
 
@@ -149,6 +149,8 @@ pub struct Store {
     catalog: Box<dyn Catalog>,
     states_url: StatesUrl,
     states: Box<dyn StateObjects>,
+    /// The write lock while anyone holds it through this store (see [`Store::lock_writes`]).
+    writer: std::sync::Mutex<std::sync::Weak<std::fs::File>>,
 }
 
 impl std::fmt::Debug for Store {
@@ -308,7 +310,7 @@ impl Store {
             }
         }
         let states = crate::states::open(&recorded)?;
-        Ok(Self { location, info, catalog, states_url: recorded, states })
+        Ok(Self { location, info, catalog, states_url: recorded, states, writer: Default::default() })
     }
 
     /// Where the store is (displays without credentials).
@@ -524,13 +526,20 @@ impl Store {
         Ok(())
     }
 
-    /// Claims a folder store's writes for this process until the lock is dropped: a second
+    /// Claims a folder store's writes for this `Store` until the lock is dropped: a second
     /// writer (an `ingest` while a server holds the store, two servers) fails at once instead
-    /// of leaving a server's in-memory index stale. PostgreSQL stores take several writers and
-    /// need no claim.
+    /// of leaving a server's in-memory index stale. Holders of the same `Store` share the claim
+    /// (a server that holds it can still ingest through it: its own index follows its writes).
+    /// PostgreSQL stores take several writers and need no claim.
     pub fn lock_writes(&self) -> Result<WriteLock> {
         let CatalogUrl::Sqlite(dir) = &self.location.catalog else { return Ok(WriteLock { _file: None }) };
-        WriteLock::take(dir)
+        let mut held = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(file) = held.upgrade() {
+            return Ok(WriteLock { _file: Some(file) });
+        }
+        let file = std::sync::Arc::new(WriteLock::take(dir)?);
+        *held = std::sync::Arc::downgrade(&file);
+        Ok(WriteLock { _file: Some(file) })
     }
 
     /// Fails with [`Error::NotFound`] for the first of `ids` not stored (e.g. deleted through
