@@ -1,5 +1,6 @@
-//! Looking after a store's contexts: `picaso contexts` lists them (all, one document's, or some
-//! ids), `picaso delete` removes contexts or whole documents.
+//! Looking after a store's contents: `picaso documents` lists its documents, `picaso contexts`
+//! its contexts (all, one document's, or some ids), `picaso delete` removes contexts or whole
+//! documents.
 
 use anyhow::Result;
 use clap::Args;
@@ -9,6 +10,28 @@ use crate::{demo::snippet, DbArgs};
 
 /// Contexts read from the catalog per round trip when listing a whole store.
 const PAGE: usize = 1000;
+
+#[derive(Args)]
+pub struct DocumentsArgs {
+    #[command(flatten)]
+    db: DbArgs,
+    /// Print JSON lines: {"id", "contexts", "tokens"} per document.
+    #[arg(long)]
+    json: bool,
+}
+
+/// `picaso documents`: one line per document, in name order.
+pub fn documents(a: DocumentsArgs) -> Result<()> {
+    let store = picaso_store::Store::open(a.db.location()?)?;
+    for d in store.all_documents()? {
+        if a.json {
+            println!("{}", serde_json::to_string(&d)?);
+        } else {
+            println!("{:>6} contexts {:>8} tokens  {}", d.contexts, d.tokens, d.id);
+        }
+    }
+    Ok(())
+}
 
 #[derive(Args)]
 pub struct ContextsArgs {
@@ -29,7 +52,7 @@ pub struct ContextsArgs {
 /// The error for a document name the store does not hold, with the command that lists them.
 fn no_document(store: &picaso_store::Store, db: &DbArgs, doc: &str) -> anyhow::Error {
     anyhow::anyhow!(
-        "store {} holds no document {doc:?}; `picaso contexts --db {}` lists what it holds",
+        "store {} holds no document {doc:?}; `picaso documents --db {}` lists them",
         store.location(),
         db.db
     )

@@ -59,6 +59,8 @@ enum Command {
     Ingest(IngestArgs),
     /// Totals of a store.
     Stats(StatsArgs),
+    /// List a store's documents (name, contexts, tokens).
+    Documents(contexts::DocumentsArgs),
     /// List a store's contexts: all, one document's, or some ids.
     Contexts(contexts::ContextsArgs),
     /// Remove contexts, or whole documents, from a store.
@@ -134,6 +136,10 @@ struct IngestArgs {
     /// Precision of the state files: f32 or bf16 (default: the store's, f32 for a new store).
     #[arg(long)]
     state_dtype: Option<StateDtype>,
+    /// Also remove the store's documents the source no longer has (a file deleted from
+    /// --text-dir, an id gone from --jsonl), so the store mirrors the source.
+    #[arg(long)]
+    prune: bool,
     /// Print a JSON summary instead of a progress bar.
     #[arg(long)]
     json: bool,
@@ -482,6 +488,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::BenchContext(a) => bench_context(a),
         Command::Ingest(a) => ingest(a),
         Command::Stats(a) => stats(a),
+        Command::Documents(a) => contexts::documents(a),
         Command::Contexts(a) => contexts::list(a),
         Command::Delete(a) => contexts::delete(a),
         Command::Query(a) => query(a),
@@ -974,6 +981,8 @@ fn ingest(a: IngestArgs) -> Result<()> {
     if let Some(bar) = bar {
         bar.finish();
     }
+    // After the ingest: a run that fails part way removes nothing.
+    let pruned = if a.prune { picaso_store::prune(&store, &docs)? } else { (0, 0) };
     let stats = store.stats()?;
     if a.json {
         println!(
@@ -983,14 +992,20 @@ fn ingest(a: IngestArgs) -> Result<()> {
                 "replaced": report.replaced,
                 "removed": report.removed,
                 "skipped": report.skipped,
+                "pruned_documents": pruned.0,
+                "pruned_contexts": pruned.1,
                 "tokens": report.tokens,
                 "seconds": report.seconds,
                 "store": stats
             })
         );
     } else {
+        let pruned = match pruned {
+            (0, _) => String::new(),
+            (d, c) => format!(", pruned {d} documents ({c} contexts) the source no longer has"),
+        };
         println!(
-            "{}; the store holds {} contexts from {} documents",
+            "{}{pruned}; the store holds {} contexts from {} documents",
             report.summary(),
             stats.contexts,
             stats.documents

@@ -282,13 +282,16 @@ fn context_id() -> impl Strategy<Value = String> {
     ]
 }
 
-/// A query string for `GET /v1/contexts`: plausible, wrong and hostile parameters.
+/// A query string for `GET /v1/contexts` or `/v1/documents`: plausible, wrong and hostile
+/// parameters.
 fn list_query() -> impl Strategy<Value = String> {
     let part = prop::sample::select(vec![
         "doc=fuzz",
         "after=2",
         "after=-9223372036854775808",
         "after=x",
+        "after=eiffel.txt",
+        "after=%ff",
         "limit=1",
         "limit=1000",
         "limit=1001",
@@ -312,7 +315,8 @@ fn call() -> impl Strategy<Value = Call> {
         1 => (content_type(), body(add_document())).prop_map(|(ct, b)| Call { method: "POST", path: "/v1/documents".into(), content_type: ct, body: Some(b) }),
         1 => (prop::sample::select(vec!["GET", "DELETE", "PUT"]), prop::sample::select(vec!["fuzz-doc", "a/b", "a%2Fb", "eiffel.txt", "%ff", "", "x/../y"]))
             .prop_map(|(method, id)| Call { method, path: format!("/v1/documents/{id}"), content_type: None, body: None }),
-        1 => list_query().prop_map(|q| Call { method: "GET", path: format!("/v1/contexts?{q}"), content_type: None, body: None }),
+        1 => (prop::sample::select(vec!["contexts", "documents"]), list_query())
+            .prop_map(|(what, q)| Call { method: "GET", path: format!("/v1/{what}?{q}"), content_type: None, body: None }),
         2 => (prop::sample::select(vec!["GET", "DELETE", "POST", "PUT"]), context_id())
             .prop_map(|(method, id)| Call { method, path: format!("/v1/contexts/{id}"), content_type: None, body: None }),
         1 => prop::sample::select(vec![

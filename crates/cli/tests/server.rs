@@ -248,6 +248,24 @@ fn serve_completions_contexts_search_metrics_and_bad_input(arch: &str, db: &Test
     let (status, first) = birds("Birds fly.\n\nBirds sing at dawn.\n\nSome birds swim.");
     assert_eq!((status, first["added"].as_u64(), first["segmentation"].as_str()), (201, Some(3), Some("paragraph")));
     let ids: Vec<i64> = first["contexts"].as_array().unwrap().iter().map(|c| c["id"].as_i64().unwrap()).collect();
+    let mut documents = Vec::new();
+    let mut after: Option<String> = None;
+    loop {
+        let path = match &after {
+            Some(a) => format!("/v1/documents?limit=2&after={}", a.replace('/', "%2F")),
+            None => "/v1/documents?limit=2".to_string(),
+        };
+        let (status, page) = server.call("GET", &path, None);
+        assert_eq!(status, 200, "{page}");
+        documents.extend(page["data"].as_array().unwrap().iter().cloned());
+        match page["next_after"].as_str() {
+            Some(a) => after = Some(a.to_string()),
+            None => break,
+        }
+    }
+    let names: Vec<&str> = documents.iter().map(|d| d["id"].as_str().unwrap()).collect();
+    assert_eq!(names, ["cats.txt", "eiffel.txt", "mamba.txt", "notes/birds"], "every document once, by name");
+    assert_eq!(documents[3]["contexts"], 3);
     server.complete(json!({"prompt": "Birds", "max_tokens": 1, "contexts": ids.clone()})); // cached now
     let (status, same) = birds("Birds fly.\n\nBirds sing at dawn.\n\nSome birds swim.");
     assert_eq!((status, same["skipped"].as_u64(), &same["contexts"]), (200, Some(3), &first["contexts"]));

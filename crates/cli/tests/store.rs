@@ -274,8 +274,39 @@ fn changed_documents_are_replaced_and_contexts_listed_and_deleted() {
         let v = ok_s(&args(&["delete"], &db, &["1", "--doc", "eiffel.txt", "--json"]));
         assert_eq!(v["deleted"], serde_json::json!([1, new_id]));
         assert_eq!(v["store"]["contexts"], 1);
+        // Documents: listed in name order; --prune removes those the source no longer has.
+        let mirror = tmp.path().join(format!("mirror-{}", db.kind()));
+        std::fs::create_dir_all(&mirror).unwrap();
+        std::fs::copy(docs.join("mamba.txt"), mirror.join("mamba.txt")).unwrap();
+        std::fs::write(mirror.join("gone.txt"), "A paragraph that will go.\n").unwrap();
+        let mirror_s = mirror.to_str().unwrap();
+        let sync =
+            args(&["ingest"], &db, &["--model", m, "--embedder", e, "--text-dir", mirror_s, "--json", "--prune"]);
+        assert_eq!(ok_s(&sync)["added"], 1, "mamba.txt is there already");
+        let documents = |db: &TestDb| -> Vec<serde_json::Value> {
+            let out = Command::new(common::picaso_bin()).args(args(&["documents"], db, &["--json"])).output().unwrap();
+            String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+        };
+        let names: Vec<String> = documents(&db).iter().map(|d| d["id"].as_str().unwrap().to_string()).collect();
+        assert_eq!(names, ["gone.txt", "mamba.txt"], "in name order");
+        std::fs::remove_file(mirror.join("gone.txt")).unwrap();
+        let v = ok_s(&sync);
+        assert_eq!((v["pruned_documents"].as_u64(), v["pruned_contexts"].as_u64()), (Some(1), Some(1)), "{v}");
+        let left = documents(&db);
+        assert_eq!(
+            (left.len(), &left[0]["id"], &left[0]["contexts"]),
+            (1, &serde_json::json!("mamba.txt"), &serde_json::json!(1))
+        );
+        assert_eq!(left[0]["tokens"], v["store"]["tokens"]);
+        // Without --prune the documents the source lacks stay.
+        let only_cats = tmp.path().join(format!("only-cats-{}", db.kind()));
+        std::fs::create_dir_all(&only_cats).unwrap();
+        std::fs::write(only_cats.join("cats.txt"), "Cats are small carnivorous mammals.\n").unwrap();
+        let c = only_cats.to_str().unwrap();
+        ok_s(&args(&["ingest"], &db, &["--model", m, "--embedder", e, "--text-dir", c, "--json"]));
+        assert_eq!(documents(&db).len(), 2);
         let table = lines(&[]);
-        assert!(table.len() == 1 && table[0].contains("mamba.txt #0"), "a line per context: {table:?}");
+        assert!(table.len() == 2 && table[0].contains("mamba.txt #0"), "a line per context: {table:?}");
         assert_eq!(listed(&["--ids", "4", "--json"])[0]["doc"], "mamba.txt");
         let (success, _, stderr) = run_s(&args(&["delete"], &db, &[]));
         assert!(!success && stderr.contains("required"), "{stderr}");

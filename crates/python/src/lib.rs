@@ -872,6 +872,20 @@ impl Store {
         Ok(d)
     }
 
+    /// Every document, in name order: [{id, contexts, tokens}].
+    fn documents<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let all = self.inner.all_documents().map_err(store_err)?;
+        let list = PyList::empty(py);
+        for d in all {
+            let item = PyDict::new(py);
+            item.set_item("id", d.id)?;
+            item.set_item("contexts", d.contexts)?;
+            item.set_item("tokens", d.tokens)?;
+            list.append(item)?;
+        }
+        Ok(list)
+    }
+
     /// The ids of every context, ascending (read one with `get`).
     fn ids(&self) -> PyResult<Vec<i64>> {
         self.inner.ids().map_err(store_err)

@@ -69,6 +69,9 @@ def test_documents_are_kept_up_to_date(model, embedder, tmp_path):
         report = store.ingest([{"id": "notes", "text": "Cats purr.\n\nCats sleep all day."}])
         assert (report["added"], report["replaced"], report["removed"], report["skipped"]) == (0, 1, 1, 1)
         now = store.document("notes")
+        docs = store.documents()
+        assert [d["id"] for d in docs] == sorted(d["id"] for d in docs) and len(docs) == 3
+        assert {"id": "notes", "contexts": 2, "tokens": sum(len(model.encode(c["text"])) for c in now)} in docs
         assert [c["text"] for c in now] == ["Cats purr.", "Cats sleep all day."]
         assert now[0]["id"] == old[0] and now[1]["id"] not in old and len(store) == 4
         for gone in old[1:]:

@@ -230,6 +230,27 @@ pub struct AddDocument {
     pub text: String,
 }
 
+/// Answer to `GET /v1/documents`.
+#[derive(Debug, Clone, Serialize)]
+pub struct DocumentList {
+    /// Always "list".
+    pub object: &'static str,
+    /// The documents in name order: id, contexts, tokens.
+    pub data: Vec<picaso_store::DocumentSummary>,
+    /// Pass as `after` for the next page; `null` on the last one.
+    pub next_after: Option<String>,
+}
+
+/// `GET /v1/documents` query: a page of documents by name.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListDocuments {
+    /// Documents named after this one (the previous page's `next_after`).
+    pub after: Option<String>,
+    /// Documents per page (default 100, at most 1000).
+    pub limit: Option<usize>,
+}
+
 /// One context of a document, in answers about documents.
 #[derive(Debug, Clone, Serialize)]
 pub struct DocumentContext {

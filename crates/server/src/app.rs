@@ -109,6 +109,15 @@ pub(crate) struct Plan {
     pub started: Instant,
 }
 
+/// A listing's page size: `limit`, 100 when absent, at most 1,000.
+fn page_limit(limit: Option<usize>) -> Result<usize, ApiError> {
+    const MAX: usize = 1000;
+    match limit.unwrap_or(100) {
+        n @ 1..=MAX => Ok(n),
+        n => Err(ApiError::bad_request(format!("`limit` is {n}; give 1 to {MAX}"))),
+    }
+}
+
 fn unix_now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
@@ -496,12 +505,7 @@ impl App {
 
     /// A page of contexts by ascending id. Blocking.
     pub(crate) fn list_contexts(&self, q: ListContexts) -> Result<ContextList, ApiError> {
-        const DEFAULT: usize = 100;
-        const MAX: usize = 1000;
-        let limit = q.limit.unwrap_or(DEFAULT);
-        if !(1..=MAX).contains(&limit) {
-            return Err(ApiError::bad_request(format!("`limit` is {limit}; give 1 to {MAX}")));
-        }
+        let limit = page_limit(q.limit)?;
         let data: Vec<_> = self.store.export(q.after.unwrap_or(i64::MIN), limit)?.into_iter().map(|(r, _)| r).collect();
         let next_after = (data.len() == limit).then(|| data[limit - 1].id);
         Ok(ContextList { object: "list", data, next_after })
@@ -566,6 +570,14 @@ impl App {
                     .collect(),
             },
         ))
+    }
+
+    /// A page of documents by name. Blocking.
+    pub(crate) fn list_documents(&self, q: ListDocuments) -> Result<DocumentList, ApiError> {
+        let limit = page_limit(q.limit)?;
+        let data = self.store.documents(q.after.as_deref(), limit)?;
+        let next_after = (data.len() == limit).then(|| data[limit - 1].id.clone());
+        Ok(DocumentList { object: "list", data, next_after })
     }
 
     /// A document's contexts. Blocking.

@@ -10,6 +10,7 @@
 //! | `POST /v1/contexts` | add a text as a context → its id (other text for a stored document segment replaces it) |
 //! | `GET /v1/contexts` | list contexts, a page at a time (`?after=&limit=`) |
 //! | `POST /v1/documents`, `GET /v1/documents/{id}`, `DELETE /v1/documents/{id}` | add or update a document (cut into contexts as `picaso ingest` cuts it); read or remove its contexts |
+//! | `GET /v1/documents` | list documents, a page at a time (`?after=&limit=`) |
 //! | `GET /v1/contexts/{id}`, `DELETE /v1/contexts/{id}` | read or remove a context |
 //! | `POST /v1/search` | retrieval only |
 //! | `GET /v1/models`, `GET /v1/models/{id}` | the served model, as OpenAI clients list it |

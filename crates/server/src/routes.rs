@@ -30,7 +30,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/contexts", post(add_context).get(list_contexts))
         .route("/v1/contexts/{id}", get(get_context).delete(delete_context))
-        .route("/v1/documents", post(add_document))
+        .route("/v1/documents", post(add_document).get(list_documents))
         .route("/v1/documents/{*id}", get(get_document).delete(delete_document))
         .route("/v1/search", post(search))
         .route("/v1/attribute", post(attribute))
@@ -145,11 +145,15 @@ async fn add_context(State(app): Shared, ApiJson(req): ApiJson<AddContext>) -> R
     Ok((status, Json(added)).into_response())
 }
 
-async fn list_contexts(
-    State(app): Shared,
-    query: Result<Query<ListContexts>, axum::extract::rejection::QueryRejection>,
-) -> Result<Response, ApiError> {
-    let Query(q) = query.map_err(|e| ApiError::bad_request(format!("bad query string: {}", e.body_text())))?;
+/// A query string as parsed, or the 400 that says what is wrong with it.
+type QueryOf<T> = Result<Query<T>, axum::extract::rejection::QueryRejection>;
+
+fn parse_query<T>(query: QueryOf<T>) -> Result<T, ApiError> {
+    query.map(|Query(q)| q).map_err(|e| ApiError::bad_request(format!("bad query string: {}", e.body_text())))
+}
+
+async fn list_contexts(State(app): Shared, query: QueryOf<ListContexts>) -> Result<Response, ApiError> {
+    let q = parse_query(query)?;
     let listed = blocking(move || app.list_contexts(q)).await?;
     Ok(Json(listed).into_response())
 }
@@ -163,6 +167,12 @@ async fn add_document(State(app): Shared, ApiJson(req): ApiJson<AddDocument>) ->
     .await?;
     let status = if changed { StatusCode::CREATED } else { StatusCode::OK };
     Ok((status, Json(added)).into_response())
+}
+
+async fn list_documents(State(app): Shared, query: QueryOf<ListDocuments>) -> Result<Response, ApiError> {
+    let q = parse_query(query)?;
+    let listed = blocking(move || app.list_documents(q)).await?;
+    Ok(Json(listed).into_response())
 }
 
 /// A document id from the path (slashes included: ids such as `api/…` are paths themselves).
@@ -258,7 +268,7 @@ async fn metrics(State(app): Shared) -> Response {
 
 async fn no_route(method: Method, uri: Uri) -> ApiError {
     ApiError::not_found(format!(
-        "no route {method} {uri}; the API has POST /v1/completions, GET|POST /v1/contexts, GET|DELETE /v1/contexts/{{id}}, POST /v1/documents, GET|DELETE /v1/documents/{{id}}, POST /v1/search, POST /v1/attribute, GET /v1/models, GET /health, GET /metrics"
+        "no route {method} {uri}; the API has POST /v1/completions, GET|POST /v1/contexts, GET|DELETE /v1/contexts/{{id}}, GET|POST /v1/documents, GET|DELETE /v1/documents/{{id}}, POST /v1/search, POST /v1/attribute, GET /v1/models, GET /health, GET /metrics"
     ))
 }
 
@@ -266,7 +276,7 @@ async fn wrong_method(method: Method, uri: Uri) -> ApiError {
     ApiError::new(
         StatusCode::METHOD_NOT_ALLOWED,
         format!(
-            "{method} is not allowed on {}; the API has POST /v1/completions, GET|POST /v1/contexts, GET|DELETE /v1/contexts/{{id}}, POST /v1/documents, GET|DELETE /v1/documents/{{id}}, POST /v1/search, POST /v1/attribute, GET /v1/models, GET /health, GET /metrics",
+            "{method} is not allowed on {}; the API has POST /v1/completions, GET|POST /v1/contexts, GET|DELETE /v1/contexts/{{id}}, GET|POST /v1/documents, GET|DELETE /v1/documents/{{id}}, POST /v1/search, POST /v1/attribute, GET /v1/models, GET /health, GET /metrics",
             uri.path()
         ),
     )

@@ -211,3 +211,24 @@ pub fn ingest(
     progress.seconds = start.elapsed().as_secs_f64();
     Ok(progress)
 }
+
+/// Removes the store's documents that `docs` does not hold (files deleted from a folder since
+/// it was ingested): with [`ingest()`] of the same `docs`, the store mirrors the source.
+/// Returns (documents, contexts) removed. Refuses an empty `docs`, which would empty the store.
+pub fn prune(store: &Store, docs: &[Document]) -> Result<(usize, usize)> {
+    if docs.is_empty() {
+        return Err(Error::Input(
+            "the source holds no documents; pruning would remove every document of the store (check the path)".into(),
+        ));
+    }
+    let _writer = store.lock_writes()?;
+    let keep: std::collections::HashSet<&str> = docs.iter().map(|d| d.id.as_str()).collect();
+    let (mut documents, mut contexts) = (0, 0);
+    for doc in store.all_documents()? {
+        if !keep.contains(doc.id.as_str()) {
+            contexts += store.delete_document(&doc.id)?;
+            documents += 1;
+        }
+    }
+    Ok((documents, contexts))
+}

@@ -31,7 +31,7 @@ pub mod store;
 pub use attribution::{attribute, Attribution};
 pub use cache::{CacheStats, StateCache};
 pub use error::{Error, Result};
-pub use ingest::{ingest, IngestProgress};
+pub use ingest::{ingest, prune, IngestProgress};
 pub use location::{CatalogUrl, Location, StatesUrl};
 pub use migrate::{migrate, MigrateReport};
 pub use passages::{passages, retrieve, Passage};
@@ -39,5 +39,6 @@ pub use query::{prepare, retrieve_and_prepare, retrieve_then, ContextMethod, Pre
 pub use runtime::Resilience;
 pub use sources::{detokenize_wikitext, read_jsonl, read_text_dir, read_wikitext, Document, Segmentation};
 pub use store::{
-    checksum, ContextRecord, EmbedderRecord, NewContext, Stats, Store, StoreInfo, WriteLock, RETRIEVAL_ATTEMPTS,
+    checksum, ContextRecord, DocumentSummary, EmbedderRecord, NewContext, Stats, Store, StoreInfo, WriteLock,
+    RETRIEVAL_ATTEMPTS,
 };

@@ -123,6 +123,17 @@ pub struct ContextRecord {
     pub created: i64,
 }
 
+/// A document of a store, as listed.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct DocumentSummary {
+    /// Its name (file name, JSON id, article title, or the id given to the server).
+    pub id: String,
+    /// Its contexts.
+    pub contexts: u64,
+    /// Their tokens.
+    pub tokens: u64,
+}
+
 /// Totals over a store (the keys of `picaso stats --json`).
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Stats {
@@ -704,6 +715,26 @@ impl Store {
     /// Ids of all contexts, ascending.
     pub fn ids(&self) -> Result<Vec<i64>> {
         self.catalog.ids()
+    }
+
+    /// Up to `limit` documents named after `after` (from the first when `None`), in name order.
+    pub fn documents(&self, after: Option<&str>, limit: usize) -> Result<Vec<DocumentSummary>> {
+        let rows = self.catalog.documents(after, limit)?;
+        Ok(rows.into_iter().map(|(id, contexts, tokens)| DocumentSummary { id, contexts, tokens }).collect())
+    }
+
+    /// Every document, in name order (read a page at a time).
+    pub fn all_documents(&self) -> Result<Vec<DocumentSummary>> {
+        const PAGE: usize = 1000;
+        let mut all: Vec<DocumentSummary> = Vec::new();
+        loop {
+            let page = self.documents(all.last().map(|d| d.id.as_str()), PAGE)?;
+            let done = page.len() < PAGE;
+            all.extend(page);
+            if done {
+                return Ok(all);
+            }
+        }
     }
 
     /// Totals.

@@ -126,6 +126,8 @@ class Store:
     def get(self, id: int) -> dict[str, Any]: ...
     def document(self, doc: str) -> list[dict[str, Any]]:
         """The contexts of document `doc`, in segment order (empty if the store holds none)."""
+    def documents(self) -> list[dict[str, Any]]:
+        """Every document in name order: {"id", "contexts", "tokens"}."""
     def ids(self) -> list[int]:
         """The ids of every context, ascending."""
     def delete(self, id: int) -> None: ...

@@ -89,6 +89,9 @@ pub trait Catalog: Send + Sync + std::fmt::Debug {
     fn ids(&self) -> Result<Vec<i64>>;
     /// Totals.
     fn totals(&self) -> Result<Totals>;
+    /// Up to `limit` documents named after `after` (from the first when `None`), in name
+    /// order: (name, contexts, tokens).
+    fn documents(&self, after: Option<&str>, limit: usize) -> Result<Vec<(String, u64, u64)>>;
     /// Up to `limit` contexts with ids above `after`, ascending, with their embeddings (for
     /// copying a store).
     fn export(&self, after: i64, limit: usize) -> Result<Vec<(ContextRecord, Vec<f32>)>>;

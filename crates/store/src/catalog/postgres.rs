@@ -702,6 +702,23 @@ impl Catalog for PostgresCatalog {
         }))
     }
 
+    fn documents(&self, after: Option<&str>, limit: usize) -> Result<Vec<(String, u64, u64)>> {
+        let (after, limit) = (after.map(str::to_string), limit as i64);
+        self.run(Box::new(move |c| {
+            let after = after.clone();
+            Box::pin(async move {
+                let rows = c
+                    .query(
+                        "SELECT doc, COUNT(*), COALESCE(SUM(n_tokens), 0)::BIGINT FROM picaso_contexts
+                         WHERE $1::TEXT IS NULL OR doc > $1 GROUP BY doc ORDER BY doc LIMIT $2",
+                        &[&after, &limit],
+                    )
+                    .await?;
+                Ok(rows.iter().map(|r| (r.get(0), r.get::<_, i64>(1) as u64, r.get::<_, i64>(2) as u64)).collect())
+            })
+        }))
+    }
+
     fn export(&self, after: i64, limit: usize) -> Result<Vec<(ContextRecord, Vec<f32>)>> {
         let limit = limit as i64;
         self.run(Box::new(move |c| {

@@ -306,6 +306,18 @@ impl Catalog for SqliteCatalog {
         Ok((t.0 as u64, t.1 as u64, t.2 as u64, t.3 as u64))
     }
 
+    fn documents(&self, after: Option<&str>, limit: usize) -> Result<Vec<(String, u64, u64)>> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare_cached(
+            "SELECT doc, COUNT(*), COALESCE(SUM(n_tokens), 0) FROM contexts
+             WHERE ?1 IS NULL OR doc > ?1 GROUP BY doc ORDER BY doc LIMIT ?2",
+        )?;
+        let rows = stmt.query_map(params![after, limit as i64], |r| {
+            Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)? as u64, r.get::<_, i64>(2)? as u64))
+        })?;
+        Ok(rows.collect::<std::result::Result<_, _>>()?)
+    }
+
     fn export(&self, after: i64, limit: usize) -> Result<Vec<(ContextRecord, Vec<f32>)>> {
         let conn = self.conn();
         let mut stmt = conn.prepare_cached(&format!(
