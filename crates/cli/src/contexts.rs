@@ -99,7 +99,7 @@ pub struct DeleteArgs {
     /// Remove every context of this document (repeatable).
     #[arg(long)]
     doc: Vec<String>,
-    /// Print JSON: {"deleted": [ids], "store": totals}.
+    /// Print JSON: `{"deleted": [ids], "store": totals}`.
     #[arg(long)]
     json: bool,
 }
