@@ -54,7 +54,7 @@ fn no_document(store: &picaso_store::Store, db: &DbArgs, doc: &str) -> anyhow::E
     anyhow::anyhow!(
         "store {} holds no document {doc:?}; `picaso documents --db {}` lists them",
         store.location(),
-        db.db
+        picaso_store::location::redact(&db.db)
     )
 }
 
