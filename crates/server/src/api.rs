@@ -199,25 +199,27 @@ pub struct AddedContext {
     pub replaced: Option<i64>,
 }
 
-/// `GET /v1/contexts` query: a page of contexts by ascending id.
+/// A listing's query (`GET /v1/contexts` by id, `GET /v1/documents` by name): the page after
+/// a key.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct ListContexts {
-    /// Contexts with ids above this one (the previous page's `next_after`).
-    pub after: Option<i64>,
-    /// Contexts per page (default 100, at most 1000).
+pub struct PageQuery<K> {
+    /// Items after this key (the previous page's `next_after`).
+    pub after: Option<K>,
+    /// Items per page (default 100, at most 1000).
     pub limit: Option<usize>,
 }
 
-/// Answer to `GET /v1/contexts`.
+/// A page of a listing.
 #[derive(Debug, Clone, Serialize)]
-pub struct ContextList {
+pub struct Page<T, K> {
     /// Always "list".
     pub object: &'static str,
-    /// The contexts' records, as `GET /v1/contexts/{id}` gives them.
-    pub data: Vec<picaso_store::ContextRecord>,
+    /// The items: context records as `GET /v1/contexts/{id}` gives them, or documents (id,
+    /// contexts, tokens).
+    pub data: Vec<T>,
     /// Pass as `after` for the next page; `null` on the last one.
-    pub next_after: Option<i64>,
+    pub next_after: Option<K>,
 }
 
 /// `POST /v1/documents`: a document, cut into contexts as the store's documents are.
@@ -228,27 +230,6 @@ pub struct AddDocument {
     pub id: String,
     /// Its text (paragraphs separated by blank lines).
     pub text: String,
-}
-
-/// Answer to `GET /v1/documents`.
-#[derive(Debug, Clone, Serialize)]
-pub struct DocumentList {
-    /// Always "list".
-    pub object: &'static str,
-    /// The documents in name order: id, contexts, tokens.
-    pub data: Vec<picaso_store::DocumentSummary>,
-    /// Pass as `after` for the next page; `null` on the last one.
-    pub next_after: Option<String>,
-}
-
-/// `GET /v1/documents` query: a page of documents by name.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ListDocuments {
-    /// Documents named after this one (the previous page's `next_after`).
-    pub after: Option<String>,
-    /// Documents per page (default 100, at most 1000).
-    pub limit: Option<usize>,
 }
 
 /// One context of a document, in answers about documents.

@@ -8,7 +8,10 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use picaso_embed::Embedder;
 use picaso_model::{GenerateOptions, Model, State, StopReason};
-use picaso_store::{prepare, retrieve_and_prepare, retrieve_then, ContextMethod, NewContext, StateCache, Store};
+use picaso_store::{
+    prepare, retrieve_and_prepare, retrieve_then, ContextMethod, ContextRecord, DocumentSummary, NewContext,
+    StateCache, Store,
+};
 use serde_json::json;
 use tokio::sync::{mpsc, Semaphore};
 
@@ -116,6 +119,12 @@ fn page_limit(limit: Option<usize>) -> Result<usize, ApiError> {
         n @ 1..=MAX => Ok(n),
         n => Err(ApiError::bad_request(format!("`limit` is {n}; give 1 to {MAX}"))),
     }
+}
+
+/// `data` as a page of at most `limit` items: a full page names its last key for the next one.
+fn page<T, K>(data: Vec<T>, limit: usize, key: impl Fn(&T) -> K) -> Page<T, K> {
+    let next_after = if data.len() == limit { data.last().map(key) } else { None };
+    Page { object: "list", data, next_after }
 }
 
 fn unix_now() -> u64 {
@@ -504,11 +513,10 @@ impl App {
     }
 
     /// A page of contexts by ascending id. Blocking.
-    pub(crate) fn list_contexts(&self, q: ListContexts) -> Result<ContextList, ApiError> {
+    pub(crate) fn list_contexts(&self, q: PageQuery<i64>) -> Result<Page<ContextRecord, i64>, ApiError> {
         let limit = page_limit(q.limit)?;
         let data: Vec<_> = self.store.export(q.after.unwrap_or(i64::MIN), limit)?.into_iter().map(|(r, _)| r).collect();
-        let next_after = (data.len() == limit).then(|| data[limit - 1].id);
-        Ok(ContextList { object: "list", data, next_after })
+        Ok(page(data, limit, |r| r.id))
     }
 
     /// Adds or updates a document: cut as the store's documents are, new and changed segments
@@ -573,11 +581,10 @@ impl App {
     }
 
     /// A page of documents by name. Blocking.
-    pub(crate) fn list_documents(&self, q: ListDocuments) -> Result<DocumentList, ApiError> {
+    pub(crate) fn list_documents(&self, q: PageQuery<String>) -> Result<Page<DocumentSummary, String>, ApiError> {
         let limit = page_limit(q.limit)?;
         let data = self.store.documents(q.after.as_deref(), limit)?;
-        let next_after = (data.len() == limit).then(|| data[limit - 1].id.clone());
-        Ok(DocumentList { object: "list", data, next_after })
+        Ok(page(data, limit, |d| d.id.clone()))
     }
 
     /// A document's contexts. Blocking.

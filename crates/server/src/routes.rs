@@ -152,7 +152,7 @@ fn parse_query<T>(query: QueryOf<T>) -> Result<T, ApiError> {
     query.map(|Query(q)| q).map_err(|e| ApiError::bad_request(format!("bad query string: {}", e.body_text())))
 }
 
-async fn list_contexts(State(app): Shared, query: QueryOf<ListContexts>) -> Result<Response, ApiError> {
+async fn list_contexts(State(app): Shared, query: QueryOf<PageQuery<i64>>) -> Result<Response, ApiError> {
     let q = parse_query(query)?;
     let listed = blocking(move || app.list_contexts(q)).await?;
     Ok(Json(listed).into_response())
@@ -169,7 +169,7 @@ async fn add_document(State(app): Shared, ApiJson(req): ApiJson<AddDocument>) ->
     Ok((status, Json(added)).into_response())
 }
 
-async fn list_documents(State(app): Shared, query: QueryOf<ListDocuments>) -> Result<Response, ApiError> {
+async fn list_documents(State(app): Shared, query: QueryOf<PageQuery<String>>) -> Result<Response, ApiError> {
     let q = parse_query(query)?;
     let listed = blocking(move || app.list_documents(q)).await?;
     Ok(Json(listed).into_response())
