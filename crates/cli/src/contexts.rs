@@ -122,10 +122,7 @@ pub fn delete(a: DeleteArgs) -> Result<()> {
     let mut seen = std::collections::HashSet::new();
     ids.retain(|id| seen.insert(*id));
     for &id in &ids {
-        match store.delete(id) {
-            Ok(()) | Err(picaso_store::Error::NotFound(_)) => {} // gone already: another writer's delete
-            Err(e) => return Err(e.into()),
-        }
+        store.delete_if_present(id)?; // one gone already was another writer's delete
     }
     let stats = store.stats()?;
     if a.json {

@@ -846,7 +846,7 @@ impl Store {
         let store = &self.inner;
         py.detach(|| {
             let _writer = store.lock_writes()?;
-            store.delete_document(doc)
+            store.delete_document(doc).map(|ids| ids.len())
         })
         .map_err(store_err)
     }

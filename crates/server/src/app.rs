@@ -484,10 +484,8 @@ impl App {
         let _one_writer = self.documents.lock().unwrap_or_else(|p| p.into_inner());
         let mut replaced = None;
         if let Some(old) = stored {
-            match self.store.delete(old) {
-                Ok(()) => replaced = Some(old),
-                Err(picaso_store::Error::NotFound(_)) => {}
-                Err(e) => return Err(e.into()),
+            if self.store.delete_if_present(old)? {
+                replaced = Some(old);
             }
             self.cache.remove(old);
         }
@@ -599,18 +597,17 @@ impl App {
     /// Removes a document's contexts; returns how many. Blocking.
     pub(crate) fn delete_document(&self, id: &str) -> Result<usize, ApiError> {
         let _one_writer = self.documents.lock().unwrap_or_else(|p| p.into_inner());
-        let ids: Vec<i64> = self.store.segments_of(id)?.into_values().collect();
         let removed = self.store.delete_document(id)?;
-        if removed == 0 {
+        if removed.is_empty() {
             return Err(ApiError::not_found(format!("no document {id:?} in this store")));
         }
-        for id in ids {
+        for &id in &removed {
             self.cache.remove(id);
         }
         if let Ok(n) = self.store.len() {
             self.metrics.contexts.set(n as i64);
         }
-        Ok(removed)
+        Ok(removed.len())
     }
 
     /// Removes a context. Blocking.

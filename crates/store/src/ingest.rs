@@ -138,15 +138,6 @@ fn plan(store: &Store, model: &Model, docs: &[Document], segmentation: Segmentat
     Ok(plan)
 }
 
-/// Removes context `id`; one already gone (another writer deleted it) is no error.
-fn remove(store: &Store, id: i64) -> Result<bool> {
-    match store.delete(id) {
-        Ok(()) => Ok(true),
-        Err(Error::NotFound(_)) => Ok(false),
-        Err(e) => Err(e),
-    }
-}
-
 /// Tokens per forward pass when a batch's contexts are prefilled together: enough rows to share
 /// each weight read widely, few enough that the activations stay small (~160 MiB at mamba2-130m's width).
 const PREFILL_TOKENS: usize = 4096;
@@ -197,7 +188,7 @@ pub fn ingest(
             });
         }
         for id in chunk.iter().filter_map(|p| p.replaces) {
-            progress.replaced += usize::from(remove(store, id)?);
+            progress.replaced += usize::from(store.delete_if_present(id)?);
         }
         store.insert(&items)?;
         progress.done += chunk.len();
@@ -206,7 +197,7 @@ pub fn ingest(
         on_progress(&progress);
     }
     for id in stale {
-        progress.removed += usize::from(remove(store, id)?);
+        progress.removed += usize::from(store.delete_if_present(id)?);
     }
     progress.seconds = start.elapsed().as_secs_f64();
     Ok(progress)
@@ -226,7 +217,7 @@ pub fn prune(store: &Store, docs: &[Document]) -> Result<(usize, usize)> {
     let (mut documents, mut contexts) = (0, 0);
     for doc in store.all_documents()? {
         if !keep.contains(doc.id.as_str()) {
-            contexts += store.delete_document(&doc.id)?;
+            contexts += store.delete_document(&doc.id)?.len();
             documents += 1;
         }
     }

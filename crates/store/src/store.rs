@@ -614,15 +614,23 @@ impl Store {
         self.catalog.delete(id, &mut |sum| if is_checksum(sum) { self.states.delete(&key_of(sum)) } else { Ok(()) })
     }
 
-    /// Removes every context of document `doc` (see [`Store::delete`]); returns how many were
-    /// removed (0 for a document the store does not hold).
-    pub fn delete_document(&self, doc: &str) -> Result<usize> {
-        let mut removed = 0;
+    /// [`Store::delete`], where a context already gone (another writer removed it) is no
+    /// error: whether this call removed it.
+    pub fn delete_if_present(&self, id: i64) -> Result<bool> {
+        match self.delete(id) {
+            Ok(()) => Ok(true),
+            Err(Error::NotFound(_)) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Removes every context of document `doc` (see [`Store::delete`]); returns the ids removed
+    /// (none for a document the store does not hold).
+    pub fn delete_document(&self, doc: &str) -> Result<Vec<i64>> {
+        let mut removed = Vec::new();
         for id in self.segments_of(doc)?.into_values() {
-            match self.delete(id) {
-                Ok(()) => removed += 1,
-                Err(Error::NotFound(_)) => {} // removed meanwhile by another writer
-                Err(e) => return Err(e),
+            if self.delete_if_present(id)? {
+                removed.push(id);
             }
         }
         Ok(removed)
