@@ -165,9 +165,11 @@ pub fn run(a: DemoArgs) -> Result<()> {
         println!("  retrieved (best first): {}", sources.join(", "));
         println!("  true answer: {}", snippet(&q.answer_text, 90));
         let mut rows = Vec::new();
+        // The states picaso-r reads, kept for the attribution below (which would read them again).
+        let cache = picaso_store::StateCache::new(usize::MAX);
         for (name, method) in methods {
             let started = Instant::now();
-            let prepared = prepare(&store, &model, &q.contexts, method, None)?;
+            let prepared = prepare(&store, &model, &q.contexts, method, Some(&cache))?;
             let mut first: Option<f64> = None;
             let out = generate(&model, &q.prompt, &prepared.state, &opts, |_| {
                 first.get_or_insert_with(|| started.elapsed().as_secs_f64());
@@ -187,7 +189,8 @@ pub fn run(a: DemoArgs) -> Result<()> {
         // composed state (`picaso query --answer`).
         if !q.contexts.is_empty() && !q.answer.is_empty() {
             let picaso_r = ContextMethod::Compose(Method::PicasoR);
-            let at = picaso_store::attribute(&store, &model, &q.contexts, picaso_r, &q.prompt, &q.answer, None)?;
+            let at =
+                picaso_store::attribute(&store, &model, &q.contexts, picaso_r, &q.prompt, &q.answer, Some(&cache))?;
             let top = at.ranking()[0];
             let c = store.get(q.contexts[top])?;
             println!(

@@ -1035,11 +1035,14 @@ fn query(a: QueryArgs) -> Result<()> {
     let store = picaso_store::Store::open(a.db.location()?)?;
     let model = load_model(&a.model, true)?;
     let t_retrieve = Instant::now();
+    // The states read to generate, kept for --attribute (which would read them again: from S3,
+    // a second download).
+    let cache = picaso_store::StateCache::new(if a.attribute { usize::MAX } else { 0 });
     // The state to generate from. An answer given with --answer is not generated, so its
     // contexts are only looked up: attribution builds the states it scores.
     let prepare = |ids: &[i64]| match a.answer {
         Some(_) => Ok(None),
-        None => picaso_store::prepare(&store, &model, ids, a.method, None).map(Some),
+        None => picaso_store::prepare(&store, &model, ids, a.method, Some(&cache)).map(Some),
     };
     // Best first from retrieval; composition wants the most relevant last (nearest the prompt).
     let (hits, prepared): (Vec<(i64, Option<f32>)>, _) = match &a.ids {
@@ -1099,7 +1102,7 @@ fn query(a: QueryArgs) -> Result<()> {
             eprintln!("(the answer is empty: nothing to attribute)");
             None
         } else {
-            Some(picaso_store::attribute(&store, &model, &ids, a.method, &prompt, &answer, None)?)
+            Some(picaso_store::attribute(&store, &model, &ids, a.method, &prompt, &answer, Some(&cache))?)
         }
     } else {
         None

@@ -236,6 +236,10 @@ fn changed_documents_are_replaced_and_contexts_listed_and_deleted() {
         let all = listed(&["--json"]);
         let ids: Vec<i64> = all.iter().map(|r| r["id"].as_i64().unwrap()).collect();
         assert_eq!(ids, [1, 2, 3, 4], "every context, by id");
+        // A reader kept open (a notebook, a second `Store`) while another process edits.
+        let reader = picaso_store::Store::open(db.location()).unwrap();
+        let eiffel_query = reader.embedding(2).unwrap();
+        assert_eq!(reader.search(&eiffel_query, 1).unwrap()[0].0, 2);
         let eiffel = listed(&["--doc", "eiffel.txt", "--json"]);
         assert_eq!(eiffel.iter().map(|r| r["seg"].as_u64().unwrap()).collect::<Vec<_>>(), [0, 1]);
 
@@ -260,6 +264,13 @@ fn changed_documents_are_replaced_and_contexts_listed_and_deleted() {
         assert!(store.load_state(new_id).unwrap().layers == fresh.layers, "the new text's state");
         let q = store.embedding(new_id).unwrap();
         assert!(store.search(&q, 10).unwrap().iter().all(|(id, _)| *id != 2 && *id != 3), "gone from retrieval");
+        // The reader opened before the edit follows it: retrieval, ids and counts are the
+        // store's now, not what it loaded at open.
+        assert_eq!(reader.ids().unwrap(), [1, 4, new_id], "the reader sees the other process's commits");
+        assert_eq!(reader.search(&eiffel_query, 1).unwrap()[0].0, new_id);
+        assert!(reader.search(&eiffel_query, 10).unwrap().iter().all(|(id, _)| *id != 2 && *id != 3));
+        assert_eq!(reader.embedding(new_id).unwrap(), store.embedding(new_id).unwrap());
+        assert!(matches!(reader.embedding(2), Err(picaso_store::Error::NotFound(2))));
         let again = ok_s(&ingest);
         assert_eq!((again["added"].as_u64(), again["skipped"].as_u64()), (Some(0), Some(3)), "then nothing to do");
 

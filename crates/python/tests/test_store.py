@@ -90,6 +90,23 @@ def test_documents_are_kept_up_to_date(model, embedder, tmp_path):
         assert store.ids() == [1, 2] and [store.get(i)["text"] for i in store.ids()] == ["One text.", "Another text."]
 
 
+def test_a_store_opened_twice_sees_every_write(model, embedder, tmp_path):
+    """A second Store of the same folder (or one in another process) follows the first's
+    writes: retrieval, ids and lengths are the store's now, not what was there at open."""
+    for url, states in store_locations(tmp_path):
+        writer = picaso.Store.create(url, model, embedder=embedder, states=states)
+        writer.ingest(["Dogs bark at night."])
+        reader = picaso.Store.open(url, model=model, embedder=embedder)
+        assert len(reader) == 1
+        writer.ingest(["Cats purr when they are content."])
+        assert reader.ids() == writer.ids() and len(reader) == 2
+        cat = reader.search("a purring cat", k=1)[0]
+        assert cat["text"] == "Cats purr when they are content."
+        writer.delete(cat["id"])
+        assert cat["id"] not in reader.ids()
+        assert all(h["id"] != cat["id"] for h in reader.search("a purring cat", k=2))
+
+
 def test_store_errors(model, tiny, embedder, tmp_path):
     url = str(tmp_path / "db")
     with pytest.raises(picaso.Error):

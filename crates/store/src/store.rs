@@ -538,9 +538,10 @@ impl Store {
     }
 
     /// Claims a folder store's writes for this `Store` until the lock is dropped: a second
-    /// writer (an `ingest` while a server holds the store, two servers) fails at once instead
-    /// of leaving a server's in-memory index stale. Holders of the same `Store` share the claim
-    /// (a server that holds it can still ingest through it: its own index follows its writes).
+    /// writer (an `ingest` while a server holds the store, two servers) fails at once, since
+    /// two writers could each remove a state file the other is about to share. Readers need
+    /// no claim: their index follows every writer's commits. Holders of the same `Store` share
+    /// the claim (a server that holds it can still ingest through it).
     /// PostgreSQL stores take several writers and need no claim.
     pub fn lock_writes(&self) -> Result<WriteLock> {
         let CatalogUrl::Sqlite(dir) = &self.location.catalog else { return Ok(WriteLock { _file: None }) };

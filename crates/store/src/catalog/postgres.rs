@@ -244,11 +244,26 @@ impl PostgresCatalog {
         block_on(self.pool.clone().run(op))
     }
 
-    /// Whether the tables exist.
+    /// Whether the tables exist in the schema this connection creates them in. Unqualified,
+    /// `picaso_meta` would resolve through the whole search path: a new store named
+    /// `search_path=store_a,public` would find (and write into) a store that sits in `public`.
     pub fn exists(&self) -> Result<bool> {
         self.run(Box::new(|c| {
             Box::pin(async move {
-                let row = c.query_one("SELECT to_regclass('picaso_meta') IS NOT NULL", &[]).await?;
+                let path: String = c.query_one("SHOW search_path", &[]).await?.get(0);
+                let row = match own_schema(&path) {
+                    Some(schema) => {
+                        c.query_one("SELECT to_regclass(format('%I.picaso_meta', $1::text)) IS NOT NULL", &[&schema])
+                            .await?
+                    }
+                    None => {
+                        c.query_one(
+                            "SELECT coalesce(to_regclass(format('%I.picaso_meta', current_schema())) IS NOT NULL, false)",
+                            &[],
+                        )
+                        .await?
+                    }
+                };
                 Ok(row.get::<_, bool>(0))
             })
         }))
@@ -261,13 +276,12 @@ impl PostgresCatalog {
         let result = self.run(Box::new(move |c| {
             Box::pin(async move {
                 let tx = c.transaction().await?;
-                tx.execute("SELECT pg_advisory_xact_lock(7362531)", &[]).await?; // picaso's DDL lock
-                                                                                 // A store in its own schema (`options=-csearch_path=NAME,public`): create it.
+                // picaso's DDL lock.
+                tx.execute("SELECT pg_advisory_xact_lock(7362531)", &[]).await?;
+                // A store in its own schema (`options=-csearch_path=NAME,public`): create it.
                 let path: String = tx.query_one("SHOW search_path", &[]).await?.get(0);
-                let first = path.split(',').next().unwrap_or("").trim().trim_matches('"');
-                let plain = !first.is_empty() && first.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
-                if plain && first != "public" {
-                    tx.batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS \"{first}\"")).await?;
+                if let Some(schema) = own_schema(&path).filter(|s| s != "public") {
+                    tx.batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS \"{schema}\"")).await?;
                 }
                 tx.batch_execute(&format!(
                     "CREATE EXTENSION IF NOT EXISTS vector;
@@ -752,6 +766,14 @@ impl Catalog for PostgresCatalog {
     }
 }
 
+/// The schema a store named by `search_path` lives in: its first entry when that is a plain
+/// name (created if missing), else None (`$user` and the like: the first schema that exists).
+fn own_schema(search_path: &str) -> Option<String> {
+    let first = search_path.split(',').next().unwrap_or("").trim().trim_matches('"');
+    let plain = !first.is_empty() && first.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+    plain.then(|| first.to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -769,6 +791,33 @@ mod tests {
         let catalog = PostgresCatalog::connect(&url).unwrap();
         catalog.create(2).unwrap();
         Some(catalog)
+    }
+
+    /// A store in a schema of its own is not mistaken for one the search path reaches after it
+    /// (README: `search_path=store_a,public` beside a store in `public`).
+    #[test]
+    fn a_new_schema_does_not_find_the_store_of_a_later_one() {
+        let Ok(url) = std::env::var("PICASO_TEST_POSTGRES") else { return };
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
+        let sep = if url.contains('?') { '&' } else { '?' };
+        let (a, b) = (format!("unit_a_{nanos}"), format!("unit_b_{nanos}"));
+        let at = |path: &str| PostgresCatalog::connect(&format!("{url}{sep}options=-csearch_path%3D{path}")).unwrap();
+        let first = at(&format!("{a}%2Cpublic"));
+        first.create(2).unwrap();
+        first.init_meta("model", "a").unwrap();
+        let second = at(&format!("{b}%2C{a}%2Cpublic"));
+        assert!(!second.exists().unwrap(), "store {a} is reached through the search path, but is not {b}");
+        second.create(3).unwrap();
+        second.init_meta("model", "b").unwrap();
+        assert!(second.exists().unwrap());
+        assert_eq!(second.meta("model").unwrap().as_deref(), Some("b"));
+        assert_eq!(
+            (first.meta("model").unwrap().as_deref(), first.meta("dim").unwrap().as_deref()),
+            (Some("a"), Some("2"))
+        );
+        assert_eq!(second.meta("dim").unwrap().as_deref(), Some("3"));
+        assert_eq!(own_schema("\"$user\", public"), None);
+        assert_eq!(own_schema("store_a, public").as_deref(), Some("store_a"));
     }
 
     /// A server that dies after removing a deleted context's object must not leave the row

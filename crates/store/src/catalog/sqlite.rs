@@ -1,6 +1,8 @@
 //! The embedded catalog: SQLite (WAL, synchronous=FULL) in `DIR/store.sqlite`, and an
-//! in-memory exact index over the embeddings, loaded at open. One process owns a folder store;
-//! several servers share a PostgreSQL catalog instead.
+//! in-memory exact index over the embeddings, loaded at open and brought up to date before it
+//! is read whenever another connection (another process, or another `Store` of this one) has
+//! committed since. One writer at a time per folder store; several servers share a PostgreSQL
+//! catalog instead.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -34,10 +36,106 @@ CREATE TABLE IF NOT EXISTS contexts (
 
 const RECORD_COLUMNS: &str = "id, doc, seg, text, tokens, n_tokens, state_file, checksum, state_bytes, created";
 
-/// The retrieval index and the context id of each of its rows.
+/// The retrieval index and the context id of each of its rows (ascending).
 struct Index {
     flat: FlatIndex,
     ids: Vec<i64>,
+    /// SQLite's `data_version` when the index last matched the table: it changes when another
+    /// connection commits (this connection's own writes update the index as they commit).
+    version: i64,
+}
+
+/// The number SQLite changes whenever another connection commits to the database.
+fn data_version(conn: &Connection) -> Result<i64> {
+    Ok(conn.query_row("PRAGMA data_version", [], |r| r.get(0))?)
+}
+
+/// The embedding of context `id` from its row, refused if damaged (wrong width, not finite).
+fn checked_embedding(dir: &Path, id: i64, blob: &[u8], dim: usize) -> Result<Vec<f32>> {
+    let embedding = blob_to_f32s(blob);
+    if embedding.len() == dim && embedding.iter().all(|v| v.is_finite()) {
+        return Ok(embedding);
+    }
+    Err(Error::Store {
+        location: dir.display().to_string(),
+        message: format!(
+            "the catalog row of context {id} is damaged: its embedding has {} values{}, the store's \
+             dimension is {dim}; remove it (`sqlite3 {}/store.sqlite \"DELETE FROM contexts WHERE \
+             id = {id}\"`) and ingest its text again",
+            embedding.len(),
+            if embedding.iter().any(|v| !v.is_finite()) { " (some not finite)" } else { "" },
+            dir.display(),
+        ),
+    })
+}
+
+impl Index {
+    /// Every context's embedding, in id order.
+    fn load(dir: &Path, conn: &Connection, dim: usize) -> Result<Self> {
+        let version = data_version(conn)?;
+        let mut index = Index { flat: FlatIndex::new(dim)?, ids: Vec::new(), version };
+        let mut stmt = conn.prepare("SELECT id, embedding FROM contexts ORDER BY id")?;
+        let mut rows = stmt.query([])?;
+        while let Some(row) = rows.next()? {
+            let id: i64 = row.get(0)?;
+            index.flat.add(&checked_embedding(dir, id, &row.get::<_, Vec<u8>>(1)?, dim)?)?;
+            index.ids.push(id);
+        }
+        Ok(index)
+    }
+
+    /// Brings the index up to the table after other connections' commits: reads the ids (not
+    /// the embeddings), drops the rows that are gone and reads only the new ones' embeddings.
+    fn sync(&mut self, dir: &Path, conn: &Connection) -> Result<()> {
+        // Read before the ids: a commit after this read changes it again, and is caught then.
+        let version = data_version(conn)?;
+        if version == self.version {
+            return Ok(());
+        }
+        let current: Vec<i64> = {
+            let mut stmt = conn.prepare_cached("SELECT id FROM contexts ORDER BY id")?;
+            let rows = stmt.query_map([], |r| r.get(0))?;
+            rows.collect::<std::result::Result<_, _>>()?
+        };
+        let dim = self.flat.dim();
+        let mut embedding = conn.prepare_cached("SELECT embedding FROM contexts WHERE id = ?1")?;
+        let mut read = |id: i64| -> Result<Option<Vec<f32>>> {
+            match embedding.query_row([id], |r| r.get::<_, Vec<u8>>(0)).optional()? {
+                Some(blob) => checked_embedding(dir, id, &blob, dim).map(Some),
+                // Deleted since the ids were read: the next sync sees the commit that did it.
+                None => Ok(None),
+            }
+        };
+        let appended_only = self.ids.len() <= current.len()
+            && current[..self.ids.len()] == self.ids[..]
+            && current.get(self.ids.len()).is_none_or(|&first| self.ids.last().is_none_or(|&last| first > last));
+        if appended_only {
+            for &id in &current[self.ids.len()..] {
+                if let Some(v) = read(id)? {
+                    self.flat.add(&v)?;
+                    self.ids.push(id);
+                }
+            }
+        } else {
+            // Rows removed (or ids written below others): one pass in id order, keeping the
+            // vectors the index has.
+            let (mut flat, mut ids) = (Vec::with_capacity(current.len() * dim), Vec::with_capacity(current.len()));
+            for id in current {
+                match self.ids.binary_search(&id) {
+                    Ok(row) => flat.extend_from_slice(self.flat.vector(row).expect("index rows match ids")),
+                    Err(_) => match read(id)? {
+                        Some(v) => flat.extend_from_slice(&v),
+                        None => continue,
+                    },
+                }
+                ids.push(id);
+            }
+            self.flat = FlatIndex::from_flat(dim, flat)?;
+            self.ids = ids;
+        }
+        self.version = version;
+        Ok(())
+    }
 }
 
 /// SQLite metadata in a store folder.
@@ -89,30 +187,7 @@ impl SqliteCatalog {
             location: dir.display().to_string(),
             message: "metadata lacks a numeric `dim`".into(),
         })?;
-        let mut index = Index { flat: FlatIndex::new(dim)?, ids: Vec::new() };
-        {
-            let mut stmt = conn.prepare("SELECT id, embedding FROM contexts ORDER BY id")?;
-            let mut rows = stmt.query([])?;
-            while let Some(row) = rows.next()? {
-                let id: i64 = row.get(0)?;
-                let embedding = blob_to_f32s(&row.get::<_, Vec<u8>>(1)?);
-                if embedding.len() != dim || embedding.iter().any(|v| !v.is_finite()) {
-                    return Err(Error::Store {
-                        location: dir.display().to_string(),
-                        message: format!(
-                            "the catalog row of context {id} is damaged: its embedding has {} values{}, the store's \
-                             dimension is {dim}; remove it (`sqlite3 {}/store.sqlite \"DELETE FROM contexts WHERE \
-                             id = {id}\"`) and ingest its text again",
-                            embedding.len(),
-                            if embedding.iter().any(|v| !v.is_finite()) { " (some not finite)" } else { "" },
-                            dir.display(),
-                        ),
-                    });
-                }
-                index.flat.add(&embedding)?;
-                index.ids.push(id);
-            }
-        }
+        let index = Index::load(dir, &conn, dim)?;
         Ok(Self { dir: dir.to_path_buf(), conn: Mutex::new(conn), index: RwLock::new(index) })
     }
 
@@ -125,7 +200,7 @@ impl SqliteCatalog {
         let conn = Self::connect(dir)?;
         conn.execute_batch(SCHEMA)?;
         conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('dim', ?1)", [dim.to_string()])?;
-        let index = Index { flat: FlatIndex::new(dim)?, ids: Vec::new() };
+        let index = Index { flat: FlatIndex::new(dim)?, ids: Vec::new(), version: data_version(&conn)? };
         Ok(Self { dir: dir.to_path_buf(), conn: Mutex::new(conn), index: RwLock::new(index) })
     }
 
@@ -140,8 +215,19 @@ impl SqliteCatalog {
         self.conn.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn index(&self) -> std::sync::RwLockReadGuard<'_, Index> {
-        self.index.read().unwrap_or_else(|p| p.into_inner())
+    /// The index, first brought up to date if another connection has committed since it was
+    /// (one `PRAGMA data_version` per read when nothing changed).
+    fn index(&self) -> Result<std::sync::RwLockReadGuard<'_, Index>> {
+        let conn = self.conn();
+        let version = data_version(&conn)?;
+        let stale = self.index.read().unwrap_or_else(|p| p.into_inner()).version != version;
+        if stale {
+            self.index.write().unwrap_or_else(|p| p.into_inner()).sync(&self.dir, &conn)?;
+        }
+        // Taken before the connection is let go, so no write of this process comes between.
+        let index = self.index.read().unwrap_or_else(|p| p.into_inner());
+        drop(conn);
+        Ok(index)
     }
 }
 
@@ -238,7 +324,7 @@ impl Catalog for SqliteCatalog {
     }
 
     fn exist(&self, ids: &[i64]) -> Result<Vec<bool>> {
-        let index = self.index();
+        let index = self.index()?;
         Ok(ids.iter().map(|id| index.ids.binary_search(id).is_ok()).collect())
     }
 
@@ -277,23 +363,23 @@ impl Catalog for SqliteCatalog {
     }
 
     fn search(&self, query: &[f32], k: usize, _exact: bool) -> Result<Vec<(i64, f32)>> {
-        let index = self.index();
+        let index = self.index()?;
         let hits = index.flat.search(query, k)?;
         Ok(hits.into_iter().map(|(row, score)| (index.ids[row], score)).collect())
     }
 
     fn embedding(&self, id: i64) -> Result<Vec<f32>> {
-        let index = self.index();
+        let index = self.index()?;
         let row = index.ids.binary_search(&id).map_err(|_| Error::NotFound(id))?;
         Ok(index.flat.vector(row).expect("index rows match ids").to_vec())
     }
 
     fn count(&self) -> Result<usize> {
-        Ok(self.index().ids.len())
+        Ok(self.index()?.ids.len())
     }
 
     fn ids(&self) -> Result<Vec<i64>> {
-        Ok(self.index().ids.clone())
+        Ok(self.index()?.ids.clone())
     }
 
     fn totals(&self) -> Result<Totals> {
