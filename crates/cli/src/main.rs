@@ -131,7 +131,7 @@ struct IngestArgs {
     #[arg(long, default_value = "paragraph")]
     segment: picaso_store::Segmentation,
     /// Contexts per committed batch.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = at_least_one)]
     batch: usize,
     /// Precision of the state files: f32 or bf16 (default: the store's, f32 for a new store).
     #[arg(long)]
@@ -167,7 +167,7 @@ struct QueryArgs {
     #[arg(long)]
     embedder: Option<PathBuf>,
     /// Contexts to retrieve.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, value_parser = at_least_one)]
     k: usize,
     /// picaso-r, picaso-s, caso, soup, concat or naive.
     #[arg(long, default_value = "picaso-r")]
@@ -249,10 +249,10 @@ struct BenchContextArgs {
     #[arg(long, default_value_t = 100)]
     context_tokens: usize,
     /// Tokens of the prompt after the contexts (for the time to first token).
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, value_parser = at_least_one)]
     prompt_tokens: usize,
     /// Runs per measurement (medians are reported).
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, value_parser = at_least_one)]
     repeats: usize,
     /// Composition method.
     #[arg(long, default_value = "picaso-r")]
@@ -1031,7 +1031,19 @@ fn stats(a: StatsArgs) -> Result<()> {
     Ok(())
 }
 
+/// A count that must be 1 or more (a flag's value).
+fn at_least_one(s: &str) -> std::result::Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 fn query(a: QueryArgs) -> Result<()> {
+    if a.method == picaso_store::ContextMethod::Naive && a.ids.as_ref().is_some_and(|ids| !ids.is_empty()) {
+        bail!("--method naive uses no context, so --ids would be ignored: drop --ids, or pick picaso-r, picaso-s, caso, soup or concat");
+    }
     let store = picaso_store::Store::open(a.db.location()?)?;
     let model = load_model(&a.model, true)?;
     let t_retrieve = Instant::now();
@@ -1059,6 +1071,12 @@ fn query(a: QueryArgs) -> Result<()> {
     let ready = prepared.as_ref().map_or(0.0, |p| p.load_seconds + p.compose_seconds);
     let retrieve_seconds = (t_retrieve.elapsed().as_secs_f64() - ready).max(0.0);
     let ids: Vec<i64> = hits.iter().map(|h| h.0).collect();
+    if ids.is_empty() && a.ids.is_none() && a.method != picaso_store::ContextMethod::Naive {
+        eprintln!(
+            "(the store holds no contexts: {} has nothing to combine, so this answers without context)",
+            a.method.name()
+        );
+    }
     let tokenizer = model.tokenizer()?;
     let prompt = tokenizer.encode(&a.prompt)?;
     if prompt.is_empty() {
@@ -1092,8 +1110,12 @@ fn query(a: QueryArgs) -> Result<()> {
                 // A closed stdout (`| head`) stops generation.
                 a.json || out.write_all(piece.as_bytes()).and_then(|()| out.flush()).is_ok()
             })?;
-            let first = first.unwrap_or_else(|| t0.elapsed().as_secs_f64());
-            let tokens = g.tokens.clone();
+            // The answer attributed is the text shown: a stop string's tokens are cut from it
+            // (and may end mid-token), so its tokens are the text's own.
+            let tokens = match g.stop_reason {
+                picaso_model::StopReason::Stop => tokenizer.encode(&g.text)?,
+                _ => g.tokens.clone(),
+            };
             (Some((g, first)), tokens)
         }
     };
@@ -1127,7 +1149,7 @@ fn query(a: QueryArgs) -> Result<()> {
             v["compose_ms"] = json!(1e3 * p.compose_seconds);
         }
         if let Some((g, first)) = &generation {
-            v["time_to_first_token_ms"] = json!(1e3 * (ready + first));
+            v["time_to_first_token_ms"] = json!(first.map(|f| 1e3 * (ready + f)));
             v["text"] = json!(g.text);
             v["token_ids"] = json!(g.tokens);
             v["stop_reason"] = json!(g.stop_reason);
@@ -1143,13 +1165,9 @@ fn query(a: QueryArgs) -> Result<()> {
     }
     if let Some((_, first)) = &generation {
         println!();
-        eprintln!(
-            "[{} · contexts {:?} · state ready in {:.1} ms · first token after {:.1} ms]",
-            a.method.name(),
-            ids,
-            1e3 * ready,
-            1e3 * (ready + first)
-        );
+        let first = first
+            .map_or_else(|| "no token generated".into(), |f| format!("first token after {:.1} ms", 1e3 * (ready + f)));
+        eprintln!("[{} · contexts {:?} · state ready in {:.1} ms · {first}]", a.method.name(), ids, 1e3 * ready);
     }
     if let Some(at) = &attribution {
         print_attribution(at, &ids, doc_of);

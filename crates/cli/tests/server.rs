@@ -84,22 +84,17 @@ fn serve_completions_contexts_search_metrics_and_bad_input(arch: &str, db: &Test
 
     // A greedy completion over given contexts equals `picaso query` with the same ids.
     for method in ["picaso-r", "picaso-s", "caso", "soup", "concat", "naive"] {
-        let v = server.complete(json!({"prompt": "The tower", "max_tokens": 6, "temperature": 0, "contexts": [3, 2], "composition": method}));
-        let q = ok(&[
-            "query",
-            "--db",
-            db_s,
-            "--model",
-            m,
-            "--ids",
-            "3,2",
-            "--method",
-            method,
-            "--max-tokens",
-            "6",
-            "--json",
-            "The tower",
-        ]);
+        // Naive uses no context (given some, both refuse: 400 and an error). Explicit nulls are
+        // the defaults, and an empty `model` is any.
+        let (contexts, ids) = if method == "naive" { (json!([]), "") } else { (json!([3, 2]), "3,2") };
+        let v = server.complete(json!({"prompt": "The tower", "max_tokens": 6, "temperature": 0, "top_p": null,
+            "stream": null, "model": "", "contexts": contexts, "composition": method}));
+        let mut cli =
+            vec!["query", "--db", db_s, "--model", m, "--method", method, "--max-tokens", "6", "--json", "The tower"];
+        if !ids.is_empty() {
+            cli.extend(["--ids", ids]);
+        }
+        let q = ok(&cli);
         assert_eq!(v["choices"][0]["text"], q["text"], "{method}: server and CLI agree");
         assert_eq!(v["object"], "text_completion");
         assert_eq!(v["picaso"]["composition"], method);
@@ -118,6 +113,12 @@ fn serve_completions_contexts_search_metrics_and_bad_input(arch: &str, db: &Test
             assert_eq!(v["picaso"]["context_tokens"], 0, "{method} processes no context tokens");
         }
     }
+
+    // null max_tokens and temperature: OpenAI's defaults (16, 1).
+    let served = server.call("GET", "/v1/models", None).1["data"][0]["id"].clone();
+    let v = server
+        .complete(json!({"prompt": "The tower", "max_tokens": null, "temperature": null, "seed": 1, "model": served}));
+    assert!(v["usage"]["completion_tokens"].as_u64().unwrap() <= 16, "{v}");
 
     // Retrieval: the Eiffel paragraphs for an Eiffel question, the best nearest the prompt.
     let v = server.complete(json!({"prompt": "Where is the Eiffel Tower?", "max_tokens": 3, "retrieve": 2}));
@@ -193,6 +194,17 @@ fn serve_completions_contexts_search_metrics_and_bad_input(arch: &str, db: &Test
     let (status, err) = server.post("/v1/completions", json!({"prompt": "Bananas", "contexts": [id]}));
     assert_eq!(status, 404, "a deleted context is gone, from the cache too: {err}");
     assert_eq!(server.call("GET", "/health", None).1["contexts"], 4);
+    // Eight identical adds at once: one creates the context (201), the others find it (200).
+    let racers: Vec<(u16, Value)> = std::thread::scope(|sc| {
+        let adds: Vec<_> =
+            (0..8).map(|_| sc.spawn(|| server.post("/v1/contexts", json!({"text": "Cherries are red."})))).collect();
+        adds.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(racers.iter().filter(|(_, v)| v["created"] == true).count(), 1, "{racers:?}");
+    assert!(racers.iter().all(|(status, v)| *status == if v["created"] == true { 201 } else { 200 }), "{racers:?}");
+    let cherry = racers[0].1["id"].as_i64().unwrap();
+    assert!(racers.iter().all(|(_, v)| v["id"].as_i64() == Some(cherry)), "{racers:?}");
+    assert_eq!(server.call("DELETE", &format!("/v1/contexts/{cherry}"), None).0, 200);
 
     // A named segment sent again with other text replaces it: new id, new state, the old id gone
     // (from the state cache too); the same text again changes nothing.
@@ -250,7 +262,9 @@ fn serve_completions_contexts_search_metrics_and_bad_input(arch: &str, db: &Test
     let ids: Vec<i64> = first["contexts"].as_array().unwrap().iter().map(|c| c["id"].as_i64().unwrap()).collect();
     let mut documents = Vec::new();
     let mut after: Option<String> = None;
+    let mut pages = 0;
     loop {
+        pages += 1;
         let path = match &after {
             Some(a) => format!("/v1/documents?limit=2&after={}", a.replace('/', "%2F")),
             None => "/v1/documents?limit=2".to_string(),
@@ -265,6 +279,7 @@ fn serve_completions_contexts_search_metrics_and_bad_input(arch: &str, db: &Test
     }
     let names: Vec<&str> = documents.iter().map(|d| d["id"].as_str().unwrap()).collect();
     assert_eq!(names, ["cats.txt", "eiffel.txt", "mamba.txt", "notes/birds"], "every document once, by name");
+    assert_eq!(pages, 2, "a full last page names no next one");
     assert_eq!(documents[3]["contexts"], 3);
     server.complete(json!({"prompt": "Birds", "max_tokens": 1, "contexts": ids.clone()})); // cached now
     let (status, same) = birds("Birds fly.\n\nBirds sing at dawn.\n\nSome birds swim.");
@@ -307,6 +322,14 @@ fn serve_completions_contexts_search_metrics_and_bad_input(arch: &str, db: &Test
         ("/v1/completions", json!({"prompt": "x", "n": 2}).to_string(), 400, "not supported"),
         ("/v1/completions", json!({"prompt": "x", "temperature": -1}).to_string(), 400, "temperature"),
         ("/v1/completions", json!({"prompt": [99_999_999]}).to_string(), 400, "token"),
+        ("/v1/completions", json!({"prompt": [[1, 2]]}).to_string(), 400, "a batch of token lists is not supported"),
+        ("/v1/completions", json!({"prompt": null}).to_string(), 400, "`prompt` must be a string"),
+        ("/v1/completions", json!({"prompt": "x", "stop": ["\n", null]}).to_string(), 400, "`stop` must be"),
+        ("/v1/completions", json!([{"prompt": "x"}]).to_string(), 400, "must be a JSON object"),
+        ("/v1/completions", json!({"prompt": "x", "model": "gpt-3.5-turbo-instruct"}).to_string(), 404, "no model"),
+        ("/v1/completions", json!({"prompt": "x", "contexts": [1], "composition": "naive"}).to_string(), 400, "naive"),
+        ("/v1/completions", json!({"prompt": "x", "retrieve": 2, "composition": "naive"}).to_string(), 400, "naive"),
+        ("/v1/search", json!({"query": " ", "k": 2}).to_string(), 400, "`query` is empty"),
         ("/v1/contexts", json!({"text": "  "}).to_string(), 400, "empty"),
         ("/v1/contexts", json!({"text": "long ".repeat(60)}).to_string(), 413, "at most 40"),
         ("/v1/documents", json!({"id": "d", "text": "\n\n  \n"}).to_string(), 400, "empty"),

@@ -72,10 +72,9 @@ pub struct Scratch {
     /// Per context, one block's decays e^ld and weights.
     a: Vec<Block>,
     w: Vec<Block>,
-    /// PICASO-S: the triangle of prefix polynomials, the suffix sums and the coefficients.
+    /// PICASO-S: the triangle of prefix polynomials and the suffix sums.
     prefix: Vec<Block>,
     suffix: Vec<Block>,
-    coeff: Vec<f64>,
 }
 
 /// Weights below [`TINY_WEIGHT`] as 0 (a whole block at once: a select, not masked stores).
@@ -251,34 +250,34 @@ crate::simd_fn! {
     }
 }
 
-/// PICASO-S's weights of one block into `s.w`, from the decays `s.a`: w_k = Σ_i L_k[i]·h_k[i]
-/// with L_k the coefficients of Π_{j<k}(1 + A_j t), built forwards, and h_k = h_{k+1} +
-/// A_{k+1}·shift(h_{k+1}) from h_{n-1} = c, built backwards ([`crate::weights_into`]'s
-/// arithmetic, in f32 and a block at a time). O(n²) per value, adding only non-negative numbers.
+/// PICASO-S's weights of one block into `s.w`, from the decays `s.a`: [`crate::weights_into`]'s
+/// normalised recurrences (every number in [0, 1], so no n leaves f32's range), in f32 and a
+/// block at a time. O(n²) per value, adding only non-negative numbers.
 #[inline(always)]
 fn picaso_s_block(s: &mut Scratch) {
     let n = s.a.len();
-    crate::picaso_s_coefficients(n, &mut s.coeff);
-    // prefix: L_0..L_{n-1} as a triangle (L_k: k+1 entries from k(k+1)/2).
+    // prefix: L̃_0..L̃_{n-1} as a triangle (L̃_k: k+1 entries from k(k+1)/2).
     s.prefix.clear();
     s.prefix.push([1.0; B]);
     for k in 1..n {
         let start = (k - 1) * k / 2;
-        let a = s.a[k - 1];
+        let (a, inv) = (s.a[k - 1], 1.0 / k as f32);
         for i in 0..=k {
+            let (keep, take) = ((k - i) as f32 * inv, i as f32 * inv);
             let prev = if i < k { s.prefix[start + i] } else { [0.0; B] };
             let shifted = if i > 0 { s.prefix[start + i - 1] } else { [0.0; B] };
-            s.prefix.push(std::array::from_fn(|j| a[j].mul_add(shifted[j], prev[j])));
+            s.prefix.push(std::array::from_fn(|j| (take * a[j]).mul_add(shifted[j], keep * prev[j])));
         }
     }
     s.suffix.clear();
-    s.suffix.extend(s.coeff.iter().map(|&c| [c as f32; B]));
+    s.suffix.resize(n, [1.0 / n as f32; B]);
     for k in (0..n).rev() {
         if k < n - 1 {
-            let a = s.a[k + 1];
+            let (a, inv) = (s.a[k + 1], 1.0 / (k + 1) as f32);
             for i in 0..=k {
+                let (keep, take) = ((k + 1 - i) as f32 * inv, (i + 1) as f32 * inv);
                 let (v, next) = (s.suffix[i], s.suffix[i + 1]);
-                s.suffix[i] = std::array::from_fn(|j| a[j].mul_add(next[j], v[j]));
+                s.suffix[i] = std::array::from_fn(|j| (take * a[j]).mul_add(next[j], keep * v[j]));
             }
         }
         let mut w = [0.0f32; B];

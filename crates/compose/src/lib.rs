@@ -150,7 +150,6 @@ pub struct Scratch {
     decays: Vec<f64>,
     prefix: Vec<f64>,
     suffix: Vec<f64>,
-    coeff: Vec<f64>,
 }
 
 /// Like [`weights`] without validation or allocation (inputs must be valid log-decays ≤ 0).
@@ -198,50 +197,46 @@ fn picaso_r(log_decays: &[f64], out: &mut [f64], s: &mut Scratch) {
     out.iter_mut().for_each(|w| *w *= inv);
 }
 
-/// PICASO-S's coefficients c_m = 1 / (n C(n-1, m)), m = 0..n-1, into `out`.
-pub(crate) fn picaso_s_coefficients(n: usize, out: &mut Vec<f64>) {
-    out.clear();
-    let mut binom = 1.0f64;
-    for m in 0..n {
-        if m > 0 {
-            binom = binom * (n - m) as f64 / m as f64;
-        }
-        out.push(1.0 / (n as f64 * binom));
-    }
-}
-
-/// PICASO-S: w_k = Σ_m e_m(A without k) · c_m with c_m = 1 / (n · C(n-1, m)).
+/// PICASO-S: the mean of CASO's weights over all n! orders,
+/// w_k = (1/n) Σ_m e_m(A without k) / C(n-1, m), with e_m the elementary symmetric polynomials.
 ///
 /// e(A without k) is the coefficient vector of L_k(t)·R_k(t), L_k = Π_{j<k}(1 + A_j t) and
 /// R_k = Π_{j>k}(1 + A_j t). Instead of multiplying the polynomials (O(n²) per k), note
-/// w_k = Σ_i L_k[i] · h_k[i] with h_k[i] = Σ_j R_k[j] c[i+j], and h_k = h_{k+1} + A_{k+1}·shift(h_{k+1}).
-/// So the L_k are built forwards and the h_k backwards, O(n) each, O(n²) in all, adding only
-/// non-negative numbers.
+/// w_k = Σ_i L_k[i] · h_k[i] with h_k[i] = Σ_j R_k[j] c[i+j], c_m = 1 / (n C(n-1, m)), and
+/// h_k = h_{k+1} + A_{k+1}·shift(h_{k+1}). So the L_k are built forwards and the h_k
+/// backwards, O(n) each, O(n²) in all.
+///
+/// Both are kept normalised, or they leave f64's range from n ≈ 1,030 on (L_k[i] grows like
+/// C(k, i) and c_m shrinks like its inverse: inf · 0 gave NaN weights): L̃_k[i] = L_k[i] / C(k, i)
+/// is the mean product of i of the first k decays and g_k[i] = C(k, i)·h_k[i] ≤ 1, and their
+/// recurrences mix neighbours with weights that add up to one. Every number stays in [0, 1]
+/// and only non-negative numbers are added.
 fn picaso_s(log_decays: &[f64], out: &mut [f64], s: &mut Scratch) {
     let n = log_decays.len();
     s.decays.clear();
     s.decays.extend(log_decays.iter().map(|a| a.exp()));
-    picaso_s_coefficients(n, &mut s.coeff);
-    // prefix holds L_0..L_{n-1} as a triangle: L_k occupies k+1 entries starting at k(k+1)/2.
+    // prefix holds L̃_0..L̃_{n-1} as a triangle: L̃_k occupies k+1 entries starting at k(k+1)/2.
+    // L̃_k[i] = ((k − i) L̃_{k−1}[i] + i A_{k−1} L̃_{k−1}[i−1]) / k.
     s.prefix.clear();
     s.prefix.push(1.0);
     for k in 1..n {
         let start = (k - 1) * k / 2;
-        let ak = s.decays[k - 1];
+        let (a, inv) = (s.decays[k - 1], 1.0 / k as f64);
         for i in 0..=k {
             let prev = if i < k { s.prefix[start + i] } else { 0.0 };
             let shifted = if i > 0 { s.prefix[start + i - 1] } else { 0.0 };
-            s.prefix.push(prev + ak * shifted);
+            s.prefix.push(((k - i) as f64 * inv) * prev + (i as f64 * inv) * a * shifted);
         }
     }
-    // h_{n-1} = c; walking k downwards, h_k[i] = h_{k+1}[i] + A_{k+1} h_{k+1}[i+1] for i ≤ k.
+    // g_{n-1}[i] = C(n-1, i) c_i = 1/n; walking k downwards,
+    // g_k[i] = ((k + 1 − i) g_{k+1}[i] + (i + 1) A_{k+1} g_{k+1}[i+1]) / (k + 1) for i ≤ k.
     s.suffix.clear();
-    s.suffix.extend_from_slice(&s.coeff);
+    s.suffix.resize(n, 1.0 / n as f64);
     for k in (0..n).rev() {
         if k < n - 1 {
-            let a = s.decays[k + 1];
+            let (a, inv) = (s.decays[k + 1], 1.0 / (k + 1) as f64);
             for i in 0..=k {
-                s.suffix[i] += a * s.suffix[i + 1];
+                s.suffix[i] = ((k + 1 - i) as f64 * inv) * s.suffix[i] + ((i + 1) as f64 * inv) * a * s.suffix[i + 1];
             }
         }
         let l = &s.prefix[k * (k + 1) / 2..k * (k + 1) / 2 + k + 1];

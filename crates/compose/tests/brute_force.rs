@@ -270,3 +270,40 @@ fn per_value_composition_refuses_bad_input() {
     assert!(compose_per_value(Method::Caso, &[&ld], &[&x[..19]], &mut out, &mut out_ld).is_err());
     assert!(compose_per_value(Method::Caso, &[], &[], &mut out, &mut out_ld).is_err());
 }
+
+/// Many contexts: PICASO-S's sums of n! orders stay finite and exact where closed forms exist
+/// (its polynomial coefficients once left f64's range from n ≈ 1,030 and f32's far earlier).
+/// Equal decays a: every order gives context k the weight a^(position from the end), so both
+/// PICASO-S and PICASO-R give (1/n) Σ_{m<n} aᵐ; decays 0 and 1 give 1/n and 1.
+#[test]
+fn many_contexts_keep_exact_finite_weights() {
+    for n in [2, 100, 1037, 1038, 2500] {
+        for a in [0.0f64, 0.3, 0.9, 0.999, 1.0] {
+            let ld = vec![a.ln(); n];
+            let want = if a == 1.0 { 1.0 } else { (1.0 - a.powi(n as i32)) / ((1.0 - a) * n as f64) };
+            for m in [Method::PicasoS, Method::PicasoR] {
+                let w = weights(m, &ld).unwrap();
+                let worst = w.iter().map(|v| (v - want).abs() / want).fold(0.0, f64::max);
+                assert!(worst < 1e-9, "{m} n={n} a={a}: {worst:e} off {want}");
+            }
+        }
+        // Mixed decays: PICASO-S between the extremes of CASO's weights, summing to Σ_k E[weight].
+        let ld: Vec<f64> = (0..n).map(|i| -(((i * 7919) % 13) as f64) * 0.01).collect();
+        let w = weights(Method::PicasoS, &ld).unwrap();
+        assert!(w.iter().all(|v| v.is_finite() && *v >= 1.0 / n as f64 - 1e-12 && *v <= 1.0), "n={n}");
+    }
+    // The per-value (f32) path agrees with the f64 weights at a size where f32 binomials overflow.
+    let n = 300;
+    let ld: Vec<Vec<f32>> = (0..n).map(|i| (0..16).map(|e| -(((i + 3 * e) % 11) as f32) * 0.02).collect()).collect();
+    let x: Vec<Vec<f32>> = (0..n).map(|i| (0..16).map(|e| ((i * 31 + e * 7) % 17) as f32 - 8.0).collect()).collect();
+    let (ldr, xr): (Vec<&[f32]>, Vec<&[f32]>) =
+        (ld.iter().map(|v| &v[..]).collect(), x.iter().map(|v| &v[..]).collect());
+    let (mut out, mut ld_out) = (vec![0.0f32; 16], vec![0.0f32; 16]);
+    compose_per_value(Method::PicasoS, &ldr, &xr, &mut out, &mut ld_out).unwrap();
+    for e in 0..16 {
+        let w = weights(Method::PicasoS, &ld.iter().map(|v| v[e] as f64).collect::<Vec<_>>()).unwrap();
+        let want: f64 = (0..n).map(|i| w[i] * x[i][e] as f64).sum();
+        let scale: f64 = (0..n).map(|i| (w[i] * x[i][e] as f64).abs()).sum();
+        assert!((out[e] as f64 - want).abs() <= 1e-4 * scale, "value {e}: {} vs {want}", out[e]);
+    }
+}

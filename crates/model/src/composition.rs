@@ -66,7 +66,8 @@ pub fn compose_views_into(
     let bad_decay = |i: usize, l: usize, v: f64| {
         Error::state(format!("state {i}: layers.{l}.log_decay holds {v}; log-decays must be finite and <= 0"))
     };
-    let block = first.shape.ssm.iter().product::<usize>() / first.shape.log_decay.iter().product::<usize>();
+    first.shape.check()?;
+    let block = first.shape.ssm_len() / first.shape.log_decay_len();
     if block > 1 {
         // (With a decay per value, compose_per_value checks them as it reads them.)
         for (i, s) in states.iter().enumerate() {
@@ -78,7 +79,7 @@ pub fn compose_views_into(
         }
     }
     out.fingerprint = first.fingerprint.to_string();
-    out.n_tokens = ordered.iter().map(|s| s.n_tokens).sum();
+    out.n_tokens = ordered.iter().fold(0u64, |n, s| n.saturating_add(s.n_tokens));
     // Layers in parallel (and blocks within a layer): one pass over the inputs, no barriers.
     let results: Vec<Result<()>> = out
         .layers

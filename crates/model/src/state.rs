@@ -163,6 +163,37 @@ impl StateShape {
     pub fn log_decay_len(&self) -> usize {
         self.log_decay.iter().product()
     }
+
+    /// Whether the three tensors fit together as `arch`'s state: their ranks, one log-decay per
+    /// head (Mamba-2) or per value (Mamba-1), and no empty axis. A state built from arrays
+    /// that miss this would compose with decays applied to the wrong values.
+    pub fn check(&self) -> Result<()> {
+        let (ssm, conv, log_decay) = (&self.ssm, &self.conv, &self.log_decay);
+        if [ssm.len(), conv.len(), log_decay.len()] != self.arch.ranks() {
+            return Err(Error::state(match self.arch {
+                Arch::Mamba2 => "tensor ranks are not ssm (H,P,N), conv (C,K-1), log_decay (H) of a mamba2 state",
+                Arch::Mamba1 => "tensor ranks are not ssm (D,N), conv (D,K-1), log_decay (D,N) of a mamba1 state",
+            }));
+        }
+        let blocks_fit = match self.arch {
+            Arch::Mamba2 => log_decay[0] == ssm[0],
+            Arch::Mamba1 => log_decay == ssm && conv[0] == ssm[0],
+        };
+        if !blocks_fit {
+            return Err(Error::state(format!(
+                "log_decay shape {log_decay:?} and conv shape {conv:?} do not fit ssm shape {ssm:?} of a {} state",
+                self.arch
+            )));
+        }
+        // (A conv tail of d_conv = 1 keeps no inputs: conv's second axis may be empty.)
+        if ssm.contains(&0) || conv[0] == 0 || self.n_layer == 0 {
+            return Err(Error::state(format!(
+                "an empty axis: ssm {ssm:?}, conv {conv:?}, {} layers; every axis but the conv tail's needs at least one value",
+                self.n_layer
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// One layer's state. Lengths follow [`StateShape`]; `S` stores the SSM values (see [`State`]).
@@ -555,20 +586,8 @@ impl Parsed {
             st.tensor(name).map(|v| v.shape().to_vec()).map_err(|_| Error::state(format!("missing tensor `{name}`")))
         };
         let (ssm, conv, log_decay) = (dims("layers.0.ssm")?, dims("layers.0.conv")?, dims("layers.0.log_decay")?);
-        if [ssm.len(), conv.len(), log_decay.len()] != arch.ranks() {
-            return Err(Error::state(match arch {
-                Arch::Mamba2 => "tensor ranks are not ssm (H,P,N), conv (C,K-1), log_decay (H) of a mamba2 state",
-                Arch::Mamba1 => "tensor ranks are not ssm (D,N), conv (D,K-1), log_decay (D,N) of a mamba1 state",
-            }));
-        }
-        let blocks_fit = match arch {
-            Arch::Mamba2 => log_decay[0] == ssm[0],
-            Arch::Mamba1 => log_decay == ssm,
-        };
-        if !blocks_fit {
-            return Err(Error::state(format!("log_decay shape {log_decay:?} does not fit ssm shape {ssm:?}")));
-        }
         let shape = StateShape { arch, n_layer, ssm, conv, log_decay };
+        shape.check()?;
         let base = bytes.as_ptr() as usize;
         let at = |name: String, want: &[usize]| -> Result<TensorAt> {
             let v = st.tensor(&name).map_err(|_| Error::state(format!("missing tensor `{name}`")))?;

@@ -389,6 +389,7 @@ impl State {
             conv: c0.shape().to_vec(),
             log_decay: l0.shape().to_vec(),
         };
+        shape.check().map_err(|e| raise(Kind::Invalid, e.to_string()))?;
         let mut out = Vec::with_capacity(layers.len());
         for (i, (s, c, l)) in layers.iter().enumerate() {
             for (name, a, want) in

@@ -86,6 +86,17 @@ def test_from_arrays_round_trip_and_errors(model):
     nan = [(np.full_like(x, np.nan), c, d) for x, c, d in layers]
     with pytest.raises(picaso.Error):
         picaso.State.from_arrays(nan, fingerprint=s.fingerprint, n_tokens=1)
+    # Arrays that do not fit together (8 decays for 16 heads, an empty axis) would compose
+    # with the decays applied to the wrong values: refused.
+    with pytest.raises(picaso.InvalidArgument, match="do not fit"):
+        picaso.State.from_arrays([(x, c, d[:8]) for x, c, d in layers], fingerprint=s.fingerprint, n_tokens=1)
+    z = np.float32
+    with pytest.raises(picaso.InvalidArgument, match="empty axis"):
+        picaso.State.from_arrays([(np.zeros((0, 4, 4), z), np.zeros((4, 3), z), np.zeros((0,), z))], fingerprint="x", n_tokens=1)
+    # Token counts saturate instead of wrapping around.
+    big = picaso.State.from_arrays(layers, fingerprint=s.fingerprint, n_tokens=2**64 - 1)
+    assert picaso.compose([big, big]).n_tokens == 2**64 - 1
+    assert model.state(B, start=big).n_tokens == 2**64 - 1
     other = picaso.State.from_arrays(layers, fingerprint="mamba2-someone-else", n_tokens=1)
     with pytest.raises(picaso.StateMismatch):
         model.score(B, state=other)

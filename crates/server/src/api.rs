@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 
 /// A prompt: text, a one-element list of texts, or token ids (all forms OpenAI accepts).
 #[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
+#[serde(try_from = "serde_json::Value")]
 pub enum Prompt {
     /// Text.
     Text(String),
@@ -15,14 +15,70 @@ pub enum Prompt {
     Tokens(Vec<u32>),
 }
 
+impl TryFrom<serde_json::Value> for Prompt {
+    type Error = String;
+
+    /// Read by hand, so that a wrong form is told what the right ones are (serde's untagged
+    /// enums say only that no variant matched).
+    fn try_from(v: serde_json::Value) -> Result<Self, String> {
+        use serde_json::Value;
+        const FORMS: &str = "`prompt` must be a string, a list of one string, or a list of token ids (integers)";
+        match v {
+            Value::String(s) => Ok(Prompt::Text(s)),
+            Value::Array(items) if items.iter().all(Value::is_string) => {
+                Ok(Prompt::Texts(items.into_iter().filter_map(|i| i.as_str().map(str::to_string)).collect()))
+            }
+            Value::Array(items) if items.iter().any(Value::is_array) => {
+                Err(format!("{FORMS}; a batch of token lists is not supported: send one prompt per request"))
+            }
+            Value::Array(items) => items
+                .iter()
+                .map(|i| i.as_u64().and_then(|t| u32::try_from(t).ok()))
+                .collect::<Option<Vec<u32>>>()
+                .map(Prompt::Tokens)
+                .ok_or_else(|| format!("{FORMS}; this list mixes other values in")),
+            other => Err(format!("{FORMS}, not {}", kind_of(&other))),
+        }
+    }
+}
+
 /// One or several stop strings.
 #[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
+#[serde(try_from = "serde_json::Value")]
 pub enum Stop {
     /// One.
     One(String),
     /// Several.
     Many(Vec<String>),
+}
+
+impl TryFrom<serde_json::Value> for Stop {
+    type Error = String;
+
+    fn try_from(v: serde_json::Value) -> Result<Self, String> {
+        use serde_json::Value;
+        match v {
+            Value::String(s) => Ok(Stop::One(s)),
+            Value::Array(items) if items.iter().all(Value::is_string) => {
+                Ok(Stop::Many(items.into_iter().filter_map(|i| i.as_str().map(str::to_string)).collect()))
+            }
+            Value::Array(_) => Err("`stop` must be a string or a list of strings; this list holds other values".into()),
+            other => Err(format!("`stop` must be a string or a list of strings, not {}", kind_of(&other))),
+        }
+    }
+}
+
+/// "a number", "an object", ... for error messages.
+fn kind_of(v: &serde_json::Value) -> &'static str {
+    use serde_json::Value;
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "a list",
+        Value::Object(_) => "an object",
+    }
 }
 
 /// `POST /v1/completions`.
@@ -31,25 +87,25 @@ pub enum Stop {
 pub struct CompletionRequest {
     /// The prompt, continued from the composed state of the contexts.
     pub prompt: Prompt,
-    /// Most new tokens (OpenAI's default: 16).
-    #[serde(default = "default_max_tokens")]
+    /// Most new tokens (OpenAI's default: 16, also for null, as in OpenAI's schema).
+    #[serde(default = "default_max_tokens", deserialize_with = "null_is::<_, 16>")]
     pub max_tokens: usize,
-    /// Sampling temperature; 0 is greedy (OpenAI's default: 1).
-    #[serde(default = "one")]
+    /// Sampling temperature; 0 is greedy (OpenAI's default: 1, also for null).
+    #[serde(default = "one", deserialize_with = "null_is_one")]
     pub temperature: f32,
-    /// Nucleus sampling mass.
-    #[serde(default = "one")]
+    /// Nucleus sampling mass (default 1, also for null).
+    #[serde(default = "one", deserialize_with = "null_is_one")]
     pub top_p: f32,
     /// Seed of the sampler; without one, a fresh seed per request.
     pub seed: Option<u64>,
     /// Stop strings.
     pub stop: Option<Stop>,
-    /// Stream the text as server-sent events.
-    #[serde(default)]
+    /// Stream the text as server-sent events (null: false).
+    #[serde(default, deserialize_with = "null_is_default")]
     pub stream: bool,
     /// Generate past the end-of-text token, up to `max_tokens` (as vLLM and llama.cpp's
     /// server allow; for benchmarks).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_is_default")]
     pub ignore_eos: bool,
     /// picaso: use these contexts (ids, the last nearest the prompt).
     pub contexts: Option<Vec<i64>>,
@@ -86,6 +142,18 @@ fn default_max_tokens() -> usize {
 }
 fn one() -> f32 {
     1.0
+}
+
+/// A nullable field: null is its default (OpenAI's schema marks these fields nullable, and
+/// clients and proxies send explicit nulls).
+fn null_is_default<'de, D: serde::Deserializer<'de>, T: Deserialize<'de> + Default>(d: D) -> Result<T, D::Error> {
+    Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
+}
+fn null_is<'de, D: serde::Deserializer<'de>, const N: usize>(d: D) -> Result<usize, D::Error> {
+    Ok(Option::<usize>::deserialize(d)?.unwrap_or(N))
+}
+fn null_is_one<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f32, D::Error> {
+    Ok(Option::<f32>::deserialize(d)?.unwrap_or(1.0))
 }
 
 /// A context used for a completion.

@@ -121,9 +121,12 @@ fn page_limit(limit: Option<usize>) -> Result<usize, ApiError> {
     }
 }
 
-/// `data` as a page of at most `limit` items: a full page names its last key for the next one.
-fn page<T, K>(data: Vec<T>, limit: usize, key: impl Fn(&T) -> K) -> Page<T, K> {
-    let next_after = if data.len() == limit { data.last().map(key) } else { None };
+/// A page of at most `limit` items from `data`, read with one item more (`limit + 1`): only
+/// when that one is there does the page name its last key for the next one.
+fn page<T, K>(mut data: Vec<T>, limit: usize, key: impl Fn(&T) -> K) -> Page<T, K> {
+    let more = data.len() > limit;
+    data.truncate(limit);
+    let next_after = if more { data.last().map(key) } else { None };
     Page { object: "list", data, next_after }
 }
 
@@ -222,6 +225,18 @@ impl App {
             None => ContextMethod::Compose(picaso_model::Method::PicasoR),
             Some(name) => name.parse().map_err(ApiError::bad_request)?,
         };
+        if let Some(m) = req.model.as_deref().filter(|m| !m.is_empty() && *m != self.model_name) {
+            return Err(ApiError::not_found(format!(
+                "no model {m:?}; this server serves {:?} (GET /v1/models); send that name, or no `model`",
+                self.model_name
+            )));
+        }
+        let uses_contexts = req.contexts.as_ref().is_some_and(|c| !c.is_empty()) || req.retrieve.is_some_and(|k| k > 0);
+        if method == ContextMethod::Naive && uses_contexts {
+            return Err(ApiError::bad_request(
+                "composition \"naive\" uses no context: drop `contexts` and `retrieve`, or pick picaso-r, picaso-s, caso, soup or concat",
+            ));
+        }
         if req.contexts.is_some() && req.retrieve.is_some() {
             return Err(ApiError::bad_request("give either `contexts` (ids) or `retrieve` (a count), not both"));
         }
@@ -501,7 +516,8 @@ impl App {
                         req.segment
                     )));
                 }
-                id
+                // Stored by that request, not this one.
+                return Ok(AddedContext { id, doc, segment: req.segment, n_tokens, created: false, replaced });
             }
         };
         if let Ok(n) = self.store.len() {
@@ -513,7 +529,8 @@ impl App {
     /// A page of contexts by ascending id. Blocking.
     pub(crate) fn list_contexts(&self, q: PageQuery<i64>) -> Result<Page<ContextRecord, i64>, ApiError> {
         let limit = page_limit(q.limit)?;
-        let data: Vec<_> = self.store.export(q.after.unwrap_or(i64::MIN), limit)?.into_iter().map(|(r, _)| r).collect();
+        let data: Vec<_> =
+            self.store.export(q.after.unwrap_or(i64::MIN), limit + 1)?.into_iter().map(|(r, _)| r).collect();
         Ok(page(data, limit, |r| r.id))
     }
 
@@ -581,7 +598,7 @@ impl App {
     /// A page of documents by name. Blocking.
     pub(crate) fn list_documents(&self, q: PageQuery<String>) -> Result<Page<DocumentSummary, String>, ApiError> {
         let limit = page_limit(q.limit)?;
-        let data = self.store.documents(q.after.as_deref(), limit)?;
+        let data = self.store.documents(q.after.as_deref(), limit + 1)?;
         Ok(page(data, limit, |d| d.id.clone()))
     }
 
@@ -701,6 +718,9 @@ impl App {
 
     /// Retrieval only. Blocking.
     pub(crate) fn search(&self, req: SearchRequest) -> Result<SearchResponse, ApiError> {
+        if req.query.trim().is_empty() {
+            return Err(ApiError::bad_request("`query` is empty: give the text to find contexts for"));
+        }
         if req.k > self.limits.max_contexts {
             return Err(ApiError::bad_request(format!(
                 "k = {} is over the limit of {}",

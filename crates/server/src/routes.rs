@@ -77,6 +77,14 @@ impl<T: DeserializeOwned> FromRequest<Arc<App>> for ApiJson<T> {
                     ApiError::new(r.status(), r.body_text())
                 }
             })?;
+        // Every body is an object: say so, rather than what the first field made of an array.
+        if let Some(&first) = bytes.iter().find(|b| !b.is_ascii_whitespace()) {
+            if first != b'{' {
+                return Err(ApiError::bad_request(
+                    "the body must be a JSON object ({\"field\": value, ...}); one request per body",
+                ));
+            }
+        }
         serde_json::from_slice(&bytes)
             .map(ApiJson)
             .map_err(|e| ApiError::bad_request(format!("malformed JSON body: {e}")))

@@ -498,7 +498,7 @@ fn run_layers_of_one_kind<L: Sync, S: Send>(
             layer(lw, &mut ls, lens, kind, &mut h);
         }
         for (s, &t) in states.iter_mut().zip(lens) {
-            s.n_tokens += t as u64;
+            s.n_tokens = s.n_tokens.saturating_add(t as u64);
         }
         io.final_norm(&h)
     })

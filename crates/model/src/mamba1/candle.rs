@@ -93,7 +93,7 @@ impl CandleMamba1 {
             h = self.layer(layer, ls, &h)?;
         }
         let out = rmsnorm(&h, &self.norm_f, self.config.norm_eps)?;
-        state.n_tokens += tokens.len() as u64;
+        state.n_tokens = state.n_tokens.saturating_add(tokens.len() as u64);
         Ok(out.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?)
     }
 

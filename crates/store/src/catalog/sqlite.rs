@@ -143,6 +143,10 @@ pub struct SqliteCatalog {
     dir: PathBuf,
     conn: Mutex<Connection>,
     index: RwLock<Index>,
+    /// Held by an insert from before it writes its state objects until its rows commit, and by
+    /// a delete: a delete cannot remove an object an insert is about to share. Taken before
+    /// `conn`, which is held only for SQL, so searches never wait for state files.
+    writes: Mutex<()>,
 }
 
 impl std::fmt::Debug for SqliteCatalog {
@@ -188,7 +192,7 @@ impl SqliteCatalog {
             message: "metadata lacks a numeric `dim`".into(),
         })?;
         let index = Index::load(dir, &conn, dim)?;
-        Ok(Self { dir: dir.to_path_buf(), conn: Mutex::new(conn), index: RwLock::new(index) })
+        Ok(Self { dir: dir.to_path_buf(), conn: Mutex::new(conn), index: RwLock::new(index), writes: Mutex::new(()) })
     }
 
     /// Creates the store in `dir` for `dim`-dimensional embeddings (or opens it if present).
@@ -201,7 +205,7 @@ impl SqliteCatalog {
         conn.execute_batch(SCHEMA)?;
         conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('dim', ?1)", [dim.to_string()])?;
         let index = Index { flat: FlatIndex::new(dim)?, ids: Vec::new(), version: data_version(&conn)? };
-        Ok(Self { dir: dir.to_path_buf(), conn: Mutex::new(conn), index: RwLock::new(index) })
+        Ok(Self { dir: dir.to_path_buf(), conn: Mutex::new(conn), index: RwLock::new(index), writes: Mutex::new(()) })
     }
 
     fn connect(dir: &Path) -> Result<Connection> {
@@ -255,10 +259,9 @@ impl Catalog for SqliteCatalog {
     }
 
     fn insert(&self, rows: &[Row<'_>], write_states: &mut dyn FnMut() -> Result<()>) -> Result<Vec<Option<i64>>> {
-        let mut conn = self.conn();
-        // Under the connection lock, so a delete in this process cannot remove a state these
-        // rows are about to share.
+        let _writes = self.writes.lock().unwrap_or_else(|p| p.into_inner());
         write_states()?;
+        let mut conn = self.conn();
         let tx = conn.transaction()?;
         let mut ids = Vec::with_capacity(rows.len());
         {
@@ -335,6 +338,7 @@ impl Catalog for SqliteCatalog {
     }
 
     fn delete(&self, id: i64, remove_state: &mut dyn FnMut(&str) -> Result<()>) -> Result<()> {
+        let _writes = self.writes.lock().unwrap_or_else(|p| p.into_inner());
         let conn = self.conn();
         let checksum: String = conn
             .query_row("SELECT checksum FROM contexts WHERE id = ?1", [id], |r| r.get(0))
@@ -354,6 +358,7 @@ impl Catalog for SqliteCatalog {
         }
         let shared: i64 =
             conn.query_row("SELECT COUNT(*) FROM contexts WHERE checksum = ?1", [&checksum], |r| r.get(0))?;
+        drop(conn);
         if shared == 0 {
             // The row is gone for good: an object that cannot be removed stays as an orphan
             // (the next write of that state replaces it) and the delete still succeeded.
