@@ -120,7 +120,8 @@ struct IngestArgs {
     /// A folder of .txt files, one document each.
     #[arg(long, group = "source", required_unless_present_any = ["jsonl", "wikitext"])]
     text_dir: Option<PathBuf>,
-    /// A JSON-lines file: {"text": ..., "id": ...} per line.
+    /// A JSON-lines file: {"text": ..., "id": ...} per line (a line without an id is named
+    /// FILE:LINE).
     #[arg(long, group = "source")]
     jsonl: Option<PathBuf>,
     /// A WikiText file (articles start at ` = Title = ` lines).

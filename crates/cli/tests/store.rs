@@ -229,7 +229,7 @@ fn changed_documents_are_replaced_and_contexts_listed_and_deleted() {
             assert!(one.lock_writes().is_ok(), "the same store shares its claim");
             let other = picaso_store::Store::open(db.location()).unwrap();
             let e = other.lock_writes().unwrap_err().to_string();
-            assert!(e.contains("being written by another process"), "{e}");
+            assert!(e.contains("being written by another Store object of this process"), "{e}");
             drop(held);
             assert!(other.lock_writes().is_ok(), "released with its last holder");
         }

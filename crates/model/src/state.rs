@@ -731,6 +731,28 @@ fn decode(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
 /// Writes `bytes` to `path` so that readers see either the old file or the complete new one.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     use std::io::Write;
+    // The rename below replaces whatever is at `path`: a symlink is written through (to the
+    // file it names), and anything but a regular file is refused rather than replaced.
+    let resolved;
+    let path = match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_symlink() => {
+            resolved = std::fs::canonicalize(path).map_err(|e| {
+                Error::io(
+                    path,
+                    std::io::Error::new(e.kind(), format!("a symlink to nothing that can be written ({e})")),
+                )
+            })?;
+            &resolved
+        }
+        _ => path,
+    };
+    if let Ok(m) = std::fs::metadata(path) {
+        if !m.is_file() {
+            let what = if m.is_dir() { "a folder" } else { "not a regular file (a device, pipe or socket)" };
+            let why = format!("{what}: give the path of a file to write");
+            return Err(Error::io(path, std::io::Error::new(std::io::ErrorKind::InvalidInput, why)));
+        }
+    }
     let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let name = path.file_name().ok_or_else(|| Error::Input(format!("{}: not a file path", path.display())))?;
     if !dir.is_dir() {
@@ -761,6 +783,27 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[cfg(unix)]
+    #[test]
+    fn write_atomic_writes_through_symlinks_and_refuses_what_is_not_a_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let (real, link) = (dir.path().join("real.st"), dir.path().join("link.st"));
+        std::fs::write(&real, b"old").unwrap();
+        std::os::unix::fs::symlink(&real, &link).unwrap();
+        write_atomic(&link, b"new").unwrap();
+        assert_eq!(std::fs::read(&real).unwrap(), b"new", "written through the link");
+        assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink(), "the link stays");
+        let dangling = dir.path().join("dangling.st");
+        std::os::unix::fs::symlink(dir.path().join("nowhere/x.st"), &dangling).unwrap();
+        assert!(write_atomic(&dangling, b"x").unwrap_err().to_string().contains("symlink"));
+        let socket = dir.path().join("socket.st");
+        let _listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        let e = write_atomic(&socket, b"x").unwrap_err().to_string();
+        assert!(e.contains("not a regular file"), "{e}");
+        assert!(!std::fs::symlink_metadata(&socket).unwrap().is_file(), "the socket is left alone");
+        assert!(write_atomic(dir.path(), b"x").unwrap_err().to_string().contains("a folder"));
+    }
 
     fn sample_state() -> State {
         let shape = StateShape::of(&Mamba2Config::tiny(2, 4));

@@ -188,6 +188,9 @@ impl Model {
 
     /// Text of token ids.
     fn decode(&self, ids: Vec<u32>) -> PyResult<String> {
+        // Ids outside the model's vocabulary are an error, as for scoring (the tokenizer would
+        // drop them silently).
+        self.inner.check_tokens(&ids).map_err(model_err)?;
         self.inner.tokenizer().and_then(|t| t.decode(&ids)).map_err(model_err)
     }
 
@@ -614,26 +617,41 @@ impl Store {
 
     /// Creates a store for `model` (or opens it if it exists, checking that it was made with
     /// this model). `states` places state files elsewhere (a folder or s3://bucket/prefix) when
-    /// `url` is postgres://; `state_dtype` "f32" or "bf16".
+    /// `url` is postgres://; `state_dtype` "f32" (the default for a new store) or "bf16" (an
+    /// existing store keeps its own; naming another is an error).
     #[staticmethod]
-    #[pyo3(signature = (url, model, *, embedder=None, states=None, state_dtype="f32"))]
+    #[pyo3(signature = (url, model, *, embedder=None, states=None, state_dtype=None))]
     fn create(
         py: Python<'_>,
         url: &str,
         model: &Model,
         embedder: Option<PathBuf>,
         states: Option<&str>,
-        state_dtype: &str,
+        state_dtype: Option<&str>,
     ) -> PyResult<Self> {
         let loc = location(url, states)?;
-        let state_dtype = state_dtype.parse::<StateDtype>().map_err(|e| raise(Kind::Invalid, e.to_string()))?;
+        let want = state_dtype
+            .map(|d| d.parse::<StateDtype>().map_err(|e| raise(Kind::Invalid, e.to_string())))
+            .transpose()?;
         let embedder = embedder_for(embedder, None)?;
         let info = picaso_store::StoreInfo {
             fingerprint: model.inner.fingerprint().to_string(),
             dim: embedder.dim(),
-            state_dtype,
+            state_dtype: want.unwrap_or_default(),
         };
         let store = py.detach(|| picaso_store::Store::open_or_create(loc, &info)).map_err(store_err)?;
+        if let Some(want) = want.filter(|&w| w != store.info().state_dtype) {
+            return Err(raise(
+                Kind::Invalid,
+                format!(
+                    "store {} keeps its states in {}; state_dtype={:?} would mix precisions in one store \
+                     (leave it out, or create a new store)",
+                    store.location(),
+                    format!("{:?}", store.info().state_dtype).to_lowercase(),
+                    format!("{want:?}").to_lowercase()
+                ),
+            ));
+        }
         // Recorded now, so that `Store.open` finds it even before the first ingest.
         store.bind_embedder(embedder.fingerprint(), &embedder.dir().display().to_string()).map_err(store_err)?;
         let store = Self::new(store, Some(model), None)?;
@@ -646,7 +664,8 @@ impl Store {
     /// per paragraph by default; `segment` "tokens:N" cuts runs of N tokens. Segments already
     /// stored with the same text are skipped; a document given again with other text is
     /// brought up to date (changed segments replaced, segments it no longer has removed).
-    /// `progress(done, total)` is called as contexts are stored.
+    /// `progress(done, total)` is called as contexts are stored; an exception it raises stops
+    /// the ingest after the batch in flight (the batches stored stay: ingesting again carries on).
     /// Returns {"added", "replaced", "removed", "skipped", "tokens", "seconds"}.
     #[pyo3(signature = (documents, *, segment="paragraph", batch=8, progress=None))]
     fn ingest<'py>(
@@ -663,14 +682,24 @@ impl Store {
         if batch == 0 {
             return Err(raise(Kind::Invalid, "batch must be at least 1"));
         }
+        if let Some(f) = &progress {
+            if !f.bind(py).is_callable() {
+                return Err(PyTypeError::new_err("progress must be callable: progress(done, total)"));
+            }
+        }
         let (store, embedder) = (&self.inner, self.embedder()?);
         let mut callback_error = None;
+        // A callback that raises stops the ingest after the batch in flight (those committed
+        // stay; ingesting again carries on) and its exception is raised.
         let report = py
             .detach(|| {
-                picaso_store::ingest(store, model, embedder, &docs, segmentation, batch, |p| {
-                    if let (Some(f), None) = (&progress, &callback_error) {
-                        if let Err(e) = Python::attach(|py| f.call1(py, (p.done, p.total))) {
+                picaso_store::ingest_while(store, model, embedder, &docs, segmentation, batch, |p| {
+                    let Some(f) = &progress else { return true };
+                    match Python::attach(|py| f.call1(py, (p.done, p.total))) {
+                        Ok(_) => true,
+                        Err(e) => {
                             callback_error = Some(e);
+                            false
                         }
                     }
                 })
@@ -939,10 +968,17 @@ impl Store {
 /// Documents from a list of strings or of {"id", "text"} dicts.
 fn documents_of(list: &Bound<'_, PyList>) -> PyResult<Vec<picaso_store::Document>> {
     let mut docs = Vec::with_capacity(list.len());
+    let mut texts_seen = std::collections::HashSet::new();
     for (i, item) in list.iter().enumerate() {
-        let (id, text) = if let Ok(text) = item.extract::<String>() {
-            // Named by its text: the same text again is skipped, other text is another document.
-            (format!("text/{}", picaso_store::checksum(text.as_bytes())), text)
+        let (id, text) = if item.is_instance_of::<pyo3::types::PyString>() {
+            // (A str that is not valid Unicode, a lone surrogate, raises UnicodeEncodeError here.)
+            let text = item.extract::<String>()?;
+            // Named by its text: the same text again (in this list too) is the same document.
+            let id = format!("text/{}", picaso_store::checksum(text.as_bytes()));
+            if !texts_seen.insert(id.clone()) {
+                continue;
+            }
+            (id, text)
         } else if let Ok(d) = item.cast::<PyDict>() {
             let get = |k: &str| -> PyResult<String> {
                 d.get_item(k)?

@@ -224,3 +224,9 @@ def test_model_work_releases_the_gil(model):
     finished_first = done.is_set()
     worker.join()
     assert counted == 100_000 and not finished_first
+
+
+def test_decode_refuses_ids_outside_the_vocabulary(model):
+    assert model.decode(model.encode("Paris")) == "Paris"
+    with pytest.raises(picaso.InvalidArgument, match="outside the vocabulary"):
+        model.decode([51, 10**6, 3393])

@@ -107,6 +107,31 @@ def test_a_store_opened_twice_sees_every_write(model, embedder, tmp_path):
         assert all(h["id"] != cat["id"] for h in reader.search("a purring cat", k=2))
 
 
+def test_ingest_stops_when_its_callback_raises_and_checks_its_arguments(model, embedder, tmp_path):
+    url = str(tmp_path / "db")
+    store = picaso.Store.create(url, model, embedder=embedder)
+    with pytest.raises(TypeError, match="progress must be callable"):
+        store.ingest(["Never stored."], progress=5)
+    assert len(store) == 0
+    calls = []
+
+    def stop_after_two(done, total):
+        calls.append(done)
+        if done >= 2:
+            raise RuntimeError("stop")
+
+    with pytest.raises(RuntimeError, match="stop"):
+        store.ingest([f"Document number {i}." for i in range(10)], batch=2, progress=stop_after_two)
+    assert len(store) == 2 and calls == [0, 2]  # the batch in flight, then nothing more
+    assert store.ingest([f"Document number {i}." for i in range(10)], batch=2)["added"] == 8  # carries on
+    # The same text twice is one document (it is named by its text).
+    assert store.ingest(["Twice.", "Twice."])["added"] == 1
+    # An existing store keeps its precision: naming another is an error, leaving it out opens it.
+    with pytest.raises(picaso.InvalidArgument, match="keeps its states in f32"):
+        picaso.Store.create(url, model, embedder=embedder, state_dtype="bf16")
+    assert len(picaso.Store.create(url, model, embedder=embedder)) == 11
+
+
 def test_store_errors(model, tiny, embedder, tmp_path):
     url = str(tmp_path / "db")
     with pytest.raises(picaso.Error):

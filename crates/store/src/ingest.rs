@@ -157,6 +157,24 @@ pub fn ingest(
     batch: usize,
     mut on_progress: impl FnMut(&IngestProgress),
 ) -> Result<IngestProgress> {
+    ingest_while(store, model, embedder, docs, segmentation, batch, |p| {
+        on_progress(p);
+        true
+    })
+}
+
+/// [`ingest()`] that stops when `on_progress` returns false (a caller's callback failed, a user
+/// interrupted): the batches committed stay, nothing else is done (not even removing the
+/// segments the documents lost), and running it again carries on.
+pub fn ingest_while(
+    store: &Store,
+    model: &Model,
+    embedder: &Embedder,
+    docs: &[Document],
+    segmentation: Segmentation,
+    batch: usize,
+    mut on_progress: impl FnMut(&IngestProgress) -> bool,
+) -> Result<IngestProgress> {
     if store.info().fingerprint != model.fingerprint() {
         return Err(Error::WrongModel {
             location: store.location().to_string(),
@@ -170,7 +188,9 @@ pub fn ingest(
     let start = Instant::now();
     let Plan { pending, skipped, stale } = plan(store, model, docs, segmentation)?;
     let mut progress = IngestProgress { total: pending.len(), skipped, ..Default::default() };
-    on_progress(&progress);
+    if !on_progress(&progress) {
+        return Ok(progress);
+    }
     for chunk in pending.chunks(batch.max(1)) {
         let texts: Vec<&str> = chunk.iter().map(|p| p.text.as_str()).collect();
         let embeddings = embedder.embed(&texts)?;
@@ -194,7 +214,9 @@ pub fn ingest(
         progress.done += chunk.len();
         progress.tokens += chunk.iter().map(|p| p.tokens.len()).sum::<usize>();
         progress.seconds = start.elapsed().as_secs_f64();
-        on_progress(&progress);
+        if !on_progress(&progress) {
+            return Ok(progress);
+        }
     }
     for id in stale {
         progress.removed += usize::from(store.delete_if_present(id)?);

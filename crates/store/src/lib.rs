@@ -31,7 +31,7 @@ pub mod store;
 pub use attribution::{attribute, Attribution};
 pub use cache::{CacheStats, StateCache};
 pub use error::{Error, Result};
-pub use ingest::{ingest, prune, IngestProgress};
+pub use ingest::{ingest, ingest_while, prune, IngestProgress};
 pub use location::{CatalogUrl, Location, StatesUrl};
 pub use migrate::{migrate, MigrateReport};
 pub use passages::{passages, retrieve, Passage};

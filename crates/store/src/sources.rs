@@ -93,19 +93,32 @@ fn read(path: &Path) -> Result<String> {
 }
 
 /// Every `.txt` file under `dir` (sorted, recursively), one document each, id = relative path.
+/// Symlinked folders are followed once: a link back up the tree (a loop) or to a folder already
+/// read is skipped, so no file is read twice under two names.
 pub fn read_text_dir(dir: &Path) -> Result<Vec<Document>> {
     let mut files = Vec::new();
+    let real = |p: &Path| std::fs::canonicalize(p).map_err(|e| Error::Io { path: p.to_path_buf(), source: e });
+    let mut seen = std::collections::HashSet::from([real(dir)?]);
     let mut stack = vec![dir.to_path_buf()];
     while let Some(d) = stack.pop() {
         let entries = std::fs::read_dir(&d).map_err(|e| Error::Io { path: d.clone(), source: e })?;
-        for entry in entries {
-            let p = entry.map_err(|e| Error::Io { path: d.clone(), source: e })?.path();
+        let mut paths = entries
+            .map(|entry| entry.map(|e| e.path()).map_err(|e| Error::Io { path: d.clone(), source: e }))
+            .collect::<Result<Vec<_>>>()?;
+        // Sorted, and pushed in reverse: folders are read in name order, so which of two links
+        // to one folder names its files does not depend on the file system's order.
+        paths.sort();
+        let mut folders = Vec::new();
+        for p in paths {
             if p.is_dir() {
-                stack.push(p);
+                if seen.insert(real(&p)?) {
+                    folders.push(p);
+                }
             } else if p.extension().is_some_and(|e| e == "txt") {
                 files.push(p);
             }
         }
+        stack.extend(folders.into_iter().rev());
     }
     files.sort();
     if files.is_empty() {
@@ -120,10 +133,12 @@ pub fn read_text_dir(dir: &Path) -> Result<Vec<Document>> {
         .collect()
 }
 
-/// One document per line of a JSON-lines file: `{"text": "...", "id": "..."}` (`id` optional:
-/// the line number is used; `title` is accepted as an id too).
+/// One document per line of a JSON-lines file: `{"text": "...", "id": "..."}` (`title` is
+/// accepted as an id too). Without one a line is named `FILE:LINE` (`facts.jsonl:3`): by its
+/// file, so that two files' lines never take each other's place in a store.
 pub fn read_jsonl(path: &Path) -> Result<Vec<Document>> {
     let text = read(path)?;
+    let file = path.file_name().map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned());
     let mut docs = Vec::new();
     let mut first_line_of: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
     for (i, line) in text.lines().enumerate() {
@@ -140,7 +155,7 @@ pub fn read_jsonl(path: &Path) -> Result<Vec<Document>> {
         let id = match v.get("id").or_else(|| v.get("title")) {
             Some(serde_json::Value::String(s)) => s.clone(),
             Some(serde_json::Value::Number(n)) => n.to_string(),
-            _ => format!("line-{}", i + 1),
+            _ => format!("{file}:{}", i + 1),
         };
         if let Some(first) = first_line_of.insert(id.clone(), i + 1) {
             return Err(Error::Input(format!(

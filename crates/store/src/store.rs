@@ -61,10 +61,18 @@ impl WriteLock {
         if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
             let mut holder = String::new();
             let _ = file.read_to_string(&mut holder);
+            let pid = holder.trim().parse::<u32>().ok();
+            if pid == Some(std::process::id()) {
+                return Err(Error::Input(format!(
+                    "store {} is being written by another Store object of this process: write through one \
+                     (a folder store has one writer; open it once and share it)",
+                    dir.display()
+                )));
+            }
             return Err(Error::Input(format!(
                 "store {} is being written by another process{}: stop it first (a folder store has one writer; a PostgreSQL store takes several)",
                 dir.display(),
-                holder.trim().parse::<u32>().map(|pid| format!(" (pid {pid})")).unwrap_or_default()
+                pid.map(|pid| format!(" (pid {pid})")).unwrap_or_default()
             )));
         }
         let _ = file.set_len(0).and_then(|()| file.rewind()).and_then(|()| write!(file, "{}", std::process::id()));

@@ -81,7 +81,7 @@ fn jsonl_line() -> impl Strategy<Value = String> {
     ];
     let id = prop_oneof![
         Just(None),
-        prop::sample::select(vec!["a", "b", "1", "line-3"]).prop_map(|s| Some(json!(s))),
+        prop::sample::select(vec!["a", "b", "1", "docs.jsonl:3"]).prop_map(|s| Some(json!(s))),
         (0i64..4).prop_map(|v| Some(json!(v))),
         words(2).prop_map(|s| Some(json!(s))),
     ];
@@ -221,4 +221,20 @@ fn repeated_jsonl_ids_are_refused() {
         .unwrap();
     let e = read_jsonl(&path).unwrap_err().to_string();
     assert!(e.contains("docs.jsonl:3") && e.contains("line 1"), "{e}");
+}
+
+/// A symlink back up the tree (a loop) and a second link to a folder: every file is read once,
+/// under the name of its first path in name order.
+#[cfg(unix)]
+#[test]
+fn linked_folders_are_read_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("docs");
+    std::fs::create_dir_all(root.join("b")).unwrap();
+    std::fs::write(root.join("a.txt"), "Alpha.").unwrap();
+    std::fs::write(root.join("b/c.txt"), "Gamma.").unwrap();
+    std::os::unix::fs::symlink(".", root.join("loop")).unwrap();
+    std::os::unix::fs::symlink(root.join("b"), root.join("z-link")).unwrap();
+    let ids: Vec<String> = read_text_dir(&root).unwrap().into_iter().map(|d| d.id).collect();
+    assert_eq!(ids, ["a.txt", "b/c.txt"]);
 }
