@@ -65,14 +65,19 @@ fn ingest_stats_query_and_compose(
     let docs_hit: Vec<&str> = q["contexts"].as_array().unwrap().iter().map(|c| c["doc"].as_str().unwrap()).collect();
     assert!(docs_hit.contains(&"eiffel.txt"), "{docs_hit:?}");
     for method in ["naive", "concat", "soup", "caso", "picaso-s", "picaso-r"] {
+        // Naive uses no context: with --ids it is refused, without them it answers.
+        let ids: &[&str] = if method == "naive" { &[] } else { &["--ids", "1,2"] };
         let v = ok_s(&args(
             &["query"],
             db,
-            &["--model", m, "--ids", "1,2", "--method", method, "--max-tokens", "4", "--json", "Hello"],
+            &[&["--model", m, "--method", method, "--max-tokens", "4", "--json", "Hello"], ids].concat(),
         ));
         assert_eq!(v["method"], method);
         assert!(v["time_to_first_token_ms"].as_f64().unwrap() > 0.0);
     }
+    let (success, _, stderr) =
+        run_s(&args(&["query"], db, &["--model", m, "--ids", "1", "--method", "naive", "--max-tokens", "1", "Hi"]));
+    assert!(!success && stderr.contains("naive uses no context"), "{stderr}");
 
     // Composition of the stored states is bit-exact with composing the states in memory.
     let model_obj = Model::load(model.path(), &LoadOptions::default()).unwrap();
@@ -163,8 +168,7 @@ fn ingest_stats_query_and_compose(
     ));
     assert_eq!(v["attribution"]["answer_tokens"].as_u64(), Some(v["token_ids"].as_array().unwrap().len() as u64));
     assert_eq!(v["attribution"]["ranking"].as_array().unwrap().len(), 2);
-    let (success, _, stderr) =
-        run_s(&args(&["query"], db, &["--model", m, "--ids", "1", "--method", "naive", "--attribute", "Hi"]));
+    let (success, _, stderr) = run_s(&args(&["query"], db, &["--model", m, "--method", "naive", "--attribute", "Hi"]));
     assert!(!success && stderr.contains("naive uses none"), "{stderr}");
 
     // Search agrees between the index in use and an exhaustive scan.
