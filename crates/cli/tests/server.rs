@@ -49,6 +49,48 @@ fn serve_completions_contexts_search_metrics_and_bad_input_mamba2() {
     }
 }
 
+/// The official `openai` Python client against the server (issue 17: what applications use):
+/// models listed, completions plain and streamed equal to the server's own answer, errors as
+/// the client's exceptions. Needs `PICASO_TEST_OPENAI_PYTHON`, a Python with `openai`
+/// (CI makes one; without it, skipped here and a failure under CI).
+#[test]
+fn the_official_openai_client_works() {
+    let Ok(python) = std::env::var("PICASO_TEST_OPENAI_PYTHON") else {
+        assert!(std::env::var("CI").is_err(), "CI must set PICASO_TEST_OPENAI_PYTHON (a Python with `openai`)");
+        eprintln!("note: PICASO_TEST_OPENAI_PYTHON not set; skipped");
+        return;
+    };
+    let (Some(model), Some(embedder)) = (text_model_of("mamba2", 1), shared("all-MiniLM-L6-v2")) else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let docs = tmp.path().join("docs");
+    write_docs(&docs);
+    let db = TestDb { db: tmp.path().join("db").to_str().unwrap().to_string(), states: None };
+    let (m, e) = (model.path().to_str().unwrap(), embedder.to_str().unwrap());
+    ok_s(&args(&["ingest"], &db, &["--model", m, "--embedder", e, "--text-dir", docs.to_str().unwrap(), "--json"]));
+    let server = Server::start(&["--db", &db.db, "--model", m, "--embedder", e]);
+    let want = server.complete(json!({"prompt": "The tower", "max_tokens": 6, "temperature": 0, "contexts": [3, 2]}));
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/clients/openai_client.py");
+    let out = std::process::Command::new(&python).arg(&script).arg(&server.url).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    eprintln!("openai {}", v["version"]);
+    assert_eq!(v["models"], json!([want["model"]]), "{v}");
+    assert_eq!(v["text"], want["choices"][0]["text"], "{v}");
+    assert_eq!(v["streamed"], v["text"], "streamed and plain agree: {v}");
+    assert_eq!(v["finish_reason"], want["choices"][0]["finish_reason"]);
+    assert_eq!(
+        (&v["completion_tokens"], &v["streamed_tokens"]),
+        (&want["usage"]["completion_tokens"], &want["usage"]["completion_tokens"])
+    );
+    for (name, status, needle) in
+        [("model", 404, "no model"), ("context", 404, "no context with id 999"), ("n", 400, "n or best_of")]
+    {
+        let err = &v["errors"][name];
+        assert_eq!(err["status"], status, "{name}: {v}");
+        assert!(err["message"].as_str().unwrap_or("").contains(needle), "{name}: {v}");
+    }
+}
+
 /// The server, unchanged, over a Mamba-1 model.
 #[test]
 fn serve_completions_contexts_search_metrics_and_bad_input_mamba1() {

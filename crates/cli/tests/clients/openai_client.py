@@ -1,0 +1,38 @@
+"""Drives a running `picaso serve` with the official `openai` client, as an application would:
+list the models, complete (plain and streamed) with picaso's fields in `extra_body`, and read
+errors as the client's exceptions. Prints one JSON object for the Rust test to check.
+
+    python openai_client.py http://127.0.0.1:PORT
+"""
+import json
+import sys
+
+import openai
+
+client = openai.OpenAI(base_url=sys.argv[1] + "/v1", api_key="unused", max_retries=0)
+models = [m.id for m in client.models.list()]
+ask = dict(model=models[0], prompt="The tower", max_tokens=6, temperature=0, extra_body={"contexts": [3, 2]})
+plain = client.completions.create(**ask)
+chunks = list(client.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+usage = [c.usage.completion_tokens for c in chunks if c.usage]
+errors = {}
+for name, bad, kind in [
+    ("model", dict(ask, model="gpt-3.5-turbo-instruct"), openai.NotFoundError),
+    ("context", dict(ask, extra_body={"contexts": [999]}), openai.NotFoundError),
+    ("n", dict(ask, n=2), openai.BadRequestError),
+]:
+    try:
+        client.completions.create(**bad)
+        errors[name] = None
+    except kind as e:
+        errors[name] = {"status": e.status_code, "message": e.body.get("message") if isinstance(e.body, dict) else str(e)}
+print(json.dumps({
+    "version": openai.__version__,
+    "models": models,
+    "text": plain.choices[0].text,
+    "finish_reason": plain.choices[0].finish_reason,
+    "completion_tokens": plain.usage.completion_tokens,
+    "streamed": "".join(c.choices[0].text for c in chunks if c.choices),
+    "streamed_tokens": usage[-1] if usage else None,
+    "errors": errors,
+}))
