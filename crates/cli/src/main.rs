@@ -533,6 +533,11 @@ fn default_model_dir() -> Result<PathBuf> {
 
 /// A local folder, or else a hub repo id (`owner/name`) to download.
 fn resolve_model_dir(model: &str) -> Result<PathBuf> {
+    if model.trim().is_empty() {
+        bail!(
+            "--model is empty: give a model folder or a Hugging Face repo id (or leave it out for the bundled model)"
+        );
+    }
     let path = Path::new(model);
     if path.exists() {
         return Ok(path.to_path_buf());
@@ -549,7 +554,14 @@ pub fn load_model(args: &ModelArgs, need_tokenizer: bool) -> Result<Model> {
         Some(m) => resolve_model_dir(m)?,
         None => default_model_dir()?,
     };
-    let backend = args.device.parse()?;
+    let backend: picaso_model::Backend = args.device.parse()?;
+    if args.weights != picaso_model::WeightDtype::F32 && !matches!(backend, picaso_model::Backend::Cpu) {
+        bail!(
+            "--weights {:?} is the cpu engine's storage; --device {} computes in its device's own precision (drop --weights, or use --device cpu)",
+            format!("{:?}", args.weights).to_lowercase(),
+            args.device
+        );
+    }
     let opts =
         LoadOptions { backend, weight_dtype: args.weights, tokenizer: args.tokenizer.clone(), skip_tokenizer: false };
     let model = Model::load(&dir, &opts)?;
@@ -747,15 +759,23 @@ fn random_model(a: RandomModelArgs) -> Result<()> {
     if a.out.exists() {
         bail!("{} exists; give a new folder to --out", a.out.display());
     }
-    if let Some(t) = &a.tokenizer {
-        picaso_model::TextTokenizer::from_file(t)?;
-    }
     let config = match a.shape.as_str() {
         "130m" => picaso_model::ModelConfig::Mamba2(picaso_model::Mamba2Config::mamba2_130m()),
         "mamba1-130m" => picaso_model::ModelConfig::Mamba1(picaso_model::Mamba1Config::mamba_130m()),
         "tiny" => picaso_model::ModelConfig::Mamba2(picaso_model::Mamba2Config::tiny(2, 4)),
         other => bail!("--shape {other:?}: use 130m (Mamba-2), mamba1-130m or tiny"),
     };
+    if let Some(t) = &a.tokenizer {
+        let known = picaso_model::TextTokenizer::from_file(t)?.vocab_size();
+        if known > config.vocab_size() {
+            bail!(
+                "{} knows {known} tokens, but a {} model has {}: text would give ids it cannot read (drop --tokenizer, or use a larger --shape)",
+                t.display(),
+                a.shape,
+                config.vocab_size()
+            );
+        }
+    }
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     match &config {
         picaso_model::ModelConfig::Mamba1(c) => {

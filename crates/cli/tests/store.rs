@@ -433,6 +433,31 @@ fn a_store_keeps_one_state_precision() {
     let (success, _, stderr) = run(&["ingest", "--db", db, "--model", m, "--text-dir", d, "--state-dtype", "bf16"]);
     assert!(!success && stderr.contains("keeps its states in f32"), "{stderr}");
     ok(&["ingest", "--db", db, "--model", m, "--text-dir", d, "--state-dtype", "f32", "--json"]);
+
+    // A new store whose states cannot be written is not created (it would stay bound to them).
+    let fresh = tmp.path().join("fresh");
+    let mut stores = vec![("folder", fresh.to_str().unwrap().to_string(), "/proc/picaso-cannot-write".to_string())];
+    if let (Ok(pg), Ok(s3)) = (std::env::var("PICASO_TEST_POSTGRES"), std::env::var("PICASO_TEST_S3")) {
+        let unique = format!("probe_{}", std::process::id());
+        let sep = if pg.contains('?') { '&' } else { '?' };
+        let bucket = s3.trim_start_matches("s3://").split('/').next().unwrap().to_string();
+        stores.push((
+            "s3",
+            format!("{pg}{sep}options=-csearch_path%3D{unique}%2Cpublic"),
+            format!("s3://{bucket}-missing/{unique}"),
+        ));
+    }
+    for (kind, db, states) in stores {
+        let (success, _, stderr) =
+            run(&["ingest", "--db", &db, "--states", &states, "--model", m, "--embedder", e, "--text-dir", d]);
+        assert!(
+            !success && stderr.contains("cannot write state objects") && stderr.contains("nothing was created"),
+            "{kind}: {stderr}"
+        );
+        let (success, _, stderr) = run(&["stats", "--db", &db]);
+        let absent = stderr.contains("not a picaso store") || stderr.contains("holds no picaso store");
+        assert!(!success && absent, "{kind}: {stderr}");
+    }
 }
 
 fn method_r() -> picaso_store::ContextMethod {

@@ -334,10 +334,20 @@ impl Model {
     pub fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
         let v = self.config.vocab_size();
         match tokens.iter().position(|&t| t as usize >= v) {
-            Some(i) => Err(Error::Input(format!(
-                "token id {} at position {i} is outside the vocabulary (ids must be < {v})",
-                tokens[i]
-            ))),
+            Some(i) => {
+                // Text gives such ids when the tokenizer is not the model's.
+                let hint = match self.tokenizer() {
+                    Ok(t) if t.vocab_size() > v => format!(
+                        "; the tokenizer knows {} tokens, the model {v}: is the tokenizer (--tokenizer) the model's?",
+                        t.vocab_size()
+                    ),
+                    _ => String::new(),
+                };
+                Err(Error::Input(format!(
+                    "token id {} at position {i} is outside the vocabulary (ids must be < {v}){hint}",
+                    tokens[i]
+                )))
+            }
             None => Ok(()),
         }
     }

@@ -433,6 +433,10 @@ impl State {
 
     /// Reads a state file through a memory map.
     pub fn load(path: &Path) -> Result<Self> {
+        if path.is_dir() {
+            let why = "a folder, not a state file: give the .safetensors file `picaso state` or `compose` wrote";
+            return Err(Error::io(path, std::io::Error::new(std::io::ErrorKind::InvalidInput, why)));
+        }
         let f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
         // SAFETY: read-only map, dropped at the end of this function.
         let mmap = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| Error::io(path, e))?;

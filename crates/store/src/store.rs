@@ -182,6 +182,22 @@ fn now_unix() -> i64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0)
 }
 
+/// Writes and removes a small object where a new store will keep its states: whether they can
+/// be written, asked before the store is created.
+fn probe_states(url: &StatesUrl) -> Result<()> {
+    let objects = crate::states::open(url)?;
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    let key = format!("picaso-probe-{}-{nanos}", std::process::id());
+    objects.put(&key, b"picaso: can state objects be written here?").map_err(|e| {
+        Error::Input(format!(
+            "cannot write state objects to {url} ({e}); nothing was created. Check the location and, for s3://, \
+             the AWS_* settings (credentials, region, endpoint)"
+        ))
+    })?;
+    let _ = objects.delete(&key);
+    Ok(())
+}
+
 /// xxh3-128 of bytes, as 32 hex digits: the name and checksum of a state file.
 pub fn checksum(bytes: &[u8]) -> String {
     format!("{:032x}", xxhash_rust::xxh3::xxh3_128(bytes))
@@ -249,6 +265,11 @@ impl Store {
         let store = match existing_catalog(&location.catalog)? {
             Some(catalog) => Self::bind(location, catalog)?,
             None => {
+                if let Some(states) = &location.states {
+                    // Before the catalog exists: a store bound to states it cannot write (no
+                    // credentials, no bucket) would fail every later ingest the same way.
+                    probe_states(&absolute(states.clone()))?;
+                }
                 let (catalog, default_states): (Box<dyn Catalog>, Option<StatesUrl>) = match &location.catalog {
                     CatalogUrl::Sqlite(dir) => {
                         (Box::new(SqliteCatalog::create(dir, info.dim)?), Some(StatesUrl::Local(dir.join("states"))))

@@ -200,6 +200,12 @@ impl SqliteCatalog {
         if Self::exists_at(dir) {
             return Self::open(dir);
         }
+        if dir.exists() && !dir.is_dir() {
+            return Err(Error::Store {
+                location: dir.display().to_string(),
+                message: "is a file; a folder store is a folder (give a new or existing folder's path)".into(),
+            });
+        }
         std::fs::create_dir_all(dir).map_err(|e| Error::Io { path: dir.to_path_buf(), source: e })?;
         let conn = Self::connect(dir)?;
         conn.execute_batch(SCHEMA)?;
