@@ -306,7 +306,9 @@ impl Model {
 struct Generation {
     /// The generated text (without a stop string that ended it).
     text: String,
-    /// The generated token ids.
+    /// The generated token ids. When a stop string ended it they run to the end of the token
+    /// where it begins (a stop string can start mid-token), as `state` does: `text` is cut
+    /// before it, so `decode(token_ids)` may hold more than `text`.
     token_ids: Vec<u32>,
     /// "length", "eos", "stop" or "cancelled".
     stop_reason: String,

@@ -47,6 +47,8 @@ class Model:
 
 class Generation:
     text: str
+    # With stop_reason "stop": to the end of the token where the stop string begins (as `state`);
+    # `text` is cut before the stop string, so decode(token_ids) may hold more than `text`.
     token_ids: list[int]
     stop_reason: str
     state: "State"
