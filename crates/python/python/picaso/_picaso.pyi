@@ -92,7 +92,7 @@ class Store:
     def open(url: str, *, model: Optional[Model] = None, embedder: Optional[Path] = None) -> "Store": ...
     @staticmethod
     def create(
-        url: str, model: Model, *, embedder: Optional[Path] = None, states: Optional[str] = None, state_dtype: str = "f32"
+        url: str, model: Model, *, embedder: Optional[Path] = None, states: Optional[str] = None, state_dtype: Optional[str] = None
     ) -> "Store": ...
     def ingest(
         self,
