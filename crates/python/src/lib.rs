@@ -609,7 +609,13 @@ impl Store {
     #[pyo3(signature = (url, *, model=None, embedder=None))]
     fn open(py: Python<'_>, url: &str, model: Option<&Model>, embedder: Option<PathBuf>) -> PyResult<Self> {
         let loc = location(url, None)?;
-        let store = py.detach(|| picaso_store::Store::open(loc)).map_err(store_err)?;
+        let missing_folder =
+            matches!(&loc.catalog, picaso_store::CatalogUrl::Sqlite(dir) if !dir.join("store.sqlite").is_file());
+        // A folder that holds no store is a store not found (NotFound, a FileNotFoundError).
+        let store = py.detach(|| picaso_store::Store::open(loc)).map_err(|e| match missing_folder {
+            true => raise(Kind::NotFound, e.to_string()),
+            false => store_err(e),
+        })?;
         let store = Self::new(store, model, embedder)?;
         if store.embedder_dir.is_some() {
             store.embedder()?; // an embedder named explicitly is checked at once

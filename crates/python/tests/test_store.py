@@ -134,8 +134,10 @@ def test_ingest_stops_when_its_callback_raises_and_checks_its_arguments(model, e
 
 def test_store_errors(model, tiny, embedder, tmp_path):
     url = str(tmp_path / "db")
-    with pytest.raises(picaso.Error):
+    with pytest.raises(picaso.NotFound, match="not a picaso store"):
         picaso.Store.open(url)  # nothing there yet
+    with pytest.raises(FileNotFoundError):
+        picaso.Store.open(url)
     store = picaso.Store.create(url, model, embedder=embedder)
     with pytest.raises(TypeError, match="document 0"):
         store.ingest([3])
