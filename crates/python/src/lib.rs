@@ -609,8 +609,7 @@ impl Store {
     #[pyo3(signature = (url, *, model=None, embedder=None))]
     fn open(py: Python<'_>, url: &str, model: Option<&Model>, embedder: Option<PathBuf>) -> PyResult<Self> {
         let loc = location(url, None)?;
-        let missing_folder =
-            matches!(&loc.catalog, picaso_store::CatalogUrl::Sqlite(dir) if !dir.join("store.sqlite").is_file());
+        let missing_folder = matches!(&loc.catalog, picaso_store::CatalogUrl::Sqlite(dir) if !picaso_store::catalog::SqliteCatalog::exists_at(dir));
         // A folder that holds no store is a store not found (NotFound, a FileNotFoundError).
         let store = py.detach(|| picaso_store::Store::open(loc)).map_err(|e| match missing_folder {
             true => raise(Kind::NotFound, e.to_string()),
