@@ -55,6 +55,20 @@ fn ingest_stats_query_and_compose(
     // Later commands need only --db: the store records where its states are.
     let by_db_only = ok(&["stats", "--db", &db.db, "--json"]);
     assert_eq!(by_db_only["states"], stats["states"]);
+    // A second document with the same text shares its state file: the stats count bytes stored,
+    // each file once.
+    let copies = docs.parent().unwrap().join(format!("copies-{}", db.kind()));
+    std::fs::create_dir_all(&copies).unwrap();
+    std::fs::write(copies.join("cats again.txt"), "Cats are small carnivorous mammals.\n").unwrap();
+    let copy =
+        args(&["ingest"], db, &["--model", m, "--embedder", e, "--text-dir", copies.to_str().unwrap(), "--json"]);
+    assert_eq!(ok_s(&copy)["added"], 1);
+    let after = ok_s(&args(&["stats"], db, &["--json"]));
+    assert_eq!(after["contexts"].as_u64(), Some(5));
+    assert_eq!(after["state_bytes"], stats["state_bytes"], "a shared state file is counted once");
+    let removed = ok_s(&args(&["delete"], db, &["--doc", "cats again.txt", "--json"]));
+    assert_eq!(removed["store"]["contexts"], 4);
+    assert_eq!(removed["store"]["state_bytes"], stats["state_bytes"], "the shared state file stays");
 
     // Retrieval finds the Eiffel paragraphs for an Eiffel question.
     let q = ok_s(&args(
@@ -467,4 +481,39 @@ fn method_r() -> picaso_store::ContextMethod {
 /// Equal to float rounding (sums of log-probabilities scored in different batches).
 fn close_to(a: f64, b: f64) -> bool {
     (a - b).abs() <= 1e-5 * (1.0 + b.abs())
+}
+
+/// `tokens:N` and `halves` cut between tokens, and byte-level tokens can split a character: a
+/// cut there would leave each side's text with a U+FFFD for its piece. They move the cut to the
+/// nearest token that starts a character, and every token stays in exactly one segment.
+#[test]
+fn segments_never_split_a_character() {
+    let Some(model) = text_model(1) else { return };
+    let model = Model::load(model.path(), &LoadOptions::default()).unwrap();
+    let tok = model.tokenizer().unwrap();
+    let text = "Zoë’s café served crème brûlée — 東京タワー and 🎉🎉 emoji — at 5 °C, naïvely.".repeat(3);
+    let all = tok.encode(&text).unwrap();
+    let split_somewhere = (1..all.len()).filter(|&k| tok.decode(&all[..k]).unwrap().ends_with('\u{FFFD}')).count();
+    assert!(split_somewhere > 10, "the text has characters that span tokens ({split_somewhere} cuts split one)");
+    let doc = picaso_store::Document { id: "d".into(), paragraphs: vec![text.clone()] };
+    let check = |segmentation: picaso_store::Segmentation, max_len: usize| {
+        let segs = picaso_store::ingest::segments(&model, &doc, segmentation).unwrap();
+        for (seg, text, tokens) in &segs {
+            assert!(!text.contains('\u{FFFD}'), "{segmentation} segment {seg}: {text:?}");
+            assert!(
+                !tokens.is_empty() && tokens.len() <= max_len,
+                "{segmentation} segment {seg}: {} tokens",
+                tokens.len()
+            );
+            assert_eq!(&tok.decode(tokens).unwrap(), text);
+        }
+        let joined: Vec<u32> = segs.iter().flat_map(|s| s.2.clone()).collect();
+        assert_eq!(joined, all, "{segmentation}: every token once, in order");
+        segs.len()
+    };
+    for n in 4..=12 {
+        let count = check(picaso_store::Segmentation::Tokens(n), n);
+        assert!(count >= all.len().div_ceil(n), "tokens:{n}: {count} segments");
+    }
+    assert_eq!(check(picaso_store::Segmentation::Halves(2), all.len()), 2);
 }

@@ -87,10 +87,22 @@ pub fn segments(model: &Model, doc: &Document, segmentation: Segmentation) -> Re
             .collect::<std::result::Result<_, picaso_model::Error>>()?,
         Segmentation::Tokens(n) => {
             let all = tokenizer.encode(&doc.paragraphs.join("\n"))?;
-            all.chunks(n)
-                .enumerate()
-                .map(|(i, c)| Ok((i as u32, tokenizer.decode(c)?, c.to_vec())))
-                .collect::<std::result::Result<_, picaso_model::Error>>()?
+            let mut out = Vec::new();
+            let mut start = 0;
+            while start < all.len() {
+                let end = if start + n >= all.len() {
+                    all.len()
+                } else {
+                    (0..n.min(MAX_CHAR_TOKENS))
+                        .map(|back| start + n - back)
+                        .find(|&cut| starts_a_character(tokenizer, &all[cut..]))
+                        .unwrap_or(start + n)
+                };
+                let chunk = &all[start..end];
+                out.push((out.len() as u32, tokenizer.decode(chunk)?, chunk.to_vec()));
+                start = end;
+            }
+            out
         }
         Segmentation::Halves(min) => {
             let mut out = Vec::new();
@@ -99,13 +111,30 @@ pub fn segments(model: &Model, doc: &Document, segmentation: Segmentation) -> Re
                 if tokens.len() < min {
                     continue;
                 }
-                let (a, b) = tokens.split_at(tokens.len() / 2);
+                let middle = tokens.len() / 2;
+                let cut = (0..MAX_CHAR_TOKENS)
+                    .flat_map(|d| [middle - d.min(middle), middle + d])
+                    .filter(|&c| c > 0 && c < tokens.len())
+                    .find(|&c| starts_a_character(tokenizer, &tokens[c..]))
+                    .unwrap_or(middle);
+                let (a, b) = tokens.split_at(cut);
                 out.push((2 * p as u32, tokenizer.decode(a)?, a.to_vec()));
                 out.push((2 * p as u32 + 1, tokenizer.decode(b)?, b.to_vec()));
             }
             out
         }
     })
+}
+
+/// Most tokens one character can span: byte-level tokens hold at least a byte, a UTF-8
+/// character at most four.
+const MAX_CHAR_TOKENS: usize = 4;
+
+/// Whether `rest` begins on a character boundary, so a cut before it splits no character in
+/// two (each half's text would show U+FFFD for its piece): its first tokens decode to text that
+/// does not start with a replacement character.
+fn starts_a_character(tokenizer: &picaso_model::TextTokenizer, rest: &[u32]) -> bool {
+    tokenizer.decode(&rest[..rest.len().min(MAX_CHAR_TOKENS)]).is_ok_and(|t| !t.starts_with('\u{FFFD}'))
 }
 
 /// Cuts `docs` into segments (token ids included) and sets them against what `store` holds:

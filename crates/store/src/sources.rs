@@ -25,10 +25,11 @@ pub struct Document {
 pub enum Segmentation {
     /// One context per paragraph.
     Paragraph,
-    /// Runs of this many tokens.
+    /// Runs of this many tokens (up to three fewer where a cut would split a character).
     Tokens(usize),
     /// Paragraph `p` of at least this many tokens → segments `2p` (first half) and `2p + 1`
-    /// (second half, the longer one when odd).
+    /// (second half, the longer one when odd), cut at the middle token or, where that would
+    /// split a character, at the nearest token that starts one.
     Halves(usize),
 }
 

@@ -151,7 +151,7 @@ pub struct Stats {
     pub documents: u64,
     /// Tokens over all contexts.
     pub tokens: u64,
-    /// Bytes of state files recorded.
+    /// Bytes of the distinct state files (contexts with equal text share one file).
     pub state_bytes: u64,
     /// Fingerprint of the model.
     pub model: String,
@@ -247,7 +247,7 @@ impl Store {
             location: location.catalog.to_string(),
             message: match &location.catalog {
                 CatalogUrl::Sqlite(_) => {
-                    "not a picaso store (no store.sqlite); create one with `picaso ingest --db DIR ...`".into()
+                    "not a picaso store (no store.sqlite); create one with `picaso ingest --db DIR ...` or Python `picaso.Store.create(DIR, model)`".into()
                 }
                 CatalogUrl::Postgres(_) => "this database holds no picaso store; create one with \
                      `picaso ingest --db postgres://... --states s3://bucket/prefix ...`"
@@ -285,7 +285,7 @@ impl Store {
                     (None, Some(d)) => d,
                     (None, None) => {
                         return Err(Error::Input(format!(
-                            "a PostgreSQL store needs --states: where to keep state objects \
+                            "a PostgreSQL store needs a states location (--states, Python states=): where to keep state objects \
                              (s3://bucket/prefix, or a folder every server can read); creating {shown}"
                         )))
                     }
@@ -345,7 +345,7 @@ impl Store {
         if let Some(given) = &location.states {
             if absolute(given.clone()) != absolute(recorded.clone()) {
                 return Err(Error::Input(format!(
-                    "store {shown} keeps its states in {recorded}, not {given}; drop --states or give that one"
+                    "store {shown} keeps its states in {recorded}, not {given}; leave the states location (--states, Python states=) out or give that one"
                 )));
             }
         }
@@ -534,7 +534,7 @@ impl Store {
         let stored = self.catalog.init_meta("segmentation", segmentation)?;
         if stored != segmentation {
             return Err(Error::Input(format!(
-                "store {} was ingested with --segment {stored}; ingest with the same segmentation or into a new store",
+                "store {} was ingested with segmentation {stored} (--segment, Python segment=); ingest with the same one or into a new store",
                 self.location.catalog
             )));
         }
@@ -559,7 +559,7 @@ impl Store {
         let stored_source = self.catalog.init_meta("embedder_source", source)?;
         if stored != fingerprint {
             return Err(Error::Input(format!(
-                "the embedder {source} (fingerprint {fingerprint}) is not the one store {} was built with ({stored_source}, fingerprint {stored}); pass --embedder {stored_source} or leave --embedder out to use it",
+                "the embedder {source} (fingerprint {fingerprint}) is not the one store {} was built with ({stored_source}, fingerprint {stored}); give that embedder ({stored_source}: --embedder, Python embedder=) or leave it out to use it",
                 self.location.catalog
             )));
         }

@@ -40,7 +40,8 @@ pub struct Row<'a> {
     pub created: i64,
 }
 
-/// Totals over a catalog: (contexts, documents, tokens, state bytes).
+/// Totals over a catalog: (contexts, documents, tokens, state bytes). State bytes count each
+/// state file once: contexts with the same state (the same text) share one content-addressed file.
 pub type Totals = (u64, u64, u64, u64);
 
 /// A metadata and vector backend.

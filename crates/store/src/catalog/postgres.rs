@@ -221,7 +221,7 @@ impl PostgresCatalog {
     pub fn connect(url: &str) -> Result<Self> {
         let shown = redact(url);
         let mut config: tokio_postgres::Config = url.parse().map_err(|e| Error::Input(format!(
-            "--db {shown}: not a PostgreSQL connection string ({e}); use postgres://user[:password]@host[:port]/database"
+            "store location {shown}: not a PostgreSQL connection string ({e}); use postgres://user[:password]@host[:port]/database"
         )))?;
         let resilience = Resilience::from_env();
         if config.get_connect_timeout().is_none() {
@@ -706,7 +706,9 @@ impl Catalog for PostgresCatalog {
                 let r = c
                     .query_one(
                         "SELECT COUNT(*), COUNT(DISTINCT doc), COALESCE(SUM(n_tokens), 0)::BIGINT,
-                                COALESCE(SUM(state_bytes), 0)::BIGINT FROM picaso_contexts",
+                                (SELECT COALESCE(SUM(b), 0)::BIGINT FROM
+                                    (SELECT MAX(state_bytes) AS b FROM picaso_contexts GROUP BY state_file) AS files)
+                         FROM picaso_contexts",
                         &[],
                     )
                     .await?;

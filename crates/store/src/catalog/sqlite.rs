@@ -86,9 +86,9 @@ impl Index {
 
     /// Brings the index up to the table after other connections' commits: reads the ids (not
     /// the embeddings), drops the rows that are gone and reads only the new ones' embeddings.
-    fn sync(&mut self, dir: &Path, conn: &Connection) -> Result<()> {
-        // Read before the ids: a commit after this read changes it again, and is caught then.
-        let version = data_version(conn)?;
+    /// `version` is `data_version` read before the ids: a commit after that read changes it
+    /// again, and is caught then.
+    fn sync(&mut self, dir: &Path, conn: &Connection, version: i64) -> Result<()> {
         if version == self.version {
             return Ok(());
         }
@@ -181,7 +181,7 @@ impl SqliteCatalog {
         if !Self::exists_at(dir) {
             return Err(Error::Store {
                 location: dir.display().to_string(),
-                message: "not a picaso store (no store.sqlite); create one with `picaso ingest --db DIR ...`".into(),
+                message: "not a picaso store (no store.sqlite); create one with `picaso ingest --db DIR ...` or Python `picaso.Store.create(DIR, model)`".into(),
             });
         }
         let conn = Self::connect(dir)?;
@@ -232,7 +232,7 @@ impl SqliteCatalog {
         let version = data_version(&conn)?;
         let stale = self.index.read().unwrap_or_else(|p| p.into_inner()).version != version;
         if stale {
-            self.index.write().unwrap_or_else(|p| p.into_inner()).sync(&self.dir, &conn)?;
+            self.index.write().unwrap_or_else(|p| p.into_inner()).sync(&self.dir, &conn, version)?;
         }
         // Taken before the connection is let go, so no write of this process comes between.
         let index = self.index.read().unwrap_or_else(|p| p.into_inner());
@@ -396,7 +396,9 @@ impl Catalog for SqliteCatalog {
     fn totals(&self) -> Result<Totals> {
         let conn = self.conn();
         let t = conn.query_row(
-            "SELECT COUNT(*), COUNT(DISTINCT doc), COALESCE(SUM(n_tokens), 0), COALESCE(SUM(state_bytes), 0) FROM contexts",
+            "SELECT COUNT(*), COUNT(DISTINCT doc), COALESCE(SUM(n_tokens), 0),
+                    (SELECT COALESCE(SUM(b), 0) FROM (SELECT MAX(state_bytes) AS b FROM contexts GROUP BY state_file))
+             FROM contexts",
             [],
             |r| Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?, r.get::<_, i64>(2)?, r.get::<_, i64>(3)?)),
         )?;
