@@ -232,7 +232,7 @@ impl Model {
             match TextTokenizer::from_file(&path) {
                 Ok(t) => (Some(t), None),
                 Err(e) if options.tokenizer.is_some() => return Err(e),
-                Err(e) => (None, Some(format!("{e}; pass --tokenizer PATH to a tokenizer.json"))),
+                Err(e) => (None, Some(format!("{e}; give the path of a tokenizer.json (picaso --tokenizer PATH, Python Model(tokenizer=PATH))"))),
             }
         };
         let engine = Engine::new(config.clone(), weights, &options.backend, options.weight_dtype)?;
@@ -338,7 +338,7 @@ impl Model {
                 // Text gives such ids when the tokenizer is not the model's.
                 let hint = match self.tokenizer() {
                     Ok(t) if t.vocab_size() > v => format!(
-                        "; the tokenizer knows {} tokens, the model {v}: is the tokenizer (--tokenizer) the model's?",
+                        "; the tokenizer knows {} tokens, the model {v}: is the tokenizer (--tokenizer, Python tokenizer=) the model's?",
                         t.vocab_size()
                     ),
                     _ => String::new(),

@@ -15,7 +15,7 @@ pub enum Error {
     },
     /// The store was made with another model (or embedder) than the one given.
     #[error(
-        "store {location} holds states of model {stored}, not of {given}; use the model it was made with or a new --db"
+        "store {location} holds states of model {stored}, not of {given}; use the model it was made with or a new store"
     )]
     WrongModel {
         /// The store (folder or URL).

@@ -57,11 +57,11 @@ impl CatalogUrl {
         }
         if let Some((scheme, _)) = s.split_once("://") {
             return Err(Error::Input(format!(
-                "--db {s:?}: unknown scheme {scheme:?}; use a folder, sqlite://DIR or postgres://user@host/db"
+                "store location {s:?}: unknown scheme {scheme:?}; use a folder, sqlite://DIR or postgres://user@host/db"
             )));
         }
         if s.is_empty() {
-            return Err(Error::Input("--db is empty; give a folder or a postgres:// URL".into()));
+            return Err(Error::Input("the store location is empty; give a folder or a postgres:// URL".into()));
         }
         Ok(Self::Sqlite(PathBuf::from(s)))
     }
@@ -102,7 +102,7 @@ impl StatesUrl {
         if let Some(rest) = s.strip_prefix("s3://") {
             let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
             if bucket.is_empty() {
-                return Err(Error::Input(format!("--states {s:?}: no bucket; use s3://bucket/prefix")));
+                return Err(Error::Input(format!("states location {s:?}: no bucket; use s3://bucket/prefix")));
             }
             return Ok(Self::S3 { bucket: bucket.to_string(), prefix: prefix.trim_matches('/').to_string() });
         }
@@ -111,11 +111,11 @@ impl StatesUrl {
         }
         if let Some((scheme, _)) = s.split_once("://") {
             return Err(Error::Input(format!(
-                "--states {s:?}: unknown scheme {scheme:?}; use a folder or s3://bucket/prefix"
+                "states location {s:?}: unknown scheme {scheme:?}; use a folder or s3://bucket/prefix"
             )));
         }
         if s.is_empty() {
-            return Err(Error::Input("--states is empty; give a folder or an s3:// URL".into()));
+            return Err(Error::Input("the states location is empty; give a folder or an s3:// URL".into()));
         }
         Ok(Self::Local(PathBuf::from(s)))
     }

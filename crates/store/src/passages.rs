@@ -32,7 +32,7 @@ pub fn passages(store: &Store) -> Result<Vec<Passage>> {
         Some(s) if s.starts_with("halves") => {}
         other => {
             return Err(Error::Input(format!(
-                "{}: the store was ingested with --segment {}, not halves; ingest the text with --segment halves into a new store",
+                "{}: the store was ingested with segmentation {}, not halves; ingest the text with segmentation halves (--segment halves, Python segment=\"halves\") into a new store",
                 store.location(),
                 other.as_deref().unwrap_or("(unrecorded)")
             )))
@@ -60,7 +60,7 @@ pub fn passages(store: &Store) -> Result<Vec<Passage>> {
         .collect();
     if out.is_empty() {
         return Err(Error::Input(format!(
-            "{}: no (query, continuation) pairs; ingest the text with --segment halves",
+            "{}: no (query, continuation) pairs; ingest the text with segmentation halves (--segment halves, Python segment=\"halves\")",
             store.location()
         )));
     }
