@@ -66,7 +66,7 @@ pub enum StopReason {
 pub struct Generation {
     /// New token ids (a stop string's tokens included, the EOS token not).
     pub tokens: Vec<u32>,
-    /// New text, cut before any stop string.
+    /// New text, cut before any stop string (empty for a model without a tokenizer).
     pub text: String,
     /// Why it ended.
     pub stop_reason: StopReason,
@@ -269,7 +269,8 @@ pub enum Next {
 /// is the caller's, so one request can run alone ([`generate`]) or in a batch with others
 /// (the server) and pick the same tokens.
 pub struct Decoder<'m> {
-    tokenizer: &'m crate::tokenizer::TextTokenizer,
+    /// None for a model without a tokenizer: token ids only (no text, EOS or stop strings).
+    tokenizer: Option<&'m crate::tokenizer::TextTokenizer>,
     vocab: usize,
     opts: GenerateOptions,
     rng: StdRng,
@@ -283,13 +284,20 @@ pub struct Decoder<'m> {
 }
 
 impl<'m> Decoder<'m> {
-    /// A decoder for `model`'s vocabulary; checks `opts`.
+    /// A decoder for `model`'s vocabulary; checks `opts`. A model without a tokenizer generates
+    /// token ids only (empty text, no EOS): stop strings then need one.
     pub fn new(model: &'m Model, opts: &GenerateOptions) -> Result<Self> {
         opts.validate()?;
-        let tokenizer = model.tokenizer()?;
+        let tokenizer = match model.tokenizer() {
+            Ok(t) => Some(t),
+            Err(e) if !opts.stop.is_empty() => {
+                return Err(Error::Input(format!("stop strings are matched in text, which needs a tokenizer: {e}")))
+            }
+            Err(_) => None,
+        };
         Ok(Self {
             tokenizer,
-            vocab: tokenizer.vocab_size().min(model.config().vocab_size()),
+            vocab: tokenizer.map_or(usize::MAX, |t| t.vocab_size()).min(model.config().vocab_size()),
             rng: StdRng::seed_from_u64(opts.seed),
             hold: opts.stop.iter().map(String::len).max().unwrap_or(0),
             opts: opts.clone(),
@@ -324,12 +332,15 @@ impl<'m> Decoder<'m> {
             )));
         }
         let next = sample(logits, self.vocab, &self.opts, &mut self.rng);
-        if Some(next) == self.tokenizer.eos() && !self.opts.ignore_eos {
+        if next_is_eos(self.tokenizer, next) && !self.opts.ignore_eos {
             return Ok(self.done(StopReason::Eos, None));
         }
         self.tokens.push(next);
         let searched_from = floor_char_boundary(&self.text, self.text.len().saturating_sub(self.hold));
-        let piece = self.incremental.next_piece(self.tokenizer, &self.tokens)?;
+        let piece = match self.tokenizer {
+            Some(t) => self.incremental.next_piece(t, &self.tokens)?,
+            None => String::new(),
+        };
         self.text.push_str(&piece);
         if let Some(cut) = self.opts.stop.iter().filter_map(|s| self.text[searched_from..].find(s.as_str())).min() {
             self.text.truncate(searched_from + cut);
@@ -392,6 +403,11 @@ pub fn generate(
         text.truncate(decoder.emitted);
     }
     Ok(Generation { tokens, text, stop_reason, state })
+}
+
+/// Whether `token` is the tokenizer's end of text (never without a tokenizer).
+fn next_is_eos(tokenizer: Option<&crate::tokenizer::TextTokenizer>, token: u32) -> bool {
+    tokenizer.and_then(|t| t.eos()) == Some(token)
 }
 
 /// The largest char boundary of `s` at or below `i`.

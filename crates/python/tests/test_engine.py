@@ -209,6 +209,13 @@ def test_tiny_model_token_ids(tiny):
     s = tiny.state([5, 6, 7])
     assert s.ssm(0).shape == (4, 16, 8)
     np.testing.assert_allclose(tiny.score([5, 6, 7, 8, 9])[2:], tiny.score([7, 8, 9], state=tiny.state([5, 6])), atol=1e-5)
+    # Without a tokenizer generation is token ids in, token ids out.
+    g = tiny.generate([5, 6, 7], max_tokens=4)
+    assert g.text is None and len(g.token_ids) == 4 and g.stop_reason == "length"
+    assert g.token_ids[0] == int(np.argmax(tiny.next_logits([5, 6, 7])))
+    np.testing.assert_allclose(g.state.ssm(1), tiny.state([5, 6, 7] + g.token_ids).ssm(1), atol=1e-5)
+    with pytest.raises(picaso.Error, match="stop strings are matched in text, which needs a tokenizer"):
+        tiny.generate([5, 6, 7], max_tokens=4, stop=["x"])
 
 
 def test_model_work_releases_the_gil(model):

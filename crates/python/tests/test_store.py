@@ -32,6 +32,8 @@ def test_store_end_to_end(model, embedder, tmp_path):
         again = picaso.Store.open(url, model=model)  # the embedder the store recorded
         g = again.query("The tower in Paris was finished in", k=2, method="picaso-r", max_tokens=6)
         assert [c["doc"] for c in g.contexts][0] == eiffel and len(g.token_ids) == 6
+        g.contexts[0]["doc"] = "edited"  # a Generation is immutable: each read is a copy
+        assert g.contexts[0]["doc"] == eiffel
 
         # The store's composed state is picaso.compose of its stored states (last id nearest the prompt).
         ids = [c["id"] for c in reversed(g.contexts)]

@@ -46,7 +46,7 @@ class Model:
     ) -> "Generation": ...
 
 class Generation:
-    text: str
+    text: Optional[str]  # None when the model has no tokenizer (token ids only)
     # With stop_reason "stop": to the end of the token where the stop string begins (as `state`);
     # `text` is cut before the stop string, so decode(token_ids) may hold more than `text`.
     token_ids: list[int]
