@@ -257,6 +257,6 @@ fn eval_and_compose_finetuning_end_to_end() {
     // Mixing segmentations in one store is refused: (document, segment) would mean two texts.
     fails(
         &["ingest", "--db", db_s, "--embedder", e, "--model", m, "--wikitext", d, "--segment", "paragraph"],
-        "ingested with --segment halves",
+        "ingested with segmentation halves",
     );
 }
