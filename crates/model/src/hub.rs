@@ -16,9 +16,11 @@ const OPTIONAL: &[&str] = &["tokenizer.json"];
 #[cfg(feature = "hub")]
 pub fn download(repo_id: &str) -> Result<PathBuf> {
     let repo = repo(repo_id)?;
+    let here = std::env::current_dir().map(|d| d.display().to_string()).unwrap_or_else(|_| "?".into());
     let fail = |f: &str, e: hf_hub::api::sync::ApiError| {
         Error::Input(format!(
-            "downloading {f} of {repo_id} from the Hugging Face hub failed: {e} (offline? pass a local model folder)"
+            "{repo_id} is no folder here ({here}), and downloading its {f} from the Hugging Face hub failed: {e} \
+             (a folder: check the path; a hub id: check the name and that this machine is online)"
         ))
     };
     let mut dir = None;
@@ -90,7 +92,9 @@ pub fn download_files(repo_id: &str, _required: &[&str], _optional: &[&str]) -> 
 #[cfg(not(feature = "hub"))]
 pub fn download(repo_id: &str) -> Result<PathBuf> {
     let _ = (REQUIRED, WEIGHTS, OPTIONAL);
+    let here = std::env::current_dir().map(|d| d.display().to_string()).unwrap_or_else(|_| "?".into());
     Err(Error::Input(format!(
-        "{repo_id}: not a local folder, and this build has no hub support (build with feature `hub`)"
+        "{repo_id} is no folder here ({here}), and this build has no hub support to download it as a hub id \
+         (build with feature `hub`)"
     )))
 }
