@@ -255,6 +255,72 @@ struct RecallData {
     sequences: usize,
 }
 
+impl RunFile {
+    /// The run's config, its vocabulary still unset (0): it is the tokenizer's.
+    fn run_config(&self) -> PretrainConfig {
+        let model = Mamba2Config {
+            d_model: self.d_model,
+            n_layer: self.n_layer,
+            vocab_size: 0,
+            d_state: self.d_state,
+            headdim: self.headdim,
+            nheads: self.d_model * self.expand / self.headdim,
+            expand: self.expand,
+            n_groups: self.n_groups,
+            d_conv: self.d_conv,
+            ..Mamba2Config::tiny(self.n_layer, self.d_conv)
+        };
+        let mut adamw = picaso_train::optim::AdamWConfig::default();
+        if let Some(wd) = self.weight_decay {
+            adamw.weight_decay = wd;
+        }
+        PretrainConfig {
+            model,
+            seq_len: self.seq_len,
+            batch: self.batch,
+            steps: self.steps,
+            warmup: self.warmup,
+            lr: self.lr,
+            min_lr: self.min_lr,
+            clip: self.clip,
+            adamw,
+            seed: self.seed,
+            val_every: self.val_every,
+            val_sequences: self.val_sequences,
+            checkpoint_every: self.checkpoint_every,
+            chunk: self.chunk,
+            sampler: self.sampler,
+            init: self.init.clone(),
+            loss_from: self.loss_from,
+            train_stream: None,
+            matmul: self.matmul,
+        }
+    }
+
+    /// Every this many-th document (or recall sequence) is held out for validation.
+    fn held_out_every(&self) -> usize {
+        (1.0 / self.val_fraction).round() as usize
+    }
+}
+
+/// The error for a validation split shorter than one window (`seq_len + 1` tokens), saying
+/// what would lengthen it: the split is one in `every` of `units` documents (or sequences),
+/// whole, so a single long document cannot be split however val_fraction is set.
+fn short_validation(val_tokens: usize, seq_len: usize, units: usize, every: usize, unit: &str) -> anyhow::Error {
+    let problem = format!(
+        "the validation split has {val_tokens} tokens, fewer than one window of seq_len + 1 = {}: it holds out one {unit} in {every} (by val_fraction), whole, and there are {units}",
+        seq_len + 1
+    );
+    let fix = if units < 2 {
+        format!("give at least two {unit}s (in a text corpus, paragraphs separated by a blank line or .txt files)")
+    } else if units < every {
+        format!("raise val_fraction to at least 1/{units} or give more {unit}s")
+    } else {
+        format!("raise val_fraction, give more or longer {unit}s, or lower seq_len")
+    };
+    anyhow::anyhow!("{problem}; {fix}")
+}
+
 fn two() -> usize {
     2
 }
@@ -303,9 +369,16 @@ fn pretrain_cmd(a: PretrainArgs) -> Result<()> {
             "--config: sizes must be positive, d_conv at least 2, d_model·expand a multiple of headdim and the heads a multiple of n_groups"
         );
     }
-    if f.seq_len == 0 || f.batch == 0 || f.steps == 0 || f.val_every == 0 || f.checkpoint_every == 0 {
-        bail!("--config: seq_len, batch, steps, val_every and checkpoint_every must be at least 1");
+    if !(f.val_fraction > 0.0 && f.val_fraction <= 0.5) {
+        bail!(
+            "--config: val_fraction = {}: the share of documents held out for validation must be above 0 and at most 0.5 (every second document)",
+            f.val_fraction
+        );
     }
+    // Checked before the corpora are read and tokenized (minutes for a large one); the
+    // vocabulary is the tokenizer's, set below.
+    let mut config = f.run_config();
+    config.validate().with_context(|| format!("--config {}", a.config.display()))?;
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
 
     let (tok_path, mut data) = match &f.recall {
@@ -330,51 +403,8 @@ fn pretrain_cmd(a: PretrainArgs) -> Result<()> {
         }
         None => None,
     };
-    if data.val.len() < f.seq_len + 1 {
-        bail!(
-            "the validation split has {} tokens, fewer than one sequence; raise val_fraction or add text",
-            data.val.len()
-        );
-    }
-
-    let vocab_size = tokenizer.vocab_size().div_ceil(8) * 8;
-    let model = Mamba2Config {
-        d_model: f.d_model,
-        n_layer: f.n_layer,
-        vocab_size,
-        d_state: f.d_state,
-        headdim: f.headdim,
-        nheads: f.d_model * f.expand / f.headdim,
-        expand: f.expand,
-        n_groups: f.n_groups,
-        d_conv: f.d_conv,
-        ..Mamba2Config::tiny(f.n_layer, f.d_conv)
-    };
-    let mut adamw = picaso_train::optim::AdamWConfig::default();
-    if let Some(wd) = f.weight_decay {
-        adamw.weight_decay = wd;
-    }
-    let config = PretrainConfig {
-        model,
-        seq_len: f.seq_len,
-        batch: f.batch,
-        steps: f.steps,
-        warmup: f.warmup,
-        lr: f.lr,
-        min_lr: f.min_lr,
-        clip: f.clip,
-        adamw,
-        seed: f.seed,
-        val_every: f.val_every,
-        val_sequences: f.val_sequences,
-        checkpoint_every: f.checkpoint_every,
-        chunk: f.chunk,
-        sampler: f.sampler,
-        init: f.init.clone(),
-        loss_from: f.loss_from,
-        train_stream,
-        matmul: f.matmul,
-    };
+    config.model.vocab_size = tokenizer.vocab_size().div_ceil(8) * 8;
+    config.train_stream = train_stream;
     let need = config.estimated_peak_bytes();
     if let Some(avail) = available_memory_bytes() {
         if need > avail {
@@ -458,7 +488,8 @@ fn pretrain_cmd(a: PretrainArgs) -> Result<()> {
         serde_json::json!({
             "step": last.map(|r| r.step), "steps": config.steps, "train_loss": last.map(|r| r.loss),
             "val_loss": history.iter().rev().find_map(|r| r.val_loss), "seconds": last.map(|r| r.seconds),
-            "parameters": n_params, "model": model_dir, "loss_csv": csv_path, "loss_png": a.out.join("loss.png"),
+            "parameters": n_params, "model": model_dir.to_string_lossy(), "loss_csv": csv_path.to_string_lossy(),
+            "loss_png": a.out.join("loss.png").to_string_lossy(),
         })
     );
     Ok(())
@@ -505,7 +536,7 @@ fn text_data(a: &PretrainArgs, f: &RunFile) -> Result<(PathBuf, TokenData)> {
     // Token streams; every ⌈1/val_fraction⌉-th document is held out for validation. Encoding
     // tens of millions of tokens takes minutes, so a resumed run reads them from OUT/tokens.bin
     // when the tokenizer, the corpora and the split are the same.
-    let every = (1.0 / f.val_fraction.clamp(1e-6, 0.5)).round() as usize;
+    let every = f.held_out_every();
     let key = {
         let mut h = xxhash_rust::xxh3::Xxh3::new();
         h.update(&std::fs::read(&tok_path)?);
@@ -548,7 +579,11 @@ fn text_data(a: &PretrainArgs, f: &RunFile) -> Result<(PathBuf, TokenData)> {
             data
         }
     };
+    let n_docs = docs.len();
     drop(docs);
+    if data.val.len() < f.seq_len + 1 {
+        return Err(short_validation(data.val.len(), f.seq_len, n_docs, every, "document"));
+    }
     eprintln!(
         "{} training tokens, {} validation tokens, {} held-out paragraph pairs",
         data.train.len(),
@@ -577,7 +612,21 @@ fn recall_data(a: &PretrainArgs, f: &RunFile, r: &RecallData) -> Result<(PathBuf
     tok.save(&tok_path, false).map_err(|e| anyhow::anyhow!("saving {}: {e}", tok_path.display()))?;
     let eos = tok.token_to_id("<|endoftext|>").expect("the recall vocabulary has an end-of-text token");
     let query = tok.token_to_id(QUERY).expect("the recall vocabulary has a query token");
-    let every = (1.0 / f.val_fraction.clamp(1e-6, 0.5)).round() as usize;
+    // A sequence is seq_len − 1 words and an end-of-text; its facts take two words each and a
+    // query three.
+    if r.max_k == 0 {
+        bail!("--config: recall.max_k = 0: a sequence needs at least 1 context");
+    }
+    let need = 2 * r.facts * r.max_k + 4;
+    if f.seq_len < need {
+        bail!(
+            "--config: seq_len = {}: a recall sequence of up to {} contexts (max_k) of {} facts, a query and an end-of-text needs a seq_len of at least {need}; raise seq_len or lower max_k or facts",
+            f.seq_len,
+            r.max_k,
+            r.facts
+        );
+    }
+    let every = f.held_out_every();
     let mut data = TokenData::default();
     for i in 0..r.sequences {
         let text = training_text(&task, f.seed, i, r.max_k, f.seq_len - 1).context("--config: recall")?;
@@ -586,6 +635,9 @@ fn recall_data(a: &PretrainArgs, f: &RunFile, r: &RecallData) -> Result<(PathBuf
         let stream = if i % every == every - 1 { &mut data.val } else { &mut data.train };
         stream.extend_from_slice(enc.get_ids());
         stream.push(eos);
+    }
+    if data.val.len() < f.seq_len + 1 {
+        return Err(short_validation(data.val.len(), f.seq_len, r.sequences, every, "sequence"));
     }
     data.train_mask = answer_mask(&data.train, query);
     data.val_mask = answer_mask(&data.val, query);
@@ -869,21 +921,15 @@ fn read_context_points(path: &std::path::Path) -> Result<Vec<ContextPoint>> {
 
 fn plot_context_cmd(a: PlotContextArgs) -> Result<()> {
     use picaso_eval::plot::{line_chart, Chart, Series};
+    // Every log is read and the chart drawn before the table starts, so a bad input leaves no
+    // half-printed table.
+    let logs = a
+        .logs
+        .iter()
+        .map(|(name, path)| Ok((name, read_context_points(std::path::Path::new(path))?)))
+        .collect::<Result<Vec<_>>>()?;
     let mut series = Vec::new();
-    println!("| run | tokens (M) | none | previous − none | previous gain | random − none |");
-    println!("|---|---:|---:|---:|---:|---:|");
-    for (name, path) in &a.logs {
-        let points = read_context_points(std::path::Path::new(path))?;
-        for p in &points {
-            println!(
-                "| {name} | {:.1} | {:.4} | {:+.4} | {:.2}% | {:+.4} |",
-                p.tokens as f64 / 1e6,
-                p.none,
-                p.previous - p.none,
-                100.0 * (p.none - p.previous) / p.none,
-                p.random - p.none
-            );
-        }
+    for (name, points) in &logs {
         let curve = |f: &dyn Fn(&ContextPoint) -> f64| -> Vec<(f64, f64)> {
             points.iter().map(|p| (p.tokens as f64 / 1e6, f(p))).collect()
         };
@@ -898,6 +944,20 @@ fn plot_context_cmd(a: PlotContextArgs) -> Result<()> {
         whole_x: false,
     };
     line_chart(&a.out, &chart, &series).with_context(|| format!("drawing {}", a.out.display()))?;
+    println!("| run | tokens (M) | none | previous − none | previous gain | random − none |");
+    println!("|---|---:|---:|---:|---:|---:|");
+    for (name, points) in &logs {
+        for p in points {
+            println!(
+                "| {name} | {:.1} | {:.4} | {:+.4} | {:.2}% | {:+.4} |",
+                p.tokens as f64 / 1e6,
+                p.none,
+                p.previous - p.none,
+                100.0 * (p.none - p.previous) / p.none,
+                p.random - p.none
+            );
+        }
+    }
     eprintln!("wrote {}", a.out.display());
     Ok(())
 }
@@ -925,13 +985,10 @@ fn compose_cmd(a: ComposeArgs) -> Result<()> {
     let text =
         std::fs::read_to_string(&a.config).with_context(|| format!("reading --config {}", a.config.display()))?;
     let f: ComposeFile = serde_json::from_str(&text).with_context(|| format!("--config {}", a.config.display()))?;
-    if f.batch == 0 || f.steps == 0 || f.val_every == 0 || f.checkpoint_every == 0 || f.chunk == 0 {
-        bail!("--config: batch, steps, val_every, checkpoint_every and chunk must be at least 1");
-    }
-    if f.val_k > f.max_k || f.min_k > f.max_k {
-        bail!("--config: val_k ({}) and min_k ({}) must not exceed max_k ({})", f.val_k, f.min_k, f.max_k);
-    }
     let model = crate::load_model(&a.model, true)?;
+    let config = compose_config(&a, &f, &model)?;
+    // Checked before the examples are gathered (retrieval over a whole store).
+    config.validate().with_context(|| format!("--config {}", a.config.display()))?;
     let data = match (&f.recall, &a.db) {
         (Some(r), None) => recall_examples(&model, &f, r)?,
         (None, Some(db)) => {
@@ -942,7 +999,40 @@ fn compose_cmd(a: ComposeArgs) -> Result<()> {
             "give --db (a store of passages ingested with --segment halves), or a config with a \"recall\" section"
         ),
     };
-    fit_compose(&a, &f, &model, &data)
+    fit_compose(&a, &config, &model, &data)
+}
+
+/// The fine-tuning run's config: the file's settings for `model`'s architecture.
+fn compose_config(
+    a: &ComposeArgs,
+    f: &ComposeFile,
+    model: &picaso_model::Model,
+) -> Result<picaso_train::compose::ComposeConfig> {
+    let mut adamw = picaso_train::optim::AdamWConfig::default();
+    if let Some(wd) = f.weight_decay {
+        adamw.weight_decay = wd;
+    }
+    let mamba2 = model.config().as_mamba2().with_context(|| {
+        format!("{}: fine-tuning supports Mamba-2 models; this one is Mamba-1", model.dir().display())
+    })?;
+    Ok(picaso_train::compose::ComposeConfig {
+        model: mamba2.clone(),
+        objective: a.objective,
+        batch: f.batch,
+        steps: f.steps,
+        warmup: f.warmup,
+        lr: f.lr,
+        min_lr: f.min_lr,
+        clip: f.clip,
+        adamw,
+        max_k: f.max_k,
+        min_k: f.min_k,
+        seed: f.seed,
+        val_every: f.val_every,
+        val_k: f.val_k,
+        checkpoint_every: f.checkpoint_every,
+        chunk: f.chunk,
+    })
 }
 
 /// Recall examples: episode i of max_k contexts (generated with the config's seed), asking
@@ -956,7 +1046,8 @@ fn recall_examples(
     use picaso_train::compose::{ContextItem, ContextState, Dataset, Example};
     let tok = model.tokenizer()?;
     let task = Task::synthetic_from_vocab(&tok.inner().get_vocab(true), r.facts)?;
-    let mut data = Dataset { contexts: Vec::new(), train: Vec::new(), val: Vec::new() };
+    let source = format!("{} recall episodes of {} facts per context", r.episodes, r.facts);
+    let mut data = Dataset { source, contexts: Vec::new(), train: Vec::new(), val: Vec::new() };
     let bar = indicatif::ProgressBar::new((r.episodes + f.val_passages) as u64);
     bar.set_style(
         indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} recall episodes · ETA {eta}")
@@ -1025,7 +1116,9 @@ fn store_examples(
     let every = (passages.len() / f.val_passages.max(1)).max(2);
     let held_out = held_out_documents(&passages, every);
     let mut slot: std::collections::HashMap<i64, usize> = std::collections::HashMap::new();
-    let mut data = Dataset { contexts: Vec::new(), train: Vec::new(), val: Vec::new() };
+    let restated = if restate { " (states recomputed, --restate)" } else { "" };
+    let source = format!("store {}{restated}", store.location());
+    let mut data = Dataset { source, contexts: Vec::new(), train: Vec::new(), val: Vec::new() };
     let bar = indicatif::ProgressBar::new(passages.len() as u64);
     bar.set_style(
         indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} passages retrieved · ETA {eta}")
@@ -1084,44 +1177,14 @@ fn held_out_documents(passages: &[picaso_store::Passage], every: usize) -> Optio
     (docs.len() >= 2 * every).then(|| docs.into_iter().skip(every - 1).step_by(every).collect())
 }
 
-/// Fine-tunes `model` on `data` as the config says; writes OUT's log, chart and model.
+/// Fine-tunes `model` on `data` as `config` says; writes OUT's log, chart and model.
 fn fit_compose(
     a: &ComposeArgs,
-    f: &ComposeFile,
+    config: &picaso_train::compose::ComposeConfig,
     model: &picaso_model::Model,
     data: &picaso_train::compose::Dataset,
 ) -> Result<()> {
-    use picaso_train::compose::{finetune, ComposeConfig};
-    let mut adamw = picaso_train::optim::AdamWConfig::default();
-    if let Some(wd) = f.weight_decay {
-        adamw.weight_decay = wd;
-    }
-    let mamba2 = model
-        .config()
-        .as_mamba2()
-        .with_context(|| {
-            format!("{}: fine-tuning supports Mamba-2 models; this one is Mamba-1", model.dir().display())
-        })?
-        .clone();
-    let config = ComposeConfig {
-        model: mamba2.clone(),
-        objective: a.objective,
-        batch: f.batch,
-        steps: f.steps,
-        warmup: f.warmup,
-        lr: f.lr,
-        min_lr: f.min_lr,
-        clip: f.clip,
-        adamw,
-        max_k: f.max_k,
-        min_k: f.min_k,
-        seed: f.seed,
-        val_every: f.val_every,
-        val_k: f.val_k,
-        checkpoint_every: f.checkpoint_every,
-        chunk: f.chunk,
-    };
-    let weights = picaso_model::Mamba2Weights::load(model.dir(), &mamba2)?;
+    let weights = picaso_model::Mamba2Weights::load(model.dir(), &config.model)?;
     let bar = indicatif::ProgressBar::new(config.steps);
     bar.set_style(
         indicatif::ProgressStyle::with_template("{bar:30} step {pos}/{len} · {msg} · ETA {eta}")
@@ -1129,7 +1192,7 @@ fn fit_compose(
     );
     let plain = bar.is_hidden();
     let micro = a.micro_batch.map_or(config.batch, |m| m as usize);
-    let history = finetune(&config, &weights, data, &a.out, a.stop_after, micro, |r| {
+    let history = picaso_train::compose::finetune(config, &weights, data, &a.out, a.stop_after, micro, |r| {
         bar.set_position(r.step);
         let val = r.val_loss.map(|v| format!(" · val {v:.3}")).unwrap_or_default();
         let msg = format!("k {} · loss {:.3}{val} · {:.2} s/step", r.k, r.loss, r.step_seconds);
@@ -1178,7 +1241,7 @@ fn fit_compose(
             "val_loss": history.iter().rev().find_map(|r| r.val_loss),
             "first_val_loss": history.iter().find_map(|r| r.val_loss),
             "mean_step_seconds": mean_step, "seconds": history.last().map(|r| r.seconds),
-            "model": model_dir, "log_csv": csv_path,
+            "model": model_dir.to_string_lossy(), "log_csv": csv_path.to_string_lossy(),
         })
     );
     Ok(())

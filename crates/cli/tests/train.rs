@@ -86,6 +86,95 @@ fn pretrain_stops_resumes_and_writes_a_usable_model() {
     );
 }
 
+/// Fails with a message holding `needle`, without a panic.
+fn fails(args: &[&str], needle: &str) {
+    let o = picaso(args);
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && e.contains(needle) && !e.contains("panicked"), "{args:?}: {e}");
+}
+
+/// Settings that would make training go backwards or stand still are refused before any
+/// work, naming the field, its value and the allowed range; a validation split too short for
+/// a window says what would lengthen it.
+#[test]
+fn bad_run_settings_are_refused_naming_the_field() {
+    let tmp = tempfile::tempdir().unwrap();
+    let corpus = tmp.path().join("a.txt");
+    let text: Vec<String> = (0..40).map(|i| format!("Paragraph {i} is about the number {}.", i % 7)).collect();
+    std::fs::write(&corpus, text.join("\n\n")).unwrap();
+    let c = format!("text:{}", corpus.display());
+    let base = r#"{"d_model": 32, "n_layer": 1, "d_state": 8, "headdim": 8, "vocab": 300, "val_fraction": 0.1,
+        "seq_len": 16, "batch": 2, "steps": 2, "warmup": 1, "lr": 3e-3, "min_lr": 3e-4, "clip": 1.0,
+        "val_every": 1, "val_sequences": 1, "checkpoint_every": 1}"#;
+    let out = tmp.path().join("run");
+    let run_with = |from: &str, to: &str, needle: &str| {
+        let cfg = tmp.path().join("cfg.json");
+        assert!(base.contains(from), "{from}");
+        std::fs::write(&cfg, base.replace(from, to)).unwrap();
+        fails(
+            &["train", "pretrain", "--corpus", &c, "--config", cfg.to_str().unwrap(), "--out", out.to_str().unwrap()],
+            needle,
+        );
+    };
+    run_with("\"lr\": 3e-3", "\"lr\": -0.003", "lr = -0.003: the peak learning rate must be a number above 0");
+    run_with(
+        "\"min_lr\": 3e-4",
+        "\"min_lr\": 0.01",
+        "min_lr = 0.01: the final learning rate must be from 0 to lr (0.003)",
+    );
+    run_with("\"clip\": 1.0", "\"clip\": -1", "clip = -1: the gradient-norm limit must be a number above 0");
+    run_with("\"clip\": 1.0", "\"clip\": 0", "clip = 0: the gradient-norm limit must be a number above 0");
+    run_with("\"val_fraction\": 0.1", "\"val_fraction\": 1.5", "val_fraction = 1.5: the share of documents held out");
+    run_with("\"val_fraction\": 0.1", "\"val_fraction\": 0", "val_fraction = 0:");
+    run_with("\"batch\": 2", "\"batch\": 0", "batch = 0: must be at least 1");
+    run_with("\"clip\": 1.0", "\"clip\": 1.0, \"weight_decay\": -0.1", "weight_decay = -0.1");
+    run_with("\"clip\": 1.0", "\"clip\": 1.0, \"init\": {\"long_memory\": 2}", "init.long_memory = 2");
+    assert!(!out.join("checkpoint").exists(), "nothing was trained");
+
+    // A recall sequence needs room for its facts and a query.
+    let recall = tmp.path().join("recall.json");
+    std::fs::write(
+        &recall,
+        base.replace("\"seq_len\": 16", "\"seq_len\": 1").replace(
+            "\"clip\": 1.0",
+            "\"clip\": 1.0, \"sampler\": \"epochs\", \"recall\": {\"keys\": 8, \"values\": 8, \"facts\": 2, \"max_k\": 2, \"sequences\": 10}",
+        ),
+    )
+    .unwrap();
+    fails(
+        &["train", "pretrain", "--config", recall.to_str().unwrap(), "--out", out.to_str().unwrap()],
+        "seq_len = 1: a recall sequence of up to 2 contexts (max_k) of 2 facts, a query and an end-of-text needs a seq_len of at least 12",
+    );
+
+    // Validation holds out whole documents: one document cannot be split, and five at one in
+    // ten hold none out.
+    let cfg = tmp.path().join("cfg.json");
+    std::fs::write(&cfg, base).unwrap();
+    let one = tmp.path().join("one.txt");
+    std::fs::write(&one, text.join(" ")).unwrap();
+    let (cfg_s, out_s) = (cfg.to_str().unwrap(), out.to_str().unwrap());
+    fails(
+        &["train", "pretrain", "--corpus", &format!("text:{}", one.display()), "--config", cfg_s, "--out", out_s],
+        "there are 1; give at least two documents",
+    );
+    let five = tmp.path().join("five.txt");
+    std::fs::write(&five, text[..5].join("\n\n")).unwrap();
+    let out5 = tmp.path().join("run5");
+    fails(
+        &[
+            "train",
+            "pretrain",
+            "--corpus",
+            &format!("text:{}", five.display()),
+            "--config",
+            cfg_s,
+            "--out",
+            out5.to_str().unwrap(),
+        ],
+        "raise val_fraction to at least 1/5",
+    );
+}
+
 /// `--train-stream` trains on given token ids in place of the corpora's training text (the
 /// corpora still give validation), a resume refuses a different stream, and a bad file is named.
 #[test]
@@ -226,9 +315,20 @@ fn plot_context_compares_logs_and_names_a_log_without_checks() {
 
     let plain = tmp.path().join("plain.jsonl");
     std::fs::write(&plain, "{\"step\": 50, \"tokens\": 1000, \"loss\": 7.0}\n").unwrap();
-    let out = picaso(&["train", "plot-context", "--log", &arg("p", &plain), "--out", png.to_str().unwrap()]);
+    // A bad log after a good one: the error, and no half-printed table.
+    let out = picaso(&[
+        "train",
+        "plot-context",
+        "--log",
+        &arg("gpu", &gpu),
+        "--log",
+        &arg("p", &plain),
+        "--out",
+        png.to_str().unwrap(),
+    ]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("no row has a context-use check"));
+    assert!(out.stdout.is_empty(), "{}", String::from_utf8_lossy(&out.stdout));
     let out = picaso(&["train", "plot-context", "--log", plain.to_str().unwrap(), "--out", png.to_str().unwrap()]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("give NAME=PATH"));
@@ -318,6 +418,36 @@ fn recall_trains_evaluates_and_finetunes() {
         let e = String::from_utf8_lossy(&o.stderr);
         assert!(!o.status.success() && e.contains(needle) && !e.contains("panicked"), "{args:?}: {e}");
     };
+    // A resume of the fine-tuning with another --model or other examples is refused, naming
+    // the original; a config that would learn nothing is refused before any work.
+    let compose = |model: &str, cfg: &str, out: &str| {
+        vec!["train", "compose", "--objective", "bptc", "--model", model, "--config", cfg, "--out", out]
+            .into_iter()
+            .map(str::to_string)
+            .collect::<Vec<_>>()
+    };
+    let args = compose(&format!("{ft}/model"), &p("ft.json"), &ft);
+    fails(&args.iter().map(String::as_str).collect::<Vec<_>>(), "resume with the original model (--model)");
+    std::fs::write(
+        p("ft2.json"),
+        std::fs::read_to_string(p("ft.json")).unwrap().replace("\"episodes\": 8", "\"episodes\": 9"),
+    )
+    .unwrap();
+    let args = compose(&model, &p("ft2.json"), &ft);
+    fails(
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+        "trained on the examples of 8 recall episodes of 2 facts",
+    );
+    std::fs::write(
+        p("ft0.json"),
+        std::fs::read_to_string(p("ft.json")).unwrap().replace("\"min_k\": 1", "\"min_k\": 1, \"clip\": 0"),
+    )
+    .unwrap();
+    let args = compose(&model, &p("ft0.json"), &p("ft0"));
+    fails(
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+        "clip = 0: the gradient-norm limit must be a number above 0",
+    );
     // k larger than the keys allow, zero facts, an unknown method, a text model for the synthetic form.
     fails(&["eval", "recall", "--model", &model, "--ks", "9", "--facts", "2", "--out", &p("x")], "distinct keys");
     fails(&["eval", "recall", "--model", &model, "--facts", "0", "--ks", "1", "--out", &p("x")], "0 facts");

@@ -21,8 +21,9 @@ use candle_core::{DType, Device, Tensor};
 use picaso_model::{Mamba2Config, Mamba2Weights, State};
 use rand::{Rng, SeedableRng};
 
+use crate::checkpoint;
 use crate::mamba::{TrainMamba2, TrainState};
-use crate::optim::{lr_at, AdamW, AdamWConfig};
+use crate::optim::{check_settings, lr_at, AdamW, AdamWConfig};
 use crate::pretrain::{io, save_checkpoint};
 use crate::xent::IGNORE;
 use crate::Result;
@@ -110,12 +111,37 @@ pub struct Example {
 /// Examples and the contexts they refer to.
 #[derive(Debug, Clone)]
 pub struct Dataset {
+    /// Where the examples come from, in words (e.g. a store's location): a checkpoint keeps it
+    /// to say which examples it was trained on when a resume is given others.
+    pub source: String,
     /// Contexts, indexed by [`Example::contexts`].
     pub contexts: Vec<ContextItem>,
     /// Training examples.
     pub train: Vec<Example>,
     /// Held-out examples for validation.
     pub val: Vec<Example>,
+}
+
+impl Dataset {
+    /// xxh3-128 (hex) of the examples and their contexts' tokens: equal for the same examples
+    /// wherever they were read from.
+    pub fn fingerprint(&self) -> String {
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        let mut list = |items: &[u32]| {
+            h.update(&(items.len() as u64).to_le_bytes());
+            items.iter().for_each(|t| h.update(&t.to_le_bytes()));
+        };
+        for c in &self.contexts {
+            list(&c.tokens);
+        }
+        for e in self.train.iter().chain(&self.val) {
+            list(&e.contexts.iter().map(|&i| i as u32).collect::<Vec<_>>());
+            list(&e.query);
+            list(&e.continuation);
+        }
+        list(&[self.train.len() as u32, self.val.len() as u32]);
+        format!("{:032x}", h.digest128())
+    }
 }
 
 /// Everything that defines a fine-tuning run (a resume must match it).
@@ -178,11 +204,81 @@ pub struct ComposeRow {
     pub seconds: f64,
 }
 
+impl ComposeConfig {
+    /// Checks the run's settings: counts of at least 1, `min_k` and `val_k` within `max_k`,
+    /// and the optimiser's numbers ([`crate::optim::check_settings`]). [`finetune`] calls it;
+    /// callers may call it earlier, before gathering examples.
+    pub fn validate(&self) -> Result<()> {
+        let counts = [
+            ("batch", self.batch as u64),
+            ("steps", self.steps),
+            ("val_every", self.val_every),
+            ("checkpoint_every", self.checkpoint_every),
+            ("chunk", self.chunk as u64),
+        ];
+        if let Some((name, v)) = counts.iter().find(|(_, v)| *v == 0) {
+            candle_core::bail!("{name} = {v}: must be at least 1");
+        }
+        for (name, k) in [("min_k", self.min_k), ("val_k", self.val_k)] {
+            if k > self.max_k {
+                candle_core::bail!("{name} = {k}: must be from 0 to max_k ({})", self.max_k);
+            }
+        }
+        check_settings(self.lr, self.min_lr, self.clip, &self.adamw)
+    }
+}
+
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 struct ComposeTrainer {
     config: ComposeConfig,
     step: u64,
     history: Vec<ComposeRow>,
+    /// What the run started from; `None` in checkpoints made before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    origin: Option<Origin>,
+}
+
+/// A fine-tuning run's starting model and examples, kept in its checkpoint: resumed with other
+/// ones, the run would silently go on training the checkpoint's weights on them.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+struct Origin {
+    /// Fingerprint of the starting weights (what `picaso_model::Model::fingerprint` gives).
+    model: String,
+    /// [`Dataset::source`].
+    data: String,
+    /// [`Dataset::fingerprint`].
+    data_fingerprint: String,
+}
+
+impl Origin {
+    /// Refuses a resume from another model or on other examples, naming the original;
+    /// `recorded` is `None` for a checkpoint that predates the record (resumed with a warning).
+    fn check(&self, recorded: Option<&Origin>, ckpt: &Path) -> Result<()> {
+        let Some(was) = recorded else {
+            eprintln!(
+                "{}: warning: this checkpoint does not record its starting model and examples (it predates the record); resuming without checking that they are the same",
+                ckpt.display()
+            );
+            return Ok(());
+        };
+        if was.model != self.model {
+            candle_core::bail!(
+                "{}: this checkpoint fine-tunes the model with fingerprint {}, but the model given has fingerprint {}; resume with the original model (--model), or use a new --out to fine-tune this one",
+                ckpt.display(),
+                was.model,
+                self.model
+            );
+        }
+        if was.data_fingerprint != self.data_fingerprint {
+            candle_core::bail!(
+                "{}: this checkpoint was trained on the examples of {}, but those of {} differ; resume with the original examples (the same --db, or the same config), or use a new --out",
+                ckpt.display(),
+                was.data,
+                self.data
+            );
+        }
+        Ok(())
+    }
 }
 
 /// PICASO-R of `k` states per example. `states` holds `b·k` rows, example by example, each
@@ -348,7 +444,8 @@ fn batch_at<'a>(data: &'a Dataset, cfg: &ComposeConfig, step: u64) -> (Vec<&'a E
 /// Fine-tunes `weights` (or resumes `out/checkpoint`) until `config.steps` or `stop_after`
 /// steps in this call; `on_row` after each step. Returns the log. `micro_batch` examples go
 /// through the model at once (the steps are the same for any value, to float rounding; a
-/// smaller one needs less memory).
+/// smaller one needs less memory). A resume must be given the same config, starting weights
+/// and examples as the run that made the checkpoint.
 pub fn finetune(
     config: &ComposeConfig,
     weights: &Mamba2Weights,
@@ -359,6 +456,7 @@ pub fn finetune(
     mut on_row: impl FnMut(&ComposeRow),
 ) -> Result<Vec<ComposeRow>> {
     let device = Device::Cpu;
+    config.validate()?;
     if data.train.is_empty() {
         candle_core::bail!("no training examples");
     }
@@ -366,16 +464,24 @@ pub fn finetune(
         candle_core::bail!("an example has {} contexts, fewer than max_k = {}", e.contexts.len(), config.max_k);
     }
     std::fs::create_dir_all(out).map_err(|e| io(e, out))?;
-    let ckpt = out.join("checkpoint");
+    let origin = Origin {
+        model: weights.fingerprint(&config.model),
+        data: data.source.clone(),
+        data_fingerprint: data.fingerprint(),
+    };
+    checkpoint::recover(out)?;
+    let ckpt = out.join(checkpoint::CHECKPOINT);
     let (net, mut opt, mut state) = if ckpt.join("trainer.json").is_file() {
         let text = std::fs::read_to_string(ckpt.join("trainer.json")).map_err(|e| io(e, &ckpt))?;
-        let state: ComposeTrainer = serde_json::from_str(&text).map_err(|e| io(e, &ckpt))?;
+        let mut state: ComposeTrainer = serde_json::from_str(&text).map_err(|e| io(e, &ckpt))?;
         if &state.config != config {
             candle_core::bail!(
                 "{}: this checkpoint was made with another configuration; resume with the same one (see its trainer.json) or use a new --out",
                 ckpt.display()
             );
         }
+        origin.check(state.origin.as_ref(), &ckpt)?;
+        state.origin.get_or_insert(origin);
         let w = Mamba2Weights::load(&ckpt, &config.model).map_err(|e| io(e, &ckpt))?;
         let net = TrainMamba2::from_weights(&config.model, &w, DType::F32, &device)?.with_chunk(config.chunk);
         let mut opt = AdamW::new(net.vars(), config.adamw.clone())?;
@@ -384,7 +490,7 @@ pub fn finetune(
     } else {
         let net = TrainMamba2::from_weights(&config.model, weights, DType::F32, &device)?.with_chunk(config.chunk);
         let opt = AdamW::new(net.vars(), config.adamw.clone())?;
-        (net, opt, ComposeTrainer { config: config.clone(), step: 0, history: Vec::new() })
+        (net, opt, ComposeTrainer { config: config.clone(), step: 0, history: Vec::new(), origin: Some(origin) })
     };
     let started = Instant::now();
     let seconds_before = state.history.last().map(|r| r.seconds).unwrap_or(0.0);

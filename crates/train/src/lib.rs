@@ -7,6 +7,7 @@
 #![deny(missing_docs)]
 
 pub mod bpe;
+mod checkpoint;
 pub mod compose;
 pub mod corpus;
 pub mod cpu;

@@ -31,6 +31,38 @@ impl Default for AdamWConfig {
     }
 }
 
+/// Checks a run's learning rates, clipping norm and optimiser settings. Types allow values
+/// that make training go backwards (a negative rate or decay) or stand still (a clipping norm
+/// of 0 scales every gradient to nothing), and a run would otherwise take them and exit 0.
+pub fn check_settings(lr: f64, min_lr: f64, clip: f64, adamw: &AdamWConfig) -> Result<()> {
+    if !(lr.is_finite() && lr > 0.0) {
+        candle_core::bail!("lr = {lr}: the peak learning rate must be a number above 0 (e.g. 3e-3)");
+    }
+    if !(min_lr.is_finite() && (0.0..=lr).contains(&min_lr)) {
+        candle_core::bail!("min_lr = {min_lr}: the final learning rate must be from 0 to lr ({lr})");
+    }
+    if !(clip.is_finite() && clip > 0.0) {
+        candle_core::bail!(
+            "clip = {clip}: the gradient-norm limit must be a number above 0 (1.0 is usual; clipping cannot be turned off, and 0 would scale every step to nothing)"
+        );
+    }
+    let wd = adamw.weight_decay;
+    if !(wd.is_finite() && wd >= 0.0) {
+        candle_core::bail!("weight_decay = {wd}: must be a number from 0 up (0.1 is usual)");
+    }
+    let betas_ok = [adamw.beta1, adamw.beta2].iter().all(|b| (0.0..1.0).contains(b));
+    let eps_ok = adamw.eps.is_finite() && adamw.eps > 0.0;
+    if !(betas_ok && eps_ok) {
+        candle_core::bail!(
+            "AdamW beta1 = {}, beta2 = {}, eps = {}: the betas must be in [0, 1) and eps above 0",
+            adamw.beta1,
+            adamw.beta2,
+            adamw.eps
+        );
+    }
+    Ok(())
+}
+
 /// The optimiser and its state.
 pub struct AdamW {
     config: AdamWConfig,

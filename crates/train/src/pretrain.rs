@@ -18,10 +18,11 @@ use candle_core::{DType, Tensor};
 use picaso_model::{Mamba2Config, Mamba2Weights};
 use rand::{Rng, SeedableRng};
 
+use crate::checkpoint;
 use crate::cpu::ops::Matmul;
 use crate::cpu::{param_shapes, params, params_mut, CpuTrainer};
 use crate::mamba::TrainMamba2;
-use crate::optim::{lr_at, AdamW, AdamWConfig, HostAdamW};
+use crate::optim::{check_settings, lr_at, AdamW, AdamWConfig, HostAdamW};
 use crate::xent::IGNORE;
 use crate::Result;
 
@@ -106,6 +107,32 @@ pub struct InitOptions {
 }
 
 impl PretrainConfig {
+    /// Checks the run's settings (the architecture is the model's to check): counts of at
+    /// least 1, `loss_from` inside a window, and the optimiser's numbers
+    /// ([`crate::optim::check_settings`]). [`pretrain`] calls it; callers may call it earlier,
+    /// before reading the corpora.
+    pub fn validate(&self) -> Result<()> {
+        let counts = [
+            ("seq_len", self.seq_len as u64),
+            ("batch", self.batch as u64),
+            ("steps", self.steps),
+            ("val_every", self.val_every),
+            ("checkpoint_every", self.checkpoint_every),
+            ("chunk", self.chunk as u64),
+        ];
+        if let Some((name, v)) = counts.iter().find(|(_, v)| *v == 0) {
+            candle_core::bail!("{name} = {v}: must be at least 1");
+        }
+        if self.loss_from >= self.seq_len {
+            candle_core::bail!("loss_from = {}: must be below seq_len ({})", self.loss_from, self.seq_len);
+        }
+        let long = self.init.long_memory;
+        if !(0.0..=1.0).contains(&long) {
+            candle_core::bail!("init.long_memory = {long}: the share of heads given long memory must be from 0 to 1");
+        }
+        check_settings(self.lr, self.min_lr, self.clip, &self.adamw)
+    }
+
     /// A conservative estimate of the run's peak memory (bytes): parameters with their
     /// gradients and AdamW moments, plus the activations a step keeps for backward — the
     /// logits (batch·seq_len × vocab, three copies) and per layer the projections, conv,
@@ -461,9 +488,9 @@ pub(crate) fn io(e: impl std::fmt::Display, path: &Path) -> candle_core::Error {
     candle_core::Error::Msg(format!("{}: {e}", path.display()))
 }
 
-/// Saves a checkpoint into `out/checkpoint` atomically (written aside, then renamed).
+/// Saves a checkpoint into `out/checkpoint` atomically (see [`crate::checkpoint`]).
 pub(crate) fn save_checkpoint(out: &Path, net: &TrainMamba2, opt: &AdamW, state: &impl serde::Serialize) -> Result<()> {
-    write_checkpoint(out, net.config(), &net.to_weights()?, |p| opt.save(p), state)
+    checkpoint::write(out, net.config(), &net.to_weights()?, |p| opt.save(p), state)
 }
 
 /// Saves a CPU-path checkpoint: the same files as [`save_checkpoint`].
@@ -474,34 +501,7 @@ fn save_host_checkpoint(
     opt: &HostAdamW,
     state: &TrainerState,
 ) -> Result<()> {
-    write_checkpoint(out, config, w, |p| opt.save(p), state)
-}
-
-/// Writes weights, optimiser state (by `save_optimizer`) and `state` into
-/// `out/checkpoint.tmp`, then swaps it in for `out/checkpoint`.
-fn write_checkpoint(
-    out: &Path,
-    config: &Mamba2Config,
-    weights: &Mamba2Weights,
-    save_optimizer: impl FnOnce(&Path) -> Result<()>,
-    state: &impl serde::Serialize,
-) -> Result<()> {
-    let tmp = out.join("checkpoint.tmp");
-    let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::create_dir_all(&tmp).map_err(|e| io(e, &tmp))?;
-    weights.save_pretrained(&tmp, config).map_err(|e| io(e, &tmp))?;
-    save_optimizer(&tmp.join("optimizer.safetensors"))?;
-    let json = serde_json::to_string_pretty(state).map_err(|e| io(e, &tmp))?;
-    std::fs::write(tmp.join("trainer.json"), json).map_err(|e| io(e, &tmp))?;
-    let dst = out.join("checkpoint");
-    let old = out.join("checkpoint.old");
-    let _ = std::fs::remove_dir_all(&old);
-    if dst.exists() {
-        std::fs::rename(&dst, &old).map_err(|e| io(e, &dst))?;
-    }
-    std::fs::rename(&tmp, &dst).map_err(|e| io(e, &dst))?;
-    let _ = std::fs::remove_dir_all(&old);
-    Ok(())
+    checkpoint::write(out, config, w, |p| opt.save(p), state)
 }
 
 /// Where a run starts when `out` has no checkpoint of its own.
@@ -549,6 +549,7 @@ pub fn pretrain(
     start: Start<'_>,
     mut on_progress: impl FnMut(&Progress),
 ) -> Result<Vec<LogRow>> {
+    config.validate()?;
     if data.train.len() < config.seq_len + 2 {
         return Err(candle_core::Error::Msg(format!(
             "the training corpus has {} tokens, fewer than one sequence of {}",
@@ -556,15 +557,13 @@ pub fn pretrain(
             config.seq_len + 1
         )));
     }
-    if config.loss_from >= config.seq_len {
-        candle_core::bail!("loss_from ({}) must be below seq_len ({})", config.loss_from, config.seq_len);
-    }
     std::fs::create_dir_all(out).map_err(|e| io(e, out))?;
     // Validation and the context-use check measure in f32 whatever the step multiplies in, so
     // runs of either precision compare on the same scale.
     let trainer = CpuTrainer::new(&config.model, config.chunk)?;
     let step_trainer = CpuTrainer::new(&config.model, config.chunk)?.with_matmul(config.matmul);
-    let ckpt = out.join("checkpoint");
+    checkpoint::recover(out)?;
+    let ckpt = out.join(checkpoint::CHECKPOINT);
     let (mut weights, mut opt, mut state) = if ckpt.join("trainer.json").is_file() {
         let text = std::fs::read_to_string(ckpt.join("trainer.json")).map_err(|e| io(e, &ckpt))?;
         let state: TrainerState = serde_json::from_str(&text).map_err(|e| io(e, &ckpt))?;

@@ -110,7 +110,8 @@ fn dataset(m: &Model) -> Dataset {
         query: tokens(5, 48, 200 + i),
         continuation: tokens(4 + (i % 3) as usize, 48, 300 + i),
     };
-    Dataset { contexts, train: (0..12).map(example).collect(), val: (12..15).map(example).collect() }
+    let (train, val) = ((0..12).map(example).collect(), (12..15).map(example).collect());
+    Dataset { source: "generated examples".into(), contexts, train, val }
 }
 
 fn config(c: &Mamba2Config, objective: Objective) -> ComposeConfig {
@@ -172,6 +173,38 @@ fn a_resumed_finetune_equals_an_uninterrupted_one() {
         let other = ComposeConfig { lr: 1e-3, ..cfg.clone() };
         assert!(finetune(&other, &w, &data, &tmp.path().join("b"), None, usize::MAX, |_| {}).is_err());
     }
+}
+
+/// A checkpoint records its starting model and examples: a resume with another `--model` or
+/// other examples is refused, naming the original; the same examples read from elsewhere
+/// resume; a checkpoint from before the record resumes and gets one.
+#[test]
+fn a_finetune_resumes_only_with_its_own_model_and_examples() {
+    let (c, w, m) = setup();
+    let data = dataset(&m);
+    let cfg = config(&c, Objective::Bp2c);
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let run = |w: &Mamba2Weights, data: &Dataset, stop: u64| finetune(&cfg, w, data, &out, Some(stop), 3, |_| {});
+    run(&w, &data, 2).unwrap();
+    let trainer = out.join("checkpoint/trainer.json");
+    let state = || -> serde_json::Value { serde_json::from_slice(&std::fs::read(&trainer).unwrap()).unwrap() };
+    assert_eq!(state()["origin"]["model"], m.fingerprint(), "the model's own fingerprint");
+
+    let e = run(&Mamba2Weights::random(&c, 8), &data, 1).unwrap_err().to_string();
+    assert!(e.contains(m.fingerprint()) && e.contains("original model (--model)"), "{e}");
+    let mut other = Dataset { source: "other examples".into(), ..data.clone() };
+    other.train[0].query[0] ^= 1;
+    let e = run(&w, &other, 1).unwrap_err().to_string();
+    assert!(e.contains("generated examples") && e.contains("other examples") && e.contains("new --out"), "{e}");
+    let moved = Dataset { source: "the same examples, moved".into(), ..data.clone() };
+    assert_eq!(run(&w, &moved, 1).unwrap().last().unwrap().step, 3);
+
+    let mut legacy = state();
+    legacy.as_object_mut().unwrap().remove("origin");
+    std::fs::write(&trainer, serde_json::to_vec(&legacy).unwrap()).unwrap();
+    assert_eq!(run(&Mamba2Weights::random(&c, 8), &data, 1).unwrap().last().unwrap().step, 4, "unknown: resumed");
+    assert!(state()["origin"]["model"].is_string(), "and recorded");
 }
 
 /// Micro-batches change the memory a step holds, not the step: the losses, gradient norms

@@ -239,6 +239,66 @@ fn resumed_run_equals_uninterrupted(matmul: Matmul) {
     }
 }
 
+/// A save killed between its two renames (`checkpoint` → `checkpoint.old`, then
+/// `checkpoint.tmp` → `checkpoint`) leaves no `checkpoint`: the next run resumes from the
+/// newest complete folder beside it — a `checkpoint.tmp` whose `trainer.json` was written, else
+/// `checkpoint.old` — and ends as the uninterrupted run does, instead of starting over.
+#[test]
+fn a_run_killed_between_the_checkpoint_renames_resumes() {
+    use picaso_train::pretrain::{pretrain, LogRow, PretrainConfig, Start};
+    let config = PretrainConfig { checkpoint_every: 3, ..tiny_pretrain_config() };
+    let data = tiny_token_data();
+    let tmp = tempfile::tempdir().unwrap();
+    let full = pretrain(&config, &data, &tmp.path().join("full"), None, Start::Fresh, |_| {}).unwrap();
+    // The first step this call runs, and the whole history.
+    let resume = |out: &std::path::Path| -> (Option<u64>, Vec<LogRow>) {
+        let mut first = None;
+        let history = pretrain(&config, &data, out, None, Start::Fresh, |p| {
+            first.get_or_insert(p.row.step);
+        })
+        .unwrap();
+        (first, history)
+    };
+    let same = |history: &[LogRow]| {
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * a.abs().max(1.0);
+        assert_eq!(history.len(), full.len());
+        for (x, y) in full.iter().zip(history) {
+            assert!(x.step == y.step && close(x.loss, y.loss), "{x:?} vs {y:?}");
+        }
+    };
+    let copy = |from: &std::path::Path, to: &std::path::Path| {
+        std::fs::create_dir(to).unwrap();
+        for f in std::fs::read_dir(from).unwrap() {
+            let f = f.unwrap();
+            std::fs::copy(f.path(), to.join(f.file_name())).unwrap();
+        }
+    };
+
+    // Killed after the first rename: only checkpoint.old (step 3), and a checkpoint.tmp of a
+    // later save killed before its trainer.json.
+    let a = tmp.path().join("a");
+    pretrain(&config, &data, &a, Some(3), Start::Fresh, |_| {}).unwrap();
+    std::fs::rename(a.join("checkpoint"), a.join("checkpoint.old")).unwrap();
+    std::fs::create_dir(a.join("checkpoint.tmp")).unwrap();
+    std::fs::write(a.join("checkpoint.tmp/model.safetensors"), b"cut short").unwrap();
+    let (first, history) = resume(&a);
+    assert_eq!(first, Some(4), "resumed from the step-3 checkpoint.old");
+    same(&history);
+    assert!(a.join("checkpoint/trainer.json").is_file());
+    assert!(!a.join("checkpoint.old").exists() && !a.join("checkpoint.tmp").exists());
+
+    // The same with the new save complete in checkpoint.tmp (step 5): the newer one wins.
+    let b = tmp.path().join("b");
+    pretrain(&config, &data, &b, Some(3), Start::Fresh, |_| {}).unwrap();
+    copy(&b.join("checkpoint"), &tmp.path().join("step3"));
+    pretrain(&config, &data, &b, Some(2), Start::Fresh, |_| {}).unwrap();
+    std::fs::rename(b.join("checkpoint"), b.join("checkpoint.tmp")).unwrap();
+    std::fs::rename(tmp.path().join("step3"), b.join("checkpoint.old")).unwrap();
+    let (first, history) = resume(&b);
+    assert_eq!(first, Some(6), "resumed from the step-5 checkpoint.tmp");
+    same(&history);
+}
+
 /// A run on a machine without its checkpoint warm-starts from a model folder with
 /// `progress.json`: it continues at the recorded step with the recorded history, starts the
 /// optimiser's moments afresh, and says so in its log; a folder of another config is refused.
