@@ -1,7 +1,7 @@
 //! `picaso eval`: the experiments of picaso-eval, each writing results.json, results.csv and
 //! results.md (with the command, revision, machine and wall time) into `--out`.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -81,7 +81,7 @@ pub struct RecallArgs {
     /// Orders each episode's contexts are scored in (order spread; 1 = the generated order).
     #[arg(long, default_value_t = 2)]
     orders: usize,
-    /// Distractor values the answer competes with.
+    /// Distractor values the answer competes with (at least 1; at most the task's values − 1).
     #[arg(long, default_value_t = 9)]
     distractors: usize,
     /// Methods (comma-separated).
@@ -181,8 +181,8 @@ pub struct ObqaData {
     /// $PICASO_EMBEDDER, the hub, or ../shared/data/all-MiniLM-L6-v2).
     #[arg(long)]
     embedder: Option<PathBuf>,
-    /// Split: test or dev.
-    #[arg(long, default_value = "test")]
+    /// Split: test or dev (the release's train split is for training, not evaluation).
+    #[arg(long, default_value = "test", value_parser = picaso_eval::openbookqa::SPLITS)]
     split: String,
 }
 
@@ -372,10 +372,61 @@ pub fn run(cmd: EvalCommand) -> Result<()> {
     }
 }
 
+/// Refuses an `--out` that is a file, before any work (the results go into a folder; creating
+/// it would fail with "File exists" once the work is done).
+fn check_out(out: &Path) -> Result<()> {
+    if out.exists() && !out.is_dir() {
+        bail!("--out {}: a file, not a folder; give a folder for the results", out.display());
+    }
+    Ok(())
+}
+
+/// Checks the names models are given (`--name`, `--compare NAME=DIR`, `--models NAME=DIR`).
+/// Each names a folder or file under --out, so it must be a plain name: not empty, `.` or `..`,
+/// and without a path separator, which would write outside --out; and each must be unique, or
+/// one model's results would overwrite another's. Refused rather than renamed, so that the
+/// folders are called what the user typed.
+fn check_names<'a>(names: impl IntoIterator<Item = &'a str>) -> Result<()> {
+    let mut seen = std::collections::HashSet::new();
+    for name in names {
+        if name.is_empty() || name == "." || name == ".." || name.contains(['/', '\\']) {
+            bail!(
+                "model name {name:?}: it names the model's results under --out; give a plain name (not empty, . or .., without / or \\)"
+            );
+        }
+        if !seen.insert(name) {
+            bail!("model name {name:?}: the name is already taken; give each model its own");
+        }
+    }
+    Ok(())
+}
+
+/// Refuses to ingest --data into a store cut otherwise than the eval would cut it, in the
+/// eval's own terms: the store's message names ingest's --segment, which the eval has not.
+fn check_segmentation(store: &picaso_store::Store, min_tokens: usize) -> Result<()> {
+    let wanted = picaso_store::Segmentation::Halves(min_tokens).to_string();
+    match store.segmentation()? {
+        Some(s) if s != wanted => match s.strip_prefix("halves:") {
+            Some(n) => bail!(
+                "--db {}: the store's paragraphs were ingested with --min-tokens {n}, not {min_tokens}; pass --min-tokens {n}, or a new --db",
+                store.location()
+            ),
+            None => bail!(
+                "--db {}: the store was ingested with segmentation {s}, not halves; give a new --db to ingest --data into",
+                store.location()
+            ),
+        },
+        _ => Ok(()),
+    }
+}
+
 /// Opens the store, ingesting --data into it first when given.
 fn open_store(d: &DataArgs, model: &picaso_model::Model) -> Result<picaso_store::Store> {
     if let Some(data) = &d.data {
         let existing = picaso_store::Store::open(d.db.location()?).ok();
+        if let Some(store) = &existing {
+            check_segmentation(store, d.min_tokens)?;
+        }
         let embedder = crate::embedder::resolve(d.embedder.as_deref(), existing.as_ref())?;
         drop(existing);
         let docs = picaso_store::read_wikitext(data)?;
@@ -480,6 +531,7 @@ fn store_experiment<R>(
     write: impl FnOnce(&std::path::Path, &R, &report::RunInfo) -> picaso_eval::Result<()>,
 ) -> Result<()> {
     let started = Instant::now();
+    check_out(out)?;
     let model = crate::load_model(model, true)?;
     let store = open_store(data, &model)?;
     let r = with_progress("passages", |p| run(&model, &store, p))?;
@@ -509,13 +561,17 @@ fn scaling(a: ScalingArgs) -> Result<()> {
     )
 }
 
-/// Loads OpenBookQA, builds the open book's states and embeds the questions.
+/// Loads OpenBookQA, checks the settings against it with `check` (it needs only the data, so
+/// a bad setting is refused before the slow part), then builds the open book's states and
+/// embeds the questions.
 fn obqa_prepare(
     d: &ObqaData,
     model: &picaso_model::Model,
+    check: impl FnOnce(&picaso_eval::openbookqa::Data) -> picaso_eval::Result<()>,
 ) -> Result<(picaso_eval::openbookqa::FactBase, picaso_eval::openbookqa::Prepared)> {
     use picaso_eval::openbookqa;
     let data = openbookqa::load(&d.data, &d.split)?;
+    check(&data)?;
     let embedder = crate::embedder::resolve(d.embedder.as_deref(), None)?;
     eprintln!("{} facts, {} questions: processing and embedding", data.facts.len(), data.questions.len());
     let base = openbookqa::FactBase::build(model, &embedder, &data.facts)?;
@@ -528,14 +584,21 @@ fn run_openbookqa(
     d: &ObqaData,
     options: &picaso_eval::openbookqa::Options,
 ) -> Result<picaso_eval::openbookqa::Report> {
-    let (base, prepared) = obqa_prepare(d, model)?;
+    let (base, prepared) = obqa_prepare(d, model, |data| options.check(data.facts.len()))?;
     Ok(with_progress("questions", |p| picaso_eval::openbookqa::run(model, &base, &prepared, options, p))?)
 }
 
 fn openbookqa(a: OpenbookqaArgs) -> Result<()> {
     let started = Instant::now();
+    check_out(&a.out)?;
     let model = crate::load_model(&a.model, true)?;
-    let options = picaso_eval::openbookqa::Options { ks: a.ks, methods: a.methods, sample: a.sample, seed: a.seed };
+    let options = picaso_eval::openbookqa::Options {
+        split: a.data.split.clone(),
+        ks: a.ks,
+        methods: a.methods,
+        sample: a.sample,
+        seed: a.seed,
+    };
     let r = run_openbookqa(&model, &a.data, &options)?;
     report::write_openbookqa(&a.out, &r, &report::RunInfo::collect(started))?;
     print_results(&a.out)
@@ -554,6 +617,7 @@ fn parse_range(s: &str) -> Result<(usize, usize)> {
 
 fn attribution(a: AttributionArgs) -> Result<()> {
     let started = Instant::now();
+    check_out(&a.out)?;
     let model = crate::load_model(&a.model, true)?;
     let options = picaso_eval::openbookqa::AttributionOptions {
         distractors: parse_range(&a.distractors)?,
@@ -561,7 +625,7 @@ fn attribution(a: AttributionArgs) -> Result<()> {
         sample: a.sample,
         seed: a.seed,
     };
-    let (base, prepared) = obqa_prepare(&a.data, &model)?;
+    let (base, prepared) = obqa_prepare(&a.data, &model, |data| options.check(data.facts.len()))?;
     let r =
         with_progress("questions", |p| picaso_eval::openbookqa::attribution(&model, &base, &prepared, &options, p))?;
     report::write_attribution(&a.out, &r, &report::RunInfo::collect(started))?;
@@ -570,6 +634,8 @@ fn attribution(a: AttributionArgs) -> Result<()> {
 
 fn msmarco(a: MsmarcoArgs) -> Result<()> {
     let started = Instant::now();
+    check_out(&a.out)?;
+    picaso_eval::wikitext::check_sample(a.sample)?;
     let model = crate::load_model(&a.model, true)?;
     let data = picaso_eval::msmarco::load(&a.data)?;
     let r = with_progress("queries", |p| {
@@ -615,20 +681,28 @@ fn fidelity(a: FidelityArgs) -> Result<()> {
 
 fn finetuned(a: FinetunedArgs) -> Result<()> {
     let started = Instant::now();
-    let mut named = Vec::new();
-    for m in &a.models {
-        let Some((name, dir)) = m.split_once('=') else {
-            bail!("--models {m:?}: give NAME=DIR, e.g. bptc=runs/bptc/model");
-        };
-        if name.is_empty() || name.contains('/') {
-            bail!("--models {m:?}: the name must be non-empty and without '/' (it names a results folder)");
-        }
-        named.push((name.to_string(), dir.to_string()));
-    }
+    check_out(&a.out)?;
+    let named = a
+        .models
+        .iter()
+        .map(|m| crate::parse_name_value(m, "NAME=DIR, e.g. bptc=runs/bptc/model").map_err(anyhow::Error::msg))
+        .collect::<Result<Vec<_>>>()?;
+    check_names(named.iter().map(|(name, _)| name.as_str()))?;
     let obqa = ObqaData { data: a.obqa.clone(), embedder: a.data.embedder.clone(), split: "test".into() };
     // Every model but the store's own recomputes the states from the stored tokens.
     let sampling = Sampling { sample: a.sample, seed: a.seed, restate: true };
     let ks = ks_or_up_to(&a.ks, a.max_k);
+    // Settings refused before the first model is scored, not after it (OpenBookQA comes last).
+    picaso_eval::wikitext::check_ks(&ks)?;
+    picaso_eval::wikitext::check_sample(a.sample)?;
+    let obqa_options = picaso_eval::openbookqa::Options {
+        split: obqa.split.clone(),
+        ks: a.obqa_ks.clone(),
+        methods: a.methods.clone(),
+        sample: None,
+        seed: a.seed,
+    };
+    obqa_options.check(picaso_eval::openbookqa::load(&obqa.data, &obqa.split)?.facts.len())?;
     let mut results = Vec::new();
     for (name, dir) in &named {
         eprintln!("== {name}: {dir}");
@@ -641,13 +715,7 @@ fn finetuned(a: FinetunedArgs) -> Result<()> {
         // that pair this model with the others, so a run stopped at a later model resumes
         // without scoring this one again.
         report::write_wikitext(&wt, &w, &report::RunInfo::collect(started))?;
-        let options = picaso_eval::openbookqa::Options {
-            ks: a.obqa_ks.clone(),
-            methods: a.methods.clone(),
-            sample: None,
-            seed: a.seed,
-        };
-        let q = run_openbookqa(&model, &obqa, &options)?;
+        let q = run_openbookqa(&model, &obqa, &obqa_options)?;
         report::write_openbookqa(&a.out.join(name).join("openbookqa"), &q, &report::RunInfo::collect(started))?;
         results.push((name.clone(), w, q));
     }
@@ -662,6 +730,9 @@ fn finetuned(a: FinetunedArgs) -> Result<()> {
 
 fn context_use(a: ContextUseArgs) -> Result<()> {
     let started = Instant::now();
+    check_out(&a.out)?;
+    check_names(a.name.as_deref().into_iter().chain(a.compare.iter().map(|(name, _)| name.as_str())))?;
+    picaso_eval::wikitext::check_sample(a.sample)?;
     let (source, docs) = match (&a.wikitext, &a.wikipedia) {
         (Some(f), _) => (format!("WikiText {}", f.display()), picaso_store::read_wikitext(f)?),
         (None, Some(f)) => {
@@ -686,10 +757,6 @@ fn context_use(a: ContextUseArgs) -> Result<()> {
     };
     let mut models = vec![(a.name.clone(), a.model, a.out.clone())];
     for (name, dir) in &a.compare {
-        if a.name.as_deref() == Some(name.as_str()) || models[1..].iter().any(|m| m.0.as_deref() == Some(name.as_str()))
-        {
-            bail!("--compare {name}={dir}: the name {name} is already taken; give each model its own");
-        }
         models.push((Some(name.clone()), ModelArgs::for_dir(dir), a.out.join(name)));
     }
     let mut reports = Vec::new();
@@ -698,6 +765,10 @@ fn context_use(a: ContextUseArgs) -> Result<()> {
         let name = name.clone().unwrap_or_else(|| {
             model.dir().file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into())
         });
+        // The first model's default name (its folder's) may be a name given with --compare.
+        if reports.is_empty() && a.compare.iter().any(|(other, _)| *other == name) {
+            bail!("model name {name:?} (--model's folder): the name is already taken by --compare; give --name");
+        }
         eprintln!("{name} ({}) on {}: {} documents; scoring…", model.dir().display(), source, docs.len());
         let report = picaso_eval::context_use::run(&model, &docs, a.sample, a.seed)?;
         let bpb = picaso_eval::context_use::bits_per_byte(&model, &docs)?;
@@ -718,6 +789,8 @@ fn context_use(a: ContextUseArgs) -> Result<()> {
 fn recall(a: RecallArgs) -> Result<()> {
     use picaso_eval::recall::{compare_models, run, Form, Options, Task};
     let started = Instant::now();
+    check_out(&a.out)?;
+    check_names(a.name.as_deref().into_iter().chain(a.compare.iter().map(|(name, _)| name.as_str())))?;
     let mut models = vec![(a.name.clone(), a.model)];
     models.extend(a.compare.iter().map(|(n, d)| (Some(n.clone()), ModelArgs::for_dir(d))));
     let mut runs: Vec<(String, picaso_eval::recall::Report)> = Vec::new();
@@ -727,6 +800,10 @@ fn recall(a: RecallArgs) -> Result<()> {
         let name = name.clone().unwrap_or_else(|| {
             model.dir().file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into())
         });
+        // The first model's default name (its folder's) may be a name given with --compare.
+        if runs.is_empty() && a.compare.iter().any(|(other, _)| *other == name) {
+            bail!("model name {name:?} (--model's folder): the name is already taken by --compare; give --name");
+        }
         let this = match a.form {
             Form::Synthetic => Task::synthetic_from_vocab(&model.tokenizer()?.inner().get_vocab(true), a.facts)
                 .with_context(|| format!("model {name}"))?,

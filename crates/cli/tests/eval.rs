@@ -5,6 +5,8 @@
 
 mod common;
 
+use std::path::Path;
+
 use common::{ok, run, shared, text_model, wikitext};
 
 #[test]
@@ -235,7 +237,7 @@ fn eval_and_compose_finetuning_end_to_end() {
             "--out",
             out_s,
         ],
-        "must not exceed max_k",
+        "max_k",
     );
     // A store cut into paragraphs, not halves.
     let docs = tmp.path().join("docs");
@@ -259,4 +261,165 @@ fn eval_and_compose_finetuning_end_to_end() {
         &["ingest", "--db", db_s, "--embedder", e, "--model", m, "--wikitext", d, "--segment", "paragraph"],
         "ingested with segmentation halves",
     );
+}
+
+/// What a rejected or unusual run leaves behind: a refused setting writes nothing into --out
+/// (so the corrected command is not blocked by a journal), a run with nothing to chart finishes
+/// with a note instead of failing, and a run of one passage shows its intervals as n/a and can
+/// be replotted.
+#[test]
+fn refused_settings_write_nothing_and_edge_runs_finish() {
+    let (Some(model), Some(embedder)) = (text_model(3), shared("all-MiniLM-L6-v2")) else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let data = wikitext(tmp.path());
+    let (m, e, d) = (model.path().to_str().unwrap(), embedder.to_str().unwrap(), data.to_str().unwrap());
+    let db = tmp.path().join("db");
+    let db_s = db.to_str().unwrap();
+    ok(&["ingest", "--db", db_s, "--embedder", e, "--model", m, "--wikitext", d, "--segment", "halves", "--json"]);
+    let p = |name: &str| tmp.path().join(name).to_str().unwrap().to_string();
+    let fails = |args: &[&str], needle: &str| {
+        let (success, _, stderr) = run(args);
+        assert!(!success && stderr.contains(needle), "{args:?}: {stderr}");
+    };
+    // `eval wikitext --db DB --model M --out OUT MORE…`
+    let wt = |out: &str, more: &[&str]| -> Vec<String> {
+        let base = ["eval", "wikitext", "--db", db_s, "--model", m, "--out", out];
+        base.iter().chain(more).map(|s| s.to_string()).collect()
+    };
+    let run_ok = |v: Vec<String>| ok(&v.iter().map(String::as_str).collect::<Vec<_>>());
+    let run_fails = |v: Vec<String>, needle: &str| fails(&v.iter().map(String::as_str).collect::<Vec<_>>(), needle);
+
+    // 1. A k the store cannot supply is refused before the journal is made, so the corrected
+    // command runs (it used to find a journal "of a run with other settings").
+    let evk = p("evk");
+    run_fails(wt(&evk, &["--ks", "1,50", "--sample", "2", "--methods", "picaso-r"]), "k = 50 contexts asked");
+    assert!(!Path::new(&evk).exists(), "nothing written into --out");
+    run_ok(wt(&evk, &["--ks", "1,2", "--sample", "2", "--methods", "picaso-r"]));
+    let sc = p("sc");
+    fails(&["eval", "scaling", "--db", db_s, "--model", m, "--out", &sc, "--ks", "1,50"], "k = 50");
+    assert!(!Path::new(&sc).exists());
+
+    // 2. Naive alone has no time to make a state and no gain over itself: the run finishes,
+    // results.md says which charts are not drawn, and charts an earlier run left are removed.
+    let nv = p("naive");
+    run_ok(wt(&nv, &["--ks", "1", "--sample", "2", "--methods", "concat"]));
+    assert!(Path::new(&nv).join("loss_vs_time.png").is_file() && Path::new(&nv).join("gain_at_max_k.png").is_file());
+    run_ok(wt(&nv, &["--ks", "1", "--sample", "2", "--methods", "naive"]));
+    let md = std::fs::read_to_string(Path::new(&nv).join("results.md")).unwrap();
+    assert!(
+        md.contains("Not drawn") && md.contains("`loss_vs_time.png`") && md.contains("`gain_at_max_k.png`"),
+        "{md}"
+    );
+    assert!(!Path::new(&nv).join("loss_vs_time.png").exists(), "the earlier run's chart is gone");
+    assert!(!Path::new(&nv).join("gain_at_max_k.png").exists() && !Path::new(&nv).join("journal.jsonl").exists());
+    run_ok(wt(&nv, &["--ks", "1,2", "--sample", "2", "--methods", "naive"]));
+    let md = std::fs::read_to_string(Path::new(&nv).join("results.md")).unwrap();
+    assert!(md.contains("`gain_vs_k.png`") && Path::new(&nv).join("loss_vs_k.png").is_file(), "{md}");
+    // Fidelity of Concat alone measures nothing: refused before anything is written.
+    let fid = p("fid");
+    fails(&["eval", "fidelity", "--db", db_s, "--model", m, "--out", &fid, "--methods", "concat"], "besides concat");
+    assert!(!Path::new(&fid).exists());
+
+    // 3. One passage: a mean without an interval, shown as n/a (empty in CSV, null in JSON),
+    // and the folder can be replotted from its results.json.
+    let one = p("one");
+    run_ok(wt(&one, &["--ks", "1,2", "--sample", "1"]));
+    let md = std::fs::read_to_string(Path::new(&one).join("results.md")).unwrap();
+    let csv = std::fs::read_to_string(Path::new(&one).join("results.csv")).unwrap();
+    assert!(!md.contains("NaN") && !csv.contains("NaN"), "{md}\n{csv}");
+    assert!(md.contains("± n/a") && md.contains("No 95% confidence intervals") && !md.contains("half-width of a cell"));
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(Path::new(&one).join("results.json")).unwrap()).unwrap();
+    assert!(r["report"]["cells"][0]["ci95"].is_null() && r["report"]["naive_ci95"].is_null(), "{r}");
+    ok(&["eval", "replot", &one]);
+    assert_eq!(std::fs::read_to_string(Path::new(&one).join("results.md")).unwrap(), md);
+    let cu1 = p("cu1");
+    ok(&["eval", "context-use", "--wikitext", d, "--model", m, "--out", &cu1, "--sample", "1"]);
+    let md = std::fs::read_to_string(Path::new(&cu1).join("results.md")).unwrap();
+    assert!(!md.contains("NaN") && md.contains("± n/a"), "{md}");
+    let ord = p("ord1");
+    ok(&[
+        "eval",
+        "order-sensitivity",
+        "--db",
+        db_s,
+        "--model",
+        m,
+        "--out",
+        &ord,
+        "--ns",
+        "2",
+        "--orders",
+        "2",
+        "--sample",
+        "1",
+    ]);
+    let md = std::fs::read_to_string(Path::new(&ord).join("results.md")).unwrap();
+    assert!(!md.contains("NaN") && md.contains("± n/a"), "{md}");
+
+    // 4. Context use samples among the eligible paragraphs (a previous one, 16 tokens or
+    // more): each article has two, its short line is not one; a sample of 6 scores 6.
+    let cu = p("cu6");
+    ok(&["eval", "context-use", "--wikitext", d, "--model", m, "--out", &cu, "--sample", "6"]);
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(Path::new(&cu).join("results.json")).unwrap()).unwrap();
+    assert_eq!((r["report"]["passages"].as_u64(), r["report"]["eligible"].as_u64()), (Some(6), Some(6)), "{r}");
+    fails(&["eval", "context-use", "--wikitext", d, "--model", m, "--out", &p("cu0"), "--sample", "0"], "sample of 0");
+
+    // 5. A model's name names its results under --out: one that would leave it, or repeats,
+    // is refused before anything runs.
+    let abs = tmp.path().join("elsewhere");
+    let cmp = p("cmp");
+    for bad in [format!("{}={m}", abs.display()), format!("..={m}"), format!(".={m}"), format!("a/b={m}")] {
+        fails(&["eval", "context-use", "--wikitext", d, "--model", m, "--compare", &bad, "--out", &cmp], "plain name");
+        fails(&["eval", "recall", "--form", "natural", "--model", m, "--compare", &bad, "--out", &cmp], "plain name");
+    }
+    assert!(!abs.exists() && !Path::new(&cmp).exists());
+    let twice = ["--compare", "a=x", "--compare", "a=y"];
+    let mut args_cu = vec!["eval", "context-use", "--wikitext", d, "--model", m, "--out", &cmp];
+    args_cu.extend(twice);
+    fails(&args_cu, "already taken");
+    let obqa = tmp.path().join("no-obqa");
+    let finetuned = |models: &str, needle: &str| {
+        let o = obqa.to_str().unwrap();
+        fails(&["eval", "finetuned", "--db", db_s, "--obqa", o, "--models", models, "--out", &cmp], needle);
+    };
+    finetuned(&format!("..={m},.={m}"), "plain name");
+    finetuned(&format!("a={m},a={m}"), "already taken");
+    finetuned(&format!("{}={m}", abs.display()), "plain name");
+    assert!(!abs.exists() && !Path::new(&cmp).exists());
+
+    // 7. The eval's own flags in its messages, and an --out that is a file.
+    fails(
+        &[
+            "eval",
+            "wikitext",
+            "--db",
+            db_s,
+            "--data",
+            d,
+            "--embedder",
+            e,
+            "--model",
+            m,
+            "--out",
+            &p("mt"),
+            "--min-tokens",
+            "40",
+        ],
+        "pass --min-tokens 16",
+    );
+    let (_, _, stderr) =
+        run(&["eval", "wikitext", "--db", db_s, "--data", d, "--model", m, "--out", &p("mt"), "--min-tokens", "40"]);
+    assert!(!stderr.contains("--segment"), "{stderr}");
+    let afile = tmp.path().join("afile");
+    std::fs::write(&afile, "").unwrap();
+    let af = afile.to_str().unwrap();
+    fails(
+        &["eval", "wikitext", "--db", db_s, "--model", m, "--out", af, "--ks", "1", "--sample", "2"],
+        "a file, not a folder",
+    );
+    fails(&["eval", "context-use", "--wikitext", d, "--model", m, "--out", af], "a file, not a folder");
+    fails(&["eval", "order-sensitivity", "--db", db_s, "--model", m, "--out", &p("o"), "--ns", "3,2"], "ascending");
+    fails(&["eval", "order-sensitivity", "--db", db_s, "--model", m, "--out", &p("o"), "--ns", "2,2"], "ascending");
 }

@@ -144,6 +144,41 @@ fn openbookqa_attribution_and_msmarco() {
         &["eval", "attribution", "--data", d, "--embedder", e, "--model", m, "--out", o, "--distractors", "4-20"],
         "1 ≤ min ≤ max",
     );
+    // Settings are checked before the open book is processed and embedded: with an embedder
+    // that is not there, the setting is what is refused.
+    let no_embedder = tmp.path().join("no-embedder");
+    let ne = no_embedder.to_str().unwrap();
+    for (more, needle) in [
+        (["--ks", "0"], "at least 1"),
+        (["--ks", "20"], "open book holds 8"),
+        (["--sample", "0"], "sample of 0"),
+        (["--split", "train"], "possible values: test, dev"),
+    ] {
+        let mut args = vec!["eval", "openbookqa", "--data", d, "--embedder", ne, "--model", m, "--out", o];
+        args.extend(more);
+        fails(&args, needle);
+    }
+    // (The book's 8 facts allow up to 7 distractors.)
+    for (more, needle) in
+        [(&["--distractors", "5-4"][..], "1 ≤ min ≤ max"), (&["--distractors", "2-3", "--sample", "0"], "sample of 0")]
+    {
+        let mut args = vec!["eval", "attribution", "--data", d, "--embedder", ne, "--model", m, "--out", o];
+        args.extend(more);
+        fails(&args, needle);
+    }
+    // One question and Naive alone: no interval (n/a), no gain over Naive to chart (noted), and
+    // the run finishes.
+    let one = tmp.path().join("obqa-one");
+    let one_s = one.to_str().unwrap();
+    let args = ["--data", d, "--embedder", e, "--model", m, "--out", one_s, "--sample", "1"];
+    ok(&[&["eval", "openbookqa"][..], &args, &["--ks", "1,2", "--methods", "naive"]].concat());
+    let md = std::fs::read_to_string(one.join("results.md")).unwrap();
+    assert!(md.contains("1 test questions") && md.contains("about n/a points"), "{md}");
+    assert!(md.contains("Not drawn") && md.contains("`gain_vs_k.png`") && !md.contains("NaN"), "{md}");
+    assert!(one.join("acc_norm_vs_k.png").is_file() && !one.join("gain_vs_k.png").exists());
+    ok(&[&["eval", "attribution"][..], &args, &["--distractors", "2"]].concat());
+    let md = std::fs::read_to_string(one.join("results.md")).unwrap();
+    assert!(md.contains("± n/a") && !md.contains("NaN"), "{md}");
     std::fs::write(data.join("test.jsonl"), "{\"id\": 1}\n").unwrap();
     fails(
         &["eval", "openbookqa", "--data", d, "--embedder", e, "--model", m, "--out", o],

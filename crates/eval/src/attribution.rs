@@ -64,8 +64,8 @@ pub struct Row {
     pub rule: String,
     /// Share of items where the pick is a gold context.
     pub precision: f64,
-    /// Half-width of its 95% confidence interval.
-    pub ci95: f64,
+    /// Half-width of its 95% confidence interval (`None` for one item).
+    pub ci95: Option<f64>,
     /// Mean milliseconds per item.
     pub ms_per_item: f64,
 }
@@ -100,8 +100,8 @@ pub struct RulePair {
     pub b: String,
     /// Mean difference of precision.
     pub diff: f64,
-    /// Its 95% interval half-width.
-    pub ci95: f64,
+    /// Its 95% interval half-width (`None` for one item).
+    pub ci95: Option<f64>,
 }
 
 /// Accumulates picks into precisions.

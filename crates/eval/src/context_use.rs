@@ -15,6 +15,7 @@ use picaso_store::Document;
 use rand::{Rng, SeedableRng};
 
 use crate::stats::mean_ci95;
+use crate::wikitext::{check_sample, choose};
 use crate::{Error, Result};
 
 /// Shortest paragraph (tokens) that is cut into halves.
@@ -27,16 +28,16 @@ pub struct Condition {
     pub context: &'static str,
     /// Mean continuation NLL (nats/token, mean over passages).
     pub loss: f64,
-    /// Half-width of its 95% confidence interval.
-    pub ci95: f64,
+    /// Half-width of its 95% confidence interval (`None` for one passage).
+    pub ci95: Option<f64>,
     /// Mean paired difference to no context (negative = lower loss).
     pub delta_vs_none: f64,
     /// Half-width of the paired difference's interval.
-    pub delta_ci95: f64,
+    pub delta_ci95: Option<f64>,
     /// The difference relative to no context's mean loss, in percent.
     pub change_pct: f64,
     /// Its interval's half-width, in percentage points.
-    pub change_ci95_pct: f64,
+    pub change_ci95_pct: Option<f64>,
     /// Mean loss on the recall tokens (pooled over passages).
     pub recall_loss: f64,
 }
@@ -46,7 +47,8 @@ pub struct Condition {
 pub struct Report {
     /// Passages scored.
     pub passages: usize,
-    /// Passages eligible (before sampling).
+    /// Passages eligible (a previous paragraph, and at least [`MIN_TOKENS`] tokens), before
+    /// sampling.
     pub eligible: usize,
     /// Seed of the sample and of the random paragraphs.
     pub seed: u64,
@@ -60,7 +62,7 @@ pub struct Report {
     /// relative change (paired; positive = the true paragraph helps more).
     pub previous_over_random_pct: f64,
     /// Its interval's half-width.
-    pub previous_over_random_ci95_pct: f64,
+    pub previous_over_random_ci95_pct: Option<f64>,
     /// Each scored passage's (document, paragraph) and its loss per condition (none,
     /// previous, random): what another model's report is paired with.
     #[serde(skip)]
@@ -80,8 +82,11 @@ fn encode(model: &Model, paragraph: &str) -> Result<Vec<u32>> {
     Ok(model.tokenizer()?.encode(&format!("{paragraph}\n\n"))?)
 }
 
-/// Scores up to `sample` passages (all when `None`) of `docs` that have a previous paragraph.
+/// Scores `sample` passages (all when `None`) of `docs`: paragraphs of at least
+/// [`MIN_TOKENS`] tokens that have a previous paragraph. The short ones are dropped before the
+/// sample is drawn, so that a sample of n scores n passages.
 pub fn run(model: &Model, docs: &[Document], sample: Option<usize>, seed: u64) -> Result<Report> {
+    check_sample(sample)?;
     let with_text: Vec<usize> = (0..docs.len()).filter(|&d| !docs[d].paragraphs.is_empty()).collect();
     if with_text.len() < 2 {
         return Err(Error::Input("context use needs at least two documents with text".into()));
@@ -89,22 +94,21 @@ pub fn run(model: &Model, docs: &[Document], sample: Option<usize>, seed: u64) -
     let mut eligible = Vec::new();
     for (d, doc) in docs.iter().enumerate() {
         for j in 1..doc.paragraphs.len() {
-            eligible.push((d, j));
+            let tokens = encode(model, &doc.paragraphs[j])?;
+            if tokens.len() >= MIN_TOKENS {
+                eligible.push(((d, j), tokens));
+            }
         }
     }
+    if eligible.is_empty() {
+        return Err(Error::Input(format!("no paragraph of at least {MIN_TOKENS} tokens has a previous one")));
+    }
+    let n_eligible = eligible.len();
+    let mut chosen = choose(eligible, sample, seed)?;
+    chosen.sort_unstable_by_key(|(at, _)| *at);
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let mut chosen = eligible.clone();
-    if let Some(n) = sample {
-        rand::seq::SliceRandom::shuffle(chosen.as_mut_slice(), &mut rng);
-        chosen.truncate(n.max(1));
-        chosen.sort_unstable();
-    }
     let mut passages = Vec::new();
-    for &(d, j) in &chosen {
-        let tokens = encode(model, &docs[d].paragraphs[j])?;
-        if tokens.len() < MIN_TOKENS {
-            continue;
-        }
+    for ((d, j), tokens) in chosen {
         let other = loop {
             let o = with_text[rng.random_range(0..with_text.len())];
             if o != d {
@@ -120,9 +124,6 @@ pub fn run(model: &Model, docs: &[Document], sample: Option<usize>, seed: u64) -
             query: tokens[..half].to_vec(),
             continuation: tokens[half..].to_vec(),
         });
-    }
-    if passages.is_empty() {
-        return Err(Error::Input(format!("no paragraph of at least {MIN_TOKENS} tokens has a previous one")));
     }
     // Per passage and condition: mean continuation loss and the losses of the recall tokens.
     let zero = model.zero_state();
@@ -161,7 +162,7 @@ pub fn run(model: &Model, docs: &[Document], sample: Option<usize>, seed: u64) -
                 delta_vs_none,
                 delta_ci95,
                 change_pct: 100.0 * delta_vs_none / none_mean,
-                change_ci95_pct: 100.0 * delta_ci95 / none_mean,
+                change_ci95_pct: delta_ci95.map(|ci| 100.0 * ci / none_mean),
                 recall_loss: recall[c] / recall_n.max(1) as f64,
             }
         })
@@ -170,13 +171,13 @@ pub fn run(model: &Model, docs: &[Document], sample: Option<usize>, seed: u64) -
     let (over_mean, over_ci) = mean_ci95(&over);
     Ok(Report {
         passages: passages.len(),
-        eligible: eligible.len(),
+        eligible: n_eligible,
         seed,
         recall_tokens: recall_n,
         continuation_tokens: cont_n,
         conditions,
         previous_over_random_pct: 100.0 * over_mean / none_mean,
-        previous_over_random_ci95_pct: 100.0 * over_ci / none_mean,
+        previous_over_random_ci95_pct: over_ci.map(|ci| 100.0 * ci / none_mean),
         per_passage: passages
             .iter()
             .enumerate()
@@ -196,8 +197,8 @@ pub struct Paired {
     pub other: f64,
     /// Mean per-passage difference, other − first.
     pub delta: f64,
-    /// Half-width of its 95% interval.
-    pub ci95: f64,
+    /// Half-width of its 95% interval (`None` for one passage).
+    pub ci95: Option<f64>,
 }
 
 /// Another model against the first on the same passages. The losses are in nats/token; the

@@ -10,7 +10,7 @@ use crate::database::{cache_cap, check_model, Contexts};
 use crate::methods::{start_state, EvalMethod};
 use crate::stats::mean_ci95;
 use crate::wikitext::{check_ks, choose};
-use crate::Result;
+use crate::{Error, Result};
 
 /// What to run.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -39,8 +39,8 @@ pub struct Row {
     /// Mean KL(concat ‖ method) of the next-token distributions over the continuation's
     /// positions (nats), with its 95% interval half-width.
     pub kl: f64,
-    /// Half-width of the KL's interval.
-    pub kl_ci95: f64,
+    /// Half-width of the KL's interval (`None` for one passage).
+    pub kl_ci95: Option<f64>,
 }
 
 /// The experiment's results.
@@ -94,6 +94,12 @@ pub fn run(model: &Model, store: &Store, options: &Options, mut progress: impl F
     let max_k = *options.ks.last().expect("checked");
     let vocab = model.config().vocab_size();
     let methods: Vec<EvalMethod> = options.methods.iter().copied().filter(|m| *m != EvalMethod::Concat).collect();
+    if methods.is_empty() {
+        return Err(Error::Input(format!(
+            "methods {:?}: fidelity measures each method against Concat; give a method besides concat",
+            options.methods.iter().map(ToString::to_string).collect::<Vec<_>>()
+        )));
+    }
     let all = passages(store)?;
     let chosen: Vec<&Passage> = choose(all.iter().collect(), options.sample, options.seed)?;
     let mut dist = vec![vec![Vec::<Vec<f64>>::new(); options.ks.len()]; methods.len()];

@@ -17,7 +17,7 @@ use serde::Deserialize;
 use crate::attribution::{self, Tally};
 use crate::methods::{choice_logliks, start_state, Context, EvalMethod};
 use crate::stats::{mean_ci95, paired_ci95};
-use crate::wikitext::{check_ks, choose};
+use crate::wikitext::{check_ks, check_sample, choose};
 use crate::{Error, Result};
 
 /// One question.
@@ -104,8 +104,15 @@ fn parse_questions(path: &Path) -> Result<Vec<Question>> {
     Ok(out)
 }
 
+/// The splits an evaluation reads: the release's third, `train`, is for training (and is not
+/// in every copy of the data).
+pub const SPLITS: [&str; 2] = ["test", "dev"];
+
 /// Reads `split` (`test` or `dev`) from the release folder `dir`.
 pub fn load(dir: &Path, split: &str) -> Result<Data> {
+    if !SPLITS.contains(&split) {
+        return Err(Error::Input(format!("split {split:?}: use test or dev (train is for training, not evaluation)")));
+    }
     let facts: Vec<String> = read(&dir.join("openbook.txt"))?
         .lines()
         .map(|l| l.trim().trim_matches('"').trim().to_string())
@@ -233,6 +240,8 @@ impl Prepared {
 /// What to run.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Options {
+    /// The split the questions come from (`test` or `dev`), for the report.
+    pub split: String,
     /// Numbers of retrieved facts to score, ascending.
     pub ks: Vec<usize>,
     /// Methods besides Naive (always scored).
@@ -241,6 +250,20 @@ pub struct Options {
     pub sample: Option<usize>,
     /// Seed of the sample.
     pub seed: u64,
+}
+
+impl Options {
+    /// Checks the settings against an open book of `facts` facts. It needs only the book's
+    /// size, so a command checks before the slow processing and embedding of the book.
+    pub fn check(&self, facts: usize) -> Result<()> {
+        check_ks(&self.ks)?;
+        check_sample(self.sample)?;
+        let max_k = *self.ks.last().expect("checked non-empty");
+        if max_k > facts {
+            return Err(Error::Input(format!("k = {max_k} facts asked, but the open book holds {facts}")));
+        }
+        Ok(())
+    }
 }
 
 /// One (method, k) cell.
@@ -252,13 +275,13 @@ pub struct Cell {
     pub k: usize,
     /// Accuracy: the choice with the highest log-likelihood is the answer.
     pub acc: f64,
-    /// Half-width of its 95% confidence interval.
-    pub acc_ci95: f64,
+    /// Half-width of its 95% confidence interval (`None` for one question).
+    pub acc_ci95: Option<f64>,
     /// Accuracy with log-likelihoods divided by the choice's length in characters (lm-eval's
     /// acc_norm).
     pub acc_norm: f64,
     /// Half-width of its 95% confidence interval.
-    pub acc_norm_ci95: f64,
+    pub acc_norm_ci95: Option<f64>,
     /// Mean milliseconds to make the state from the facts.
     pub prepare_ms: f64,
     /// Mean tokens processed to make it.
@@ -297,12 +320,12 @@ pub struct Contrast {
     pub b: EvalMethod,
     /// Mean of `right_a − right_b` by acc.
     pub acc_diff: f64,
-    /// Its 95% interval half-width.
-    pub acc_diff_ci95: f64,
+    /// Its 95% interval half-width (`None` for one question).
+    pub acc_diff_ci95: Option<f64>,
     /// Mean of `right_a − right_b` by acc_norm.
     pub acc_norm_diff: f64,
     /// Its 95% interval half-width.
-    pub acc_norm_diff_ci95: f64,
+    pub acc_norm_diff_ci95: Option<f64>,
 }
 
 /// The paper's comparisons ([`EvalMethod::claim_pairs`]) where both methods were scored;
@@ -343,11 +366,8 @@ pub fn run(
     options: &Options,
     mut progress: impl FnMut(usize, usize),
 ) -> Result<Report> {
-    check_ks(&options.ks)?;
+    options.check(base.len())?;
     let max_k = *options.ks.last().expect("checked non-empty");
-    if max_k > base.len() {
-        return Err(Error::Input(format!("k = {max_k} facts asked, but the open book holds {}", base.len())));
-    }
     let chosen = choose((0..data.questions.len()).collect(), options.sample, options.seed)?;
     let mut methods: Vec<EvalMethod> = options.methods.iter().copied().filter(|m| *m != EvalMethod::Naive).collect();
     methods.dedup();
@@ -416,6 +436,20 @@ pub struct AttributionOptions {
     pub seed: u64,
 }
 
+impl AttributionOptions {
+    /// Checks the settings against an open book of `facts` facts (before the slow embedding,
+    /// as [`Options::check`]).
+    pub fn check(&self, facts: usize) -> Result<()> {
+        let (lo, hi) = self.distractors;
+        if lo == 0 || lo > hi || hi >= facts {
+            return Err(Error::Input(format!(
+                "distractors {lo}..={hi}: need 1 ≤ min ≤ max < {facts} (the facts in the open book)"
+            )));
+        }
+        check_sample(self.sample)
+    }
+}
+
 /// Attribution on OpenBookQA: the candidates are the question's gold fact and the retrieved
 /// facts most similar to the question besides it, in random order; the answer to attribute is
 /// the correct choice.
@@ -428,13 +462,8 @@ pub fn attribution(
 ) -> Result<attribution::Report> {
     use rand::seq::SliceRandom;
     use rand::{Rng, SeedableRng};
+    options.check(base.len())?;
     let (lo, hi) = options.distractors;
-    if lo == 0 || lo > hi || hi >= base.len() {
-        return Err(Error::Input(format!(
-            "distractors {lo}..={hi}: need 1 ≤ min ≤ max < {} (the facts in the open book)",
-            base.len()
-        )));
-    }
     let with_gold: Vec<(usize, usize)> = (0..data.questions.len())
         .filter_map(|i| data.questions[i].fact.as_deref().and_then(|f| base.find(f)).map(|g| (i, g)))
         .collect();

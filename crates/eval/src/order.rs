@@ -43,8 +43,8 @@ pub struct Spread {
     pub std: f64,
     /// Mean over passages of the loss range (worst order − best order).
     pub range: f64,
-    /// Its 95% interval half-width.
-    pub range_ci95: f64,
+    /// Its 95% interval half-width (`None` for one passage).
+    pub range_ci95: Option<f64>,
     /// Largest range seen on one passage.
     pub max_range: f64,
 }
@@ -104,9 +104,11 @@ fn spread(xs: &[f64]) -> (f64, f64) {
 /// Runs the experiment; `progress(done, total)` after each passage.
 pub fn run(model: &Model, store: &Store, options: &Options, mut progress: impl FnMut(usize, usize)) -> Result<Report> {
     check_model(store, model, options.restate)?;
-    if options.ns.is_empty() || options.ns.iter().any(|&n| n < 2) || options.orders < 2 {
+    // Ascending and distinct, as every other list of k: a repeated n would be scored twice.
+    let ascending = options.ns.windows(2).all(|w| w[0] < w[1]);
+    if options.ns.is_empty() || options.ns[0] < 2 || !ascending || options.orders < 2 {
         return Err(Error::Input(format!(
-            "n values {:?} and {} orders: give n of at least 2 and at least 2 orders",
+            "n values {:?} and {} orders: give ascending n of at least 2 (e.g. 2,3,4) and at least 2 orders",
             options.ns, options.orders
         )));
     }

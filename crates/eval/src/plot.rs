@@ -15,7 +15,8 @@ pub struct Series {
     pub name: String,
     /// Points, in drawing order.
     pub points: Vec<(f64, f64)>,
-    /// Half-widths of the points' intervals, drawn as error bars (empty: none).
+    /// Half-widths of the points' intervals, drawn as error bars (empty: none; a point whose
+    /// half-width is not finite, e.g. NaN for no interval, gets no bar).
     pub errors: Vec<f64>,
 }
 
@@ -163,11 +164,17 @@ fn spans(s: &Series) -> impl Iterator<Item = (f64, f64, f64)> + '_ {
     })
 }
 
+/// Whether any series has a point [`line_chart`] can draw (both coordinates finite): a chart
+/// without one is an error there, so writers check first and leave such a chart out.
+pub fn has_points(series: &[Series]) -> bool {
+    series.iter().flat_map(spans).next().is_some()
+}
+
 /// Draws `series` into a 960×600 PNG at `path`, with error bars where a series has intervals
 /// (and then a line at y = 0, the "no difference" of a paired comparison).
 pub fn line_chart(path: &Path, chart: &Chart<'_>, series: &[Series]) -> Result<()> {
     register_font();
-    if series.iter().flat_map(spans).next().is_none() {
+    if !has_points(series) {
         return Err(Error::Input(format!("{}: no finite points to plot", path.display())));
     }
     let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
@@ -351,6 +358,7 @@ mod tests {
         let bytes = std::fs::read(&path).unwrap();
         assert_eq!(&bytes[1..4], b"PNG");
         let empty = vec![Series::line("nan", vec![(f64::NAN, 1.0)])];
+        assert!(!has_points(&empty) && has_points(&s) && !has_points(&[]));
         assert!(line_chart(&path, &Chart { title: "t", x: "x", y: "y", log_x: false, whole_x: false }, &empty).is_err());
     }
 

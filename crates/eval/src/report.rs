@@ -6,7 +6,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use crate::methods::EvalMethod;
-use crate::plot::{bar_chart, line_chart, Bar, Chart, Series};
+use crate::plot::{bar_chart, has_points, line_chart, Bar, Chart, Series};
 use crate::stats::paired_ci95;
 use crate::{attribution, context_use, fidelity, openbookqa, order, recall, wikitext, Error, Result};
 
@@ -15,7 +15,8 @@ use crate::{attribution, context_use, fidelity, openbookqa, order, recall, wikit
 pub struct RunInfo {
     /// The command line.
     pub command: String,
-    /// `git describe --always --dirty` of the working directory, if it is a checkout.
+    /// The source revision of the binary that made it (`git describe --always --dirty` at build
+    /// time), "unknown" when it was not built from a checkout.
     pub git_revision: String,
     /// CPU model and core count.
     pub machine: String,
@@ -23,21 +24,22 @@ pub struct RunInfo {
     pub wall_seconds: f64,
 }
 
+/// The revision [`RunInfo::collect`] records: set once by the binary, from its build.
+static REVISION: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// Names the source revision this program was built from (the `picaso` binary passes its
+/// build-time `git describe`): results then name the code that made them, not whatever
+/// checkout the command happens to run in.
+pub fn set_revision(revision: &str) {
+    let _ = REVISION.set(revision.to_string());
+}
+
 impl RunInfo {
     /// Describes this process's run, started at `started`.
     pub fn collect(started: Instant) -> Self {
-        let command = std::env::args().collect::<Vec<_>>().join(" ");
-        // The working directory's checkout, else the one this binary was built from.
-        let describe = |dir: &str| {
-            std::process::Command::new("git")
-                .args(["-C", dir, "describe", "--always", "--dirty"])
-                .output()
-                .ok()
-                .filter(|o| o.status.success())
-                .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        };
-        let git_revision =
-            describe(".").or_else(|| describe(env!("CARGO_MANIFEST_DIR"))).unwrap_or_else(|| "unknown".into());
+        // Arguments that are not UTF-8 (a path) are shown with U+FFFD, never a panic.
+        let command = std::env::args_os().map(|a| a.to_string_lossy().into_owned()).collect::<Vec<_>>().join(" ");
+        let git_revision = REVISION.get().cloned().unwrap_or_else(|| "unknown".into());
         let cpu = picaso_model::bench::cpu_model().unwrap_or_else(|| std::env::consts::ARCH.to_string());
         let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
         Self {
@@ -62,6 +64,81 @@ fn write(path: &Path, text: &str) -> Result<()> {
 
 fn json(path: &Path, value: &impl serde::Serialize) -> Result<()> {
     write(path, &serde_json::to_string_pretty(value).expect("results serialise"))
+}
+
+/// An interval's half-width in Markdown, "n/a" where there is none: an interval needs at
+/// least two items, and a run of one passage (or question, or query) has a mean without one.
+fn ci(half: Option<f64>, decimals: usize) -> String {
+    half.map_or_else(|| "n/a".into(), |h| format!("{h:.decimals$}"))
+}
+
+/// An interval's half-width in CSV: an empty field where there is none (see [`ci`]).
+fn ci_csv(half: Option<f64>, decimals: usize) -> String {
+    half.map_or_else(String::new, |h| format!("{h:.decimals$}"))
+}
+
+/// `half` in percent (accuracies are stored as shares).
+fn pct_ci(half: Option<f64>) -> Option<f64> {
+    half.map(|h| 100.0 * h)
+}
+
+/// A line chart of a results folder, made before it is drawn so that results.md can say which
+/// charts had nothing to draw.
+struct LineChart {
+    /// File name in the results folder.
+    file: &'static str,
+    title: String,
+    x: &'static str,
+    y: &'static str,
+    log_x: bool,
+    series: Vec<Series>,
+}
+
+impl LineChart {
+    /// A chart against a count (k, n): whole-number ticks.
+    fn against_count(file: &'static str, title: String, x: &'static str, y: &'static str, series: Vec<Series>) -> Self {
+        Self { file, title, x, y, log_x: false, series }
+    }
+}
+
+/// The files of `charts` that have nothing to draw: no finite point in any series (Naive alone
+/// takes no time to make a state; a gain over Naive needs a method besides it).
+fn empty_charts(charts: &[LineChart]) -> Vec<&'static str> {
+    charts.iter().filter(|c| !has_points(&c.series)).map(|c| c.file).collect()
+}
+
+/// results.md's line on the charts left out (nothing when none is).
+fn not_drawn_note(files: &[&str]) -> String {
+    if files.is_empty() {
+        return String::new();
+    }
+    let names: Vec<String> = files.iter().map(|f| format!("`{f}`")).collect();
+    format!("\nNot drawn, with nothing to plot for the methods scored: {}.\n", names.join(", "))
+}
+
+/// Removes `path` if it is there: a chart of an earlier run that this run does not draw, so
+/// that the folder never shows another run's results.
+fn remove_stale(path: &Path) -> Result<()> {
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(Error::Io { path: path.to_path_buf(), source: e }),
+        _ => Ok(()),
+    }
+}
+
+/// Draws `charts` into `out`. One with nothing to draw is left out (and an earlier run's file
+/// of its name removed): a finished run is never failed by an empty chart; results.md says
+/// which (see [`empty_charts`]).
+fn draw_line_charts(out: &Path, charts: &[LineChart]) -> Result<()> {
+    for c in charts {
+        let path = out.join(c.file);
+        if !has_points(&c.series) {
+            remove_stale(&path)?;
+            continue;
+        }
+        let chart = Chart { title: &c.title, x: c.x, y: c.y, log_x: c.log_x, whole_x: !c.log_x };
+        line_chart(&path, &chart, &c.series)?;
+    }
+    Ok(())
 }
 
 /// PICASO-R's mean improvement over Naive as a share of Concat's (the paper: 10.1 / 11.1).
@@ -103,8 +180,14 @@ pub fn write_wikitext(out: &Path, report: &wikitext::Report, info: &RunInfo) -> 
     for c in &report.cells {
         writeln!(
             csv,
-            "{},{},{:.6},{:.6},{:.4},{:.4},{:.1}",
-            c.method, c.k, c.loss, c.ci95, c.improvement_pct, c.prepare_ms, c.tokens_processed
+            "{},{},{:.6},{},{:.4},{:.4},{:.1}",
+            c.method,
+            c.k,
+            c.loss,
+            ci_csv(c.ci95, 6),
+            c.improvement_pct,
+            c.prepare_ms,
+            c.tokens_processed
         )
         .expect("string");
     }
@@ -118,8 +201,8 @@ pub fn write_wikitext(out: &Path, report: &wikitext::Report, info: &RunInfo) -> 
         }
     }
     let mut md = format!(
-        "# WikiText-2: continuation loss (nats/token) given k retrieved segments\n\n{} of {} passages (seed {}); query {:.1} and continuation {:.1} tokens on average. Naive: {:.4} ± {:.4} (95% CI).\n\n",
-        report.passages, report.passages_available, report.options.seed, report.mean_query_tokens, report.mean_continuation_tokens, report.naive_loss, report.naive_ci95
+        "# WikiText-2: continuation loss (nats/token) given k retrieved segments\n\n{} of {} passages (seed {}); query {:.1} and continuation {:.1} tokens on average. Naive: {:.4} ± {} (95% CI).\n\n",
+        report.passages, report.passages_available, report.options.seed, report.mean_query_tokens, report.mean_continuation_tokens, report.naive_loss, ci(report.naive_ci95, 4)
     );
     md.push_str("| method |");
     for k in ks {
@@ -162,100 +245,131 @@ pub fn write_wikitext(out: &Path, report: &wikitext::Report, info: &RunInfo) -> 
             .expect("string");
         }
     }
-    let ci = report.cells.iter().filter(|c| c.method != EvalMethod::Naive).map(|c| c.ci95).fold(0.0, f64::max);
-    writeln!(md, "\nLargest 95% confidence half-width of a cell: {ci:.4}.").expect("string");
+    // The widest interval of a method's cell; there is none with one passage.
+    let widest = report.cells.iter().filter(|c| c.method != EvalMethod::Naive).filter_map(|c| c.ci95).reduce(f64::max);
+    match widest {
+        Some(w) => writeln!(md, "\nLargest 95% confidence half-width of a cell: {w:.4}."),
+        None if report.passages < 2 => writeln!(
+            md,
+            "\nNo 95% confidence intervals (n/a): they need at least 2 passages, and {} was scored.",
+            report.passages
+        ),
+        None => Ok(()),
+    }
+    .expect("string");
     if !report.contrasts.is_empty() {
         md.push_str("\nPaired differences on the same passages: how much lower `a`'s loss is than `b`'s (nats/token, and % of Naive's loss, ± 95% CI). An interval that excludes 0 resolves the comparison.\n\n| k | a | b | gain (nats) | gain (% of naive) |\n|---:|---|---|---:|---:|\n");
         for c in &report.contrasts {
             writeln!(
                 md,
-                "| {} | {} | {} | {:+.4} ± {:.4} | {:+.2} ± {:.2} |",
-                c.k, c.a, c.b, c.gain, c.gain_ci95, c.gain_pct, c.gain_pct_ci95
+                "| {} | {} | {} | {:+.4} ± {} | {:+.2} ± {} |",
+                c.k,
+                c.a,
+                c.b,
+                c.gain,
+                ci(c.gain_ci95, 4),
+                c.gain_pct,
+                ci(c.gain_pct_ci95, 2)
             )
             .expect("string");
         }
     }
+    let charts = wikitext_charts(out, report, &methods)?;
+    let bars = gain_bars(report, &methods);
+    let mut empty = empty_charts(&charts);
+    if bars.is_empty() {
+        empty.push(GAIN_AT_MAX_K);
+    }
+    md.push_str(&not_drawn_note(&empty));
     md.push('\n');
     md.push_str(&info.markdown());
     write(&out.join("results.md"), &md)?;
-    plot_wikitext(out, report, &methods)
+    draw_line_charts(out, &charts)?;
+    if bars.is_empty() {
+        return remove_stale(&out.join(GAIN_AT_MAX_K));
+    }
+    let k = report.options.max_k();
+    bar_chart(
+        &out.join(GAIN_AT_MAX_K),
+        &format!("WikiText-2, k = {k}: loss reduction over Naive, paired 95% CI ({} passages)", report.passages),
+        "% of Naive's loss",
+        &bars,
+        None,
+    )
 }
 
-fn plot_wikitext(out: &Path, report: &wikitext::Report, methods: &[EvalMethod]) -> Result<()> {
-    let by_k: Vec<Series> = methods
-        .iter()
-        .map(|&m| Series {
-            errors: Vec::new(),
-            name: m.to_string(),
-            points: report.cells.iter().filter(|c| c.method == m).map(|c| (c.k as f64, c.loss)).collect(),
-        })
-        .collect();
-    let gains: Vec<Series> = paired_gains(
-        methods,
-        |m, k| {
-            report
-                .contrasts
-                .iter()
-                .find(|c| c.a == m && c.b == EvalMethod::Naive && c.k == k)
-                .map(|c| (c.gain_pct, c.gain_pct_ci95))
-        },
-        &report.options.ks,
-    );
+/// The headline chart's file: each method's paired gain at the largest k.
+const GAIN_AT_MAX_K: &str = "gain_at_max_k.png";
+
+/// The WikiText charts against k (with two or more k) and against time.
+fn wikitext_charts(out: &Path, report: &wikitext::Report, methods: &[EvalMethod]) -> Result<Vec<LineChart>> {
+    let mut charts = Vec::new();
     if against_k(out, &report.options.ks, &["gain_vs_k.png", "loss_vs_k.png"])? {
-        let title = format!("WikiText-2: loss reduction over Naive, paired 95% CI ({} passages)", report.passages);
-        line_chart(
-            &out.join("gain_vs_k.png"),
-            &Chart { title: &title, x: "k (segments)", y: "% of Naive's loss", log_x: false, whole_x: true },
-            &gains,
-        )?;
-        let title = format!("WikiText-2: continuation loss vs retrieved segments ({} passages)", report.passages);
-        line_chart(
-            &out.join("loss_vs_k.png"),
-            &Chart { title: &title, x: "k (segments)", y: "loss (nats/token)", log_x: false, whole_x: true },
-            &by_k,
-        )?;
-    }
-    // The headline at a glance, also when only one k was scored: each method's paired gain at
-    // the largest k.
-    let k = report.options.max_k();
-    let bars: Vec<Bar> = methods
-        .iter()
-        .filter_map(|&m| {
-            let c = report.contrasts.iter().find(|c| c.a == m && c.b == EvalMethod::Naive && c.k == k)?;
-            Some(Bar { label: m.to_string(), value: c.gain_pct, error: Some(c.gain_pct_ci95) })
-        })
-        .collect();
-    if !bars.is_empty() {
-        bar_chart(
-            &out.join("gain_at_max_k.png"),
-            &format!("WikiText-2, k = {k}: loss reduction over Naive, paired 95% CI ({} passages)", report.passages),
+        let gains = paired_gains(
+            methods,
+            |m, k| {
+                report
+                    .contrasts
+                    .iter()
+                    .find(|c| c.a == m && c.b == EvalMethod::Naive && c.k == k)
+                    .map(|c| (c.gain_pct, c.gain_pct_ci95))
+            },
+            &report.options.ks,
+        );
+        let by_k: Vec<Series> = methods
+            .iter()
+            .map(|&m| {
+                let points = report.cells.iter().filter(|c| c.method == m).map(|c| (c.k as f64, c.loss)).collect();
+                Series::line(m.to_string(), points)
+            })
+            .collect();
+        let n = report.passages;
+        charts.push(LineChart::against_count(
+            "gain_vs_k.png",
+            format!("WikiText-2: loss reduction over Naive, paired 95% CI ({n} passages)"),
+            "k (segments)",
             "% of Naive's loss",
-            &bars,
-            None,
-        )?;
+            gains,
+        ));
+        charts.push(LineChart::against_count(
+            "loss_vs_k.png",
+            format!("WikiText-2: continuation loss vs retrieved segments ({n} passages)"),
+            "k (segments)",
+            "loss (nats/token)",
+            by_k,
+        ));
     }
     let by_time: Vec<Series> = methods
         .iter()
         .filter(|&&m| m != EvalMethod::Naive)
-        .map(|&m| Series {
-            errors: Vec::new(),
-            name: m.to_string(),
-            points: report.cells.iter().filter(|c| c.method == m).map(|c| (c.prepare_ms, c.loss)).collect(),
+        .map(|&m| {
+            let points = report.cells.iter().filter(|c| c.method == m).map(|c| (c.prepare_ms, c.loss)).collect();
+            Series::line(m.to_string(), points)
         })
         .collect();
     let ks: Vec<String> = report.options.ks.iter().map(usize::to_string).collect();
-    let title = format!("Loss vs time to make the state (k = {})", ks.join(", "));
-    line_chart(
-        &out.join("loss_vs_time.png"),
-        &Chart {
-            title: &title,
-            x: "ms per query to compose / process the contexts (log)",
-            y: "loss (nats/token)",
-            log_x: true,
-            whole_x: false,
-        },
-        &by_time,
-    )
+    charts.push(LineChart {
+        file: "loss_vs_time.png",
+        title: format!("Loss vs time to make the state (k = {})", ks.join(", ")),
+        x: "ms per query to compose / process the contexts (log)",
+        y: "loss (nats/token)",
+        log_x: true,
+        series: by_time,
+    });
+    Ok(charts)
+}
+
+/// The headline at a glance, also when only one k was scored: each method's paired gain over
+/// Naive at the largest k (none when Naive alone was scored).
+fn gain_bars(report: &wikitext::Report, methods: &[EvalMethod]) -> Vec<Bar> {
+    let k = report.options.max_k();
+    methods
+        .iter()
+        .filter_map(|&m| {
+            let c = report.contrasts.iter().find(|c| c.a == m && c.b == EvalMethod::Naive && c.k == k)?;
+            Some(Bar { label: m.to_string(), value: c.gain_pct, error: c.gain_pct_ci95 })
+        })
+        .collect()
 }
 
 /// Writes the context-use check into `out`.
@@ -279,21 +393,35 @@ pub fn write_context_use(
     for c in &report.conditions {
         writeln!(
             csv,
-            "{},{:.6},{:.6},{:.6},{:.6},{:.4},{:.4},{:.6}",
-            c.context, c.loss, c.ci95, c.delta_vs_none, c.delta_ci95, c.change_pct, c.change_ci95_pct, c.recall_loss
+            "{},{:.6},{},{:.6},{},{:.4},{},{:.6}",
+            c.context,
+            c.loss,
+            ci_csv(c.ci95, 6),
+            c.delta_vs_none,
+            ci_csv(c.delta_ci95, 6),
+            c.change_pct,
+            ci_csv(c.change_ci95_pct, 4),
+            c.recall_loss
         )
         .expect("string");
         writeln!(
             md,
-            "| {} | {:.4} ± {:.4} | {:+.4} ± {:.4} | {:+.2}% ± {:.2} | {:.3} |",
-            c.context, c.loss, c.ci95, c.delta_vs_none, c.delta_ci95, c.change_pct, c.change_ci95_pct, c.recall_loss
+            "| {} | {:.4} ± {} | {:+.4} ± {} | {:+.2}% ± {} | {:.3} |",
+            c.context,
+            c.loss,
+            ci(c.ci95, 4),
+            c.delta_vs_none,
+            ci(c.delta_ci95, 4),
+            c.change_pct,
+            ci(c.change_ci95_pct, 2),
+            c.recall_loss
         )
         .expect("string");
     }
     writeln!(
         md,
-        "\nThe true previous paragraph lowers the loss by {:+.2} ± {:.2} points more than a random paragraph of another article.\n\nBits per byte over the {} whole articles ({} bytes, {} tokens): **{:.4}** ({:.4} nats/token).\n",
-        report.previous_over_random_pct, report.previous_over_random_ci95_pct, bpb.documents, bpb.bytes, bpb.tokens, bpb.bits_per_byte, bpb.nats_per_token
+        "\nThe true previous paragraph lowers the loss by {:+.2} ± {} points more than a random paragraph of another article.\n\nBits per byte over the {} whole articles ({} bytes, {} tokens): **{:.4}** ({:.4} nats/token).\n",
+        report.previous_over_random_pct, ci(report.previous_over_random_ci95_pct, 2), bpb.documents, bpb.bytes, bpb.tokens, bpb.bits_per_byte, bpb.nats_per_token
     )
     .expect("string");
     md.push_str(&info.markdown());
@@ -325,11 +453,18 @@ pub fn write_context_use_comparisons(out: &Path, comparisons: &[context_use::Com
         for r in &c.rows {
             writeln!(
                 csv,
-                "{},{},{},{},{:.6},{:.6},{:.6},{:.6}",
-                c.first, c.other, c.passages, r.what, r.first, r.other, r.delta, r.ci95
+                "{},{},{},{},{:.6},{:.6},{:.6},{}",
+                c.first,
+                c.other,
+                c.passages,
+                r.what,
+                r.first,
+                r.other,
+                r.delta,
+                ci_csv(r.ci95, 6)
             )
             .expect("string");
-            writeln!(md, "| {} | {:.4} | {:.4} | {:+.4} ± {:.4} |", r.what, r.first, r.other, r.delta, r.ci95)
+            writeln!(md, "| {} | {:.4} | {:.4} | {:+.4} ± {} |", r.what, r.first, r.other, r.delta, ci(r.ci95, 4))
                 .expect("string");
         }
     }
@@ -349,7 +484,7 @@ fn context_use_chart(path: &Path, report: &context_use::Report) -> Result<()> {
         .map(|c| Bar {
             label: format!("{}, all tokens", short(c.context)),
             value: c.change_pct,
-            error: Some(c.change_ci95_pct),
+            error: c.change_ci95_pct,
         })
         .collect();
     // Recall tokens are pooled over passages: no interval, and none at all in a text without any.
@@ -394,11 +529,11 @@ fn methods_in<'a>(cells: impl Iterator<Item = &'a EvalMethod>) -> Vec<EvalMethod
 }
 
 /// One series per method (Naive left out) of its paired gain over Naive at each k with the
-/// interval's half-width (`gain(method, k)`), each method's points shifted a little along x so
-/// that the error bars of methods at the same k stay apart.
+/// interval's half-width (`gain(method, k)`; no error bar where there is none), each method's
+/// points shifted a little along x so that the error bars of methods at the same k stay apart.
 fn paired_gains(
     methods: &[EvalMethod],
-    gain: impl Fn(EvalMethod, usize) -> Option<(f64, f64)>,
+    gain: impl Fn(EvalMethod, usize) -> Option<(f64, Option<f64>)>,
     ks: &[usize],
 ) -> Vec<Series> {
     let shown: Vec<EvalMethod> = methods.iter().copied().filter(|&m| m != EvalMethod::Naive).collect();
@@ -409,8 +544,10 @@ fn paired_gains(
         .enumerate()
         .map(|(i, &m)| {
             let shift = (i as f64 - (shown.len() as f64 - 1.0) / 2.0) * 0.5 * step / shown.len().max(1) as f64;
-            let (points, errors) =
-                ks.iter().filter_map(|&k| gain(m, k).map(|(g, e)| ((k as f64 + shift, g), e))).unzip();
+            let (points, errors) = ks
+                .iter()
+                .filter_map(|&k| gain(m, k).map(|(g, e)| ((k as f64 + shift, g), e.unwrap_or(f64::NAN))))
+                .unzip();
             Series { name: m.to_string(), points, errors }
         })
         .collect()
@@ -423,11 +560,7 @@ fn against_k(out: &Path, ks: &[usize], charts: &[&str]) -> Result<bool> {
         return Ok(true);
     }
     for chart in charts {
-        let path = out.join(chart);
-        match std::fs::remove_file(&path) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(Error::Io { path, source: e }),
-            _ => {}
-        }
+        remove_stale(&out.join(chart))?;
     }
     Ok(false)
 }
@@ -438,18 +571,27 @@ pub fn write_openbookqa(out: &Path, report: &openbookqa::Report, info: &RunInfo)
     for c in &report.cells {
         writeln!(
             csv,
-            "{},{},{:.4},{:.4},{:.4},{:.4},{:.4},{:.1}",
-            c.method, c.k, c.acc, c.acc_ci95, c.acc_norm, c.acc_norm_ci95, c.prepare_ms, c.tokens_processed
+            "{},{},{:.4},{},{:.4},{},{:.4},{:.1}",
+            c.method,
+            c.k,
+            c.acc,
+            ci_csv(c.acc_ci95, 4),
+            c.acc_norm,
+            ci_csv(c.acc_norm_ci95, 4),
+            c.prepare_ms,
+            c.tokens_processed
         )
         .expect("string");
     }
     let ks = &report.options.ks;
+    let widest = report.cells.iter().filter_map(|c| c.acc_ci95).reduce(f64::max);
     let mut md = format!(
-        "# OpenBookQA: accuracy with k facts retrieved from the open book\n\n{} test questions, {} facts (seed {}). Each cell: acc / acc_norm in %; 95% CI half-width about {:.1} points.\n\n| method |",
+        "# OpenBookQA: accuracy with k facts retrieved from the open book\n\n{} {} questions, {} facts (seed {}). Each cell: acc / acc_norm in %; 95% CI half-width about {} points.\n\n| method |",
         report.questions,
+        report.options.split,
         report.facts,
         report.options.seed,
-        100.0 * report.cells.iter().map(|c| c.acc_ci95).fold(0.0, f64::max)
+        ci(pct_ci(widest), 1)
     );
     for k in ks {
         write!(md, " k={k} |").expect("string");
@@ -478,58 +620,57 @@ pub fn write_openbookqa(out: &Path, report: &openbookqa::Report, info: &RunInfo)
         for c in &report.contrasts {
             writeln!(
                 md,
-                "| {} | {} | {} | {:+.1} ± {:.1} | {:+.1} ± {:.1} |",
+                "| {} | {} | {} | {:+.1} ± {} | {:+.1} ± {} |",
                 c.k,
                 c.a,
                 c.b,
                 100.0 * c.acc_diff,
-                100.0 * c.acc_diff_ci95,
+                ci(pct_ci(c.acc_diff_ci95), 1),
                 100.0 * c.acc_norm_diff,
-                100.0 * c.acc_norm_diff_ci95
+                ci(pct_ci(c.acc_norm_diff_ci95), 1)
             )
             .expect("string");
         }
     }
-    write_all(out, serde_json::json!({ "run": info, "report": report }), &csv, &md, info)?;
-    if !against_k(out, ks, &["acc_norm_vs_k.png", "gain_vs_k.png"])? {
-        return Ok(());
+    let mut charts = Vec::new();
+    if against_k(out, ks, &["acc_norm_vs_k.png", "gain_vs_k.png"])? {
+        let series: Vec<Series> = methods
+            .iter()
+            .map(|&m| {
+                let points =
+                    ks.iter().map(|&k| (k as f64, 100.0 * report.cell(m, k).expect("filled").acc_norm)).collect();
+                Series::line(m.to_string(), points)
+            })
+            .collect();
+        let gains = paired_gains(
+            &methods,
+            |m, k| {
+                report
+                    .contrasts
+                    .iter()
+                    .find(|c| c.a == m && c.b == EvalMethod::Naive && c.k == k)
+                    .map(|c| (100.0 * c.acc_norm_diff, pct_ci(c.acc_norm_diff_ci95)))
+            },
+            ks,
+        );
+        charts.push(LineChart::against_count(
+            "acc_norm_vs_k.png",
+            "OpenBookQA: acc_norm vs retrieved facts".into(),
+            "k (facts)",
+            "acc_norm (%)",
+            series,
+        ));
+        charts.push(LineChart::against_count(
+            "gain_vs_k.png",
+            format!("OpenBookQA: acc_norm over Naive, paired 95% CI ({} questions)", report.questions),
+            "k (facts)",
+            "points over Naive",
+            gains,
+        ));
     }
-    let series: Vec<Series> = methods
-        .iter()
-        .map(|&m| Series {
-            errors: Vec::new(),
-            name: m.to_string(),
-            points: ks.iter().map(|&k| (k as f64, 100.0 * report.cell(m, k).expect("filled").acc_norm)).collect(),
-        })
-        .collect();
-    line_chart(
-        &out.join("acc_norm_vs_k.png"),
-        &Chart {
-            title: "OpenBookQA: acc_norm vs retrieved facts",
-            x: "k (facts)",
-            y: "acc_norm (%)",
-            log_x: false,
-            whole_x: true,
-        },
-        &series,
-    )?;
-    let gains = paired_gains(
-        &methods,
-        |m, k| {
-            report
-                .contrasts
-                .iter()
-                .find(|c| c.a == m && c.b == EvalMethod::Naive && c.k == k)
-                .map(|c| (100.0 * c.acc_norm_diff, 100.0 * c.acc_norm_diff_ci95))
-        },
-        ks,
-    );
-    let title = format!("OpenBookQA: acc_norm over Naive, paired 95% CI ({} questions)", report.questions);
-    line_chart(
-        &out.join("gain_vs_k.png"),
-        &Chart { title: &title, x: "k (facts)", y: "points over Naive", log_x: false, whole_x: true },
-        &gains,
-    )
+    md.push_str(&not_drawn_note(&empty_charts(&charts)));
+    write_all(out, serde_json::json!({ "run": info, "report": report }), &csv, &md, info)?;
+    draw_line_charts(out, &charts)
 }
 
 /// Writes an attribution experiment into `out`.
@@ -544,13 +685,13 @@ pub fn write_attribution(out: &Path, report: &attribution::Report, info: &RunInf
         100.0 * report.chance
     );
     for r in &report.rows {
-        writeln!(csv, "{},{:.4},{:.4},{:.3}", r.rule, r.precision, r.ci95, r.ms_per_item).expect("string");
-        writeln!(md, "| {} | {:.3} ± {:.3} | {:.1} |", r.rule, r.precision, r.ci95, r.ms_per_item).expect("string");
+        writeln!(csv, "{},{:.4},{},{:.3}", r.rule, r.precision, ci_csv(r.ci95, 4), r.ms_per_item).expect("string");
+        writeln!(md, "| {} | {:.3} ± {} | {:.1} |", r.rule, r.precision, ci(r.ci95, 3), r.ms_per_item).expect("string");
     }
     if !report.paired.is_empty() {
         md.push_str("\nPaired on the same items: precision of `a` minus that of `b` (± 95% CI; an interval that excludes 0 resolves the comparison).\n\n| a | b | a − b |\n|---|---|---:|\n");
         for p in &report.paired {
-            writeln!(md, "| {} | {} | {:+.3} ± {:.3} |", p.a, p.b, p.diff, p.ci95).expect("string");
+            writeln!(md, "| {} | {} | {:+.3} ± {} |", p.a, p.b, p.diff, ci(p.ci95, 3)).expect("string");
         }
     }
     write_all(out, serde_json::json!({ "run": info, "report": report }), &csv, &md, info)?;
@@ -561,7 +702,7 @@ pub fn write_attribution(out: &Path, report: &attribution::Report, info: &RunInf
         .map(|r| Bar {
             label: r.rule.replace("leave-one-in", "LOI").replace("leave-one-out", "LOO"),
             value: r.precision,
-            error: Some(r.ci95),
+            error: r.ci95,
         })
         .collect();
     if bars.is_empty() {
@@ -586,14 +727,26 @@ pub fn write_order(out: &Path, report: &order::Report, info: &RunInfo) -> Result
     for r in &report.rows {
         writeln!(
             csv,
-            "{},{},{:.6},{:.6},{:.6},{:.6},{:.6}",
-            r.method, r.n, r.loss, r.std, r.range, r.range_ci95, r.max_range
+            "{},{},{:.6},{:.6},{:.6},{},{:.6}",
+            r.method,
+            r.n,
+            r.loss,
+            r.std,
+            r.range,
+            ci_csv(r.range_ci95, 6),
+            r.max_range
         )
         .expect("string");
         writeln!(
             md,
-            "| {} | {} | {:.4} | {:.4} | {:.4} ± {:.4} | {:.4} |",
-            r.n, r.method, r.loss, r.std, r.range, r.range_ci95, r.max_range
+            "| {} | {} | {:.4} | {:.4} | {:.4} ± {} | {:.4} |",
+            r.n,
+            r.method,
+            r.loss,
+            r.std,
+            r.range,
+            ci(r.range_ci95, 4),
+            r.max_range
         )
         .expect("string");
     }
@@ -603,27 +756,24 @@ pub fn write_order(out: &Path, report: &order::Report, info: &RunInfo) -> Result
         report.picaso_s_order_gap
     )
     .expect("string");
-    write_all(out, serde_json::json!({ "run": info, "report": report }), &csv, &md, info)?;
     let names: Vec<&str> = methods_in_str(report.rows.iter().map(|r| r.method));
     let series: Vec<Series> = names
         .iter()
-        .map(|&m| Series {
-            errors: Vec::new(),
-            name: m.to_string(),
-            points: report.rows.iter().filter(|r| r.method == m).map(|r| (r.n as f64, r.range)).collect(),
+        .map(|&m| {
+            let points = report.rows.iter().filter(|r| r.method == m).map(|r| (r.n as f64, r.range)).collect();
+            Series::line(m, points)
         })
         .collect();
-    line_chart(
-        &out.join("range_vs_n.png"),
-        &Chart {
-            title: "Loss range over context orders",
-            x: "n (contexts)",
-            y: "worst − best order (nats/token)",
-            log_x: false,
-            whole_x: true,
-        },
-        &series,
-    )
+    let charts = [LineChart::against_count(
+        "range_vs_n.png",
+        "Loss range over context orders".into(),
+        "n (contexts)",
+        "worst − best order (nats/token)",
+        series,
+    )];
+    md.push_str(&not_drawn_note(&empty_charts(&charts)));
+    write_all(out, serde_json::json!({ "run": info, "report": report }), &csv, &md, info)?;
+    draw_line_charts(out, &charts)
 }
 
 fn methods_in_str<'a>(names: impl Iterator<Item = &'a str>) -> Vec<&'a str> {
@@ -655,8 +805,8 @@ pub fn write_fidelity(out: &Path, report: &fidelity::Report, info: &RunInfo) -> 
     md.push_str(&"---:|".repeat(layers));
     md.push('\n');
     for r in &report.rows {
-        write!(csv, "{},{},{:.6},{:.6}", r.method, r.k, r.kl, r.kl_ci95).expect("string");
-        write!(md, "| {} | {} | {:.4} ± {:.4} |", r.k, r.method, r.kl, r.kl_ci95).expect("string");
+        write!(csv, "{},{},{:.6},{}", r.method, r.k, r.kl, ci_csv(r.kl_ci95, 6)).expect("string");
+        write!(md, "| {} | {} | {:.4} ± {} |", r.k, r.method, r.kl, ci(r.kl_ci95, 4)).expect("string");
         for d in &r.relative_distance {
             write!(csv, ",{d:.6}").expect("string");
             write!(md, " {d:.3} |").expect("string");
@@ -664,27 +814,24 @@ pub fn write_fidelity(out: &Path, report: &fidelity::Report, info: &RunInfo) -> 
         csv.push('\n');
         md.push('\n');
     }
-    write_all(out, serde_json::json!({ "run": info, "report": report }), &csv, &md, info)?;
     let methods = methods_in(report.rows.iter().map(|r| &r.method));
     let series: Vec<Series> = methods
         .iter()
-        .map(|&m| Series {
-            errors: Vec::new(),
-            name: m.to_string(),
-            points: report.rows.iter().filter(|r| r.method == m).map(|r| (r.k as f64, r.kl)).collect(),
+        .map(|&m| {
+            let points = report.rows.iter().filter(|r| r.method == m).map(|r| (r.k as f64, r.kl)).collect();
+            Series::line(m.to_string(), points)
         })
         .collect();
-    line_chart(
-        &out.join("kl_vs_k.png"),
-        &Chart {
-            title: "KL(concat || method) of next-token distributions",
-            x: "k (segments)",
-            y: "KL (nats/token)",
-            log_x: false,
-            whole_x: true,
-        },
-        &series,
-    )
+    let charts = [LineChart::against_count(
+        "kl_vs_k.png",
+        "KL(concat || method) of next-token distributions".into(),
+        "k (segments)",
+        "KL (nats/token)",
+        series,
+    )];
+    md.push_str(&not_drawn_note(&empty_charts(&charts)));
+    write_all(out, serde_json::json!({ "run": info, "report": report }), &csv, &md, info)?;
+    draw_line_charts(out, &charts)
 }
 
 /// One model's results in the fine-tuning comparison.
@@ -731,14 +878,15 @@ fn finetuned_pairs(md: &mut String, models: &[ModelResults<'_>]) {
             if a.len() != b.len() {
                 continue;
             }
-            let (gain, ci) = paired_ci95(b, a);
+            let (gain, half) = paired_ci95(b, a);
             writeln!(
                 md,
-                "| {} | {mine} | {} {theirs} | {gain:+.4} ± {ci:.4} | {:+.2} ± {:.2} |",
+                "| {} | {mine} | {} {theirs} | {gain:+.4} ± {} | {:+.2} ± {} |",
                 m.name,
                 earlier.name,
+                ci(half, 4),
                 gain * pct,
-                ci * pct
+                ci(half.map(|h| h * pct), 2)
             )
             .expect("string");
         }
@@ -755,8 +903,8 @@ fn finetuned_chart(out: &Path, models: &[ModelResults<'_>]) -> Result<()> {
     let Some(base) = first.wikitext.losses.get(&(EvalMethod::Naive, k)) else { return Ok(()) };
     let gain = |m: &ModelResults<'_>, method: EvalMethod| {
         let a = m.wikitext.losses.get(&(method, k)).filter(|a| a.len() == base.len())?;
-        let (g, ci) = paired_ci95(base, a);
-        Some((g * pct, ci * pct))
+        let (g, half) = paired_ci95(base, a);
+        Some((g * pct, half.map(|h| h * pct)))
     };
     let mut bars = Vec::new();
     for (i, m) in models.iter().enumerate() {
@@ -764,8 +912,8 @@ fn finetuned_chart(out: &Path, models: &[ModelResults<'_>]) -> Result<()> {
             if i == 0 && method == EvalMethod::Naive {
                 continue;
             }
-            if let Some((value, ci)) = gain(m, method) {
-                bars.push(Bar { label: format!("{} {method}", m.name), value, error: Some(ci) });
+            if let Some((value, error)) = gain(m, method) {
+                bars.push(Bar { label: format!("{} {method}", m.name), value, error });
             }
         }
     }
@@ -805,8 +953,8 @@ fn finetuned_obqa_pairs(md: &mut String, models: &[ModelResults<'_>]) {
             if a.len() != b.len() {
                 continue;
             }
-            let (d, ci) = paired_ci95(a, b);
-            writeln!(md, "| {} | {method} | {} | {:+.1} ± {:.1} |", m.name, earlier.name, 100.0 * d, 100.0 * ci)
+            let (d, half) = paired_ci95(a, b);
+            writeln!(md, "| {} | {method} | {} | {:+.1} ± {} |", m.name, earlier.name, 100.0 * d, ci(pct_ci(half), 1))
                 .expect("string");
         }
     }
@@ -917,20 +1065,20 @@ pub fn write_recall(out: &Path, runs: &[RecallRun<'_>], paired: &[recall::Paired
                     }
                     continue;
                 };
-                write!(exact, " {:.1} ± {:.1} |", pct(c.exact), pct(c.exact_ci95)).expect("string");
-                write!(choice, " {:.1} ± {:.1} |", pct(c.choice), pct(c.choice_ci95)).expect("string");
+                write!(exact, " {:.1} ± {} |", pct(c.exact), ci(pct_ci(c.exact_ci95), 1)).expect("string");
+                write!(choice, " {:.1} ± {} |", pct(c.choice), ci(pct_ci(c.choice_ci95), 1)).expect("string");
                 write!(ready, " {:.2} ({:.0}) |", c.ready_ms, c.tokens_processed).expect("string");
                 writeln!(
                     csv,
-                    "{},{},{},{},{:.6},{:.6},{:.6},{:.6},{:.6},{:.4},{:.1},{:.6},{:.6}",
+                    "{},{},{},{},{:.6},{},{:.6},{},{:.6},{:.4},{:.1},{:.6},{:.6}",
                     run.name,
                     m,
                     k,
                     c.queries,
                     c.exact,
-                    c.exact_ci95,
+                    ci_csv(c.exact_ci95, 6),
                     c.choice,
-                    c.choice_ci95,
+                    ci_csv(c.choice_ci95, 6),
                     c.answer_nll,
                     c.ready_ms,
                     c.tokens_processed,
@@ -960,7 +1108,7 @@ pub fn write_recall(out: &Path, runs: &[RecallRun<'_>], paired: &[recall::Paired
             write!(md, "| {p} |").expect("string");
             for &m in &methods {
                 match r.positions.iter().find(|c| c.method == m && c.k == kmax && c.position == p) {
-                    Some(c) => write!(md, " {:.1} ± {:.1} |", pct(c.exact), pct(c.exact_ci95)),
+                    Some(c) => write!(md, " {:.1} ± {} |", pct(c.exact), ci(pct_ci(c.exact_ci95), 1)),
                     None => write!(md, " |"),
                 }
                 .expect("string");
@@ -1047,14 +1195,14 @@ fn recall_paired_table(md: &mut String, title: &str, rows: &[recall::Paired]) {
     for p in rows {
         writeln!(
             md,
-            "| {} | {} | {} | {:.1} | {:.1} | {:+.1} ± {:.1} |",
+            "| {} | {} | {} | {:.1} | {:.1} | {:+.1} ± {} |",
             p.k,
             p.a,
             p.b,
             pct(p.a_exact),
             pct(p.b_exact),
             pct(p.diff),
-            pct(p.diff_ci95)
+            ci(pct_ci(p.diff_ci95), 1)
         )
         .expect("string");
     }

@@ -56,8 +56,8 @@ pub struct Cell {
     pub k: usize,
     /// Mean continuation NLL (nats/token) over the passages.
     pub loss: f64,
-    /// Half-width of its 95% confidence interval.
-    pub ci95: f64,
+    /// Half-width of its 95% confidence interval (`None` for one passage).
+    pub ci95: Option<f64>,
     /// Relative improvement over Naive, percent (positive = lower loss).
     pub improvement_pct: f64,
     /// Mean milliseconds to make the state (composition or processing; loading excluded).
@@ -81,8 +81,8 @@ pub struct Report {
     pub mean_continuation_tokens: f64,
     /// Naive loss (no context), with its interval.
     pub naive_loss: f64,
-    /// Half-width of the naive loss's interval.
-    pub naive_ci95: f64,
+    /// Half-width of the naive loss's interval (`None` for one passage).
+    pub naive_ci95: Option<f64>,
     /// One cell per (method, k).
     pub cells: Vec<Cell>,
     /// Paired comparisons on the same passages, per k.
@@ -106,12 +106,12 @@ pub struct Contrast {
     pub b: EvalMethod,
     /// Mean of `loss_b − loss_a` (nats/token).
     pub gain: f64,
-    /// Its 95% interval half-width.
-    pub gain_ci95: f64,
+    /// Its 95% interval half-width (`None` for one passage).
+    pub gain_ci95: Option<f64>,
     /// The same as a percentage of Naive's mean loss.
     pub gain_pct: f64,
     /// Its 95% interval half-width (percentage points).
-    pub gain_pct_ci95: f64,
+    pub gain_pct_ci95: Option<f64>,
 }
 
 impl Options {
@@ -121,12 +121,19 @@ impl Options {
     }
 }
 
+/// Refuses a sample of 0, which would score nothing (every experiment's `--sample`): a check
+/// that needs no data, so a command can make it before any slow loading.
+pub fn check_sample(sample: Option<usize>) -> Result<()> {
+    if sample == Some(0) {
+        return Err(Error::Input("a sample of 0 passages scores nothing: give --sample of at least 1".into()));
+    }
+    Ok(())
+}
+
 /// The passages to score: all, or `sample` of them drawn with `seed`.
 pub fn choose<T>(mut all: Vec<T>, sample: Option<usize>, seed: u64) -> Result<Vec<T>> {
+    check_sample(sample)?;
     if let Some(n) = sample {
-        if n == 0 {
-            return Err(Error::Input("a sample of 0 passages scores nothing".into()));
-        }
         all.shuffle(&mut rand::rngs::StdRng::seed_from_u64(seed));
         all.truncate(n);
     }
@@ -161,6 +168,12 @@ pub fn run(model: &Model, store: &Store, options: &Options, mut progress: impl F
     let all = passages(store)?;
     let available = all.len();
     let chosen: Vec<&Passage> = choose(all.iter().collect(), options.sample, options.seed)?;
+    // Retrieval refuses a k the store cannot supply. Asked once here, before the journal is
+    // opened, it refuses it before anything is written into the results folder (a journal left
+    // by a refused run would block the corrected command as "other settings").
+    if let Some(first) = chosen.first() {
+        retrieve(store, first, options.max_k())?;
+    }
     let mut methods: Vec<EvalMethod> = options.methods.iter().copied().filter(|m| *m != EvalMethod::Naive).collect();
     methods.dedup();
 
@@ -286,7 +299,8 @@ fn contrasts(ks: &[usize], losses: &HashMap<(EvalMethod, usize), Vec<f64>>, naiv
             let (Some(la), Some(lb)) = (losses.get(&(a, k)), losses.get(&(b, k))) else { continue };
             let (gain, gain_ci95) = paired_ci95(lb, la);
             let pct = 100.0 / naive_loss;
-            out.push(Contrast { k, a, b, gain, gain_ci95, gain_pct: gain * pct, gain_pct_ci95: gain_ci95 * pct });
+            let gain_pct_ci95 = gain_ci95.map(|c| c * pct);
+            out.push(Contrast { k, a, b, gain, gain_ci95, gain_pct: gain * pct, gain_pct_ci95 });
         }
     }
     out
@@ -314,7 +328,7 @@ mod tests {
         let c = contrasts(&[1], &losses, 4.0);
         let find = |a: EvalMethod, b: EvalMethod| c.iter().find(|x| x.a == a && x.b == b).unwrap();
         let cn = find(EvalMethod::Concat, EvalMethod::Naive);
-        assert!((cn.gain - 0.1).abs() < 1e-12 && cn.gain_ci95 < 1e-9, "{cn:?}");
+        assert!((cn.gain - 0.1).abs() < 1e-12 && cn.gain_ci95.unwrap() < 1e-9, "{cn:?}");
         assert!((cn.gain_pct - 2.5).abs() < 1e-9);
         let rs = find(EvalMethod::Compose(Method::PicasoR), EvalMethod::Compose(Method::Soup));
         assert!((rs.gain - 0.05).abs() < 1e-12);

@@ -65,12 +65,12 @@ pub struct Cell {
     pub queries: usize,
     /// Exact-match accuracy.
     pub exact: f64,
-    /// Its 95% interval half-width.
-    pub exact_ci95: f64,
+    /// Its 95% interval half-width (`None` for one query).
+    pub exact_ci95: Option<f64>,
     /// Accuracy of choosing the answer among the distractors.
     pub choice: f64,
     /// Its 95% interval half-width.
-    pub choice_ci95: f64,
+    pub choice_ci95: Option<f64>,
     /// Mean negative log-likelihood of the answer (nats per answer token).
     pub answer_nll: f64,
     /// Mean time to the ready state (ms): composing the stored states, or processing the
@@ -99,8 +99,8 @@ pub struct PositionCell {
     pub queries: usize,
     /// Exact-match accuracy.
     pub exact: f64,
-    /// Its 95% interval half-width.
-    pub exact_ci95: f64,
+    /// Its 95% interval half-width (`None` for fewer than two queries).
+    pub exact_ci95: Option<f64>,
 }
 
 /// A paired comparison on the same queries: `a − b` of exact-match accuracy.
@@ -118,8 +118,8 @@ pub struct Paired {
     pub b_exact: f64,
     /// Mean per-query difference `a − b`.
     pub diff: f64,
-    /// 95% interval half-width of the paired difference.
-    pub diff_ci95: f64,
+    /// 95% interval half-width of the paired difference (`None` for one query).
+    pub diff_ci95: Option<f64>,
 }
 
 /// The experiment's results.
@@ -224,6 +224,16 @@ pub fn run(model: &Model, options: &Options, mut progress: impl FnMut(usize, usi
         return Err(Error::Input("no methods to score".into()));
     }
     o.task.check(*o.ks.last().expect("checked non-empty"))?;
+    // The answer competes with exactly this many other values, so that the report's number is
+    // the one used: none would make every answer "chosen", and the task has only values − 1.
+    if o.distractors == 0 || o.distractors >= o.task.values {
+        return Err(Error::Input(format!(
+            "--distractors {}: the task has {} values, so an answer can compete with 1 to {} others",
+            o.distractors,
+            o.task.values,
+            o.task.values - 1
+        )));
+    }
     let tokenizer = model.tokenizer()?;
     let encode = |text: &str| -> Result<Vec<u32>> {
         let ids = tokenizer.encode(text)?;
@@ -506,5 +516,15 @@ mod tests {
         let mut o = options(vec![EvalMethod::Concat]);
         o.ks = vec![3, 1];
         assert!(run(&m, &o, |_, _| {}).is_err());
+        // The answer competes with exactly --distractors values: at least one, at most all the
+        // task's other values (32 here).
+        let mut o = options(vec![EvalMethod::Concat]);
+        o.distractors = 32;
+        let e = run(&m, &o, |_, _| {}).unwrap_err().to_string();
+        assert!(e.contains("32 values") && e.contains("1 to 31"), "{e}");
+        o.distractors = 0;
+        assert!(run(&m, &o, |_, _| {}).unwrap_err().to_string().contains("1 to 31"));
+        o.distractors = 31;
+        assert!(run(&m, &o, |_, _| {}).is_ok(), "every other value");
     }
 }

@@ -185,7 +185,8 @@ impl Task {
         Ok(Episode { contexts, queries })
     }
 
-    /// Up to `n` distractor values for the answer `value`: the episode's other values first
+    /// `n` distractor values for the answer `value` (fewer only when the task has fewer other
+    /// values; [`crate::recall::run`] refuses such an `n`): the episode's other values first
     /// (the confusions that matter), then random ones; all distinct and ≠ `value`.
     pub fn distractors(&self, episode: &Episode, value: usize, n: usize, rng: &mut impl Rng) -> Vec<usize> {
         let mut own: Vec<usize> = episode.contexts.iter().flatten().map(|f| f.value).filter(|&v| v != value).collect();
