@@ -95,7 +95,7 @@ pub fn index(a: IndexArgs) -> Result<()> {
     let what = if a.hnsw {
         format!("HNSW index (m {}, ef_construction {}) built", a.m, a.ef_construction)
     } else {
-        "approximate index dropped; search is exact".into()
+        "no approximate index (dropped if there was one); search is exact".into()
     };
     println!("{}: {what} in {:.1} s", store.location(), t0.elapsed().as_secs_f64());
     Ok(())
@@ -117,7 +117,7 @@ pub struct BenchStoreArgs {
     #[arg(long, default_value = "picaso-r")]
     method: picaso_model::Method,
     /// State cache for the warm measurement, MiB.
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 512, value_parser = crate::at_least_one)]
     cache_mb: usize,
     /// Print JSON.
     #[arg(long)]
@@ -130,6 +130,10 @@ pub fn bench_store(a: BenchStoreArgs) -> Result<()> {
         bail!("--ks needs values of at least 1 and --queries at least 1");
     }
     let store = picaso_store::Store::open(a.db.location()?)?;
+    let held = store.len()?;
+    if let Some(k) = a.ks.iter().find(|&&k| k > held) {
+        bail!("--ks {k}: the store {} holds {held} contexts; give k values of at most {held}", store.location());
+    }
     let model = load_model(&a.model, false)?;
     let opts = picaso_store::bench::BackendLatencyOptions {
         ks: a.ks.clone(),

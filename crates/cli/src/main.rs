@@ -208,13 +208,13 @@ struct BenchArgs {
     #[arg(long, default_value = "f32")]
     weights: picaso_model::WeightDtype,
     /// Tokens to prefill and score.
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 512, value_parser = at_least_one)]
     prompt_tokens: usize,
     /// Tokens to decode one at a time.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, value_parser = at_least_one)]
     decode_tokens: usize,
     /// Runs per measurement (best is reported).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, value_parser = at_least_one)]
     repeats: usize,
     /// States to compose (0 skips the composition benchmark).
     #[arg(long, default_value_t = 10)]
@@ -440,6 +440,7 @@ struct WeightsArgs {
 
 fn main() -> ExitCode {
     picaso_model::reuse_freed_buffers();
+    picaso_eval::report::set_revision(env!("PICASO_GIT_REVISION"));
     let cli = Cli::parse();
     // Output piped into a reader that quits (`picaso info | head`) ends the process quietly, as
     // for any Unix tool, instead of a panic on the failed write (Rust ignores SIGPIPE). Not for
@@ -666,7 +667,7 @@ fn state(a: StateArgs) -> Result<()> {
     if a.json {
         println!(
             "{}",
-            json!({"out": a.out, "n_tokens": s.n_tokens, "new_tokens": tokens.len(), "bytes": bytes, "fingerprint": s.fingerprint, "seconds": secs})
+            json!({"out": a.out.to_string_lossy(), "n_tokens": s.n_tokens, "new_tokens": tokens.len(), "bytes": bytes, "fingerprint": s.fingerprint, "seconds": secs})
         );
     } else {
         println!(
@@ -719,7 +720,7 @@ fn compose_cmd(a: ComposeArgs) -> Result<()> {
     if a.json {
         println!(
             "{}",
-            json!({"out": a.out, "method": a.method.name(), "contexts": states.len(), "n_tokens": composed.n_tokens, "compose_seconds": secs})
+            json!({"out": a.out.to_string_lossy(), "method": a.method.name(), "contexts": states.len(), "n_tokens": composed.n_tokens, "compose_seconds": secs})
         );
     } else {
         println!("wrote {} ({} of {} states, {:.2} ms)", a.out.display(), a.method, states.len(), secs * 1e3);

@@ -103,7 +103,11 @@ fn migrate_between_backends_and_verify() {
 
     // Bad input: a target holding other contexts, a source that is not a store, a bad URL.
     let (success, _, stderr) = run(&["migrate", "--from", folder.db.as_str(), "--to", back.to_str().unwrap()]);
-    assert!(!success && stderr.contains("migrate into an empty store"), "{stderr}");
+    assert!(
+        !success && stderr.contains("already holds context 5") && stderr.contains("migrate into an empty store"),
+        "{stderr}"
+    );
+    assert_eq!(copy_ids(back.as_path()), vec![1, 3, 4, 5], "refused before copying anything (context 2 stays out)");
     let (success, _, stderr) = run(&["migrate", "--from", docs.to_str().unwrap(), "--to", back.to_str().unwrap()]);
     assert!(!success && stderr.contains("not a picaso store"), "{stderr}");
     let (success, _, stderr) = run(&["migrate", "--from", folder.db.as_str(), "--to", "mysql://x/y"]);

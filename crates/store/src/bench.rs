@@ -8,7 +8,7 @@ use std::time::Instant;
 use picaso_model::{Method, Model, StateDtype};
 use rand::{Rng, SeedableRng};
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::query::{prepare, ContextMethod};
 use crate::store::{NewContext, Store, StoreInfo};
 
@@ -76,7 +76,32 @@ fn evict(path: &Path) {
 /// Builds a store of `max_k` random-token contexts in `dir` and measures each k.
 pub fn context_cost(model: &Model, dir: &Path, opts: &ContextCostOptions) -> Result<Vec<ContextCostRow>> {
     let info = StoreInfo { fingerprint: model.fingerprint().to_string(), dim: 1, state_dtype: opts.state_dtype };
+    // Only a store of this benchmark's own random contexts, of this length, can be reused.
+    let not_ours = |why: String| {
+        Error::Input(format!(
+            "{}: {why}; bench-context fills a store of its own random contexts: give a new folder (or one an \
+             earlier bench-context run with the same --context-tokens made), or leave --db out",
+            dir.display()
+        ))
+    };
+    if let Ok(existing) = Store::open(dir) {
+        if existing.info().dim != 1 {
+            return Err(not_ours(format!(
+                "holds a store of real contexts ({}-dimensional embeddings)",
+                existing.info().dim
+            )));
+        }
+    }
     let store = Store::open_or_create(dir, &info)?;
+    for id in store.ids()? {
+        let n = store.get(id)?.n_tokens;
+        if n != opts.context_tokens {
+            return Err(not_ours(format!(
+                "its context {id} has {n} tokens, not --context-tokens {}",
+                opts.context_tokens
+            )));
+        }
+    }
     let vocab = model.config().vocab_size().min(model.tokenizer().map(|t| t.vocab_size()).unwrap_or(usize::MAX));
     let mut rng = rand::rngs::StdRng::seed_from_u64(0);
     let mut random_tokens = |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(0..vocab as u32)).collect() };

@@ -34,6 +34,7 @@ pub fn migrate(from: &Store, to: Location, mut progress: impl FnMut(usize, usize
     let t0 = std::time::Instant::now();
     let info: StoreInfo = from.info().clone();
     let target = Store::open_or_create(to, &info)?;
+    check_target(from, &target)?;
     if let Some(seg) = from.segmentation()? {
         target.bind_segmentation(&seg)?;
     }
@@ -55,13 +56,16 @@ pub fn migrate(from: &Store, to: Location, mut progress: impl FnMut(usize, usize
                     report.state_bytes += bytes.len() as u64;
                 }
                 None => {
+                    // check_target saw no conflict; another writer may have made one since.
                     let there = target.id_of(&r.doc, r.seg)?;
                     if there != Some(r.id) {
                         return Err(Error::Input(format!(
-                            "target {} already holds ({}, {}) as context {there:?}, not {}; migrate into an empty store",
+                            "target {} now holds ({:?}, segment {}) as {}, not as context {}: another \
+                             process wrote to it during the migration; migrate into an empty store",
                             target.location(),
                             r.doc,
                             r.seg,
+                            there.map_or("no context".to_string(), |id| format!("context {id}")),
                             r.id
                         )));
                     }
@@ -75,6 +79,42 @@ pub fn migrate(from: &Store, to: Location, mut progress: impl FnMut(usize, usize
     report.verified = verify(from, &target)?;
     report.seconds = t0.elapsed().as_secs_f64();
     Ok((target, report))
+}
+
+/// Refuses, before anything is copied, a target that holds what the source does not: a context
+/// whose id, document, segment or state differ from the source's, or another segmentation. A
+/// target holding a prefix of the source's contexts (a killed migration) is resumed.
+fn check_target(from: &Store, target: &Store) -> Result<()> {
+    let refuse = |why: String| {
+        Error::Input(format!(
+            "target {} {why}; migrate into an empty store (a new folder or schema)",
+            target.location()
+        ))
+    };
+    if let (Some(theirs), Some(ours)) = (target.segmentation()?, from.segmentation()?) {
+        if theirs != ours {
+            return Err(refuse(format!("holds contexts segmented as {theirs}, the source {ours}")));
+        }
+    }
+    let mut after = i64::MIN;
+    loop {
+        let batch = target.export(after, BATCH)?;
+        let Some(last) = batch.last() else { return Ok(()) };
+        after = last.0.id;
+        for (t, _) in &batch {
+            let same = match from.get(t.id) {
+                Ok(r) => r.doc == t.doc && r.seg == t.seg && r.checksum == t.checksum,
+                Err(Error::NotFound(_)) => false,
+                Err(e) => return Err(e),
+            };
+            if !same {
+                return Err(refuse(format!(
+                    "already holds context {} ({:?}, segment {}), which is not the source's context {}",
+                    t.id, t.doc, t.seg, t.id
+                )));
+            }
+        }
+    }
 }
 
 /// Checks that every context of `from` is in `to` with the same row, embedding and state
