@@ -23,7 +23,7 @@ use rand::{Rng, SeedableRng};
 
 use crate::checkpoint;
 use crate::mamba::{TrainMamba2, TrainState};
-use crate::optim::{check_settings, lr_at, AdamW, AdamWConfig};
+use crate::optim::{check_counts, check_settings, lr_at, AdamW, AdamWConfig};
 use crate::pretrain::{io, save_checkpoint};
 use crate::xent::IGNORE;
 use crate::Result;
@@ -209,16 +209,13 @@ impl ComposeConfig {
     /// and the optimiser's numbers ([`crate::optim::check_settings`]). [`finetune`] calls it;
     /// callers may call it earlier, before gathering examples.
     pub fn validate(&self) -> Result<()> {
-        let counts = [
+        check_counts(&[
             ("batch", self.batch as u64),
             ("steps", self.steps),
             ("val_every", self.val_every),
             ("checkpoint_every", self.checkpoint_every),
             ("chunk", self.chunk as u64),
-        ];
-        if let Some((name, v)) = counts.iter().find(|(_, v)| *v == 0) {
-            candle_core::bail!("{name} = {v}: must be at least 1");
-        }
+        ])?;
         for (name, k) in [("min_k", self.min_k), ("val_k", self.val_k)] {
             if k > self.max_k {
                 candle_core::bail!("{name} = {k}: must be from 0 to max_k ({})", self.max_k);

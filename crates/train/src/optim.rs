@@ -31,6 +31,14 @@ impl Default for AdamWConfig {
     }
 }
 
+/// Refuses a count (`batch`, `steps`, ...) of 0, naming it.
+pub(crate) fn check_counts(counts: &[(&str, u64)]) -> Result<()> {
+    match counts.iter().find(|(_, v)| *v == 0) {
+        Some((name, v)) => candle_core::bail!("{name} = {v}: must be at least 1"),
+        None => Ok(()),
+    }
+}
+
 /// Checks a run's learning rates, clipping norm and optimiser settings. Types allow values
 /// that make training go backwards (a negative rate or decay) or stand still (a clipping norm
 /// of 0 scales every gradient to nothing), and a run would otherwise take them and exit 0.

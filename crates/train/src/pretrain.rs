@@ -22,7 +22,7 @@ use crate::checkpoint;
 use crate::cpu::ops::Matmul;
 use crate::cpu::{param_shapes, params, params_mut, CpuTrainer};
 use crate::mamba::TrainMamba2;
-use crate::optim::{check_settings, lr_at, AdamW, AdamWConfig, HostAdamW};
+use crate::optim::{check_counts, check_settings, lr_at, AdamW, AdamWConfig, HostAdamW};
 use crate::xent::IGNORE;
 use crate::Result;
 
@@ -112,17 +112,14 @@ impl PretrainConfig {
     /// ([`crate::optim::check_settings`]). [`pretrain`] calls it; callers may call it earlier,
     /// before reading the corpora.
     pub fn validate(&self) -> Result<()> {
-        let counts = [
+        check_counts(&[
             ("seq_len", self.seq_len as u64),
             ("batch", self.batch as u64),
             ("steps", self.steps),
             ("val_every", self.val_every),
             ("checkpoint_every", self.checkpoint_every),
             ("chunk", self.chunk as u64),
-        ];
-        if let Some((name, v)) = counts.iter().find(|(_, v)| *v == 0) {
-            candle_core::bail!("{name} = {v}: must be at least 1");
-        }
+        ])?;
         if self.loss_from >= self.seq_len {
             candle_core::bail!("loss_from = {}: must be below seq_len ({})", self.loss_from, self.seq_len);
         }
