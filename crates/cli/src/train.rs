@@ -597,7 +597,9 @@ fn text_data(a: &PretrainArgs, f: &RunFile) -> Result<(PathBuf, TokenData)> {
 /// for validation when i % ⌈1/val_fraction⌉ is the last residue; every sequence is seq_len − 1
 /// tokens and an end-of-text, so the `epochs` sampler's windows are whole sequences.
 fn recall_data(a: &PretrainArgs, f: &RunFile, r: &RecallData) -> Result<(PathBuf, TokenData)> {
-    use picaso_eval::recall::task::{answer_mask, synthetic_tokenizer, training_text, Form, Task, QUERY};
+    use picaso_eval::recall::task::{
+        answer_mask, min_training_words, synthetic_tokenizer, training_text, Form, Task, QUERY,
+    };
     if !a.corpus.is_empty() || a.tokenizer.is_some() {
         bail!(
             "--config has a \"recall\" section, which generates its data and vocabulary: drop --corpus and --tokenizer"
@@ -612,12 +614,11 @@ fn recall_data(a: &PretrainArgs, f: &RunFile, r: &RecallData) -> Result<(PathBuf
     tok.save(&tok_path, false).map_err(|e| anyhow::anyhow!("saving {}: {e}", tok_path.display()))?;
     let eos = tok.token_to_id("<|endoftext|>").expect("the recall vocabulary has an end-of-text token");
     let query = tok.token_to_id(QUERY).expect("the recall vocabulary has a query token");
-    // A sequence is seq_len − 1 words and an end-of-text; its facts take two words each and a
-    // query three.
+    // A sequence is seq_len − 1 words and an end-of-text.
     if r.max_k == 0 {
         bail!("--config: recall.max_k = 0: a sequence needs at least 1 context");
     }
-    let need = 2 * r.facts * r.max_k + 4;
+    let need = min_training_words(r.facts, r.max_k) + 1;
     if f.seq_len < need {
         bail!(
             "--config: seq_len = {}: a recall sequence of up to {} contexts (max_k) of {} facts, a query and an end-of-text needs a seq_len of at least {need}; raise seq_len or lower max_k or facts",

@@ -258,6 +258,12 @@ pub fn synthetic_tokenizer(keys: usize, values: usize) -> tokenizers::Tokenizer 
     t
 }
 
+/// The fewest words [`training_text`] can fill with `max_k` contexts of `facts` facts (two
+/// words each) and one query (three).
+pub fn min_training_words(facts: usize, max_k: usize) -> usize {
+    2 * facts * max_k + 3
+}
+
 /// Training sequence `index` of the synthetic task: k ∈ 1..=max_k contexts of facts back to
 /// back, then queries `? key value` about them (each fact once before any repeats) until the
 /// text is exactly `words` tokens (padded at the front with `.`). The trainer scores only the
@@ -267,7 +273,7 @@ pub fn training_text(task: &Task, seed: u64, index: usize, max_k: usize, words: 
         return Err(Error::Input("training sequences are generated for the synthetic form only".into()));
     }
     task.check(max_k)?;
-    if max_k == 0 || 2 * task.facts * max_k + 3 > words {
+    if max_k == 0 || min_training_words(task.facts, max_k) > words {
         return Err(Error::Input(format!(
             "a sequence of {words} tokens cannot hold {max_k} contexts of {} facts and a query; raise seq_len or lower max_k",
             task.facts
