@@ -159,7 +159,9 @@ fn read_log_decays(method: Method, ld: &[&[f32]], e: usize, s: &mut Scratch) -> 
         }
     }
     let ok = largest.iter().fold(true, |a, v| a & (*v <= 0.0)) & sum.iter().fold(true, |a, v| a & v.is_finite());
-    ok.then(|| sum.map(|v| v as f32))
+    // A sum below f32's range is held at its lowest value: e^that is 0 either way, and the
+    // composed state stays one that a state file can hold.
+    ok.then(|| sum.map(|v| (v as f32).max(f32::MIN)))
 }
 
 /// One block: `out[j] = Σᵢ w_i[j]·x_i[j]` (contexts in order, each product rounded, as

@@ -91,7 +91,7 @@ pub enum Error {
     #[error("unknown composition method {0:?}: use soup, caso, picaso-s or picaso-r")]
     UnknownMethod(String),
     /// A log-decay is NaN or positive (decays must lie in [0, 1]).
-    #[error("log-decay {value} of context {context} is not a number <= 0 (decays must lie in [0, 1])")]
+    #[error("log-decay {value:?} of context {context} is not a number <= 0 (decays must lie in [0, 1])")]
     BadLogDecay {
         /// Index of the context.
         context: usize,
@@ -354,11 +354,22 @@ fn accumulate_block(inputs: &[&[f32]], we: &[f32], off: usize, ob: &mut [f32]) -
                 *o += wi * v;
             }
         }
-        // Summing is cheaper than a branch per value; the sum is finite iff every value is
-        // (barring an overflow of the sum itself, which also deserves an error).
-        finite &= lane_sum(op).is_finite();
+        finite &= all_finite(op);
     }
     finite
+}
+
+/// Whether every value is finite, without a branch per value: Σ 0·x is 0 when they all are
+/// and NaN otherwise (0·∞ is NaN), and unlike Σ x it cannot overflow.
+fn all_finite(x: &[f32]) -> bool {
+    let mut lanes = [0.0f32; 16];
+    let mut it = x.chunks_exact(16);
+    for c in &mut it {
+        for i in 0..16 {
+            lanes[i] += 0.0 * c[i];
+        }
+    }
+    lanes.iter().chain(it.remainder()).fold(0.0f32, |a, v| a + 0.0 * v) == 0.0
 }
 
 /// Σ x with sixteen independent accumulators, so it vectorises (a plain f32 sum cannot).

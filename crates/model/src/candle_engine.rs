@@ -211,10 +211,38 @@ pub(crate) fn rmsnorm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     Ok(x.broadcast_div(&(ms + eps)?.sqrt()?)?.broadcast_mul(w)?)
 }
 
-/// softplus as torch computes it: x above 20, else log(1 + e^x) (evaluated stably).
-pub(crate) fn softplus(x: &Tensor) -> Result<Tensor> {
-    // log(1 + e^x) = max(x, 0) + log(1 + e^-|x|); equals x for x > 20 to f32 precision.
-    let pos = x.relu()?;
-    let tail = (x.abs()?.neg()?.exp()? + 1.0)?.log()?;
-    Ok((pos + tail)?)
+/// softplus(x) = log(1 + e^x) to f32 precision for every x, differentiable (the trainer's
+/// candle network uses it too): max(x, 0) + log1p(e^−|x|). Candle has no log1p, and
+/// `log(1 + y)` loses y below ~1e-7 (dt = 0 for x < −17, which real heads reach), so log1p
+/// is its series in z = y / (2 + y) ≤ 1/3: log1p(y) = 2 Σ z^(2n+1) / (2n+1), eight terms
+/// (the rest below 1.5e-9 relative).
+pub fn softplus(x: &Tensor) -> candle_core::Result<Tensor> {
+    let y = x.abs()?.neg()?.exp()?;
+    let z = (&y / (&y + 2.0)?)?;
+    let z2 = z.sqr()?;
+    let mut series = z2.affine(1.0 / 15.0, 1.0 / 13.0)?;
+    for n in (0..6).rev() {
+        series = (series * &z2)?.affine(1.0, 1.0 / (2 * n + 1) as f64)?;
+    }
+    x.relu()? + (z * series)?.affine(2.0, 0.0)?
+}
+
+#[cfg(test)]
+mod tests {
+    /// Every input, including the very negative ones long-memory heads give dt, keeps f32
+    /// precision (the f64 reference is `ln_1p`); the CPU kernel agrees.
+    #[test]
+    fn softplus_keeps_f32_precision_everywhere() {
+        let xs: Vec<f32> = (-400..=400).map(|i| i as f32 * 0.1).chain([-80.0, -60.0, -17.84, 1e-8, 50.0]).collect();
+        let t = candle_core::Tensor::new(xs.as_slice(), &candle_core::Device::Cpu).unwrap();
+        let got: Vec<f32> = super::softplus(&t).unwrap().to_vec1().unwrap();
+        for (&x, &g) in xs.iter().zip(&got) {
+            let x64 = x as f64;
+            let want = x64.max(0.0) + (-x64.abs()).exp().ln_1p();
+            let rel = ((g as f64 - want) / want).abs();
+            assert!(rel < 4e-7, "softplus({x}) = {g}, want {want} (relative error {rel:.1e})");
+            let cpu = crate::cpu::kernels::softplus(x) as f64;
+            assert!(((cpu - want) / want).abs() < 4e-7, "cpu softplus({x}) = {cpu}");
+        }
+    }
 }

@@ -64,7 +64,7 @@ pub fn compose_views_into(
         None => states.iter().collect(),
     };
     let bad_decay = |i: usize, l: usize, v: f64| {
-        Error::state(format!("state {i}: layers.{l}.log_decay holds {v}; log-decays must be finite and <= 0"))
+        Error::state(format!("state {i}: layers.{l}.log_decay holds {v:?}; log-decays must be finite and <= 0"))
     };
     first.shape.check()?;
     let block = first.shape.ssm_len() / first.shape.log_decay_len();
@@ -105,7 +105,9 @@ pub fn compose_views_into(
             let w = weights_per_element(method, &decays)?;
             weighted_sum_blocks(&ssm, &w, block, &mut dst.ssm)?;
             for (e, v) in dst.log_decay.iter_mut().enumerate() {
-                *v = parts.iter().map(|p| p.log_decay[e] as f64).sum::<f64>() as f32;
+                // Below f32's range, held at its lowest value: e^that is 0 either way, and the
+                // composed state stays one that a state file can hold.
+                *v = (parts.iter().map(|p| p.log_decay[e] as f64).sum::<f64>() as f32).max(f32::MIN);
             }
             Ok(())
         })
@@ -119,6 +121,9 @@ pub fn compose_views_into(
                     other => other,
                 })?;
             }
+            return Err(Error::state(
+                "the composed state is beyond f32's range (±3.4e38): the inputs are finite, but their weighted sum is not",
+            ));
         }
         r?;
     }

@@ -128,3 +128,41 @@ fn bad_composition_input_is_refused() {
     s3.fingerprint = s1.fingerprint.clone();
     assert!(compose(Method::Soup, &[&s1, &s3], None).unwrap_err().to_string().contains("shape"));
 }
+
+/// Large but finite inputs compose; a weighted sum beyond f32's range is named as such (not
+/// blamed on the inputs); log-decays that sum below f32's range stay finite (a decay of 0
+/// either way), so the composed state saves and loads. Both architectures.
+#[test]
+fn extreme_but_finite_inputs_compose_or_are_refused_for_what_they_are() {
+    let m1 = picaso_model::Mamba1Config::tiny(2, 4);
+    let models = [
+        tiny_model(2, 4, 3),
+        Model::from_mamba1_weights(m1.clone(), picaso_model::Mamba1Weights::random(&m1, 3), None),
+    ];
+    for model in &models {
+        let s = model.prefill(&[1, 2, 3], &model.zero_state()).unwrap();
+        let filled = |v: f32, ld: f32| {
+            let mut t = s.clone();
+            for l in &mut t.layers {
+                l.ssm.fill(v);
+                l.log_decay.fill(ld);
+            }
+            t
+        };
+        let big = filled(2e35, -1.0);
+        let soup = compose(Method::Soup, &[&big, &big], None).unwrap();
+        assert!(soup.layers.iter().all(|l| l.ssm.iter().all(|&v| v == 2e35)));
+
+        let huge = filled(3e38, 0.0);
+        let err = compose(Method::Caso, &[&huge, &huge], None).unwrap_err().to_string();
+        assert!(err.contains("beyond f32's range") && !err.contains("state 0"), "{err}");
+
+        let steep = filled(1.0, -2e38);
+        let caso = compose(Method::Caso, &[&steep, &steep], None).unwrap();
+        assert!(caso.layers.iter().all(|l| l.log_decay.iter().all(|&v| v == f32::MIN)));
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.safetensors");
+        caso.save(&path, picaso_model::StateDtype::F32).unwrap();
+        assert_eq!(State::load(&path).unwrap().layers[0].log_decay, caso.layers[0].log_decay);
+    }
+}

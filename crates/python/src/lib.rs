@@ -145,7 +145,7 @@ struct Model {
 impl Model {
     /// Loads a model folder (config.json, weights, tokenizer.json) or a Hugging Face hub id.
     ///
-    /// `weights`: "f32" (exact) or "bf16" (half the memory, faster decode; log-probs within ~1e-2).
+    /// `weights`: "f32" (exact) or "bf16" (half the memory, faster decode; log-probs move by a few hundredths of a nat).
     /// With no path: $PICASO_MODEL, else the bundled model of a picaso checkout.
     #[staticmethod]
     #[pyo3(signature = (path=None, *, weights="f32", tokenizer=None))]

@@ -346,7 +346,8 @@ impl TrainMamba2 {
 
         // dt (B, T, H) and the per-token log-decays a = dt·A.
         let (lo, hi) = c.time_step_limit;
-        let mut dt = softplus(&dt_raw.broadcast_add(&w.dt_bias.as_tensor().reshape((1, 1, nh))?)?)?;
+        let mut dt =
+            picaso_model::candle_engine::softplus(&dt_raw.broadcast_add(&w.dt_bias.as_tensor().reshape((1, 1, nh))?)?)?;
         if lo > 0.0 || hi.is_finite() {
             dt = dt.clamp(lo, hi)?;
         }
@@ -446,9 +447,4 @@ impl TrainMamba2 {
 fn causal_mask(l: usize, dtype: DType, device: &Device) -> Result<Tensor> {
     let v: Vec<f32> = (0..l * l).map(|i| if i % l <= i / l { 0.0 } else { f32::NEG_INFINITY }).collect();
     Tensor::from_vec(v, (l, l), device)?.to_dtype(dtype)
-}
-
-/// softplus(x) = max(x, 0) + log(1 + e^−|x|), stable and differentiable everywhere.
-fn softplus(x: &Tensor) -> Result<Tensor> {
-    x.relu()? + (x.abs()?.neg()?.exp()? + 1.0)?.log()?
 }
