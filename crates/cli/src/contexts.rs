@@ -4,6 +4,7 @@
 
 use anyhow::Result;
 use clap::Args;
+use picaso_model::counted;
 use serde_json::json;
 
 use crate::{demo::snippet, DbArgs};
@@ -129,10 +130,10 @@ pub fn delete(a: DeleteArgs) -> Result<()> {
         println!("{}", json!({"deleted": ids, "store": stats}));
     } else {
         println!(
-            "deleted {} contexts; the store holds {} contexts from {} documents",
-            ids.len(),
-            stats.contexts,
-            stats.documents
+            "deleted {}; the store holds {} from {}",
+            counted(ids.len(), "context"),
+            counted(stats.contexts, "context"),
+            counted(stats.documents, "document")
         );
     }
     Ok(())

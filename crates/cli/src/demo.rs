@@ -9,6 +9,7 @@
 //! `--data` demos on WikiText instead: each paragraph's first half is the prompt, its second
 //! half the answer (the paper's WikiText experiment).
 
+use picaso_model::counted;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -132,10 +133,10 @@ pub fn run(a: DemoArgs) -> Result<()> {
     let r = picaso_store::ingest(&store, &model, &embedder, &docs, segmentation, 32, |_| {})?;
     let stats = store.stats()?;
     println!(
-        "store {}: {} contexts from {} documents ({} new, {} tokens processed in {:.1} s); model {} ({} parameters)\n",
+        "store {}: {} from {} ({} new, {} tokens processed in {:.1} s); model {} ({} parameters)\n",
         db.display(),
-        stats.contexts,
-        stats.documents,
+        counted(stats.contexts, "context"),
+        counted(stats.documents, "document"),
         r.done,
         r.tokens,
         t0.elapsed().as_secs_f64(),
@@ -204,7 +205,7 @@ pub fn run(a: DemoArgs) -> Result<()> {
         println!();
     }
     let n = questions.len() as f64;
-    println!("mean over {} prompts, k = {} retrieved contexts each:", questions.len(), a.k);
+    println!("mean over {}, k = {} retrieved contexts each:", counted(questions.len(), "prompt"), a.k);
     println!("  {:<9} {:>7} {:>9}", "method", "loss", "TTFT ms");
     for ((name, _), (loss, ttft)) in methods.iter().zip(&totals) {
         println!("  {:<9} {:>7.3} {:>9.1}", name, loss / n, ttft / n);

@@ -1,6 +1,7 @@
 //! `picaso eval`: the experiments of picaso-eval, each writing results.json, results.csv and
 //! results.md (with the command, revision, machine and wall time) into `--out`.
 
+use picaso_model::counted;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -110,8 +111,8 @@ pub struct DataArgs {
     /// own, the hub, or ../shared/data/all-MiniLM-L6-v2).
     #[arg(long)]
     embedder: Option<PathBuf>,
-    /// Shortest paragraph kept when ingesting (tokens).
-    #[arg(long, default_value_t = picaso_store::sources::HALVES_MIN_TOKENS)]
+    /// Shortest paragraph kept when ingesting (tokens; at least 2, one for each half).
+    #[arg(long, default_value_t = picaso_store::sources::HALVES_MIN_TOKENS, value_parser = at_least_two)]
     min_tokens: usize,
 }
 
@@ -386,6 +387,15 @@ fn check_out(out: &Path) -> Result<()> {
 /// and without a path separator, which would write outside --out; and each must be unique, or
 /// one model's results would overwrite another's. Refused rather than renamed, so that the
 /// folders are called what the user typed.
+/// A paragraph split into a query half and a continuation half needs a token for each.
+fn at_least_two(s: &str) -> std::result::Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n < 2 => Err("must be at least 2: each half of a paragraph needs a token".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 fn check_names<'a>(names: impl IntoIterator<Item = &'a str>) -> Result<()> {
     let mut seen = std::collections::HashSet::new();
     for name in names {
@@ -573,7 +583,11 @@ fn obqa_prepare(
     let data = openbookqa::load(&d.data, &d.split)?;
     check(&data)?;
     let embedder = crate::embedder::resolve(d.embedder.as_deref(), None)?;
-    eprintln!("{} facts, {} questions: processing and embedding", data.facts.len(), data.questions.len());
+    eprintln!(
+        "{}, {}: processing and embedding",
+        counted(data.facts.len(), "fact"),
+        counted(data.questions.len(), "question")
+    );
     let base = openbookqa::FactBase::build(model, &embedder, &data.facts)?;
     let prepared = openbookqa::Prepared::new(model, &embedder, data.questions)?;
     Ok((base, prepared))
@@ -769,7 +783,7 @@ fn context_use(a: ContextUseArgs) -> Result<()> {
         if reports.is_empty() && a.compare.iter().any(|(other, _)| *other == name) {
             bail!("model name {name:?} (--model's folder): the name is already taken by --compare; give --name");
         }
-        eprintln!("{name} ({}) on {}: {} documents; scoring…", model.dir().display(), source, docs.len());
+        eprintln!("{name} ({}) on {}: {}; scoring…", model.dir().display(), source, counted(docs.len(), "document"));
         let report = picaso_eval::context_use::run(&model, &docs, a.sample, a.seed)?;
         let bpb = picaso_eval::context_use::bits_per_byte(&model, &docs)?;
         report::write_context_use(out, &source, &report, &bpb, &report::RunInfo::collect(started))?;

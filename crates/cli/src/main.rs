@@ -1,6 +1,7 @@
 //! The `picaso` command: a thin shell over the library crates. Parses flags, calls the library,
 //! prints text or JSON. Errors print one line to stderr and exit with status 1 (2 for usage).
 
+use picaso_model::counted;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -280,7 +281,7 @@ pub struct ModelArgs {
     #[arg(long, default_value = "cpu")]
     device: String,
     /// Storage of the large weight matrices on the cpu engine: f32 (exact) or bf16 (half the
-    /// memory; decode about twice as fast; log-probs within ~1e-2).
+    /// memory; decode about twice as fast; log-probs move by a few hundredths of a nat).
     #[arg(long, default_value = "f32")]
     weights: picaso_model::WeightDtype,
 }
@@ -463,19 +464,30 @@ fn main() -> ExitCode {
 
 /// The error and its causes, outermost first, `: `-joined, skipping a cause whose text the
 /// message already ends with (errors that print their source themselves, as ours do for file
-/// errors, would otherwise say it twice).
+/// errors, would otherwise say it twice). A backtrace that a cause carries in its text (candle's
+/// errors do when `RUST_BACKTRACE` is set) goes after the whole message, not inside it.
 fn error_message(e: &anyhow::Error) -> String {
     let mut message = String::new();
+    let mut backtrace = String::new();
     for cause in e.chain() {
-        let text = cause.to_string();
+        let mut text = cause.to_string();
+        if let Some(at) = text.find(BACKTRACE_START) {
+            if backtrace.is_empty() {
+                backtrace = text[at..].to_string();
+            }
+            text.truncate(at);
+        }
         if message.is_empty() {
             message = text;
         } else if !message.ends_with(&text) {
             message = format!("{message}: {text}");
         }
     }
-    message
+    message + &backtrace
 }
+
+/// How a captured backtrace's text begins: a new line and its first frame.
+const BACKTRACE_START: &str = "\n   0: ";
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
@@ -723,7 +735,13 @@ fn compose_cmd(a: ComposeArgs) -> Result<()> {
             json!({"out": a.out.to_string_lossy(), "method": a.method.name(), "contexts": states.len(), "n_tokens": composed.n_tokens, "compose_seconds": secs})
         );
     } else {
-        println!("wrote {} ({} of {} states, {:.2} ms)", a.out.display(), a.method, states.len(), secs * 1e3);
+        println!(
+            "wrote {} ({} of {}, {:.2} ms)",
+            a.out.display(),
+            a.method,
+            counted(states.len(), "state"),
+            secs * 1e3
+        );
     }
     Ok(())
 }
@@ -1024,13 +1042,15 @@ fn ingest(a: IngestArgs) -> Result<()> {
     } else {
         let pruned = match pruned {
             (0, _) => String::new(),
-            (d, c) => format!(", pruned {d} documents ({c} contexts) the source no longer has"),
+            (d, c) => {
+                format!(", pruned {} ({}) the source no longer has", counted(d, "document"), counted(c, "context"))
+            }
         };
         println!(
-            "{}{pruned}; the store holds {} contexts from {} documents",
+            "{}{pruned}; the store holds {} from {}",
             report.summary(),
-            stats.contexts,
-            stats.documents
+            counted(stats.contexts, "context"),
+            counted(stats.documents, "document")
         );
     }
     Ok(())
@@ -1211,7 +1231,7 @@ fn print_attribution(at: &picaso_store::Attribution, ids: &[i64], doc_of: impl F
         let (doc, segment, text) = doc_of(ids[i]);
         println!("  {:>+10.3}  {:>6}  {doc} #{segment}: {}", at.drop(i), ids[i], demo::snippet(&text, 60));
     }
-    eprintln!("[leave-one-out over {} contexts in {:.1} ms]", ids.len(), 1e3 * at.seconds);
+    eprintln!("[leave-one-out over {} in {:.1} ms]", counted(ids.len(), "context"), 1e3 * at.seconds);
 }
 
 #[cfg(test)]
@@ -1232,5 +1252,14 @@ mod tests {
         assert_eq!(super::error_message(&own), "/m/config.json: No such file or directory (os error 2)");
         let wrapped = anyhow::Error::from(io()).context("reading /m/config.json");
         assert_eq!(super::error_message(&wrapped), "reading /m/config.json: No such file or directory (os error 2)");
+    }
+
+    /// A backtrace inside a cause's text (candle's errors under `RUST_BACKTRACE=1`) follows the
+    /// whole message instead of splitting it.
+    #[test]
+    fn a_backtrace_follows_the_message() {
+        let trace = "\n   0: candle_core::error::Error::bt\n   1: picaso::main";
+        let e = anyhow::anyhow!("lr = -1: must be above 0{trace}").context("--config c.json");
+        assert_eq!(super::error_message(&e), format!("--config c.json: lr = -1: must be above 0{trace}"));
     }
 }

@@ -1,6 +1,7 @@
 //! `picaso train pretrain`: corpora → tokenizer → packed token streams → a trained Mamba-2
 //! folder (`OUT/model`, loadable with `--model`), resumable from `OUT/checkpoint`.
 
+use picaso_model::counted;
 use std::io::Write;
 use std::path::PathBuf;
 
@@ -506,7 +507,7 @@ fn text_data(a: &PretrainArgs, f: &RunFile) -> Result<(PathBuf, TokenData)> {
     for spec in &a.corpus {
         let d = read_corpus(spec)?;
         let bytes: usize = d.iter().map(String::len).sum();
-        eprintln!("{spec}: {} documents, {:.1} MB", d.len(), bytes as f64 / 1e6);
+        eprintln!("{spec}: {}, {:.1} MB", counted(d.len(), "document"), bytes as f64 / 1e6);
         docs.extend(d);
     }
 
@@ -556,7 +557,7 @@ fn text_data(a: &PretrainArgs, f: &RunFile) -> Result<(PathBuf, TokenData)> {
             d
         }
         None => {
-            eprintln!("tokenizing {} documents…", docs.len());
+            eprintln!("tokenizing {}…", counted(docs.len(), "document"));
             let encoded = tokenizer
                 .inner()
                 .encode_batch(docs.iter().map(String::as_str).collect::<Vec<_>>(), false)

@@ -412,6 +412,7 @@ fn refused_settings_write_nothing_and_edge_runs_finish() {
     let (_, _, stderr) =
         run(&["eval", "wikitext", "--db", db_s, "--data", d, "--model", m, "--out", &p("mt"), "--min-tokens", "40"]);
     assert!(!stderr.contains("--segment"), "{stderr}");
+    fails(&["eval", "wikitext", "--db", db_s, "--model", m, "--out", &p("mt1"), "--min-tokens", "1"], "at least 2");
     let afile = tmp.path().join("afile");
     std::fs::write(&afile, "").unwrap();
     let af = afile.to_str().unwrap();

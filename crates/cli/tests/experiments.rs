@@ -173,7 +173,7 @@ fn openbookqa_attribution_and_msmarco() {
     let args = ["--data", d, "--embedder", e, "--model", m, "--out", one_s, "--sample", "1"];
     ok(&[&["eval", "openbookqa"][..], &args, &["--ks", "1,2", "--methods", "naive"]].concat());
     let md = std::fs::read_to_string(one.join("results.md")).unwrap();
-    assert!(md.contains("1 test questions") && md.contains("about n/a points"), "{md}");
+    assert!(md.contains("1 test question,") && md.contains("about n/a points"), "{md}");
     assert!(md.contains("Not drawn") && md.contains("`gain_vs_k.png`") && !md.contains("NaN"), "{md}");
     assert!(one.join("acc_norm_vs_k.png").is_file() && !one.join("gain_vs_k.png").exists());
     ok(&[&["eval", "attribution"][..], &args, &["--distractors", "2"]].concat());

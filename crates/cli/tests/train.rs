@@ -127,6 +127,7 @@ fn bad_run_settings_are_refused_naming_the_field() {
     run_with("\"val_fraction\": 0.1", "\"val_fraction\": 1.5", "val_fraction = 1.5: the share of documents held out");
     run_with("\"val_fraction\": 0.1", "\"val_fraction\": 0", "val_fraction = 0:");
     run_with("\"batch\": 2", "\"batch\": 0", "batch = 0: must be at least 1");
+    run_with("\"warmup\": 1", "\"warmup\": 3", "warmup = 3: must be at most steps (2)");
     run_with("\"clip\": 1.0", "\"clip\": 1.0, \"weight_decay\": -0.1", "weight_decay = -0.1");
     run_with("\"clip\": 1.0", "\"clip\": 1.0, \"init\": {\"long_memory\": 2}", "init.long_memory = 2");
     assert!(!out.join("checkpoint").exists(), "nothing was trained");
@@ -385,6 +386,13 @@ fn recall_trains_evaluates_and_finetunes() {
     for f in ["results.json", "results.csv", "results.md", "accuracy_vs_k-model.png", "accuracy_vs_position-model.png"]
     {
         assert!(tmp.path().join("eval").join(f).is_file(), "{f}");
+    }
+    // Names that are one file name apart each keep their charts.
+    let other = format!("a b={model}");
+    let o = eval(&["--name", "a_b", "--compare", &other, "--out", &p("eval2")]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    for f in ["accuracy_vs_k-a_b.png", "accuracy_vs_k-a_b-2.png", "accuracy_vs_position-a_b-2.png"] {
+        assert!(tmp.path().join("eval2").join(f).is_file(), "{f}");
     }
 
     std::fs::write(

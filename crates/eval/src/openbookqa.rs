@@ -470,7 +470,7 @@ pub fn attribution(
     let skipped = data.questions.len() - with_gold.len();
     if with_gold.is_empty() {
         return Err(Error::Input(
-            "no question's gold fact (fact1) is in the open book; attribution needs Additional/test_complete.jsonl beside the Main folder".into(),
+            "no question's gold fact (fact1) is in the open book; attribution needs the split's gold facts, Additional/<split>_complete.jsonl (test_complete.jsonl or dev_complete.jsonl), beside the Main folder".into(),
         ));
     }
     let chosen = choose(with_gold, options.sample, options.seed)?;

@@ -1,6 +1,7 @@
 //! Writing results: `results.json` (everything), a CSV and a Markdown table, each with the
 //! exact command, git revision, machine and wall time that produced it.
 
+use picaso_model::counted;
 use std::fmt::Write as _;
 use std::path::Path;
 use std::time::Instant;
@@ -586,10 +587,9 @@ pub fn write_openbookqa(out: &Path, report: &openbookqa::Report, info: &RunInfo)
     let ks = &report.options.ks;
     let widest = report.cells.iter().filter_map(|c| c.acc_ci95).reduce(f64::max);
     let mut md = format!(
-        "# OpenBookQA: accuracy with k facts retrieved from the open book\n\n{} {} questions, {} facts (seed {}). Each cell: acc / acc_norm in %; 95% CI half-width about {} points.\n\n| method |",
-        report.questions,
-        report.options.split,
-        report.facts,
+        "# OpenBookQA: accuracy with k facts retrieved from the open book\n\n{}, {} (seed {}). Each cell: acc / acc_norm in %; 95% CI half-width about {} points.\n\n| method |",
+        counted(report.questions, &format!("{} question", report.options.split)),
+        counted(report.facts, "fact"),
         report.options.seed,
         ci(pct_ci(widest), 1)
     );
@@ -662,7 +662,7 @@ pub fn write_openbookqa(out: &Path, report: &openbookqa::Report, info: &RunInfo)
         ));
         charts.push(LineChart::against_count(
             "gain_vs_k.png",
-            format!("OpenBookQA: acc_norm over Naive, paired 95% CI ({} questions)", report.questions),
+            format!("OpenBookQA: acc_norm over Naive, paired 95% CI ({})", counted(report.questions, "question")),
             "k (facts)",
             "points over Naive",
             gains,
@@ -997,7 +997,8 @@ pub fn write_finetuned(out: &Path, models: &[ModelResults<'_>], info: &RunInfo) 
         md.push_str("\n![every model's methods against the first model's Naive](gain_vs_first_naive.png)\n");
         let q = first.openbookqa;
         let k = *q.options.ks.last().expect("non-empty");
-        writeln!(md, "\n## OpenBookQA ({} questions): acc / acc_norm (%) at k={k}\n", q.questions).expect("string");
+        writeln!(md, "\n## OpenBookQA ({}): acc / acc_norm (%) at k={k}\n", counted(q.questions, "question"))
+            .expect("string");
         md.push_str("| model | method | acc | acc_norm |\n|---|---|---:|---:|\n");
         for m in models {
             for method in methods_in(m.openbookqa.cells.iter().map(|c| &c.method)) {
@@ -1037,7 +1038,16 @@ pub fn write_recall(out: &Path, runs: &[RecallRun<'_>], paired: &[recall::Paired
         "# Recall through composition: a fact from one of k contexts\n\n{:?} task: {} facts per context, {} keys, {} values. Per k: {} episodes × {} queries × {} orders of the contexts (seed {}); the answer also competes with {} distractor values. Exact match = greedy decoding reproduces the value.\n",
         o.task.form, o.task.facts, o.task.keys, o.task.values, o.episodes, o.queries, o.orders, o.seed, o.distractors
     );
+    let mut chart_names = std::collections::HashSet::new();
     for run in runs {
+        // Names that differ only in characters a file name cannot hold get their own charts.
+        let mut chart_name = file_safe(run.name);
+        for n in 2.. {
+            if chart_names.insert(chart_name.clone()) {
+                break;
+            }
+            chart_name = format!("{}-{n}", file_safe(run.name));
+        }
         let r = run.report;
         let methods = methods_in(r.cells.iter().map(|c| &c.method));
         let header = |title: &str| {
@@ -1145,7 +1155,7 @@ pub fn write_recall(out: &Path, runs: &[RecallRun<'_>], paired: &[recall::Paired
             .collect();
         let title = format!("Recall vs number of contexts ({})", run.name);
         line_chart(
-            &out_file(out, "accuracy_vs_k", run.name)?,
+            &out_file(out, "accuracy_vs_k", &chart_name)?,
             &Chart { title: &title, x: "k (contexts)", y: "exact match (%)", log_x: false, whole_x: true },
             &series,
         )?;
@@ -1164,7 +1174,7 @@ pub fn write_recall(out: &Path, runs: &[RecallRun<'_>], paired: &[recall::Paired
             .collect();
         let title = format!("Recall by position of the key's context, k = {kmax} ({})", run.name);
         line_chart(
-            &out_file(out, "accuracy_vs_position", run.name)?,
+            &out_file(out, "accuracy_vs_position", &chart_name)?,
             &Chart {
                 title: &title,
                 x: "position (1 = first, k = next to the query)",
@@ -1208,10 +1218,13 @@ fn recall_paired_table(md: &mut String, title: &str, rows: &[recall::Paired]) {
     }
 }
 
-/// `out/STEM-NAME.png`, the name made safe for a file name (the folder is created).
+/// `out/STEM-NAME.png` for a name made by [`file_safe`] (the folder is created).
 fn out_file(out: &Path, stem: &str, name: &str) -> Result<std::path::PathBuf> {
     create(out)?;
-    let safe: String =
-        name.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect();
-    Ok(out.join(format!("{stem}-{safe}.png")))
+    Ok(out.join(format!("{stem}-{name}.png")))
+}
+
+/// `name` with every character a file name might not hold made `_`.
+fn file_safe(name: &str) -> String {
+    name.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect()
 }

@@ -38,6 +38,7 @@ pub mod model;
 pub mod state;
 pub mod tokenizer;
 pub mod weights;
+pub mod wording;
 
 pub use composition::{compose, compose_into, compose_views, compose_views_into};
 pub use config::{CheckpointFormat, Mamba2Config, ModelConfig};
@@ -52,3 +53,4 @@ pub use picaso_compose::Method;
 pub use state::{Arch, LayerState, LayerView, MappedState, SsmValue, State, StateDtype, StateShape, StateView};
 pub use tokenizer::TextTokenizer;
 pub use weights::{HostTensor, Mamba2Weights};
+pub use wording::counted;

@@ -6,6 +6,7 @@
 //! brought up to date: its changed segments are replaced (new state, new id) and the segments
 //! it no longer has are removed, so the store never serves a state of text that is gone.
 
+use picaso_model::counted;
 use std::time::Instant;
 
 use picaso_embed::Embedder;
@@ -55,7 +56,7 @@ impl IngestProgress {
 
     /// One line for people: what was added, replaced, removed and skipped.
     pub fn summary(&self) -> String {
-        let mut s = format!("added {} contexts", self.added());
+        let mut s = format!("added {}", counted(self.added(), "context"));
         if self.replaced > 0 {
             s += &format!(" and replaced {} whose text changed", self.replaced);
         }

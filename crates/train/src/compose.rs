@@ -23,7 +23,7 @@ use rand::{Rng, SeedableRng};
 
 use crate::checkpoint;
 use crate::mamba::{TrainMamba2, TrainState};
-use crate::optim::{check_counts, check_settings, lr_at, AdamW, AdamWConfig};
+use crate::optim::{check_counts, check_settings, check_warmup, lr_at, AdamW, AdamWConfig};
 use crate::pretrain::{io, save_checkpoint};
 use crate::xent::IGNORE;
 use crate::Result;
@@ -221,6 +221,7 @@ impl ComposeConfig {
                 candle_core::bail!("{name} = {k}: must be from 0 to max_k ({})", self.max_k);
             }
         }
+        check_warmup(self.warmup, self.steps)?;
         check_settings(self.lr, self.min_lr, self.clip, &self.adamw)
     }
 }

@@ -39,6 +39,15 @@ pub(crate) fn check_counts(counts: &[(&str, u64)]) -> Result<()> {
     }
 }
 
+/// Refuses a warmup longer than the run: the rate would never reach its peak, which is never
+/// what a config means (a shortened `steps` that forgot `warmup`).
+pub(crate) fn check_warmup(warmup: u64, steps: u64) -> Result<()> {
+    if warmup > steps {
+        candle_core::bail!("warmup = {warmup}: must be at most steps ({steps}), or the learning rate never reaches lr");
+    }
+    Ok(())
+}
+
 /// Checks a run's learning rates, clipping norm and optimiser settings. Types allow values
 /// that make training go backwards (a negative rate or decay) or stand still (a clipping norm
 /// of 0 scales every gradient to nothing), and a run would otherwise take them and exit 0.

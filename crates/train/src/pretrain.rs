@@ -22,7 +22,7 @@ use crate::checkpoint;
 use crate::cpu::ops::Matmul;
 use crate::cpu::{param_shapes, params, params_mut, CpuTrainer};
 use crate::mamba::TrainMamba2;
-use crate::optim::{check_counts, check_settings, lr_at, AdamW, AdamWConfig, HostAdamW};
+use crate::optim::{check_counts, check_settings, check_warmup, lr_at, AdamW, AdamWConfig, HostAdamW};
 use crate::xent::IGNORE;
 use crate::Result;
 
@@ -127,6 +127,7 @@ impl PretrainConfig {
         if !(0.0..=1.0).contains(&long) {
             candle_core::bail!("init.long_memory = {long}: the share of heads given long memory must be from 0 to 1");
         }
+        check_warmup(self.warmup, self.steps)?;
         check_settings(self.lr, self.min_lr, self.clip, &self.adamw)
     }
 
