@@ -28,10 +28,15 @@ pub struct ServeArgs {
     /// Memory for hot context states, MiB.
     #[arg(long, default_value_t = 512)]
     cache_mb: usize,
-    /// Requests preparing at once (retrieval, loading and composing states; others queue);
+    /// Completions preparing at once (retrieval, loading and composing states; others queue);
     /// default: the number of cores.
     #[arg(long)]
     parallel: Option<usize>,
+    /// Context and document uploads and attributions running at once (others queue); they have
+    /// their own slots, apart from --parallel, so completions never wait behind them (a long
+    /// document takes minutes); default: the number of cores.
+    #[arg(long)]
+    parallel_ingest: Option<usize>,
     /// Most generations advancing together (continuous batching: one batched decode step per
     /// token for all of them).
     #[arg(long, default_value_t = 32)]
@@ -66,6 +71,10 @@ pub struct ServeArgs {
     /// Most open connections (more are closed when accepted).
     #[arg(long, default_value_t = 512)]
     max_connections: usize,
+    /// Seconds the requests in flight have to finish after Ctrl-C or SIGTERM (the server stops
+    /// accepting at once); then they are cut. A second signal exits at once.
+    #[arg(long, default_value_t = 30.0)]
+    shutdown_timeout_s: f64,
 }
 
 fn seconds(flag: &str, s: f64) -> Result<std::time::Duration> {
@@ -85,6 +94,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     let options = picaso_server::Options {
         cache_bytes: a.cache_mb << 20,
         parallel: a.parallel.unwrap_or(cores),
+        parallel_ingest: a.parallel_ingest.unwrap_or(cores),
         max_batch: a.max_batch,
         max_queue: a.max_queue,
         prefill_chunk: a.prefill_chunk,
@@ -96,13 +106,14 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             header_timeout: seconds("--header-timeout-s", a.header_timeout_s)?,
             body_timeout: seconds("--body-timeout-s", a.body_timeout_s)?,
             max_connections: a.max_connections.max(1),
+            shutdown_timeout: seconds("--shutdown-timeout-s", a.shutdown_timeout_s)?,
             ..Default::default()
         },
         model_name,
     };
     let app = Arc::new(picaso_server::App::new(model, store, embedder, options).map_err(anyhow::Error::msg)?);
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    runtime.block_on(async {
+    let served = runtime.block_on(async {
         let listener = tokio::net::TcpListener::bind(&a.addr)
             .await
             .with_context(|| format!("cannot listen on {} (in use? try another --addr)", a.addr))?;
@@ -111,7 +122,11 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         std::io::stdout().flush()?;
         picaso_server::serve(app, listener).await?;
         Ok(())
-    })
+    });
+    // Requests cut at the shutdown deadline may still run model work on blocking threads:
+    // exit now instead of waiting for them.
+    runtime.shutdown_background();
+    served
 }
 
 #[derive(Args)]

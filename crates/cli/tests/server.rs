@@ -340,6 +340,7 @@ fn serve_completions_contexts_search_metrics_and_bad_input(arch: &str, db: &Test
     assert_eq!((status, doc["contexts"][1]["text"].as_str()), (200, Some("Birds sing at night.")), "{doc}");
     let (_, found) = server.post("/v1/search", json!({"query": "When do birds sing?", "k": 1}));
     assert_eq!(found["results"][0]["id"].as_i64(), Some(now[1]), "{found}");
+    assert_eq!((&found["results"][0]["doc"], &found["results"][0]["segment"]), (&json!("notes/birds"), &json!(1)));
     let (status, deleted) = server.call("DELETE", "/v1/documents/notes/birds", None);
     assert_eq!((status, deleted["deleted"].as_u64()), (200, Some(2)));
     assert_eq!(server.call("DELETE", "/v1/documents/notes/birds", None).0, 404);
@@ -802,4 +803,201 @@ fn f16_decode_states_batch_like_alone_and_are_refused_where_unsupported() {
     refused(&["--model", m1, "--decode-state", "f16"], db1_s);
     let (ok, _, stderr) = common::run(&["serve", "--db", db_s, "--model", m, "--decode-state", "bf16"]);
     assert!(!ok && stderr.contains("f32 or f16"), "{stderr}");
+}
+
+/// Opens a request on a raw socket (so that the test can hang up at any point); for a stream,
+/// reads its head and checks it is 200.
+fn open_request(server: &Server, body: &Value) -> TcpStream {
+    let body = body.to_string();
+    let mut sock = TcpStream::connect(server.url.trim_start_matches("http://")).unwrap();
+    write!(sock, "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}", body.len()).unwrap();
+    if body.contains("\"stream\":true") {
+        let mut head = [0u8; 256];
+        let n = sock.read(&mut head).unwrap();
+        let head = String::from_utf8_lossy(&head[..n]);
+        assert!(head.starts_with("HTTP/1.1 200"), "the stream was refused: {head}");
+    }
+    sock
+}
+
+/// Waits (up to `limit`) until `metric` satisfies `ok`.
+fn wait_for(server: &Server, metric: &str, limit: Duration, ok: impl Fn(f64) -> bool, what: &str) {
+    let t0 = Instant::now();
+    while !ok(server.metric(metric)) {
+        assert!(t0.elapsed() < limit, "{what} ({metric} = {})", server.metric(metric));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A client that leaves is let go at once wherever its request is: queued (streaming or not:
+/// its place in the queue is free for the next client at once, not when a generation ends) or
+/// streaming text held back by a stop string (nothing is sent, so only the connection's close
+/// tells). Streams are tracked to their end: in flight while they stream, 499 when abandoned,
+/// 200 when read whole.
+#[test]
+fn clients_that_leave_are_let_go_at_once_and_streams_are_tracked_to_their_end() {
+    let (Some(model), Some(embedder)) = (text_model_of("mamba2", 3), shared("all-MiniLM-L6-v2")) else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let docs = tmp.path().join("docs");
+    write_docs(&docs);
+    let db = tmp.path().join("db");
+    let (m, e, db_s) = (model.path().to_str().unwrap(), embedder.to_str().unwrap(), db.to_str().unwrap());
+    ok(&["ingest", "--db", db_s, "--model", m, "--embedder", e, "--text-dir", docs.to_str().unwrap(), "--json"]);
+    let server = Server::start(&[
+        "--db",
+        db_s,
+        "--model",
+        m,
+        "--max-batch",
+        "1",
+        "--max-queue",
+        "1",
+        "--max-tokens-limit",
+        "1000000",
+    ]);
+    let endless =
+        json!({"prompt": "Once", "max_tokens": 1_000_000, "stream": true, "temperature": 1, "ignore_eos": true});
+    let limit = Duration::from_secs(10);
+
+    // A running stream is a request in flight (beside the metrics request itself).
+    let running = open_request(&server, &endless);
+    wait_for(&server, "picaso_batch_active", limit, |v| v == 1.0, "the stream did not start");
+    assert_eq!(server.metric("picaso_requests_in_flight"), 2.0, "a running stream is in flight");
+
+    // A queued plain request whose client hangs up gives its place back while the batch is full.
+    let queued = open_request(&server, &json!({"prompt": "Cats", "max_tokens": 5}));
+    wait_for(&server, "picaso_batch_queued", limit, |v| v == 1.0, "the request was not queued");
+    drop(queued);
+    wait_for(&server, "picaso_batch_queued", limit, |v| v == 0.0, "a client that left still holds its queue place");
+    // So does a queued stream (it sends nothing while it waits).
+    let queued = open_request(&server, &endless);
+    wait_for(&server, "picaso_batch_queued", limit, |v| v == 1.0, "the stream was not queued");
+    drop(queued);
+    wait_for(&server, "picaso_batch_queued", limit, |v| v == 0.0, "a queued stream that left still holds its place");
+    drop(running);
+    wait_for(&server, "picaso_batch_active", limit, |v| v == 0.0, "an abandoned stream kept generating");
+
+    // A stream whose text a long stop string holds back: it sends nothing, yet its client's
+    // hang-up stops it.
+    let cancelled = server.metric("picaso_generations_cancelled_total");
+    let mut held = endless.clone();
+    held["stop"] = json!(["x".repeat(200_000)]);
+    let sock = open_request(&server, &held);
+    wait_for(&server, "picaso_batch_active", limit, |v| v == 1.0, "the held-back stream did not start");
+    drop(sock);
+    wait_for(
+        &server,
+        "picaso_generations_cancelled_total",
+        limit,
+        |v| v > cancelled,
+        "a stream that sent no text ran on after its client left",
+    );
+    wait_for(&server, "picaso_batch_active", limit, |v| v == 0.0, "the held-back stream kept its slot");
+
+    // Abandoned streams are 499s (the plain request too); one read whole is a 200.
+    let status = |code: u16| {
+        server
+            .metric(&format!("picaso_requests_total{{endpoint=\"/v1/completions\",method=\"POST\",status=\"{code}\"}}"))
+    };
+    wait_for(
+        &server,
+        "picaso_requests_in_flight",
+        limit,
+        |v| v == 1.0,
+        "abandoned streams are still counted in flight",
+    );
+    assert_eq!(status(499), 4.0, "three abandoned streams and a plain request");
+    assert_eq!(status(200), 0.0);
+    let events = server.stream(json!({"prompt": "Cats", "max_tokens": 3}));
+    assert!(events.last().unwrap()["usage"].is_object());
+    wait_for(&server, "picaso_requests_in_flight", limit, |v| v == 1.0, "a finished stream is still in flight");
+    assert_eq!(status(200), 1.0, "a stream read whole");
+}
+
+/// Uploads and attributions have their own slots (`--parallel-ingest`): a completion does not
+/// wait behind a long document upload even when both limits are 1.
+#[test]
+fn completions_do_not_wait_behind_uploads() {
+    let (Some(model), Some(embedder)) = (text_model_of("mamba2", 3), shared("all-MiniLM-L6-v2")) else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let docs = tmp.path().join("docs");
+    write_docs(&docs);
+    let db = tmp.path().join("db");
+    let (m, e, db_s) = (model.path().to_str().unwrap(), embedder.to_str().unwrap(), db.to_str().unwrap());
+    ok(&["ingest", "--db", db_s, "--model", m, "--embedder", e, "--text-dir", docs.to_str().unwrap(), "--json"]);
+    let server = Server::start(&["--db", db_s, "--model", m, "--parallel", "1", "--parallel-ingest", "1"]);
+    // Thousands of paragraphs: seconds of embedding and prefilling.
+    let text: Vec<String> =
+        (0..UPLOAD_PARAGRAPHS).map(|i| format!("Paragraph {i} tells of the tower, the river and the city.")).collect();
+    let upload = json!({"id": "big", "text": text.join("\n\n")});
+    std::thread::scope(|s| {
+        let uploading = s.spawn(|| server.post("/v1/documents", upload));
+        wait_for(&server, "picaso_requests_in_flight", Duration::from_secs(10), |v| v >= 2.0, "no upload");
+        std::thread::sleep(Duration::from_millis(300)); // (its body read, its slot taken)
+        let v = server.complete(json!({"prompt": "The tower", "max_tokens": 2, "composition": "naive"}));
+        assert_eq!(v["usage"]["completion_tokens"], 2, "{v}");
+        assert!(!uploading.is_finished(), "the completion waited for the upload to finish");
+        let (status, added) = uploading.join().unwrap();
+        assert_eq!((status, added["added"].as_u64()), (201, Some(UPLOAD_PARAGRAPHS as u64)), "{added}");
+    });
+}
+
+/// Paragraphs of the long upload in [`completions_do_not_wait_behind_uploads`].
+const UPLOAD_PARAGRAPHS: usize = 1000;
+
+/// On SIGTERM the server refuses new connections at once and drains for at most
+/// `--shutdown-timeout-s`; a second signal stops it at once, with a failure status.
+#[cfg(unix)]
+#[test]
+fn shutdown_refuses_new_connections_and_has_a_deadline() {
+    let (Some(model), Some(embedder)) = (text_model_of("mamba2", 3), shared("all-MiniLM-L6-v2")) else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let docs = tmp.path().join("docs");
+    write_docs(&docs);
+    let db = tmp.path().join("db");
+    let (m, e, db_s) = (model.path().to_str().unwrap(), embedder.to_str().unwrap(), db.to_str().unwrap());
+    ok(&["ingest", "--db", db_s, "--model", m, "--embedder", e, "--text-dir", docs.to_str().unwrap(), "--json"]);
+    let endless =
+        json!({"prompt": "Once", "max_tokens": 1_000_000, "stream": true, "temperature": 1, "ignore_eos": true});
+    let signal = |server: &Server| {
+        let ok = std::process::Command::new("kill").args(["-TERM", &server.child.id().to_string()]).status().unwrap();
+        assert!(ok.success());
+    };
+    let refused_within = |server: &Server, limit: Duration| {
+        let t0 = Instant::now();
+        while TcpStream::connect(server.url.trim_start_matches("http://")).is_ok() {
+            assert!(t0.elapsed() < limit, "the server still accepts connections after SIGTERM");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    let exits_within = |server: &mut Server, limit: Duration| {
+        let t0 = Instant::now();
+        loop {
+            if let Some(status) = server.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(t0.elapsed() < limit, "the server did not exit within {limit:?}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+
+    // The drain ends at the deadline however long the streams would run.
+    let mut server =
+        Server::start(&["--db", db_s, "--model", m, "--max-tokens-limit", "1000000", "--shutdown-timeout-s", "2"]);
+    let stream = open_request(&server, &endless);
+    signal(&server);
+    refused_within(&server, Duration::from_secs(5));
+    let status = exits_within(&mut server, Duration::from_secs(30));
+    assert!(status.success(), "a drain cut at its deadline is a normal stop: {status}");
+    drop(stream);
+
+    // A second signal does not wait for the drain (30 s by default).
+    let mut server = Server::start(&["--db", db_s, "--model", m, "--max-tokens-limit", "1000000"]);
+    let stream = open_request(&server, &endless);
+    signal(&server);
+    refused_within(&server, Duration::from_secs(5));
+    signal(&server);
+    let status = exits_within(&mut server, Duration::from_secs(10));
+    assert!(!status.success(), "a second signal is an interrupted stop: {status}");
+    drop(stream);
 }

@@ -365,6 +365,8 @@ pub struct SearchHit {
     pub score: f32,
     /// Source document.
     pub doc: String,
+    /// The context's place in its document (`seg` in a full context record).
+    pub segment: u32,
     /// The context's text.
     pub text: String,
 }

@@ -1,6 +1,8 @@
 //! The server's shared state and its operations, free of HTTP: validating a completion request,
 //! resolving its contexts into a composed state, generating, adding and finding contexts. The
-//! model work runs on blocking threads; `gate` bounds how many run at once.
+//! model work runs on blocking threads; `gate` bounds how many completions prepare at once, and
+//! `ingest` how many uploads and attributions run, apart, so that these (minutes for a long
+//! document) never make a completion wait.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -37,6 +39,8 @@ pub struct Limits {
     pub body_timeout: std::time::Duration,
     /// Most open connections; more are closed as soon as they are accepted.
     pub max_connections: usize,
+    /// Time the requests in flight have to finish after a shutdown signal; then they are cut.
+    pub shutdown_timeout: std::time::Duration,
 }
 
 impl Default for Limits {
@@ -49,6 +53,7 @@ impl Default for Limits {
             header_timeout: std::time::Duration::from_secs(10),
             body_timeout: std::time::Duration::from_secs(30),
             max_connections: 512,
+            shutdown_timeout: std::time::Duration::from_secs(30),
         }
     }
 }
@@ -58,9 +63,13 @@ impl Default for Limits {
 pub struct Options {
     /// Byte budget of the in-memory state cache.
     pub cache_bytes: usize,
-    /// Requests preparing at the same time (retrieval, loading and composing states, concat's
-    /// prefill); others wait their turn.
+    /// Completions preparing at the same time (retrieval, loading and composing states,
+    /// concat's prefill); others wait their turn.
     pub parallel: usize,
+    /// Context and document uploads and attributions running at the same time; others wait
+    /// their turn. Apart from `parallel`: they take up to minutes, and completions must not
+    /// wait behind them.
+    pub parallel_ingest: usize,
     /// Most generations advancing together in the batch.
     pub max_batch: usize,
     /// Most generations waiting to join the batch; more are answered 503 with Retry-After.
@@ -91,7 +100,10 @@ pub struct App {
     pub metrics: Metrics,
     /// The model name reported in responses.
     pub model_name: String,
+    /// Slots for completions preparing.
     pub(crate) gate: Arc<Semaphore>,
+    /// Slots for uploads and attributions.
+    pub(crate) ingest: Arc<Semaphore>,
     batcher: Batcher,
     next_id: AtomicU64,
     boot: u64,
@@ -193,6 +205,7 @@ impl App {
             metrics,
             model_name: options.model_name,
             gate: Arc::new(Semaphore::new(options.parallel.max(1))),
+            ingest: Arc::new(Semaphore::new(options.parallel_ingest.max(1))),
             next_id: AtomicU64::new(0),
             boot: unix_now(),
             _writer: writer,
@@ -410,7 +423,10 @@ impl App {
     }
 
     /// Streams the completion as JSON chunks into `out`; stops once the client is gone (`out`
-    /// closed), which drops the events and so takes the generation out of the batch.
+    /// closed), which drops the events and so takes the generation out of the batch or its
+    /// queue. The closing is awaited beside the events, not found when a send fails: a request
+    /// still queued or prefilling, or one whose stop strings hold back all its text, sends
+    /// nothing for long and would otherwise run on for nobody.
     pub(crate) async fn stream(
         &self,
         mut plan: Plan,
@@ -424,7 +440,12 @@ impl App {
         if !send(json(&head)).await {
             return;
         }
-        while let Some(event) = events.recv().await {
+        loop {
+            let event = tokio::select! {
+                event = events.recv() => event,
+                () = out.closed() => return,
+            };
+            let Some(event) = event else { return };
             match event {
                 Event::Text(piece) => {
                     if !send(json(&self.chunk(&plan, piece, None))).await {
@@ -729,7 +750,7 @@ impl App {
         }
         let q = self.embedder.embed_one(&req.query)?;
         let results = (self.store.search_records(&q, req.k)?.into_iter())
-            .map(|(rec, score)| SearchHit { id: rec.id, score, doc: rec.doc, text: rec.text })
+            .map(|(rec, score)| SearchHit { id: rec.id, score, doc: rec.doc, segment: rec.seg, text: rec.text })
             .collect();
         Ok(SearchResponse { results })
     }

@@ -1,11 +1,12 @@
 //! Continuous batching: every active generation advances together, one batched decode step
 //! per token, so the weights stream from memory once per step for all of them instead of once
 //! per request. New requests join between steps: up to a chunk of prompt tokens per step
-//! ([`DEFAULT_PREFILL_CHUNK`] unless configured), over all joining requests, is prefilled in one
-//! forward pass, so a long prompt delays the others by one chunk at most and several short ones
-//! start together; while no generation streams, nobody waits on the step, and up to
+//! ([`DEFAULT_PREFILL_CHUNK`] unless configured), shared fairly among the joining requests
+//! ([`shares`]), is prefilled in one forward pass, so a long prompt delays the others by one
+//! chunk at most, a short prompt that joins behind a long one starts within a step, and several
+//! short ones start together; while no generation streams, nobody waits on the step, and up to
 //! [`IDLE_PREFILL_CHUNK`] tokens go in at once. A request whose client went away (its event
-//! receiver dropped) leaves before the next step.
+//! receiver dropped) leaves before the next step, from the batch or from the queue.
 //!
 //! Sampling runs per request ([`Decoder`]: its own options, seed and stop strings), and a
 //! batched step gives each sequence, to the bit, the logits it would get alone, so batching
@@ -15,6 +16,7 @@
 //! token on: a step of 16 sequences then reads and writes half the state bytes, which are most
 //! of its memory traffic (the prompt is still prefilled in f32; see [`picaso_model::SsmValue`]).
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -25,7 +27,7 @@ use prometheus_client::metrics::{counter::Counter, gauge::Gauge, histogram::Hist
 use rayon::prelude::*;
 use tokio::sync::mpsc;
 
-/// Prompt tokens prefilled per step by default, over all joining requests (oldest first), in
+/// Prompt tokens prefilled per step by default, shared among all joining requests, in
 /// one forward pass: a long prompt is cut into chunks, and several short ones start together.
 /// Every running stream waits for that prefill, so the chunk trades the joiners' time to first
 /// token against the others' inter-token latency (BENCHMARKS.md measures both). Each pass
@@ -262,21 +264,41 @@ impl Sequence<'_> {
 /// step then, so a burst of requests starts in one pass.
 const IDLE_PREFILL_CHUNK: usize = 1024;
 
+/// How many prompt tokens each joining request prefills this pass, given the tokens each has
+/// `left` (in arrival order): the budget is split evenly, and what a short prompt does not need
+/// goes to the longer ones (water-filling, equal lengths oldest first). So a short prompt never
+/// waits behind a long one's whole prefill (it would, given the budget oldest first), and no
+/// prompt starves however many short ones arrive: each gets at least `budget / joiners`.
+fn shares(left: &[usize], budget: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..left.len()).collect();
+    order.sort_by_key(|&i| left[i]); // stable: the oldest first among equals
+    let mut out = vec![0; left.len()];
+    let (mut budget, mut n) = (budget, left.len());
+    for i in order {
+        out[i] = left[i].min(budget.div_ceil(n));
+        budget -= out[i];
+        n -= 1;
+    }
+    out
+}
+
 /// Prefills up to `chunk` prompt tokens of the joining requests (up to
-/// [`IDLE_PREFILL_CHUNK`] when none is streaming yet), oldest first, in one forward pass; a
-/// request whose prompt is all in gets its first logits.
+/// [`IDLE_PREFILL_CHUNK`] when none is streaming yet), shared among them by [`shares`], in one
+/// forward pass; a request whose prompt is all in gets its first logits.
 fn prefill_chunks(model: &Model, batch: &mut [Sequence], chunk: usize, m: &BatchMetrics) {
     let streaming = batch.iter().any(|s| !s.ended && !s.joining());
-    let mut budget = if streaming { chunk } else { chunk.max(IDLE_PREFILL_CHUNK) };
-    let mut joining: Vec<(&mut Sequence, usize)> = Vec::new();
-    for s in batch.iter_mut().filter(|s| !s.ended && s.joining()) {
-        if budget == 0 {
-            break;
-        }
-        let end = (s.prefilled + budget).min(s.job.prompt.len());
-        budget -= end - s.prefilled;
-        joining.push((s, end));
-    }
+    let budget = if streaming { chunk } else { chunk.max(IDLE_PREFILL_CHUNK) };
+    let joining: Vec<&mut Sequence> = batch.iter_mut().filter(|s| !s.ended && s.joining()).collect();
+    let left: Vec<usize> = joining.iter().map(|s| s.job.prompt.len() - s.prefilled).collect();
+    let mut joining: Vec<(&mut Sequence, usize)> = joining
+        .into_iter()
+        .zip(shares(&left, budget))
+        .filter(|(_, n)| *n > 0)
+        .map(|(s, n)| {
+            let end = s.prefilled + n;
+            (s, end)
+        })
+        .collect();
     if joining.is_empty() {
         return;
     }
@@ -315,21 +337,39 @@ fn run(
     m: &BatchMetrics,
 ) {
     let mut batch: Vec<Sequence> = Vec::new();
+    // Jobs submitted and not yet admitted, oldest first. Read off the channel every iteration
+    // (not only while the batch has room), so that clients who leave while queued give their
+    // place back at once instead of holding it until the batch has room for them.
+    let mut waiting: VecDeque<(Job, State, Slot)> = VecDeque::new();
     let mut open = true;
     loop {
-        // Admit: wait when idle, else take what is queued, up to the cap.
-        if batch.is_empty() {
+        // Wait when idle, else take all that is queued.
+        if batch.is_empty() && waiting.is_empty() {
             match open.then(|| jobs.blocking_recv()).flatten() {
-                Some(job) => admit(model, job, &mut batch, m),
+                Some(job) => waiting.push_back(job),
                 None => return,
             }
         }
-        while open && batch.len() < max_batch {
+        while open {
             match jobs.try_recv() {
-                Ok(job) => admit(model, job, &mut batch, m),
+                Ok(job) => waiting.push_back(job),
                 Err(mpsc::error::TryRecvError::Empty) => break,
                 Err(mpsc::error::TryRecvError::Disconnected) => open = false,
             }
+        }
+        // Clients that went away while queued leave now (dropping the job frees its slot).
+        waiting.retain(|(job, _, _)| {
+            let gone = job.events.is_closed();
+            if gone {
+                m.queued.dec();
+                m.cancelled.inc();
+            }
+            !gone
+        });
+        // Admit the oldest, up to the cap.
+        while batch.len() < max_batch {
+            let Some(job) = waiting.pop_front() else { break };
+            admit(model, job, &mut batch, m);
         }
         // Clients that went away leave now.
         batch.retain(|s| {
@@ -420,4 +460,35 @@ fn admit<'m>(
         }
     }
     m.active.set(batch.len() as i64);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shares;
+
+    /// A short prompt that joins behind a long one is prefilled whole in the next pass (the
+    /// budget oldest first gave the long one everything: the short one waited out its prefill).
+    #[test]
+    fn a_short_prompt_is_not_held_behind_a_long_one() {
+        assert_eq!(shares(&[7862, 5], 256), [251, 5]);
+        assert_eq!(shares(&[7862, 7862, 5], 256), [126, 125, 5]);
+    }
+
+    /// The budget is split evenly among long prompts, never overspent, and all used while there
+    /// is work for it; a prompt that fits gets all of it.
+    #[test]
+    fn shares_split_the_budget_fairly_and_never_overspend() {
+        assert_eq!(shares(&[1000, 1000, 1000], 256), [86, 85, 85]);
+        assert_eq!(shares(&[10, 20], 256), [10, 20]);
+        assert_eq!(shares(&[3, 3, 3, 3], 2), [1, 1, 0, 0]);
+        assert_eq!(shares(&[], 256), Vec::<usize>::new());
+        for left in [vec![1, 500, 2, 70, 9000], vec![300; 40], vec![1; 3]] {
+            for budget in [1, 7, 64, 256, 1024] {
+                let got = shares(&left, budget);
+                let total: usize = got.iter().sum();
+                assert!(got.iter().zip(&left).all(|(g, l)| g <= l), "{left:?} {budget}: {got:?}");
+                assert_eq!(total, budget.min(left.iter().sum()), "{left:?} {budget}: {got:?}");
+            }
+        }
+    }
 }

@@ -16,11 +16,13 @@
 //! | `GET /v1/models`, `GET /v1/models/{id}` | the served model, as OpenAI clients list it |
 //! | `GET /health`, `GET /metrics` | liveness; Prometheus text |
 //!
-//! Concurrency: preparing a request (retrieval, loading and composing states) runs on a
-//! blocking thread, at most `parallel` at a time. Generation is continuously batched: every
-//! active generation advances by one batched decode step per token (one pass over the weights
-//! for all of them), at most `max_batch` at once and `max_queue` waiting (503 with Retry-After
-//! beyond). A client that disconnects, streaming or not, leaves the batch within one step.
+//! Concurrency: preparing a completion (retrieval, loading and composing states) runs on a
+//! blocking thread, at most `parallel` at a time; uploads and attributions, at most
+//! `parallel_ingest` at a time, have their own slots, so completions never wait behind them.
+//! Generation is continuously batched: every active generation advances by one batched decode
+//! step per token (one pass over the weights for all of them), at most `max_batch` at once and
+//! `max_queue` waiting (503 with Retry-After beyond). A client that disconnects, streaming or
+//! not, leaves the batch or its queue within one step.
 #![deny(missing_docs)]
 
 pub mod api;
@@ -37,7 +39,10 @@ pub use batcher::{DecodeStates, DEFAULT_PREFILL_CHUNK};
 pub use error::ApiError;
 pub use routes::router;
 
-/// Serves `app` on `listener` until Ctrl-C or SIGTERM, then finishes the requests in flight.
+/// Serves `app` on `listener` until Ctrl-C or SIGTERM, then stops accepting connections (new
+/// ones are refused) and finishes the requests in flight, for up to `limits.shutdown_timeout`;
+/// those still running then are cut. A second signal during that drain ends it at once with an
+/// error (a stuck drain must not make the operator kill the process).
 ///
 /// Slow or hostile clients cannot hold the server: a connection that has not sent its headers
 /// within `limits.header_timeout` is closed (a body late past `limits.body_timeout` is answered
@@ -49,7 +54,7 @@ pub async fn serve(app: Arc<App>, listener: tokio::net::TcpListener) -> std::io:
     let service = hyper_util::service::TowerToHyperService::new(router(app));
     let slots = Arc::new(tokio::sync::Semaphore::new(limits.max_connections.max(1)));
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
-    let mut shutdown = std::pin::pin!(shutdown_signal());
+    let mut signals = Signals::new()?;
     loop {
         tokio::select! {
             accepted = listener.accept() => {
@@ -78,27 +83,59 @@ pub async fn serve(app: Arc<App>, listener: tokio::net::TcpListener) -> std::io:
                     drop(slot);
                 });
             }
-            _ = &mut shutdown => break,
+            () = signals.recv() => break,
         }
     }
-    graceful.shutdown().await;
-    Ok(())
+    // Refuse new connections now, rather than accept them only to cut them after the drain.
+    drop(listener);
+    let timeout = limits.shutdown_timeout;
+    eprintln!(
+        "shutting down: finishing the requests in flight (at most {} s; a second Ctrl-C or SIGTERM stops at once)",
+        timeout.as_secs_f64()
+    );
+    tokio::select! {
+        () = graceful.shutdown() => Ok(()),
+        () = tokio::time::sleep(timeout) => {
+            eprintln!("shutdown: requests still running after {} s (--shutdown-timeout-s) are cut", timeout.as_secs_f64());
+            Ok(())
+        }
+        () = signals.recv() => Err(std::io::Error::other(
+            "a second shutdown signal: stopped without finishing the requests in flight",
+        )),
+    }
 }
 
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
+/// Ctrl-C and SIGTERM, listened for from the start to the end of [`serve`]: once listened for,
+/// a signal no longer ends the process by itself, so one that arrives during the drain must be
+/// heard here too.
+struct Signals {
     #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending().await,
+    interrupt: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    terminate: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn new() -> std::io::Result<Self> {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            Ok(Self { interrupt: signal(SignalKind::interrupt())?, terminate: signal(SignalKind::terminate())? })
         }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+        #[cfg(not(unix))]
+        Ok(Self {})
+    }
+
+    /// The next signal.
+    async fn recv(&mut self) {
+        #[cfg(unix)]
+        tokio::select! {
+            _ = self.interrupt.recv() => {}
+            _ = self.terminate.recv() => {}
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
 }

@@ -22,9 +22,9 @@ pub struct Metrics {
     registry: Registry,
     /// Requests by endpoint, method and status.
     pub requests: Family<Labels, Counter>,
-    /// Request latency by endpoint (until the response head; a stream's body comes later).
+    /// Request latency by endpoint (a stream's until its last event).
     pub request_seconds: HistogramFamily,
-    /// Requests being served.
+    /// Requests being served (a stream until its last event).
     pub in_flight: Gauge,
     /// Open client connections (at most `limits.max_connections`).
     pub connections: Gauge,

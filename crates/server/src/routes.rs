@@ -1,7 +1,9 @@
 //! HTTP: the routes, a JSON extractor whose failures are JSON errors, and request metrics.
 
 use std::convert::Infallible;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Instant;
 
 use axum::body::Bytes;
@@ -143,7 +145,7 @@ async fn completions(State(app): Shared, ApiJson(req): ApiJson<CompletionRequest
 }
 
 async fn add_context(State(app): Shared, ApiJson(req): ApiJson<AddContext>) -> Result<Response, ApiError> {
-    let permit = app.gate.clone().acquire_owned().await.map_err(|_| ApiError::internal("server shutting down"))?;
+    let permit = app.ingest.clone().acquire_owned().await.map_err(|_| ApiError::internal("server shutting down"))?;
     let added = blocking(move || {
         let _permit = permit;
         app.add_context(req)
@@ -167,7 +169,7 @@ async fn list_contexts(State(app): Shared, query: QueryOf<PageQuery<i64>>) -> Re
 }
 
 async fn add_document(State(app): Shared, ApiJson(req): ApiJson<AddDocument>) -> Result<Response, ApiError> {
-    let permit = app.gate.clone().acquire_owned().await.map_err(|_| ApiError::internal("server shutting down"))?;
+    let permit = app.ingest.clone().acquire_owned().await.map_err(|_| ApiError::internal("server shutting down"))?;
     let (changed, added) = blocking(move || {
         let _permit = permit;
         app.add_document(req)
@@ -222,7 +224,7 @@ async fn delete_context(State(app): Shared, id: IdPath) -> Result<Response, ApiE
 }
 
 async fn attribute(State(app): Shared, ApiJson(req): ApiJson<AttributeRequest>) -> Result<Response, ApiError> {
-    let permit = app.gate.clone().acquire_owned().await.map_err(|_| ApiError::internal("server shutting down"))?;
+    let permit = app.ingest.clone().acquire_owned().await.map_err(|_| ApiError::internal("server shutting down"))?;
     let attributed = blocking(move || {
         let _permit = permit;
         app.attribute(req)
@@ -291,8 +293,8 @@ async fn wrong_method(method: Method, uri: Uri) -> ApiError {
 }
 
 /// One request in flight: counted when it starts, and recorded when it ends — with its
-/// status, or as 499 (client closed) when the client went away first and the handler was
-/// dropped.
+/// status, or as 499 (client closed) when the client went away first and the handler (or, for
+/// a stream, its body) was dropped.
 struct Tracked {
     app: Arc<App>,
     endpoint: String,
@@ -319,13 +321,43 @@ impl Drop for Tracked {
     }
 }
 
-/// Counts requests and their latency per route.
+/// A stream's body carrying its request's record, so that the request ends with the stream
+/// rather than with its head: it is in flight while it streams, its latency is the stream's,
+/// and a client that leaves mid-stream is a 499.
+struct TrackedBody {
+    body: axum::body::BodyDataStream,
+    tracked: Tracked,
+    /// The status recorded once the body is sent whole.
+    status: u16,
+}
+
+impl tokio_stream::Stream for TrackedBody {
+    type Item = Result<Bytes, axum::Error>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let next = Pin::new(&mut self.body).poll_next(cx);
+        if let Poll::Ready(None) = next {
+            self.tracked.status = Some(self.status);
+        }
+        next
+    }
+}
+
+/// Counts requests and their latency per route (a stream's until its last event).
 async fn track(State(app): Shared, req: Request, next: Next) -> Response {
     let endpoint = req.extensions().get::<MatchedPath>().map(|p| p.as_str().to_string()).unwrap_or_default();
     app.metrics.in_flight.inc();
     let mut tracked =
         Tracked { app: app.clone(), endpoint, method: req.method().to_string(), started: Instant::now(), status: None };
     let resp = next.run(req).await;
+    let streams =
+        resp.headers().get(header::CONTENT_TYPE).is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+    if streams {
+        let (parts, body) = resp.into_parts();
+        let status = parts.status.as_u16();
+        let body = TrackedBody { body: body.into_data_stream(), tracked, status };
+        return Response::from_parts(parts, axum::body::Body::from_stream(body));
+    }
     tracked.status = Some(resp.status().as_u16());
     resp
 }
