@@ -67,6 +67,27 @@ fn migrate_between_backends_and_verify() {
     let again = ok(&to_args);
     assert_eq!((again["report"]["copied"].as_u64(), again["report"]["skipped"].as_u64()), (Some(0), Some(4)));
 
+    // Ids are never reused: a context added after migrating, deleted, then the migration run
+    // again (which copies ids in) must not hand the deleted id to the next new context (a
+    // server's cache keyed by id would serve the deleted context's state for it).
+    let (m, e) = (model.path().to_str().unwrap(), embedder.to_str().unwrap());
+    let add = |name: &str, text: &str| -> i64 {
+        let dir = tmp.path().join(format!("add-{name}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join(format!("{name}.txt")), text).unwrap();
+        let d = dir.to_str().unwrap();
+        ok_s(&args(&["ingest"], &middle, &["--model", m, "--embedder", e, "--text-dir", d]));
+        let store = picaso_store::Store::open(middle.location()).unwrap();
+        store.segments_of(&format!("{name}.txt")).unwrap()[&0]
+    };
+    let lion = add("lion", "Lions live in prides.\n");
+    assert_eq!(lion, 5);
+    picaso_store::Store::open(middle.location()).unwrap().delete(lion).unwrap();
+    ok(&to_args);
+    let otter = add("otter", "Otters hold hands while they sleep.\n");
+    assert_eq!(otter, 6, "the deleted context's id 5 was handed out again");
+    picaso_store::Store::open(middle.location()).unwrap().delete(otter).unwrap();
+
     // Ids survive (a deleted id stays a gap), and the copy back is identical.
     let store = picaso_store::Store::open(middle.location()).unwrap();
     assert_eq!(store.ids().unwrap(), vec![1, 2, 3, 4]);
@@ -115,6 +136,24 @@ fn migrate_between_backends_and_verify() {
     let (success, _, stderr) =
         run(&["migrate", "--from", folder.db.as_str(), "--to", "postgres://u@127.0.0.1:1/x", "--to-states", "s3://b"]);
     assert!(!success && stderr.contains("unavailable"), "an unreachable database is named: {stderr}");
+}
+
+/// A PostgreSQL store is created whole or not at all: refused for lack of a states location,
+/// it leaves no tables behind (they made a store that every later command refused).
+#[test]
+fn a_refused_creation_leaves_no_store() {
+    let Some(db) = shared_backend("refused") else { return };
+    let info = picaso_store::StoreInfo { fingerprint: "f".into(), dim: 4, state_dtype: Default::default() };
+    let without_states = picaso_store::Location::parse(&db.db, None).unwrap();
+    let e = picaso_store::Store::open_or_create(without_states, &info).unwrap_err().to_string();
+    assert!(e.contains("needs a states location"), "{e}");
+    let catalog = picaso_store::catalog::PostgresCatalog::connect(&db.db).unwrap();
+    assert!(!catalog.exists().unwrap(), "the refused creation left tables");
+    let (success, _, stderr) = run(&["stats", "--db", &db.db]);
+    assert!(!success && stderr.contains("holds no picaso store"), "{stderr}");
+    // With states, the store is created with all its metadata at once.
+    let store = picaso_store::Store::open_or_create(db.location(), &info).unwrap();
+    assert_eq!(store.info(), &info);
 }
 
 fn copy_ids(dir: &std::path::Path) -> Vec<i64> {

@@ -517,3 +517,127 @@ fn segments_never_split_a_character() {
     }
     assert_eq!(check(picaso_store::Segmentation::Halves(2), all.len()), 2);
 }
+
+/// An ingest reports only the contexts it inserted: segments another writer stored between its
+/// plan and its commit (concurrent ingests of the same documents into a PostgreSQL store) are
+/// counted as skipped, not added twice.
+#[test]
+fn an_ingest_counts_only_what_it_inserted() {
+    let (Some(model), Some(embedder)) = (text_model(1), shared("all-MiniLM-L6-v2")) else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let docs = tmp.path().join("docs");
+    write_docs(&docs);
+    let model = Model::load(model.path(), &LoadOptions::default()).unwrap();
+    let embedder = picaso_embed::Embedder::load(&embedder, &candle_core::Device::Cpu).unwrap();
+    let docs = picaso_store::read_text_dir(&docs).unwrap();
+    let info = picaso_store::StoreInfo {
+        fingerprint: model.fingerprint().to_string(),
+        dim: embedder.dim(),
+        state_dtype: Default::default(),
+    };
+    for db in backends(tmp.path(), "counts") {
+        let store = picaso_store::Store::open_or_create(db.location(), &info).unwrap();
+        let paragraph = picaso_store::Segmentation::Paragraph;
+        let mut raced = None;
+        let progress = picaso_store::ingest_while(&store, &model, &embedder, &docs, paragraph, 8, |p| {
+            if raced.is_none() {
+                // Planned, not yet stored: another writer stores the same segments first.
+                raced = Some(picaso_store::ingest(&store, &model, &embedder, &docs, paragraph, 8, |_| {}).unwrap());
+                assert_eq!(p.total, 4);
+            }
+            true
+        })
+        .unwrap();
+        assert_eq!(raced.unwrap().added(), 4, "{}", db.kind());
+        assert_eq!((progress.added(), progress.skipped), (0, 4), "{}: {}", db.kind(), progress.summary());
+        assert_eq!(store.len().unwrap(), 4);
+    }
+}
+
+/// A store whose creation is killed at any of its writes is afterwards either absent or whole
+/// (never one that every command refuses), and ingesting again completes it. The kill comes at
+/// the n-th fsync, where a write becomes durable (strace's fault injection; skipped without it).
+#[test]
+fn a_killed_creation_leaves_no_store_or_a_whole_one() {
+    let (Some(model), Some(embedder)) = (text_model(1), shared("all-MiniLM-L6-v2")) else { return };
+    let strace_works = Command::new("strace").args(["-o", "/dev/null", "true"]).status().is_ok_and(|s| s.success());
+    if !strace_works {
+        eprintln!("skipping: strace is missing or cannot trace here");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let docs = tmp.path().join("docs");
+    write_docs(&docs);
+    let (m, e, d) = (model.path().to_str().unwrap(), embedder.to_str().unwrap(), docs.to_str().unwrap());
+    for n in 1..=6 {
+        let db = tmp.path().join(format!("kill{n}"));
+        let inject = format!("fdatasync,fsync:signal=SIGKILL:when={n}");
+        let status = Command::new("strace")
+            .args(["-f", "-qq", "-e", "trace=fdatasync,fsync", "-e", &format!("inject={inject}"), "-o", "/dev/null"])
+            .arg(env!("CARGO_BIN_EXE_picaso"))
+            .args(["ingest", "--db", db.to_str().unwrap(), "--model", m, "--embedder", e, "--text-dir", d])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .unwrap();
+        let (success, _, stderr) = run(&["stats", "--db", db.to_str().unwrap(), "--json"]);
+        assert!(success || stderr.contains("not a picaso store"), "killed at fsync {n} ({status}): {stderr}");
+        let v = ok(&["ingest", "--db", db.to_str().unwrap(), "--model", m, "--embedder", e, "--text-dir", d, "--json"]);
+        assert_eq!(v["store"]["contexts"].as_u64(), Some(4), "killed at fsync {n}: {v}");
+    }
+}
+
+/// A folder store in a folder this user cannot write (a read-only mount, a directory without
+/// write permission) can still be read: stats, listing and queries that read states. A write
+/// fails naming the store. As root (who may write anywhere) the commands run as `nobody`.
+#[test]
+fn a_read_only_folder_store_can_be_read() {
+    use std::os::unix::fs::PermissionsExt;
+    let (Some(model), Some(embedder)) = (text_model(1), shared("all-MiniLM-L6-v2")) else { return };
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    if root && !std::path::Path::new("/usr/bin/setpriv").exists() {
+        eprintln!("skipping: running as root without setpriv to drop privileges");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let docs = tmp.path().join("docs");
+    write_docs(&docs);
+    let db = tmp.path().join("db");
+    let (m, e, d) = (model.path().to_str().unwrap(), embedder.to_str().unwrap(), docs.to_str().unwrap());
+    let dbs = db.to_str().unwrap();
+    ok(&["ingest", "--db", dbs, "--model", m, "--embedder", e, "--text-dir", d]);
+    for p in [tmp.path(), model.path()] {
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let read_only = |mode| {
+        for dir in [db.clone(), db.join("states")] {
+            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(mode)).unwrap();
+        }
+    };
+    read_only(0o555);
+    let picaso = |words: &[&str]| {
+        let mut c = if root {
+            let mut c = Command::new("/usr/bin/setpriv");
+            c.args(["--reuid=65534", "--regid=65534", "--clear-groups"]).arg(env!("CARGO_BIN_EXE_picaso"));
+            c
+        } else {
+            Command::new(env!("CARGO_BIN_EXE_picaso"))
+        };
+        let out = c.args(words).output().unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (success, stdout, stderr) = picaso(&["stats", "--db", dbs, "--json"]);
+    assert!(success && stdout.contains("\"contexts\":4"), "{stdout} {stderr}");
+    let (success, stdout, stderr) =
+        picaso(&["query", "--db", dbs, "--model", m, "--ids", "1,2", "--max-tokens", "2", "--json", "The"]);
+    assert!(success, "{stdout} {stderr}");
+    let (success, _, stderr) = picaso(&["delete", "--db", dbs, "1"]);
+    assert!(!success && stderr.contains(dbs), "{stderr}");
+    read_only(0o755);
+    assert_eq!(picaso_store::Store::open(db.as_path()).unwrap().len().unwrap(), 4);
+}

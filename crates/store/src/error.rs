@@ -29,7 +29,7 @@ pub enum Error {
     #[error("no context with id {0}")]
     NotFound(i64),
     /// A state file does not match its recorded checksum.
-    #[error("state file {path} is corrupt (checksum {found}, recorded {recorded}); re-ingest its context")]
+    #[error("state file {path} is corrupt (checksum {found}, recorded {recorded})")]
     Corrupt {
         /// The file.
         path: PathBuf,

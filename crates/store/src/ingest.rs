@@ -237,12 +237,24 @@ pub fn ingest_while(
                 state,
             });
         }
-        for id in chunk.iter().filter_map(|p| p.replaces) {
-            progress.replaced += usize::from(store.delete_if_present(id)?);
+        let mut replaced = Vec::with_capacity(chunk.len());
+        for p in chunk {
+            replaced.push(match p.replaces {
+                Some(id) => store.delete_if_present(id)?,
+                None => false,
+            });
         }
-        store.insert(&items)?;
-        progress.done += chunk.len();
-        progress.tokens += chunk.iter().map(|p| p.tokens.len()).sum::<usize>();
+        // Only what this run inserted counts: a segment another writer stored meanwhile (a
+        // concurrent ingest of the same documents into a PostgreSQL store) is skipped.
+        for ((p, id), replaced) in chunk.iter().zip(store.insert(&items)?).zip(replaced) {
+            if id.is_some() {
+                progress.done += 1;
+                progress.replaced += usize::from(replaced);
+                progress.tokens += p.tokens.len();
+            } else {
+                progress.skipped += 1;
+            }
+        }
         progress.seconds = start.elapsed().as_secs_f64();
         if !on_progress(&progress) {
             return Ok(progress);

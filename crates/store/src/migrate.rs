@@ -34,6 +34,9 @@ pub fn migrate(from: &Store, to: Location, mut progress: impl FnMut(usize, usize
     let t0 = std::time::Instant::now();
     let info: StoreInfo = from.info().clone();
     let target = Store::open_or_create(to, &info)?;
+    // A folder target has one writer, like any ingest or delete: without the claim a concurrent
+    // delete could remove contexts between the copy and the check.
+    let _writer = target.lock_writes()?;
     check_target(from, &target)?;
     if let Some(seg) = from.segmentation()? {
         target.bind_segmentation(&seg)?;

@@ -198,6 +198,13 @@ fn probe_states(url: &StatesUrl) -> Result<()> {
     Ok(())
 }
 
+/// A state object already in the states location of a store being created: another store's
+/// (or an earlier, removed one's). Sharing one location is refused because a delete in one
+/// store removes objects the other still refers to.
+fn foreign_state(url: &StatesUrl) -> Result<Option<String>> {
+    Ok(crate::states::open(url)?.keys()?.into_iter().next())
+}
+
 /// xxh3-128 of bytes, as 32 hex digits: the name and checksum of a state file.
 pub fn checksum(bytes: &[u8]) -> String {
     format!("{:032x}", xxhash_rust::xxh3::xxh3_128(bytes))
@@ -215,6 +222,29 @@ fn dtype_name(d: StateDtype) -> &'static str {
     }
 }
 
+/// The error for a store whose creation never finished: a catalog without its metadata, made by
+/// an older picaso that wrote the tables and each metadata value in separate steps and was
+/// killed in between. It holds no context (ingest writes only to a finished store).
+pub(crate) fn unfinished(url: &CatalogUrl) -> Error {
+    let remedy = match url {
+        CatalogUrl::Sqlite(dir) => {
+            format!("remove its database (`rm {}/store.sqlite*`) and run the ingest again", dir.display())
+        }
+        CatalogUrl::Postgres(_) => {
+            "drop its tables (`DROP TABLE picaso_contexts, picaso_meta` in the schema the URL's \
+             search_path names, or `DROP SCHEMA name CASCADE` for a schema of its own) and run the ingest again"
+                .to_string()
+        }
+    };
+    Error::Store {
+        location: url.to_string(),
+        message: format!(
+            "this store was never finished: its creation was interrupted (a picaso creating it was killed) and its \
+             metadata is missing; {remedy}"
+        ),
+    }
+}
+
 /// The catalog at `url` if a store exists there.
 fn existing_catalog(url: &CatalogUrl) -> Result<Option<Box<dyn Catalog>>> {
     Ok(match url {
@@ -229,6 +259,36 @@ fn existing_catalog(url: &CatalogUrl) -> Result<Option<Box<dyn Catalog>>> {
             }
         }
     })
+}
+
+/// Removes what killed writes left in a folder store: temporary state files (`states/ab/.*.tmp-*`,
+/// written before their rename) and databases of creations killed before they were linked into
+/// place. Called by the store's writer, under its lock: no other writer can be making one. A
+/// creation needs no lock, so a database being built is left alone for a minute.
+fn sweep_temp_files(dir: &std::path::Path) {
+    let stale = |name: &str| name.starts_with('.') && name.contains(".tmp-");
+    if let Ok(shards) = std::fs::read_dir(dir.join("states")) {
+        for shard in shards.flatten().filter(|s| s.file_type().is_ok_and(|t| t.is_dir())) {
+            let Ok(files) = std::fs::read_dir(shard.path()) else { continue };
+            for f in files.flatten().filter(|f| stale(&f.file_name().to_string_lossy())) {
+                let _ = std::fs::remove_file(f.path()); // left for the next writer if it fails
+            }
+        }
+    }
+    let old = |f: &std::fs::DirEntry| {
+        f.metadata().and_then(|m| m.modified()).is_ok_and(|t| t.elapsed().is_ok_and(|a| a.as_secs() > 60))
+    };
+    if let Ok(files) = std::fs::read_dir(dir) {
+        for f in files.flatten() {
+            if f.file_name().to_string_lossy().starts_with(crate::catalog::CREATING_PREFIX) && old(&f) {
+                let _ = std::fs::remove_file(f.path());
+            }
+        }
+    }
+}
+
+fn absolute_path(p: &std::path::Path) -> PathBuf {
+    std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf())
 }
 
 /// A local states folder as recorded: absolute, so other processes find it from anywhere.
@@ -265,69 +325,92 @@ impl Store {
         let store = match existing_catalog(&location.catalog)? {
             Some(catalog) => Self::bind(location, catalog)?,
             None => {
-                if let Some(states) = &location.states {
+                if location.states.is_none() && matches!(location.catalog, CatalogUrl::Postgres(_)) {
+                    return Err(Error::Input(format!(
+                        "a PostgreSQL store needs a states location (--states, Python states=): where to keep state objects \
+                         (s3://bucket/prefix, or a folder every server can read); creating {shown}"
+                    )));
+                }
+                if let Some(given) = location.states.clone() {
                     // Before the catalog exists: a store bound to states it cannot write (no
                     // credentials, no bucket) would fail every later ingest the same way.
-                    probe_states(&absolute(states.clone()))?;
+                    let states = absolute(given);
+                    probe_states(&states)?;
+                    if let Some(key) = foreign_state(&states)? {
+                        // Unless a process creating this same store at once got there first.
+                        match existing_catalog(&location.catalog)? {
+                            Some(catalog) => return Self::bind(location.clone(), catalog)?.checked_for(info),
+                            None => {
+                                return Err(Error::Input(format!(
+                                    "{states} already holds state objects ({key}, ...) of another store; stores cannot \
+                                     share a states location (a delete in one would remove objects the other uses): give \
+                                     this store its own (a new s3:// prefix or folder); nothing was created"
+                                )))
+                            }
+                        }
+                    }
                 }
-                let (catalog, default_states): (Box<dyn Catalog>, Option<StatesUrl>) = match &location.catalog {
-                    CatalogUrl::Sqlite(dir) => {
-                        (Box::new(SqliteCatalog::create(dir, info.dim)?), Some(StatesUrl::Local(dir.join("states"))))
-                    }
-                    CatalogUrl::Postgres(u) => {
-                        let c = PostgresCatalog::connect(u)?;
-                        c.create(info.dim)?;
-                        (Box::new(c), None)
-                    }
-                };
-                let states = match (&location.states, default_states) {
-                    (Some(s), _) => absolute(s.clone()),
-                    (None, Some(d)) => d,
-                    (None, None) => {
-                        return Err(Error::Input(format!(
-                            "a PostgreSQL store needs a states location (--states, Python states=): where to keep state objects \
-                             (s3://bucket/prefix, or a folder every server can read); creating {shown}"
-                        )))
-                    }
-                };
+                let states = location.states.clone().map(absolute);
                 let mut pairs = vec![
                     ("format", STORE_FORMAT.to_string()),
                     ("model", info.fingerprint.clone()),
-                    ("dim", info.dim.to_string()),
                     ("state_dtype", dtype_name(info.state_dtype).to_string()),
                 ];
-                if location.states.is_some() {
+                if let Some(states) = &states {
                     pairs.push(("states", states.to_string()));
                 }
-                // init_meta keeps the first writer's values when two processes create at once;
-                // bind() then checks them against `info` like any existing store.
-                for (k, v) in pairs {
-                    catalog.init_meta(k, &v)?;
-                }
+                let pairs: Vec<(&str, &str)> = pairs.iter().map(|(k, v)| (*k, v.as_str())).collect();
+                // All metadata is written with the tables, in one step: a killed creation leaves no
+                // store or a whole one. When two processes create at once, the first one's values
+                // stay; bind() then checks them against `info` like any existing store's.
+                let catalog: Box<dyn Catalog> = match &location.catalog {
+                    CatalogUrl::Sqlite(dir) => Box::new(SqliteCatalog::create(dir, info.dim, &pairs)?),
+                    CatalogUrl::Postgres(u) => {
+                        let c = PostgresCatalog::connect(u)?;
+                        c.create(info.dim, &pairs)?;
+                        Box::new(c)
+                    }
+                };
                 Self::bind(Location { catalog: location.catalog.clone(), states: location.states.clone() }, catalog)?
             }
         };
-        if store.info.fingerprint != info.fingerprint {
+        store.checked_for(info)
+    }
+
+    /// This store, if it was made for `info`'s model and embedder width.
+    fn checked_for(self, info: &StoreInfo) -> Result<Self> {
+        let shown = self.location.catalog.to_string();
+        if self.info.fingerprint != info.fingerprint {
             return Err(Error::WrongModel {
                 location: shown,
-                stored: store.info.fingerprint.clone(),
+                stored: self.info.fingerprint.clone(),
                 given: info.fingerprint.clone(),
             });
         }
-        if store.info.dim != info.dim {
+        if self.info.dim != info.dim {
             return Err(Error::Store {
                 location: shown,
-                message: format!("embeddings have {} dimensions, the embedder gives {}", store.info.dim, info.dim),
+                message: format!("embeddings have {} dimensions, the embedder gives {}", self.info.dim, info.dim),
             });
         }
-        Ok(store)
+        Ok(self)
     }
 
     /// Reads the binding of an existing catalog and opens its states.
     fn bind(location: Location, catalog: Box<dyn Catalog>) -> Result<Self> {
         let shown = location.catalog.to_string();
         let bad = |message: String| Error::Store { location: shown.clone(), message };
-        let meta = |k: &str| -> Result<String> { catalog.meta(k)?.ok_or_else(|| bad(format!("metadata lacks `{k}`"))) };
+        // All written at creation: one missing from a store without contexts is a creation that
+        // never finished (by an older picaso, which wrote them one at a time).
+        let missing = |k: &str| -> Result<Error> {
+            Ok(if catalog.count()? == 0 { unfinished(&location.catalog) } else { bad(format!("metadata lacks `{k}`")) })
+        };
+        let meta = |k: &str| -> Result<String> {
+            match catalog.meta(k)? {
+                Some(v) => Ok(v),
+                None => Err(missing(k)?),
+            }
+        };
         let format = meta("format")?;
         if format != STORE_FORMAT {
             return Err(bad(format!("format {format:?}, this picaso reads {STORE_FORMAT:?}")));
@@ -339,7 +422,7 @@ impl Store {
             Some(s) => StatesUrl::parse(&s)?,
             None => match &location.catalog {
                 CatalogUrl::Sqlite(dir) => StatesUrl::Local(dir.join("states")),
-                CatalogUrl::Postgres(_) => return Err(bad("metadata lacks `states` (where state objects are)".into())),
+                CatalogUrl::Postgres(_) => return Err(missing("states (where state objects are)")?),
             },
         };
         if let Some(given) = &location.states {
@@ -580,6 +663,10 @@ impl Store {
         }
         let file = std::sync::Arc::new(WriteLock::take(dir)?);
         *held = std::sync::Arc::downgrade(&file);
+        // Only the store's own states folder: one shared with other stores has other writers.
+        if matches!(&self.states_url, StatesUrl::Local(s) if absolute_path(s) == absolute_path(&dir.join("states"))) {
+            sweep_temp_files(dir);
+        }
         Ok(WriteLock { _file: Some(file) })
     }
 
@@ -626,9 +713,40 @@ impl Store {
             let sums: Vec<String> = records.iter().map(|r| r.checksum.clone()).collect();
             match ids.iter().zip(self.catalog.exist_settled(ids, &sums)?).find(|(_, there)| !there) {
                 Some((&id, _)) => Err(Error::NotFound(id)),
-                None => Err(e),
+                None => Err(self.damaged_state(&records, &keys, e)),
             }
         })
+    }
+
+    /// A missing or damaged state object as the error of the context that needs it, with the
+    /// repair: deleting the document removes the object (unless other contexts share it) and
+    /// ingesting it again writes the state anew (replacing a damaged object still shared).
+    /// Other failures (a backend down) pass through.
+    fn damaged_state(&self, records: &[ContextRecord], keys: &[String], e: Error) -> Error {
+        let damaged = match &e {
+            Error::Corrupt { .. } | Error::Model(_) | Error::Store { .. } => true,
+            Error::Io { source, .. } => source.kind() == std::io::ErrorKind::NotFound,
+            _ => false,
+        };
+        let text = e.to_string();
+        let Some(rec) = records.iter().zip(keys).find(|(_, k)| text.contains(k.as_str())).map(|(r, _)| r) else {
+            return e;
+        };
+        if !damaged {
+            return e;
+        }
+        let what = match &e {
+            Error::Io { .. } => format!("its state file {}/{} is missing", self.states_url, key_of(&rec.checksum)),
+            _ => text,
+        };
+        Error::Store {
+            location: self.location.to_string(),
+            message: format!(
+                "context {} (document {:?}, segment {}) cannot be read: {what}. Repair: `picaso delete --db {} \
+                 --doc {:?}`, then ingest that document again",
+                rec.id, rec.doc, rec.seg, self.location.catalog, rec.doc
+            ),
+        }
     }
 
     /// Reads context `id`'s state into memory (checksum and values verified).

@@ -7,6 +7,7 @@ mod sqlite;
 
 pub use postgres::PostgresCatalog;
 pub use sqlite::SqliteCatalog;
+pub(crate) use sqlite::CREATING_PREFIX;
 
 use std::collections::BTreeMap;
 

@@ -269,11 +269,15 @@ impl PostgresCatalog {
         }))
     }
 
-    /// Creates the extension and tables for `dim`-dimensional embeddings (idempotent; safe
-    /// when several processes do it at once).
-    pub fn create(&self, dim: usize) -> Result<()> {
+    /// Creates the extension and tables for `dim`-dimensional embeddings with metadata `meta`,
+    /// in one transaction: a creation killed at any point leaves no store or a whole one.
+    /// Idempotent, and safe when several processes do it at once (the first one's metadata
+    /// stays).
+    pub fn create(&self, dim: usize, meta: &[(&str, &str)]) -> Result<()> {
         let url = self.pool.url.clone();
+        let meta: Vec<(String, String)> = meta.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         let result = self.run(Box::new(move |c| {
+            let meta = meta.clone();
             Box::pin(async move {
                 let tx = c.transaction().await?;
                 // picaso's DDL lock.
@@ -305,6 +309,10 @@ impl PostgresCatalog {
                      INSERT INTO picaso_meta (key, value) VALUES ('dim', '{dim}') ON CONFLICT DO NOTHING;"
                 ))
                 .await?;
+                for (k, v) in &meta {
+                    tx.execute("INSERT INTO picaso_meta (key, value) VALUES ($1, $2) ON CONFLICT DO NOTHING", &[k, v])
+                        .await?;
+                }
                 tx.commit().await?;
                 Ok(())
             })
@@ -487,6 +495,11 @@ impl Catalog for PostgresCatalog {
             Box::new(move |c| {
                 let owned = owned.clone();
                 Box::pin(async move {
+                    if explicit {
+                        // Holds off other inserts (and their nextval) until this commit, so the
+                        // sequence read below cannot fall behind an id handed out meanwhile.
+                        c.batch_execute("LOCK TABLE picaso_contexts IN SHARE ROW EXCLUSIVE MODE").await?;
+                    }
                     let stmt = c
                         .prepare(
                             "INSERT INTO picaso_contexts
@@ -520,10 +533,15 @@ impl Catalog for PostgresCatalog {
                         ids.push(row.map(|r| r.get::<_, i64>(0)));
                     }
                     if explicit {
-                        // Keep the sequence past ids copied in, so later inserts never collide.
+                        // Keep the sequence past ids copied in, so later inserts never collide,
+                        // and never move it back: after a delete, MAX(id) is below ids already
+                        // handed out, and reusing one would make caches keyed by id serve the
+                        // deleted context's state.
                         c.execute(
                             "SELECT setval(pg_get_serial_sequence('picaso_contexts', 'id'),
-                                           GREATEST((SELECT MAX(id) FROM picaso_contexts), 1))",
+                                           GREATEST((SELECT MAX(id) FROM picaso_contexts),
+                                                    pg_sequence_last_value(pg_get_serial_sequence('picaso_contexts', 'id')::regclass),
+                                                    1))",
                             &[],
                         )
                         .await?;
@@ -791,7 +809,7 @@ mod tests {
         let sep = if url.contains('?') { '&' } else { '?' };
         let url = format!("{url}{sep}options=-csearch_path%3Dunit_{}_{nanos}%2Cpublic", std::process::id());
         let catalog = PostgresCatalog::connect(&url).unwrap();
-        catalog.create(2).unwrap();
+        catalog.create(2, &[]).unwrap();
         Some(catalog)
     }
 
@@ -805,11 +823,11 @@ mod tests {
         let (a, b) = (format!("unit_a_{nanos}"), format!("unit_b_{nanos}"));
         let at = |path: &str| PostgresCatalog::connect(&format!("{url}{sep}options=-csearch_path%3D{path}")).unwrap();
         let first = at(&format!("{a}%2Cpublic"));
-        first.create(2).unwrap();
+        first.create(2, &[]).unwrap();
         first.init_meta("model", "a").unwrap();
         let second = at(&format!("{b}%2C{a}%2Cpublic"));
         assert!(!second.exists().unwrap(), "store {a} is reached through the search path, but is not {b}");
-        second.create(3).unwrap();
+        second.create(3, &[]).unwrap();
         second.init_meta("model", "b").unwrap();
         assert!(second.exists().unwrap());
         assert_eq!(second.meta("model").unwrap().as_deref(), Some("b"));
@@ -820,6 +838,34 @@ mod tests {
         assert_eq!(second.meta("dim").unwrap().as_deref(), Some("3"));
         assert_eq!(own_schema("\"$user\", public"), None);
         assert_eq!(own_schema("store_a, public").as_deref(), Some("store_a"));
+    }
+
+    /// Inserting explicit ids (a migration, run again) never moves the id sequence back: after
+    /// a delete, MAX(id) is below an id already handed out, which must not be handed out again.
+    #[test]
+    fn explicit_ids_never_move_the_sequence_back() {
+        let Some(catalog) = catalog() else { return };
+        let row = |id: Option<i64>, doc: &'static str| Row {
+            id,
+            doc,
+            seg: 0,
+            text: "t",
+            tokens: &[1],
+            embedding: &[1.0, 0.0],
+            fingerprint: "f",
+            state_file: "states/01/0123456789abcdef0123456789abcdef.safetensors",
+            checksum: "0123456789abcdef0123456789abcdef",
+            state_bytes: 10,
+            created: 0,
+        };
+        let copied = [row(Some(1), "a"), row(Some(2), "b")];
+        catalog.insert(&copied, &mut || Ok(())).unwrap();
+        let new = catalog.insert(&[row(None, "c")], &mut || Ok(())).unwrap()[0].unwrap();
+        assert_eq!(new, 3);
+        catalog.delete(new, &mut |_| Ok(())).unwrap();
+        assert_eq!(catalog.insert(&copied, &mut || Ok(())).unwrap(), vec![None, None], "copied again: skipped");
+        let next = catalog.insert(&[row(None, "d")], &mut || Ok(())).unwrap()[0].unwrap();
+        assert_eq!(next, 4, "the deleted context's id was handed out again");
     }
 
     /// A server that dies after removing a deleted context's object must not leave the row

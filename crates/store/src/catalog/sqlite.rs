@@ -13,6 +13,7 @@ use rusqlite::{params, Connection, OptionalExtension};
 
 use super::{blob_to_f32s, blob_to_u32s, f32s_to_blob, u32s_to_blob, Catalog, Row, Totals};
 use crate::error::{Error, Result};
+use crate::location::CatalogUrl;
 use crate::store::ContextRecord;
 
 const SCHEMA: &str = "
@@ -138,6 +139,39 @@ impl Index {
     }
 }
 
+/// Name prefix of a database being built by [`SqliteCatalog::create`], in the store folder.
+pub(crate) const CREATING_PREFIX: &str = ".store.sqlite.creating-";
+
+/// Whether this process can create files in `dir`: a read-only mount or a directory without
+/// write permission cannot hold SQLite's WAL files. (`access` answers for root too on a
+/// read-only mount.)
+fn writable(dir: &Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_bytes()) else { return true };
+    // SAFETY: a NUL-terminated path that outlives the call.
+    let denied = unsafe { libc::access(c.as_ptr(), libc::W_OK) } != 0;
+    // Another failure (the folder is gone) is not a read-only folder: the normal open reports it.
+    !(denied
+        && matches!(
+            std::io::Error::last_os_error().raw_os_error(),
+            Some(libc::EACCES) | Some(libc::EROFS) | Some(libc::EPERM)
+        ))
+}
+
+/// `path` for a SQLite `file:` URI (`?`, `#`, `%` and others escaped).
+fn percent_encode(path: &Path) -> String {
+    use std::os::unix::ffi::OsStrExt;
+    let mut out = String::new();
+    for &b in path.as_os_str().as_bytes() {
+        if b.is_ascii_alphanumeric() || b"/-_.~".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
 /// SQLite metadata in a store folder.
 pub struct SqliteCatalog {
     dir: PathBuf,
@@ -185,18 +219,33 @@ impl SqliteCatalog {
             });
         }
         let conn = Self::connect(dir)?;
-        let dim: Option<String> =
-            conn.query_row("SELECT value FROM meta WHERE key = 'dim'", [], |r| r.get(0)).optional()?;
-        let dim: usize = dim.and_then(|d| d.parse().ok()).ok_or_else(|| Error::Store {
-            location: dir.display().to_string(),
-            message: "metadata lacks a numeric `dim`".into(),
-        })?;
+        let has_meta: bool = conn.query_row(
+            "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta')",
+            [],
+            |r| r.get(0),
+        )?;
+        let dim: Option<String> = if has_meta {
+            conn.query_row("SELECT value FROM meta WHERE key = 'dim'", [], |r| r.get(0)).optional()?
+        } else {
+            None
+        };
+        let dim: usize = match dim {
+            Some(d) => d.parse().map_err(|_| Error::Store {
+                location: dir.display().to_string(),
+                message: format!("metadata `dim` is {d:?}, not a number"),
+            })?,
+            None => return Err(crate::store::unfinished(&CatalogUrl::Sqlite(dir.to_path_buf()))),
+        };
         let index = Index::load(dir, &conn, dim)?;
         Ok(Self { dir: dir.to_path_buf(), conn: Mutex::new(conn), index: RwLock::new(index), writes: Mutex::new(()) })
     }
 
-    /// Creates the store in `dir` for `dim`-dimensional embeddings (or opens it if present).
-    pub fn create(dir: &Path, dim: usize) -> Result<Self> {
+    /// Creates the store in `dir` for `dim`-dimensional embeddings with metadata `meta` (or
+    /// opens it if present). The database is built in a temporary file and linked into place
+    /// whole, so a creation killed at any point leaves no store or a complete one (never one
+    /// that every later command refuses); of two processes creating at once, one wins and the
+    /// other opens its store.
+    pub fn create(dir: &Path, dim: usize, meta: &[(&str, &str)]) -> Result<Self> {
         if Self::exists_at(dir) {
             return Self::open(dir);
         }
@@ -207,18 +256,76 @@ impl SqliteCatalog {
             });
         }
         std::fs::create_dir_all(dir).map_err(|e| Error::Io { path: dir.to_path_buf(), source: e })?;
-        let conn = Self::connect(dir)?;
-        conn.execute_batch(SCHEMA)?;
-        conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('dim', ?1)", [dim.to_string()])?;
-        let index = Index { flat: FlatIndex::new(dim)?, ids: Vec::new(), version: data_version(&conn)? };
-        Ok(Self { dir: dir.to_path_buf(), conn: Mutex::new(conn), index: RwLock::new(index), writes: Mutex::new(()) })
+        let nanos =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+        let tmp = dir.join(format!("{CREATING_PREFIX}{}-{nanos}", std::process::id()));
+        let built = (|| -> Result<()> {
+            let mut conn = Connection::open(&tmp)?;
+            conn.execute_batch("PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL;")?;
+            let tx = conn.transaction()?;
+            tx.execute_batch(SCHEMA)?;
+            tx.execute("INSERT INTO meta (key, value) VALUES ('dim', ?1)", [dim.to_string()])?;
+            for (k, v) in meta {
+                tx.execute("INSERT OR IGNORE INTO meta (key, value) VALUES (?1, ?2)", params![k, v])?;
+            }
+            tx.commit()?;
+            // Closing the last connection checkpoints the WAL into the file and removes it.
+            conn.close().map_err(|(_, e)| e)?;
+            // A hard link fails if the name is taken: a concurrent creator's store is never
+            // replaced under it (a rename would).
+            match std::fs::hard_link(&tmp, dir.join("store.sqlite")) {
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(Error::Io { path: dir.join("store.sqlite"), source: e }),
+                Ok(()) => {
+                    if let Ok(d) = std::fs::File::open(dir) {
+                        let _ = d.sync_all(); // persist the link
+                    }
+                }
+            }
+            Ok(())
+        })();
+        let _ = std::fs::remove_file(&tmp);
+        built?;
+        Self::open(dir)
     }
 
     fn connect(dir: &Path) -> Result<Connection> {
+        if !writable(dir) {
+            return Self::connect_read_only(dir);
+        }
         let conn = Connection::open(dir.join("store.sqlite"))?;
         conn.execute_batch("PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL; PRAGMA foreign_keys = ON;")?;
         conn.busy_timeout(std::time::Duration::from_secs(10))?;
         Ok(conn)
+    }
+
+    /// A store in a folder this process cannot write (a read-only mount or directory): WAL
+    /// needs its shared-memory file beside the database, which cannot be made there, so the
+    /// database is opened as immutable (nobody can write it either) when its WAL holds nothing;
+    /// commands that only read work, writes fail at their writer lock.
+    fn connect_read_only(dir: &Path) -> Result<Connection> {
+        use rusqlite::OpenFlags;
+        let db = dir.join("store.sqlite");
+        let wal = std::fs::metadata(dir.join("store.sqlite-wal")).map(|m| m.len()).unwrap_or(0);
+        let mode = if wal == 0 { "immutable=1" } else { "mode=ro" };
+        let uri = format!("file:{}?{mode}", percent_encode(&db));
+        let flags = OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_URI | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+        let opened = Connection::open_with_flags(&uri, flags).and_then(|c| {
+            c.query_row("SELECT COUNT(*) FROM sqlite_master", [], |r| r.get::<_, i64>(0))?;
+            Ok(c)
+        });
+        opened.map_err(|e| Error::Store {
+            location: dir.display().to_string(),
+            message: format!(
+                "the folder is read-only and the store cannot be read from it ({e}){}",
+                if wal > 0 {
+                    "; its last writer left commits in store.sqlite-wal: open it once where the folder is \
+                     writable (e.g. `picaso stats --db DIR`), then it can be read read-only"
+                } else {
+                    "; make the folder writable or copy the store"
+                }
+            ),
+        })
     }
 
     fn conn(&self) -> std::sync::MutexGuard<'_, Connection> {

@@ -26,7 +26,8 @@ pub trait StateObjects: Send + Sync + std::fmt::Debug {
     /// Where the objects are (no credentials).
     fn url(&self) -> String;
     /// Stores `bytes` under `key` so that readers see the object only once it is complete.
-    /// Storing the same key twice is harmless (keys name their content).
+    /// Storing the same key twice is harmless (keys name their content); an object found under
+    /// the key with other bytes (damaged) is replaced.
     fn put(&self, key: &str, bytes: &[u8]) -> Result<()>;
     /// Whether `key` is stored.
     fn exists(&self, key: &str) -> Result<bool>;

@@ -85,10 +85,9 @@ fn classify(url: &str, key: &str, e: object_store::Error) -> Error {
     use object_store::Error as E;
     let backend = url.to_string();
     match e {
-        E::NotFound { .. } => Error::Store {
-            location: url.to_string(),
-            message: format!("state object {key} is missing; re-ingest its context"),
-        },
+        E::NotFound { .. } => {
+            Error::Store { location: url.to_string(), message: format!("state object {key} is missing") }
+        }
         E::PermissionDenied { .. } | E::Unauthenticated { .. } => Error::Backend {
             backend,
             message: format!("{e}; check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and the bucket policy"),

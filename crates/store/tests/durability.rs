@@ -1,0 +1,211 @@
+//! What interrupted or damaged writes leave behind, and how a folder store recovers: ids are
+//! never reused (also after copying ids in), a store whose creation was killed says how to
+//! remove it, a damaged state file is named with its context and repaired by ingesting its
+//! text again, temporary files of killed writes are swept, and a migration claims its target.
+
+use std::path::Path;
+
+use picaso_model::{Mamba2Config, Mamba2Weights, Model};
+use picaso_store::{NewContext, Store, StoreInfo};
+
+const DIM: usize = 4;
+
+fn model() -> &'static Model {
+    static MODEL: std::sync::OnceLock<Model> = std::sync::OnceLock::new();
+    MODEL.get_or_init(|| {
+        let c = Mamba2Config::tiny(2, 4);
+        Model::from_weights(c.clone(), Mamba2Weights::random(&c, 3), None)
+    })
+}
+
+fn info() -> StoreInfo {
+    StoreInfo { fingerprint: model().fingerprint().to_string(), dim: DIM, state_dtype: Default::default() }
+}
+
+/// Context `seg` of `doc`, whose state depends only on `text_of`.
+fn context(doc: &str, seg: u32, text_of: u32) -> NewContext {
+    let m = model();
+    let tokens: Vec<u32> = (0..3 + text_of).map(|t| (t * 7 + text_of) % 50).collect();
+    let mut e = [0.1f32; DIM];
+    e[text_of as usize % DIM] = 1.0;
+    let norm = e.iter().map(|v| v * v).sum::<f32>().sqrt();
+    NewContext {
+        doc: doc.to_string(),
+        seg,
+        text: format!("text {text_of}"),
+        state: m.prefill(&tokens, &m.zero_state()).unwrap(),
+        tokens,
+        embedding: e.iter().map(|v| v / norm).collect(),
+    }
+}
+
+fn insert(store: &Store, items: &[NewContext]) -> Vec<i64> {
+    store.insert(items).unwrap().into_iter().map(|id| id.expect("inserted")).collect()
+}
+
+/// A new context never gets the id of a deleted one, also in a store that took explicit ids
+/// from a migration run again after the delete (a cache keyed by id would serve the deleted
+/// context's state).
+#[test]
+fn ids_are_never_reused_after_a_migration_is_run_again() {
+    let tmp = tempfile::tempdir().unwrap();
+    let source = Store::open_or_create(tmp.path().join("a").as_path(), &info()).unwrap();
+    insert(&source, &[context("d", 0, 0), context("d", 1, 1), context("e", 0, 2)]);
+    let to = picaso_store::Location::from(tmp.path().join("b").as_path());
+    let (target, _) = picaso_store::migrate(&source, to.clone(), |_, _| {}).unwrap();
+    let new = insert(&target, &[context("f", 0, 3)]);
+    assert_eq!(new, vec![4]);
+    target.delete(4).unwrap();
+    drop(target);
+    let (target, report) = picaso_store::migrate(&source, to, |_, _| {}).unwrap();
+    assert_eq!(report.skipped, 3);
+    assert_eq!(insert(&target, &[context("g", 0, 3)]), vec![5], "id 4 was a deleted context's");
+}
+
+/// A store left without its metadata by a creation that was killed (older versions wrote the
+/// tables and each value in separate steps) is refused with what happened and how to remove it,
+/// not a bare SQL error.
+#[test]
+fn a_store_whose_creation_was_interrupted_says_how_to_remove_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cases: [(&str, &str); 3] = [
+        ("empty", ""),
+        ("tables", "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);"),
+        (
+            "dim",
+            "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+             CREATE TABLE contexts (id INTEGER PRIMARY KEY AUTOINCREMENT, doc TEXT, seg INTEGER, text TEXT,
+                 tokens BLOB, n_tokens INTEGER, embedding BLOB, fingerprint TEXT, state_file TEXT,
+                 checksum TEXT, state_bytes INTEGER, created INTEGER, UNIQUE (doc, seg));
+             INSERT INTO meta VALUES ('dim', '4'), ('format', 'picaso-store/1');",
+        ),
+    ];
+    for (name, sql) in cases {
+        let dir = tmp.path().join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("store.sqlite"), b"").unwrap();
+        rusqlite::Connection::open(dir.join("store.sqlite")).unwrap().execute_batch(sql).unwrap();
+        for e in [Store::open(dir.as_path()).unwrap_err(), Store::open_or_create(dir.as_path(), &info()).unwrap_err()] {
+            let e = e.to_string();
+            assert!(e.contains("never finished") && e.contains("store.sqlite*") && e.contains(name), "{name}: {e}");
+        }
+        // The remedy given works.
+        for f in ["store.sqlite", "store.sqlite-wal", "store.sqlite-shm"] {
+            let _ = std::fs::remove_file(dir.join(f));
+        }
+        Store::open_or_create(dir.as_path(), &info()).unwrap();
+    }
+}
+
+/// Creation writes the database whole: no temporary database is left beside it, and every
+/// metadata value is there at once.
+#[test]
+fn creation_leaves_a_whole_store_and_nothing_else() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("db");
+    Store::open_or_create(dir.as_path(), &info()).unwrap();
+    let names: Vec<String> =
+        std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    assert!(names.iter().all(|n| !n.starts_with(".store.sqlite")), "{names:?}");
+    let conn = rusqlite::Connection::open(dir.join("store.sqlite")).unwrap();
+    let mut keys: Vec<String> = conn
+        .prepare("SELECT key FROM meta ORDER BY key")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    keys.sort();
+    assert_eq!(keys, ["dim", "format", "model", "state_dtype"]);
+}
+
+fn state_path(store: &Store, dir: &Path, id: i64) -> std::path::PathBuf {
+    dir.join(store.get(id).unwrap().state_file)
+}
+
+/// A damaged or missing state file is reported with its context and a repair that works:
+/// deleting the document and ingesting its text again, even when another context still shares
+/// the damaged file (its write replaces the file instead of keeping it).
+#[test]
+fn a_damaged_state_names_its_context_and_is_repaired_by_writing_it_again() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("db");
+    let store = Store::open_or_create(dir.as_path(), &info()).unwrap();
+    // "a" and "b" hold the same text: one shared state file.
+    let ids = insert(&store, &[context("a", 0, 0), context("b", 0, 0), context("c", 0, 1)]);
+    let shared = state_path(&store, &dir, ids[0]);
+    let mut bytes = std::fs::read(&shared).unwrap();
+    let at = bytes.len() - 1;
+    bytes[at] ^= 0xff;
+    std::fs::write(&shared, &bytes).unwrap();
+    let e = store.map_state(ids[0]).unwrap_err().to_string();
+    assert!(e.contains("context 1") && e.contains("\"a\"") && e.contains("picaso delete"), "{e}");
+    assert!(e.contains("corrupt"), "{e}");
+    // The repair given: delete the document (the file stays, "b" shares it), ingest it again.
+    store.delete_document("a").unwrap();
+    let again = insert(&store, &[context("a", 0, 0)]);
+    store.map_state(again[0]).unwrap();
+    store.map_state(ids[1]).unwrap();
+
+    std::fs::remove_file(state_path(&store, &dir, ids[2])).unwrap();
+    let e = store.map_state(ids[2]).unwrap_err().to_string();
+    assert!(e.contains("context 3") && e.contains("\"c\"") && e.contains("is missing"), "{e}");
+    assert!(e.contains("picaso delete") && !e.contains("os error"), "{e}");
+    store.delete_document("c").unwrap();
+    let again = insert(&store, &[context("c", 0, 1)]);
+    store.map_state(again[0]).unwrap();
+}
+
+/// Temporary files of writes killed before their rename are removed when a writer next claims
+/// the store.
+#[test]
+fn temporary_files_of_killed_writes_are_swept_by_the_next_writer() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("db");
+    let store = Store::open_or_create(dir.as_path(), &info()).unwrap();
+    let ids = insert(&store, &[context("a", 0, 0)]);
+    let kept = state_path(&store, &dir, ids[0]);
+    let shard = kept.parent().unwrap();
+    let stale = shard.join(format!(".{}.tmp-999999-0", kept.file_name().unwrap().to_string_lossy()));
+    std::fs::write(&stale, b"half a state").unwrap();
+    drop(store);
+    let store = Store::open(dir.as_path()).unwrap();
+    assert!(stale.exists(), "a reader leaves it alone");
+    let _writer = store.lock_writes().unwrap();
+    assert!(!stale.exists(), "the writer swept it");
+    assert!(kept.exists());
+    store.map_state(ids[0]).unwrap();
+}
+
+/// A migration into a folder store claims it as its writer: while another writer holds it, the
+/// migration is refused before it copies anything.
+#[test]
+fn a_migration_claims_its_folder_target() {
+    let tmp = tempfile::tempdir().unwrap();
+    let source = Store::open_or_create(tmp.path().join("a").as_path(), &info()).unwrap();
+    insert(&source, &[context("d", 0, 0)]);
+    let to = tmp.path().join("b");
+    let other = Store::open_or_create(to.as_path(), &info()).unwrap();
+    let _held = other.lock_writes().unwrap();
+    let e = picaso_store::migrate(&source, to.as_path().into(), |_, _| {}).unwrap_err().to_string();
+    assert!(e.contains("being written"), "{e}");
+    assert!(other.is_empty().unwrap(), "nothing copied");
+}
+
+/// A new store is refused a states location that already holds another store's objects: a
+/// delete in one would remove objects the other still uses.
+#[test]
+fn two_stores_cannot_share_a_states_location() {
+    let tmp = tempfile::tempdir().unwrap();
+    let first = Store::open_or_create(tmp.path().join("a").as_path(), &info()).unwrap();
+    insert(&first, &[context("d", 0, 0)]);
+    let states = tmp.path().join("a/states");
+    let second = picaso_store::Location::parse(tmp.path().join("b").to_str().unwrap(), states.to_str()).unwrap();
+    let e = Store::open_or_create(second, &info()).unwrap_err().to_string();
+    assert!(e.contains("already holds state objects") && e.contains("its own"), "{e}");
+    assert!(!tmp.path().join("b/store.sqlite").exists(), "nothing was created");
+    // An empty one is fine.
+    let empty = tmp.path().join("c-states");
+    let third = picaso_store::Location::parse(tmp.path().join("c").to_str().unwrap(), empty.to_str()).unwrap();
+    Store::open_or_create(third, &info()).unwrap();
+}
