@@ -287,10 +287,6 @@ fn sweep_temp_files(dir: &std::path::Path) {
     }
 }
 
-fn absolute_path(p: &std::path::Path) -> PathBuf {
-    std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf())
-}
-
 /// A local states folder as recorded: absolute, so other processes find it from anywhere.
 fn absolute(url: StatesUrl) -> StatesUrl {
     match url {
@@ -664,7 +660,7 @@ impl Store {
         let file = std::sync::Arc::new(WriteLock::take(dir)?);
         *held = std::sync::Arc::downgrade(&file);
         // Only the store's own states folder: one shared with other stores has other writers.
-        if matches!(&self.states_url, StatesUrl::Local(s) if absolute_path(s) == absolute_path(&dir.join("states"))) {
+        if absolute(self.states_url.clone()) == absolute(StatesUrl::Local(dir.join("states"))) {
             sweep_temp_files(dir);
         }
         Ok(WriteLock { _file: Some(file) })
