@@ -208,6 +208,10 @@ struct BenchArgs {
     /// Storage of the large weight matrices: f32 or bf16.
     #[arg(long, default_value = "f32")]
     weights: picaso_model::WeightDtype,
+    /// Engine: cpu (the fast CPU path), candle-cpu, `cuda[:N]` or metal (need a build with the
+    /// `cuda` / `metal` feature).
+    #[arg(long, default_value = "cpu")]
+    device: String,
     /// Tokens to prefill and score.
     #[arg(long, default_value_t = 512, value_parser = at_least_one)]
     prompt_tokens: usize,
@@ -562,19 +566,24 @@ fn resolve_model_dir(model: &str) -> Result<PathBuf> {
     bail!("{model}: model folder not found")
 }
 
+/// The engine `--device` names, refusing `--weights` other than f32 off the cpu engine.
+fn backend_for(device: &str, weights: picaso_model::WeightDtype) -> Result<picaso_model::Backend> {
+    let backend: picaso_model::Backend = device.parse()?;
+    if weights != picaso_model::WeightDtype::F32 && !matches!(backend, picaso_model::Backend::Cpu) {
+        bail!(
+            "--weights {:?} is the cpu engine's storage; --device {device} computes in its device's own precision (drop --weights, or use --device cpu)",
+            format!("{weights:?}").to_lowercase(),
+        );
+    }
+    Ok(backend)
+}
+
 pub fn load_model(args: &ModelArgs, need_tokenizer: bool) -> Result<Model> {
     let dir = match &args.model {
         Some(m) => resolve_model_dir(m)?,
         None => default_model_dir()?,
     };
-    let backend: picaso_model::Backend = args.device.parse()?;
-    if args.weights != picaso_model::WeightDtype::F32 && !matches!(backend, picaso_model::Backend::Cpu) {
-        bail!(
-            "--weights {:?} is the cpu engine's storage; --device {} computes in its device's own precision (drop --weights, or use --device cpu)",
-            format!("{:?}", args.weights).to_lowercase(),
-            args.device
-        );
-    }
+    let backend = backend_for(&args.device, args.weights)?;
     let opts =
         LoadOptions { backend, weight_dtype: args.weights, tokenizer: args.tokenizer.clone(), skip_tokenizer: false };
     let model = Model::load(&dir, &opts)?;
@@ -812,34 +821,37 @@ fn random_model(a: RandomModelArgs) -> Result<()> {
 }
 
 /// The model to benchmark: a folder, or random weights of a known shape.
-fn bench_model(model: Option<&str>, random: &str, seed: u64, weights: picaso_model::WeightDtype) -> Result<Model> {
-    match model {
-        Some(m) => {
-            let args = ModelArgs { model: Some(m.to_string()), tokenizer: None, device: "cpu".into(), weights };
-            load_model(&args, false)
-        }
-        None if random == "mamba1-130m" => {
-            let config = picaso_model::Mamba1Config::mamba_130m();
-            let w = picaso_model::Mamba1Weights::random(&config, seed);
-            Ok(Model::from_mamba1_weights(config, w, None))
-        }
-        None => {
-            let config = match random {
-                "130m" => picaso_model::Mamba2Config::mamba2_130m(),
-                "tiny" => picaso_model::Mamba2Config::tiny(2, 4),
-                other => bail!("--random {other:?}: use 130m (Mamba-2), mamba1-130m or tiny"),
-            };
-            let w = picaso_model::Mamba2Weights::random(&config, seed);
-            Ok(Model::from_weights_on(config, w, None, &picaso_model::Backend::Cpu, weights)?)
-        }
+fn bench_model(
+    model: Option<&str>,
+    random: &str,
+    seed: u64,
+    weights: picaso_model::WeightDtype,
+    device: &str,
+) -> Result<Model> {
+    if let Some(m) = model {
+        let args = ModelArgs { model: Some(m.to_string()), tokenizer: None, device: device.into(), weights };
+        return load_model(&args, false);
     }
+    let backend = backend_for(device, weights)?;
+    if random == "mamba1-130m" {
+        let config = picaso_model::Mamba1Config::mamba_130m();
+        let w = picaso_model::Mamba1Weights::random(&config, seed);
+        return Ok(Model::from_mamba1_weights_on(config, w, None, &backend, weights)?);
+    }
+    let config = match random {
+        "130m" => picaso_model::Mamba2Config::mamba2_130m(),
+        "tiny" => picaso_model::Mamba2Config::tiny(2, 4),
+        other => bail!("--random {other:?}: use 130m (Mamba-2), mamba1-130m or tiny"),
+    };
+    let w = picaso_model::Mamba2Weights::random(&config, seed);
+    Ok(Model::from_weights_on(config, w, None, &backend, weights)?)
 }
 
 fn bench_context(a: BenchContextArgs) -> Result<()> {
     if a.max_k == 0 || a.context_tokens == 0 {
         bail!("--max-k and --context-tokens must be at least 1");
     }
-    let model = bench_model(a.model.as_deref(), &a.random, 0, a.weights)?;
+    let model = bench_model(a.model.as_deref(), &a.random, 0, a.weights, "cpu")?;
     let tmp;
     let dir = match &a.db {
         Some(d) => d.clone(),
@@ -909,7 +921,7 @@ fn bench_context(a: BenchContextArgs) -> Result<()> {
 }
 
 fn bench(a: BenchArgs) -> Result<()> {
-    let model = bench_model(a.model.as_deref(), &a.random, a.seed, a.weights)?;
+    let model = bench_model(a.model.as_deref(), &a.random, a.seed, a.weights, &a.device)?;
     let opts = picaso_model::bench::BenchOptions {
         prompt_tokens: a.prompt_tokens.max(1),
         decode_tokens: a.decode_tokens,

@@ -263,14 +263,19 @@ impl Model {
         weights: Mamba1Weights,
         tokenizer: Option<TextTokenizer>,
     ) -> Self {
-        Self::from_parts(
-            ModelConfig::Mamba1(config),
-            Weights::Mamba1(weights),
-            tokenizer,
-            &Backend::Cpu,
-            WeightDtype::F32,
-        )
-        .expect("the CPU engine cannot fail to build")
+        Self::from_mamba1_weights_on(config, weights, tokenizer, &Backend::Cpu, WeightDtype::F32)
+            .expect("the CPU engine cannot fail to build")
+    }
+
+    /// Builds a Mamba-1 model on `backend` from weights already in memory.
+    pub fn from_mamba1_weights_on(
+        config: crate::mamba1::Mamba1Config,
+        weights: Mamba1Weights,
+        tokenizer: Option<TextTokenizer>,
+        backend: &Backend,
+        weight_dtype: WeightDtype,
+    ) -> Result<Self> {
+        Self::from_parts(ModelConfig::Mamba1(config), Weights::Mamba1(weights), tokenizer, backend, weight_dtype)
     }
 
     fn from_parts(

@@ -151,15 +151,11 @@ fn permutations(p: &mut Vec<usize>, at: usize, out: &mut Vec<Vec<usize>>) {
     }
 }
 
-/// The device-generic candle engine (here on the CPU) is held to the same reference, and agrees
+/// The device-generic candle engine (on the CPU, or the device `candle_backend` names) is held to the same reference, and agrees
 /// with the CPU engine on a longer sequence (several 16-channel blocks, remainder included).
 #[test]
 fn candle_engine_matches_transformers_and_the_cpu_engine() {
-    let opts = picaso_model::LoadOptions {
-        backend: "candle-cpu".parse().unwrap(),
-        skip_tokenizer: true,
-        ..Default::default()
-    };
+    let opts = picaso_model::LoadOptions { backend: candle_backend(), skip_tokenizer: true, ..Default::default() };
     for case in MAMBA1_CASES {
         let exp = expected_in(&dir(case));
         let model = Model::load(&dir(case).join("hf"), &opts).unwrap();

@@ -54,17 +54,14 @@ fn both_layouts_give_the_same_fingerprint() {
     assert_ne!(load("g1", "hf").fingerprint(), load("g2", "hf").fingerprint());
 }
 
-/// The device-generic candle engine (here on the CPU) is held to the same reference.
+/// The device-generic candle engine (on the CPU, or the device `candle_backend` names) is held
+/// to the same reference.
 #[test]
 fn candle_engine_matches_transformers() {
-    use picaso_model::{Backend, LoadOptions, Model};
+    use picaso_model::{LoadOptions, Model};
     for case in CASES {
         let exp = expected(case);
-        let opts = LoadOptions {
-            backend: "candle-cpu".parse::<Backend>().unwrap(),
-            skip_tokenizer: true,
-            ..Default::default()
-        };
+        let opts = LoadOptions { backend: candle_backend(), skip_tokenizer: true, ..Default::default() };
         let model = Model::load(&case_dir(case).join("hf"), &opts).unwrap();
         let scored = model.score(&exp.tokens, &model.zero_state()).unwrap();
         let err = max_abs_diff(&scored.logprobs, exp.get("logprobs"));
@@ -84,13 +81,11 @@ fn candle_engine_matches_transformers() {
 
 #[test]
 fn candle_and_cpu_engines_agree_on_a_longer_sequence() {
-    use picaso_model::{Backend, Mamba2Config, Mamba2Weights, Model};
+    use picaso_model::{Mamba2Config, Mamba2Weights, Model};
     let config = Mamba2Config::tiny(3, 4);
     let weights = Mamba2Weights::random(&config, 9);
     let cpu = Model::from_weights(config.clone(), weights.clone(), None);
-    let gen =
-        Model::from_weights_on(config, weights, None, &"candle-cpu".parse::<Backend>().unwrap(), Default::default())
-            .unwrap();
+    let gen = Model::from_weights_on(config, weights, None, &candle_backend(), Default::default()).unwrap();
     assert_eq!(cpu.fingerprint(), gen.fingerprint());
     let tokens: Vec<u32> = (0..150).map(|i| (i * 17 % 61) as u32).collect();
     let a = cpu.score(&tokens, &cpu.zero_state()).unwrap();

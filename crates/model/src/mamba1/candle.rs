@@ -120,9 +120,10 @@ impl CandleMamba1 {
 
         // x_proj → [dt_low | B | C]; dt = softplus(dt_proj(dt_low) + bias), (T, D).
         let xdbl = x.matmul(&w.x_proj.t()?)?;
-        let dt_low = xdbl.narrow(1, 0, r)?;
-        let b = xdbl.narrow(1, r, n)?; // (T, N)
-        let cm = xdbl.narrow(1, r + n, n)?; // (T, N)
+        // Contiguous copies: CUDA's matmul refuses a column slice (a row stride wider than its rows).
+        let dt_low = xdbl.narrow(1, 0, r)?.contiguous()?;
+        let b = xdbl.narrow(1, r, n)?.contiguous()?; // (T, N)
+        let cm = xdbl.narrow(1, r + n, n)?.contiguous()?; // (T, N)
         let dt = softplus(&dt_low.matmul(&w.dt_proj.t()?)?.broadcast_add(&w.dt_proj_bias)?)?;
 
         // Per-element decays exp(dt·A), (T, D, N), and the accumulated log-decay.
