@@ -1194,15 +1194,24 @@ fn fit_compose(
     );
     let plain = bar.is_hidden();
     let micro = a.micro_batch.map_or(config.batch, |m| m as usize);
-    let history = picaso_train::compose::finetune(config, &weights, data, &a.out, a.stop_after, micro, |r| {
-        bar.set_position(r.step);
-        let val = r.val_loss.map(|v| format!(" · val {v:.3}")).unwrap_or_default();
-        let msg = format!("k {} · loss {:.3}{val} · {:.2} s/step", r.k, r.loss, r.step_seconds);
-        if plain && (r.step % 10 == 0 || r.val_loss.is_some()) {
-            eprintln!("step {}/{} · {msg}", r.step, config.steps);
-        }
-        bar.set_message(msg);
-    })?;
+    let history = picaso_train::compose::finetune(
+        config,
+        &weights,
+        &model.dir().display().to_string(),
+        data,
+        &a.out,
+        a.stop_after,
+        micro,
+        |r| {
+            bar.set_position(r.step);
+            let val = r.val_loss.map(|v| format!(" · val {v:.3}")).unwrap_or_default();
+            let msg = format!("k {} · loss {:.3}{val} · {:.2} s/step", r.k, r.loss, r.step_seconds);
+            if plain && (r.step % 10 == 0 || r.val_loss.is_some()) {
+                eprintln!("step {}/{} · {msg}", r.step, config.steps);
+            }
+            bar.set_message(msg);
+        },
+    )?;
     bar.finish();
 
     let csv_path = a.out.join("finetune.csv");

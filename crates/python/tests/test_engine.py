@@ -191,6 +191,10 @@ def test_bad_arguments_raise_clear_errors(model, tiny):
         model.generate("x", temperature=-1.0)
     with pytest.raises(ValueError, match="at least one token"):
         model.generate("")
+    with pytest.raises(ValueError, match="nothing to score"):
+        model.score("")
+    with pytest.raises(ValueError, match="nothing to score"):
+        model.score([])
     with pytest.raises(picaso.StateMismatch):
         tiny.score([1, 2, 3], state=a)
     with pytest.raises(picaso.StateMismatch):

@@ -242,6 +242,9 @@ struct ComposeTrainer {
 struct Origin {
     /// Fingerprint of the starting weights (what `picaso_model::Model::fingerprint` gives).
     model: String,
+    /// Where the starting weights came from (a model folder), to name in a refusal.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    model_source: Option<String>,
     /// [`Dataset::source`].
     data: String,
     /// [`Dataset::fingerprint`].
@@ -260,11 +263,15 @@ impl Origin {
             return Ok(());
         };
         if was.model != self.model {
+            let named = |o: &Origin| match &o.model_source {
+                Some(source) => format!("{source} (fingerprint {})", o.model),
+                None => format!("the model with fingerprint {}", o.model),
+            };
             candle_core::bail!(
-                "{}: this checkpoint fine-tunes the model with fingerprint {}, but the model given has fingerprint {}; resume with the original model (--model), or use a new --out to fine-tune this one",
+                "{}: this checkpoint fine-tunes {}, but the model given is {}; resume with the original model (--model), or use a new --out to fine-tune this one",
                 ckpt.display(),
-                was.model,
-                self.model
+                named(was),
+                named(self)
             );
         }
         if was.data_fingerprint != self.data_fingerprint {
@@ -443,10 +450,13 @@ fn batch_at<'a>(data: &'a Dataset, cfg: &ComposeConfig, step: u64) -> (Vec<&'a E
 /// steps in this call; `on_row` after each step. Returns the log. `micro_batch` examples go
 /// through the model at once (the steps are the same for any value, to float rounding; a
 /// smaller one needs less memory). A resume must be given the same config, starting weights
-/// and examples as the run that made the checkpoint.
+/// and examples as the run that made the checkpoint; `model_source` (where the weights came
+/// from) names them when they are not.
+#[allow(clippy::too_many_arguments)]
 pub fn finetune(
     config: &ComposeConfig,
     weights: &Mamba2Weights,
+    model_source: &str,
     data: &Dataset,
     out: &Path,
     stop_after: Option<u64>,
@@ -464,6 +474,7 @@ pub fn finetune(
     std::fs::create_dir_all(out).map_err(|e| io(e, out))?;
     let origin = Origin {
         model: weights.fingerprint(&config.model),
+        model_source: Some(model_source.to_string()),
         data: data.source.clone(),
         data_fingerprint: data.fingerprint(),
     };

@@ -142,9 +142,11 @@ fn a_resumed_finetune_equals_an_uninterrupted_one() {
     for objective in [Objective::Bptc, Objective::Bp2c] {
         let cfg = config(&c, objective);
         let tmp = tempfile::tempdir().unwrap();
-        let full = finetune(&cfg, &w, &data, &tmp.path().join("a"), None, usize::MAX, |_| {}).unwrap();
-        finetune(&cfg, &w, &data, &tmp.path().join("b"), Some(3), usize::MAX, |_| {}).unwrap();
-        let resumed = finetune(&cfg, &w, &data, &tmp.path().join("b"), None, usize::MAX, |_| {}).unwrap();
+        let full =
+            finetune(&cfg, &w, "the test model", &data, &tmp.path().join("a"), None, usize::MAX, |_| {}).unwrap();
+        finetune(&cfg, &w, "the test model", &data, &tmp.path().join("b"), Some(3), usize::MAX, |_| {}).unwrap();
+        let resumed =
+            finetune(&cfg, &w, "the test model", &data, &tmp.path().join("b"), None, usize::MAX, |_| {}).unwrap();
         // Equal up to float rounding: the CPU sums' association can depend on buffer alignment,
         // so the last bits of a gradient norm may differ between two identical runs.
         assert_eq!(full.len(), resumed.len());
@@ -171,7 +173,7 @@ fn a_resumed_finetune_equals_an_uninterrupted_one() {
         }
         assert!(max_diff(&wa.embedding, &wb.embedding) < 1e-6);
         let other = ComposeConfig { lr: 1e-3, ..cfg.clone() };
-        assert!(finetune(&other, &w, &data, &tmp.path().join("b"), None, usize::MAX, |_| {}).is_err());
+        assert!(finetune(&other, &w, "the test model", &data, &tmp.path().join("b"), None, usize::MAX, |_| {}).is_err());
     }
 }
 
@@ -185,7 +187,9 @@ fn a_finetune_resumes_only_with_its_own_model_and_examples() {
     let cfg = config(&c, Objective::Bp2c);
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("run");
-    let run = |w: &Mamba2Weights, data: &Dataset, stop: u64| finetune(&cfg, w, data, &out, Some(stop), 3, |_| {});
+    let run = |w: &Mamba2Weights, data: &Dataset, stop: u64| {
+        finetune(&cfg, w, "the test model", data, &out, Some(stop), 3, |_| {})
+    };
     run(&w, &data, 2).unwrap();
     let trainer = out.join("checkpoint/trainer.json");
     let state = || -> serde_json::Value { serde_json::from_slice(&std::fs::read(&trainer).unwrap()).unwrap() };
@@ -193,6 +197,7 @@ fn a_finetune_resumes_only_with_its_own_model_and_examples() {
 
     let e = run(&Mamba2Weights::random(&c, 8), &data, 1).unwrap_err().to_string();
     assert!(e.contains(m.fingerprint()) && e.contains("original model (--model)"), "{e}");
+    assert!(e.contains("fine-tunes the test model (fingerprint"), "the starting model named: {e}");
     let mut other = Dataset { source: "other examples".into(), ..data.clone() };
     other.train[0].query[0] ^= 1;
     let e = run(&w, &other, 1).unwrap_err().to_string();
@@ -217,8 +222,9 @@ fn micro_batches_take_the_same_steps_as_whole_batches() {
         let cfg = config(&c, objective);
         assert!(cfg.batch > 1, "the test needs several examples per batch");
         let tmp = tempfile::tempdir().unwrap();
-        let whole = finetune(&cfg, &w, &data, &tmp.path().join("whole"), None, cfg.batch, |_| {}).unwrap();
-        let micro = finetune(&cfg, &w, &data, &tmp.path().join("micro"), None, 1, |_| {}).unwrap();
+        let whole =
+            finetune(&cfg, &w, "the test model", &data, &tmp.path().join("whole"), None, cfg.batch, |_| {}).unwrap();
+        let micro = finetune(&cfg, &w, "the test model", &data, &tmp.path().join("micro"), None, 1, |_| {}).unwrap();
         let close = |a: f64, b: f64| (a - b).abs() <= 1e-5 * a.abs().max(1.0);
         for (x, y) in whole.iter().zip(&micro) {
             assert_eq!((x.step, x.k), (y.step, y.k));

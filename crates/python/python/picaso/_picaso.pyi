@@ -28,7 +28,9 @@ class Model:
     def decode(self, ids: Sequence[int]) -> str: ...
     def zero_state(self) -> "State": ...
     def score(self, input: Text, state: Optional["State"] = None) -> npt.NDArray[np.float32]:
-        """out[i] = log p(token[i+1] | state, token[..=i]); the first token is context."""
+        """out[i] = log p(token[i+1] | state, token[..=i]); the first token is context.
+
+        An empty input raises ValueError ("nothing to score")."""
     def next_logits(self, input: Text, state: Optional["State"] = None) -> npt.NDArray[np.float32]:
         """Logits of the token after `input`, continued from `state`."""
     def state(self, input: Text, start: Optional["State"] = None) -> "State":
