@@ -152,7 +152,8 @@ fn permutations(p: &mut Vec<usize>, at: usize, out: &mut Vec<Vec<usize>>) {
 }
 
 /// The device-generic candle engine (on the CPU, or the device `candle_backend` names) is held
-/// to the same reference, and agrees with the CPU engine on a longer sequence (several 16-channel blocks, remainder included).
+/// to the same reference, and agrees with the CPU engine on a longer sequence (several
+/// 16-channel blocks, remainder included).
 #[test]
 fn candle_engine_matches_transformers_and_the_cpu_engine() {
     let opts = picaso_model::LoadOptions { backend: candle_backend(), skip_tokenizer: true, ..Default::default() };
