@@ -1042,6 +1042,7 @@ fn ingest(a: IngestArgs) -> Result<()> {
             json!({
                 "added": report.added(),
                 "replaced": report.replaced,
+                "repaired": report.repaired,
                 "removed": report.removed,
                 "skipped": report.skipped,
                 "pruned_documents": pruned.0,

@@ -264,6 +264,14 @@ fn serve_completions_contexts_search_metrics_and_bad_input(arch: &str, db: &Test
     assert_eq!(status, 404, "the replaced context is gone from the cache too");
     let (status, same) = fruit("Bananas are rich in potassium.");
     assert_eq!((status, same["id"].as_i64(), same.get("replaced")), (200, Some(new), None));
+    // The same text whose state object was lost is processed again: a new id replaces it.
+    let reader = picaso_store::Store::open(db.location()).unwrap();
+    let objects = picaso_store::states::open(reader.states_url()).unwrap();
+    objects.delete(&picaso_store::states::key_of(&reader.get(new).unwrap().checksum)).unwrap();
+    let (status, repaired) = fruit("Bananas are rich in potassium.");
+    assert_eq!((status, repaired["replaced"].as_i64()), (201, Some(new)), "{repaired}");
+    let new = repaired["id"].as_i64().unwrap();
+    server.complete(json!({"prompt": "Bananas", "max_tokens": 1, "contexts": [new]}));
     let (status, doc) = server.call("GET", "/v1/documents/fruit", None);
     assert_eq!((status, doc["contexts"].as_array().map(Vec::len)), (200, Some(1)), "{doc}");
     assert_eq!(doc["contexts"][0]["text"], "Bananas are rich in potassium.");

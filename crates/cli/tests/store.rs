@@ -292,6 +292,32 @@ fn changed_documents_are_replaced_and_contexts_listed_and_deleted() {
         let again = ok_s(&ingest);
         assert_eq!((again["added"].as_u64(), again["skipped"].as_u64()), (Some(0), Some(3)), "then nothing to do");
 
+        // A state object lost (deleted by hand, a disk restored without it): the error says to
+        // ingest the document again, and that run processes the segment anew.
+        let lost = store.get(4).unwrap();
+        assert_eq!(lost.doc, "mamba.txt");
+        let objects = picaso_store::states::open(store.states_url()).unwrap();
+        objects.delete(&picaso_store::states::key_of(&lost.checksum)).unwrap();
+        let (success, _, stderr) = run_s(&args(&["query"], &db, &["--model", m, "--ids", "4", "Hi"]));
+        assert!(!success && stderr.contains("is missing") && stderr.contains("ingest that document again"), "{stderr}");
+        let v = ok_s(&ingest);
+        let counts = ["added", "replaced", "repaired", "skipped"].map(|k| v[k].as_u64().unwrap());
+        assert_eq!(counts, [0, 0, 1, 2], "{v}");
+        let repaired = listed(&["--doc", "mamba.txt", "--json"]);
+        let repaired_id = repaired[0]["id"].as_i64().unwrap();
+        assert!(repaired_id > new_id, "the repaired segment is a new context");
+        assert!(matches!(store.get(4), Err(picaso_store::Error::NotFound(4))));
+        let fresh = model_obj.prefill(&lost.tokens, &model_obj.zero_state()).unwrap();
+        assert!(store.load_state(repaired_id).unwrap().layers == fresh.layers, "its text's state again");
+        // Once more, as people read it.
+        objects.delete(&picaso_store::states::key_of(&store.get(repaired_id).unwrap().checksum)).unwrap();
+        let out = Command::new(common::picaso_bin())
+            .args(args(&["ingest"], &db, &["--model", m, "--embedder", e, "--text-dir", d]))
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success() && said.contains("repaired 1 whose state file was missing"), "{said}");
+
         // Deleting: an id and a document; unknown ones are refused before anything is removed.
         let (success, _, stderr) = run_s(&args(&["delete"], &db, &["1", "99"]));
         assert!(!success && stderr.contains("no context with id 99"), "{stderr}");
@@ -336,7 +362,8 @@ fn changed_documents_are_replaced_and_contexts_listed_and_deleted() {
         assert_eq!(documents(&db).len(), 2);
         let table = lines(&[]);
         assert!(table.len() == 2 && table[0].contains("mamba.txt #0"), "a line per context: {table:?}");
-        assert_eq!(listed(&["--ids", "4", "--json"])[0]["doc"], "mamba.txt");
+        let mamba = listed(&["--doc", "mamba.txt", "--json"])[0]["id"].to_string();
+        assert_eq!(listed(&["--ids", &mamba, "--json"])[0]["doc"], "mamba.txt");
         let (success, _, stderr) = run_s(&args(&["delete"], &db, &[]));
         assert!(!success && stderr.contains("required"), "{stderr}");
     }

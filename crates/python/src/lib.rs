@@ -690,10 +690,11 @@ impl Store {
     /// its id "text/" + a hash of the text) or of dicts {"id": str, "text": str}. One context
     /// per paragraph by default; `segment` "tokens:N" cuts runs of N tokens. Segments already
     /// stored with the same text are skipped; a document given again with other text is
-    /// brought up to date (changed segments replaced, segments it no longer has removed).
+    /// brought up to date (changed segments replaced, segments it no longer has removed), and a
+    /// stored segment whose state file is missing is processed again ("repaired").
     /// `progress(done, total)` is called as contexts are stored; an exception it raises stops
     /// the ingest after the batch in flight (the batches stored stay: ingesting again carries on).
-    /// Returns {"added", "replaced", "removed", "skipped", "tokens", "seconds"}.
+    /// Returns {"added", "replaced", "repaired", "removed", "skipped", "tokens", "seconds"}.
     #[pyo3(signature = (documents, *, segment="paragraph", batch=8, progress=None))]
     fn ingest<'py>(
         &self,
@@ -738,6 +739,7 @@ impl Store {
         let d = PyDict::new(py);
         d.set_item("added", report.added())?;
         d.set_item("replaced", report.replaced)?;
+        d.set_item("repaired", report.repaired)?;
         d.set_item("removed", report.removed)?;
         d.set_item("skipped", report.skipped)?;
         d.set_item("tokens", report.tokens)?;

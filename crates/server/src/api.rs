@@ -261,8 +261,8 @@ pub struct AddedContext {
     /// False when this (doc, segment) was already stored with the same text (its existing id
     /// is returned).
     pub created: bool,
-    /// The context this one replaced: the (doc, segment) was stored with other text, which is
-    /// gone now (its id answers 404 from here on).
+    /// The context this one replaced: the (doc, segment) was stored with other text, or with
+    /// this text but without its state file, and is gone now (its id answers 404 from here on).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub replaced: Option<i64>,
 }
@@ -322,6 +322,9 @@ pub struct AddedDocument {
     pub added: usize,
     /// Contexts that replaced a segment whose text changed (the old ids are gone).
     pub replaced: usize,
+    /// Contexts that replaced a segment with the same text whose state object was missing
+    /// (the old ids are gone).
+    pub repaired: usize,
     /// Segments the document no longer has, removed.
     pub removed: usize,
     /// Segments stored already with the same text.

@@ -486,7 +486,10 @@ impl App {
         }
         let stored = match self.store.id_of(&doc, req.segment)? {
             Some(id) => match self.store.get(id) {
-                Ok(rec) if rec.text == req.text => {
+                // The same text, still with its state: nothing to do.
+                Ok(rec)
+                    if rec.text == req.text && self.store.missing_states(std::slice::from_ref(&rec))?.is_empty() =>
+                {
                     let n_tokens = rec.n_tokens;
                     return Ok(AddedContext {
                         id,
@@ -605,6 +608,7 @@ impl App {
                 segmentation: segmentation.to_string(),
                 added: report.added(),
                 replaced: report.replaced,
+                repaired: report.repaired,
                 removed: report.removed,
                 skipped: report.skipped,
                 tokens: report.tokens,

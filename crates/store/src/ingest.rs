@@ -4,7 +4,9 @@
 //! same text are skipped, and each batch commits on its own, so a killed run loses at most the
 //! batch in flight and a re-run completes the rest. A document given again with other text is
 //! brought up to date: its changed segments are replaced (new state, new id) and the segments
-//! it no longer has are removed, so the store never serves a state of text that is gone.
+//! it no longer has are removed, so the store never serves a state of text that is gone. An
+//! unchanged segment whose state object has gone missing is processed again (a new id), so
+//! running the ingest again repairs a store that lost state files.
 
 use picaso_model::counted;
 use std::time::Instant;
@@ -23,9 +25,11 @@ struct Pending {
     seg: u32,
     text: String,
     tokens: Vec<u32>,
-    /// The context stored for this (document, segment) with other text, removed when this
-    /// segment's batch commits.
+    /// The context stored for this (document, segment) with other text, or with the same
+    /// text and no state object, removed when this segment's batch commits.
     replaces: Option<i64>,
+    /// The stored context has this text but lost its state object.
+    repairs: bool,
 }
 
 /// Progress of a run, reported after each batch.
@@ -37,6 +41,9 @@ pub struct IngestProgress {
     pub done: usize,
     /// Of `done`, those that replaced a stored context whose text changed.
     pub replaced: usize,
+    /// Of `done`, those that replaced a stored context with the same text whose state object
+    /// was missing.
+    pub repaired: usize,
     /// Stored contexts removed because their document no longer has their segment (counted
     /// once the last batch has committed).
     pub removed: usize,
@@ -49,9 +56,10 @@ pub struct IngestProgress {
 }
 
 impl IngestProgress {
-    /// Contexts this run added for segments the store lacked (`done` less the replacements).
+    /// Contexts this run added for segments the store lacked (`done` less the replacements
+    /// and repairs).
     pub fn added(&self) -> usize {
-        self.done - self.replaced
+        self.done - self.replaced - self.repaired
     }
 
     /// One line for people: what was added, replaced, removed and skipped.
@@ -59,6 +67,9 @@ impl IngestProgress {
         let mut s = format!("added {}", counted(self.added(), "context"));
         if self.replaced > 0 {
             s += &format!(" and replaced {} whose text changed", self.replaced);
+        }
+        if self.repaired > 0 {
+            s += &format!(", repaired {} whose state file was missing", self.repaired);
         }
         s += &format!(" ({} tokens) in {:.1} s", self.tokens, self.seconds);
         if self.removed > 0 {
@@ -150,6 +161,7 @@ fn plan(store: &Store, model: &Model, docs: &[Document], segmentation: Segmentat
         )));
     }
     let mut plan = Plan { pending: Vec::new(), skipped: 0, stale: Vec::new() };
+    let mut unchanged = Vec::new();
     for doc in docs {
         let mut stored: std::collections::BTreeMap<u32, crate::ContextRecord> =
             store.document(&doc.id)?.into_iter().map(|r| (r.seg, r)).collect();
@@ -158,12 +170,28 @@ fn plan(store: &Store, model: &Model, docs: &[Document], segmentation: Segmentat
             if tokens.is_empty() {
                 plan.stale.extend(old.map(|r| r.id));
             } else if old.as_ref().is_some_and(|r| r.text == text && r.tokens == tokens) {
-                plan.skipped += 1;
+                unchanged.extend(old);
             } else {
-                plan.pending.push(Pending { doc: doc.id.clone(), seg, text, tokens, replaces: old.map(|r| r.id) });
+                let replaces = old.map(|r| r.id);
+                plan.pending.push(Pending { doc: doc.id.clone(), seg, text, tokens, replaces, repairs: false });
             }
         }
         plan.stale.extend(stored.into_values().map(|r| r.id));
+    }
+    let missing = store.missing_states(&unchanged)?;
+    for r in unchanged {
+        if missing.contains(&r.id) {
+            plan.pending.push(Pending {
+                doc: r.doc,
+                seg: r.seg,
+                text: r.text,
+                tokens: r.tokens,
+                replaces: Some(r.id),
+                repairs: true,
+            });
+        } else {
+            plan.skipped += 1;
+        }
     }
     Ok(plan)
 }
@@ -249,7 +277,11 @@ pub fn ingest_while(
         for ((p, id), replaced) in chunk.iter().zip(store.insert(&items)?).zip(replaced) {
             if id.is_some() {
                 progress.done += 1;
-                progress.replaced += usize::from(replaced);
+                if replaced && p.repairs {
+                    progress.repaired += 1;
+                } else if replaced {
+                    progress.replaced += 1;
+                }
                 progress.tokens += p.tokens.len();
             } else {
                 progress.skipped += 1;

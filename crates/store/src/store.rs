@@ -205,6 +205,11 @@ fn foreign_state(url: &StatesUrl) -> Result<Option<String>> {
     Ok(crate::states::open(url)?.keys()?.into_iter().next())
 }
 
+/// Up to this many state objects are looked up one by one when ingest checks that the
+/// unchanged segments still have theirs; more, and one listing of the location is cheaper
+/// (an S3 listing returns 1,000 keys per request).
+const LOOKUPS_BEFORE_LISTING: usize = 256;
+
 /// xxh3-128 of bytes, as 32 hex digits: the name and checksum of a state file.
 pub fn checksum(bytes: &[u8]) -> String {
     format!("{:032x}", xxhash_rust::xxh3::xxh3_128(bytes))
@@ -715,8 +720,9 @@ impl Store {
     }
 
     /// A missing or damaged state object as the error of the context that needs it, with the
-    /// repair: deleting the document removes the object (unless other contexts share it) and
-    /// ingesting it again writes the state anew (replacing a damaged object still shared).
+    /// repair: ingesting the document again writes a missing object anew; for a damaged one,
+    /// deleting the document first removes its row (ingest would skip it) and the object
+    /// (unless other contexts share it; the new write replaces a damaged object still shared).
     /// Other failures (a backend down) pass through.
     fn damaged_state(&self, records: &[ContextRecord], keys: &[String], e: Error) -> Error {
         let damaged = match &e {
@@ -735,12 +741,21 @@ impl Store {
             Error::Io { .. } => format!("its state file {}/{} is missing", self.states_url, key_of(&rec.checksum)),
             _ => text,
         };
+        let repair = match &e {
+            // Ingest processes an unchanged segment without its object again.
+            Error::Io { .. } => {
+                "ingest that document again (its segments without a state file are processed anew)".into()
+            }
+            _ => format!(
+                "`picaso delete --db {} --doc {:?}`, then ingest that document again",
+                self.location.catalog, rec.doc
+            ),
+        };
         Error::Store {
             location: self.location.to_string(),
             message: format!(
-                "context {} (document {:?}, segment {}) cannot be read: {what}. Repair: `picaso delete --db {} \
-                 --doc {:?}`, then ingest that document again",
-                rec.id, rec.doc, rec.seg, self.location.catalog, rec.doc
+                "context {} (document {:?}, segment {}) cannot be read: {what}. Repair: {repair}",
+                rec.id, rec.doc, rec.seg
             ),
         }
     }
@@ -852,6 +867,34 @@ impl Store {
     /// Keys of every state object in the store's states location (for verification).
     pub fn state_keys(&self) -> Result<Vec<String>> {
         self.states.keys()
+    }
+
+    /// The ids of `records` whose state object is gone from the states location (a file
+    /// deleted by hand, a disk restored without it): ingest processes their text again. One
+    /// listing of the location for many records, else a lookup each. Only presence is checked;
+    /// a damaged object is found when it is read.
+    pub fn missing_states(&self, records: &[ContextRecord]) -> Result<std::collections::HashSet<i64>> {
+        self.missing_states_by(records, LOOKUPS_BEFORE_LISTING)
+    }
+
+    /// [`Store::missing_states`] that lists the location for more than `lookups` records.
+    pub(crate) fn missing_states_by(
+        &self,
+        records: &[ContextRecord],
+        lookups: usize,
+    ) -> Result<std::collections::HashSet<i64>> {
+        let mut missing = std::collections::HashSet::new();
+        if records.len() > lookups {
+            let keys: std::collections::HashSet<String> = self.states.keys()?.into_iter().collect();
+            missing.extend(records.iter().filter(|r| !keys.contains(&key_of(&r.checksum))).map(|r| r.id));
+        } else {
+            for r in records {
+                if !self.states.exists(&key_of(&r.checksum))? {
+                    missing.insert(r.id);
+                }
+            }
+        }
+        Ok(missing)
     }
 
     /// Number of contexts.

@@ -105,8 +105,9 @@ class Store:
         progress: Optional[Callable[[int, int], Any]] = None,
     ) -> dict[str, Any]:
         """Adds documents (a str's id is "text/" + a hash of its text). Segments stored with the
-        same text are skipped; a document given again with other text is brought up to date.
-        {"added", "replaced", "removed", "skipped", "tokens", "seconds"}."""
+        same text are skipped; a document given again with other text is brought up to date, and
+        a stored segment whose state file is missing is processed again.
+        {"added", "replaced", "repaired", "removed", "skipped", "tokens", "seconds"}."""
     def search(self, query: str, k: int = 4) -> list[dict[str, Any]]: ...
     def state(self, ids: Sequence[int], method: str = "picaso-r") -> State: ...
     def query(
