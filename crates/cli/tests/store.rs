@@ -212,6 +212,24 @@ fn ingest_stats_query_and_compose(
         let wrong = format!("{states}-elsewhere");
         let (success, _, stderr) = run(&["stats", "--db", &db.db, "--states", &wrong]);
         assert!(!success && stderr.contains("keeps its states in"), "{stderr}");
+        // A new store is refused this store's states location, named by its marker.
+        let other = docs.parent().unwrap().join(format!("other-{}", db.kind()));
+        let (success, _, stderr) = run(&[
+            "ingest",
+            "--db",
+            other.to_str().unwrap(),
+            "--states",
+            states,
+            "--model",
+            m,
+            "--embedder",
+            e,
+            "--text-dir",
+            d,
+        ]);
+        let refused = stderr.contains("belongs to the store") && stderr.contains("picaso-store.json");
+        assert!(!success && refused && stderr.contains("nothing was created"), "{stderr}");
+        assert!(!other.join("store.sqlite").exists());
     }
 }
 

@@ -205,6 +205,30 @@ fn foreign_state(url: &StatesUrl) -> Result<Option<String>> {
     Ok(crate::states::open(url)?.keys()?.into_iter().next())
 }
 
+/// The object in a states location given at creation (`--states`) that names the store it
+/// belongs to: a second store is refused the location even before the first has written a
+/// state there. JSON, `{"store": CATALOG}`.
+pub const OWNER_KEY: &str = "picaso-store.json";
+
+/// How a store names itself in [`OWNER_KEY`]: its folder (absolute) or its URL without the
+/// password.
+fn owner_name(url: &CatalogUrl) -> String {
+    match url {
+        CatalogUrl::Sqlite(dir) => std::path::absolute(dir).unwrap_or_else(|_| dir.clone()).display().to_string(),
+        postgres => postgres.to_string(),
+    }
+}
+
+/// The store [`OWNER_KEY`] at `states` names, if any. A marker that is not picaso's JSON
+/// names nobody known: it is reported as it is.
+fn owner_of(states: &StatesUrl) -> Result<Option<String>> {
+    let Some(bytes) = crate::states::open(states)?.read(OWNER_KEY)? else { return Ok(None) };
+    let parsed: Option<String> = serde_json::from_slice::<serde_json::Value>(&bytes)
+        .ok()
+        .and_then(|v| v.get("store").and_then(|s| s.as_str()).map(str::to_string));
+    Ok(Some(parsed.unwrap_or_else(|| format!("(unreadable: {:?})", String::from_utf8_lossy(&bytes)))))
+}
+
 /// Up to this many state objects are looked up one by one when ingest checks that the
 /// unchanged segments still have theirs; more, and one listing of the location is cheaper
 /// (an S3 listing returns 1,000 keys per request).
@@ -337,19 +361,35 @@ impl Store {
                     // credentials, no bucket) would fail every later ingest the same way.
                     let states = absolute(given);
                     probe_states(&states)?;
-                    if let Some(key) = foreign_state(&states)? {
-                        // Unless a process creating this same store at once got there first.
-                        match existing_catalog(&location.catalog)? {
-                            Some(catalog) => return Self::bind(location.clone(), catalog)?.checked_for(info),
-                            None => {
-                                return Err(Error::Input(format!(
-                                    "{states} already holds state objects ({key}, ...) of another store; stores cannot \
-                                     share a states location (a delete in one would remove objects the other uses): give \
-                                     this store its own (a new s3:// prefix or folder); nothing was created"
-                                )))
-                            }
+                    let me = owner_name(&location.catalog);
+                    let refusal = match (owner_of(&states)?.filter(|o| *o != me), foreign_state(&states)?) {
+                        (Some(o), _) => Some((
+                            format!("belongs to the store {o} (its {states}/{OWNER_KEY} says so)"),
+                            format!(
+                                " If that store no longer exists, remove {states}/{OWNER_KEY} (and any state objects \
+                                 left there) and try again."
+                            ),
+                        )),
+                        (None, Some(key)) => {
+                            Some((format!("already holds state objects ({key}, ...) of another store"), String::new()))
                         }
+                        (None, None) => None,
+                    };
+                    if let Some((whose, remedy)) = refusal {
+                        // Unless a process creating this same store at once got there first.
+                        if let Some(catalog) = existing_catalog(&location.catalog)? {
+                            return Self::bind(location.clone(), catalog)?.checked_for(info);
+                        }
+                        return Err(Error::Input(format!(
+                            "{states} {whose}; stores cannot share a states location (a delete in one would remove \
+                             objects the other uses): give this store its own (a new s3:// prefix or folder); nothing \
+                             was created.{remedy}"
+                        )));
                     }
+                    // Claimed before the catalog exists: a creation that fails after this leaves a
+                    // marker naming this store, which the next try accepts.
+                    let marker = serde_json::json!({ "store": me }).to_string();
+                    crate::states::open(&states)?.put(OWNER_KEY, marker.as_bytes())?;
                 }
                 let states = location.states.clone().map(absolute);
                 let mut pairs = vec![

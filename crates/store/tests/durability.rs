@@ -232,8 +232,27 @@ fn two_stores_cannot_share_a_states_location() {
     let e = Store::open_or_create(second, &info()).unwrap_err().to_string();
     assert!(e.contains("already holds state objects") && e.contains("its own"), "{e}");
     assert!(!tmp.path().join("b/store.sqlite").exists(), "nothing was created");
-    // An empty one is fine.
+    // An empty one is fine, and is claimed at once: a store given it next is refused before
+    // the first has written any state there.
     let empty = tmp.path().join("c-states");
-    let third = picaso_store::Location::parse(tmp.path().join("c").to_str().unwrap(), empty.to_str()).unwrap();
-    Store::open_or_create(third, &info()).unwrap();
+    let at =
+        |name: &str| picaso_store::Location::parse(tmp.path().join(name).to_str().unwrap(), empty.to_str()).unwrap();
+    let third = Store::open_or_create(at("c"), &info()).unwrap();
+    assert!(third.state_keys().unwrap().is_empty(), "the marker is not a state object");
+    let e = Store::open_or_create(at("d"), &info()).unwrap_err().to_string();
+    let c = std::path::absolute(tmp.path().join("c")).unwrap();
+    assert!(e.contains(&format!("belongs to the store {}", c.display())) && e.contains("picaso-store.json"), "{e}");
+    assert!(!tmp.path().join("d/store.sqlite").exists(), "nothing was created");
+    // Its own store opens again; one whose creation failed after the claim is created on the
+    // next try (the marker names it).
+    drop(third);
+    Store::open_or_create(at("c"), &info()).unwrap();
+    for f in ["store.sqlite", "store.sqlite-wal", "store.sqlite-shm"] {
+        let _ = std::fs::remove_file(tmp.path().join("c").join(f));
+    }
+    Store::open_or_create(at("c"), &info()).unwrap();
+    // The remedy the refusal gives: with the marker removed, the location is free.
+    std::fs::remove_dir_all(tmp.path().join("c")).unwrap();
+    std::fs::remove_file(empty.join("picaso-store.json")).unwrap();
+    Store::open_or_create(at("d"), &info()).unwrap();
 }

@@ -50,6 +50,15 @@ impl StateObjects for LocalStates {
         Ok(self.path(key).is_file())
     }
 
+    fn read(&self, key: &str) -> Result<Option<Vec<u8>>> {
+        let path = self.path(key);
+        match std::fs::read(&path) {
+            Ok(bytes) => Ok(Some(bytes)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(Error::Io { path, source: e }),
+        }
+    }
+
     fn get_many(
         &self,
         keys: &[String],

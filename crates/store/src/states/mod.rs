@@ -31,6 +31,9 @@ pub trait StateObjects: Send + Sync + std::fmt::Debug {
     fn put(&self, key: &str, bytes: &[u8]) -> Result<()>;
     /// Whether `key` is stored.
     fn exists(&self, key: &str) -> Result<bool>;
+    /// The bytes stored under `key`, `None` if there are none (for small objects other than
+    /// states, such as the owner marker).
+    fn read(&self, key: &str) -> Result<Option<Vec<u8>>>;
     /// The objects under `keys`, parsed (the caller verifies checksums first through
     /// `verify`). Backends fetch them concurrently.
     fn get_many(

@@ -137,6 +137,15 @@ impl StateObjects for S3States {
         }
     }
 
+    fn read(&self, key: &str) -> Result<Option<Vec<u8>>> {
+        let (store, path) = (self.store.clone(), self.path(key));
+        match block_on(async move { store.get(&path).await?.bytes().await }) {
+            Ok(bytes) => Ok(Some(bytes.to_vec())),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(self.error(key, e)),
+        }
+    }
+
     fn get_many(
         &self,
         keys: &[String],
