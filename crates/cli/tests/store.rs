@@ -685,4 +685,28 @@ fn a_read_only_folder_store_can_be_read() {
     assert!(!success && stderr.contains(dbs), "{stderr}");
     read_only(0o755);
     assert_eq!(picaso_store::Store::open(db.as_path()).unwrap().len().unwrap(), 4);
+
+    // Commits still in the WAL (its writer was not the last connection, or was killed): read
+    // through the writer's shared-memory file where it is there, refused with the way out where not.
+    let keep = rusqlite::Connection::open(db.join("store.sqlite")).unwrap();
+    keep.query_row("SELECT COUNT(*) FROM sqlite_master", [], |r| r.get::<_, i64>(0)).unwrap();
+    ok(&["delete", "--db", dbs, "1", "--json"]);
+    let wal = std::fs::metadata(db.join("store.sqlite-wal")).map(|m| m.len()).unwrap_or(0);
+    assert!(wal > 0 && db.join("store.sqlite-shm").exists(), "the delete's commit is in the WAL");
+    let bare = tmp.path().join("bare");
+    std::fs::create_dir_all(bare.join("states")).unwrap();
+    for f in ["store.sqlite", "store.sqlite-wal"] {
+        std::fs::copy(db.join(f), bare.join(f)).unwrap();
+    }
+    read_only(0o555);
+    std::fs::set_permissions(&bare, std::fs::Permissions::from_mode(0o555)).unwrap();
+    let (success, stdout, stderr) = picaso(&["stats", "--db", dbs, "--json"]);
+    assert!(success && stdout.contains("\"contexts\":3"), "the WAL's commit is read: {stdout} {stderr}");
+    let (success, _, stderr) = picaso(&["stats", "--db", bare.to_str().unwrap()]);
+    let way_out =
+        stderr.contains("left commits in store.sqlite-wal") && stderr.contains("where the folder is writable");
+    assert!(!success && way_out, "{stderr}");
+    read_only(0o755);
+    std::fs::set_permissions(&bare, std::fs::Permissions::from_mode(0o755)).unwrap();
+    drop(keep);
 }
