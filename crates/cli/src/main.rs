@@ -655,9 +655,6 @@ fn info(a: InfoArgs) -> Result<()> {
 fn score(a: ScoreArgs) -> Result<()> {
     let model = load_model(&a.model, a.input.text.is_some())?;
     let tokens = tokens_of(&model, &a.input)?;
-    if tokens.is_empty() {
-        bail!("nothing to score: the input has no tokens");
-    }
     let start = load_state(&model, a.state.as_deref())?;
     let scored = model.score(&tokens, &start)?;
     let n = scored.logprobs.len();

@@ -248,6 +248,7 @@ fn text_commands_generate_and_score() {
     assert_eq!(info["tokenizer"], 50277);
     let v = ok_json(&["score", "--model", m, "--text", "The cat sat on the mat.", "--json"]);
     assert_eq!(v["token_ids"].as_array().unwrap().len(), v["logprobs"].as_array().unwrap().len() + 1);
+    fails_with(&["score", "--model", m, "--text", ""], "nothing to score");
     let a = ok_json(&["generate", "--model", m, "--prompt", "Once upon a time", "--max-tokens", "8", "--json"]);
     let b = ok_json(&["generate", "--model", m, "--prompt", "Once upon a time", "--max-tokens", "8", "--json"]);
     assert_eq!(a["token_ids"], b["token_ids"], "greedy is deterministic");

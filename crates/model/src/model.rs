@@ -513,7 +513,12 @@ impl Model {
     }
 
     /// Scores `tokens` from `state`: the first token is context, each later one is scored.
+    /// No tokens is refused (a mistake upstream, not an empty answer); one token scores nothing
+    /// and moves the state.
     pub fn score(&self, tokens: &[u32], state: &State) -> Result<Scored> {
+        if tokens.is_empty() {
+            return Err(Error::Input("nothing to score: the input has no tokens".into()));
+        }
         let (hidden, next) = self.run(tokens, state)?;
         let d = self.config.d_model();
         let logprobs = if tokens.len() < 2 {

@@ -155,6 +155,11 @@ fn batch_arguments_are_checked() {
     assert!(a.n_tokens == 0 && b.n_tokens == 0, "a refused prefill must leave the states as they were");
     let err = model.prefill_states(&[&[1, 2]], &[&z, &z]).unwrap_err().to_string();
     assert!(err.contains("1 sequences for 2 states"), "{err}");
+    // Scoring nothing is a mistake upstream; one token scores nothing and moves the state.
+    let err = model.score(&[], &z).unwrap_err().to_string();
+    assert!(err.contains("nothing to score"), "{err}");
+    let one = model.score(&[1], &z).unwrap();
+    assert!(one.logprobs.is_empty() && one.state.n_tokens == 1);
     let other = mamba1();
     let err = model.step_batch(&[1], &mut [&mut other.zero_state()]).unwrap_err().to_string();
     assert!(err.contains("model"), "{err}");

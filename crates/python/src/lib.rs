@@ -208,13 +208,7 @@ impl Model {
         input: &Bound<'py, PyAny>,
         state: Option<&State>,
     ) -> PyResult<Bound<'py, PyArray1<f32>>> {
-        let logprobs = self.run(py, input, state, |m, tokens, from| {
-            // As `picaso score`: an empty input is a mistake, not an empty answer.
-            if tokens.is_empty() {
-                return Err(picaso_model::Error::Input("nothing to score: the input has no tokens".into()));
-            }
-            Ok(m.score(tokens, from)?.logprobs)
-        })?;
+        let logprobs = self.run(py, input, state, |m, tokens, from| Ok(m.score(tokens, from)?.logprobs))?;
         Ok(PyArray1::from_vec(py, logprobs))
     }
 
