@@ -230,9 +230,12 @@ fn owner_of(states: &StatesUrl) -> Result<Option<String>> {
 }
 
 /// Up to this many state objects are looked up one by one when ingest checks that the
-/// unchanged segments still have theirs; more, and one listing of the location is cheaper
-/// (an S3 listing returns 1,000 keys per request).
+/// unchanged segments still have theirs; beyond it, the location is listed instead when that
+/// takes fewer requests.
 const LOOKUPS_BEFORE_LISTING: usize = 256;
+/// Contexts per lookup a listing is worth: an S3 listing request returns 1,000 keys and is
+/// taken to cost 4 lookups, so listing a store of n contexts costs n / 250 lookups.
+const LISTING_COST: usize = 250;
 
 /// xxh3-128 of bytes, as 32 hex digits: the name and checksum of a state file.
 pub fn checksum(bytes: &[u8]) -> String {
@@ -910,31 +913,22 @@ impl Store {
     }
 
     /// The ids of `records` whose state object is gone from the states location (a file
-    /// deleted by hand, a disk restored without it): ingest processes their text again. One
-    /// listing of the location for many records, else a lookup each. Only presence is checked;
-    /// a damaged object is found when it is read.
+    /// deleted by hand, a disk restored without it): ingest processes their text again. A
+    /// lookup per record, or one listing of the whole location when that takes fewer requests
+    /// (see [`LOOKUPS_BEFORE_LISTING`]). Only presence is checked; a damaged object is found
+    /// when it is read.
     pub fn missing_states(&self, records: &[ContextRecord]) -> Result<std::collections::HashSet<i64>> {
-        self.missing_states_by(records, LOOKUPS_BEFORE_LISTING)
-    }
-
-    /// [`Store::missing_states`] that lists the location for more than `lookups` records.
-    pub(crate) fn missing_states_by(
-        &self,
-        records: &[ContextRecord],
-        lookups: usize,
-    ) -> Result<std::collections::HashSet<i64>> {
-        let mut missing = std::collections::HashSet::new();
-        if records.len() > lookups {
-            let keys: std::collections::HashSet<String> = self.states.keys()?.into_iter().collect();
-            missing.extend(records.iter().filter(|r| !keys.contains(&key_of(&r.checksum))).map(|r| r.id));
-        } else {
-            for r in records {
-                if !self.states.exists(&key_of(&r.checksum))? {
-                    missing.insert(r.id);
-                }
-            }
+        if records.is_empty() {
+            return Ok(Default::default());
         }
-        Ok(missing)
+        let keys: Vec<String> = records.iter().map(|r| key_of(&r.checksum)).collect();
+        let there: Vec<bool> = if records.len() > LOOKUPS_BEFORE_LISTING.max(self.len()? / LISTING_COST) {
+            let listed: std::collections::HashSet<String> = self.states.keys()?.into_iter().collect();
+            keys.iter().map(|k| listed.contains(k)).collect()
+        } else {
+            self.states.exist_many(&keys)?
+        };
+        Ok(records.iter().zip(there).filter(|(_, there)| !there).map(|(r, _)| r.id).collect())
     }
 
     /// Number of contexts.

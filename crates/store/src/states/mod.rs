@@ -31,6 +31,10 @@ pub trait StateObjects: Send + Sync + std::fmt::Debug {
     fn put(&self, key: &str, bytes: &[u8]) -> Result<()>;
     /// Whether `key` is stored.
     fn exists(&self, key: &str) -> Result<bool>;
+    /// [`StateObjects::exists`] of each key (backends ask concurrently).
+    fn exist_many(&self, keys: &[String]) -> Result<Vec<bool>> {
+        keys.iter().map(|k| self.exists(k)).collect()
+    }
     /// The bytes stored under `key`, `None` if there are none (for small objects other than
     /// states, such as the owner marker).
     fn read(&self, key: &str) -> Result<Option<Vec<u8>>>;

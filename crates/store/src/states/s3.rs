@@ -137,6 +137,28 @@ impl StateObjects for S3States {
         }
     }
 
+    fn exist_many(&self, keys: &[String]) -> Result<Vec<bool>> {
+        let store = self.store.clone();
+        let paths: Vec<ObjectPath> = keys.iter().map(|k| self.path(k)).collect();
+        // All in flight at once, as in get_many: each answer is a round trip.
+        let heads = block_on(async move {
+            let heads = paths.into_iter().map(|p| {
+                let store = store.clone();
+                async move { store.head(&p).await }
+            });
+            futures_util::future::join_all(heads).await
+        });
+        heads
+            .into_iter()
+            .zip(keys)
+            .map(|(r, k)| match r {
+                Ok(_) => Ok(true),
+                Err(object_store::Error::NotFound { .. }) => Ok(false),
+                Err(e) => Err(self.error(k, e)),
+            })
+            .collect()
+    }
+
     fn read(&self, key: &str) -> Result<Option<Vec<u8>>> {
         let (store, path) = (self.store.clone(), self.path(key));
         match block_on(async move { store.get(&path).await?.bytes().await }) {
