@@ -915,7 +915,7 @@ impl Store {
     /// The ids of `records` whose state object is gone from the states location (a file
     /// deleted by hand, a disk restored without it): ingest processes their text again. A
     /// lookup per record, or one listing of the whole location when that takes fewer requests
-    /// (see [`LOOKUPS_BEFORE_LISTING`]). Only presence is checked; a damaged object is found
+    /// (see `LOOKUPS_BEFORE_LISTING`). Only presence is checked; a damaged object is found
     /// when it is read.
     pub fn missing_states(&self, records: &[ContextRecord]) -> Result<std::collections::HashSet<i64>> {
         if records.is_empty() {
