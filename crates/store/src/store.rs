@@ -201,8 +201,8 @@ fn probe_states(url: &StatesUrl) -> Result<()> {
 /// A state object already in the states location of a store being created: another store's
 /// (or an earlier, removed one's). Sharing one location is refused because a delete in one
 /// store removes objects the other still refers to.
-fn foreign_state(url: &StatesUrl) -> Result<Option<String>> {
-    Ok(crate::states::open(url)?.keys()?.into_iter().next())
+fn foreign_state(objects: &dyn StateObjects) -> Result<Option<String>> {
+    Ok(objects.keys()?.into_iter().next())
 }
 
 /// The object in a states location given at creation (`--states`) that names the store it
@@ -219,10 +219,10 @@ fn owner_name(url: &CatalogUrl) -> String {
     }
 }
 
-/// The store [`OWNER_KEY`] at `states` names, if any. A marker that is not picaso's JSON
+/// The store [`OWNER_KEY`] in `objects` names, if any. A marker that is not picaso's JSON
 /// names nobody known: it is reported as it is.
-fn owner_of(states: &StatesUrl) -> Result<Option<String>> {
-    let Some(bytes) = crate::states::open(states)?.read(OWNER_KEY)? else { return Ok(None) };
+fn owner_of(objects: &dyn StateObjects) -> Result<Option<String>> {
+    let Some(bytes) = objects.read(OWNER_KEY)? else { return Ok(None) };
     let parsed: Option<String> = serde_json::from_slice::<serde_json::Value>(&bytes)
         .ok()
         .and_then(|v| v.get("store").and_then(|s| s.as_str()).map(str::to_string));
@@ -365,7 +365,8 @@ impl Store {
                     let states = absolute(given);
                     probe_states(&states)?;
                     let me = owner_name(&location.catalog);
-                    let refusal = match (owner_of(&states)?.filter(|o| *o != me), foreign_state(&states)?) {
+                    let objects = crate::states::open(&states)?;
+                    let refusal = match (owner_of(&*objects)?.filter(|o| *o != me), foreign_state(&*objects)?) {
                         (Some(o), _) => Some((
                             format!("belongs to the store {o} (its {states}/{OWNER_KEY} says so)"),
                             format!(
@@ -392,7 +393,7 @@ impl Store {
                     // Claimed before the catalog exists: a creation that fails after this leaves a
                     // marker naming this store, which the next try accepts.
                     let marker = serde_json::json!({ "store": me }).to_string();
-                    crate::states::open(&states)?.put(OWNER_KEY, marker.as_bytes())?;
+                    objects.put(OWNER_KEY, marker.as_bytes())?;
                 }
                 let states = location.states.clone().map(absolute);
                 let mut pairs = vec![
@@ -780,18 +781,18 @@ impl Store {
         if !damaged {
             return e;
         }
-        let what = match &e {
-            Error::Io { .. } => format!("its state file {}/{} is missing", self.states_url, key_of(&rec.checksum)),
-            _ => text,
-        };
-        let repair = match &e {
+        let (what, repair) = match &e {
             // Ingest processes an unchanged segment without its object again.
-            Error::Io { .. } => {
-                "ingest that document again (its segments without a state file are processed anew)".into()
-            }
-            _ => format!(
-                "`picaso delete --db {} --doc {:?}`, then ingest that document again",
-                self.location.catalog, rec.doc
+            Error::Io { .. } => (
+                format!("its state file {}/{} is missing", self.states_url, key_of(&rec.checksum)),
+                "ingest that document again (its segments without a state file are processed anew)".to_string(),
+            ),
+            _ => (
+                text,
+                format!(
+                    "`picaso delete --db {} --doc {:?}`, then ingest that document again",
+                    self.location.catalog, rec.doc
+                ),
             ),
         };
         Error::Store {
