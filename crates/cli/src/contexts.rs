@@ -1,13 +1,13 @@
 //! Looking after a store's contents: `picaso documents` lists its documents, `picaso contexts`
 //! its contexts (all, one document's, or some ids), `picaso delete` removes contexts or whole
-//! documents.
+//! documents, `picaso check` verifies every state object (and repairs what it can).
 
 use anyhow::Result;
 use clap::Args;
 use picaso_model::counted;
 use serde_json::json;
 
-use crate::{demo::snippet, DbArgs};
+use crate::{demo::snippet, DbArgs, ModelArgs};
 
 /// Contexts read from the catalog per round trip when listing a whole store.
 const PAGE: usize = 1000;
@@ -137,4 +137,114 @@ pub fn delete(a: DeleteArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+#[derive(Args)]
+pub struct CheckArgs {
+    #[command(flatten)]
+    db: DbArgs,
+    /// Repair what the check finds: recompute each broken context's state from the token ids
+    /// in its row (with the store's model, --model) and remove the state objects no context
+    /// names.
+    #[arg(long)]
+    repair: bool,
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Print JSON: the check's report (`contexts`, `sound`, `state_bytes`, `problems`,
+    /// `unreferenced`, ...), with the repair's under `repair`.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Problems listed one per line before "... and N more".
+const PROBLEMS_SHOWN: usize = 20;
+
+/// `picaso check`: reads every context's state object back; with `--repair`, fixes what it
+/// found. Fails (exit 1) while a context cannot be used.
+pub fn check(a: CheckArgs) -> Result<()> {
+    let store = picaso_store::Store::open(a.db.location()?)?;
+    // Loaded first: a wrong --model fails before the (long) check.
+    let model = if a.repair { Some(crate::load_model(&a.model, false)?) } else { None };
+    let bar = |what: &str| {
+        (!a.json).then(|| {
+            let bar = indicatif::ProgressBar::new(0);
+            bar.set_style(
+                indicatif::ProgressStyle::with_template(&format!("{{bar:30}} {{pos}}/{{len}} {what} · ETA {{eta}}"))
+                    .expect("valid template"),
+            );
+            bar
+        })
+    };
+    let progress = |bar: &Option<indicatif::ProgressBar>| {
+        let bar = bar.clone();
+        move |done: usize, total: usize| {
+            if let Some(bar) = &bar {
+                bar.set_length(total as u64);
+                bar.set_position(done as u64);
+            }
+        }
+    };
+    let checking = bar("contexts checked");
+    let found = picaso_store::check(&store, progress(&checking))?;
+    if let Some(bar) = checking {
+        bar.finish_and_clear();
+    }
+    let repaired = match &model {
+        Some(model) => {
+            let repairing = bar("contexts repaired");
+            let r = picaso_store::repair(&store, model, &found, progress(&repairing))?;
+            if let Some(bar) = repairing {
+                bar.finish_and_clear();
+            }
+            Some(r)
+        }
+        None => None,
+    };
+    let db = picaso_store::location::redact(&a.db.db);
+    if a.json {
+        let mut out = serde_json::to_value(&found)?;
+        out["repair"] = serde_json::to_value(&repaired)?;
+        println!("{out}");
+    } else {
+        println!("{}", found.summary());
+        for p in found.problems.iter().take(PROBLEMS_SHOWN) {
+            let kind = match p.kind {
+                picaso_store::ProblemKind::MissingState => "missing state",
+                picaso_store::ProblemKind::DamagedState => "damaged state",
+                picaso_store::ProblemKind::DamagedRow => "damaged row",
+            };
+            println!("  context {} ({:?} #{}): {kind}: {}", p.id, p.doc, p.seg, p.detail);
+        }
+        if found.problems.len() > PROBLEMS_SHOWN {
+            println!("  ... and {} more (--json lists every one)", found.problems.len() - PROBLEMS_SHOWN);
+        }
+        match &repaired {
+            Some(r) => println!("{}", r.summary()),
+            None if !found.unreferenced.is_empty() && found.problems.is_empty() => {
+                println!("`picaso check --db {db} --repair` removes the state objects no context names")
+            }
+            None => {}
+        }
+    }
+    let left = repaired.as_ref().map_or(&found.problems, |r| &r.left);
+    if left.is_empty() {
+        return Ok(());
+    }
+    let rows: Vec<String> =
+        left.iter().filter(|p| p.kind == picaso_store::ProblemKind::DamagedRow).map(|p| p.id.to_string()).collect();
+    let states = left.len() - rows.len();
+    let mut how = Vec::new();
+    if states > 0 {
+        how.push(format!(
+            "`picaso check --db {db} --repair` recomputes the {} from the token ids in their rows",
+            counted(states, "broken state")
+        ));
+    }
+    if !rows.is_empty() {
+        how.push(format!(
+            "a damaged row cannot be trusted: `picaso delete --db {db} {}`, then ingest their documents again",
+            rows.join(",")
+        ));
+    }
+    anyhow::bail!("{} of the store cannot be used; {}", counted(left.len(), "context"), how.join("; "))
 }

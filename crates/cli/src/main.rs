@@ -66,6 +66,9 @@ enum Command {
     Contexts(contexts::ContextsArgs),
     /// Remove contexts, or whole documents, from a store.
     Delete(contexts::DeleteArgs),
+    /// Verify every state object of a store against its catalog; --repair recomputes the
+    /// broken ones from their stored tokens.
+    Check(contexts::CheckArgs),
     /// Retrieve contexts, compose their states, continue with a prompt.
     Query(QueryArgs),
     /// Copy a store to another backend (folder, S3 + PostgreSQL), verifying every context.
@@ -509,6 +512,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Documents(a) => contexts::documents(a),
         Command::Contexts(a) => contexts::list(a),
         Command::Delete(a) => contexts::delete(a),
+        Command::Check(a) => contexts::check(a),
         Command::Query(a) => query(a),
         Command::Migrate(a) => backends::migrate(a),
         Command::Index(a) => backends::index(a),

@@ -317,7 +317,10 @@ fn changed_documents_are_replaced_and_contexts_listed_and_deleted() {
         let objects = picaso_store::states::open(store.states_url()).unwrap();
         objects.delete(&picaso_store::states::key_of(&lost.checksum)).unwrap();
         let (success, _, stderr) = run_s(&args(&["query"], &db, &["--model", m, "--ids", "4", "Hi"]));
-        assert!(!success && stderr.contains("is missing") && stderr.contains("ingest that document again"), "{stderr}");
+        assert!(
+            !success && stderr.contains("is missing") && stderr.contains("ingesting that document again"),
+            "{stderr}"
+        );
         let v = ok_s(&ingest);
         let counts = ["added", "replaced", "repaired", "skipped"].map(|k| v[k].as_u64().unwrap());
         assert_eq!(counts, [0, 0, 1, 2], "{v}");
@@ -384,6 +387,86 @@ fn changed_documents_are_replaced_and_contexts_listed_and_deleted() {
         assert_eq!(listed(&["--ids", &mamba, "--json"])[0]["doc"], "mamba.txt");
         let (success, _, stderr) = run_s(&args(&["delete"], &db, &[]));
         assert!(!success && stderr.contains("required"), "{stderr}");
+    }
+}
+
+/// `picaso check` reads every state object back: sound stores pass; a lost object, a damaged
+/// one and an object no context names are reported (exit 1 while a context cannot be used),
+/// and `--repair` recomputes the broken states from their rows' tokens (same ids, same bits)
+/// and removes the unnamed object (every backend). A damaged row is left, with the command
+/// that removes it.
+#[test]
+fn check_finds_lost_and_damaged_states_and_repair_recomputes_them() {
+    let (Some(model), Some(embedder)) = (text_model(1), shared("all-MiniLM-L6-v2")) else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let docs = tmp.path().join("docs");
+    write_docs(&docs);
+    let (m, e, d) = (model.path().to_str().unwrap(), embedder.to_str().unwrap(), docs.to_str().unwrap());
+    for db in backends(tmp.path(), "check") {
+        eprintln!("backend {}", db.kind());
+        ok_s(&args(&["ingest"], &db, &["--model", m, "--embedder", e, "--text-dir", d, "--json"]));
+        let v = ok_s(&args(&["check"], &db, &["--json"]));
+        assert_eq!((v["contexts"].as_u64(), v["sound"].as_u64()), (Some(4), Some(4)), "{v}");
+        assert!(v["state_bytes"].as_u64().unwrap() > 0 && v["repair"].is_null(), "{v}");
+
+        let store = picaso_store::Store::open(db.location()).unwrap();
+        let objects = picaso_store::states::open(store.states_url()).unwrap();
+        let key = |id: i64| picaso_store::states::key_of(&store.get(id).unwrap().checksum);
+        let before: Vec<State> = [1, 4].iter().map(|&id| store.load_state(id).unwrap()).collect();
+        objects.delete(&key(1)).unwrap();
+        let mut damaged = objects.read(&key(4)).unwrap().unwrap();
+        let at = damaged.len() - 8;
+        damaged[at] ^= 1;
+        objects.put(&key(4), &damaged).unwrap();
+        let orphan = b"left by a killed delete".to_vec();
+        let orphan_key = picaso_store::states::key_of(&picaso_store::checksum(&orphan));
+        objects.put(&orphan_key, &orphan).unwrap();
+
+        let (success, v, stderr) = run_s(&args(&["check"], &db, &["--json"]));
+        assert!(
+            !success && stderr.contains("2 contexts of the store cannot be used") && stderr.contains("--repair"),
+            "{stderr}"
+        );
+        let kinds: Vec<(i64, &str)> = v["problems"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| (p["id"].as_i64().unwrap(), p["kind"].as_str().unwrap()))
+            .collect();
+        assert_eq!(kinds, [(1, "missing_state"), (4, "damaged_state")], "{v}");
+        assert_eq!(v["unreferenced"][0]["key"], orphan_key.as_str(), "{v}");
+        let out = Command::new(common::picaso_bin()).args(args(&["check"], &db, &[])).output().unwrap();
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert!(said.contains("checked 4 contexts") && said.contains("2 sound, 1 without their state object, 1 with a damaged state object; 1 state object that no context names"), "{said}");
+        assert!(said.contains("context 4 (\"mamba.txt\" #0): damaged state: its bytes hash to"), "{said}");
+
+        let v = ok_s(&args(&["check"], &db, &["--repair", "--model", m, "--json"]));
+        assert_eq!(v["repair"]["rewritten"], serde_json::json!([1, 4]), "{v}");
+        assert_eq!(
+            (v["repair"]["restated"].as_array().map(Vec::len), v["repair"]["removed_objects"].as_u64()),
+            (Some(0), Some(1)),
+            "{v}"
+        );
+        assert!(!objects.exists(&orphan_key).unwrap(), "the unnamed object is gone");
+        let after: Vec<State> = [1, 4].iter().map(|&id| store.load_state(id).unwrap()).collect();
+        assert!(after == before, "the same states, bit for bit, under the same ids");
+        let v = ok_s(&args(&["check"], &db, &["--json"]));
+        assert_eq!((v["sound"].as_u64(), v["unreferenced"].as_array().map(Vec::len)), (Some(4), Some(0)), "{v}");
+
+        if db.states.is_none() {
+            // A damaged row: its tokens cannot be trusted, so the repair leaves it and says how
+            // to remove it.
+            let conn = rusqlite::Connection::open(std::path::Path::new(&db.db).join("store.sqlite")).unwrap();
+            conn.execute("UPDATE contexts SET n_tokens = 99 WHERE id = 2", []).unwrap();
+            let (success, v, stderr) = run_s(&args(&["check"], &db, &["--repair", "--model", m, "--json"]));
+            assert!(!success && v["repair"]["left"][0]["id"] == 2, "{v}");
+            assert!(stderr.contains(&format!("`picaso delete --db {} 2`", db.db)), "{stderr}");
+        }
+        // A repair needs the store's model.
+        let other = text_model(2).unwrap();
+        let (success, _, stderr) =
+            run_s(&args(&["check"], &db, &["--repair", "--model", other.path().to_str().unwrap()]));
+        assert!(!success && stderr.contains("model"), "{stderr}");
     }
 }
 

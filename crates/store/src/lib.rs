@@ -17,6 +17,7 @@ pub mod attribution;
 pub mod bench;
 pub mod cache;
 pub mod catalog;
+pub mod check;
 pub mod error;
 pub mod ingest;
 pub mod location;
@@ -30,6 +31,7 @@ pub mod store;
 
 pub use attribution::{attribute, Attribution};
 pub use cache::{CacheStats, StateCache};
+pub use check::{check, repair, CheckReport, Problem, ProblemKind, RepairReport};
 pub use error::{Error, Result};
 pub use ingest::{ingest, ingest_while, prune, IngestProgress};
 pub use location::{CatalogUrl, Location, StatesUrl};

@@ -243,7 +243,7 @@ pub fn checksum(bytes: &[u8]) -> String {
 }
 
 /// Whether `s` is what [`checksum`] makes: 32 lowercase hex digits.
-fn is_checksum(s: &str) -> bool {
+pub(crate) fn is_checksum(s: &str) -> bool {
     s.len() == 32 && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
@@ -481,6 +481,16 @@ impl Store {
         Ok(Self { location, info, catalog, states_url: recorded, states, writer: Default::default() })
     }
 
+    /// The catalog (for [`crate::check`]).
+    pub(crate) fn catalog(&self) -> &dyn Catalog {
+        &*self.catalog
+    }
+
+    /// The state objects (for [`crate::check`]).
+    pub(crate) fn objects(&self) -> &dyn StateObjects {
+        &*self.states
+    }
+
     /// Where the store is (displays without credentials).
     pub fn location(&self) -> &Location {
         &self.location
@@ -628,16 +638,7 @@ impl Store {
     /// checksum names the state object (32 hex digits, so it cannot point outside the store),
     /// and the token count matches the tokens.
     fn checked(&self, rec: ContextRecord) -> Result<ContextRecord> {
-        let problem = if !is_checksum(&rec.checksum) {
-            Some(format!("its checksum {:?} is not 32 hex digits", rec.checksum))
-        } else if rec.state_file != format!("states/{}", key_of(&rec.checksum)) {
-            Some(format!("its state file {:?} does not match its checksum {}", rec.state_file, rec.checksum))
-        } else if rec.n_tokens != rec.tokens.len() {
-            Some(format!("it records {} tokens but holds {}", rec.n_tokens as i64, rec.tokens.len()))
-        } else {
-            None
-        };
-        match problem {
+        match self.row_problem(&rec) {
             None => Ok(rec),
             Some(p) => Err(Error::Store {
                 location: self.location.to_string(),
@@ -646,6 +647,19 @@ impl Store {
                     rec.id
                 ),
             }),
+        }
+    }
+
+    /// What [`Store::checked`] finds wrong with a row, if anything.
+    pub(crate) fn row_problem(&self, rec: &ContextRecord) -> Option<String> {
+        if !is_checksum(&rec.checksum) {
+            Some(format!("its checksum {:?} is not 32 hex digits", rec.checksum))
+        } else if rec.state_file != format!("states/{}", key_of(&rec.checksum)) {
+            Some(format!("its state file {:?} does not match its checksum {}", rec.state_file, rec.checksum))
+        } else if rec.n_tokens != rec.tokens.len() {
+            Some(format!("it records {} tokens but holds {}", rec.n_tokens as i64, rec.tokens.len()))
+        } else {
+            None
         }
     }
 
@@ -764,10 +778,9 @@ impl Store {
     }
 
     /// A missing or damaged state object as the error of the context that needs it, with the
-    /// repair: ingesting the document again writes a missing object anew; for a damaged one,
-    /// deleting the document first removes its row (ingest would skip it) and the object
-    /// (unless other contexts share it; the new write replaces a damaged object still shared).
-    /// Other failures (a backend down) pass through.
+    /// repair: `picaso check --repair` recomputes it from the tokens in its row (for a missing
+    /// one, ingesting the document again also does). Other failures (a backend down) pass
+    /// through.
     fn damaged_state(&self, records: &[ContextRecord], keys: &[String], e: Error) -> Error {
         let damaged = match &e {
             Error::Corrupt { .. } | Error::Model(_) | Error::Store { .. } => true,
@@ -781,19 +794,15 @@ impl Store {
         if !damaged {
             return e;
         }
+        let check =
+            format!("`picaso check --db {} --repair` recomputes it from the tokens in its row", self.location.catalog);
         let (what, repair) = match &e {
             // Ingest processes an unchanged segment without its object again.
             Error::Io { .. } => (
                 format!("its state file {}/{} is missing", self.states_url, key_of(&rec.checksum)),
-                "ingest that document again (its segments without a state file are processed anew)".to_string(),
+                format!("{check}, as does ingesting that document again"),
             ),
-            _ => (
-                text,
-                format!(
-                    "`picaso delete --db {} --doc {:?}`, then ingest that document again",
-                    self.location.catalog, rec.doc
-                ),
-            ),
+            _ => (text, check),
         };
         Error::Store {
             location: self.location.to_string(),

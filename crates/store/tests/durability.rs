@@ -2,7 +2,8 @@
 //! never reused (also after copying ids in), a store whose creation was killed says how to
 //! remove it, a damaged state file is named with its context and repaired by ingesting its
 //! text again, a missing one is found before ingest skips its segment, temporary files of
-//! killed writes are swept, and a migration claims its target.
+//! killed writes are swept, a migration claims its target, and a check finds every broken
+//! context that a repair then recomputes from its row.
 
 use std::path::Path;
 
@@ -124,9 +125,10 @@ fn state_path(store: &Store, dir: &Path, id: i64) -> std::path::PathBuf {
     dir.join(store.get(id).unwrap().state_file)
 }
 
-/// A damaged or missing state file is reported with its context and a repair that works:
-/// deleting the document and ingesting its text again, even when another context still shares
-/// the damaged file (its write replaces the file instead of keeping it).
+/// A damaged or missing state file is reported with its context and its repair (`picaso check
+/// --repair`, below). Deleting the document and ingesting its text again works too, even when
+/// another context still shares the damaged file (its write replaces the file instead of
+/// keeping it).
 #[test]
 fn a_damaged_state_names_its_context_and_is_repaired_by_writing_it_again() {
     let tmp = tempfile::tempdir().unwrap();
@@ -140,7 +142,7 @@ fn a_damaged_state_names_its_context_and_is_repaired_by_writing_it_again() {
     bytes[at] ^= 0xff;
     std::fs::write(&shared, &bytes).unwrap();
     let e = store.map_state(ids[0]).unwrap_err().to_string();
-    assert!(e.contains("context 1") && e.contains("\"a\"") && e.contains("picaso delete"), "{e}");
+    assert!(e.contains("context 1") && e.contains("\"a\"") && e.contains("picaso check --db"), "{e}");
     assert!(e.contains("corrupt"), "{e}");
     // The repair given: delete the document (the file stays, "b" shares it), ingest it again.
     store.delete_document("a").unwrap();
@@ -151,7 +153,7 @@ fn a_damaged_state_names_its_context_and_is_repaired_by_writing_it_again() {
     std::fs::remove_file(state_path(&store, &dir, ids[2])).unwrap();
     let e = store.map_state(ids[2]).unwrap_err().to_string();
     assert!(e.contains("context 3") && e.contains("\"c\"") && e.contains("is missing"), "{e}");
-    assert!(e.contains("ingest that document again") && !e.contains("os error"), "{e}");
+    assert!(e.contains("--repair") && e.contains("ingesting that document again") && !e.contains("os error"), "{e}");
     // What ingest does with it (tests/store.rs runs the command): finds it missing, replaces it.
     let c = store.get(ids[2]).unwrap();
     assert_eq!(store.missing_states(std::slice::from_ref(&c)).unwrap(), [ids[2]].into());
@@ -255,4 +257,93 @@ fn two_stores_cannot_share_a_states_location() {
     std::fs::remove_dir_all(tmp.path().join("c")).unwrap();
     std::fs::remove_file(empty.join("picaso-store.json")).unwrap();
     Store::open_or_create(at("d"), &info()).unwrap();
+}
+
+/// `check` reads every state object back and names each broken context (missing, damaged,
+/// shared and damaged, another state's bytes, a damaged row) and each object no context names;
+/// `repair` recomputes the broken states from the tokens in their rows, removes the unnamed
+/// objects, and leaves only what it cannot fix (the damaged row). A recomputed state with
+/// other bits (here: a row whose state was not made from its tokens) is stored under its own
+/// checksum, and the row follows it.
+#[test]
+fn a_check_finds_every_broken_context_and_a_repair_fixes_them() {
+    use picaso_store::ProblemKind::{DamagedRow, DamagedState, MissingState};
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("db");
+    let store = Store::open_or_create(dir.as_path(), &info()).unwrap();
+    let mut other_bits = context("g", 0, 5);
+    other_bits.state = context("x", 0, 5).state; // same length of tokens, other tokens
+    other_bits.tokens.reverse();
+    let items = [
+        context("a", 0, 0),
+        context("b", 0, 0), // shares a's object
+        context("c", 0, 1),
+        context("d", 0, 2),
+        context("e", 0, 3),
+        context("f", 0, 4),
+        other_bits,
+    ];
+    let ids = insert(&store, &items);
+    let sound = picaso_store::check(&store, |_, _| {}).unwrap();
+    assert_eq!((sound.contexts, sound.sound, sound.problems.len(), sound.unreferenced.len()), (7, 7, 0, 0));
+
+    let path = |id| state_path(&store, &dir, id);
+    let mut bytes = std::fs::read(path(ids[0])).unwrap();
+    let at = bytes.len() / 2;
+    bytes[at] ^= 0x40;
+    std::fs::write(path(ids[0]), &bytes).unwrap();
+    std::fs::remove_file(path(ids[2])).unwrap();
+    std::fs::copy(path(ids[4]), path(ids[3])).unwrap(); // a sound state, but not d's
+    std::fs::remove_file(path(ids[6])).unwrap();
+    let conn = rusqlite::Connection::open(dir.join("store.sqlite")).unwrap();
+    conn.execute("UPDATE contexts SET n_tokens = 99 WHERE id = ?1", [ids[5]]).unwrap();
+    // An object no row names (a killed delete's), and a file that is not picaso's.
+    let orphan = context("o", 0, 9).state.to_bytes(Default::default()).unwrap();
+    let orphan_key =
+        format!("{}/{}.safetensors", &picaso_store::checksum(&orphan)[..2], picaso_store::checksum(&orphan));
+    std::fs::create_dir_all(dir.join("states").join(&orphan_key[..2])).unwrap();
+    std::fs::write(dir.join("states").join(&orphan_key), &orphan).unwrap();
+    std::fs::create_dir_all(dir.join("states/zz")).unwrap();
+    std::fs::write(dir.join("states/zz/notes.safetensors"), b"mine").unwrap();
+
+    let found = picaso_store::check(&store, |_, _| {}).unwrap();
+    let kinds: Vec<_> = found.problems.iter().map(|p| (p.id, p.kind)).collect();
+    assert_eq!(
+        kinds,
+        [
+            (ids[0], DamagedState),
+            (ids[1], DamagedState),
+            (ids[2], MissingState),
+            (ids[3], DamagedState),
+            (ids[5], DamagedRow),
+            (ids[6], MissingState)
+        ]
+    );
+    assert!(found.problems[0].detail.contains("hash to"), "{:?}", found.problems[0]);
+    assert!(found.problems[4].detail.contains("99 tokens"), "{:?}", found.problems[4]);
+    assert_eq!((found.contexts, found.sound), (7, 1));
+    let unnamed: Vec<&str> = found.unreferenced.iter().map(|u| u.key.as_str()).collect();
+    assert_eq!(unnamed, [orphan_key.as_str()]);
+    assert_eq!(found.unreferenced_bytes, orphan.len() as u64);
+    let line = found.summary();
+    assert!(line.contains("1 sound, 2 without their state object, 3 with a damaged state object, 1 with a damaged catalog row; 1 state object that no context names"), "{line}");
+
+    let fixed = picaso_store::repair(&store, model(), &found, |_, _| {}).unwrap();
+    assert_eq!(fixed.rewritten, [ids[0], ids[1], ids[2], ids[3]]);
+    assert_eq!(fixed.restated, [ids[6]]);
+    assert_eq!((fixed.removed_objects, fixed.removed_bytes), (1, orphan.len() as u64));
+    assert_eq!(fixed.left.iter().map(|p| p.id).collect::<Vec<_>>(), [ids[5]]);
+    let after = picaso_store::check(&store, |_, _| {}).unwrap();
+    assert_eq!(after.problems.iter().map(|p| (p.id, p.kind)).collect::<Vec<_>>(), [(ids[5], DamagedRow)]);
+    assert_eq!((after.sound, after.unreferenced.len()), (6, 0));
+    assert!(dir.join("states/zz/notes.safetensors").exists(), "not picaso's: left alone");
+    // The restated context holds the state of its own tokens now.
+    let m = model();
+    let restated = store.load_state(ids[6]).unwrap();
+    assert_eq!(restated, m.prefill(&items[6].tokens, &m.zero_state()).unwrap());
+    // A repair needs the store's model.
+    let c = Mamba2Config::tiny(2, 4);
+    let stranger = Model::from_weights(c.clone(), Mamba2Weights::random(&c, 4), None);
+    let e = picaso_store::repair(&store, &stranger, &found, |_, _| {}).unwrap_err().to_string();
+    assert!(e.contains("model"), "{e}");
 }

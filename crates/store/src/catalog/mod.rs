@@ -80,6 +80,22 @@ pub trait Catalog: Send + Sync + std::fmt::Debug {
     /// goes first (committed): a crash or a failed removal leaves an orphan object, never a row
     /// without its object.
     fn delete(&self, id: i64, remove_state: &mut dyn FnMut(&str) -> Result<()>) -> Result<()>;
+    /// Points context `id` at another state object (`checksum`, `state_file`, `state_bytes`),
+    /// keeping everything else; `write_states` writes that object first, under the lock an
+    /// insert takes. For a context whose object was lost and whose state, recomputed from its
+    /// tokens, came out with other bits. Returns false when the context is gone.
+    fn restate(
+        &self,
+        id: i64,
+        checksum: &str,
+        state_file: &str,
+        state_bytes: u64,
+        write_states: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<bool>;
+    /// Calls `remove_state(checksum)` unless a context refers to that state, under the lock
+    /// [`Catalog::delete`] takes, so no insert that would refer to it runs meanwhile. For
+    /// objects left behind by killed writes. Returns whether it was removed.
+    fn remove_if_unreferenced(&self, checksum: &str, remove_state: &mut dyn FnMut(&str) -> Result<()>) -> Result<bool>;
     /// The `k` nearest contexts to `query` by inner product (cosine for normalised vectors),
     /// best first. `exact` forbids approximate indexes.
     fn search(&self, query: &[f32], k: usize, exact: bool) -> Result<Vec<(i64, f32)>>;

@@ -666,6 +666,64 @@ impl Catalog for PostgresCatalog {
         Ok(())
     }
 
+    fn restate(
+        &self,
+        id: i64,
+        checksum: &str,
+        state_file: &str,
+        state_bytes: u64,
+        write_states: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<bool> {
+        // As an insert: the object is written under its shared lock, so a delete of another
+        // context with this state cannot remove it before this row refers to it.
+        let client = self.begin_locked(vec![lock_key(checksum)], false)?;
+        if let Err(e) = write_states() {
+            self.abort(client);
+            return Err(e);
+        }
+        let (sum, file, bytes) = (checksum.to_string(), state_file.to_string(), state_bytes as i64);
+        self.finish(
+            client,
+            Box::new(move |c| {
+                let (sum, file) = (sum.clone(), file.clone());
+                Box::pin(async move {
+                    let n = c
+                        .execute(
+                            "UPDATE picaso_contexts SET checksum = $1, state_file = $2, state_bytes = $3 WHERE id = $4",
+                            &[&sum, &file, &bytes, &id],
+                        )
+                        .await?;
+                    Ok(n == 1)
+                })
+            }),
+        )
+    }
+
+    fn remove_if_unreferenced(&self, checksum: &str, remove_state: &mut dyn FnMut(&str) -> Result<()>) -> Result<bool> {
+        // The lock a delete takes: inserts that would refer to this object wait until it is gone
+        // and write it again.
+        let client = self.lock_object(lock_key(checksum))?;
+        let sum = checksum.to_string();
+        let limit = self.pool.resilience.attempt;
+        let (client, used) = block_on(async move {
+            let used = bounded(limit, async {
+                let row = client
+                    .query_one("SELECT EXISTS (SELECT 1 FROM picaso_contexts WHERE checksum = $1)", &[&sum])
+                    .await?;
+                Ok::<bool, Fail>(row.get(0))
+            })
+            .await;
+            (client, used)
+        });
+        let used = match used {
+            Ok(v) => v,
+            Err(e) => return Err(e.into_error(&self.pool.url)), // dropping the connection unlocks
+        };
+        let removed = if used { Ok(false) } else { remove_state(checksum).map(|()| true) };
+        self.unlock_object(client, lock_key(checksum));
+        removed
+    }
+
     fn search(&self, query: &[f32], k: usize, exact: bool) -> Result<Vec<(i64, f32)>> {
         let q = Vector::from(query.to_vec());
         let limit = k as i64;

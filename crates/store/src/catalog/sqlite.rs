@@ -480,6 +480,35 @@ impl Catalog for SqliteCatalog {
         Ok(())
     }
 
+    fn restate(
+        &self,
+        id: i64,
+        checksum: &str,
+        state_file: &str,
+        state_bytes: u64,
+        write_states: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<bool> {
+        let _writes = self.writes.lock().unwrap_or_else(|p| p.into_inner());
+        write_states()?;
+        let n = self.conn().execute(
+            "UPDATE contexts SET checksum = ?1, state_file = ?2, state_bytes = ?3 WHERE id = ?4",
+            params![checksum, state_file, state_bytes as i64, id],
+        )?;
+        Ok(n == 1)
+    }
+
+    fn remove_if_unreferenced(&self, checksum: &str, remove_state: &mut dyn FnMut(&str) -> Result<()>) -> Result<bool> {
+        let _writes = self.writes.lock().unwrap_or_else(|p| p.into_inner());
+        let used: bool =
+            self.conn()
+                .query_row("SELECT EXISTS (SELECT 1 FROM contexts WHERE checksum = ?1)", [checksum], |r| r.get(0))?;
+        if used {
+            return Ok(false);
+        }
+        remove_state(checksum)?;
+        Ok(true)
+    }
+
     fn search(&self, query: &[f32], k: usize, _exact: bool) -> Result<Vec<(i64, f32)>> {
         let index = self.index()?;
         let hits = index.flat.search(query, k)?;

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use picaso_model::MappedState;
 use rayon::prelude::*;
 
-use super::StateObjects;
+use super::{Entry, Finding, StateObjects};
 use crate::error::{Error, Result};
 
 /// A folder of state files.
@@ -84,6 +84,26 @@ impl StateObjects for LocalStates {
             .collect()
     }
 
+    fn inspect_many(&self, keys: &[String], judge: &(dyn Fn(usize, &[u8]) -> Finding + Sync)) -> Result<Vec<Finding>> {
+        Ok(keys
+            .par_iter()
+            .enumerate()
+            .map(|(i, key)| {
+                let path = self.path(key);
+                let map = std::fs::File::open(&path).and_then(|file| {
+                    // SAFETY: state files are written once and never modified in place (atomic
+                    // rename); the map lives only while it is judged.
+                    unsafe { memmap2::Mmap::map(&file) }
+                });
+                match map {
+                    Ok(map) => judge(i, &map),
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => Finding::Missing,
+                    Err(e) => Finding::Damaged(format!("{} cannot be read: {e}", path.display())),
+                }
+            })
+            .collect())
+    }
+
     fn delete(&self, key: &str) -> Result<()> {
         match std::fs::remove_file(self.path(key)) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(Error::Io { path: self.path(key), source: e }),
@@ -91,7 +111,7 @@ impl StateObjects for LocalStates {
         }
     }
 
-    fn keys(&self) -> Result<Vec<String>> {
+    fn entries(&self) -> Result<Vec<Entry>> {
         let mut out = Vec::new();
         let Ok(shards) = std::fs::read_dir(&self.dir) else { return Ok(out) };
         for shard in shards.flatten() {
@@ -99,11 +119,12 @@ impl StateObjects for LocalStates {
             for f in files.flatten() {
                 let name = f.file_name().to_string_lossy().into_owned();
                 if name.ends_with(".safetensors") && !name.starts_with('.') {
-                    out.push(format!("{}/{name}", shard.file_name().to_string_lossy()));
+                    let bytes = f.metadata().map(|m| m.len()).unwrap_or(0);
+                    out.push(Entry { key: format!("{}/{name}", shard.file_name().to_string_lossy()), bytes });
                 }
             }
         }
-        out.sort();
+        out.sort_by(|a, b| a.key.cmp(&b.key));
         Ok(out)
     }
 }

@@ -21,6 +21,26 @@ pub fn key_of(checksum: &str) -> String {
     format!("{}/{checksum}.safetensors", &checksum[..2])
 }
 
+/// What reading one state object found (see [`StateObjects::inspect_many`]).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Finding {
+    /// Present, and its bytes passed the check.
+    Sound,
+    /// No object under the key.
+    Missing,
+    /// Present but unreadable, or failing the check: why.
+    Damaged(String),
+}
+
+/// One stored object, as a listing gives it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Entry {
+    /// Its key.
+    pub key: String,
+    /// Its size.
+    pub bytes: u64,
+}
+
 /// A backend holding state files.
 pub trait StateObjects: Send + Sync + std::fmt::Debug {
     /// Where the objects are (no credentials).
@@ -45,10 +65,19 @@ pub trait StateObjects: Send + Sync + std::fmt::Debug {
         keys: &[String],
         verify: &(dyn Fn(usize, &[u8]) -> Result<()> + Sync),
     ) -> Result<Vec<MappedState>>;
+    /// Reads each of `keys` and hands its bytes to `judge` (fetched concurrently, judged in
+    /// parallel, then dropped): for checking a whole store. A key with no object is
+    /// [`Finding::Missing`]. Fails only when the backend cannot answer at all.
+    fn inspect_many(&self, keys: &[String], judge: &(dyn Fn(usize, &[u8]) -> Finding + Sync)) -> Result<Vec<Finding>>;
     /// Removes `key` (absent keys are fine).
     fn delete(&self, key: &str) -> Result<()>;
-    /// Every key stored (for `picaso migrate --verify` and tests).
-    fn keys(&self) -> Result<Vec<String>>;
+    /// Every state object stored, with its size, in key order (temporary files and other
+    /// objects, such as the owner marker, left out).
+    fn entries(&self) -> Result<Vec<Entry>>;
+    /// The keys of [`StateObjects::entries`] (for `picaso migrate --verify` and tests).
+    fn keys(&self) -> Result<Vec<String>> {
+        Ok(self.entries()?.into_iter().map(|e| e.key).collect())
+    }
 }
 
 /// Opens the state backend at `url`. (Hot states are cached in memory by

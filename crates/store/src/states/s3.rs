@@ -17,7 +17,7 @@ use object_store::{ClientOptions, ObjectStore, ObjectStoreExt, RetryConfig};
 use picaso_model::MappedState;
 use rayon::prelude::*;
 
-use super::StateObjects;
+use super::{Entry, Finding, StateObjects};
 use crate::error::{Error, Result};
 use crate::runtime::{block_on, Resilience};
 
@@ -78,16 +78,18 @@ impl S3States {
     }
 }
 
-/// Maps an object-store error to the store's: missing objects and refusals (4xx, credentials)
-/// are permanent; everything else (connection refused, timeouts, 5xx after retries) is
+/// Maps an object-store error to the store's: missing objects (a not-found [`Error::Io`], as
+/// for a folder) and refusals (4xx, credentials) are permanent; everything else (connection refused, timeouts, 5xx after retries) is
 /// [`Error::Unavailable`].
 fn classify(url: &str, key: &str, e: object_store::Error) -> Error {
     use object_store::Error as E;
     let backend = url.to_string();
     match e {
-        E::NotFound { .. } => {
-            Error::Store { location: url.to_string(), message: format!("state object {key} is missing") }
-        }
+        // As a folder's missing file, so callers tell "missing" from "damaged" the same way.
+        E::NotFound { .. } => Error::Io {
+            path: format!("{url}/{key}").into(),
+            source: std::io::Error::new(std::io::ErrorKind::NotFound, "no such object"),
+        },
         E::PermissionDenied { .. } | E::Unauthenticated { .. } => Error::Backend {
             backend,
             message: format!("{e}; check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and the bucket policy"),
@@ -195,6 +197,35 @@ impl StateObjects for S3States {
             .collect()
     }
 
+    fn inspect_many(&self, keys: &[String], judge: &(dyn Fn(usize, &[u8]) -> Finding + Sync)) -> Result<Vec<Finding>> {
+        let store = self.store.clone();
+        let paths: Vec<ObjectPath> = keys.iter().map(|k| self.path(k)).collect();
+        let fetched = block_on(async move {
+            let gets = paths.into_iter().map(|p| {
+                let store = store.clone();
+                async move { store.get(&p).await?.bytes().await }
+            });
+            futures_util::future::join_all(gets).await
+        });
+        let blobs: Vec<Option<bytes::Bytes>> = fetched
+            .into_iter()
+            .zip(keys)
+            .map(|(r, k)| match r {
+                Ok(b) => Ok(Some(b)),
+                Err(object_store::Error::NotFound { .. }) => Ok(None),
+                Err(e) => Err(self.error(k, e)),
+            })
+            .collect::<Result<_>>()?;
+        Ok(blobs
+            .into_par_iter()
+            .enumerate()
+            .map(|(i, b)| match b {
+                Some(b) => judge(i, &b),
+                None => Finding::Missing,
+            })
+            .collect())
+    }
+
     fn delete(&self, key: &str) -> Result<()> {
         let (store, path) = (self.store.clone(), self.path(key));
         match block_on(async move { store.delete(&path).await }) {
@@ -203,19 +234,20 @@ impl StateObjects for S3States {
         }
     }
 
-    fn keys(&self) -> Result<Vec<String>> {
+    fn entries(&self) -> Result<Vec<Entry>> {
         let store = self.store.clone();
         let prefix = (!self.prefix.is_empty()).then(|| ObjectPath::from(self.prefix.as_str()));
         let metas = block_on(async move { store.list(prefix.as_ref()).try_collect::<Vec<_>>().await })
             .map_err(|e| self.error("(listing)", e))?;
         let strip = if self.prefix.is_empty() { String::new() } else { format!("{}/", self.prefix) };
-        let mut keys: Vec<String> = metas
+        let mut entries: Vec<Entry> = metas
             .into_iter()
-            .map(|m| m.location.to_string())
-            .filter_map(|k| k.strip_prefix(&strip).map(str::to_string))
-            .filter(|k| k.ends_with(".safetensors"))
+            .filter_map(|m| {
+                let key = m.location.to_string().strip_prefix(&strip)?.to_string();
+                key.ends_with(".safetensors").then_some(Entry { key, bytes: m.size })
+            })
             .collect();
-        keys.sort();
-        Ok(keys)
+        entries.sort_by(|a, b| a.key.cmp(&b.key));
+        Ok(entries)
     }
 }
