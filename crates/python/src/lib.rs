@@ -911,6 +911,32 @@ impl Store {
         Ok(State { inner })
     }
 
+    /// Reads every context's state object back and verifies it (present, checksum, a state of
+    /// the store's model over the context's tokens, finite values), and lists the state objects
+    /// no context names. With `repair=True` (needs the store's model), recomputes each broken
+    /// state from the token ids in its row and removes the unnamed objects. Returns what
+    /// `picaso check --json` prints: {"contexts", "sound", "state_bytes", "problems": [{"id",
+    /// "doc", "seg", "kind", "detail"}], "unreferenced": [{"key", "bytes"}],
+    /// "unreferenced_bytes", "seconds", "repair": None or {"rewritten", "restated", "gone",
+    /// "removed_objects", "removed_bytes", "left", "seconds"}}.
+    #[pyo3(signature = (*, repair=false))]
+    fn check<'py>(&self, py: Python<'py>, repair: bool) -> PyResult<Bound<'py, PyAny>> {
+        let model = if repair { Some(self.need_model()?) } else { None };
+        let store = &self.inner;
+        let report = py.detach(|| -> picaso_store::Result<serde_json::Value> {
+            let found = picaso_store::check(store, |_, _| {})?;
+            let repaired = match &model {
+                Some(m) => Some(picaso_store::repair(store, m, &found, |_, _| {})?),
+                None => None,
+            };
+            let mut v = serde_json::to_value(&found).expect("plain data");
+            v["repair"] = serde_json::to_value(&repaired).expect("plain data");
+            Ok(v)
+        });
+        let text = report.map_err(store_err)?.to_string();
+        py.import("json")?.call_method1("loads", (text,))
+    }
+
     /// {"contexts", "documents", "tokens", "state_bytes", "model", "catalog", "states"}.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.stats().map_err(store_err)?;

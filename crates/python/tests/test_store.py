@@ -93,6 +93,28 @@ def test_documents_are_kept_up_to_date(model, embedder, tmp_path):
         assert store.ids() == [1, 2] and [store.get(i)["text"] for i in store.ids()] == ["One text.", "Another text."]
 
 
+def test_check_finds_a_lost_state_and_repair_recomputes_it(model, embedder, tmp_path):
+    """Store.check reads every state back; repair=True recomputes lost ones from their rows' tokens."""
+    store = picaso.Store.create(str(tmp_path / "db"), model, embedder=embedder)
+    store.ingest(["One text.", "Another text."])
+    sound = store.check()
+    assert (sound["contexts"], sound["sound"], sound["problems"], sound["repair"]) == (2, 2, [], None)
+    before = store.load_state(2).ssm(0)
+    for f in (tmp_path / "db" / "states").glob("*/*.safetensors"):
+        f.unlink()  # a disk restored without them
+    found = store.check()
+    assert [(p["id"], p["kind"]) for p in found["problems"]] == [(1, "missing_state"), (2, "missing_state")]
+    with pytest.raises(picaso.Error, match="check --db"):
+        store.load_state(2)
+    fixed = store.check(repair=True)
+    assert fixed["repair"]["rewritten"] == [1, 2] and fixed["repair"]["left"] == []
+    np.testing.assert_array_equal(store.load_state(2).ssm(0), before)
+    assert store.check()["sound"] == 2
+    reader = picaso.Store.open(str(tmp_path / "db"))
+    with pytest.raises(ValueError, match="opened without a model"):
+        reader.check(repair=True)
+
+
 def test_a_store_opened_twice_sees_every_write(model, embedder, tmp_path):
     """A second Store of the same folder (or one in another process) follows the first's
     writes: retrieval, ids and lengths are the store's now, not what was there at open."""

@@ -794,8 +794,10 @@ impl Store {
         if !damaged {
             return e;
         }
-        let check =
-            format!("`picaso check --db {} --repair` recomputes it from the tokens in its row", self.location.catalog);
+        let check = format!(
+            "`picaso check --db {} --repair` (Python: `store.check(repair=True)`) recomputes it from the tokens in its row",
+            self.location.catalog
+        );
         let (what, repair) = match &e {
             // Ingest processes an unchanged segment without its object again.
             Error::Io { .. } => (
