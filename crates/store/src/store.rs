@@ -366,19 +366,29 @@ impl Store {
                     probe_states(&states)?;
                     let me = owner_name(&location.catalog);
                     let objects = crate::states::open(&states)?;
-                    let refusal = match (owner_of(&*objects)?.filter(|o| *o != me), foreign_state(&*objects)?) {
-                        (Some(o), _) => Some((
+                    let owned_by = |o: String| {
+                        (
                             format!("belongs to the store {o} (its {states}/{OWNER_KEY} says so)"),
                             format!(
                                 " If that store no longer exists, remove {states}/{OWNER_KEY} (and any state objects \
                                  left there) and try again."
                             ),
-                        )),
+                        )
+                    };
+                    let mut refusal = match (owner_of(&*objects)?.filter(|o| *o != me), foreign_state(&*objects)?) {
+                        (Some(o), _) => Some(owned_by(o)),
                         (None, Some(key)) => {
                             Some((format!("already holds state objects ({key}, ...) of another store"), String::new()))
                         }
                         (None, None) => None,
                     };
+                    // Claimed before the catalog exists: a creation that fails after this leaves a
+                    // marker naming this store, which the next try accepts. Written only where no
+                    // marker is, so of two stores created at once on one location, one gets it.
+                    let marker = serde_json::json!({ "store": me }).to_string();
+                    if refusal.is_none() && !objects.put_new(OWNER_KEY, marker.as_bytes())? {
+                        refusal = owner_of(&*objects)?.filter(|o| *o != me).map(owned_by);
+                    }
                     if let Some((whose, remedy)) = refusal {
                         // Unless a process creating this same store at once got there first.
                         if let Some(catalog) = existing_catalog(&location.catalog)? {
@@ -390,10 +400,6 @@ impl Store {
                              was created.{remedy}"
                         )));
                     }
-                    // Claimed before the catalog exists: a creation that fails after this leaves a
-                    // marker naming this store, which the next try accepts.
-                    let marker = serde_json::json!({ "store": me }).to_string();
-                    objects.put(OWNER_KEY, marker.as_bytes())?;
                 }
                 let states = location.states.clone().map(absolute);
                 let mut pairs = vec![

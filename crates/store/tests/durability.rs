@@ -347,3 +347,41 @@ fn a_check_finds_every_broken_context_and_a_repair_fixes_them() {
     let e = picaso_store::repair(&store, &stranger, &found, |_, _| {}).unwrap_err().to_string();
     assert!(e.contains("model"), "{e}");
 }
+
+/// Stores created at the same instant on one empty `--states` location: exactly one gets it
+/// (its marker is written only where none is), the others are refused and create nothing. On a
+/// folder, and on S3 where `PICASO_TEST_S3` names a bucket (`eval "$(.ci/services start)"`).
+#[test]
+fn stores_created_at_once_on_one_states_location_get_it_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut locations = vec![tmp.path().join("shared-states").to_str().unwrap().to_string()];
+    if let Ok(s3) = std::env::var("PICASO_TEST_S3") {
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
+        locations.push(format!("{}/at-once-{}-{nanos}", s3.trim_end_matches('/'), std::process::id()));
+    }
+    for (n, states) in locations.iter().enumerate() {
+        const RACERS: usize = 6;
+        let barrier = std::sync::Barrier::new(RACERS);
+        let outcomes: Vec<Result<(), String>> = std::thread::scope(|s| {
+            let racers: Vec<_> = (0..RACERS)
+                .map(|i| {
+                    let (barrier, dir) = (&barrier, tmp.path().join(format!("store-{n}-{i}")));
+                    s.spawn(move || {
+                        let at = picaso_store::Location::parse(dir.to_str().unwrap(), Some(states)).unwrap();
+                        barrier.wait();
+                        Store::open_or_create(at, &info()).map(drop).map_err(|e| e.to_string())
+                    })
+                })
+                .collect();
+            racers.into_iter().map(|r| r.join().unwrap()).collect()
+        });
+        let won: Vec<usize> = (0..RACERS).filter(|&i| outcomes[i].is_ok()).collect();
+        assert_eq!(won.len(), 1, "{states}: {outcomes:?}");
+        let winner = std::path::absolute(tmp.path().join(format!("store-{n}-{}", won[0]))).unwrap();
+        for (i, o) in outcomes.iter().enumerate().filter(|(i, _)| *i != won[0]) {
+            let e = o.as_ref().unwrap_err();
+            assert!(e.contains(&format!("belongs to the store {}", winner.display())), "{e}");
+            assert!(!tmp.path().join(format!("store-{n}-{i}/store.sqlite")).exists(), "nothing was created");
+        }
+    }
+}

@@ -46,6 +46,37 @@ impl StateObjects for LocalStates {
         Ok(picaso_model::state::write_atomic(&path, bytes)?)
     }
 
+    fn put_new(&self, key: &str, bytes: &[u8]) -> Result<bool> {
+        use std::io::Write;
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let path = self.path(key);
+        let dir = path.parent().expect("keys name files").to_path_buf();
+        let io = |source| Error::Io { path: path.clone(), source };
+        std::fs::create_dir_all(&dir).map_err(io)?;
+        // Written whole to a temporary file, then linked into place: a link fails where a file
+        // is, so of two writers one wins, and readers never see a partial object.
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let name = path.file_name().expect("keys name files").to_string_lossy();
+        let tmp = dir.join(format!(".{name}.tmp-{}-{n}", std::process::id()));
+        let linked = (|| {
+            let mut f = std::fs::File::create(&tmp)?;
+            f.write_all(bytes)?;
+            f.sync_all()?;
+            std::fs::hard_link(&tmp, &path)
+        })();
+        let _ = std::fs::remove_file(&tmp);
+        match linked {
+            Ok(()) => {
+                if let Ok(d) = std::fs::File::open(&dir) {
+                    let _ = d.sync_all(); // persist the link
+                }
+                Ok(true)
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(false),
+            Err(e) => Err(io(e)),
+        }
+    }
+
     fn exists(&self, key: &str) -> Result<bool> {
         Ok(self.path(key).is_file())
     }

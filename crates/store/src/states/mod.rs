@@ -49,6 +49,10 @@ pub trait StateObjects: Send + Sync + std::fmt::Debug {
     /// Storing the same key twice is harmless (keys name their content); an object found under
     /// the key with other bytes (damaged) is replaced.
     fn put(&self, key: &str, bytes: &[u8]) -> Result<()>;
+    /// Stores `bytes` under `key` unless an object is there already, atomically (two writers
+    /// racing: one wins): whether this call stored them. For small objects such as the owner
+    /// marker.
+    fn put_new(&self, key: &str, bytes: &[u8]) -> Result<bool>;
     /// Whether `key` is stored.
     fn exists(&self, key: &str) -> Result<bool>;
     /// [`StateObjects::exists`] of each key (backends ask concurrently).

@@ -130,6 +130,29 @@ impl StateObjects for S3States {
         Ok(())
     }
 
+    fn put_new(&self, key: &str, bytes: &[u8]) -> Result<bool> {
+        let (store, path) = (self.store.clone(), self.path(key));
+        let payload = object_store::PutPayload::from(bytes.to_vec());
+        let opts = object_store::PutOptions::from(object_store::PutMode::Create);
+        match block_on(async move { store.put_opts(&path, payload, opts).await }) {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::AlreadyExists { .. }) => Ok(false),
+            // A service without conditional writes (If-None-Match): look, then write. Two
+            // creations racing on such a service can both write; the last marker stays.
+            Err(e)
+                if e.to_string().contains("status code: 501")
+                    || matches!(e, object_store::Error::NotImplemented { .. }) =>
+            {
+                if self.exists(key)? {
+                    return Ok(false);
+                }
+                self.put(key, bytes)?;
+                Ok(true)
+            }
+            Err(e) => Err(self.error(key, e)),
+        }
+    }
+
     fn exists(&self, key: &str) -> Result<bool> {
         let (store, path) = (self.store.clone(), self.path(key));
         match block_on(async move { store.head(&path).await }) {
