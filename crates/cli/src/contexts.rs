@@ -148,9 +148,13 @@ pub struct CheckArgs {
     /// names.
     #[arg(long)]
     repair: bool,
+    /// Read no state object: find missing ones from one listing of the states location (cheap
+    /// on S3), not damaged ones.
+    #[arg(long)]
+    quick: bool,
     #[command(flatten)]
     model: ModelArgs,
-    /// Print JSON: the check's report (`contexts`, `sound`, `state_bytes`, `problems`,
+    /// Print JSON: the check's report (`read`, `contexts`, `sound`, `state_bytes`, `problems`,
     /// `unreferenced`, ...), with the repair's under `repair`.
     #[arg(long)]
     json: bool,
@@ -185,7 +189,7 @@ pub fn check(a: CheckArgs) -> Result<()> {
         }
     };
     let checking = bar("contexts checked");
-    let found = picaso_store::check(&store, progress(&checking))?;
+    let found = picaso_store::check(&store, a.quick, progress(&checking))?;
     if let Some(bar) = checking {
         bar.finish_and_clear();
     }

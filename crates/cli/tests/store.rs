@@ -390,11 +390,11 @@ fn changed_documents_are_replaced_and_contexts_listed_and_deleted() {
     }
 }
 
-/// `picaso check` reads every state object back: sound stores pass; a lost object, a damaged
-/// one and an object no context names are reported (exit 1 while a context cannot be used),
-/// and `--repair` recomputes the broken states from their rows' tokens (same ids, same bits)
-/// and removes the unnamed object (every backend). A damaged row is left, with the command
-/// that removes it.
+/// `picaso check` reads every state object back (`--quick`: looks only for missing ones):
+/// sound stores pass; a lost object, a damaged one and an object no context names are reported
+/// (exit 1 while a context cannot be used), and `--repair` recomputes the broken states from
+/// their rows' tokens (same ids, same bits) and removes the unnamed object (every backend). A
+/// damaged row is left, with the command that removes it.
 #[test]
 fn check_finds_lost_and_damaged_states_and_repair_recomputes_them() {
     let (Some(model), Some(embedder)) = (text_model(1), shared("all-MiniLM-L6-v2")) else { return };
@@ -435,6 +435,10 @@ fn check_finds_lost_and_damaged_states_and_repair_recomputes_them() {
             .collect();
         assert_eq!(kinds, [(1, "missing_state"), (4, "damaged_state")], "{v}");
         assert_eq!(v["unreferenced"][0]["key"], orphan_key.as_str(), "{v}");
+        // Without reading an object: the lost one (and the unnamed one), not the damaged one.
+        let (success, v, _) = run_s(&args(&["check"], &db, &["--quick", "--json"]));
+        assert!(!success && v["read"] == false && v["problems"].as_array().unwrap().len() == 1, "{v}");
+        assert!(v["problems"][0]["id"] == 1 && v["unreferenced"][0]["key"] == orphan_key.as_str(), "{v}");
         let out = Command::new(common::picaso_bin()).args(args(&["check"], &db, &[])).output().unwrap();
         let said = String::from_utf8_lossy(&out.stdout);
         assert!(said.contains("checked 4 contexts") && said.contains("2 sound, 1 without their state object, 1 with a damaged state object; 1 state object that no context names"), "{said}");

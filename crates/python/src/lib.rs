@@ -913,18 +913,19 @@ impl Store {
 
     /// Reads every context's state object back and verifies it (present, checksum, a state of
     /// the store's model over the context's tokens, finite values), and lists the state objects
-    /// no context names. With `repair=True` (needs the store's model), recomputes each broken
-    /// state from the token ids in its row and removes the unnamed objects. Returns what
-    /// `picaso check --json` prints: {"contexts", "sound", "state_bytes", "problems": [{"id",
+    /// no context names; `quick=True` reads none and finds only missing ones (one listing).
+    /// With `repair=True` (needs the store's model), recomputes each broken state from the
+    /// token ids in its row and removes the unnamed objects. Returns what `picaso check
+    /// --json` prints: {"read", "contexts", "sound", "state_bytes", "problems": [{"id",
     /// "doc", "seg", "kind", "detail"}], "unreferenced": [{"key", "bytes"}],
     /// "unreferenced_bytes", "seconds", "repair": None or {"rewritten", "restated", "gone",
     /// "removed_objects", "removed_bytes", "left", "seconds"}}.
-    #[pyo3(signature = (*, repair=false))]
-    fn check<'py>(&self, py: Python<'py>, repair: bool) -> PyResult<Bound<'py, PyAny>> {
+    #[pyo3(signature = (*, repair=false, quick=false))]
+    fn check<'py>(&self, py: Python<'py>, repair: bool, quick: bool) -> PyResult<Bound<'py, PyAny>> {
         let model = if repair { Some(self.need_model()?) } else { None };
         let store = &self.inner;
         let report = py.detach(|| -> picaso_store::Result<serde_json::Value> {
-            let found = picaso_store::check(store, |_, _| {})?;
+            let found = picaso_store::check(store, quick, |_, _| {})?;
             let repaired = match &model {
                 Some(m) => Some(picaso_store::repair(store, m, &found, |_, _| {})?),
                 None => None,

@@ -104,6 +104,7 @@ def test_check_finds_a_lost_state_and_repair_recomputes_it(model, embedder, tmp_
         f.unlink()  # a disk restored without them
     found = store.check()
     assert [(p["id"], p["kind"]) for p in found["problems"]] == [(1, "missing_state"), (2, "missing_state")]
+    assert store.check(quick=True)["problems"] == found["problems"] and not store.check(quick=True)["read"]
     with pytest.raises(picaso.Error, match="check --db"):
         store.load_state(2)
     fixed = store.check(repair=True)

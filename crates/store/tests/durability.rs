@@ -284,7 +284,7 @@ fn a_check_finds_every_broken_context_and_a_repair_fixes_them() {
         other_bits,
     ];
     let ids = insert(&store, &items);
-    let sound = picaso_store::check(&store, |_, _| {}).unwrap();
+    let sound = picaso_store::check(&store, false, |_, _| {}).unwrap();
     assert_eq!((sound.contexts, sound.sound, sound.problems.len(), sound.unreferenced.len()), (7, 7, 0, 0));
 
     let path = |id| state_path(&store, &dir, id);
@@ -306,7 +306,7 @@ fn a_check_finds_every_broken_context_and_a_repair_fixes_them() {
     std::fs::create_dir_all(dir.join("states/zz")).unwrap();
     std::fs::write(dir.join("states/zz/notes.safetensors"), b"mine").unwrap();
 
-    let found = picaso_store::check(&store, |_, _| {}).unwrap();
+    let found = picaso_store::check(&store, false, |_, _| {}).unwrap();
     let kinds: Vec<_> = found.problems.iter().map(|p| (p.id, p.kind)).collect();
     assert_eq!(
         kinds,
@@ -328,12 +328,18 @@ fn a_check_finds_every_broken_context_and_a_repair_fixes_them() {
     let line = found.summary();
     assert!(line.contains("1 sound, 2 without their state object, 3 with a damaged state object, 1 with a damaged catalog row; 1 state object that no context names"), "{line}");
 
+    // Without reading: the lost objects and the unnamed one, not the damaged ones.
+    let quick = picaso_store::check(&store, true, |_, _| {}).unwrap();
+    let missing: Vec<_> = quick.problems.iter().map(|p| (p.id, p.kind)).collect();
+    assert_eq!(missing, [(ids[2], MissingState), (ids[5], DamagedRow), (ids[6], MissingState)]);
+    assert_eq!((quick.sound, quick.unreferenced.len(), quick.read), (4, 1, false));
+    assert!(quick.summary().contains("states only looked for) in"), "{}", quick.summary());
     let fixed = picaso_store::repair(&store, model(), &found, |_, _| {}).unwrap();
     assert_eq!(fixed.rewritten, [ids[0], ids[1], ids[2], ids[3]]);
     assert_eq!(fixed.restated, [ids[6]]);
     assert_eq!((fixed.removed_objects, fixed.removed_bytes), (1, orphan.len() as u64));
     assert_eq!(fixed.left.iter().map(|p| p.id).collect::<Vec<_>>(), [ids[5]]);
-    let after = picaso_store::check(&store, |_, _| {}).unwrap();
+    let after = picaso_store::check(&store, false, |_, _| {}).unwrap();
     assert_eq!(after.problems.iter().map(|p| (p.id, p.kind)).collect::<Vec<_>>(), [(ids[5], DamagedRow)]);
     assert_eq!((after.sound, after.unreferenced.len()), (6, 0));
     assert!(dir.join("states/zz/notes.safetensors").exists(), "not picaso's: left alone");

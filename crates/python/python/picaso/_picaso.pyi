@@ -140,7 +140,8 @@ class Store:
         """Removes every context of document `doc`; returns how many."""
     def load_state(self, id: int) -> State: ...
     def stats(self) -> dict[str, Any]: ...
-    def check(self, *, repair: bool = False) -> dict[str, Any]:
-        """Reads every state object back and verifies it; repair=True (needs the model)
-        recomputes broken states from their rows' tokens and removes unnamed objects."""
+    def check(self, *, repair: bool = False, quick: bool = False) -> dict[str, Any]:
+        """Reads every state object back and verifies it (quick=True: only looks for missing
+        ones); repair=True (needs the model) recomputes broken states from their rows' tokens
+        and removes unnamed objects."""
     def __len__(self) -> int: ...
