@@ -983,13 +983,7 @@ impl Store {
 impl Store {
     fn new(store: picaso_store::Store, model: Option<&Model>, embedder_dir: Option<PathBuf>) -> PyResult<Self> {
         if let Some(m) = model {
-            if store.info().fingerprint != m.inner.fingerprint() {
-                return Err(store_err(picaso_store::Error::WrongModel {
-                    location: store.location().to_string(),
-                    stored: store.info().fingerprint.clone(),
-                    given: m.inner.fingerprint().to_string(),
-                }));
-            }
+            store.require_model(&m.inner).map_err(store_err)?;
         }
         Ok(Self {
             inner: Arc::new(store),

@@ -12,7 +12,7 @@ use picaso_model::{compose_views, Model, State, StateView};
 
 use crate::cache::StateCache;
 use crate::error::{Error, Result};
-use crate::query::{check_model, map_states, ContextMethod};
+use crate::query::{map_states, ContextMethod};
 use crate::store::Store;
 
 /// The answer's log-likelihood with every context and with each left out.
@@ -74,7 +74,7 @@ pub fn attribute(
     if answer.is_empty() {
         return Err(Error::Input("the answer is empty: there is nothing to attribute".into()));
     }
-    check_model(store, model)?;
+    store.require_model(model)?;
     model.check_tokens(prompt)?;
     model.check_tokens(answer)?;
     let started = Instant::now();

@@ -289,13 +289,7 @@ pub fn repair(
     found: &CheckReport,
     mut on_progress: impl FnMut(usize, usize),
 ) -> Result<RepairReport> {
-    if store.info().fingerprint != model.fingerprint() {
-        return Err(Error::WrongModel {
-            location: store.location().to_string(),
-            stored: store.info().fingerprint.clone(),
-            given: model.fingerprint().to_string(),
-        });
-    }
+    store.require_model(model)?;
     let _writer = store.lock_writes()?;
     let start = Instant::now();
     let mut out = RepairReport {

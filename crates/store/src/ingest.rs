@@ -233,13 +233,7 @@ pub fn ingest_while(
     batch: usize,
     mut on_progress: impl FnMut(&IngestProgress) -> bool,
 ) -> Result<IngestProgress> {
-    if store.info().fingerprint != model.fingerprint() {
-        return Err(Error::WrongModel {
-            location: store.location().to_string(),
-            stored: store.info().fingerprint.clone(),
-            given: model.fingerprint().to_string(),
-        });
-    }
+    store.require_model(model)?;
     let _writer = store.lock_writes()?;
     store.bind_segmentation(&segmentation.to_string())?;
     store.bind_embedder(embedder.fingerprint(), &embedder.dir().display().to_string())?;

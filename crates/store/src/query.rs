@@ -117,7 +117,7 @@ pub fn prepare(
     method: ContextMethod,
     cache: Option<&StateCache>,
 ) -> Result<Prepared> {
-    check_model(store, model)?;
+    store.require_model(model)?;
     match method {
         ContextMethod::Naive => Ok(Prepared::empty(model.zero_state())),
         ContextMethod::Concat => {
@@ -153,18 +153,6 @@ pub fn prepare(
             })
         }
     }
-}
-
-/// Refuses a model other than the one the store's states were made with.
-pub(crate) fn check_model(store: &Store, model: &Model) -> Result<()> {
-    if store.info().fingerprint != model.fingerprint() {
-        return Err(Error::WrongModel {
-            location: store.location().to_string(),
-            stored: store.info().fingerprint.clone(),
-            given: model.fingerprint().to_string(),
-        });
-    }
-    Ok(())
 }
 
 /// The stored states of `ids`, in order, memory-mapped, and how many came from `cache`: cached

@@ -497,6 +497,19 @@ impl Store {
         &*self.states
     }
 
+    /// Fails with [`Error::WrongModel`] unless `model` made this store's states (a state only
+    /// continues on its own model).
+    pub fn require_model(&self, model: &picaso_model::Model) -> Result<()> {
+        if self.info.fingerprint != model.fingerprint() {
+            return Err(Error::WrongModel {
+                location: self.location.to_string(),
+                stored: self.info.fingerprint.clone(),
+                given: model.fingerprint().to_string(),
+            });
+        }
+        Ok(())
+    }
+
     /// Where the store is (displays without credentials).
     pub fn location(&self) -> &Location {
         &self.location

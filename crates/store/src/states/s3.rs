@@ -73,6 +73,20 @@ impl S3States {
         }
     }
 
+    /// The objects under `keys`, all requests in flight at once (latency, not bandwidth,
+    /// dominates small objects).
+    fn fetch_all(&self, keys: &[String]) -> Vec<object_store::Result<bytes::Bytes>> {
+        let store = self.store.clone();
+        let paths: Vec<ObjectPath> = keys.iter().map(|k| self.path(k)).collect();
+        block_on(async move {
+            let gets = paths.into_iter().map(|p| {
+                let store = store.clone();
+                async move { store.get(&p).await?.bytes().await }
+            });
+            futures_util::future::join_all(gets).await
+        })
+    }
+
     fn error(&self, key: &str, e: object_store::Error) -> Error {
         classify(&self.url, key, e)
     }
@@ -198,16 +212,7 @@ impl StateObjects for S3States {
         keys: &[String],
         verify: &(dyn Fn(usize, &[u8]) -> Result<()> + Sync),
     ) -> Result<Vec<MappedState>> {
-        let store = self.store.clone();
-        let paths: Vec<ObjectPath> = keys.iter().map(|k| self.path(k)).collect();
-        // All requests in flight at once: latency, not bandwidth, dominates small objects.
-        let fetched = block_on(async move {
-            let gets = paths.into_iter().map(|p| {
-                let store = store.clone();
-                async move { store.get(&p).await?.bytes().await }
-            });
-            futures_util::future::join_all(gets).await
-        });
+        let fetched = self.fetch_all(keys);
         let blobs: Vec<bytes::Bytes> =
             fetched.into_iter().zip(keys).map(|(r, k)| r.map_err(|e| self.error(k, e))).collect::<Result<_>>()?;
         blobs
@@ -221,15 +226,7 @@ impl StateObjects for S3States {
     }
 
     fn inspect_many(&self, keys: &[String], judge: &(dyn Fn(usize, &[u8]) -> Finding + Sync)) -> Result<Vec<Finding>> {
-        let store = self.store.clone();
-        let paths: Vec<ObjectPath> = keys.iter().map(|k| self.path(k)).collect();
-        let fetched = block_on(async move {
-            let gets = paths.into_iter().map(|p| {
-                let store = store.clone();
-                async move { store.get(&p).await?.bytes().await }
-            });
-            futures_util::future::join_all(gets).await
-        });
+        let fetched = self.fetch_all(keys);
         let blobs: Vec<Option<bytes::Bytes>> = fetched
             .into_iter()
             .zip(keys)
