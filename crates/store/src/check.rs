@@ -307,6 +307,9 @@ pub fn repair(
                 Err(e) => return Err(e),
             }
         }
+        if rows.is_empty() {
+            continue;
+        }
         let tokens: Vec<&[u32]> = rows.iter().map(|r| r.tokens.as_slice()).collect();
         let states = model.prefill_each(&tokens, PREFILL_TOKENS)?;
         for (rec, state) in rows.iter().zip(states) {

@@ -73,6 +73,19 @@ impl StateObjects for LocalStates {
                 Ok(true)
             }
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(false),
+            // A file system without hard links (some network and FUSE mounts): an exclusive
+            // create is as exclusive, though a reader could see the object before it is whole.
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::Unsupported | std::io::ErrorKind::PermissionDenied) => {
+                let created = std::fs::OpenOptions::new().write(true).create_new(true).open(&path);
+                match created {
+                    Ok(mut f) => {
+                        f.write_all(bytes).and_then(|()| f.sync_all()).map_err(io)?;
+                        Ok(true)
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(false),
+                    Err(e) => Err(io(e)),
+                }
+            }
             Err(e) => Err(io(e)),
         }
     }
