@@ -166,6 +166,9 @@ const PROBLEMS_SHOWN: usize = 20;
 /// `picaso check`: reads every context's state object back; with `--repair`, fixes what it
 /// found. Fails (exit 1) while a context cannot be used.
 pub fn check(a: CheckArgs) -> Result<()> {
+    if !a.repair && a.model.model.is_some() {
+        anyhow::bail!("--model is used only to repair: add --repair, or leave --model out to check");
+    }
     let store = picaso_store::Store::open(a.db.location()?)?;
     // Loaded first: a wrong --model fails before the (long) check.
     let model = if a.repair { Some(crate::load_model(&a.model, false)?) } else { None };

@@ -466,6 +466,8 @@ fn check_finds_lost_and_damaged_states_and_repair_recomputes_them() {
             assert!(!success && v["repair"]["left"][0]["id"] == 2, "{v}");
             assert!(stderr.contains(&format!("`picaso delete --db {} 2`", db.db)), "{stderr}");
         }
+        let (success, _, stderr) = run_s(&args(&["check"], &db, &["--model", m]));
+        assert!(!success && stderr.contains("add --repair"), "{stderr}");
         // A repair needs the store's model.
         let other = text_model(2).unwrap();
         let (success, _, stderr) =

@@ -238,8 +238,9 @@ fn problem(rec: &ContextRecord, kind: ProblemKind, detail: String) -> Problem {
 pub struct RepairReport {
     /// Contexts whose state object was written again, bit for bit the recorded one.
     pub rewritten: Vec<i64>,
-    /// Contexts whose recomputed state differs from the recorded one in its last bits (it was
-    /// made on a CPU whose kernels round differently): their rows now name the new object.
+    /// Contexts whose recomputed state has other bits than the recorded one (it was made on a
+    /// CPU whose kernels round differently, or with other `--weights`): their rows now name the
+    /// new object.
     pub restated: Vec<i64>,
     /// Contexts deleted by another writer before they were repaired.
     pub gone: Vec<i64>,
@@ -258,7 +259,7 @@ impl RepairReport {
     /// One line for people.
     pub fn summary(&self) -> String {
         let mut s = format!(
-            "repaired {} in {:.1} s ({} rewritten as recorded, {} recomputed with other last bits)",
+            "repaired {} in {:.1} s ({} rewritten as recorded, {} recomputed with other bits)",
             counted(self.rewritten.len() + self.restated.len(), "context"),
             self.seconds,
             self.rewritten.len(),
