@@ -209,9 +209,7 @@ pub fn check(a: CheckArgs) -> Result<()> {
     };
     let db = picaso_store::location::redact(&a.db.db);
     if a.json {
-        let mut out = serde_json::to_value(&found)?;
-        out["repair"] = serde_json::to_value(&repaired)?;
-        println!("{out}");
+        println!("{}", picaso_store::report_json(&found, repaired.as_ref()));
     } else {
         println!("{}", found.summary());
         for p in found.problems.iter().take(PROBLEMS_SHOWN) {

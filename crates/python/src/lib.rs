@@ -930,9 +930,7 @@ impl Store {
                 Some(m) => Some(picaso_store::repair(store, m, &found, |_, _| {})?),
                 None => None,
             };
-            let mut v = serde_json::to_value(&found).expect("plain data");
-            v["repair"] = serde_json::to_value(&repaired).expect("plain data");
-            Ok(v)
+            Ok(picaso_store::report_json(&found, repaired.as_ref()))
         });
         let text = report.map_err(store_err)?.to_string();
         py.import("json")?.call_method1("loads", (text,))

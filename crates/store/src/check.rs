@@ -13,8 +13,8 @@ use std::time::Instant;
 use picaso_model::{counted, Model, State};
 
 use crate::error::{Error, Result};
-use crate::states::{key_of, Entry, Finding};
-use crate::store::{checksum, is_checksum, ContextRecord, Store};
+use crate::states::{checksum_of, key_of, Entry, Finding};
+use crate::store::{checksum, is_checksum, row_problem, ContextRecord, Store};
 
 /// Contexts whose objects are read at once: enough requests in flight for a remote store, and
 /// at most ~600 MB of mamba2-130m states held while they are judged.
@@ -161,7 +161,7 @@ pub fn check(store: &Store, quick: bool, mut on_progress: impl FnMut(usize, usiz
             if is_checksum(&rec.checksum) {
                 named.insert(key_of(&rec.checksum));
             }
-            match store.row_problem(&rec) {
+            match row_problem(&rec) {
                 None => rows.push(rec),
                 Some(detail) => problems.push(problem(&rec, ProblemKind::DamagedRow, detail)),
             }
@@ -218,9 +218,8 @@ pub fn check(store: &Store, quick: bool, mut on_progress: impl FnMut(usize, usiz
     }
     report.problems.sort_by_key(|p| p.id);
     for Entry { key, bytes } in listed {
-        // Only names picaso gives (`ab/<checksum>.safetensors`): anything else is not ours.
-        let ours = key.split_once('/').and_then(|(_, f)| f.strip_suffix(".safetensors")).is_some_and(is_checksum);
-        if ours && !named.contains(&key) {
+        // Only names picaso gives: anything else is not ours.
+        if checksum_of(&key).is_some() && !named.contains(&key) {
             report.unreferenced_bytes += bytes;
             report.unreferenced.push(Unreferenced { key, bytes });
         }
@@ -231,6 +230,14 @@ pub fn check(store: &Store, quick: bool, mut on_progress: impl FnMut(usize, usiz
 
 fn problem(rec: &ContextRecord, kind: ProblemKind, detail: String) -> Problem {
     Problem { id: rec.id, doc: rec.doc.clone(), seg: rec.seg, kind, detail }
+}
+
+/// The reports as `picaso check --json` prints them (and Python's `Store.check` returns them):
+/// the check's keys, with the repair's under `repair` (null without one).
+pub fn report_json(found: &CheckReport, repaired: Option<&RepairReport>) -> serde_json::Value {
+    let mut v = serde_json::to_value(found).expect("plain data");
+    v["repair"] = serde_json::to_value(repaired).expect("plain data");
+    v
 }
 
 /// What [`repair`] did (the `repair` key of `picaso check --repair --json`).
@@ -338,8 +345,8 @@ pub fn repair(
         store.map_states(chunk)?; // read back: checksum and file verified
     }
     for u in &found.unreferenced {
-        let sum = u.key.split_once('/').and_then(|(_, f)| f.strip_suffix(".safetensors")).unwrap_or_default();
-        if is_checksum(sum) && store.catalog().remove_if_unreferenced(sum, &mut |s| objects.delete(&key_of(s)))? {
+        let Some(sum) = checksum_of(&u.key) else { continue };
+        if store.catalog().remove_if_unreferenced(sum, &mut |s| objects.delete(&key_of(s)))? {
             out.removed_objects += 1;
             out.removed_bytes += u.bytes;
         }

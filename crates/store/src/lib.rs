@@ -31,7 +31,7 @@ pub mod store;
 
 pub use attribution::{attribute, Attribution};
 pub use cache::{CacheStats, StateCache};
-pub use check::{check, repair, CheckReport, Problem, ProblemKind, RepairReport};
+pub use check::{check, repair, report_json, CheckReport, Problem, ProblemKind, RepairReport};
 pub use error::{Error, Result};
 pub use ingest::{ingest, ingest_while, prune, IngestProgress};
 pub use location::{CatalogUrl, Location, StatesUrl};

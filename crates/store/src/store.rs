@@ -247,6 +247,21 @@ pub(crate) fn is_checksum(s: &str) -> bool {
     s.len() == 32 && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
+/// What [`Store::checked`] finds wrong with a catalog row, if anything: a checksum that is not
+/// one (it could point outside the store), a state file that does not match it, a token count
+/// that does not match the tokens.
+pub(crate) fn row_problem(rec: &ContextRecord) -> Option<String> {
+    if !is_checksum(&rec.checksum) {
+        Some(format!("its checksum {:?} is not 32 hex digits", rec.checksum))
+    } else if rec.state_file != format!("states/{}", key_of(&rec.checksum)) {
+        Some(format!("its state file {:?} does not match its checksum {}", rec.state_file, rec.checksum))
+    } else if rec.n_tokens != rec.tokens.len() {
+        Some(format!("it records {} tokens but holds {}", rec.n_tokens as i64, rec.tokens.len()))
+    } else {
+        None
+    }
+}
+
 fn dtype_name(d: StateDtype) -> &'static str {
     match d {
         StateDtype::F32 => "f32",
@@ -657,7 +672,7 @@ impl Store {
     /// checksum names the state object (32 hex digits, so it cannot point outside the store),
     /// and the token count matches the tokens.
     fn checked(&self, rec: ContextRecord) -> Result<ContextRecord> {
-        match self.row_problem(&rec) {
+        match row_problem(&rec) {
             None => Ok(rec),
             Some(p) => Err(Error::Store {
                 location: self.location.to_string(),
@@ -666,19 +681,6 @@ impl Store {
                     rec.id
                 ),
             }),
-        }
-    }
-
-    /// What [`Store::checked`] finds wrong with a row, if anything.
-    pub(crate) fn row_problem(&self, rec: &ContextRecord) -> Option<String> {
-        if !is_checksum(&rec.checksum) {
-            Some(format!("its checksum {:?} is not 32 hex digits", rec.checksum))
-        } else if rec.state_file != format!("states/{}", key_of(&rec.checksum)) {
-            Some(format!("its state file {:?} does not match its checksum {}", rec.state_file, rec.checksum))
-        } else if rec.n_tokens != rec.tokens.len() {
-            Some(format!("it records {} tokens but holds {}", rec.n_tokens as i64, rec.tokens.len()))
-        } else {
-            None
         }
     }
 

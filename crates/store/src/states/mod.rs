@@ -21,6 +21,12 @@ pub fn key_of(checksum: &str) -> String {
     format!("{}/{checksum}.safetensors", &checksum[..2])
 }
 
+/// The checksum a state key names (`ab/<checksum>.safetensors`), `None` for names picaso does
+/// not give.
+pub fn checksum_of(key: &str) -> Option<&str> {
+    key.split_once('/').and_then(|(_, f)| f.strip_suffix(".safetensors")).filter(|s| crate::store::is_checksum(s))
+}
+
 /// What reading one state object found (see [`StateObjects::inspect_many`]).
 #[derive(Debug, Clone, PartialEq)]
 pub enum Finding {
