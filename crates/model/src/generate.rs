@@ -3,6 +3,7 @@
 
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
+use crate::cpu::kernels::max_ignoring_nan;
 use crate::error::{Error, Result};
 use crate::model::Model;
 use crate::state::State;
@@ -82,7 +83,7 @@ pub fn sample(logits: &[f32], vocab: usize, opts: &GenerateOptions, rng: &mut St
     if opts.temperature == 0.0 {
         return argmax(logits) as u32;
     }
-    let max = max_of(logits);
+    let max = max_ignoring_nan(logits);
     if max == f32::NEG_INFINITY {
         return argmax(logits) as u32;
     }
@@ -125,20 +126,6 @@ fn draw(weights: impl Iterator<Item = (usize, f32)>, mut u: f64) -> Option<usize
         u -= p;
     }
     None
-}
-
-/// The largest value, ignoring NaN (-∞ when there is none).
-fn max_of(v: &[f32]) -> f32 {
-    let pick = |m: f32, x: f32| if x > m { x } else { m };
-    let mut lanes = [f32::NEG_INFINITY; LANES];
-    let chunks = v.chunks_exact(LANES);
-    let tail = chunks.remainder();
-    for chunk in chunks {
-        for (m, &x) in lanes.iter_mut().zip(chunk) {
-            *m = pick(*m, x);
-        }
-    }
-    lanes.iter().chain(tail).fold(f32::NEG_INFINITY, |m, &x| pick(m, x))
 }
 
 /// Loops compiled for the CPU's vector instructions (a module of their own: `simd_fn!` makes
@@ -221,7 +208,7 @@ const LANES: usize = 16;
 /// The first index of the largest value, ignoring NaN; 0 when no value exceeds -∞. Greedy
 /// decoding's pick: the maxima of 16 lanes, then the first place that holds their maximum.
 pub(crate) fn argmax(v: &[f32]) -> usize {
-    let max = max_of(v);
+    let max = max_ignoring_nan(v);
     if max == f32::NEG_INFINITY {
         return 0;
     }
@@ -477,7 +464,7 @@ mod tests {
     #[test]
     fn weights_are_the_softmax_numerators_and_sums_add_them() {
         let logits: Vec<f32> = (0..2500).map(|i| ((i * 7919) % 1009) as f32 / 37.0 - 20.0).collect();
-        let (max, t) = (max_of(&logits), 0.7f32);
+        let (max, t) = (max_ignoring_nan(&logits), 0.7f32);
         let mut w = vec![0.0; logits.len()];
         let sums = softmax_weights(&logits, max, t, &mut w);
         assert_eq!(sums.len(), 3);
