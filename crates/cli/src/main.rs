@@ -180,6 +180,10 @@ struct QueryArgs {
     /// Use these context ids (in this order, the last nearest the prompt) instead of retrieving.
     #[arg(long, value_delimiter = ',')]
     ids: Option<Vec<i64>>,
+    /// Retrieve only from this document's contexts (its name, as `picaso documents` lists it;
+    /// repeat for several).
+    #[arg(long = "doc", value_name = "NAME", conflicts_with = "ids")]
+    docs: Vec<String>,
     #[command(flatten)]
     sampling: SamplingArgs,
     /// Also tell which context the answer owes most to: each is left out in turn, the others
@@ -1100,6 +1104,9 @@ fn query(a: QueryArgs) -> Result<()> {
     if a.method == picaso_store::ContextMethod::Naive && a.ids.as_ref().is_some_and(|ids| !ids.is_empty()) {
         bail!("--method naive uses no context, so --ids would be ignored: drop --ids, or pick picaso-r, picaso-s, caso, soup or concat");
     }
+    if a.method == picaso_store::ContextMethod::Naive && !a.docs.is_empty() {
+        bail!("--method naive retrieves nothing, so --doc would be ignored: drop --doc, or pick picaso-r, picaso-s, caso, soup or concat");
+    }
     let store = picaso_store::Store::open(a.db.location()?)?;
     let model = load_model(&a.model, true)?;
     let t_retrieve = Instant::now();
@@ -1119,7 +1126,9 @@ fn query(a: QueryArgs) -> Result<()> {
         None => {
             let embedder = embedder::resolve(a.embedder.as_deref(), Some(&store))?;
             let q = embedder.embed_one(&a.prompt)?;
-            let (hits, prepared) = picaso_store::retrieve_then(&store, &q, a.k, prepare)?;
+            let docs = (!a.docs.is_empty()).then_some(&a.docs[..]);
+            let what = picaso_store::Retrieval::new(&q, a.k).within(docs);
+            let (hits, prepared) = picaso_store::retrieve_then(&store, what, prepare)?;
             (hits.into_iter().map(|(i, s)| (i, Some(s))).collect(), prepared)
         }
     };

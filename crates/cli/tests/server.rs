@@ -228,6 +228,25 @@ fn serve_completions_contexts_search_metrics_and_bad_input(arch: &str, db: &Test
     assert_eq!((status, rec["text"].as_str()), (200, Some("Bananas are rich in potassium.")));
     let (_, found) = server.post("/v1/search", json!({"query": "Which fruit has potassium?", "k": 1}));
     assert_eq!(found["results"][0]["id"].as_i64(), Some(id), "{found}");
+    // Retrieval within documents: search, completions and attribution use only their contexts.
+    let within = json!(["mamba.txt", "cats.txt"]);
+    let (status, found) =
+        server.post("/v1/search", json!({"query": "Which fruit has potassium?", "k": 5, "documents": within}));
+    let hits = found["results"].as_array().unwrap();
+    assert_eq!((status, hits.len()), (200, 2), "{found}");
+    assert!(hits.iter().all(|h| h["doc"] == "mamba.txt" || h["doc"] == "cats.txt"), "{found}");
+    let (_, best) = server.post("/v1/search", json!({"query": "Bananas", "k": 2, "documents": within}));
+    let mut want: Vec<i64> = best["results"].as_array().unwrap().iter().map(|h| h["id"].as_i64().unwrap()).collect();
+    want.reverse(); // composition order: the most relevant last
+    let v = server.complete(json!({"prompt": "Bananas", "max_tokens": 1, "retrieve": 5, "documents": within}));
+    let used: Vec<i64> =
+        v["picaso"]["contexts"].as_array().unwrap().iter().map(|c| c["id"].as_i64().unwrap()).collect();
+    assert_eq!(used, want, "{v}");
+    let (status, v) = server.post(
+        "/v1/attribute",
+        json!({"prompt": "Bananas", "answer": " are yellow", "retrieve": 5, "documents": ["cats.txt"]}),
+    );
+    assert_eq!((status, v["contexts"].as_array().map(Vec::len)), (200, Some(1)), "{v}");
     let v = server.complete(json!({"prompt": "Bananas", "max_tokens": 2, "contexts": [id]}));
     assert_eq!(v["picaso"]["contexts"][0]["id"].as_i64(), Some(id));
     assert_eq!(server.call("DELETE", &format!("/v1/contexts/{id}"), None).0, 200);
@@ -381,6 +400,26 @@ fn serve_completions_contexts_search_metrics_and_bad_input(arch: &str, db: &Test
         ("/v1/completions", json!({"prompt": "x", "contexts": [1], "composition": "naive"}).to_string(), 400, "naive"),
         ("/v1/completions", json!({"prompt": "x", "retrieve": 2, "composition": "naive"}).to_string(), 400, "naive"),
         ("/v1/search", json!({"query": " ", "k": 2}).to_string(), 400, "`query` is empty"),
+        (
+            "/v1/search",
+            json!({"query": "x", "documents": ["dogs.txt"]}).to_string(),
+            400,
+            "\"dogs.txt\" is not in the store",
+        ),
+        ("/v1/search", json!({"query": "x", "documents": []}).to_string(), 400, "no documents"),
+        ("/v1/completions", json!({"prompt": "x", "documents": ["cats.txt"]}).to_string(), 400, "with `retrieve`"),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "contexts": [1], "documents": ["cats.txt"]}).to_string(),
+            400,
+            "with `retrieve`",
+        ),
+        (
+            "/v1/attribute",
+            json!({"prompt": "x", "answer": "y", "contexts": [1], "documents": ["cats.txt"]}).to_string(),
+            400,
+            "with `retrieve`",
+        ),
         ("/v1/contexts", json!({"text": "  "}).to_string(), 400, "empty"),
         ("/v1/contexts", json!({"text": "long ".repeat(60)}).to_string(), 413, "at most 40"),
         ("/v1/documents", json!({"id": "d", "text": "\n\n  \n"}).to_string(), 400, "empty"),

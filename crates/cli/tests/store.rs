@@ -190,6 +190,52 @@ fn ingest_stats_query_and_compose(
     assert_eq!(store.search(&q, 4).unwrap(), store.search_exact(&q, 4).unwrap());
     assert_eq!(store.search(&q, 1).unwrap()[0].0, 2);
 
+    // Retrieval within documents: the exhaustive ranking restricted to their contexts, scores
+    // and order alike; a name the store does not hold, or no name, is refused.
+    let everything = store.search_exact(&q, 100).unwrap();
+    let doc = |id: i64| store.get(id).unwrap().doc;
+    for names in [&["cats.txt"][..], &["mamba.txt", "cats.txt"], &["eiffel.txt"], &["eiffel.txt", "eiffel.txt"]] {
+        let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+        for k in [1, 2, 5] {
+            let want: Vec<(i64, f32)> =
+                everything.iter().filter(|(id, _)| names.contains(&doc(*id))).take(k).copied().collect();
+            assert_eq!(store.search_in(&q, k, Some(&names)).unwrap(), want, "{names:?}, k {k}");
+        }
+    }
+    for (names, says) in [
+        (vec!["cats.txt".to_string(), "dogs.txt".into()], "\"dogs.txt\" is not in the store"),
+        (vec![], "no documents"),
+    ] {
+        let e = store.search_in(&q, 3, Some(&names)).unwrap_err();
+        assert!(matches!(e, picaso_store::Error::Input(_)) && e.to_string().contains(says), "{e}");
+    }
+    let v = ok_s(&args(
+        &["query"],
+        db,
+        &[
+            "--model",
+            m,
+            "--embedder",
+            e,
+            "--k",
+            "3",
+            "--doc",
+            "cats.txt",
+            "--doc",
+            "mamba.txt",
+            "--max-tokens",
+            "2",
+            "--json",
+            "Tell me about Paris",
+        ],
+    ));
+    let used: Vec<&str> = v["contexts"].as_array().unwrap().iter().map(|c| c["doc"].as_str().unwrap()).collect();
+    assert_eq!(used.len(), 2, "{v}");
+    assert!(used.iter().all(|d| *d == "cats.txt" || *d == "mamba.txt"), "{used:?}");
+    let (success, _, stderr) =
+        run_s(&args(&["query"], db, &["--model", m, "--embedder", e, "--doc", "dogs.txt", "Tell me about Paris"]));
+    assert!(!success && stderr.contains("\"dogs.txt\" is not in the store"), "{stderr}");
+
     // Delete removes the row and (unshared) state object; the id is gone everywhere.
     let before = store.state_keys().unwrap().len();
     store.delete(4).unwrap();

@@ -119,6 +119,21 @@ impl FlatIndex {
         self.data.get(id * self.dim..(id + 1) * self.dim)
     }
 
+    /// [`VectorIndex::search`] among the vectors `ids` only (a subset the caller chose, such as
+    /// one document's): the same scores and order as a search of an index holding just them.
+    /// Fails on an id the index does not hold.
+    pub fn search_among(&self, query: &[f32], k: usize, ids: &[usize]) -> Result<Vec<(usize, f32)>> {
+        self.check_query(query)?;
+        let mut top = TopK::new(k.min(ids.len()));
+        for &id in ids {
+            let v = self
+                .vector(id)
+                .ok_or_else(|| Error::Input(format!("vector {id} is not in the index, which holds {}", self.len())))?;
+            top.offer(Candidate { score: dot(v, query), id });
+        }
+        Ok(top.into_sorted())
+    }
+
     /// All stored vectors, row-major.
     pub fn as_flat(&self) -> &[f32] {
         &self.data

@@ -50,6 +50,25 @@ proptest! {
         prop_assert_eq!(&batch[0], &got);
         prop_assert_eq!(&batch[1], &got);
     }
+
+    /// A search among some ids is the full ranking with the others left out.
+    #[test]
+    fn search_among_is_the_full_ranking_of_those_ids((dim, data, query, k) in case(), pick in any::<u64>()) {
+        let index = FlatIndex::from_flat(dim, data.clone()).unwrap();
+        let n = data.len() / dim;
+        let ids: Vec<usize> = (0..n).filter(|i| pick >> (i % 64) & 1 == 1).collect();
+        let want: Vec<(usize, f32)> =
+            brute_force(&data, dim, &query, n).into_iter().filter(|(id, _)| ids.contains(id)).take(k).collect();
+        prop_assert_eq!(index.search_among(&query, k, &ids).unwrap(), want);
+    }
+}
+
+#[test]
+fn search_among_refuses_an_id_it_does_not_hold() {
+    let index = FlatIndex::from_flat(2, vec![1.0, 0.0, 0.0, 1.0]).unwrap();
+    assert_eq!(index.search_among(&[1.0, 0.5], 5, &[1]).unwrap(), vec![(1, 0.5)]);
+    assert!(matches!(index.search_among(&[1.0, 0.5], 1, &[0, 2]), Err(Error::Input(_))));
+    assert!(matches!(index.search_among(&[1.0], 1, &[0]), Err(Error::Input(_))), "a query of the wrong size");
 }
 
 #[test]

@@ -742,12 +742,19 @@ impl Store {
     }
 
     /// The `k` contexts nearest to `query` by meaning, best first: dicts {id, score, doc, segment, text}.
-    #[pyo3(signature = (query, k=4))]
-    fn search<'py>(&self, py: Python<'py>, query: &str, k: usize) -> PyResult<Bound<'py, PyList>> {
+    /// `documents` (names, as `documents()` lists them) limits the search to their contexts.
+    #[pyo3(signature = (query, k=4, *, documents=None))]
+    fn search<'py>(
+        &self,
+        py: Python<'py>,
+        query: &str,
+        k: usize,
+        documents: Option<Vec<String>>,
+    ) -> PyResult<Bound<'py, PyList>> {
         let (store, embedder) = (&self.inner, self.embedder()?);
         let hits = py.detach(|| -> PyResult<_> {
             let q = embedder.embed_one(query).map_err(embed_err)?;
-            store.search_records(&q, k).map_err(store_err)
+            store.search_records(&q, k, documents.as_deref()).map_err(store_err)
         })?;
         let list = PyList::empty(py);
         for (r, score) in &hits {
@@ -769,8 +776,8 @@ impl Store {
 
     /// Retrieves the `k` contexts nearest to `prompt`, composes their states by `method` and
     /// continues the prompt from the composed state. Returns a Generation whose `contexts` are
-    /// the retrieved ones, best first.
-    #[pyo3(signature = (prompt, k=4, method="picaso-r", *, max_tokens=64, temperature=0.0, top_p=1.0, seed=0, stop=None))]
+    /// the retrieved ones, best first. `documents` (names) retrieves only from their contexts.
+    #[pyo3(signature = (prompt, k=4, method="picaso-r", *, max_tokens=64, temperature=0.0, top_p=1.0, seed=0, stop=None, documents=None))]
     #[allow(clippy::too_many_arguments)]
     fn query(
         &self,
@@ -783,9 +790,16 @@ impl Store {
         top_p: f32,
         seed: u64,
         stop: Option<Vec<String>>,
+        documents: Option<Vec<String>>,
     ) -> PyResult<Generation> {
         let model = self.need_model()?;
         let method = method.parse::<picaso_store::ContextMethod>().map_err(|e| raise(Kind::Invalid, e))?;
+        if method == picaso_store::ContextMethod::Naive && documents.is_some() {
+            return Err(raise(
+                Kind::Invalid,
+                "method \"naive\" retrieves nothing: drop `documents`, or pick another method",
+            ));
+        }
         let tokens = model.tokenizer().and_then(|t| t.encode(prompt)).map_err(model_err)?;
         if tokens.is_empty() {
             return Err(raise(Kind::Invalid, "the prompt must contain at least one token"));
@@ -798,7 +812,8 @@ impl Store {
         let (hits, g) = py.detach(|| -> PyResult<_> {
             let (hits, prepared) = if let Some(embedder) = embedder {
                 let q = embedder.embed_one(prompt).map_err(embed_err)?;
-                picaso_store::retrieve_and_prepare(store, model, &q, k, method, None).map_err(store_err)?
+                let what = picaso_store::Retrieval::new(&q, k).within(documents.as_deref());
+                picaso_store::retrieve_and_prepare(store, model, what, method, None).map_err(store_err)?
             } else {
                 (Vec::new(), picaso_store::prepare(store, model, &[], method, None).map_err(store_err)?)
             };
@@ -817,10 +832,12 @@ impl Store {
     /// Which of the contexts does `answer` (continuing `prompt`) owe most to? Each context is
     /// left out in turn, the others are combined again by `method` and the answer is scored.
     /// The contexts are `ids` (the last nearest the prompt) or else the `k` retrieved for the
-    /// prompt. Returns {"method", "answer_tokens", "loglik" (nats with every context),
-    /// "contexts"}: each context's record with "loglik_without" and "drop" (what the answer
-    /// loses without it), the one it owes most to first.
-    #[pyo3(signature = (prompt, answer, ids=None, k=4, method="picaso-r"))]
+    /// prompt (from `documents`' contexts only, when given). Returns {"method", "answer_tokens",
+    /// "loglik" (nats with every context), "contexts"}: each context's record with
+    /// "loglik_without" and "drop" (what the answer loses without it), the one it owes most to
+    /// first.
+    #[pyo3(signature = (prompt, answer, ids=None, k=4, method="picaso-r", *, documents=None))]
+    #[allow(clippy::too_many_arguments)]
     fn attribute<'py>(
         &self,
         py: Python<'py>,
@@ -829,9 +846,16 @@ impl Store {
         ids: Option<Vec<i64>>,
         k: usize,
         method: &str,
+        documents: Option<Vec<String>>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let model = self.need_model()?;
         let method = method.parse::<picaso_store::ContextMethod>().map_err(|e| raise(Kind::Invalid, e))?;
+        if ids.is_some() && documents.is_some() {
+            return Err(raise(
+                Kind::Invalid,
+                "`documents` limits retrieval; with `ids` nothing is retrieved: give one or the other",
+            ));
+        }
         let tokenizer = model.tokenizer().map_err(model_err)?;
         let (prompt_ids, answer_ids) =
             (tokenizer.encode(prompt).map_err(model_err)?, tokenizer.encode(answer).map_err(model_err)?);
@@ -846,8 +870,9 @@ impl Store {
             None => {
                 let embedder = self.embedder()?;
                 let q = py.detach(|| embedder.embed_one(prompt)).map_err(embed_err)?;
+                let what = picaso_store::Retrieval::new(&q, k).within(documents.as_deref());
                 let (hits, at) =
-                    py.detach(|| picaso_store::retrieve_then(store, &q, k, attribute)).map_err(store_err)?;
+                    py.detach(|| picaso_store::retrieve_then(store, what, attribute)).map_err(store_err)?;
                 (hits.into_iter().map(|(id, score)| (id, Some(score))).collect(), at)
             }
         };

@@ -56,6 +56,31 @@ def test_store_end_to_end(model, embedder, tmp_path):
         assert naive.contexts == [] and naive.text == model.generate("The tower", max_tokens=4).text
 
 
+def test_retrieval_within_documents(model, embedder, tmp_path):
+    """`documents` limits search, query and attribution to those documents' contexts."""
+    for url, states in store_locations(tmp_path):
+        store = picaso.Store.create(url, model, embedder=embedder, states=states)
+        store.ingest(DOCS)
+        eiffel = store.get(1)["doc"]
+        question = "Where do plants make sugar?"
+        hits = store.search(question, k=5, documents=[eiffel, "volcano"])
+        everything = store.search(question, k=5)
+        assert [h["id"] for h in hits] == [h["id"] for h in everything if h["doc"] in (eiffel, "volcano")]
+        assert len(hits) == 3
+        g = store.query("Sugar is made", k=5, max_tokens=2, documents=["volcano"])
+        assert [c["doc"] for c in g.contexts] == ["volcano"]
+        at = store.attribute("Sugar is made", " in leaves.", k=5, documents=[eiffel])
+        assert [c["doc"] for c in at["contexts"]] == [eiffel, eiffel]
+        with pytest.raises(ValueError, match='"dogs" is not in the store'):
+            store.search("x", documents=["volcano", "dogs"])
+        with pytest.raises(ValueError, match="no documents"):
+            store.query("x", documents=[])
+        with pytest.raises(ValueError, match="naive"):
+            store.query("x", method="naive", documents=["volcano"])
+        with pytest.raises(ValueError, match="one or the other"):
+            store.attribute("x", " y", ids=[1], documents=["volcano"])
+
+
 def test_documents_are_kept_up_to_date(model, embedder, tmp_path):
     """Ingesting a document again with other text replaces its changed segments and removes
     the ones it lost; deleting a context or a document removes it from retrieval."""

@@ -111,6 +111,8 @@ pub struct CompletionRequest {
     pub contexts: Option<Vec<i64>>,
     /// picaso: retrieve this many contexts by similarity to the prompt.
     pub retrieve: Option<usize>,
+    /// picaso: retrieve only from these documents' contexts (names, as `/v1/documents` lists).
+    pub documents: Option<Vec<String>>,
     /// picaso: how to combine the contexts: picaso-r (default), picaso-s, caso, soup, concat, naive.
     pub composition: Option<String>,
     /// Accepted for compatibility; the server has one model.
@@ -353,6 +355,8 @@ pub struct SearchRequest {
     /// How many (default 5).
     #[serde(default = "default_k")]
     pub k: usize,
+    /// Only these documents' contexts (names, as `/v1/documents` lists).
+    pub documents: Option<Vec<String>>,
 }
 
 fn default_k() -> usize {
@@ -394,6 +398,8 @@ pub struct AttributeRequest {
     /// Retrieve this many contexts by similarity to the prompt (as a completion with
     /// `retrieve` does).
     pub retrieve: Option<usize>,
+    /// Retrieve only from these documents' contexts (names, as `/v1/documents` lists).
+    pub documents: Option<Vec<String>>,
     /// How to combine them: picaso-r (default), picaso-s, caso, soup or concat.
     pub composition: Option<String>,
 }

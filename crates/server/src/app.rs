@@ -11,7 +11,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use picaso_embed::Embedder;
 use picaso_model::{GenerateOptions, Model, State, StopReason};
 use picaso_store::{
-    prepare, retrieve_and_prepare, retrieve_then, ContextMethod, ContextRecord, DocumentSummary, NewContext,
+    prepare, retrieve_and_prepare, retrieve_then, ContextMethod, ContextRecord, DocumentSummary, NewContext, Retrieval,
     StateCache, Store,
 };
 use serde_json::json;
@@ -253,7 +253,7 @@ impl App {
         if req.contexts.is_some() && req.retrieve.is_some() {
             return Err(ApiError::bad_request("give either `contexts` (ids) or `retrieve` (a count), not both"));
         }
-        self.check_contexts(req.contexts.as_deref(), req.retrieve)?;
+        self.check_contexts(req.contexts.as_deref(), req.retrieve, req.documents.as_deref())?;
         if req.max_tokens > self.limits.max_tokens {
             return Err(ApiError::bad_request(format!(
                 "max_tokens {} is over this server's limit of {}",
@@ -324,8 +324,8 @@ impl App {
             }
             (_, None, Some(k)) => {
                 let query = self.embedder.embed_one(&text)?;
-                let (hits, prepared) =
-                    retrieve_and_prepare(&self.store, &self.model, &query, k, method, Some(&self.cache))?;
+                let what = Retrieval::new(&query, k).within(req.documents.as_deref());
+                let (hits, prepared) = retrieve_and_prepare(&self.store, &self.model, what, method, Some(&self.cache))?;
                 (hits.into_iter().map(|(id, score)| UsedContext { id, score: Some(score) }).collect(), prepared)
             }
         };
@@ -663,7 +663,17 @@ impl App {
     }
 
     /// Refuses a context listed twice and more contexts than the server combines.
-    fn check_contexts(&self, ids: Option<&[i64]>, retrieve: Option<usize>) -> Result<(), ApiError> {
+    fn check_contexts(
+        &self,
+        ids: Option<&[i64]>,
+        retrieve: Option<usize>,
+        documents: Option<&[String]>,
+    ) -> Result<(), ApiError> {
+        if documents.is_some() && retrieve.is_none_or(|k| k == 0) {
+            return Err(ApiError::bad_request(
+                "`documents` limits retrieval to some documents: give it with `retrieve` (a count), or drop it",
+            ));
+        }
         if let Some(ids) = ids {
             let mut seen = std::collections::HashSet::new();
             if let Some(dup) = ids.iter().find(|id| !seen.insert(**id)) {
@@ -700,7 +710,7 @@ impl App {
             }
             (_, k) => k,
         };
-        self.check_contexts(req.contexts.as_deref(), retrieve)?;
+        self.check_contexts(req.contexts.as_deref(), retrieve, req.documents.as_deref())?;
         let tokenizer = self.model.tokenizer()?;
         let (prompt, answer) = (tokenizer.encode(&req.prompt)?, tokenizer.encode(&req.answer)?);
         if prompt.len() + answer.len() > self.limits.max_prompt_tokens {
@@ -718,7 +728,8 @@ impl App {
             (Some(ids), _) => (ids.iter().map(|&id| (id, None)).collect(), attribute(ids)?),
             (None, k) => {
                 let query = self.embedder.embed_one(&req.prompt)?;
-                let (hits, at) = retrieve_then(&self.store, &query, k.unwrap_or(0), attribute)?;
+                let what = Retrieval::new(&query, k.unwrap_or(0)).within(req.documents.as_deref());
+                let (hits, at) = retrieve_then(&self.store, what, attribute)?;
                 (hits.into_iter().map(|(id, score)| (id, Some(score))).collect(), at)
             }
         };
@@ -753,7 +764,7 @@ impl App {
             )));
         }
         let q = self.embedder.embed_one(&req.query)?;
-        let results = (self.store.search_records(&q, req.k)?.into_iter())
+        let results = (self.store.search_records(&q, req.k, req.documents.as_deref())?.into_iter())
             .map(|(rec, score)| SearchHit { id: rec.id, score, doc: rec.doc, segment: rec.seg, text: rec.text })
             .collect();
         Ok(SearchResponse { results })

@@ -37,7 +37,7 @@ pub use ingest::{ingest, ingest_while, prune, IngestProgress};
 pub use location::{CatalogUrl, Location, StatesUrl};
 pub use migrate::{migrate, MigrateReport};
 pub use passages::{passages, retrieve, Passage};
-pub use query::{prepare, retrieve_and_prepare, retrieve_then, ContextMethod, Prepared};
+pub use query::{prepare, retrieve_and_prepare, retrieve_then, ContextMethod, Prepared, Retrieval};
 pub use runtime::Resilience;
 pub use sources::{detokenize_wikitext, read_jsonl, read_text_dir, read_wikitext, Document, Segmentation};
 pub use store::{

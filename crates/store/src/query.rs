@@ -70,34 +70,56 @@ impl Prepared {
     }
 }
 
-/// Retrieves the `k` contexts nearest `query` (a normalised embedding) and builds their state
-/// with `method`. Returns the hits in composition order (most relevant last, nearest the
-/// prompt) and the state. A concurrent delete never fails it ([`retrieve_then`]).
+/// What to retrieve: the `k` contexts nearest a normalised query embedding, among every
+/// document's or only those of `documents` ([`Store::search_in`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Retrieval<'a> {
+    /// The query's embedding (normalised).
+    pub query: &'a [f32],
+    /// How many contexts.
+    pub k: usize,
+    /// Only these documents' contexts (`None`: every document's).
+    pub documents: Option<&'a [String]>,
+}
+
+impl<'a> Retrieval<'a> {
+    /// The `k` nearest `query` in every document.
+    pub fn new(query: &'a [f32], k: usize) -> Self {
+        Self { query, k, documents: None }
+    }
+
+    /// The same, among the contexts of `documents` only (`None`: all).
+    pub fn within(self, documents: Option<&'a [String]>) -> Self {
+        Self { documents, ..self }
+    }
+}
+
+/// Retrieves the contexts `what` asks for and builds their state with `method`. Returns the
+/// hits in composition order (most relevant last, nearest the prompt) and the state. A
+/// concurrent delete never fails it ([`retrieve_then`]).
 pub fn retrieve_and_prepare(
     store: &Store,
     model: &Model,
-    query: &[f32],
-    k: usize,
+    what: Retrieval<'_>,
     method: ContextMethod,
     cache: Option<&StateCache>,
 ) -> Result<(Vec<(i64, f32)>, Prepared)> {
-    retrieve_then(store, query, k, |ids| prepare(store, model, ids, method, cache))
+    retrieve_then(store, what, |ids| prepare(store, model, ids, method, cache))
 }
 
-/// Retrieves the `k` contexts nearest `query` (a normalised embedding) and runs `work` on their
-/// ids in composition order (most relevant last, nearest the prompt). Returns the hits in that
-/// order and what `work` made. A context deleted by another writer between the search and the
-/// work is left out and the search runs again without it, so a concurrent delete never fails a
-/// caller that named no context.
+/// Retrieves the contexts `what` asks for and runs `work` on their ids in composition order
+/// (most relevant last, nearest the prompt). Returns the hits in that order and what `work`
+/// made. A context deleted by another writer between the search and the work is left out and
+/// the search runs again without it, so a concurrent delete never fails a caller that named no
+/// context.
 pub fn retrieve_then<T>(
     store: &Store,
-    query: &[f32],
-    k: usize,
+    what: Retrieval<'_>,
     mut work: impl FnMut(&[i64]) -> Result<T>,
 ) -> Result<(Vec<(i64, f32)>, T)> {
     let mut gone = Vec::new();
     loop {
-        let mut hits = store.search_without(query, k, &gone)?;
+        let mut hits = store.search_without(what.query, what.k, what.documents, &gone)?;
         hits.reverse();
         let ids: Vec<i64> = hits.iter().map(|h| h.0).collect();
         match work(&ids) {

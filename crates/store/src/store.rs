@@ -874,25 +874,63 @@ impl Store {
     /// The `k` contexts most similar to `query` (a normalised embedding): (id, cosine), best
     /// first. Uses the catalog's approximate index if it has one.
     pub fn search(&self, query: &[f32], k: usize) -> Result<Vec<(i64, f32)>> {
-        self.check_query(query)?;
-        self.catalog.search(query, k, false)
+        self.search_in(query, k, None)
     }
 
-    /// [`Store::search`] leaving out `gone` (contexts found deleted since an earlier search).
-    pub fn search_without(&self, query: &[f32], k: usize, gone: &[i64]) -> Result<Vec<(i64, f32)>> {
-        let mut hits = self.search(query, k + gone.len())?;
+    /// [`Store::search`] among the contexts of `documents` only (`None`: all of them), exactly.
+    /// Naming no document, or one the store does not hold, is refused: a misspelt name would
+    /// otherwise retrieve nothing, and the answer would silently go without its context.
+    pub fn search_in(&self, query: &[f32], k: usize, documents: Option<&[String]>) -> Result<Vec<(i64, f32)>> {
+        self.check_query(query)?;
+        if let Some(docs) = documents {
+            self.check_documents(docs)?;
+        }
+        self.catalog.search(query, k, false, documents)
+    }
+
+    fn check_documents(&self, docs: &[String]) -> Result<()> {
+        if docs.is_empty() {
+            return Err(Error::Input(
+                "no documents to retrieve from: name at least one, or none at all to search every document".into(),
+            ));
+        }
+        for doc in docs {
+            if self.catalog.segments_of(doc)?.is_empty() {
+                return Err(Error::Input(format!(
+                    "document {doc:?} is not in the store (`picaso documents`, GET /v1/documents and \
+                     Python's Store.documents() list the ones it holds)"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Store::search_in`] leaving out `gone` (contexts found deleted since an earlier search).
+    pub fn search_without(
+        &self,
+        query: &[f32],
+        k: usize,
+        documents: Option<&[String]>,
+        gone: &[i64],
+    ) -> Result<Vec<(i64, f32)>> {
+        let mut hits = self.search_in(query, k + gone.len(), documents)?;
         hits.retain(|(id, _)| !gone.contains(id));
         hits.truncate(k);
         Ok(hits)
     }
 
-    /// [`Store::search`] with each hit's record. A context deleted (by another writer) between
-    /// the ranking and the read is left out and the search runs again without it, so a
+    /// [`Store::search_in`] with each hit's record. A context deleted (by another writer)
+    /// between the ranking and the read is left out and the search runs again without it, so a
     /// concurrent delete never becomes a "not found" for a caller who named no id.
-    pub fn search_records(&self, query: &[f32], k: usize) -> Result<Vec<(ContextRecord, f32)>> {
+    pub fn search_records(
+        &self,
+        query: &[f32],
+        k: usize,
+        documents: Option<&[String]>,
+    ) -> Result<Vec<(ContextRecord, f32)>> {
         let mut gone = Vec::new();
         loop {
-            let hits = self.search_without(query, k, &gone)?;
+            let hits = self.search_without(query, k, documents, &gone)?;
             let mut found = Vec::with_capacity(hits.len());
             let before = gone.len();
             for (id, score) in hits {
@@ -911,7 +949,7 @@ impl Store {
     /// [`Store::search`] by exhaustive scan, whatever indexes exist (ground truth for recall).
     pub fn search_exact(&self, query: &[f32], k: usize) -> Result<Vec<(i64, f32)>> {
         self.check_query(query)?;
-        self.catalog.search(query, k, true)
+        self.catalog.search(query, k, true, None)
     }
 
     fn check_query(&self, query: &[f32]) -> Result<()> {

@@ -108,7 +108,10 @@ class Store:
         same text are skipped; a document given again with other text is brought up to date, and
         a stored segment whose state file is missing is processed again.
         {"added", "replaced", "repaired", "removed", "skipped", "tokens", "seconds"}."""
-    def search(self, query: str, k: int = 4) -> list[dict[str, Any]]: ...
+    def search(
+        self, query: str, k: int = 4, *, documents: Optional[Sequence[str]] = None
+    ) -> list[dict[str, Any]]:
+        """The `k` nearest contexts, best first (only `documents`' contexts, when given)."""
     def state(self, ids: Sequence[int], method: str = "picaso-r") -> State: ...
     def query(
         self,
@@ -121,11 +124,20 @@ class Store:
         top_p: float = 1.0,
         seed: int = 0,
         stop: Optional[Sequence[str]] = None,
+        documents: Optional[Sequence[str]] = None,
     ) -> Generation: ...
     def attribute(
-        self, prompt: str, answer: str, ids: Optional[Sequence[int]] = None, k: int = 4, method: str = "picaso-r"
+        self,
+        prompt: str,
+        answer: str,
+        ids: Optional[Sequence[int]] = None,
+        k: int = 4,
+        method: str = "picaso-r",
+        *,
+        documents: Optional[Sequence[str]] = None,
     ) -> dict[str, Any]:
-        """Leave-one-out attribution of `answer` to the contexts `ids` (or the `k` retrieved):
+        """Leave-one-out attribution of `answer` to the contexts `ids` (or the `k` retrieved, from
+        `documents` only when given):
         {"method", "answer_tokens", "loglik", "contexts"}, each context with "loglik_without" and
         "drop", the one the answer owes most to first."""
     def get(self, id: int) -> dict[str, Any]: ...

@@ -97,8 +97,9 @@ pub trait Catalog: Send + Sync + std::fmt::Debug {
     /// objects left behind by killed writes. Returns whether it was removed.
     fn remove_if_unreferenced(&self, checksum: &str, remove_state: &mut dyn FnMut(&str) -> Result<()>) -> Result<bool>;
     /// The `k` nearest contexts to `query` by inner product (cosine for normalised vectors),
-    /// best first. `exact` forbids approximate indexes.
-    fn search(&self, query: &[f32], k: usize, exact: bool) -> Result<Vec<(i64, f32)>>;
+    /// best first (equal scores by lower id), among every context or only those of `documents`.
+    /// `exact` forbids approximate indexes; a search within documents is always exact.
+    fn search(&self, query: &[f32], k: usize, exact: bool, documents: Option<&[String]>) -> Result<Vec<(i64, f32)>>;
     /// A context's embedding.
     fn embedding(&self, id: i64) -> Result<Vec<f32>>;
     /// Number of contexts.

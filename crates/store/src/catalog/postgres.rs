@@ -724,25 +724,40 @@ impl Catalog for PostgresCatalog {
         removed
     }
 
-    fn search(&self, query: &[f32], k: usize, exact: bool) -> Result<Vec<(i64, f32)>> {
+    fn search(&self, query: &[f32], k: usize, exact: bool, documents: Option<&[String]>) -> Result<Vec<(i64, f32)>> {
         let q = Vector::from(query.to_vec());
         let limit = k as i64;
+        let documents = documents.map(<[String]>::to_vec);
         self.run(Box::new(move |c| {
-            let q = q.clone();
+            let (q, documents) = (q.clone(), documents.clone());
             Box::pin(async move {
                 let tx = c.transaction().await?;
-                if exact {
+                if exact || documents.is_some() {
+                    // No HNSW scan: filtered after the index, it could return fewer than k of
+                    // the documents' contexts. Their rows are found by the (doc, seg) index.
                     tx.batch_execute("SET LOCAL enable_indexscan = off").await?;
                 } else {
                     // Enough candidates for k results (pgvector's default is 40).
                     tx.batch_execute(&format!("SET LOCAL hnsw.ef_search = {}", (2 * limit).clamp(40, 1000))).await?;
                 }
-                let rows = tx
-                    .query(
-                        "SELECT id, -(embedding <#> $1) FROM picaso_contexts ORDER BY embedding <#> $1, id LIMIT $2",
-                        &[&q, &limit],
-                    )
-                    .await?;
+                let rows = match &documents {
+                    None => {
+                        tx.query(
+                            "SELECT id, -(embedding <#> $1) FROM picaso_contexts
+                             ORDER BY embedding <#> $1, id LIMIT $2",
+                            &[&q, &limit],
+                        )
+                        .await?
+                    }
+                    Some(docs) => {
+                        tx.query(
+                            "SELECT id, -(embedding <#> $1) FROM picaso_contexts WHERE doc = ANY($3)
+                             ORDER BY embedding <#> $1, id LIMIT $2",
+                            &[&q, &limit, docs],
+                        )
+                        .await?
+                    }
+                };
                 tx.commit().await?;
                 Ok(rows.iter().map(|r| (r.get::<_, i64>(0), r.get::<_, f64>(1) as f32)).collect())
             })

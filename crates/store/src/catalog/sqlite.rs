@@ -509,9 +509,30 @@ impl Catalog for SqliteCatalog {
         Ok(true)
     }
 
-    fn search(&self, query: &[f32], k: usize, _exact: bool) -> Result<Vec<(i64, f32)>> {
+    fn search(&self, query: &[f32], k: usize, _exact: bool, documents: Option<&[String]>) -> Result<Vec<(i64, f32)>> {
+        // The documents' ids, read before the index is: `index()` may wait for the connection
+        // while it rebuilds the index, so reading with its guard held could deadlock.
+        let ids = match documents {
+            None => None,
+            Some(docs) => {
+                let mut ids = Vec::new();
+                for doc in docs {
+                    ids.extend(self.segments_of(doc)?.into_values());
+                }
+                Some(ids)
+            }
+        };
         let index = self.index()?;
-        let hits = index.flat.search(query, k)?;
+        let hits = match ids {
+            None => index.flat.search(query, k)?,
+            Some(ids) => {
+                // Rows of the index (a context deleted between the two reads is left out).
+                let mut rows: Vec<usize> = ids.iter().filter_map(|id| index.ids.binary_search(id).ok()).collect();
+                rows.sort_unstable();
+                rows.dedup();
+                index.flat.search_among(query, k, &rows)?
+            }
+        };
         Ok(hits.into_iter().map(|(row, score)| (index.ids[row], score)).collect())
     }
 
