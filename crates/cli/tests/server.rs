@@ -407,6 +407,7 @@ fn serve_completions_contexts_search_metrics_and_bad_input(arch: &str, db: &Test
             "\"dogs.txt\" is not in the store",
         ),
         ("/v1/search", json!({"query": "x", "documents": []}).to_string(), 400, "no documents"),
+        ("/v1/search", json!({"query": "x", "documents": vec!["d"; 1001]}).to_string(), 400, "at most 1000"),
         ("/v1/completions", json!({"prompt": "x", "documents": ["cats.txt"]}).to_string(), 400, "with `retrieve`"),
         (
             "/v1/completions",

@@ -22,6 +22,20 @@ use crate::batcher::{Batcher, DecodeStates, Event, Job, Refused};
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 
+/// Most documents one request may limit retrieval to: each name is looked up in the catalog.
+const MAX_DOCUMENTS: usize = 1000;
+
+/// Refuses a `documents` list longer than [`MAX_DOCUMENTS`].
+fn check_documents(documents: Option<&[String]>) -> Result<(), ApiError> {
+    match documents {
+        Some(docs) if docs.len() > MAX_DOCUMENTS => Err(ApiError::bad_request(format!(
+            "{} documents named; retrieval within documents takes at most {MAX_DOCUMENTS}",
+            docs.len()
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// What the server accepts.
 #[derive(Debug, Clone)]
 pub struct Limits {
@@ -662,7 +676,8 @@ impl App {
         Ok(())
     }
 
-    /// Refuses a context listed twice and more contexts than the server combines.
+    /// Refuses a context listed twice, more contexts than the server combines, and `documents`
+    /// without retrieval or naming more documents than [`MAX_DOCUMENTS`] (each is looked up).
     fn check_contexts(
         &self,
         ids: Option<&[i64]>,
@@ -674,6 +689,7 @@ impl App {
                 "`documents` limits retrieval to some documents: give it with `retrieve` (a count), or drop it",
             ));
         }
+        check_documents(documents)?;
         if let Some(ids) = ids {
             let mut seen = std::collections::HashSet::new();
             if let Some(dup) = ids.iter().find(|id| !seen.insert(**id)) {
@@ -754,6 +770,7 @@ impl App {
 
     /// Retrieval only. Blocking.
     pub(crate) fn search(&self, req: SearchRequest) -> Result<SearchResponse, ApiError> {
+        check_documents(req.documents.as_deref())?;
         if req.query.trim().is_empty() {
             return Err(ApiError::bad_request("`query` is empty: give the text to find contexts for"));
         }
