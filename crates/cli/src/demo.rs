@@ -80,6 +80,7 @@ fn builtin_documents() -> Vec<Document> {
         .map(|article| Document {
             id: article.lines().next().unwrap_or("").trim_matches(|c| c == '=' || c == ' ').to_string(),
             paragraphs: picaso_train::corpus::prose_paragraphs(article).iter().map(|p| format!("{p}\n\n")).collect(),
+            metadata: Default::default(),
         })
         .collect()
 }

@@ -763,6 +763,7 @@ fn context_use(a: ContextUseArgs) -> Result<()> {
                 .map(|(_, text)| picaso_store::Document {
                     id: text.lines().next().unwrap_or("").trim_matches(|c| c == '=' || c == ' ').to_string(),
                     paragraphs: picaso_train::corpus::prose_paragraphs(text).into_iter().map(String::from).collect(),
+                    metadata: Default::default(),
                 })
                 .collect();
             (format!("held-out Wikipedia articles of {} (every {}th)", f.display(), a.held_out_every), docs)

@@ -184,6 +184,12 @@ struct QueryArgs {
     /// repeat for several).
     #[arg(long = "doc", value_name = "NAME", conflicts_with = "ids")]
     docs: Vec<String>,
+    /// Retrieve only contexts whose metadata has KEY equal to VALUE (repeat: all must hold).
+    /// VALUE is JSON when it reads as a JSON number, boolean, null or quoted string
+    /// (`year=2024`, `draft=false`, `year='"2024"'`), else the text as given (`lang=en`).
+    /// Metadata comes from a JSON line's fields other than `text` and `id`.
+    #[arg(long = "filter", value_name = "KEY=VALUE", conflicts_with = "ids")]
+    filters: Vec<String>,
     #[command(flatten)]
     sampling: SamplingArgs,
     /// Also tell which context the answer owes most to: each is left out in turn, the others
@@ -1107,6 +1113,10 @@ fn query(a: QueryArgs) -> Result<()> {
     if a.method == picaso_store::ContextMethod::Naive && !a.docs.is_empty() {
         bail!("--method naive retrieves nothing, so --doc would be ignored: drop --doc, or pick picaso-r, picaso-s, caso, soup or concat");
     }
+    if a.method == picaso_store::ContextMethod::Naive && !a.filters.is_empty() {
+        bail!("--method naive retrieves nothing, so --filter would be ignored: drop --filter, or pick picaso-r, picaso-s, caso, soup or concat");
+    }
+    let filter = (!a.filters.is_empty()).then(|| picaso_store::filter_from_pairs(&a.filters)).transpose()?;
     let store = picaso_store::Store::open(a.db.location()?)?;
     let model = load_model(&a.model, true)?;
     let t_retrieve = Instant::now();
@@ -1127,7 +1137,7 @@ fn query(a: QueryArgs) -> Result<()> {
             let embedder = embedder::resolve(a.embedder.as_deref(), Some(&store))?;
             let q = embedder.embed_one(&a.prompt)?;
             let docs = (!a.docs.is_empty()).then_some(&a.docs[..]);
-            let what = picaso_store::Retrieval::new(&q, a.k).within(docs);
+            let what = picaso_store::Retrieval::new(&q, a.k).within(docs).matching(filter.as_ref());
             let (hits, prepared) = picaso_store::retrieve_then(&store, what, prepare)?;
             (hits.into_iter().map(|(i, s)| (i, Some(s))).collect(), prepared)
         }
@@ -1136,6 +1146,15 @@ fn query(a: QueryArgs) -> Result<()> {
     let ready = prepared.as_ref().map_or(0.0, |p| p.load_seconds + p.compose_seconds);
     let retrieve_seconds = (t_retrieve.elapsed().as_secs_f64() - ready).max(0.0);
     let ids: Vec<i64> = hits.iter().map(|h| h.0).collect();
+    if ids.is_empty() && filter.is_some() {
+        bail!(
+            "no context of the store{} has metadata matching --filter {}: check the keys and values \
+             (`picaso contexts --json` shows each context's metadata; values are compared as JSON, so \
+             year=2024 does not match \"2024\")",
+            if a.docs.is_empty() { String::new() } else { format!(" within --doc {:?}", a.docs) },
+            a.filters.join(" --filter ")
+        );
+    }
     if ids.is_empty() && a.ids.is_none() && a.method != picaso_store::ContextMethod::Naive {
         eprintln!(
             "(the store holds no contexts: {} has nothing to combine, so this answers without context)",
@@ -1200,7 +1219,8 @@ fn query(a: QueryArgs) -> Result<()> {
             .iter()
             .enumerate()
             .map(|(i, (id, score))| {
-                let mut c = json!({"id": id, "score": score, "doc": doc_of(*id).0});
+                let (doc, metadata) = store.get(*id).map(|r| (r.doc, r.metadata)).unwrap_or_default();
+                let mut c = json!({"id": id, "score": score, "doc": doc, "metadata": metadata});
                 if let Some(at) = &attribution {
                     c["loglik_without"] = json!(at.without[i]);
                     c["drop"] = json!(at.drop(i));

@@ -199,14 +199,14 @@ fn ingest_stats_query_and_compose(
         for k in [1, 2, 5] {
             let want: Vec<(i64, f32)> =
                 everything.iter().filter(|(id, _)| names.contains(&doc(*id))).take(k).copied().collect();
-            assert_eq!(store.search_in(&q, k, Some(&names)).unwrap(), want, "{names:?}, k {k}");
+            assert_eq!(store.search_in(&q, k, picaso_store::Scope::within(&names)).unwrap(), want, "{names:?}, k {k}");
         }
     }
     for (names, says) in [
         (vec!["cats.txt".to_string(), "dogs.txt".into()], "\"dogs.txt\" is not in the store"),
         (vec![], "no documents"),
     ] {
-        let e = store.search_in(&q, 3, Some(&names)).unwrap_err();
+        let e = store.search_in(&q, 3, picaso_store::Scope::within(&names)).unwrap_err();
         assert!(matches!(e, picaso_store::Error::Input(_)) && e.to_string().contains(says), "{e}");
     }
     let v = ok_s(&args(
@@ -675,7 +675,7 @@ fn segments_never_split_a_character() {
     let all = tok.encode(&text).unwrap();
     let split_somewhere = (1..all.len()).filter(|&k| tok.decode(&all[..k]).unwrap().ends_with('\u{FFFD}')).count();
     assert!(split_somewhere > 10, "the text has characters that span tokens ({split_somewhere} cuts split one)");
-    let doc = picaso_store::Document { id: "d".into(), paragraphs: vec![text.clone()] };
+    let doc = picaso_store::Document::new("d", vec![text.clone()]);
     let check = |segmentation: picaso_store::Segmentation, max_len: usize| {
         let segs = picaso_store::ingest::segments(&model, &doc, segmentation).unwrap();
         for (seg, text, tokens) in &segs {

@@ -611,7 +611,43 @@ fn record_dict<'py>(
     d.set_item("doc", &r.doc)?;
     d.set_item("segment", r.seg)?;
     d.set_item("text", &r.text)?;
+    d.set_item("metadata", metadata_to_py(py, &r.metadata)?)?;
     Ok(d)
+}
+
+/// Metadata as a Python dict (through JSON: the values are JSON's).
+fn metadata_to_py<'py>(py: Python<'py>, metadata: &picaso_store::Metadata) -> PyResult<Bound<'py, PyAny>> {
+    let text = serde_json::Value::Object(metadata.clone()).to_string();
+    py.import("json")?.call_method1("loads", (text,))
+}
+
+/// A Python dict of JSON values as metadata (`what` names it in errors).
+fn metadata_from_py(value: &Bound<'_, PyAny>, what: &str) -> PyResult<picaso_store::Metadata> {
+    if !value.is_instance_of::<PyDict>() {
+        return Err(PyTypeError::new_err(format!("{what} must be a dict of JSON values")));
+    }
+    let text: String = value
+        .py()
+        .import("json")?
+        .call_method1("dumps", (value,))
+        .map_err(|e| {
+            PyTypeError::new_err(format!(
+                "{what} must hold JSON values (str, int, float, bool, None, lists, dicts): {e}"
+            ))
+        })?
+        .extract()?;
+    match serde_json::from_str::<serde_json::Value>(&text) {
+        Ok(serde_json::Value::Object(m)) => Ok(m),
+        _ => Err(raise(Kind::Invalid, format!("{what} is not a JSON object (NaN and infinities are not JSON)"))),
+    }
+}
+
+/// A retrieval's metadata filter from a Python dict (None: no filter).
+fn filter_from_py(filter: Option<&Bound<'_, PyAny>>) -> PyResult<Option<picaso_store::Metadata>> {
+    let Some(f) = filter else { return Ok(None) };
+    let m = metadata_from_py(f, "filter")?;
+    picaso_store::metadata::check_filter(&m).map_err(store_err)?;
+    Ok(Some(m))
 }
 
 #[pymethods]
@@ -681,14 +717,16 @@ impl Store {
     }
 
     /// Adds documents: a list of strings (one document each, paragraphs split at blank lines,
-    /// its id "text/" + a hash of the text) or of dicts {"id": str, "text": str}. One context
+    /// its id "text/" + a hash of the text) or of dicts {"id": str, "text": str, "metadata":
+    /// dict (optional: title, URL, ...; every context of the document carries it)}. One context
     /// per paragraph by default; `segment` "tokens:N" cuts runs of N tokens. Segments already
     /// stored with the same text are skipped; a document given again with other text is
     /// brought up to date (changed segments replaced, segments it no longer has removed), and a
     /// stored segment whose state file is missing is processed again ("repaired").
     /// `progress(done, total)` is called as contexts are stored; an exception it raises stops
     /// the ingest after the batch in flight (the batches stored stay: ingesting again carries on).
-    /// Returns {"added", "replaced", "repaired", "removed", "skipped", "tokens", "seconds"}.
+    /// Returns {"added", "replaced", "repaired", "removed", "skipped", "relabelled" (skipped
+    /// segments that took their document's new metadata), "tokens", "seconds"}.
     #[pyo3(signature = (documents, *, segment="paragraph", batch=8, progress=None))]
     fn ingest<'py>(
         &self,
@@ -736,25 +774,31 @@ impl Store {
         d.set_item("repaired", report.repaired)?;
         d.set_item("removed", report.removed)?;
         d.set_item("skipped", report.skipped)?;
+        d.set_item("relabelled", report.relabelled)?;
         d.set_item("tokens", report.tokens)?;
         d.set_item("seconds", report.seconds)?;
         Ok(d)
     }
 
-    /// The `k` contexts nearest to `query` by meaning, best first: dicts {id, score, doc, segment, text}.
-    /// `documents` (names, as `documents()` lists them) limits the search to their contexts.
-    #[pyo3(signature = (query, k=4, *, documents=None))]
+    /// The `k` contexts nearest to `query` by meaning, best first: dicts {id, score, doc, segment,
+    /// text, metadata}. `documents` (names, as `documents()` lists them) limits the search to
+    /// their contexts; `filter` (a dict of str, number, bool or None values) to contexts whose
+    /// metadata holds every one of its values.
+    #[pyo3(signature = (query, k=4, *, documents=None, filter=None))]
     fn search<'py>(
         &self,
         py: Python<'py>,
         query: &str,
         k: usize,
         documents: Option<Vec<String>>,
+        filter: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyList>> {
+        let filter = filter_from_py(filter)?;
         let (store, embedder) = (&self.inner, self.embedder()?);
         let hits = py.detach(|| -> PyResult<_> {
             let q = embedder.embed_one(query).map_err(embed_err)?;
-            store.search_records(&q, k, documents.as_deref()).map_err(store_err)
+            let scope = picaso_store::Scope { documents: documents.as_deref(), filter: filter.as_ref() };
+            store.search_records(&q, k, scope).map_err(store_err)
         })?;
         let list = PyList::empty(py);
         for (r, score) in &hits {
@@ -776,12 +820,13 @@ impl Store {
 
     /// Retrieves the `k` contexts nearest to `prompt`, composes their states by `method` and
     /// continues the prompt from the composed state. Returns a Generation whose `contexts` are
-    /// the retrieved ones, best first. `documents` (names) retrieves only from their contexts.
-    #[pyo3(signature = (prompt, k=4, method="picaso-r", *, max_tokens=64, temperature=0.0, top_p=1.0, seed=0, stop=None, documents=None))]
+    /// the retrieved ones, best first. `documents` (names) retrieves only from their contexts,
+    /// `filter` (a dict) only from contexts whose metadata holds its values.
+    #[pyo3(signature = (prompt, k=4, method="picaso-r", *, max_tokens=64, temperature=0.0, top_p=1.0, seed=0, stop=None, documents=None, filter=None))]
     #[allow(clippy::too_many_arguments)]
-    fn query(
+    fn query<'py>(
         &self,
-        py: Python<'_>,
+        py: Python<'py>,
         prompt: &str,
         k: usize,
         method: &str,
@@ -791,15 +836,17 @@ impl Store {
         seed: u64,
         stop: Option<Vec<String>>,
         documents: Option<Vec<String>>,
+        filter: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Generation> {
         let model = self.need_model()?;
         let method = method.parse::<picaso_store::ContextMethod>().map_err(|e| raise(Kind::Invalid, e))?;
-        if method == picaso_store::ContextMethod::Naive && documents.is_some() {
+        if method == picaso_store::ContextMethod::Naive && (documents.is_some() || filter.is_some()) {
             return Err(raise(
                 Kind::Invalid,
-                "method \"naive\" retrieves nothing: drop `documents`, or pick another method",
+                "method \"naive\" retrieves nothing: drop `documents` and `filter`, or pick another method",
             ));
         }
+        let filter = filter_from_py(filter)?;
         let tokens = model.tokenizer().and_then(|t| t.encode(prompt)).map_err(model_err)?;
         if tokens.is_empty() {
             return Err(raise(Kind::Invalid, "the prompt must contain at least one token"));
@@ -812,7 +859,7 @@ impl Store {
         let (hits, g) = py.detach(|| -> PyResult<_> {
             let (hits, prepared) = if let Some(embedder) = embedder {
                 let q = embedder.embed_one(prompt).map_err(embed_err)?;
-                let what = picaso_store::Retrieval::new(&q, k).within(documents.as_deref());
+                let what = picaso_store::Retrieval::new(&q, k).within(documents.as_deref()).matching(filter.as_ref());
                 picaso_store::retrieve_and_prepare(store, model, what, method, None).map_err(store_err)?
             } else {
                 (Vec::new(), picaso_store::prepare(store, model, &[], method, None).map_err(store_err)?)
@@ -832,11 +879,12 @@ impl Store {
     /// Which of the contexts does `answer` (continuing `prompt`) owe most to? Each context is
     /// left out in turn, the others are combined again by `method` and the answer is scored.
     /// The contexts are `ids` (the last nearest the prompt) or else the `k` retrieved for the
-    /// prompt (from `documents`' contexts only, when given). Returns {"method", "answer_tokens",
+    /// prompt (from `documents`' contexts only, and those whose metadata matches `filter`, when
+    /// given). Returns {"method", "answer_tokens",
     /// "loglik" (nats with every context), "contexts"}: each context's record with
     /// "loglik_without" and "drop" (what the answer loses without it), the one it owes most to
     /// first.
-    #[pyo3(signature = (prompt, answer, ids=None, k=4, method="picaso-r", *, documents=None))]
+    #[pyo3(signature = (prompt, answer, ids=None, k=4, method="picaso-r", *, documents=None, filter=None))]
     #[allow(clippy::too_many_arguments)]
     fn attribute<'py>(
         &self,
@@ -847,15 +895,17 @@ impl Store {
         k: usize,
         method: &str,
         documents: Option<Vec<String>>,
+        filter: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let model = self.need_model()?;
         let method = method.parse::<picaso_store::ContextMethod>().map_err(|e| raise(Kind::Invalid, e))?;
-        if ids.is_some() && documents.is_some() {
+        if ids.is_some() && (documents.is_some() || filter.is_some()) {
             return Err(raise(
                 Kind::Invalid,
-                "`documents` limits retrieval; with `ids` nothing is retrieved: give one or the other",
+                "`documents` and `filter` limit retrieval; with `ids` nothing is retrieved: give one or the other",
             ));
         }
+        let filter = filter_from_py(filter)?;
         let tokenizer = model.tokenizer().map_err(model_err)?;
         let (prompt_ids, answer_ids) =
             (tokenizer.encode(prompt).map_err(model_err)?, tokenizer.encode(answer).map_err(model_err)?);
@@ -870,7 +920,7 @@ impl Store {
             None => {
                 let embedder = self.embedder()?;
                 let q = py.detach(|| embedder.embed_one(prompt)).map_err(embed_err)?;
-                let what = picaso_store::Retrieval::new(&q, k).within(documents.as_deref());
+                let what = picaso_store::Retrieval::new(&q, k).within(documents.as_deref()).matching(filter.as_ref());
                 let (hits, at) =
                     py.detach(|| picaso_store::retrieve_then(store, what, attribute)).map_err(store_err)?;
                 (hits.into_iter().map(|(id, score)| (id, Some(score))).collect(), at)
@@ -1037,6 +1087,7 @@ fn documents_of(list: &Bound<'_, PyList>) -> PyResult<Vec<picaso_store::Document
     let mut docs = Vec::with_capacity(list.len());
     let mut texts_seen = std::collections::HashSet::new();
     for (i, item) in list.iter().enumerate() {
+        let mut metadata = picaso_store::Metadata::new();
         let (id, text) = if item.is_instance_of::<pyo3::types::PyString>() {
             // (A str that is not valid Unicode, a lone surrogate, raises UnicodeEncodeError here.)
             let text = item.extract::<String>()?;
@@ -1053,6 +1104,18 @@ fn documents_of(list: &Bound<'_, PyList>) -> PyResult<Vec<picaso_store::Document
                     .extract::<String>()
                     .map_err(|_| raise(Kind::Invalid, format!("document {i}: {k:?} must be a string")))
             };
+            for key in d.keys() {
+                let key: String = key.extract().unwrap_or_default();
+                if !["id", "text", "metadata"].contains(&key.as_str()) {
+                    return Err(raise(
+                        Kind::Invalid,
+                        format!("document {i}: unknown key {key:?}; a document is {{\"id\", \"text\", \"metadata\"}} (put fields such as {key:?} in \"metadata\")"),
+                    ));
+                }
+            }
+            if let Some(m) = d.get_item("metadata")?.filter(|m| !m.is_none()) {
+                metadata = metadata_from_py(&m, &format!("document {i}: \"metadata\""))?;
+            }
             (get("id")?, get("text")?)
         } else {
             return Err(PyTypeError::new_err(format!(
@@ -1064,7 +1127,7 @@ fn documents_of(list: &Bound<'_, PyList>) -> PyResult<Vec<picaso_store::Document
         if paragraphs.is_empty() {
             return Err(raise(Kind::Invalid, format!("document {i} ({id:?}) has no text")));
         }
-        docs.push(picaso_store::Document { id, paragraphs });
+        docs.push(picaso_store::Document { id, paragraphs, metadata });
     }
     Ok(docs)
 }

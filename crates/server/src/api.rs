@@ -113,6 +113,9 @@ pub struct CompletionRequest {
     pub retrieve: Option<usize>,
     /// picaso: retrieve only from these documents' contexts (names, as `/v1/documents` lists).
     pub documents: Option<Vec<String>>,
+    /// picaso: retrieve only contexts whose metadata holds these values (keys to strings,
+    /// numbers, booleans or null).
+    pub filter: Option<picaso_store::Metadata>,
     /// picaso: how to combine the contexts: picaso-r (default), picaso-s, caso, soup, concat, naive.
     pub composition: Option<String>,
     /// Accepted for compatibility; the server has one model.
@@ -247,6 +250,9 @@ pub struct AddContext {
     /// Segment number within the document (default 0).
     #[serde(default)]
     pub segment: u32,
+    /// Metadata the context carries (a JSON object: title, URL, ...; default none).
+    #[serde(default, deserialize_with = "null_is_default")]
+    pub metadata: picaso_store::Metadata,
 }
 
 /// Answer to `POST /v1/contexts`.
@@ -300,6 +306,11 @@ pub struct AddDocument {
     pub id: String,
     /// Its text (paragraphs separated by blank lines).
     pub text: String,
+    /// Metadata every one of its contexts carries (a JSON object: title, URL, ...; default
+    /// none). Sent again with other metadata and the same text, the contexts keep their ids
+    /// and take the new metadata.
+    #[serde(default, deserialize_with = "null_is_default")]
+    pub metadata: picaso_store::Metadata,
 }
 
 /// One context of a document, in answers about documents.
@@ -331,6 +342,8 @@ pub struct AddedDocument {
     pub removed: usize,
     /// Segments stored already with the same text.
     pub skipped: usize,
+    /// Of `skipped`, those that took the document's new metadata.
+    pub relabelled: usize,
     /// Tokens processed.
     pub tokens: usize,
     /// The document's contexts, in segment order.
@@ -357,6 +370,8 @@ pub struct SearchRequest {
     pub k: usize,
     /// Only these documents' contexts (names, as `/v1/documents` lists).
     pub documents: Option<Vec<String>>,
+    /// Only contexts whose metadata holds these values.
+    pub filter: Option<picaso_store::Metadata>,
 }
 
 fn default_k() -> usize {
@@ -376,6 +391,8 @@ pub struct SearchHit {
     pub segment: u32,
     /// The context's text.
     pub text: String,
+    /// The context's metadata.
+    pub metadata: picaso_store::Metadata,
 }
 
 /// Answer to `POST /v1/search`.
@@ -400,6 +417,8 @@ pub struct AttributeRequest {
     pub retrieve: Option<usize>,
     /// Retrieve only from these documents' contexts (names, as `/v1/documents` lists).
     pub documents: Option<Vec<String>>,
+    /// Retrieve only contexts whose metadata holds these values.
+    pub filter: Option<picaso_store::Metadata>,
     /// How to combine them: picaso-r (default), picaso-s, caso, soup or concat.
     pub composition: Option<String>,
 }

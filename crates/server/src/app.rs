@@ -267,7 +267,7 @@ impl App {
         if req.contexts.is_some() && req.retrieve.is_some() {
             return Err(ApiError::bad_request("give either `contexts` (ids) or `retrieve` (a count), not both"));
         }
-        self.check_contexts(req.contexts.as_deref(), req.retrieve, req.documents.as_deref())?;
+        self.check_contexts(req.contexts.as_deref(), req.retrieve, req.documents.as_deref(), req.filter.as_ref())?;
         if req.max_tokens > self.limits.max_tokens {
             return Err(ApiError::bad_request(format!(
                 "max_tokens {} is over this server's limit of {}",
@@ -338,7 +338,7 @@ impl App {
             }
             (_, None, Some(k)) => {
                 let query = self.embedder.embed_one(&text)?;
-                let what = Retrieval::new(&query, k).within(req.documents.as_deref());
+                let what = Retrieval::new(&query, k).within(req.documents.as_deref()).matching(req.filter.as_ref());
                 let (hits, prepared) = retrieve_and_prepare(&self.store, &self.model, what, method, Some(&self.cache))?;
                 (hits.into_iter().map(|(id, score)| UsedContext { id, score: Some(score) }).collect(), prepared)
             }
@@ -504,6 +504,10 @@ impl App {
                 Ok(rec)
                     if rec.text == req.text && self.store.missing_states(std::slice::from_ref(&rec))?.is_empty() =>
                 {
+                    // Other metadata only: the context keeps its id and state.
+                    if rec.metadata != req.metadata {
+                        self.store.set_metadata(&[id], &req.metadata)?;
+                    }
                     let n_tokens = rec.n_tokens;
                     return Ok(AddedContext {
                         id,
@@ -531,7 +535,15 @@ impl App {
         let state = self.model.prefill(&tokens, &self.model.zero_state())?;
         let embedding = self.embedder.embed_one(&req.text)?;
         let n_tokens = tokens.len();
-        let item = NewContext { doc: doc.clone(), seg: req.segment, text: req.text, tokens, embedding, state };
+        let item = NewContext {
+            doc: doc.clone(),
+            seg: req.segment,
+            text: req.text,
+            tokens,
+            embedding,
+            state,
+            metadata: req.metadata,
+        };
         // Other text for a stored (doc, segment) replaces it: the old context goes just before
         // the new one is recorded, so its state is never served for text that is gone.
         let _one_writer = self.documents.lock().unwrap_or_else(|p| p.into_inner());
@@ -586,7 +598,7 @@ impl App {
             Some(s) => s.parse().map_err(|e: String| ApiError::internal(format!("the store's segmentation: {e}")))?,
             None => picaso_store::Segmentation::Paragraph,
         };
-        let doc = picaso_store::Document { id: req.id, paragraphs };
+        let doc = picaso_store::Document { id: req.id, paragraphs, metadata: req.metadata };
         for (seg, _, tokens) in picaso_store::ingest::segments(&self.model, &doc, segmentation)? {
             if tokens.len() > self.limits.max_prompt_tokens {
                 return Err(ApiError::too_large(format!(
@@ -614,7 +626,7 @@ impl App {
         if let Ok(n) = self.store.len() {
             self.metrics.contexts.set(n as i64);
         }
-        let changed = report.done + report.removed > 0;
+        let changed = report.done + report.removed + report.relabelled > 0;
         Ok((
             changed,
             AddedDocument {
@@ -625,6 +637,7 @@ impl App {
                 repaired: report.repaired,
                 removed: report.removed,
                 skipped: report.skipped,
+                relabelled: report.relabelled,
                 tokens: report.tokens,
                 contexts: contexts
                     .iter()
@@ -677,19 +690,29 @@ impl App {
     }
 
     /// Refuses a context listed twice, more contexts than the server combines, and `documents`
-    /// without retrieval or naming more documents than [`MAX_DOCUMENTS`] (each is looked up).
+    /// or `filter` without retrieval, naming more documents than [`MAX_DOCUMENTS`] (each is
+    /// looked up) or a filter that is not one.
     fn check_contexts(
         &self,
         ids: Option<&[i64]>,
         retrieve: Option<usize>,
         documents: Option<&[String]>,
+        filter: Option<&picaso_store::Metadata>,
     ) -> Result<(), ApiError> {
         if documents.is_some() && retrieve.is_none_or(|k| k == 0) {
             return Err(ApiError::bad_request(
                 "`documents` limits retrieval to some documents: give it with `retrieve` (a count), or drop it",
             ));
         }
+        if filter.is_some() && retrieve.is_none_or(|k| k == 0) {
+            return Err(ApiError::bad_request(
+                "`filter` limits retrieval to contexts with some metadata: give it with `retrieve` (a count), or drop it",
+            ));
+        }
         check_documents(documents)?;
+        if let Some(filter) = filter {
+            picaso_store::metadata::check_filter(filter)?;
+        }
         if let Some(ids) = ids {
             let mut seen = std::collections::HashSet::new();
             if let Some(dup) = ids.iter().find(|id| !seen.insert(**id)) {
@@ -726,7 +749,7 @@ impl App {
             }
             (_, k) => k,
         };
-        self.check_contexts(req.contexts.as_deref(), retrieve, req.documents.as_deref())?;
+        self.check_contexts(req.contexts.as_deref(), retrieve, req.documents.as_deref(), req.filter.as_ref())?;
         let tokenizer = self.model.tokenizer()?;
         let (prompt, answer) = (tokenizer.encode(&req.prompt)?, tokenizer.encode(&req.answer)?);
         if prompt.len() + answer.len() > self.limits.max_prompt_tokens {
@@ -744,7 +767,9 @@ impl App {
             (Some(ids), _) => (ids.iter().map(|&id| (id, None)).collect(), attribute(ids)?),
             (None, k) => {
                 let query = self.embedder.embed_one(&req.prompt)?;
-                let what = Retrieval::new(&query, k.unwrap_or(0)).within(req.documents.as_deref());
+                let what = Retrieval::new(&query, k.unwrap_or(0))
+                    .within(req.documents.as_deref())
+                    .matching(req.filter.as_ref());
                 let (hits, at) = retrieve_then(&self.store, what, attribute)?;
                 (hits.into_iter().map(|(id, score)| (id, Some(score))).collect(), at)
             }
@@ -771,6 +796,9 @@ impl App {
     /// Retrieval only. Blocking.
     pub(crate) fn search(&self, req: SearchRequest) -> Result<SearchResponse, ApiError> {
         check_documents(req.documents.as_deref())?;
+        if let Some(filter) = &req.filter {
+            picaso_store::metadata::check_filter(filter)?;
+        }
         if req.query.trim().is_empty() {
             return Err(ApiError::bad_request("`query` is empty: give the text to find contexts for"));
         }
@@ -781,8 +809,16 @@ impl App {
             )));
         }
         let q = self.embedder.embed_one(&req.query)?;
-        let results = (self.store.search_records(&q, req.k, req.documents.as_deref())?.into_iter())
-            .map(|(rec, score)| SearchHit { id: rec.id, score, doc: rec.doc, segment: rec.seg, text: rec.text })
+        let scope = picaso_store::Scope { documents: req.documents.as_deref(), filter: req.filter.as_ref() };
+        let results = (self.store.search_records(&q, req.k, scope)?.into_iter())
+            .map(|(rec, score)| SearchHit {
+                id: rec.id,
+                score,
+                doc: rec.doc,
+                segment: rec.seg,
+                text: rec.text,
+                metadata: rec.metadata,
+            })
             .collect();
         Ok(SearchResponse { results })
     }

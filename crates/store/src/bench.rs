@@ -110,8 +110,15 @@ pub fn context_cost(model: &Model, dir: &Path, opts: &ContextCostOptions) -> Res
     for i in have..opts.max_k {
         let tokens = random_tokens(opts.context_tokens);
         let state = model.prefill(&tokens, &zero)?;
-        let item =
-            NewContext { doc: "bench".into(), seg: i as u32, text: String::new(), tokens, embedding: vec![1.0], state };
+        let item = NewContext {
+            doc: "bench".into(),
+            seg: i as u32,
+            text: String::new(),
+            tokens,
+            embedding: vec![1.0],
+            state,
+            metadata: Default::default(),
+        };
         store.insert(&[item])?;
     }
     let prompt = random_tokens(opts.prompt_tokens.max(1));

@@ -15,6 +15,7 @@ use picaso_embed::Embedder;
 use picaso_model::Model;
 
 use crate::error::{Error, Result};
+use crate::metadata::{check_metadata, Metadata};
 use crate::sources::{Document, Segmentation};
 use crate::store::{NewContext, Store};
 
@@ -30,6 +31,8 @@ struct Pending {
     replaces: Option<i64>,
     /// The stored context has this text but lost its state object.
     repairs: bool,
+    /// Its document's metadata.
+    metadata: Metadata,
 }
 
 /// Progress of a run, reported after each batch.
@@ -51,6 +54,9 @@ pub struct IngestProgress {
     pub tokens: usize,
     /// Segments skipped because the store already had them, with the same text.
     pub skipped: usize,
+    /// Of `skipped`, those whose metadata this run changed (their document's metadata changed
+    /// and their text did not; counted once the last batch has committed).
+    pub relabelled: usize,
     /// Seconds since the run started.
     pub seconds: f64,
 }
@@ -75,7 +81,11 @@ impl IngestProgress {
         if self.removed > 0 {
             s += &format!(", removed {} that their documents no longer have", self.removed);
         }
-        s + &format!(", skipped {} already stored", self.skipped)
+        s += &format!(", skipped {} already stored", self.skipped);
+        if self.relabelled > 0 {
+            s += &format!(" (of which {} took their document's new metadata)", self.relabelled);
+        }
+        s
     }
 }
 
@@ -85,6 +95,8 @@ struct Plan {
     pending: Vec<Pending>,
     skipped: usize,
     stale: Vec<i64>,
+    /// Unchanged segments stored with other metadata than their document's: (document, ids).
+    relabel: Vec<(usize, Vec<i64>)>,
 }
 
 /// A document's segments as ingest cuts them: (segment index, text, tokens), empty ones included.
@@ -160,9 +172,10 @@ fn plan(store: &Store, model: &Model, docs: &[Document], segmentation: Segmentat
             doc.id
         )));
     }
-    let mut plan = Plan { pending: Vec::new(), skipped: 0, stale: Vec::new() };
+    let mut plan = Plan { pending: Vec::new(), skipped: 0, stale: Vec::new(), relabel: Vec::new() };
     let mut unchanged = Vec::new();
-    for doc in docs {
+    for (d, doc) in docs.iter().enumerate() {
+        check_metadata(&doc.metadata, &format!("document {:?}", doc.id))?;
         let mut stored: std::collections::BTreeMap<u32, crate::ContextRecord> =
             store.document(&doc.id)?.into_iter().map(|r| (r.seg, r)).collect();
         for (seg, text, tokens) in segments(model, doc, segmentation)? {
@@ -170,16 +183,32 @@ fn plan(store: &Store, model: &Model, docs: &[Document], segmentation: Segmentat
             if tokens.is_empty() {
                 plan.stale.extend(old.map(|r| r.id));
             } else if old.as_ref().is_some_and(|r| r.text == text && r.tokens == tokens) {
-                unchanged.extend(old);
+                if let Some(r) = old.as_ref().filter(|r| r.metadata != doc.metadata) {
+                    match plan.relabel.last_mut() {
+                        Some((last, ids)) if *last == d => ids.push(r.id),
+                        _ => plan.relabel.push((d, vec![r.id])),
+                    }
+                }
+                unchanged.extend(old.map(|r| (d, r)));
             } else {
                 let replaces = old.map(|r| r.id);
-                plan.pending.push(Pending { doc: doc.id.clone(), seg, text, tokens, replaces, repairs: false });
+                let metadata = doc.metadata.clone();
+                plan.pending.push(Pending {
+                    doc: doc.id.clone(),
+                    seg,
+                    text,
+                    tokens,
+                    replaces,
+                    repairs: false,
+                    metadata,
+                });
             }
         }
         plan.stale.extend(stored.into_values().map(|r| r.id));
     }
-    let missing = store.missing_states(&unchanged)?;
-    for r in unchanged {
+    let records: Vec<crate::ContextRecord> = unchanged.iter().map(|(_, r)| r.clone()).collect();
+    let missing = store.missing_states(&records)?;
+    for (d, r) in unchanged {
         if missing.contains(&r.id) {
             plan.pending.push(Pending {
                 doc: r.doc,
@@ -188,6 +217,7 @@ fn plan(store: &Store, model: &Model, docs: &[Document], segmentation: Segmentat
                 tokens: r.tokens,
                 replaces: Some(r.id),
                 repairs: true,
+                metadata: docs[d].metadata.clone(),
             });
         } else {
             plan.skipped += 1;
@@ -238,7 +268,7 @@ pub fn ingest_while(
     store.bind_segmentation(&segmentation.to_string())?;
     store.bind_embedder(embedder.fingerprint(), &embedder.dir().display().to_string())?;
     let start = Instant::now();
-    let Plan { pending, skipped, stale } = plan(store, model, docs, segmentation)?;
+    let Plan { pending, skipped, stale, relabel } = plan(store, model, docs, segmentation)?;
     let mut progress = IngestProgress { total: pending.len(), skipped, ..Default::default() };
     if !on_progress(&progress) {
         return Ok(progress);
@@ -257,6 +287,7 @@ pub fn ingest_while(
                 tokens: p.tokens.clone(),
                 embedding,
                 state,
+                metadata: p.metadata.clone(),
             });
         }
         let mut replaced = Vec::with_capacity(chunk.len());
@@ -285,6 +316,9 @@ pub fn ingest_while(
         if !on_progress(&progress) {
             return Ok(progress);
         }
+    }
+    for (d, ids) in relabel {
+        progress.relabelled += store.set_metadata(&ids, &docs[d].metadata)? as usize;
     }
     for id in stale {
         progress.removed += usize::from(store.delete_if_present(id)?);

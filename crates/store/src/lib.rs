@@ -21,6 +21,7 @@ pub mod check;
 pub mod error;
 pub mod ingest;
 pub mod location;
+pub mod metadata;
 pub mod migrate;
 pub mod passages;
 pub mod query;
@@ -35,6 +36,7 @@ pub use check::{check, repair, report_json, CheckReport, Problem, ProblemKind, R
 pub use error::{Error, Result};
 pub use ingest::{ingest, ingest_while, prune, IngestProgress};
 pub use location::{CatalogUrl, Location, StatesUrl};
+pub use metadata::{filter_from_pairs, Metadata, Scope};
 pub use migrate::{migrate, MigrateReport};
 pub use passages::{passages, retrieve, Passage};
 pub use query::{prepare, retrieve_and_prepare, retrieve_then, ContextMethod, Prepared, Retrieval};

@@ -9,6 +9,7 @@ use picaso_model::{compose_views, MappedState, Method, Model, State, StateView};
 
 use crate::cache::StateCache;
 use crate::error::{Error, Result};
+use crate::metadata::{Metadata, Scope};
 use crate::store::{Store, RETRIEVAL_ATTEMPTS};
 
 /// How the contexts reach the model.
@@ -71,26 +72,33 @@ impl Prepared {
 }
 
 /// What to retrieve: the `k` contexts nearest a normalised query embedding, among every
-/// document's or only those of `documents` ([`Store::search_in`]).
+/// context or those a [`Scope`] allows ([`Store::search_in`]).
 #[derive(Debug, Clone, Copy)]
 pub struct Retrieval<'a> {
     /// The query's embedding (normalised).
     pub query: &'a [f32],
     /// How many contexts.
     pub k: usize,
-    /// Only these documents' contexts (`None`: every document's).
-    pub documents: Option<&'a [String]>,
+    /// Which contexts may be retrieved.
+    pub scope: Scope<'a>,
 }
 
 impl<'a> Retrieval<'a> {
     /// The `k` nearest `query` in every document.
     pub fn new(query: &'a [f32], k: usize) -> Self {
-        Self { query, k, documents: None }
+        Self { query, k, scope: Scope::all() }
     }
 
     /// The same, among the contexts of `documents` only (`None`: all).
-    pub fn within(self, documents: Option<&'a [String]>) -> Self {
-        Self { documents, ..self }
+    pub fn within(mut self, documents: Option<&'a [String]>) -> Self {
+        self.scope.documents = documents;
+        self
+    }
+
+    /// The same, among the contexts whose metadata matches `filter` only (`None`: any).
+    pub fn matching(mut self, filter: Option<&'a Metadata>) -> Self {
+        self.scope.filter = filter;
+        self
     }
 }
 
@@ -119,7 +127,7 @@ pub fn retrieve_then<T>(
 ) -> Result<(Vec<(i64, f32)>, T)> {
     let mut gone = Vec::new();
     loop {
-        let mut hits = store.search_without(what.query, what.k, what.documents, &gone)?;
+        let mut hits = store.search_without(what.query, what.k, what.scope, &gone)?;
         hits.reverse();
         let ids: Vec<i64> = hits.iter().map(|h| h.0).collect();
         match work(&ids) {

@@ -10,6 +10,7 @@
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
+use crate::metadata::Metadata;
 
 /// A source document: an id and its paragraphs.
 #[derive(Debug, Clone, PartialEq)]
@@ -18,6 +19,16 @@ pub struct Document {
     pub id: String,
     /// Paragraphs in order.
     pub paragraphs: Vec<String>,
+    /// Metadata every one of its contexts carries (a JSON line's other fields; none for files
+    /// and articles).
+    pub metadata: Metadata,
+}
+
+impl Document {
+    /// A document without metadata.
+    pub fn new(id: impl Into<String>, paragraphs: Vec<String>) -> Self {
+        Self { id: id.into(), paragraphs, metadata: Metadata::new() }
+    }
 }
 
 /// How documents become contexts.
@@ -129,14 +140,15 @@ pub fn read_text_dir(dir: &Path) -> Result<Vec<Document>> {
         .into_iter()
         .map(|p: PathBuf| {
             let id = p.strip_prefix(dir).unwrap_or(&p).to_string_lossy().into_owned();
-            Ok(Document { id, paragraphs: paragraphs(&read(&p)?) })
+            Ok(Document::new(id, paragraphs(&read(&p)?)))
         })
         .collect()
 }
 
 /// One document per line of a JSON-lines file: `{"text": "...", "id": "..."}` (`title` is
 /// accepted as an id too). Without one a line is named `FILE:LINE` (`facts.jsonl:3`): by its
-/// file, so that two files' lines never take each other's place in a store.
+/// file, so that two files' lines never take each other's place in a store. Every other field
+/// (`title`, `url`, `date`, ...) is the document's metadata.
 pub fn read_jsonl(path: &Path) -> Result<Vec<Document>> {
     let text = read(path)?;
     let file = path.file_name().map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned());
@@ -165,7 +177,10 @@ pub fn read_jsonl(path: &Path) -> Result<Vec<Document>> {
                 at()
             )));
         }
-        docs.push(Document { id, paragraphs: paragraphs(body) });
+        let mut metadata = v.as_object().cloned().unwrap_or_default();
+        metadata.remove("text");
+        metadata.remove("id");
+        docs.push(Document { id, paragraphs: paragraphs(body), metadata });
     }
     Ok(docs)
 }
@@ -246,13 +261,13 @@ pub fn read_wikitext(path: &Path) -> Result<Vec<Document>> {
                     n += 1;
                     id = format!("{title} #{n}");
                 }
-                docs.push(Document { id, paragraphs: Vec::new() });
+                docs.push(Document::new(id, Vec::new()));
             }
             continue;
         }
         if docs.is_empty() {
             ids.insert("preamble".to_string());
-            docs.push(Document { id: "preamble".into(), paragraphs: Vec::new() });
+            docs.push(Document::new("preamble", Vec::new()));
         }
         // Detokenized with the spaces the file has around each line, as the harness sees them.
         let text = detokenize_wikitext(&format!(" {line} "));

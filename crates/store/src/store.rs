@@ -19,6 +19,7 @@ use rayon::prelude::*;
 use crate::catalog::{Catalog, PostgresCatalog, Row, SqliteCatalog};
 use crate::error::{Error, Result};
 use crate::location::{CatalogUrl, Location, StatesUrl};
+use crate::metadata::{self, check_filter, check_metadata, Metadata, Scope};
 use crate::states::{key_of, StateObjects};
 
 /// How often a retrieval is repeated (without the contexts found gone) when a context it ranked
@@ -104,6 +105,8 @@ pub struct NewContext {
     pub embedding: Vec<f32>,
     /// The model state after its tokens.
     pub state: State,
+    /// Its document's metadata (empty for none).
+    pub metadata: Metadata,
 }
 
 /// A stored context's metadata.
@@ -129,6 +132,8 @@ pub struct ContextRecord {
     pub state_bytes: u64,
     /// Creation time, seconds since the Unix epoch.
     pub created: i64,
+    /// Its document's metadata (`{}` for none).
+    pub metadata: Metadata,
 }
 
 /// A document of a store, as listed.
@@ -300,6 +305,7 @@ fn existing_catalog(url: &CatalogUrl) -> Result<Option<Box<dyn Catalog>>> {
         CatalogUrl::Postgres(u) => {
             let c = PostgresCatalog::connect(u)?;
             if c.exists()? {
+                c.upgrade()?;
                 Some(Box::new(c))
             } else {
                 None
@@ -572,17 +578,20 @@ impl Store {
         let mut objects = Vec::with_capacity(items.len());
         for it in items {
             self.check_new(&it.embedding, &it.state.fingerprint)?;
+            check_metadata(&it.metadata, &format!("document {:?}", it.doc))?;
             let bytes = it.state.to_bytes(self.info.state_dtype)?;
             let sum = checksum(&bytes);
             objects.push((sum, bytes));
         }
         let files: Vec<String> = objects.iter().map(|(sum, _)| format!("states/{}", key_of(sum))).collect();
+        let metadata: Vec<String> = items.iter().map(|it| metadata::to_json(&it.metadata)).collect();
         let created = now_unix();
         let rows: Vec<Row<'_>> = items
             .iter()
             .zip(&objects)
             .zip(&files)
-            .map(|((it, (sum, bytes)), file)| Row {
+            .zip(&metadata)
+            .map(|(((it, (sum, bytes)), file), metadata)| Row {
                 id: None,
                 doc: &it.doc,
                 seg: it.seg,
@@ -594,6 +603,7 @@ impl Store {
                 checksum: sum,
                 state_bytes: bytes.len() as u64,
                 created,
+                metadata,
             })
             .collect();
         self.catalog.insert(&rows, &mut || self.put_objects(&objects))
@@ -639,9 +649,11 @@ impl Store {
             }
             objects.push((record.checksum.clone(), bytes.to_vec()));
         }
+        let metadata: Vec<String> = items.iter().map(|(r, _, _)| metadata::to_json(&r.metadata)).collect();
         let rows: Vec<Row<'_>> = items
             .iter()
-            .map(|(r, embedding, bytes)| Row {
+            .zip(&metadata)
+            .map(|((r, embedding, bytes), metadata)| Row {
                 id: Some(r.id),
                 doc: &r.doc,
                 seg: r.seg,
@@ -653,6 +665,7 @@ impl Store {
                 checksum: &r.checksum,
                 state_bytes: bytes.len() as u64,
                 created: r.created,
+                metadata,
             })
             .collect();
         self.catalog.insert(&rows, &mut || self.put_objects(&objects))
@@ -874,18 +887,23 @@ impl Store {
     /// The `k` contexts most similar to `query` (a normalised embedding): (id, cosine), best
     /// first. Uses the catalog's approximate index if it has one.
     pub fn search(&self, query: &[f32], k: usize) -> Result<Vec<(i64, f32)>> {
-        self.search_in(query, k, None)
+        self.search_in(query, k, Scope::all())
     }
 
-    /// [`Store::search`] among the contexts of `documents` only (`None`: all of them), exactly.
-    /// Naming no document, or one the store does not hold, is refused: a misspelt name would
-    /// otherwise retrieve nothing, and the answer would silently go without its context.
-    pub fn search_in(&self, query: &[f32], k: usize, documents: Option<&[String]>) -> Result<Vec<(i64, f32)>> {
+    /// [`Store::search`] among the contexts `scope` allows, exactly when it names documents or
+    /// a metadata filter. Naming no document, or one the store does not hold, is refused: a
+    /// misspelt name would otherwise retrieve nothing, and the answer would silently go
+    /// without its context. A filter no context matches retrieves nothing (metadata values are
+    /// open-ended, so no value is "unknown").
+    pub fn search_in(&self, query: &[f32], k: usize, scope: Scope<'_>) -> Result<Vec<(i64, f32)>> {
         self.check_query(query)?;
-        if let Some(docs) = documents {
+        if let Some(docs) = scope.documents {
             self.check_documents(docs)?;
         }
-        self.catalog.search(query, k, false, documents)
+        if let Some(filter) = scope.filter {
+            check_filter(filter)?;
+        }
+        self.catalog.search(query, k, false, scope)
     }
 
     fn check_documents(&self, docs: &[String]) -> Result<()> {
@@ -906,14 +924,8 @@ impl Store {
     }
 
     /// [`Store::search_in`] leaving out `gone` (contexts found deleted since an earlier search).
-    pub fn search_without(
-        &self,
-        query: &[f32],
-        k: usize,
-        documents: Option<&[String]>,
-        gone: &[i64],
-    ) -> Result<Vec<(i64, f32)>> {
-        let mut hits = self.search_in(query, k + gone.len(), documents)?;
+    pub fn search_without(&self, query: &[f32], k: usize, scope: Scope<'_>, gone: &[i64]) -> Result<Vec<(i64, f32)>> {
+        let mut hits = self.search_in(query, k + gone.len(), scope)?;
         hits.retain(|(id, _)| !gone.contains(id));
         hits.truncate(k);
         Ok(hits)
@@ -922,15 +934,10 @@ impl Store {
     /// [`Store::search_in`] with each hit's record. A context deleted (by another writer)
     /// between the ranking and the read is left out and the search runs again without it, so a
     /// concurrent delete never becomes a "not found" for a caller who named no id.
-    pub fn search_records(
-        &self,
-        query: &[f32],
-        k: usize,
-        documents: Option<&[String]>,
-    ) -> Result<Vec<(ContextRecord, f32)>> {
+    pub fn search_records(&self, query: &[f32], k: usize, scope: Scope<'_>) -> Result<Vec<(ContextRecord, f32)>> {
         let mut gone = Vec::new();
         loop {
-            let hits = self.search_without(query, k, documents, &gone)?;
+            let hits = self.search_without(query, k, scope, &gone)?;
             let mut found = Vec::with_capacity(hits.len());
             let before = gone.len();
             for (id, score) in hits {
@@ -946,10 +953,18 @@ impl Store {
         }
     }
 
+    /// Gives contexts `ids` the metadata `metadata`, keeping their ids, text and states (ingest
+    /// does this when a document's metadata changed and its text did not). Returns how many
+    /// changed; a context gone meanwhile is skipped.
+    pub fn set_metadata(&self, ids: &[i64], metadata: &Metadata) -> Result<u64> {
+        check_metadata(metadata, &format!("contexts {ids:?}"))?;
+        self.catalog.set_metadata(ids, &metadata::to_json(metadata))
+    }
+
     /// [`Store::search`] by exhaustive scan, whatever indexes exist (ground truth for recall).
     pub fn search_exact(&self, query: &[f32], k: usize) -> Result<Vec<(i64, f32)>> {
         self.check_query(query)?;
-        self.catalog.search(query, k, true, None)
+        self.catalog.search(query, k, true, Scope::all())
     }
 
     fn check_query(&self, query: &[f32]) -> Result<()> {

@@ -49,6 +49,7 @@ fn pristine() -> &'static tempfile::TempDir {
                     state: m.prefill(&tokens, &m.zero_state()).unwrap(),
                     tokens,
                     embedding: e.iter().map(|v| v / norm).collect(),
+                    metadata: Default::default(),
                 }
             })
             .collect();

@@ -5,7 +5,7 @@
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use picaso_store::{NewContext, Store};
+use picaso_store::{NewContext, Scope, Store};
 
 mod common;
 use common::{context, info};
@@ -22,7 +22,7 @@ fn retrieval_within_documents_holds_while_another_handle_writes() {
     let within = vec!["a".to_string(), "b".to_string()];
     let ours: Vec<i64> = ["a", "b"].iter().flat_map(|d| store.segments_of(d).unwrap().into_values()).collect();
     let query = store.embedding(store.segments_of("c").unwrap()[&0]).unwrap(); // axis 0: a's and c's first
-    let want = store.search_in(&query, 4, Some(&within)).unwrap();
+    let want = store.search_in(&query, 4, Scope::within(&within)).unwrap();
     let everything = store.search_exact(&query, 100).unwrap();
     assert_eq!(want, everything.iter().filter(|(id, _)| ours.contains(id)).take(4).copied().collect::<Vec<_>>());
 
@@ -44,7 +44,7 @@ fn retrieval_within_documents_holds_while_another_handle_writes() {
         std::thread::spawn(move || {
             let t0 = Instant::now();
             while t0.elapsed() < Duration::from_secs(2) {
-                assert_eq!(store.search_in(&query, 4, Some(&within)).unwrap(), *want);
+                assert_eq!(store.search_in(&query, 4, Scope::within(&within)).unwrap(), *want);
                 assert_eq!(store.search(&query, 3).unwrap().len(), 3);
             }
             done.send(()).unwrap();

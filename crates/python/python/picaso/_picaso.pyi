@@ -98,7 +98,7 @@ class Store:
     ) -> "Store": ...
     def ingest(
         self,
-        documents: list[Union[str, dict[str, str]]],
+        documents: list[Union[str, dict[str, Any]]],
         *,
         segment: str = "paragraph",
         batch: int = 8,
@@ -106,12 +106,19 @@ class Store:
     ) -> dict[str, Any]:
         """Adds documents (a str's id is "text/" + a hash of its text). Segments stored with the
         same text are skipped; a document given again with other text is brought up to date, and
-        a stored segment whose state file is missing is processed again.
-        {"added", "replaced", "repaired", "removed", "skipped", "tokens", "seconds"}."""
+        a stored segment whose state file is missing is processed again. A dict document is
+        {"id", "text", "metadata" (optional dict, carried by each of its contexts)}.
+        {"added", "replaced", "repaired", "removed", "skipped", "relabelled", "tokens", "seconds"}."""
     def search(
-        self, query: str, k: int = 4, *, documents: Optional[Sequence[str]] = None
+        self,
+        query: str,
+        k: int = 4,
+        *,
+        documents: Optional[Sequence[str]] = None,
+        filter: Optional[dict[str, Union[str, int, float, bool, None]]] = None,
     ) -> list[dict[str, Any]]:
-        """The `k` nearest contexts, best first (only `documents`' contexts, when given)."""
+        """The `k` nearest contexts, best first: {id, score, doc, segment, text, metadata} (only
+        `documents`' contexts, and those whose metadata holds every value of `filter`, when given)."""
     def state(self, ids: Sequence[int], method: str = "picaso-r") -> State: ...
     def query(
         self,
@@ -125,6 +132,7 @@ class Store:
         seed: int = 0,
         stop: Optional[Sequence[str]] = None,
         documents: Optional[Sequence[str]] = None,
+        filter: Optional[dict[str, Union[str, int, float, bool, None]]] = None,
     ) -> Generation: ...
     def attribute(
         self,
@@ -135,6 +143,7 @@ class Store:
         method: str = "picaso-r",
         *,
         documents: Optional[Sequence[str]] = None,
+        filter: Optional[dict[str, Union[str, int, float, bool, None]]] = None,
     ) -> dict[str, Any]:
         """Leave-one-out attribution of `answer` to the contexts `ids` (or the `k` retrieved, from
         `documents` only when given):

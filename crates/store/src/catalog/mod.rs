@@ -12,6 +12,7 @@ pub(crate) use sqlite::CREATING_PREFIX;
 use std::collections::BTreeMap;
 
 use crate::error::Result;
+use crate::metadata::Scope;
 use crate::store::ContextRecord;
 
 /// One context's row, as written.
@@ -39,6 +40,8 @@ pub struct Row<'a> {
     pub state_bytes: u64,
     /// Creation time (seconds since the Unix epoch).
     pub created: i64,
+    /// Metadata, as JSON text (an object).
+    pub metadata: &'a str,
 }
 
 /// Totals over a catalog: (contexts, documents, tokens, state bytes). State bytes count each
@@ -97,9 +100,12 @@ pub trait Catalog: Send + Sync + std::fmt::Debug {
     /// objects left behind by killed writes. Returns whether it was removed.
     fn remove_if_unreferenced(&self, checksum: &str, remove_state: &mut dyn FnMut(&str) -> Result<()>) -> Result<bool>;
     /// The `k` nearest contexts to `query` by inner product (cosine for normalised vectors),
-    /// best first (equal scores by lower id), among every context or only those of `documents`.
-    /// `exact` forbids approximate indexes; a search within documents is always exact.
-    fn search(&self, query: &[f32], k: usize, exact: bool, documents: Option<&[String]>) -> Result<Vec<(i64, f32)>>;
+    /// best first (equal scores by lower id), among the contexts `scope` allows. `exact`
+    /// forbids approximate indexes; a scoped search is always exact.
+    fn search(&self, query: &[f32], k: usize, exact: bool, scope: Scope<'_>) -> Result<Vec<(i64, f32)>>;
+    /// Sets the metadata (JSON text of an object) of those of `ids` whose metadata is not
+    /// equal to it, in one transaction; returns how many changed (a context gone is skipped).
+    fn set_metadata(&self, ids: &[i64], metadata: &str) -> Result<u64>;
     /// A context's embedding.
     fn embedding(&self, id: i64) -> Result<Vec<f32>>;
     /// Number of contexts.
@@ -130,4 +136,100 @@ pub(crate) fn f32s_to_blob(v: &[f32]) -> Vec<u8> {
 }
 pub(crate) fn blob_to_f32s(b: &[u8]) -> Vec<f32> {
     b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+/// Checks both catalogs run against: metadata round trip, filters and updates.
+#[cfg(test)]
+pub(crate) mod checks {
+    use super::*;
+    use crate::metadata::{matches, to_json, Metadata};
+    use serde_json::json;
+
+    fn obj(v: serde_json::Value) -> Metadata {
+        v.as_object().unwrap().clone()
+    }
+
+    /// Fills an empty 2-dimensional `catalog` with contexts of varied metadata and checks that
+    /// every filter (alone and with documents) returns the exhaustive ranking of the contexts
+    /// [`matches`] accepts, that records carry their metadata, and that `set_metadata` changes
+    /// only what differs.
+    pub(crate) fn metadata_and_filters(catalog: &dyn Catalog) {
+        let metadata = [
+            json!({"lang": "en", "year": 2024, "draft": false, "url": "https://a.example"}),
+            json!({"lang": "fr", "year": 2023.5}),
+            json!({"lang": "en", "year": "2024", "tags": ["x"], "note": null}),
+            json!({}),
+            json!({"lang": "en", "year": 2024.0, "n": -7, "nested": {"lang": "fr"}}),
+            json!({"lang": "en ", "big": 9_007_199_254_740_993u64, "draft": true}),
+        ]
+        .map(obj);
+        let json: Vec<String> = metadata.iter().map(to_json).collect();
+        let embeddings: Vec<[f32; 2]> =
+            (0..metadata.len()).map(|i| [(i as f32 * 0.4).cos(), (i as f32 * 0.4).sin()]).collect();
+        let docs = ["a", "b", "c", "d", "e", "f"];
+        let rows: Vec<Row<'_>> = (0..metadata.len())
+            .map(|i| Row {
+                id: None,
+                doc: docs[i],
+                seg: 0,
+                text: "t",
+                tokens: &[1],
+                embedding: &embeddings[i],
+                fingerprint: "f",
+                state_file: "states/01/0123456789abcdef0123456789abcdef.safetensors",
+                checksum: "0123456789abcdef0123456789abcdef",
+                state_bytes: 10,
+                created: 0,
+                metadata: &json[i],
+            })
+            .collect();
+        let ids: Vec<i64> = catalog.insert(&rows, &mut || Ok(())).unwrap().into_iter().map(Option::unwrap).collect();
+        let records = catalog.get_many(&ids).unwrap();
+        for (r, m) in records.iter().zip(&metadata) {
+            assert_eq!(&r.metadata, m, "context {} reads back its metadata", r.id);
+        }
+        let metadata_of = |id: i64| &metadata[ids.iter().position(|&i| i == id).unwrap()];
+        let q = [1.0f32, 0.0];
+        let everything = catalog.search(&q, 100, true, Scope::all()).unwrap();
+        let filters = [
+            (json!({"lang": "en"}), 3),
+            (json!({"year": 2024}), 2),
+            (json!({"year": 2024.0}), 2),
+            (json!({"year": "2024"}), 1),
+            (json!({"year": 2023.5}), 1),
+            (json!({"draft": false}), 1),
+            (json!({"draft": true}), 1),
+            (json!({"note": null}), 1),
+            (json!({"lang": "en", "year": 2024}), 2),
+            (json!({"n": -7.0}), 1),
+            (json!({"big": 9_007_199_254_740_993u64}), 1),
+            (json!({"missing": null}), 0),
+            (json!({"lang": "EN"}), 0),
+            (json!({"tags": "x"}), 0),
+            (json!({"url": "https://a.example", "lang": "fr"}), 0),
+        ];
+        for (f, n) in filters {
+            let f = obj(f);
+            let want: Vec<(i64, f32)> =
+                everything.iter().filter(|(id, _)| matches(metadata_of(*id), &f)).copied().collect();
+            assert_eq!(want.len(), n, "{f:?}: the rules' own count");
+            for k in [1, 3, 10] {
+                let got = catalog.search(&q, k, false, Scope::matching(&f)).unwrap();
+                let ids_of = |h: &[(i64, f32)]| h.iter().map(|x| x.0).collect::<Vec<_>>();
+                assert_eq!(ids_of(&got), ids_of(&want[..k.min(want.len())]), "{f:?}, k {k}");
+            }
+        }
+        let (within, en) = (vec!["a".to_string(), "c".to_string(), "b".to_string()], obj(json!({"lang": "en"})));
+        let both = catalog.search(&q, 10, false, Scope { documents: Some(&within), filter: Some(&en) }).unwrap();
+        assert_eq!(both.iter().map(|h| h.0).collect::<Vec<_>>(), [ids[0], ids[2]], "documents and filter both hold");
+
+        // Updates change what differs, keep ids, and filters follow.
+        let new = to_json(&obj(json!({"lang": "de"})));
+        assert_eq!(catalog.set_metadata(&[ids[0], ids[1], 999_999], &new).unwrap(), 2);
+        assert_eq!(catalog.set_metadata(&[ids[0], ids[1]], &new).unwrap(), 0, "nothing left to change");
+        let de = obj(json!({"lang": "de"}));
+        let got: Vec<i64> = catalog.search(&q, 10, false, Scope::matching(&de)).unwrap().iter().map(|h| h.0).collect();
+        assert_eq!(got, [ids[0], ids[1]]);
+        assert_eq!(catalog.get_many(&[ids[1]]).unwrap()[0].metadata, de);
+    }
 }

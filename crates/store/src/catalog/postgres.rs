@@ -27,10 +27,15 @@ use tokio_postgres::{Client, NoTls};
 use super::{blob_to_u32s, u32s_to_blob, Catalog, Row, Totals};
 use crate::error::{Error, Result};
 use crate::location::redact;
+use crate::metadata::{self, Scope};
 use crate::runtime::{block_on, Resilience};
 use crate::store::ContextRecord;
 
-const RECORD_COLUMNS: &str = "id, doc, seg, text, tokens, n_tokens, state_file, checksum, state_bytes, created";
+const RECORD_COLUMNS: &str =
+    "id, doc, seg, text, tokens, n_tokens, state_file, checksum, state_bytes, created, metadata::text";
+
+/// The metadata column (added to stores made before it when they are opened).
+const METADATA_COLUMN: &str = "metadata JSONB NOT NULL DEFAULT '{}'::jsonb CHECK (jsonb_typeof(metadata) = 'object')";
 
 /// A failed attempt.
 #[derive(Debug)]
@@ -195,6 +200,8 @@ fn record(r: &tokio_postgres::Row) -> ContextRecord {
         checksum: r.get(7),
         state_bytes: r.get::<_, i64>(8) as u64,
         created: r.get(9),
+        // An object: the column's CHECK holds it to one.
+        metadata: metadata::from_json(r.get::<_, &str>(10)).unwrap_or_default(),
     }
 }
 
@@ -213,6 +220,7 @@ struct OwnedRow {
     checksum: String,
     state_bytes: i64,
     created: i64,
+    metadata: String,
 }
 
 impl PostgresCatalog {
@@ -269,6 +277,26 @@ impl PostgresCatalog {
         }))
     }
 
+    /// Brings an existing store's tables up to this picaso's: adds the metadata column to a
+    /// store made before it (once, under picaso's DDL lock; a look-up when it is there).
+    pub fn upgrade(&self) -> Result<()> {
+        self.run(Box::new(|c| {
+            Box::pin(async move {
+                let has = "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('picaso_contexts')
+                           AND attname = 'metadata' AND NOT attisdropped)";
+                if c.query_one(has, &[]).await?.get::<_, bool>(0) {
+                    return Ok(());
+                }
+                let tx = c.transaction().await?;
+                tx.execute("SELECT pg_advisory_xact_lock(7362531)", &[]).await?;
+                tx.batch_execute(&format!("ALTER TABLE picaso_contexts ADD COLUMN IF NOT EXISTS {METADATA_COLUMN}"))
+                    .await?;
+                tx.commit().await?;
+                Ok(())
+            })
+        }))
+    }
+
     /// Creates the extension and tables for `dim`-dimensional embeddings with metadata `meta`,
     /// in one transaction: a creation killed at any point leaves no store or a whole one.
     /// Idempotent, and safe when several processes do it at once (the first one's metadata
@@ -303,6 +331,7 @@ impl PostgresCatalog {
                          checksum    TEXT    NOT NULL,
                          state_bytes BIGINT  NOT NULL,
                          created     BIGINT  NOT NULL,
+                         {METADATA_COLUMN},
                          UNIQUE (doc, seg)
                      );
                      CREATE INDEX IF NOT EXISTS picaso_contexts_checksum ON picaso_contexts (checksum);
@@ -482,6 +511,7 @@ impl Catalog for PostgresCatalog {
                 checksum: r.checksum.to_string(),
                 state_bytes: r.state_bytes as i64,
                 created: r.created,
+                metadata: r.metadata.to_string(),
             })
             .collect();
         let client = self.begin_locked(rows.iter().map(|r| lock_key(r.checksum)).collect(), false)?;
@@ -503,9 +533,10 @@ impl Catalog for PostgresCatalog {
                     let stmt = c
                         .prepare(
                             "INSERT INTO picaso_contexts
-                             (id, doc, seg, text, tokens, n_tokens, embedding, fingerprint, state_file, checksum, state_bytes, created)
+                             (id, doc, seg, text, tokens, n_tokens, embedding, fingerprint, state_file, checksum, state_bytes, created,
+                              metadata)
                              VALUES (COALESCE($1, nextval(pg_get_serial_sequence('picaso_contexts', 'id'))),
-                                     $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
+                                     $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13::text::jsonb)
                              ON CONFLICT (doc, seg) DO NOTHING RETURNING id",
                         )
                         .await?;
@@ -527,6 +558,7 @@ impl Catalog for PostgresCatalog {
                                     &r.checksum,
                                     &r.state_bytes,
                                     &r.created,
+                                    &r.metadata,
                                 ],
                             )
                             .await?;
@@ -724,42 +756,61 @@ impl Catalog for PostgresCatalog {
         removed
     }
 
-    fn search(&self, query: &[f32], k: usize, exact: bool, documents: Option<&[String]>) -> Result<Vec<(i64, f32)>> {
+    fn search(&self, query: &[f32], k: usize, exact: bool, scope: Scope<'_>) -> Result<Vec<(i64, f32)>> {
         let q = Vector::from(query.to_vec());
         let limit = k as i64;
-        let documents = documents.map(<[String]>::to_vec);
+        let scoped = !scope.is_all();
+        let documents = scope.documents.map(<[String]>::to_vec);
+        let filter = scope.filter.map(metadata::to_json);
         self.run(Box::new(move |c| {
-            let (q, documents) = (q.clone(), documents.clone());
+            let (q, documents, filter) = (q.clone(), documents.clone(), filter.clone());
             Box::pin(async move {
                 let tx = c.transaction().await?;
-                if exact || documents.is_some() {
+                if exact || scoped {
                     // No HNSW scan: filtered after the index, it could return fewer than k of
-                    // the documents' contexts. Their rows are found by the (doc, seg) index.
+                    // the scope's contexts. A documents' rows are found by the (doc, seg) index.
                     tx.batch_execute("SET LOCAL enable_indexscan = off").await?;
                 } else {
                     // Enough candidates for k results (pgvector's default is 40).
                     tx.batch_execute(&format!("SET LOCAL hnsw.ef_search = {}", (2 * limit).clamp(40, 1000))).await?;
                 }
-                let rows = match &documents {
-                    None => {
-                        tx.query(
-                            "SELECT id, -(embedding <#> $1) FROM picaso_contexts
-                             ORDER BY embedding <#> $1, id LIMIT $2",
-                            &[&q, &limit],
-                        )
-                        .await?
-                    }
-                    Some(docs) => {
-                        tx.query(
-                            "SELECT id, -(embedding <#> $1) FROM picaso_contexts WHERE doc = ANY($3)
-                             ORDER BY embedding <#> $1, id LIMIT $2",
-                            &[&q, &limit, docs],
-                        )
-                        .await?
-                    }
-                };
+                let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = vec![&q, &limit];
+                let mut conditions = Vec::new();
+                if let Some(docs) = &documents {
+                    params.push(docs);
+                    conditions.push(format!("doc = ANY(${})", params.len()));
+                }
+                if let Some(filter) = &filter {
+                    params.push(filter);
+                    conditions.push(format!("metadata @> ${}::text::jsonb", params.len()));
+                }
+                let condition =
+                    if conditions.is_empty() { String::new() } else { format!("WHERE {}", conditions.join(" AND ")) };
+                let rows = tx
+                    .query(
+                        &format!(
+                            "SELECT id, -(embedding <#> $1) FROM picaso_contexts {condition}
+                             ORDER BY embedding <#> $1, id LIMIT $2"
+                        ),
+                        &params,
+                    )
+                    .await?;
                 tx.commit().await?;
                 Ok(rows.iter().map(|r| (r.get::<_, i64>(0), r.get::<_, f64>(1) as f32)).collect())
+            })
+        }))
+    }
+
+    fn set_metadata(&self, ids: &[i64], metadata: &str) -> Result<u64> {
+        let (ids, metadata) = (ids.to_vec(), metadata.to_string());
+        self.run(Box::new(move |c| {
+            let (ids, metadata) = (ids.clone(), metadata.clone());
+            Box::pin(async move {
+                Ok(c.execute(
+                    "UPDATE picaso_contexts SET metadata = $1::text::jsonb WHERE id = ANY($2) AND metadata <> $1::text::jsonb",
+                    &[&metadata, &ids],
+                )
+                .await?)
             })
         }))
     }
@@ -838,7 +889,7 @@ impl Catalog for PostgresCatalog {
                         &[&after, &limit],
                     )
                     .await?;
-                Ok(rows.iter().map(|r| (record(r), r.get::<_, Vector>(10).to_vec())).collect())
+                Ok(rows.iter().map(|r| (record(r), r.get::<_, Vector>(11).to_vec())).collect())
             })
         }))
     }
@@ -930,6 +981,7 @@ mod tests {
             checksum: "0123456789abcdef0123456789abcdef",
             state_bytes: 10,
             created: 0,
+            metadata: "{}",
         };
         let copied = [row(Some(1), "a"), row(Some(2), "b")];
         catalog.insert(&copied, &mut || Ok(())).unwrap();
@@ -960,6 +1012,7 @@ mod tests {
             checksum,
             state_bytes: 10,
             created: 0,
+            metadata: "{}",
         };
         let id = catalog.insert(std::slice::from_ref(&row), &mut || Ok(())).unwrap()[0].unwrap();
         let mut removed = false;
@@ -973,5 +1026,48 @@ mod tests {
         // The lock on the object was released: a new insert sharing it goes through.
         let again = Row { seg: 1, ..row };
         assert!(catalog.insert(&[again], &mut || Ok(())).unwrap()[0].is_some());
+    }
+
+    #[test]
+    fn metadata_round_trips_and_filters_follow_the_rules() {
+        let Some(catalog) = catalog() else { return };
+        crate::catalog::checks::metadata_and_filters(&catalog);
+    }
+
+    /// A store made before the metadata column gets it when opened, with `{}` for every
+    /// context, and stays usable.
+    #[test]
+    fn a_store_without_the_metadata_column_gets_it() {
+        let Some(catalog) = catalog() else { return };
+        let row = Row {
+            id: None,
+            doc: "d",
+            seg: 0,
+            text: "t",
+            tokens: &[1],
+            embedding: &[1.0, 0.0],
+            fingerprint: "f",
+            state_file: "states/01/0123456789abcdef0123456789abcdef.safetensors",
+            checksum: "0123456789abcdef0123456789abcdef",
+            state_bytes: 10,
+            created: 0,
+            metadata: r#"{"lang": "en"}"#,
+        };
+        let id = catalog.insert(&[row], &mut || Ok(())).unwrap()[0].unwrap();
+        catalog
+            .run(Box::new(|c| {
+                Box::pin(async move {
+                    c.batch_execute("ALTER TABLE picaso_contexts DROP COLUMN metadata").await?;
+                    Ok(())
+                })
+            }))
+            .unwrap();
+        catalog.upgrade().unwrap();
+        catalog.upgrade().unwrap();
+        assert!(catalog.get_many(&[id]).unwrap()[0].metadata.is_empty());
+        let en = crate::metadata::from_json(r#"{"lang": "en"}"#).unwrap();
+        assert!(catalog.search(&[1.0, 0.0], 5, false, Scope::matching(&en)).unwrap().is_empty());
+        assert_eq!(catalog.set_metadata(&[id], r#"{"lang": "en"}"#).unwrap(), 1);
+        assert_eq!(catalog.search(&[1.0, 0.0], 5, false, Scope::matching(&en)).unwrap()[0].0, id);
     }
 }

@@ -14,6 +14,7 @@ use rusqlite::{params, Connection, OptionalExtension};
 use super::{blob_to_f32s, blob_to_u32s, f32s_to_blob, u32s_to_blob, Catalog, Row, Totals};
 use crate::error::{Error, Result};
 use crate::location::CatalogUrl;
+use crate::metadata::{self, Metadata, Scope};
 use crate::store::ContextRecord;
 
 const SCHEMA: &str = "
@@ -31,11 +32,70 @@ CREATE TABLE IF NOT EXISTS contexts (
     checksum    TEXT    NOT NULL,
     state_bytes INTEGER NOT NULL,
     created     INTEGER NOT NULL,
+    metadata    TEXT    NOT NULL DEFAULT '{}',
     UNIQUE (doc, seg)
 );
 ";
 
-const RECORD_COLUMNS: &str = "id, doc, seg, text, tokens, n_tokens, state_file, checksum, state_bytes, created";
+/// A record's columns: the metadata column is read as `{}` from a store made before it
+/// existed and opened read-only (a writable one gets the column when opened).
+fn record_columns(has_metadata: bool) -> &'static str {
+    if has_metadata {
+        "id, doc, seg, text, tokens, n_tokens, state_file, checksum, state_bytes, created, metadata"
+    } else {
+        "id, doc, seg, text, tokens, n_tokens, state_file, checksum, state_bytes, created, '{}'"
+    }
+}
+
+/// Whether the contexts table has the metadata column.
+fn has_metadata_column(conn: &Connection) -> Result<bool> {
+    Ok(conn.query_row("SELECT COUNT(*) FROM pragma_table_info('contexts') WHERE name = 'metadata'", [], |r| {
+        r.get::<_, i64>(0)
+    })? == 1)
+}
+
+/// Adds the metadata column to a store made before it existed (once, whoever opens it first).
+fn add_metadata_column(conn: &mut Connection) -> Result<()> {
+    let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+    if !has_metadata_column(&tx)? {
+        tx.execute_batch("ALTER TABLE contexts ADD COLUMN metadata TEXT NOT NULL DEFAULT '{}'")?;
+    }
+    tx.commit()?;
+    Ok(())
+}
+
+/// The SQL condition and parameters for contexts whose metadata matches `filter` (the rules
+/// of [`crate::metadata`]): one `json_each` lookup per key.
+fn filter_sql(filter: &Metadata) -> (String, Vec<rusqlite::types::Value>) {
+    use rusqlite::types::Value as Sql;
+    let mut conditions = Vec::with_capacity(filter.len());
+    let mut params = Vec::new();
+    for (key, value) in filter {
+        params.push(Sql::Text(key.clone()));
+        let key_at = params.len();
+        let test = match value {
+            serde_json::Value::String(s) => {
+                params.push(Sql::Text(s.clone()));
+                format!("type = 'text' AND value = ?{}", params.len())
+            }
+            serde_json::Value::Number(n) => {
+                params.push(match n.as_i64() {
+                    Some(i) => Sql::Integer(i),
+                    None => Sql::Real(n.as_f64().unwrap_or(f64::NAN)),
+                });
+                format!("type IN ('integer', 'real') AND value = ?{}", params.len())
+            }
+            serde_json::Value::Bool(true) => "type = 'true'".to_string(),
+            serde_json::Value::Bool(false) => "type = 'false'".to_string(),
+            // Objects and arrays are refused by `check_filter`; match nothing if one gets here.
+            serde_json::Value::Null => "type = 'null'".to_string(),
+            _ => "0".to_string(),
+        };
+        conditions
+            .push(format!("EXISTS (SELECT 1 FROM json_each(contexts.metadata) WHERE key = ?{key_at} AND {test})"));
+    }
+    (conditions.join(" AND "), params)
+}
 
 /// The retrieval index and the context id of each of its rows (ascending).
 struct Index {
@@ -181,6 +241,9 @@ pub struct SqliteCatalog {
     /// a delete: a delete cannot remove an object an insert is about to share. Taken before
     /// `conn`, which is held only for SQL, so searches never wait for state files.
     writes: Mutex<()>,
+    /// Whether the contexts table has the metadata column (false only for a store made before
+    /// it and opened read-only: every context reads as having no metadata).
+    has_metadata: bool,
 }
 
 impl std::fmt::Debug for SqliteCatalog {
@@ -190,6 +253,8 @@ impl std::fmt::Debug for SqliteCatalog {
 }
 
 fn record(r: &rusqlite::Row<'_>) -> rusqlite::Result<ContextRecord> {
+    let metadata = metadata::from_json(&r.get::<_, String>(10)?)
+        .map_err(|e| rusqlite::Error::FromSqlConversionFailure(10, rusqlite::types::Type::Text, Box::new(e)))?;
     Ok(ContextRecord {
         id: r.get(0)?,
         doc: r.get(1)?,
@@ -201,6 +266,7 @@ fn record(r: &rusqlite::Row<'_>) -> rusqlite::Result<ContextRecord> {
         checksum: r.get(7)?,
         state_bytes: r.get::<_, i64>(8)? as u64,
         created: r.get(9)?,
+        metadata,
     })
 }
 
@@ -218,7 +284,7 @@ impl SqliteCatalog {
                 message: "not a picaso store (no store.sqlite); create one with `picaso ingest --db DIR ...` or Python `picaso.Store.create(DIR, model)`".into(),
             });
         }
-        let conn = Self::connect(dir)?;
+        let mut conn = Self::connect(dir)?;
         let has_meta: bool = conn.query_row(
             "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta')",
             [],
@@ -236,8 +302,19 @@ impl SqliteCatalog {
             })?,
             None => return Err(crate::store::unfinished(&CatalogUrl::Sqlite(dir.to_path_buf()))),
         };
+        let mut has_metadata = has_metadata_column(&conn)?;
+        if !has_metadata && writable(dir) {
+            add_metadata_column(&mut conn)?;
+            has_metadata = true;
+        }
         let index = Index::load(dir, &conn, dim)?;
-        Ok(Self { dir: dir.to_path_buf(), conn: Mutex::new(conn), index: RwLock::new(index), writes: Mutex::new(()) })
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            conn: Mutex::new(conn),
+            index: RwLock::new(index),
+            writes: Mutex::new(()),
+            has_metadata,
+        })
     }
 
     /// Creates the store in `dir` for `dim`-dimensional embeddings with metadata `meta` (or
@@ -328,6 +405,38 @@ impl SqliteCatalog {
         })
     }
 
+    /// The ids `scope` allows, ascending (`None`: every context).
+    fn ids_in(&self, scope: Scope<'_>) -> Result<Option<Vec<i64>>> {
+        let mut ids = match scope.documents {
+            None => None,
+            Some(docs) => {
+                let mut ids = Vec::new();
+                for doc in docs {
+                    ids.extend(self.segments_of(doc)?.into_values());
+                }
+                ids.sort_unstable();
+                ids.dedup();
+                Some(ids)
+            }
+        };
+        if let Some(filter) = scope.filter {
+            let matching: Vec<i64> = if self.has_metadata {
+                let (condition, params) = filter_sql(filter);
+                let conn = self.conn();
+                let mut stmt = conn.prepare(&format!("SELECT id FROM contexts WHERE {condition} ORDER BY id"))?;
+                let rows = stmt.query_map(rusqlite::params_from_iter(params), |r| r.get(0))?;
+                rows.collect::<std::result::Result<_, _>>()?
+            } else {
+                Vec::new()
+            };
+            ids = Some(match ids {
+                None => matching,
+                Some(of_docs) => of_docs.into_iter().filter(|id| matching.binary_search(id).is_ok()).collect(),
+            });
+        }
+        Ok(ids)
+    }
+
     fn conn(&self) -> std::sync::MutexGuard<'_, Connection> {
         self.conn.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -380,8 +489,9 @@ impl Catalog for SqliteCatalog {
         {
             let mut stmt = tx.prepare_cached(
                 "INSERT OR IGNORE INTO contexts
-                 (id, doc, seg, text, tokens, n_tokens, embedding, fingerprint, state_file, checksum, state_bytes, created)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
+                 (id, doc, seg, text, tokens, n_tokens, embedding, fingerprint, state_file, checksum, state_bytes, created,
+                  metadata)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
             )?;
             for r in rows {
                 let n = stmt.execute(params![
@@ -396,7 +506,8 @@ impl Catalog for SqliteCatalog {
                     r.state_file,
                     r.checksum,
                     r.state_bytes as i64,
-                    r.created
+                    r.created,
+                    r.metadata
                 ])?;
                 ids.push((n == 1).then(|| tx.last_insert_rowid()));
             }
@@ -435,7 +546,8 @@ impl Catalog for SqliteCatalog {
 
     fn get_many(&self, ids: &[i64]) -> Result<Vec<ContextRecord>> {
         let conn = self.conn();
-        let mut stmt = conn.prepare_cached(&format!("SELECT {RECORD_COLUMNS} FROM contexts WHERE id = ?1"))?;
+        let columns = record_columns(self.has_metadata);
+        let mut stmt = conn.prepare_cached(&format!("SELECT {columns} FROM contexts WHERE id = ?1"))?;
         ids.iter().map(|&id| stmt.query_row([id], record).optional()?.ok_or(Error::NotFound(id))).collect()
     }
 
@@ -509,19 +621,10 @@ impl Catalog for SqliteCatalog {
         Ok(true)
     }
 
-    fn search(&self, query: &[f32], k: usize, _exact: bool, documents: Option<&[String]>) -> Result<Vec<(i64, f32)>> {
-        // The documents' ids, read before the index is: `index()` may wait for the connection
+    fn search(&self, query: &[f32], k: usize, _exact: bool, scope: Scope<'_>) -> Result<Vec<(i64, f32)>> {
+        // The scope's ids, read before the index is: `index()` may wait for the connection
         // while it rebuilds the index, so reading with its guard held could deadlock.
-        let ids = match documents {
-            None => None,
-            Some(docs) => {
-                let mut ids = Vec::new();
-                for doc in docs {
-                    ids.extend(self.segments_of(doc)?.into_values());
-                }
-                Some(ids)
-            }
-        };
+        let ids = self.ids_in(scope)?;
         let index = self.index()?;
         let hits = match ids {
             None => index.flat.search(query, k)?,
@@ -534,6 +637,26 @@ impl Catalog for SqliteCatalog {
             }
         };
         Ok(hits.into_iter().map(|(row, score)| (index.ids[row], score)).collect())
+    }
+
+    fn set_metadata(&self, ids: &[i64], metadata: &str) -> Result<u64> {
+        if !self.has_metadata {
+            return Err(Error::Store {
+                location: self.dir.display().to_string(),
+                message: "the store is read-only here; set metadata where its folder is writable".into(),
+            });
+        }
+        let mut conn = self.conn();
+        let tx = conn.transaction()?;
+        let mut changed = 0;
+        {
+            let mut stmt = tx.prepare_cached("UPDATE contexts SET metadata = ?1 WHERE id = ?2 AND metadata != ?1")?;
+            for id in ids {
+                changed += stmt.execute(params![metadata, id])? as u64;
+            }
+        }
+        tx.commit()?;
+        Ok(changed)
     }
 
     fn embedding(&self, id: i64) -> Result<Vec<f32>> {
@@ -576,11 +699,11 @@ impl Catalog for SqliteCatalog {
 
     fn export(&self, after: i64, limit: usize) -> Result<Vec<(ContextRecord, Vec<f32>)>> {
         let conn = self.conn();
-        let mut stmt = conn.prepare_cached(&format!(
-            "SELECT {RECORD_COLUMNS}, embedding FROM contexts WHERE id > ?1 ORDER BY id LIMIT ?2"
-        ))?;
+        let columns = record_columns(self.has_metadata);
+        let mut stmt = conn
+            .prepare_cached(&format!("SELECT {columns}, embedding FROM contexts WHERE id > ?1 ORDER BY id LIMIT ?2"))?;
         let rows = stmt
-            .query_map(params![after, limit as i64], |r| Ok((record(r)?, blob_to_f32s(&r.get::<_, Vec<u8>>(10)?))))?;
+            .query_map(params![after, limit as i64], |r| Ok((record(r)?, blob_to_f32s(&r.get::<_, Vec<u8>>(11)?))))?;
         Ok(rows.collect::<std::result::Result<_, _>>()?)
     }
 
@@ -592,5 +715,56 @@ impl Catalog for SqliteCatalog {
                 self.dir.display()
             ))),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metadata_round_trips_and_filters_follow_the_rules() {
+        let tmp = tempfile::tempdir().unwrap();
+        let catalog = SqliteCatalog::create(tmp.path(), 2, &[]).unwrap();
+        crate::catalog::checks::metadata_and_filters(&catalog);
+        // Another connection (another process) reads the same metadata and filters alike.
+        let other = SqliteCatalog::open(tmp.path()).unwrap();
+        let de = crate::metadata::from_json(r#"{"lang": "de"}"#).unwrap();
+        assert_eq!(other.search(&[1.0, 0.0], 10, false, Scope::matching(&de)).unwrap().len(), 2);
+    }
+
+    /// A store made before the metadata column gets it when opened, with `{}` for every
+    /// context, and stays usable.
+    #[test]
+    fn a_store_without_the_metadata_column_gets_it() {
+        let tmp = tempfile::tempdir().unwrap();
+        let row = Row {
+            id: None,
+            doc: "d",
+            seg: 0,
+            text: "t",
+            tokens: &[1],
+            embedding: &[1.0, 0.0],
+            fingerprint: "f",
+            state_file: "states/01/0123456789abcdef0123456789abcdef.safetensors",
+            checksum: "0123456789abcdef0123456789abcdef",
+            state_bytes: 10,
+            created: 0,
+            metadata: r#"{"lang":"en"}"#,
+        };
+        let id = {
+            let catalog = SqliteCatalog::create(tmp.path(), 2, &[]).unwrap();
+            catalog.insert(&[row], &mut || Ok(())).unwrap()[0].unwrap()
+        };
+        let conn = Connection::open(tmp.path().join("store.sqlite")).unwrap();
+        conn.execute_batch("ALTER TABLE contexts DROP COLUMN metadata").unwrap();
+        drop(conn);
+        let catalog = SqliteCatalog::open(tmp.path()).unwrap();
+        assert!(catalog.get_many(&[id]).unwrap()[0].metadata.is_empty());
+        let en = crate::metadata::from_json(r#"{"lang":"en"}"#).unwrap();
+        assert!(catalog.search(&[1.0, 0.0], 5, false, Scope::matching(&en)).unwrap().is_empty());
+        assert_eq!(catalog.set_metadata(&[id], r#"{"lang":"en"}"#).unwrap(), 1);
+        assert_eq!(catalog.search(&[1.0, 0.0], 5, false, Scope::matching(&en)).unwrap()[0].0, id);
+        assert_eq!(SqliteCatalog::open(tmp.path()).unwrap().get_many(&[id]).unwrap()[0].metadata, en);
     }
 }

@@ -33,6 +33,7 @@ pub fn context(doc: &str, seg: u32, text_of: u32) -> NewContext {
         state: m.prefill(&tokens, &m.zero_state()).unwrap(),
         tokens,
         embedding: e.iter().map(|v| v / norm).collect(),
+        metadata: Default::default(),
     }
 }
 
