@@ -1056,6 +1056,7 @@ fn ingest(a: IngestArgs) -> Result<()> {
                 "repaired": report.repaired,
                 "removed": report.removed,
                 "skipped": report.skipped,
+                "relabelled": report.relabelled,
                 "pruned_documents": pruned.0,
                 "pruned_contexts": pruned.1,
                 "tokens": report.tokens,

@@ -247,6 +247,56 @@ fn serve_completions_contexts_search_metrics_and_bad_input(arch: &str, db: &Test
         json!({"prompt": "Bananas", "answer": " are yellow", "retrieve": 5, "documents": ["cats.txt"]}),
     );
     assert_eq!((status, v["contexts"].as_array().map(Vec::len)), (200, Some(1)), "{v}");
+    // Metadata: given with a document, carried by each of its contexts and returned with them;
+    // a filter retrieves only matching contexts; new metadata with the same text keeps the ids.
+    let notes = |year: i64| {
+        let meta = json!({"lang": "en", "year": year});
+        server.post(
+            "/v1/documents",
+            json!({"id": "notes", "text": "Pears are green.\n\nPlums are purple.", "metadata": meta}),
+        )
+    };
+    let (status, added) = notes(2024);
+    assert_eq!((status, added["added"].as_u64()), (201, Some(2)), "{added}");
+    let mut note_ids: Vec<i64> =
+        added["contexts"].as_array().unwrap().iter().map(|c| c["id"].as_i64().unwrap()).collect();
+    let (status, found) = server.post("/v1/search", json!({"query": "fruit", "k": 10, "filter": {"year": 2024}}));
+    let hits = found["results"].as_array().unwrap();
+    assert_eq!((status, hits.len()), (200, 2), "{found}");
+    assert!(
+        hits.iter().all(|h| h["doc"] == "notes" && h["metadata"] == json!({"lang": "en", "year": 2024})),
+        "{found}"
+    );
+    let v = server.complete(json!({"prompt": "Fruit", "max_tokens": 1, "retrieve": 5, "filter": {"lang": "en"}}));
+    let mut used: Vec<i64> =
+        v["picaso"]["contexts"].as_array().unwrap().iter().map(|c| c["id"].as_i64().unwrap()).collect();
+    used.sort_unstable();
+    note_ids.sort_unstable();
+    assert_eq!(used, note_ids, "{v}");
+    let (status, v) = server.post(
+        "/v1/attribute",
+        json!({"prompt": "Fruit", "answer": " are green", "retrieve": 5, "filter": {"year": 2024, "lang": "en"}}),
+    );
+    assert_eq!((status, v["contexts"].as_array().map(Vec::len)), (200, Some(2)), "{v}");
+    let (status, again) = notes(2025);
+    assert_eq!((status, again["added"].as_u64(), again["relabelled"].as_u64()), (201, Some(0), Some(2)), "{again}");
+    let (_, rec) = server.call("GET", &format!("/v1/contexts/{}", note_ids[0]), None);
+    assert_eq!(rec["metadata"], json!({"lang": "en", "year": 2025}), "the same context, new metadata");
+    let (_, found) = server.post("/v1/search", json!({"query": "fruit", "k": 10, "filter": {"year": 2024}}));
+    assert_eq!(found["results"].as_array().map(Vec::len), Some(0), "{found}");
+    assert_eq!(notes(2025).0, 200, "nothing changed");
+    let fig = |src: &str| {
+        server.post("/v1/contexts", json!({"text": "Figs are sweet.", "doc": "figs", "metadata": {"src": src}}))
+    };
+    let (status, first) = fig("x");
+    assert_eq!(status, 201, "{first}");
+    let (status, second) = fig("y");
+    assert_eq!((status, second["id"].as_i64(), second["created"].as_bool()), (200, first["id"].as_i64(), Some(false)));
+    let (_, rec) = server.call("GET", &format!("/v1/contexts/{}", first["id"]), None);
+    assert_eq!(rec["metadata"], json!({"src": "y"}));
+    assert_eq!(server.call("DELETE", "/v1/documents/notes", None).0, 200);
+    assert_eq!(server.call("DELETE", "/v1/documents/figs", None).0, 200);
+
     let v = server.complete(json!({"prompt": "Bananas", "max_tokens": 2, "contexts": [id]}));
     assert_eq!(v["picaso"]["contexts"][0]["id"].as_i64(), Some(id));
     assert_eq!(server.call("DELETE", &format!("/v1/contexts/{id}"), None).0, 200);
@@ -409,6 +459,23 @@ fn serve_completions_contexts_search_metrics_and_bad_input(arch: &str, db: &Test
         ("/v1/search", json!({"query": "x", "documents": []}).to_string(), 400, "no documents"),
         ("/v1/search", json!({"query": "x", "documents": vec!["d"; 1001]}).to_string(), 400, "at most 1000"),
         ("/v1/completions", json!({"prompt": "x", "documents": ["cats.txt"]}).to_string(), 400, "with `retrieve`"),
+        ("/v1/completions", json!({"prompt": "x", "filter": {"lang": "en"}}).to_string(), 400, "with `retrieve`"),
+        ("/v1/search", json!({"query": "x", "filter": {}}).to_string(), 400, "empty metadata filter"),
+        ("/v1/search", json!({"query": "x", "filter": {"a": [1]}}).to_string(), 400, "not a string, number"),
+        ("/v1/search", json!({"query": "x", "filter": "lang=en"}).to_string(), 400, "`filter` must be a JSON object"),
+        (
+            "/v1/attribute",
+            json!({"prompt": "x", "answer": "y", "retrieve": 1, "filter": {"a": {"b": 1}}}).to_string(),
+            400,
+            "not a string, number",
+        ),
+        ("/v1/contexts", json!({"text": "x", "metadata": [1]}).to_string(), 400, "`metadata` must be a JSON object"),
+        (
+            "/v1/documents",
+            json!({"id": "d", "text": "x", "metadata": {"x": "y".repeat(17_000)}}).to_string(),
+            400,
+            "more than the 16384",
+        ),
         (
             "/v1/completions",
             json!({"prompt": "x", "contexts": [1], "documents": ["cats.txt"]}).to_string(),

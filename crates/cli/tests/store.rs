@@ -845,3 +845,99 @@ fn a_read_only_folder_store_can_be_read() {
     std::fs::set_permissions(&bare, std::fs::Permissions::from_mode(0o755)).unwrap();
     drop(keep);
 }
+
+/// Metadata: a JSON line's other fields travel with each of its document's contexts (records,
+/// `contexts --json`, `query --json`); `query --filter` retrieves only matching contexts, and
+/// refuses a filter nothing matches or that is malformed; a document whose metadata changes
+/// and text does not keeps its contexts (ids and states) and takes the new metadata.
+#[test]
+fn metadata_travels_with_contexts_and_filters_retrieval() {
+    let (Some(model), Some(embedder)) = (text_model(1), shared("all-MiniLM-L6-v2")) else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let (m, e) = (model.path().to_str().unwrap(), embedder.to_str().unwrap());
+    let jsonl = tmp.path().join("docs.jsonl");
+    let lines = |url_a: &str| {
+        [
+            serde_json::json!({"id": "a", "text": "Cats are small carnivorous mammals.\n\nThey purr when content.",
+                               "lang": "en", "year": 2024, "url": url_a}),
+            serde_json::json!({"id": "b", "text": "Les chats sont de petits mammifères carnivores.", "lang": "fr", "year": 2023}),
+            serde_json::json!({"id": "c", "text": "The Eiffel Tower is in Paris.", "lang": "en", "year": "2024"}),
+            serde_json::json!({"id": "d", "text": "Mamba is a state space model."}),
+        ]
+        .iter()
+        .map(|v| v.to_string() + "\n")
+        .collect::<String>()
+    };
+    std::fs::write(&jsonl, lines("https://a.example/1")).unwrap();
+    let j = jsonl.to_str().unwrap();
+    for db in backends(tmp.path(), "metadata") {
+        eprintln!("backend {}", db.kind());
+        let ingest = args(&["ingest"], &db, &["--model", m, "--embedder", e, "--jsonl", j, "--json"]);
+        assert_eq!(ok_s(&ingest)["added"], 5);
+        let store = picaso_store::Store::open(db.location()).unwrap();
+        let a = store.document("a").unwrap();
+        assert_eq!(a.len(), 2);
+        for r in &a {
+            assert_eq!(
+                serde_json::Value::Object(r.metadata.clone()),
+                serde_json::json!({"lang": "en", "year": 2024, "url": "https://a.example/1"})
+            );
+        }
+        assert!(store.document("d").unwrap()[0].metadata.is_empty());
+        let out = Command::new(common::picaso_bin()).args(args(&["contexts"], &db, &["--doc", "b", "--json"])).output();
+        let listed = String::from_utf8(out.unwrap().stdout).unwrap();
+        assert!(listed.contains(r#""metadata":{"lang":"fr","year":2023}"#), "{listed}");
+
+        // The filtered ranking is the exhaustive one restricted to the matching contexts.
+        let q = store.embedding(a[0].id).unwrap();
+        let everything = store.search_exact(&q, 100).unwrap();
+        let meta = |id: i64| store.get(id).unwrap().metadata;
+        for (pairs, n) in
+            [(&["lang=en"][..], 3), (&["year=2024"], 2), (&["year=\"2024\""], 1), (&["lang=en", "year=2024"], 2)]
+        {
+            let f = picaso_store::filter_from_pairs(pairs).unwrap();
+            let want: Vec<(i64, f32)> =
+                everything.iter().filter(|(id, _)| picaso_store::metadata::matches(&meta(*id), &f)).copied().collect();
+            assert_eq!(want.len(), n, "{pairs:?}");
+            assert_eq!(store.search_in(&q, 10, picaso_store::Scope::matching(&f)).unwrap(), want, "{pairs:?}");
+        }
+        let v = ok_s(&args(
+            &["query"],
+            &db,
+            &["--model", m, "--embedder", e, "--k", "3", "--filter", "lang=fr", "--max-tokens", "2", "--json", "Cats"],
+        ));
+        let used = v["contexts"].as_array().unwrap();
+        assert_eq!(used.len(), 1, "{v}");
+        assert_eq!((used[0]["doc"].as_str(), used[0]["metadata"]["lang"].as_str()), (Some("b"), Some("fr")));
+        for (filter, says) in [
+            ("lang=de", "has metadata matching --filter lang=de"),
+            ("lang", "expected KEY=VALUE"),
+            ("=en", "the key is empty"),
+        ] {
+            let (success, _, stderr) =
+                run_s(&args(&["query"], &db, &["--model", m, "--embedder", e, "--filter", filter, "Cats"]));
+            assert!(!success && stderr.contains(says), "{filter}: {stderr}");
+        }
+        let (success, _, stderr) =
+            run_s(&args(&["query"], &db, &["--model", m, "--method", "naive", "--filter", "a=1", "Hi"]));
+        assert!(!success && stderr.contains("--filter would be ignored"), "{stderr}");
+
+        // New metadata, same text: the same contexts (ids, states) carry it.
+        std::fs::write(&jsonl, lines("https://a.example/2")).unwrap();
+        let v = ok_s(&ingest);
+        assert_eq!(
+            (v["added"].as_u64(), v["relabelled"].as_u64(), v["skipped"].as_u64()),
+            (Some(0), Some(2), Some(5)),
+            "{v}"
+        );
+        let after = store.document("a").unwrap();
+        assert_eq!(after.iter().map(|r| r.id).collect::<Vec<_>>(), a.iter().map(|r| r.id).collect::<Vec<_>>());
+        assert_eq!(
+            after.iter().map(|r| &r.checksum).collect::<Vec<_>>(),
+            a.iter().map(|r| &r.checksum).collect::<Vec<_>>()
+        );
+        assert!(after.iter().all(|r| r.metadata["url"] == "https://a.example/2"));
+        assert_eq!(ok_s(&ingest)["relabelled"], 0, "nothing left to change");
+        std::fs::write(&jsonl, lines("https://a.example/1")).unwrap();
+    }
+}

@@ -115,6 +115,7 @@ pub struct CompletionRequest {
     pub documents: Option<Vec<String>>,
     /// picaso: retrieve only contexts whose metadata holds these values (keys to strings,
     /// numbers, booleans or null).
+    #[serde(default, deserialize_with = "filter_object")]
     pub filter: Option<picaso_store::Metadata>,
     /// picaso: how to combine the contexts: picaso-r (default), picaso-s, caso, soup, concat, naive.
     pub composition: Option<String>,
@@ -159,6 +160,28 @@ fn null_is<'de, D: serde::Deserializer<'de>, const N: usize>(d: D) -> Result<usi
 }
 fn null_is_one<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f32, D::Error> {
     Ok(Option::<f32>::deserialize(d)?.unwrap_or(1.0))
+}
+
+/// A JSON object or null, for the field `name` (named in the error: serde's own says only "expected
+/// a map").
+fn object_named<'de, D: serde::Deserializer<'de>>(
+    d: D,
+    name: &str,
+) -> Result<Option<picaso_store::Metadata>, D::Error> {
+    match Option::<serde_json::Value>::deserialize(d)? {
+        None => Ok(None),
+        Some(serde_json::Value::Object(m)) => Ok(Some(m)),
+        Some(other) => Err(serde::de::Error::custom(format!(
+            "`{name}` must be a JSON object of keys and values (e.g. {{\"lang\": \"en\"}}), not {}",
+            kind_of(&other)
+        ))),
+    }
+}
+fn filter_object<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<picaso_store::Metadata>, D::Error> {
+    object_named(d, "filter")
+}
+fn metadata_object<'de, D: serde::Deserializer<'de>>(d: D) -> Result<picaso_store::Metadata, D::Error> {
+    Ok(object_named(d, "metadata")?.unwrap_or_default())
 }
 
 /// A context used for a completion.
@@ -251,7 +274,7 @@ pub struct AddContext {
     #[serde(default)]
     pub segment: u32,
     /// Metadata the context carries (a JSON object: title, URL, ...; default none).
-    #[serde(default, deserialize_with = "null_is_default")]
+    #[serde(default, deserialize_with = "metadata_object")]
     pub metadata: picaso_store::Metadata,
 }
 
@@ -309,7 +332,7 @@ pub struct AddDocument {
     /// Metadata every one of its contexts carries (a JSON object: title, URL, ...; default
     /// none). Sent again with other metadata and the same text, the contexts keep their ids
     /// and take the new metadata.
-    #[serde(default, deserialize_with = "null_is_default")]
+    #[serde(default, deserialize_with = "metadata_object")]
     pub metadata: picaso_store::Metadata,
 }
 
@@ -371,6 +394,7 @@ pub struct SearchRequest {
     /// Only these documents' contexts (names, as `/v1/documents` lists).
     pub documents: Option<Vec<String>>,
     /// Only contexts whose metadata holds these values.
+    #[serde(default, deserialize_with = "filter_object")]
     pub filter: Option<picaso_store::Metadata>,
 }
 
@@ -418,6 +442,7 @@ pub struct AttributeRequest {
     /// Retrieve only from these documents' contexts (names, as `/v1/documents` lists).
     pub documents: Option<Vec<String>>,
     /// Retrieve only contexts whose metadata holds these values.
+    #[serde(default, deserialize_with = "filter_object")]
     pub filter: Option<picaso_store::Metadata>,
     /// How to combine them: picaso-r (default), picaso-s, caso, soup or concat.
     pub composition: Option<String>,
