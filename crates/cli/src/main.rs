@@ -125,7 +125,8 @@ struct IngestArgs {
     #[arg(long, group = "source", required_unless_present_any = ["jsonl", "wikitext"])]
     text_dir: Option<PathBuf>,
     /// A JSON-lines file: {"text": ..., "id": ...} per line (a line without an id is named
-    /// FILE:LINE).
+    /// FILE:LINE); every other field (title, url, date, ...) is the document's metadata, carried
+    /// by each of its contexts and matched by `query --filter`.
     #[arg(long, group = "source")]
     jsonl: Option<PathBuf>,
     /// A WikiText file (articles start at ` = Title = ` lines).

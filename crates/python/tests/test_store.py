@@ -27,7 +27,7 @@ def test_store_end_to_end(model, embedder, tmp_path):
 
         hits = store.search("Where do plants make sugar?", k=2)
         assert len(hits) == 2 and hits[0]["doc"] == plants and hits[0]["score"] >= hits[1]["score"]
-        assert set(hits[0]) == {"id", "score", "doc", "segment", "text"}
+        assert set(hits[0]) == {"id", "score", "doc", "segment", "text", "metadata"}
 
         again = picaso.Store.open(url, model=model)  # the embedder the store recorded
         g = again.query("The tower in Paris was finished in", k=2, method="picaso-r", max_tokens=6)
@@ -79,6 +79,56 @@ def test_retrieval_within_documents(model, embedder, tmp_path):
             store.query("x", method="naive", documents=["volcano"])
         with pytest.raises(ValueError, match="one or the other"):
             store.attribute("x", " y", ids=[1], documents=["volcano"])
+
+
+def test_metadata_and_filters(model, embedder, tmp_path):
+    """A document's metadata is carried by its contexts and returned with them; `filter`
+    limits search, query and attribution to contexts whose metadata holds its values; new
+    metadata with the same text keeps the contexts."""
+    for url, states in store_locations(tmp_path):
+        store = picaso.Store.create(url, model, embedder=embedder, states=states)
+        store.ingest([
+            {"id": "en", "text": "Plants make sugar in their leaves.\n\nLeaves are green.",
+             "metadata": {"lang": "en", "year": 2024, "source": {"url": "https://a.example"}}},
+            {"id": "fr", "text": "Les plantes font du sucre.", "metadata": {"lang": "fr", "year": 2023}},
+            {"id": "none", "text": "Volcanoes erupt lava."},
+        ])
+        assert [c["metadata"] for c in store.document("en")] == [
+            {"lang": "en", "year": 2024, "source": {"url": "https://a.example"}}] * 2
+        assert store.document("none")[0]["metadata"] == {}
+        question = "Where do plants make sugar?"
+        everything = store.search(question, k=10)
+        for f, n in [({"lang": "en"}, 2), ({"year": 2024.0}, 2), ({"year": 2023, "lang": "fr"}, 1),
+                     ({"lang": "de"}, 0), ({"year": "2024"}, 0)]:
+            hits = store.search(question, k=10, filter=f)
+            assert [h["id"] for h in hits] == [h["id"] for h in everything
+                                               if all(h["metadata"].get(k) == v for k, v in f.items())]
+            assert len(hits) == n, f
+        hits = store.search(question, k=10, filter={"lang": "en"}, documents=["fr", "en"])
+        assert [h["doc"] for h in hits] == ["en", "en"]
+        g = store.query("Sugar is made", k=5, max_tokens=2, filter={"lang": "fr"})
+        assert [c["doc"] for c in g.contexts] == ["fr"]
+        at = store.attribute("Sugar is made", " in leaves.", k=5, filter={"year": 2024})
+        assert [c["doc"] for c in at["contexts"]] == ["en", "en"]
+        ids = [c["id"] for c in store.document("en")]
+        report = store.ingest([{"id": "en", "text": "Plants make sugar in their leaves.\n\nLeaves are green.",
+                                "metadata": {"lang": "en", "year": 2025}}])
+        assert (report["added"], report["relabelled"], report["skipped"]) == (0, 2, 2)
+        assert [(c["id"], c["metadata"]["year"]) for c in store.document("en")] == [(i, 2025) for i in ids]
+        for bad, match in [({}, "empty metadata filter"), ({"a": [1]}, "not a string, number"),
+                           ({"a": float("nan")}, "not JSON")]:
+            with pytest.raises(ValueError, match=match):
+                store.search("x", filter=bad)
+        with pytest.raises(TypeError, match="filter must be a dict"):
+            store.search("x", filter="lang=en")
+        with pytest.raises(ValueError, match="naive"):
+            store.query("x", method="naive", filter={"lang": "en"})
+        with pytest.raises(ValueError, match="one or the other"):
+            store.attribute("x", " y", ids=[1], filter={"lang": "en"})
+        with pytest.raises(ValueError, match='unknown key "url".*"metadata"'):
+            store.ingest([{"id": "x", "text": "Hello.", "url": "https://b.example"}])
+        with pytest.raises(TypeError, match="JSON values"):
+            store.ingest([{"id": "x", "text": "Hello.", "metadata": {"when": object()}}])
 
 
 def test_documents_are_kept_up_to_date(model, embedder, tmp_path):
