@@ -159,8 +159,8 @@ pub(crate) mod checks {
             json!({"lang": "fr", "year": 2023.5}),
             json!({"lang": "en", "year": "2024", "tags": ["x"], "note": null}),
             json!({}),
-            json!({"lang": "en", "year": 2024.0, "n": -7, "nested": {"lang": "fr"}}),
-            json!({"lang": "en ", "big": 9_007_199_254_740_993u64, "draft": true}),
+            json!({"lang": "en", "year": 2024.0, "n": -7, "nested": {"lang": "fr"}, "a.b": 1}),
+            json!({"lang": "en ", "big": 9_007_199_254_740_993u64, "draft": true, "say \"hi\"": "x", "$": "y"}),
         ]
         .map(obj);
         let json: Vec<String> = metadata.iter().map(to_json).collect();
@@ -203,6 +203,10 @@ pub(crate) mod checks {
             (json!({"lang": "en", "year": 2024}), 2),
             (json!({"n": -7.0}), 1),
             (json!({"big": 9_007_199_254_740_993u64}), 1),
+            (json!({"a.b": 1}), 1),
+            (json!({"say \"hi\"": "x"}), 1),
+            (json!({"$": "y", "draft": true}), 1),
+            (json!({"lang": "fr"}), 1),
             (json!({"missing": null}), 0),
             (json!({"lang": "EN"}), 0),
             (json!({"tags": "x"}), 0),

@@ -37,6 +37,11 @@ const RECORD_COLUMNS: &str =
 /// The metadata column (added to stores made before it when they are opened).
 const METADATA_COLUMN: &str = "metadata JSONB NOT NULL DEFAULT '{}'::jsonb CHECK (jsonb_typeof(metadata) = 'object')";
 
+/// The index a metadata filter (`metadata @> filter`) is answered from: a GIN index of the
+/// metadata's key-value paths, so a filter that few contexts match reads only theirs.
+const METADATA_INDEX: &str =
+    "CREATE INDEX IF NOT EXISTS picaso_contexts_metadata ON picaso_contexts USING gin (metadata jsonb_path_ops)";
+
 /// A failed attempt.
 #[derive(Debug)]
 enum Fail {
@@ -277,20 +282,25 @@ impl PostgresCatalog {
         }))
     }
 
-    /// Brings an existing store's tables up to this picaso's: adds the metadata column to a
-    /// store made before it (once, under picaso's DDL lock; a look-up when it is there).
+    /// Brings an existing store's tables up to this picaso's: adds the metadata column and its
+    /// index to a store made before them (once, under picaso's DDL lock; a look-up when they
+    /// are there).
     pub fn upgrade(&self) -> Result<()> {
         self.run(Box::new(|c| {
             Box::pin(async move {
-                let has = "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('picaso_contexts')
-                           AND attname = 'metadata' AND NOT attisdropped)";
-                if c.query_one(has, &[]).await?.get::<_, bool>(0) {
+                let current =
+                    "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('picaso_contexts')
+                                 AND attname = 'metadata' AND NOT attisdropped)
+                               AND to_regclass('picaso_contexts_metadata') IS NOT NULL";
+                if c.query_one(current, &[]).await?.get::<_, bool>(0) {
                     return Ok(());
                 }
                 let tx = c.transaction().await?;
                 tx.execute("SELECT pg_advisory_xact_lock(7362531)", &[]).await?;
-                tx.batch_execute(&format!("ALTER TABLE picaso_contexts ADD COLUMN IF NOT EXISTS {METADATA_COLUMN}"))
-                    .await?;
+                tx.batch_execute(&format!(
+                    "ALTER TABLE picaso_contexts ADD COLUMN IF NOT EXISTS {METADATA_COLUMN}; {METADATA_INDEX};"
+                ))
+                .await?;
                 tx.commit().await?;
                 Ok(())
             })
@@ -335,6 +345,7 @@ impl PostgresCatalog {
                          UNIQUE (doc, seg)
                      );
                      CREATE INDEX IF NOT EXISTS picaso_contexts_checksum ON picaso_contexts (checksum);
+                     {METADATA_INDEX};
                      INSERT INTO picaso_meta (key, value) VALUES ('dim', '{dim}') ON CONFLICT DO NOTHING;"
                 ))
                 .await?;
@@ -1057,13 +1068,24 @@ mod tests {
         catalog
             .run(Box::new(|c| {
                 Box::pin(async move {
-                    c.batch_execute("ALTER TABLE picaso_contexts DROP COLUMN metadata").await?;
+                    c.batch_execute(
+                        "DROP INDEX picaso_contexts_metadata; ALTER TABLE picaso_contexts DROP COLUMN metadata",
+                    )
+                    .await?;
                     Ok(())
                 })
             }))
             .unwrap();
         catalog.upgrade().unwrap();
         catalog.upgrade().unwrap();
+        let indexed: bool = catalog
+            .run(Box::new(|c| {
+                Box::pin(async move {
+                    Ok(c.query_one("SELECT to_regclass('picaso_contexts_metadata') IS NOT NULL", &[]).await?.get(0))
+                })
+            }))
+            .unwrap();
+        assert!(indexed, "the metadata index comes with the column");
         assert!(catalog.get_many(&[id]).unwrap()[0].metadata.is_empty());
         let en = crate::metadata::from_json(r#"{"lang": "en"}"#).unwrap();
         assert!(catalog.search(&[1.0, 0.0], 5, false, Scope::matching(&en)).unwrap().is_empty());

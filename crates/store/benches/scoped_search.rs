@@ -1,0 +1,112 @@
+//! Retrieval latency on a catalog of 100k contexts (embeddings of dimension 384,
+//! all-MiniLM-L6-v2's): every context, within documents, and filtered by metadata (a quarter,
+//! 1/25th and 1/100th of the contexts match). On SQLite a scoped search reads the scope's ids
+//! (the `(doc, seg)` index for documents, the metadata index for a filter) and ranks those rows
+//! of the in-memory index exactly; on PostgreSQL (when `PICASO_TEST_POSTGRES` is set, as in the
+//! tests) one query ranks the rows its `doc = ANY` or `metadata @>` condition keeps.
+//!
+//! `cargo bench -p picaso-store --bench scoped_search`
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use picaso_embed::l2_normalize;
+use picaso_store::catalog::{Catalog, PostgresCatalog, Row, SqliteCatalog};
+use picaso_store::{Metadata, Scope};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+const N: usize = 100_000;
+const DIM: usize = 384;
+const PER_DOC: usize = 10;
+const LANGS: [&str; 4] = ["en", "fr", "de", "es"];
+
+fn unit_vector(rng: &mut StdRng) -> Vec<f32> {
+    let mut v: Vec<f32> = (0..DIM).map(|_| rng.random::<f32>() * 2.0 - 1.0).collect();
+    l2_normalize(&mut v);
+    v
+}
+
+fn filled(catalog: &dyn Catalog) {
+    let mut rng = StdRng::seed_from_u64(7);
+    for start in (0..N).step_by(1000) {
+        let items: Vec<(String, Vec<f32>, String)> = (start..start + 1000)
+            .map(|i| {
+                let meta = serde_json::json!({
+                    "lang": LANGS[i % 4], "year": 2000 + (i / 4) % 25, "title": format!("Document {}", i / PER_DOC),
+                    "url": format!("https://example.org/{}", i / PER_DOC),
+                });
+                (format!("doc{}", i / PER_DOC), unit_vector(&mut rng), meta.to_string())
+            })
+            .collect();
+        let rows: Vec<Row<'_>> = items
+            .iter()
+            .enumerate()
+            .map(|(j, (doc, embedding, metadata))| Row {
+                id: None,
+                doc,
+                seg: ((start + j) % PER_DOC) as u32,
+                text: "a paragraph",
+                tokens: &[1, 2, 3],
+                embedding,
+                fingerprint: "f",
+                state_file: "states/01/0123456789abcdef0123456789abcdef.safetensors",
+                checksum: "0123456789abcdef0123456789abcdef",
+                state_bytes: 10,
+                created: 0,
+                metadata,
+            })
+            .collect();
+        catalog.insert(&rows, &mut || Ok(())).unwrap();
+    }
+}
+
+fn filter(v: serde_json::Value) -> Metadata {
+    v.as_object().unwrap().clone()
+}
+
+fn bench(c: &mut Criterion) {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut catalogs: Vec<(&str, Box<dyn Catalog>)> =
+        vec![("sqlite_100k_x_384", Box::new(SqliteCatalog::create(tmp.path(), DIM, &[]).unwrap()))];
+    if let Ok(url) = std::env::var("PICASO_TEST_POSTGRES") {
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
+        let sep = if url.contains('?') { '&' } else { '?' };
+        let url = format!("{url}{sep}options=-csearch_path%3Dbench_{nanos}%2Cpublic");
+        let pg = PostgresCatalog::connect(&url).unwrap();
+        pg.create(DIM, &[]).unwrap();
+        catalogs.push(("postgres_100k_x_384", Box::new(pg)));
+    }
+    for (_, catalog) in &catalogs {
+        filled(catalog.as_ref());
+    }
+    let query = unit_vector(&mut StdRng::seed_from_u64(11));
+    let one_doc = vec!["doc4321".to_string()];
+    let ten_docs: Vec<String> = (0..10).map(|i| format!("doc{}", 977 * i)).collect();
+    let en = filter(serde_json::json!({"lang": "en"}));
+    let year = filter(serde_json::json!({"year": 2024}));
+    let both = filter(serde_json::json!({"lang": "en", "year": 2024}));
+    let scopes: [(&str, Scope<'_>); 6] = [
+        ("every context", Scope::all()),
+        ("1 document", Scope::within(&one_doc)),
+        ("10 documents", Scope::within(&ten_docs)),
+        ("filter 1 key, 25k match", Scope::matching(&en)),
+        ("filter 1 key, 4k match", Scope::matching(&year)),
+        ("filter 2 keys, 1k match", Scope::matching(&both)),
+    ];
+    for (backend, catalog) in &catalogs {
+        let mut group = c.benchmark_group(*backend);
+        group.sample_size(20).warm_up_time(Duration::from_secs(1)).measurement_time(Duration::from_secs(4));
+        for (name, scope) in scopes {
+            assert_eq!(catalog.search(&query, 5, false, scope).unwrap().len(), 5, "{name}");
+            group.bench_function(name, |b| {
+                b.iter(|| black_box(catalog.search(black_box(&query), 5, false, scope).unwrap()))
+            });
+        }
+        group.finish();
+    }
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
