@@ -273,6 +273,8 @@ fn serve_completions_contexts_search_metrics_and_bad_input(arch: &str, db: &Test
     used.sort_unstable();
     note_ids.sort_unstable();
     assert_eq!(used, note_ids, "{v}");
+    let cited = v["picaso"]["contexts"].as_array().unwrap();
+    assert!(cited.iter().all(|c| c["doc"] == "notes" && c["metadata"] == json!({"lang": "en", "year": 2024})), "{v}");
     let (status, v) = server.post(
         "/v1/attribute",
         json!({"prompt": "Fruit", "answer": " are green", "retrieve": 5, "filter": {"year": 2024, "lang": "en"}}),

@@ -191,6 +191,12 @@ pub struct UsedContext {
     pub id: i64,
     /// Cosine similarity to the prompt, when retrieved.
     pub score: Option<f32>,
+    /// Its document (null if the context was deleted meanwhile).
+    pub doc: Option<String>,
+    /// Its place in the document.
+    pub segment: Option<u32>,
+    /// Its metadata (title, URL, ...: what to cite it by).
+    pub metadata: Option<picaso_store::Metadata>,
 }
 
 /// What picaso did for a completion (the `picaso` field of the response).

@@ -328,25 +328,38 @@ impl App {
         }
         self.model.check_tokens(&prompt)?;
         let t_retrieve = Instant::now();
-        let (contexts, prepared) = match (method, &req.contexts, req.retrieve) {
+        let (hits, prepared): (Vec<(i64, Option<f32>)>, _) = match (method, &req.contexts, req.retrieve) {
             (ContextMethod::Naive, _, _) | (_, None, None | Some(0)) => {
                 (Vec::new(), prepare(&self.store, &self.model, &[], method, Some(&self.cache))?)
             }
             (_, Some(ids), _) => {
                 let prepared = prepare(&self.store, &self.model, ids, method, Some(&self.cache))?;
-                (ids.iter().map(|&id| UsedContext { id, score: None }).collect(), prepared)
+                (ids.iter().map(|&id| (id, None)).collect(), prepared)
             }
             (_, None, Some(k)) => {
                 let query = self.embedder.embed_one(&text)?;
                 let what = Retrieval::new(&query, k).within(req.documents.as_deref()).matching(req.filter.as_ref());
                 let (hits, prepared) = retrieve_and_prepare(&self.store, &self.model, what, method, Some(&self.cache))?;
-                (hits.into_iter().map(|(id, score)| UsedContext { id, score: Some(score) }).collect(), prepared)
+                (hits.into_iter().map(|(id, score)| (id, Some(score))).collect(), prepared)
             }
         };
+        // Where each context comes from, to cite it by (one catalog read for all).
+        let ids: Vec<i64> = hits.iter().map(|h| h.0).collect();
+        let records = if ids.is_empty() { Vec::new() } else { self.store.records(&ids)? };
+        let contexts: Vec<UsedContext> = hits
+            .iter()
+            .zip(records.into_iter().chain(std::iter::repeat(None)))
+            .map(|(&(id, score), r)| UsedContext {
+                id,
+                score,
+                segment: r.as_ref().map(|r| r.seg),
+                doc: r.as_ref().map(|r| r.doc.clone()),
+                metadata: r.map(|r| r.metadata),
+            })
+            .collect();
         // Retrieval is what the preparation did besides loading and composing.
         let retrieve_ms =
             1e3 * (t_retrieve.elapsed().as_secs_f64() - prepared.load_seconds - prepared.compose_seconds).max(0.0);
-        let ids: Vec<i64> = contexts.iter().map(|c| c.id).collect();
         let m = &self.metrics;
         m.states_loaded.inc_by(prepared.states_loaded as u64);
         m.cache_hits.inc_by(prepared.cache_hits as u64);

@@ -555,21 +555,7 @@ impl Store {
     /// does not hold). A context deleted by another writer while they are read is left out.
     pub fn document(&self, doc: &str) -> Result<Vec<ContextRecord>> {
         let ids: Vec<i64> = self.segments_of(doc)?.into_values().collect();
-        match self.catalog.get_many(&ids) {
-            Ok(records) => records.into_iter().map(|r| self.checked(r)).collect(),
-            Err(Error::NotFound(_)) => {
-                let mut kept = Vec::with_capacity(ids.len());
-                for id in ids {
-                    match self.get(id) {
-                        Ok(r) => kept.push(r),
-                        Err(Error::NotFound(_)) => {}
-                        Err(e) => return Err(e),
-                    }
-                }
-                Ok(kept)
-            }
-            Err(e) => Err(e),
-        }
+        Ok(self.records(&ids)?.into_iter().flatten().collect())
     }
 
     /// Adds contexts: their state objects first (durable), then their rows in one transaction.
@@ -679,6 +665,23 @@ impl Store {
     /// The metadata of context `id`.
     pub fn get(&self, id: i64) -> Result<ContextRecord> {
         self.checked(self.catalog.get_many(&[id])?.remove(0))
+    }
+
+    /// The records of `ids`, in order; `None` for a context gone (deleted by another writer).
+    /// One catalog query when all are there.
+    pub fn records(&self, ids: &[i64]) -> Result<Vec<Option<ContextRecord>>> {
+        match self.catalog.get_many(ids) {
+            Ok(records) => records.into_iter().map(|r| self.checked(r).map(Some)).collect(),
+            Err(Error::NotFound(_)) => ids
+                .iter()
+                .map(|&id| match self.get(id) {
+                    Ok(r) => Ok(Some(r)),
+                    Err(Error::NotFound(_)) => Ok(None),
+                    Err(e) => Err(e),
+                })
+                .collect(),
+            Err(e) => Err(e),
+        }
     }
 
     /// A catalog row as read, checked for what a damaged or hand-edited row could break: the
