@@ -53,6 +53,10 @@ fn migrate_between_backends_and_verify() {
             .clone()
     };
     let want = query(&folder.db);
+    // Metadata travels with the contexts.
+    let cited = serde_json::json!({"url": "https://example.org/eiffel", "year": 1889});
+    let cited = cited.as_object().unwrap().clone();
+    picaso_store::Store::open(folder.location()).unwrap().set_metadata(&[1, 3], &cited).unwrap();
 
     // Through the shared backends when configured, else folder → folder.
     let middle = shared_backend("migrate")
@@ -100,6 +104,8 @@ fn migrate_between_backends_and_verify() {
     for id in [1, 3, 4] {
         let (a, b) = (store.get(id).unwrap(), copy.get(id).unwrap());
         assert_eq!((a.doc, a.seg, a.text, a.checksum), (b.doc, b.seg, b.text, b.checksum));
+        assert_eq!(a.metadata, b.metadata);
+        assert_eq!(b.metadata.is_empty(), id == 4, "context {id}'s metadata came through both migrations");
         assert_eq!(store.embedding(id).unwrap(), copy.embedding(id).unwrap());
         assert_eq!(store.map_state(id).unwrap().bytes(), copy.map_state(id).unwrap().bytes());
     }

@@ -138,7 +138,8 @@ pub fn verify(from: &Store, to: &Store) -> Result<u64> {
                 && t.text == r.text
                 && t.tokens == r.tokens
                 && t.checksum == r.checksum
-                && t.state_bytes == r.state_bytes;
+                && t.state_bytes == r.state_bytes
+                && t.metadata == r.metadata;
             if !same || to.embedding(r.id)? != *emb {
                 return Err(Error::Store {
                     location: to.location().to_string(),
