@@ -5,7 +5,7 @@
 //! A filter is an object of scalar values; a context matches when its metadata holds every one
 //! of its keys with an equal value: strings and booleans exactly, numbers by value (`1` equals
 //! `1.0`), `null` only a `null` (not a missing key). Both catalogs answer filters with these
-//! rules (PostgreSQL's `jsonb @>` on scalars, SQLite's `json_each`), and [`matches`] states them
+//! rules (PostgreSQL's `jsonb @>` on scalars, SQLite's JSON functions), and [`matches()`] states them
 //! in Rust for the tests.
 
 use serde_json::Value;

@@ -145,13 +145,31 @@ pub(crate) mod checks {
     use crate::metadata::{matches, to_json, Metadata};
     use serde_json::json;
 
+    /// Segment 0 of `doc`, a one-token context with this embedding and metadata (JSON text).
+    pub(crate) fn row<'a>(doc: &'a str, embedding: &'a [f32], metadata: &'a str) -> Row<'a> {
+        Row {
+            id: None,
+            doc,
+            seg: 0,
+            text: "t",
+            tokens: &[1],
+            embedding,
+            fingerprint: "f",
+            state_file: "states/01/0123456789abcdef0123456789abcdef.safetensors",
+            checksum: "0123456789abcdef0123456789abcdef",
+            state_bytes: 10,
+            created: 0,
+            metadata,
+        }
+    }
+
     fn obj(v: serde_json::Value) -> Metadata {
         v.as_object().unwrap().clone()
     }
 
     /// Fills an empty 2-dimensional `catalog` with contexts of varied metadata and checks that
     /// every filter (alone and with documents) returns the exhaustive ranking of the contexts
-    /// [`matches`] accepts, that records carry their metadata, and that `set_metadata` changes
+    /// [`matches()`] accepts, that records carry their metadata, and that `set_metadata` changes
     /// only what differs.
     pub(crate) fn metadata_and_filters(catalog: &dyn Catalog) {
         let metadata = [
@@ -167,22 +185,7 @@ pub(crate) mod checks {
         let embeddings: Vec<[f32; 2]> =
             (0..metadata.len()).map(|i| [(i as f32 * 0.4).cos(), (i as f32 * 0.4).sin()]).collect();
         let docs = ["a", "b", "c", "d", "e", "f"];
-        let rows: Vec<Row<'_>> = (0..metadata.len())
-            .map(|i| Row {
-                id: None,
-                doc: docs[i],
-                seg: 0,
-                text: "t",
-                tokens: &[1],
-                embedding: &embeddings[i],
-                fingerprint: "f",
-                state_file: "states/01/0123456789abcdef0123456789abcdef.safetensors",
-                checksum: "0123456789abcdef0123456789abcdef",
-                state_bytes: 10,
-                created: 0,
-                metadata: &json[i],
-            })
-            .collect();
+        let rows: Vec<Row<'_>> = (0..metadata.len()).map(|i| row(docs[i], &embeddings[i], &json[i])).collect();
         let ids: Vec<i64> = catalog.insert(&rows, &mut || Ok(())).unwrap().into_iter().map(Option::unwrap).collect();
         let records = catalog.get_many(&ids).unwrap();
         for (r, m) in records.iter().zip(&metadata) {

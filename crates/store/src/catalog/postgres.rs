@@ -1050,20 +1050,7 @@ mod tests {
     #[test]
     fn a_store_without_the_metadata_column_gets_it() {
         let Some(catalog) = catalog() else { return };
-        let row = Row {
-            id: None,
-            doc: "d",
-            seg: 0,
-            text: "t",
-            tokens: &[1],
-            embedding: &[1.0, 0.0],
-            fingerprint: "f",
-            state_file: "states/01/0123456789abcdef0123456789abcdef.safetensors",
-            checksum: "0123456789abcdef0123456789abcdef",
-            state_bytes: 10,
-            created: 0,
-            metadata: r#"{"lang": "en"}"#,
-        };
+        let row = crate::catalog::checks::row("d", &[1.0, 0.0], r#"{"lang": "en"}"#);
         let id = catalog.insert(&[row], &mut || Ok(())).unwrap()[0].unwrap();
         catalog
             .run(Box::new(|c| {
