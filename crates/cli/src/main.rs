@@ -1254,7 +1254,16 @@ fn query(a: QueryArgs) -> Result<()> {
         println!();
         let first = first
             .map_or_else(|| "no token generated".into(), |f| format!("first token after {:.1} ms", 1e3 * (ready + f)));
-        eprintln!("[{} · contexts {:?} · state ready in {:.1} ms · {first}]", a.method.name(), ids, 1e3 * ready);
+        let sources: Vec<String> = ids
+            .iter()
+            .map(|&id| {
+                let (doc, seg, _) = doc_of(id);
+                format!("{id} ({doc} #{seg})")
+            })
+            .collect();
+        let contexts =
+            if sources.is_empty() { "no context".to_string() } else { format!("contexts {}", sources.join(", ")) };
+        eprintln!("[{} · {contexts} · state ready in {:.1} ms · {first}]", a.method.name(), 1e3 * ready);
     }
     if let Some(at) = &attribution {
         print_attribution(at, &ids, doc_of);
