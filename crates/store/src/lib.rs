@@ -2,7 +2,8 @@
 //!
 //! The database of states. A [`Store`] is one folder: each context's state in a safetensors
 //! file written once, its metadata (document, segment, text, token ids, embedding, model
-//! fingerprint, file checksum) in SQLite, and an in-memory retrieval index over the embeddings.
+//! fingerprint, file checksum, the document's [`metadata`]) in SQLite, and an in-memory retrieval
+//! index over the embeddings.
 //! [`ingest()`] fills it from documents ([`sources`]); [`Store::search`] retrieves;
 //! [`Store::load_state`] reads a state back (memory-mapped, checksum-verified) for composition;
 //! [`StateCache`] keeps hot ones in memory; [`prepare`] turns context ids into the state a prompt
