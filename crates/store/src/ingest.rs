@@ -173,7 +173,8 @@ fn plan(store: &Store, model: &Model, docs: &[Document], segmentation: Segmentat
         )));
     }
     let mut plan = Plan { pending: Vec::new(), skipped: 0, stale: Vec::new(), relabel: Vec::new() };
-    let mut unchanged = Vec::new();
+    // Unchanged segments' records, and the index of each one's document.
+    let (mut unchanged, mut unchanged_doc) = (Vec::new(), Vec::new());
     for (d, doc) in docs.iter().enumerate() {
         check_metadata(&doc.metadata, &format!("document {:?}", doc.id))?;
         let mut stored: std::collections::BTreeMap<u32, crate::ContextRecord> =
@@ -189,7 +190,8 @@ fn plan(store: &Store, model: &Model, docs: &[Document], segmentation: Segmentat
                         _ => plan.relabel.push((d, vec![r.id])),
                     }
                 }
-                unchanged.extend(old.map(|r| (d, r)));
+                unchanged.extend(old);
+                unchanged_doc.push(d);
             } else {
                 let replaces = old.map(|r| r.id);
                 let metadata = doc.metadata.clone();
@@ -206,9 +208,8 @@ fn plan(store: &Store, model: &Model, docs: &[Document], segmentation: Segmentat
         }
         plan.stale.extend(stored.into_values().map(|r| r.id));
     }
-    let records: Vec<crate::ContextRecord> = unchanged.iter().map(|(_, r)| r.clone()).collect();
-    let missing = store.missing_states(&records)?;
-    for (d, r) in unchanged {
+    let missing = store.missing_states(&unchanged)?;
+    for (r, d) in unchanged.into_iter().zip(unchanged_doc) {
         if missing.contains(&r.id) {
             plan.pending.push(Pending {
                 doc: r.doc,
