@@ -185,11 +185,14 @@ struct QueryArgs {
     /// repeat for several).
     #[arg(long = "doc", value_name = "NAME", conflicts_with = "ids")]
     docs: Vec<String>,
-    /// Retrieve only contexts whose metadata has KEY equal to VALUE (repeat: all must hold).
+    /// Retrieve only contexts whose metadata passes this condition (repeat: all must hold):
+    /// KEY=VALUE, KEY!=VALUE, KEY>VALUE, KEY>=VALUE, KEY<VALUE, KEY<=VALUE (numbers by value,
+    /// strings by code point: `date>=2024-01-01`), or a filter as a JSON object, for the
+    /// operators $in, $nin, $exists and $contains (`'{"lang": {"$in": ["en", "fr"]}}'`).
     /// VALUE is JSON when it reads as a JSON number, boolean, null or quoted string
     /// (`year=2024`, `draft=false`, `year='"2024"'`), else the text as given (`lang=en`).
     /// Metadata comes from a JSON line's fields other than `text` and `id`.
-    #[arg(long = "filter", value_name = "KEY=VALUE", conflicts_with = "ids")]
+    #[arg(long = "filter", value_name = "CONDITION", conflicts_with = "ids")]
     filters: Vec<String>,
     #[command(flatten)]
     sampling: SamplingArgs,
@@ -1118,7 +1121,7 @@ fn query(a: QueryArgs) -> Result<()> {
     if a.method == picaso_store::ContextMethod::Naive && !a.filters.is_empty() {
         bail!("--method naive retrieves nothing, so --filter would be ignored: drop --filter, or pick picaso-r, picaso-s, caso, soup or concat");
     }
-    let filter = (!a.filters.is_empty()).then(|| picaso_store::filter_from_pairs(&a.filters)).transpose()?;
+    let filter = (!a.filters.is_empty()).then(|| picaso_store::Filter::from_args(&a.filters)).transpose()?;
     let store = picaso_store::Store::open(a.db.location()?)?;
     let model = load_model(&a.model, true)?;
     let t_retrieve = Instant::now();

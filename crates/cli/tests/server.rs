@@ -286,6 +286,10 @@ fn serve_completions_contexts_search_metrics_and_bad_input(arch: &str, db: &Test
     assert_eq!(rec["metadata"], json!({"lang": "en", "year": 2025}), "the same context, new metadata");
     let (_, found) = server.post("/v1/search", json!({"query": "fruit", "k": 10, "filter": {"year": 2024}}));
     assert_eq!(found["results"].as_array().map(Vec::len), Some(0), "{found}");
+    let recent = json!({"year": {"$gte": 2025}, "lang": {"$in": ["en", "fr"]}});
+    let (_, found) = server.post("/v1/search", json!({"query": "fruit", "k": 10, "filter": recent}));
+    let docs: Vec<&str> = found["results"].as_array().unwrap().iter().map(|h| h["doc"].as_str().unwrap()).collect();
+    assert_eq!(docs, ["notes", "notes"], "operators: {found}");
     assert_eq!(notes(2025).0, 200, "nothing changed");
     let fig = |src: &str| {
         server.post("/v1/contexts", json!({"text": "Figs are sweet.", "doc": "figs", "metadata": {"src": src}}))
@@ -463,13 +467,15 @@ fn serve_completions_contexts_search_metrics_and_bad_input(arch: &str, db: &Test
         ("/v1/completions", json!({"prompt": "x", "documents": ["cats.txt"]}).to_string(), 400, "with `retrieve`"),
         ("/v1/completions", json!({"prompt": "x", "filter": {"lang": "en"}}).to_string(), 400, "with `retrieve`"),
         ("/v1/search", json!({"query": "x", "filter": {}}).to_string(), 400, "empty metadata filter"),
-        ("/v1/search", json!({"query": "x", "filter": {"a": [1]}}).to_string(), 400, "not a string, number"),
+        ("/v1/search", json!({"query": "x", "filter": {"a": [1]}}).to_string(), 400, "is a list; to match one of"),
+        ("/v1/search", json!({"query": "x", "filter": {"a": {"$in": 1}}}).to_string(), 400, "$in takes a list"),
+        ("/v1/search", json!({"query": "x", "filter": {"a": {"$gt": null}}}).to_string(), 400, "a number or a string"),
         ("/v1/search", json!({"query": "x", "filter": "lang=en"}).to_string(), 400, "`filter` must be a JSON object"),
         (
             "/v1/attribute",
             json!({"prompt": "x", "answer": "y", "retrieve": 1, "filter": {"a": {"b": 1}}}).to_string(),
             400,
-            "not a string, number",
+            "unknown operator \"b\"",
         ),
         ("/v1/contexts", json!({"text": "x", "metadata": [1]}).to_string(), 400, "`metadata` must be a JSON object"),
         (

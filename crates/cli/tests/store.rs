@@ -892,12 +892,18 @@ fn metadata_travels_with_contexts_and_filters_retrieval() {
         let q = store.embedding(a[0].id).unwrap();
         let everything = store.search_exact(&q, 100).unwrap();
         let meta = |id: i64| store.get(id).unwrap().metadata;
-        for (pairs, n) in
-            [(&["lang=en"][..], 3), (&["year=2024"], 2), (&["year=\"2024\""], 1), (&["lang=en", "year=2024"], 2)]
-        {
-            let f = picaso_store::filter_from_pairs(pairs).unwrap();
-            let want: Vec<(i64, f32)> =
-                everything.iter().filter(|(id, _)| picaso_store::metadata::matches(&meta(*id), &f)).copied().collect();
+        for (pairs, n) in [
+            (&["lang=en"][..], 3),
+            (&["year=2024"], 2),
+            (&["year=\"2024\""], 1),
+            (&["lang=en", "year=2024"], 2),
+            (&["year<2024"], 1),
+            (&["lang!=en"], 2),
+            (&["year>=2023", "year<=2024.5"], 3),
+            (&[r#"{"lang": {"$in": ["fr", "xx"]}}"#], 1),
+        ] {
+            let f = picaso_store::Filter::from_args(pairs).unwrap();
+            let want: Vec<(i64, f32)> = everything.iter().filter(|(id, _)| f.matches(&meta(*id))).copied().collect();
             assert_eq!(want.len(), n, "{pairs:?}");
             assert_eq!(store.search_in(&q, 10, picaso_store::Scope::matching(&f)).unwrap(), want, "{pairs:?}");
         }
@@ -909,10 +915,32 @@ fn metadata_travels_with_contexts_and_filters_retrieval() {
         let used = v["contexts"].as_array().unwrap();
         assert_eq!(used.len(), 1, "{v}");
         assert_eq!((used[0]["doc"].as_str(), used[0]["metadata"]["lang"].as_str()), (Some("b"), Some("fr")));
+        let v = ok_s(&args(
+            &["query"],
+            &db,
+            &[
+                "--model",
+                m,
+                "--embedder",
+                e,
+                "--k",
+                "3",
+                "--filter",
+                "year<2024",
+                "--max-tokens",
+                "2",
+                "--json",
+                "Cats",
+            ],
+        ));
+        let used: Vec<&str> = v["contexts"].as_array().unwrap().iter().map(|c| c["doc"].as_str().unwrap()).collect();
+        assert_eq!(used, ["b"], "{v}");
         for (filter, says) in [
             ("lang=de", "has metadata matching --filter lang=de"),
             ("lang", "expected KEY=VALUE"),
             ("=en", "the key is empty"),
+            ("year>true", "compares with a number or a string"),
+            (r#"{"lang": {"$regex": "e"}}"#, "unknown operator \"$regex\""),
         ] {
             let (success, _, stderr) =
                 run_s(&args(&["query"], &db, &["--model", m, "--embedder", e, "--filter", filter, "Cats"]));

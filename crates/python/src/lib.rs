@@ -643,11 +643,9 @@ fn metadata_from_py(value: &Bound<'_, PyAny>, what: &str) -> PyResult<picaso_sto
 }
 
 /// A retrieval's metadata filter from a Python dict (None: no filter).
-fn filter_from_py(filter: Option<&Bound<'_, PyAny>>) -> PyResult<Option<picaso_store::Metadata>> {
+fn filter_from_py(filter: Option<&Bound<'_, PyAny>>) -> PyResult<Option<picaso_store::Filter>> {
     let Some(f) = filter else { return Ok(None) };
-    let m = metadata_from_py(f, "filter")?;
-    picaso_store::metadata::check_filter(&m).map_err(store_err)?;
-    Ok(Some(m))
+    picaso_store::Filter::new(&metadata_from_py(f, "filter")?).map(Some).map_err(store_err)
 }
 
 #[pymethods]
@@ -782,8 +780,9 @@ impl Store {
 
     /// The `k` contexts nearest to `query` by meaning, best first: dicts {id, score, doc, segment,
     /// text, metadata}. `documents` (names, as `documents()` lists them) limits the search to
-    /// their contexts; `filter` (a dict of str, number, bool or None values) to contexts whose
-    /// metadata holds every one of its values.
+    /// their contexts; `filter` (a dict) to contexts whose metadata passes it: each key's value
+    /// is a scalar to equal, or operators ({"$gte": 2020, "$lt": 2025}; also $eq, $ne, $gt,
+    /// $lte, $in, $nin, $exists, $contains), all of which must hold.
     #[pyo3(signature = (query, k=4, *, documents=None, filter=None))]
     fn search<'py>(
         &self,
@@ -821,7 +820,7 @@ impl Store {
     /// Retrieves the `k` contexts nearest to `prompt`, composes their states by `method` and
     /// continues the prompt from the composed state. Returns a Generation whose `contexts` are
     /// the retrieved ones, best first. `documents` (names) retrieves only from their contexts,
-    /// `filter` (a dict) only from contexts whose metadata holds its values.
+    /// `filter` (a dict, as for `search`) only from contexts whose metadata passes it.
     #[pyo3(signature = (prompt, k=4, method="picaso-r", *, max_tokens=64, temperature=0.0, top_p=1.0, seed=0, stop=None, documents=None, filter=None))]
     #[allow(clippy::too_many_arguments)]
     fn query<'py>(

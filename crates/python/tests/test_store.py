@@ -104,6 +104,14 @@ def test_metadata_and_filters(model, embedder, tmp_path):
             assert [h["id"] for h in hits] == [h["id"] for h in everything
                                                if all(h["metadata"].get(k) == v for k, v in f.items())]
             assert len(hits) == n, f
+        # Operators: ranges, lists, presence.
+        for f, docs in [({"year": {"$gte": 2023, "$lt": 2024}}, ["fr"]),
+                        ({"lang": {"$in": ["fr", "de"]}}, ["fr"]),
+                        ({"lang": {"$ne": "en"}}, ["fr", "none"]),
+                        ({"year": {"$exists": False}}, ["none"]),
+                        ({"year": {"$gt": "2000"}}, [])]:
+            hits = store.search(question, k=10, filter=f)
+            assert sorted(h["doc"] for h in hits) == docs, f
         hits = store.search(question, k=10, filter={"lang": "en"}, documents=["fr", "en"])
         assert [h["doc"] for h in hits] == ["en", "en"]
         g = store.query("Sugar is made", k=5, max_tokens=2, filter={"lang": "fr"})
@@ -115,8 +123,9 @@ def test_metadata_and_filters(model, embedder, tmp_path):
                                 "metadata": {"lang": "en", "year": 2025}}])
         assert (report["added"], report["relabelled"], report["skipped"]) == (0, 2, 2)
         assert [(c["id"], c["metadata"]["year"]) for c in store.document("en")] == [(i, 2025) for i in ids]
-        for bad, match in [({}, "empty metadata filter"), ({"a": [1]}, "not a string, number"),
-                           ({"a": float("nan")}, "not JSON")]:
+        for bad, match in [({}, "empty metadata filter"), ({"a": [1]}, r"is a list.*\$in"),
+                           ({"a": float("nan")}, "not JSON"), ({"a": {"$near": 1}}, "unknown operator"),
+                           ({"a": {"$exists": "yes"}}, "true or false")]:
             with pytest.raises(ValueError, match=match):
                 store.search("x", filter=bad)
         with pytest.raises(TypeError, match="filter must be a dict"):

@@ -11,8 +11,8 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use picaso_embed::Embedder;
 use picaso_model::{GenerateOptions, Model, State, StopReason};
 use picaso_store::{
-    prepare, retrieve_and_prepare, retrieve_then, ContextMethod, ContextRecord, DocumentSummary, NewContext, Retrieval,
-    StateCache, Store,
+    prepare, retrieve_and_prepare, retrieve_then, ContextMethod, ContextRecord, DocumentSummary, Filter, NewContext,
+    Retrieval, StateCache, Store,
 };
 use serde_json::json;
 use tokio::sync::{mpsc, Semaphore};
@@ -327,6 +327,8 @@ impl App {
             )));
         }
         self.model.check_tokens(&prompt)?;
+        // Checked by `check_contexts` before.
+        let filter = req.filter.as_ref().map(Filter::new).transpose()?;
         let t_retrieve = Instant::now();
         let (hits, prepared): (Vec<(i64, Option<f32>)>, _) = match (method, &req.contexts, req.retrieve) {
             (ContextMethod::Naive, _, _) | (_, None, None | Some(0)) => {
@@ -338,7 +340,7 @@ impl App {
             }
             (_, None, Some(k)) => {
                 let query = self.embedder.embed_one(&text)?;
-                let what = Retrieval::new(&query, k).within(req.documents.as_deref()).matching(req.filter.as_ref());
+                let what = Retrieval::new(&query, k).within(req.documents.as_deref()).matching(filter.as_ref());
                 let (hits, prepared) = retrieve_and_prepare(&self.store, &self.model, what, method, Some(&self.cache))?;
                 (hits.into_iter().map(|(id, score)| (id, Some(score))).collect(), prepared)
             }
@@ -704,14 +706,14 @@ impl App {
 
     /// Refuses a context listed twice, more contexts than the server combines, and `documents`
     /// or `filter` without retrieval, naming more documents than [`MAX_DOCUMENTS`] (each is
-    /// looked up) or a filter that is not one.
+    /// looked up) or a filter that is not one. Returns the filter, checked.
     fn check_contexts(
         &self,
         ids: Option<&[i64]>,
         retrieve: Option<usize>,
         documents: Option<&[String]>,
         filter: Option<&picaso_store::Metadata>,
-    ) -> Result<(), ApiError> {
+    ) -> Result<Option<Filter>, ApiError> {
         if documents.is_some() && retrieve.is_none_or(|k| k == 0) {
             return Err(ApiError::bad_request(
                 "`documents` limits retrieval to some documents: give it with `retrieve` (a count), or drop it",
@@ -723,9 +725,7 @@ impl App {
             ));
         }
         check_documents(documents)?;
-        if let Some(filter) = filter {
-            picaso_store::metadata::check_filter(filter)?;
-        }
+        let filter = filter.map(Filter::new).transpose()?;
         if let Some(ids) = ids {
             let mut seen = std::collections::HashSet::new();
             if let Some(dup) = ids.iter().find(|id| !seen.insert(**id)) {
@@ -741,7 +741,7 @@ impl App {
                 self.limits.max_contexts
             )));
         }
-        Ok(())
+        Ok(filter)
     }
 
     /// Attributes an answer to its contexts by leaving each out in turn. Blocking (k + 1
@@ -762,7 +762,8 @@ impl App {
             }
             (_, k) => k,
         };
-        self.check_contexts(req.contexts.as_deref(), retrieve, req.documents.as_deref(), req.filter.as_ref())?;
+        let filter =
+            self.check_contexts(req.contexts.as_deref(), retrieve, req.documents.as_deref(), req.filter.as_ref())?;
         let tokenizer = self.model.tokenizer()?;
         let (prompt, answer) = (tokenizer.encode(&req.prompt)?, tokenizer.encode(&req.answer)?);
         if prompt.len() + answer.len() > self.limits.max_prompt_tokens {
@@ -780,9 +781,8 @@ impl App {
             (Some(ids), _) => (ids.iter().map(|&id| (id, None)).collect(), attribute(ids)?),
             (None, k) => {
                 let query = self.embedder.embed_one(&req.prompt)?;
-                let what = Retrieval::new(&query, k.unwrap_or(0))
-                    .within(req.documents.as_deref())
-                    .matching(req.filter.as_ref());
+                let what =
+                    Retrieval::new(&query, k.unwrap_or(0)).within(req.documents.as_deref()).matching(filter.as_ref());
                 let (hits, at) = retrieve_then(&self.store, what, attribute)?;
                 (hits.into_iter().map(|(id, score)| (id, Some(score))).collect(), at)
             }
@@ -809,9 +809,7 @@ impl App {
     /// Retrieval only. Blocking.
     pub(crate) fn search(&self, req: SearchRequest) -> Result<SearchResponse, ApiError> {
         check_documents(req.documents.as_deref())?;
-        if let Some(filter) = &req.filter {
-            picaso_store::metadata::check_filter(filter)?;
-        }
+        let filter = req.filter.as_ref().map(Filter::new).transpose()?;
         if req.query.trim().is_empty() {
             return Err(ApiError::bad_request("`query` is empty: give the text to find contexts for"));
         }
@@ -822,7 +820,7 @@ impl App {
             )));
         }
         let q = self.embedder.embed_one(&req.query)?;
-        let scope = picaso_store::Scope { documents: req.documents.as_deref(), filter: req.filter.as_ref() };
+        let scope = picaso_store::Scope { documents: req.documents.as_deref(), filter: filter.as_ref() };
         let results = (self.store.search_records(&q, req.k, scope)?.into_iter())
             .map(|(rec, score)| SearchHit {
                 id: rec.id,

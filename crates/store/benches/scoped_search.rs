@@ -1,9 +1,10 @@
 //! Retrieval latency on a catalog of 100k contexts (embeddings of dimension 384,
-//! all-MiniLM-L6-v2's): every context, within documents, and filtered by metadata (a quarter,
-//! 1/25th and 1/100th of the contexts match). On SQLite a scoped search reads the scope's ids
-//! (the `(doc, seg)` index for documents, the metadata index for a filter) and ranks those rows
-//! of the in-memory index exactly; on PostgreSQL (when `PICASO_TEST_POSTGRES` is set, as in the
-//! tests) one query ranks the rows its `doc = ANY` or `metadata @>` condition keeps.
+//! all-MiniLM-L6-v2's): every context, within documents, and filtered by metadata (equality:
+//! a quarter, 1/25th and 1/100th of the contexts match; a range, 1/5th; `$in`, half). On SQLite
+//! a scoped search reads the scope's ids (the `(doc, seg)` index for documents, the metadata
+//! index for a filter) and ranks those rows of the in-memory index exactly; on PostgreSQL (when
+//! `PICASO_TEST_POSTGRES` is set, as in the tests) one query ranks the rows its `doc = ANY` or
+//! metadata condition keeps.
 //!
 //! `cargo bench -p picaso-store --bench scoped_search`
 
@@ -13,7 +14,7 @@ use std::time::Duration;
 use criterion::{criterion_group, criterion_main, Criterion};
 use picaso_embed::l2_normalize;
 use picaso_store::catalog::{Catalog, PostgresCatalog, Row, SqliteCatalog};
-use picaso_store::{Metadata, Scope};
+use picaso_store::{Filter, Scope};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -62,8 +63,8 @@ fn filled(catalog: &dyn Catalog) {
     }
 }
 
-fn filter(v: serde_json::Value) -> Metadata {
-    v.as_object().unwrap().clone()
+fn filter(v: serde_json::Value) -> Filter {
+    Filter::new(v.as_object().unwrap()).unwrap()
 }
 
 fn bench(c: &mut Criterion) {
@@ -87,13 +88,17 @@ fn bench(c: &mut Criterion) {
     let en = filter(serde_json::json!({"lang": "en"}));
     let year = filter(serde_json::json!({"year": 2024}));
     let both = filter(serde_json::json!({"lang": "en", "year": 2024}));
-    let scopes: [(&str, Scope<'_>); 6] = [
+    let recent = filter(serde_json::json!({"year": {"$gte": 2020}}));
+    let two_langs = filter(serde_json::json!({"lang": {"$in": ["fr", "de"]}}));
+    let scopes: [(&str, Scope<'_>); 8] = [
         ("every context", Scope::all()),
         ("1 document", Scope::within(&one_doc)),
         ("10 documents", Scope::within(&ten_docs)),
         ("filter 1 key, 25k match", Scope::matching(&en)),
         ("filter 1 key, 4k match", Scope::matching(&year)),
         ("filter 2 keys, 1k match", Scope::matching(&both)),
+        ("filter range, 20k match", Scope::matching(&recent)),
+        ("filter $in, 50k match", Scope::matching(&two_langs)),
     ];
     for (backend, catalog) in &catalogs {
         let mut group = c.benchmark_group(*backend);

@@ -2,7 +2,7 @@
 //!
 //! The database of states. A [`Store`] is one folder: each context's state in a safetensors
 //! file written once, its metadata (document, segment, text, token ids, embedding, model
-//! fingerprint, file checksum, the document's [`metadata`]) in SQLite, and an in-memory retrieval
+//! fingerprint, file checksum, the document's [`metadata`], matched by a [`Filter`]) in SQLite, and an in-memory retrieval
 //! index over the embeddings.
 //! [`ingest()`] fills it from documents ([`sources`]); [`Store::search`] retrieves;
 //! [`Store::load_state`] reads a state back (memory-mapped, checksum-verified) for composition;
@@ -20,6 +20,7 @@ pub mod cache;
 pub mod catalog;
 pub mod check;
 pub mod error;
+pub mod filter;
 pub mod ingest;
 pub mod location;
 pub mod metadata;
@@ -35,9 +36,10 @@ pub use attribution::{attribute, Attribution};
 pub use cache::{CacheStats, StateCache};
 pub use check::{check, repair, report_json, CheckReport, Problem, ProblemKind, RepairReport};
 pub use error::{Error, Result};
+pub use filter::Filter;
 pub use ingest::{ingest, ingest_while, prune, IngestProgress};
 pub use location::{CatalogUrl, Location, StatesUrl};
-pub use metadata::{filter_from_pairs, Metadata, Scope};
+pub use metadata::{Metadata, Scope};
 pub use migrate::{migrate, MigrateReport};
 pub use passages::{passages, retrieve, Passage};
 pub use query::{prepare, retrieve_and_prepare, retrieve_then, ContextMethod, Prepared, Retrieval};

@@ -9,7 +9,8 @@ use picaso_model::{compose_views, MappedState, Method, Model, State, StateView};
 
 use crate::cache::StateCache;
 use crate::error::{Error, Result};
-use crate::metadata::{Metadata, Scope};
+use crate::filter::Filter;
+use crate::metadata::Scope;
 use crate::store::{Store, RETRIEVAL_ATTEMPTS};
 
 /// How the contexts reach the model.
@@ -96,7 +97,7 @@ impl<'a> Retrieval<'a> {
     }
 
     /// The same, among the contexts whose metadata matches `filter` only (`None`: any).
-    pub fn matching(mut self, filter: Option<&'a Metadata>) -> Self {
+    pub fn matching(mut self, filter: Option<&'a Filter>) -> Self {
         self.scope.filter = filter;
         self
     }

@@ -19,7 +19,7 @@ use rayon::prelude::*;
 use crate::catalog::{Catalog, PostgresCatalog, Row, SqliteCatalog};
 use crate::error::{Error, Result};
 use crate::location::{CatalogUrl, Location, StatesUrl};
-use crate::metadata::{self, check_filter, check_metadata, Metadata, Scope};
+use crate::metadata::{self, check_metadata, Metadata, Scope};
 use crate::states::{key_of, StateObjects};
 
 /// How often a retrieval is repeated (without the contexts found gone) when a context it ranked
@@ -902,9 +902,6 @@ impl Store {
         self.check_query(query)?;
         if let Some(docs) = scope.documents {
             self.check_documents(docs)?;
-        }
-        if let Some(filter) = scope.filter {
-            check_filter(filter)?;
         }
         self.catalog.search(query, k, false, scope)
     }

@@ -9,6 +9,11 @@ __version__: str
 
 Text = Union[str, Sequence[int]]
 Path = Union[str, PathLike]
+Scalar = Union[str, int, float, bool, None]
+# A metadata filter: per key, a scalar to equal, or operators ("$eq", "$ne", "$gt", "$gte",
+# "$lt", "$lte": a scalar; "$in", "$nin": a list of scalars; "$exists": a bool; "$contains": a
+# scalar the key's list holds), all of which must hold.
+Filter = dict[str, Union[Scalar, dict[str, Union[Scalar, Sequence[Scalar]]]]]
 
 class Model:
     """A Mamba language model (Mamba-2 or Mamba-1) ready to score, continue states and generate."""
@@ -115,10 +120,11 @@ class Store:
         k: int = 4,
         *,
         documents: Optional[Sequence[str]] = None,
-        filter: Optional[dict[str, Union[str, int, float, bool, None]]] = None,
+        filter: Optional[Filter] = None,
     ) -> list[dict[str, Any]]:
         """The `k` nearest contexts, best first: {id, score, doc, segment, text, metadata} (only
-        `documents`' contexts, and those whose metadata holds every value of `filter`, when given)."""
+        `documents`' contexts, and those whose metadata passes `filter`, when given: e.g.
+        {"lang": "en", "year": {"$gte": 2020}, "tags": {"$contains": "physics"}})."""
     def state(self, ids: Sequence[int], method: str = "picaso-r") -> State: ...
     def query(
         self,
@@ -132,7 +138,7 @@ class Store:
         seed: int = 0,
         stop: Optional[Sequence[str]] = None,
         documents: Optional[Sequence[str]] = None,
-        filter: Optional[dict[str, Union[str, int, float, bool, None]]] = None,
+        filter: Optional[Filter] = None,
     ) -> Generation: ...
     def attribute(
         self,
@@ -143,7 +149,7 @@ class Store:
         method: str = "picaso-r",
         *,
         documents: Optional[Sequence[str]] = None,
-        filter: Optional[dict[str, Union[str, int, float, bool, None]]] = None,
+        filter: Optional[Filter] = None,
     ) -> dict[str, Any]:
         """Leave-one-out attribution of `answer` to the contexts `ids` (or the `k` retrieved, from
         `documents` only when given):

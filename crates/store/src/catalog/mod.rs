@@ -142,7 +142,8 @@ pub(crate) fn blob_to_f32s(b: &[u8]) -> Vec<f32> {
 #[cfg(test)]
 pub(crate) mod checks {
     use super::*;
-    use crate::metadata::{matches, to_json, Metadata};
+    use crate::filter::Filter;
+    use crate::metadata::{to_json, Metadata};
     use serde_json::json;
 
     /// Segment 0 of `doc`, a one-token context with this embedding and metadata (JSON text).
@@ -169,16 +170,18 @@ pub(crate) mod checks {
 
     /// Fills an empty 2-dimensional `catalog` with contexts of varied metadata and checks that
     /// every filter (alone and with documents) returns the exhaustive ranking of the contexts
-    /// [`matches()`] accepts, that records carry their metadata, and that `set_metadata` changes
+    /// [`Filter::matches`] accepts, that records carry their metadata, and that `set_metadata` changes
     /// only what differs.
     pub(crate) fn metadata_and_filters(catalog: &dyn Catalog) {
         let metadata = [
-            json!({"lang": "en", "year": 2024, "draft": false, "url": "https://a.example"}),
-            json!({"lang": "fr", "year": 2023.5}),
+            json!({"lang": "en", "year": 2024, "draft": false, "url": "https://a.example", "date": "2024-03-01",
+                   "title": "Zeta"}),
+            json!({"lang": "fr", "year": 2023.5, "date": "2023-12-31", "tags": ["x", 2024, ["y"]], "title": "Éire"}),
             json!({"lang": "en", "year": "2024", "tags": ["x"], "note": null}),
             json!({}),
-            json!({"lang": "en", "year": 2024.0, "n": -7, "nested": {"lang": "fr"}, "a.b": 1}),
-            json!({"lang": "en ", "big": 9_007_199_254_740_993u64, "draft": true, "say \"hi\"": "x", "$": "y"}),
+            json!({"lang": "en", "year": 2024.0, "n": -7, "nested": {"lang": "fr"}, "a.b": 1, "tags": "x"}),
+            json!({"lang": "en ", "big": 9_007_199_254_740_993u64, "draft": true, "say \"hi\"": "x", "$": "y",
+                   "quoted \"tags\"": ["a", "b"]}),
         ]
         .map(obj);
         let json: Vec<String> = metadata.iter().map(to_json).collect();
@@ -212,13 +215,45 @@ pub(crate) mod checks {
             (json!({"lang": "fr"}), 1),
             (json!({"missing": null}), 0),
             (json!({"lang": "EN"}), 0),
-            (json!({"tags": "x"}), 0),
+            (json!({"tags": "x"}), 1),
             (json!({"url": "https://a.example", "lang": "fr"}), 0),
+            // Operators.
+            (json!({"year": {"$gte": 2024}}), 2),
+            (json!({"year": {"$gt": 2023}}), 3),
+            (json!({"year": {"$lt": 2024}}), 1),
+            (json!({"year": {"$gte": 2023.5, "$lte": 2023.5}}), 1),
+            (json!({"year": {"$gte": "2000"}}), 1),
+            (json!({"date": {"$gte": "2024-01-01"}}), 1),
+            (json!({"date": {"$lt": "2024"}}), 1),
+            (json!({"big": {"$gt": 9_007_199_254_740_992u64}}), 1),
+            (json!({"big": {"$gt": 9_007_199_254_740_992.0}}), 1),
+            (json!({"big": {"$lte": 9_007_199_254_740_992.0}}), 0),
+            (json!({"n": {"$lt": -6.5}}), 1),
+            (json!({"lang": {"$in": ["fr", "en "]}}), 2),
+            (json!({"lang": {"$in": []}}), 0),
+            (json!({"lang": {"$nin": ["en"]}}), 3),
+            (json!({"lang": {"$ne": "en"}}), 3),
+            (json!({"year": {"$ne": 2024}}), 4),
+            (json!({"year": {"$nin": []}}), 6),
+            (json!({"note": {"$exists": true}}), 1),
+            (json!({"draft": {"$exists": false}}), 4),
+            (json!({"tags": {"$contains": "x"}}), 2),
+            (json!({"tags": {"$contains": 2024.0}}), 1),
+            (json!({"tags": {"$contains": "y"}}), 0),
+            (json!({"quoted \"tags\"": {"$contains": "b"}}), 1),
+            (json!({"quoted \"tags\"": {"$ne": "a"}}), 6),
+            (json!({"say \"hi\"": {"$in": ["x", "z"]}}), 1),
+            (json!({"say \"hi\"": {"$gte": "x", "$exists": true}}), 1),
+            // By code point: "en " < "en!", "Éire" > "Z" and "Zeta" < "a" (unlike a locale's order).
+            (json!({"lang": {"$gte": "en", "$lt": "en!"}}), 4),
+            (json!({"title": {"$gt": "Z"}}), 2),
+            (json!({"title": {"$lt": "a"}}), 1),
+            (json!({"lang": "en", "year": {"$in": [2024, "2024"]}, "tags": {"$nin": ["x"]}}), 2),
         ];
         for (f, n) in filters {
-            let f = obj(f);
+            let f = Filter::new(&obj(f)).unwrap();
             let want: Vec<(i64, f32)> =
-                everything.iter().filter(|(id, _)| matches(metadata_of(*id), &f)).copied().collect();
+                everything.iter().filter(|(id, _)| f.matches(metadata_of(*id))).copied().collect();
             assert_eq!(want.len(), n, "{f:?}: the rules' own count");
             for k in [1, 3, 10] {
                 let got = catalog.search(&q, k, false, Scope::matching(&f)).unwrap();
@@ -226,7 +261,8 @@ pub(crate) mod checks {
                 assert_eq!(ids_of(&got), ids_of(&want[..k.min(want.len())]), "{f:?}, k {k}");
             }
         }
-        let (within, en) = (vec!["a".to_string(), "c".to_string(), "b".to_string()], obj(json!({"lang": "en"})));
+        let within = vec!["a".to_string(), "c".to_string(), "b".to_string()];
+        let en = Filter::new(&obj(json!({"lang": "en"}))).unwrap();
         let both = catalog.search(&q, 10, false, Scope { documents: Some(&within), filter: Some(&en) }).unwrap();
         assert_eq!(both.iter().map(|h| h.0).collect::<Vec<_>>(), [ids[0], ids[2]], "documents and filter both hold");
 
@@ -235,7 +271,10 @@ pub(crate) mod checks {
         assert_eq!(catalog.set_metadata(&[ids[0], ids[1], 999_999], &new).unwrap(), 2);
         assert_eq!(catalog.set_metadata(&[ids[0], ids[1]], &new).unwrap(), 0, "nothing left to change");
         let de = obj(json!({"lang": "de"}));
-        let got: Vec<i64> = catalog.search(&q, 10, false, Scope::matching(&de)).unwrap().iter().map(|h| h.0).collect();
+        let got: Vec<i64> =
+            (catalog.search(&q, 10, false, Scope::matching(&Filter::new(&de).unwrap())).unwrap().iter())
+                .map(|h| h.0)
+                .collect();
         assert_eq!(got, [ids[0], ids[1]]);
         assert_eq!(catalog.get_many(&[ids[1]]).unwrap()[0].metadata, de);
     }

@@ -26,8 +26,9 @@ use tokio_postgres::{Client, NoTls};
 
 use super::{blob_to_u32s, u32s_to_blob, Catalog, Row, Totals};
 use crate::error::{Error, Result};
+use crate::filter::{Condition, Filter, Test};
 use crate::location::redact;
-use crate::metadata::{self, Scope};
+use crate::metadata::{self, Metadata, Scope};
 use crate::runtime::{block_on, Resilience};
 use crate::store::ContextRecord;
 
@@ -464,6 +465,77 @@ impl PostgresCatalog {
     }
 }
 
+/// The SQL condition for contexts whose metadata matches `filter` (the rules of
+/// [`crate::filter`]), over `jsonb`, and its parameters (all text, cast in the SQL). Equality and list membership are containment (`metadata @> ...`), which the GIN
+/// index answers; order comparisons test the JSON type first, and compare strings by code point.
+/// The placeholders are numbered after the query's first `before` parameters.
+fn filter_sql(filter: &Filter, before: usize) -> (String, Vec<String>) {
+    let mut params: Vec<String> = Vec::new();
+    let mut push = |value: String| {
+        params.push(value);
+        before + params.len()
+    };
+    let mut equal: Metadata = Metadata::new();
+    let mut conditions = Vec::new();
+    for Condition { key, test } in filter.conditions() {
+        let holds = |value: serde_json::Value| metadata::to_json(&Metadata::from_iter([(key.clone(), value)]));
+        let condition = match test {
+            // Gathered into one containment below.
+            Test::Eq(want) if !equal.contains_key(key) => {
+                equal.insert(key.clone(), want.clone());
+                continue;
+            }
+            Test::Eq(want) => format!("metadata @> ${}::text::jsonb", push(holds(want.clone()))),
+            Test::Ne(want) => format!("NOT (metadata @> ${}::text::jsonb)", push(holds(want.clone()))),
+            Test::In(wants) | Test::NotIn(wants) => {
+                let any = match &wants[..] {
+                    [] => "FALSE".to_string(),
+                    _ => (wants.iter())
+                        .map(|w| format!("metadata @> ${}::text::jsonb", push(holds(w.clone()))))
+                        .collect::<Vec<_>>()
+                        .join(" OR "),
+                };
+                if matches!(test, Test::In(_)) {
+                    format!("({any})")
+                } else {
+                    format!("NOT ({any})")
+                }
+            }
+            Test::Exists(present) => {
+                let has = format!("metadata ? ${}::text", push(key.clone()));
+                if *present {
+                    has
+                } else {
+                    format!("NOT ({has})")
+                }
+            }
+            Test::Compare(op, bound) => {
+                let at = push(key.clone());
+                let (json_type, cast, text) = match bound {
+                    serde_json::Value::String(s) => ("string", "text COLLATE \"C\"", s.clone()),
+                    other => ("number", "numeric", other.to_string()),
+                };
+                let b = push(text);
+                // CASE, not AND: PostgreSQL may evaluate AND's sides in either order, and the
+                // cast fails on a value of the other type.
+                format!(
+                    "CASE WHEN jsonb_typeof(metadata -> ${at}::text) = '{json_type}' \
+                     THEN (metadata ->> ${at}::text)::{cast} {} ${b}::text::{cast} ELSE FALSE END",
+                    op.sql()
+                )
+            }
+            Test::Contains(want) => {
+                format!("metadata @> ${}::text::jsonb", push(holds(serde_json::Value::Array(vec![want.clone()]))))
+            }
+        };
+        conditions.push(format!("({condition})"));
+    }
+    if !equal.is_empty() {
+        conditions.insert(0, format!("metadata @> ${}::text::jsonb", push(metadata::to_json(&equal))));
+    }
+    (conditions.join(" AND "), params)
+}
+
 impl Catalog for PostgresCatalog {
     fn url(&self) -> String {
         self.pool.url.clone()
@@ -772,7 +844,8 @@ impl Catalog for PostgresCatalog {
         let limit = k as i64;
         let scoped = !scope.is_all();
         let documents = scope.documents.map(<[String]>::to_vec);
-        let filter = scope.filter.map(metadata::to_json);
+        // After the query's vector, limit and documents.
+        let filter = scope.filter.map(|f| filter_sql(f, 2 + usize::from(documents.is_some())));
         self.run(Box::new(move |c| {
             let (q, documents, filter) = (q.clone(), documents.clone(), filter.clone());
             Box::pin(async move {
@@ -791,9 +864,9 @@ impl Catalog for PostgresCatalog {
                     params.push(docs);
                     conditions.push(format!("doc = ANY(${})", params.len()));
                 }
-                if let Some(filter) = &filter {
-                    params.push(filter);
-                    conditions.push(format!("metadata @> ${}::text::jsonb", params.len()));
+                if let Some((condition, values)) = &filter {
+                    params.extend(values.iter().map(|v| v as &(dyn tokio_postgres::types::ToSql + Sync)));
+                    conditions.push(condition.clone());
                 }
                 let condition =
                     if conditions.is_empty() { String::new() } else { format!("WHERE {}", conditions.join(" AND ")) };
@@ -1075,8 +1148,52 @@ mod tests {
         assert!(indexed, "the metadata index comes with the column");
         assert!(catalog.get_many(&[id]).unwrap()[0].metadata.is_empty());
         let en = crate::metadata::from_json(r#"{"lang": "en"}"#).unwrap();
-        assert!(catalog.search(&[1.0, 0.0], 5, false, Scope::matching(&en)).unwrap().is_empty());
+        let en_filter = crate::filter::Filter::new(&en).unwrap();
+        assert!(catalog.search(&[1.0, 0.0], 5, false, Scope::matching(&en_filter)).unwrap().is_empty());
         assert_eq!(catalog.set_metadata(&[id], r#"{"lang": "en"}"#).unwrap(), 1);
-        assert_eq!(catalog.search(&[1.0, 0.0], 5, false, Scope::matching(&en)).unwrap()[0].0, id);
+        assert_eq!(catalog.search(&[1.0, 0.0], 5, false, Scope::matching(&en_filter)).unwrap()[0].0, id);
+    }
+
+    /// Filters compare strings by code point whatever the database's collation: a database
+    /// that orders by a language's rules ("Éire" < "Z" < "a") answers as a `C` one. Skipped,
+    /// with a note, where the server has neither ICU nor an en_US locale.
+    #[test]
+    fn filters_order_strings_by_code_point_in_a_database_of_another_collation() {
+        let Some(base) = catalog() else { return };
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
+        let name = format!("picaso_icu_{}_{nanos}", std::process::id());
+        let sql = |sql: String| {
+            base.run(Box::new(move |c| {
+                let sql = sql.clone();
+                Box::pin(async move { Ok(c.batch_execute(&sql).await?) })
+            }))
+        };
+        // ICU's root locale, else glibc's en_US (`localedef -i en_US -f UTF-8 en_US.UTF-8`; CI
+        // makes it).
+        let created = sql(format!(
+            "CREATE DATABASE {name} LOCALE_PROVIDER icu ICU_LOCALE 'und' LOCALE 'C.UTF-8' TEMPLATE template0"
+        ))
+        .or_else(|_| sql(format!("CREATE DATABASE {name} LOCALE 'en_US.UTF-8' TEMPLATE template0")));
+        if let Err(e) = created {
+            eprintln!("note: no database with a language's collation ({e}); skipped");
+            return;
+        }
+        let url = std::env::var("PICASO_TEST_POSTGRES").unwrap();
+        let (head, query) = url.split_once('?').map_or((url.as_str(), ""), |(h, q)| (h, q));
+        let at = head.rfind('/').expect("a database in the URL");
+        let url = format!("{}/{name}{}{query}", &head[..at], if query.is_empty() { "" } else { "?" });
+        let result = std::panic::catch_unwind(|| {
+            let catalog = PostgresCatalog::connect(&url).unwrap();
+            catalog.create(2, &[]).unwrap();
+            let ordered: bool = catalog
+                .run(Box::new(|c| Box::pin(async move { Ok(c.query_one("SELECT 'Éire' < 'Z'", &[]).await?.get(0)) })))
+                .unwrap();
+            assert!(ordered, "the database orders by a language's rules, not by code point");
+            crate::catalog::checks::metadata_and_filters(&catalog);
+        });
+        sql(format!("DROP DATABASE {name} WITH (FORCE)")).unwrap();
+        if let Err(panic) = result {
+            std::panic::resume_unwind(panic);
+        }
     }
 }

@@ -13,9 +13,11 @@ use rusqlite::{params, Connection, OptionalExtension};
 
 use super::{blob_to_f32s, blob_to_u32s, f32s_to_blob, u32s_to_blob, Catalog, Row, Totals};
 use crate::error::{Error, Result};
+use crate::filter::{Condition, Filter, Test};
 use crate::location::CatalogUrl;
-use crate::metadata::{self, Metadata, Scope};
+use crate::metadata::{self, Scope};
 use crate::store::ContextRecord;
+use serde_json::Value;
 
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -89,47 +91,96 @@ fn upgrade(conn: &mut Connection) -> Result<()> {
 }
 
 /// The SQL condition and parameters for contexts whose metadata matches `filter` (the rules
-/// of [`crate::metadata`]): per key, its JSON type and value at the key's path.
-fn filter_sql(filter: &Metadata) -> (String, Vec<rusqlite::types::Value>) {
+/// of [`crate::filter`]), over SQLite's JSON functions.
+fn filter_sql(filter: &Filter) -> (String, Vec<rusqlite::types::Value>) {
     use rusqlite::types::Value as Sql;
-    let mut conditions = Vec::with_capacity(filter.len());
     let mut params = Vec::new();
-    for (key, value) in filter {
-        // A path names a key in double quotes; a key holding one is looked up among the
-        // object's entries instead (slower, the same answer).
-        let (type_of, value_of) = if key.contains('"') {
-            params.push(Sql::Text(key.clone()));
-            let at = params.len();
-            (
-                format!("(SELECT type FROM json_each(metadata) WHERE key = ?{at})"),
-                format!("(SELECT value FROM json_each(metadata) WHERE key = ?{at})"),
-            )
-        } else {
-            params.push(Sql::Text(format!("$.\"{key}\"")));
-            let at = params.len();
-            (format!("json_type(metadata, ?{at})"), format!("json_extract(metadata, ?{at})"))
-        };
-        let test = match value {
-            serde_json::Value::String(s) => {
-                params.push(Sql::Text(s.clone()));
-                format!("{type_of} = 'text' AND {value_of} = ?{}", params.len())
+    let conditions: Vec<String> = (filter.conditions().iter())
+        .map(|Condition { key, test }| {
+            // Empty lists: every parameter pushed must be used.
+            match test {
+                Test::In(wants) if wants.is_empty() => return "(0)".to_string(),
+                Test::NotIn(wants) if wants.is_empty() => return "(1)".to_string(),
+                _ => {}
             }
-            serde_json::Value::Number(n) => {
-                params.push(match n.as_i64() {
-                    Some(i) => Sql::Integer(i),
-                    None => Sql::Real(n.as_f64().unwrap_or(f64::NAN)),
-                });
-                format!("{type_of} IN ('integer', 'real') AND {value_of} = ?{}", params.len())
-            }
-            serde_json::Value::Bool(true) => format!("{type_of} = 'true'"),
-            serde_json::Value::Bool(false) => format!("{type_of} = 'false'"),
-            serde_json::Value::Null => format!("{type_of} = 'null'"),
-            // Objects and arrays are refused by `check_filter`; match nothing if one gets here.
-            _ => "0".to_string(),
-        };
-        conditions.push(format!("({test})"));
-    }
+            // A path names a key in double quotes; a key holding one is looked up among the
+            // object's entries instead (slower, the same answer).
+            let quoted = key.contains('"');
+            params.push(Sql::Text(if quoted { key.clone() } else { format!("$.\"{key}\"") }));
+            let at = params.len();
+            let (type_of, value_of) = if quoted {
+                (
+                    format!("(SELECT type FROM json_each(metadata) WHERE key = ?{at})"),
+                    format!("(SELECT value FROM json_each(metadata) WHERE key = ?{at})"),
+                )
+            } else {
+                (format!("json_type(metadata, ?{at})"), format!("json_extract(metadata, ?{at})"))
+            };
+            let eq = |want: &Value, params: &mut Vec<Sql>| scalar_eq_sql(&type_of, &value_of, want, params);
+            let any_of = |wants: &[Value], params: &mut Vec<Sql>| {
+                wants.iter().map(|w| format!("({})", eq(w, params))).collect::<Vec<_>>().join(" OR ")
+            };
+            let test = match test {
+                Test::Eq(want) => eq(want, &mut params),
+                // A missing key makes the test NULL; it passes "not equal".
+                Test::Ne(want) => format!("NOT IFNULL({}, 0)", eq(want, &mut params)),
+                Test::In(wants) => any_of(wants, &mut params),
+                Test::NotIn(wants) => format!("NOT IFNULL({}, 0)", any_of(wants, &mut params)),
+                Test::Exists(true) => format!("{type_of} IS NOT NULL"),
+                Test::Exists(false) => format!("{type_of} IS NULL"),
+                Test::Compare(op, bound) => {
+                    let types = if bound.is_number() { "'integer', 'real'" } else { "'text'" };
+                    params.push(sql_scalar(bound));
+                    format!("{type_of} IN ({types}) AND {value_of} {} ?{}", op.sql(), params.len())
+                }
+                Test::Contains(want) => {
+                    // The list's elements, each tested like a value.
+                    let elements = if quoted {
+                        format!("json_each(metadata) AS o, json_each(o.value) AS e WHERE o.key = ?{at} AND")
+                    } else {
+                        format!("json_each(metadata, ?{at}) AS e WHERE")
+                    };
+                    let element = scalar_eq_sql("e.type", "e.value", want, &mut params);
+                    format!("{type_of} = 'array' AND EXISTS (SELECT 1 FROM {elements} {element})")
+                }
+            };
+            format!("({test})")
+        })
+        .collect();
     (conditions.join(" AND "), params)
+}
+
+/// SQL testing that the value whose JSON type and value are `type_of` and `value_of` equals
+/// the scalar `want`, its parameters pushed onto `params`.
+fn scalar_eq_sql(type_of: &str, value_of: &str, want: &Value, params: &mut Vec<rusqlite::types::Value>) -> String {
+    match want {
+        Value::String(_) => {
+            params.push(sql_scalar(want));
+            format!("{type_of} = 'text' AND {value_of} = ?{}", params.len())
+        }
+        Value::Number(_) => {
+            params.push(sql_scalar(want));
+            format!("{type_of} IN ('integer', 'real') AND {value_of} = ?{}", params.len())
+        }
+        Value::Bool(true) => format!("{type_of} = 'true'"),
+        Value::Bool(false) => format!("{type_of} = 'false'"),
+        Value::Null => format!("{type_of} = 'null'"),
+        // Lists and objects are refused by `Filter::new`; match nothing if one gets here.
+        _ => "0".to_string(),
+    }
+}
+
+/// A scalar as an SQL parameter: text, or an integer or a float.
+fn sql_scalar(value: &Value) -> rusqlite::types::Value {
+    use rusqlite::types::Value as Sql;
+    match value {
+        Value::String(s) => Sql::Text(s.clone()),
+        Value::Number(n) => match n.as_i64() {
+            Some(i) => Sql::Integer(i),
+            None => Sql::Real(n.as_f64().unwrap_or(f64::NAN)),
+        },
+        _ => Sql::Null,
+    }
 }
 
 /// The retrieval index and the context id of each of its rows (ascending).
@@ -768,7 +819,7 @@ mod tests {
         crate::catalog::checks::metadata_and_filters(&catalog);
         // Another connection (another process) reads the same metadata and filters alike.
         let other = SqliteCatalog::open(tmp.path()).unwrap();
-        let de = crate::metadata::from_json(r#"{"lang": "de"}"#).unwrap();
+        let de = crate::filter::Filter::new(&crate::metadata::from_json(r#"{"lang": "de"}"#).unwrap()).unwrap();
         assert_eq!(other.search(&[1.0, 0.0], 10, false, Scope::matching(&de)).unwrap().len(), 2);
     }
 
@@ -797,9 +848,10 @@ mod tests {
         assert!(plan.contains("COVERING INDEX contexts_metadata"), "the index came with the column: {plan}");
         assert!(catalog.get_many(&[id]).unwrap()[0].metadata.is_empty());
         let en = crate::metadata::from_json(r#"{"lang":"en"}"#).unwrap();
-        assert!(catalog.search(&[1.0, 0.0], 5, false, Scope::matching(&en)).unwrap().is_empty());
+        let en_filter = crate::filter::Filter::new(&en).unwrap();
+        assert!(catalog.search(&[1.0, 0.0], 5, false, Scope::matching(&en_filter)).unwrap().is_empty());
         assert_eq!(catalog.set_metadata(&[id], r#"{"lang":"en"}"#).unwrap(), 1);
-        assert_eq!(catalog.search(&[1.0, 0.0], 5, false, Scope::matching(&en)).unwrap()[0].0, id);
+        assert_eq!(catalog.search(&[1.0, 0.0], 5, false, Scope::matching(&en_filter)).unwrap()[0].0, id);
         assert_eq!(SqliteCatalog::open(tmp.path()).unwrap().get_many(&[id]).unwrap()[0].metadata, en);
     }
 }

@@ -1,0 +1,515 @@
+//! Metadata filters: which contexts a retrieval may return, by their metadata.
+//!
+//! A filter is a JSON object; a context matches when every one of its keys holds. A key's
+//! value is either a scalar (its metadata must hold an equal value there) or an object of
+//! operators, all of which must hold:
+//!
+//! | operator | the context's value at the key |
+//! |---|---|
+//! | `$eq: v` | equals `v` (a scalar `v` alone means the same) |
+//! | `$ne: v` | does not equal `v`, or the key is missing |
+//! | `$gt`, `$gte`, `$lt`, `$lte: v` | is a number above/below the number `v`, or a string after/before the string `v` (by code point: ISO dates order as dates) |
+//! | `$in: [v, ...]` | equals one of them |
+//! | `$nin: [v, ...]` | equals none of them, or the key is missing |
+//! | `$exists: b` | the key is present (any value, `null` too) when `b` is true, absent when false |
+//! | `$contains: v` | is a list holding a value equal to `v` |
+//!
+//! Equality: strings and booleans exactly, numbers by value (`2024` equals `2024.0`; integers
+//! compare exactly, also beside floats), `null` only `null` (not a missing key); a value of
+//! another type is never equal, below or above. Both catalogs answer with these rules (SQL over
+//! SQLite's JSON functions, PostgreSQL's `jsonb`), and [`Filter::matches`] states them in Rust
+//! for the tests.
+
+use std::cmp::Ordering;
+use std::collections::BTreeMap;
+
+use serde_json::{Number, Value};
+
+use crate::error::{Error, Result};
+use crate::metadata::Metadata;
+
+/// The most keys a filter may hold.
+pub const MAX_FILTER_KEYS: usize = 32;
+
+/// The most values a filter's `$in` and `$nin` lists may hold together.
+pub const MAX_FILTER_VALUES: usize = 1024;
+
+/// The operators, as the error messages list them.
+const OPERATORS: &str = "$eq, $ne, $gt, $gte, $lt, $lte, $in, $nin, $exists, $contains";
+
+/// A metadata filter, checked: every condition must hold.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Filter {
+    conditions: Vec<Condition>,
+    json: Metadata,
+}
+
+/// One test of the value at one key.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Condition {
+    /// The metadata key.
+    pub key: String,
+    /// What its value must pass.
+    pub test: Test,
+}
+
+/// What a value must pass. Scalars are strings, numbers, booleans or `null`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Test {
+    /// Equal to the scalar.
+    Eq(Value),
+    /// Not equal to the scalar (a missing key passes).
+    Ne(Value),
+    /// Ordered against a number or a string of the same type.
+    Compare(Comparison, Value),
+    /// Equal to one of the scalars.
+    In(Vec<Value>),
+    /// Equal to none of the scalars (a missing key passes).
+    NotIn(Vec<Value>),
+    /// Present (true) or absent (false).
+    Exists(bool),
+    /// A list holding a value equal to the scalar.
+    Contains(Value),
+}
+
+/// An order comparison: the context's value `op` the filter's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Comparison {
+    /// `>`
+    Gt,
+    /// `>=`
+    Gte,
+    /// `<`
+    Lt,
+    /// `<=`
+    Lte,
+}
+
+impl Comparison {
+    /// The SQL operator.
+    pub fn sql(self) -> &'static str {
+        match self {
+            Self::Gt => ">",
+            Self::Gte => ">=",
+            Self::Lt => "<",
+            Self::Lte => "<=",
+        }
+    }
+
+    fn holds(self, order: Ordering) -> bool {
+        match self {
+            Self::Gt => order.is_gt(),
+            Self::Gte => order.is_ge(),
+            Self::Lt => order.is_lt(),
+            Self::Lte => order.is_le(),
+        }
+    }
+}
+
+impl Filter {
+    /// Checks a filter given as JSON: refuses one that is empty, over [`MAX_FILTER_KEYS`] keys
+    /// or [`MAX_FILTER_VALUES`] listed values, with a list or object where a scalar belongs, an
+    /// unknown operator, or a NUL character. The errors name the key and say what is expected.
+    pub fn new(json: &Metadata) -> Result<Self> {
+        if json.is_empty() {
+            return Err(Error::Input(
+                "an empty metadata filter: give at least one key and value, or no filter to search every context"
+                    .into(),
+            ));
+        }
+        if json.len() > MAX_FILTER_KEYS {
+            return Err(Error::Input(format!("a metadata filter of {} keys; at most {MAX_FILTER_KEYS}", json.len())));
+        }
+        let mut conditions = Vec::new();
+        let mut listed = 0;
+        for (key, value) in json {
+            if key.contains('\0') {
+                return Err(Error::Input(format!("metadata filter {key:?}: the key holds a NUL character")));
+            }
+            match value {
+                Value::Object(ops) => {
+                    if ops.is_empty() {
+                        return Err(Error::Input(format!(
+                            "metadata filter {key:?}: an empty object; give a value, or operators ({OPERATORS})"
+                        )));
+                    }
+                    for (op, operand) in ops {
+                        let test = Test::new(key, op, operand)?;
+                        if let Test::In(values) | Test::NotIn(values) = &test {
+                            listed += values.len();
+                        }
+                        conditions.push(Condition { key: key.clone(), test });
+                    }
+                }
+                Value::Array(_) => {
+                    return Err(Error::Input(format!(
+                        "metadata filter {key:?}: {value} is a list; to match one of several values give \
+                         {{\"$in\": [...]}}, to match a list holding a value {{\"$contains\": value}}"
+                    )))
+                }
+                _ => conditions.push(Condition { key: key.clone(), test: Test::Eq(scalar(key, "", value)?) }),
+            }
+        }
+        if listed > MAX_FILTER_VALUES {
+            return Err(Error::Input(format!(
+                "a metadata filter listing {listed} values in $in and $nin; at most {MAX_FILTER_VALUES}"
+            )));
+        }
+        Ok(Self { conditions, json: json.clone() })
+    }
+
+    /// A filter from the command line's `--filter` arguments, all of which must hold. Each is
+    /// `KEY=VALUE`, `KEY!=VALUE`, `KEY>VALUE`, `KEY>=VALUE`, `KEY<VALUE`, `KEY<=VALUE`, or a
+    /// whole filter as a JSON object (`{"lang": {"$in": ["en", "fr"]}}`). VALUE is read as JSON
+    /// when it is a JSON number, boolean, null or string (`year=2024`, `draft=false`,
+    /// `year="2024"`), else as the text it is (`lang=en`, `date>=2024-01-01`). Conditions on one
+    /// key combine (`year>=2000 year<2010`); the same operator twice on a key is refused.
+    pub fn from_args<S: AsRef<str>>(args: &[S]) -> Result<Self> {
+        let mut by_key: BTreeMap<String, BTreeMap<String, Value>> = BTreeMap::new();
+        let mut add = |key: &str, op: &str, value: Value, arg: &str| {
+            let ops = by_key.entry(key.to_string()).or_default();
+            if ops.insert(op.to_string(), value).is_some() {
+                return Err(Error::Input(format!(
+                    "--filter {arg:?}: key {key:?} already has a {op} condition; give each once"
+                )));
+            }
+            Ok(())
+        };
+        for arg in args {
+            let arg = arg.as_ref();
+            if arg.trim_start().starts_with('{') {
+                let Ok(Value::Object(filter)) = serde_json::from_str::<Value>(arg) else {
+                    return Err(Error::Input(format!("--filter {arg:?}: not a JSON object")));
+                };
+                for (key, value) in filter {
+                    match value {
+                        Value::Object(ops) => {
+                            for (op, operand) in ops {
+                                add(&key, &op, operand, arg)?;
+                            }
+                        }
+                        value => add(&key, "$eq", value, arg)?,
+                    }
+                }
+                continue;
+            }
+            let (key, op, raw) = split_condition(arg)?;
+            let value = match serde_json::from_str::<Value>(raw) {
+                Ok(v @ (Value::Number(_) | Value::Bool(_) | Value::Null | Value::String(_))) => v,
+                _ => Value::String(raw.to_string()),
+            };
+            add(key, op, value, arg)?;
+        }
+        // One key's conditions as JSON: a scalar for equality alone, else the operators.
+        let json: Metadata = by_key
+            .into_iter()
+            .map(|(key, mut ops)| {
+                let value = match ops.len() {
+                    1 if ops.contains_key("$eq") => ops.remove("$eq").expect("present"),
+                    _ => Value::Object(ops.into_iter().collect()),
+                };
+                (key, value)
+            })
+            .collect();
+        Self::new(&json)
+    }
+
+    /// Its conditions, in key order.
+    pub fn conditions(&self) -> &[Condition] {
+        &self.conditions
+    }
+
+    /// The filter as JSON, as it was given.
+    pub fn json(&self) -> &Metadata {
+        &self.json
+    }
+
+    /// Whether a context with `metadata` passes every condition.
+    pub fn matches(&self, metadata: &Metadata) -> bool {
+        self.conditions.iter().all(|c| c.test.passes(metadata.get(&c.key)))
+    }
+}
+
+impl Test {
+    fn new(key: &str, op: &str, operand: &Value) -> Result<Self> {
+        let list = || -> Result<Vec<Value>> {
+            let Value::Array(values) = operand else {
+                return Err(Error::Input(format!(
+                    "metadata filter {key:?}: {op} takes a list of values, not {operand}"
+                )));
+            };
+            values.iter().map(|v| scalar(key, op, v)).collect()
+        };
+        Ok(match op {
+            "$eq" => Self::Eq(scalar(key, op, operand)?),
+            "$ne" => Self::Ne(scalar(key, op, operand)?),
+            "$gt" | "$gte" | "$lt" | "$lte" => {
+                let comparison = match op {
+                    "$gt" => Comparison::Gt,
+                    "$gte" => Comparison::Gte,
+                    "$lt" => Comparison::Lt,
+                    _ => Comparison::Lte,
+                };
+                match operand {
+                    Value::Number(_) | Value::String(_) => Self::Compare(comparison, scalar(key, op, operand)?),
+                    _ => {
+                        return Err(Error::Input(format!(
+                            "metadata filter {key:?}: {op} compares with a number or a string, not {operand}"
+                        )))
+                    }
+                }
+            }
+            "$in" => Self::In(list()?),
+            "$nin" => Self::NotIn(list()?),
+            "$exists" => match operand {
+                Value::Bool(b) => Self::Exists(*b),
+                _ => {
+                    return Err(Error::Input(format!(
+                        "metadata filter {key:?}: $exists takes true or false, not {operand}"
+                    )))
+                }
+            },
+            "$contains" => Self::Contains(scalar(key, op, operand)?),
+            _ => {
+                return Err(Error::Input(format!(
+                    "metadata filter {key:?}: unknown operator {op:?}; the operators are {OPERATORS} (to match a \
+                     nested object, filter on a top-level key)"
+                )))
+            }
+        })
+    }
+
+    /// Whether the value at the key (`None`: missing) passes.
+    fn passes(&self, have: Option<&Value>) -> bool {
+        match (self, have) {
+            (Self::Exists(want), have) => have.is_some() == *want,
+            (Self::Ne(want), have) => !have.is_some_and(|h| scalar_eq(h, want)),
+            (Self::NotIn(wants), have) => !have.is_some_and(|h| wants.iter().any(|w| scalar_eq(h, w))),
+            (_, None) => false,
+            (Self::Eq(want), Some(have)) => scalar_eq(have, want),
+            (Self::In(wants), Some(have)) => wants.iter().any(|w| scalar_eq(have, w)),
+            (Self::Compare(op, bound), Some(have)) => match (have, bound) {
+                (Value::Number(a), Value::Number(b)) => op.holds(compare_numbers(a, b)),
+                (Value::String(a), Value::String(b)) => op.holds(a.as_str().cmp(b.as_str())),
+                _ => false,
+            },
+            (Self::Contains(want), Some(Value::Array(items))) => items.iter().any(|item| scalar_eq(item, want)),
+            (Self::Contains(_), Some(_)) => false,
+        }
+    }
+}
+
+/// `value` if it is a scalar (with no NUL character), else an error naming the key and operator.
+fn scalar(key: &str, op: &str, value: &Value) -> Result<Value> {
+    let within = if op.is_empty() { String::new() } else { format!(" ({op})") };
+    match value {
+        Value::Object(_) | Value::Array(_) => Err(Error::Input(format!(
+            "metadata filter {key:?}{within}: {value} is not a string, number, boolean or null"
+        ))),
+        Value::String(s) if s.contains('\0') => {
+            Err(Error::Input(format!("metadata filter {key:?}{within}: the value holds a NUL character")))
+        }
+        _ => Ok(value.clone()),
+    }
+}
+
+/// Splits `KEY<op>VALUE` at its first operator character.
+fn split_condition(arg: &str) -> Result<(&str, &'static str, &str)> {
+    let bad = || {
+        Error::Input(format!(
+            "--filter {arg:?}: expected KEY=VALUE, KEY!=VALUE, KEY>VALUE, KEY>=VALUE, KEY<VALUE, KEY<=VALUE or a JSON \
+             object (e.g. --filter lang=en --filter 'year>=2020')"
+        ))
+    };
+    let at = arg.find(['=', '!', '<', '>']).ok_or_else(bad)?;
+    let (key, rest) = arg.split_at(at);
+    if key.is_empty() {
+        return Err(Error::Input(format!("--filter {arg:?}: the key is empty")));
+    }
+    let (op, len) = match rest.as_bytes() {
+        [b'!', b'=', ..] => ("$ne", 2),
+        [b'>', b'=', ..] => ("$gte", 2),
+        [b'<', b'=', ..] => ("$lte", 2),
+        [b'=', ..] => ("$eq", 1),
+        [b'>', ..] => ("$gt", 1),
+        [b'<', ..] => ("$lt", 1),
+        _ => return Err(bad()),
+    };
+    Ok((key, op, &rest[len..]))
+}
+
+/// Scalar equality: strings and booleans exactly, numbers by value, `null` only `null`.
+pub(crate) fn scalar_eq(have: &Value, want: &Value) -> bool {
+    match (have, want) {
+        (Value::String(a), Value::String(b)) => a == b,
+        (Value::Bool(a), Value::Bool(b)) => a == b,
+        (Value::Null, Value::Null) => true,
+        (Value::Number(a), Value::Number(b)) => compare_numbers(a, b).is_eq(),
+        _ => false,
+    }
+}
+
+/// Orders two JSON numbers by value, exactly: integers as integers, and an integer beside a
+/// float by comparing the integer with the float's integer part, then the fraction (so
+/// 2⁵³ + 1 is above 2⁵³ as a float, as SQLite and PostgreSQL say).
+fn compare_numbers(a: &Number, b: &Number) -> Ordering {
+    let int = |n: &Number| n.as_i64().map(i128::from).or_else(|| n.as_u64().map(i128::from));
+    match (int(a), int(b)) {
+        (Some(x), Some(y)) => x.cmp(&y),
+        (Some(x), None) => int_vs_float(x, b.as_f64().unwrap_or(0.0)),
+        (None, Some(y)) => int_vs_float(y, a.as_f64().unwrap_or(0.0)).reverse(),
+        (None, None) => a.as_f64().unwrap_or(0.0).total_cmp(&b.as_f64().unwrap_or(0.0)),
+    }
+}
+
+fn int_vs_float(x: i128, f: f64) -> Ordering {
+    // JSON floats are finite; beyond i128 the float wins.
+    if f >= 1.7e38 {
+        return Ordering::Less;
+    }
+    if f <= -1.7e38 {
+        return Ordering::Greater;
+    }
+    let whole = f.floor();
+    match x.cmp(&(whole as i128)) {
+        Ordering::Equal if f > whole => Ordering::Less,
+        order => order,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn obj(v: Value) -> Metadata {
+        v.as_object().unwrap().clone()
+    }
+
+    fn filter(v: Value) -> Filter {
+        Filter::new(&obj(v)).unwrap()
+    }
+
+    #[test]
+    fn equality_matches_by_value_and_type() {
+        let m = obj(json!({"lang": "en", "year": 2024, "score": 0.5, "draft": false, "note": null, "tags": ["a"]}));
+        assert!(filter(json!({"lang": "en"})).matches(&m));
+        assert!(filter(json!({"lang": "en", "year": 2024.0})).matches(&m));
+        assert!(filter(json!({"score": 0.5, "draft": false, "note": null})).matches(&m));
+        assert!(!filter(json!({"year": "2024"})).matches(&m));
+        assert!(!filter(json!({"draft": 0})).matches(&m));
+        assert!(!filter(json!({"missing": null})).matches(&m));
+        assert!(!filter(json!({"lang": "EN"})).matches(&m));
+    }
+
+    #[test]
+    fn operators_follow_the_rules() {
+        let m = obj(json!({"lang": "en", "year": 2024, "date": "2024-03-01", "tags": ["a", 2], "note": null}));
+        let yes = [
+            json!({"year": {"$gte": 2024, "$lt": 2025}}),
+            json!({"year": {"$gt": 2023.5}}),
+            json!({"year": {"$lte": 2024.0}}),
+            json!({"date": {"$gte": "2024-01-01", "$lt": "2024-12-31"}}),
+            json!({"lang": {"$in": ["fr", "en"]}}),
+            json!({"lang": {"$nin": ["fr", "de"]}, "missing": {"$nin": ["x"]}}),
+            json!({"lang": {"$ne": "fr"}, "missing": {"$ne": 1}, "year": {"$ne": "2024"}}),
+            json!({"note": {"$exists": true}, "missing": {"$exists": false}}),
+            json!({"tags": {"$contains": "a"}}),
+            json!({"tags": {"$contains": 2.0}}),
+            json!({"year": {"$eq": 2024}}),
+        ];
+        for f in yes {
+            assert!(filter(f.clone()).matches(&m), "{f}");
+        }
+        let no = [
+            json!({"year": {"$gt": 2024}}),
+            json!({"year": {"$lt": "3000"}}),
+            json!({"date": {"$gt": 1}}),
+            json!({"lang": {"$in": []}}),
+            json!({"lang": {"$in": ["EN"]}}),
+            json!({"lang": {"$nin": ["en"]}}),
+            json!({"lang": {"$ne": "en"}}),
+            json!({"missing": {"$exists": true}}),
+            json!({"note": {"$exists": false}}),
+            json!({"tags": {"$contains": "b"}}),
+            json!({"lang": {"$contains": "en"}}),
+            json!({"missing": {"$gte": 0}}),
+            json!({"year": {"$gte": 2020, "$lt": 2024}}),
+        ];
+        for f in no {
+            assert!(!filter(f.clone()).matches(&m), "{f}");
+        }
+    }
+
+    #[test]
+    fn numbers_compare_exactly() {
+        let big = Number::from(9_007_199_254_740_993u64);
+        let float = |f: f64| Number::from_f64(f).unwrap();
+        assert_eq!(compare_numbers(&big, &float(9_007_199_254_740_992.0)), Ordering::Greater);
+        assert_eq!(compare_numbers(&Number::from(2024), &float(2024.0)), Ordering::Equal);
+        assert_eq!(compare_numbers(&Number::from(2023), &float(2023.5)), Ordering::Less);
+        assert_eq!(compare_numbers(&Number::from(-3), &float(-2.5)), Ordering::Less);
+        assert_eq!(compare_numbers(&float(-2.5), &Number::from(-3)), Ordering::Greater);
+        assert_eq!(compare_numbers(&Number::from(u64::MAX), &Number::from(-1)), Ordering::Greater);
+        assert_eq!(compare_numbers(&Number::from(1), &float(1e300)), Ordering::Less);
+    }
+
+    #[test]
+    fn bad_filters_are_refused_with_a_reason() {
+        let cases = [
+            (json!({}), "empty metadata filter"),
+            (json!({"tags": ["a"]}), "$in"),
+            (json!({"x": {}}), "empty object"),
+            (json!({"x": {"lang": "fr"}}), "unknown operator"),
+            (json!({"x": {"$gt": true}}), "number or a string"),
+            (json!({"x": {"$in": "a"}}), "list of values"),
+            (json!({"x": {"$in": [[1]]}}), "not a string, number"),
+            (json!({"x": {"$exists": 1}}), "true or false"),
+            (json!({"x": {"$contains": ["a"]}}), "not a string, number"),
+            (json!({"x": "a\u{0}b"}), "NUL"),
+            (json!({"x": {"$in": (0..1025).collect::<Vec<_>>()}}), "at most 1024"),
+        ];
+        for (f, want) in cases {
+            let e = Filter::new(&obj(f.clone())).unwrap_err().to_string();
+            assert!(e.contains(want), "{f}: {e}");
+        }
+        let many: Metadata = (0..33).map(|i| (format!("k{i}"), json!(1))).collect();
+        assert!(Filter::new(&many).unwrap_err().to_string().contains("at most 32"));
+    }
+
+    #[test]
+    fn arguments_read_operators_json_scalars_and_text() {
+        let f = Filter::from_args(&[
+            "lang=en",
+            "year>=2000",
+            "year<2010",
+            "draft=false",
+            "id=\"7\"",
+            "q=a=b",
+            "n=null",
+            "date<=2024-01-01",
+            "kind!=stub",
+            r#"{"tags": {"$contains": "x"}, "src": "wiki"}"#,
+        ])
+        .unwrap();
+        assert_eq!(
+            Value::Object(f.json().clone()),
+            json!({"lang": "en", "year": {"$gte": 2000, "$lt": 2010}, "draft": false, "id": "7", "q": "a=b",
+                   "n": null, "date": {"$lte": "2024-01-01"}, "kind": {"$ne": "stub"},
+                   "tags": {"$contains": "x"}, "src": "wiki"})
+        );
+        assert_eq!(Filter::from_args(&["tags=[1]"]).unwrap().json()["tags"], json!("[1]"));
+        assert_eq!(
+            Filter::from_args(&["a=1", "{\"a\": {\"$lt\": 5}}"]).unwrap().json()["a"],
+            json!({"$eq": 1, "$lt": 5})
+        );
+        let bad: [&[&str]; 7] = [&["lang"], &["=en"], &["a=1", "a=2"], &[], &["a!1"], &["{1}"], &["a>true"]];
+        for args in bad {
+            let e = Filter::from_args(args).unwrap_err().to_string();
+            assert!(
+                e.contains("--filter") || e.contains("empty metadata filter") || e.contains("number or a string"),
+                "{args:?}: {e}"
+            );
+        }
+    }
+}
