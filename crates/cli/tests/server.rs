@@ -469,6 +469,7 @@ fn serve_completions_contexts_search_metrics_and_bad_input(arch: &str, db: &Test
         ("/v1/search", json!({"query": "x", "filter": {}}).to_string(), 400, "empty metadata filter"),
         ("/v1/search", json!({"query": "x", "filter": {"a": [1]}}).to_string(), 400, "is a list; to match one of"),
         ("/v1/search", json!({"query": "x", "filter": {"a": {"$in": 1}}}).to_string(), 400, "$in takes a list"),
+        ("/v1/search", json!({"query": "x", "filter": {"$or": []}}).to_string(), 400, "non-empty list of filters"),
         ("/v1/search", json!({"query": "x", "filter": {"a": {"$gt": null}}}).to_string(), 400, "a number or a string"),
         ("/v1/search", json!({"query": "x", "filter": "lang=en"}).to_string(), 400, "`filter` must be a JSON object"),
         (

@@ -901,6 +901,7 @@ fn metadata_travels_with_contexts_and_filters_retrieval() {
             (&["lang!=en"], 2),
             (&["year>=2023", "year<=2024.5"], 3),
             (&[r#"{"lang": {"$in": ["fr", "xx"]}}"#], 1),
+            (&[r#"{"$or": [{"lang": "fr"}, {"year": "2024"}]}"#], 2),
         ] {
             let f = picaso_store::Filter::from_args(pairs).unwrap();
             let want: Vec<(i64, f32)> = everything.iter().filter(|(id, _)| f.matches(&meta(*id))).copied().collect();

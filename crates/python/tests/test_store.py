@@ -109,7 +109,8 @@ def test_metadata_and_filters(model, embedder, tmp_path):
                         ({"lang": {"$in": ["fr", "de"]}}, ["fr"]),
                         ({"lang": {"$ne": "en"}}, ["fr", "none"]),
                         ({"year": {"$exists": False}}, ["none"]),
-                        ({"year": {"$gt": "2000"}}, [])]:
+                        ({"year": {"$gt": "2000"}}, []),
+                        ({"$or": [{"lang": "fr"}, {"year": {"$exists": False}}]}, ["fr", "none"])]:
             hits = store.search(question, k=10, filter=f)
             assert sorted(h["doc"] for h in hits) == docs, f
         hits = store.search(question, k=10, filter={"lang": "en"}, documents=["fr", "en"])

@@ -14,6 +14,9 @@
 //! | `$exists: b` | the key is present (any value, `null` too) when `b` is true, absent when false |
 //! | `$contains: v` | is a list holding a value equal to `v` |
 //!
+//! `"$or": [filter, ...]` in place of a key holds when one of the filters does, `"$and": [...]`
+//! when all do (to give one key's conditions in several places); they nest.
+//!
 //! Equality: strings and booleans exactly, numbers by value (`2024` equals `2024.0`; integers
 //! compare exactly, also beside floats), `null` only `null` (not a missing key); a value of
 //! another type is never equal, below or above. Both catalogs answer with these rules (SQL over
@@ -28,8 +31,12 @@ use serde_json::{Number, Value};
 use crate::error::{Error, Result};
 use crate::metadata::Metadata;
 
-/// The most keys a filter may hold.
-pub const MAX_FILTER_KEYS: usize = 32;
+/// The most conditions a filter may hold (a key's value, or one operator of it), nested ones
+/// included.
+pub const MAX_FILTER_CONDITIONS: usize = 64;
+
+/// The deepest `$and` / `$or` may nest.
+pub const MAX_FILTER_DEPTH: usize = 8;
 
 /// The most values a filter's `$in` and `$nin` lists may hold together.
 pub const MAX_FILTER_VALUES: usize = 1024;
@@ -37,11 +44,32 @@ pub const MAX_FILTER_VALUES: usize = 1024;
 /// The operators, as the error messages list them.
 const OPERATORS: &str = "$eq, $ne, $gt, $gte, $lt, $lte, $in, $nin, $exists, $contains";
 
-/// A metadata filter, checked: every condition must hold.
+/// A metadata filter, checked.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Filter {
-    conditions: Vec<Condition>,
+    root: Clause,
     json: Metadata,
+}
+
+/// A filter's structure: tests of keys, combined.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Clause {
+    /// A test of one key.
+    Key(Condition),
+    /// All hold (the keys of an object, `$and`).
+    All(Vec<Clause>),
+    /// One at least holds (`$or`).
+    Any(Vec<Clause>),
+}
+
+impl Clause {
+    fn holds(&self, metadata: &Metadata) -> bool {
+        match self {
+            Self::Key(c) => c.test.passes(metadata.get(&c.key)),
+            Self::All(clauses) => clauses.iter().all(|c| c.holds(metadata)),
+            Self::Any(clauses) => clauses.iter().any(|c| c.holds(metadata)),
+        }
+    }
 }
 
 /// One test of the value at one key.
@@ -107,27 +135,62 @@ impl Comparison {
 }
 
 impl Filter {
-    /// Checks a filter given as JSON: refuses one that is empty, over [`MAX_FILTER_KEYS`] keys
-    /// or [`MAX_FILTER_VALUES`] listed values, with a list or object where a scalar belongs, an
-    /// unknown operator, or a NUL character. The errors name the key and say what is expected.
+    /// Checks a filter given as JSON: refuses one that is empty, over
+    /// [`MAX_FILTER_CONDITIONS`] conditions, [`MAX_FILTER_VALUES`] listed values or
+    /// [`MAX_FILTER_DEPTH`] levels, with a list or object where a scalar belongs, an unknown
+    /// operator, or a NUL character. The errors name the key and say what is expected.
     pub fn new(json: &Metadata) -> Result<Self> {
+        let mut size = Size::default();
+        let root = Self::object(json, 0, &mut size)?;
+        if size.conditions > MAX_FILTER_CONDITIONS {
+            return Err(Error::Input(format!(
+                "a metadata filter of {} conditions; at most {MAX_FILTER_CONDITIONS}",
+                size.conditions
+            )));
+        }
+        if size.listed > MAX_FILTER_VALUES {
+            return Err(Error::Input(format!(
+                "a metadata filter listing {} values in $in and $nin; at most {MAX_FILTER_VALUES}",
+                size.listed
+            )));
+        }
+        Ok(Self { root, json: json.clone() })
+    }
+
+    /// The clause an object states: all of its keys hold.
+    fn object(json: &Metadata, depth: usize, size: &mut Size) -> Result<Clause> {
         if json.is_empty() {
             return Err(Error::Input(
                 "an empty metadata filter: give at least one key and value, or no filter to search every context"
                     .into(),
             ));
         }
-        if json.len() > MAX_FILTER_KEYS {
-            return Err(Error::Input(format!("a metadata filter of {} keys; at most {MAX_FILTER_KEYS}", json.len())));
-        }
-        let mut conditions = Vec::new();
-        let mut listed = 0;
+        let mut all = Vec::new();
         for (key, value) in json {
             if key.contains('\0') {
                 return Err(Error::Input(format!("metadata filter {key:?}: the key holds a NUL character")));
             }
-            match value {
-                Value::Object(ops) => {
+            match (key.as_str(), value) {
+                ("$and" | "$or", Value::Array(filters)) if !filters.is_empty() => {
+                    if depth + 1 > MAX_FILTER_DEPTH {
+                        return Err(Error::Input(format!(
+                            "metadata filter: $and and $or nest deeper than {MAX_FILTER_DEPTH} levels"
+                        )));
+                    }
+                    let clauses = (filters.iter())
+                        .map(|f| match f {
+                            Value::Object(f) => Self::object(f, depth + 1, size),
+                            _ => Err(Error::Input(format!("metadata filter {key}: {f} is not a filter (an object)"))),
+                        })
+                        .collect::<Result<Vec<_>>>()?;
+                    all.push(if key == "$and" { Clause::All(clauses) } else { Clause::Any(clauses) });
+                }
+                ("$and" | "$or", _) => {
+                    return Err(Error::Input(format!(
+                        "metadata filter {key}: takes a non-empty list of filters, not {value}"
+                    )))
+                }
+                (_, Value::Object(ops)) => {
                     if ops.is_empty() {
                         return Err(Error::Input(format!(
                             "metadata filter {key:?}: an empty object; give a value, or operators ({OPERATORS})"
@@ -136,26 +199,25 @@ impl Filter {
                     for (op, operand) in ops {
                         let test = Test::new(key, op, operand)?;
                         if let Test::In(values) | Test::NotIn(values) = &test {
-                            listed += values.len();
+                            size.listed += values.len();
                         }
-                        conditions.push(Condition { key: key.clone(), test });
+                        size.conditions += 1;
+                        all.push(Clause::Key(Condition { key: key.clone(), test }));
                     }
                 }
-                Value::Array(_) => {
+                (_, Value::Array(_)) => {
                     return Err(Error::Input(format!(
                         "metadata filter {key:?}: {value} is a list; to match one of several values give \
                          {{\"$in\": [...]}}, to match a list holding a value {{\"$contains\": value}}"
                     )))
                 }
-                _ => conditions.push(Condition { key: key.clone(), test: Test::Eq(scalar(key, "", value)?) }),
+                _ => {
+                    size.conditions += 1;
+                    all.push(Clause::Key(Condition { key: key.clone(), test: Test::Eq(scalar(key, "", value)?) }));
+                }
             }
         }
-        if listed > MAX_FILTER_VALUES {
-            return Err(Error::Input(format!(
-                "a metadata filter listing {listed} values in $in and $nin; at most {MAX_FILTER_VALUES}"
-            )));
-        }
-        Ok(Self { conditions, json: json.clone() })
+        Ok(Clause::All(all))
     }
 
     /// A filter from the command line's `--filter` arguments, all of which must hold. Each is
@@ -175,6 +237,8 @@ impl Filter {
             }
             Ok(())
         };
+        // `$and` / `$or` entries of JSON arguments, combined at the end.
+        let mut logical: Vec<(String, Value)> = Vec::new();
         for arg in args {
             let arg = arg.as_ref();
             if arg.trim_start().starts_with('{') {
@@ -183,6 +247,7 @@ impl Filter {
                 };
                 for (key, value) in filter {
                     match value {
+                        value if key == "$and" || key == "$or" => logical.push((key, value)),
                         Value::Object(ops) => {
                             for (op, operand) in ops {
                                 add(&key, &op, operand, arg)?;
@@ -201,7 +266,7 @@ impl Filter {
             add(key, op, value, arg)?;
         }
         // One key's conditions as JSON: a scalar for equality alone, else the operators.
-        let json: Metadata = by_key
+        let mut json: Metadata = by_key
             .into_iter()
             .map(|(key, mut ops)| {
                 let value = match ops.len() {
@@ -211,12 +276,20 @@ impl Filter {
                 (key, value)
             })
             .collect();
+        let distinct = logical.iter().map(|(k, _)| k).collect::<std::collections::BTreeSet<_>>().len() == logical.len();
+        if distinct {
+            json.extend(logical);
+        } else {
+            // Two `$or`s: both must hold.
+            let each = logical.into_iter().map(|(k, v)| Value::Object(Metadata::from_iter([(k, v)])));
+            json.insert("$and".into(), Value::Array(each.collect()));
+        }
         Self::new(&json)
     }
 
-    /// Its conditions, in key order.
-    pub fn conditions(&self) -> &[Condition] {
-        &self.conditions
+    /// Its structure: the top-level object's keys, all of which must hold.
+    pub fn root(&self) -> &Clause {
+        &self.root
     }
 
     /// The filter as JSON, as it was given.
@@ -226,8 +299,15 @@ impl Filter {
 
     /// Whether a context with `metadata` passes every condition.
     pub fn matches(&self, metadata: &Metadata) -> bool {
-        self.conditions.iter().all(|c| c.test.passes(metadata.get(&c.key)))
+        self.root.holds(metadata)
     }
+}
+
+/// How much a filter holds, against the limits.
+#[derive(Default)]
+struct Size {
+    conditions: usize,
+    listed: usize,
 }
 
 impl Test {
@@ -417,6 +497,9 @@ mod tests {
             json!({"tags": {"$contains": "a"}}),
             json!({"tags": {"$contains": 2.0}}),
             json!({"year": {"$eq": 2024}}),
+            json!({"$or": [{"lang": "fr"}, {"year": {"$gt": 2000}}]}),
+            json!({"lang": "en", "$and": [{"year": {"$gte": 2024}}, {"year": {"$lte": 2024}}]}),
+            json!({"$or": [{"$and": [{"lang": "fr"}]}, {"$or": [{"x": 1}, {"note": null}]}]}),
         ];
         for f in yes {
             assert!(filter(f.clone()).matches(&m), "{f}");
@@ -435,6 +518,8 @@ mod tests {
             json!({"lang": {"$contains": "en"}}),
             json!({"missing": {"$gte": 0}}),
             json!({"year": {"$gte": 2020, "$lt": 2024}}),
+            json!({"$or": [{"lang": "fr"}, {"year": {"$gt": 2024}}]}),
+            json!({"lang": "fr", "$or": [{"lang": "en"}, {"year": 2024}]}),
         ];
         for f in no {
             assert!(!filter(f.clone()).matches(&m), "{f}");
@@ -468,13 +553,22 @@ mod tests {
             (json!({"x": {"$contains": ["a"]}}), "not a string, number"),
             (json!({"x": "a\u{0}b"}), "NUL"),
             (json!({"x": {"$in": (0..1025).collect::<Vec<_>>()}}), "at most 1024"),
+            (json!({"$or": []}), "non-empty list of filters"),
+            (json!({"$or": {"a": 1}}), "non-empty list of filters"),
+            (json!({"$and": [1]}), "is not a filter"),
+            (json!({"$or": [{}]}), "empty metadata filter"),
         ];
         for (f, want) in cases {
             let e = Filter::new(&obj(f.clone())).unwrap_err().to_string();
             assert!(e.contains(want), "{f}: {e}");
         }
-        let many: Metadata = (0..33).map(|i| (format!("k{i}"), json!(1))).collect();
-        assert!(Filter::new(&many).unwrap_err().to_string().contains("at most 32"));
+        let many: Metadata = (0..65).map(|i| (format!("k{i}"), json!(1))).collect();
+        assert!(Filter::new(&many).unwrap_err().to_string().contains("at most 64"));
+        let mut deep = json!({"a": 1});
+        for _ in 0..9 {
+            deep = json!({"$or": [deep, {"b": 2}]});
+        }
+        assert!(Filter::new(&obj(deep)).unwrap_err().to_string().contains("deeper than 8"));
     }
 
     #[test]
@@ -502,6 +596,11 @@ mod tests {
         assert_eq!(
             Filter::from_args(&["a=1", "{\"a\": {\"$lt\": 5}}"]).unwrap().json()["a"],
             json!({"$eq": 1, "$lt": 5})
+        );
+        let two = Filter::from_args(&[r#"{"$or": [{"a": 1}, {"b": 2}]}"#, r#"{"$or": [{"c": 3}]}"#, "d=4"]).unwrap();
+        assert_eq!(
+            Value::Object(two.json().clone()),
+            json!({"d": 4, "$and": [{"$or": [{"a": 1}, {"b": 2}]}, {"$or": [{"c": 3}]}]})
         );
         let bad: [&[&str]; 7] = [&["lang"], &["=en"], &["a=1", "a=2"], &[], &["a!1"], &["{1}"], &["a>true"]];
         for args in bad {

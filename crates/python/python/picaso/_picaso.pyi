@@ -9,11 +9,11 @@ __version__: str
 
 Text = Union[str, Sequence[int]]
 Path = Union[str, PathLike]
-Scalar = Union[str, int, float, bool, None]
 # A metadata filter: per key, a scalar to equal, or operators ("$eq", "$ne", "$gt", "$gte",
 # "$lt", "$lte": a scalar; "$in", "$nin": a list of scalars; "$exists": a bool; "$contains": a
-# scalar the key's list holds), all of which must hold.
-Filter = dict[str, Union[Scalar, dict[str, Union[Scalar, Sequence[Scalar]]]]]
+# scalar the key's list holds), all of which must hold; "$or" / "$and" in place of a key: a list
+# of filters, one / all of which must hold.
+Filter = dict[str, Any]
 
 class Model:
     """A Mamba language model (Mamba-2 or Mamba-1) ready to score, continue states and generate."""

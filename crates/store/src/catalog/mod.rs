@@ -249,6 +249,16 @@ pub(crate) mod checks {
             (json!({"title": {"$gt": "Z"}}), 2),
             (json!({"title": {"$lt": "a"}}), 1),
             (json!({"lang": "en", "year": {"$in": [2024, "2024"]}, "tags": {"$nin": ["x"]}}), 2),
+            // $or and $and, nested.
+            (json!({"$or": [{"lang": "fr"}, {"draft": true}]}), 2),
+            (json!({"$or": [{"year": {"$gte": 2024}}, {"tags": {"$contains": "x"}}]}), 4),
+            (json!({"lang": "en", "$or": [{"note": {"$exists": true}}, {"n": {"$lt": 0}}]}), 2),
+            (
+                json!({"$and": [{"$or": [{"lang": "en"}, {"lang": "fr"}]}, {"$or": [{"year": 2024}, {"year": {"$lt": 2024}}]}]}),
+                3,
+            ),
+            (json!({"$or": [{"missing": 1}, {"$and": [{"lang": {"$ne": "en"}}, {"big": {"$exists": true}}]}]}), 1),
+            (json!({"$or": [{"say \"hi\"": "x"}, {"a.b": 1}]}), 2),
         ];
         for (f, n) in filters {
             let f = Filter::new(&obj(f)).unwrap();

@@ -26,7 +26,7 @@ use tokio_postgres::{Client, NoTls};
 
 use super::{blob_to_u32s, u32s_to_blob, Catalog, Row, Totals};
 use crate::error::{Error, Result};
-use crate::filter::{Condition, Filter, Test};
+use crate::filter::{Clause, Condition, Filter, Test};
 use crate::location::redact;
 use crate::metadata::{self, Metadata, Scope};
 use crate::runtime::{block_on, Resilience};
@@ -470,28 +470,62 @@ impl PostgresCatalog {
 /// index answers; order comparisons test the JSON type first, and compare strings by code point.
 /// The placeholders are numbered after the query's first `before` parameters.
 fn filter_sql(filter: &Filter, before: usize) -> (String, Vec<String>) {
-    let mut params: Vec<String> = Vec::new();
-    let mut push = |value: String| {
-        params.push(value);
-        before + params.len()
-    };
-    let mut equal: Metadata = Metadata::new();
-    let mut conditions = Vec::new();
-    for Condition { key, test } in filter.conditions() {
-        let holds = |value: serde_json::Value| metadata::to_json(&Metadata::from_iter([(key.clone(), value)]));
-        let condition = match test {
-            // Gathered into one containment below.
-            Test::Eq(want) if !equal.contains_key(key) => {
-                equal.insert(key.clone(), want.clone());
-                continue;
+    let mut sql = FilterSql { params: Vec::new(), before };
+    let condition = sql.clause(filter.root());
+    (condition, sql.params)
+}
+
+/// A filter's SQL being written: its parameters, numbered after `before` others.
+struct FilterSql {
+    params: Vec<String>,
+    before: usize,
+}
+
+impl FilterSql {
+    /// Adds a parameter; its placeholder's number.
+    fn push(&mut self, value: String) -> usize {
+        self.params.push(value);
+        self.before + self.params.len()
+    }
+
+    fn clause(&mut self, clause: &Clause) -> String {
+        match clause {
+            Clause::Key(condition) => self.condition(condition),
+            Clause::Any(clauses) => {
+                let parts: Vec<String> = clauses.iter().map(|c| self.clause(c)).collect();
+                format!("({})", parts.join(" OR "))
             }
-            Test::Eq(want) => format!("metadata @> ${}::text::jsonb", push(holds(want.clone()))),
-            Test::Ne(want) => format!("NOT (metadata @> ${}::text::jsonb)", push(holds(want.clone()))),
+            Clause::All(clauses) => {
+                // The keys' equalities in one containment, which the GIN index answers.
+                let mut equal = Metadata::new();
+                let mut parts = Vec::new();
+                for c in clauses {
+                    match c {
+                        Clause::Key(Condition { key, test: Test::Eq(want) }) if !equal.contains_key(key) => {
+                            equal.insert(key.clone(), want.clone());
+                        }
+                        other => parts.push(self.clause(other)),
+                    }
+                }
+                if !equal.is_empty() {
+                    parts.insert(0, format!("metadata @> ${}::text::jsonb", self.push(metadata::to_json(&equal))));
+                }
+                format!("({})", parts.join(" AND "))
+            }
+        }
+    }
+
+    /// SQL for a test of one key.
+    fn condition(&mut self, Condition { key, test }: &Condition) -> String {
+        let holds = |value: serde_json::Value| metadata::to_json(&Metadata::from_iter([(key.clone(), value)]));
+        match test {
+            Test::Eq(want) => format!("metadata @> ${}::text::jsonb", self.push(holds(want.clone()))),
+            Test::Ne(want) => format!("NOT (metadata @> ${}::text::jsonb)", self.push(holds(want.clone()))),
             Test::In(wants) | Test::NotIn(wants) => {
                 let any = match &wants[..] {
                     [] => "FALSE".to_string(),
                     _ => (wants.iter())
-                        .map(|w| format!("metadata @> ${}::text::jsonb", push(holds(w.clone()))))
+                        .map(|w| format!("metadata @> ${}::text::jsonb", self.push(holds(w.clone()))))
                         .collect::<Vec<_>>()
                         .join(" OR "),
                 };
@@ -502,7 +536,7 @@ fn filter_sql(filter: &Filter, before: usize) -> (String, Vec<String>) {
                 }
             }
             Test::Exists(present) => {
-                let has = format!("metadata ? ${}::text", push(key.clone()));
+                let has = format!("metadata ? ${}::text", self.push(key.clone()));
                 if *present {
                     has
                 } else {
@@ -510,12 +544,12 @@ fn filter_sql(filter: &Filter, before: usize) -> (String, Vec<String>) {
                 }
             }
             Test::Compare(op, bound) => {
-                let at = push(key.clone());
+                let at = self.push(key.clone());
                 let (json_type, cast, text) = match bound {
                     serde_json::Value::String(s) => ("string", "text COLLATE \"C\"", s.clone()),
                     other => ("number", "numeric", other.to_string()),
                 };
-                let b = push(text);
+                let b = self.push(text);
                 // CASE, not AND: PostgreSQL may evaluate AND's sides in either order, and the
                 // cast fails on a value of the other type.
                 format!(
@@ -525,15 +559,10 @@ fn filter_sql(filter: &Filter, before: usize) -> (String, Vec<String>) {
                 )
             }
             Test::Contains(want) => {
-                format!("metadata @> ${}::text::jsonb", push(holds(serde_json::Value::Array(vec![want.clone()]))))
+                format!("metadata @> ${}::text::jsonb", self.push(holds(serde_json::Value::Array(vec![want.clone()]))))
             }
-        };
-        conditions.push(format!("({condition})"));
+        }
     }
-    if !equal.is_empty() {
-        conditions.insert(0, format!("metadata @> ${}::text::jsonb", push(metadata::to_json(&equal))));
-    }
-    (conditions.join(" AND "), params)
 }
 
 impl Catalog for PostgresCatalog {

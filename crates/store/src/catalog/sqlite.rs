@@ -13,7 +13,7 @@ use rusqlite::{params, Connection, OptionalExtension};
 
 use super::{blob_to_f32s, blob_to_u32s, f32s_to_blob, u32s_to_blob, Catalog, Row, Totals};
 use crate::error::{Error, Result};
-use crate::filter::{Condition, Filter, Test};
+use crate::filter::{Clause, Condition, Filter, Test};
 use crate::location::CatalogUrl;
 use crate::metadata::{self, Scope};
 use crate::store::ContextRecord;
@@ -93,61 +93,76 @@ fn upgrade(conn: &mut Connection) -> Result<()> {
 /// The SQL condition and parameters for contexts whose metadata matches `filter` (the rules
 /// of [`crate::filter`]), over SQLite's JSON functions.
 fn filter_sql(filter: &Filter) -> (String, Vec<rusqlite::types::Value>) {
-    use rusqlite::types::Value as Sql;
     let mut params = Vec::new();
-    let conditions: Vec<String> = (filter.conditions().iter())
-        .map(|Condition { key, test }| {
-            // Empty lists: every parameter pushed must be used.
-            match test {
-                Test::In(wants) if wants.is_empty() => return "(0)".to_string(),
-                Test::NotIn(wants) if wants.is_empty() => return "(1)".to_string(),
-                _ => {}
-            }
-            // A path names a key in double quotes; a key holding one is looked up among the
-            // object's entries instead (slower, the same answer).
-            let quoted = key.contains('"');
-            params.push(Sql::Text(if quoted { key.clone() } else { format!("$.\"{key}\"") }));
-            let at = params.len();
-            let (type_of, value_of) = if quoted {
-                (
-                    format!("(SELECT type FROM json_each(metadata) WHERE key = ?{at})"),
-                    format!("(SELECT value FROM json_each(metadata) WHERE key = ?{at})"),
-                )
+    let sql = clause_sql(filter.root(), &mut params);
+    (sql, params)
+}
+
+/// SQL for one clause of a filter, its parameters pushed onto `params`. A test of a missing key
+/// is NULL, which AND and OR treat as false (only `$ne` and `$nin` negate, and they say so).
+fn clause_sql(clause: &Clause, params: &mut Vec<rusqlite::types::Value>) -> String {
+    let join = |clauses: &[Clause], params: &mut Vec<_>, with: &str| {
+        let parts: Vec<String> = clauses.iter().map(|c| clause_sql(c, params)).collect();
+        format!("({})", parts.join(with))
+    };
+    match clause {
+        Clause::Key(condition) => condition_sql(condition, params),
+        Clause::All(clauses) => join(clauses, params, " AND "),
+        Clause::Any(clauses) => join(clauses, params, " OR "),
+    }
+}
+
+/// SQL for a test of one key.
+fn condition_sql(Condition { key, test }: &Condition, params: &mut Vec<rusqlite::types::Value>) -> String {
+    use rusqlite::types::Value as Sql;
+    // Empty lists: every parameter pushed must be used.
+    match test {
+        Test::In(wants) if wants.is_empty() => return "(0)".to_string(),
+        Test::NotIn(wants) if wants.is_empty() => return "(1)".to_string(),
+        _ => {}
+    }
+    // A path names a key in double quotes; a key holding one is looked up among the
+    // object's entries instead (slower, the same answer).
+    let quoted = key.contains('"');
+    params.push(Sql::Text(if quoted { key.clone() } else { format!("$.\"{key}\"") }));
+    let at = params.len();
+    let (type_of, value_of) = if quoted {
+        (
+            format!("(SELECT type FROM json_each(metadata) WHERE key = ?{at})"),
+            format!("(SELECT value FROM json_each(metadata) WHERE key = ?{at})"),
+        )
+    } else {
+        (format!("json_type(metadata, ?{at})"), format!("json_extract(metadata, ?{at})"))
+    };
+    let eq = |want: &Value, params: &mut Vec<Sql>| scalar_eq_sql(&type_of, &value_of, want, params);
+    let any_of = |wants: &[Value], params: &mut Vec<Sql>| {
+        wants.iter().map(|w| format!("({})", eq(w, params))).collect::<Vec<_>>().join(" OR ")
+    };
+    let test = match test {
+        Test::Eq(want) => eq(want, params),
+        // A missing key makes the test NULL; it passes "not equal".
+        Test::Ne(want) => format!("NOT IFNULL({}, 0)", eq(want, params)),
+        Test::In(wants) => any_of(wants, params),
+        Test::NotIn(wants) => format!("NOT IFNULL({}, 0)", any_of(wants, params)),
+        Test::Exists(true) => format!("{type_of} IS NOT NULL"),
+        Test::Exists(false) => format!("{type_of} IS NULL"),
+        Test::Compare(op, bound) => {
+            let types = if bound.is_number() { "'integer', 'real'" } else { "'text'" };
+            params.push(sql_scalar(bound));
+            format!("{type_of} IN ({types}) AND {value_of} {} ?{}", op.sql(), params.len())
+        }
+        Test::Contains(want) => {
+            // The list's elements, each tested like a value.
+            let elements = if quoted {
+                format!("json_each(metadata) AS o, json_each(o.value) AS e WHERE o.key = ?{at} AND")
             } else {
-                (format!("json_type(metadata, ?{at})"), format!("json_extract(metadata, ?{at})"))
+                format!("json_each(metadata, ?{at}) AS e WHERE")
             };
-            let eq = |want: &Value, params: &mut Vec<Sql>| scalar_eq_sql(&type_of, &value_of, want, params);
-            let any_of = |wants: &[Value], params: &mut Vec<Sql>| {
-                wants.iter().map(|w| format!("({})", eq(w, params))).collect::<Vec<_>>().join(" OR ")
-            };
-            let test = match test {
-                Test::Eq(want) => eq(want, &mut params),
-                // A missing key makes the test NULL; it passes "not equal".
-                Test::Ne(want) => format!("NOT IFNULL({}, 0)", eq(want, &mut params)),
-                Test::In(wants) => any_of(wants, &mut params),
-                Test::NotIn(wants) => format!("NOT IFNULL({}, 0)", any_of(wants, &mut params)),
-                Test::Exists(true) => format!("{type_of} IS NOT NULL"),
-                Test::Exists(false) => format!("{type_of} IS NULL"),
-                Test::Compare(op, bound) => {
-                    let types = if bound.is_number() { "'integer', 'real'" } else { "'text'" };
-                    params.push(sql_scalar(bound));
-                    format!("{type_of} IN ({types}) AND {value_of} {} ?{}", op.sql(), params.len())
-                }
-                Test::Contains(want) => {
-                    // The list's elements, each tested like a value.
-                    let elements = if quoted {
-                        format!("json_each(metadata) AS o, json_each(o.value) AS e WHERE o.key = ?{at} AND")
-                    } else {
-                        format!("json_each(metadata, ?{at}) AS e WHERE")
-                    };
-                    let element = scalar_eq_sql("e.type", "e.value", want, &mut params);
-                    format!("{type_of} = 'array' AND EXISTS (SELECT 1 FROM {elements} {element})")
-                }
-            };
-            format!("({test})")
-        })
-        .collect();
-    (conditions.join(" AND "), params)
+            let element = scalar_eq_sql("e.type", "e.value", want, params);
+            format!("{type_of} = 'array' AND EXISTS (SELECT 1 FROM {elements} {element})")
+        }
+    };
+    format!("({test})")
 }
 
 /// SQL testing that the value whose JSON type and value are `type_of` and `value_of` equals
