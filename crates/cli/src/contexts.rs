@@ -44,8 +44,12 @@ pub struct ContextsArgs {
     /// Only these contexts (comma-separated ids), in the order given.
     #[arg(long, value_delimiter = ',')]
     ids: Vec<i64>,
+    /// Only the contexts whose metadata passes this condition (repeat: all must hold), as
+    /// `picaso query --filter` takes it: `lang=en`, `year>=2020`, or a JSON filter.
+    #[arg(long = "filter", value_name = "CONDITION", conflicts_with = "ids")]
+    filters: Vec<String>,
     /// Print JSON lines: each context's record (id, doc, seg, text, tokens, n_tokens,
-    /// state_file, checksum, state_bytes, created), as `GET /v1/contexts/{id}` gives it.
+    /// state_file, checksum, state_bytes, created, metadata), as `GET /v1/contexts/{id}` gives it.
     #[arg(long)]
     json: bool,
 }
@@ -61,6 +65,7 @@ fn no_document(store: &picaso_store::Store, db: &DbArgs, doc: &str) -> anyhow::E
 
 /// `picaso contexts`: one line per context (id, document and segment, tokens, the text's start).
 pub fn list(a: ContextsArgs) -> Result<()> {
+    let filter = (!a.filters.is_empty()).then(|| picaso_store::Filter::from_args(&a.filters)).transpose()?;
     let store = picaso_store::Store::open(a.db.location()?)?;
     let show = |r: &picaso_store::ContextRecord| -> Result<()> {
         if a.json {
@@ -75,7 +80,13 @@ pub fn list(a: ContextsArgs) -> Result<()> {
         if records.is_empty() {
             return Err(no_document(&store, &a.db, doc));
         }
-        records.iter().try_for_each(show)
+        records.iter().filter(|r| filter.as_ref().is_none_or(|f| f.matches(&r.metadata))).try_for_each(show)
+    } else if let Some(filter) = &filter {
+        for ids in store.matching(filter)?.chunks(PAGE) {
+            // A context deleted since the ids were read is left out.
+            store.records(ids)?.iter().flatten().try_for_each(show)?;
+        }
+        Ok(())
     } else if !a.ids.is_empty() {
         a.ids.iter().try_for_each(|&id| show(&store.get(id)?))
     } else {
@@ -90,7 +101,7 @@ pub fn list(a: ContextsArgs) -> Result<()> {
 }
 
 #[derive(Args)]
-#[command(group(clap::ArgGroup::new("what").required(true).multiple(true).args(["ids", "doc"])))]
+#[command(group(clap::ArgGroup::new("what").required(true).multiple(true).args(["ids", "doc", "filters"])))]
 pub struct DeleteArgs {
     #[command(flatten)]
     db: DbArgs,
@@ -100,6 +111,11 @@ pub struct DeleteArgs {
     /// Remove every context of this document (repeatable).
     #[arg(long)]
     doc: Vec<String>,
+    /// Remove every context whose metadata passes this condition (repeat: all must hold), as
+    /// `picaso query --filter` takes it (`source=old-crawl`, `year<2000`, a JSON filter).
+    /// Refused when no context matches.
+    #[arg(long = "filter", value_name = "CONDITION")]
+    filters: Vec<String>,
     /// Print JSON: `{"deleted": [ids], "store": totals}`.
     #[arg(long)]
     json: bool,
@@ -108,11 +124,23 @@ pub struct DeleteArgs {
 /// `picaso delete`: checks that every id and document named is there, then removes them (each
 /// context with its state object unless another context shares it).
 pub fn delete(a: DeleteArgs) -> Result<()> {
+    let filter = (!a.filters.is_empty()).then(|| picaso_store::Filter::from_args(&a.filters)).transpose()?;
     let store = picaso_store::Store::open(a.db.location()?)?;
     // A folder store has one writer: a server holding it would keep serving deleted contexts.
     let _writer = store.lock_writes()?;
     store.require(&a.ids)?;
     let mut ids = a.ids.clone();
+    if let Some(filter) = &filter {
+        let matching = store.matching(filter)?;
+        if matching.is_empty() {
+            anyhow::bail!(
+                "no context of store {} has metadata matching --filter {}; nothing was removed",
+                store.location(),
+                a.filters.join(" --filter ")
+            );
+        }
+        ids.extend(matching);
+    }
     for doc in &a.doc {
         let segments = store.segments_of(doc)?;
         if segments.is_empty() {

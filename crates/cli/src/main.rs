@@ -1155,7 +1155,8 @@ fn query(a: QueryArgs) -> Result<()> {
         bail!(
             "no context of the store{} has metadata matching --filter {}: check the keys and values \
              (`picaso contexts --json` shows each context's metadata; values are compared as JSON, so \
-             year=2024 does not match \"2024\")",
+             year=2024 does not match \"2024\", and a range compares numbers with numbers, strings with \
+             strings)",
             if a.docs.is_empty() { String::new() } else { format!(" within --doc {:?}", a.docs) },
             a.filters.join(" --filter ")
         );

@@ -967,6 +967,25 @@ fn metadata_travels_with_contexts_and_filters_retrieval() {
         );
         assert!(after.iter().all(|r| r.metadata["url"] == "https://a.example/2"));
         assert_eq!(ok_s(&ingest)["relabelled"], 0, "nothing left to change");
+
+        // Listing and removing by metadata.
+        let listed = |filter: &str| -> Vec<String> {
+            let out = Command::new(common::picaso_bin())
+                .args(args(&["contexts"], &db, &["--filter", filter, "--json"]))
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+            let lines = String::from_utf8(out.stdout).unwrap();
+            lines.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["doc"].to_string()).collect()
+        };
+        assert_eq!(listed("lang=en"), [r#""a""#, r#""a""#, r#""c""#]);
+        assert_eq!(listed(r#"{"$or": [{"lang": "fr"}, {"year": "2024"}]}"#), [r#""b""#, r#""c""#]);
+        let (success, _, stderr) = run_s(&args(&["delete"], &db, &["--filter", "lang=de"]));
+        assert!(!success && stderr.contains("nothing was removed"), "{stderr}");
+        let v = ok_s(&args(&["delete"], &db, &["--filter", "year<2024", "--json"]));
+        assert_eq!(v["deleted"].as_array().map(Vec::len), Some(1), "{v}");
+        assert!(store.document("b").unwrap().is_empty(), "the one context of 2023 is gone");
+        assert_eq!(store.ids().unwrap().len(), 4);
         std::fs::write(&jsonl, lines("https://a.example/1")).unwrap();
     }
 }

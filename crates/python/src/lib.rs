@@ -1038,9 +1038,16 @@ impl Store {
         Ok(list)
     }
 
-    /// The ids of every context, ascending (read one with `get`).
-    fn ids(&self) -> PyResult<Vec<i64>> {
-        self.inner.ids().map_err(store_err)
+    /// The ids of every context, or of those whose metadata passes `filter` (as for `search`),
+    /// ascending (read one with `get`).
+    #[pyo3(signature = (*, filter=None))]
+    fn ids(&self, py: Python<'_>, filter: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<i64>> {
+        let filter = filter_from_py(filter)?;
+        py.detach(|| match &filter {
+            None => self.inner.ids(),
+            Some(f) => self.inner.matching(f),
+        })
+        .map_err(store_err)
     }
 
     fn __len__(&self) -> PyResult<usize> {

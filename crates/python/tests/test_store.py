@@ -113,6 +113,7 @@ def test_metadata_and_filters(model, embedder, tmp_path):
                         ({"$or": [{"lang": "fr"}, {"year": {"$exists": False}}]}, ["fr", "none"])]:
             hits = store.search(question, k=10, filter=f)
             assert sorted(h["doc"] for h in hits) == docs, f
+            assert [store.get(i)["doc"] for i in store.ids(filter=f)] == sorted(docs), f
         hits = store.search(question, k=10, filter={"lang": "en"}, documents=["fr", "en"])
         assert [h["doc"] for h in hits] == ["en", "en"]
         g = store.query("Sugar is made", k=5, max_tokens=2, filter={"lang": "fr"})

@@ -415,7 +415,22 @@ fn split_condition(arg: &str) -> Result<(&str, &'static str, &str)> {
         [b'<', ..] => ("$lt", 1),
         _ => return Err(bad()),
     };
-    Ok((key, op, &rest[len..]))
+    let value = &rest[len..];
+    if op == "$eq" && value.starts_with(['=', '<', '>']) {
+        // `year=>2020`, `year=<2020`, `year==2020`: the operator mistyped.
+        let (rest, meant) = (&value[1..], value.as_bytes()[0]);
+        let hint = match meant {
+            b'>' => format!("{key}>={rest}"),
+            b'<' => format!("{key}<={rest}"),
+            _ => format!("{key}={rest}"),
+        };
+        return Err(Error::Input(format!(
+            "--filter {arg:?}: did you mean {hint}? (to match text that starts with {:?}, give a JSON filter: \
+             --filter '{{\"{key}\": \"{value}\"}}')",
+            meant as char
+        )));
+    }
+    Ok((key, op, value))
 }
 
 /// Scalar equality: strings and booleans exactly, numbers by value, `null` only `null`.
@@ -603,6 +618,11 @@ mod tests {
             json!({"d": 4, "$and": [{"$or": [{"a": 1}, {"b": 2}]}, {"$or": [{"c": 3}]}]})
         );
         let bad: [&[&str]; 7] = [&["lang"], &["=en"], &["a=1", "a=2"], &[], &["a!1"], &["{1}"], &["a>true"]];
+        for (arg, hint) in [("year=>2020", "year>=2020"), ("year=<2020", "year<=2020"), ("year==2020", "year=2020")] {
+            let e = Filter::from_args(&[arg]).unwrap_err().to_string();
+            assert!(e.contains(&format!("did you mean {hint}?")), "{e}");
+        }
+        assert_eq!(Filter::from_args(&[r#"{"a": "=x"}"#]).unwrap().json()["a"], json!("=x"));
         for args in bad {
             let e = Filter::from_args(args).unwrap_err().to_string();
             assert!(

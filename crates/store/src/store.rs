@@ -18,6 +18,7 @@ use rayon::prelude::*;
 
 use crate::catalog::{Catalog, PostgresCatalog, Row, SqliteCatalog};
 use crate::error::{Error, Result};
+use crate::filter::Filter;
 use crate::location::{CatalogUrl, Location, StatesUrl};
 use crate::metadata::{self, check_metadata, Metadata, Scope};
 use crate::states::{key_of, StateObjects};
@@ -1030,6 +1031,11 @@ impl Store {
     /// Ids of all contexts, ascending.
     pub fn ids(&self) -> Result<Vec<i64>> {
         self.catalog.ids()
+    }
+
+    /// The ids of the contexts whose metadata passes `filter`, ascending.
+    pub fn matching(&self, filter: &Filter) -> Result<Vec<i64>> {
+        self.catalog.matching(filter)
     }
 
     /// Up to `limit` documents named after `after` (from the first when `None`), in name order.

@@ -160,8 +160,8 @@ class Store:
         """The contexts of document `doc`, in segment order (empty if the store holds none)."""
     def documents(self) -> list[dict[str, Any]]:
         """Every document in name order: {"id", "contexts", "tokens"}."""
-    def ids(self) -> list[int]:
-        """The ids of every context, ascending."""
+    def ids(self, *, filter: Optional[Filter] = None) -> list[int]:
+        """The ids of every context, or of those whose metadata passes `filter`, ascending."""
     def delete(self, id: int) -> None: ...
     def delete_document(self, doc: str) -> int:
         """Removes every context of document `doc`; returns how many."""

@@ -12,6 +12,7 @@ pub(crate) use sqlite::CREATING_PREFIX;
 use std::collections::BTreeMap;
 
 use crate::error::Result;
+use crate::filter::Filter;
 use crate::metadata::Scope;
 use crate::store::ContextRecord;
 
@@ -106,6 +107,8 @@ pub trait Catalog: Send + Sync + std::fmt::Debug {
     /// Sets the metadata (JSON text of an object) of those of `ids` whose metadata is not
     /// equal to it, in one transaction; returns how many changed (a context gone is skipped).
     fn set_metadata(&self, ids: &[i64], metadata: &str) -> Result<u64>;
+    /// The ids of the contexts whose metadata passes `filter`, ascending.
+    fn matching(&self, filter: &Filter) -> Result<Vec<i64>>;
     /// A context's embedding.
     fn embedding(&self, id: i64) -> Result<Vec<f32>>;
     /// Number of contexts.
@@ -265,6 +268,9 @@ pub(crate) mod checks {
             let want: Vec<(i64, f32)> =
                 everything.iter().filter(|(id, _)| f.matches(metadata_of(*id))).copied().collect();
             assert_eq!(want.len(), n, "{f:?}: the rules' own count");
+            let mut ids_of_want: Vec<i64> = want.iter().map(|h| h.0).collect();
+            ids_of_want.sort_unstable();
+            assert_eq!(catalog.matching(&f).unwrap(), ids_of_want, "{f:?}: the matching ids");
             for k in [1, 3, 10] {
                 let got = catalog.search(&q, k, false, Scope::matching(&f)).unwrap();
                 let ids_of = |h: &[(i64, f32)]| h.iter().map(|x| x.0).collect::<Vec<_>>();

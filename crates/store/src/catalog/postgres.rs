@@ -928,6 +928,20 @@ impl Catalog for PostgresCatalog {
         }))
     }
 
+    fn matching(&self, filter: &Filter) -> Result<Vec<i64>> {
+        let (condition, params) = filter_sql(filter, 0);
+        self.run(Box::new(move |c| {
+            let (condition, params) = (condition.clone(), params.clone());
+            Box::pin(async move {
+                let params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> =
+                    params.iter().map(|v| v as &(dyn tokio_postgres::types::ToSql + Sync)).collect();
+                let rows =
+                    c.query(&format!("SELECT id FROM picaso_contexts WHERE {condition} ORDER BY id"), &params).await?;
+                Ok(rows.iter().map(|r| r.get(0)).collect())
+            })
+        }))
+    }
+
     fn embedding(&self, id: i64) -> Result<Vec<f32>> {
         let v = self.run(Box::new(move |c| {
             Box::pin(async move {

@@ -520,18 +520,7 @@ impl SqliteCatalog {
             }
         };
         if let Some(filter) = scope.filter {
-            let matching: Vec<i64> = if self.has_metadata {
-                let (condition, params) = filter_sql(filter);
-                let conn = self.conn();
-                let mut stmt = conn.prepare(&format!("SELECT id FROM contexts WHERE {condition}"))?;
-                let rows = stmt.query_map(rusqlite::params_from_iter(params), |r| r.get(0))?;
-                let mut ids: Vec<i64> = rows.collect::<std::result::Result<_, _>>()?;
-                // In the metadata index's order: sorted here, not by SQLite over the table.
-                ids.sort_unstable();
-                ids
-            } else {
-                Vec::new()
-            };
+            let matching = self.matching(filter)?;
             ids = Some(match ids {
                 None => matching,
                 Some(of_docs) => of_docs.into_iter().filter(|id| matching.binary_search(id).is_ok()).collect(),
@@ -762,6 +751,20 @@ impl Catalog for SqliteCatalog {
         }
         tx.commit()?;
         Ok(changed)
+    }
+
+    fn matching(&self, filter: &Filter) -> Result<Vec<i64>> {
+        if !self.has_metadata {
+            return Ok(Vec::new());
+        }
+        let (condition, params) = filter_sql(filter);
+        let conn = self.conn();
+        let mut stmt = conn.prepare(&format!("SELECT id FROM contexts WHERE {condition}"))?;
+        let rows = stmt.query_map(rusqlite::params_from_iter(params), |r| r.get(0))?;
+        let mut ids: Vec<i64> = rows.collect::<std::result::Result<_, _>>()?;
+        // In the metadata index's order: sorted here, not by SQLite over the table.
+        ids.sort_unstable();
+        Ok(ids)
     }
 
     fn embedding(&self, id: i64) -> Result<Vec<f32>> {
