@@ -290,6 +290,18 @@ fn serve_completions_contexts_search_metrics_and_bad_input(arch: &str, db: &Test
     let (_, found) = server.post("/v1/search", json!({"query": "fruit", "k": 10, "filter": recent}));
     let docs: Vec<&str> = found["results"].as_array().unwrap().iter().map(|h| h["doc"].as_str().unwrap()).collect();
     assert_eq!(docs, ["notes", "notes"], "operators: {found}");
+    // Listing by metadata, a page at a time: ?filter= is the filter as URL-encoded JSON.
+    let by_year = "/v1/contexts?filter=%7B%22year%22%3A%7B%22%24gte%22%3A2025%7D%7D&limit=1";
+    let (status, first) = server.call("GET", by_year, None);
+    assert_eq!((status, first["data"].as_array().map(Vec::len)), (200, Some(1)), "{first}");
+    let after = first["next_after"].as_i64().expect("a second page");
+    let (_, second) = server.call("GET", &format!("{by_year}&after={after}"), None);
+    let listed = [&first["data"][0], &second["data"][0]].map(|r| r["id"].as_i64().unwrap());
+    assert_eq!(listed.to_vec(), note_ids, "{second}");
+    assert!(second["next_after"].is_null(), "{second}");
+    let (status, bad) = server.call("GET", "/v1/contexts?filter=lang", None);
+    assert_eq!(status, 400, "{bad}");
+    assert!(bad.to_string().contains("must be a JSON object"), "{bad}");
     assert_eq!(notes(2025).0, 200, "nothing changed");
     let fig = |src: &str| {
         server.post("/v1/contexts", json!({"text": "Figs are sweet.", "doc": "figs", "metadata": {"src": src}}))

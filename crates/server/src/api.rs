@@ -315,6 +315,19 @@ pub struct PageQuery<K> {
     pub limit: Option<usize>,
 }
 
+/// `GET /v1/contexts`'s query: the page after an id, of every context or of those whose
+/// metadata passes `filter` (a JSON object, URL-encoded, as in `/v1/search`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ContextsQuery {
+    /// Contexts after this id (the previous page's `next_after`).
+    pub after: Option<i64>,
+    /// Contexts per page (default 100, at most 1000).
+    pub limit: Option<usize>,
+    /// A metadata filter, as JSON text.
+    pub filter: Option<String>,
+}
+
 /// A page of a listing.
 #[derive(Debug, Clone, Serialize)]
 pub struct Page<T, K> {

@@ -592,10 +592,31 @@ impl App {
     }
 
     /// A page of contexts by ascending id. Blocking.
-    pub(crate) fn list_contexts(&self, q: PageQuery<i64>) -> Result<Page<ContextRecord, i64>, ApiError> {
+    pub(crate) fn list_contexts(&self, q: ContextsQuery) -> Result<Page<ContextRecord, i64>, ApiError> {
         let limit = page_limit(q.limit)?;
-        let data: Vec<_> =
-            self.store.export(q.after.unwrap_or(i64::MIN), limit + 1)?.into_iter().map(|(r, _)| r).collect();
+        let after = q.after.unwrap_or(i64::MIN);
+        let Some(filter) = &q.filter else {
+            let data: Vec<_> = self.store.export(after, limit + 1)?.into_iter().map(|(r, _)| r).collect();
+            return Ok(page(data, limit, |r| r.id));
+        };
+        let filter = match serde_json::from_str::<serde_json::Value>(filter) {
+            Ok(serde_json::Value::Object(f)) => Filter::new(&f)?,
+            _ => {
+                return Err(ApiError::bad_request(
+                    "`filter` must be a JSON object, URL-encoded (e.g. ?filter=%7B%22lang%22%3A%22en%22%7D for {\"lang\":\"en\"})",
+                ))
+            }
+        };
+        let matching = self.store.matching(&filter)?;
+        let mut data = Vec::with_capacity(limit + 1);
+        // Records of the ids after `after`, a page at a time (one deleted meanwhile is left out).
+        for ids in matching[matching.partition_point(|&id| id <= after)..].chunks(limit + 1) {
+            data.extend(self.store.records(ids)?.into_iter().flatten());
+            if data.len() > limit {
+                break;
+            }
+        }
+        data.truncate(limit + 1);
         Ok(page(data, limit, |r| r.id))
     }
 

@@ -162,7 +162,7 @@ fn parse_query<T>(query: QueryOf<T>) -> Result<T, ApiError> {
     query.map(|Query(q)| q).map_err(|e| ApiError::bad_request(format!("bad query string: {}", e.body_text())))
 }
 
-async fn list_contexts(State(app): Shared, query: QueryOf<PageQuery<i64>>) -> Result<Response, ApiError> {
+async fn list_contexts(State(app): Shared, query: QueryOf<ContextsQuery>) -> Result<Response, ApiError> {
     let q = parse_query(query)?;
     let listed = blocking(move || app.list_contexts(q)).await?;
     Ok(Json(listed).into_response())
