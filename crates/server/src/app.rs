@@ -227,8 +227,12 @@ impl App {
         })
     }
 
-    /// Cheap checks done before any model work: everything but the prompt's length.
-    pub(crate) fn validate(&self, req: &CompletionRequest) -> Result<(ContextMethod, GenerateOptions), ApiError> {
+    /// Cheap checks done before any model work: everything but the prompt's length. Returns
+    /// the composition, the generation's options and the metadata filter, checked.
+    pub(crate) fn validate(
+        &self,
+        req: &CompletionRequest,
+    ) -> Result<(ContextMethod, GenerateOptions, Option<Filter>), ApiError> {
         let unsupported = |what: &str| Err(ApiError::bad_request(format!("{what} is not supported by picaso")));
         if req.n.is_some_and(|n| n != 1) || req.best_of.is_some_and(|n| n != 1) {
             return unsupported("n or best_of other than 1");
@@ -267,7 +271,8 @@ impl App {
         if req.contexts.is_some() && req.retrieve.is_some() {
             return Err(ApiError::bad_request("give either `contexts` (ids) or `retrieve` (a count), not both"));
         }
-        self.check_contexts(req.contexts.as_deref(), req.retrieve, req.documents.as_deref(), req.filter.as_ref())?;
+        let filter =
+            self.check_contexts(req.contexts.as_deref(), req.retrieve, req.documents.as_deref(), req.filter.as_ref())?;
         if req.max_tokens > self.limits.max_tokens {
             return Err(ApiError::bad_request(format!(
                 "max_tokens {} is over this server's limit of {}",
@@ -295,7 +300,7 @@ impl App {
             ignore_eos: req.ignore_eos,
         };
         opts.validate()?;
-        Ok((method, opts))
+        Ok((method, opts, filter))
     }
 
     /// Tokenizes the prompt, retrieves or looks up the contexts and builds the state to continue
@@ -305,6 +310,7 @@ impl App {
         req: &CompletionRequest,
         method: ContextMethod,
         opts: GenerateOptions,
+        filter: Option<&Filter>,
         started: Instant,
     ) -> Result<(Plan, State), ApiError> {
         let tokenizer = self.model.tokenizer()?;
@@ -327,8 +333,6 @@ impl App {
             )));
         }
         self.model.check_tokens(&prompt)?;
-        // Checked by `check_contexts` before.
-        let filter = req.filter.as_ref().map(Filter::new).transpose()?;
         let t_retrieve = Instant::now();
         let (hits, prepared): (Vec<(i64, Option<f32>)>, _) = match (method, &req.contexts, req.retrieve) {
             (ContextMethod::Naive, _, _) | (_, None, None | Some(0)) => {
@@ -340,7 +344,7 @@ impl App {
             }
             (_, None, Some(k)) => {
                 let query = self.embedder.embed_one(&text)?;
-                let what = Retrieval::new(&query, k).within(req.documents.as_deref()).matching(filter.as_ref());
+                let what = Retrieval::new(&query, k).within(req.documents.as_deref()).matching(filter);
                 let (hits, prepared) = retrieve_and_prepare(&self.store, &self.model, what, method, Some(&self.cache))?;
                 (hits.into_iter().map(|(id, score)| (id, Some(score))).collect(), prepared)
             }

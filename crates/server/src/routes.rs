@@ -123,14 +123,14 @@ async fn blocking<T: Send + 'static>(
 
 async fn completions(State(app): Shared, ApiJson(req): ApiJson<CompletionRequest>) -> Result<Response, ApiError> {
     let started = Instant::now();
-    let (method, opts) = app.validate(&req)?;
+    let (method, opts, filter) = app.validate(&req)?;
     let permit = app.gate.clone().acquire_owned().await.map_err(|_| ApiError::internal("server shutting down"))?;
     let stream = req.stream;
     let planner = app.clone();
     // Preparing (retrieval, states, composition) holds a permit; generating joins the batch.
     let (plan, state) = blocking(move || {
         let _permit = permit;
-        planner.plan(&req, method, opts, started)
+        planner.plan(&req, method, opts, filter.as_ref(), started)
     })
     .await?;
     if !stream {
