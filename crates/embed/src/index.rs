@@ -124,13 +124,28 @@ impl FlatIndex {
     /// Fails on an id the index does not hold.
     pub fn search_among(&self, query: &[f32], k: usize, ids: &[usize]) -> Result<Vec<(usize, f32)>> {
         self.check_query(query)?;
-        let mut top = TopK::new(k.min(ids.len()));
-        for &id in ids {
-            let v = self
-                .vector(id)
-                .ok_or_else(|| Error::Input(format!("vector {id} is not in the index, which holds {}", self.len())))?;
-            top.offer(Candidate { score: dot(v, query), id });
+        if let Some(&id) = ids.iter().find(|&&id| id >= self.len()) {
+            return Err(Error::Input(format!("vector {id} is not in the index, which holds {}", self.len())));
         }
+        let k = k.min(ids.len());
+        if k == 0 {
+            return Ok(Vec::new());
+        }
+        let top = if ids.len() < PARALLEL_MIN_ROWS {
+            let mut top = TopK::new(k);
+            scan_among(&self.data, query, ids, &mut top);
+            top
+        } else {
+            ids.par_chunks(BLOCK_ROWS)
+                .fold(
+                    || TopK::new(k),
+                    |mut top, ids| {
+                        scan_among(&self.data, query, ids, &mut top);
+                        top
+                    },
+                )
+                .reduce(|| TopK::new(k), TopK::merge)
+        };
         Ok(top.into_sorted())
     }
 
@@ -266,6 +281,17 @@ fn check_matrix(data: &[f32], dim: usize, what: &str) -> Result<()> {
     Ok(())
 }
 
+/// Offers the rows `ids` of the row-major matrix `data` to `top`.
+fn scan_among(data: &[f32], query: &[f32], ids: &[usize], top: &mut TopK) {
+    let mut scores = [0f32; BLOCK_ROWS];
+    for ids in ids.chunks(BLOCK_ROWS) {
+        score_rows(Rows::Picked { data, rows: ids }, query, &mut scores[..ids.len()]);
+        for (&id, &score) in ids.iter().zip(&scores) {
+            top.offer(Candidate { score, id });
+        }
+    }
+}
+
 /// Offers every row of `rows` (ids from `first_id`) to `top`.
 fn scan(rows: &[f32], query: &[f32], first_id: usize, top: &mut TopK) {
     let dim = query.len();
@@ -273,7 +299,7 @@ fn scan(rows: &[f32], query: &[f32], first_id: usize, top: &mut TopK) {
     let mut id = first_id;
     for block in rows.chunks(BLOCK_ROWS * dim) {
         let n = block.len() / dim;
-        score_rows(block, query, &mut scores[..n]);
+        score_rows(Rows::Block(block), query, &mut scores[..n]);
         for &s in &scores[..n] {
             top.offer(Candidate { score: s, id });
             id += 1;
@@ -333,58 +359,98 @@ fn finish(mut acc: [f32; LANES], ra: &[f32], rb: &[f32]) -> f32 {
     acc[0] + tail
 }
 
+/// The rows a scoring pass reads: a contiguous row-major block, or chosen rows of the index's
+/// matrix.
+#[derive(Clone, Copy)]
+enum Rows<'a> {
+    Block(&'a [f32]),
+    Picked { data: &'a [f32], rows: &'a [usize] },
+}
+
 /// Dot products of `query` with each row of `rows`, four rows at a time so that four
 /// independent accumulator sets hide the add latency and each query load serves four rows.
 #[inline(always)]
-fn score_rows_body(rows: &[f32], query: &[f32], out: &mut [f32]) {
+fn score_rows_body(rows: Rows<'_>, query: &[f32], out: &mut [f32]) {
     let dim = query.len();
-    let mut groups = rows.chunks_exact(4 * dim);
-    let mut outs = out.chunks_exact_mut(4);
-    for (g, o) in (&mut groups).zip(&mut outs) {
-        let (r0, rest) = g.split_at(dim);
-        let (r1, rest) = rest.split_at(dim);
-        let (r2, r3) = rest.split_at(dim);
-        let mut acc = [[0f32; LANES]; 4];
-        let q = query.chunks_exact(LANES);
-        let qr = q.remainder();
-        for (((x0, x1), (x2, x3)), y) in r0
-            .chunks_exact(LANES)
-            .zip(r1.chunks_exact(LANES))
-            .zip(r2.chunks_exact(LANES).zip(r3.chunks_exact(LANES)))
-            .zip(q)
-        {
-            for x in [x0, x1, x2, x3] {
-                prefetch(x.as_ptr().wrapping_add(PREFETCH_AHEAD));
+    match rows {
+        Rows::Block(rows) => {
+            let mut groups = rows.chunks_exact(4 * dim);
+            let mut outs = out.chunks_exact_mut(4);
+            for (g, o) in (&mut groups).zip(&mut outs) {
+                let (r0, rest) = g.split_at(dim);
+                let (r1, rest) = rest.split_at(dim);
+                let (r2, r3) = rest.split_at(dim);
+                let ahead = [r0, r1, r2, r3].map(|r| r.as_ptr().wrapping_add(PREFETCH_AHEAD));
+                o.copy_from_slice(&score4([r0, r1, r2, r3], ahead, query));
             }
-            for l in 0..LANES {
-                acc[0][l] += x0[l] * y[l];
-                acc[1][l] += x1[l] * y[l];
-                acc[2][l] += x2[l] * y[l];
-                acc[3][l] += x3[l] * y[l];
+            for (r, o) in groups.remainder().chunks_exact(dim).zip(outs.into_remainder()) {
+                *o = dot_lanes(r, query);
             }
         }
-        let tail = dim - qr.len();
-        o[0] = finish(acc[0], &r0[tail..], qr);
-        o[1] = finish(acc[1], &r1[tail..], qr);
-        o[2] = finish(acc[2], &r2[tail..], qr);
-        o[3] = finish(acc[3], &r3[tail..], qr);
+        Rows::Picked { data, rows } => {
+            let row = |i: usize| &data[i * dim..(i + 1) * dim];
+            let mut groups = rows.chunks_exact(4);
+            let mut outs = out.chunks_exact_mut(4);
+            for (n, (g, o)) in (&mut groups).zip(&mut outs).enumerate() {
+                // The rows two groups on are fetched while these are scored: the rows between
+                // picked ones are not wanted, so the block's fixed look-ahead would waste reads.
+                let next = rows.get(4 * n + 8..4 * n + 12).unwrap_or(g);
+                let ahead = [0, 1, 2, 3].map(|i| data.as_ptr().wrapping_add(next[i] * dim));
+                o.copy_from_slice(&score4([row(g[0]), row(g[1]), row(g[2]), row(g[3])], ahead, query));
+            }
+            for (&r, o) in groups.remainder().iter().zip(outs.into_remainder()) {
+                *o = dot_lanes(row(r), query);
+            }
+        }
     }
-    for (r, o) in groups.remainder().chunks_exact(dim).zip(outs.into_remainder()) {
-        *o = dot_lanes(r, query);
+}
+
+/// The dot products of `query` with four rows, each summed lane by lane as [`dot_lanes`] does
+/// (so bitwise equal to it), asking for the memory from `ahead` on (one address per row) as
+/// they go.
+#[inline(always)]
+fn score4([r0, r1, r2, r3]: [&[f32]; 4], ahead: [*const f32; 4], query: &[f32]) -> [f32; 4] {
+    let dim = query.len();
+    let mut acc = [[0f32; LANES]; 4];
+    let q = query.chunks_exact(LANES);
+    let qr = q.remainder();
+    for (j, (((x0, x1), (x2, x3)), y)) in r0
+        .chunks_exact(LANES)
+        .zip(r1.chunks_exact(LANES))
+        .zip(r2.chunks_exact(LANES).zip(r3.chunks_exact(LANES)))
+        .zip(q)
+        .enumerate()
+    {
+        for p in ahead {
+            prefetch(p.wrapping_add(j * LANES));
+        }
+        for l in 0..LANES {
+            acc[0][l] += x0[l] * y[l];
+            acc[1][l] += x1[l] * y[l];
+            acc[2][l] += x2[l] * y[l];
+            acc[3][l] += x3[l] * y[l];
+        }
     }
+    let tail = dim - qr.len();
+    [
+        finish(acc[0], &r0[tail..], qr),
+        finish(acc[1], &r1[tail..], qr),
+        finish(acc[2], &r2[tail..], qr),
+        finish(acc[3], &r3[tail..], qr),
+    ]
 }
 
 /// [`score_rows_body`] compiled for the best instruction set the CPU has (AVX-512, AVX2, or
 /// the build's baseline). No FMA contraction happens in any variant, so all agree bitwise.
-fn score_rows(rows: &[f32], query: &[f32], out: &mut [f32]) {
+fn score_rows(rows: Rows<'_>, query: &[f32], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     {
         #[target_feature(enable = "avx512f,avx512vl,avx2")]
-        unsafe fn avx512(rows: &[f32], query: &[f32], out: &mut [f32]) {
+        unsafe fn avx512(rows: Rows<'_>, query: &[f32], out: &mut [f32]) {
             score_rows_body(rows, query, out)
         }
         #[target_feature(enable = "avx2")]
-        unsafe fn avx2(rows: &[f32], query: &[f32], out: &mut [f32]) {
+        unsafe fn avx2(rows: Rows<'_>, query: &[f32], out: &mut [f32]) {
             score_rows_body(rows, query, out)
         }
         if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512vl") {
@@ -407,7 +473,7 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
         return 0.0;
     }
     let mut out = [0f32];
-    score_rows(&a[..n], &b[..n], &mut out);
+    score_rows(Rows::Block(&a[..n]), &b[..n], &mut out);
     out[0]
 }
 
@@ -500,8 +566,11 @@ mod tests {
             let rows: Vec<f32> = (0..7).flat_map(|_| a.iter().copied()).collect();
             let mut out = [0f32; 7];
             if n > 0 {
-                score_rows(&rows, &b, &mut out);
+                score_rows(Rows::Block(&rows), &b, &mut out);
                 assert!(out.iter().all(|&s| s.to_bits() == dot(&a, &b).to_bits()), "n={n}");
+                out = [0f32; 7];
+                score_rows(Rows::Picked { data: &rows, rows: &[6, 0, 3, 3, 1, 5, 2] }, &b, &mut out);
+                assert!(out.iter().all(|&s| s.to_bits() == dot(&a, &b).to_bits()), "n={n}, picked rows");
             }
         }
     }

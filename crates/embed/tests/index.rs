@@ -82,6 +82,11 @@ fn parallel_path_equals_brute_force() {
             for k in [1, 7, 50, 1000] {
                 let want = brute_force(&data, dim, q, k);
                 assert_eq!(index.search(q, k).unwrap(), want, "rows {rows} dim {dim} k {k}");
+                // Among two rows of three, in chunks on both threads, as a filter picks them.
+                let among: Vec<usize> = (0..rows).filter(|i| i % 3 != 1).collect();
+                let want_among: Vec<(usize, f32)> =
+                    brute_force(&data, dim, q, rows).into_iter().filter(|(id, _)| id % 3 != 1).take(k).collect();
+                assert_eq!(index.search_among(q, k, &among).unwrap(), want_among, "among, rows {rows} dim {dim} k {k}");
                 if k == 50 {
                     assert_eq!(b, &want);
                 }

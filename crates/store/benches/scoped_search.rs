@@ -1,17 +1,18 @@
 //! Retrieval latency on a catalog of 100k contexts (embeddings of dimension 384,
 //! all-MiniLM-L6-v2's): every context, within documents, and filtered by metadata (equality:
 //! a quarter, 1/25th and 1/100th of the contexts match; a range, 1/5th; `$in`, half). On SQLite
-//! a scoped search reads the scope's ids (the `(doc, seg)` index for documents, the metadata
-//! index for a filter) and ranks those rows of the in-memory index exactly; on PostgreSQL (when
+//! a scoped search reads the scope's ids (the `(doc, seg)` index for documents, the in-memory
+//! metadata columns for a filter) and ranks those rows of the in-memory index exactly; on PostgreSQL (when
 //! `PICASO_TEST_POSTGRES` is set, as in the tests) one query ranks the rows its `doc = ANY` or
-//! metadata condition keeps.
+//! metadata condition keeps. Last, a folder store's first filter after opening, which reads its
+//! metadata columns.
 //!
 //! `cargo bench -p picaso-store --bench scoped_search`
 
 use std::hint::black_box;
 use std::time::Duration;
 
-use criterion::{criterion_group, criterion_main, Criterion};
+use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
 use picaso_embed::l2_normalize;
 use picaso_store::catalog::{Catalog, PostgresCatalog, Row, SqliteCatalog};
 use picaso_store::{Filter, Scope};
@@ -111,6 +112,18 @@ fn bench(c: &mut Criterion) {
         }
         group.finish();
     }
+    // A folder store reads its metadata columns at its first filter after opening (or after
+    // another process commits), then keeps them.
+    let mut group = c.benchmark_group("sqlite_100k_x_384");
+    group.sample_size(10).warm_up_time(Duration::from_millis(1)).measurement_time(Duration::from_secs(8));
+    group.bench_function("first filter after opening", |b| {
+        b.iter_batched_ref(
+            || SqliteCatalog::open(tmp.path()).unwrap(),
+            |catalog| black_box(catalog.search(&query, 5, false, Scope::matching(&en)).unwrap()),
+            BatchSize::PerIteration,
+        )
+    });
+    group.finish();
 }
 
 criterion_group!(benches, bench);

@@ -360,7 +360,7 @@ impl Test {
     }
 
     /// Whether the value at the key (`None`: missing) passes.
-    fn passes(&self, have: Option<&Value>) -> bool {
+    pub(crate) fn passes(&self, have: Option<&Value>) -> bool {
         match (self, have) {
             (Self::Exists(want), have) => have.is_some() == *want,
             (Self::Ne(want), have) => !have.is_some_and(|h| scalar_eq(h, want)),

@@ -2,6 +2,7 @@
 //! pgvector shared by several servers. Both hold the same rows and answer the same queries;
 //! the [`crate::Store`] above them adds state objects, checks and the model binding.
 
+mod columns;
 mod postgres;
 mod sqlite;
 
@@ -293,5 +294,20 @@ pub(crate) mod checks {
                 .collect();
         assert_eq!(got, [ids[0], ids[1]]);
         assert_eq!(catalog.get_many(&[ids[1]]).unwrap()[0].metadata, de);
+
+        // Contexts added and removed after filters ran are seen by the next filter.
+        let de = Filter::new(&de).unwrap();
+        let (g, g_json) = ([0.0f32, 1.0], to_json(&obj(json!({"lang": "de", "year": 1999}))));
+        let added = catalog.insert(&[row("g", &g, &g_json)], &mut || Ok(())).unwrap()[0].unwrap();
+        assert_eq!(catalog.matching(&de).unwrap(), [ids[0], ids[1], added]);
+        let old = Filter::new(&obj(json!({"year": {"$lt": 2000}}))).unwrap();
+        assert_eq!(catalog.matching(&old).unwrap(), [added]);
+        catalog.delete(ids[1], &mut |_| Ok(())).unwrap();
+        assert_eq!(catalog.matching(&de).unwrap(), [ids[0], added]);
+        let not_de = Filter::new(&obj(json!({"lang": {"$ne": "de"}}))).unwrap();
+        assert_eq!(catalog.matching(&not_de).unwrap(), ids[2..]);
+        let top: Vec<i64> =
+            catalog.search(&[0.0, 1.0], 1, false, Scope::matching(&de)).unwrap().iter().map(|h| h.0).collect();
+        assert_eq!(top, [added]);
     }
 }

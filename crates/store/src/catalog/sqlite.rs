@@ -11,13 +11,13 @@ use std::sync::{Mutex, RwLock};
 use picaso_embed::{FlatIndex, VectorIndex};
 use rusqlite::{params, Connection, OptionalExtension};
 
+use super::columns::MetadataColumns;
 use super::{blob_to_f32s, blob_to_u32s, f32s_to_blob, u32s_to_blob, Catalog, Row, Totals};
 use crate::error::{Error, Result};
-use crate::filter::{Clause, Condition, Filter, Test};
+use crate::filter::Filter;
 use crate::location::CatalogUrl;
 use crate::metadata::{self, Scope};
 use crate::store::ContextRecord;
-use serde_json::Value;
 
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -40,12 +40,11 @@ CREATE TABLE IF NOT EXISTS contexts (
 CREATE INDEX IF NOT EXISTS contexts_metadata ON contexts (metadata);
 ";
 
-/// An index of the metadata alone: a filter scans it (it covers the query) instead of the
-/// table, whose rows hold embeddings and tokens. The metadata is stored as SQLite's binary JSON
-/// (`jsonb`), which the JSON functions read without parsing text: 26 ms instead of 115 for a
-/// filter over 100k contexts (BENCHMARKS.md). A plain column, not an index of `jsonb(...)`: a
-/// SQLite older than 3.45 (Debian 12's `sqlite3`) could not write a table indexed by a function
-/// it lacks.
+/// An index of the metadata alone: reading every context's metadata for the filter columns
+/// scans it (it covers the query) instead of the table, whose rows hold embeddings and tokens.
+/// The metadata is stored as SQLite's binary JSON (`jsonb`). A plain column, not an index of
+/// `jsonb(...)`: a SQLite older than 3.45 (Debian 12's `sqlite3`) could not write a table
+/// indexed by a function it lacks.
 const METADATA_INDEX: &str = "CREATE INDEX IF NOT EXISTS contexts_metadata ON contexts (metadata)";
 
 /// A record's columns, the metadata as JSON text: read as `{}` from a store made before the
@@ -90,114 +89,6 @@ fn upgrade(conn: &mut Connection) -> Result<()> {
     Ok(())
 }
 
-/// The SQL condition and parameters for contexts whose metadata matches `filter` (the rules
-/// of [`crate::filter`]), over SQLite's JSON functions.
-fn filter_sql(filter: &Filter) -> (String, Vec<rusqlite::types::Value>) {
-    let mut params = Vec::new();
-    let sql = clause_sql(filter.root(), &mut params);
-    (sql, params)
-}
-
-/// SQL for one clause of a filter, its parameters pushed onto `params`. A test of a missing key
-/// is NULL, which AND and OR treat as false (only `$ne` and `$nin` negate, and they say so).
-fn clause_sql(clause: &Clause, params: &mut Vec<rusqlite::types::Value>) -> String {
-    let join = |clauses: &[Clause], params: &mut Vec<_>, with: &str| {
-        let parts: Vec<String> = clauses.iter().map(|c| clause_sql(c, params)).collect();
-        format!("({})", parts.join(with))
-    };
-    match clause {
-        Clause::Key(condition) => condition_sql(condition, params),
-        Clause::All(clauses) => join(clauses, params, " AND "),
-        Clause::Any(clauses) => join(clauses, params, " OR "),
-    }
-}
-
-/// SQL for a test of one key.
-fn condition_sql(Condition { key, test }: &Condition, params: &mut Vec<rusqlite::types::Value>) -> String {
-    use rusqlite::types::Value as Sql;
-    // Empty lists: every parameter pushed must be used.
-    match test {
-        Test::In(wants) if wants.is_empty() => return "(0)".to_string(),
-        Test::NotIn(wants) if wants.is_empty() => return "(1)".to_string(),
-        _ => {}
-    }
-    // A path names a key in double quotes; a key holding one is looked up among the
-    // object's entries instead (slower, the same answer).
-    let quoted = key.contains('"');
-    params.push(Sql::Text(if quoted { key.clone() } else { format!("$.\"{key}\"") }));
-    let at = params.len();
-    let (type_of, value_of) = if quoted {
-        (
-            format!("(SELECT type FROM json_each(metadata) WHERE key = ?{at})"),
-            format!("(SELECT value FROM json_each(metadata) WHERE key = ?{at})"),
-        )
-    } else {
-        (format!("json_type(metadata, ?{at})"), format!("json_extract(metadata, ?{at})"))
-    };
-    let eq = |want: &Value, params: &mut Vec<Sql>| scalar_eq_sql(&type_of, &value_of, want, params);
-    let any_of = |wants: &[Value], params: &mut Vec<Sql>| {
-        wants.iter().map(|w| format!("({})", eq(w, params))).collect::<Vec<_>>().join(" OR ")
-    };
-    let test = match test {
-        Test::Eq(want) => eq(want, params),
-        // A missing key makes the test NULL; it passes "not equal".
-        Test::Ne(want) => format!("NOT IFNULL({}, 0)", eq(want, params)),
-        Test::In(wants) => any_of(wants, params),
-        Test::NotIn(wants) => format!("NOT IFNULL({}, 0)", any_of(wants, params)),
-        Test::Exists(true) => format!("{type_of} IS NOT NULL"),
-        Test::Exists(false) => format!("{type_of} IS NULL"),
-        Test::Compare(op, bound) => {
-            let types = if bound.is_number() { "'integer', 'real'" } else { "'text'" };
-            params.push(sql_scalar(bound));
-            format!("{type_of} IN ({types}) AND {value_of} {} ?{}", op.sql(), params.len())
-        }
-        Test::Contains(want) => {
-            // The list's elements, each tested like a value.
-            let elements = if quoted {
-                format!("json_each(metadata) AS o, json_each(o.value) AS e WHERE o.key = ?{at} AND")
-            } else {
-                format!("json_each(metadata, ?{at}) AS e WHERE")
-            };
-            let element = scalar_eq_sql("e.type", "e.value", want, params);
-            format!("{type_of} = 'array' AND EXISTS (SELECT 1 FROM {elements} {element})")
-        }
-    };
-    format!("({test})")
-}
-
-/// SQL testing that the value whose JSON type and value are `type_of` and `value_of` equals
-/// the scalar `want`, its parameters pushed onto `params`.
-fn scalar_eq_sql(type_of: &str, value_of: &str, want: &Value, params: &mut Vec<rusqlite::types::Value>) -> String {
-    match want {
-        Value::String(_) => {
-            params.push(sql_scalar(want));
-            format!("{type_of} = 'text' AND {value_of} = ?{}", params.len())
-        }
-        Value::Number(_) => {
-            params.push(sql_scalar(want));
-            format!("{type_of} IN ('integer', 'real') AND {value_of} = ?{}", params.len())
-        }
-        Value::Bool(true) => format!("{type_of} = 'true'"),
-        Value::Bool(false) => format!("{type_of} = 'false'"),
-        Value::Null => format!("{type_of} = 'null'"),
-        // Lists and objects are refused by `Filter::new`; match nothing if one gets here.
-        _ => "0".to_string(),
-    }
-}
-
-/// A scalar as an SQL parameter: text, or an integer or a float.
-fn sql_scalar(value: &Value) -> rusqlite::types::Value {
-    use rusqlite::types::Value as Sql;
-    match value {
-        Value::String(s) => Sql::Text(s.clone()),
-        Value::Number(n) => match n.as_i64() {
-            Some(i) => Sql::Integer(i),
-            None => Sql::Real(n.as_f64().unwrap_or(f64::NAN)),
-        },
-        _ => Sql::Null,
-    }
-}
-
 /// The retrieval index and the context id of each of its rows (ascending).
 struct Index {
     flat: FlatIndex,
@@ -205,6 +96,10 @@ struct Index {
     /// SQLite's `data_version` when the index last matched the table: it changes when another
     /// connection commits (this connection's own writes update the index as they commit).
     version: i64,
+    /// The contexts' metadata by key, read at the first filter and kept up to date by this
+    /// connection's inserts and deletes; dropped (read again at the next filter) when another
+    /// connection commits or metadata is set.
+    metadata: Option<MetadataColumns>,
 }
 
 /// The number SQLite changes whenever another connection commits to the database.
@@ -235,7 +130,7 @@ impl Index {
     /// Every context's embedding, in id order.
     fn load(dir: &Path, conn: &Connection, dim: usize) -> Result<Self> {
         let version = data_version(conn)?;
-        let mut index = Index { flat: FlatIndex::new(dim)?, ids: Vec::new(), version };
+        let mut index = Index { flat: FlatIndex::new(dim)?, ids: Vec::new(), version, metadata: None };
         let mut stmt = conn.prepare("SELECT id, embedding FROM contexts ORDER BY id")?;
         let mut rows = stmt.query([])?;
         while let Some(row) = rows.next()? {
@@ -254,6 +149,8 @@ impl Index {
         if version == self.version {
             return Ok(());
         }
+        // Which rows' metadata changed is not known: read it all again when a filter needs it.
+        self.metadata = None;
         let current: Vec<i64> = {
             let mut stmt = conn.prepare_cached("SELECT id FROM contexts ORDER BY id")?;
             let rows = stmt.query_map([], |r| r.get(0))?;
@@ -298,6 +195,50 @@ impl Index {
         self.version = version;
         Ok(())
     }
+
+    /// The metadata columns, read from the table if they are not held (`conn` must be the
+    /// connection the index was last synced on, held since).
+    fn metadata(&mut self, conn: &Connection, has_metadata: bool) -> Result<&MetadataColumns> {
+        if self.metadata.is_none() {
+            let mut columns = MetadataColumns::default();
+            if has_metadata {
+                // The metadata index covers this query: it scans that, not the table's
+                // embeddings and tokens, in the index's order (sorted by id here).
+                let mut stmt = conn.prepare_cached("SELECT id, json(metadata) FROM contexts")?;
+                let rows = stmt.query_map([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?)))?;
+                let mut rows: Vec<(i64, String)> = rows.collect::<std::result::Result<_, _>>()?;
+                rows.sort_unstable_by_key(|&(id, _)| id);
+                for (id, json) in rows {
+                    columns.push(id, &json)?;
+                }
+            } else {
+                for &id in &self.ids {
+                    columns.push(id, "{}")?;
+                }
+            }
+            self.metadata = Some(columns);
+        }
+        Ok(self.metadata.as_ref().expect("just read"))
+    }
+}
+
+/// The rows of the ascending `index_ids` that hold the ascending `ids` (ids not there are
+/// left out): a binary search each for a few ids, one walk along both for many.
+fn rows_of(index_ids: &[i64], ids: &[i64]) -> Vec<usize> {
+    if ids.len().saturating_mul(16) < index_ids.len() {
+        return ids.iter().filter_map(|id| index_ids.binary_search(id).ok()).collect();
+    }
+    let mut rows = Vec::with_capacity(ids.len());
+    let mut row = 0;
+    for &id in ids {
+        while row < index_ids.len() && index_ids[row] < id {
+            row += 1;
+        }
+        if index_ids.get(row) == Some(&id) {
+            rows.push(row);
+        }
+    }
+    rows
 }
 
 /// Name prefix of a database being built by [`SqliteCatalog::create`], in the store folder.
@@ -625,6 +566,14 @@ impl Catalog for SqliteCatalog {
                     index.ids = order.iter().map(|&i| index.ids[i]).collect();
                     index.flat = FlatIndex::from_flat(dim, flat)?;
                 }
+                let appended = match &mut index.metadata {
+                    Some(columns) => columns.push(*id, r.metadata).unwrap_or(false),
+                    None => true,
+                };
+                if !appended {
+                    // Out of order (or not an object): read the columns again when needed.
+                    index.metadata = None;
+                }
             }
         }
         Ok(ids)
@@ -671,6 +620,9 @@ impl Catalog for SqliteCatalog {
                 flat.drain(pos * dim..(pos + 1) * dim);
                 index.flat = FlatIndex::from_flat(dim, flat)?;
                 index.ids.remove(pos);
+            }
+            if let Some(columns) = &mut index.metadata {
+                columns.remove(id);
             }
         }
         let shared: i64 =
@@ -722,10 +674,7 @@ impl Catalog for SqliteCatalog {
             None => index.flat.search(query, k)?,
             Some(ids) => {
                 // Rows of the index (a context deleted between the two reads is left out).
-                let mut rows: Vec<usize> = ids.iter().filter_map(|id| index.ids.binary_search(id).ok()).collect();
-                rows.sort_unstable();
-                rows.dedup();
-                index.flat.search_among(query, k, &rows)?
+                index.flat.search_among(query, k, &rows_of(&index.ids, &ids))?
             }
         };
         Ok(hits.into_iter().map(|(row, score)| (index.ids[row], score)).collect())
@@ -750,21 +699,29 @@ impl Catalog for SqliteCatalog {
             }
         }
         tx.commit()?;
+        if changed > 0 {
+            // Many contexts may have changed: the next filter reads the columns again.
+            self.index.write().unwrap_or_else(|p| p.into_inner()).metadata = None;
+        }
         Ok(changed)
     }
 
     fn matching(&self, filter: &Filter) -> Result<Vec<i64>> {
-        if !self.has_metadata {
-            return Ok(Vec::new());
+        {
+            let index = self.index()?;
+            if let Some(columns) = &index.metadata {
+                return Ok(columns.matching(filter));
+            }
         }
-        let (condition, params) = filter_sql(filter);
+        // The first filter since the store opened, metadata was set or another connection
+        // committed: the columns are read under the index's write lock, taken after the
+        // connection as everywhere, with the index brought up to date first.
         let conn = self.conn();
-        let mut stmt = conn.prepare(&format!("SELECT id FROM contexts WHERE {condition}"))?;
-        let rows = stmt.query_map(rusqlite::params_from_iter(params), |r| r.get(0))?;
-        let mut ids: Vec<i64> = rows.collect::<std::result::Result<_, _>>()?;
-        // In the metadata index's order: sorted here, not by SQLite over the table.
-        ids.sort_unstable();
-        Ok(ids)
+        let version = data_version(&conn)?;
+        let mut index = self.index.write().unwrap_or_else(|p| p.into_inner());
+        index.sync(&self.dir, &conn, version)?;
+        let columns = index.metadata(&conn, self.has_metadata)?;
+        Ok(columns.matching(filter))
     }
 
     fn embedding(&self, id: i64) -> Result<Vec<f32>> {
@@ -839,6 +796,24 @@ mod tests {
         let other = SqliteCatalog::open(tmp.path()).unwrap();
         let de = crate::filter::Filter::new(&crate::metadata::from_json(r#"{"lang": "de"}"#).unwrap()).unwrap();
         assert_eq!(other.search(&[1.0, 0.0], 10, false, Scope::matching(&de)).unwrap().len(), 2);
+        // The first connection's filters see the other's commits: a context added, then relabelled.
+        let fr = crate::filter::Filter::new(&crate::metadata::from_json(r#"{"lang": "fr"}"#).unwrap()).unwrap();
+        let before = catalog.matching(&fr).unwrap();
+        let row = crate::catalog::checks::row("h", &[0.6, 0.8], r#"{"lang": "fr"}"#);
+        let h = other.insert(&[row], &mut || Ok(())).unwrap()[0].unwrap();
+        assert_eq!(catalog.matching(&fr).unwrap(), [before.clone(), vec![h]].concat());
+        assert_eq!(catalog.search(&[0.6, 0.8], 1, false, Scope::matching(&fr)).unwrap()[0].0, h);
+        other.set_metadata(&[h], r#"{"lang": "es"}"#).unwrap();
+        assert_eq!(catalog.matching(&fr).unwrap(), before);
+    }
+
+    #[test]
+    fn rows_of_finds_the_ids_rows_by_search_or_walk() {
+        let index_ids: Vec<i64> = (0..100).map(|i| 3 * i + 1).collect();
+        for ids in [vec![], vec![4, 5, 298], (0..300).collect::<Vec<i64>>(), (0..300).step_by(2).collect()] {
+            let want: Vec<usize> = ids.iter().filter_map(|id| index_ids.binary_search(id).ok()).collect();
+            assert_eq!(rows_of(&index_ids, &ids), want, "{} ids", ids.len());
+        }
     }
 
     /// A store made before the metadata column gets it when opened, with `{}` for every
@@ -856,13 +831,8 @@ mod tests {
         drop(conn);
         let catalog = SqliteCatalog::open(tmp.path()).unwrap();
         let conn = Connection::open(tmp.path().join("store.sqlite")).unwrap();
-        let plan: String = conn
-            .query_row(
-                "EXPLAIN QUERY PLAN SELECT id FROM contexts WHERE json_type(metadata, '$.a') = 'true'",
-                [],
-                |r| r.get(3),
-            )
-            .unwrap();
+        let plan: String =
+            conn.query_row("EXPLAIN QUERY PLAN SELECT id, json(metadata) FROM contexts", [], |r| r.get(3)).unwrap();
         assert!(plan.contains("COVERING INDEX contexts_metadata"), "the index came with the column: {plan}");
         assert!(catalog.get_many(&[id]).unwrap()[0].metadata.is_empty());
         let en = crate::metadata::from_json(r#"{"lang":"en"}"#).unwrap();
