@@ -150,9 +150,7 @@ pub fn delete(a: DeleteArgs) -> Result<()> {
     }
     let mut seen = std::collections::HashSet::new();
     ids.retain(|id| seen.insert(*id));
-    for &id in &ids {
-        store.delete_if_present(id)?; // one gone already was another writer's delete
-    }
+    store.delete_many(&ids)?; // one gone already was another writer's delete
     let stats = store.stats()?;
     if a.json {
         println!("{}", json!({"deleted": ids, "store": stats}));

@@ -313,7 +313,19 @@ fn serve_completions_contexts_search_metrics_and_bad_input(arch: &str, db: &Test
     let (_, rec) = server.call("GET", &format!("/v1/contexts/{}", first["id"]), None);
     assert_eq!(rec["metadata"], json!({"src": "y"}));
     assert_eq!(server.call("DELETE", "/v1/documents/notes", None).0, 200);
-    assert_eq!(server.call("DELETE", "/v1/documents/figs", None).0, 200);
+    // Removing by metadata: the relabelled fig goes; nothing matches a second time.
+    let by_src = "/v1/contexts?filter=%7B%22src%22%3A%22y%22%7D";
+    let (status, removed) = server.call("DELETE", by_src, None);
+    assert_eq!((status, &removed["deleted"]), (200, &json!([first["id"]])), "{removed}");
+    assert_eq!(server.call("GET", &format!("/v1/contexts/{}", first["id"]), None).0, 404);
+    let (status, none) = server.call("DELETE", by_src, None);
+    assert_eq!(status, 404, "{none}");
+    assert!(none.to_string().contains("nothing was removed"), "{none}");
+    let (status, unfiltered) = server.call("DELETE", "/v1/contexts", None);
+    assert_eq!(status, 400, "no filter, no removal: {unfiltered}");
+    assert!(unfiltered.to_string().contains("DELETE /v1/contexts/{id}"), "{unfiltered}");
+    assert_eq!(server.call("DELETE", &format!("{by_src}&limit=5"), None).0, 400, "an unknown parameter");
+    assert_eq!(server.call("DELETE", "/v1/contexts?filter=%7B%7D", None).0, 400, "an empty filter");
 
     let v = server.complete(json!({"prompt": "Bananas", "max_tokens": 2, "contexts": [id]}));
     assert_eq!(v["picaso"]["contexts"][0]["id"].as_i64(), Some(id));

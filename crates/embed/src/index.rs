@@ -149,6 +149,27 @@ impl FlatIndex {
         Ok(top.into_sorted())
     }
 
+    /// Removes the rows `rows` (ascending, each once), moving the later rows down in place: the
+    /// rows after them take new ids, in order. Fails, removing nothing, on a row not here or
+    /// a list not strictly ascending.
+    pub fn remove_rows(&mut self, rows: &[usize]) -> Result<()> {
+        if let Some(w) = rows.windows(2).find(|w| w[0] >= w[1]) {
+            return Err(Error::Input(format!("rows to remove must ascend, each once: {} then {}", w[0], w[1])));
+        }
+        if let Some(&last) = rows.last().filter(|&&r| r >= self.len()) {
+            return Err(Error::Input(format!("row {last} is not in the index, which holds {}", self.len())));
+        }
+        let dim = self.dim;
+        let mut kept = rows.first().map_or(self.len(), |&r| r);
+        for (i, &row) in rows.iter().enumerate() {
+            let next = rows.get(i + 1).copied().unwrap_or(self.len());
+            self.data.copy_within((row + 1) * dim..next * dim, kept * dim);
+            kept += next - row - 1;
+        }
+        self.data.truncate(kept * dim);
+        Ok(())
+    }
+
     /// All stored vectors, row-major.
     pub fn as_flat(&self) -> &[f32] {
         &self.data

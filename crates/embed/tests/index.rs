@@ -140,3 +140,25 @@ fn usable_as_a_trait_object() {
     assert_eq!(index.search(&[1.0, 0.0], 1).unwrap(), vec![(1, 1.0)]);
     assert_eq!(index.search_batch(&[1.0, 0.0, 0.0, 1.0], 1).unwrap(), vec![vec![(1, 1.0)], vec![(0, 1.0)]]);
 }
+
+#[test]
+fn remove_rows_keeps_the_others_in_order() {
+    let dim = 3;
+    let data = grid_matrix(20, dim, 9);
+    for rows in [vec![], vec![0], vec![19], vec![3, 4, 5, 11], vec![0, 2, 19], (0..20).collect::<Vec<_>>()] {
+        let mut index = FlatIndex::from_flat(dim, data.clone()).unwrap();
+        index.remove_rows(&rows).unwrap();
+        let want: Vec<f32> = data
+            .chunks_exact(dim)
+            .enumerate()
+            .filter(|(i, _)| !rows.contains(i))
+            .flat_map(|(_, r)| r.to_vec())
+            .collect();
+        assert_eq!(index.as_flat(), &want[..], "{rows:?}");
+    }
+    let mut index = FlatIndex::from_flat(dim, data.clone()).unwrap();
+    assert!(matches!(index.remove_rows(&[4, 4]), Err(Error::Input(_))));
+    assert!(matches!(index.remove_rows(&[5, 2]), Err(Error::Input(_))));
+    assert!(matches!(index.remove_rows(&[1, 20]), Err(Error::Input(_))));
+    assert_eq!(index.as_flat(), &data[..], "a refused removal removes nothing");
+}

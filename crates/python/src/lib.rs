@@ -978,6 +978,18 @@ impl Store {
         .map_err(store_err)
     }
 
+    /// Removes every context whose metadata passes `filter` (as for `search`), all at once;
+    /// returns their ids, ascending (empty when none passes).
+    fn delete_matching(&self, py: Python<'_>, filter: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+        let filter = picaso_store::Filter::new(&metadata_from_py(filter, "filter")?).map_err(store_err)?;
+        let store = &self.inner;
+        py.detach(|| {
+            let _writer = store.lock_writes()?;
+            store.delete_many(&store.matching(&filter)?)
+        })
+        .map_err(store_err)
+    }
+
     /// The stored state of one context.
     fn load_state(&self, py: Python<'_>, id: i64) -> PyResult<State> {
         let store = &self.inner;

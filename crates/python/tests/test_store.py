@@ -140,6 +140,14 @@ def test_metadata_and_filters(model, embedder, tmp_path):
             store.ingest([{"id": "x", "text": "Hello.", "url": "https://b.example"}])
         with pytest.raises(TypeError, match="JSON values"):
             store.ingest([{"id": "x", "text": "Hello.", "metadata": {"when": object()}}])
+        # Removing by metadata: the French context goes, the others stay.
+        fr = store.ids(filter={"lang": "fr"})
+        before = len(store)
+        assert store.delete_matching({"lang": "fr"}) == fr and len(fr) == 1
+        assert store.delete_matching({"lang": "fr"}) == []
+        assert len(store) == before - 1 and not store.search(question, k=10, filter={"lang": "fr"})
+        with pytest.raises(ValueError, match="empty metadata filter"):
+            store.delete_matching({})
 
 
 def test_documents_are_kept_up_to_date(model, embedder, tmp_path):

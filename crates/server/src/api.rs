@@ -328,6 +328,14 @@ pub struct ContextsQuery {
     pub filter: Option<String>,
 }
 
+/// The query of `DELETE /v1/contexts`: the contexts to remove, by their metadata.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeleteQuery {
+    /// A metadata filter, as JSON text (required: without one nothing is removed).
+    pub filter: Option<String>,
+}
+
 /// A page of a listing.
 #[derive(Debug, Clone, Serialize)]
 pub struct Page<T, K> {

@@ -603,14 +603,7 @@ impl App {
             let data: Vec<_> = self.store.export(after, limit + 1)?.into_iter().map(|(r, _)| r).collect();
             return Ok(page(data, limit, |r| r.id));
         };
-        let filter = match serde_json::from_str::<serde_json::Value>(filter) {
-            Ok(serde_json::Value::Object(f)) => Filter::new(&f)?,
-            _ => {
-                return Err(ApiError::bad_request(
-                    "`filter` must be a JSON object, URL-encoded (e.g. ?filter=%7B%22lang%22%3A%22en%22%7D for {\"lang\":\"en\"})",
-                ))
-            }
-        };
+        let filter = filter_param(filter)?;
         let matching = self.store.matching(&filter)?;
         let mut data = Vec::with_capacity(limit + 1);
         // Records of the ids after `after`, a page at a time (one deleted meanwhile is left out).
@@ -710,23 +703,46 @@ impl App {
         if removed.is_empty() {
             return Err(ApiError::not_found(format!("no document {id:?} in this store")));
         }
-        for &id in &removed {
-            self.cache.remove(id);
-        }
-        if let Ok(n) = self.store.len() {
-            self.metrics.contexts.set(n as i64);
-        }
+        self.forget(&removed);
         Ok(removed.len())
     }
 
     /// Removes a context. Blocking.
     pub(crate) fn delete_context(&self, id: i64) -> Result<(), ApiError> {
         self.store.delete(id)?;
-        self.cache.remove(id);
+        self.forget(&[id]);
+        Ok(())
+    }
+
+    /// Removes every context whose metadata passes the query's filter, all at once; refused
+    /// (404, nothing removed) when none does. Blocking. Returns the ids removed.
+    pub(crate) fn delete_matching(&self, q: DeleteQuery) -> Result<Vec<i64>, ApiError> {
+        let Some(filter) = q.filter else {
+            return Err(ApiError::bad_request(
+                "DELETE /v1/contexts removes the contexts whose metadata passes `filter` (URL-encoded JSON, e.g. \
+                 ?filter=%7B%22source%22%3A%22old%22%7D for {\"source\":\"old\"}); to remove one context, \
+                 DELETE /v1/contexts/{id}",
+            ));
+        };
+        let filter = filter_param(&filter)?;
+        let _one_writer = self.documents.lock().unwrap_or_else(|p| p.into_inner());
+        let matching = self.store.matching(&filter)?;
+        if matching.is_empty() {
+            return Err(ApiError::not_found("no context has metadata matching the filter; nothing was removed"));
+        }
+        let removed = self.store.delete_many(&matching)?;
+        self.forget(&removed);
+        Ok(removed)
+    }
+
+    /// Drops removed contexts from the state cache and updates the context count.
+    fn forget(&self, ids: &[i64]) {
+        for &id in ids {
+            self.cache.remove(id);
+        }
         if let Ok(n) = self.store.len() {
             self.metrics.contexts.set(n as i64);
         }
-        Ok(())
     }
 
     /// Refuses a context listed twice, more contexts than the server combines, and `documents`
@@ -857,5 +873,16 @@ impl App {
             })
             .collect();
         Ok(SearchResponse { results })
+    }
+}
+
+/// A metadata filter given in a query string: JSON text (the query string's decoding already
+/// undid the URL encoding), checked.
+fn filter_param(filter: &str) -> Result<Filter, ApiError> {
+    match serde_json::from_str::<serde_json::Value>(filter) {
+        Ok(serde_json::Value::Object(f)) => Ok(Filter::new(&f)?),
+        _ => Err(ApiError::bad_request(
+            "`filter` must be a JSON object, URL-encoded (e.g. ?filter=%7B%22lang%22%3A%22en%22%7D for {\"lang\":\"en\"})",
+        )),
     }
 }

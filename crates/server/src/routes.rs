@@ -30,7 +30,7 @@ pub fn router(app: Arc<App>) -> Router {
     let body_limit = app.limits.max_body_bytes;
     Router::new()
         .route("/v1/completions", post(completions))
-        .route("/v1/contexts", post(add_context).get(list_contexts))
+        .route("/v1/contexts", post(add_context).get(list_contexts).delete(delete_matching))
         .route("/v1/contexts/{id}", get(get_context).delete(delete_context))
         .route("/v1/documents", post(add_document).get(list_documents))
         .route("/v1/documents/{*id}", get(get_document).delete(delete_document))
@@ -166,6 +166,12 @@ async fn list_contexts(State(app): Shared, query: QueryOf<ContextsQuery>) -> Res
     let q = parse_query(query)?;
     let listed = blocking(move || app.list_contexts(q)).await?;
     Ok(Json(listed).into_response())
+}
+
+async fn delete_matching(State(app): Shared, query: QueryOf<DeleteQuery>) -> Result<Response, ApiError> {
+    let q = parse_query(query)?;
+    let removed = blocking(move || app.delete_matching(q)).await?;
+    Ok(Json(json!({"deleted": removed})).into_response())
 }
 
 async fn add_document(State(app): Shared, ApiJson(req): ApiJson<AddDocument>) -> Result<Response, ApiError> {

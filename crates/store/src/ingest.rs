@@ -291,13 +291,10 @@ pub fn ingest_while(
                 metadata: p.metadata.clone(),
             });
         }
-        let mut replaced = Vec::with_capacity(chunk.len());
-        for p in chunk {
-            replaced.push(match p.replaces {
-                Some(id) => store.delete_if_present(id)?,
-                None => false,
-            });
-        }
+        // The chunk's replaced contexts go together (one pass over the index).
+        let gone = store.delete_many(&chunk.iter().filter_map(|p| p.replaces).collect::<Vec<_>>())?;
+        let replaced: Vec<bool> =
+            chunk.iter().map(|p| p.replaces.is_some_and(|id| gone.binary_search(&id).is_ok())).collect();
         // Only what this run inserted counts: a segment another writer stored meanwhile (a
         // concurrent ingest of the same documents into a PostgreSQL store) is skipped.
         for ((p, id), replaced) in chunk.iter().zip(store.insert(&items)?).zip(replaced) {
@@ -321,9 +318,7 @@ pub fn ingest_while(
     for (d, ids) in relabel {
         progress.relabelled += store.set_metadata(&ids, &docs[d].metadata)? as usize;
     }
-    for id in stale {
-        progress.removed += usize::from(store.delete_if_present(id)?);
-    }
+    progress.removed += store.delete_many(&stale)?.len();
     progress.seconds = start.elapsed().as_secs_f64();
     Ok(progress)
 }

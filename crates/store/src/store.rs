@@ -862,8 +862,23 @@ impl Store {
 
     /// Removes context `id` (and its state object unless another context shares it).
     pub fn delete(&self, id: i64) -> Result<()> {
+        self.catalog.delete(id, &mut |sum| self.remove_state(sum))
+    }
+
+    /// Removes the contexts `ids` that are here (each with its state object unless another
+    /// context shares it), all at once: returns those removed, ascending. One gone already
+    /// (another writer removed it) is skipped.
+    pub fn delete_many(&self, ids: &[i64]) -> Result<Vec<i64>> {
+        self.catalog.delete_many(ids, &mut |sum| self.remove_state(sum))
+    }
+
+    fn remove_state(&self, checksum: &str) -> Result<()> {
         // A damaged checksum names no object of this store: nothing to remove.
-        self.catalog.delete(id, &mut |sum| if is_checksum(sum) { self.states.delete(&key_of(sum)) } else { Ok(()) })
+        if is_checksum(checksum) {
+            self.states.delete(&key_of(checksum))
+        } else {
+            Ok(())
+        }
     }
 
     /// [`Store::delete`], where a context already gone (another writer removed it) is no
@@ -879,13 +894,8 @@ impl Store {
     /// Removes every context of document `doc` (see [`Store::delete`]); returns the ids removed
     /// (none for a document the store does not hold).
     pub fn delete_document(&self, doc: &str) -> Result<Vec<i64>> {
-        let mut removed = Vec::new();
-        for id in self.segments_of(doc)?.into_values() {
-            if self.delete_if_present(id)? {
-                removed.push(id);
-            }
-        }
-        Ok(removed)
+        let ids: Vec<i64> = self.segments_of(doc)?.into_values().collect();
+        self.delete_many(&ids)
     }
 
     /// The `k` contexts most similar to `query` (a normalised embedding): (id, cosine), best

@@ -165,6 +165,9 @@ class Store:
     def delete(self, id: int) -> None: ...
     def delete_document(self, doc: str) -> int:
         """Removes every context of document `doc`; returns how many."""
+    def delete_matching(self, filter: Filter) -> list[int]:
+        """Removes every context whose metadata passes `filter`, all at once; returns their
+        ids, ascending (empty when none passes)."""
     def load_state(self, id: int) -> State: ...
     def stats(self) -> dict[str, Any]: ...
     def check(self, *, repair: bool = False, quick: bool = False) -> dict[str, Any]:

@@ -111,15 +111,18 @@ impl MetadataColumns {
         Ok(true)
     }
 
-    /// Removes context `id` (nothing if it is not here).
-    pub(crate) fn remove(&mut self, id: i64) {
-        let Ok(at) = self.ids.binary_search(&id) else { return };
-        self.ids.remove(at);
+    /// Removes the contexts `ids` (ascending; those not here are skipped), in one pass over
+    /// each column.
+    pub(crate) fn remove(&mut self, ids: &[i64]) {
+        if ids.is_empty() {
+            return;
+        }
+        let gone = |id: &i64| ids.binary_search(id).is_ok();
+        self.ids.retain(|id| !gone(id));
         self.columns.retain(|_, column| {
-            if let Ok(at) = column.ids.binary_search(&id) {
-                column.ids.remove(at);
-                column.codes.remove(at);
-            }
+            let mut keep = column.ids.iter().map(|id| !gone(id));
+            column.codes.retain(|_| keep.next().unwrap_or(true));
+            column.ids.retain(|id| !gone(id));
             !column.ids.is_empty()
         });
     }
@@ -268,9 +271,8 @@ mod tests {
         }
         assert!(!columns.push(40, "{}").unwrap(), "an id not above the others is refused");
         assert!(columns.push(41, "[1]").is_err(), "metadata that is not an object is refused");
-        for i in [1, 8, 9, 40, 77] {
-            columns.remove(i);
-        }
+        columns.remove(&[1, 8, 9]);
+        columns.remove(&[40, 77]);
         let kept: Vec<i64> = (2..40).filter(|i| ![8, 9].contains(i)).collect();
         for f in [
             json!({"n": 2}),
@@ -285,11 +287,9 @@ mod tests {
             assert_eq!(columns.matching(&filter), want, "{f}");
         }
         assert!(!columns.columns.contains_key("missing"));
-        columns.remove(4);
-        columns.remove(12);
-        for i in (16..40).step_by(4) {
-            columns.remove(i);
-        }
+        columns.remove(&[4]);
+        columns.remove(&[12]);
+        columns.remove(&(16..40).step_by(4).collect::<Vec<_>>());
         assert!(!columns.columns.contains_key("only4"), "an emptied column is dropped");
     }
 }

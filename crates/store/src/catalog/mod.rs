@@ -12,7 +12,7 @@ pub(crate) use sqlite::CREATING_PREFIX;
 
 use std::collections::BTreeMap;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::filter::Filter;
 use crate::metadata::Scope;
 use crate::store::ContextRecord;
@@ -85,6 +85,20 @@ pub trait Catalog: Send + Sync + std::fmt::Debug {
     /// goes first (committed): a crash or a failed removal leaves an orphan object, never a row
     /// without its object.
     fn delete(&self, id: i64, remove_state: &mut dyn FnMut(&str) -> Result<()>) -> Result<()>;
+    /// Deletes the contexts `ids` that are here, each as [`delete`](Self::delete) does;
+    /// returns those removed, ascending.
+    fn delete_many(&self, ids: &[i64], remove_state: &mut dyn FnMut(&str) -> Result<()>) -> Result<Vec<i64>> {
+        let mut removed = Vec::new();
+        for &id in ids {
+            match self.delete(id, remove_state) {
+                Ok(()) => removed.push(id),
+                Err(Error::NotFound(_)) => {} // gone already: another writer's delete
+                Err(e) => return Err(e),
+            }
+        }
+        removed.sort_unstable();
+        Ok(removed)
+    }
     /// Points context `id` at another state object (`checksum`, `state_file`, `state_bytes`),
     /// keeping everything else; `write_states` writes that object first, under the lock an
     /// insert takes. For a context whose object was lost and whose state, recomputed from its

@@ -604,36 +604,58 @@ impl Catalog for SqliteCatalog {
     }
 
     fn delete(&self, id: i64, remove_state: &mut dyn FnMut(&str) -> Result<()>) -> Result<()> {
+        match self.delete_many(&[id], remove_state)?.is_empty() {
+            true => Err(Error::NotFound(id)),
+            false => Ok(()),
+        }
+    }
+
+    /// One transaction for the rows and one pass over the index, whatever the count (a
+    /// delete at a time would rewrite the index's whole matrix per context).
+    fn delete_many(&self, ids: &[i64], remove_state: &mut dyn FnMut(&str) -> Result<()>) -> Result<Vec<i64>> {
         let _writes = self.writes.lock().unwrap_or_else(|p| p.into_inner());
-        let conn = self.conn();
-        let checksum: String = conn
-            .query_row("SELECT checksum FROM contexts WHERE id = ?1", [id], |r| r.get(0))
-            .optional()?
-            .ok_or(Error::NotFound(id))?;
-        conn.execute("DELETE FROM contexts WHERE id = ?1", [id])?;
+        let mut conn = self.conn();
+        let tx = conn.transaction()?;
+        let (mut removed, mut checksums) = (Vec::new(), std::collections::BTreeSet::new());
+        {
+            let mut delete = tx.prepare_cached("DELETE FROM contexts WHERE id = ?1 RETURNING checksum")?;
+            for &id in ids {
+                if let Some(checksum) = delete.query_row([id], |r| r.get::<_, String>(0)).optional()? {
+                    removed.push(id);
+                    checksums.insert(checksum);
+                }
+            }
+        }
+        tx.commit()?;
+        removed.sort_unstable();
         {
             // Before searches can run again: a search never ranks a context whose row is gone.
             let mut index = self.index.write().unwrap_or_else(|p| p.into_inner());
-            if let Ok(pos) = index.ids.binary_search(&id) {
-                let dim = index.flat.dim();
-                let mut flat = index.flat.as_flat().to_vec();
-                flat.drain(pos * dim..(pos + 1) * dim);
-                index.flat = FlatIndex::from_flat(dim, flat)?;
-                index.ids.remove(pos);
-            }
+            let rows = rows_of(&index.ids, &removed);
+            index.flat.remove_rows(&rows)?;
+            let mut row = 0;
+            index.ids.retain(|_| {
+                row += 1;
+                rows.binary_search(&(row - 1)).is_err()
+            });
             if let Some(columns) = &mut index.metadata {
-                columns.remove(id);
+                columns.remove(&removed);
             }
         }
-        let shared: i64 =
-            conn.query_row("SELECT COUNT(*) FROM contexts WHERE checksum = ?1", [&checksum], |r| r.get(0))?;
+        let mut shared = conn.prepare_cached("SELECT EXISTS (SELECT 1 FROM contexts WHERE checksum = ?1)")?;
+        let unshared: Vec<String> = checksums
+            .into_iter()
+            .map(|sum| Ok((!shared.query_row([&sum], |r| r.get::<_, bool>(0))?).then_some(sum)))
+            .filter_map(Result::transpose)
+            .collect::<Result<_>>()?;
+        drop(shared);
         drop(conn);
-        if shared == 0 {
+        for checksum in unshared {
             // The row is gone for good: an object that cannot be removed stays as an orphan
             // (the next write of that state replaces it) and the delete still succeeded.
             let _ = remove_state(&checksum);
         }
-        Ok(())
+        Ok(removed)
     }
 
     fn restate(

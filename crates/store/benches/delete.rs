@@ -1,0 +1,95 @@
+//! Removing contexts from a folder store of 100k contexts (embeddings of dimension 384): a
+//! hundred one at a time, as `Catalog::delete` does each, against a hundred and ten thousand
+//! at once (`Catalog::delete_many`: one transaction, one pass over the in-memory index). Each
+//! sample removes from a fresh copy of the store, opened before the clock starts.
+//!
+//! `cargo bench -p picaso-store --bench delete`
+
+use std::path::Path;
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
+use picaso_store::catalog::{Catalog, Row, SqliteCatalog};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+const N: usize = 100_000;
+const DIM: usize = 384;
+
+fn filled(dir: &Path) {
+    let catalog = SqliteCatalog::create(dir, DIM, &[]).unwrap();
+    let mut rng = StdRng::seed_from_u64(7);
+    for start in (0..N).step_by(1000) {
+        let items: Vec<(String, Vec<f32>, String)> = (start..start + 1000)
+            .map(|i| {
+                let embedding = (0..DIM).map(|_| rng.random::<f32>() * 2.0 - 1.0).collect();
+                (format!("doc{}", i / 10), embedding, format!(r#"{{"n": {}}}"#, i % 7))
+            })
+            .collect();
+        let rows: Vec<Row<'_>> = items
+            .iter()
+            .enumerate()
+            .map(|(j, (doc, embedding, metadata))| Row {
+                id: None,
+                doc,
+                seg: ((start + j) % 10) as u32,
+                text: "a paragraph",
+                tokens: &[1, 2, 3],
+                embedding,
+                fingerprint: "f",
+                state_file: "states/01/0123456789abcdef0123456789abcdef.safetensors",
+                checksum: "0123456789abcdef0123456789abcdef",
+                state_bytes: 10,
+                created: 0,
+                metadata,
+            })
+            .collect();
+        catalog.insert(&rows, &mut || Ok(())).unwrap();
+    }
+}
+
+/// A fresh copy of the store in `original`, opened.
+fn copy_of(original: &Path) -> (tempfile::TempDir, SqliteCatalog) {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(original.join("store.sqlite"), dir.path().join("store.sqlite")).unwrap();
+    let catalog = SqliteCatalog::open(dir.path()).unwrap();
+    (dir, catalog)
+}
+
+fn bench(c: &mut Criterion) {
+    let original = tempfile::tempdir().unwrap();
+    filled(original.path()); // closed: the WAL is checkpointed into store.sqlite
+    let ids = |n: usize| -> Vec<i64> { (0..n).map(|i| (1 + i * (N / n)) as i64).collect() };
+    let (hundred, ten_thousand) = (ids(100), ids(10_000));
+    let mut group = c.benchmark_group("sqlite_100k_x_384");
+    group.sample_size(10).warm_up_time(Duration::from_millis(1)).measurement_time(Duration::from_secs(20));
+    group.bench_function("delete 100, one at a time", |b| {
+        b.iter_batched_ref(
+            || copy_of(original.path()),
+            |(_, catalog)| {
+                for &id in &hundred {
+                    catalog.delete(id, &mut |_| Ok(())).unwrap();
+                }
+            },
+            BatchSize::PerIteration,
+        )
+    });
+    group.bench_function("delete 100 at once", |b| {
+        b.iter_batched_ref(
+            || copy_of(original.path()),
+            |(_, catalog)| assert_eq!(catalog.delete_many(&hundred, &mut |_| Ok(())).unwrap().len(), 100),
+            BatchSize::PerIteration,
+        )
+    });
+    group.bench_function("delete 10,000 at once", |b| {
+        b.iter_batched_ref(
+            || copy_of(original.path()),
+            |(_, catalog)| assert_eq!(catalog.delete_many(&ten_thousand, &mut |_| Ok(())).unwrap().len(), 10_000),
+            BatchSize::PerIteration,
+        )
+    });
+    group.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
