@@ -28,7 +28,12 @@ pub fn documents(a: DocumentsArgs) -> Result<()> {
         if a.json {
             println!("{}", serde_json::to_string(&d)?);
         } else {
-            println!("{:>6} contexts {:>8} tokens  {}", d.contexts, d.tokens, d.id);
+            let metadata = if d.metadata.is_empty() {
+                String::new()
+            } else {
+                format!("  {}", serde_json::Value::Object(d.metadata))
+            };
+            println!("{:>6} contexts {:>8} tokens  {}{metadata}", d.contexts, d.tokens, d.id);
         }
     }
     Ok(())

@@ -258,6 +258,13 @@ fn serve_completions_contexts_search_metrics_and_bad_input(arch: &str, db: &Test
     };
     let (status, added) = notes(2024);
     assert_eq!((status, added["added"].as_u64()), (201, Some(2)), "{added}");
+    let (_, listed) = server.call("GET", "/v1/documents", None);
+    let listed = listed["data"].as_array().unwrap().iter().find(|d| d["id"] == "notes").cloned();
+    assert_eq!(
+        listed.map(|d| d["metadata"].clone()),
+        Some(json!({"lang": "en", "year": 2024})),
+        "a document's metadata"
+    );
     let mut note_ids: Vec<i64> =
         added["contexts"].as_array().unwrap().iter().map(|c| c["id"].as_i64().unwrap()).collect();
     let (status, found) = server.post("/v1/search", json!({"query": "fruit", "k": 10, "filter": {"year": 2024}}));

@@ -1036,12 +1036,14 @@ impl Store {
         Ok(d)
     }
 
-    /// Every document, in name order: [{id, contexts, tokens}].
+    /// Every document, in name order: [{id, contexts, tokens, metadata}] (the metadata of its
+    /// first context).
     fn documents<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let all = self.inner.all_documents().map_err(store_err)?;
         let list = PyList::empty(py);
         for d in all {
             let item = PyDict::new(py);
+            item.set_item("metadata", metadata_to_py(py, &d.metadata)?)?;
             item.set_item("id", d.id)?;
             item.set_item("contexts", d.contexts)?;
             item.set_item("tokens", d.tokens)?;

@@ -125,6 +125,7 @@ def test_metadata_and_filters(model, embedder, tmp_path):
                                 "metadata": {"lang": "en", "year": 2025}}])
         assert (report["added"], report["relabelled"], report["skipped"]) == (0, 2, 2)
         assert [(c["id"], c["metadata"]["year"]) for c in store.document("en")] == [(i, 2025) for i in ids]
+        assert {d["id"]: d["metadata"] for d in store.documents()}["en"] == {"lang": "en", "year": 2025}
         for bad, match in [({}, "empty metadata filter"), ({"a": [1]}, r"is a list.*\$in"),
                            ({"a": float("nan")}, "not JSON"), ({"a": {"$near": 1}}, "unknown operator"),
                            ({"a": {"$exists": "yes"}}, "true or false")]:
@@ -168,7 +169,8 @@ def test_documents_are_kept_up_to_date(model, embedder, tmp_path):
         now = store.document("notes")
         docs = store.documents()
         assert [d["id"] for d in docs] == sorted(d["id"] for d in docs) and len(docs) == 3
-        assert {"id": "notes", "contexts": 2, "tokens": sum(len(model.encode(c["text"])) for c in now)} in docs
+        assert {"id": "notes", "contexts": 2, "tokens": sum(len(model.encode(c["text"])) for c in now),
+                "metadata": {}} in docs
         assert [c["text"] for c in now] == ["Cats purr.", "Cats sleep all day."]
         assert now[0]["id"] == old[0] and now[1]["id"] not in old and len(store) == 4
         for gone in old[1:]:

@@ -138,7 +138,7 @@ pub struct ContextRecord {
 }
 
 /// A document of a store, as listed.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct DocumentSummary {
     /// Its name (file name, JSON id, article title, or the id given to the server).
     pub id: String,
@@ -146,6 +146,9 @@ pub struct DocumentSummary {
     pub contexts: u64,
     /// Their tokens.
     pub tokens: u64,
+    /// The metadata of its first context (lowest segment): a document's metadata, which
+    /// ingesting it gives every one of its contexts (contexts added one at a time may differ).
+    pub metadata: Metadata,
 }
 
 /// Totals over a store (the keys of `picaso stats --json`).
@@ -1050,8 +1053,7 @@ impl Store {
 
     /// Up to `limit` documents named after `after` (from the first when `None`), in name order.
     pub fn documents(&self, after: Option<&str>, limit: usize) -> Result<Vec<DocumentSummary>> {
-        let rows = self.catalog.documents(after, limit)?;
-        Ok(rows.into_iter().map(|(id, contexts, tokens)| DocumentSummary { id, contexts, tokens }).collect())
+        self.catalog.documents(after, limit)
     }
 
     /// Every document, in name order (read a page at a time).

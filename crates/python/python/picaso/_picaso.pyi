@@ -159,7 +159,8 @@ class Store:
     def document(self, doc: str) -> list[dict[str, Any]]:
         """The contexts of document `doc`, in segment order (empty if the store holds none)."""
     def documents(self) -> list[dict[str, Any]]:
-        """Every document in name order: {"id", "contexts", "tokens"}."""
+        """Every document in name order: {"id", "contexts", "tokens", "metadata"} (the metadata
+        of its first context)."""
     def ids(self, *, filter: Optional[Filter] = None) -> list[int]:
         """The ids of every context, or of those whose metadata passes `filter`, ascending."""
     def delete(self, id: int) -> None: ...

@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use crate::error::{Error, Result};
 use crate::filter::Filter;
 use crate::metadata::Scope;
-use crate::store::ContextRecord;
+use crate::store::{ContextRecord, DocumentSummary};
 
 /// One context's row, as written.
 #[derive(Debug, Clone)]
@@ -133,8 +133,8 @@ pub trait Catalog: Send + Sync + std::fmt::Debug {
     /// Totals.
     fn totals(&self) -> Result<Totals>;
     /// Up to `limit` documents named after `after` (from the first when `None`), in name
-    /// order: (name, contexts, tokens).
-    fn documents(&self, after: Option<&str>, limit: usize) -> Result<Vec<(String, u64, u64)>>;
+    /// order.
+    fn documents(&self, after: Option<&str>, limit: usize) -> Result<Vec<DocumentSummary>>;
     /// Up to `limit` contexts with ids above `after`, ascending, with their embeddings (for
     /// copying a store).
     fn export(&self, after: i64, limit: usize) -> Result<Vec<(ContextRecord, Vec<f32>)>>;
@@ -323,5 +323,16 @@ pub(crate) mod checks {
         let top: Vec<i64> =
             catalog.search(&[0.0, 1.0], 1, false, Scope::matching(&de)).unwrap().iter().map(|h| h.0).collect();
         assert_eq!(top, [added]);
+
+        // A document is listed with its first segment's metadata, whatever the order added.
+        let listed = catalog.documents(None, 100).unwrap();
+        let of = |doc: &str| listed.iter().find(|d| d.id == doc).map(|d| d.metadata.clone());
+        assert_eq!(of("a"), Some(obj(json!({"lang": "de"}))));
+        assert_eq!(of("f"), Some(metadata[5].clone()));
+        let (second, first) = (to_json(&obj(json!({"part": 2}))), to_json(&obj(json!({"part": 1}))));
+        catalog.insert(&[Row { seg: 1, ..row("z", &g, &second) }], &mut || Ok(())).unwrap();
+        catalog.insert(&[row("z", &g, &first)], &mut || Ok(())).unwrap();
+        let z = catalog.documents(Some("y"), 10).unwrap();
+        assert_eq!((z[0].id.as_str(), z[0].contexts, &z[0].metadata), ("z", 2, &obj(json!({"part": 1}))));
     }
 }

@@ -30,7 +30,7 @@ use crate::filter::{Clause, Condition, Filter, Test};
 use crate::location::redact;
 use crate::metadata::{self, Metadata, Scope};
 use crate::runtime::{block_on, Resilience};
-use crate::store::ContextRecord;
+use crate::store::{ContextRecord, DocumentSummary};
 
 const RECORD_COLUMNS: &str =
     "id, doc, seg, text, tokens, n_tokens, state_file, checksum, state_bytes, created, metadata::text";
@@ -987,19 +987,30 @@ impl Catalog for PostgresCatalog {
         }))
     }
 
-    fn documents(&self, after: Option<&str>, limit: usize) -> Result<Vec<(String, u64, u64)>> {
+    fn documents(&self, after: Option<&str>, limit: usize) -> Result<Vec<DocumentSummary>> {
         let (after, limit) = (after.map(str::to_string), limit as i64);
         self.run(Box::new(move |c| {
             let after = after.clone();
             Box::pin(async move {
                 let rows = c
                     .query(
-                        "SELECT doc, COUNT(*), COALESCE(SUM(n_tokens), 0)::BIGINT FROM picaso_contexts
+                        "SELECT doc, COUNT(*), COALESCE(SUM(n_tokens), 0)::BIGINT,
+                                ((array_agg(metadata ORDER BY seg))[1])::TEXT
+                         FROM picaso_contexts
                          WHERE $1::TEXT IS NULL OR doc > $1 GROUP BY doc ORDER BY doc LIMIT $2",
                         &[&after, &limit],
                     )
                     .await?;
-                Ok(rows.iter().map(|r| (r.get(0), r.get::<_, i64>(1) as u64, r.get::<_, i64>(2) as u64)).collect())
+                Ok(rows
+                    .iter()
+                    .map(|r| DocumentSummary {
+                        id: r.get(0),
+                        contexts: r.get::<_, i64>(1) as u64,
+                        tokens: r.get::<_, i64>(2) as u64,
+                        // An object: the column's CHECK holds it to one.
+                        metadata: metadata::from_json(r.get::<_, &str>(3)).unwrap_or_default(),
+                    })
+                    .collect())
             })
         }))
     }

@@ -17,7 +17,7 @@ use crate::error::{Error, Result};
 use crate::filter::Filter;
 use crate::location::CatalogUrl;
 use crate::metadata::{self, Scope};
-use crate::store::ContextRecord;
+use crate::store::{ContextRecord, DocumentSummary};
 
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -200,26 +200,32 @@ impl Index {
     /// connection the index was last synced on, held since).
     fn metadata(&mut self, conn: &Connection, has_metadata: bool) -> Result<&MetadataColumns> {
         if self.metadata.is_none() {
-            let mut columns = MetadataColumns::default();
-            if has_metadata {
-                // The metadata index covers this query: it scans that, not the table's
-                // embeddings and tokens, in the index's order (sorted by id here).
-                let mut stmt = conn.prepare_cached("SELECT id, json(metadata) FROM contexts")?;
-                let rows = stmt.query_map([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?)))?;
-                let mut rows: Vec<(i64, String)> = rows.collect::<std::result::Result<_, _>>()?;
-                rows.sort_unstable_by_key(|&(id, _)| id);
-                for (id, json) in rows {
-                    columns.push(id, &json)?;
-                }
-            } else {
-                for &id in &self.ids {
-                    columns.push(id, "{}")?;
-                }
-            }
-            self.metadata = Some(columns);
+            self.metadata = Some(read_columns(conn, has_metadata, &self.ids)?);
         }
-        Ok(self.metadata.as_ref().expect("just read"))
+        Ok(self.metadata.get_or_insert_default())
     }
+}
+
+/// Every context's metadata as columns (`ids`, every context, when the table has no metadata
+/// column: none has any).
+fn read_columns(conn: &Connection, has_metadata: bool, ids: &[i64]) -> Result<MetadataColumns> {
+    let mut columns = MetadataColumns::default();
+    if !has_metadata {
+        for &id in ids {
+            columns.push(id, "{}")?;
+        }
+        return Ok(columns);
+    }
+    // The metadata index covers this query: it scans that, not the table's embeddings and
+    // tokens, in the index's order (sorted by id here).
+    let mut stmt = conn.prepare_cached("SELECT id, json(metadata) FROM contexts")?;
+    let rows = stmt.query_map([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?)))?;
+    let mut rows: Vec<(i64, String)> = rows.collect::<std::result::Result<_, _>>()?;
+    rows.sort_unstable_by_key(|&(id, _)| id);
+    for (id, json) in rows {
+        columns.push(id, &json)?;
+    }
+    Ok(columns)
 }
 
 /// The rows of the ascending `index_ids` that hold the ascending `ids` (ids not there are
@@ -772,16 +778,28 @@ impl Catalog for SqliteCatalog {
         Ok((t.0 as u64, t.1 as u64, t.2 as u64, t.3 as u64))
     }
 
-    fn documents(&self, after: Option<&str>, limit: usize) -> Result<Vec<(String, u64, u64)>> {
+    fn documents(&self, after: Option<&str>, limit: usize) -> Result<Vec<DocumentSummary>> {
         let conn = self.conn();
-        let mut stmt = conn.prepare_cached(
-            "SELECT doc, COUNT(*), COALESCE(SUM(n_tokens), 0) FROM contexts
-             WHERE ?1 IS NULL OR doc > ?1 GROUP BY doc ORDER BY doc LIMIT ?2",
-        )?;
+        // With one min() among the aggregates, SQLite takes the bare metadata column from the
+        // row holding it: the first segment's.
+        let metadata = if self.has_metadata { "json(metadata)" } else { "'{}'" };
+        let mut stmt = conn.prepare_cached(&format!(
+            "SELECT doc, COUNT(*), COALESCE(SUM(n_tokens), 0), MIN(seg), {metadata} FROM contexts
+             WHERE ?1 IS NULL OR doc > ?1 GROUP BY doc ORDER BY doc LIMIT ?2"
+        ))?;
         let rows = stmt.query_map(params![after, limit as i64], |r| {
-            Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)? as u64, r.get::<_, i64>(2)? as u64))
+            Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?, r.get::<_, i64>(2)?, r.get::<_, String>(4)?))
         })?;
-        Ok(rows.collect::<std::result::Result<_, _>>()?)
+        rows.map(|row| {
+            let (id, contexts, tokens, metadata) = row?;
+            Ok(DocumentSummary {
+                id,
+                contexts: contexts as u64,
+                tokens: tokens as u64,
+                metadata: metadata::from_json(&metadata)?,
+            })
+        })
+        .collect()
     }
 
     fn export(&self, after: i64, limit: usize) -> Result<Vec<(ContextRecord, Vec<f32>)>> {
