@@ -33,7 +33,11 @@ pub fn documents(a: DocumentsArgs) -> Result<()> {
             } else {
                 format!("  {}", serde_json::Value::Object(d.metadata))
             };
-            println!("{:>6} contexts {:>8} tokens  {}{metadata}", d.contexts, d.tokens, d.id);
+            // Counts right-aligned, nouns left-aligned: the columns line up.
+            let column = |n: u64, noun: &str| {
+                format!("{n:>8} {:<8}", if n == 1 { noun.to_string() } else { format!("{noun}s") })
+            };
+            println!("{} {}  {}{metadata}", column(d.contexts, "context"), column(d.tokens, "token"), d.id);
         }
     }
     Ok(())
