@@ -302,6 +302,11 @@ fn list_query() -> impl Strategy<Value = String> {
         "doc=a&doc=b",
         "%zz",
         "&&",
+        "filter=%7B%22lang%22%3A%22fuzz%22%7D",
+        "filter=%7B%22year%22%3A%7B%22%24gte%22%3A2000%7D%7D",
+        "filter=%7B%7D",
+        "filter=lang",
+        "filter=%7B%22a%22%3A%7B%22%24gt%22%3Anull%7D%7D",
     ]);
     prop::collection::vec(part, 0..3).prop_map(|parts| parts.join("&"))
 }
@@ -315,8 +320,8 @@ fn call() -> impl Strategy<Value = Call> {
         1 => (content_type(), body(add_document())).prop_map(|(ct, b)| Call { method: "POST", path: "/v1/documents".into(), content_type: ct, body: Some(b) }),
         1 => (prop::sample::select(vec!["GET", "DELETE", "PUT"]), prop::sample::select(vec!["fuzz-doc", "a/b", "a%2Fb", "eiffel.txt", "%ff", "", "x/../y"]))
             .prop_map(|(method, id)| Call { method, path: format!("/v1/documents/{id}"), content_type: None, body: None }),
-        1 => (prop::sample::select(vec!["contexts", "documents"]), list_query())
-            .prop_map(|(what, q)| Call { method: "GET", path: format!("/v1/{what}?{q}"), content_type: None, body: None }),
+        1 => (prop::sample::select(vec!["GET", "DELETE"]), prop::sample::select(vec!["contexts", "documents"]), list_query())
+            .prop_map(|(method, what, q)| Call { method, path: format!("/v1/{what}?{q}"), content_type: None, body: None }),
         2 => (prop::sample::select(vec!["GET", "DELETE", "POST", "PUT"]), context_id())
             .prop_map(|(method, id)| Call { method, path: format!("/v1/contexts/{id}"), content_type: None, body: None }),
         1 => prop::sample::select(vec![
