@@ -5,47 +5,17 @@
 //!
 //! `cargo bench -p picaso-store --bench delete`
 
+mod common;
+
 use std::path::Path;
 use std::time::Duration;
 
+use common::{fill, N};
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
-use picaso_store::catalog::{Catalog, Row, SqliteCatalog};
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
-
-const N: usize = 100_000;
-const DIM: usize = 384;
+use picaso_store::catalog::{Catalog, SqliteCatalog};
 
 fn filled(dir: &Path) {
-    let catalog = SqliteCatalog::create(dir, DIM, &[]).unwrap();
-    let mut rng = StdRng::seed_from_u64(7);
-    for start in (0..N).step_by(1000) {
-        let items: Vec<(String, Vec<f32>, String)> = (start..start + 1000)
-            .map(|i| {
-                let embedding = (0..DIM).map(|_| rng.random::<f32>() * 2.0 - 1.0).collect();
-                (format!("doc{}", i / 10), embedding, format!(r#"{{"n": {}}}"#, i % 7))
-            })
-            .collect();
-        let rows: Vec<Row<'_>> = items
-            .iter()
-            .enumerate()
-            .map(|(j, (doc, embedding, metadata))| Row {
-                id: None,
-                doc,
-                seg: ((start + j) % 10) as u32,
-                text: "a paragraph",
-                tokens: &[1, 2, 3],
-                embedding,
-                fingerprint: "f",
-                state_file: "states/01/0123456789abcdef0123456789abcdef.safetensors",
-                checksum: "0123456789abcdef0123456789abcdef",
-                state_bytes: 10,
-                created: 0,
-                metadata,
-            })
-            .collect();
-        catalog.insert(&rows, &mut || Ok(())).unwrap();
-    }
+    fill(&SqliteCatalog::create(dir, common::DIM, &[]).unwrap(), |i| format!(r#"{{"n": {}}}"#, i % 7));
 }
 
 /// A fresh copy of the store in `original`, opened.

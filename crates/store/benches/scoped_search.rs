@@ -9,59 +9,28 @@
 //!
 //! `cargo bench -p picaso-store --bench scoped_search`
 
+mod common;
+
 use std::hint::black_box;
 use std::time::Duration;
 
+use common::{fill, unit_vector, DIM, PER_DOC};
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
-use picaso_embed::l2_normalize;
-use picaso_store::catalog::{Catalog, PostgresCatalog, Row, SqliteCatalog};
+use picaso_store::catalog::{Catalog, PostgresCatalog, SqliteCatalog};
 use picaso_store::{Filter, Scope};
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 
-const N: usize = 100_000;
-const DIM: usize = 384;
-const PER_DOC: usize = 10;
 const LANGS: [&str; 4] = ["en", "fr", "de", "es"];
 
-fn unit_vector(rng: &mut StdRng) -> Vec<f32> {
-    let mut v: Vec<f32> = (0..DIM).map(|_| rng.random::<f32>() * 2.0 - 1.0).collect();
-    l2_normalize(&mut v);
-    v
-}
-
 fn filled(catalog: &dyn Catalog) {
-    let mut rng = StdRng::seed_from_u64(7);
-    for start in (0..N).step_by(1000) {
-        let items: Vec<(String, Vec<f32>, String)> = (start..start + 1000)
-            .map(|i| {
-                let meta = serde_json::json!({
-                    "lang": LANGS[i % 4], "year": 2000 + (i / 4) % 25, "title": format!("Document {}", i / PER_DOC),
-                    "url": format!("https://example.org/{}", i / PER_DOC),
-                });
-                (format!("doc{}", i / PER_DOC), unit_vector(&mut rng), meta.to_string())
-            })
-            .collect();
-        let rows: Vec<Row<'_>> = items
-            .iter()
-            .enumerate()
-            .map(|(j, (doc, embedding, metadata))| Row {
-                id: None,
-                doc,
-                seg: ((start + j) % PER_DOC) as u32,
-                text: "a paragraph",
-                tokens: &[1, 2, 3],
-                embedding,
-                fingerprint: "f",
-                state_file: "states/01/0123456789abcdef0123456789abcdef.safetensors",
-                checksum: "0123456789abcdef0123456789abcdef",
-                state_bytes: 10,
-                created: 0,
-                metadata,
-            })
-            .collect();
-        catalog.insert(&rows, &mut || Ok(())).unwrap();
-    }
+    fill(catalog, |i| {
+        serde_json::json!({
+            "lang": LANGS[i % 4], "year": 2000 + (i / 4) % 25, "title": format!("Document {}", i / PER_DOC),
+            "url": format!("https://example.org/{}", i / PER_DOC),
+        })
+        .to_string()
+    })
 }
 
 fn filter(v: serde_json::Value) -> Filter {
