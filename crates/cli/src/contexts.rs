@@ -159,7 +159,8 @@ pub fn delete(a: DeleteArgs) -> Result<()> {
     }
     let mut seen = std::collections::HashSet::new();
     ids.retain(|id| seen.insert(*id));
-    store.delete_many(&ids)?; // one gone already was another writer's delete
+    // Those removed, ascending: one gone already was another writer's delete.
+    let ids = store.delete_many(&ids)?;
     let stats = store.stats()?;
     if a.json {
         println!("{}", json!({"deleted": ids, "store": stats}));

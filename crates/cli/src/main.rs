@@ -187,7 +187,8 @@ struct QueryArgs {
     docs: Vec<String>,
     /// Retrieve only contexts whose metadata passes this condition (repeat: all must hold):
     /// KEY=VALUE, KEY!=VALUE, KEY>VALUE, KEY>=VALUE, KEY<VALUE, KEY<=VALUE (numbers by value,
-    /// strings by code point: `date>=2024-01-01`), or a filter as a JSON object, for the
+    /// strings by code point: `date>=2024-01-01`), KEY^=TEXT (a string starting with TEXT:
+    /// `url^=https://en.wikipedia.org/`), or a filter as a JSON object, for the
     /// operators $in, $nin, $exists and $contains (`'{"lang": {"$in": ["en", "fr"]}}'`).
     /// VALUE is JSON when it reads as a JSON number, boolean, null or quoted string
     /// (`year=2024`, `draft=false`, `year='"2024"'`), else the text as given (`lang=en`).

@@ -902,6 +902,8 @@ fn metadata_travels_with_contexts_and_filters_retrieval() {
             (&["year>=2023", "year<=2024.5"], 3),
             (&[r#"{"lang": {"$in": ["fr", "xx"]}}"#], 1),
             (&[r#"{"$or": [{"lang": "fr"}, {"year": "2024"}]}"#], 2),
+            (&["url^=https://a.example/"], 2),
+            (&["lang^=e", "url^=https://b."], 0),
         ] {
             let f = picaso_store::Filter::from_args(pairs).unwrap();
             let want: Vec<(i64, f32)> = everything.iter().filter(|(id, _)| f.matches(&meta(*id))).copied().collect();
@@ -980,6 +982,7 @@ fn metadata_travels_with_contexts_and_filters_retrieval() {
         };
         assert_eq!(listed("lang=en"), [r#""a""#, r#""a""#, r#""c""#]);
         assert_eq!(listed(r#"{"$or": [{"lang": "fr"}, {"year": "2024"}]}"#), [r#""b""#, r#""c""#]);
+        assert_eq!(listed("url^=https://a."), [r#""a""#, r#""a""#]);
         let (success, _, stderr) = run_s(&args(&["delete"], &db, &["--filter", "lang=de"]));
         assert!(!success && stderr.contains("nothing was removed"), "{stderr}");
         let v = ok_s(&args(&["delete"], &db, &["--filter", "year<2024", "--json"]));

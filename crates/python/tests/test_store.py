@@ -110,6 +110,7 @@ def test_metadata_and_filters(model, embedder, tmp_path):
                         ({"lang": {"$ne": "en"}}, ["fr", "none"]),
                         ({"year": {"$exists": False}}, ["none"]),
                         ({"year": {"$gt": "2000"}}, []),
+                        ({"lang": {"$prefix": "f"}}, ["fr"]),
                         ({"$or": [{"lang": "fr"}, {"year": {"$exists": False}}]}, ["fr", "none"])]:
             hits = store.search(question, k=10, filter=f)
             assert sorted(h["doc"] for h in hits) == docs, f

@@ -60,7 +60,9 @@ fn bench(c: &mut Criterion) {
     let both = filter(serde_json::json!({"lang": "en", "year": 2024}));
     let recent = filter(serde_json::json!({"year": {"$gte": 2020}}));
     let two_langs = filter(serde_json::json!({"lang": {"$in": ["fr", "de"]}}));
-    let scopes: [(&str, Scope<'_>); 8] = [
+    // Documents 1, 10-19, 100-199 and 1000-1999.
+    let prefix = filter(serde_json::json!({"url": {"$prefix": "https://example.org/1"}}));
+    let scopes: [(&str, Scope<'_>); 9] = [
         ("every context", Scope::all()),
         ("1 document", Scope::within(&one_doc)),
         ("10 documents", Scope::within(&ten_docs)),
@@ -69,6 +71,7 @@ fn bench(c: &mut Criterion) {
         ("filter 2 keys, 1k match", Scope::matching(&both)),
         ("filter range, 20k match", Scope::matching(&recent)),
         ("filter $in, 50k match", Scope::matching(&two_langs)),
+        ("filter $prefix, 11k match", Scope::matching(&prefix)),
     ];
     for (backend, catalog) in &catalogs {
         let mut group = c.benchmark_group(*backend);

@@ -13,15 +13,16 @@
 //! | `$nin: [v, ...]` | equals none of them, or the key is missing |
 //! | `$exists: b` | the key is present (any value, `null` too) when `b` is true, absent when false |
 //! | `$contains: v` | is a list holding a value equal to `v` |
+//! | `$prefix: "s"` | is a string starting with the string `s` (by code point, case and accents as given) |
 //!
 //! `"$or": [filter, ...]` in place of a key holds when one of the filters does, `"$and": [...]`
 //! when all do (to give one key's conditions in several places); they nest.
 //!
 //! Equality: strings and booleans exactly, numbers by value (`2024` equals `2024.0`; integers
 //! compare exactly, also beside floats), `null` only `null` (not a missing key); a value of
-//! another type is never equal, below or above. Both catalogs answer with these rules (SQL over
-//! SQLite's JSON functions, PostgreSQL's `jsonb`), and [`Filter::matches`] states them in Rust
-//! for the tests.
+//! another type is never equal, below or above. Both catalogs answer with these rules (the folder
+//! store from in-memory metadata columns that apply [`Filter::matches`]'s tests, PostgreSQL in
+//! SQL over `jsonb`), and the catalogs' tests check them against [`Filter::matches`].
 
 use std::cmp::Ordering;
 use std::collections::BTreeMap;
@@ -42,7 +43,7 @@ pub const MAX_FILTER_DEPTH: usize = 8;
 pub const MAX_FILTER_VALUES: usize = 1024;
 
 /// The operators, as the error messages list them.
-const OPERATORS: &str = "$eq, $ne, $gt, $gte, $lt, $lte, $in, $nin, $exists, $contains";
+const OPERATORS: &str = "$eq, $ne, $gt, $gte, $lt, $lte, $in, $nin, $exists, $contains, $prefix";
 
 /// A metadata filter, checked.
 #[derive(Debug, Clone, PartialEq)]
@@ -98,6 +99,8 @@ pub enum Test {
     Exists(bool),
     /// A list holding a value equal to the scalar.
     Contains(Value),
+    /// A string starting with this one.
+    Prefix(String),
 }
 
 /// An order comparison: the context's value `op` the filter's.
@@ -221,10 +224,11 @@ impl Filter {
     }
 
     /// A filter from the command line's `--filter` arguments, all of which must hold. Each is
-    /// `KEY=VALUE`, `KEY!=VALUE`, `KEY>VALUE`, `KEY>=VALUE`, `KEY<VALUE`, `KEY<=VALUE`, or a
-    /// whole filter as a JSON object (`{"lang": {"$in": ["en", "fr"]}}`). VALUE is read as JSON
-    /// when it is a JSON number, boolean, null or string (`year=2024`, `draft=false`,
-    /// `year="2024"`), else as the text it is (`lang=en`, `date>=2024-01-01`). Conditions on one
+    /// `KEY=VALUE`, `KEY!=VALUE`, `KEY>VALUE`, `KEY>=VALUE`, `KEY<VALUE`, `KEY<=VALUE`,
+    /// `KEY^=TEXT` (a string starting with TEXT), or a whole filter as a JSON object
+    /// (`{"lang": {"$in": ["en", "fr"]}}`). VALUE is read as JSON when it is a JSON number,
+    /// boolean, null or string (`year=2024`, `draft=false`, `year="2024"`), else as the text it
+    /// is (`lang=en`, `date>=2024-01-01`); TEXT is text (`code^=42`). Conditions on one
     /// key combine (`year>=2000 year<2010`); the same operator twice on a key is refused.
     pub fn from_args<S: AsRef<str>>(args: &[S]) -> Result<Self> {
         let mut by_key: BTreeMap<String, BTreeMap<String, Value>> = BTreeMap::new();
@@ -260,7 +264,9 @@ impl Filter {
             }
             let (key, op, raw) = split_condition(arg)?;
             let value = match serde_json::from_str::<Value>(raw) {
-                Ok(v @ (Value::Number(_) | Value::Bool(_) | Value::Null | Value::String(_))) => v,
+                Ok(v @ Value::String(_)) => v,
+                // A prefix is text, whatever it looks like.
+                Ok(v @ (Value::Number(_) | Value::Bool(_) | Value::Null)) if op != "$prefix" => v,
                 _ => Value::String(raw.to_string()),
             };
             add(key, op, value, arg)?;
@@ -350,6 +356,15 @@ impl Test {
                 }
             },
             "$contains" => Self::Contains(scalar(key, op, operand)?),
+            "$prefix" => match scalar(key, op, operand)? {
+                Value::String(prefix) => Self::Prefix(prefix),
+                _ => {
+                    return Err(Error::Input(format!(
+                        "metadata filter {key:?}: $prefix takes a string, not {operand} (to match numbers in a \
+                         range, give $gte and $lt)"
+                    )))
+                }
+            },
             _ => {
                 return Err(Error::Input(format!(
                     "metadata filter {key:?}: unknown operator {op:?}; the operators are {OPERATORS} (to match a \
@@ -375,6 +390,8 @@ impl Test {
             },
             (Self::Contains(want), Some(Value::Array(items))) => items.iter().any(|item| scalar_eq(item, want)),
             (Self::Contains(_), Some(_)) => false,
+            (Self::Prefix(prefix), Some(Value::String(have))) => have.starts_with(prefix.as_str()),
+            (Self::Prefix(_), Some(_)) => false,
         }
     }
 }
@@ -397,12 +414,18 @@ fn scalar(key: &str, op: &str, value: &Value) -> Result<Value> {
 fn split_condition(arg: &str) -> Result<(&str, &'static str, &str)> {
     let bad = || {
         Error::Input(format!(
-            "--filter {arg:?}: expected KEY=VALUE, KEY!=VALUE, KEY>VALUE, KEY>=VALUE, KEY<VALUE, KEY<=VALUE or a JSON \
-             object (e.g. --filter lang=en --filter 'year>=2020')"
+            "--filter {arg:?}: expected KEY=VALUE, KEY!=VALUE, KEY>VALUE, KEY>=VALUE, KEY<VALUE, KEY<=VALUE, \
+             KEY^=TEXT (starts with) or a JSON object (e.g. --filter lang=en --filter 'year>=2020')"
         ))
     };
     let at = arg.find(['=', '!', '<', '>']).ok_or_else(bad)?;
     let (key, rest) = arg.split_at(at);
+    if let Some(key) = key.strip_suffix('^').filter(|_| rest.starts_with('=')) {
+        if key.is_empty() {
+            return Err(Error::Input(format!("--filter {arg:?}: the key is empty")));
+        }
+        return Ok((key, "$prefix", &rest[1..]));
+    }
     if key.is_empty() {
         return Err(Error::Input(format!("--filter {arg:?}: the key is empty")));
     }
@@ -511,6 +534,8 @@ mod tests {
             json!({"note": {"$exists": true}, "missing": {"$exists": false}}),
             json!({"tags": {"$contains": "a"}}),
             json!({"tags": {"$contains": 2.0}}),
+            json!({"date": {"$prefix": "2024-03"}, "lang": {"$prefix": ""}}),
+            json!({"date": {"$prefix": "2024-03-01"}}),
             json!({"year": {"$eq": 2024}}),
             json!({"$or": [{"lang": "fr"}, {"year": {"$gt": 2000}}]}),
             json!({"lang": "en", "$and": [{"year": {"$gte": 2024}}, {"year": {"$lte": 2024}}]}),
@@ -531,6 +556,11 @@ mod tests {
             json!({"note": {"$exists": false}}),
             json!({"tags": {"$contains": "b"}}),
             json!({"lang": {"$contains": "en"}}),
+            json!({"date": {"$prefix": "2024-03-01T"}}),
+            json!({"lang": {"$prefix": "E"}}),
+            json!({"year": {"$prefix": "20"}}),
+            json!({"tags": {"$prefix": "a"}}),
+            json!({"missing": {"$prefix": ""}}),
             json!({"missing": {"$gte": 0}}),
             json!({"year": {"$gte": 2020, "$lt": 2024}}),
             json!({"$or": [{"lang": "fr"}, {"year": {"$gt": 2024}}]}),
@@ -566,6 +596,8 @@ mod tests {
             (json!({"x": {"$in": [[1]]}}), "not a string, number"),
             (json!({"x": {"$exists": 1}}), "true or false"),
             (json!({"x": {"$contains": ["a"]}}), "not a string, number"),
+            (json!({"x": {"$prefix": 20}}), "$prefix takes a string"),
+            (json!({"x": {"$prefix": ["a"]}}), "not a string, number"),
             (json!({"x": "a\u{0}b"}), "NUL"),
             (json!({"x": {"$in": (0..1025).collect::<Vec<_>>()}}), "at most 1024"),
             (json!({"$or": []}), "non-empty list of filters"),
@@ -598,6 +630,9 @@ mod tests {
             "n=null",
             "date<=2024-01-01",
             "kind!=stub",
+            "url^=https://en.",
+            "code^=42",
+            "ref^=\"x=\"",
             r#"{"tags": {"$contains": "x"}, "src": "wiki"}"#,
         ])
         .unwrap();
@@ -605,8 +640,10 @@ mod tests {
             Value::Object(f.json().clone()),
             json!({"lang": "en", "year": {"$gte": 2000, "$lt": 2010}, "draft": false, "id": "7", "q": "a=b",
                    "n": null, "date": {"$lte": "2024-01-01"}, "kind": {"$ne": "stub"},
+                   "url": {"$prefix": "https://en."}, "code": {"$prefix": "42"}, "ref": {"$prefix": "x="},
                    "tags": {"$contains": "x"}, "src": "wiki"})
         );
+        assert_eq!(Filter::from_args(&["^=x"]).unwrap_err().to_string(), "--filter \"^=x\": the key is empty");
         assert_eq!(Filter::from_args(&["tags=[1]"]).unwrap().json()["tags"], json!("[1]"));
         assert_eq!(
             Filter::from_args(&["a=1", "{\"a\": {\"$lt\": 5}}"]).unwrap().json()["a"],

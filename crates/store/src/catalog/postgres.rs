@@ -561,6 +561,16 @@ impl FilterSql {
             Test::Contains(want) => {
                 format!("metadata @> ${}::text::jsonb", self.push(holds(serde_json::Value::Array(vec![want.clone()]))))
             }
+            Test::Prefix(prefix) => {
+                let at = self.push(key.clone());
+                let p = self.push(prefix.clone());
+                // starts_with, not LIKE: `%` and `_` in the prefix are themselves; "C" compares
+                // code points whatever the database's collation.
+                format!(
+                    "CASE WHEN jsonb_typeof(metadata -> ${at}::text) = 'string' \
+                     THEN starts_with((metadata ->> ${at}::text) COLLATE \"C\", ${p}::text) ELSE FALSE END"
+                )
+            }
         }
     }
 }
