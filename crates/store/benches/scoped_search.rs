@@ -1,6 +1,7 @@
 //! Retrieval latency on a catalog of 100k contexts (embeddings of dimension 384,
 //! all-MiniLM-L6-v2's): every context, within documents, and filtered by metadata (equality:
-//! a quarter, 1/25th and 1/100th of the contexts match; a range, 1/5th; `$in`, half). On SQLite
+//! a quarter, 1/25th and 1/100th of the contexts match; a range, 1/5th; `$in`, half; `$prefix`
+//! of the URL, 1/9th). On SQLite
 //! a scoped search reads the scope's ids (the `(doc, seg)` index for documents, the in-memory
 //! metadata columns for a filter) and ranks those rows of the in-memory index exactly; on PostgreSQL (when
 //! `PICASO_TEST_POSTGRES` is set, as in the tests) one query ranks the rows its `doc = ANY` or
