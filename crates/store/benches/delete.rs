@@ -1,7 +1,11 @@
-//! Removing contexts from a folder store of 100k contexts (embeddings of dimension 384): a
-//! hundred one at a time, as `Catalog::delete` does each, against a hundred and ten thousand
-//! at once (`Catalog::delete_many`: one transaction, one pass over the in-memory index). Each
-//! sample removes from a fresh copy of the store, opened before the clock starts.
+//! Removing contexts from a store of 100k contexts (embeddings of dimension 384): a hundred one
+//! at a time, as `Catalog::delete` does each, against a hundred and ten thousand at once
+//! (`Catalog::delete_many`). On SQLite (the folder store) each sample removes from a fresh copy
+//! of the store, opened before the clock starts; `delete_many` is one transaction and one pass
+//! over the in-memory index. On PostgreSQL (when `PICASO_TEST_POSTGRES` is set, as in the tests)
+//! the contexts removed are put back, under their ids, before each sample; `delete_many` is a
+//! transaction per 256 contexts. Every context of the bench shares one state object, so none
+//! is removed (the objects' removal is not timed).
 //!
 //! `cargo bench -p picaso-store --bench delete`
 
@@ -10,12 +14,28 @@ mod common;
 use std::path::Path;
 use std::time::Duration;
 
-use common::{fill, N};
+use common::{fill, insert, N};
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
 use picaso_store::catalog::{Catalog, SqliteCatalog};
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+
+fn metadata(i: usize) -> String {
+    format!(r#"{{"n": {}}}"#, i % 7)
+}
 
 fn filled(dir: &Path) {
-    fill(&SqliteCatalog::create(dir, common::DIM, &[]).unwrap(), |i| format!(r#"{{"n": {}}}"#, i % 7));
+    fill(&SqliteCatalog::create(dir, common::DIM, &[]).unwrap(), metadata);
+}
+
+/// Puts back those of `ids` that are gone from a catalog [`fill`] filled from id 1.
+fn put_back(catalog: &dyn Catalog, ids: &[i64]) {
+    let here = catalog.exist(ids).unwrap();
+    let gone: Vec<usize> = ids.iter().zip(here).filter(|(_, here)| !here).map(|(&id, _)| id as usize - 1).collect();
+    let mut rng = StdRng::seed_from_u64(8);
+    for chunk in gone.chunks(1000) {
+        insert(catalog, chunk.iter().copied(), Some(1), &mut rng, metadata);
+    }
 }
 
 /// A fresh copy of the store in `original`, opened.
@@ -55,6 +75,36 @@ fn bench(c: &mut Criterion) {
         b.iter_batched_ref(
             || copy_of(original.path()),
             |(_, catalog)| assert_eq!(catalog.delete_many(&ten_thousand, &mut |_| Ok(())).unwrap().len(), 10_000),
+            BatchSize::PerIteration,
+        )
+    });
+    group.finish();
+    let Some(pg) = common::postgres() else { return };
+    fill(&pg, metadata);
+    let mut group = c.benchmark_group("postgres_100k_x_384");
+    group.sample_size(10).warm_up_time(Duration::from_millis(1)).measurement_time(Duration::from_secs(20));
+    group.bench_function("delete 100, one at a time", |b| {
+        b.iter_batched(
+            || put_back(&pg, &ten_thousand),
+            |()| {
+                for &id in &hundred {
+                    pg.delete(id, &mut |_| Ok(())).unwrap();
+                }
+            },
+            BatchSize::PerIteration,
+        )
+    });
+    group.bench_function("delete 100 at once", |b| {
+        b.iter_batched(
+            || put_back(&pg, &ten_thousand),
+            |()| assert_eq!(pg.delete_many(&hundred, &mut |_| Ok(())).unwrap().len(), 100),
+            BatchSize::PerIteration,
+        )
+    });
+    group.bench_function("delete 10,000 at once", |b| {
+        b.iter_batched(
+            || put_back(&pg, &ten_thousand),
+            |()| assert_eq!(pg.delete_many(&ten_thousand, &mut |_| Ok(())).unwrap().len(), 10_000),
             BatchSize::PerIteration,
         )
     });

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use common::{fill, unit_vector, DIM, PER_DOC};
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
-use picaso_store::catalog::{Catalog, PostgresCatalog, SqliteCatalog};
+use picaso_store::catalog::{Catalog, SqliteCatalog};
 use picaso_store::{Filter, Scope};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
@@ -42,12 +42,7 @@ fn bench(c: &mut Criterion) {
     let tmp = tempfile::tempdir().unwrap();
     let mut catalogs: Vec<(&str, Box<dyn Catalog>)> =
         vec![("sqlite_100k_x_384", Box::new(SqliteCatalog::create(tmp.path(), DIM, &[]).unwrap()))];
-    if let Ok(url) = std::env::var("PICASO_TEST_POSTGRES") {
-        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
-        let sep = if url.contains('?') { '&' } else { '?' };
-        let url = format!("{url}{sep}options=-csearch_path%3Dbench_{nanos}%2Cpublic");
-        let pg = PostgresCatalog::connect(&url).unwrap();
-        pg.create(DIM, &[]).unwrap();
+    if let Some(pg) = common::postgres() {
         catalogs.push(("postgres_100k_x_384", Box::new(pg)));
     }
     for (_, catalog) in &catalogs {

@@ -12,7 +12,7 @@ pub(crate) use sqlite::CREATING_PREFIX;
 
 use std::collections::BTreeMap;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::filter::Filter;
 use crate::metadata::Scope;
 use crate::store::{ContextRecord, DocumentSummary};
@@ -85,20 +85,10 @@ pub trait Catalog: Send + Sync + std::fmt::Debug {
     /// goes first (committed): a crash or a failed removal leaves an orphan object, never a row
     /// without its object.
     fn delete(&self, id: i64, remove_state: &mut dyn FnMut(&str) -> Result<()>) -> Result<()>;
-    /// Deletes the contexts `ids` that are here, each as [`delete`](Self::delete) does;
-    /// returns those removed, ascending.
-    fn delete_many(&self, ids: &[i64], remove_state: &mut dyn FnMut(&str) -> Result<()>) -> Result<Vec<i64>> {
-        let mut removed = Vec::new();
-        for &id in ids {
-            match self.delete(id, remove_state) {
-                Ok(()) => removed.push(id),
-                Err(Error::NotFound(_)) => {} // gone already: another writer's delete
-                Err(e) => return Err(e),
-            }
-        }
-        removed.sort_unstable();
-        Ok(removed)
-    }
+    /// Deletes the contexts `ids` that are here (one gone already was another writer's
+    /// delete) with [`delete`](Self::delete)'s guarantees, many per transaction; returns those
+    /// removed, ascending.
+    fn delete_many(&self, ids: &[i64], remove_state: &mut dyn FnMut(&str) -> Result<()>) -> Result<Vec<i64>>;
     /// Points context `id` at another state object (`checksum`, `state_file`, `state_bytes`),
     /// keeping everything else; `write_states` writes that object first, under the lock an
     /// insert takes. For a context whose object was lost and whose state, recomputed from its
@@ -184,6 +174,51 @@ pub(crate) mod checks {
 
     fn obj(v: serde_json::Value) -> Metadata {
         v.as_object().unwrap().clone()
+    }
+
+    /// Deletes many contexts at once from an empty 2-dimensional `catalog` (more than one
+    /// chunk of PostgreSQL's, contexts sharing state objects across chunks, ids missing or
+    /// repeated): the rows go, and each object is removed once, when its last context goes.
+    pub(crate) fn delete_many_removes_rows_and_then_unshared_objects(catalog: &dyn Catalog) {
+        const N: usize = 600;
+        // Contexts 2k and 2k + 1 share object k.
+        let sums: Vec<String> = (0..N).map(|i| format!("{:032x}", i / 2)).collect();
+        let files: Vec<String> = sums.iter().map(|sum| format!("states/{}/{sum}.safetensors", &sum[..2])).collect();
+        let docs: Vec<String> = (0..N).map(|i| format!("d{i}")).collect();
+        let rows: Vec<Row<'_>> = (0..N)
+            .map(|i| Row { checksum: &sums[i], state_file: &files[i], ..row(&docs[i], &[0.6, 0.8], "{}") })
+            .collect();
+        let ids: Vec<i64> = catalog.insert(&rows, &mut || Ok(())).unwrap().into_iter().map(Option::unwrap).collect();
+        // The contexts removed, and the objects removed (sorted).
+        let delete = |wanted: &[i64]| {
+            let mut objects = Vec::new();
+            let removed = catalog
+                .delete_many(wanted, &mut |sum| {
+                    objects.push(sum.to_string());
+                    Ok(())
+                })
+                .unwrap();
+            objects.sort();
+            (removed, objects)
+        };
+        // Every even context, a missing id and a repeated one: no object loses its last context.
+        let mut even: Vec<i64> = ids.iter().step_by(2).copied().collect();
+        let mut wanted = even.clone();
+        wanted.extend([i64::MAX, even[7]]);
+        wanted.reverse();
+        assert_eq!(delete(&wanted), (even.clone(), vec![]), "no object lost its last context");
+        // The odd contexts of the first half, in reverse: their objects go, once each.
+        let odd: Vec<i64> = ids[..N / 2].iter().skip(1).step_by(2).copied().collect();
+        let gone: Vec<String> = (0..N / 4).map(|k| format!("{k:032x}")).collect();
+        assert_eq!(delete(&odd.iter().rev().copied().collect::<Vec<_>>()), (odd.clone(), gone));
+        assert_eq!(delete(&[]), (vec![], vec![]));
+        assert_eq!(delete(&odd), (vec![], vec![]), "deleted already");
+        even.extend(&odd);
+        let here = catalog.exist(&ids).unwrap();
+        for (id, here) in ids.iter().zip(here) {
+            assert_eq!(here, !even.contains(id), "context {id}");
+        }
+        assert_eq!(catalog.totals().unwrap().0, (N / 4) as u64);
     }
 
     /// Fills an empty 2-dimensional `catalog` with contexts of varied metadata and checks that

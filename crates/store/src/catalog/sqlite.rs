@@ -828,6 +828,14 @@ mod tests {
     use super::*;
 
     #[test]
+    fn delete_many_removes_rows_and_then_unshared_objects() {
+        let tmp = tempfile::tempdir().unwrap();
+        crate::catalog::checks::delete_many_removes_rows_and_then_unshared_objects(
+            &SqliteCatalog::create(tmp.path(), 2, &[]).unwrap(),
+        );
+    }
+
+    #[test]
     fn metadata_round_trips_and_filters_follow_the_rules() {
         let tmp = tempfile::tempdir().unwrap();
         let catalog = SqliteCatalog::create(tmp.path(), 2, &[]).unwrap();
