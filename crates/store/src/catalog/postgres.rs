@@ -478,8 +478,12 @@ impl PostgresCatalog {
         });
     }
 
-    /// [`Catalog::delete_many`] for at most [`DELETE_CHUNK`] ids: [`Catalog::delete`]'s
-    /// protocol, with one transaction and one set of locks for all of them.
+    /// Deletes those of `ids` (at most [`DELETE_CHUNK`]) that are here, in one transaction
+    /// holding their state objects' locks, and returns them. The rows' removal commits before
+    /// the objects': a server killed in between leaves orphan objects (harmless; the next
+    /// write of such a state replaces it), never a row whose object is gone. The locks span
+    /// both, so an insert that would share an object (it takes the lock shared) waits until the
+    /// object is gone and writes it again.
     fn delete_chunk(&self, ids: &[i64], remove_state: &mut dyn FnMut(&str) -> Result<()>) -> Result<Vec<i64>> {
         let wanted = ids.to_vec();
         let checksums: Vec<String> = self.run(Box::new(move |c| {
@@ -851,52 +855,13 @@ impl Catalog for PostgresCatalog {
     }
 
     fn delete(&self, id: i64, remove_state: &mut dyn FnMut(&str) -> Result<()>) -> Result<()> {
-        let checksum: String = self
-            .run(Box::new(move |c| {
-                Box::pin(async move {
-                    let row = c.query_opt("SELECT checksum FROM picaso_contexts WHERE id = $1", &[&id]).await?;
-                    Ok(row.map(|r| r.get(0)))
-                })
-            }))?
-            .ok_or(Error::NotFound(id))?;
-        // The row's removal commits before the object's: a server killed in between leaves an
-        // orphan object (harmless; the next write of that state replaces it), never a row whose
-        // object is gone. The lock on the object spans both, so an insert that would share the
-        // object (it takes the lock shared) waits until the object is gone and writes it again.
-        let client = self.lock_objects(&[lock_key(&checksum)])?;
-        let sum = checksum.clone();
-        let limit = self.pool.resilience.attempt;
-        let (client, outcome) = block_on(async move {
-            let work = async {
-                client.batch_execute("BEGIN").await?;
-                let deleted = client.execute("DELETE FROM picaso_contexts WHERE id = $1", &[&id]).await?;
-                let shared: bool = client
-                    .query_one("SELECT EXISTS (SELECT 1 FROM picaso_contexts WHERE checksum = $1)", &[&sum])
-                    .await?
-                    .get(0);
-                client.batch_execute("COMMIT").await?;
-                Ok::<_, Fail>((deleted, shared))
-            };
-            let outcome = bounded(limit, work).await;
-            (client, outcome)
-        });
-        let (deleted, shared) = match outcome {
-            Ok(v) => v,
-            Err(e) => return Err(e.into_error(&self.pool.url)), // dropping the connection rolls back and unlocks
-        };
-        // Removing the object after the commit cannot undo the delete: if it fails (S3 down),
-        // the object stays behind as an orphan and the delete still succeeded.
-        if deleted > 0 && !shared {
-            let _ = remove_state(&checksum);
+        match self.delete_chunk(&[id], remove_state)?.is_empty() {
+            true => Err(Error::NotFound(id)), // not here, or deleted meanwhile by another server
+            false => Ok(()),
         }
-        self.unlock_objects(client, &[lock_key(&checksum)]);
-        if deleted == 0 {
-            return Err(Error::NotFound(id)); // deleted meanwhile by another server
-        }
-        Ok(())
     }
 
-    /// [`DELETE_CHUNK`] contexts per transaction instead of one (a delete of 10,000 contexts
+    /// 256 contexts per transaction instead of one (a delete of 10,000 contexts
     /// was 10,000 transactions and lock round trips).
     fn delete_many(&self, ids: &[i64], remove_state: &mut dyn FnMut(&str) -> Result<()>) -> Result<Vec<i64>> {
         let mut removed = Vec::new();
