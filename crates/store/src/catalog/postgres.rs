@@ -194,6 +194,15 @@ impl std::fmt::Debug for PostgresCatalog {
 /// `max_locks_per_transaction × max_connections` (6,400 by default).
 const DELETE_CHUNK: usize = 256;
 
+/// Advisory-lock keys once each, ascending: the order every holder of several takes them in, so
+/// that no two wait on each other in a cycle.
+fn lock_order(keys: &[i64]) -> Vec<i64> {
+    let mut sorted = keys.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    sorted
+}
+
 /// The advisory-lock key of a state checksum (its first 64 bits).
 fn lock_key(checksum: &str) -> i64 {
     u64::from_str_radix(&checksum[..16.min(checksum.len())], 16).unwrap_or(0) as i64
@@ -380,9 +389,7 @@ impl PostgresCatalog {
     /// before [`Self::finish`] commits.
     fn begin_locked(&self, keys: Vec<i64>, exclusive: bool) -> Result<Client> {
         let pool = self.pool.clone();
-        let mut sorted = keys;
-        sorted.sort_unstable();
-        sorted.dedup();
+        let sorted = lock_order(&keys);
         block_on(async move {
             let mut backoff = Backoff::new(pool.resilience);
             loop {
@@ -390,7 +397,6 @@ impl PostgresCatalog {
                     let client = pool.checkout().await?;
                     client.batch_execute("BEGIN").await?;
                     let f = if exclusive { "pg_advisory_xact_lock" } else { "pg_advisory_xact_lock_shared" };
-                    // Sorted keys: two transactions never wait on each other in a cycle.
                     client
                         .execute(&format!("SELECT {f}(k) FROM unnest($1::BIGINT[]) AS k ORDER BY k"), &[&sorted])
                         .await?;
@@ -437,9 +443,7 @@ impl PostgresCatalog {
     /// cycle), retried like it; release them with [`Self::unlock_objects`].
     fn lock_objects(&self, keys: &[i64]) -> Result<Client> {
         let pool = self.pool.clone();
-        let mut sorted = keys.to_vec();
-        sorted.sort_unstable();
-        sorted.dedup();
+        let sorted = lock_order(keys);
         block_on(async move {
             let mut backoff = Backoff::new(pool.resilience);
             loop {
@@ -463,9 +467,7 @@ impl PostgresCatalog {
     /// releases them too (a pooled connection must never keep a lock).
     fn unlock_objects(&self, client: Client, keys: &[i64]) {
         let pool = self.pool.clone();
-        let mut sorted = keys.to_vec();
-        sorted.sort_unstable();
-        sorted.dedup();
+        let sorted = lock_order(keys);
         block_on(async move {
             let unlocked = bounded(pool.resilience.attempt, async {
                 client.execute("SELECT pg_advisory_unlock(k) FROM unnest($1::BIGINT[]) AS k", &[&sorted]).await?;
