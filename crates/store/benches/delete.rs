@@ -5,7 +5,9 @@
 //! over the in-memory index. On PostgreSQL (when `PICASO_TEST_POSTGRES` is set, as in the tests)
 //! the contexts removed are put back, under their ids, before each sample; `delete_many` is a
 //! transaction per 256 contexts. Every context of the bench shares one state object, so none
-//! is removed (the objects' removal is not timed).
+//! is removed there. The objects' removal is timed on its own where `PICASO_TEST_S3` names a
+//! bucket: a thousand objects, a request each (`StateObjects::delete`) against S3's
+//! DeleteObjects (`StateObjects::delete_many`, what a delete of many contexts calls).
 //!
 //! `cargo bench -p picaso-store --bench delete`
 
@@ -79,6 +81,7 @@ fn bench(c: &mut Criterion) {
         )
     });
     group.finish();
+    objects(c);
     let Some(pg) = common::postgres() else { return };
     fill(&pg, metadata);
     let mut group = c.benchmark_group("postgres_100k_x_384");
@@ -109,6 +112,35 @@ fn bench(c: &mut Criterion) {
         )
     });
     group.finish();
+}
+
+/// A thousand state objects removed from S3, one request each and together.
+fn objects(c: &mut Criterion) {
+    let Ok(s3) = std::env::var("PICASO_TEST_S3") else { return };
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
+    let url = format!("{}/bench-delete-{}-{nanos}", s3.trim_end_matches('/'), std::process::id());
+    let at = picaso_store::Location::parse("unused", Some(&url)).unwrap();
+    let objects = picaso_store::states::open(&at.states.unwrap()).unwrap();
+    let bodies: Vec<Vec<u8>> = (0..1_000u32).map(|i| i.to_le_bytes().to_vec()).collect();
+    let keys: Vec<String> = bodies.iter().map(|b| picaso_store::states::key_of(&picaso_store::checksum(b))).collect();
+    let put_all = || {
+        std::thread::scope(|s| {
+            for part in 0..8 {
+                let (objects, keys, bodies) = (&objects, &keys, &bodies);
+                s.spawn(move || (part..keys.len()).step_by(8).for_each(|i| objects.put(&keys[i], &bodies[i]).unwrap()));
+            }
+        })
+    };
+    let mut group = c.benchmark_group("s3_state_objects");
+    group.sample_size(10).warm_up_time(Duration::from_millis(1)).measurement_time(Duration::from_secs(20));
+    group.bench_function("remove 1,000, a request each", |b| {
+        b.iter_batched(put_all, |()| keys.iter().for_each(|k| objects.delete(k).unwrap()), BatchSize::PerIteration)
+    });
+    group.bench_function("remove 1,000 together", |b| {
+        b.iter_batched(put_all, |()| objects.delete_many(&keys).unwrap(), BatchSize::PerIteration)
+    });
+    group.finish();
+    assert!(objects.keys().unwrap().is_empty());
 }
 
 criterion_group!(benches, bench);

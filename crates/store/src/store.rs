@@ -865,23 +865,20 @@ impl Store {
 
     /// Removes context `id` (and its state object unless another context shares it).
     pub fn delete(&self, id: i64) -> Result<()> {
-        self.catalog.delete(id, &mut |sum| self.remove_state(sum))
+        self.catalog.delete(id, &mut |sums| self.remove_states(sums))
     }
 
     /// Removes the contexts `ids` that are here (each with its state object unless another
     /// context shares it), all at once: returns those removed, ascending. One gone already
     /// (another writer removed it) is skipped.
     pub fn delete_many(&self, ids: &[i64]) -> Result<Vec<i64>> {
-        self.catalog.delete_many(ids, &mut |sum| self.remove_state(sum))
+        self.catalog.delete_many(ids, &mut |sums| self.remove_states(sums))
     }
 
-    fn remove_state(&self, checksum: &str) -> Result<()> {
+    fn remove_states(&self, checksums: &[String]) -> Result<()> {
         // A damaged checksum names no object of this store: nothing to remove.
-        if is_checksum(checksum) {
-            self.states.delete(&key_of(checksum))
-        } else {
-            Ok(())
-        }
+        let keys: Vec<String> = checksums.iter().filter(|sum| is_checksum(sum)).map(|sum| key_of(sum)).collect();
+        self.states.delete_many(&keys)
     }
 
     /// [`Store::delete`], where a context already gone (another writer removed it) is no

@@ -359,3 +359,42 @@ fn stores_created_at_once_on_one_states_location_get_it_once() {
         }
     }
 }
+
+/// `delete_many` removes every key it names, absent ones included, and nothing else: on a
+/// folder, and on S3 where `PICASO_TEST_S3` names a bucket, with more keys than one DeleteObjects
+/// request takes (a thousand).
+#[test]
+fn state_objects_are_removed_many_at_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut locations = vec![picaso_store::StatesUrl::Local(tmp.path().join("states"))];
+    if let Ok(s3) = std::env::var("PICASO_TEST_S3") {
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
+        let url = format!("{}/delete-many-{}-{nanos}", s3.trim_end_matches('/'), std::process::id());
+        locations.push(
+            picaso_store::Location::parse(tmp.path().join("db").to_str().unwrap(), Some(&url)).unwrap().states.unwrap(),
+        );
+    }
+    for url in &locations {
+        let objects = picaso_store::states::open(url).unwrap();
+        let bodies: Vec<Vec<u8>> = (0..1_203u32).map(|i| i.to_le_bytes().to_vec()).collect();
+        let keys: Vec<String> =
+            bodies.iter().map(|b| picaso_store::states::key_of(&picaso_store::checksum(b))).collect();
+        std::thread::scope(|s| {
+            for part in 0..4 {
+                let (objects, keys, bodies) = (&objects, &keys, &bodies);
+                s.spawn(move || (part..keys.len()).step_by(4).for_each(|i| objects.put(&keys[i], &bodies[i]).unwrap()));
+            }
+        });
+        // All but every hundredth, and three keys that were never stored.
+        let mut gone: Vec<String> =
+            keys.iter().enumerate().filter(|(i, _)| i % 100 != 0).map(|(_, k)| k.clone()).collect();
+        gone.extend(["00/absent.safetensors", "ff/absent.safetensors", "ab/absent.safetensors"].map(String::from));
+        objects.delete_many(&gone).unwrap();
+        let mut left: Vec<String> = keys.iter().step_by(100).cloned().collect();
+        left.sort();
+        assert_eq!(objects.keys().unwrap(), left, "{url:?}");
+        objects.delete_many(&[]).unwrap();
+        objects.delete_many(&left).unwrap();
+        assert!(objects.keys().unwrap().is_empty(), "{url:?}");
+    }
+}

@@ -50,6 +50,9 @@ pub struct Row<'a> {
 /// state file once: contexts with the same state (the same text) share one content-addressed file.
 pub type Totals = (u64, u64, u64, u64);
 
+/// Removes the state objects of these checksums (called by a delete once their rows are gone).
+pub type RemoveStates<'a> = dyn FnMut(&[String]) -> Result<()> + 'a;
+
 /// A metadata and vector backend.
 pub trait Catalog: Send + Sync + std::fmt::Debug {
     /// Where it is (no credentials).
@@ -80,15 +83,16 @@ pub trait Catalog: Send + Sync + std::fmt::Debug {
     }
     /// (document, segment) of a context.
     fn doc_seg(&self, id: i64) -> Result<(String, u32)>;
-    /// Deletes a context, then calls `remove_state(checksum)` if no other context shares its
-    /// state, inside the lock that keeps a concurrent insert from reusing it meanwhile. The row
-    /// goes first (committed): a crash or a failed removal leaves an orphan object, never a row
-    /// without its object.
-    fn delete(&self, id: i64, remove_state: &mut dyn FnMut(&str) -> Result<()>) -> Result<()>;
+    /// Deletes a context, then calls `remove_states(&[checksum])` if no other context shares
+    /// its state, inside the lock that keeps a concurrent insert from reusing it meanwhile. The
+    /// row goes first (committed): a crash or a failed removal leaves an orphan object, never a
+    /// row without its object.
+    fn delete(&self, id: i64, remove_states: &mut RemoveStates<'_>) -> Result<()>;
     /// Deletes the contexts `ids` that are here (one gone already was another writer's
     /// delete) with [`delete`](Self::delete)'s guarantees, many per transaction; returns those
-    /// removed, ascending.
-    fn delete_many(&self, ids: &[i64], remove_state: &mut dyn FnMut(&str) -> Result<()>) -> Result<Vec<i64>>;
+    /// removed, ascending. `remove_states` gets the objects of a whole transaction at once (an
+    /// object store removes up to a thousand per request).
+    fn delete_many(&self, ids: &[i64], remove_states: &mut RemoveStates<'_>) -> Result<Vec<i64>>;
     /// Points context `id` at another state object (`checksum`, `state_file`, `state_bytes`),
     /// keeping everything else; `write_states` writes that object first, under the lock an
     /// insert takes. For a context whose object was lost and whose state, recomputed from its
@@ -193,8 +197,8 @@ pub(crate) mod checks {
         let delete = |wanted: &[i64]| {
             let mut objects = Vec::new();
             let removed = catalog
-                .delete_many(wanted, &mut |sum| {
-                    objects.push(sum.to_string());
+                .delete_many(wanted, &mut |sums| {
+                    objects.extend_from_slice(sums);
                     Ok(())
                 })
                 .unwrap();

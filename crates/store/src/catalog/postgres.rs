@@ -24,7 +24,7 @@ use futures_util::future::BoxFuture;
 use pgvector::Vector;
 use tokio_postgres::{Client, NoTls};
 
-use super::{blob_to_u32s, u32s_to_blob, Catalog, Row, Totals};
+use super::{blob_to_u32s, u32s_to_blob, Catalog, RemoveStates, Row, Totals};
 use crate::error::{Error, Result};
 use crate::filter::{Clause, Condition, Filter, Test};
 use crate::location::redact;
@@ -486,7 +486,7 @@ impl PostgresCatalog {
     /// write of such a state replaces it), never a row whose object is gone. The locks span
     /// both, so an insert that would share an object (it takes the lock shared) waits until the
     /// object is gone and writes it again.
-    fn delete_chunk(&self, ids: &[i64], remove_state: &mut dyn FnMut(&str) -> Result<()>) -> Result<Vec<i64>> {
+    fn delete_chunk(&self, ids: &[i64], remove_states: &mut RemoveStates<'_>) -> Result<Vec<i64>> {
         let wanted = ids.to_vec();
         let checksums: Vec<String> = self.run(Box::new(move |c| {
             let wanted = wanted.clone();
@@ -538,9 +538,9 @@ impl PostgresCatalog {
             Ok(v) => v,
             Err(e) => return Err(e.into_error(&self.pool.url)), // dropping the connection rolls back and unlocks
         };
-        for checksum in &unshared {
-            // After the commit, as for one context: a failed removal leaves an orphan.
-            let _ = remove_state(checksum);
+        if !unshared.is_empty() {
+            // After the commit, as for one context: a failed removal leaves orphans.
+            let _ = remove_states(&unshared);
         }
         self.unlock_objects(client, &keys);
         Ok(removed)
@@ -856,8 +856,8 @@ impl Catalog for PostgresCatalog {
         row.ok_or(Error::NotFound(id))
     }
 
-    fn delete(&self, id: i64, remove_state: &mut dyn FnMut(&str) -> Result<()>) -> Result<()> {
-        match self.delete_chunk(&[id], remove_state)?.is_empty() {
+    fn delete(&self, id: i64, remove_states: &mut RemoveStates<'_>) -> Result<()> {
+        match self.delete_chunk(&[id], remove_states)?.is_empty() {
             true => Err(Error::NotFound(id)), // not here, or deleted meanwhile by another server
             false => Ok(()),
         }
@@ -865,10 +865,10 @@ impl Catalog for PostgresCatalog {
 
     /// 256 contexts per transaction instead of one (a delete of 10,000 contexts
     /// was 10,000 transactions and lock round trips).
-    fn delete_many(&self, ids: &[i64], remove_state: &mut dyn FnMut(&str) -> Result<()>) -> Result<Vec<i64>> {
+    fn delete_many(&self, ids: &[i64], remove_states: &mut RemoveStates<'_>) -> Result<Vec<i64>> {
         let mut removed = Vec::new();
         for chunk in ids.chunks(DELETE_CHUNK) {
-            removed.extend(self.delete_chunk(chunk, remove_state)?);
+            removed.extend(self.delete_chunk(chunk, remove_states)?);
         }
         removed.sort_unstable();
         removed.dedup();

@@ -12,7 +12,7 @@ use picaso_embed::{FlatIndex, VectorIndex};
 use rusqlite::{params, Connection, OptionalExtension};
 
 use super::columns::MetadataColumns;
-use super::{blob_to_f32s, blob_to_u32s, f32s_to_blob, u32s_to_blob, Catalog, Row, Totals};
+use super::{blob_to_f32s, blob_to_u32s, f32s_to_blob, u32s_to_blob, Catalog, RemoveStates, Row, Totals};
 use crate::error::{Error, Result};
 use crate::filter::Filter;
 use crate::location::CatalogUrl;
@@ -609,8 +609,8 @@ impl Catalog for SqliteCatalog {
         stmt.query_row([id], |r| Ok((r.get(0)?, r.get(1)?))).optional()?.ok_or(Error::NotFound(id))
     }
 
-    fn delete(&self, id: i64, remove_state: &mut dyn FnMut(&str) -> Result<()>) -> Result<()> {
-        match self.delete_many(&[id], remove_state)?.is_empty() {
+    fn delete(&self, id: i64, remove_states: &mut RemoveStates<'_>) -> Result<()> {
+        match self.delete_many(&[id], remove_states)?.is_empty() {
             true => Err(Error::NotFound(id)),
             false => Ok(()),
         }
@@ -618,7 +618,7 @@ impl Catalog for SqliteCatalog {
 
     /// One transaction for the rows and one pass over the index, whatever the count (a
     /// delete at a time would rewrite the index's whole matrix per context).
-    fn delete_many(&self, ids: &[i64], remove_state: &mut dyn FnMut(&str) -> Result<()>) -> Result<Vec<i64>> {
+    fn delete_many(&self, ids: &[i64], remove_states: &mut RemoveStates<'_>) -> Result<Vec<i64>> {
         let _writes = self.writes.lock().unwrap_or_else(|p| p.into_inner());
         let mut conn = self.conn();
         let tx = conn.transaction()?;
@@ -656,10 +656,10 @@ impl Catalog for SqliteCatalog {
             .collect::<Result<_>>()?;
         drop(shared);
         drop(conn);
-        for checksum in unshared {
-            // The row is gone for good: an object that cannot be removed stays as an orphan
+        if !unshared.is_empty() {
+            // The rows are gone for good: an object that cannot be removed stays as an orphan
             // (the next write of that state replaces it) and the delete still succeeded.
-            let _ = remove_state(&checksum);
+            let _ = remove_states(&unshared);
         }
         Ok(removed)
     }

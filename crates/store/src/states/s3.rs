@@ -10,7 +10,7 @@
 
 use std::sync::Arc;
 
-use futures_util::TryStreamExt;
+use futures_util::{StreamExt, TryStreamExt};
 use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
 use object_store::path::Path as ObjectPath;
 use object_store::{ClientOptions, ObjectStore, ObjectStoreExt, RetryConfig};
@@ -251,6 +251,24 @@ impl StateObjects for S3States {
         match block_on(async move { store.delete(&path).await }) {
             Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
             Err(e) => Err(self.error(key, e)),
+        }
+    }
+
+    /// S3's DeleteObjects: a thousand keys per request, up to twenty requests in flight
+    /// (object_store falls back to one DELETE per key where `AWS_DISABLE_BULK_DELETE` is set,
+    /// for services without it).
+    fn delete_many(&self, keys: &[String]) -> Result<()> {
+        if keys.is_empty() {
+            return Ok(());
+        }
+        let store = self.store.clone();
+        let paths: Vec<object_store::Result<ObjectPath>> = keys.iter().map(|k| Ok(self.path(k))).collect();
+        let outcomes: Vec<object_store::Result<ObjectPath>> =
+            block_on(async move { store.delete_stream(futures_util::stream::iter(paths).boxed()).collect().await });
+        match outcomes.into_iter().find_map(|o| o.err().filter(|e| !matches!(e, object_store::Error::NotFound { .. })))
+        {
+            None => Ok(()),
+            Some(e) => Err(self.error(&format!("(one of {} objects removed together)", keys.len()), e)),
         }
     }
 
