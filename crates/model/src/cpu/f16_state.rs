@@ -24,8 +24,11 @@ pub fn scan_head_f16(s: &mut [f16], head: &ScanInputs, y: &mut [f32]) {
     // One token in registers (rounded as it is stored); several go through the f32 copy,
     // rounded once after the last.
     #[cfg(target_arch = "x86_64")]
-    if head.dt.len() == 1 && super::scan_avx512::try_scan_head::<u16>(s.reinterpret_cast_mut(), head, y) {
-        return;
+    if head.dt.len() == 1 {
+        let bits: &mut [u16] = s.reinterpret_cast_mut();
+        if super::scan_avx512::try_scan_head(bits, head, y) || super::scan_avx2::try_scan_head(bits, head, y) {
+            return;
+        }
     }
     scan_head_f16_widened(s, head, y)
 }
@@ -238,7 +241,7 @@ mod tests {
             let stride = p + 2 * n + 3;
             let scale = [6e-6f32, 1.0, 3.0, 60000.0];
             let start: Vec<f16> = (0..p * n).map(|i| f16::from_f32(scale[i % 4] * rand())).collect();
-            let (mut fused, mut widened) = (start.clone(), start.clone());
+            let (mut fused, mut widened, mut avx2) = (start.clone(), start.clone(), start.clone());
             for step in 0..4 {
                 let xbc: Vec<f32> = (0..stride).map(|_| 3.0 * rand()).collect();
                 let dt = [0.02 + 0.2 * rand().abs()];
@@ -262,6 +265,15 @@ mod tests {
                 assert_eq!(bits(&y_fused), bits(&y_widened), "d_state {n}, step {step}: y");
                 let hbits = |v: &[f16]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(hbits(&fused), hbits(&widened), "d_state {n}, step {step}: state");
+                // The AVX2 kernel by itself (the dispatch prefers AVX-512 where the CPU has it).
+                #[cfg(target_arch = "x86_64")]
+                {
+                    let mut y_avx2 = vec![0.0f32; p];
+                    if super::super::scan_avx2::try_scan_head::<u16>(avx2.reinterpret_cast_mut(), &head, &mut y_avx2) {
+                        assert_eq!(bits(&y_avx2), bits(&y_widened), "AVX2, d_state {n}, step {step}: y");
+                        assert_eq!(hbits(&avx2), hbits(&widened), "AVX2, d_state {n}, step {step}: state");
+                    }
+                }
             }
             assert_ne!(fused, start, "d_state {n}: the state moved");
         }

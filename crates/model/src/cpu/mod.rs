@@ -11,6 +11,8 @@ pub mod bf16_tiles;
 pub mod f16_state;
 pub mod kernels;
 #[cfg(target_arch = "x86_64")]
+pub mod scan_avx2;
+#[cfg(target_arch = "x86_64")]
 pub mod scan_avx512;
 
 use rayon::prelude::*;
