@@ -81,10 +81,17 @@ pub trait StateObjects: Send + Sync + std::fmt::Debug {
     fn inspect_many(&self, keys: &[String], judge: &(dyn Fn(usize, &[u8]) -> Finding + Sync)) -> Result<Vec<Finding>>;
     /// Removes `key` (absent keys are fine).
     fn delete(&self, key: &str) -> Result<()>;
-    /// Removes each of `keys` (absent keys are fine); on an error, some may be gone. Object
-    /// stores remove many per request.
+    /// Removes each of `keys` (absent keys are fine): every key is tried, and the first error
+    /// is returned. Object stores remove many per request.
     fn delete_many(&self, keys: &[String]) -> Result<()> {
-        keys.iter().try_for_each(|k| self.delete(k))
+        let mut first = Ok(());
+        for key in keys {
+            let outcome = self.delete(key);
+            if first.is_ok() {
+                first = outcome;
+            }
+        }
+        first
     }
     /// Every state object stored, with its size, in key order (temporary files and other
     /// objects, such as the owner marker, left out).
