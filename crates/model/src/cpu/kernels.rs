@@ -840,6 +840,26 @@ simd_fn! {
     }
 }
 
+/// `$f::<NV, $h>(args)` for `NV = $nv` in 1..=8 (d_state / 16): how the x86 scan kernels
+/// pick their instance for a head.
+#[cfg(target_arch = "x86_64")]
+macro_rules! with_vectors {
+    ($nv:expr, $f:ident::<$h:ty>($($arg:expr),*)) => {
+        match $nv {
+            1 => $f::<1, $h>($($arg),*),
+            2 => $f::<2, $h>($($arg),*),
+            3 => $f::<3, $h>($($arg),*),
+            4 => $f::<4, $h>($($arg),*),
+            5 => $f::<5, $h>($($arg),*),
+            6 => $f::<6, $h>($($arg),*),
+            7 => $f::<7, $h>($($arg),*),
+            _ => $f::<8, $h>($($arg),*),
+        }
+    };
+}
+#[cfg(target_arch = "x86_64")]
+pub(crate) use with_vectors;
+
 /// The sum of a row's [`LANES`] partial sums, by halving: lane l + (l + 8), then l + (l + 4),
 /// l + (l + 2), l + (l + 1). Every scan kernel sums in this order (the AVX-512 one reduces 16
 /// rows together with shuffles in it), so each gives the same bits.

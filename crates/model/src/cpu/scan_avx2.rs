@@ -10,7 +10,7 @@
 
 use std::arch::x86_64::*;
 
-use super::kernels::{sum_lanes, ScanInputs, LANES};
+use super::kernels::{sum_lanes, with_vectors, ScanInputs, LANES};
 
 /// How a state's values are held: f32, or f16 (as its bits) widened on load and rounded to
 /// nearest on store.
@@ -68,18 +68,7 @@ pub fn try_scan_head<H: Held>(s: &mut [H], head: &ScanInputs, y: &mut [f32]) -> 
         return false;
     }
     // SAFETY: the CPU has AVX2, FMA and F16C, and the shapes are as `scan_head` requires.
-    unsafe {
-        match nv {
-            1 => scan_head::<1, H>(s, head, y),
-            2 => scan_head::<2, H>(s, head, y),
-            3 => scan_head::<3, H>(s, head, y),
-            4 => scan_head::<4, H>(s, head, y),
-            5 => scan_head::<5, H>(s, head, y),
-            6 => scan_head::<6, H>(s, head, y),
-            7 => scan_head::<7, H>(s, head, y),
-            _ => scan_head::<8, H>(s, head, y),
-        }
-    }
+    unsafe { with_vectors!(nv, scan_head::<H>(s, head, y)) }
     true
 }
 
