@@ -111,6 +111,8 @@ def test_metadata_and_filters(model, embedder, tmp_path):
                         ({"year": {"$exists": False}}, ["none"]),
                         ({"year": {"$gt": "2000"}}, []),
                         ({"lang": {"$prefix": "f"}}, ["fr"]),
+                        ({"lang": {"$not": {"$prefix": "e"}}}, ["fr", "none"]),
+                        ({"$nor": [{"lang": "en"}, {"year": {"$exists": False}}]}, ["fr"]),
                         ({"$or": [{"lang": "fr"}, {"year": {"$exists": False}}]}, ["fr", "none"])]:
             hits = store.search(question, k=10, filter=f)
             assert sorted(h["doc"] for h in hits) == docs, f

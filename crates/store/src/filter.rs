@@ -14,9 +14,11 @@
 //! | `$exists: b` | the key is present (any value, `null` too) when `b` is true, absent when false |
 //! | `$contains: v` | is a list holding a value equal to `v` |
 //! | `$prefix: "s"` | is a string starting with the string `s` (by code point, case and accents as given) |
+//! | `$not: {operators}` | does not pass all of the operators (a missing key passes) |
 //!
 //! `"$or": [filter, ...]` in place of a key holds when one of the filters does, `"$and": [...]`
-//! when all do (to give one key's conditions in several places); they nest.
+//! when all do (to give one key's conditions in several places), `"$nor": [...]` when none does;
+//! they nest.
 //!
 //! Equality: strings and booleans exactly, numbers by value (`2024` equals `2024.0`; integers
 //! compare exactly, also beside floats), `null` only `null` (not a missing key); a value of
@@ -43,7 +45,7 @@ pub const MAX_FILTER_DEPTH: usize = 8;
 pub const MAX_FILTER_VALUES: usize = 1024;
 
 /// The operators, as the error messages list them.
-const OPERATORS: &str = "$eq, $ne, $gt, $gte, $lt, $lte, $in, $nin, $exists, $contains, $prefix";
+const OPERATORS: &str = "$eq, $ne, $gt, $gte, $lt, $lte, $in, $nin, $exists, $contains, $prefix, $not";
 
 /// A metadata filter, checked.
 #[derive(Debug, Clone, PartialEq)]
@@ -61,6 +63,8 @@ pub enum Clause {
     All(Vec<Clause>),
     /// One at least holds (`$or`).
     Any(Vec<Clause>),
+    /// It does not hold (`$nor` of filters, a key's `$not` of operators).
+    Not(Box<Clause>),
 }
 
 impl Clause {
@@ -69,6 +73,7 @@ impl Clause {
             Self::Key(c) => c.test.passes(metadata.get(&c.key)),
             Self::All(clauses) => clauses.iter().all(|c| c.holds(metadata)),
             Self::Any(clauses) => clauses.iter().any(|c| c.holds(metadata)),
+            Self::Not(clause) => !clause.holds(metadata),
         }
     }
 }
@@ -174,10 +179,10 @@ impl Filter {
                 return Err(Error::Input(format!("metadata filter {key:?}: the key holds a NUL character")));
             }
             match (key.as_str(), value) {
-                ("$and" | "$or", Value::Array(filters)) if !filters.is_empty() => {
+                ("$and" | "$or" | "$nor", Value::Array(filters)) if !filters.is_empty() => {
                     if depth + 1 > MAX_FILTER_DEPTH {
                         return Err(Error::Input(format!(
-                            "metadata filter: $and and $or nest deeper than {MAX_FILTER_DEPTH} levels"
+                            "metadata filter: $and, $or and $nor nest deeper than {MAX_FILTER_DEPTH} levels"
                         )));
                     }
                     let clauses = (filters.iter())
@@ -186,28 +191,18 @@ impl Filter {
                             _ => Err(Error::Input(format!("metadata filter {key}: {f} is not a filter (an object)"))),
                         })
                         .collect::<Result<Vec<_>>>()?;
-                    all.push(if key == "$and" { Clause::All(clauses) } else { Clause::Any(clauses) });
+                    all.push(match key.as_str() {
+                        "$and" => Clause::All(clauses),
+                        "$or" => Clause::Any(clauses),
+                        _ => Clause::Not(Box::new(Clause::Any(clauses))),
+                    });
                 }
-                ("$and" | "$or", _) => {
+                ("$and" | "$or" | "$nor", _) => {
                     return Err(Error::Input(format!(
                         "metadata filter {key}: takes a non-empty list of filters, not {value}"
                     )))
                 }
-                (_, Value::Object(ops)) => {
-                    if ops.is_empty() {
-                        return Err(Error::Input(format!(
-                            "metadata filter {key:?}: an empty object; give a value, or operators ({OPERATORS})"
-                        )));
-                    }
-                    for (op, operand) in ops {
-                        let test = Test::new(key, op, operand)?;
-                        if let Test::In(values) | Test::NotIn(values) = &test {
-                            size.listed += values.len();
-                        }
-                        size.conditions += 1;
-                        all.push(Clause::Key(Condition { key: key.clone(), test }));
-                    }
-                }
+                (_, Value::Object(ops)) => all.extend(Self::operators(key, ops, false, size)?),
                 (_, Value::Array(_)) => {
                     return Err(Error::Input(format!(
                         "metadata filter {key:?}: {value} is a list; to match one of several values give \
@@ -221,6 +216,43 @@ impl Filter {
             }
         }
         Ok(Clause::All(all))
+    }
+
+    /// The clauses of one key's object of operators, all of which must hold; `within_not` when
+    /// the object is a `$not`'s (which may not hold another).
+    fn operators(key: &str, ops: &Metadata, within_not: bool, size: &mut Size) -> Result<Vec<Clause>> {
+        if ops.is_empty() {
+            return Err(Error::Input(if within_not {
+                format!("metadata filter {key:?}: an empty $not; give the operators it negates, e.g. {{\"$not\": {{\"$gte\": 2020}}}}")
+            } else {
+                format!("metadata filter {key:?}: an empty object; give a value, or operators ({OPERATORS})")
+            }));
+        }
+        let mut all = Vec::with_capacity(ops.len());
+        for (op, operand) in ops {
+            if op == "$not" {
+                let Value::Object(negated) = operand else {
+                    return Err(Error::Input(format!(
+                        "metadata filter {key:?}: $not takes an object of operators, e.g. {{\"$not\": {{\"$gte\": 2020}}}}, \
+                         not {operand} (for a value to differ from, give $ne)"
+                    )));
+                };
+                if within_not {
+                    return Err(Error::Input(format!(
+                        "metadata filter {key:?}: $not within $not; give the operators themselves"
+                    )));
+                }
+                all.push(Clause::Not(Box::new(Clause::All(Self::operators(key, negated, true, size)?))));
+                continue;
+            }
+            let test = Test::new(key, op, operand)?;
+            if let Test::In(values) | Test::NotIn(values) = &test {
+                size.listed += values.len();
+            }
+            size.conditions += 1;
+            all.push(Clause::Key(Condition { key: key.to_string(), test }));
+        }
+        Ok(all)
     }
 
     /// A filter from the command line's `--filter` arguments, all of which must hold. Each is
@@ -241,7 +273,7 @@ impl Filter {
             }
             Ok(())
         };
-        // `$and` / `$or` entries of JSON arguments, combined at the end.
+        // `$and` / `$or` / `$nor` entries of JSON arguments, combined at the end.
         let mut logical: Vec<(String, Value)> = Vec::new();
         for arg in args {
             let arg = arg.as_ref();
@@ -251,7 +283,7 @@ impl Filter {
                 };
                 for (key, value) in filter {
                     match value {
-                        value if key == "$and" || key == "$or" => logical.push((key, value)),
+                        value if matches!(key.as_str(), "$and" | "$or" | "$nor") => logical.push((key, value)),
                         Value::Object(ops) => {
                             for (op, operand) in ops {
                                 add(&key, &op, operand, arg)?;
@@ -540,6 +572,12 @@ mod tests {
             json!({"$or": [{"lang": "fr"}, {"year": {"$gt": 2000}}]}),
             json!({"lang": "en", "$and": [{"year": {"$gte": 2024}}, {"year": {"$lte": 2024}}]}),
             json!({"$or": [{"$and": [{"lang": "fr"}]}, {"$or": [{"x": 1}, {"note": null}]}]}),
+            json!({"year": {"$not": {"$gt": 2024}}}),
+            json!({"missing": {"$not": {"$gte": 0}}}),
+            json!({"year": {"$not": {"$gte": 2020, "$lt": 2024}}}),
+            json!({"lang": {"$not": {"$in": ["fr"]}, "$prefix": "e"}}),
+            json!({"$nor": [{"lang": "fr"}, {"year": {"$lt": 2000}}]}),
+            json!({"$nor": [{"$nor": [{"lang": "en"}]}]}),
         ];
         for f in yes {
             assert!(filter(f.clone()).matches(&m), "{f}");
@@ -565,6 +603,10 @@ mod tests {
             json!({"year": {"$gte": 2020, "$lt": 2024}}),
             json!({"$or": [{"lang": "fr"}, {"year": {"$gt": 2024}}]}),
             json!({"lang": "fr", "$or": [{"lang": "en"}, {"year": 2024}]}),
+            json!({"year": {"$not": {"$gte": 2024}}}),
+            json!({"tags": {"$not": {"$contains": "a"}}}),
+            json!({"$nor": [{"lang": "fr"}, {"year": 2024}]}),
+            json!({"lang": {"$not": {"$prefix": "e"}}, "year": 2024}),
         ];
         for f in no {
             assert!(!filter(f.clone()).matches(&m), "{f}");
@@ -604,6 +646,12 @@ mod tests {
             (json!({"$or": {"a": 1}}), "non-empty list of filters"),
             (json!({"$and": [1]}), "is not a filter"),
             (json!({"$or": [{}]}), "empty metadata filter"),
+            (json!({"x": {"$not": 1}}), "$not takes an object of operators"),
+            (json!({"x": {"$not": {}}}), "an empty $not"),
+            (json!({"x": {"$not": {"$not": {"$eq": 1}}}}), "$not within $not"),
+            (json!({"x": {"$not": {"lang": 1}}}), "unknown operator"),
+            (json!({"$nor": []}), "non-empty list of filters"),
+            (json!({"$nor": [1]}), "is not a filter"),
         ];
         for (f, want) in cases {
             let e = Filter::new(&obj(f.clone())).unwrap_err().to_string();
@@ -653,6 +701,11 @@ mod tests {
         assert_eq!(
             Value::Object(two.json().clone()),
             json!({"d": 4, "$and": [{"$or": [{"a": 1}, {"b": 2}]}, {"$or": [{"c": 3}]}]})
+        );
+        let none = Filter::from_args(&[r#"{"$nor": [{"a": 1}]}"#, r#"{"b": {"$not": {"$lt": 2}}}"#, "c!=3"]).unwrap();
+        assert_eq!(
+            Value::Object(none.json().clone()),
+            json!({"b": {"$not": {"$lt": 2}}, "c": {"$ne": 3}, "$nor": [{"a": 1}]})
         );
         let bad: [&[&str]; 7] = [&["lang"], &["=en"], &["a=1", "a=2"], &[], &["a!1"], &["{1}"], &["a>true"]];
         for (arg, hint) in [("year=>2020", "year>=2020"), ("year=<2020", "year<=2020"), ("year==2020", "year=2020")] {

@@ -148,6 +148,7 @@ impl MetadataColumns {
                 ids
             }
             Clause::Any(clauses) => clauses.iter().fold(Vec::new(), |ids, clause| union(&ids, &self.clause(clause))),
+            Clause::Not(clause) => difference(&self.ids, &self.clause(clause)),
         }
     }
 
@@ -281,6 +282,8 @@ mod tests {
             json!({"$or": [{"n": {"$gte": 3}}, {"only4": true}], "tag": {"$nin": ["b"]}}),
             json!({"missing": {"$nin": [1]}}),
             json!({"missing": 1}),
+            json!({"$nor": [{"tag": "a"}], "n": {"$not": {"$lt": 2}}}),
+            json!({"missing": {"$not": {"$eq": 1}}}),
         ] {
             let filter = Filter::new(f.as_object().unwrap()).unwrap();
             let want: Vec<i64> = kept.iter().copied().filter(|&i| filter.matches(&metadata(i))).collect();

@@ -329,6 +329,15 @@ pub(crate) mod checks {
             ),
             (json!({"$or": [{"missing": 1}, {"$and": [{"lang": {"$ne": "en"}}, {"big": {"$exists": true}}]}]}), 1),
             (json!({"$or": [{"say \"hi\"": "x"}, {"a.b": 1}]}), 2),
+            // $not (a missing key passes) and $nor.
+            (json!({"year": {"$not": {"$gte": 2024}}}), 4),
+            (json!({"year": {"$not": {"$gte": 2023, "$lt": 2024}}}), 5),
+            (json!({"lang": {"$not": {"$prefix": "en"}}}), 2),
+            (json!({"tags": {"$not": {"$contains": "x"}}, "lang": {"$exists": true}}), 3),
+            (json!({"$nor": [{"lang": "en"}, {"draft": true}]}), 2),
+            (json!({"$nor": [{"$nor": [{"lang": "fr"}]}]}), 1),
+            (json!({"$or": [{"lang": {"$not": {"$in": ["en", "en "]}}}, {"big": {"$exists": true}}]}), 3),
+            (json!({"$nor": [{"year": {"$gte": 0}}], "tags": {"$not": {"$exists": false}}}), 1),
         ];
         for (f, n) in filters {
             let f = Filter::new(&obj(f)).unwrap();

@@ -577,6 +577,9 @@ impl FilterSql {
                 let parts: Vec<String> = clauses.iter().map(|c| self.clause(c)).collect();
                 format!("({})", parts.join(" OR "))
             }
+            // Every condition is TRUE or FALSE, never NULL (the column is NOT NULL and the CASEs
+            // end in FALSE), so NOT is the complement.
+            Clause::Not(clause) => format!("NOT ({})", self.clause(clause)),
             Clause::All(clauses) => {
                 // The keys' equalities in one containment, which the GIN index answers.
                 let mut equal = Metadata::new();
