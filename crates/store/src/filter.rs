@@ -178,8 +178,8 @@ impl Filter {
             if key.contains('\0') {
                 return Err(Error::Input(format!("metadata filter {key:?}: the key holds a NUL character")));
             }
-            match (key.as_str(), value) {
-                ("$and" | "$or" | "$nor", Value::Array(filters)) if !filters.is_empty() => {
+            match (logical(key), value) {
+                (Some(combine), Value::Array(filters)) if !filters.is_empty() => {
                     if depth + 1 > MAX_FILTER_DEPTH {
                         return Err(Error::Input(format!(
                             "metadata filter: $and, $or and $nor nest deeper than {MAX_FILTER_DEPTH} levels"
@@ -191,19 +191,15 @@ impl Filter {
                             _ => Err(Error::Input(format!("metadata filter {key}: {f} is not a filter (an object)"))),
                         })
                         .collect::<Result<Vec<_>>>()?;
-                    all.push(match key.as_str() {
-                        "$and" => Clause::All(clauses),
-                        "$or" => Clause::Any(clauses),
-                        _ => Clause::Not(Box::new(Clause::Any(clauses))),
-                    });
+                    all.push(combine(clauses));
                 }
-                ("$and" | "$or" | "$nor", _) => {
+                (Some(_), _) => {
                     return Err(Error::Input(format!(
                         "metadata filter {key}: takes a non-empty list of filters, not {value}"
                     )))
                 }
-                (_, Value::Object(ops)) => all.extend(Self::operators(key, ops, false, size)?),
-                (_, Value::Array(_)) => {
+                (None, Value::Object(ops)) => all.extend(Self::operators(key, ops, false, size)?),
+                (None, Value::Array(_)) => {
                     return Err(Error::Input(format!(
                         "metadata filter {key:?}: {value} is a list; to match one of several values give \
                          {{\"$in\": [...]}}, to match a list holding a value {{\"$contains\": value}}"
@@ -274,7 +270,7 @@ impl Filter {
             Ok(())
         };
         // `$and` / `$or` / `$nor` entries of JSON arguments, combined at the end.
-        let mut logical: Vec<(String, Value)> = Vec::new();
+        let mut nested: Vec<(String, Value)> = Vec::new();
         for arg in args {
             let arg = arg.as_ref();
             if arg.trim_start().starts_with('{') {
@@ -283,7 +279,7 @@ impl Filter {
                 };
                 for (key, value) in filter {
                     match value {
-                        value if matches!(key.as_str(), "$and" | "$or" | "$nor") => logical.push((key, value)),
+                        value if logical(&key).is_some() => nested.push((key, value)),
                         Value::Object(ops) => {
                             for (op, operand) in ops {
                                 add(&key, &op, operand, arg)?;
@@ -314,12 +310,12 @@ impl Filter {
                 (key, value)
             })
             .collect();
-        let distinct = logical.iter().map(|(k, _)| k).collect::<std::collections::BTreeSet<_>>().len() == logical.len();
+        let distinct = nested.iter().map(|(k, _)| k).collect::<std::collections::BTreeSet<_>>().len() == nested.len();
         if distinct {
-            json.extend(logical);
+            json.extend(nested);
         } else {
             // Two `$or`s: both must hold.
-            let each = logical.into_iter().map(|(k, v)| Value::Object(Metadata::from_iter([(k, v)])));
+            let each = nested.into_iter().map(|(k, v)| Value::Object(Metadata::from_iter([(k, v)])));
             json.insert("$and".into(), Value::Array(each.collect()));
         }
         Self::new(&json)
@@ -425,6 +421,17 @@ impl Test {
             (Self::Prefix(prefix), Some(Value::String(have))) => have.starts_with(prefix.as_str()),
             (Self::Prefix(_), Some(_)) => false,
         }
+    }
+}
+
+/// What a logical key (`$and`, `$or`, `$nor`) makes of its filters' clauses; `None` for a
+/// metadata key. The one list of logical keys, so parsing and `from_args` agree.
+fn logical(key: &str) -> Option<fn(Vec<Clause>) -> Clause> {
+    match key {
+        "$and" => Some(Clause::All),
+        "$or" => Some(Clause::Any),
+        "$nor" => Some(|clauses| Clause::Not(Box::new(Clause::Any(clauses)))),
+        _ => None,
     }
 }
 
