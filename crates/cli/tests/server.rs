@@ -505,9 +505,9 @@ fn serve_completions_contexts_search_metrics_and_bad_input(arch: &str, db: &Test
         ("/v1/search", json!({"query": "x", "filter": "lang=en"}).to_string(), 400, "`filter` must be a JSON object"),
         (
             "/v1/attribute",
-            json!({"prompt": "x", "answer": "y", "retrieve": 1, "filter": {"a": {"b": 1}}}).to_string(),
+            json!({"prompt": "x", "answer": "y", "retrieve": 1, "filter": {"a": {"$b": 1}}}).to_string(),
             400,
-            "unknown operator \"b\"",
+            "unknown operator \"$b\"",
         ),
         ("/v1/contexts", json!({"text": "x", "metadata": [1]}).to_string(), 400, "`metadata` must be a JSON object"),
         (

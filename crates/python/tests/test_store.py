@@ -113,7 +113,9 @@ def test_metadata_and_filters(model, embedder, tmp_path):
                         ({"lang": {"$prefix": "f"}}, ["fr"]),
                         ({"lang": {"$not": {"$prefix": "e"}}}, ["fr", "none"]),
                         ({"$nor": [{"lang": "en"}, {"year": {"$exists": False}}]}, ["fr"]),
-                        ({"$or": [{"lang": "fr"}, {"year": {"$exists": False}}]}, ["fr", "none"])]:
+                        ({"$or": [{"lang": "fr"}, {"year": {"$exists": False}}]}, ["fr", "none"]),
+                        ({"source": {"url": {"$prefix": "https://a."}}}, ["en", "en"]),
+                        ({"source": {"url": {"$exists": False}}}, ["fr", "none"])]:
             hits = store.search(question, k=10, filter=f)
             assert sorted(h["doc"] for h in hits) == docs, f
             assert [store.get(i)["doc"] for i in store.ids(filter=f)] == sorted(docs), f

@@ -20,6 +20,12 @@
 //! when all do (to give one key's conditions in several places), `"$nor": [...]` when none does;
 //! they nest.
 //!
+//! Within an object of operators, a key without `$` tests the value within the object at the
+//! key: `{"author": {"name": "Ann", "born": {"$lt": 1900}}}` holds when the metadata's `author`
+//! is an object whose `name` is `"Ann"` and whose `born` is below 1900 (MongoDB's
+//! `"author.name"`). The path descends through objects only, not lists; a key missing on the
+//! way is a missing key, so `$ne`, `$nin`, `$not` and `$exists: false` pass.
+//!
 //! Equality: strings and booleans exactly, numbers by value (`2024` equals `2024.0`; integers
 //! compare exactly, also beside floats), `null` only `null` (not a missing key); a value of
 //! another type is never equal, below or above. Both catalogs answer with these rules (the folder
@@ -38,7 +44,8 @@ use crate::metadata::Metadata;
 /// included.
 pub const MAX_FILTER_CONDITIONS: usize = 64;
 
-/// The deepest `$and` / `$or` may nest.
+/// The deepest `$and` / `$or` / `$nor` may nest, and the most keys a path into nested objects
+/// may have.
 pub const MAX_FILTER_DEPTH: usize = 8;
 
 /// The most values a filter's `$in` and `$nin` lists may hold together.
@@ -70,7 +77,7 @@ pub enum Clause {
 impl Clause {
     fn holds(&self, metadata: &Metadata) -> bool {
         match self {
-            Self::Key(c) => c.test.passes(metadata.get(&c.key)),
+            Self::Key(c) => c.test.passes(c.value_in(metadata)),
             Self::All(clauses) => clauses.iter().all(|c| c.holds(metadata)),
             Self::Any(clauses) => clauses.iter().any(|c| c.holds(metadata)),
             Self::Not(clause) => !clause.holds(metadata),
@@ -78,13 +85,39 @@ impl Clause {
     }
 }
 
-/// One test of the value at one key.
+/// One test of the value at one key, or within the object at one key.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Condition {
-    /// The metadata key.
+    /// The top-level metadata key.
     pub key: String,
-    /// What its value must pass.
+    /// The keys below it, outermost first, when the value tested is within an object there
+    /// (`["name"]` for `{"author": {"name": ...}}`); empty for the key's own value.
+    pub path: Vec<String>,
+    /// What the value must pass.
     pub test: Test,
+}
+
+impl Condition {
+    /// A test of the value at `path`: a top-level key, then the keys below it.
+    fn at(path: &[String], test: Test) -> Self {
+        Self { key: path[0].clone(), path: path[1..].to_vec(), test }
+    }
+
+    /// The value the test reads in `metadata` (`None` when a key on the way is missing or
+    /// holds no object).
+    pub fn value_in<'a>(&self, metadata: &'a Metadata) -> Option<&'a Value> {
+        below(metadata.get(&self.key)?, &self.path)
+    }
+}
+
+/// The value at `path` within `value`, descending through objects only (not lists).
+pub fn below<'a>(value: &'a Value, path: &[String]) -> Option<&'a Value> {
+    path.iter().try_fold(value, |v, key| v.as_object()?.get(key))
+}
+
+/// A path as messages show it: `author.name`.
+fn shown(path: &[String]) -> String {
+    path.join(".")
 }
 
 /// What a value must pass. Scalars are strings, numbers, booleans or `null`.
@@ -198,30 +231,45 @@ impl Filter {
                         "metadata filter {key}: takes a non-empty list of filters, not {value}"
                     )))
                 }
-                (None, Value::Object(ops)) => all.extend(Self::operators(key, ops, false, size)?),
-                (None, Value::Array(_)) => {
-                    return Err(Error::Input(format!(
-                        "metadata filter {key:?}: {value} is a list; to match one of several values give \
-                         {{\"$in\": [...]}}, to match a list holding a value {{\"$contains\": value}}"
-                    )))
-                }
-                _ => {
-                    size.conditions += 1;
-                    all.push(Clause::Key(Condition { key: key.clone(), test: Test::Eq(scalar(key, "", value)?) }));
-                }
+                (None, _) => all.extend(Self::value(std::slice::from_ref(key), value, false, size)?),
             }
         }
         Ok(Clause::All(all))
     }
 
-    /// The clauses of one key's object of operators, all of which must hold; `within_not` when
-    /// the object is a `$not`'s (which may not hold another).
-    fn operators(key: &str, ops: &Metadata, within_not: bool, size: &mut Size) -> Result<Vec<Clause>> {
+    /// The clauses of what a filter gives for the value at `path`: a scalar it must equal, or
+    /// an object of operators and of keys within it (`within_not` when in a `$not`).
+    fn value(path: &[String], value: &Value, within_not: bool, size: &mut Size) -> Result<Vec<Clause>> {
+        if path.len() > MAX_FILTER_DEPTH {
+            return Err(Error::Input(format!(
+                "metadata filter {:?}: keys within objects nest deeper than {MAX_FILTER_DEPTH} levels",
+                shown(path)
+            )));
+        }
+        match value {
+            Value::Object(entries) => Self::operators(path, entries, within_not, size),
+            Value::Array(_) => Err(Error::Input(format!(
+                "metadata filter {:?}: {value} is a list; to match one of several values give \
+                 {{\"$in\": [...]}}, to match a list holding a value {{\"$contains\": value}}",
+                shown(path)
+            ))),
+            _ => {
+                size.conditions += 1;
+                Ok(vec![Clause::Key(Condition::at(path, Test::Eq(scalar(&shown(path), "", value)?)))])
+            }
+        }
+    }
+
+    /// The clauses of the object a filter gives for the value at `path`, all of which must
+    /// hold: operators that test the value, and keys that test the values within it (an object
+    /// there). `within_not` when the object is a `$not`'s (which may not hold another).
+    fn operators(path: &[String], ops: &Metadata, within_not: bool, size: &mut Size) -> Result<Vec<Clause>> {
+        let name = shown(path);
         if ops.is_empty() {
             return Err(Error::Input(if within_not {
-                format!("metadata filter {key:?}: an empty $not; give the operators it negates, e.g. {{\"$not\": {{\"$gte\": 2020}}}}")
+                format!("metadata filter {name:?}: an empty $not; give the operators it negates, e.g. {{\"$not\": {{\"$gte\": 2020}}}}")
             } else {
-                format!("metadata filter {key:?}: an empty object; give a value, or operators ({OPERATORS})")
+                format!("metadata filter {name:?}: an empty object; give a value, or operators ({OPERATORS})")
             }));
         }
         let mut all = Vec::with_capacity(ops.len());
@@ -229,24 +277,42 @@ impl Filter {
             if op == "$not" {
                 let Value::Object(negated) = operand else {
                     return Err(Error::Input(format!(
-                        "metadata filter {key:?}: $not takes an object of operators, e.g. {{\"$not\": {{\"$gte\": 2020}}}}, \
+                        "metadata filter {name:?}: $not takes an object of operators, e.g. {{\"$not\": {{\"$gte\": 2020}}}}, \
                          not {operand} (for a value to differ from, give $ne)"
                     )));
                 };
                 if within_not {
                     return Err(Error::Input(format!(
-                        "metadata filter {key:?}: $not within $not; give the operators themselves"
+                        "metadata filter {name:?}: $not within $not; give the operators themselves"
                     )));
                 }
-                all.push(Clause::Not(Box::new(Clause::All(Self::operators(key, negated, true, size)?))));
+                all.push(Clause::Not(Box::new(Clause::All(Self::operators(path, negated, true, size)?))));
                 continue;
             }
-            let test = Test::new(key, op, operand)?;
+            if logical(op).is_some() {
+                return Err(Error::Input(format!(
+                    "metadata filter {name:?}: {op} goes at the top level of a filter, with whole keys in its \
+                     filters (e.g. {{\"{op}\": [{{\"author\": {{\"name\": \"Ann\"}}}}, ...]}})"
+                )));
+            }
+            if !op.starts_with('$') {
+                // A key within the object at `path`.
+                if op.contains('\0') {
+                    return Err(Error::Input(format!(
+                        "metadata filter {name:?}: the key {op:?} holds a NUL character"
+                    )));
+                }
+                let mut inner = path.to_vec();
+                inner.push(op.clone());
+                all.extend(Self::value(&inner, operand, within_not, size)?);
+                continue;
+            }
+            let test = Test::new(&name, op, operand)?;
             if let Test::In(values) | Test::NotIn(values) = &test {
                 size.listed += values.len();
             }
             size.conditions += 1;
-            all.push(Clause::Key(Condition { key: key.to_string(), test }));
+            all.push(Clause::Key(Condition::at(path, test)));
         }
         Ok(all)
     }
@@ -395,8 +461,8 @@ impl Test {
             },
             _ => {
                 return Err(Error::Input(format!(
-                    "metadata filter {key:?}: unknown operator {op:?}; the operators are {OPERATORS} (to match a \
-                     nested object, filter on a top-level key)"
+                    "metadata filter {key:?}: unknown operator {op:?}; the operators are {OPERATORS} (a key within \
+                     an object there is written without a $)"
                 )))
             }
         })
@@ -621,6 +687,57 @@ mod tests {
     }
 
     #[test]
+    fn keys_within_objects_descend_through_objects_only() {
+        let m = obj(json!({
+            "author": {"name": "Ann", "born": 1890, "tags": ["x"], "note": null, "home": {"city": "Oslo"}},
+            "list": [{"name": "Ann"}, "b"],
+            "flat": "Ann",
+        }));
+        let yes = [
+            json!({"author": {"name": "Ann"}}),
+            json!({"author": {"name": "Ann", "born": {"$lt": 1900}}}),
+            json!({"author": {"$exists": true, "born": 1890.0, "home": {"city": {"$prefix": "Os"}}}}),
+            json!({"author": {"tags": {"$contains": "x"}, "note": null, "note2": {"$exists": false}}}),
+            json!({"author": {"name": {"$in": ["Bo", "Ann"]}, "missing": {"$ne": 1}}}),
+            json!({"author": {"$not": {"name": "Bo"}}}),
+            json!({"author": {"name": {"$not": {"$prefix": "B"}}}}),
+            json!({"list": {"name": {"$ne": "Ann"}}, "flat": {"name": {"$exists": false}}}),
+            json!({"list": {"0": {"$exists": false}}}),
+            json!({"nobody": {"name": {"$nin": ["Ann"]}}}),
+            json!({"$or": [{"author": {"name": "Bo"}}, {"author": {"home": {"city": "Oslo"}}}]}),
+            json!({"$nor": [{"author": {"home": {"city": {"$gte": "P"}}}}]}),
+        ];
+        for f in yes {
+            assert!(filter(f.clone()).matches(&m), "{f}");
+        }
+        let no = [
+            json!({"author": {"name": "ann"}}),
+            json!({"author": {"born": {"$gte": 1900}}}),
+            json!({"author": {"home": {"city": "Oslo", "zip": {"$exists": true}}}}),
+            json!({"author": {"note": {"$exists": false}}}),
+            json!({"author": {"name": {"name": {"$exists": true}}}}),
+            json!({"list": {"name": "Ann"}}),
+            json!({"list": {"0": {"$exists": true}}}),
+            json!({"flat": {"name": {"$prefix": ""}}}),
+            json!({"nobody": {"name": {"$exists": true}}}),
+            json!({"author": {"$not": {"name": "Ann", "born": 1890}}}),
+        ];
+        for f in no {
+            assert!(!filter(f.clone()).matches(&m), "{f}");
+        }
+        let f = filter(json!({"author": {"home": {"city": {"$gte": "A"}}}}));
+        let Clause::All(clauses) = f.root() else { panic!("{f:?}") };
+        assert_eq!(
+            clauses[..],
+            [Clause::Key(Condition {
+                key: "author".into(),
+                path: vec!["home".into(), "city".into()],
+                test: Test::Compare(Comparison::Gte, json!("A"))
+            })]
+        );
+    }
+
+    #[test]
     fn numbers_compare_exactly() {
         let big = Number::from(9_007_199_254_740_993u64);
         let float = |f: f64| Number::from_f64(f).unwrap();
@@ -639,7 +756,13 @@ mod tests {
             (json!({}), "empty metadata filter"),
             (json!({"tags": ["a"]}), "$in"),
             (json!({"x": {}}), "empty object"),
-            (json!({"x": {"lang": "fr"}}), "unknown operator"),
+            (json!({"x": {"$lang": "fr"}}), "unknown operator \"$lang\""),
+            (json!({"x": {"y": {}}}), "\"x.y\": an empty object"),
+            (json!({"x": {"y": [1]}}), "\"x.y\": [1] is a list"),
+            (json!({"x": {"y": {"$gt": true}}}), "\"x.y\": $gt compares"),
+            (json!({"x": {"$or": [{"y": 1}]}}), "$or goes at the top level"),
+            (json!({"x": {"y\u{0}": 1}}), "NUL"),
+            (json!({"x": {"y": {"$not": {"z": {"$not": {"$eq": 1}}}}}}), "$not within $not"),
             (json!({"x": {"$gt": true}}), "number or a string"),
             (json!({"x": {"$in": "a"}}), "list of values"),
             (json!({"x": {"$in": [[1]]}}), "not a string, number"),
@@ -656,7 +779,7 @@ mod tests {
             (json!({"x": {"$not": 1}}), "$not takes an object of operators"),
             (json!({"x": {"$not": {}}}), "an empty $not"),
             (json!({"x": {"$not": {"$not": {"$eq": 1}}}}), "$not within $not"),
-            (json!({"x": {"$not": {"lang": 1}}}), "unknown operator"),
+            (json!({"x": {"$not": {"$lang": 1}}}), "unknown operator"),
             (json!({"$nor": []}), "non-empty list of filters"),
             (json!({"$nor": [1]}), "is not a filter"),
         ];
@@ -671,6 +794,11 @@ mod tests {
             deep = json!({"$or": [deep, {"b": 2}]});
         }
         assert!(Filter::new(&obj(deep)).unwrap_err().to_string().contains("deeper than 8"));
+        let mut nested = json!(1);
+        for _ in 0..9 {
+            nested = json!({"k": nested});
+        }
+        assert!(Filter::new(&obj(nested)).unwrap_err().to_string().contains("deeper than 8"));
     }
 
     #[test]
@@ -714,6 +842,9 @@ mod tests {
             Value::Object(none.json().clone()),
             json!({"b": {"$not": {"$lt": 2}}, "c": {"$ne": 3}, "$nor": [{"a": 1}]})
         );
+        let within =
+            Filter::from_args(&[r#"{"author": {"name": "Ann"}}"#, r#"{"author": {"born": {"$lt": 1900}}}"#]).unwrap();
+        assert_eq!(Value::Object(within.json().clone()), json!({"author": {"name": "Ann", "born": {"$lt": 1900}}}));
         let bad: [&[&str]; 7] = [&["lang"], &["=en"], &["a=1", "a=2"], &[], &["a!1"], &["{1}"], &["a>true"]];
         for (arg, hint) in [("year=>2020", "year>=2020"), ("year=<2020", "year<=2020"), ("year==2020", "year=2020")] {
             let e = Filter::from_args(&[arg]).unwrap_err().to_string();

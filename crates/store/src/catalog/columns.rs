@@ -13,7 +13,7 @@ use serde_json::value::RawValue;
 use serde_json::Value;
 
 use crate::error::{Error, Result};
-use crate::filter::{Clause, Condition, Filter};
+use crate::filter::{below, Clause, Condition, Filter};
 
 /// The metadata of a set of contexts, by key.
 #[derive(Debug, Default)]
@@ -153,12 +153,13 @@ impl MetadataColumns {
     }
 
     /// The contexts passing one key's test: those whose value passes, plus (for the tests a
-    /// missing key passes: `$ne`, `$nin`, `$exists: false`) every context without the key.
-    fn condition(&self, Condition { key, test }: &Condition) -> Vec<i64> {
+    /// missing key passes: `$ne`, `$nin`, `$exists: false`) every context without the key. A
+    /// test of a value within the key's objects reads it from each distinct value.
+    fn condition(&self, Condition { key, path, test }: &Condition) -> Vec<i64> {
         let Some(column) = self.columns.get(key) else {
             return if test.passes(None) { self.ids.clone() } else { Vec::new() };
         };
-        let passes: Vec<bool> = column.values.iter().map(|v| test.passes(Some(v))).collect();
+        let passes: Vec<bool> = column.values.iter().map(|v| test.passes(below(v, path))).collect();
         let with = |want: bool| {
             column.ids.iter().zip(&column.codes).filter(move |&(_, &c)| passes[c as usize] == want).map(|(&id, _)| id)
         };
@@ -264,6 +265,9 @@ mod tests {
             if i % 4 == 0 {
                 m["only4"] = json!(true);
             }
+            if i % 3 != 2 {
+                m["by"] = json!({"n": i % 7, "in": {"tag": tag}});
+            }
             m.as_object().unwrap().clone()
         };
         let mut columns = MetadataColumns::default();
@@ -284,6 +288,9 @@ mod tests {
             json!({"missing": 1}),
             json!({"$nor": [{"tag": "a"}], "n": {"$not": {"$lt": 2}}}),
             json!({"missing": {"$not": {"$eq": 1}}}),
+            json!({"by": {"n": {"$gte": 3}, "in": {"tag": {"$ne": "a"}}}}),
+            json!({"by": {"in": {"tag": {"$exists": false}}}}),
+            json!({"by": {"$not": {"n": 2}}, "tag": "c"}),
         ] {
             let filter = Filter::new(f.as_object().unwrap()).unwrap();
             let want: Vec<i64> = kept.iter().copied().filter(|&i| filter.matches(&metadata(i))).collect();

@@ -232,13 +232,14 @@ pub(crate) mod checks {
     pub(crate) fn metadata_and_filters(catalog: &dyn Catalog) {
         let metadata = [
             json!({"lang": "en", "year": 2024, "draft": false, "url": "https://a.example", "date": "2024-03-01",
-                   "title": "Zeta"}),
-            json!({"lang": "fr", "year": 2023.5, "date": "2023-12-31", "tags": ["x", 2024, ["y"]], "title": "Éire"}),
-            json!({"lang": "en", "year": "2024", "tags": ["x"], "note": null}),
+                   "title": "Zeta", "author": {"name": "Ann", "born": 1890, "home": {"city": "Oslo"}}}),
+            json!({"lang": "fr", "year": 2023.5, "date": "2023-12-31", "tags": ["x", 2024, ["y"]], "title": "Éire",
+                   "author": {"name": "Bo", "born": 1950.5, "tags": ["x", 2]}}),
+            json!({"lang": "en", "year": "2024", "tags": ["x"], "note": null, "author": [{"name": "Ann"}, "x"]}),
             json!({}),
             json!({"lang": "en", "year": 2024.0, "n": -7, "nested": {"lang": "fr"}, "a.b": 1, "tags": "x"}),
             json!({"lang": "en ", "big": 9_007_199_254_740_993u64, "draft": true, "say \"hi\"": "x", "$": "y",
-                   "quoted \"tags\"": ["a", "b"]}),
+                   "quoted \"tags\"": ["a", "b"], "author": "Ann", "nested": {"0": "x", "k\"q": {"deep": true}}}),
         ]
         .map(obj);
         let json: Vec<String> = metadata.iter().map(to_json).collect();
@@ -338,6 +339,27 @@ pub(crate) mod checks {
             (json!({"$nor": [{"$nor": [{"lang": "fr"}]}]}), 1),
             (json!({"$or": [{"lang": {"$not": {"$in": ["en", "en "]}}}, {"big": {"$exists": true}}]}), 3),
             (json!({"$nor": [{"year": {"$gte": 0}}], "tags": {"$not": {"$exists": false}}}), 1),
+            // Keys within objects: through objects only (not the list at context 2's "author").
+            (json!({"author": {"name": "Ann"}}), 1),
+            (json!({"author": {"name": "Ann", "born": 1890.0, "home": {"city": "Oslo"}}}), 1),
+            (json!({"author": {"born": {"$gte": 1900}}}), 1),
+            (json!({"author": {"born": {"$lt": 2000}}}), 2),
+            (json!({"author": {"name": {"$ne": "Ann"}}}), 5),
+            (json!({"author": {"name": {"$exists": true}}}), 2),
+            (json!({"author": {"home": {"$exists": false}}}), 5),
+            (json!({"author": {"0": {"$exists": true}}}), 0),
+            (json!({"author": {"0": {"name": {"$prefix": "A"}}}}), 0),
+            (json!({"author": {"0": {"name": {"$gte": "A"}}}}), 0),
+            (json!({"author": {"0": {"name": "Ann"}}}), 0),
+            (json!({"author": {"home": {"city": {"$prefix": "Os"}}}}), 1),
+            (json!({"author": {"tags": {"$contains": 2.0}}}), 1),
+            (json!({"author": {"name": {"$in": ["Bo", "Ann"]}}}), 2),
+            (json!({"author": {"name": {"$nin": ["Bo"]}}}), 5),
+            (json!({"author": {"$not": {"name": "Ann"}}}), 5),
+            (json!({"$or": [{"author": {"name": "Bo"}}, {"nested": {"lang": "fr"}}]}), 2),
+            (json!({"nested": {"k\"q": {"deep": true}}}), 1),
+            (json!({"nested": {"0": "x"}}), 1),
+            (json!({"nested": {"0": {"$exists": true}, "k\"q": {"deep": {"$ne": false}}}}), 1),
         ];
         for (f, n) in filters {
             let f = Filter::new(&obj(f)).unwrap();

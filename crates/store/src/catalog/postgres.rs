@@ -586,7 +586,9 @@ impl FilterSql {
                 let mut parts = Vec::new();
                 for c in clauses {
                     match c {
-                        Clause::Key(Condition { key, test: Test::Eq(want) }) if !equal.contains_key(key) => {
+                        Clause::Key(Condition { key, path, test: Test::Eq(want) })
+                            if path.is_empty() && !equal.contains_key(key) =>
+                        {
                             equal.insert(key.clone(), want.clone());
                         }
                         other => parts.push(self.clause(other)),
@@ -600,9 +602,30 @@ impl FilterSql {
         }
     }
 
-    /// SQL for a test of one key.
-    fn condition(&mut self, Condition { key, test }: &Condition) -> String {
-        let holds = |value: serde_json::Value| metadata::to_json(&Metadata::from_iter([(key.clone(), value)]));
+    /// Where a condition looks: `ARRAY[...]` of the keys from the top level down, for `#>` and
+    /// `#>>`, and the SQL that holds when each key on the way holds an object. `#>` also reads
+    /// a list's element for a key like `0`; [`crate::filter::below`] descends through objects
+    /// only, and so must this.
+    fn path(&mut self, key: &str, path: &[String]) -> (String, String) {
+        let keys: Vec<String> = (std::iter::once(key).chain(path.iter().map(String::as_str)))
+            .map(|k| format!("${}::text", self.push(k.to_string())))
+            .collect();
+        let objects: Vec<String> = (1..keys.len())
+            .map(|n| format!("jsonb_typeof(metadata #> ARRAY[{}]) = 'object'", keys[..n].join(", ")))
+            .chain(std::iter::once("TRUE".to_string()))
+            .collect();
+        (format!("ARRAY[{}]", keys.join(", ")), objects.join(" AND "))
+    }
+
+    /// SQL for a test of the value at one key, or within its objects.
+    fn condition(&mut self, Condition { key, path, test }: &Condition) -> String {
+        // Metadata holding `value` where the condition looks (containment, which the GIN index
+        // answers, descends through objects as `below` does, and into no list but a tested one).
+        let holds = |value: serde_json::Value| {
+            let inner =
+                path.iter().rev().fold(value, |v, k| serde_json::Value::Object(Metadata::from_iter([(k.clone(), v)])));
+            metadata::to_json(&Metadata::from_iter([(key.clone(), inner)]))
+        };
         match test {
             Test::Eq(want) => format!("metadata @> ${}::text::jsonb", self.push(holds(want.clone()))),
             Test::Ne(want) => format!("NOT (metadata @> ${}::text::jsonb)", self.push(holds(want.clone()))),
@@ -621,7 +644,12 @@ impl FilterSql {
                 }
             }
             Test::Exists(present) => {
-                let has = format!("metadata ? ${}::text", self.push(key.clone()));
+                let has = if path.is_empty() {
+                    format!("metadata ? ${}::text", self.push(key.clone()))
+                } else {
+                    let (at, objects) = self.path(key, path);
+                    format!("CASE WHEN {objects} THEN (metadata #> {at}) IS NOT NULL ELSE FALSE END")
+                };
                 if *present {
                     has
                 } else {
@@ -629,7 +657,7 @@ impl FilterSql {
                 }
             }
             Test::Compare(op, bound) => {
-                let at = self.push(key.clone());
+                let (at, objects) = self.path(key, path);
                 let (json_type, cast, text) = match bound {
                     serde_json::Value::String(s) => ("string", "text COLLATE \"C\"", s.clone()),
                     other => ("number", "numeric", other.to_string()),
@@ -638,8 +666,8 @@ impl FilterSql {
                 // CASE, not AND: PostgreSQL may evaluate AND's sides in either order, and the
                 // cast fails on a value of the other type.
                 format!(
-                    "CASE WHEN jsonb_typeof(metadata -> ${at}::text) = '{json_type}' \
-                     THEN (metadata ->> ${at}::text)::{cast} {} ${b}::text::{cast} ELSE FALSE END",
+                    "CASE WHEN {objects} AND jsonb_typeof(metadata #> {at}) = '{json_type}' \
+                     THEN (metadata #>> {at})::{cast} {} ${b}::text::{cast} ELSE FALSE END",
                     op.sql()
                 )
             }
@@ -647,13 +675,13 @@ impl FilterSql {
                 format!("metadata @> ${}::text::jsonb", self.push(holds(serde_json::Value::Array(vec![want.clone()]))))
             }
             Test::Prefix(prefix) => {
-                let at = self.push(key.clone());
+                let (at, objects) = self.path(key, path);
                 let p = self.push(prefix.clone());
                 // starts_with, not LIKE: `%` and `_` in the prefix are themselves; "C" compares
                 // code points whatever the database's collation.
                 format!(
-                    "CASE WHEN jsonb_typeof(metadata -> ${at}::text) = 'string' \
-                     THEN starts_with((metadata ->> ${at}::text) COLLATE \"C\", ${p}::text) ELSE FALSE END"
+                    "CASE WHEN {objects} AND jsonb_typeof(metadata #> {at}) = 'string' \
+                     THEN starts_with((metadata #>> {at}) COLLATE \"C\", ${p}::text) ELSE FALSE END"
                 )
             }
         }
