@@ -84,14 +84,30 @@ pub fn list(a: ContextsArgs) -> Result<()> {
         }
         Ok(())
     };
+    // An empty listing says why on stderr (stdout stays the records, none).
+    let none_match = |within: &str| {
+        eprintln!(
+            "no context{within} of store {} has metadata matching --filter {}",
+            store.location(),
+            a.filters.join(" --filter ")
+        )
+    };
     if let Some(doc) = &a.doc {
         let records = store.document(doc)?;
         if records.is_empty() {
             return Err(no_document(&store, &a.db, doc));
         }
-        records.iter().filter(|r| filter.as_ref().is_none_or(|f| f.matches(&r.metadata))).try_for_each(show)
+        let mut shown = records.iter().filter(|r| filter.as_ref().is_none_or(|f| f.matches(&r.metadata))).peekable();
+        if filter.is_some() && shown.peek().is_none() {
+            none_match(&format!(" of document {doc:?}"));
+        }
+        shown.try_for_each(show)
     } else if let Some(filter) = &filter {
-        for ids in store.matching(filter)?.chunks(PAGE) {
+        let matching = store.matching(filter)?;
+        if matching.is_empty() {
+            none_match("");
+        }
+        for ids in matching.chunks(PAGE) {
             // A context deleted since the ids were read is left out.
             store.records(ids)?.iter().flatten().try_for_each(show)?;
         }

@@ -983,6 +983,9 @@ fn metadata_travels_with_contexts_and_filters_retrieval() {
         assert_eq!(listed("lang=en"), [r#""a""#, r#""a""#, r#""c""#]);
         assert_eq!(listed(r#"{"$or": [{"lang": "fr"}, {"year": "2024"}]}"#), [r#""b""#, r#""c""#]);
         assert_eq!(listed("url^=https://a."), [r#""a""#, r#""a""#]);
+        let (success, stdout, stderr) = run_s(&args(&["contexts"], &db, &["--filter", "lang=de"]));
+        assert!(success && stdout.is_null(), "an empty listing is no error: {stdout}");
+        assert!(stderr.contains("no context of store") && stderr.contains("--filter lang=de"), "{stderr}");
         let (success, _, stderr) = run_s(&args(&["delete"], &db, &["--filter", "lang=de"]));
         assert!(!success && stderr.contains("nothing was removed"), "{stderr}");
         let v = ok_s(&args(&["delete"], &db, &["--filter", "year<2024", "--json"]));
