@@ -336,7 +336,7 @@ impl Filter {
             Ok(())
         };
         // `$and` / `$or` / `$nor` entries of JSON arguments, combined at the end.
-        let mut nested: Vec<(String, Value)> = Vec::new();
+        let mut combined: Vec<(String, Value)> = Vec::new();
         for arg in args {
             let arg = arg.as_ref();
             if arg.trim_start().starts_with('{') {
@@ -345,7 +345,7 @@ impl Filter {
                 };
                 for (key, value) in filter {
                     match value {
-                        value if logical(&key).is_some() => nested.push((key, value)),
+                        value if logical(&key).is_some() => combined.push((key, value)),
                         Value::Object(ops) => {
                             for (op, operand) in ops {
                                 add(&key, &op, operand, arg)?;
@@ -376,12 +376,13 @@ impl Filter {
                 (key, value)
             })
             .collect();
-        let distinct = nested.iter().map(|(k, _)| k).collect::<std::collections::BTreeSet<_>>().len() == nested.len();
+        let distinct =
+            combined.iter().map(|(k, _)| k).collect::<std::collections::BTreeSet<_>>().len() == combined.len();
         if distinct {
-            json.extend(nested);
+            json.extend(combined);
         } else {
             // Two `$or`s: both must hold.
-            let each = nested.into_iter().map(|(k, v)| Value::Object(Metadata::from_iter([(k, v)])));
+            let each = combined.into_iter().map(|(k, v)| Value::Object(Metadata::from_iter([(k, v)])));
             json.insert("$and".into(), Value::Array(each.collect()));
         }
         Self::new(&json)
