@@ -208,9 +208,6 @@ impl Filter {
         }
         let mut all = Vec::new();
         for (key, value) in json {
-            if key.contains('\0') {
-                return Err(Error::Input(format!("metadata filter {key:?}: the key holds a NUL character")));
-            }
             match (logical(key), value) {
                 (Some(combine), Value::Array(filters)) if !filters.is_empty() => {
                     if depth + 1 > MAX_FILTER_DEPTH {
@@ -240,6 +237,13 @@ impl Filter {
     /// The clauses of what a filter gives for the value at `path`: a scalar it must equal, or
     /// an object of operators and of keys within it (`within_not` when in a `$not`).
     fn value(path: &[String], value: &Value, within_not: bool, size: &mut Size) -> Result<Vec<Clause>> {
+        let key = path.last().expect("a path has a key");
+        if key.contains('\0') {
+            return Err(Error::Input(format!(
+                "metadata filter {:?}: the key {key:?} holds a NUL character",
+                shown(path)
+            )));
+        }
         if path.len() > MAX_FILTER_DEPTH {
             return Err(Error::Input(format!(
                 "metadata filter {:?}: keys within objects nest deeper than {MAX_FILTER_DEPTH} levels",
@@ -297,11 +301,6 @@ impl Filter {
             }
             if !op.starts_with('$') {
                 // A key within the object at `path`.
-                if op.contains('\0') {
-                    return Err(Error::Input(format!(
-                        "metadata filter {name:?}: the key {op:?} holds a NUL character"
-                    )));
-                }
                 let mut inner = path.to_vec();
                 inner.push(op.clone());
                 all.extend(Self::value(&inner, operand, within_not, size)?);
@@ -763,6 +762,7 @@ mod tests {
             (json!({"x": {"y": {"$gt": true}}}), "\"x.y\": $gt compares"),
             (json!({"x": {"$or": [{"y": 1}]}}), "$or goes at the top level"),
             (json!({"x": {"y\u{0}": 1}}), "NUL"),
+            (json!({"x\u{0}": 1}), "NUL"),
             (json!({"x": {"y": {"$not": {"z": {"$not": {"$eq": 1}}}}}}), "$not within $not"),
             (json!({"x": {"$gt": true}}), "number or a string"),
             (json!({"x": {"$in": "a"}}), "list of values"),
