@@ -189,9 +189,10 @@ struct QueryArgs {
     /// KEY=VALUE, KEY!=VALUE, KEY>VALUE, KEY>=VALUE, KEY<VALUE, KEY<=VALUE (numbers by value,
     /// strings by code point: `date>=2024-01-01`), KEY^=TEXT (a string starting with TEXT:
     /// `url^=https://en.wikipedia.org/`), or a filter as a JSON object, for the
-    /// operators $in, $nin, $exists, $contains and $not, $or / $and / $nor of filters, and keys
-    /// within objects (`'{"lang": {"$in": ["en", "fr"]}}'`, `'{"year": {"$not": {"$gte": 2020}}}'`,
-    /// `'{"author": {"name": "Ann"}}'`).
+    /// operators $in, $nin, $exists, $contains, $elemMatch and $not, $or / $and / $nor of
+    /// filters, and keys within objects (`'{"lang": {"$in": ["en", "fr"]}}'`,
+    /// `'{"year": {"$not": {"$gte": 2020}}}'`, `'{"author": {"name": "Ann"}}'`,
+    /// `'{"authors": {"$elemMatch": {"name": "Ann", "role": "editor"}}}'`).
     /// VALUE is JSON when it reads as a JSON number, boolean, null or quoted string
     /// (`year=2024`, `draft=false`, `year='"2024"'`), else the text as given (`lang=en`).
     /// Metadata comes from a JSON line's fields other than `text` and `id`.

@@ -90,7 +90,8 @@ def test_metadata_and_filters(model, embedder, tmp_path):
         store.ingest([
             {"id": "en", "text": "Plants make sugar in their leaves.\n\nLeaves are green.",
              "metadata": {"lang": "en", "year": 2024, "source": {"url": "https://a.example"}}},
-            {"id": "fr", "text": "Les plantes font du sucre.", "metadata": {"lang": "fr", "year": 2023}},
+            {"id": "fr", "text": "Les plantes font du sucre.", "metadata": {
+                "lang": "fr", "year": 2023, "authors": [{"name": "Ann", "role": "author"}, {"name": "Bo"}]}},
             {"id": "none", "text": "Volcanoes erupt lava."},
         ])
         assert [c["metadata"] for c in store.document("en")] == [
@@ -115,7 +116,9 @@ def test_metadata_and_filters(model, embedder, tmp_path):
                         ({"$nor": [{"lang": "en"}, {"year": {"$exists": False}}]}, ["fr"]),
                         ({"$or": [{"lang": "fr"}, {"year": {"$exists": False}}]}, ["fr", "none"]),
                         ({"source": {"url": {"$prefix": "https://a."}}}, ["en", "en"]),
-                        ({"source": {"url": {"$exists": False}}}, ["fr", "none"])]:
+                        ({"source": {"url": {"$exists": False}}}, ["fr", "none"]),
+                        ({"authors": {"$elemMatch": {"name": "Ann", "role": "author"}}}, ["fr"]),
+                        ({"authors": {"$elemMatch": {"name": "Bo", "role": "author"}}}, [])]:
             hits = store.search(question, k=10, filter=f)
             assert sorted(h["doc"] for h in hits) == docs, f
             assert [store.get(i)["doc"] for i in store.ids(filter=f)] == sorted(docs), f
@@ -133,7 +136,8 @@ def test_metadata_and_filters(model, embedder, tmp_path):
         assert {d["id"]: d["metadata"] for d in store.documents()}["en"] == {"lang": "en", "year": 2025}
         for bad, match in [({}, "empty metadata filter"), ({"a": [1]}, r"is a list.*\$in"),
                            ({"a": float("nan")}, "not JSON"), ({"a": {"$near": 1}}, "unknown operator"),
-                           ({"a": {"$exists": "yes"}}, "true or false")]:
+                           ({"a": {"$exists": "yes"}}, "true or false"),
+                           ({"a": {"$elemMatch": 1}}, r"\$elemMatch takes an object")]:
             with pytest.raises(ValueError, match=match):
                 store.search("x", filter=bad)
         with pytest.raises(TypeError, match="filter must be a dict"):

@@ -1,7 +1,7 @@
 //! Retrieval latency on a catalog of 100k contexts (embeddings of dimension 384,
 //! all-MiniLM-L6-v2's): every context, within documents, and filtered by metadata (equality:
 //! a quarter, 1/25th and 1/100th of the contexts match; a range, 1/5th; `$in`, half; `$prefix`
-//! of the URL, 1/9th). On SQLite
+//! of the URL, 1/9th; `$elemMatch` of a list of 2 authors, 1/1000th). On SQLite
 //! a scoped search reads the scope's ids (the `(doc, seg)` index for documents, the in-memory
 //! metadata columns for a filter) and ranks those rows of the in-memory index exactly; on PostgreSQL (when
 //! `PICASO_TEST_POSTGRES` is set, as in the tests) one query ranks the rows its `doc = ANY` or
@@ -29,6 +29,8 @@ fn filled(catalog: &dyn Catalog) {
         serde_json::json!({
             "lang": LANGS[i % 4], "year": 2000 + (i / 4) % 25, "title": format!("Document {}", i / PER_DOC),
             "url": format!("https://example.org/{}", i / PER_DOC),
+            "authors": [{"name": format!("a{}", (i / PER_DOC) % 1000), "role": "author"},
+                        {"name": format!("a{}", (i / PER_DOC * 7 + 3) % 1000), "role": "editor"}],
         })
         .to_string()
     })
@@ -58,7 +60,9 @@ fn bench(c: &mut Criterion) {
     let two_langs = filter(serde_json::json!({"lang": {"$in": ["fr", "de"]}}));
     // Documents 1, 10-19, 100-199 and 1000-1999.
     let prefix = filter(serde_json::json!({"url": {"$prefix": "https://example.org/1"}}));
-    let scopes: [(&str, Scope<'_>); 9] = [
+    // Documents whose editor (the second author) is a7: 10 of them.
+    let edited = filter(serde_json::json!({"authors": {"$elemMatch": {"name": "a7", "role": "editor"}}}));
+    let scopes: [(&str, Scope<'_>); 10] = [
         ("every context", Scope::all()),
         ("1 document", Scope::within(&one_doc)),
         ("10 documents", Scope::within(&ten_docs)),
@@ -68,6 +72,7 @@ fn bench(c: &mut Criterion) {
         ("filter range, 20k match", Scope::matching(&recent)),
         ("filter $in, 50k match", Scope::matching(&two_langs)),
         ("filter $prefix, 11k match", Scope::matching(&prefix)),
+        ("filter $elemMatch, 100 match", Scope::matching(&edited)),
     ];
     for (backend, catalog) in &catalogs {
         let mut group = c.benchmark_group(*backend);

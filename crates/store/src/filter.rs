@@ -14,6 +14,7 @@
 //! | `$exists: b` | the key is present (any value, `null` too) when `b` is true, absent when false |
 //! | `$contains: v` | is a list holding a value equal to `v` |
 //! | `$prefix: "s"` | is a string starting with the string `s` (by code point, case and accents as given) |
+//! | `$elemMatch: {...}` | is a list holding an element that passes all of the operators (tests of the element) and keys (tests within an object element) given, at once |
 //! | `$not: {operators}` | does not pass all of the operators (a missing key passes) |
 //!
 //! `"$or": [filter, ...]` in place of a key holds when one of the filters does, `"$and": [...]`
@@ -25,6 +26,13 @@
 //! is an object whose `name` is `"Ann"` and whose `born` is below 1900 (MongoDB's
 //! `"author.name"`). The path descends through objects only, not lists; a key missing on the
 //! way is a missing key, so `$ne`, `$nin`, `$not` and `$exists: false` pass.
+//!
+//! Into lists, `$elemMatch` (MongoDB's): `{"authors": {"$elemMatch": {"name": "Ann", "role":
+//! "editor"}}}` holds when one element of the list at `authors` is an object whose `name` is
+//! `"Ann"` and whose `role` is `"editor"` (not when one author is Ann and another an editor);
+//! `{"scores": {"$elemMatch": {"$gte": 80, "$lt": 90}}}` when one element is in the range. Its
+//! operators test the element, its keys the values within an object element; `$or`, `$and` and
+//! `$nor` are not taken there. `$elemMatch`es nest, for lists of lists.
 //!
 //! Equality: strings and booleans exactly, numbers by value (`2024` equals `2024.0`; integers
 //! compare exactly, also beside floats), `null` only `null` (not a missing key); a value of
@@ -52,7 +60,7 @@ pub const MAX_FILTER_DEPTH: usize = 8;
 pub const MAX_FILTER_VALUES: usize = 1024;
 
 /// The operators, as the error messages list them.
-const OPERATORS: &str = "$eq, $ne, $gt, $gte, $lt, $lte, $in, $nin, $exists, $contains, $prefix, $not";
+const OPERATORS: &str = "$eq, $ne, $gt, $gte, $lt, $lte, $in, $nin, $exists, $contains, $prefix, $elemMatch, $not";
 
 /// A metadata filter, checked.
 #[derive(Debug, Clone, PartialEq)]
@@ -75,12 +83,13 @@ pub enum Clause {
 }
 
 impl Clause {
-    fn holds(&self, metadata: &Metadata) -> bool {
+    /// Whether it holds of the values `at` finds at its conditions' paths (`None`: missing).
+    fn holds<'a>(&self, at: &impl Fn(&[String]) -> Option<&'a Value>) -> bool {
         match self {
-            Self::Key(c) => c.test.passes(c.value_in(metadata)),
-            Self::All(clauses) => clauses.iter().all(|c| c.holds(metadata)),
-            Self::Any(clauses) => clauses.iter().any(|c| c.holds(metadata)),
-            Self::Not(clause) => !clause.holds(metadata),
+            Self::Key(c) => c.test.passes(at(&c.path)),
+            Self::All(clauses) => clauses.iter().all(|c| c.holds(at)),
+            Self::Any(clauses) => clauses.iter().any(|c| c.holds(at)),
+            Self::Not(clause) => !clause.holds(at),
         }
     }
 }
@@ -88,26 +97,19 @@ impl Clause {
 /// One test of the value at one key, or within the object at one key.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Condition {
-    /// The top-level metadata key.
-    pub key: String,
-    /// The keys below it, outermost first, when the value tested is within an object there
-    /// (`["name"]` for `{"author": {"name": ...}}`); empty for the key's own value.
+    /// Where the tested value is, outermost key first: in a filter, a top-level metadata key
+    /// and the keys below it (`["author", "name"]` for `{"author": {"name": ...}}`); in an
+    /// `$elemMatch`, the keys within a list's element (empty for the element itself).
     pub path: Vec<String>,
     /// What the value must pass.
     pub test: Test,
 }
 
-impl Condition {
-    /// A test of the value at `path`: a top-level key, then the keys below it.
-    fn at(path: &[String], test: Test) -> Self {
-        Self { key: path[0].clone(), path: path[1..].to_vec(), test }
-    }
-
-    /// The value the test reads in `metadata` (`None` when a key on the way is missing or
-    /// holds no object).
-    pub fn value_in<'a>(&self, metadata: &'a Metadata) -> Option<&'a Value> {
-        below(metadata.get(&self.key)?, &self.path)
-    }
+/// The value at `path` within the metadata `metadata`, descending through objects only (`None`
+/// when a key on the way is missing or holds no object).
+pub fn in_metadata<'a>(metadata: &'a Metadata, path: &[String]) -> Option<&'a Value> {
+    let (key, below_key) = path.split_first()?;
+    below(metadata.get(key)?, below_key)
 }
 
 /// The value at `path` within `value`, descending through objects only (not lists).
@@ -115,7 +117,18 @@ pub fn below<'a>(value: &'a Value, path: &[String]) -> Option<&'a Value> {
     path.iter().try_fold(value, |v, key| v.as_object()?.get(key))
 }
 
-/// A path as messages show it: `author.name`.
+/// `Ok` for a path of at most [`MAX_FILTER_DEPTH`] steps (keys and `$elemMatch`es).
+fn within_depth(path: &[String]) -> Result<()> {
+    if path.len() > MAX_FILTER_DEPTH {
+        return Err(Error::Input(format!(
+            "metadata filter {:?}: keys within objects and $elemMatch nest deeper than {MAX_FILTER_DEPTH} levels",
+            shown(path)
+        )));
+    }
+    Ok(())
+}
+
+/// A path as messages show it: `author.name`, `tags.$elemMatch.name`.
 fn shown(path: &[String]) -> String {
     path.join(".")
 }
@@ -139,6 +152,9 @@ pub enum Test {
     Contains(Value),
     /// A string starting with this one.
     Prefix(String),
+    /// A list holding an element that passes the clause, whose conditions' paths are within
+    /// the element (`$elemMatch`).
+    Elements(Box<Clause>),
 }
 
 /// An order comparison: the context's value `op` the filter's.
@@ -228,15 +244,16 @@ impl Filter {
                         "metadata filter {key}: takes a non-empty list of filters, not {value}"
                     )))
                 }
-                (None, _) => all.extend(Self::value(std::slice::from_ref(key), value, false, size)?),
+                (None, _) => all.extend(Self::value(std::slice::from_ref(key), 0, value, false, size)?),
             }
         }
         Ok(Clause::All(all))
     }
 
     /// The clauses of what a filter gives for the value at `path`: a scalar it must equal, or
-    /// an object of operators and of keys within it (`within_not` when in a `$not`).
-    fn value(path: &[String], value: &Value, within_not: bool, size: &mut Size) -> Result<Vec<Clause>> {
+    /// an object of operators and of keys within it (`within_not` when in a `$not`). The
+    /// conditions' paths start at `path[root]`: after the `$elemMatch` they are within, if any.
+    fn value(path: &[String], root: usize, value: &Value, within_not: bool, size: &mut Size) -> Result<Vec<Clause>> {
         let key = path.last().expect("a path has a key");
         if key.contains('\0') {
             return Err(Error::Input(format!(
@@ -244,14 +261,9 @@ impl Filter {
                 shown(path)
             )));
         }
-        if path.len() > MAX_FILTER_DEPTH {
-            return Err(Error::Input(format!(
-                "metadata filter {:?}: keys within objects nest deeper than {MAX_FILTER_DEPTH} levels",
-                shown(path)
-            )));
-        }
+        within_depth(path)?;
         match value {
-            Value::Object(entries) => Self::operators(path, entries, within_not, size),
+            Value::Object(entries) => Self::operators(path, root, entries, within_not, size),
             Value::Array(_) => Err(Error::Input(format!(
                 "metadata filter {:?}: {value} is a list; to match one of several values give \
                  {{\"$in\": [...]}}, to match a list holding a value {{\"$contains\": value}}",
@@ -259,15 +271,23 @@ impl Filter {
             ))),
             _ => {
                 size.conditions += 1;
-                Ok(vec![Clause::Key(Condition::at(path, Test::Eq(scalar(&shown(path), "", value)?)))])
+                let test = Test::Eq(scalar(&shown(path), "", value)?);
+                Ok(vec![Clause::Key(Condition { path: path[root..].to_vec(), test })])
             }
         }
     }
 
     /// The clauses of the object a filter gives for the value at `path`, all of which must
     /// hold: operators that test the value, and keys that test the values within it (an object
-    /// there). `within_not` when the object is a `$not`'s (which may not hold another).
-    fn operators(path: &[String], ops: &Metadata, within_not: bool, size: &mut Size) -> Result<Vec<Clause>> {
+    /// there). `within_not` when the object is a `$not`'s (which may not hold another); `root`
+    /// as for [`Self::value`].
+    fn operators(
+        path: &[String],
+        root: usize,
+        ops: &Metadata,
+        within_not: bool,
+        size: &mut Size,
+    ) -> Result<Vec<Clause>> {
         let name = shown(path);
         if ops.is_empty() {
             return Err(Error::Input(if within_not {
@@ -290,8 +310,19 @@ impl Filter {
                         "metadata filter {name:?}: $not within $not; give the operators themselves"
                     )));
                 }
-                all.push(Clause::Not(Box::new(Clause::All(Self::operators(path, negated, true, size)?))));
+                all.push(Clause::Not(Box::new(Clause::All(Self::operators(path, root, negated, true, size)?))));
                 continue;
+            }
+            if op == "$elemMatch" {
+                all.push(Self::elements(path, root, operand, size)?);
+                continue;
+            }
+            if logical(op).is_some() && root == path.len() {
+                return Err(Error::Input(format!(
+                    "metadata filter {name:?}: {op} within $elemMatch is not supported; for one of several values \
+                     give $in, or give a top-level {op} of filters that each hold an $elemMatch (which may match \
+                     different elements)"
+                )));
             }
             if logical(op).is_some() {
                 return Err(Error::Input(format!(
@@ -303,7 +334,7 @@ impl Filter {
                 // A key within the object at `path`.
                 let mut inner = path.to_vec();
                 inner.push(op.clone());
-                all.extend(Self::value(&inner, operand, within_not, size)?);
+                all.extend(Self::value(&inner, root, operand, within_not, size)?);
                 continue;
             }
             let test = Test::new(&name, op, operand)?;
@@ -311,9 +342,34 @@ impl Filter {
                 size.listed += values.len();
             }
             size.conditions += 1;
-            all.push(Clause::Key(Condition::at(path, test)));
+            all.push(Clause::Key(Condition { path: path[root..].to_vec(), test }));
         }
         Ok(all)
+    }
+
+    /// The clause of an `$elemMatch` of the value at `path`: a list holding an element that
+    /// passes all of `operand`'s operators (a list of scalars) and keys (a list of objects).
+    fn elements(path: &[String], root: usize, operand: &Value, size: &mut Size) -> Result<Clause> {
+        let name = shown(path);
+        let example = "e.g. {\"$elemMatch\": {\"name\": \"Ann\", \"born\": {\"$lt\": 1900}}} for a list of \
+                       objects, {\"$elemMatch\": {\"$gte\": 80, \"$lt\": 90}} for a list of numbers";
+        let Value::Object(element) = operand else {
+            return Err(Error::Input(format!(
+                "metadata filter {name:?}: $elemMatch takes an object of what one element must pass, {example}, \
+                 not {operand} (for a list holding a value, give $contains)"
+            )));
+        };
+        if element.is_empty() {
+            return Err(Error::Input(format!(
+                "metadata filter {name:?}: an empty $elemMatch; give what one element must pass, {example}"
+            )));
+        }
+        let mut inner = path.to_vec();
+        inner.push("$elemMatch".into());
+        within_depth(&inner)?;
+        let clause = Clause::All(Self::operators(&inner, inner.len(), element, false, size)?);
+        size.conditions += 1;
+        Ok(Clause::Key(Condition { path: path[root..].to_vec(), test: Test::Elements(Box::new(clause)) }))
     }
 
     /// A filter from the command line's `--filter` arguments, all of which must hold. Each is
@@ -399,7 +455,7 @@ impl Filter {
 
     /// Whether a context with `metadata` passes every condition.
     pub fn matches(&self, metadata: &Metadata) -> bool {
-        self.root.holds(metadata)
+        self.root.holds(&|path: &[String]| in_metadata(metadata, path))
     }
 }
 
@@ -486,6 +542,10 @@ impl Test {
             (Self::Contains(_), Some(_)) => false,
             (Self::Prefix(prefix), Some(Value::String(have))) => have.starts_with(prefix.as_str()),
             (Self::Prefix(_), Some(_)) => false,
+            (Self::Elements(element), Some(Value::Array(items))) => {
+                items.iter().any(|item| element.holds(&|path: &[String]| below(item, path)))
+            }
+            (Self::Elements(_), Some(_)) => false,
         }
     }
 }
@@ -730,10 +790,65 @@ mod tests {
         assert_eq!(
             clauses[..],
             [Clause::Key(Condition {
-                key: "author".into(),
-                path: vec!["home".into(), "city".into()],
+                path: vec!["author".into(), "home".into(), "city".into()],
                 test: Test::Compare(Comparison::Gte, json!("A"))
             })]
+        );
+    }
+
+    #[test]
+    fn elem_match_needs_one_element_to_pass_all() {
+        let m = obj(json!({
+            "authors": [{"name": "Ann", "born": 1890}, {"name": "Bo", "born": 1950}],
+            "scores": [70, 85.5, "90"],
+            "nested": [[1, 2], [3]],
+            "flat": "x",
+            "obj": {"name": "Ann"},
+        }));
+        let yes = [
+            json!({"authors": {"$elemMatch": {"name": "Ann", "born": {"$lt": 1900}}}}),
+            json!({"authors": {"$elemMatch": {"name": "Bo"}}}),
+            json!({"authors": {"$elemMatch": {"name": {"$ne": "Ann"}}}}),
+            json!({"authors": {"$elemMatch": {"$not": {"name": "Ann"}}}}),
+            json!({"authors": {"$elemMatch": {"home": {"$exists": false}}}}),
+            json!({"authors": {"$not": {"$elemMatch": {"name": "Cy"}}}}),
+            json!({"scores": {"$elemMatch": {"$gte": 80, "$lt": 90}}}),
+            json!({"scores": {"$elemMatch": {"$eq": 85.5}}}),
+            json!({"scores": {"$elemMatch": {"$prefix": "9"}}}),
+            json!({"scores": {"$elemMatch": {"$in": [70.0, 1]}}}),
+            json!({"nested": {"$elemMatch": {"$contains": 3}}}),
+            json!({"nested": {"$elemMatch": {"$elemMatch": {"$gt": 1}}}}),
+            json!({"missing": {"$not": {"$elemMatch": {"$exists": true}}}}),
+            json!({"$or": [{"flat": 1}, {"authors": {"$elemMatch": {"born": 1950.0}}}]}),
+        ];
+        for f in yes {
+            assert!(filter(f.clone()).matches(&m), "{f}");
+        }
+        let no = [
+            // Each condition holds of an element, but not both of one.
+            json!({"authors": {"$elemMatch": {"name": "Ann", "born": {"$gt": 1900}}}}),
+            json!({"authors": {"$elemMatch": {"$eq": "Ann"}}}),
+            json!({"authors": {"$not": {"$elemMatch": {"name": "Bo"}}}}),
+            json!({"scores": {"$elemMatch": {"$gt": 86, "$lt": 90}}}),
+            json!({"obj": {"$elemMatch": {"name": "Ann"}}}),
+            json!({"flat": {"$elemMatch": {"$eq": "x"}}}),
+            json!({"missing": {"$elemMatch": {"$exists": false}}}),
+            // A list element is no scalar, and is not entered by a key.
+            json!({"nested": {"$elemMatch": {"$eq": 1}}}),
+            json!({"nested": {"$elemMatch": {"0": {"$exists": true}}}}),
+        ];
+        for f in no {
+            assert!(!filter(f.clone()).matches(&m), "{f}");
+        }
+        let f = filter(json!({"authors": {"$elemMatch": {"name": "Ann", "$exists": true}}}));
+        let Clause::All(clauses) = f.root() else { panic!("{f:?}") };
+        let element = Clause::All(vec![
+            Clause::Key(Condition { path: vec![], test: Test::Exists(true) }),
+            Clause::Key(Condition { path: vec!["name".into()], test: Test::Eq(json!("Ann")) }),
+        ]);
+        assert_eq!(
+            clauses[..],
+            [Clause::Key(Condition { path: vec!["authors".into()], test: Test::Elements(Box::new(element)) })]
         );
     }
 
@@ -783,6 +898,12 @@ mod tests {
             (json!({"x": {"$not": {"$lang": 1}}}), "unknown operator"),
             (json!({"$nor": []}), "non-empty list of filters"),
             (json!({"$nor": [1]}), "is not a filter"),
+            (json!({"x": {"$elemMatch": 1}}), "$elemMatch takes an object"),
+            (json!({"x": {"$elemMatch": {}}}), "an empty $elemMatch"),
+            (json!({"x": {"$elemMatch": {"$or": [{"a": 1}]}}}), "$or within $elemMatch is not supported"),
+            (json!({"x": {"$elemMatch": {"$bad": 1}}}), "\"x.$elemMatch\": unknown operator \"$bad\""),
+            (json!({"x": {"$elemMatch": {"y": [1]}}}), "\"x.$elemMatch.y\": [1] is a list"),
+            (json!({"x": {"$elemMatch": {"y": {"$in": 1}}}}), "list of values"),
         ];
         for (f, want) in cases {
             let e = Filter::new(&obj(f.clone())).unwrap_err().to_string();
@@ -800,6 +921,13 @@ mod tests {
             nested = json!({"k": nested});
         }
         assert!(Filter::new(&obj(nested)).unwrap_err().to_string().contains("deeper than 8"));
+        let mut lists = json!({"$gt": 1});
+        for _ in 0..8 {
+            lists = json!({"$elemMatch": lists});
+        }
+        assert!(Filter::new(&obj(json!({"k": lists}))).unwrap_err().to_string().contains("deeper than 8"));
+        let Value::Object(seven) = &lists["$elemMatch"] else { panic!() };
+        Filter::new(&obj(json!({"k": seven}))).unwrap();
     }
 
     #[test]

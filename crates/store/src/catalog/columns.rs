@@ -155,7 +155,8 @@ impl MetadataColumns {
     /// The contexts passing one key's test: those whose value passes, plus (for the tests a
     /// missing key passes: `$ne`, `$nin`, `$exists: false`) every context without the key. A
     /// test of a value within the key's objects reads it from each distinct value.
-    fn condition(&self, Condition { key, path, test }: &Condition) -> Vec<i64> {
+    fn condition(&self, Condition { path, test }: &Condition) -> Vec<i64> {
+        let (key, path) = path.split_first().expect("a top-level condition names a key");
         let Some(column) = self.columns.get(key) else {
             return if test.passes(None) { self.ids.clone() } else { Vec::new() };
         };
@@ -268,6 +269,9 @@ mod tests {
             if i % 3 != 2 {
                 m["by"] = json!({"n": i % 7, "in": {"tag": tag}});
             }
+            if i % 2 == 0 {
+                m["refs"] = json!([{"n": i % 3, "tag": tag}, i % 5]);
+            }
             m.as_object().unwrap().clone()
         };
         let mut columns = MetadataColumns::default();
@@ -291,6 +295,9 @@ mod tests {
             json!({"by": {"n": {"$gte": 3}, "in": {"tag": {"$ne": "a"}}}}),
             json!({"by": {"in": {"tag": {"$exists": false}}}}),
             json!({"by": {"$not": {"n": 2}}, "tag": "c"}),
+            json!({"refs": {"$elemMatch": {"n": 1, "tag": {"$ne": "b"}}}}),
+            json!({"refs": {"$elemMatch": {"$gte": 3}}, "tag": "b"}),
+            json!({"refs": {"$not": {"$elemMatch": {"n": {"$exists": true}}}}}),
         ] {
             let filter = Filter::new(f.as_object().unwrap()).unwrap();
             let want: Vec<i64> = kept.iter().copied().filter(|&i| filter.matches(&metadata(i))).collect();

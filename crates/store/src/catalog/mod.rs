@@ -232,14 +232,16 @@ pub(crate) mod checks {
     pub(crate) fn metadata_and_filters(catalog: &dyn Catalog) {
         let metadata = [
             json!({"lang": "en", "year": 2024, "draft": false, "url": "https://a.example", "date": "2024-03-01",
-                   "title": "Zeta", "author": {"name": "Ann", "born": 1890, "home": {"city": "Oslo"}}}),
+                   "title": "Zeta", "author": {"name": "Ann", "born": 1890, "home": {"city": "Oslo"}},
+                   "refs": [{"id": 1, "by": {"name": "Ann"}}, {"id": 2.0, "by": "Bo"}]}),
             json!({"lang": "fr", "year": 2023.5, "date": "2023-12-31", "tags": ["x", 2024, ["y"]], "title": "Éire",
-                   "author": {"name": "Bo", "born": 1950.5, "tags": ["x", 2]}}),
+                   "author": {"name": "Bo", "born": 1950.5, "tags": ["x", 2]}, "refs": [{"id": 2, "0": "z"}, [{"id": 1}], 7]}),
             json!({"lang": "en", "year": "2024", "tags": ["x"], "note": null, "author": [{"name": "Ann"}, "x"]}),
             json!({}),
             json!({"lang": "en", "year": 2024.0, "n": -7, "nested": {"lang": "fr"}, "a.b": 1, "tags": "x"}),
             json!({"lang": "en ", "big": 9_007_199_254_740_993u64, "draft": true, "say \"hi\"": "x", "$": "y",
-                   "quoted \"tags\"": ["a", "b"], "author": "Ann", "nested": {"0": "x", "k\"q": {"deep": true}}}),
+                   "quoted \"tags\"": ["a", "b"], "author": "Ann", "nested": {"0": "x", "k\"q": {"deep": true}},
+                   "refs": [["q"]]}),
         ]
         .map(obj);
         let json: Vec<String> = metadata.iter().map(to_json).collect();
@@ -360,6 +362,41 @@ pub(crate) mod checks {
             (json!({"nested": {"k\"q": {"deep": true}}}), 1),
             (json!({"nested": {"0": "x"}}), 1),
             (json!({"nested": {"0": {"$exists": true}, "k\"q": {"deep": {"$ne": false}}}}), 1),
+            // $elemMatch: one element passes every test; an element is entered by keys only if
+            // an object, and is equal only if a scalar.
+            (json!({"author": {"$elemMatch": {"name": "Ann"}}}), 1),
+            (json!({"author": {"$elemMatch": {"$eq": "x"}}}), 1),
+            (json!({"author": {"$elemMatch": {"$prefix": "A"}}}), 0),
+            (json!({"author": {"$elemMatch": {"$not": {"name": "Ann"}}}}), 1),
+            (json!({"tags": {"$elemMatch": {"$gte": 2000}}}), 1),
+            (json!({"tags": {"$elemMatch": {"$contains": "y"}}}), 1),
+            (json!({"tags": {"$elemMatch": {"$eq": "y"}}}), 0),
+            (json!({"tags": {"$elemMatch": {"$in": ["x", 1]}}}), 2),
+            (json!({"tags": {"$elemMatch": {"$ne": "x"}}}), 1),
+            (json!({"tags": {"$elemMatch": {"$nin": ["x"]}}}), 1),
+            (json!({"tags": {"$not": {"$elemMatch": {"$eq": "x"}}}}), 4),
+            (json!({"refs": {"$elemMatch": {"id": 2, "by": "Bo"}}}), 1),
+            (json!({"refs": {"$elemMatch": {"id": 1, "by": "Bo"}}}), 0),
+            (json!({"refs": {"$elemMatch": {"by": {"name": "Ann"}}}}), 1),
+            (json!({"refs": {"$elemMatch": {"by": {"name": {"$ne": "Ann"}}}}}), 3),
+            (json!({"refs": {"$elemMatch": {"0": {"$exists": true}}}}), 1),
+            (json!({"refs": {"$elemMatch": {"0": {"$gte": "a"}}}}), 1),
+            (json!({"refs": {"$elemMatch": {"0": "q"}}}), 0),
+            (json!({"refs": {"$elemMatch": {"id": {"$exists": false}}}}), 2),
+            (json!({"refs": {"$elemMatch": {"id": {"$gt": 1.5}}}}), 2),
+            (json!({"refs": {"$elemMatch": {"id": {"$nin": [1, 2]}}}}), 2),
+            (json!({"refs": {"$elemMatch": {"$gt": 5}}}), 1),
+            (json!({"refs": {"$elemMatch": {"$elemMatch": {"id": 1}}}}), 1),
+            (json!({"refs": {"$elemMatch": {"$elemMatch": {"$contains": "q"}}}}), 0),
+            (json!({"refs": {"$elemMatch": {"$contains": "q"}}}), 1),
+            (
+                json!({"$or": [{"refs": {"$elemMatch": {"by": {"$prefix": "B"}}}}, {"author": {"$elemMatch": {"name": "Ann"}}}]}),
+                2,
+            ),
+            (json!({"refs": {"$elemMatch": {"by": {"name": "Ann"}, "id": 1.0}}}), 1),
+            (json!({"refs": {"$elemMatch": {"$eq": 7}}}), 1),
+            (json!({"refs": {"$elemMatch": {"id": 2, "$not": {"by": "Bo"}}}}), 1),
+            (json!({"refs": {"$elemMatch": {"by": {"$eq": "Bo", "name": "Ann"}}}}), 0),
         ];
         for (f, n) in filters {
             let f = Filter::new(&obj(f)).unwrap();

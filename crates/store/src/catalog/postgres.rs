@@ -548,11 +548,12 @@ impl PostgresCatalog {
 }
 
 /// The SQL condition for contexts whose metadata matches `filter` (the rules of
-/// [`crate::filter`]), over `jsonb`, and its parameters (all text, cast in the SQL). Equality and list membership are containment (`metadata @> ...`), which the GIN
-/// index answers; order comparisons test the JSON type first, and compare strings by code point.
-/// The placeholders are numbered after the query's first `before` parameters.
+/// [`crate::filter`]), over `jsonb`, and its parameters (all text, cast in the SQL). Equality and
+/// list membership are containment (`metadata @> ...`), which the GIN index answers; order
+/// comparisons test the JSON type first, and compare strings by code point. The placeholders are
+/// numbered after the query's first `before` parameters.
 fn filter_sql(filter: &Filter, before: usize) -> (String, Vec<String>) {
-    let mut sql = FilterSql { params: Vec::new(), before };
+    let mut sql = FilterSql { params: Vec::new(), before, element: None, elements: 0 };
     let condition = sql.clause(filter.root());
     (condition, sql.params)
 }
@@ -561,6 +562,11 @@ fn filter_sql(filter: &Filter, before: usize) -> (String, Vec<String>) {
 struct FilterSql {
     params: Vec<String>,
     before: usize,
+    /// Within an `$elemMatch`, the SQL of the list element its conditions test; `None` for
+    /// the metadata's conditions.
+    element: Option<String>,
+    /// The `$elemMatch`es written so far, to name each one's element.
+    elements: usize,
 }
 
 impl FilterSql {
@@ -577,8 +583,8 @@ impl FilterSql {
                 let parts: Vec<String> = clauses.iter().map(|c| self.clause(c)).collect();
                 format!("({})", parts.join(" OR "))
             }
-            // Every condition is TRUE or FALSE, never NULL (the column is NOT NULL and the CASEs
-            // end in FALSE), so NOT is the complement.
+            // Every condition is TRUE or FALSE, never NULL (the column is NOT NULL, the CASEs
+            // end in FALSE, equalities in elements are COALESCEd), so NOT is the complement.
             Clause::Not(clause) => format!("NOT ({})", self.clause(clause)),
             Clause::All(clauses) => {
                 // The keys' equalities in one containment, which the GIN index answers.
@@ -586,10 +592,10 @@ impl FilterSql {
                 let mut parts = Vec::new();
                 for c in clauses {
                     match c {
-                        Clause::Key(Condition { key, path, test: Test::Eq(want) })
-                            if path.is_empty() && !equal.contains_key(key) =>
+                        Clause::Key(Condition { path, test: Test::Eq(want) })
+                            if self.element.is_none() && path.len() == 1 && !equal.contains_key(&path[0]) =>
                         {
-                            equal.insert(key.clone(), want.clone());
+                            equal.insert(path[0].clone(), want.clone());
                         }
                         other => parts.push(self.clause(other)),
                     }
@@ -602,62 +608,78 @@ impl FilterSql {
         }
     }
 
-    /// Where a condition looks: `ARRAY[...]` of the keys from the top level down, for `#>` and
-    /// `#>>`, and the SQL that holds when each key on the way holds an object. `#>` also reads
-    /// a list's element for a key like `0`; [`crate::filter::below`] descends through objects
-    /// only, and so must this.
-    fn path(&mut self, key: &str, path: &[String]) -> (String, String) {
-        let keys: Vec<String> = (std::iter::once(key).chain(path.iter().map(String::as_str)))
-            .map(|k| format!("${}::text", self.push(k.to_string())))
-            .collect();
-        let objects: Vec<String> = (1..keys.len())
-            .map(|n| format!("jsonb_typeof(metadata #> ARRAY[{}]) = 'object'", keys[..n].join(", ")))
+    /// Where a condition looks: the SQL of the value at `path` (`#>` of the keys), and the SQL
+    /// that holds when each key on the way holds an object. `#>` also reads a list's element
+    /// for a key like `0`; [`crate::filter::below`] descends through objects only, and so must
+    /// this. The metadata is an object; a list's element may not be.
+    fn path(&mut self, path: &[String]) -> (String, String) {
+        let root = self.element.clone().unwrap_or_else(|| "metadata".into());
+        let keys: Vec<String> = path.iter().map(|k| format!("${}::text", self.push(k.clone()))).collect();
+        let at = |n: usize| match n {
+            0 => root.clone(),
+            n => format!("({root} #> ARRAY[{}])", keys[..n].join(", ")),
+        };
+        let first = if self.element.is_some() { 0 } else { 1 };
+        let objects: Vec<String> = (first..keys.len())
+            .map(|n| format!("jsonb_typeof({}) = 'object'", at(n)))
             .chain(std::iter::once("TRUE".to_string()))
             .collect();
-        (format!("ARRAY[{}]", keys.join(", ")), objects.join(" AND "))
+        (at(keys.len()), objects.join(" AND "))
     }
 
-    /// SQL for a test of the value at one key, or within its objects.
-    fn condition(&mut self, Condition { key, path, test }: &Condition) -> String {
+    /// SQL for a test of the value at a path.
+    fn condition(&mut self, Condition { path, test }: &Condition) -> String {
+        let top = self.element.is_none();
         // Metadata holding `value` where the condition looks (containment, which the GIN index
         // answers, descends through objects as `below` does, and into no list but a tested one).
         let holds = |value: serde_json::Value| {
             let inner =
                 path.iter().rev().fold(value, |v, k| serde_json::Value::Object(Metadata::from_iter([(k.clone(), v)])));
-            metadata::to_json(&Metadata::from_iter([(key.clone(), inner)]))
+            inner.to_string()
+        };
+        // Equal to `want` where the condition looks: by containment in the metadata, by reading
+        // in an element (containment of a scalar would also hold for a list holding it).
+        let equal = |sql: &mut Self, want: &serde_json::Value| {
+            if top {
+                return format!("metadata @> ${}::text::jsonb", sql.push(holds(want.clone())));
+            }
+            let (at, objects) = sql.path(path);
+            let w = sql.push(want.to_string());
+            // jsonb `=` compares numbers by value, strings and booleans exactly.
+            format!("CASE WHEN {objects} THEN COALESCE({at} = ${w}::text::jsonb, FALSE) ELSE FALSE END")
         };
         match test {
-            Test::Eq(want) => format!("metadata @> ${}::text::jsonb", self.push(holds(want.clone()))),
-            Test::Ne(want) => format!("NOT (metadata @> ${}::text::jsonb)", self.push(holds(want.clone()))),
+            Test::Eq(want) => equal(self, want),
+            Test::Ne(want) => format!("NOT ({})", equal(self, want)),
             Test::In(wants) | Test::NotIn(wants) => {
-                let any = match &wants[..] {
-                    [] => "FALSE".to_string(),
-                    _ => (wants.iter())
-                        .map(|w| format!("metadata @> ${}::text::jsonb", self.push(holds(w.clone()))))
-                        .collect::<Vec<_>>()
-                        .join(" OR "),
+                let any = match wants.is_empty() {
+                    true => "FALSE".to_string(),
+                    false => {
+                        let parts: Vec<String> = wants.iter().map(|w| equal(self, w)).collect();
+                        format!("({})", parts.join(" OR "))
+                    }
                 };
-                if matches!(test, Test::In(_)) {
-                    format!("({any})")
-                } else {
-                    format!("NOT ({any})")
-                }
+                negated_if(matches!(test, Test::NotIn(_)), any)
+            }
+            Test::Exists(present) if top && path.len() == 1 => {
+                negated_if(!present, format!("metadata ? ${}::text", self.push(path[0].clone())))
             }
             Test::Exists(present) => {
-                let has = if path.is_empty() {
-                    format!("metadata ? ${}::text", self.push(key.clone()))
-                } else {
-                    let (at, objects) = self.path(key, path);
-                    format!("CASE WHEN {objects} THEN (metadata #> {at}) IS NOT NULL ELSE FALSE END")
-                };
-                if *present {
-                    has
-                } else {
-                    format!("NOT ({has})")
-                }
+                let (at, objects) = self.path(path);
+                negated_if(!present, format!("CASE WHEN {objects} THEN {at} IS NOT NULL ELSE FALSE END"))
+            }
+            Test::Contains(want) if top => {
+                format!("metadata @> ${}::text::jsonb", self.push(holds(serde_json::Value::Array(vec![want.clone()]))))
+            }
+            Test::Contains(want) => {
+                let (at, objects) = self.path(path);
+                let w = self.push(serde_json::Value::Array(vec![want.clone()]).to_string());
+                format!(
+                    "CASE WHEN {objects} AND jsonb_typeof({at}) = 'array' THEN {at} @> ${w}::text::jsonb ELSE FALSE END"
+                )
             }
             Test::Compare(op, bound) => {
-                let (at, objects) = self.path(key, path);
+                let (at, objects) = self.path(path);
                 let (json_type, cast, text) = match bound {
                     serde_json::Value::String(s) => ("string", "text COLLATE \"C\"", s.clone()),
                     other => ("number", "numeric", other.to_string()),
@@ -666,25 +688,101 @@ impl FilterSql {
                 // CASE, not AND: PostgreSQL may evaluate AND's sides in either order, and the
                 // cast fails on a value of the other type.
                 format!(
-                    "CASE WHEN {objects} AND jsonb_typeof(metadata #> {at}) = '{json_type}' \
-                     THEN (metadata #>> {at})::{cast} {} ${b}::text::{cast} ELSE FALSE END",
+                    "CASE WHEN {objects} AND jsonb_typeof({at}) = '{json_type}' \
+                     THEN ({at} #>> '{{}}')::{cast} {} ${b}::text::{cast} ELSE FALSE END",
                     op.sql()
                 )
             }
-            Test::Contains(want) => {
-                format!("metadata @> ${}::text::jsonb", self.push(holds(serde_json::Value::Array(vec![want.clone()]))))
-            }
             Test::Prefix(prefix) => {
-                let (at, objects) = self.path(key, path);
+                let (at, objects) = self.path(path);
                 let p = self.push(prefix.clone());
                 // starts_with, not LIKE: `%` and `_` in the prefix are themselves; "C" compares
                 // code points whatever the database's collation.
                 format!(
-                    "CASE WHEN {objects} AND jsonb_typeof(metadata #> {at}) = 'string' \
-                     THEN starts_with((metadata #>> {at}) COLLATE \"C\", ${p}::text) ELSE FALSE END"
+                    "CASE WHEN {objects} AND jsonb_typeof({at}) = 'string' \
+                     THEN starts_with(({at} #>> '{{}}') COLLATE \"C\", ${p}::text) ELSE FALSE END"
+                )
+            }
+            Test::Elements(element) => {
+                // First what the list must contain for an element to pass, if anything: the
+                // GIN index answers it, and keeps the elements' scan to the rows it finds.
+                let contains = match contained(element) {
+                    Some(within) if top => {
+                        format!(
+                            "metadata @> ${}::text::jsonb AND ",
+                            self.push(holds(serde_json::Value::Array(vec![within])))
+                        )
+                    }
+                    _ => String::new(),
+                };
+                let (at, objects) = self.path(path);
+                self.elements += 1;
+                let name = format!("e{}", self.elements);
+                let outer = self.element.replace(format!("{name}.v"));
+                let inner = self.clause(element);
+                self.element = outer;
+                // No rows, so FALSE, where the value is no list.
+                format!(
+                    "({contains}EXISTS (SELECT 1 FROM jsonb_array_elements(CASE WHEN {objects} AND \
+                     jsonb_typeof({at}) = 'array' THEN {at} END) AS {name}(v) WHERE {inner}))"
                 )
             }
         }
+    }
+}
+
+/// What a list element passing `element` (an `$elemMatch`'s clause) must contain, as jsonb
+/// containment: its equalities, `$contains` and inner `$elemMatch`es among the tests all of
+/// which must hold; `None` when there are none. Only a necessary condition (a test it cannot
+/// state is left out), which the SQL checks before the exact one.
+fn contained(element: &Clause) -> Option<serde_json::Value> {
+    use serde_json::Value;
+    let Clause::All(clauses) = element else { return None };
+    let mut object = Metadata::new();
+    for clause in clauses {
+        let Clause::Key(Condition { path, test }) = clause else { continue };
+        let within = match test {
+            Test::Eq(want) => want.clone(),
+            Test::Contains(want) => Value::Array(vec![want.clone()]),
+            Test::Elements(inner) => match contained(inner) {
+                Some(within) => Value::Array(vec![within]),
+                None => continue,
+            },
+            _ => continue,
+        };
+        if path.is_empty() {
+            // The element itself: a scalar equal to it, or a list containing it.
+            return Some(within);
+        }
+        put(&mut object, path, within);
+    }
+    (!object.is_empty()).then_some(Value::Object(object))
+}
+
+/// Puts `value` at `path` (not empty) within `object`, through objects made on the way, unless
+/// a value is there or on the way already (the test is then left out).
+fn put(object: &mut Metadata, path: &[String], value: serde_json::Value) {
+    let (key, rest) = path.split_first().expect("a path to put at");
+    match (object.get_mut(key), rest) {
+        (None, []) => {
+            object.insert(key.clone(), value);
+        }
+        (None, rest) => {
+            let mut inner = Metadata::new();
+            put(&mut inner, rest, value);
+            object.insert(key.clone(), serde_json::Value::Object(inner));
+        }
+        (Some(serde_json::Value::Object(inner)), [_, ..]) => put(inner, rest, value),
+        (Some(_), _) => {}
+    }
+}
+
+/// `sql`, or its negation when `negate`.
+fn negated_if(negate: bool, sql: String) -> String {
+    if negate {
+        format!("NOT ({sql})")
+    } else {
+        sql
     }
 }
 
@@ -1155,6 +1253,30 @@ fn own_schema(search_path: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An `$elemMatch`'s containment states its equalities, `$contains` and inner
+    /// `$elemMatch`es, and leaves out what it cannot state.
+    #[test]
+    fn an_elem_match_contains_what_its_element_must() {
+        use serde_json::json;
+        let within = |f: serde_json::Value| {
+            let f = Filter::new(json!({"k": {"$elemMatch": f}}).as_object().unwrap()).unwrap();
+            let Clause::All(keys) = f.root() else { panic!("{f:?}") };
+            let [Clause::Key(Condition { test: Test::Elements(element), .. })] = &keys[..] else { panic!("{f:?}") };
+            contained(element)
+        };
+        assert_eq!(
+            within(json!({"a": 1, "b": {"c": "x", "d": {"$gt": 2}}, "l": {"$contains": 3}})),
+            Some(json!({"a": 1, "b": {"c": "x"}, "l": [3]}))
+        );
+        assert_eq!(within(json!({"$eq": 7})), Some(json!(7)));
+        assert_eq!(within(json!({"$elemMatch": {"id": 1, "$ne": 2}})), Some(json!([{"id": 1}])));
+        assert_eq!(within(json!({"a": {"$in": [1, 2]}, "$not": {"b": 1}})), None);
+        assert_eq!(within(json!({"a": {"$elemMatch": {"$gt": 1}}})), None);
+        // Two tests at one place: the first is stated, the other left out.
+        assert_eq!(within(json!({"b": {"$eq": 1, "c": 2}})), Some(json!({"b": 1})));
+        assert_eq!(within(json!({"l": {"$contains": 1, "$elemMatch": {"$eq": 2}}})), Some(json!({"l": [1]})));
+    }
 
     /// A catalog in a fresh schema of `PICASO_TEST_POSTGRES`, or None when it is not set.
     fn catalog() -> Option<PostgresCatalog> {
