@@ -188,7 +188,8 @@ struct QueryArgs {
     /// Retrieve only contexts whose metadata passes this condition (repeat: all must hold):
     /// KEY=VALUE, KEY!=VALUE, KEY>VALUE, KEY>=VALUE, KEY<VALUE, KEY<=VALUE (numbers by value,
     /// strings by code point: `date>=2024-01-01`), KEY^=TEXT (a string starting with TEXT:
-    /// `url^=https://en.wikipedia.org/`), or a filter as a JSON object, for the
+    /// `url^=https://en.wikipedia.org/`), KEY~=PATTERN (a string a regex matches, Rust's
+    /// syntax: `'title~=(?i)^the .+ war$'`), or a filter as a JSON object, for the
     /// operators $in, $nin, $exists, $contains, $elemMatch and $not, $or / $and / $nor of
     /// filters, and keys within objects (`'{"lang": {"$in": ["en", "fr"]}}'`,
     /// `'{"year": {"$not": {"$gte": 2020}}}'`, `'{"author": {"name": "Ann"}}'`,

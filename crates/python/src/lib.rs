@@ -782,9 +782,9 @@ impl Store {
     /// text, metadata}. `documents` (names, as `documents()` lists them) limits the search to
     /// their contexts; `filter` (a dict) to contexts whose metadata passes it: each key's value
     /// is a scalar to equal, or operators ({"$gte": 2020, "$lt": 2025}; also $eq, $ne, $gt,
-    /// $lte, $in, $nin, $exists, $contains, $prefix, $elemMatch, $not), all of which must hold,
-    /// and keys within the object there ({"author": {"name": "Ann"}}); "$or", "$and" and "$nor"
-    /// in place of a key combine filters.
+    /// $lte, $in, $nin, $exists, $contains, $prefix, $regex, $elemMatch, $not), all of which
+    /// must hold, and keys within the object there ({"author": {"name": "Ann"}}); "$or", "$and"
+    /// and "$nor" in place of a key combine filters.
     #[pyo3(signature = (query, k=4, *, documents=None, filter=None))]
     fn search<'py>(
         &self,

@@ -118,7 +118,8 @@ def test_metadata_and_filters(model, embedder, tmp_path):
                         ({"source": {"url": {"$prefix": "https://a."}}}, ["en", "en"]),
                         ({"source": {"url": {"$exists": False}}}, ["fr", "none"]),
                         ({"authors": {"$elemMatch": {"name": "Ann", "role": "author"}}}, ["fr"]),
-                        ({"authors": {"$elemMatch": {"name": "Bo", "role": "author"}}}, [])]:
+                        ({"authors": {"$elemMatch": {"name": "Bo", "role": "author"}}}, []),
+                        ({"lang": {"$regex": "(?i)^(EN|de)$"}}, ["en", "en"])]:
             hits = store.search(question, k=10, filter=f)
             assert sorted(h["doc"] for h in hits) == docs, f
             assert [store.get(i)["doc"] for i in store.ids(filter=f)] == sorted(docs), f
@@ -137,7 +138,8 @@ def test_metadata_and_filters(model, embedder, tmp_path):
         for bad, match in [({}, "empty metadata filter"), ({"a": [1]}, r"is a list.*\$in"),
                            ({"a": float("nan")}, "not JSON"), ({"a": {"$near": 1}}, "unknown operator"),
                            ({"a": {"$exists": "yes"}}, "true or false"),
-                           ({"a": {"$elemMatch": 1}}, r"\$elemMatch takes an object")]:
+                           ({"a": {"$elemMatch": 1}}, r"\$elemMatch takes an object"),
+                           ({"a": {"$regex": "\\bx"}}, "word boundaries")]:
             with pytest.raises(ValueError, match=match):
                 store.search("x", filter=bad)
         with pytest.raises(TypeError, match="filter must be a dict"):

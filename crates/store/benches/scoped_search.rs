@@ -1,7 +1,8 @@
 //! Retrieval latency on a catalog of 100k contexts (embeddings of dimension 384,
 //! all-MiniLM-L6-v2's): every context, within documents, and filtered by metadata (equality:
 //! a quarter, 1/25th and 1/100th of the contexts match; a range, 1/5th; `$in`, half; `$prefix`
-//! of the URL, 1/9th; `$elemMatch` of a list of 2 authors, 1/1000th). On SQLite
+//! of the URL, 1/9th; `$elemMatch` of a list of 2 authors, 1/1000th; `$regex` of the title,
+//! 1/1000th). On SQLite
 //! a scoped search reads the scope's ids (the `(doc, seg)` index for documents, the in-memory
 //! metadata columns for a filter) and ranks those rows of the in-memory index exactly; on PostgreSQL (when
 //! `PICASO_TEST_POSTGRES` is set, as in the tests) one query ranks the rows its `doc = ANY` or
@@ -62,7 +63,9 @@ fn bench(c: &mut Criterion) {
     let prefix = filter(serde_json::json!({"url": {"$prefix": "https://example.org/1"}}));
     // Documents whose editor (the second author) is a7: 10 of them.
     let edited = filter(serde_json::json!({"authors": {"$elemMatch": {"name": "a7", "role": "editor"}}}));
-    let scopes: [(&str, Scope<'_>); 10] = [
+    // Documents 10-19.
+    let titled = filter(serde_json::json!({"title": {"$regex": "^Document 1[0-9]$"}}));
+    let scopes: [(&str, Scope<'_>); 11] = [
         ("every context", Scope::all()),
         ("1 document", Scope::within(&one_doc)),
         ("10 documents", Scope::within(&ten_docs)),
@@ -73,6 +76,7 @@ fn bench(c: &mut Criterion) {
         ("filter $in, 50k match", Scope::matching(&two_langs)),
         ("filter $prefix, 11k match", Scope::matching(&prefix)),
         ("filter $elemMatch, 100 match", Scope::matching(&edited)),
+        ("filter $regex, 100 match", Scope::matching(&titled)),
     ];
     for (backend, catalog) in &catalogs {
         let mut group = c.benchmark_group(*backend);

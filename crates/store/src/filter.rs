@@ -14,6 +14,7 @@
 //! | `$exists: b` | the key is present (any value, `null` too) when `b` is true, absent when false |
 //! | `$contains: v` | is a list holding a value equal to `v` |
 //! | `$prefix: "s"` | is a string starting with the string `s` (by code point, case and accents as given) |
+//! | `$regex: "p"` | is a string the pattern `p` (Rust's regex syntax; [`crate::pattern`]) matches somewhere (`^`, `$` anchor) |
 //! | `$elemMatch: {...}` | is a list holding an element that passes all of the operators (tests of the element) and keys (tests within an object element) given, at once |
 //! | `$not: {operators}` | does not pass all of the operators (a missing key passes) |
 //!
@@ -47,6 +48,7 @@ use serde_json::{Number, Value};
 
 use crate::error::{Error, Result};
 use crate::metadata::Metadata;
+use crate::pattern::Pattern;
 
 /// The most conditions a filter may hold (a key's value, or one operator of it), nested ones
 /// included.
@@ -60,7 +62,8 @@ pub const MAX_FILTER_DEPTH: usize = 8;
 pub const MAX_FILTER_VALUES: usize = 1024;
 
 /// The operators, as the error messages list them.
-const OPERATORS: &str = "$eq, $ne, $gt, $gte, $lt, $lte, $in, $nin, $exists, $contains, $prefix, $elemMatch, $not";
+const OPERATORS: &str =
+    "$eq, $ne, $gt, $gte, $lt, $lte, $in, $nin, $exists, $contains, $prefix, $regex, $elemMatch, $not";
 
 /// A metadata filter, checked.
 #[derive(Debug, Clone, PartialEq)]
@@ -152,6 +155,8 @@ pub enum Test {
     Contains(Value),
     /// A string starting with this one.
     Prefix(String),
+    /// A string the pattern matches (somewhere, unless anchored).
+    Regex(Pattern),
     /// A list holding an element that passes the clause, whose conditions' paths are within
     /// the element (`$elemMatch`).
     Elements(Box<Clause>),
@@ -374,10 +379,11 @@ impl Filter {
 
     /// A filter from the command line's `--filter` arguments, all of which must hold. Each is
     /// `KEY=VALUE`, `KEY!=VALUE`, `KEY>VALUE`, `KEY>=VALUE`, `KEY<VALUE`, `KEY<=VALUE`,
-    /// `KEY^=TEXT` (a string starting with TEXT), or a whole filter as a JSON object
-    /// (`{"lang": {"$in": ["en", "fr"]}}`). VALUE is read as JSON when it is a JSON number,
-    /// boolean, null or string (`year=2024`, `draft=false`, `year="2024"`), else as the text it
-    /// is (`lang=en`, `date>=2024-01-01`); TEXT is text (`code^=42`). Conditions on one
+    /// `KEY^=TEXT` (a string starting with TEXT), `KEY~=PATTERN` (a string the regex PATTERN
+    /// matches), or a whole filter as a JSON object (`{"lang": {"$in": ["en", "fr"]}}`). VALUE
+    /// is read as JSON when it is a JSON number, boolean, null or string (`year=2024`,
+    /// `draft=false`, `year="2024"`), else as the text it is (`lang=en`, `date>=2024-01-01`);
+    /// TEXT and PATTERN are text (`code^=42`, `code~=^4[0-9]`). Conditions on one
     /// key combine (`year>=2000 year<2010`); the same operator twice on a key is refused.
     pub fn from_args<S: AsRef<str>>(args: &[S]) -> Result<Self> {
         let mut by_key: BTreeMap<String, BTreeMap<String, Value>> = BTreeMap::new();
@@ -414,8 +420,8 @@ impl Filter {
             let (key, op, raw) = split_condition(arg)?;
             let value = match serde_json::from_str::<Value>(raw) {
                 Ok(v @ Value::String(_)) => v,
-                // A prefix is text, whatever it looks like.
-                Ok(v @ (Value::Number(_) | Value::Bool(_) | Value::Null)) if op != "$prefix" => v,
+                // A prefix or a pattern is text, whatever it looks like.
+                Ok(v @ (Value::Number(_) | Value::Bool(_) | Value::Null)) if op != "$prefix" && op != "$regex" => v,
                 _ => Value::String(raw.to_string()),
             };
             add(key, op, value, arg)?;
@@ -515,6 +521,15 @@ impl Test {
                     )))
                 }
             },
+            "$regex" => match operand {
+                Value::String(source) => Self::Regex(Pattern::new(key, source)?),
+                _ => {
+                    return Err(Error::Input(format!(
+                        "metadata filter {key:?}: $regex takes a pattern as a string (Rust's regex syntax, e.g. \
+                         \"(?i)^plant\"), not {operand}"
+                    )))
+                }
+            },
             _ => {
                 return Err(Error::Input(format!(
                     "metadata filter {key:?}: unknown operator {op:?}; the operators are {OPERATORS} (a key within \
@@ -542,6 +557,8 @@ impl Test {
             (Self::Contains(_), Some(_)) => false,
             (Self::Prefix(prefix), Some(Value::String(have))) => have.starts_with(prefix.as_str()),
             (Self::Prefix(_), Some(_)) => false,
+            (Self::Regex(pattern), Some(Value::String(have))) => pattern.is_match(have),
+            (Self::Regex(_), Some(_)) => false,
             (Self::Elements(element), Some(Value::Array(items))) => {
                 items.iter().any(|item| element.holds(&|path: &[String]| below(item, path)))
             }
@@ -580,16 +597,19 @@ fn split_condition(arg: &str) -> Result<(&str, &'static str, &str)> {
     let bad = || {
         Error::Input(format!(
             "--filter {arg:?}: expected KEY=VALUE, KEY!=VALUE, KEY>VALUE, KEY>=VALUE, KEY<VALUE, KEY<=VALUE, \
-             KEY^=TEXT (starts with) or a JSON object (e.g. --filter lang=en --filter 'year>=2020')"
+             KEY^=TEXT (starts with), KEY~=PATTERN (a regex matches) or a JSON object (e.g. --filter lang=en \
+             --filter 'year>=2020')"
         ))
     };
     let at = arg.find(['=', '!', '<', '>']).ok_or_else(bad)?;
     let (key, rest) = arg.split_at(at);
-    if let Some(key) = key.strip_suffix('^').filter(|_| rest.starts_with('=')) {
-        if key.is_empty() {
-            return Err(Error::Input(format!("--filter {arg:?}: the key is empty")));
+    for (mark, op) in [('^', "$prefix"), ('~', "$regex")] {
+        if let Some(key) = key.strip_suffix(mark).filter(|_| rest.starts_with('=')) {
+            if key.is_empty() {
+                return Err(Error::Input(format!("--filter {arg:?}: the key is empty")));
+            }
+            return Ok((key, op, &rest[1..]));
         }
-        return Ok((key, "$prefix", &rest[1..]));
     }
     if key.is_empty() {
         return Err(Error::Input(format!("--filter {arg:?}: the key is empty")));
@@ -711,6 +731,8 @@ mod tests {
             json!({"lang": {"$not": {"$in": ["fr"]}, "$prefix": "e"}}),
             json!({"$nor": [{"lang": "fr"}, {"year": {"$lt": 2000}}]}),
             json!({"$nor": [{"$nor": [{"lang": "en"}]}]}),
+            json!({"date": {"$regex": "^2024-0[1-3]-"}, "lang": {"$regex": "(?i)^EN$"}}),
+            json!({"lang": {"$not": {"$regex": "^f"}}, "missing": {"$not": {"$regex": ""}}}),
         ];
         for f in yes {
             assert!(filter(f.clone()).matches(&m), "{f}");
@@ -740,6 +762,10 @@ mod tests {
             json!({"tags": {"$not": {"$contains": "a"}}}),
             json!({"$nor": [{"lang": "fr"}, {"year": 2024}]}),
             json!({"lang": {"$not": {"$prefix": "e"}}, "year": 2024}),
+            json!({"year": {"$regex": "20"}}),
+            json!({"tags": {"$regex": "a"}}),
+            json!({"missing": {"$regex": ""}}),
+            json!({"lang": {"$regex": "^n"}}),
         ];
         for f in no {
             assert!(!filter(f.clone()).matches(&m), "{f}");
@@ -899,6 +925,9 @@ mod tests {
             (json!({"$nor": []}), "non-empty list of filters"),
             (json!({"$nor": [1]}), "is not a filter"),
             (json!({"x": {"$elemMatch": 1}}), "$elemMatch takes an object"),
+            (json!({"x": {"$regex": 1}}), "$regex takes a pattern as a string"),
+            (json!({"x": {"$regex": "\\bx"}}), "word boundaries"),
+            (json!({"x": {"y": {"$regex": "("}}}), "\"x.y\": $regex \"(\": not a valid pattern"),
             (json!({"x": {"$elemMatch": {}}}), "an empty $elemMatch"),
             (json!({"x": {"$elemMatch": {"$or": [{"a": 1}]}}}), "$or within $elemMatch is not supported"),
             (json!({"x": {"$elemMatch": {"$bad": 1}}}), "\"x.$elemMatch\": unknown operator \"$bad\""),
@@ -945,6 +974,8 @@ mod tests {
             "url^=https://en.",
             "code^=42",
             "ref^=\"x=\"",
+            "name~=^A.+n$",
+            "num~=42",
             r#"{"tags": {"$contains": "x"}, "src": "wiki"}"#,
         ])
         .unwrap();
@@ -953,6 +984,7 @@ mod tests {
             json!({"lang": "en", "year": {"$gte": 2000, "$lt": 2010}, "draft": false, "id": "7", "q": "a=b",
                    "n": null, "date": {"$lte": "2024-01-01"}, "kind": {"$ne": "stub"},
                    "url": {"$prefix": "https://en."}, "code": {"$prefix": "42"}, "ref": {"$prefix": "x="},
+                   "name": {"$regex": "^A.+n$"}, "num": {"$regex": "42"},
                    "tags": {"$contains": "x"}, "src": "wiki"})
         );
         assert_eq!(Filter::from_args(&["^=x"]).unwrap_err().to_string(), "--filter \"^=x\": the key is empty");

@@ -26,6 +26,7 @@ pub mod location;
 pub mod metadata;
 pub mod migrate;
 pub mod passages;
+pub mod pattern;
 pub mod query;
 mod runtime;
 pub mod sources;

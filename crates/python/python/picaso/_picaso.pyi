@@ -11,7 +11,8 @@ Text = Union[str, Sequence[int]]
 Path = Union[str, PathLike]
 # A metadata filter: per key, a scalar to equal, or operators ("$eq", "$ne", "$gt", "$gte",
 # "$lt", "$lte": a scalar; "$in", "$nin": a list of scalars; "$exists": a bool; "$contains": a
-# scalar the key's list holds; "$prefix": a string the key's string starts with; "$elemMatch":
+# scalar the key's list holds; "$prefix": a string the key's string starts with; "$regex": a
+# pattern (Rust's regex syntax) the key's string matches somewhere; "$elemMatch":
 # operators and keys one element of the key's list passes, all at once; "$not": an
 # object of operators that must not all hold) and keys within the object there ({"author":
 # {"name": "Ann"}}), all of which must hold; "$or" / "$and" / "$nor" in place of a key: a list of

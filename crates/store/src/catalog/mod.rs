@@ -397,6 +397,17 @@ pub(crate) mod checks {
             (json!({"refs": {"$elemMatch": {"$eq": 7}}}), 1),
             (json!({"refs": {"$elemMatch": {"id": 2, "$not": {"by": "Bo"}}}}), 1),
             (json!({"refs": {"$elemMatch": {"by": {"$eq": "Bo", "name": "Ann"}}}}), 0),
+            // $regex: strings only, Rust's syntax on both backends.
+            (json!({"title": {"$regex": "(?i)^é"}}), 1),
+            (json!({"lang": {"$regex": "^en$"}}), 3),
+            (json!({"lang": {"$regex": "\\s$"}}), 1),
+            (json!({"year": {"$regex": "^20"}}), 1),
+            (json!({"url": {"$regex": "^https://[a-z]+\\.example$"}}), 1),
+            (json!({"author": {"name": {"$regex": "^[AB]"}}}), 2),
+            (json!({"refs": {"$elemMatch": {"by": {"$regex": "o$"}}}}), 1),
+            (json!({"tags": {"$elemMatch": {"$regex": "^x"}}}), 2),
+            (json!({"say \"hi\"": {"$not": {"$regex": "x"}}}), 5),
+            (json!({"$or": [{"title": {"$regex": "^Z"}}, {"lang": {"$regex": "^f"}}]}), 2),
         ];
         for (f, n) in filters {
             let f = Filter::new(&obj(f)).unwrap();

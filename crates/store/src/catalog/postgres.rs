@@ -703,6 +703,15 @@ impl FilterSql {
                      THEN starts_with(({at} #>> '{{}}') COLLATE \"C\", ${p}::text) ELSE FALSE END"
                 )
             }
+            Test::Regex(pattern) => {
+                let (at, objects) = self.path(path);
+                // The pattern rewritten in PostgreSQL's dialect, with the same meaning.
+                let p = self.push(pattern.sql().to_string());
+                format!(
+                    "CASE WHEN {objects} AND jsonb_typeof({at}) = 'string' \
+                     THEN ({at} #>> '{{}}') COLLATE \"C\" ~ ${p}::text ELSE FALSE END"
+                )
+            }
             Test::Elements(element) => {
                 // First what the list must contain for an element to pass, if anything: the
                 // GIN index answers it, and keeps the elements' scan to the rows it finds.
@@ -1253,6 +1262,145 @@ fn own_schema(search_path: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every `$regex` pattern's rewrite matches in PostgreSQL exactly the strings that the
+    /// `regex` crate matches with the pattern as given.
+    #[test]
+    fn regex_rewrites_match_in_postgres_as_in_rust() {
+        use crate::pattern::Pattern;
+        let Some(catalog) = catalog() else { return };
+        let patterns = [
+            "",
+            "a",
+            "^a",
+            "a$",
+            "^$",
+            "\\A\\z",
+            "é",
+            "(?i)É",
+            "(?i)straße",
+            "(?i)k",
+            "[a-c]+x",
+            "[^a-z]",
+            ".",
+            "^.$",
+            "^..$",
+            "(?s)^.$",
+            "a.b",
+            "a\\nb",
+            "(?m)^b",
+            "(?m)a$",
+            "(?m)^$",
+            "^(ab|cd)*$",
+            "^(?:a|)$",
+            "x{2}",
+            "x{2,}",
+            "^x{1,3}y",
+            "\\d",
+            "^\\d{3}$",
+            "(?-u:\\d)",
+            "^\\w+$",
+            "^(?-u:\\w)+$",
+            "\\s",
+            "^\\S*$",
+            "[[:alpha:]]",
+            "^[[:^digit:]]+$",
+            "\\p{Greek}",
+            "\\p{Lu}",
+            "[\\p{Greek}&&\\p{Ll}]",
+            "(?i)^[a-z]+$",
+            "a|b|c",
+            "\\.",
+            "\\[",
+            "\\\\",
+            "[\\]\\-^]",
+            "😀",
+            "[😀-😂]",
+            "\\x{00e9}",
+            "(?x) a b # comment",
+            "^-?[0-9]+(\\.[0-9]+)?$",
+            "colou?r",
+            "^(a+)+c$",
+            "[ -~]",
+            "\\t",
+            "(?i)ß",
+            "^.{3}$",
+            "(a)(b)?\\z",
+            "()*a",
+            "(|a)b",
+            "^(a|b)(c|d)$",
+        ];
+        let texts = [
+            "",
+            "a",
+            "ab",
+            "abc",
+            "cd",
+            "abcd",
+            "b\na",
+            "a\nb",
+            "a\n",
+            "\n",
+            "é",
+            "É",
+            "Straße",
+            "STRASSE",
+            "xx",
+            "xxxy",
+            "xy",
+            "123",
+            "١٢٣",
+            "ΑΒΓ",
+            "αβγ",
+            "hello world",
+            "-12.5",
+            "12.",
+            "a.b",
+            "[x]",
+            "back\\slash",
+            "😀",
+            "😁x",
+            "\t",
+            "\u{212A}",
+            "K",
+            "k",
+            "color",
+            "colour",
+            "aaaaaaaaaaaaaaaaaaaaaac",
+            "x y",
+            "_",
+            "]-^",
+            "ẞ",
+            "abcé",
+        ];
+        let compiled: Vec<Pattern> = patterns.iter().map(|p| Pattern::new("k", p).unwrap()).collect();
+        let sql: Vec<String> = compiled.iter().map(|p| p.sql().to_string()).collect();
+        let text: Vec<String> = texts.iter().map(|t| t.to_string()).collect();
+        let got: Vec<bool> = catalog
+            .run(Box::new(move |c| {
+                let (sql, text) = (sql.clone(), text.clone());
+                Box::pin(async move {
+                    let rows = c
+                        .query(
+                            "SELECT t COLLATE \"C\" ~ p FROM unnest($1::text[]) WITH ORDINALITY AS a(p, i), \
+                             unnest($2::text[]) WITH ORDINALITY AS b(t, j) ORDER BY i, j",
+                            &[&sql, &text],
+                        )
+                        .await?;
+                    Ok(rows.iter().map(|r| r.get(0)).collect())
+                })
+            }))
+            .unwrap();
+        let mut matches = 0;
+        for (i, p) in compiled.iter().enumerate() {
+            for (j, t) in texts.iter().enumerate() {
+                let want = p.is_match(t);
+                matches += want as usize;
+                assert_eq!(got[i * texts.len() + j], want, "{:?} on {t:?} (PostgreSQL: {:?})", p.source(), p.sql());
+            }
+        }
+        assert!(matches > 200 && matches < patterns.len() * texts.len() - 200, "{matches}: a test of both outcomes");
+    }
 
     /// An `$elemMatch`'s containment states its equalities, `$contains` and inner
     /// `$elemMatch`es, and leaves out what it cannot state.
