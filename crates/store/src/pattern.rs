@@ -76,13 +76,21 @@ impl Pattern {
     }
 }
 
+/// An ARE that matches no text: only NUL is outside its range, and text holds no NUL
+/// (PostgreSQL's cannot, metadata may not), so NUL in a pattern is this too.
+const NOTHING: &str = "[^\\U00000001-\\U0010FFFF]";
+
 /// Writes `hir` in PostgreSQL's advanced regular expressions (ARE), or says what it cannot.
 fn postgres(hir: &Hir, out: &mut String) -> std::result::Result<(), String> {
     match hir.kind() {
         HirKind::Empty => {}
         HirKind::Literal(Literal(bytes)) => {
             let text = std::str::from_utf8(bytes).map_err(|_| "matches bytes that are not text".to_string())?;
-            text.chars().for_each(|c| code_point(c as u32, out));
+            if text.contains('\0') {
+                out.push_str(NOTHING);
+            } else {
+                text.chars().for_each(|c| code_point(c as u32, out));
+            }
         }
         HirKind::Class(class) => {
             let ranges: Vec<(u32, u32)> = match class {
@@ -92,12 +100,10 @@ fn postgres(hir: &Hir, out: &mut String) -> std::result::Result<(), String> {
                 }
                 Class::Bytes(_) => return Err("matches bytes that are not text".into()),
             };
-            // Text holds no NUL (PostgreSQL's cannot, metadata may not).
             let ranges: Vec<(u32, u32)> =
                 ranges.into_iter().filter(|&(_, b)| b > 0).map(|(a, b)| (a.max(1), b)).collect();
             if ranges.is_empty() {
-                // Matches nothing: a character below every character text holds.
-                out.push_str("[^\\U00000001-\\U0010FFFF]");
+                out.push_str(NOTHING);
                 return Ok(());
             }
             out.push('[');
