@@ -72,6 +72,12 @@ fn no_document(store: &picaso_store::Store, db: &DbArgs, doc: &str) -> anyhow::E
     )
 }
 
+/// What [`picaso_store::Store::why_none_match`] tells of a filter no context passes, as lines
+/// to follow a message (empty when it tells nothing).
+pub fn why_none_match(store: &picaso_store::Store, filter: &picaso_store::Filter) -> Result<String> {
+    Ok(store.why_none_match(filter)?.iter().map(|why| format!("\n  {why}")).collect())
+}
+
 /// `picaso contexts`: one line per context (id, document and segment, tokens, the text's start).
 pub fn list(a: ContextsArgs) -> Result<()> {
     let filter = (!a.filters.is_empty()).then(|| picaso_store::Filter::from_args(&a.filters)).transpose()?;
@@ -85,9 +91,9 @@ pub fn list(a: ContextsArgs) -> Result<()> {
         Ok(())
     };
     // An empty listing says why on stderr (stdout stays the records, none).
-    let none_match = |within: &str| {
+    let none_match = |within: &str, why: &str| {
         eprintln!(
-            "no context{within} of store {} has metadata matching --filter {}",
+            "no context{within} of store {} has metadata matching --filter {}{why}",
             store.location(),
             a.filters.join(" --filter ")
         )
@@ -99,13 +105,13 @@ pub fn list(a: ContextsArgs) -> Result<()> {
         }
         let mut shown = records.iter().filter(|r| filter.as_ref().is_none_or(|f| f.matches(&r.metadata))).peekable();
         if filter.is_some() && shown.peek().is_none() {
-            none_match(&format!(" of document {doc:?}"));
+            none_match(&format!(" of document {doc:?}"), "");
         }
         shown.try_for_each(show)
     } else if let Some(filter) = &filter {
         let matching = store.matching(filter)?;
         if matching.is_empty() {
-            none_match("");
+            none_match("", &why_none_match(&store, filter)?);
         }
         for ids in matching.chunks(PAGE) {
             // A context deleted since the ids were read is left out.
@@ -159,9 +165,10 @@ pub fn delete(a: DeleteArgs) -> Result<()> {
         let matching = store.matching(filter)?;
         if matching.is_empty() {
             anyhow::bail!(
-                "no context of store {} has metadata matching --filter {}; nothing was removed",
+                "no context of store {} has metadata matching --filter {}; nothing was removed{}",
                 store.location(),
-                a.filters.join(" --filter ")
+                a.filters.join(" --filter "),
+                why_none_match(&store, filter)?
             );
         }
         ids.extend(matching);

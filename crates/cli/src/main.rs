@@ -1156,14 +1156,15 @@ fn query(a: QueryArgs) -> Result<()> {
     let ready = prepared.as_ref().map_or(0.0, |p| p.load_seconds + p.compose_seconds);
     let retrieve_seconds = (t_retrieve.elapsed().as_secs_f64() - ready).max(0.0);
     let ids: Vec<i64> = hits.iter().map(|h| h.0).collect();
-    if ids.is_empty() && filter.is_some() {
+    if let (true, Some(filter)) = (ids.is_empty(), &filter) {
         bail!(
             "no context of the store{} has metadata matching --filter {}: check the keys and values \
              (`picaso contexts --json` shows each context's metadata; values are compared as JSON, so \
              year=2024 does not match \"2024\", and a range compares numbers with numbers, strings with \
-             strings)",
+             strings){}",
             if a.docs.is_empty() { String::new() } else { format!(" within --doc {:?}", a.docs) },
-            a.filters.join(" --filter ")
+            a.filters.join(" --filter "),
+            if a.docs.is_empty() { contexts::why_none_match(&store, filter)? } else { String::new() }
         );
     }
     if ids.is_empty() && a.ids.is_none() && a.method != picaso_store::ContextMethod::Naive {

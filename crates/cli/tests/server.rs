@@ -328,6 +328,10 @@ fn serve_completions_contexts_search_metrics_and_bad_input(arch: &str, db: &Test
     let (status, none) = server.call("DELETE", by_src, None);
     assert_eq!(status, 404, "{none}");
     assert!(none.to_string().contains("nothing was removed"), "{none}");
+    let (status, none) = server.call("DELETE", "/v1/contexts?filter=%7B%22src%22%3A%22y%22%2C%22n%22%3A1%7D", None);
+    assert_eq!(status, 404, "{none}");
+    let why = r#"nothing was removed; contexts each key passes alone: {\"n\":1} 0, {\"src\":\"y\"} 0"#;
+    assert!(none.to_string().contains(why), "{none}");
     let (status, unfiltered) = server.call("DELETE", "/v1/contexts", None);
     assert_eq!(status, 400, "no filter, no removal: {unfiltered}");
     assert!(unfiltered.to_string().contains("DELETE /v1/contexts/{id}"), "{unfiltered}");

@@ -861,7 +861,8 @@ fn metadata_travels_with_contexts_and_filters_retrieval() {
             serde_json::json!({"id": "a", "text": "Cats are small carnivorous mammals.\n\nThey purr when content.",
                                "lang": "en", "year": 2024, "url": url_a}),
             serde_json::json!({"id": "b", "text": "Les chats sont de petits mammifères carnivores.", "lang": "fr", "year": 2023}),
-            serde_json::json!({"id": "c", "text": "The Eiffel Tower is in Paris.", "lang": "en", "year": "2024"}),
+            serde_json::json!({"id": "c", "text": "The Eiffel Tower is in Paris.", "lang": "en", "year": "2024",
+                               "by": [{"name": "Ann"}]}),
             serde_json::json!({"id": "d", "text": "Mamba is a state space model."}),
         ]
         .iter()
@@ -943,7 +944,8 @@ fn metadata_travels_with_contexts_and_filters_retrieval() {
             ("lang", "expected KEY=VALUE"),
             ("=en", "the key is empty"),
             ("year>true", "compares with a number or a string"),
-            (r#"{"lang": {"$regex": "e"}}"#, "unknown operator \"$regex\""),
+            (r#"{"lang": {"$like": "e"}}"#, "unknown operator \"$like\""),
+            (r"lang~=\bx", "word boundaries"),
         ] {
             let (success, _, stderr) =
                 run_s(&args(&["query"], &db, &["--model", m, "--embedder", e, "--filter", filter, "Cats"]));
@@ -988,6 +990,18 @@ fn metadata_travels_with_contexts_and_filters_retrieval() {
         assert!(stderr.contains("no context of store") && stderr.contains("--filter lang=de"), "{stderr}");
         let (success, _, stderr) = run_s(&args(&["delete"], &db, &["--filter", "lang=de"]));
         assert!(!success && stderr.contains("nothing was removed"), "{stderr}");
+        // What matched nothing says why, as far as counting tells.
+        let (success, _, stderr) = run_s(&args(&["contexts"], &db, &["--filter", "lang=en", "--filter", "year>3000"]));
+        let alone = r#"contexts each key passes alone: {"lang":"en"} 3, {"year":{"$gt":3000}} 0"#;
+        assert!(success && stderr.contains(alone), "{stderr}");
+        let within = r#"{"by": {"name": "Ann"}}"#;
+        let instead = r#""by" holds a list in 1 context, and keys within objects do not enter lists: to test its elements, give {"by":{"$elemMatch":{"name":"Ann"}}}"#;
+        let (success, _, stderr) =
+            run_s(&args(&["query"], &db, &["--model", m, "--embedder", e, "--filter", within, "Hi"]));
+        assert!(!success && stderr.contains(instead), "{stderr}");
+        let (success, _, stderr) = run_s(&args(&["delete"], &db, &["--filter", within]));
+        assert!(!success && stderr.contains(instead), "{stderr}");
+        assert_eq!(listed(r#"{"by": {"$elemMatch": {"name": "Ann"}}}"#), [r#""c""#]);
         let v = ok_s(&args(&["delete"], &db, &["--filter", "year<2024", "--json"]));
         assert_eq!(v["deleted"].as_array().map(Vec::len), Some(1), "{v}");
         assert!(store.document("b").unwrap().is_empty(), "the one context of 2023 is gone");

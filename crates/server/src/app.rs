@@ -728,7 +728,10 @@ impl App {
         let _one_writer = self.documents.lock().unwrap_or_else(|p| p.into_inner());
         let matching = self.store.matching(&filter)?;
         if matching.is_empty() {
-            return Err(ApiError::not_found("no context has metadata matching the filter; nothing was removed"));
+            let why: String = self.store.why_none_match(&filter)?.iter().map(|w| format!("; {w}")).collect();
+            return Err(ApiError::not_found(format!(
+                "no context has metadata matching the filter; nothing was removed{why}"
+            )));
         }
         let removed = self.store.delete_many(&matching)?;
         self.forget(&removed);

@@ -1048,6 +1048,47 @@ impl Store {
         self.catalog.matching(filter)
     }
 
+    /// Why no context passes `filter`, as far as counting tells, one line each (none when it
+    /// tells nothing): how many contexts each of its keys passes alone, when it has several;
+    /// and each key tested within objects that holds lists (a path does not enter lists), with
+    /// the `$elemMatch` that tests their elements. Meant for when [`Self::matching`] is empty.
+    pub fn why_none_match(&self, filter: &Filter) -> Result<Vec<String>> {
+        use serde_json::Value;
+        let one = |key: &String, value: Value| Metadata::from_iter([(key.clone(), value)]);
+        let count = |json: &Metadata| -> Result<usize> { Ok(self.matching(&Filter::new(json)?)?.len()) };
+        let mut why = Vec::new();
+        let json = filter.json();
+        if json.len() > 1 {
+            let alone = (json.iter())
+                .map(|(key, value)| {
+                    let part = one(key, value.clone());
+                    Ok(format!("{} {}", metadata::to_json(&part), count(&part)?))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            why.push(format!("contexts each key passes alone: {}", alone.join(", ")));
+        }
+        for (key, value) in json {
+            let Value::Object(tests) = value else { continue };
+            let within: Metadata =
+                tests.iter().filter(|(k, _)| !k.starts_with('$')).map(|(k, v)| (k.clone(), v.clone())).collect();
+            if within.is_empty() {
+                continue;
+            }
+            let any_element = serde_json::json!({"$elemMatch": {"$exists": true}});
+            let lists = count(&one(key, any_element))?;
+            if lists > 0 {
+                let instead = one(key, serde_json::json!({ "$elemMatch": Value::Object(within) }));
+                why.push(format!(
+                    "{key:?} holds a list in {lists} context{}, and keys within objects do not enter lists: to test \
+                     its elements, give {}",
+                    if lists == 1 { "" } else { "s" },
+                    metadata::to_json(&instead)
+                ));
+            }
+        }
+        Ok(why)
+    }
+
     /// Up to `limit` documents named after `after` (from the first when `None`), in name order.
     pub fn documents(&self, after: Option<&str>, limit: usize) -> Result<Vec<DocumentSummary>> {
         self.catalog.documents(after, limit)
