@@ -1066,6 +1066,15 @@ impl Store {
         .map_err(store_err)
     }
 
+    /// Why no context passes `filter` (as for `search`), as far as counting tells, one line
+    /// each (empty when it tells nothing): how many contexts each of its keys passes alone,
+    /// when it has several; each key tested within objects that holds lists, with the
+    /// `$elemMatch` that tests their elements. For when `ids(filter=...)` is empty.
+    fn why_none_match(&self, py: Python<'_>, filter: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
+        let filter = picaso_store::Filter::new(&metadata_from_py(filter, "filter")?).map_err(store_err)?;
+        py.detach(|| self.inner.why_none_match(&filter)).map_err(store_err)
+    }
+
     fn __len__(&self) -> PyResult<usize> {
         self.inner.len().map_err(store_err)
     }

@@ -123,6 +123,12 @@ def test_metadata_and_filters(model, embedder, tmp_path):
             hits = store.search(question, k=10, filter=f)
             assert sorted(h["doc"] for h in hits) == docs, f
             assert [store.get(i)["doc"] for i in store.ids(filter=f)] == sorted(docs), f
+        assert store.ids(filter={"authors": {"name": "Ann"}}) == []
+        assert store.why_none_match({"authors": {"name": "Ann"}}) == [
+            '"authors" holds a list in 1 context, and keys within objects do not enter lists: to test its '
+            'elements, give {"authors":{"$elemMatch":{"name":"Ann"}}}']
+        assert store.why_none_match({"lang": "fr", "year": 2024}) == [
+            'contexts each key passes alone: {"lang":"fr"} 1, {"year":2024} 2']
         hits = store.search(question, k=10, filter={"lang": "en"}, documents=["fr", "en"])
         assert [h["doc"] for h in hits] == ["en", "en"]
         g = store.query("Sugar is made", k=5, max_tokens=2, filter={"lang": "fr"})

@@ -167,6 +167,10 @@ class Store:
         of its first context)."""
     def ids(self, *, filter: Optional[Filter] = None) -> list[int]:
         """The ids of every context, or of those whose metadata passes `filter`, ascending."""
+    def why_none_match(self, filter: Filter) -> list[str]:
+        """Why no context passes `filter`, as far as counting tells, one line each: how many
+        contexts each of its keys passes alone (several keys), and a key tested within objects
+        that holds lists, with the `$elemMatch` to give instead."""
     def delete(self, id: int) -> None: ...
     def delete_document(self, doc: str) -> int:
         """Removes every context of document `doc`; returns how many."""
