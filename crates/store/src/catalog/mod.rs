@@ -225,6 +225,178 @@ pub(crate) mod checks {
         assert_eq!(catalog.totals().unwrap().0, (N / 4) as u64);
     }
 
+    /// Fills an empty 2-dimensional `catalog` with contexts of random metadata (nested objects
+    /// and lists of a few keys and values, which filters hit often) and checks random filters
+    /// (every operator, keys within objects, `$elemMatch`, `$not`, `$or`/`$and`/`$nor`, nested)
+    /// against [`Filter::matches`]: the ids that match, and a filtered search's ranking. Cases:
+    /// `PROPTEST_CASES` (500 unless set); a failure shows the smallest filter found.
+    pub(crate) fn random_filters_agree_with_the_rules(catalog: &dyn Catalog) {
+        use proptest::strategy::{Strategy, ValueTree};
+        use proptest::test_runner::{Config, TestCaseError, TestRunner};
+        let mut fill = TestRunner::deterministic();
+        let metadata: Vec<Metadata> =
+            (0..120).map(|_| random::metadata().new_tree(&mut fill).unwrap().current()).collect();
+        let json: Vec<String> = metadata.iter().map(to_json).collect();
+        let docs: Vec<String> = (0..metadata.len()).map(|i| format!("d{i}")).collect();
+        let embeddings: Vec<[f32; 2]> =
+            (0..metadata.len()).map(|i| [(i as f32 * 0.4).cos(), (i as f32 * 0.4).sin()]).collect();
+        let rows: Vec<Row<'_>> = (0..metadata.len()).map(|i| row(&docs[i], &embeddings[i], &json[i])).collect();
+        let ids: Vec<i64> = catalog.insert(&rows, &mut || Ok(())).unwrap().into_iter().map(Option::unwrap).collect();
+        let metadata_of = |id: i64| &metadata[ids.iter().position(|&i| i == id).unwrap()];
+        let q = [1.0f32, 0.0];
+        let everything = catalog.search(&q, ids.len(), true, Scope::all()).unwrap();
+        assert_eq!(everything.len(), ids.len());
+
+        let cases = std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(500);
+        let mut runner = TestRunner::new(Config { cases, failure_persistence: None, ..Config::default() });
+        let (checked, matched) = (std::cell::Cell::new(0), std::cell::Cell::new(0));
+        runner
+            .run(&random::filter(2), |json| {
+                let f = match Filter::new(json.as_object().unwrap()) {
+                    Ok(f) => f,
+                    // Nesting can pass the cap on conditions: not a case.
+                    Err(e) if e.to_string().contains("conditions") => return Ok(()),
+                    Err(e) => return Err(TestCaseError::fail(format!("{json}: not a valid filter: {e}"))),
+                };
+                let want: Vec<i64> = everything.iter().map(|h| h.0).filter(|&id| f.matches(metadata_of(id))).collect();
+                let mut want_ids = want.clone();
+                want_ids.sort_unstable();
+                let got = catalog.matching(&f).map_err(|e| TestCaseError::fail(format!("{json}: {e}")))?;
+                proptest::prop_assert_eq!(&got, &want_ids, "matching ids of {}", json);
+                let top: Vec<i64> = (catalog.search(&q, 5, false, Scope::matching(&f)))
+                    .map_err(|e| TestCaseError::fail(format!("{json}: {e}")))?
+                    .iter()
+                    .map(|h| h.0)
+                    .collect();
+                proptest::prop_assert_eq!(&top[..], &want[..want.len().min(5)], "filtered search of {}", json);
+                checked.set(checked.get() + 1);
+                matched.set(matched.get() + usize::from(!want.is_empty() && want.len() < ids.len()));
+                Ok(())
+            })
+            .unwrap();
+        // The cases must say something: most filters valid, and many passing some contexts, not all.
+        let (checked, matched) = (checked.get(), matched.get());
+        assert!(checked * 10 >= cases as usize * 9, "{checked} of {cases} random filters were valid");
+        assert!(matched * 3 >= checked, "{matched} of {checked} random filters told contexts apart");
+        eprintln!("{checked} random filters; {matched} passed some contexts, not all");
+    }
+
+    /// Strategies for random metadata and filters over a few keys and values.
+    mod random {
+        use proptest::prelude::*;
+        use proptest::sample::select;
+        use proptest::strategy::{BoxedStrategy, Union};
+        use serde_json::{json, Value};
+
+        use crate::metadata::Metadata;
+
+        fn key() -> BoxedStrategy<String> {
+            select(&["a", "b", "0"][..]).prop_map(String::from).boxed()
+        }
+
+        /// Numbers equal by value in different forms, and integers beyond f64's exact range.
+        fn number() -> BoxedStrategy<Value> {
+            select(vec![
+                json!(0),
+                json!(1),
+                json!(1.0),
+                json!(-2),
+                json!(2.5),
+                json!(9_007_199_254_740_993u64),
+                json!(9_007_199_254_740_992.0),
+                json!(1e300),
+            ])
+            .boxed()
+        }
+
+        /// Strings whose code point order differs from a language's, and LIKE's wildcards.
+        fn string() -> BoxedStrategy<Value> {
+            select(&["", "x", "xy", "X", "é", "1", "x y", "%", "_"][..]).prop_map(|s| json!(s)).boxed()
+        }
+
+        fn scalar() -> BoxedStrategy<Value> {
+            // Common values, so that filters and metadata meet.
+            let common = select(vec![json!(1), json!("x")]);
+            prop_oneof![1 => Just(Value::Null), 1 => any::<bool>().prop_map(Value::Bool), 4 => common, 2 => number(), 2 => string()]
+                .boxed()
+        }
+
+        /// One entry usually, two at times (conjunctions that pass nothing say little).
+        fn few<T: std::fmt::Debug + 'static>(entry: BoxedStrategy<T>) -> BoxedStrategy<Vec<T>> {
+            select(&[1, 1, 1, 2][..]).prop_flat_map(move |n| prop::collection::vec(entry.clone(), n)).boxed()
+        }
+
+        fn object(entries: Vec<(String, Value)>) -> Value {
+            Value::Object(entries.into_iter().collect())
+        }
+
+        /// A metadata value: a scalar, or a list or object `depth` levels deep at most.
+        fn value(depth: u32) -> BoxedStrategy<Value> {
+            if depth == 0 {
+                return scalar();
+            }
+            prop_oneof![
+                3 => scalar(),
+                1 => prop::collection::vec(value(depth - 1), 0..4).prop_map(Value::Array),
+                1 => prop::collection::vec((key(), value(depth - 1)), 0..3).prop_map(object),
+            ]
+            .boxed()
+        }
+
+        pub(super) fn metadata() -> BoxedStrategy<Metadata> {
+            prop::collection::vec((key(), value(3)), 0..4).prop_map(|e| e.into_iter().collect()).boxed()
+        }
+
+        /// A filter: keys with what they must pass and, `depth` levels deep, `$or`, `$and` and
+        /// `$nor` of filters.
+        pub(super) fn filter(depth: u32) -> BoxedStrategy<Value> {
+            let key_entry = (key(), given(2, false)).boxed();
+            let entry = if depth == 0 {
+                key_entry
+            } else {
+                let logical = select(&["$or", "$and", "$nor"][..]).prop_map(String::from);
+                let filters = prop::collection::vec(filter(depth - 1), 1..3).prop_map(Value::Array);
+                prop_oneof![3 => key_entry, 1 => (logical, filters)].boxed()
+            };
+            few(entry).prop_map(object).boxed()
+        }
+
+        /// What a filter gives for a value: a scalar to equal, or operators and keys within,
+        /// nesting `levels` deeper at most (`within_not`: in a `$not`, which holds no other).
+        fn given(levels: u32, within_not: bool) -> BoxedStrategy<Value> {
+            prop_oneof![1 => scalar(), 3 => operators(levels, within_not)].boxed()
+        }
+
+        fn operators(levels: u32, within_not: bool) -> BoxedStrategy<Value> {
+            let op = |names: &'static [&'static str]| select(names).prop_map(String::from);
+            let named = |name: &'static str| Just(name.to_string());
+            let mut choices: Vec<(u32, BoxedStrategy<(String, Value)>)> = vec![
+                (2, (op(&["$eq", "$ne"]), scalar()).boxed()),
+                (2, (op(&["$gt", "$gte", "$lt", "$lte"]), prop_oneof![number(), string()]).boxed()),
+                (1, (op(&["$in", "$nin"]), prop::collection::vec(scalar(), 0..4).prop_map(Value::Array)).boxed()),
+                (1, (named("$exists"), any::<bool>().prop_map(Value::Bool)).boxed()),
+                (1, (named("$contains"), scalar()).boxed()),
+                (1, (named("$prefix"), select(&["", "x", "X", "é", "1"][..]).prop_map(|s| json!(s))).boxed()),
+                (
+                    1,
+                    (
+                        named("$regex"),
+                        select(&["^x", "y$", "(?i)^x", "^$", "[0-9]", "é", "^.$", "x|^_"][..]).prop_map(|s| json!(s)),
+                    )
+                        .boxed(),
+                ),
+            ];
+            if levels > 0 {
+                choices.push((1, (named("$elemMatch"), operators(levels - 1, false)).boxed()));
+                choices.push((2, (key(), given(levels - 1, within_not)).boxed()));
+                if !within_not {
+                    choices.push((1, (named("$not"), operators(levels - 1, true)).boxed()));
+                }
+            }
+            few(Union::new_weighted(choices).boxed()).prop_map(object).boxed()
+        }
+    }
+
     /// Fills an empty 2-dimensional `catalog` with contexts of varied metadata and checks that
     /// every filter (alone and with documents) returns the exhaustive ranking of the contexts
     /// [`Filter::matches`] accepts, that records carry their metadata, and that `set_metadata` changes

@@ -1543,6 +1543,12 @@ mod tests {
     }
 
     #[test]
+    fn random_filters_agree_with_the_rules() {
+        let Some(catalog) = catalog() else { return };
+        crate::catalog::checks::random_filters_agree_with_the_rules(&catalog);
+    }
+
+    #[test]
     fn delete_many_removes_rows_and_then_unshared_objects() {
         let Some(catalog) = catalog() else { return };
         crate::catalog::checks::delete_many_removes_rows_and_then_unshared_objects(&catalog);
@@ -1620,6 +1626,12 @@ mod tests {
                 .unwrap();
             assert!(ordered, "the database orders by a language's rules, not by code point");
             crate::catalog::checks::metadata_and_filters(&catalog);
+            // Random filters too, in a store of their own in this database.
+            let sep = if url.contains('?') { '&' } else { '?' };
+            let random =
+                PostgresCatalog::connect(&format!("{url}{sep}options=-csearch_path%3Drandom%2Cpublic")).unwrap();
+            random.create(2, &[]).unwrap();
+            crate::catalog::checks::random_filters_agree_with_the_rules(&random);
         });
         sql(format!("DROP DATABASE {name} WITH (FORCE)")).unwrap();
         if let Err(panic) = result {

@@ -856,6 +856,14 @@ mod tests {
     }
 
     #[test]
+    fn random_filters_agree_with_the_rules() {
+        let tmp = tempfile::tempdir().unwrap();
+        crate::catalog::checks::random_filters_agree_with_the_rules(
+            &SqliteCatalog::create(tmp.path(), 2, &[]).unwrap(),
+        );
+    }
+
+    #[test]
     fn rows_of_finds_the_ids_rows_by_search_or_walk() {
         let index_ids: Vec<i64> = (0..100).map(|i| 3 * i + 1).collect();
         for ids in [vec![], vec![4, 5, 298], (0..300).collect::<Vec<i64>>(), (0..300).step_by(2).collect()] {
