@@ -1406,6 +1406,82 @@ mod tests {
         assert!(matches > 200 && matches < patterns.len() * texts.len() - 200, "{matches}: a test of both outcomes");
     }
 
+    /// Random patterns (literals that fold case oddly, classes, anchors, groups with flags,
+    /// repetitions greedy and lazy, alternations, nested) on random short texts: PostgreSQL
+    /// answers the rewrite as the regex crate answers the pattern. Cases: `PROPTEST_CASES`
+    /// (300 unless set); a failure shows the smallest pattern found.
+    #[test]
+    fn random_regexes_match_in_postgres_as_in_rust() {
+        use crate::pattern::Pattern;
+        use proptest::prelude::*;
+        use proptest::sample::select;
+        use proptest::test_runner::{Config, TestCaseError, TestRunner};
+        let Some(catalog) = catalog() else { return };
+
+        fn pattern(depth: u32) -> BoxedStrategy<String> {
+            let pick = |items: &'static [&'static str]| select(items).prop_map(String::from).boxed();
+            let atom = prop_oneof![
+                4 => pick(&["a", "b", "x", "é", "É", "k", "K", "ß", "s", "σ", "😀", "\\n", "\\.", "-", "\\[", "\\\\", " "]),
+                2 => pick(&[".", "[a-c]", "[^a]", "[^\\n]", "[é-ê]", "[[:alpha:]]", "[[:^digit:]]", "\\d", "\\w", "\\s",
+                            "\\S", "\\W", "\\p{Lu}", "\\p{Greek}", "[a-zA-Z0-9_]", "[\\x00-\\x{7f}]", "[k-s&&[^n]]"]),
+                1 => pick(&["^", "$", "\\A", "\\z"]),
+            ]
+            .boxed();
+            let item = if depth == 0 {
+                atom
+            } else {
+                let group = (pick(&["(", "(?:", "(?i:", "(?-i:", "(?s:", "(?m:"]), pattern(depth - 1))
+                    .prop_map(|(open, inner)| format!("{open}{inner})"));
+                prop_oneof![3 => atom, 1 => group].boxed()
+            };
+            let repeat = pick(&["", "", "", "*", "+", "?", "{2}", "{1,2}", "{0,}", "*?", "+?", "??"]);
+            let concat = prop::collection::vec((item, repeat).prop_map(|(i, r)| i + &r), 1..4).prop_map(|v| v.concat());
+            prop_oneof![3 => concat.clone(), 1 => (concat.clone(), concat).prop_map(|(a, b)| format!("{a}|{b}"))]
+                .boxed()
+        }
+        let flags = select(&["", "", "(?i)", "(?s)", "(?m)", "(?is)", "(?im)", "(?ms)"][..]);
+        let chars: Vec<char> = "abcxséÉKk\u{212A}ßẞSσςΣ😀\n\r.-[\\1٣ _".chars().collect();
+        let texts = prop::collection::vec(
+            prop::collection::vec(select(chars), 0..6).prop_map(|c| c.into_iter().collect::<String>()),
+            12,
+        );
+
+        let cases = std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(300);
+        let mut runner = TestRunner::new(Config { cases, failure_persistence: None, ..Config::default() });
+        let outcomes = std::cell::Cell::new([0usize; 2]);
+        runner
+            .run(&((flags, pattern(2)).prop_map(|(f, p)| f.to_string() + &p), texts), |(source, texts)| {
+                let p = Pattern::new("k", &source).map_err(|e| TestCaseError::fail(format!("{source:?}: {e}")))?;
+                let (sql, text) = (p.sql().to_string(), texts.clone());
+                let got: Vec<bool> = catalog
+                    .run(Box::new(move |c| {
+                        let (sql, text) = (sql.clone(), text.clone());
+                        Box::pin(async move {
+                            let rows = c
+                                .query(
+                                    "SELECT t COLLATE \"C\" ~ $1 FROM unnest($2::text[]) WITH ORDINALITY AS a(t, i) ORDER BY i",
+                                    &[&sql, &text],
+                                )
+                                .await?;
+                            Ok(rows.iter().map(|r| r.get(0)).collect())
+                        })
+                    }))
+                    .map_err(|e| TestCaseError::fail(format!("{source:?} (PostgreSQL: {:?}): {e}", p.sql())))?;
+                for (t, got) in texts.iter().zip(got) {
+                    let want = p.is_match(t);
+                    let mut o = outcomes.get();
+                    o[want as usize] += 1;
+                    outcomes.set(o);
+                    prop_assert_eq!(got, want, "{:?} on {:?} (PostgreSQL: {:?})", source, t, p.sql());
+                }
+                Ok(())
+            })
+            .unwrap();
+        let [no, yes] = outcomes.get();
+        assert!(yes * 10 > no && no * 10 > yes, "{yes} texts matched, {no} did not: a test of both outcomes");
+        eprintln!("{cases} random patterns: {yes} texts matched, {no} did not");
+    }
+
     /// An `$elemMatch`'s containment states its equalities, `$contains` and inner
     /// `$elemMatch`es, and leaves out what it cannot state.
     #[test]
