@@ -9,8 +9,9 @@
 # 3), so drift on a shared machine hits all of them alike. Prints JSON lines, then a summary table
 # of medians and of per-round ratios (scripts/bench_summary.py). Needs a release build:
 # cargo build --release -p picaso. picaso's bf16 runs on the kernel this CPU runs best (AMX tiles
-# where present, else AVX512-BF16 dot products), as `picaso-dot` without the tiles (CPUs
-# with AMX only) and, as `picaso-widen`, on the widening kernel every CPU has. TRANSFORMERS=0 leaves transformers out (it needs torch; its bf16 is slow on CPUs).
+# where present, else AVX512-BF16 dot products, with batches on FMAs on Intel), as `picaso-dot`
+# on `vdpbf16ps` alone (Intel CPUs with AVX512-BF16 only) and, as `picaso-widen`, on the
+# widening kernel every CPU has. TRANSFORMERS=0 leaves transformers out (it needs torch; its bf16 is slow on CPUs).
 set -euo pipefail
 model=$1 f32=$2 bf16=$3 rounds=${4:-3}
 here=$(cd "$(dirname "$0")" && pwd)
@@ -21,7 +22,7 @@ out=$(mktemp)
 for r in $(seq "$rounds"); do
   "$picaso" bench --model "$model" --weights f32 --compose-n 10 --json | tag picaso f32 "$r" | tee -a "$out"
   "$picaso" bench --model "$model" --weights bf16 --compose-n 0 --json | tag picaso bf16 "$r" | tee -a "$out"
-  if grep -qw amx_bf16 /proc/cpuinfo; then
+  if grep -qw amx_bf16 /proc/cpuinfo || { grep -qw avx512_bf16 /proc/cpuinfo && grep -q GenuineIntel /proc/cpuinfo; }; then
     PICASO_BF16_KERNEL=dot "$picaso" bench --model "$model" --weights bf16 --compose-n 0 --json | tag picaso-dot bf16 "$r" | tee -a "$out"
   fi
   PICASO_BF16_KERNEL=widen "$picaso" bench --model "$model" --weights bf16 --compose-n 0 --json | tag picaso-widen bf16 "$r" | tee -a "$out"

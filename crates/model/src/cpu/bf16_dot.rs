@@ -10,6 +10,12 @@
 //! every lane feeds 16 dot products. Every output is one chain over the pairs in order, whatever
 //! the number of input rows computed with it: a decode step, a batch of decode steps and a
 //! prefill give each row the same bits.
+//!
+//! Some Intel cores run `vdpbf16ps` at half the rate of f32 FMAs (Emerald Rapids with AMX
+//! hidden: 32 vs 64 multiply-adds per cycle). There, rows computed together (m ≥ 2, which
+//! compute rather than stream) run on FMAs over the pairs widened in registers, in the order
+//! the instruction adds them (the odd product, then the even) and with its flushing of
+//! subnormals: the instruction's bits, at up to twice its rate ([`PairedBf16::with_fma`]).
 
 use picaso_compose::prefetch_l2;
 use rayon::prelude::*;
@@ -49,6 +55,8 @@ pub struct PairedBf16 {
     kp_pad: usize,
     /// [`PairedBf16::matmul_t_tiles`] runs on AMX tiles.
     tiles: bool,
+    /// Several rows run on FMAs with the instruction's bits ([`PairedBf16::with_fma`]).
+    fma: bool,
 }
 
 /// Two bf16 bit patterns as one pair: `lo` (the even column) in the low half.
@@ -90,7 +98,7 @@ impl PairedBf16 {
                 }
             }
         });
-        Self { pairs, n, k, kp_pad, tiles: false }
+        Self { pairs, n, k, kp_pad, tiles: false, fma: false }
     }
 
     /// A matrix from pairs already in this layout (`n.div_ceil(16)` blocks of `kp_pad` × 16,
@@ -98,13 +106,22 @@ impl PairedBf16 {
     pub(super) fn from_blocks(pairs: Vec<u32>, n: usize, k: usize, kp_pad: usize) -> Self {
         assert!(kp_pad.is_multiple_of(bf16_tiles::TILE) && kp_pad >= k.div_ceil(2), "PairedBf16: bad padding");
         assert_eq!(pairs.len(), n.div_ceil(BLOCK) * kp_pad * BLOCK, "PairedBf16: pairs are not {n}×{k}");
-        Self { pairs, n, k, kp_pad, tiles: false }
+        Self { pairs, n, k, kp_pad, tiles: false, fma: false }
     }
 
     /// Lets [`PairedBf16::matmul_t_tiles`] run on AMX tiles, if the CPU has them
     /// ([`bf16_tiles::available`]).
     pub fn with_tiles(mut self, tiles: bool) -> Self {
         self.tiles = tiles && bf16_tiles::available();
+        self
+    }
+
+    /// Lets products of several rows run on f32 FMAs over the widened pairs, where
+    /// [`fma_gives_dot_bits`] (the instruction's bits, so a row's bits still do not depend on
+    /// the rows beside it); one row, a decode step that streams the weights, keeps the
+    /// instruction.
+    pub fn with_fma(mut self, fma: bool) -> Self {
+        self.fma = fma && fma_gives_dot_bits();
         self
     }
 
@@ -172,11 +189,46 @@ impl PairedBf16 {
 
     #[cfg(target_arch = "x86_64")]
     pub(super) fn run_avx512(&self, xp: &[u32], m: usize, out: &mut [f32], accumulate: bool) {
-        let (n, kp) = (self.n, self.k.div_ceil(2));
-        let out = SharedOut(out.as_mut_ptr());
-        // One task per panel of blocks; a task computes every input row against its panel, so
-        // the panel's weights are read from memory once and then from L2.
+        let kp = self.k.div_ceil(2);
+        if self.fma && m >= 2 {
+            // The inputs as the f32 values of their bf16 (2·kp per row, the padding 0).
+            let mut xf = vec![0.0f32; m * 2 * kp];
+            xf.par_chunks_mut(2 * kp).zip(xp.par_chunks(kp)).for_each(|(row, pairs)| {
+                for (two, &pair) in row.chunks_exact_mut(2).zip(pairs) {
+                    two[0] = half_of(pair, 0).widen();
+                    two[1] = half_of(pair, 1).widen();
+                }
+            });
+            // SAFETY: fma is only set where fma_gives_dot_bits() (so the CPU has AVX-512 F);
+            // xf holds m rows of kp pairs of values.
+            return self.run_panels(m, out, accumulate, FMA_ROWS, FMA_PANEL_BLOCKS, |i, mr, nb, panel| unsafe {
+                dispatch_fma(mr, nb, &Panel { x: xf.as_ptr().add(i * 2 * kp), kp, ..panel })
+            });
+        }
         let panel = if m == 1 { DECODE_BLOCKS } else { PANEL_BLOCKS };
+        // SAFETY: the caller checked AVX512-BF16; xp holds m rows of kp pairs.
+        self.run_panels(m, out, accumulate, ROWS, panel, |i, mr, nb, args| unsafe {
+            dispatch(mr, nb, &Panel { x: xp.as_ptr().add(i * kp), ..args })
+        })
+    }
+
+    /// Runs `micro(i, mr, nb, panel)` over every group of `rows` input rows (from row `i`, `mr`
+    /// of them) and panel of `panel` blocks (`nb` of them), the panel's `x` left for `micro`
+    /// to set. One task per panel of blocks; a task computes every input row against its
+    /// panel, so the panel's weights are read from memory once and then from L2.
+    #[cfg(target_arch = "x86_64")]
+    #[allow(clippy::too_many_arguments)]
+    fn run_panels<X>(
+        &self,
+        m: usize,
+        out: &mut [f32],
+        accumulate: bool,
+        rows: usize,
+        panel: usize,
+        micro: impl Fn(usize, usize, usize, Panel<X>) + Sync,
+    ) {
+        let n = self.n;
+        let out = SharedOut(out.as_mut_ptr());
         let tasks = self.blocks().div_ceil(panel);
         // Decode streams the weights: fewer, larger tasks (see kernels::matmul_t).
         let per_task = if m == 1 { (tasks / (8 * rayon::current_num_threads())).max(1) } else { 1 };
@@ -188,23 +240,21 @@ impl PairedBf16 {
                 let valid = (n - col0).min(nb * BLOCK) - (nb - 1) * BLOCK;
                 let mut i = 0;
                 while i < m {
-                    let mr = ROWS.min(m - i);
-                    // SAFETY: the CPU has AVX512-BF16 (checked by the caller); rows i..i+mr of xp
-                    // and blocks b0..b0+nb exist; the task writes only columns col0..col0+nb·16
-                    // (masked to n) of out's rows i..i+mr, which no other task writes.
-                    unsafe {
-                        let args = Panel {
-                            x: xp.as_ptr().add(i * kp),
-                            kp,
-                            w: self.block(b0).as_ptr(),
-                            w_stride: self.kp_pad * BLOCK,
-                            out: out.at(i * n + col0),
-                            ld: n,
-                            valid,
-                            accumulate,
-                        };
-                        dispatch(mr, nb, &args);
-                    }
+                    let mr = rows.min(m - i);
+                    // The task writes only columns col0..col0+nb·16 (masked to n) of out's rows
+                    // i..i+mr, which no other task writes.
+                    let args = Panel {
+                        x: std::ptr::null(),
+                        kp: self.k.div_ceil(2),
+                        w: self.block(b0).as_ptr(),
+                        w_stride: self.kp_pad * BLOCK,
+                        // SAFETY: i < m and col0 < n, inside out (m × n).
+                        out: unsafe { out.at(i * n + col0) },
+                        ld: n,
+                        valid,
+                        accumulate,
+                    };
+                    micro(i, mr, nb, args);
                     i += mr;
                 }
             }
@@ -413,9 +463,10 @@ impl SharedOut {
 }
 
 /// One micro-kernel call: `mr` input rows against `nb` consecutive blocks.
-struct Panel {
-    /// First pair of the first input row; rows are `kp` apart.
-    x: *const u32,
+struct Panel<X> {
+    /// The first input row: `kp` pairs (`u32`, for `vdpbf16ps`) or `2·kp` values (`f32`, for
+    /// FMAs); the rows follow one another.
+    x: *const X,
     kp: usize,
     /// First pair of the first block; blocks are `w_stride` pairs apart.
     w: *const u32,
@@ -433,7 +484,7 @@ struct Panel {
 /// # Safety
 /// As [`micro`].
 #[cfg(target_arch = "x86_64")]
-unsafe fn dispatch(mr: usize, nb: usize, a: &Panel) {
+unsafe fn dispatch(mr: usize, nb: usize, a: &Panel<u32>) {
     macro_rules! shapes {
         ($(($r:literal, $b:literal)),*) => {
             match (mr, nb) {
@@ -484,7 +535,7 @@ unsafe fn dispatch(mr: usize, nb: usize, a: &Panel) {
 /// first `a.valid`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
-unsafe fn micro<const MR: usize, const NB: usize>(a: &Panel) {
+unsafe fn micro<const MR: usize, const NB: usize>(a: &Panel<u32>) {
     use std::arch::x86_64::*;
     let block_len = a.w_stride;
     let ahead = PREFETCH_AHEAD_BYTES / 4;
@@ -507,6 +558,177 @@ unsafe fn micro<const MR: usize, const NB: usize>(a: &Panel) {
             }
         }
     }
+    for (i, row) in acc.iter().enumerate() {
+        for (b, &v) in row.iter().enumerate() {
+            let mask: __mmask16 = if b + 1 == NB { ((1u32 << a.valid) - 1) as u16 } else { u16::MAX };
+            // SAFETY: the contract: the masked lanes are inside out's row.
+            unsafe { store16(a.out.add(i * a.ld + b * BLOCK), mask, v, a.accumulate) };
+        }
+    }
+}
+
+/// Whether f32 FMAs over widened pairs give `vdpbf16ps`'s bits on this CPU, and run faster:
+/// an Intel CPU with AVX512-BF16 (AMD's Zen 4 and 5 run the instruction at the FMAs' rate or
+/// better) on which both kernels give the same bits for [`awkward_pairs`], checked at first use.
+pub fn fma_gives_dot_bits() -> bool {
+    static SAME: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    #[cfg(target_arch = "x86_64")]
+    return *SAME.get_or_init(|| intel_with_the_instruction() && kernels_agree(8));
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Whether this is an Intel CPU with AVX512-BF16 (where the FMA kernel is worth checking).
+#[cfg(target_arch = "x86_64")]
+fn intel_with_the_instruction() -> bool {
+    let id = std::arch::x86_64::__cpuid(0);
+    let intel = [id.ebx, id.edx, id.ecx] == [0x756e_6547, 0x4965_6e69, 0x6c65_746e]; // "GenuineIntel"
+    intel && available()
+}
+
+/// Whether the FMA kernel gives the instruction's bits for `matrices` matrices of 16 × 32
+/// [`awkward_pairs`] and two input rows of them, added to awkward outputs.
+#[cfg(target_arch = "x86_64")]
+pub(super) fn kernels_agree(matrices: u64) -> bool {
+    (0..matrices).all(|seed| {
+        let (kp, m) = (bf16_tiles::TILE, 2);
+        let cases = awkward_pairs(BLOCK * kp + m * kp + m * BLOCK, seed);
+        let mut cases = cases.into_iter();
+        let pairs: Vec<u32> = cases.by_ref().take(BLOCK * kp).map(|c| c.2).collect();
+        let xp: Vec<u32> = cases.by_ref().take(m * kp).map(|c| c.1).collect();
+        let start: Vec<f32> = cases.map(|c| c.0).collect();
+        let w = PairedBf16::from_blocks(pairs, BLOCK, 2 * kp, kp);
+        let run = |fma: bool| {
+            let mut out = start.clone();
+            PairedBf16 { fma, ..w.clone() }.run_avx512(&xp, m, &mut out, true);
+            out
+        };
+        let (dot, fma) = (run(false), run(true));
+        dot.iter().zip(&fma).all(|(a, b)| a.to_bits() == b.to_bits())
+    })
+}
+
+/// (output, input pair, weight pair) triples that exercise every case of the instruction's
+/// arithmetic: values over the whole exponent range, zeros, cancellation, and subnormal
+/// operands, products and sums.
+pub(super) fn awkward_pairs(len: usize, seed: u64) -> Vec<(f32, u32, u32)> {
+    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut next = move || {
+        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (s >> 32) as u32
+    };
+    let special = [0u16, 0x8000, 0x0001, 0x807f, 0x0080, 0x3f80, 0x1f80, 0x2000, 0x7f7f, 0x00ff];
+    (0..len)
+        .map(|i| {
+            let mut half = || -> u16 {
+                let sign = next() & 0x8000;
+                (match i % 7 {
+                    0 => special[next() as usize % special.len()] as u32,
+                    // Exponents near the bottom: subnormal products and sums.
+                    1 | 2 => sign | (next() % 0x1000),
+                    // Near 1, and anywhere.
+                    3 | 4 => sign | (0x3e00 + next() % 0x0200),
+                    _ => next() & 0x7f7f | sign,
+                }) as u16
+            };
+            let x = half() as u32 | (half() as u32) << 16;
+            let w = half() as u32 | (half() as u32) << 16;
+            let out = match i % 3 {
+                0 => f32::from_bits((next() % 0x0100_0000) | (next() & 0x8000_0000)),
+                _ => f32::from_bits((next() & 0x8000_0000) | (0x3000_0000 + next() % 0x1800_0000)),
+            };
+            (out, x, w)
+        })
+        .collect()
+}
+
+/// Input rows per FMA micro-kernel call, and blocks per panel: 6 × 3 = 18 registers
+/// accumulate, 6 hold the panel's widened weights (odd and even halves) and 2 an input pair.
+const FMA_ROWS: usize = 6;
+const FMA_PANEL_BLOCKS: usize = 3;
+
+/// Calls [`micro_fma`] with `mr` and `nb` as constants.
+///
+/// # Safety
+/// As [`micro_fma`].
+#[cfg(target_arch = "x86_64")]
+unsafe fn dispatch_fma(mr: usize, nb: usize, a: &Panel<f32>) {
+    macro_rules! shapes {
+        ($(($r:literal, $b:literal)),*) => {
+            match (mr, nb) {
+                // SAFETY: the caller's contract.
+                $(($r, $b) => unsafe { micro_fma::<$r, $b>(a) },)*
+                _ => unreachable!("FMA micro-kernels are 2 to {FMA_ROWS} rows × at most {FMA_PANEL_BLOCKS} blocks"),
+            }
+        };
+    }
+    shapes!(
+        (1, 1),
+        (1, 2),
+        (1, 3),
+        (2, 1),
+        (2, 2),
+        (2, 3),
+        (3, 1),
+        (3, 2),
+        (3, 3),
+        (4, 1),
+        (4, 2),
+        (4, 3),
+        (5, 1),
+        (5, 2),
+        (5, 3),
+        (6, 1),
+        (6, 2),
+        (6, 3)
+    )
+}
+
+/// As [`micro`], with FMAs: out[i][b·16 + l] (+)= Σ_p (x odd · w odd, then x even · w even),
+/// the weights' halves widened to f32 in registers, the inputs already the f32 values of their
+/// bf16. Subnormal operands and results are flushed to zero (MXCSR's DAZ and FTZ, set for
+/// the products and restored before the stores), as the instruction flushes them.
+///
+/// # Safety
+/// The CPU must have AVX-512 F; `a.x` must hold MR rows of `2·a.kp` values, `a.w` NB blocks
+/// of `a.w_stride` pairs, and `a.out` MR rows (`a.ld` apart) of NB·16 columns, the last
+/// block's first `a.valid`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn micro_fma<const MR: usize, const NB: usize>(a: &Panel<f32>) {
+    use std::arch::x86_64::*;
+    const DAZ_FTZ: u32 = 1 << 6 | 1 << 15;
+    let odd_half = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
+    let mut acc = [[_mm512_setzero_ps(); NB]; MR];
+    let mut mxcsr = 0u32;
+    // SAFETY: stmxcsr and ldmxcsr read and write the 4 bytes given; round to nearest even
+    // stays (the products and sums are then the instruction's).
+    unsafe {
+        std::arch::asm!("stmxcsr [{}]", in(reg) &mut mxcsr, options(nostack, preserves_flags));
+        let flushing = mxcsr & !(3 << 13) | DAZ_FTZ;
+        std::arch::asm!("ldmxcsr [{}]", in(reg) &flushing, options(nostack, preserves_flags, readonly));
+    }
+    for p in 0..a.kp {
+        // SAFETY: p < kp, so every read is inside the rows and blocks of the contract.
+        unsafe {
+            let mut even = [_mm512_setzero_ps(); NB];
+            let mut odd = [_mm512_setzero_ps(); NB];
+            for b in 0..NB {
+                let v = _mm512_loadu_si512(a.w.add(b * a.w_stride + p * BLOCK).cast());
+                even[b] = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(v));
+                odd[b] = _mm512_castsi512_ps(_mm512_and_si512(v, odd_half));
+            }
+            for (i, row) in acc.iter_mut().enumerate() {
+                let x = a.x.add(i * 2 * a.kp + 2 * p);
+                let (x_even, x_odd) = (_mm512_set1_ps(*x), _mm512_set1_ps(*x.add(1)));
+                for (b, v) in row.iter_mut().enumerate() {
+                    *v = _mm512_fmadd_ps(x_even, even[b], _mm512_fmadd_ps(x_odd, odd[b], *v));
+                }
+            }
+        }
+    }
+    // SAFETY: as above; the stores below run in the caller's mode, as the instruction's do.
+    unsafe { std::arch::asm!("ldmxcsr [{}]", in(reg) &mxcsr, options(nostack, preserves_flags, readonly)) };
     for (i, row) in acc.iter().enumerate() {
         for (b, &v) in row.iter().enumerate() {
             let mask: __mmask16 = if b + 1 == NB { ((1u32 << a.valid) - 1) as u16 } else { u16::MAX };
@@ -569,6 +791,33 @@ pub(super) mod tests {
                     assert_eq!(a.to_bits(), (1.0 + b).to_bits(), "m {m} n {n} k {k} row {i}");
                 }
             }
+        }
+    }
+
+    /// Where the FMA kernel is used, it gives the instruction's bits: on values that exercise
+    /// every rounding and flushing case, and on a product of the model's shapes, for every
+    /// number of rows (each row's bits as it gets them alone, on the instruction).
+    #[test]
+    fn fma_batches_give_the_instructions_bits() {
+        #[cfg(target_arch = "x86_64")]
+        if !intel_with_the_instruction() {
+            eprintln!("skipped: no Intel CPU with AVX512-BF16 here (the FMA kernel is not used)");
+            return;
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        return;
+        #[cfg(target_arch = "x86_64")]
+        assert!(kernels_agree(256), "the FMA kernel differs from vdpbf16ps on awkward values");
+        assert!(fma_gives_dot_bits());
+        let (n, k) = (70, 768);
+        let (x, w) = (random(13 * k, 5), random(n * k, 6));
+        let (dot, fma) = (PairedBf16::from_f32(&w, n, k), PairedBf16::from_f32(&w, n, k).with_fma(true));
+        assert!(fma.fma && !dot.fma);
+        for m in 1..=13 {
+            let (mut a, mut b) = (vec![0.25f32; m * n], vec![0.25f32; m * n]);
+            dot.matmul_t(&x[..m * k], m, &mut a, true);
+            fma.matmul_t(&x[..m * k], m, &mut b, true);
+            assert!(a.iter().zip(&b).all(|(a, b)| a.to_bits() == b.to_bits()), "{m} rows");
         }
     }
 

@@ -501,20 +501,26 @@ pub enum Bf16Kernel {
     Tiles,
     /// With the CPU's bf16 dot-product instruction (AVX512-BF16), inputs rounded to bf16.
     Dot,
+    /// As `Dot`, with several rows at once on f32 FMAs that give the instruction's bits: Intel
+    /// cores that run the instruction at half the FMAs' rate ([`super::bf16_dot::fma_gives_dot_bits`]).
+    DotFma,
     /// Weights widened to f32 in registers, all arithmetic in f32 (any CPU).
     Widen,
 }
 
 impl Bf16Kernel {
-    /// The fastest this CPU has: `Tiles` with AMX-BF16, `Dot` with AVX512-BF16, else `Widen`.
-    /// `PICASO_BF16_KERNEL=dot` or `=widen` picks a slower one (to compare, or to keep inputs
-    /// in f32); a kernel the CPU lacks falls back to the next.
+    /// The fastest this CPU has: `Tiles` with AMX-BF16, `DotFma` or `Dot` with AVX512-BF16,
+    /// else `Widen`. `PICASO_BF16_KERNEL=dot-fma`, `=dot` or `=widen` picks a slower one (to
+    /// compare, or to keep inputs in f32); a kernel the CPU lacks falls back to the next.
     pub fn detect() -> Self {
         static KERNEL: std::sync::OnceLock<Bf16Kernel> = std::sync::OnceLock::new();
         *KERNEL.get_or_init(|| {
             let asked = std::env::var("PICASO_BF16_KERNEL").unwrap_or_default().to_ascii_lowercase();
-            if asked != "widen" && asked != "dot" && super::bf16_tiles::available() {
+            let below = |kernel: &str| asked == kernel || asked == "widen";
+            if !below("dot") && !below("dot-fma") && super::bf16_tiles::available() {
                 Bf16Kernel::Tiles
+            } else if !below("dot") && super::bf16_dot::fma_gives_dot_bits() {
+                Bf16Kernel::DotFma
             } else if asked != "widen" && super::bf16_dot::available() {
                 Bf16Kernel::Dot
             } else {
@@ -528,6 +534,7 @@ impl Bf16Kernel {
         match self {
             Bf16Kernel::Tiles => "amx-tiles",
             Bf16Kernel::Dot => "avx512bf16-dot",
+            Bf16Kernel::DotFma => "avx512bf16-dot+fma",
             Bf16Kernel::Widen => "widen-to-f32",
         }
     }
@@ -563,9 +570,13 @@ impl Matrix {
                 bits.par_iter_mut().zip(&v).for_each(|(b, &x)| *b = super::bf16_dot::to_bf16(x));
                 Matrix::Bf16(bits)
             }
-            (super::WeightDtype::Bf16, kernel @ (Bf16Kernel::Dot | Bf16Kernel::Tiles)) => Matrix::Bf16Pairs(
-                PairedBf16::from_f32(&v, v.len() / cols, cols).with_tiles(kernel == Bf16Kernel::Tiles),
-            ),
+            (super::WeightDtype::Bf16, kernel @ (Bf16Kernel::Dot | Bf16Kernel::DotFma | Bf16Kernel::Tiles)) => {
+                Matrix::Bf16Pairs(
+                    PairedBf16::from_f32(&v, v.len() / cols, cols)
+                        .with_tiles(kernel == Bf16Kernel::Tiles)
+                        .with_fma(kernel == Bf16Kernel::DotFma),
+                )
+            }
         }
     }
 
@@ -1287,7 +1298,8 @@ mod tests {
             for matrix in [
                 Matrix::new(w.clone(), k, F32),
                 Matrix::with_kernel(w.clone(), k, Bf16, Bf16Kernel::Widen),
-                Matrix::with_kernel(w, k, Bf16, Bf16Kernel::Dot),
+                Matrix::with_kernel(w.clone(), k, Bf16, Bf16Kernel::Dot),
+                Matrix::with_kernel(w, k, Bf16, Bf16Kernel::DotFma),
             ] {
                 // The dot-product kernel rounds its inputs to bf16.
                 let input = |v: f32| match matrix {

@@ -559,16 +559,19 @@ mod tests {
 
     /// The pair layout makes a batched forward pass give each sequence its lone result to the bit
     /// (what batched ingest relies on), on every CPU: without AVX512-BF16 the portable sums run,
-    /// and `Tiles` runs on AMX where the CPU has it (else as `Dot`). A lone token among longer
+    /// `Tiles` runs on AMX where the CPU has it and `DotFma` FMAs where they give the
+    /// instruction's bits (else both as `Dot`). A lone token among longer
     /// sequences keeps its decode-step bits.
     #[test]
     fn a_batched_forward_on_the_pair_layout_gives_each_sequence_its_lone_bits() {
         let c = Mamba2Config { d_model: 64, headdim: 16, ..Mamba2Config::tiny(2, 4) };
-        for (kernel, invariant) in [(Bf16Kernel::Tiles, true), (Bf16Kernel::Dot, true), (Bf16Kernel::Widen, false)] {
+        for (kernel, invariant) in
+            [(Bf16Kernel::Tiles, true), (Bf16Kernel::Dot, true), (Bf16Kernel::DotFma, true), (Bf16Kernel::Widen, false)]
+        {
             let m = CpuMamba2::with_kernel(c.clone(), Mamba2Weights::random(&c, 11), WeightDtype::Bf16, kernel);
             assert_eq!(m.batch_invariant(), invariant, "{kernel:?}");
         }
-        for kernel in [Bf16Kernel::Tiles, Bf16Kernel::Dot] {
+        for kernel in [Bf16Kernel::Tiles, Bf16Kernel::Dot, Bf16Kernel::DotFma] {
             let m = CpuMamba2::with_kernel(c.clone(), Mamba2Weights::random(&c, 11), WeightDtype::Bf16, kernel);
             for lens in [vec![5usize, 1, 9], vec![2, 3], vec![1, 1, 1]] {
                 let total: usize = lens.iter().sum();
