@@ -147,6 +147,55 @@ fn scan_head(c: &mut Criterion) {
 
 /// Deterministic values in [-0.096, 0.096] (a period-97 ramp shifted by `salt`), so distinct
 /// matrices differ while every run multiplies the same numbers.
+/// The peak rates of one core's multiply-add instructions, in registers (12 independent
+/// chains, no memory): why batches run on FMAs where `vdpbf16ps` is slower
+/// (`picaso_model::cpu::bf16_dot`). Throughput is in multiply-adds.
+fn instruction_rates(c: &mut Criterion) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::*;
+        const CHAINS: usize = 12;
+        const STEPS: usize = 100_000;
+        #[target_feature(enable = "avx512f")]
+        fn fma(x: f32) -> f32 {
+            let (a, b) = (_mm512_set1_ps(x), _mm512_set1_ps(1.0 - x));
+            let mut acc = [_mm512_setzero_ps(); CHAINS];
+            for _ in 0..STEPS {
+                for v in acc.iter_mut() {
+                    *v = _mm512_fmadd_ps(a, b, *v);
+                }
+            }
+            acc.iter().map(|&v| _mm512_reduce_add_ps(v)).sum()
+        }
+        #[target_feature(enable = "avx512f,avx512bf16")]
+        fn dot(x: f32) -> f32 {
+            let a = _mm512_cvtne2ps_pbh(_mm512_set1_ps(x), _mm512_set1_ps(1.0 - x));
+            let mut acc = [_mm512_setzero_ps(); CHAINS];
+            for _ in 0..STEPS {
+                for v in acc.iter_mut() {
+                    *v = _mm512_dpbf16_ps(*v, a, a);
+                }
+            }
+            acc.iter().map(|&v| _mm512_reduce_add_ps(v)).sum()
+        }
+        let mut group = c.benchmark_group("one core's multiply-adds");
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            group.throughput(Throughput::Elements((STEPS * CHAINS * 16) as u64));
+            // SAFETY: the CPU has AVX-512 F.
+            group.bench_function("vfmadd231ps zmm (f32)", |b| b.iter(|| unsafe { fma(std::hint::black_box(0.5)) }));
+        }
+        if picaso_model::cpu::bf16_dot::available() {
+            group.throughput(Throughput::Elements((STEPS * CHAINS * 32) as u64));
+            // SAFETY: the CPU has AVX512-BF16.
+            group
+                .bench_function("vdpbf16ps zmm (bf16 pairs)", |b| b.iter(|| unsafe { dot(std::hint::black_box(0.5)) }));
+        }
+        group.finish();
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = c;
+}
+
 fn weights(len: usize, salt: usize) -> Vec<f32> {
     (0..len).map(|i| (((i + salt) % 97) as f32 - 48.0) / 500.0).collect()
 }
@@ -154,6 +203,6 @@ fn weights(len: usize, salt: usize) -> Vec<f32> {
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(20).warm_up_time(std::time::Duration::from_millis(500)).measurement_time(std::time::Duration::from_secs(2));
-    targets = bench, conv_step, scan_head
+    targets = bench, conv_step, scan_head, instruction_rates
 }
 criterion_main!(benches);

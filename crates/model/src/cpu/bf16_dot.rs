@@ -12,8 +12,8 @@
 //! prefill give each row the same bits.
 //!
 //! Some Intel cores run `vdpbf16ps` at half the rate of f32 FMAs (Emerald Rapids with AMX
-//! hidden: 32 vs 64 multiply-adds per cycle). There, rows computed together (m ≥ 2, which
-//! compute rather than stream) run on FMAs over the pairs widened in registers, in the order
+//! hidden: 32 vs 64 multiply-adds per cycle). There, products of 8 rows or more (which compute
+//! rather than stream the weights) run on FMAs over the pairs widened in registers, in the order
 //! the instruction adds them (the odd product, then the even) and with its flushing of
 //! subnormals: the instruction's bits, at up to twice its rate ([`PairedBf16::with_fma`]).
 
@@ -116,10 +116,10 @@ impl PairedBf16 {
         self
     }
 
-    /// Lets products of several rows run on f32 FMAs over the widened pairs, where
+    /// Lets products of 8 rows or more run on f32 FMAs over the widened pairs, where
     /// [`fma_gives_dot_bits`] (the instruction's bits, so a row's bits still do not depend on
-    /// the rows beside it); one row, a decode step that streams the weights, keeps the
-    /// instruction.
+    /// the rows beside it); fewer rows (a decode step, a small batch), which stream the
+    /// weights, keep the instruction.
     pub fn with_fma(mut self, fma: bool) -> Self {
         self.fma = fma && fma_gives_dot_bits();
         self
@@ -190,7 +190,7 @@ impl PairedBf16 {
     #[cfg(target_arch = "x86_64")]
     pub(super) fn run_avx512(&self, xp: &[u32], m: usize, out: &mut [f32], accumulate: bool) {
         let kp = self.k.div_ceil(2);
-        if self.fma && m >= 2 {
+        if self.fma && m >= FMA_MIN_ROWS {
             // The inputs as the f32 values of their bf16 (2·kp per row, the padding 0).
             let mut xf = vec![0.0f32; m * 2 * kp];
             xf.par_chunks_mut(2 * kp).zip(xp.par_chunks(kp)).for_each(|(row, pairs)| {
@@ -569,7 +569,8 @@ unsafe fn micro<const MR: usize, const NB: usize>(a: &Panel<u32>) {
 
 /// Whether f32 FMAs over widened pairs give `vdpbf16ps`'s bits on this CPU, and run faster:
 /// an Intel CPU with AVX512-BF16 (AMD's Zen 4 and 5 run the instruction at the FMAs' rate or
-/// better) on which both kernels give the same bits for [`awkward_pairs`], checked at first use.
+/// better) on which both kernels give the same bits for awkward values (subnormals,
+/// cancellation), checked at first use.
 pub fn fma_gives_dot_bits() -> bool {
     static SAME: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     #[cfg(target_arch = "x86_64")]
@@ -587,11 +588,11 @@ fn intel_with_the_instruction() -> bool {
 }
 
 /// Whether the FMA kernel gives the instruction's bits for `matrices` matrices of 16 × 32
-/// [`awkward_pairs`] and two input rows of them, added to awkward outputs.
+/// [`awkward_pairs`] and [`FMA_MIN_ROWS`] input rows of them, added to awkward outputs.
 #[cfg(target_arch = "x86_64")]
 pub(super) fn kernels_agree(matrices: u64) -> bool {
     (0..matrices).all(|seed| {
-        let (kp, m) = (bf16_tiles::TILE, 2);
+        let (kp, m) = (bf16_tiles::TILE, FMA_MIN_ROWS);
         let cases = awkward_pairs(BLOCK * kp + m * kp + m * BLOCK, seed);
         let mut cases = cases.into_iter();
         let pairs: Vec<u32> = cases.by_ref().take(BLOCK * kp).map(|c| c.2).collect();
@@ -645,6 +646,9 @@ pub(super) fn awkward_pairs(len: usize, seed: u64) -> Vec<(f32, u32, u32)> {
 /// Input rows per FMA micro-kernel call, and blocks per panel: 6 × 3 = 18 registers
 /// accumulate, 6 hold the panel's widened weights (odd and even halves) and 2 an input pair.
 const FMA_ROWS: usize = 6;
+/// Fewer rows stream the weights at the memory's speed either way, and do it with fewer
+/// instructions on `vdpbf16ps` (4 rows measured 16.0 ms a decode step's products against 18.2).
+const FMA_MIN_ROWS: usize = 8;
 const FMA_PANEL_BLOCKS: usize = 3;
 
 /// Calls [`micro_fma`] with `mr` and `nb` as constants.

@@ -501,7 +501,7 @@ pub enum Bf16Kernel {
     Tiles,
     /// With the CPU's bf16 dot-product instruction (AVX512-BF16), inputs rounded to bf16.
     Dot,
-    /// As `Dot`, with several rows at once on f32 FMAs that give the instruction's bits: Intel
+    /// As `Dot`, with 8 rows or more at once on f32 FMAs that give the instruction's bits: Intel
     /// cores that run the instruction at half the FMAs' rate ([`super::bf16_dot::fma_gives_dot_bits`]).
     DotFma,
     /// Weights widened to f32 in registers, all arithmetic in f32 (any CPU).
