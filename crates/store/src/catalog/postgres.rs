@@ -1380,21 +1380,7 @@ mod tests {
         let compiled: Vec<Pattern> = patterns.iter().map(|p| Pattern::new("k", p).unwrap()).collect();
         let sql: Vec<String> = compiled.iter().map(|p| p.sql().to_string()).collect();
         let text: Vec<String> = texts.iter().map(|t| t.to_string()).collect();
-        let got: Vec<bool> = catalog
-            .run(Box::new(move |c| {
-                let (sql, text) = (sql.clone(), text.clone());
-                Box::pin(async move {
-                    let rows = c
-                        .query(
-                            "SELECT t COLLATE \"C\" ~ p FROM unnest($1::text[]) WITH ORDINALITY AS a(p, i), \
-                             unnest($2::text[]) WITH ORDINALITY AS b(t, j) ORDER BY i, j",
-                            &[&sql, &text],
-                        )
-                        .await?;
-                    Ok(rows.iter().map(|r| r.get(0)).collect())
-                })
-            }))
-            .unwrap();
+        let got = regex_matches(&catalog, sql, text).unwrap();
         let mut matches = 0;
         for (i, p) in compiled.iter().enumerate() {
             for (j, t) in texts.iter().enumerate() {
@@ -1404,6 +1390,24 @@ mod tests {
             }
         }
         assert!(matches > 200 && matches < patterns.len() * texts.len() - 200, "{matches}: a test of both outcomes");
+    }
+
+    /// Whether each text matches each of the PostgreSQL patterns `sql` (by code point), pattern
+    /// by pattern.
+    fn regex_matches(catalog: &PostgresCatalog, sql: Vec<String>, texts: Vec<String>) -> Result<Vec<bool>> {
+        catalog.run(Box::new(move |c| {
+            let (sql, texts) = (sql.clone(), texts.clone());
+            Box::pin(async move {
+                let rows = c
+                    .query(
+                        "SELECT t COLLATE \"C\" ~ p FROM unnest($1::text[]) WITH ORDINALITY AS a(p, i), \
+                         unnest($2::text[]) WITH ORDINALITY AS b(t, j) ORDER BY i, j",
+                        &[&sql, &texts],
+                    )
+                    .await?;
+                Ok(rows.iter().map(|r| r.get(0)).collect())
+            })
+        }))
     }
 
     /// Random patterns (literals that fold case oddly, classes, anchors, groups with flags,
@@ -1452,20 +1456,7 @@ mod tests {
         runner
             .run(&((flags, pattern(2)).prop_map(|(f, p)| f.to_string() + &p), texts), |(source, texts)| {
                 let p = Pattern::new("k", &source).map_err(|e| TestCaseError::fail(format!("{source:?}: {e}")))?;
-                let (sql, text) = (p.sql().to_string(), texts.clone());
-                let got: Vec<bool> = catalog
-                    .run(Box::new(move |c| {
-                        let (sql, text) = (sql.clone(), text.clone());
-                        Box::pin(async move {
-                            let rows = c
-                                .query(
-                                    "SELECT t COLLATE \"C\" ~ $1 FROM unnest($2::text[]) WITH ORDINALITY AS a(t, i) ORDER BY i",
-                                    &[&sql, &text],
-                                )
-                                .await?;
-                            Ok(rows.iter().map(|r| r.get(0)).collect())
-                        })
-                    }))
+                let got = regex_matches(&catalog, vec![p.sql().to_string()], texts.clone())
                     .map_err(|e| TestCaseError::fail(format!("{source:?} (PostgreSQL: {:?}): {e}", p.sql())))?;
                 for (t, got) in texts.iter().zip(got) {
                     let want = p.is_match(t);
