@@ -145,8 +145,6 @@ fn scan_head(c: &mut Criterion) {
     }
 }
 
-/// Deterministic values in [-0.096, 0.096] (a period-97 ramp shifted by `salt`), so distinct
-/// matrices differ while every run multiplies the same numbers.
 /// The peak rates of one core's multiply-add instructions, in registers (12 independent
 /// chains, no memory): why batches run on FMAs where `vdpbf16ps` is slower
 /// (`picaso_model::cpu::bf16_dot`). Throughput is in multiply-adds.
@@ -196,6 +194,8 @@ fn instruction_rates(c: &mut Criterion) {
     let _ = c;
 }
 
+/// Deterministic values in [-0.096, 0.096] (a period-97 ramp shifted by `salt`), so distinct
+/// matrices differ while every run multiplies the same numbers.
 fn weights(len: usize, salt: usize) -> Vec<f32> {
     (0..len).map(|i| (((i + salt) % 97) as f32 - 48.0) / 500.0).collect()
 }

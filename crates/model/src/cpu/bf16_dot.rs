@@ -202,7 +202,7 @@ impl PairedBf16 {
             // SAFETY: fma is only set where fma_gives_dot_bits() (so the CPU has AVX-512 F);
             // xf holds m rows of kp pairs of values.
             return self.run_panels(m, out, accumulate, FMA_ROWS, FMA_PANEL_BLOCKS, |i, mr, nb, panel| unsafe {
-                dispatch_fma(mr, nb, &Panel { x: xf.as_ptr().add(i * 2 * kp), kp, ..panel })
+                dispatch_fma(mr, nb, &Panel { x: xf.as_ptr().add(i * 2 * kp), ..panel })
             });
         }
         let panel = if m == 1 { DECODE_BLOCKS } else { PANEL_BLOCKS };
@@ -662,7 +662,7 @@ unsafe fn dispatch_fma(mr: usize, nb: usize, a: &Panel<f32>) {
             match (mr, nb) {
                 // SAFETY: the caller's contract.
                 $(($r, $b) => unsafe { micro_fma::<$r, $b>(a) },)*
-                _ => unreachable!("FMA micro-kernels are 2 to {FMA_ROWS} rows × at most {FMA_PANEL_BLOCKS} blocks"),
+                _ => unreachable!("FMA micro-kernels are 1 to {FMA_ROWS} rows × at most {FMA_PANEL_BLOCKS} blocks"),
             }
         };
     }

@@ -516,12 +516,18 @@ impl Bf16Kernel {
         static KERNEL: std::sync::OnceLock<Bf16Kernel> = std::sync::OnceLock::new();
         *KERNEL.get_or_init(|| {
             let asked = std::env::var("PICASO_BF16_KERNEL").unwrap_or_default().to_ascii_lowercase();
-            let below = |kernel: &str| asked == kernel || asked == "widen";
-            if !below("dot") && !below("dot-fma") && super::bf16_tiles::available() {
+            // The kernels allowed, fastest first: anything asked for leaves out those above it.
+            let (tiles, dot_fma, dot) = match asked.as_str() {
+                "widen" => (false, false, false),
+                "dot" => (false, false, true),
+                "dot-fma" => (false, true, true),
+                _ => (true, true, true),
+            };
+            if tiles && super::bf16_tiles::available() {
                 Bf16Kernel::Tiles
-            } else if !below("dot") && super::bf16_dot::fma_gives_dot_bits() {
+            } else if dot_fma && super::bf16_dot::fma_gives_dot_bits() {
                 Bf16Kernel::DotFma
-            } else if asked != "widen" && super::bf16_dot::available() {
+            } else if dot && super::bf16_dot::available() {
                 Bf16Kernel::Dot
             } else {
                 Bf16Kernel::Widen
