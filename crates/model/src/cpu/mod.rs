@@ -10,6 +10,7 @@ pub mod bf16_gemm;
 pub mod bf16_tiles;
 pub mod f16_state;
 pub mod kernels;
+mod pool;
 #[cfg(target_arch = "x86_64")]
 pub mod scan_avx2;
 #[cfg(target_arch = "x86_64")]
@@ -21,6 +22,7 @@ use crate::config::Mamba2Config;
 use crate::state::{LayerState, SsmValue, State};
 use crate::weights::Mamba2Weights;
 use kernels::Matrix;
+pub(crate) use pool::on_pool;
 
 /// Rows per rayon task for row-wise work (conv, norms); small enough to balance two cores.
 pub(crate) const ROW_CHUNK: usize = 16;
@@ -504,14 +506,6 @@ fn run_layers_of_one_kind<L: Sync, S: Send>(
         }
         io.final_norm(&h)
     })
-}
-
-/// Runs `f` on a thread of rayon's pool. Called from outside the pool, every parallel region
-/// of a forward pass would hand its work to the pool and put the caller to sleep until it is
-/// done: ~150 such round trips per decoded token. From inside, a region that does not split
-/// runs in place and one that does is shared by work stealing; the caller waits once.
-pub(crate) fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
-    rayon::scope(|_| f())
 }
 
 /// Runs `f(state, input rows, t, output rows)` for each sequence of a batch, in parallel:
