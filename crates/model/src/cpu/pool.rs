@@ -24,7 +24,7 @@ pub(crate) fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
 }
 
 /// Runs the pool's pending work until `done`, or until none has come for [`POLL_IDLE`]. The
-/// limit bounds the spinning where it does not pay, and breaks the one cycle polling could
+/// limit bounds the polling where it does not pay, and breaks the one cycle polling could
 /// close: a thread that, waiting inside a nested parallel region, picked up this job would
 /// otherwise wait here for work that waits for it.
 fn poll_for_work(done: &AtomicBool, caller: Option<usize>) {
@@ -38,7 +38,9 @@ fn poll_for_work(done: &AtomicBool, caller: Option<usize>) {
         } else if idle_since.elapsed() > POLL_IDLE {
             return;
         } else {
-            std::hint::spin_loop();
+            // Give the core to any other thread that is ready (a server's I/O, its clients):
+            // polling must not take it from them; with none, this returns at once.
+            std::thread::yield_now();
         }
     }
 }
