@@ -80,12 +80,16 @@ fn step_from_memory(c: &mut Criterion) {
             let (mut zx, mut h, mut logits) = (vec![0.0f32; m * width], vec![0.0f32; m * d], vec![0.0f32; m * vocab]);
             group.throughput(Throughput::Elements(m as u64));
             group.bench_with_input(BenchmarkId::new("sequences", m), &m, |b, &m| {
+                // On the pool, as the engine's passes run: each product called from outside
+                // it would wait for its threads to wake (two context switches each).
                 b.iter(|| {
-                    for (in_proj, out_proj) in &layer_mats {
-                        matmul_rows_t(&x[..m * d], m, d, in_proj, width, &mut zx, false);
-                        matmul_rows_t(&x, m, di, out_proj, d, &mut h, true);
-                    }
-                    matmul_rows_t(&h, m, d, &head, vocab, &mut logits, false);
+                    rayon::scope(|_| {
+                        for (in_proj, out_proj) in &layer_mats {
+                            matmul_rows_t(&x[..m * d], m, d, in_proj, width, &mut zx, false);
+                            matmul_rows_t(&x, m, di, out_proj, d, &mut h, true);
+                        }
+                        matmul_rows_t(&h, m, d, &head, vocab, &mut logits, false);
+                    })
                 })
             });
         }

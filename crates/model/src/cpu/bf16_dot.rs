@@ -238,9 +238,18 @@ impl PairedBf16 {
                 let nb = panel.min(self.blocks() - b0);
                 let col0 = b0 * BLOCK;
                 let valid = (n - col0).min(nb * BLOCK) - (nb - 1) * BLOCK;
+                // The next panel (which this thread most often runs next: rayon hands each
+                // thread a run of consecutive tasks) is prefetched into L2, a share of its
+                // blocks in each call on this one. Its first call then reads L2 while this
+                // panel's last calls compute, instead of every panel's first call waiting on
+                // memory with the FMAs idle. A decode step (m = 1) streams with its own prefetch.
+                let next = if m > 1 && p + 1 < tasks { self.blocks().min(b0 + 2 * panel) - (b0 + panel) } else { 0 };
+                let calls = m.div_ceil(rows);
                 let mut i = 0;
                 while i < m {
                     let mr = rows.min(m - i);
+                    let call = i / rows;
+                    let (pf0, pf1) = (call * next / calls, (call + 1) * next / calls);
                     // The task writes only columns col0..col0+nb·16 (masked to n) of out's rows
                     // i..i+mr, which no other task writes.
                     let args = Panel {
@@ -253,6 +262,9 @@ impl PairedBf16 {
                         ld: n,
                         valid,
                         accumulate,
+                        // Blocks b0 + panel + pf0 .. + pf1 exist (pf1 <= next); none when pf1 = pf0.
+                        prefetch: self.pairs.as_ptr().wrapping_add((b0 + panel + pf0) * self.kp_pad * BLOCK),
+                        prefetch_blocks: pf1 - pf0,
                     };
                     micro(i, mr, nb, args);
                     i += mr;
@@ -477,6 +489,24 @@ struct Panel<X> {
     /// Valid outputs (1..=16) of the last block (the others are padding and not stored).
     valid: usize,
     accumulate: bool,
+    /// Blocks (`w_stride` pairs apart, from `prefetch`) to prefetch into L2 alongside the
+    /// products, one 64-byte pair of rows per block per pair of columns: the next panel's.
+    prefetch: *const u32,
+    prefetch_blocks: usize,
+}
+
+impl<X> Panel<X> {
+    /// Prefetches pair `p` of every block the call prefetches.
+    ///
+    /// # Safety
+    /// `p` must be under `kp`.
+    #[inline(always)]
+    unsafe fn prefetch_next(&self, p: usize) {
+        for b in 0..self.prefetch_blocks {
+            // SAFETY: the caller's contract; the blocks are inside the matrix (run_panels).
+            prefetch_l2(unsafe { self.prefetch.add(b * self.w_stride + p * BLOCK) }.cast());
+        }
+    }
 }
 
 /// Calls [`micro`] with `mr` and `nb` as constants.
@@ -550,6 +580,7 @@ unsafe fn micro<const MR: usize, const NB: usize>(a: &Panel<u32>) {
                 }
                 std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(at.cast()))
             });
+            a.prefetch_next(p);
             for (i, row) in acc.iter_mut().enumerate() {
                 let x = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(*a.x.add(i * a.kp + p) as i32));
                 for (b, v) in row.iter_mut().enumerate() {
@@ -722,6 +753,7 @@ unsafe fn micro_fma<const MR: usize, const NB: usize>(a: &Panel<f32>) {
                 even[b] = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(v));
                 odd[b] = _mm512_castsi512_ps(_mm512_and_si512(v, odd_half));
             }
+            a.prefetch_next(p);
             for (i, row) in acc.iter_mut().enumerate() {
                 let x = a.x.add(i * 2 * a.kp + 2 * p);
                 let (x_even, x_odd) = (_mm512_set1_ps(*x), _mm512_set1_ps(*x.add(1)));
