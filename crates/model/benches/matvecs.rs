@@ -8,7 +8,7 @@
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use picaso_model::cpu::kernels::{matmul_rows_t, matmul_t, Bf16Kernel, Matrix};
-use picaso_model::cpu::WeightDtype;
+use picaso_model::cpu::{on_pool, WeightDtype};
 
 fn bench(c: &mut Criterion) {
     // in_proj of mamba2-130m (768 → 3,352: z, x, B, C, dt) and out_proj (1,536 → 768); bf16
@@ -80,10 +80,10 @@ fn step_from_memory(c: &mut Criterion) {
             let (mut zx, mut h, mut logits) = (vec![0.0f32; m * width], vec![0.0f32; m * d], vec![0.0f32; m * vocab]);
             group.throughput(Throughput::Elements(m as u64));
             group.bench_with_input(BenchmarkId::new("sequences", m), &m, |b, &m| {
-                // On the pool, as the engine's passes run: each product called from outside
-                // it would wait for its threads to wake (two context switches each).
+                // On the pool, as the engine runs a pass: each product called from outside it
+                // would wait for its threads to wake (two context switches each).
                 b.iter(|| {
-                    rayon::scope(|_| {
+                    on_pool(|| {
                         for (in_proj, out_proj) in &layer_mats {
                             matmul_rows_t(&x[..m * d], m, d, in_proj, width, &mut zx, false);
                             matmul_rows_t(&x, m, di, out_proj, d, &mut h, true);

@@ -22,7 +22,7 @@ use crate::config::Mamba2Config;
 use crate::state::{LayerState, SsmValue, State};
 use crate::weights::Mamba2Weights;
 use kernels::Matrix;
-pub(crate) use pool::on_pool;
+pub use pool::on_pool;
 
 /// Rows per rayon task for row-wise work (conv, norms); small enough to balance two cores.
 pub(crate) const ROW_CHUNK: usize = 16;

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 /// shared by work stealing; the caller waits once. Between regions rayon's idle threads go to
 /// sleep after a few dozen yields, and waking one (a futex, on a VM an interrupt to a halted
 /// vCPU) takes longer than a decode step's short regions last, so they are kept polling.
-pub(crate) fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+pub fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     let done = &AtomicBool::new(false);
     rayon::scope(|s| {
         let caller = rayon::current_thread_index();
