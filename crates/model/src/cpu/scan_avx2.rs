@@ -10,7 +10,7 @@
 
 use std::arch::x86_64::*;
 
-use super::kernels::{sum_lanes, with_vectors, ScanInputs, LANES};
+use super::kernels::{prefetch_state_ahead, sum_lanes, with_vectors, ScanInputs, LANES};
 
 /// How a state's values are held: f32, or f16 (as its bits) widened on load and rounded to
 /// nearest on store.
@@ -98,6 +98,9 @@ pub unsafe fn scan_head<const NV: usize, H: Held>(s: &mut [H], head: &ScanInputs
             let mut pairs = [_mm256_setzero_ps(); 4];
             for (q, pair) in pairs.iter_mut().enumerate() {
                 let r = p0 + 2 * q;
+                if t == 0 {
+                    prefetch_state_ahead(rows.wrapping_add(r * n_dim), 2 * n_dim);
+                }
                 // SAFETY: r + 1 < 8·blocks <= p_dim rows; b and c hold 16·NV values.
                 let [u, v] =
                     unsafe { update_rows2::<NV, H>(rows.add(r * n_dim), [x[r] * dt_t, x[r + 1] * dt_t], a, b, c) };

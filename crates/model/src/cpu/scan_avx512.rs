@@ -13,7 +13,7 @@
 
 use std::arch::x86_64::*;
 
-use super::kernels::{sum_lanes, with_vectors, ScanInputs, LANES};
+use super::kernels::{prefetch_state_ahead, sum_lanes, with_vectors, ScanInputs, LANES};
 
 /// How a state's values are held: f32, or f16 (as its bits) widened on load and rounded to
 /// nearest on store.
@@ -106,6 +106,9 @@ pub unsafe fn scan_head<const NV: usize, H: Held>(s: &mut [H], head: &ScanInputs
             for (q, quarter) in quarters.iter_mut().enumerate() {
                 let r = p0 + 4 * q;
                 let xdt = [x[r] * dt_t, x[r + 1] * dt_t, x[r + 2] * dt_t, x[r + 3] * dt_t];
+                if t == 0 {
+                    prefetch_state_ahead(rows.wrapping_add(r * n_dim), 4 * n_dim);
+                }
                 // SAFETY: r + 3 < 16·blocks <= p_dim rows.
                 let [u0, u1, u2, u3] = unsafe { update_rows4(rows.add(r * n_dim), xdt, a, &bv, &cv) };
                 *quarter = halve_quads(halve_pair(u0, u1), halve_pair(u2, u3));
