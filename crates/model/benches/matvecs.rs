@@ -131,6 +131,7 @@ fn scan_head(c: &mut Criterion) {
             dt: &dt,
             decay: &decay,
             d_skip: 0.5,
+            from_memory: false,
         };
         let mut s = weights(p_dim * n_dim, 6);
         let mut y = vec![0.0f32; t * p_dim];
@@ -147,6 +148,75 @@ fn scan_head(c: &mut Criterion) {
             });
         }
     }
+}
+
+/// All of a decode step's scans (24 layers × 24 heads of 64 × 128) for B sequences, f32 and f16
+/// states, run as the engine runs them: sequences and heads in parallel, on the pool. The states
+/// (18.9 MB per sequence in f32) are read from memory as in a real step, with and without
+/// prefetching them ahead (`ScanInputs::from_memory`, which the engine sets for a batch whose
+/// states outgrow the cache).
+fn step_scans(c: &mut Criterion) {
+    use picaso_model::cpu::f16_state::scan_head_f16;
+    use picaso_model::cpu::kernels::{scan_head, ScanInputs};
+    use rayon::prelude::*;
+    let (layers, heads, p_dim, n_dim) = (24, 24, 64, 128);
+    let stride = heads * p_dim + 2 * n_dim;
+    let xbc: Vec<f32> = weights(stride, 5).iter().map(|v| v + 1e-3).collect();
+    let (dt, decay) = ([0.05f32], [0.97f32]);
+    let head = |hd: usize, from_memory: bool| ScanInputs {
+        xbc: &xbc,
+        stride,
+        x_off: hd * p_dim,
+        b_off: heads * p_dim,
+        c_off: heads * p_dim + n_dim,
+        p_dim,
+        n_dim,
+        dt: &dt,
+        decay: &decay,
+        d_skip: 0.5,
+        from_memory,
+    };
+    let len = heads * p_dim * n_dim;
+    let mut group = c.benchmark_group("decode step scans");
+    for b in [1usize, 16] {
+        let mut f32s: Vec<Vec<f32>> = (0..layers * b).map(|i| weights(len, i)).collect();
+        let mut f16s: Vec<Vec<half::f16>> =
+            f32s.iter().map(|s| s.iter().map(|&v| half::f16::from_f32(v)).collect()).collect();
+        let mut ys = vec![vec![0.0f32; heads * p_dim]; b];
+        group.throughput(Throughput::Elements(b as u64));
+        for pf in [false, true] {
+            let how = if pf { ", prefetched" } else { "" };
+            group.bench_with_input(BenchmarkId::new(format!("f32 states{how}, sequences"), b), &b, |bench, &b| {
+                bench.iter(|| {
+                    on_pool(|| {
+                        for layer in f32s.chunks_mut(b) {
+                            layer.par_iter_mut().zip(ys.par_iter_mut()).for_each(|(s, y)| {
+                                s.par_chunks_mut(p_dim * n_dim)
+                                    .zip(y.par_chunks_mut(p_dim))
+                                    .enumerate()
+                                    .for_each(|(hd, (s, y))| scan_head(s, &head(hd, pf), y))
+                            })
+                        }
+                    })
+                })
+            });
+            group.bench_with_input(BenchmarkId::new(format!("f16 states{how}, sequences"), b), &b, |bench, &b| {
+                bench.iter(|| {
+                    on_pool(|| {
+                        for layer in f16s.chunks_mut(b) {
+                            layer.par_iter_mut().zip(ys.par_iter_mut()).for_each(|(s, y)| {
+                                s.par_chunks_mut(p_dim * n_dim)
+                                    .zip(y.par_chunks_mut(p_dim))
+                                    .enumerate()
+                                    .for_each(|(hd, (s, y))| scan_head_f16(s, &head(hd, pf), y))
+                            })
+                        }
+                    })
+                })
+            });
+        }
+    }
+    group.finish();
 }
 
 /// The peak rates of one core's multiply-add instructions, in registers (12 independent
@@ -207,6 +277,6 @@ fn weights(len: usize, salt: usize) -> Vec<f32> {
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(20).warm_up_time(std::time::Duration::from_millis(500)).measurement_time(std::time::Duration::from_secs(2));
-    targets = bench, conv_step, scan_head, instruction_rates
+    targets = bench, conv_step, scan_head, step_scans, instruction_rates
 }
 criterion_main!(benches);

@@ -29,6 +29,42 @@ pub fn reuse_freed_buffers() {
     }
 }
 
+/// Whether `bytes` read once per decode step (a batch's states) will come from memory rather
+/// than from cache: more than half the largest cache this CPU reports, which the step's weights
+/// and activations pass through as well. (Here, 16 f32 states of mamba2-130m, 302 MB against a
+/// 260 MiB L3, do; 4, 76 MB, do not.)
+pub(crate) fn outgrows_cache(bytes: usize) -> bool {
+    bytes > last_level_cache_bytes() / 2
+}
+
+/// The size of the largest cache this CPU reports (Linux's sysfs), read once; 32 MiB where
+/// none is reported.
+fn last_level_cache_bytes() -> usize {
+    static BYTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *BYTES.get_or_init(|| {
+        let caches = std::fs::read_dir("/sys/devices/system/cpu/cpu0/cache").into_iter().flatten().flatten();
+        caches
+            .filter_map(|dir| std::fs::read_to_string(dir.path().join("size")).ok())
+            .filter_map(|size| parse_cache_size(&size))
+            .max()
+            .unwrap_or(32 << 20)
+    })
+}
+
+/// A sysfs cache size ("48K", "266240K", "32M") in bytes.
+fn parse_cache_size(text: &str) -> Option<usize> {
+    let text = text.trim();
+    let (digits, unit) = text.split_at(text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len()));
+    let scale = match unit {
+        "" => 1,
+        "K" => 1 << 10,
+        "M" => 1 << 20,
+        "G" => 1 << 30,
+        _ => return None,
+    };
+    digits.parse::<usize>().ok().map(|n| n * scale)
+}
+
 #[cfg(target_os = "linux")]
 fn advise_huge(ptr: *mut u8, bytes: usize) {
     const HUGE: usize = 2 << 20;
@@ -48,3 +84,19 @@ fn advise_huge(ptr: *mut u8, bytes: usize) {
 
 #[cfg(not(target_os = "linux"))]
 fn advise_huge(_ptr: *mut u8, _bytes: usize) {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cache_sizes_parse_as_sysfs_writes_them() {
+        assert_eq!(parse_cache_size("48K\n"), Some(48 << 10));
+        assert_eq!(parse_cache_size("266240K"), Some(266_240 << 10));
+        assert_eq!(parse_cache_size("32M"), Some(32 << 20));
+        assert_eq!(parse_cache_size("512"), Some(512));
+        assert_eq!(parse_cache_size("12Q"), None);
+        assert_eq!(parse_cache_size(""), None);
+        assert!(last_level_cache_bytes() >= 1 << 10);
+    }
+}

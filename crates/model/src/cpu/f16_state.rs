@@ -257,6 +257,7 @@ mod tests {
                     dt: &dt,
                     decay: &decay,
                     d_skip: 0.7,
+                    from_memory: step % 2 == 1,
                 };
                 let (mut y_fused, mut y_widened) = (vec![0.0f32; p], vec![0.0f32; p]);
                 scan_head_f16(&mut fused, &head, &mut y_fused);
@@ -302,6 +303,7 @@ mod tests {
             dt: &dt,
             decay: &decay,
             d_skip: 0.3,
+            from_memory: false,
         };
         let start: Vec<f16> = (0..p * n).map(|_| f16::from_f32(4.0 * rand())).collect();
         let (mut half_state, mut y_half) = (start.clone(), vec![0.0f32; t * p]);

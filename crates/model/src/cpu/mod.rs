@@ -270,9 +270,14 @@ impl CpuMamba2 {
             add_bias_rows(&mut zxbcdt, b);
         }
 
-        // Each sequence's conv and scan from its own state.
+        // Each sequence's conv and scan from its own state. A batch whose states outgrow the
+        // cache reads each from memory once per step: the scan prefetches it ahead.
+        let state_bytes = c.n_layer * c.nheads * c.headdim * c.d_state * std::mem::size_of::<S>();
+        let from_memory = crate::memory::outgrows_cache(states.len() * state_bytes);
         let mut gated = vec![0.0f32; rows * di];
-        per_sequence(states, lens, &zxbcdt, width, &mut gated, di, |ls, zx, t, out| self.mixer(lw, ls, zx, t, out));
+        per_sequence(states, lens, &zxbcdt, width, &mut gated, di, |ls, zx, t, out| {
+            self.mixer(lw, ls, zx, t, from_memory, out)
+        });
 
         kind.matmul_t(&gated, rows, di, &lw.out_proj, d, h, true);
         if let Some(b) = &lw.out_proj_bias {
@@ -282,8 +287,16 @@ impl CpuMamba2 {
 
     /// The part of a block that carries state, for one sequence: the causal conv, the
     /// selective scan and the gated RMSNorm of its `t` rows of in_proj output `zxbcdt`,
-    /// written to `gated` (t × d_inner).
-    fn mixer<S: SsmValue>(&self, lw: &CpuLayer, ls: &mut LayerState<S>, zxbcdt: &[f32], t: usize, gated: &mut [f32]) {
+    /// written to `gated` (t × d_inner). `from_memory`: see [`kernels::ScanInputs`].
+    fn mixer<S: SsmValue>(
+        &self,
+        lw: &CpuLayer,
+        ls: &mut LayerState<S>,
+        zxbcdt: &[f32],
+        t: usize,
+        from_memory: bool,
+        gated: &mut [f32],
+    ) {
         if t == 0 {
             return;
         }
@@ -328,6 +341,7 @@ impl CpuMamba2 {
                 dt: &dt[hd * t..(hd + 1) * t],
                 decay: &decay[hd * t..(hd + 1) * t],
                 d_skip: lw.d[hd],
+                from_memory,
             };
             S::scan_head(s, &head, yh);
         });

@@ -82,7 +82,7 @@ pub fn try_scan_head<H: Held>(s: &mut [H], head: &ScanInputs, y: &mut [f32]) -> 
 /// where it says.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn scan_head<const NV: usize, H: Held>(s: &mut [H], head: &ScanInputs, y: &mut [f32]) {
-    let ScanInputs { xbc, stride, x_off, b_off, c_off, p_dim, n_dim, dt, decay, d_skip } = *head;
+    let ScanInputs { xbc, stride, x_off, b_off, c_off, p_dim, n_dim, dt, decay, d_skip, from_memory } = *head;
     debug_assert!(n_dim == LANES * NV && s.len() == p_dim * n_dim && y.len() >= dt.len() * p_dim);
     let blocks = p_dim / 8;
     let rows = s.as_mut_ptr();
@@ -98,7 +98,7 @@ pub unsafe fn scan_head<const NV: usize, H: Held>(s: &mut [H], head: &ScanInputs
             let mut pairs = [_mm256_setzero_ps(); 4];
             for (q, pair) in pairs.iter_mut().enumerate() {
                 let r = p0 + 2 * q;
-                if t == 0 {
+                if t == 0 && from_memory {
                     prefetch_state_ahead(rows.wrapping_add(r * n_dim), 2 * n_dim);
                 }
                 // SAFETY: r + 1 < 8·blocks <= p_dim rows; b and c hold 16·NV values.

@@ -85,7 +85,7 @@ pub fn try_scan_head<H: Held>(s: &mut [H], head: &ScanInputs, y: &mut [f32]) -> 
 /// `y.len() >= head.dt.len() * head.p_dim`, and `head`'s rows hold x, B and C where it says.
 #[target_feature(enable = "avx512f")]
 pub unsafe fn scan_head<const NV: usize, H: Held>(s: &mut [H], head: &ScanInputs, y: &mut [f32]) {
-    let ScanInputs { xbc, stride, x_off, b_off, c_off, p_dim, n_dim, dt, decay, d_skip } = *head;
+    let ScanInputs { xbc, stride, x_off, b_off, c_off, p_dim, n_dim, dt, decay, d_skip, from_memory } = *head;
     debug_assert!(n_dim == 16 * NV && s.len() == p_dim * n_dim && y.len() >= dt.len() * p_dim);
     let blocks = p_dim / 16;
     for (t, (&dt_t, &a_t)) in dt.iter().zip(decay).enumerate() {
@@ -106,7 +106,7 @@ pub unsafe fn scan_head<const NV: usize, H: Held>(s: &mut [H], head: &ScanInputs
             for (q, quarter) in quarters.iter_mut().enumerate() {
                 let r = p0 + 4 * q;
                 let xdt = [x[r] * dt_t, x[r + 1] * dt_t, x[r + 2] * dt_t, x[r + 3] * dt_t];
-                if t == 0 {
+                if t == 0 && from_memory {
                     prefetch_state_ahead(rows.wrapping_add(r * n_dim), 4 * n_dim);
                 }
                 // SAFETY: r + 3 < 16·blocks <= p_dim rows.
@@ -247,6 +247,7 @@ mod tests {
                 dt: &dt,
                 decay: &decay,
                 d_skip: 0.5,
+                from_memory: false,
             };
             let (mut s, mut y) = (vec![0.5f32; p * n], vec![0.0f32; t * p]);
             let mut h = vec![0u16; p * n];
