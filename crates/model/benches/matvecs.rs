@@ -158,7 +158,6 @@ fn scan_head(c: &mut Criterion) {
 fn step_scans(c: &mut Criterion) {
     use picaso_model::cpu::f16_state::scan_head_f16;
     use picaso_model::cpu::kernels::{scan_head, ScanInputs};
-    use rayon::prelude::*;
     let (layers, heads, p_dim, n_dim) = (24, 24, 64, 128);
     let stride = heads * p_dim + 2 * n_dim;
     let xbc: Vec<f32> = weights(stride, 5).iter().map(|v| v + 1e-3).collect();
@@ -187,36 +186,40 @@ fn step_scans(c: &mut Criterion) {
         for pf in [false, true] {
             let how = if pf { ", prefetched" } else { "" };
             group.bench_with_input(BenchmarkId::new(format!("f32 states{how}, sequences"), b), &b, |bench, &b| {
-                bench.iter(|| {
-                    on_pool(|| {
-                        for layer in f32s.chunks_mut(b) {
-                            layer.par_iter_mut().zip(ys.par_iter_mut()).for_each(|(s, y)| {
-                                s.par_chunks_mut(p_dim * n_dim)
-                                    .zip(y.par_chunks_mut(p_dim))
-                                    .enumerate()
-                                    .for_each(|(hd, (s, y))| scan_head(s, &head(hd, pf), y))
-                            })
-                        }
-                    })
-                })
+                bench.iter(|| scans(&mut f32s, &mut ys, b, p_dim * n_dim, |hd, s, y| scan_head(s, &head(hd, pf), y)))
             });
             group.bench_with_input(BenchmarkId::new(format!("f16 states{how}, sequences"), b), &b, |bench, &b| {
-                bench.iter(|| {
-                    on_pool(|| {
-                        for layer in f16s.chunks_mut(b) {
-                            layer.par_iter_mut().zip(ys.par_iter_mut()).for_each(|(s, y)| {
-                                s.par_chunks_mut(p_dim * n_dim)
-                                    .zip(y.par_chunks_mut(p_dim))
-                                    .enumerate()
-                                    .for_each(|(hd, (s, y))| scan_head_f16(s, &head(hd, pf), y))
-                            })
-                        }
-                    })
-                })
+                bench
+                    .iter(|| scans(&mut f16s, &mut ys, b, p_dim * n_dim, |hd, s, y| scan_head_f16(s, &head(hd, pf), y)))
             });
         }
     }
     group.finish();
+}
+
+/// One decode step's scans of `b` sequences' states (`states`: layer after layer, `b` each, of
+/// heads of `head_len` values), on the pool: sequences and heads in parallel, as the engine
+/// runs them.
+fn scans<S: Send>(
+    states: &mut [Vec<S>],
+    ys: &mut [Vec<f32>],
+    b: usize,
+    head_len: usize,
+    scan: impl Fn(usize, &mut [S], &mut [f32]) + Sync,
+) {
+    use rayon::prelude::*;
+    let heads = states[0].len() / head_len;
+    let p_dim = ys[0].len() / heads;
+    on_pool(|| {
+        for layer in states.chunks_mut(b) {
+            layer.par_iter_mut().zip(ys.par_iter_mut()).for_each(|(s, y)| {
+                s.par_chunks_mut(head_len)
+                    .zip(y.par_chunks_mut(p_dim))
+                    .enumerate()
+                    .for_each(|(hd, (s, y))| scan(hd, s, y))
+            })
+        }
+    })
 }
 
 /// The peak rates of one core's multiply-add instructions, in registers (12 independent

@@ -911,9 +911,8 @@ pub struct ScanInputs<'a> {
     pub decay: &'a [f32],
     /// The skip connection D.
     pub d_skip: f32,
-    /// The state comes from memory, not from cache (a batch whose states outgrow the cache,
-    /// [`crate::memory::outgrows_cache`]): the kernels prefetch it ahead. The bits are the same
-    /// either way.
+    /// The state comes from memory, not from cache (the engine sets it for a batch whose states
+    /// outgrow the cache): the kernels prefetch it ahead. The bits are the same either way.
     pub from_memory: bool,
 }
 
