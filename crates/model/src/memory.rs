@@ -31,8 +31,8 @@ pub fn reuse_freed_buffers() {
 
 /// Whether `bytes` read once per decode step (a batch's states) will come from memory rather
 /// than from cache: more than half the largest cache this CPU reports, which the step's weights
-/// and activations pass through as well. (Here, 16 f32 states of mamba2-130m, 302 MB against a
-/// 260 MiB L3, do; 4, 76 MB, do not.)
+/// and activations pass through as well. (With a 260 MiB L3, 16 f32 states of mamba2-130m,
+/// 302 MB, do; 4, 76 MB, do not: BENCHMARKS.md measures both.)
 pub(crate) fn outgrows_cache(bytes: usize) -> bool {
     bytes > last_level_cache_bytes() / 2
 }
