@@ -240,16 +240,16 @@ impl PairedBf16 {
                 let valid = (n - col0).min(nb * BLOCK) - (nb - 1) * BLOCK;
                 // The next panel (which this thread most often runs next: rayon hands each
                 // thread a run of consecutive tasks) is prefetched into L2, a share of its
-                // blocks in each call on this one. Its first call then reads L2 while this
-                // panel's last calls compute, instead of every panel's first call waiting on
-                // memory with the FMAs idle. A decode step (m = 1) streams with its own prefetch.
+                // pairs in each call on this one, all its blocks at once: the order its own
+                // first call reads them in. That call then reads L2 while this panel's calls
+                // compute, instead of every panel's first call waiting on memory with the FMAs
+                // idle. A decode step (m = 1) streams with its own prefetch.
                 let next = if m > 1 && p + 1 < tasks { self.blocks().min(b0 + 2 * panel) - (b0 + panel) } else { 0 };
                 let calls = m.div_ceil(rows);
                 let mut i = 0;
                 while i < m {
                     let mr = rows.min(m - i);
                     let call = i / rows;
-                    let (pf0, pf1) = (call * next / calls, (call + 1) * next / calls);
                     // The task writes only columns col0..col0+nb·16 (masked to n) of out's rows
                     // i..i+mr, which no other task writes.
                     let args = Panel {
@@ -262,9 +262,11 @@ impl PairedBf16 {
                         ld: n,
                         valid,
                         accumulate,
-                        // Blocks b0 + panel + pf0 .. + pf1 exist (pf1 <= next); none when pf1 = pf0.
-                        prefetch: self.pairs.as_ptr().wrapping_add((b0 + panel + pf0) * self.kp_pad * BLOCK),
-                        prefetch_blocks: pf1 - pf0,
+                        // Blocks b0 + panel .. + next exist; none when next = 0.
+                        prefetch: self.pairs.as_ptr().wrapping_add((b0 + panel) * self.kp_pad * BLOCK),
+                        prefetch_blocks: next,
+                        prefetch_every: calls,
+                        prefetch_from: call * self.k.div_ceil(2) / calls,
                     };
                     micro(i, mr, nb, args);
                     i += mr;
@@ -489,22 +491,32 @@ struct Panel<X> {
     /// Valid outputs (1..=16) of the last block (the others are padding and not stored).
     valid: usize,
     accumulate: bool,
-    /// Blocks (`w_stride` pairs apart, from `prefetch`) to prefetch into L2 alongside the
-    /// products, one 64-byte pair of rows per block per pair of columns: the next panel's.
+    /// Blocks (`w_stride` pairs apart, from `prefetch`: the next panel's) to prefetch into L2
+    /// alongside the products, one 64-byte pair of rows per block per pair of columns: every
+    /// `prefetch_every`-th iteration (the panel's calls) the next pair of every block, from
+    /// pair `prefetch_from` (this call's share).
     prefetch: *const u32,
     prefetch_blocks: usize,
+    prefetch_every: usize,
+    prefetch_from: usize,
 }
 
 impl<X> Panel<X> {
-    /// Prefetches pair `p` of every block the call prefetches.
+    /// At iteration `p` of the call's loop over pairs, prefetches its share of the next panel
+    /// (see [`Panel::prefetch`]).
     ///
     /// # Safety
     /// `p` must be under `kp`.
     #[inline(always)]
     unsafe fn prefetch_next(&self, p: usize) {
+        if self.prefetch_blocks == 0 || !(p as u32).is_multiple_of(self.prefetch_every as u32) {
+            return;
+        }
+        // Under kp: the last call's share ends at pair kp - 1.
+        let pair = self.prefetch_from + p / self.prefetch_every;
         for b in 0..self.prefetch_blocks {
             // SAFETY: the caller's contract; the blocks are inside the matrix (run_panels).
-            prefetch_l2(unsafe { self.prefetch.add(b * self.w_stride + p * BLOCK) }.cast());
+            prefetch_l2(unsafe { self.prefetch.add(b * self.w_stride + pair * BLOCK) }.cast());
         }
     }
 }
