@@ -272,8 +272,8 @@ impl CpuMamba2 {
 
         // Each sequence's conv and scan from its own state. A batch whose states outgrow the
         // cache reads each from memory once per step: the scan prefetches it ahead.
-        let state_bytes = c.n_layer * c.nheads * c.headdim * c.d_state * std::mem::size_of::<S>();
-        let from_memory = crate::memory::outgrows_cache(states.len() * state_bytes);
+        let layer_bytes: usize = states.iter().map(|ls| std::mem::size_of_val(&ls.ssm[..])).sum();
+        let from_memory = crate::memory::outgrows_cache(c.n_layer * layer_bytes);
         let mut gated = vec![0.0f32; rows * di];
         per_sequence(states, lens, &zxbcdt, width, &mut gated, di, |ls, zx, t, out| {
             self.mixer(lw, ls, zx, t, from_memory, out)
