@@ -242,6 +242,24 @@ fn instruction_rates(c: &mut Criterion) {
             }
             acc.iter().map(|&v| _mm512_reduce_add_ps(v)).sum()
         }
+        #[target_feature(enable = "avx2,fma")]
+        fn fma_ymm(x: f32) -> f32 {
+            let (a, b) = (_mm256_set1_ps(x), _mm256_set1_ps(1.0 - x));
+            let mut acc = [_mm256_setzero_ps(); CHAINS];
+            for _ in 0..STEPS {
+                for v in acc.iter_mut() {
+                    *v = _mm256_fmadd_ps(a, b, *v);
+                }
+            }
+            let mut lanes = [0.0f32; 8];
+            acc.iter()
+                .map(|&v| {
+                    // SAFETY: `lanes` holds eight f32.
+                    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), v) };
+                    lanes.iter().sum::<f32>()
+                })
+                .sum()
+        }
         #[target_feature(enable = "avx512f,avx512bf16")]
         fn dot(x: f32) -> f32 {
             let a = _mm512_cvtne2ps_pbh(_mm512_set1_ps(x), _mm512_set1_ps(1.0 - x));
@@ -258,6 +276,11 @@ fn instruction_rates(c: &mut Criterion) {
             group.throughput(Throughput::Elements((STEPS * CHAINS * 16) as u64));
             // SAFETY: the CPU has AVX-512 F.
             group.bench_function("vfmadd231ps zmm (f32)", |b| b.iter(|| unsafe { fma(std::hint::black_box(0.5)) }));
+        }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+            group.throughput(Throughput::Elements((STEPS * CHAINS * 8) as u64));
+            // SAFETY: the CPU has AVX2 and FMA.
+            group.bench_function("vfmadd231ps ymm (f32)", |b| b.iter(|| unsafe { fma_ymm(std::hint::black_box(0.5)) }));
         }
         if picaso_model::cpu::bf16_dot::available() {
             group.throughput(Throughput::Elements((STEPS * CHAINS * 32) as u64));

@@ -481,7 +481,7 @@ simd_fn! {
 /// and runs the f32 kernel on it for all inputs, instead of widening every weight again for each
 /// block of inputs (8 times for 16 inputs on AVX2), whose shifts and zero-extensions compete with
 /// the multiply-adds for the vector units. A decode step's products on an AMD EPYC Zen 1 (AVX2):
-/// 1.13× at 8 inputs, 1.38× at 16, 1.52× at 32; even at 6; 0.82–0.87× at 4, where the step is
+/// 1.13× at 8 inputs, 1.38× at 16, 1.52× at 32; even at 6; ~0.85× at 4, where the step is
 /// bound by memory and the widening loop lacks the kernel's prefetch (BENCHMARKS.md).
 const WIDEN_ONCE_MIN_INPUTS: usize = 8;
 
