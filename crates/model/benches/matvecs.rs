@@ -75,7 +75,7 @@ fn step_from_memory(c: &mut Criterion) {
         let label =
             if dtype == WeightDtype::Bf16 { format!("{dtype:?} {}", kernel.name()) } else { format!("{dtype:?}") };
         let mut group = c.benchmark_group(format!("decode step products {label}"));
-        for m in [1usize, 4, 8, 16, 32] {
+        for m in [1usize, 4, 6, 8, 16, 32] {
             let x = weights(m * di, 3);
             let (mut zx, mut h, mut logits) = (vec![0.0f32; m * width], vec![0.0f32; m * d], vec![0.0f32; m * vocab]);
             group.throughput(Throughput::Elements(m as u64));

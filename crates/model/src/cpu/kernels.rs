@@ -6,6 +6,7 @@ use picaso_compose::{prefetch_l2, simd_fn};
 
 use super::bf16_dot::PairedBf16;
 use rayon::prelude::*;
+use std::cell::Cell;
 
 /// Lanes of the hand-vectorised loops (one AVX-512 register, two AVX2 registers of f32).
 pub const LANES: usize = 16;
@@ -133,14 +134,25 @@ fn dots<W: Widen, const R: usize, const M: usize>(rows: [&[W]; R], xs: [&[f32]; 
     dots_portable(rows, xs, prefetch)
 }
 
-/// [`dots`] for the many-input kernel: with AVX-512 where the CPU has it (same bits). The
-/// one-input kernel stays on AVX2: with AVX-512, a lone in_proj product of mamba2-130m took
-/// 109–120 µs on a Zen 4 against AVX2's 91–96.
+/// How the many-input AVX2 kernel holds a dot's 16 lanes (AVX-512 holds them in one register).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Blocking {
+    /// Two registers per dot, in one pass ([`dots_avx2`]): 3 × 2 blocks.
+    Pairs,
+    /// One register per dot, in two passes ([`dots_avx2_halves`]): 2 × 4 blocks, so a block of
+    /// four inputs widens each bf16 weight once.
+    Halves,
+}
+
+/// [`dots`] for the many-input kernel: with AVX-512 where the CPU has it, else with AVX2 as
+/// `blocking` says (same bits either way). The one-input kernel stays on AVX2: with AVX-512, a
+/// lone in_proj product of mamba2-130m took 109–120 µs on a Zen 4 against AVX2's 91–96.
 #[inline(always)]
 fn dots_batch<W: Widen, const R: usize, const M: usize>(
     rows: [&[W]; R],
     xs: [&[f32]; M],
     prefetch: bool,
+    blocking: Blocking,
 ) -> [[f32; M]; R] {
     #[cfg(target_arch = "x86_64")]
     if has_avx512() {
@@ -148,7 +160,65 @@ fn dots_batch<W: Widen, const R: usize, const M: usize>(
         // SAFETY: the CPU has AVX-512F, AVX2 and FMA; the lengths are checked above.
         return unsafe { dots_avx512(rows, xs, prefetch) };
     }
+    #[cfg(target_arch = "x86_64")]
+    if blocking == Blocking::Halves && has_avx2_fma() {
+        assert_same_lengths(&rows, &xs);
+        // SAFETY: the CPU has AVX2 and FMA; the lengths are checked above.
+        return unsafe { dots_avx2_halves(rows, xs, prefetch) };
+    }
     dots(rows, xs, prefetch)
+}
+
+/// [`dots`] with AVX2 for the many-input kernel, one register per dot: the lanes 0–7 of every
+/// dot (the first half of each 16 elements) in a first pass over the rows, then the lanes 8–15
+/// in a second, so R·M accumulators fit where [`dots_avx2`] needs 2·R·M: a block can span four
+/// inputs. Each lane's chain is the same multiply-adds in the same order, and the halves meet
+/// in the same lane tree: the same bits. For f32 weights and for 16 inputs, blocks of 4 × 3,
+/// 4 × 2, 3 × 3 and 2 × 4 in halves were 1.04–1.25× slower than 3 × 2 in pairs on a Zen 1.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA, and every row and input must have the same length.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dots_avx2_halves<W: Widen, const R: usize, const M: usize>(
+    rows: [&[W]; R],
+    xs: [&[f32]; M],
+    prefetch: bool,
+) -> [[f32; M]; R] {
+    use std::arch::x86_64::*;
+    let k = xs[0].len();
+    let body = k - k % LANES;
+    let ahead = PREFETCH_AHEAD_BYTES / std::mem::size_of::<W>();
+    let mut halves = [[[_mm256_setzero_ps(); M]; R]; 2];
+    for (half, acc) in halves.iter_mut().enumerate() {
+        let mut j = half * 8;
+        while j < body {
+            if prefetch && half == 0 {
+                prefetch_rows(&rows, j + ahead);
+            }
+            // SAFETY: j + 8 <= body <= k, every slice's length.
+            unsafe {
+                let x: [__m256; M] = std::array::from_fn(|i| _mm256_loadu_ps(xs[i].as_ptr().add(j)));
+                for r in 0..R {
+                    let w = W::load8(rows[r].as_ptr().add(j));
+                    for i in 0..M {
+                        acc[r][i] = _mm256_fmadd_ps(w, x[i], acc[r][i]);
+                    }
+                }
+            }
+            j += LANES;
+        }
+    }
+    let mut out = [[0.0f32; M]; R];
+    for r in 0..R {
+        for i in 0..M {
+            // The lane tree of lane_sum: v[l] += v[l+8], then the rest.
+            // SAFETY: the CPU has AVX2 (this function's contract).
+            let sum = unsafe { lane_tree8(_mm256_add_ps(halves[0][r][i], halves[1][r][i])) };
+            out[r][i] = sum + tail_dot(rows[r], xs[i], body);
+        }
+    }
+    out
 }
 
 /// The SIMD kernels' precondition: every row and input as long as the first input.
@@ -392,21 +462,27 @@ const BATCH_AVX2: (usize, usize) = (3, 2);
 /// 3 × 2, 4 × 2, 4 × 3, 3 × 4, 6 × 2, 6 × 3, 8 × 2 and 2 × 4 on a Zen 4 (BENCHMARKS.md).
 const BATCH_AVX512: (usize, usize) = (4, 4);
 
+/// The same with [`Blocking::Halves`]: 2 × 4 dots in 8 registers, 4 inputs and a weight in 5.
+const BATCH_AVX2_HALVES: (usize, usize) = (2, 4);
+
 /// The (weight rows, inputs) of a block of the many-input kernel on this CPU.
 #[inline(always)]
-fn block_shape() -> (usize, usize) {
+fn block_shape(blocking: Blocking) -> (usize, usize) {
     #[cfg(target_arch = "x86_64")]
     if has_avx512() {
         return BATCH_AVX512;
     }
-    BATCH_AVX2
+    match blocking {
+        Blocking::Pairs => BATCH_AVX2,
+        Blocking::Halves => BATCH_AVX2_HALVES,
+    }
 }
 
 /// out_t[r·m + i] = dot(w row r, x row i) for the m rows of `x`: each weight row is read from
 /// memory once (then from L1) for all m inputs.
 #[inline(always)]
-fn matvecs_body<W: Widen>(w: &[W], x: &[f32], k: usize, out_t: &mut [f32]) {
-    let (block_rows, block_inputs) = block_shape();
+fn matvecs_body<W: Widen>(w: &[W], x: &[f32], k: usize, out_t: &mut [f32], blocking: Blocking) {
+    let (block_rows, block_inputs) = block_shape(blocking);
     let m = x.len() / k;
     let n = out_t.len() / m;
     let mut r = 0;
@@ -419,7 +495,7 @@ fn matvecs_body<W: Widen>(w: &[W], x: &[f32], k: usize, out_t: &mut [f32]) {
             macro_rules! by_shape {
                 ($(($r:literal, $c:literal)),*) => {
                     match (rows, inputs) {
-                        $(($r, $c) => block::<W, $r, $c>(w, x, k, r, i, m, out_t),)*
+                        $(($r, $c) => block::<W, $r, $c>(w, x, k, r, i, m, out_t, blocking),)*
                         _ => unreachable!("blocks are at most 4 × 4"),
                     }
                 };
@@ -459,11 +535,13 @@ fn block<W: Widen, const R: usize, const M: usize>(
     i0: usize,
     m: usize,
     out_t: &mut [f32],
+    blocking: Blocking,
 ) {
     let v = dots_batch::<W, R, M>(
         std::array::from_fn(|b| &w[(r0 + b) * k..(r0 + b + 1) * k]),
         std::array::from_fn(|c| &x[(i0 + c) * k..(i0 + c + 1) * k]),
         i0 == 0,
+        blocking,
     );
     for (b, vr) in v.iter().enumerate() {
         out_t[(r0 + b) * m + i0..(r0 + b) * m + i0 + M].copy_from_slice(vr);
@@ -473,7 +551,7 @@ fn block<W: Widen, const R: usize, const M: usize>(
 simd_fn! {
     /// [`matvecs_body`] for f32 `w`.
     pub fn matvecs_rows(w: &[f32], x: &[f32], k: usize, out_t: &mut [f32]) {
-        matvecs_body(w, x, k, out_t)
+        matvecs_body(w, x, k, out_t, Blocking::Pairs)
     }
 }
 
@@ -485,21 +563,29 @@ simd_fn! {
 /// bound by memory and the widening loop lacks the kernel's prefetch (BENCHMARKS.md).
 const WIDEN_ONCE_MIN_INPUTS: usize = 8;
 
+/// From this many inputs up to [`WIDEN_ONCE_MIN_INPUTS`], bf16 products on AVX2 run in
+/// [`Blocking::Halves`]: blocks of four inputs widen each weight once per four instead of per
+/// two. A decode step's products on Zen 1: 1.24× at 4 inputs, 1.09× at 6; at 2, 0.83× (a 2 × 2
+/// block loads a register per multiply-add), and at 8 widening once wins (BENCHMARKS.md).
+const HALVES_MIN_INPUTS: usize = 4;
+
 simd_fn! {
     /// [`matvecs_body`] for bf16 `w` (stored as bits). Widening is exact, so the bits are those
     /// of the f32 kernel on the widened weights whichever way it runs.
     pub fn matvecs_rows_bf16(w: &[u16], x: &[f32], k: usize, out_t: &mut [f32]) {
         let m = x.len() / k;
         if m < WIDEN_ONCE_MIN_INPUTS {
-            return matvecs_body(w, x, k, out_t);
+            let blocking = if m >= HALVES_MIN_INPUTS { Blocking::Halves } else { Blocking::Pairs };
+            return matvecs_body(w, x, k, out_t, blocking);
         }
-        let rows = block_shape().0;
-        let mut panel = vec![0.0f32; rows * k];
-        for (w, out_t) in w.chunks(rows * k).zip(out_t.chunks_mut(rows * m)) {
-            let panel = &mut panel[..w.len()];
-            panel.iter_mut().zip(w).for_each(|(p, b)| *p = b.widen());
-            matvecs_body(panel, x, k, out_t);
-        }
+        let rows = block_shape(Blocking::Pairs).0;
+        with_scratch(&PANEL, rows * k, |panel| {
+            for (w, out_t) in w.chunks(rows * k).zip(out_t.chunks_mut(rows * m)) {
+                let panel = &mut panel[..w.len()];
+                panel.iter_mut().zip(w).for_each(|(p, b)| *p = b.widen());
+                matvecs_body(panel, x, k, out_t, Blocking::Pairs);
+            }
+        })
     }
 }
 
@@ -704,22 +790,48 @@ pub fn matmul_rows_t(x: &[f32], m: usize, k: usize, w: &Matrix, n: usize, out: &
     assert_eq!(out.len(), m * n, "matmul_rows_t: out is not m×n");
     let rows = (n / (8 * rayon::current_num_threads())).max(16);
     // Transposed (n × m) so that each task writes one contiguous block.
-    let mut out_t = vec![0.0f32; n * m];
-    match w {
-        Matrix::F32(w) => out_t.par_chunks_mut(rows * m).enumerate().for_each(|(i, o)| {
-            matvecs_rows(&w[i * rows * k..(i * rows + o.len() / m) * k], x, k, o);
-        }),
-        Matrix::Bf16(w) => out_t.par_chunks_mut(rows * m).enumerate().for_each(|(i, o)| {
-            matvecs_rows_bf16(&w[i * rows * k..(i * rows + o.len() / m) * k], x, k, o);
-        }),
-        Matrix::Bf16Pairs(_) => unreachable!("handled above"),
-    }
-    for (r, col) in out_t.chunks_exact(m).enumerate() {
-        for (i, &v) in col.iter().enumerate() {
-            let o = &mut out[i * n + r];
-            *o = if accumulate { *o + v } else { v };
+    with_scratch(&OUT_T, n * m, |out_t| {
+        match w {
+            Matrix::F32(w) => out_t.par_chunks_mut(rows * m).enumerate().for_each(|(i, o)| {
+                matvecs_rows(&w[i * rows * k..(i * rows + o.len() / m) * k], x, k, o);
+            }),
+            Matrix::Bf16(w) => out_t.par_chunks_mut(rows * m).enumerate().for_each(|(i, o)| {
+                matvecs_rows_bf16(&w[i * rows * k..(i * rows + o.len() / m) * k], x, k, o);
+            }),
+            Matrix::Bf16Pairs(_) => unreachable!("handled above"),
         }
-    }
+        for (r, col) in out_t.chunks_exact(m).enumerate() {
+            for (i, &v) in col.iter().enumerate() {
+                let o = &mut out[i * n + r];
+                *o = if accumulate { *o + v } else { v };
+            }
+        }
+    })
+}
+
+thread_local! {
+    /// [`matmul_rows_t`]'s transposed outputs (up to 6.4 MB: mamba2-130m's LM head for 32 rows).
+    static OUT_T: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
+    /// [`matvecs_rows_bf16`]'s block of widened weight rows (9–24 KiB).
+    static PANEL: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
+}
+
+/// Runs `f` on `len` floats of this thread's `buffer`, kept between calls: buffers allocated
+/// per call were returned to the system and faulted in again on the next, page by page (a
+/// decode step's products of 8 sequences took 1.6× as long, depending on what the allocator
+/// had cached). Re-entrant: a nested call (a pool thread that steals a task while it waits)
+/// finds the buffer taken and uses a fresh one.
+fn with_scratch<R>(
+    buffer: &'static std::thread::LocalKey<Cell<Vec<f32>>>,
+    len: usize,
+    f: impl FnOnce(&mut [f32]) -> R,
+) -> R {
+    let mut v = buffer.take();
+    v.clear();
+    v.resize(len, 0.0);
+    let r = f(&mut v);
+    buffer.set(v);
+    r
 }
 
 /// out[:, col0 .. col0+n] (+)= x (m×k) · wᵀ for w (n×k); `out` has `ld` columns.
@@ -1360,7 +1472,8 @@ mod tests {
                     Matrix::Bf16Pairs(_) => half::bf16::from_f32(v).to_f32(),
                     _ => v,
                 };
-                // From 8 inputs on, bf16 rows are widened once per block (WIDEN_ONCE_MIN_INPUTS).
+                // bf16 rows run in halves from 4 inputs on (HALVES_MIN_INPUTS) and are widened
+                // once per block from 8 (WIDEN_ONCE_MIN_INPUTS).
                 for m in 1..=10 {
                     let x: Vec<f32> = (0..m * k).map(|i| (((i * 104_729) % 997) as f32 - 498.0) / 211.0).collect();
                     let mut batch = vec![0.5; m * n];
@@ -1387,6 +1500,25 @@ mod tests {
     }
 
     #[test]
+    fn a_nested_scratch_call_gets_its_own_buffer() {
+        thread_local! {
+            static BUF: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
+        }
+        let outer = with_scratch(&BUF, 3, |a| {
+            a.fill(1.0);
+            let inner = with_scratch(&BUF, 5, |b| {
+                assert_eq!(b, &[0.0; 5], "a nested call starts from zeros");
+                b.fill(2.0);
+                b.iter().sum::<f32>()
+            });
+            assert_eq!(a, &[1.0; 3], "the nested call left the outer buffer alone");
+            inner + a.iter().sum::<f32>()
+        });
+        assert_eq!(outer, 13.0);
+        with_scratch(&BUF, 4, |c| assert_eq!(c, &[0.0; 4], "a kept buffer is cleared"));
+    }
+
+    #[test]
     #[cfg(target_arch = "x86_64")]
     fn the_avx2_and_avx512_dots_equal_the_portable_definition_to_the_bit() {
         if !has_avx2_fma() {
@@ -1404,6 +1536,10 @@ mod tests {
             let bits = |v: [[f32; 3]; 2]| v.map(|r| r.map(f32::to_bits));
             assert_eq!(bits(fast), bits(dots_portable(rows, xs, false)), "f32, k {k}");
             assert_eq!(bits(fast_b), bits(dots_portable(rows_b, xs, true)), "bf16, k {k}");
+            // SAFETY: as above.
+            let (halves, halves_b) = unsafe { (dots_avx2_halves(rows, xs, true), dots_avx2_halves(rows_b, xs, false)) };
+            assert_eq!(bits(halves), bits(fast), "halves, f32, k {k}");
+            assert_eq!(bits(halves_b), bits(fast_b), "halves, bf16, k {k}");
             if has_avx512() {
                 // SAFETY: AVX-512F was detected; the slices have equal lengths.
                 let (wide, wide_b) = unsafe { (dots_avx512(rows, xs, true), dots_avx512(rows_b, xs, false)) };
