@@ -174,7 +174,7 @@ fn dots_batch<W: Widen, const R: usize, const M: usize>(
 /// in a second, so R·M accumulators fit where [`dots_avx2`] needs 2·R·M: a block can span four
 /// inputs. Each lane's chain is the same multiply-adds in the same order, and the halves meet
 /// in the same lane tree: the same bits. For f32 weights and for 16 inputs, blocks of 4 × 3,
-/// 4 × 2, 3 × 3 and 2 × 4 in halves were 1.04–1.25× slower than 3 × 2 in pairs on a Zen 1.
+/// 4 × 2, 3 × 3 and 2 × 4 in halves were 1.03–1.26× slower than 3 × 2 in pairs on a Zen 1.
 ///
 /// # Safety
 /// The CPU must have AVX2 and FMA, and every row and input must have the same length.
@@ -810,7 +810,8 @@ pub fn matmul_rows_t(x: &[f32], m: usize, k: usize, w: &Matrix, n: usize, out: &
 }
 
 thread_local! {
-    /// [`matmul_rows_t`]'s transposed outputs (up to 6.4 MB: mamba2-130m's LM head for 32 rows).
+    /// [`matmul_rows_t`]'s transposed outputs, as large as the largest call's: up to 25.7 MB on
+    /// the thread that runs a forward pass (mamba2-130m's LM head for 128 rows of scoring).
     static OUT_T: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
     /// [`matvecs_rows_bf16`]'s block of widened weight rows (9–24 KiB).
     static PANEL: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
