@@ -194,40 +194,77 @@ def hf_config(run):
 
 
 @torch.no_grad()
-def init_weights(model, run, seed):
-    """picaso's `init_weights_with` (crates/train/src/pretrain.rs) in torch: normal(0, 0.02)
-    embedding and in_proj, out_proj scaled by 1/sqrt(2 n_layer), conv N(0, 1/d_conv), dt
+def init_mixer(m, run, g, out_std):
+    """One Mamba-2 mixer as picaso's `init_weights_with` (crates/train/src/pretrain.rs), drawn in
+    its order: in_proj normal(0, 0.02), out_proj normal(0, out_std), conv N(0, 1/d_conv), dt
     log-uniform in [1e-3, 1e-1], A in U(1, 16); `long_memory` of the heads get dt in [1e-4, 1e-3]
     and A in U(0.5, 1); `mimetic` copies B's rows of in_proj to C's."""
-    g = torch.Generator().manual_seed(seed)
-    L = run["n_layer"]
     init = run.get("init", {})
+    m.in_proj.weight.copy_(torch.randn(m.in_proj.weight.shape, generator=g) * 0.02)
+    m.out_proj.weight.copy_(torch.randn(m.out_proj.weight.shape, generator=g) * out_std)
+    m.conv1d.weight.copy_(torch.randn(m.conv1d.weight.shape, generator=g) / math.sqrt(m.conv1d.weight.shape[-1]))
+    m.conv1d.bias.zero_()
+    m.norm.weight.fill_(1.0)
+    m.D.fill_(1.0)
+    h = m.num_heads
+    lo, hi = math.log(1e-3), math.log(1e-1)
+    dt = torch.exp(lo + torch.rand(h, generator=g, dtype=torch.float64) * (hi - lo))
+    a = 1.0 + 15.0 * torch.rand(h, generator=g, dtype=torch.float64)
+    long = min(h, round(init.get("long_memory", 0.0) * h))
+    if long:
+        lo, hi = math.log(1e-4), math.log(1e-3)
+        dt[:long] = torch.exp(lo + torch.rand(long, generator=g, dtype=torch.float64) * (hi - lo))
+        a[:long] = 0.5 + 0.5 * torch.rand(long, generator=g, dtype=torch.float64)
+    m.dt_bias.copy_(torch.log(torch.expm1(dt)))  # softplus^-1
+    m.A_log.copy_(torch.log(a))
+    if init.get("mimetic", False):
+        di, gn = m.intermediate_size, m.n_groups * m.ssm_state_size
+        b0, c0 = 2 * di, 2 * di + gn
+        m.in_proj.weight[c0 : c0 + gn] = m.in_proj.weight[b0 : b0 + gn]
+
+
+@torch.no_grad()
+def init_weights(model, run, seed):
+    """picaso's `init_weights_with` in torch: normal(0, 0.02) embedding, each mixer as
+    `init_mixer` with out_proj scaled by 1/sqrt(2 n_layer). A hybrid: `hybrid_lm.init_weights`."""
+    g = torch.Generator().manual_seed(seed)
+    if is_hybrid(run):
+        from hybrid_lm import init_weights as init_hybrid
+
+        return init_hybrid(model, run, g, init_mixer)
+    L = run["n_layer"]
     model.backbone.embeddings.weight.copy_(torch.randn(model.backbone.embeddings.weight.shape, generator=g) * 0.02)
     for layer in model.backbone.layers:
-        m = layer.mixer
-        m.in_proj.weight.copy_(torch.randn(m.in_proj.weight.shape, generator=g) * 0.02)
-        m.out_proj.weight.copy_(torch.randn(m.out_proj.weight.shape, generator=g) * (0.02 / math.sqrt(2 * L)))
-        m.conv1d.weight.copy_(torch.randn(m.conv1d.weight.shape, generator=g) / math.sqrt(m.conv1d.weight.shape[-1]))
-        m.conv1d.bias.zero_()
+        init_mixer(layer.mixer, run, g, 0.02 / math.sqrt(2 * L))
         layer.norm.weight.fill_(1.0)
-        m.norm.weight.fill_(1.0)
-        m.D.fill_(1.0)
-        h = m.num_heads
-        lo, hi = math.log(1e-3), math.log(1e-1)
-        dt = torch.exp(lo + torch.rand(h, generator=g, dtype=torch.float64) * (hi - lo))
-        a = 1.0 + 15.0 * torch.rand(h, generator=g, dtype=torch.float64)
-        long = min(h, round(init.get("long_memory", 0.0) * h))
-        if long:
-            lo, hi = math.log(1e-4), math.log(1e-3)
-            dt[:long] = torch.exp(lo + torch.rand(long, generator=g, dtype=torch.float64) * (hi - lo))
-            a[:long] = 0.5 + 0.5 * torch.rand(long, generator=g, dtype=torch.float64)
-        m.dt_bias.copy_(torch.log(torch.expm1(dt)))  # softplus^-1
-        m.A_log.copy_(torch.log(a))
-        if init.get("mimetic", False):
-            di, gn = m.intermediate_size, m.n_groups * m.ssm_state_size
-            b0, c0 = 2 * di, 2 * di + gn
-            m.in_proj.weight[c0 : c0 + gn] = m.in_proj.weight[b0 : b0 + gn]
     model.backbone.norm_f.weight.fill_(1.0)
+
+
+def is_hybrid(run):
+    return run.get("arch", "mamba2") == "granite_hybrid"
+
+
+def make_model(run):
+    """The run's model: transformers' `Mamba2ForCausalLM` or, with `"arch": "granite_hybrid"`,
+    `GraniteMoeHybridForCausalLM` (scripts/hybrid_lm.py)."""
+    if is_hybrid(run):
+        from hybrid_lm import HybridLM
+
+        return HybridLM(run)
+    return Mamba2LM(run)
+
+
+def model_params(run):
+    """Parameter count of the run's model (tied embeddings)."""
+    if is_hybrid(run):
+        from hybrid_lm import params
+
+        return params(run)
+    d, n, g, L, v = run["d_model"], run["d_state"], run.get("n_groups", 1), run["n_layer"], run["vocab"]
+    di, h = 2 * d, 2 * d // run["headdim"]
+    conv = di + 2 * g * n
+    layer = d * (2 * di + 2 * g * n + h) + conv * 4 + conv + 3 * h + di + di * d + d
+    return v * d + L * layer + d
 
 
 @torch.no_grad()
@@ -235,6 +272,10 @@ def check_against_transformers(run, seed=0):
     """Loads one random model into both this script's `Mamba2LM` and transformers'
     `Mamba2ForCausalLM` and compares their logits on the CPU in f64 (transformers rounds A and dt to f32) (a length that is not a
     multiple of the chunk included)."""
+    if is_hybrid(run):
+        from hybrid_lm import check_against_transformers as check_hybrid
+
+        return check_hybrid(run, init_mixer, seed)
     from transformers import Mamba2ForCausalLM
 
     ours = Mamba2LM(run).double()
@@ -251,10 +292,16 @@ def check_against_transformers(run, seed=0):
 
 
 def lr_at(run, step):
+    """Linear warmup, then cosine decay to `min_lr` at the last step; with `decay_start` the rate
+    holds at its peak until that step and the cosine runs from there (warmup-stable-decay: a run
+    stopped before its decay can be continued and still end on a full decay)."""
     peak, floor, warm, total = run["lr"], run["min_lr"], run["warmup"], run["steps"]
     if step < warm:
         return peak * (step + 1) / warm
-    t = min(1.0, (step - warm) / max(1, total - warm))
+    start = max(warm, run.get("decay_start", warm))
+    if step < start:
+        return peak
+    t = min(1.0, (step - start) / max(1, total - start))
     return floor + 0.5 * (peak - floor) * (1 + math.cos(math.pi * t))
 
 
@@ -325,8 +372,13 @@ def load_weights(model, run, folder):
     from safetensors.torch import load_file
 
     cfg = json.load(open(os.path.join(folder, "config.json")))
-    want = {"hidden_size": run["d_model"], "num_hidden_layers": run["n_layer"], "state_size": run["d_state"],
-            "head_dim": run["headdim"], "vocab_size": run["vocab"], "n_groups": run.get("n_groups", 1)}
+    if is_hybrid(run):
+        from hybrid_lm import config as hybrid_config
+
+        want = {k: v for k, v in hybrid_config(run).items() if isinstance(v, (int, str, list)) and k != "time_step_limit"}
+    else:
+        want = {"hidden_size": run["d_model"], "num_hidden_layers": run["n_layer"], "state_size": run["d_state"],
+                "head_dim": run["headdim"], "vocab_size": run["vocab"], "n_groups": run.get("n_groups", 1)}
     other = {k: (cfg.get(k), v) for k, v in want.items() if cfg.get(k) != v}
     if other:
         sys.exit(f"--init {folder}: its config differs from the run's (theirs, ours): {other}")
@@ -345,15 +397,21 @@ def export(model, run, out, dtype, history):
     sd = {k: v.detach().to(dt).contiguous().cpu() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     save_file(sd, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     d, hd = run["d_model"], run["headdim"]
-    config = {
-        "architectures": ["Mamba2ForCausalLM"], "conv_kernel": 4, "expand": 2, "head_dim": hd,
-        "hidden_size": d, "layer_norm_epsilon": 1e-5, "model_type": "mamba2",
-        "norm_before_gate": False, "num_heads": 2 * d // hd, "num_hidden_layers": run["n_layer"], "n_groups": run.get("n_groups", 1),
-        "residual_in_fp32": True, "rms_norm": True, "state_size": run["d_state"], "tie_word_embeddings": True,
-        "time_step_limit": [0.0, {"__float__": "Infinity"}], "use_bias": False, "use_conv_bias": True,
-        "vocab_size": run["vocab"],
-    }
+    if is_hybrid(run):
+        from hybrid_lm import config as hybrid_config
+
+        config = hybrid_config(run)
+    else:
+        config = {
+            "architectures": ["Mamba2ForCausalLM"], "conv_kernel": 4, "expand": 2, "head_dim": hd,
+            "hidden_size": d, "layer_norm_epsilon": 1e-5, "model_type": "mamba2",
+            "norm_before_gate": False, "num_heads": 2 * d // hd, "num_hidden_layers": run["n_layer"], "n_groups": run.get("n_groups", 1),
+            "residual_in_fp32": True, "rms_norm": True, "state_size": run["d_state"], "tie_word_embeddings": True,
+            "time_step_limit": [0.0, {"__float__": "Infinity"}], "use_bias": False, "use_conv_bias": True,
+            "vocab_size": run["vocab"],
+        }
     json.dump(config, open(os.path.join(out, "config.json"), "w"), indent=2)
+    json.dump(run, open(os.path.join(out, "run.json"), "w"), indent=1)
     with open(os.path.join(out, "train-log.jsonl"), "w") as f:
         for h in history:
             f.write(json.dumps(h) + "\n")
@@ -374,6 +432,8 @@ def main():
                          "from the speed of its first 40 steps")
     ap.add_argument("--init", help="start a new run from this model folder's weights (config.json + "
                                    "model.safetensors, e.g. models/picaso-mamba2) instead of fresh ones")
+    ap.add_argument("--continue-from", help="start from another run folder's checkpoint (weights, optimiser "
+                                            "moments, step, history) under this run file's schedule")
     ap.add_argument("--export", help="write the model here when the run stops")
     ap.add_argument("--dtype", default="bf16", choices=["f32", "bf16"], help="exported weights' dtype")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model")
@@ -404,9 +464,9 @@ def main():
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.manual_seed(run["seed"])
-    model = Mamba2LM(run)
+    model = make_model(run)
     init_weights(model, run, run["seed"])
-    if a.init and not os.path.exists(os.path.join(a.out, "checkpoint.pt")):
+    if a.init and not a.continue_from and not os.path.exists(os.path.join(a.out, "checkpoint.pt")):
         load_weights(model, run, a.init)
         print(f"warm start from {a.init}", flush=True)
     model.to(dev)
@@ -418,12 +478,18 @@ def main():
     os.makedirs(a.out, exist_ok=True)
     ckpt_path = os.path.join(a.out, "checkpoint.pt")
     step, history = 0, []
-    if os.path.exists(ckpt_path):
-        ck = torch.load(ckpt_path, map_location=dev)
+    own = os.path.exists(ckpt_path)
+    source = ckpt_path if own else a.continue_from and os.path.join(a.continue_from, "checkpoint.pt")
+    if source:
+        ck = torch.load(source, map_location=dev)
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
-        step, history, run["steps"] = ck["step"], ck["history"], ck["steps"]
-        print(f"resumed at step {step} of {run['steps']}", flush=True)
+        step, history = ck["step"], ck["history"]
+        if own:  # this run's own schedule, as planned when it started
+            run["steps"] = ck["steps"]
+            if ck.get("decay_start") is not None:
+                run["decay_start"] = ck["decay_start"]
+        print(f"{'resumed' if own else 'continuing ' + a.continue_from} at step {step} of {run['steps']}", flush=True)
     if a.export_only:
         if step == 0:
             sys.exit(f"--export-only: no checkpoint in {a.out}")
@@ -433,20 +499,26 @@ def main():
     def save():
         """The checkpoint, written aside and renamed, so a reader never sees half of it."""
         torch.save(dict(model=model.state_dict(), opt=opt.state_dict(), step=step, steps=run["steps"],
-                        history=history), ckpt_path + ".tmp")
+                        decay_start=run.get("decay_start"), history=history), ckpt_path + ".tmp")
         os.replace(ckpt_path + ".tmp", ckpt_path)
         print(f"checkpoint at step {step} ({time.time() - t0:.0f} s)", flush=True)
 
     fwd = torch.compile(model) if a.compile else model
     tokens_per_step = run["batch"] * run["seq_len"]
     tick, tick_step = time.time(), step
-    plan = a.plan_minutes is not None and step == 0
+    first, plan_tick = step, time.time()
+    plan = a.plan_minutes is not None and not own
+    if plan:
+        run["steps"] = first + 10**9  # sized after the first 40 steps
     while step < min(run["steps"], a.stop_after or run["steps"]) and time.time() - t0 < a.minutes * 60:
-        if plan and step == 40:
-            torch.cuda.synchronize()
-            per_step = (time.time() - tick) / 40
+        if plan and step == first + 40:
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            per_step = (time.time() - plan_tick) / 40
             left = a.plan_minutes * 60 * 0.95 - (time.time() - t0)  # 5% for validation and saving
-            run["steps"] = 40 + int(left / per_step)
+            run["steps"] = step + max(1, int(left / per_step))
+            if "decay_frac" in run:  # warmup-stable-decay: the cosine over the last fraction of all steps
+                run["decay_start"] = max(step, int(run["steps"] * (1 - run["decay_frac"])))
             plan = False
             print(f"{per_step * 1000:.0f} ms per step: the run is sized to {run['steps']} steps "
                   f"({run['steps'] * tokens_per_step / 1e6:.0f} M tokens)", flush=True)
@@ -479,6 +551,16 @@ def main():
             print(json.dumps(rec), flush=True)
         if run.get("checkpoint_every") and step % run["checkpoint_every"] == 0 and step < run["steps"]:
             save()
+    if step > first and not (history and history[-1]["step"] == step and "val_loss" in history[-1]):
+        # stopped by --minutes or --stop-after: the run's last word is still a validation
+        model.eval()
+        rec = dict(step=step, loss=loss.item(), lr=lr_at(run, step - 1), tokens=step * tokens_per_step,
+                   seconds=time.time() - t0, val_loss=validate(model, val, run, dev))
+        if pairs:
+            rec["context_use"] = context_use(model, pairs, dev)
+        model.train()
+        history.append(rec)
+        print(json.dumps(rec), flush=True)
     save()
     if a.export:
         export(model, run, a.export, a.dtype, history)

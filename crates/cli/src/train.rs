@@ -804,16 +804,18 @@ fn context_pairs(
 
 /// A loss chart: `rows` as (x, training loss, validation loss), the training loss averaged
 /// over `windows` equal runs of rows (single batches are noisy), validation points as they are.
+/// A row without a training loss (a validation when a run was stopped) adds only its point.
 fn loss_chart(
     path: &std::path::Path,
     chart: &picaso_eval::plot::Chart<'_>,
     names: [&str; 2],
-    rows: &[(f64, f64, Option<f64>)],
+    rows: &[(f64, Option<f64>, Option<f64>)],
     windows: usize,
 ) -> Result<()> {
     use picaso_eval::plot::{line_chart, Series};
-    let window = (rows.len() / windows).max(1);
-    let train: Vec<(f64, f64)> = rows
+    let trained: Vec<(f64, f64)> = rows.iter().filter_map(|r| r.1.map(|l| (r.0, l))).collect();
+    let window = (trained.len() / windows).max(1);
+    let train: Vec<(f64, f64)> = trained
         .chunks(window)
         .map(|c| (c.last().expect("chunks are non-empty").0, c.iter().map(|r| r.1).sum::<f64>() / c.len() as f64))
         .collect();
@@ -829,17 +831,17 @@ fn plot_cmd(a: PlotArgs) -> Result<()> {
     #[derive(Deserialize)]
     struct Row {
         tokens: u64,
-        loss: f64,
+        loss: Option<f64>,
         val_loss: Option<f64>,
     }
     let text = std::fs::read_to_string(&a.log).with_context(|| format!("reading --log {}", a.log.display()))?;
-    let rows: Vec<(f64, f64, Option<f64>)> =
+    let rows: Vec<(f64, Option<f64>, Option<f64>)> =
         json_lines::<Row>(&text, &a.log, "an object with tokens, loss and val_loss")?
             .into_iter()
             .map(|r| (r.tokens as f64 / 1e6, r.loss, r.val_loss))
             .collect();
-    if rows.is_empty() {
-        bail!("--log {}: no rows", a.log.display());
+    if !rows.iter().any(|r| r.1.is_some()) {
+        bail!("--log {}: no rows with a training loss", a.log.display());
     }
     draw_pretrain_loss(&a.out, &rows)?;
     eprintln!("wrote {}", a.out.display());
@@ -966,13 +968,13 @@ fn plot_context_cmd(a: PlotContextArgs) -> Result<()> {
 
 /// Training loss (mean over windows of 1% of the run) and validation loss against tokens seen.
 fn write_loss_png(path: &std::path::Path, history: &[picaso_train::pretrain::LogRow]) -> Result<()> {
-    let rows: Vec<(f64, f64, Option<f64>)> =
-        history.iter().map(|r| (r.tokens as f64 / 1e6, r.loss, r.val_loss)).collect();
+    let rows: Vec<(f64, Option<f64>, Option<f64>)> =
+        history.iter().map(|r| (r.tokens as f64 / 1e6, Some(r.loss), r.val_loss)).collect();
     draw_pretrain_loss(path, &rows)
 }
 
 /// The pretraining chart of (million tokens, training loss, validation loss) rows.
-fn draw_pretrain_loss(path: &std::path::Path, rows: &[(f64, f64, Option<f64>)]) -> Result<()> {
+fn draw_pretrain_loss(path: &std::path::Path, rows: &[(f64, Option<f64>, Option<f64>)]) -> Result<()> {
     let chart = picaso_eval::plot::Chart {
         title: "Pretraining loss",
         x: "tokens (millions)",
@@ -1225,7 +1227,8 @@ fn fit_compose(
             r.step, r.k, r.seconds, r.step_seconds, r.lr, r.grad_norm, r.loss
         )?;
     }
-    let rows: Vec<(f64, f64, Option<f64>)> = history.iter().map(|r| (r.step as f64, r.loss, r.val_loss)).collect();
+    let rows: Vec<(f64, Option<f64>, Option<f64>)> =
+        history.iter().map(|r| (r.step as f64, Some(r.loss), r.val_loss)).collect();
     let title = format!("Composition fine-tuning ({})", config.objective.name());
     let chart = picaso_eval::plot::Chart {
         title: &title,
