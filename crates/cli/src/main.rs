@@ -832,6 +832,7 @@ fn random_model(a: RandomModelArgs) -> Result<()> {
         picaso_model::ModelConfig::Mamba2(c) => {
             picaso_model::Mamba2Weights::random(c, a.seed).save_pretrained(&a.out, c)?
         }
+        picaso_model::ModelConfig::GraniteHybrid(_) => bail!("--shape: no random hybrid shape is offered"),
     }
     if let Some(t) = &a.tokenizer {
         std::fs::copy(t, a.out.join("tokenizer.json")).with_context(|| format!("copying {}", t.display()))?;

@@ -43,6 +43,11 @@ pub struct CandleMamba2 {
 }
 
 impl CandleMamba2 {
+    /// The config.
+    pub fn config(&self) -> &Mamba2Config {
+        &self.config
+    }
+
     /// Uploads `weights` to `device` in `dtype` (f32 everywhere; bf16/f16 where the device's
     /// matmul supports it, e.g. CUDA).
     pub fn new(config: &Mamba2Config, weights: &Mamba2Weights, device: &Device, dtype: DType) -> Result<Self> {
@@ -97,7 +102,7 @@ impl CandleMamba2 {
             h = self.layer(layer, ls, &h)?;
         }
         let out = rmsnorm(&h, &self.norm_f, self.config.norm_eps)?;
-        state.n_tokens = state.n_tokens.saturating_add(tokens.len() as u64);
+        state.advance(tokens.len());
         Ok(out.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?)
     }
 

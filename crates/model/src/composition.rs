@@ -3,6 +3,14 @@
 //! The SSM states are weighted sums (weights per (layer, head) from the log-decays); the conv
 //! tails are averaged (as in the paper); the composed log-decay is the sum of the parts' — the
 //! decay of any concatenation of them — so a composed state can itself be composed or continued.
+//!
+//! A hybrid model's attention layers take the union of the parts' keys and values (each context
+//! encoded alone, in the order composed): the query attends to every context's tokens, and the
+//! contexts never attend to each other. Without positional encoding attention over the union
+//! does not depend on the order, so PICASO-S composition of a NoPE hybrid is invariant to every
+//! reordering. With RoPE every context sits at positions 0..len-1 (as Parallel Context Windows)
+//! and the query starts after the longest. The union is associative: a composed state composes
+//! again.
 
 use picaso_compose::{compose_per_value, mean, weighted_sum_blocks, weights_per_element, Method};
 use rayon::prelude::*;
@@ -52,7 +60,8 @@ pub fn compose_views_into(
                 s.fingerprint, first.fingerprint
             )));
         }
-        if s.shape != first.shape || s.layers.len() != first.layers.len() {
+        if s.shape != first.shape || s.layers.len() != first.layers.len() || s.attention.len() != first.attention.len()
+        {
             return Err(Error::state(format!("state {i} has shape {:?}, state 0 has {:?}", s.shape, first.shape)));
         }
     }
@@ -80,6 +89,18 @@ pub fn compose_views_into(
     }
     out.fingerprint = first.fingerprint.to_string();
     out.n_tokens = ordered.iter().fold(0u64, |n, s| n.saturating_add(s.n_tokens));
+    // Each context was encoded from position 0: the query follows the longest. (A pure SSM
+    // state has no positions; its position is its token count.)
+    out.position = match first.shape.attention {
+        Some(_) => ordered.iter().map(|s| s.position).max().unwrap_or(0),
+        None => out.n_tokens,
+    };
+    out.attention = (0..first.attention.len())
+        .map(|a| crate::state::KvState {
+            keys: ordered.iter().flat_map(|s| s.attention[a].keys.iter().copied()).collect(),
+            values: ordered.iter().flat_map(|s| s.attention[a].values.iter().copied()).collect(),
+        })
+        .collect();
     // Layers in parallel (and blocks within a layer): one pass over the inputs, no barriers.
     let results: Vec<Result<()>> = out
         .layers

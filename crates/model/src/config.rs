@@ -321,6 +321,8 @@ pub enum ModelConfig {
     Mamba1(Mamba1Config),
     /// Mamba-2 (`model_type: "mamba2"`, or `ssm_cfg.layer: "Mamba2"`).
     Mamba2(Mamba2Config),
+    /// A Granite 4.0 H hybrid (`model_type: "granitemoehybrid"`): attention among Mamba-2 layers.
+    GraniteHybrid(crate::granite_hybrid::GraniteHybridConfig),
 }
 
 impl ModelConfig {
@@ -360,6 +362,9 @@ impl ModelConfig {
         }
         match map.get("model_type").and_then(Value::as_str) {
             Some("mamba") => Ok(Self::Mamba1(Mamba1Config::from_hf(path, &map)?)),
+            Some("granitemoehybrid") => {
+                Ok(Self::GraniteHybrid(crate::granite_hybrid::GraniteHybridConfig::from_hf(path, &map)?))
+            }
             Some("mamba2") | None => {
                 let c = Mamba2Config::from_hf(path, &map)?;
                 c.validate(path)?;
@@ -367,7 +372,10 @@ impl ModelConfig {
             }
             Some(other) => Err(Error::config(
                 path,
-                format!("model_type is {other:?}; picaso reads Mamba-1 (\"mamba\") and Mamba-2 (\"mamba2\") models"),
+                format!(
+                    "model_type is {other:?}; picaso reads Mamba-1 (\"mamba\"), Mamba-2 (\"mamba2\") and Granite 4.0 H \
+                     (\"granitemoehybrid\") models"
+                ),
             )),
         }
     }
@@ -376,7 +384,7 @@ impl ModelConfig {
     pub fn arch(&self) -> Arch {
         match self {
             Self::Mamba1(_) => Arch::Mamba1,
-            Self::Mamba2(_) => Arch::Mamba2,
+            Self::Mamba2(_) | Self::GraniteHybrid(_) => Arch::Mamba2,
         }
     }
     /// Width of the residual stream.
@@ -384,13 +392,15 @@ impl ModelConfig {
         match self {
             Self::Mamba1(c) => c.d_model,
             Self::Mamba2(c) => c.d_model,
+            Self::GraniteHybrid(c) => c.d_model,
         }
     }
-    /// Number of blocks.
+    /// Number of blocks (a hybrid's attention layers included).
     pub fn n_layer(&self) -> usize {
         match self {
             Self::Mamba1(c) => c.n_layer,
             Self::Mamba2(c) => c.n_layer,
+            Self::GraniteHybrid(c) => c.n_layer(),
         }
     }
     /// Rows of the embedding matrix (the padded vocabulary).
@@ -398,6 +408,7 @@ impl ModelConfig {
         match self {
             Self::Mamba1(c) => c.vocab_size,
             Self::Mamba2(c) => c.vocab_size,
+            Self::GraniteHybrid(c) => c.vocab_size,
         }
     }
     /// Width of the causal convolution.
@@ -405,13 +416,16 @@ impl ModelConfig {
         match self {
             Self::Mamba1(c) => c.d_conv,
             Self::Mamba2(c) => c.d_conv,
+            Self::GraniteHybrid(c) => c.mamba.d_conv,
         }
     }
-    /// Floats in one context's state.
+    /// Floats in one context's state (a hybrid's SSM part: its keys and values grow with the
+    /// context, 2 × kv_heads × head_dim floats per token and attention layer).
     pub fn state_floats(&self) -> usize {
         match self {
             Self::Mamba1(c) => c.state_floats(),
             Self::Mamba2(c) => c.state_floats(),
+            Self::GraniteHybrid(c) => c.state_floats(0),
         }
     }
     /// The shape of this model's states.
@@ -419,6 +433,7 @@ impl ModelConfig {
         match self {
             Self::Mamba1(c) => StateShape::mamba1(c),
             Self::Mamba2(c) => StateShape::of(c),
+            Self::GraniteHybrid(c) => c.state_shape(),
         }
     }
     /// The HF transformers spelling.
@@ -426,6 +441,7 @@ impl ModelConfig {
         match self {
             Self::Mamba1(c) => c.to_hf_json(),
             Self::Mamba2(c) => c.to_hf_json(),
+            Self::GraniteHybrid(c) => c.to_hf_json(),
         }
     }
     /// The checkpoint layout the weights were read from.
@@ -433,6 +449,7 @@ impl ModelConfig {
         match self {
             Self::Mamba1(c) => c.format,
             Self::Mamba2(c) => c.format,
+            Self::GraniteHybrid(_) => CheckpointFormat::HfTransformers,
         }
     }
     /// The sizes, in one line.
@@ -452,13 +469,14 @@ impl ModelConfig {
                 "d_model {} · layers {} · heads {} × headdim {} · d_state {} · groups {} · d_conv {} · vocab {}",
                 c.d_model, c.n_layer, c.nheads, c.headdim, c.d_state, c.n_groups, c.d_conv, c.vocab_size
             ),
+            Self::GraniteHybrid(c) => c.describe(),
         }
     }
     /// The Mamba-2 config, if this is one (training supports Mamba-2).
     pub fn as_mamba2(&self) -> Option<&Mamba2Config> {
         match self {
             Self::Mamba2(c) => Some(c),
-            Self::Mamba1(_) => None,
+            Self::Mamba1(_) | Self::GraniteHybrid(_) => None,
         }
     }
 }

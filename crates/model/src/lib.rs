@@ -28,8 +28,10 @@ pub mod candle_engine;
 pub mod composition;
 pub mod config;
 pub mod cpu;
+mod engine;
 pub mod error;
 pub mod generate;
+pub mod granite_hybrid;
 pub mod hub;
 pub mod mamba1;
 mod memory;
@@ -50,7 +52,10 @@ pub use model::{Backend, LoadOptions, Model, Scored};
 /// The run-time instruction-set dispatch of the CPU kernels (defined in picaso-compose).
 pub use picaso_compose::simd_fn;
 pub use picaso_compose::Method;
-pub use state::{Arch, LayerState, LayerView, MappedState, SsmValue, State, StateDtype, StateShape, StateView};
+pub use state::{
+    Arch, AttentionShape, KvState, KvView, LayerState, LayerView, MappedState, SsmValue, State, StateDtype, StateShape,
+    StateView,
+};
 pub use tokenizer::TextTokenizer;
 pub use weights::{HostTensor, Mamba2Weights};
 pub use wording::counted;

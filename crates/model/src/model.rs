@@ -4,11 +4,11 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::candle_engine::CandleMamba2;
 use crate::config::{Mamba2Config, ModelConfig};
-use crate::cpu::{CpuMamba2, Rows, WeightDtype};
+use crate::cpu::{Rows, WeightDtype};
+use crate::engine::{Engine, Weights};
 use crate::error::{Error, Result};
-use crate::mamba1::{CandleMamba1, CpuMamba1, Mamba1Weights};
+use crate::mamba1::Mamba1Weights;
 use crate::state::{SsmValue, State, StateShape};
 use crate::tokenizer::TextTokenizer;
 use crate::weights::Mamba2Weights;
@@ -53,127 +53,6 @@ impl std::str::FromStr for Backend {
     }
 }
 
-/// The engine behind a [`Model`].
-#[derive(Debug)]
-enum Engine {
-    Cpu(CpuMamba2),
-    CpuMamba1(CpuMamba1),
-    Candle { engine: CandleMamba2, config: Mamba2Config },
-    CandleMamba1 { engine: CandleMamba1, vocab: usize },
-}
-
-/// Weights of either architecture, as read from a checkpoint.
-enum Weights {
-    Mamba1(Mamba1Weights),
-    Mamba2(Mamba2Weights),
-}
-
-impl Weights {
-    fn load(dir: &Path, config: &ModelConfig) -> Result<Self> {
-        Ok(match config {
-            ModelConfig::Mamba1(c) => Weights::Mamba1(Mamba1Weights::load(dir, c)?),
-            ModelConfig::Mamba2(c) => Weights::Mamba2(Mamba2Weights::load(dir, c)?),
-        })
-    }
-    fn fingerprint(&self, config: &ModelConfig) -> String {
-        match (self, config) {
-            (Weights::Mamba1(w), ModelConfig::Mamba1(c)) => w.fingerprint(c),
-            (Weights::Mamba2(w), ModelConfig::Mamba2(c)) => w.fingerprint(c),
-            _ => unreachable!("weights are loaded for their config"),
-        }
-    }
-    fn n_params(&self) -> usize {
-        match self {
-            Weights::Mamba1(w) => w.n_params(),
-            Weights::Mamba2(w) => w.n_params(),
-        }
-    }
-}
-
-impl Engine {
-    fn new(config: ModelConfig, weights: Weights, backend: &Backend, dtype: WeightDtype) -> Result<Self> {
-        Ok(match (config, weights, backend) {
-            (ModelConfig::Mamba2(c), Weights::Mamba2(w), Backend::Cpu) => Engine::Cpu(CpuMamba2::new(c, w, dtype)),
-            (ModelConfig::Mamba2(c), Weights::Mamba2(w), Backend::Candle { device, dtype }) => {
-                Engine::Candle { engine: CandleMamba2::new(&c, &w, device, *dtype)?, config: c }
-            }
-            (ModelConfig::Mamba1(c), Weights::Mamba1(w), Backend::Cpu) => {
-                Engine::CpuMamba1(CpuMamba1::new(c, w, dtype))
-            }
-            (ModelConfig::Mamba1(c), Weights::Mamba1(w), Backend::Candle { device, dtype }) => {
-                Engine::CandleMamba1 { engine: CandleMamba1::new(&c, &w, device, *dtype)?, vocab: c.vocab_size }
-            }
-            _ => unreachable!("weights are loaded for their config"),
-        })
-    }
-    fn forward(&self, tokens: &[u32], state: &mut State) -> Result<Vec<f32>> {
-        match self {
-            Engine::Cpu(e) => Ok(e.forward(tokens, state)),
-            Engine::CpuMamba1(e) => Ok(e.forward(tokens, state)),
-            Engine::Candle { engine, .. } => engine.forward(tokens, state),
-            Engine::CandleMamba1 { engine, .. } => engine.forward(tokens, state),
-        }
-    }
-    /// Several sequences in one pass (`lens[i]` tokens continue `states[i]`). The candle
-    /// engines run them one after another. Only the CPU Mamba-2 engine takes f16 SSM values.
-    fn forward_batch<S: SsmValue>(
-        &self,
-        tokens: &[u32],
-        lens: &[usize],
-        states: &mut [&mut State<S>],
-    ) -> Result<Vec<f32>> {
-        let f32_states = |states| {
-            S::as_f32(states).ok_or_else(|| {
-                Error::Input("f16 decode states run on the cpu engine of a Mamba-2 model only; use f32 states".into())
-            })
-        };
-        match self {
-            Engine::Cpu(e) => Ok(e.forward_batch(tokens, lens, states)),
-            Engine::CpuMamba1(e) => Ok(e.forward_batch(tokens, lens, f32_states(states)?)),
-            Engine::Candle { .. } | Engine::CandleMamba1 { .. } => {
-                let mut hidden = Vec::new();
-                let mut rest = tokens;
-                for (state, &t) in f32_states(states)?.iter_mut().zip(lens) {
-                    let (seq, tail) = rest.split_at(t);
-                    rest = tail;
-                    hidden.extend(self.forward(seq, state)?);
-                }
-                Ok(hidden)
-            }
-        }
-    }
-    fn logits(&self, hidden: &[f32]) -> Result<Vec<f32>> {
-        self.logits_of(hidden, Rows::Tokens)
-    }
-    fn logits_of(&self, hidden: &[f32], kind: Rows) -> Result<Vec<f32>> {
-        match self {
-            Engine::Cpu(e) => Ok(e.logits(hidden, kind)),
-            Engine::CpuMamba1(e) => Ok(e.logits(hidden, kind)),
-            Engine::Candle { engine, .. } => engine.logits(hidden),
-            Engine::CandleMamba1 { engine, .. } => engine.logits(hidden),
-        }
-    }
-    fn logprobs(&self, hidden: &[f32], targets: &[u32]) -> Result<Vec<f32>> {
-        match self {
-            Engine::Cpu(e) => Ok(e.logprobs(hidden, targets)),
-            Engine::CpuMamba1(e) => Ok(e.logprobs(hidden, targets)),
-            Engine::Candle { engine, config, .. } => {
-                log_softmax_rows_at(&engine.logits(hidden)?, config.vocab_size, targets)
-            }
-            Engine::CandleMamba1 { engine, vocab } => log_softmax_rows_at(&engine.logits(hidden)?, *vocab, targets),
-        }
-    }
-}
-
-/// log p(targets[i]) from the logits' row i (rows of `vocab`).
-fn log_softmax_rows_at(logits: &[f32], vocab: usize, targets: &[u32]) -> Result<Vec<f32>> {
-    Ok(logits
-        .chunks_exact(vocab)
-        .zip(targets)
-        .map(|(row, &t)| crate::cpu::kernels::log_softmax_at(row, t as usize))
-        .collect())
-}
-
 /// How to load a model.
 #[derive(Debug, Clone, Default)]
 pub struct LoadOptions {
@@ -195,7 +74,7 @@ pub struct Model {
     config: ModelConfig,
     fingerprint: String,
     n_params: usize,
-    engine: Engine,
+    engine: Box<dyn Engine>,
     tokenizer: Option<TextTokenizer>,
     tokenizer_error: Option<String>,
 }
@@ -235,7 +114,7 @@ impl Model {
                 Err(e) => (None, Some(format!("{e}; give the path of a tokenizer.json (picaso --tokenizer PATH, Python Model(tokenizer=PATH))"))),
             }
         };
-        let engine = Engine::new(config.clone(), weights, &options.backend, options.weight_dtype)?;
+        let engine = crate::engine::build(config.clone(), weights, &options.backend, options.weight_dtype)?;
         Ok(Self { dir: dir.to_path_buf(), config, fingerprint, n_params, engine, tokenizer, tokenizer_error })
     }
 
@@ -292,7 +171,7 @@ impl Model {
             config: config.clone(),
             fingerprint,
             n_params,
-            engine: Engine::new(config, weights, backend, weight_dtype)?,
+            engine: crate::engine::build(config, weights, backend, weight_dtype)?,
             tokenizer_error: tokenizer.is_none().then(|| "no tokenizer".to_string()),
             tokenizer,
         })
@@ -361,7 +240,7 @@ impl Model {
         self.check_tokens(tokens)?;
         self.check_state(state)?;
         let mut next = state.clone();
-        let hidden = self.engine.forward(tokens, &mut next)?;
+        let hidden = self.engine.forward_batch(tokens, &[tokens.len()], &mut [&mut next])?;
         Ok((hidden, next))
     }
 
@@ -377,21 +256,21 @@ impl Model {
         }
         let (hidden, next) = self.run(tokens, state)?;
         let d = self.config.d_model();
-        Ok((self.engine.logits(&hidden[hidden.len() - d..])?, next))
+        Ok((self.engine.logits(&hidden[hidden.len() - d..], Rows::Tokens)?, next))
     }
 
     /// Next-token logits for every position (T × vocab) and the final state.
     pub fn forward_all_logits(&self, tokens: &[u32], state: &State) -> Result<(Vec<f32>, State)> {
         let (hidden, next) = self.run(tokens, state)?;
-        Ok((self.engine.logits(&hidden)?, next))
+        Ok((self.engine.logits(&hidden, Rows::Tokens)?, next))
     }
 
     /// One token: returns its next-token logits and advances `state` in place.
     pub fn step(&self, token: u32, state: &mut State) -> Result<Vec<f32>> {
         self.check_tokens(&[token])?;
         self.check_state(state)?;
-        let hidden = self.engine.forward(&[token], state)?;
-        self.engine.logits(&hidden)
+        let hidden = self.engine.forward_batch(&[token], &[1], &mut [state])?;
+        self.engine.logits(&hidden, Rows::Tokens)
     }
 
     /// One decode step of several sequences at once: `tokens[i]` continues `states[i]`
@@ -407,8 +286,8 @@ impl Model {
         for s in states.iter() {
             self.check_state(s)?;
         }
-        let hidden = self.engine.forward_batch(tokens, &vec![1; tokens.len()], states)?;
-        self.engine.logits_of(&hidden, Rows::of(&vec![1; tokens.len()]))
+        let hidden = self.forward_any(tokens, &vec![1; tokens.len()], states)?;
+        self.engine.logits(&hidden, Rows::of(&vec![1; tokens.len()]))
     }
 
     /// Processes several token sequences (each at least one token) in one forward pass,
@@ -437,7 +316,7 @@ impl Model {
             last.extend_from_slice(&hidden[(end - 1) * d..end * d]);
         }
         // One row per sequence: each as its lone row would be.
-        let logits = self.engine.logits_of(&last, Rows::Independent)?;
+        let logits = self.engine.logits(&last, Rows::Independent)?;
         let v = logits.len() / sequences.len();
         Ok(logits.chunks_exact(v).map(<[f32]>::to_vec).collect())
     }
@@ -483,17 +362,26 @@ impl Model {
     /// sequence alone: on the CPU engine when its projections use the bf16 pair layout (the
     /// AVX512-BF16 kernel, `--weights bf16`), on candle where sequences run one after another.
     pub fn batch_invariant(&self) -> bool {
-        match &self.engine {
-            Engine::Cpu(e) => e.batch_invariant(),
-            Engine::CpuMamba1(_) => false,
-            Engine::Candle { .. } | Engine::CandleMamba1 { .. } => true,
-        }
+        self.engine.batch_invariant()
     }
 
     /// Whether [`Model::step_batch`] takes states with f16 SSM values: on the CPU engine of a
-    /// Mamba-2 model.
+    /// Mamba-2 or hybrid model.
     pub fn runs_f16_states(&self) -> bool {
-        matches!(self.engine, Engine::Cpu(_))
+        self.engine.runs_f16_states()
+    }
+
+    /// The engine's batched pass on f32 or f16 states.
+    fn forward_any<S: SsmValue>(
+        &self,
+        tokens: &[u32],
+        lens: &[usize],
+        states: &mut [&mut State<S>],
+    ) -> Result<Vec<f32>> {
+        match S::as_f16(states) {
+            Some(f16) => self.engine.forward_batch_f16(tokens, lens, f16),
+            None => self.engine.forward_batch(tokens, lens, S::as_f32(states).expect("an SSM value is f32 or f16")),
+        }
     }
 
     /// Continues each state in place with its sequence and returns the hidden rows of the

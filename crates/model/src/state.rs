@@ -13,8 +13,14 @@
 //! Either way each log-decay entry covers a contiguous block of `ssm` (P·N values for Mamba-2,
 //! one for Mamba-1), which is all composition needs to know.
 //!
-//! On disk a state is one safetensors file with tensors `layers.{i}.ssm|conv|log_decay` and the
-//! model fingerprint, token count and a checksum in the metadata. The checksum (xxh3-128) covers
+//! A hybrid model (attention layers among Mamba-2 layers, e.g. Granite 4.0 H) adds, per attention
+//! layer, its keys and values: (kv_heads, T, head_dim) each on disk, token-major (T, kv_heads,
+//! head_dim) in memory so that tokens append and contexts concatenate ([`KvState`]).
+//!
+//! On disk a state is one safetensors file with tensors `layers.{i}.ssm|conv|log_decay` (and
+//! `layers.{i}.k|v` for an attention layer; `i` is the model's own layer index, counting every
+//! layer) and the model fingerprint, token count and a checksum in the metadata; a hybrid's
+//! metadata also lists its `layer_types` and the `position` its next token takes. The checksum (xxh3-128) covers
 //! every byte of the file but its own 32 hex digits, which are zeros while hashing: a file
 //! damaged after it was written — tensors, metadata or layout — is refused, not silently used.
 //! Older files are still read: `picaso-state/2` (checksum of the tensor bytes only) and
@@ -128,6 +134,37 @@ pub struct StateShape {
     pub conv: Vec<usize>,
     /// Mamba-2 (H); Mamba-1 (D, N).
     pub log_decay: Vec<usize>,
+    /// A hybrid model's attention layers; `None` for a pure SSM model. With them `n_layer`
+    /// counts the SSM layers only, and a state's `layers[j]` is the j-th SSM layer in model order.
+    pub attention: Option<AttentionShape>,
+}
+
+/// Where a hybrid model's attention layers are and how large their keys and values are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AttentionShape {
+    /// The model's own index of each attention layer, ascending.
+    pub layers: Vec<usize>,
+    /// Layers of the model, SSM and attention.
+    pub n_layers: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Channels per head.
+    pub head_dim: usize,
+}
+
+impl AttentionShape {
+    /// Floats per token of one layer's keys (or values).
+    pub fn token_len(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+    /// The model's own index of each SSM layer.
+    pub fn ssm_layers(&self) -> Vec<usize> {
+        (0..self.n_layers).filter(|i| !self.layers.contains(i)).collect()
+    }
+    /// `mamba` / `attention` per layer, as the hub's `layer_types`.
+    pub fn layer_types(&self) -> Vec<&'static str> {
+        (0..self.n_layers).map(|i| if self.layers.contains(&i) { "attention" } else { "mamba" }).collect()
+    }
 }
 
 impl StateShape {
@@ -139,6 +176,7 @@ impl StateShape {
             ssm: vec![c.nheads, c.headdim, c.d_state],
             conv: vec![c.conv_dim(), c.d_conv - 1],
             log_decay: vec![c.nheads],
+            attention: None,
         }
     }
     /// The state shape of a Mamba-1 config.
@@ -149,7 +187,19 @@ impl StateShape {
             ssm: vec![c.d_inner(), c.d_state],
             conv: vec![c.d_inner(), c.d_conv - 1],
             log_decay: vec![c.d_inner(), c.d_state],
+            attention: None,
         }
+    }
+    /// The model's own index of each SSM layer (`layers[j]` of a state is layer `ssm_layers()[j]`).
+    pub fn ssm_layers(&self) -> Vec<usize> {
+        match &self.attention {
+            Some(a) => a.ssm_layers(),
+            None => (0..self.n_layer).collect(),
+        }
+    }
+    /// The attention layers' model indices (none for a pure SSM model).
+    pub fn attention_layers(&self) -> &[usize] {
+        self.attention.as_ref().map_or(&[], |a| &a.layers)
     }
     /// Values of one layer's SSM state.
     pub fn ssm_len(&self) -> usize {
@@ -192,6 +242,21 @@ impl StateShape {
                 self.n_layer
             )));
         }
+        if let Some(a) = &self.attention {
+            let sorted = a.layers.windows(2).all(|w| w[0] < w[1]);
+            if !sorted
+                || a.layers.last().is_some_and(|&l| l >= a.n_layers)
+                || a.layers.len() + self.n_layer != a.n_layers
+            {
+                return Err(Error::state(format!(
+                    "attention layers {:?} and {} SSM layers do not make a model of {} layers",
+                    a.layers, self.n_layer, a.n_layers
+                )));
+            }
+            if a.kv_heads == 0 || a.head_dim == 0 {
+                return Err(Error::state("attention keys and values need at least one head of one channel"));
+            }
+        }
         Ok(())
     }
 }
@@ -207,6 +272,23 @@ pub struct LayerState<S = f32> {
     pub log_decay: Vec<f32>,
 }
 
+/// The keys and values one attention layer holds: token-major (T, kv_heads, head_dim) rows, so
+/// new tokens append and the union of contexts is their concatenation.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct KvState {
+    /// Keys, (T, kv_heads, head_dim) row-major (RoPE, if any, already applied).
+    pub keys: Vec<f32>,
+    /// Values, (T, kv_heads, head_dim) row-major.
+    pub values: Vec<f32>,
+}
+
+impl KvState {
+    /// Tokens held, for rows of `token_len` floats.
+    pub fn tokens(&self, token_len: usize) -> usize {
+        self.keys.len() / token_len.max(1)
+    }
+}
+
 /// The state of a model after a token sequence (or a composition of such states).
 ///
 /// `S` is how the SSM values are held: f32 (exact; what every operation takes) or, while a
@@ -220,11 +302,22 @@ pub struct State<S = f32> {
     pub n_tokens: u64,
     /// Tensor shapes.
     pub shape: StateShape,
-    /// One entry per layer.
+    /// One entry per SSM layer.
     pub layers: Vec<LayerState<S>>,
+    /// One entry per attention layer of a hybrid model (empty for a pure SSM model).
+    pub attention: Vec<KvState>,
+    /// The position the next token takes (RoPE): the tokens seen, or for a composed state the
+    /// longest part's, since each context was encoded from position 0.
+    pub position: u64,
 }
 
 impl<S> State<S> {
+    /// Counts `t` more tokens: the tokens summarised and the position the next one takes.
+    pub(crate) fn advance(&mut self, t: usize) {
+        self.n_tokens = self.n_tokens.saturating_add(t as u64);
+        self.position = self.position.saturating_add(t as u64);
+    }
+
     /// Checks that this state belongs to the model with `fingerprint` and has `shape`.
     /// Values are checked where states enter from outside ([`State::load`], composition), not
     /// here: this runs before every decoded token.
@@ -244,7 +337,17 @@ impl<S> State<S> {
                     && l.conv.len() == shape.conv_len()
                     && l.log_decay.len() == shape.log_decay_len()
             });
-        if !sizes_ok {
+        let kv_ok = match &shape.attention {
+            None => self.attention.is_empty(),
+            Some(a) => {
+                self.attention.len() == a.layers.len()
+                    && self
+                        .attention
+                        .iter()
+                        .all(|kv| kv.keys.len() == kv.values.len() && kv.keys.len().is_multiple_of(a.token_len()))
+            }
+        };
+        if !sizes_ok || !kv_ok {
             return Err(Error::state("tensor sizes do not match the declared shape"));
         }
         Ok(())
@@ -264,7 +367,14 @@ impl<S> State<S> {
                 LayerState { ssm, conv: l.conv.clone(), log_decay: l.log_decay.clone() }
             })
             .collect();
-        State { fingerprint: self.fingerprint.clone(), n_tokens: self.n_tokens, shape: self.shape.clone(), layers }
+        State {
+            fingerprint: self.fingerprint.clone(),
+            n_tokens: self.n_tokens,
+            shape: self.shape.clone(),
+            layers,
+            attention: self.attention.clone(),
+            position: self.position,
+        }
     }
 }
 
@@ -288,6 +398,8 @@ pub trait SsmValue: Copy + Default + Send + Sync + std::fmt::Debug + PartialEq +
     fn scan_head(s: &mut [Self], head: &crate::cpu::kernels::ScanInputs, y: &mut [f32]);
     /// `states`, if they hold f32 (what the engines other than the CPU Mamba-2 one take).
     fn as_f32<'a, 'b>(states: &'a mut [&'b mut State<Self>]) -> Option<&'a mut [&'b mut State]>;
+    /// `states`, if they hold f16.
+    fn as_f16<'a, 'b>(states: &'a mut [&'b mut State<Self>]) -> Option<&'a mut [&'b mut State<half::f16>]>;
 }
 
 impl SsmValue for f32 {
@@ -297,6 +409,9 @@ impl SsmValue for f32 {
     fn as_f32<'a, 'b>(states: &'a mut [&'b mut State]) -> Option<&'a mut [&'b mut State]> {
         Some(states)
     }
+    fn as_f16<'a, 'b>(_: &'a mut [&'b mut State]) -> Option<&'a mut [&'b mut State<half::f16>]> {
+        None
+    }
 }
 
 impl SsmValue for half::f16 {
@@ -305,6 +420,9 @@ impl SsmValue for half::f16 {
     }
     fn as_f32<'a, 'b>(_: &'a mut [&'b mut State<half::f16>]) -> Option<&'a mut [&'b mut State]> {
         None
+    }
+    fn as_f16<'a, 'b>(states: &'a mut [&'b mut State<half::f16>]) -> Option<&'a mut [&'b mut State<half::f16>]> {
+        Some(states)
     }
 }
 
@@ -330,12 +448,14 @@ impl State {
                 log_decay: zeros(shape.log_decay_len()),
             })
             .collect();
-        Self { fingerprint: fingerprint.into(), n_tokens: 0, layers, shape }
+        let attention = vec![KvState::default(); shape.attention_layers().len()];
+        Self { fingerprint: fingerprint.into(), n_tokens: 0, layers, attention, position: 0, shape }
     }
 
-    /// Bytes of the state in f32.
+    /// Bytes of the state in f32 (keys and values included).
     pub fn nbytes_f32(&self) -> usize {
-        4 * self.shape.n_layer * (self.shape.ssm_len() + self.shape.conv_len() + self.shape.log_decay_len())
+        let kv: usize = self.attention.iter().map(|a| a.keys.len() + a.values.len()).sum();
+        4 * (self.shape.n_layer * (self.shape.ssm_len() + self.shape.conv_len() + self.shape.log_decay_len()) + kv)
     }
 
     /// Rejects NaN or infinite values (a corrupted or diverged state must not propagate).
@@ -354,6 +474,8 @@ impl State {
                 .iter()
                 .map(|l| LayerView { ssm: &l.ssm, conv: &l.conv, log_decay: &l.log_decay })
                 .collect(),
+            attention: self.attention.iter().map(|a| KvView { keys: &a.keys, values: &a.values }).collect(),
+            position: self.position,
         }
     }
 
@@ -361,25 +483,62 @@ impl State {
     /// header lists metadata keys sorted and tensors in layer order, so equal states have equal
     /// files (the store names state files by their hash).
     pub fn to_bytes(&self, dtype: StateDtype) -> Result<Vec<u8>> {
-        let mut tensors: Vec<(String, &'static str, &[usize], Vec<u8>)> = Vec::with_capacity(3 * self.layers.len());
+        let mut tensors: Vec<(String, &'static str, &[usize], Vec<u8>)> =
+            Vec::with_capacity(3 * self.layers.len() + 2 * self.attention.len());
         let name = |d: StateDtype| match d {
             StateDtype::F32 => "F32",
             StateDtype::Bf16 => "BF16",
         };
-        for (i, l) in self.layers.iter().enumerate() {
-            tensors.push((format!("layers.{i}.ssm"), name(dtype), &self.shape.ssm, encode(&l.ssm, dtype)));
-            tensors.push((format!("layers.{i}.conv"), name(dtype), &self.shape.conv, encode(&l.conv, dtype)));
-            let log_decay = encode(&l.log_decay, StateDtype::F32);
-            tensors.push((format!("layers.{i}.log_decay"), "F32", &self.shape.log_decay, log_decay));
+        let kv_shapes: Vec<[usize; 3]> = match &self.shape.attention {
+            Some(a) => self.attention.iter().map(|kv| [a.kv_heads, kv.tokens(a.token_len()), a.head_dim]).collect(),
+            None => Vec::new(),
+        };
+        // Tensors in the model's layer order (a pure SSM model's: layers 0.. of the state).
+        let ssm_at = self.shape.ssm_layers();
+        let mut attention = self.shape.attention_layers().iter().zip(&self.attention).zip(&kv_shapes).peekable();
+        let mut ssm = ssm_at.iter().zip(&self.layers).peekable();
+        while ssm.peek().is_some() || attention.peek().is_some() {
+            let attention_next = match (ssm.peek(), attention.peek()) {
+                (Some((&s, _)), Some(((&a, _), _))) => a < s,
+                (None, _) => true,
+                _ => false,
+            };
+            if attention_next {
+                let ((&i, kv), shape) = attention.next().expect("peeked");
+                tensors.push((
+                    format!("layers.{i}.k"),
+                    name(dtype),
+                    shape,
+                    encode(&head_major(&kv.keys, shape), dtype),
+                ));
+                tensors.push((
+                    format!("layers.{i}.v"),
+                    name(dtype),
+                    shape,
+                    encode(&head_major(&kv.values, shape), dtype),
+                ));
+            } else {
+                let (&i, l) = ssm.next().expect("peeked");
+                tensors.push((format!("layers.{i}.ssm"), name(dtype), &self.shape.ssm, encode(&l.ssm, dtype)));
+                tensors.push((format!("layers.{i}.conv"), name(dtype), &self.shape.conv, encode(&l.conv, dtype)));
+                let log_decay = encode(&l.log_decay, StateDtype::F32);
+                tensors.push((format!("layers.{i}.log_decay"), "F32", &self.shape.log_decay, log_decay));
+            }
         }
         let quote = |s: &str| serde_json::to_string(s).expect("strings serialise");
-        let metadata = [
+        let mut metadata = vec![
             ("arch", self.shape.arch.name().to_string()),
             ("checksum", CHECKSUM_PLACEHOLDER.to_string()),
             ("fingerprint", self.fingerprint.clone()),
             ("format", STATE_FORMAT.to_string()),
-            ("n_tokens", self.n_tokens.to_string()),
         ];
+        if let Some(a) = &self.shape.attention {
+            metadata.push(("layer_types", a.layer_types().join(",")));
+        }
+        metadata.push(("n_tokens", self.n_tokens.to_string()));
+        if self.shape.attention.is_some() {
+            metadata.push(("position", self.position.to_string()));
+        }
         let mut header = String::from("{\"__metadata__\":{");
         let fields: Vec<String> = metadata.iter().map(|(k, v)| format!("{}:{}", quote(k), quote(v))).collect();
         header.push_str(&fields.join(","));
@@ -417,6 +576,8 @@ impl State {
         let parsed = Parsed::new(bytes)?;
         let state = Self {
             layers: parsed.decode_layers(bytes)?,
+            attention: parsed.decode_kv(bytes),
+            position: parsed.position,
             fingerprint: parsed.fingerprint,
             n_tokens: parsed.n_tokens,
             shape: parsed.shape,
@@ -454,8 +615,21 @@ pub struct StateView<'a> {
     pub n_tokens: u64,
     /// Tensor shapes.
     pub shape: &'a StateShape,
-    /// One entry per layer.
+    /// One entry per SSM layer.
     pub layers: Vec<LayerView<'a>>,
+    /// One entry per attention layer (empty for a pure SSM model).
+    pub attention: Vec<KvView<'a>>,
+    /// The position the next token takes.
+    pub position: u64,
+}
+
+/// One attention layer of a [`StateView`]: token-major (T, kv_heads, head_dim) rows.
+#[derive(Debug, Clone, Copy)]
+pub struct KvView<'a> {
+    /// Keys.
+    pub keys: &'a [f32],
+    /// Values.
+    pub values: &'a [f32],
 }
 
 /// One layer of a [`StateView`].
@@ -482,6 +656,13 @@ impl StateView<'_> {
                 return Err(Error::state(format!("layers.{i}.log_decay[{j}] is positive; decays must be <= 1")));
             }
         }
+        for (kv, &i) in self.attention.iter().zip(self.shape.attention_layers()) {
+            for (name, v) in [("k", kv.keys), ("v", kv.values)] {
+                if let Some(j) = v.iter().position(|x| !x.is_finite()) {
+                    return Err(Error::state(format!("layers.{i}.{name} holds a non-finite value at flat index {j}")));
+                }
+            }
+        }
         Ok(())
     }
 
@@ -496,6 +677,12 @@ impl StateView<'_> {
                 .iter()
                 .map(|l| LayerState { ssm: l.ssm.to_vec(), conv: l.conv.to_vec(), log_decay: l.log_decay.to_vec() })
                 .collect(),
+            attention: self
+                .attention
+                .iter()
+                .map(|a| KvState { keys: a.keys.to_vec(), values: a.values.to_vec() })
+                .collect(),
+            position: self.position,
         }
     }
 }
@@ -512,8 +699,11 @@ struct Parsed {
     fingerprint: String,
     n_tokens: u64,
     shape: StateShape,
-    /// Per layer: ssm, conv, log_decay.
+    /// Per SSM layer: ssm, conv, log_decay.
     tensors: Vec<[TensorAt; 3]>,
+    /// Per attention layer: keys, values (each (kv_heads, T, head_dim)) and T.
+    kv: Vec<(TensorAt, TensorAt, usize)>,
+    position: u64,
 }
 
 impl Parsed {
@@ -569,29 +759,83 @@ impl Parsed {
         let fingerprint = get("fingerprint")?;
         let n_tokens = get("n_tokens")?.parse().map_err(|_| Error::state("metadata `n_tokens` is not an integer"))?;
         let st = SafeTensors::deserialize(bytes).map_err(|e| Error::state(format!("not a safetensors file: {e}")))?;
-        let n_layer = (0..).take_while(|i| st.tensor(&format!("layers.{i}.ssm")).is_ok()).count();
+        // A hybrid's layer kinds are in its metadata; a pure SSM state's layers run from 0.
+        let kinds: Option<Vec<bool>> = match meta.get("layer_types") {
+            None => None,
+            Some(list) => Some(
+                list.split(',')
+                    .map(|k| match k {
+                        "mamba" => Ok(false),
+                        "attention" => Ok(true),
+                        other => Err(Error::state(format!(
+                            "metadata `layer_types` lists {other:?}; a layer is \"mamba\" or \"attention\""
+                        ))),
+                    })
+                    .collect::<Result<_>>()?,
+            ),
+        };
+        let (ssm_at, attention_at): (Vec<usize>, Vec<usize>) = match &kinds {
+            Some(k) => ((0..k.len()).filter(|&i| !k[i]).collect(), (0..k.len()).filter(|&i| k[i]).collect()),
+            None => ((0..).take_while(|i| st.tensor(&format!("layers.{i}.ssm")).is_ok()).collect(), Vec::new()),
+        };
+        let n_layer = ssm_at.len();
         if n_layer == 0 {
-            return Err(Error::state("holds no `layers.0.ssm` tensor"));
+            return Err(Error::state(format!("holds no `layers.{}.ssm` tensor", ssm_at.first().unwrap_or(&0))));
         }
-        // Every tensor must be one of the layers' three: a renamed or extra tensor would
-        // otherwise be skipped and the state silently cut short (found by fuzzing).
-        if st.len() != 3 * n_layer {
+        // Every tensor must be one of the layers': a renamed or extra tensor would otherwise be
+        // skipped and the state silently cut short (found by fuzzing).
+        if st.len() != 3 * n_layer + 2 * attention_at.len() {
             let mut names: Vec<&str> = st.names();
             names.sort();
-            return Err(Error::state(format!(
-                "holds {} tensors, but a state whose layers run to layers.{}.ssm has {} (layers.i.ssm, .conv, .log_decay for each): {}",
-                st.len(),
-                n_layer - 1,
-                3 * n_layer,
-                names.join(", ")
-            )));
+            let want = if attention_at.is_empty() {
+                format!(
+                    "a state whose layers run to layers.{}.ssm has {} (layers.i.ssm, .conv, .log_decay for each)",
+                    n_layer - 1,
+                    3 * n_layer
+                )
+            } else {
+                format!(
+                    "a state of {n_layer} SSM and {} attention layers has {} (.ssm, .conv, .log_decay and .k, .v)",
+                    attention_at.len(),
+                    3 * n_layer + 2 * attention_at.len()
+                )
+            };
+            return Err(Error::state(format!("holds {} tensors, but {want}: {}", st.len(), names.join(", "))));
         }
         let dims = |name: &str| -> Result<Vec<usize>> {
             st.tensor(name).map(|v| v.shape().to_vec()).map_err(|_| Error::state(format!("missing tensor `{name}`")))
         };
-        let (ssm, conv, log_decay) = (dims("layers.0.ssm")?, dims("layers.0.conv")?, dims("layers.0.log_decay")?);
-        let shape = StateShape { arch, n_layer, ssm, conv, log_decay };
+        let first = ssm_at[0];
+        let (ssm, conv, log_decay) = (
+            dims(&format!("layers.{first}.ssm"))?,
+            dims(&format!("layers.{first}.conv"))?,
+            dims(&format!("layers.{first}.log_decay"))?,
+        );
+        let attention = match attention_at.first() {
+            None => None,
+            Some(&a) => match dims(&format!("layers.{a}.k"))?[..] {
+                [kv_heads, _, head_dim] => Some(AttentionShape {
+                    layers: attention_at.clone(),
+                    n_layers: ssm_at.len() + attention_at.len(),
+                    kv_heads,
+                    head_dim,
+                }),
+                ref other => {
+                    return Err(Error::state(format!(
+                        "tensor `layers.{a}.k` has shape {other:?}; keys are (kv_heads, tokens, head_dim)"
+                    )))
+                }
+            },
+        };
+        let shape = StateShape { arch, n_layer, ssm, conv, log_decay, attention };
         shape.check()?;
+        if shape.attention.is_some() && arch != Arch::Mamba2 {
+            return Err(Error::state("a hybrid state's SSM layers are Mamba-2 layers; the file says otherwise"));
+        }
+        let position = match meta.get("position") {
+            Some(p) => p.parse().map_err(|_| Error::state("metadata `position` is not an integer"))?,
+            None => n_tokens,
+        };
         let base = bytes.as_ptr() as usize;
         let at = |name: String, want: &[usize]| -> Result<TensorAt> {
             let v = st.tensor(&name).map_err(|_| Error::state(format!("missing tensor `{name}`")))?;
@@ -605,14 +849,37 @@ impl Parsed {
             Ok(TensorAt { dtype: v.dtype(), range: start..start + v.data().len() })
         };
         let mut tensors = Vec::with_capacity(n_layer);
-        for i in 0..n_layer {
+        for i in ssm_at {
             tensors.push([
                 at(format!("layers.{i}.ssm"), &shape.ssm)?,
                 at(format!("layers.{i}.conv"), &shape.conv)?,
                 at(format!("layers.{i}.log_decay"), &shape.log_decay)?,
             ]);
         }
-        Ok(Self { fingerprint, n_tokens, shape, tensors })
+        let mut kv = Vec::with_capacity(attention_at.len());
+        if let Some(a) = &shape.attention {
+            for &i in &a.layers {
+                let t = dims(&format!("layers.{i}.k"))?.get(1).copied().unwrap_or(0);
+                let want = [a.kv_heads, t, a.head_dim];
+                kv.push((at(format!("layers.{i}.k"), &want)?, at(format!("layers.{i}.v"), &want)?, t));
+            }
+        }
+        Ok(Self { fingerprint, n_tokens, shape, tensors, kv, position })
+    }
+
+    /// The attention layers' keys and values, token-major.
+    fn decode_kv(&self, bytes: &[u8]) -> Vec<KvState> {
+        let Some(a) = &self.shape.attention else { return Vec::new() };
+        let dec = |t: &TensorAt, n| {
+            token_major(&decode(t.dtype, &bytes[t.range.clone()]).expect("dtype checked when parsing"), n)
+        };
+        self.kv
+            .iter()
+            .map(|(k, v, t)| {
+                let dims = [a.kv_heads, *t, a.head_dim];
+                KvState { keys: dec(k, dims), values: dec(v, dims) }
+            })
+            .collect()
     }
 
     fn decode_layers(&self, bytes: &[u8]) -> Result<Vec<LayerState>> {
@@ -639,6 +906,8 @@ pub struct MappedState {
     parsed: Parsed,
     /// Decoded layers when the file cannot be read in place.
     decoded: Option<Vec<LayerState>>,
+    /// A hybrid's keys and values, decoded (the file holds them head-major).
+    kv: Vec<KvState>,
 }
 
 impl std::fmt::Debug for MappedState {
@@ -665,7 +934,8 @@ impl MappedState {
         let bytes = (*buffer).as_ref();
         let parsed = Parsed::new(bytes)?;
         let decoded = if parsed.in_place(bytes) { None } else { Some(parsed.decode_layers(bytes)?) };
-        let state = Self { buffer, parsed, decoded };
+        let kv = parsed.decode_kv(bytes);
+        let state = Self { buffer, parsed, decoded, kv };
         for (i, l) in state.view().layers.iter().enumerate() {
             if let Some(v) = l.log_decay.iter().find(|v| !(v.is_finite() && **v <= 0.0)) {
                 return Err(Error::state(format!(
@@ -695,7 +965,15 @@ impl MappedState {
                 .map(|[s, c, l]| LayerView { ssm: self.f32s(s), conv: self.f32s(c), log_decay: self.f32s(l) })
                 .collect(),
         };
-        StateView { fingerprint: &p.fingerprint, n_tokens: p.n_tokens, shape: &p.shape, layers }
+        let attention = self.kv.iter().map(|a| KvView { keys: &a.keys, values: &a.values }).collect();
+        StateView {
+            fingerprint: &p.fingerprint,
+            n_tokens: p.n_tokens,
+            shape: &p.shape,
+            layers,
+            attention,
+            position: p.position,
+        }
     }
 
     fn f32s(&self, t: &TensorAt) -> &[f32] {
@@ -708,13 +986,36 @@ impl MappedState {
     /// Bytes of the state as f32 (what holding it in memory costs at most).
     pub fn nbytes_f32(&self) -> usize {
         let s = &self.parsed.shape;
-        4 * s.n_layer * (s.ssm_len() + s.conv_len() + s.log_decay_len())
+        let kv: usize = self.kv.iter().map(|a| a.keys.len() + a.values.len()).sum();
+        4 * (s.n_layer * (s.ssm_len() + s.conv_len() + s.log_decay_len()) + kv)
     }
 
     /// The file's bytes.
     pub fn bytes(&self) -> &[u8] {
         (*self.buffer).as_ref()
     }
+}
+
+/// Token-major (T, H, D) rows as head-major (H, T, D), the file's layout of keys and values.
+fn head_major(rows: &[f32], [h, t, d]: &[usize; 3]) -> Vec<f32> {
+    let mut out = vec![0.0f32; rows.len()];
+    for ti in 0..*t {
+        for hi in 0..*h {
+            out[(hi * t + ti) * d..][..*d].copy_from_slice(&rows[(ti * h + hi) * d..][..*d]);
+        }
+    }
+    out
+}
+
+/// Head-major (H, T, D) as token-major (T, H, D): the inverse of [`head_major`].
+fn token_major(rows: &[f32], [h, t, d]: [usize; 3]) -> Vec<f32> {
+    let mut out = vec![0.0f32; rows.len()];
+    for hi in 0..h {
+        for ti in 0..t {
+            out[(ti * h + hi) * d..][..d].copy_from_slice(&rows[(hi * t + ti) * d..][..d]);
+        }
+    }
+    out
 }
 
 fn encode(v: &[f32], dtype: StateDtype) -> Vec<u8> {

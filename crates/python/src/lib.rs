@@ -407,6 +407,7 @@ impl State {
             ssm: s0.shape().to_vec(),
             conv: c0.shape().to_vec(),
             log_decay: l0.shape().to_vec(),
+            attention: None,
         };
         shape.check().map_err(|e| raise(Kind::Invalid, e.to_string()))?;
         let mut out = Vec::with_capacity(layers.len());
@@ -424,7 +425,14 @@ impl State {
             let flat = |a: &PyReadonlyArrayDyn<'_, f32>| a.as_array().iter().copied().collect::<Vec<f32>>();
             out.push(LayerState { ssm: flat(s), conv: flat(c), log_decay: flat(l) });
         }
-        let inner = picaso_model::State { fingerprint, n_tokens, shape, layers: out };
+        let inner = picaso_model::State {
+            fingerprint,
+            n_tokens,
+            shape,
+            layers: out,
+            attention: Vec::new(),
+            position: n_tokens,
+        };
         inner.check_values().map_err(model_err)?;
         Ok(Self { inner })
     }

@@ -152,7 +152,7 @@ impl TokenIo {
 
 /// One block, laid out for the kernels.
 #[derive(Debug)]
-struct CpuLayer {
+pub(crate) struct CpuLayer {
     norm: Vec<f32>,
     in_proj: Matrix,
     in_proj_bias: Option<Vec<f32>>,
@@ -169,6 +169,43 @@ struct CpuLayer {
     out_proj_bias: Option<Vec<f32>>,
 }
 
+impl CpuLayer {
+    /// Lays out one block's weights for the kernels, the large matrices in `dtype`.
+    pub(crate) fn new(
+        l: crate::weights::LayerWeights,
+        config: &Mamba2Config,
+        dtype: WeightDtype,
+        kernel: kernels::Bf16Kernel,
+    ) -> Self {
+        let (c, k) = (config.conv_dim(), config.d_conv);
+        let mat = |v: Vec<f32>, cols: usize| Matrix::with_kernel(v, cols, dtype, kernel);
+        let mut conv_wt = vec![0.0; k * c];
+        for ch in 0..c {
+            for j in 0..k {
+                conv_wt[j * c + ch] = l.conv_weight[ch * k + j];
+            }
+        }
+        CpuLayer {
+            norm: l.norm,
+            in_proj: mat(l.in_proj, config.d_model),
+            in_proj_bias: l.in_proj_bias,
+            conv_wt,
+            conv_bias: l.conv_bias.unwrap_or_else(|| vec![0.0; c]),
+            dt_bias: l.dt_bias,
+            a: l.a_log.iter().map(|v| -v.exp()).collect(),
+            d: l.d,
+            gated_norm: l.gated_norm,
+            out_proj: mat(l.out_proj, config.d_inner()),
+            out_proj_bias: l.out_proj_bias,
+        }
+    }
+
+    /// Whether both projections are batch-invariant.
+    pub(crate) fn batch_invariant(&self) -> bool {
+        self.in_proj.batch_invariant() && self.out_proj.batch_invariant()
+    }
+}
+
 impl CpuMamba2 {
     /// Takes ownership of validated weights, storing the large matrices in `dtype`.
     pub fn new(config: Mamba2Config, weights: Mamba2Weights, dtype: WeightDtype) -> Self {
@@ -183,33 +220,7 @@ impl CpuMamba2 {
         dtype: WeightDtype,
         kernel: kernels::Bf16Kernel,
     ) -> Self {
-        let (c, k) = (config.conv_dim(), config.d_conv);
-        let mat = |v: Vec<f32>, cols: usize| Matrix::with_kernel(v, cols, dtype, kernel);
-        let layers = weights
-            .layers
-            .into_iter()
-            .map(|l| {
-                let mut conv_wt = vec![0.0; k * c];
-                for ch in 0..c {
-                    for j in 0..k {
-                        conv_wt[j * c + ch] = l.conv_weight[ch * k + j];
-                    }
-                }
-                CpuLayer {
-                    norm: l.norm,
-                    in_proj: mat(l.in_proj, config.d_model),
-                    in_proj_bias: l.in_proj_bias,
-                    conv_wt,
-                    conv_bias: l.conv_bias.unwrap_or_else(|| vec![0.0; c]),
-                    dt_bias: l.dt_bias,
-                    a: l.a_log.iter().map(|v| -v.exp()).collect(),
-                    d: l.d,
-                    gated_norm: l.gated_norm,
-                    out_proj: mat(l.out_proj, config.d_inner()),
-                    out_proj_bias: l.out_proj_bias,
-                }
-            })
-            .collect();
+        let layers = weights.layers.into_iter().map(|l| CpuLayer::new(l, &config, dtype, kernel)).collect();
         let io =
             TokenIo::new(weights.embedding, weights.lm_head, weights.norm_f, config.norm_eps, config.vocab_size, dtype);
         Self { config, io, layers }
@@ -224,7 +235,7 @@ impl CpuMamba2 {
     /// every projection is batch-invariant ([`Matrix::batch_invariant`]); the conv, scan and
     /// norms work per sequence or per row anyway.
     pub fn batch_invariant(&self) -> bool {
-        self.layers.iter().all(|l| l.in_proj.batch_invariant() && l.out_proj.batch_invariant())
+        self.layers.iter().all(CpuLayer::batch_invariant)
     }
 
     /// Runs `tokens` from `state` (updated in place) and returns the final-normed hidden
@@ -257,104 +268,10 @@ impl CpuMamba2 {
         h: &mut [f32],
     ) {
         let c = &self.config;
-        let (d, di) = (c.d_model, c.d_inner());
-        let width = c.d_in_proj();
-        let rows = h.len() / d;
-
-        // Pre-norm and in_proj: zxbcdt (rows × width) = [z | xBC | dt].
-        let mut xn = vec![0.0f32; rows * d];
+        let d = c.d_model;
+        let mut xn = vec![0.0f32; h.len()];
         rows_par(h, &mut xn, d, d, |x, o| kernels::rmsnorm(x, &lw.norm, c.norm_eps as f32, o));
-        let mut zxbcdt = vec![0.0f32; rows * width];
-        kind.matmul_t(&xn, rows, d, &lw.in_proj, width, &mut zxbcdt, false);
-        if let Some(b) = &lw.in_proj_bias {
-            add_bias_rows(&mut zxbcdt, b);
-        }
-
-        // Each sequence's conv and scan from its own state. A batch whose states outgrow the
-        // cache reads each from memory once per step: the scan prefetches it ahead.
-        let layer_bytes: usize = states.iter().map(|ls| std::mem::size_of_val(&ls.ssm[..])).sum();
-        let from_memory = crate::memory::outgrows_cache(c.n_layer * layer_bytes);
-        let mut gated = vec![0.0f32; rows * di];
-        per_sequence(states, lens, &zxbcdt, width, &mut gated, di, |ls, zx, t, out| {
-            self.mixer(lw, ls, zx, t, from_memory, out)
-        });
-
-        kind.matmul_t(&gated, rows, di, &lw.out_proj, d, h, true);
-        if let Some(b) = &lw.out_proj_bias {
-            add_bias_rows(h, b);
-        }
-    }
-
-    /// The part of a block that carries state, for one sequence: the causal conv, the
-    /// selective scan and the gated RMSNorm of its `t` rows of in_proj output `zxbcdt`,
-    /// written to `gated` (t × d_inner). `from_memory`: see [`kernels::ScanInputs`].
-    fn mixer<S: SsmValue>(
-        &self,
-        lw: &CpuLayer,
-        ls: &mut LayerState<S>,
-        zxbcdt: &[f32],
-        t: usize,
-        from_memory: bool,
-        gated: &mut [f32],
-    ) {
-        if t == 0 {
-            return;
-        }
-        let c = &self.config;
-        let (di, conv_dim, k) = (c.d_inner(), c.conv_dim(), c.d_conv);
-        let (nh, p, n, g) = (c.nheads, c.headdim, c.d_state, c.n_groups);
-        let width = c.d_in_proj();
-
-        // Causal depthwise conv over [tail; xBC], then SiLU.
-        let xbc = causal_conv_silu(zxbcdt, width, di, t, conv_dim, k, &lw.conv_wt, &lw.conv_bias, &mut ls.conv);
-
-        // dt = clamp(softplus(dt_raw + dt_bias)); per-head decay exp(dt·A); head-major (H × T).
-        let (lo, hi) = c.time_step_limit;
-        let mut dt = vec![0.0f32; nh * t];
-        let mut decay = vec![0.0f32; nh * t];
-        for hd in 0..nh {
-            let a = lw.a[hd];
-            let mut log_decay = 0.0f64;
-            for ti in 0..t {
-                let raw = zxbcdt[ti * width + di + conv_dim + hd] + lw.dt_bias[hd];
-                let v = (kernels::softplus(raw) as f64).clamp(lo, hi) as f32;
-                dt[hd * t + ti] = v;
-                decay[hd * t + ti] = (v * a).exp();
-                log_decay += (v * a) as f64;
-            }
-            ls.log_decay[hd] = (ls.log_decay[hd] as f64 + log_decay) as f32;
-        }
-
-        // Selective scan, one head per task; y is head-major (H × T × P).
-        let heads_per_group = nh / g;
-        let mut y = vec![0.0f32; nh * t * p];
-        ls.ssm.par_chunks_mut(p * n).zip(y.par_chunks_mut(t * p)).enumerate().for_each(|(hd, (s, yh))| {
-            let grp = hd / heads_per_group;
-            let head = kernels::ScanInputs {
-                xbc: &xbc,
-                stride: conv_dim,
-                x_off: hd * p,
-                b_off: di + grp * n,
-                c_off: di + g * n + grp * n,
-                p_dim: p,
-                n_dim: n,
-                dt: &dt[hd * t..(hd + 1) * t],
-                decay: &decay[hd * t..(hd + 1) * t],
-                d_skip: lw.d[hd],
-                from_memory,
-            };
-            S::scan_head(s, &head, yh);
-        });
-
-        // Gated RMSNorm per token.
-        gated.par_chunks_mut(di).enumerate().for_each(|(ti, o)| {
-            let mut yt = vec![0.0f32; di];
-            for hd in 0..nh {
-                yt[hd * p..(hd + 1) * p].copy_from_slice(&y[(hd * t + ti) * p..(hd * t + ti + 1) * p]);
-            }
-            let z = &zxbcdt[ti * width..ti * width + di];
-            kernels::gated_rmsnorm(&yt, z, &lw.gated_norm, di / g, c.gated_norm_eps as f32, o);
-        });
+        mamba2_mixer(c, lw, &xn, states, lens, kind, h, true);
     }
 
     /// Logits (rows × vocab) of `rows` final hidden states.
@@ -366,6 +283,118 @@ impl CpuMamba2 {
     pub fn logprobs(&self, hidden: &[f32], targets: &[u32]) -> Vec<f32> {
         self.io.logprobs(hidden, targets)
     }
+}
+
+/// The Mamba-2 mixer of one block on the normed rows `xn` (rows × d_model: the sequences'
+/// rows one after another): in_proj, each sequence's conv and scan from its own state, the
+/// gated RMSNorm and out_proj, written to `out` (rows × d_model), or added to it with `acc`.
+/// Mamba-2 blocks and the Mamba layers of hybrids share it.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn mamba2_mixer<S: SsmValue>(
+    c: &Mamba2Config,
+    lw: &CpuLayer,
+    xn: &[f32],
+    states: &mut [&mut LayerState<S>],
+    lens: &[usize],
+    kind: Rows,
+    out: &mut [f32],
+    acc: bool,
+) {
+    let (d, di) = (c.d_model, c.d_inner());
+    let width = c.d_in_proj();
+    let rows = xn.len() / d;
+
+    // in_proj: zxbcdt (rows × width) = [z | xBC | dt].
+    let mut zxbcdt = vec![0.0f32; rows * width];
+    kind.matmul_t(xn, rows, d, &lw.in_proj, width, &mut zxbcdt, false);
+    if let Some(b) = &lw.in_proj_bias {
+        add_bias_rows(&mut zxbcdt, b);
+    }
+
+    // Each sequence's conv and scan from its own state. A batch whose states outgrow the
+    // cache reads each from memory once per step: the scan prefetches it ahead.
+    let layer_bytes: usize = states.iter().map(|ls| std::mem::size_of_val(&ls.ssm[..])).sum();
+    let from_memory = crate::memory::outgrows_cache(c.n_layer * layer_bytes);
+    let mut gated = vec![0.0f32; rows * di];
+    per_sequence(states, lens, &zxbcdt, width, &mut gated, di, |ls, zx, t, o| {
+        mixer_sequence(c, lw, ls, zx, t, from_memory, o)
+    });
+
+    kind.matmul_t(&gated, rows, di, &lw.out_proj, d, out, acc);
+    if let Some(b) = &lw.out_proj_bias {
+        add_bias_rows(out, b);
+    }
+}
+
+/// The part of a block that carries state, for one sequence: the causal conv, the selective
+/// scan and the gated RMSNorm of its `t` rows of in_proj output `zxbcdt`, written to `gated`
+/// (t × d_inner). `from_memory`: see [`kernels::ScanInputs`].
+fn mixer_sequence<S: SsmValue>(
+    c: &Mamba2Config,
+    lw: &CpuLayer,
+    ls: &mut LayerState<S>,
+    zxbcdt: &[f32],
+    t: usize,
+    from_memory: bool,
+    gated: &mut [f32],
+) {
+    if t == 0 {
+        return;
+    }
+    let (di, conv_dim, k) = (c.d_inner(), c.conv_dim(), c.d_conv);
+    let (nh, p, n, g) = (c.nheads, c.headdim, c.d_state, c.n_groups);
+    let width = c.d_in_proj();
+
+    // Causal depthwise conv over [tail; xBC], then SiLU.
+    let xbc = causal_conv_silu(zxbcdt, width, di, t, conv_dim, k, &lw.conv_wt, &lw.conv_bias, &mut ls.conv);
+
+    // dt = clamp(softplus(dt_raw + dt_bias)); per-head decay exp(dt·A); head-major (H × T).
+    let (lo, hi) = c.time_step_limit;
+    let mut dt = vec![0.0f32; nh * t];
+    let mut decay = vec![0.0f32; nh * t];
+    for hd in 0..nh {
+        let a = lw.a[hd];
+        let mut log_decay = 0.0f64;
+        for ti in 0..t {
+            let raw = zxbcdt[ti * width + di + conv_dim + hd] + lw.dt_bias[hd];
+            let v = (kernels::softplus(raw) as f64).clamp(lo, hi) as f32;
+            dt[hd * t + ti] = v;
+            decay[hd * t + ti] = (v * a).exp();
+            log_decay += (v * a) as f64;
+        }
+        ls.log_decay[hd] = (ls.log_decay[hd] as f64 + log_decay) as f32;
+    }
+
+    // Selective scan, one head per task; y is head-major (H × T × P).
+    let heads_per_group = nh / g;
+    let mut y = vec![0.0f32; nh * t * p];
+    ls.ssm.par_chunks_mut(p * n).zip(y.par_chunks_mut(t * p)).enumerate().for_each(|(hd, (s, yh))| {
+        let grp = hd / heads_per_group;
+        let head = kernels::ScanInputs {
+            xbc: &xbc,
+            stride: conv_dim,
+            x_off: hd * p,
+            b_off: di + grp * n,
+            c_off: di + g * n + grp * n,
+            p_dim: p,
+            n_dim: n,
+            dt: &dt[hd * t..(hd + 1) * t],
+            decay: &decay[hd * t..(hd + 1) * t],
+            d_skip: lw.d[hd],
+            from_memory,
+        };
+        S::scan_head(s, &head, yh);
+    });
+
+    // Gated RMSNorm per token.
+    gated.par_chunks_mut(di).enumerate().for_each(|(ti, o)| {
+        let mut yt = vec![0.0f32; di];
+        for hd in 0..nh {
+            yt[hd * p..(hd + 1) * p].copy_from_slice(&y[(hd * t + ti) * p..(hd * t + ti + 1) * p]);
+        }
+        let z = &zxbcdt[ti * width..ti * width + di];
+        kernels::gated_rmsnorm(&yt, z, &lw.gated_norm, di / g, c.gated_norm_eps as f32, o);
+    });
 }
 
 /// The causal depthwise convolution + bias + SiLU of `t` rows of `c` channels, read at column
@@ -516,7 +545,7 @@ fn run_layers_of_one_kind<L: Sync, S: Send>(
             layer(lw, &mut ls, lens, kind, &mut h);
         }
         for (s, &t) in states.iter_mut().zip(lens) {
-            s.n_tokens = s.n_tokens.saturating_add(t as u64);
+            s.advance(t);
         }
         io.final_norm(&h)
     })

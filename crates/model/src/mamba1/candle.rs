@@ -43,6 +43,11 @@ pub struct CandleMamba1 {
 }
 
 impl CandleMamba1 {
+    /// The config.
+    pub fn config(&self) -> &Mamba1Config {
+        &self.config
+    }
+
     /// Uploads `weights` to `device` in `dtype`.
     pub fn new(config: &Mamba1Config, weights: &Mamba1Weights, device: &Device, dtype: DType) -> Result<Self> {
         let t = |v: &[f32], shape: &[usize]| -> Result<Tensor> {
@@ -93,7 +98,7 @@ impl CandleMamba1 {
             h = self.layer(layer, ls, &h)?;
         }
         let out = rmsnorm(&h, &self.norm_f, self.config.norm_eps)?;
-        state.n_tokens = state.n_tokens.saturating_add(tokens.len() as u64);
+        state.advance(tokens.len());
         Ok(out.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?)
     }
 

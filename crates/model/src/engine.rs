@@ -1,0 +1,220 @@
+//! The one interface every engine sits behind: run tokens from states, turn hidden rows into
+//! logits. A [`crate::Model`] holds a `Box<dyn Engine>`; adding an architecture or a device is
+//! an implementation of this trait and one arm in [`build`], not arms in every method.
+
+use crate::candle_engine::CandleMamba2;
+use crate::config::ModelConfig;
+use crate::cpu::{CpuMamba2, Rows, WeightDtype};
+use crate::error::{Error, Result};
+use crate::granite_hybrid::{CpuGraniteHybrid, GraniteHybridWeights};
+use crate::mamba1::{CandleMamba1, CpuMamba1, Mamba1Weights};
+use crate::model::Backend;
+use crate::state::State;
+use crate::weights::Mamba2Weights;
+
+/// An engine: a model's weights laid out for one device and its kernels.
+pub(crate) trait Engine: Send + Sync + std::fmt::Debug {
+    /// Runs several sequences at once (`lens[i]` tokens continue `states[i]`, updated in
+    /// place) and returns every row's hidden state, ready for the LM head.
+    fn forward_batch(&self, tokens: &[u32], lens: &[usize], states: &mut [&mut State]) -> Result<Vec<f32>>;
+    /// The same with f16 SSM values ([`crate::SsmValue`]); engines that keep f32 states refuse.
+    fn forward_batch_f16(
+        &self,
+        _tokens: &[u32],
+        _lens: &[usize],
+        _states: &mut [&mut State<half::f16>],
+    ) -> Result<Vec<f32>> {
+        Err(Error::Input(
+            "f16 decode states run on the cpu engine of a Mamba-2 or hybrid model only; use f32 states".into(),
+        ))
+    }
+    /// Logits (rows × vocab) of hidden rows.
+    fn logits(&self, hidden: &[f32], kind: Rows) -> Result<Vec<f32>>;
+    /// `log p(targets[i] | hidden row i)`.
+    fn logprobs(&self, hidden: &[f32], targets: &[u32]) -> Result<Vec<f32>>;
+    /// Whether a batched forward pass gives each sequence its lone result to the bit.
+    fn batch_invariant(&self) -> bool {
+        false
+    }
+    /// Whether [`Engine::forward_batch_f16`] runs.
+    fn runs_f16_states(&self) -> bool {
+        false
+    }
+}
+
+/// Weights of any architecture, as read from a checkpoint.
+pub(crate) enum Weights {
+    Mamba1(Mamba1Weights),
+    Mamba2(Mamba2Weights),
+    GraniteHybrid(GraniteHybridWeights),
+}
+
+impl Weights {
+    pub(crate) fn load(dir: &std::path::Path, config: &ModelConfig) -> Result<Self> {
+        Ok(match config {
+            ModelConfig::Mamba1(c) => Weights::Mamba1(Mamba1Weights::load(dir, c)?),
+            ModelConfig::Mamba2(c) => Weights::Mamba2(Mamba2Weights::load(dir, c)?),
+            ModelConfig::GraniteHybrid(c) => Weights::GraniteHybrid(GraniteHybridWeights::load(dir, c)?),
+        })
+    }
+    pub(crate) fn fingerprint(&self, config: &ModelConfig) -> String {
+        match (self, config) {
+            (Weights::Mamba1(w), ModelConfig::Mamba1(c)) => w.fingerprint(c),
+            (Weights::Mamba2(w), ModelConfig::Mamba2(c)) => w.fingerprint(c),
+            (Weights::GraniteHybrid(w), ModelConfig::GraniteHybrid(c)) => w.fingerprint(c),
+            _ => unreachable!("weights are loaded for their config"),
+        }
+    }
+    pub(crate) fn n_params(&self) -> usize {
+        match self {
+            Weights::Mamba1(w) => w.n_params(),
+            Weights::Mamba2(w) => w.n_params(),
+            Weights::GraniteHybrid(w) => w.n_params(),
+        }
+    }
+}
+
+/// The engine for `config` on `backend`.
+pub(crate) fn build(
+    config: ModelConfig,
+    weights: Weights,
+    backend: &Backend,
+    dtype: WeightDtype,
+) -> Result<Box<dyn Engine>> {
+    Ok(match (config, weights, backend) {
+        (ModelConfig::Mamba2(c), Weights::Mamba2(w), Backend::Cpu) => Box::new(CpuMamba2::new(c, w, dtype)),
+        (ModelConfig::Mamba2(c), Weights::Mamba2(w), Backend::Candle { device, dtype }) => {
+            Box::new(CandleMamba2::new(&c, &w, device, *dtype)?)
+        }
+        (ModelConfig::Mamba1(c), Weights::Mamba1(w), Backend::Cpu) => Box::new(CpuMamba1::new(c, w, dtype)),
+        (ModelConfig::Mamba1(c), Weights::Mamba1(w), Backend::Candle { device, dtype }) => {
+            Box::new(CandleMamba1::new(&c, &w, device, *dtype)?)
+        }
+        (ModelConfig::GraniteHybrid(c), Weights::GraniteHybrid(w), Backend::Cpu) => {
+            Box::new(CpuGraniteHybrid::new(c, w, dtype))
+        }
+        (ModelConfig::GraniteHybrid(_), _, Backend::Candle { .. }) => {
+            return Err(Error::Input(
+                "hybrid (Granite 4.0 H) models run on the cpu engine only for now; drop --device".into(),
+            ))
+        }
+        _ => unreachable!("weights are loaded for their config"),
+    })
+}
+
+/// log p(targets[i]) from the logits' row i (rows of `vocab`).
+fn log_softmax_rows_at(logits: &[f32], vocab: usize, targets: &[u32]) -> Vec<f32> {
+    logits
+        .chunks_exact(vocab)
+        .zip(targets)
+        .map(|(row, &t)| crate::cpu::kernels::log_softmax_at(row, t as usize))
+        .collect()
+}
+
+/// Runs each sequence alone, one after another (engines without a batched pass).
+fn one_by_one(
+    tokens: &[u32],
+    lens: &[usize],
+    states: &mut [&mut State],
+    forward: impl Fn(&[u32], &mut State) -> Result<Vec<f32>>,
+) -> Result<Vec<f32>> {
+    let mut hidden = Vec::new();
+    let mut rest = tokens;
+    for (state, &t) in states.iter_mut().zip(lens) {
+        let (seq, tail) = rest.split_at(t);
+        rest = tail;
+        hidden.extend(forward(seq, state)?);
+    }
+    Ok(hidden)
+}
+
+impl Engine for CpuMamba2 {
+    fn forward_batch(&self, tokens: &[u32], lens: &[usize], states: &mut [&mut State]) -> Result<Vec<f32>> {
+        Ok(CpuMamba2::forward_batch(self, tokens, lens, states))
+    }
+    fn forward_batch_f16(
+        &self,
+        tokens: &[u32],
+        lens: &[usize],
+        states: &mut [&mut State<half::f16>],
+    ) -> Result<Vec<f32>> {
+        Ok(CpuMamba2::forward_batch(self, tokens, lens, states))
+    }
+    fn logits(&self, hidden: &[f32], kind: Rows) -> Result<Vec<f32>> {
+        Ok(CpuMamba2::logits(self, hidden, kind))
+    }
+    fn logprobs(&self, hidden: &[f32], targets: &[u32]) -> Result<Vec<f32>> {
+        Ok(CpuMamba2::logprobs(self, hidden, targets))
+    }
+    fn batch_invariant(&self) -> bool {
+        CpuMamba2::batch_invariant(self)
+    }
+    fn runs_f16_states(&self) -> bool {
+        true
+    }
+}
+
+impl Engine for CpuMamba1 {
+    fn forward_batch(&self, tokens: &[u32], lens: &[usize], states: &mut [&mut State]) -> Result<Vec<f32>> {
+        Ok(CpuMamba1::forward_batch(self, tokens, lens, states))
+    }
+    fn logits(&self, hidden: &[f32], kind: Rows) -> Result<Vec<f32>> {
+        Ok(CpuMamba1::logits(self, hidden, kind))
+    }
+    fn logprobs(&self, hidden: &[f32], targets: &[u32]) -> Result<Vec<f32>> {
+        Ok(CpuMamba1::logprobs(self, hidden, targets))
+    }
+}
+
+impl Engine for CpuGraniteHybrid {
+    fn forward_batch(&self, tokens: &[u32], lens: &[usize], states: &mut [&mut State]) -> Result<Vec<f32>> {
+        Ok(CpuGraniteHybrid::forward_batch(self, tokens, lens, states))
+    }
+    fn forward_batch_f16(
+        &self,
+        tokens: &[u32],
+        lens: &[usize],
+        states: &mut [&mut State<half::f16>],
+    ) -> Result<Vec<f32>> {
+        Ok(CpuGraniteHybrid::forward_batch(self, tokens, lens, states))
+    }
+    fn logits(&self, hidden: &[f32], kind: Rows) -> Result<Vec<f32>> {
+        Ok(CpuGraniteHybrid::logits(self, hidden, kind))
+    }
+    fn logprobs(&self, hidden: &[f32], targets: &[u32]) -> Result<Vec<f32>> {
+        Ok(CpuGraniteHybrid::logprobs(self, hidden, targets))
+    }
+    fn runs_f16_states(&self) -> bool {
+        true
+    }
+}
+
+impl Engine for CandleMamba2 {
+    fn forward_batch(&self, tokens: &[u32], lens: &[usize], states: &mut [&mut State]) -> Result<Vec<f32>> {
+        one_by_one(tokens, lens, states, |t, s| self.forward(t, s))
+    }
+    fn logits(&self, hidden: &[f32], _: Rows) -> Result<Vec<f32>> {
+        CandleMamba2::logits(self, hidden)
+    }
+    fn logprobs(&self, hidden: &[f32], targets: &[u32]) -> Result<Vec<f32>> {
+        Ok(log_softmax_rows_at(&CandleMamba2::logits(self, hidden)?, self.config().vocab_size, targets))
+    }
+    fn batch_invariant(&self) -> bool {
+        true
+    }
+}
+
+impl Engine for CandleMamba1 {
+    fn forward_batch(&self, tokens: &[u32], lens: &[usize], states: &mut [&mut State]) -> Result<Vec<f32>> {
+        one_by_one(tokens, lens, states, |t, s| self.forward(t, s))
+    }
+    fn logits(&self, hidden: &[f32], _: Rows) -> Result<Vec<f32>> {
+        CandleMamba1::logits(self, hidden)
+    }
+    fn logprobs(&self, hidden: &[f32], targets: &[u32]) -> Result<Vec<f32>> {
+        Ok(log_softmax_rows_at(&CandleMamba1::logits(self, hidden)?, self.config().vocab_size, targets))
+    }
+    fn batch_invariant(&self) -> bool {
+        true
+    }
+}

@@ -1,0 +1,344 @@
+//! [`GraniteHybridConfig`]: transformers' `GraniteMoeHybridConfig` (IBM Granite 4.0 H), as the
+//! hub ships it (`layer_types` of `mamba` / `attention`) or as newer transformers writes it
+//! (`linear_attention` / `full_attention`).
+
+use std::path::Path;
+
+use serde_json::{Map, Value};
+
+use crate::config::{CheckpointFormat, Fields, Mamba2Config};
+use crate::error::{Error, Result};
+use crate::state::{Arch, AttentionShape, StateShape};
+
+/// The mixer of one layer of a hybrid.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LayerKind {
+    /// A Mamba-2 mixer: its state is the SSM state, the conv tail and the log-decay.
+    Mamba,
+    /// Causal self-attention: its state is the keys and values of the tokens seen.
+    Attention,
+}
+
+/// Everything that shapes a Granite 4.0 H model.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct GraniteHybridConfig {
+    /// Width of the residual stream.
+    pub d_model: usize,
+    /// Rows of the embedding matrix.
+    pub vocab_size: usize,
+    /// Each layer's mixer, in order.
+    pub layers: Vec<LayerKind>,
+    /// The Mamba-2 mixers' settings (`n_layer` counts the Mamba layers; `d_model` is the model's).
+    pub mamba: Mamba2Config,
+    /// Query heads.
+    pub n_heads: usize,
+    /// Key/value heads (grouped-query attention when fewer than `n_heads`).
+    pub n_kv_heads: usize,
+    /// Channels per attention head.
+    pub head_dim: usize,
+    /// The softmax scale of attention (`attention_multiplier`).
+    pub attention_multiplier: f64,
+    /// RoPE's base (`rope_theta`) when `position_embedding_type` is `rope`; `None` for NoPE.
+    pub rope_theta: Option<f64>,
+    /// Scale of the token embeddings.
+    pub embedding_multiplier: f64,
+    /// Scale of every mixer's and MLP's output before it joins the residual stream.
+    pub residual_multiplier: f64,
+    /// Divisor of the logits.
+    pub logits_scaling: f64,
+    /// Inner width of the shared SwiGLU MLP that follows every mixer.
+    pub shared_intermediate: usize,
+    /// Routed experts beside the shared MLP (0: dense).
+    pub n_experts: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Inner width of one expert.
+    pub expert_intermediate: usize,
+    /// Epsilon of every RMSNorm.
+    pub norm_eps: f64,
+    /// Whether the LM head is the embedding matrix.
+    pub tie_embeddings: bool,
+}
+
+impl GraniteHybridConfig {
+    /// Reads transformers' `config.json` of a `granitemoehybrid` model. Options picaso does
+    /// not implement are refused by name (never silently computed wrong).
+    pub fn from_hf(path: &Path, map: &Map<String, Value>) -> Result<Self> {
+        let f = Fields { path, map };
+        let bad = |m: String| Error::config(path, m);
+        let d_model = f.usize("hidden_size")?;
+        let n_layer = f.usize("num_hidden_layers")?;
+        let layers: Vec<LayerKind> = match map.get("layer_types").or_else(|| map.get("layers_block_type")) {
+            None | Some(Value::Null) => vec![LayerKind::Mamba; n_layer],
+            Some(Value::Array(a)) => a
+                .iter()
+                .enumerate()
+                .map(|(i, v)| match v.as_str() {
+                    Some("mamba" | "linear_attention") => Ok(LayerKind::Mamba),
+                    Some("attention" | "full_attention") => Ok(LayerKind::Attention),
+                    other => Err(bad(format!(
+                        "layer_types[{i}] is {other:?}; picaso runs \"mamba\" (\"linear_attention\") and \
+                         \"attention\" (\"full_attention\") layers"
+                    ))),
+                })
+                .collect::<Result<_>>()?,
+            Some(_) => return Err(f.err("layer_types", "a list of layer kinds")),
+        };
+        if layers.len() != n_layer {
+            return Err(bad(format!("layer_types lists {} layers, num_hidden_layers is {n_layer}", layers.len())));
+        }
+        if let Some(act) = map.get("hidden_act").and_then(Value::as_str) {
+            if act != "silu" {
+                return Err(bad(format!("hidden_act is {act:?}; picaso runs \"silu\" (SwiGLU) MLPs")));
+            }
+        }
+        for key in ["attention_bias", "mamba_proj_bias"] {
+            if f.bool_or(key, false)? {
+                return Err(bad(format!("`{key}: true` is not supported by picaso")));
+            }
+        }
+        let rope_theta = match map.get("position_embedding_type").and_then(Value::as_str) {
+            None | Some("nope") => None,
+            Some("rope") => Some(rope_theta(&f, path)?),
+            Some(other) => {
+                return Err(bad(format!("position_embedding_type is {other:?}; picaso runs \"nope\" and \"rope\"")))
+            }
+        };
+        let n_heads = f.usize("num_attention_heads")?;
+        let n_kv_heads = f.usize_or("num_key_value_heads", n_heads)?;
+        let head_dim = f.usize_or("head_dim", d_model / n_heads.max(1))?;
+        let expand = f.usize_or("mamba_expand", 2)?;
+        let mamba_heads = f.usize_or("mamba_n_heads", 128)?;
+        let mamba_head_dim = match map.get("mamba_d_head") {
+            None | Some(Value::Null) => expand * d_model / mamba_heads.max(1),
+            Some(Value::String(s)) if s == "auto" => expand * d_model / mamba_heads.max(1),
+            Some(_) => f.usize("mamba_d_head")?,
+        };
+        let norm_eps = f.f64_or("rms_norm_eps", 1e-6)?;
+        let n_mamba = layers.iter().filter(|k| **k == LayerKind::Mamba).count();
+        let mamba = Mamba2Config {
+            d_model,
+            n_layer: n_mamba,
+            vocab_size: f.usize("vocab_size")?,
+            d_state: f.usize_or("mamba_d_state", 256)?,
+            headdim: mamba_head_dim,
+            nheads: mamba_heads,
+            expand,
+            n_groups: f.usize_or("mamba_n_groups", 1)?,
+            d_conv: f.usize_or("mamba_d_conv", 4)?,
+            norm_eps,
+            gated_norm_eps: norm_eps,
+            time_step_limit: f.limit("time_step_limit")?,
+            tie_embeddings: f.bool_or("tie_word_embeddings", false)?,
+            use_bias: false,
+            use_conv_bias: f.bool_or("mamba_conv_bias", true)?,
+            format: CheckpointFormat::HfTransformers,
+        };
+        let n_experts = f.usize_or("num_local_experts", 0)?;
+        let config = Self {
+            d_model,
+            vocab_size: mamba.vocab_size,
+            tie_embeddings: mamba.tie_embeddings,
+            layers,
+            mamba,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            attention_multiplier: f.f64_or("attention_multiplier", 1.0)?,
+            rope_theta,
+            embedding_multiplier: f.f64_or("embedding_multiplier", 1.0)?,
+            residual_multiplier: f.f64_or("residual_multiplier", 1.0)?,
+            logits_scaling: f.f64_or("logits_scaling", 1.0)?,
+            shared_intermediate: f.usize_or("shared_intermediate_size", 1024)?,
+            n_experts,
+            top_k: if n_experts > 0 { f.usize_or("num_experts_per_tok", 2)? } else { 0 },
+            expert_intermediate: if n_experts > 0 { f.usize("intermediate_size")? } else { 0 },
+            norm_eps,
+        };
+        config.validate(path)?;
+        Ok(config)
+    }
+
+    /// Checks that the sizes fit together.
+    pub fn validate(&self, path: &Path) -> Result<()> {
+        let bad = |m: String| Err(Error::config(path, m));
+        if self.n_mamba() > 0 {
+            self.mamba.validate(path)?;
+        }
+        for (name, v) in [
+            ("hidden_size", self.d_model),
+            ("num_attention_heads", self.n_heads),
+            ("num_key_value_heads", self.n_kv_heads),
+            ("head_dim", self.head_dim),
+            ("vocab_size", self.vocab_size),
+            ("shared_intermediate_size", self.shared_intermediate),
+        ] {
+            if v == 0 || v > 1 << 24 {
+                return bad(format!("`{name}` is {v}; it must be between 1 and 2^24"));
+            }
+        }
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
+            return bad(format!(
+                "num_attention_heads ({}) must be a multiple of num_key_value_heads ({})",
+                self.n_heads, self.n_kv_heads
+            ));
+        }
+        if self.rope_theta.is_some() && !self.head_dim.is_multiple_of(2) {
+            return bad(format!("RoPE needs an even head_dim, not {}", self.head_dim));
+        }
+        if self.n_experts > 0 && (self.top_k == 0 || self.top_k > self.n_experts || self.expert_intermediate == 0) {
+            return bad(format!(
+                "num_experts_per_tok ({}) must be 1..=num_local_experts ({}) and intermediate_size positive",
+                self.top_k, self.n_experts
+            ));
+        }
+        if self.n_mamba() == 0 {
+            return bad("no mamba layer: picaso keeps a database of states of models with Mamba layers".into());
+        }
+        for (name, v) in [
+            ("attention_multiplier", self.attention_multiplier),
+            ("embedding_multiplier", self.embedding_multiplier),
+            ("residual_multiplier", self.residual_multiplier),
+            ("logits_scaling", self.logits_scaling),
+            ("rms_norm_eps", self.norm_eps),
+        ] {
+            if !v.is_finite() || (name == "logits_scaling" && v == 0.0) || (name == "rms_norm_eps" && v <= 0.0) {
+                return bad(format!("`{name}` is {v}"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Number of layers.
+    pub fn n_layer(&self) -> usize {
+        self.layers.len()
+    }
+    /// Number of Mamba layers.
+    pub fn n_mamba(&self) -> usize {
+        self.layers.iter().filter(|k| **k == LayerKind::Mamba).count()
+    }
+    /// The model's index of each attention layer.
+    pub fn attention_layers(&self) -> Vec<usize> {
+        (0..self.layers.len()).filter(|&i| self.layers[i] == LayerKind::Attention).collect()
+    }
+
+    /// The shape of this model's states: the Mamba layers' as a Mamba-2 model's, plus the
+    /// attention layers' keys and values.
+    pub fn state_shape(&self) -> StateShape {
+        StateShape {
+            attention: Some(AttentionShape {
+                layers: self.attention_layers(),
+                n_layers: self.n_layer(),
+                kv_heads: self.n_kv_heads,
+                head_dim: self.head_dim,
+            }),
+            ..StateShape::of(&self.mamba)
+        }
+    }
+
+    /// Floats in a state after `tokens` tokens.
+    pub fn state_floats(&self, tokens: usize) -> usize {
+        self.mamba.state_floats() + self.attention_layers().len() * 2 * tokens * self.n_kv_heads * self.head_dim
+    }
+
+    /// The architecture of the state's SSM layers.
+    pub fn arch(&self) -> Arch {
+        Arch::Mamba2
+    }
+
+    /// The HF transformers spelling (the hub's names), for fingerprints and saved models.
+    pub fn to_hf_json(&self) -> Value {
+        let m = &self.mamba;
+        let hi = if m.time_step_limit.1.is_infinite() {
+            serde_json::json!({"__float__": "Infinity"})
+        } else {
+            serde_json::json!(m.time_step_limit.1)
+        };
+        let kinds: Vec<&str> = self
+            .layers
+            .iter()
+            .map(|k| match k {
+                LayerKind::Mamba => "mamba",
+                LayerKind::Attention => "attention",
+            })
+            .collect();
+        serde_json::json!({
+            "architectures": ["GraniteMoeHybridForCausalLM"],
+            "model_type": "granitemoehybrid",
+            "hidden_size": self.d_model,
+            "num_hidden_layers": self.n_layer(),
+            "vocab_size": self.vocab_size,
+            "layer_types": kinds,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads,
+            "head_dim": self.head_dim,
+            "attention_multiplier": self.attention_multiplier,
+            "position_embedding_type": if self.rope_theta.is_some() { "rope" } else { "nope" },
+            "rope_theta": self.rope_theta,
+            "embedding_multiplier": self.embedding_multiplier,
+            "residual_multiplier": self.residual_multiplier,
+            "logits_scaling": self.logits_scaling,
+            "shared_intermediate_size": self.shared_intermediate,
+            "num_local_experts": self.n_experts,
+            "num_experts_per_tok": self.top_k,
+            "intermediate_size": self.expert_intermediate,
+            "rms_norm_eps": self.norm_eps,
+            "tie_word_embeddings": self.tie_embeddings,
+            "mamba_n_heads": m.nheads,
+            "mamba_d_head": m.headdim,
+            "mamba_d_state": m.d_state,
+            "mamba_n_groups": m.n_groups,
+            "mamba_d_conv": m.d_conv,
+            "mamba_expand": m.expand,
+            "mamba_conv_bias": m.use_conv_bias,
+            "time_step_limit": [m.time_step_limit.0, hi],
+        })
+    }
+
+    /// The sizes, in one line.
+    pub fn describe(&self) -> String {
+        let att = self.attention_layers();
+        format!(
+            "granite-hybrid: d_model {}, {} layers ({} Mamba-2: {} heads x {} x d_state {}; {} attention at {:?}: {} heads, {} kv, head_dim {}, {}), {}, vocab {}",
+            self.d_model,
+            self.n_layer(),
+            self.n_mamba(),
+            self.mamba.nheads,
+            self.mamba.headdim,
+            self.mamba.d_state,
+            att.len(),
+            att,
+            self.n_heads,
+            self.n_kv_heads,
+            self.head_dim,
+            if self.rope_theta.is_some() { "RoPE" } else { "NoPE" },
+            if self.n_experts > 0 {
+                format!("MoE {} of {} experts + shared MLP {}", self.top_k, self.n_experts, self.shared_intermediate)
+            } else {
+                format!("MLP {}", self.shared_intermediate)
+            },
+            self.vocab_size
+        )
+    }
+}
+
+/// RoPE's base from `rope_parameters` (transformers 5) or `rope_theta` (the hub's); only the
+/// default (unscaled) rotary embedding is supported.
+fn rope_theta(f: &Fields<'_>, path: &Path) -> Result<f64> {
+    let params = f.map.get("rope_parameters").or_else(|| f.map.get("rope_scaling"));
+    if let Some(Value::Object(p)) = params {
+        if let Some(kind) = p.get("rope_type").or_else(|| p.get("type")).and_then(Value::as_str) {
+            if kind != "default" {
+                return Err(Error::config(
+                    path,
+                    format!("rope_type {kind:?} is not supported by picaso (only the default RoPE)"),
+                ));
+            }
+        }
+        if let Some(t) = p.get("rope_theta").and_then(Value::as_f64) {
+            return Ok(t);
+        }
+    }
+    f.f64_or("rope_theta", 10000.0)
+}

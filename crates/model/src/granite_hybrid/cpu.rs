@@ -1,0 +1,370 @@
+//! The CPU engine of a Granite 4.0 H hybrid: each layer is an RMSNorm, a mixer (the Mamba-2
+//! mixer the Mamba-2 engine runs, or grouped-query attention over the state's keys and values),
+//! the residual scaled by `residual_multiplier`, an RMSNorm and the shared SwiGLU MLP plus the
+//! routed experts.
+//!
+//! Prefill (T tokens) and decode (T = 1) are one code path: a sequence's new keys and values
+//! are appended to its state, and each new token attends to every key before it (a composed
+//! state's union of contexts included), so scoring `a + b` equals scoring `b` from the state
+//! of `a`. MoE layers multiply each token only by the experts it is routed to.
+
+use rayon::prelude::*;
+
+use super::config::GraniteHybridConfig;
+use super::weights::{GraniteHybridWeights, MixerWeights, MoeWeights};
+use crate::cpu::kernels::{self, Bf16Kernel, Matrix};
+use crate::cpu::{mamba2_mixer, on_pool, rows_par, CpuLayer, Rows, TokenIo, WeightDtype};
+use crate::state::{KvState, LayerState, SsmValue, State};
+
+/// A Granite 4.0 H model ready to run on the CPU.
+#[derive(Debug)]
+pub struct CpuGraniteHybrid {
+    config: GraniteHybridConfig,
+    io: TokenIo,
+    layers: Vec<Layer>,
+}
+
+#[derive(Debug)]
+struct Layer {
+    input_norm: Vec<f32>,
+    mixer: Mixer,
+    post_norm: Vec<f32>,
+    mlp_in: Matrix,
+    mlp_out: Matrix,
+    moe: Option<Moe>,
+}
+
+#[derive(Debug)]
+enum Mixer {
+    /// The `slot`-th Mamba layer (its state is `state.layers[slot]`).
+    Mamba { slot: usize, weights: CpuLayer },
+    /// The `slot`-th attention layer (its state is `state.attention[slot]`).
+    Attention { slot: usize, q: Matrix, k: Matrix, v: Matrix, o: Matrix },
+}
+
+#[derive(Debug)]
+struct Moe {
+    /// Router (n_experts × d_model), f32: routing decisions must not move with the weights' dtype.
+    router: Vec<f32>,
+    /// Per expert: gate and up (2·inner × d_model), down (d_model × inner).
+    experts: Vec<(Matrix, Matrix)>,
+}
+
+impl CpuGraniteHybrid {
+    /// Takes ownership of validated weights, storing the large matrices in `dtype`.
+    pub fn new(config: GraniteHybridConfig, weights: GraniteHybridWeights, dtype: WeightDtype) -> Self {
+        let kernel = Bf16Kernel::detect();
+        let mat = |v: Vec<f32>, cols: usize| Matrix::with_kernel(v, cols, dtype, kernel);
+        let d = config.d_model;
+        let (mut mamba, mut attention) = (0, 0);
+        let layers = weights
+            .layers
+            .into_iter()
+            .map(|l| {
+                let mixer = match l.mixer {
+                    MixerWeights::Mamba(w) => {
+                        mamba += 1;
+                        Mixer::Mamba { slot: mamba - 1, weights: CpuLayer::new(w, &config.mamba, dtype, kernel) }
+                    }
+                    MixerWeights::Attention { q, k, v, o } => {
+                        attention += 1;
+                        let inner = config.n_heads * config.head_dim;
+                        Mixer::Attention {
+                            slot: attention - 1,
+                            q: mat(q, d),
+                            k: mat(k, d),
+                            v: mat(v, d),
+                            o: mat(o, inner),
+                        }
+                    }
+                };
+                let moe = l.moe.map(|MoeWeights { router, gate_up, down }| {
+                    let (e, ei) = (config.n_experts, config.expert_intermediate);
+                    let experts = (0..e)
+                        .map(|x| {
+                            let gu = gate_up[x * 2 * ei * d..(x + 1) * 2 * ei * d].to_vec();
+                            let dn = down[x * d * ei..(x + 1) * d * ei].to_vec();
+                            (mat(gu, d), mat(dn, ei))
+                        })
+                        .collect();
+                    Moe { router, experts }
+                });
+                Layer {
+                    input_norm: l.input_norm,
+                    mixer,
+                    post_norm: l.post_norm,
+                    mlp_in: mat(l.mlp_in, d),
+                    mlp_out: mat(l.mlp_out, config.shared_intermediate),
+                    moe,
+                }
+            })
+            .collect();
+        let io =
+            TokenIo::new(weights.embedding, weights.lm_head, weights.norm_f, config.norm_eps, config.vocab_size, dtype);
+        Self { config, io, layers }
+    }
+
+    /// The config.
+    pub fn config(&self) -> &GraniteHybridConfig {
+        &self.config
+    }
+
+    /// Runs `tokens` from `state` (updated in place) and returns the hidden states ready for
+    /// the LM head (final-normed, divided by `logits_scaling`).
+    pub fn forward(&self, tokens: &[u32], state: &mut State) -> Vec<f32> {
+        self.forward_batch(tokens, &[tokens.len()], &mut [state])
+    }
+
+    /// Several sequences at once: `lens[i]` tokens continue `states[i]`. The projections read
+    /// each weight once for all rows; the mixers run per sequence on its own state.
+    pub fn forward_batch<S: SsmValue>(&self, tokens: &[u32], lens: &[usize], states: &mut [&mut State<S>]) -> Vec<f32> {
+        assert_eq!(lens.iter().sum::<usize>(), tokens.len(), "lens must add up to the tokens");
+        assert_eq!(lens.len(), states.len(), "one state per sequence");
+        if tokens.is_empty() {
+            return Vec::new();
+        }
+        let c = &self.config;
+        let d = c.d_model;
+        on_pool(|| {
+            let kind = Rows::of(lens);
+            let mut h = self.io.embed(tokens);
+            let em = c.embedding_multiplier as f32;
+            if em != 1.0 {
+                h.iter_mut().for_each(|x| *x *= em);
+            }
+            let positions: Vec<u64> = states.iter().map(|s| s.position).collect();
+            let rows = tokens.len();
+            let mut xn = vec![0.0f32; rows * d];
+            let mut branch = vec![0.0f32; rows * d];
+            for layer in &self.layers {
+                rows_par(&h, &mut xn, d, d, |x, o| kernels::rmsnorm(x, &layer.input_norm, c.norm_eps as f32, o));
+                match &layer.mixer {
+                    Mixer::Mamba { slot, weights } => {
+                        let mut ls: Vec<&mut LayerState<S>> = states.iter_mut().map(|s| &mut s.layers[*slot]).collect();
+                        mamba2_mixer(&c.mamba, weights, &xn, &mut ls, lens, kind, &mut branch, false);
+                    }
+                    Mixer::Attention { slot, q, k, v, o } => {
+                        let mut kv: Vec<&mut KvState> = states.iter_mut().map(|s| &mut s.attention[*slot]).collect();
+                        self.attention(&xn, &mut kv, &positions, lens, kind, [q, k, v, o], &mut branch);
+                    }
+                }
+                add_scaled(&mut h, &branch, c.residual_multiplier as f32);
+                rows_par(&h, &mut xn, d, d, |x, o| kernels::rmsnorm(x, &layer.post_norm, c.norm_eps as f32, o));
+                self.mlp(layer, &xn, kind, &mut branch);
+                add_scaled(&mut h, &branch, c.residual_multiplier as f32);
+            }
+            for (s, &t) in states.iter_mut().zip(lens) {
+                s.advance(t);
+            }
+            let mut out = self.io.final_norm(&h);
+            let inv = (1.0 / c.logits_scaling) as f32;
+            if inv != 1.0 {
+                out.iter_mut().for_each(|x| *x *= inv);
+            }
+            out
+        })
+    }
+
+    /// Grouped-query attention of the normed rows `xn` over each sequence's keys and values
+    /// (the new tokens' appended first), projected by `o` into `out` (rows × d_model).
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        xn: &[f32],
+        kv: &mut [&mut KvState],
+        positions: &[u64],
+        lens: &[usize],
+        kind: Rows,
+        [wq, wk, wv, wo]: [&Matrix; 4],
+        out: &mut [f32],
+    ) {
+        let c = &self.config;
+        let (d, hd, nh, nkv) = (c.d_model, c.head_dim, c.n_heads, c.n_kv_heads);
+        let rows = xn.len() / d;
+        let (qw, kvw) = (nh * hd, nkv * hd);
+        let mut q = vec![0.0f32; rows * qw];
+        let mut k = vec![0.0f32; rows * kvw];
+        let mut v = vec![0.0f32; rows * kvw];
+        kind.matmul_t(xn, rows, d, wq, qw, &mut q, false);
+        kind.matmul_t(xn, rows, d, wk, kvw, &mut k, false);
+        kind.matmul_t(xn, rows, d, wv, kvw, &mut v, false);
+        // Positions, then each sequence's new keys and values appended to its state.
+        let mut prevs = Vec::with_capacity(lens.len());
+        let mut at = 0;
+        for ((state, &t), &p0) in kv.iter_mut().zip(lens).zip(positions) {
+            let (qs, ks) = (&mut q[at * qw..(at + t) * qw], &mut k[at * kvw..(at + t) * kvw]);
+            if let Some(theta) = c.rope_theta {
+                rope(qs, nh, hd, p0, theta);
+                rope(ks, nkv, hd, p0, theta);
+            }
+            prevs.push(state.tokens(kvw));
+            state.keys.extend_from_slice(ks);
+            state.values.extend_from_slice(&v[at * kvw..(at + t) * kvw]);
+            at += t;
+        }
+        let mut y = vec![0.0f32; rows * qw];
+        let mut jobs = Vec::with_capacity(lens.len());
+        let (mut y_rest, mut q_rest) = (&mut y[..], &q[..]);
+        for ((state, &t), prev) in kv.iter().zip(lens).zip(prevs) {
+            let (ys, rest) = std::mem::take(&mut y_rest).split_at_mut(t * qw);
+            let (qs, q_tail) = q_rest.split_at(t * qw);
+            (y_rest, q_rest) = (rest, q_tail);
+            jobs.push((&**state, qs, prev, ys));
+        }
+        let scale = c.attention_multiplier as f32;
+        jobs.into_par_iter().for_each(|(state, qs, prev, ys)| {
+            ys.par_chunks_mut(qw).enumerate().for_each(|(ti, yrow)| {
+                attend_row(&qs[ti * qw..(ti + 1) * qw], state, prev + ti + 1, nh, nkv, hd, scale, yrow)
+            })
+        });
+        kind.matmul_t(&y, rows, qw, wo, d, out, false);
+    }
+
+    /// The shared SwiGLU MLP plus the routed experts of the normed rows `xn`, into `out`.
+    fn mlp(&self, layer: &Layer, xn: &[f32], kind: Rows, out: &mut [f32]) {
+        let c = &self.config;
+        let d = c.d_model;
+        let rows = xn.len() / d;
+        swiglu(xn, rows, d, c.shared_intermediate, &layer.mlp_in, &layer.mlp_out, kind, out, false);
+        let Some(moe) = &layer.moe else { return };
+        // Route each row: the top-k router logits, softmax over those k.
+        let (e, top) = (c.n_experts, c.top_k);
+        let mut by_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); e];
+        let routes: Vec<Vec<(usize, f32)>> = xn
+            .par_chunks(d)
+            .map(|x| {
+                let mut logits: Vec<(usize, f32)> =
+                    (0..e).map(|j| (j, kernels::dot(x, &moe.router[j * d..(j + 1) * d]))).collect();
+                logits.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+                logits.truncate(top);
+                let max = logits[0].1;
+                let sum: f32 = logits.iter().map(|(_, l)| (l - max).exp()).sum();
+                logits.iter().map(|&(j, l)| (j, (l - max).exp() / sum)).collect()
+            })
+            .collect();
+        for (r, route) in routes.into_iter().enumerate() {
+            for (j, w) in route {
+                by_expert[j].push((r, w));
+            }
+        }
+        let ei = c.expert_intermediate;
+        let partial: Vec<(Vec<(usize, f32)>, Vec<f32>)> = by_expert
+            .into_par_iter()
+            .enumerate()
+            .filter(|(_, rows)| !rows.is_empty())
+            .map(|(j, picked)| {
+                let mut x = Vec::with_capacity(picked.len() * d);
+                for &(r, _) in &picked {
+                    x.extend_from_slice(&xn[r * d..(r + 1) * d]);
+                }
+                let mut y = vec![0.0f32; picked.len() * d];
+                let (gate_up, down) = &moe.experts[j];
+                swiglu(&x, picked.len(), d, ei, gate_up, down, kind, &mut y, false);
+                (picked, y)
+            })
+            .collect();
+        for (picked, y) in partial {
+            for (i, &(r, w)) in picked.iter().enumerate() {
+                for (o, v) in out[r * d..(r + 1) * d].iter_mut().zip(&y[i * d..(i + 1) * d]) {
+                    *o += w * v;
+                }
+            }
+        }
+    }
+
+    /// Logits (rows × vocab) of hidden rows from [`CpuGraniteHybrid::forward`].
+    pub fn logits(&self, hidden: &[f32], kind: Rows) -> Vec<f32> {
+        self.io.logits(hidden, kind)
+    }
+
+    /// `log p(targets[i] | hidden row i)` for each row.
+    pub fn logprobs(&self, hidden: &[f32], targets: &[u32]) -> Vec<f32> {
+        self.io.logprobs(hidden, targets)
+    }
+}
+
+/// `h += m · branch`.
+fn add_scaled(h: &mut [f32], branch: &[f32], m: f32) {
+    h.par_chunks_mut(4096).zip(branch.par_chunks(4096)).for_each(|(h, b)| {
+        for (x, y) in h.iter_mut().zip(b) {
+            *x += m * y;
+        }
+    });
+}
+
+/// SwiGLU of `rows` rows: `down(silu(gate(x)) · up(x))`, where `gate_up` holds the gate's rows
+/// then the up projection's (as transformers' `input_linear` does).
+#[allow(clippy::too_many_arguments)]
+fn swiglu(
+    x: &[f32],
+    rows: usize,
+    d: usize,
+    inner: usize,
+    gate_up: &Matrix,
+    down: &Matrix,
+    kind: Rows,
+    out: &mut [f32],
+    acc: bool,
+) {
+    let mut gu = vec![0.0f32; rows * 2 * inner];
+    kind.matmul_t(x, rows, d, gate_up, 2 * inner, &mut gu, false);
+    let mut act = vec![0.0f32; rows * inner];
+    act.par_chunks_mut(inner).zip(gu.par_chunks(2 * inner)).for_each(|(a, g)| {
+        for (i, o) in a.iter_mut().enumerate() {
+            *o = kernels::silu(g[i]) * g[inner + i];
+        }
+    });
+    kind.matmul_t(&act, rows, inner, down, d, out, acc);
+}
+
+/// Rotates each head of each row (rows of `heads × hd`) by its position `p0 + row` as
+/// transformers' default RoPE does: the first and second halves of a head form the pairs.
+fn rope(x: &mut [f32], heads: usize, hd: usize, p0: u64, theta: f64) {
+    let half = hd / 2;
+    let inv: Vec<f64> = (0..half).map(|i| theta.powf(-((2 * i) as f64) / hd as f64)).collect();
+    for (r, row) in x.chunks_exact_mut(heads * hd).enumerate() {
+        let pos = (p0 + r as u64) as f64;
+        // Angles in f64 (transformers' are f32: ~1e-7 relative apart at these positions).
+        let (cos, sin): (Vec<f32>, Vec<f32>) =
+            inv.iter().map(|&f| ((pos * f).cos() as f32, (pos * f).sin() as f32)).unzip();
+        for h in row.chunks_exact_mut(hd) {
+            for i in 0..half {
+                let (a, b) = (h[i], h[i + half]);
+                h[i] = a * cos[i] - b * sin[i];
+                h[i + half] = b * cos[i] + a * sin[i];
+            }
+        }
+    }
+}
+
+/// One query row (all heads) attending to the first `n` keys of `kv`: softmax(scale · q·k)
+/// weighted values, per head, into `y` (heads × hd).
+#[allow(clippy::too_many_arguments)]
+fn attend_row(q: &[f32], kv: &KvState, n: usize, nh: usize, nkv: usize, hd: usize, scale: f32, y: &mut [f32]) {
+    let group = nh / nkv;
+    let stride = nkv * hd;
+    let mut scores = vec![0.0f32; n];
+    for h in 0..nh {
+        let g = h / group;
+        let qh = &q[h * hd..(h + 1) * hd];
+        let mut max = f32::NEG_INFINITY;
+        for (j, s) in scores.iter_mut().enumerate() {
+            *s = scale * kernels::dot(qh, &kv.keys[j * stride + g * hd..j * stride + (g + 1) * hd]);
+            max = max.max(*s);
+        }
+        let mut sum = 0.0f64;
+        for s in scores.iter_mut() {
+            *s = (*s - max).exp();
+            sum += *s as f64;
+        }
+        let inv = (1.0 / sum) as f32;
+        let yh = &mut y[h * hd..(h + 1) * hd];
+        yh.fill(0.0);
+        for (j, &p) in scores.iter().enumerate() {
+            let w = p * inv;
+            for (o, v) in yh.iter_mut().zip(&kv.values[j * stride + g * hd..j * stride + (g + 1) * hd]) {
+                *o += w * v;
+            }
+        }
+    }
+}

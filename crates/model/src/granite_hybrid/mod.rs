@@ -1,0 +1,14 @@
+//! IBM Granite 4.0 H (`GraniteMoeHybridForCausalLM`): attention layers among Mamba-2 layers,
+//! each followed by a SwiGLU MLP and optionally routed experts.
+//!
+//! A hybrid's state is its Mamba layers' states (as a Mamba-2 model's) plus each attention
+//! layer's keys and values ([`crate::state::KvState`]); composition unions the keys and values
+//! ([`crate::composition`]).
+
+pub mod config;
+pub mod cpu;
+pub mod weights;
+
+pub use config::{GraniteHybridConfig, LayerKind};
+pub use cpu::CpuGraniteHybrid;
+pub use weights::GraniteHybridWeights;

@@ -1,0 +1,217 @@
+//! Granite 4.0 H hybrids against HF transformers (fixtures from scripts/make_granite_fixtures.py,
+//! computed in float64): log-probs within 1e-4, every layer's state (SSM state, conv tail,
+//! log-decay; keys and values) within 1e-5 of its scale, the Markov property at every split,
+//! and a composed state (PICASO-R on the Mamba layers, the union of keys and values) continued
+//! as transformers continues a cache holding the same tensors.
+
+mod common;
+
+use common::*;
+use picaso_model::{compose, Method, Model, State, StateDtype};
+
+const CASES: [&str; 2] = ["dense-nope-g1", "moe-rope-g2"];
+
+fn model(case: &str) -> Model {
+    load_from(&fixture_dir("granite", case).join("hf"))
+}
+
+fn exp(case: &str) -> Expected {
+    expected_in(&fixture_dir("granite", case))
+}
+
+/// Each layer's state tensors beside the fixture's `{prefix}.layers.{i}.*`.
+fn check_state(case: &str, state: &State, e: &Expected, prefix: &str) {
+    let shape = &state.shape;
+    for (j, &i) in shape.ssm_layers().iter().enumerate() {
+        let l = &state.layers[j];
+        for (name, got) in [("ssm", &l.ssm), ("conv", &l.conv), ("log_decay", &l.log_decay)] {
+            let key = format!("{prefix}.layers.{i}.{name}");
+            let err = rel_err(got, e.get(&key));
+            assert!(err < 1e-5, "{case}: {key} differs by {err} (relative)");
+        }
+    }
+    let a = shape.attention.as_ref().expect("a hybrid's state has attention layers");
+    for (kv, &i) in state.attention.iter().zip(&a.layers) {
+        let t = kv.tokens(a.token_len());
+        for (name, rows) in [("k", &kv.keys), ("v", &kv.values)] {
+            // (T, H, D) here, (H, T, D) in the fixture.
+            let mut head_major = vec![0.0f32; rows.len()];
+            for ti in 0..t {
+                for h in 0..a.kv_heads {
+                    let d = a.head_dim;
+                    head_major[(h * t + ti) * d..][..d].copy_from_slice(&rows[(ti * a.kv_heads + h) * d..][..d]);
+                }
+            }
+            let key = format!("{prefix}.layers.{i}.{name}");
+            let err = rel_err(&head_major, e.get(&key));
+            assert!(err < 1e-5, "{case}: {key} differs by {err} (relative)");
+        }
+    }
+}
+
+#[test]
+fn logprobs_match_transformers() {
+    for case in CASES {
+        let (m, e) = (model(case), exp(case));
+        let scored = m.score(&e.tokens, &m.zero_state()).unwrap();
+        let err = max_abs_diff(&scored.logprobs, e.get("logprobs"));
+        eprintln!("{case}: max logprob error {err:.2e}");
+        assert!(err < 1e-4, "{case}: logprobs differ by {err}");
+    }
+}
+
+#[test]
+fn states_match_transformers() {
+    for case in CASES {
+        let (m, e) = (model(case), exp(case));
+        for (prefix, len) in [("short", 2usize), ("prefix", 13), ("full", e.tokens.len())] {
+            let state = m.prefill(&e.tokens[..len], &m.zero_state()).unwrap();
+            assert_eq!((state.n_tokens, state.position), (len as u64, len as u64));
+            check_state(case, &state, &e, prefix);
+        }
+    }
+}
+
+/// Scoring `a + b` equals scoring `b` from the state of `a`, at every split point, multi-token.
+#[test]
+fn the_markov_property_holds_at_every_split() {
+    for case in CASES {
+        let (m, e) = (model(case), exp(case));
+        let whole = m.score(&e.tokens, &m.zero_state()).unwrap();
+        for split in 1..e.tokens.len() - 1 {
+            let a = m.prefill(&e.tokens[..split], &m.zero_state()).unwrap();
+            // Tokens from `split` on, from a's state: the first is context, each later one scored.
+            let b = m.score(&e.tokens[split..], &a).unwrap();
+            let err = max_abs_diff(&b.logprobs, &whole.logprobs[split..]);
+            assert!(err < 1e-5, "{case}: split at {split}: continuation differs by {err}");
+            assert!(rel_err(&b.state.layers[0].ssm, &whole.state.layers[0].ssm) < 1e-5);
+            assert!(rel_err(&b.state.attention[0].keys, &whole.state.attention[0].keys) < 1e-5);
+            // Token by token from a's state: decode steps give the same log-probs.
+            let mut s = a.clone();
+            let steps = 3.min(e.tokens.len() - split - 1);
+            for i in 0..steps {
+                let logits = m.step(e.tokens[split + i], &mut s).unwrap();
+                let max = logits.iter().fold(f32::NEG_INFINITY, |x, &y| x.max(y));
+                let lse = max + logits.iter().map(|&x| (x - max).exp()).sum::<f32>().ln();
+                let lp = logits[e.tokens[split + i + 1] as usize] - lse;
+                let want = whole.logprobs[split + i];
+                assert!((lp - want).abs() < 1e-4, "{case}: decode after {split}+{i}: {lp} vs {want}");
+            }
+            assert_eq!(s.n_tokens, (split + steps) as u64);
+        }
+    }
+}
+
+/// A composed state (PICASO-R on the Mamba layers, the mean of the conv tails, the union of
+/// the keys and values, the query after the longest context) continues as transformers
+/// continues a cache holding the same tensors.
+#[test]
+fn a_composed_state_continues_as_transformers() {
+    for case in CASES {
+        let (m, e) = (model(case), exp(case));
+        let lens = [9usize, 6, 11];
+        let mut at = 0;
+        let mut states = Vec::new();
+        for n in lens {
+            states.push(m.prefill(&e.tokens[at..at + n], &m.zero_state()).unwrap());
+            at += n;
+        }
+        let refs: Vec<&State> = states.iter().collect();
+        let composed = compose(Method::PicasoR, &refs, None).unwrap();
+        assert_eq!(composed.position, 11, "{case}: the query starts after the longest context");
+        check_state(case, &composed, &e, "composed");
+        let query = &e.tokens[at..at + 8];
+        let scored = m.score(query, &composed).unwrap();
+        let err = max_abs_diff(&scored.logprobs, e.get("composed.query_logprobs"));
+        eprintln!("{case}: composed continuation max logprob error {err:.2e}");
+        assert!(err < 1e-4, "{case}: composed continuation differs by {err}");
+    }
+}
+
+/// On a NoPE hybrid, PICASO-S composition gives the same log-probs in all 24 orders of 4
+/// contexts: the SSM part is order-free by construction, and attention over a union of keys
+/// does not depend on their order.
+#[test]
+fn picaso_s_of_a_nope_hybrid_is_invariant_to_every_order() {
+    let m = model("dense-nope-g1");
+    let e = exp("dense-nope-g1");
+    let parts: Vec<State> = [(0usize, 7usize), (7, 5), (12, 9), (21, 6)]
+        .iter()
+        .map(|&(a, n)| m.prefill(&e.tokens[a..a + n], &m.zero_state()).unwrap())
+        .collect();
+    let query = &e.tokens[27..35];
+    let refs: Vec<&State> = parts.iter().collect();
+    let base = m.score(query, &compose(Method::PicasoS, &refs, None).unwrap()).unwrap().logprobs;
+    let mut orders = 0;
+    for a in 0..4 {
+        for b in 0..4 {
+            for c in 0..4 {
+                for d in 0..4 {
+                    let o = [a, b, c, d];
+                    if (0..4).any(|i| !o.contains(&i)) {
+                        continue;
+                    }
+                    orders += 1;
+                    let s = compose(Method::PicasoS, &refs, Some(&o)).unwrap();
+                    let lp = m.score(query, &s).unwrap().logprobs;
+                    let err = max_abs_diff(&lp, &base);
+                    assert!(err < 1e-5, "order {o:?}: log-probs move by {err}");
+                }
+            }
+        }
+    }
+    assert_eq!(orders, 24);
+    // CASO is not order-free: the check above could fail.
+    let caso = |o: &[usize]| m.score(query, &compose(Method::Caso, &refs, Some(o)).unwrap()).unwrap().logprobs;
+    assert!(max_abs_diff(&caso(&[0, 1, 2, 3]), &caso(&[3, 2, 1, 0])) > 1e-4);
+}
+
+/// A hybrid state survives a save and load exactly (f32), composes again after loading, and
+/// names its tensors by the model's own layer index.
+#[test]
+fn hybrid_states_save_load_and_compose_again() {
+    for case in CASES {
+        let (m, e) = (model(case), exp(case));
+        let a = m.prefill(&e.tokens[..10], &m.zero_state()).unwrap();
+        let b = m.prefill(&e.tokens[10..17], &m.zero_state()).unwrap();
+        let ab = compose(Method::PicasoR, &[&a, &b], None).unwrap();
+        for s in [&a, &ab, &m.zero_state()] {
+            let bytes = s.to_bytes(StateDtype::F32).unwrap();
+            let back = State::from_bytes(&bytes).unwrap();
+            assert_eq!(&back, s, "{case}: f32 round trip");
+            let mapped = picaso_model::MappedState::from_buffer(bytes).unwrap();
+            assert_eq!(&mapped.view().to_state(), s, "{case}: mapped round trip");
+            let half = State::from_bytes(&s.to_bytes(StateDtype::Bf16).unwrap()).unwrap();
+            assert!(half.attention.iter().zip(&s.attention).all(|(x, y)| rel_err(&x.keys, &y.keys) < 1e-2));
+        }
+        let names = picaso_model::MappedState::from_buffer(a.to_bytes(StateDtype::F32).unwrap()).unwrap();
+        let header = String::from_utf8_lossy(&names.bytes()[..2000.min(names.bytes().len())]).to_string();
+        for &i in a.shape.attention_layers() {
+            assert!(header.contains(&format!("\"layers.{i}.k\"")), "{case}: keys named by layer {i}");
+        }
+        // The union is associative: ((a ∪ b) ∪ c) keeps every token's keys.
+        let c = m.prefill(&e.tokens[17..20], &m.zero_state()).unwrap();
+        let abc = compose(Method::Soup, &[&ab, &c], None).unwrap();
+        let tl = a.shape.attention.as_ref().unwrap().token_len();
+        assert_eq!(abc.attention[0].tokens(tl), 10 + 7 + 3);
+        assert_eq!(abc.n_tokens, 20);
+    }
+}
+
+/// A hybrid state on a pure Mamba-2 model, and a pure Mamba-2 state on a hybrid, are refused.
+#[test]
+fn states_of_other_architectures_are_refused() {
+    let hybrid = model("dense-nope-g1");
+    let mamba = load_from(&fixture_dir("mamba2", "g1").join("hf"));
+    let hs = hybrid.prefill(&[1, 2, 3], &hybrid.zero_state()).unwrap();
+    let ms = mamba.prefill(&[1, 2, 3], &mamba.zero_state()).unwrap();
+    let e1 = mamba.score(&[1, 2], &hs).unwrap_err().to_string();
+    let e2 = hybrid.score(&[1, 2], &ms).unwrap_err().to_string();
+    assert!(e1.contains("another model"), "{e1}");
+    assert!(e2.contains("another model"), "{e2}");
+    // Keys of the wrong size: refused before any arithmetic.
+    let mut bad = hs.clone();
+    bad.attention[0].keys.pop();
+    let e3 = hybrid.score(&[1, 2], &bad).unwrap_err().to_string();
+    assert!(e3.contains("sizes"), "{e3}");
+}

@@ -1,0 +1,297 @@
+#!/usr/bin/env python3
+"""Generate small GraniteMoeHybrid (Granite 4.0 H) reference fixtures from HF transformers.
+
+For every case in CASES this script
+  1. builds a tiny random `GraniteMoeHybridForCausalLM` (fixed seed, every parameter overwritten
+     with non-trivial random values, stored as float32; non-trivial embedding, residual,
+     attention and logits multipliers),
+  2. writes it in HF format (`hf/config.json` with the hub's `layer_types` names
+     `mamba`/`attention`, `hf/model.safetensors`),
+  3. runs the HF torch reference in float64 (`Float64Everywhere`) on a seeded random token
+     sequence and records log-probs, logits and every layer's state after a short prefix, a
+     longer prefix and the full sequence: per Mamba layer the SSM state, conv tail and
+     log-decay, per attention layer its keys and values (kv_heads, tokens, head_dim) as the
+     cache holds them (RoPE already applied), named by the model's own layer index,
+  4. records a composed continuation: three contexts each encoded alone, composed with
+     PICASO-R on the Mamba layers (the mean over the n rotations of CASO), the mean of the conv
+     tails and the union of the keys and values on the attention layers (contexts in order,
+     each at positions 0..len-1; the query starts after the longest), then the query's
+     log-probs from transformers continuing a cache that holds exactly those tensors,
+  5. cross-checks HF continuation from its own prefix caches against the full run.
+
+Run:  python scripts/make_granite_fixtures.py [--out testdata/granite]   (CPU, deterministic)
+"""
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import transformers
+from transformers import DynamicCache, GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+from fixture_common import Float64Everywhere, check_float64_mode, file_digests, max_diff, write_expected
+
+SEQ_LEN = 37
+SNAPSHOTS = {"short": 2, "prefix": 13, "full": SEQ_LEN}
+CONTEXTS = [9, 6, 11]  # lengths of the composed case's contexts
+QUERY = 8
+
+BASE = dict(
+    embedding_multiplier=2.5, residual_multiplier=0.7, attention_multiplier=0.3, logits_scaling=1.7,
+    rms_norm_eps=1e-5, hidden_act="silu", attention_bias=False, mamba_d_conv=4, mamba_expand=2,
+    mamba_conv_bias=True, mamba_proj_bias=False, max_position_embeddings=512, tie_word_embeddings=True,
+)
+CASES = {
+    # dense, no positional encoding (Granite 4.0 H), one group, a Mamba layer first
+    "dense-nope-g1": dict(
+        seed=2001, hidden_size=32, num_hidden_layers=4, layer_types=["mamba", "attention", "mamba", "attention"],
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=0, num_experts_per_tok=0,
+        intermediate_size=24, shared_intermediate_size=40, position_embedding_type="nope",
+        mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=256,
+        vocab_size=97, time_step_limit=(0.0, float("inf")),
+    ),
+    # mixture of experts, RoPE, two groups, an attention layer first, untied head, clamped dt
+    "moe-rope-g2": dict(
+        seed=2002, hidden_size=48, num_hidden_layers=3, layer_types=["attention", "mamba", "mamba"],
+        num_attention_heads=6, num_key_value_heads=3, num_local_experts=4, num_experts_per_tok=2,
+        intermediate_size=20, shared_intermediate_size=36, position_embedding_type="rope",
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        mamba_n_heads=8, mamba_d_head=12, mamba_n_groups=2, mamba_d_state=10, mamba_chunk_size=16,
+        vocab_size=101, time_step_limit=(0.001, 0.25), tie_word_embeddings=False,
+    ),
+}
+
+
+class Float64Granite(Float64Everywhere):
+    """`Float64Everywhere`, and a `dtype=torch.float32` argument of any function on float64
+    input kept float64 too (eager attention's `softmax(..., dtype=torch.float32)`)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if args and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float64:
+            if kwargs.get("dtype") is torch.float32:
+                kwargs["dtype"] = torch.float64
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def make_config(case: dict) -> GraniteMoeHybridConfig:
+    kw = {**BASE, **{k: v for k, v in case.items() if k != "seed"}}
+    return GraniteMoeHybridConfig(**kw)
+
+
+def random_value(name: str, shape, gen: torch.Generator) -> torch.Tensor:
+    normal = lambda mean, std: mean + std * torch.randn(shape, generator=gen, dtype=torch.float32)
+    if name.endswith("A_log"):  # A = -exp(A_log) in [-8, -0.5]
+        lo, hi = math.log(0.5), math.log(8.0)
+        return lo + (hi - lo) * torch.rand(shape, generator=gen, dtype=torch.float32)
+    if name.endswith("dt_bias"):
+        return normal(-3.0, 1.5)
+    if name.endswith(".D"):
+        return normal(1.0, 0.5)
+    if "norm" in name and name.endswith("weight"):
+        return normal(1.0, 0.2)
+    if name.endswith("embed_tokens.weight"):
+        return normal(0.0, 0.5)
+    if name == "lm_head.weight":
+        return normal(0.0, 0.3)
+    if name.endswith("conv1d.weight"):
+        return normal(0.0, 0.4)
+    if name.endswith(".bias"):
+        return normal(0.0, 0.2)
+    if name.endswith("router.weight"):
+        return normal(0.0, 0.5)
+    if name.endswith("weight") or name.endswith("gate_up_proj") or name.endswith("down_proj"):
+        return normal(0.0, 0.2)
+    raise KeyError(f"no random rule for parameter {name}")
+
+
+def build_model(config, seed):
+    torch.manual_seed(seed)
+    model = GraniteMoeHybridForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(random_value(name, p.shape, gen))
+    return model
+
+
+def hub_config(model, out: Path):
+    """config.json with the hub's spellings (`layer_types` mamba/attention, as Granite 4.0 H ships)."""
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["layer_types"] = ["mamba" if t == "linear_attention" else "attention" for t in model.config.layer_types]
+    if cfg.get("position_embedding_type") in (None, "nope"):
+        cfg["position_embedding_type"] = "nope"
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def is_mamba(model, i):
+    return model.model.layers[i].mamba is not None
+
+
+def capture_in_proj(model):
+    captured, handles = {}, []
+    for i, layer in enumerate(model.model.layers):
+        if layer.mamba is None:
+            continue
+
+        def hook(_m, _i, output, i=i):
+            captured.setdefault(i, []).append(output.detach()[0])
+
+        handles.append(layer.mamba.in_proj.register_forward_hook(hook))
+    return captured, handles
+
+
+def hf_run(model, tokens, cache=None, position_ids=None):
+    """One HF forward in float64 mode: (logits (T, V), cache, {layer: zxbcdt rows})."""
+    captured, handles = capture_in_proj(model)
+    cache = cache if cache is not None else DynamicCache(config=model.config)
+    try:
+        with torch.no_grad(), Float64Granite():
+            kw = {} if position_ids is None else {"position_ids": position_ids[None]}
+            out = model(input_ids=tokens[None], cache=cache, use_cache=True, **kw)
+    finally:
+        for h in handles:
+            h.remove()
+    return out.logits[0], cache, {i: torch.cat(v) for i, v in captured.items()}
+
+
+def log_decay(mixer, zxbcdt):
+    dt = F.softplus(zxbcdt[:, -mixer.num_heads:] + mixer.dt_bias)
+    lo, hi = mixer.time_step_limit
+    return (torch.clamp(dt, min=lo, max=hi) * -torch.exp(mixer.A_log)).sum(0)
+
+
+def extract_states(model, cache, zxbcdt, tag):
+    states = {}
+    for i, layer in enumerate(model.model.layers):
+        if layer.mamba is not None:
+            m = layer.mamba
+            ssm = cache.get_recurrent_state(i)[0]
+            conv = cache.get_conv_state(i)[0]  # (conv_dim, K): last K inputs, oldest first
+            assert ssm.shape == (m.num_heads, m.head_dim, m.ssm_state_size), ssm.shape
+            states[f"{tag}.layers.{i}.ssm"] = ssm.clone()
+            states[f"{tag}.layers.{i}.conv"] = conv[:, 1:].clone()
+            states[f"{tag}.layers.{i}.log_decay"] = log_decay(m, zxbcdt[i])
+        else:
+            states[f"{tag}.layers.{i}.k"] = cache.layers[i].keys[0].clone()  # (kv_heads, T, head_dim)
+            states[f"{tag}.layers.{i}.v"] = cache.layers[i].values[0].clone()
+    return states
+
+
+def cache_from(model, parts: dict, n_tokens: int) -> DynamicCache:
+    """An HF cache holding exactly `parts` (our layout): conv tails get a zero oldest column back."""
+    cache = DynamicCache(config=model.config)
+    K = model.config.mamba_d_conv
+    for i, layer in enumerate(model.model.layers):
+        if layer.mamba is not None:
+            conv = parts[f"layers.{i}.conv"]
+            conv_k = torch.cat([torch.zeros_like(conv[:, :1]), conv], dim=1)[None].clone()
+            cache.update_conv_state(conv_k, i)
+            cache.update_recurrent_state(parts[f"layers.{i}.ssm"][None].clone(), i)
+            cache.layers[i].has_previous_state[0] = True
+        else:
+            cache.layers[i].update(parts[f"layers.{i}.k"][None].clone(), parts[f"layers.{i}.v"][None].clone())
+    assert conv_k.shape[-1] == K
+    return cache
+
+
+def caso(decays, ssms, order):
+    """CASO of states in `order` (the last one is nearest the query): sum_i exp(sum_{j after i} log_decay_j) s_i."""
+    out = torch.zeros_like(ssms[0])
+    after = torch.zeros_like(decays[0])
+    for i in reversed(order):
+        out += torch.exp(after)[:, None, None] * ssms[i]
+        after = after + decays[i]
+    return out
+
+
+def picaso_r(states, n):
+    """PICASO-R: the mean of CASO over the n rotations of the contexts' order."""
+    out = {}
+    for key in states[0]:
+        if key.endswith(".ssm"):
+            base = key[: -len(".ssm")]
+            decays = [s[base + ".log_decay"] for s in states]
+            ssms = [s[key] for s in states]
+            rots = [[(r + j) % n for j in range(n)] for r in range(n)]
+            out[key] = sum(caso(decays, ssms, o) for o in rots) / n
+            out[base + ".log_decay"] = sum(decays)
+        elif key.endswith(".conv"):
+            out[key] = sum(s[key] for s in states) / n
+        elif key.endswith(".k") or key.endswith(".v"):
+            out[key] = torch.cat([s[key] for s in states], dim=1)  # union over tokens, contexts in order
+    return out
+
+
+def composed_case(model, tokens):
+    """Contexts encoded alone, composed, and the query continued from an HF cache holding them."""
+    at, contexts = 0, []
+    for n in CONTEXTS:
+        contexts.append(tokens[at : at + n])
+        at += n
+    query = tokens[at : at + QUERY]
+    states = []
+    for c in contexts:
+        _, cache, zx = hf_run(model, c)
+        s = extract_states(model, cache, zx, "x")
+        states.append({k[2:]: v for k, v in s.items()})
+    # A cache rebuilt from one context's own tensors continues as transformers' own cache does.
+    one = cache_from(model, picaso_r(states[:1], 1), len(contexts[0]))
+    n0 = len(contexts[0])
+    alone, _, _ = hf_run(model, query, cache=one, position_ids=torch.arange(n0, n0 + QUERY))
+    whole, _, _ = hf_run(model, torch.cat([contexts[0], query]))
+    assert max_diff(alone, whole[n0:]) < 1e-9, max_diff(alone, whole[n0:])
+    comp = picaso_r(states, len(states))
+    cache = cache_from(model, comp, sum(CONTEXTS))
+    start = max(CONTEXTS)  # RoPE: the query starts after the longest context
+    logits, _, _ = hf_run(model, query, cache=cache, position_ids=torch.arange(start, start + QUERY))
+    lp = torch.log_softmax(logits, -1)[:-1].gather(-1, query[1:, None])[:, 0]
+    out = {f"composed.{k}": v for k, v in comp.items()}
+    out["composed.query_logprobs"] = lp
+    out["composed.query_logits"] = logits
+    return out, query
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="testdata/granite")
+    a = ap.parse_args()
+    check_float64_mode()
+    root = Path(a.out)
+    for name, case in CASES.items():
+        out = root / name
+        config = make_config(case)
+        model32 = build_model(config, case["seed"])
+        model32.save_pretrained(out / "hf", safe_serialization=True)
+        (out / "hf" / "generation_config.json").unlink(missing_ok=True)
+        hub_config(model32, out / "hf")
+        ref = GraniteMoeHybridForCausalLM.from_pretrained(
+            out / "hf", dtype=torch.float64, experts_implementation="eager", attn_implementation="eager"
+        ).eval()
+        gen = torch.Generator().manual_seed(case["seed"] + 7)
+        tokens = torch.randint(0, config.vocab_size, (SEQ_LEN,), generator=gen, dtype=torch.int64)
+        logits, _, _ = hf_run(ref, tokens)
+        logprobs = torch.log_softmax(logits, -1)[:-1].gather(-1, tokens[1:, None])[:, 0]
+        states, checks = {}, {}
+        for tag, n in SNAPSHOTS.items():
+            pl, cache, zx = hf_run(ref, tokens[:n])
+            states.update(extract_states(ref, cache, zx, tag))
+            checks[f"prefix_{tag}_logits"] = max_diff(pl, logits[:n])
+            if n < SEQ_LEN:  # the Markov property in transformers itself
+                cont, _, _ = hf_run(ref, tokens[n:], cache=cache)
+                checks[f"continue_from_{tag}"] = max_diff(cont, logits[n:])
+        comp, query = composed_case(ref, tokens)
+        states.update(comp)
+        assert max(checks.values()) < 1e-9, checks
+        meta = {"case": name, "transformers": transformers.__version__, "torch": torch.__version__,
+                "snapshots": SNAPSHOTS, "contexts": CONTEXTS, "query": QUERY}
+        write_expected(out, tokens, logits, logprobs, states, meta, {"checks": checks, "config": case})
+        print(f"{name}: {json.dumps(checks)}")
+    (root / "DIGESTS.json").write_text(json.dumps(file_digests(root), indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
