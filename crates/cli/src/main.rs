@@ -642,6 +642,8 @@ fn info(a: InfoArgs) -> Result<()> {
     let c = model.config();
     let bytes = model.zero_state().nbytes_f32();
     let shape = model.state_shape();
+    // A hybrid's attention layers keep every context token's keys and values.
+    let kv_per_token = shape.attention.as_ref().map_or(0, |a| 4 * 2 * a.token_len() * a.layers.len());
     let v = json!({
         "model": model.dir(),
         "fingerprint": model.fingerprint(),
@@ -652,6 +654,7 @@ fn info(a: InfoArgs) -> Result<()> {
         "state_bytes_f32": bytes,
         // Log-decays stay f32 in a bf16 state file.
         "state_bytes_bf16": bytes / 2 + shape.n_layer * shape.log_decay_len() * 2,
+        "kv_bytes_f32_per_token": kv_per_token,
         "tokenizer": model.tokenizer().ok().map(|t| t.vocab_size()),
     });
     if a.json {
@@ -659,7 +662,11 @@ fn info(a: InfoArgs) -> Result<()> {
     } else {
         println!("model        {}", model.dir().display());
         println!("fingerprint  {}", model.fingerprint());
-        println!("format       {} ({:?})", c.arch(), c.format());
+        let layers = match c {
+            picaso_model::ModelConfig::GraniteHybrid(_) => "granite-hybrid: mamba2 and attention layers".to_string(),
+            _ => c.arch().to_string(),
+        };
+        println!("format       {layers} ({:?})", c.format());
         println!("shape        {}", c.describe());
         println!("parameters   {} ({:.1} M)", model.n_params(), model.n_params() as f64 / 1e6);
         println!(
@@ -667,6 +674,13 @@ fn info(a: InfoArgs) -> Result<()> {
             bytes as f64 / 1048576.0,
             v["state_bytes_bf16"].as_f64().unwrap_or(0.0) / 1048576.0
         );
+        if kv_per_token > 0 {
+            println!(
+                "             + {:.1} KiB f32 per context token ({:.1} KiB bf16): the attention layers' keys and values",
+                kv_per_token as f64 / 1024.0,
+                kv_per_token as f64 / 2048.0
+            );
+        }
         match model.tokenizer() {
             Ok(t) => println!("tokenizer    {} ids", t.vocab_size()),
             Err(e) => println!("tokenizer    none ({e})"),

@@ -215,3 +215,46 @@ fn states_of_other_architectures_are_refused() {
     let e3 = hybrid.score(&[1, 2], &bad).unwrap_err().to_string();
     assert!(e3.contains("sizes"), "{e3}");
 }
+
+/// A config with a layer kind or option picaso does not run is refused by name, never run
+/// wrongly: Nemotron-H's `moe` layers, a scaled RoPE, a bias picaso does not apply.
+#[test]
+fn unsupported_hybrid_options_are_refused_by_name() {
+    let src = fixture_dir("granite", "moe-rope-g2").join("hf");
+    let base: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    let cases: [(&str, serde_json::Value, &str); 4] = [
+        ("layer_types", serde_json::json!(["attention", "mamba", "moe"]), "layer_types[2]"),
+        ("rope_parameters", serde_json::json!({"rope_type": "yarn", "rope_theta": 1e4}), "rope_type \"yarn\""),
+        ("attention_bias", serde_json::json!(true), "attention_bias"),
+        ("num_key_value_heads", serde_json::json!(4), "multiple of num_key_value_heads"),
+    ];
+    for (key, value, want) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = base.clone();
+        cfg[key] = value;
+        std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
+        std::fs::copy(src.join("model.safetensors"), dir.path().join("model.safetensors")).unwrap();
+        let opts = picaso_model::LoadOptions { skip_tokenizer: true, ..Default::default() };
+        let err = Model::load(dir.path(), &opts).unwrap_err().to_string();
+        assert!(err.contains(want) && err.contains("config.json"), "{key}: {err}");
+    }
+}
+
+/// bf16 weights (half the memory) stay close to the f32 engine.
+#[test]
+fn bf16_weights_stay_close() {
+    for case in CASES {
+        let e = exp(case);
+        let dir = fixture_dir("granite", case).join("hf");
+        let opts = picaso_model::LoadOptions {
+            skip_tokenizer: true,
+            weight_dtype: picaso_model::WeightDtype::Bf16,
+            ..Default::default()
+        };
+        let m = Model::load(&dir, &opts).unwrap();
+        let lp = m.score(&e.tokens, &m.zero_state()).unwrap().logprobs;
+        let err = max_abs_diff(&lp, e.get("logprobs"));
+        assert!(err < 0.1, "{case}: bf16 log-probs differ by {err}");
+    }
+}
