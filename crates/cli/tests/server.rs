@@ -99,6 +99,14 @@ fn serve_completions_contexts_search_metrics_and_bad_input_mamba1() {
     serve_completions_contexts_search_metrics_and_bad_input("mamba1", &db);
 }
 
+/// The server over a Granite 4.0 H hybrid (folder store).
+#[test]
+fn serve_completions_contexts_search_metrics_and_bad_input_hybrid() {
+    let tmp = tempfile::tempdir().unwrap();
+    let db = TestDb { db: tmp.path().join("db").to_str().unwrap().to_string(), states: None };
+    serve_completions_contexts_search_metrics_and_bad_input("hybrid", &db);
+}
+
 fn serve_completions_contexts_search_metrics_and_bad_input(arch: &str, db: &TestDb) {
     let (Some(model), Some(embedder)) = (text_model_of(arch, 1), shared("all-MiniLM-L6-v2")) else { return };
     let tmp = tempfile::tempdir().unwrap();

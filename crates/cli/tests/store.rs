@@ -21,6 +21,13 @@ fn ingest_stats_query_and_compose_through_the_store_mamba1() {
     ingest_stats_query_and_compose_through_the_store("mamba1");
 }
 
+/// The same commands over a Granite 4.0 H hybrid: its stored states carry the attention layers'
+/// keys and values, and composing through the store unions them as in memory.
+#[test]
+fn ingest_stats_query_and_compose_through_the_store_hybrid() {
+    ingest_stats_query_and_compose_through_the_store("hybrid");
+}
+
 fn ingest_stats_query_and_compose_through_the_store(arch: &str) {
     let (Some(model), Some(embedder)) = (text_model_of(arch, 1), shared("all-MiniLM-L6-v2")) else { return };
     let tmp = tempfile::tempdir().unwrap();

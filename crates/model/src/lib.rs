@@ -47,6 +47,7 @@ pub use config::{CheckpointFormat, Mamba2Config, ModelConfig};
 pub use cpu::WeightDtype;
 pub use error::{Error, Result};
 pub use generate::{generate, Decoder, GenerateOptions, Generation, Next, StopReason};
+pub use granite_hybrid::{GraniteHybridConfig, GraniteHybridWeights};
 pub use mamba1::{Mamba1Config, Mamba1Weights};
 pub use model::{Backend, LoadOptions, Model, Scored};
 /// The run-time instruction-set dispatch of the CPU kernels (defined in picaso-compose).

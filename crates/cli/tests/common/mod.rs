@@ -42,11 +42,23 @@ pub fn text_model_mamba1(seed: u64) -> Option<tempfile::TempDir> {
     Some(dir)
 }
 
-/// The tiny text model of `arch` ("mamba1" or "mamba2").
+/// A tiny random Granite 4.0 H hybrid (`mamba, attention, mamba, attention`, width 16) with
+/// the GPT-NeoX tokenizer, in a temporary folder.
+pub fn text_model_hybrid(seed: u64) -> Option<tempfile::TempDir> {
+    let tok = shared("gpt-neox-20b-tokenizer/tokenizer.json")?;
+    let dir = tempfile::tempdir().unwrap();
+    let config = picaso_model::GraniteHybridConfig::tiny(50280);
+    picaso_model::GraniteHybridWeights::random(&config, seed).save_pretrained(dir.path(), &config).unwrap();
+    std::fs::copy(tok, dir.path().join("tokenizer.json")).unwrap();
+    Some(dir)
+}
+
+/// The tiny text model of `arch` ("mamba1", "mamba2" or "hybrid").
 pub fn text_model_of(arch: &str, seed: u64) -> Option<tempfile::TempDir> {
     match arch {
         "mamba1" => text_model_mamba1(seed),
         "mamba2" => text_model(seed),
+        "hybrid" => text_model_hybrid(seed),
         other => panic!("unknown architecture {other}"),
     }
 }

@@ -210,6 +210,39 @@ impl GraniteHybridConfig {
         Ok(())
     }
 
+    /// A small dense NoPE hybrid for tests: `mamba, attention, mamba, attention`, width 16.
+    pub fn tiny(vocab_size: usize) -> Self {
+        let mamba = Mamba2Config {
+            d_model: 16,
+            n_layer: 2,
+            vocab_size,
+            headdim: 8,
+            nheads: 4,
+            n_groups: 1,
+            ..Mamba2Config::tiny(2, 4)
+        };
+        Self {
+            d_model: 16,
+            vocab_size,
+            layers: vec![LayerKind::Mamba, LayerKind::Attention, LayerKind::Mamba, LayerKind::Attention],
+            mamba,
+            n_heads: 2,
+            n_kv_heads: 1,
+            head_dim: 8,
+            attention_multiplier: 1.0 / 8f64.sqrt(),
+            rope_theta: None,
+            embedding_multiplier: 1.0,
+            residual_multiplier: 1.0,
+            logits_scaling: 1.0,
+            shared_intermediate: 24,
+            n_experts: 0,
+            top_k: 0,
+            expert_intermediate: 0,
+            norm_eps: 1e-5,
+            tie_embeddings: true,
+        }
+    }
+
     /// Number of layers.
     pub fn n_layer(&self) -> usize {
         self.layers.len()

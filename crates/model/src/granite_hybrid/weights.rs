@@ -6,7 +6,7 @@ use std::path::Path;
 
 use super::config::{GraniteHybridConfig, LayerKind};
 use crate::error::{Error, Result};
-use crate::weights::{fingerprint, read_tensors, HostTensor, LayerWeights, Take};
+use crate::weights::{fingerprint, normal_sampler, read_tensors, write_checkpoint, HostTensor, LayerWeights, Take};
 
 /// One layer's mixer weights.
 #[derive(Debug, Clone)]
@@ -204,5 +204,100 @@ impl GraniteHybridWeights {
     /// The fingerprint every state of this model carries.
     pub fn fingerprint(&self, c: &GraniteHybridConfig) -> String {
         fingerprint("granite-hybrid", c.to_hf_json(), |f| self.for_each(|name, data| f(name, data)))
+    }
+}
+
+impl GraniteHybridWeights {
+    /// Random weights for `c` (seeded), scaled so activations stay O(1): for tests and
+    /// benchmarks of shapes whose trained weights are not at hand. Mamba layers as
+    /// [`crate::Mamba2Weights::random`]'s.
+    pub fn random(c: &GraniteHybridConfig, seed: u64) -> Self {
+        let mut normal = normal_sampler(seed);
+        let (d, v) = (c.d_model, c.vocab_size);
+        let mut mamba = crate::Mamba2Weights::random(&c.mamba, seed ^ 0x9e37_79b9).layers.into_iter();
+        let ones = |n: usize, normal: &mut dyn FnMut(usize, f32) -> Vec<f32>| -> Vec<f32> {
+            normal(n, 0.1).iter().map(|x| 1.0 + x).collect()
+        };
+        let out_scale = 1.0 / (2.0 * c.n_layer() as f32).sqrt();
+        let layers = c
+            .layers
+            .iter()
+            .map(|kind| {
+                let input_norm = ones(d, &mut normal);
+                let mixer = match kind {
+                    LayerKind::Mamba => {
+                        let mut w = mamba.next().expect("one Mamba-2 layer per mamba kind");
+                        w.norm = input_norm.clone();
+                        MixerWeights::Mamba(w)
+                    }
+                    LayerKind::Attention => {
+                        let (q, kv) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+                        let s = 1.0 / (d as f32).sqrt();
+                        MixerWeights::Attention {
+                            q: normal(q * d, s),
+                            k: normal(kv * d, s),
+                            v: normal(kv * d, s),
+                            o: normal(d * q, out_scale / (q as f32).sqrt()),
+                        }
+                    }
+                };
+                let i = c.shared_intermediate;
+                let moe = (c.n_experts > 0).then(|| {
+                    let (e, ei) = (c.n_experts, c.expert_intermediate);
+                    MoeWeights {
+                        router: normal(e * d, 1.0 / (d as f32).sqrt()),
+                        gate_up: normal(e * 2 * ei * d, 1.0 / (d as f32).sqrt()),
+                        down: normal(e * d * ei, out_scale / (ei as f32).sqrt()),
+                    }
+                });
+                GraniteLayerWeights {
+                    input_norm,
+                    mixer,
+                    post_norm: ones(d, &mut normal),
+                    mlp_in: normal(2 * i * d, 1.0 / (d as f32).sqrt()),
+                    mlp_out: normal(d * i, out_scale / (i as f32).sqrt()),
+                    moe,
+                }
+            })
+            .collect();
+        Self {
+            embedding: normal(v * d, 1.0),
+            layers,
+            norm_f: ones(d, &mut normal),
+            lm_head: (!c.tie_embeddings).then(|| normal(v * d, 1.0 / (d as f32).sqrt())),
+        }
+    }
+
+    /// Writes `config.json` (the hub's spelling) and `model.safetensors` (f32) into `dir`: a
+    /// folder [`crate::Model::load`] and transformers both read.
+    pub fn save_pretrained(&self, dir: &Path, c: &GraniteHybridConfig) -> Result<()> {
+        let (d, m) = (c.d_model, &c.mamba);
+        let mut shapes: HashMap<String, Vec<usize>> = HashMap::new();
+        shapes.insert("model.embed_tokens.weight".into(), vec![c.vocab_size, d]);
+        shapes.insert("lm_head.weight".into(), vec![c.vocab_size, d]);
+        for (i, kind) in c.layers.iter().enumerate() {
+            let p = format!("model.layers.{i}");
+            match kind {
+                LayerKind::Mamba => {
+                    shapes.insert(format!("{p}.mamba.in_proj.weight"), vec![m.d_in_proj(), d]);
+                    shapes.insert(format!("{p}.mamba.conv1d.weight"), vec![m.conv_dim(), 1, m.d_conv]);
+                    shapes.insert(format!("{p}.mamba.out_proj.weight"), vec![d, m.d_inner()]);
+                }
+                LayerKind::Attention => {
+                    let (q, kv) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+                    shapes.insert(format!("{p}.self_attn.q_proj.weight"), vec![q, d]);
+                    shapes.insert(format!("{p}.self_attn.k_proj.weight"), vec![kv, d]);
+                    shapes.insert(format!("{p}.self_attn.v_proj.weight"), vec![kv, d]);
+                    shapes.insert(format!("{p}.self_attn.o_proj.weight"), vec![d, q]);
+                }
+            }
+            shapes.insert(format!("{p}.shared_mlp.input_linear.weight"), vec![2 * c.shared_intermediate, d]);
+            shapes.insert(format!("{p}.shared_mlp.output_linear.weight"), vec![d, c.shared_intermediate]);
+            let (e, ei) = (c.n_experts, c.expert_intermediate);
+            shapes.insert(format!("{p}.block_sparse_moe.router.layer.weight"), vec![e, d]);
+            shapes.insert(format!("{p}.block_sparse_moe.input_linear.weight"), vec![e, 2 * ei, d]);
+            shapes.insert(format!("{p}.block_sparse_moe.output_linear.weight"), vec![e, d, ei]);
+        }
+        write_checkpoint(dir, &c.to_hf_json(), &shapes, |f| self.for_each(|name, data| f(name, data)))
     }
 }
