@@ -1065,7 +1065,7 @@ fn recall_examples(
         let mut contexts = Vec::with_capacity(ep.contexts.len());
         for j in std::iter::once(c).chain((0..ep.contexts.len()).filter(|&j| j != c)) {
             let tokens = tok.encode(&task.context_text(&ep.contexts[j]))?;
-            let state = ContextState::Held(model.prefill(&tokens, &model.zero_state())?);
+            let state = ContextState::Held(Box::new(model.prefill(&tokens, &model.zero_state())?));
             contexts.push(data.contexts.len());
             data.contexts.push(ContextItem { tokens, state });
         }
@@ -1136,7 +1136,7 @@ fn store_examples(
             if at == next {
                 let tokens = store.get(id)?.tokens;
                 let state = if restate {
-                    ContextState::Held(model.prefill(&tokens, &model.zero_state())?)
+                    ContextState::Held(Box::new(model.prefill(&tokens, &model.zero_state())?))
                 } else {
                     let store = store.clone();
                     ContextState::Read(std::rc::Rc::new(move || {

@@ -72,7 +72,7 @@ pub struct ContextItem {
 #[derive(Clone)]
 pub enum ContextState {
     /// Held in memory (generated episodes, recomputed states).
-    Held(State),
+    Held(Box<State>),
     /// Read again at each use: a store's thousands of states do not fit in memory (the bundled
     /// model's 5,486 WikiText-2 train contexts are 11.5 GB in f32), and BPTC never reads them.
     Read(Rc<dyn Fn() -> Result<State>>),

@@ -102,7 +102,7 @@ fn dataset(m: &Model) -> Dataset {
         .map(|i| {
             let t = tokens(4 + i % 5, 48, 100 + i as u64);
             let state = m.prefill(&t, &m.zero_state()).unwrap();
-            ContextItem { tokens: t, state: ContextState::Held(state) }
+            ContextItem { tokens: t, state: ContextState::Held(Box::new(state)) }
         })
         .collect();
     let example = |i: u64| Example {

@@ -229,8 +229,8 @@ impl CpuGraniteHybrid {
         let Some(moe) = &layer.moe else { return };
         // Route each row: the top-k router logits, softmax over those k.
         let (e, top) = (c.n_experts, c.top_k);
-        let mut by_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); e];
-        let routes: Vec<Vec<(usize, f32)>> = xn
+        let mut by_expert: Vec<Route> = vec![Vec::new(); e];
+        let routes: Vec<Route> = xn
             .par_chunks(d)
             .map(|x| {
                 let mut logits: Vec<(usize, f32)> =
@@ -248,7 +248,7 @@ impl CpuGraniteHybrid {
             }
         }
         let ei = c.expert_intermediate;
-        let partial: Vec<(Vec<(usize, f32)>, Vec<f32>)> = by_expert
+        let partial: Vec<(Route, Vec<f32>)> = by_expert
             .into_par_iter()
             .enumerate()
             .filter(|(_, rows)| !rows.is_empty())
@@ -282,6 +282,9 @@ impl CpuGraniteHybrid {
         self.io.logprobs(hidden, targets)
     }
 }
+
+/// (index, weight) pairs: a row's experts, or an expert's rows.
+type Route = Vec<(usize, f32)>;
 
 /// `h += m · branch`.
 fn add_scaled(h: &mut [f32], branch: &[f32], m: f32) {
