@@ -20,6 +20,11 @@ pub enum EvalMethod {
     PiConcatR,
     /// The stored states composed.
     Compose(Method),
+    /// A hybrid's ablation: only the union of the contexts' keys and values, the Mamba layers'
+    /// states left at zero.
+    KvUnion,
+    /// A hybrid's ablation: PICASO-R on the Mamba layers alone, without the keys and values.
+    PicasoRNoKv,
 }
 
 impl EvalMethod {
@@ -58,6 +63,8 @@ impl EvalMethod {
             Self::Concat => "concat",
             Self::PiConcatR => "piconcat-r",
             Self::Compose(m) => m.name(),
+            Self::KvUnion => "kv-union",
+            Self::PicasoRNoKv => "picaso-r-no-kv",
         }
     }
 }
@@ -84,9 +91,10 @@ impl std::fmt::Display for EvalMethod {
 impl std::str::FromStr for EvalMethod {
     type Err = String;
     fn from_str(s: &str) -> std::result::Result<Self, String> {
-        Self::ALL.into_iter().find(|m| m.name() == s).ok_or_else(|| {
-            let names: Vec<&str> = Self::ALL.iter().map(|m| m.name()).collect();
-            format!("unknown method {s:?}: use one of {}", names.join(", "))
+        let all = Self::ALL.into_iter().chain([Self::KvUnion, Self::PicasoRNoKv]);
+        all.clone().find(|m| m.name() == s).ok_or_else(|| {
+            let names: Vec<&str> = all.map(|m| m.name()).collect();
+            format!("unknown method {s:?}: use one of {} (the last two: hybrid models only)", names.join(", "))
         })
     }
 }
@@ -128,28 +136,87 @@ pub fn start_state(model: &Model, method: EvalMethod, contexts: &[Context<'_>]) 
         }
         EvalMethod::PiConcatR => {
             let mut states = Vec::with_capacity(n);
+            let mut rotations = Vec::with_capacity(n);
             let mut processed = 0;
             for r in 0..n {
-                let tokens: Vec<u32> =
-                    (0..n).flat_map(|j| contexts[order[(r + j) % n]].tokens.iter().copied()).collect();
+                let rotation: Vec<usize> = (0..n).map(|j| order[(r + j) % n]).collect();
+                let tokens: Vec<u32> = rotation.iter().flat_map(|&i| contexts[i].tokens.iter().copied()).collect();
                 processed += tokens.len();
                 states.push(model.prefill(&tokens, &model.zero_state())?);
+                rotations.push(rotation);
             }
-            (average(&states)?, processed)
+            let lens: Vec<usize> = contexts.iter().map(|c| c.tokens.len()).collect();
+            (average(&states, &rotations, &lens)?, processed)
         }
         EvalMethod::Compose(m) => {
             let states: Vec<&State> = contexts.iter().map(|c| c.state).collect();
             (compose(m, &states, Some(&order))?, 0)
+        }
+        EvalMethod::KvUnion | EvalMethod::PicasoRNoKv => {
+            if model.state_shape().attention.is_none() {
+                return Err(Error::Input(format!(
+                    "{} is an ablation of a hybrid model's state (keys and values vs Mamba states); this model has no attention layers",
+                    method.name()
+                )));
+            }
+            let states: Vec<&State> = contexts.iter().map(|c| c.state).collect();
+            let mut s = compose(Method::PicasoR, &states, Some(&order))?;
+            if method == EvalMethod::KvUnion {
+                picaso_model::composition::keep_only_keys_and_values(&mut s);
+            } else {
+                picaso_model::composition::drop_keys_and_values(&mut s);
+            }
+            (s, 0)
         }
     };
     Ok(Started { state, seconds: t0.elapsed().as_secs_f64(), tokens_processed })
 }
 
 /// The mean of states that cover the same tokens (SSM states and conv tails averaged; the
-/// log-decay, equal in all of them up to rounding, taken from the first).
-fn average(states: &[State]) -> Result<State> {
+/// log-decay, equal in all of them up to rounding, taken from the first). `rotations[r]` is the
+/// order of the contexts (of `lens` tokens) in state r: a hybrid's keys and values are averaged
+/// token by token (each token's rows across the orders), laid out in the first state's order.
+fn average(states: &[State], rotations: &[Vec<usize>], lens: &[usize]) -> Result<State> {
     let first = states.first().ok_or_else(|| Error::Input("nothing to average".into()))?;
     let mut out = first.clone();
+    if let Some(a) = &first.shape.attention {
+        let row = a.token_len();
+        // Where context i's first token sits in state r.
+        let starts: Vec<Vec<usize>> = rotations
+            .iter()
+            .map(|rot| {
+                let mut start = vec![0usize; lens.len()];
+                let mut at = 0;
+                for &i in rot {
+                    start[i] = at;
+                    at += lens[i];
+                }
+                start
+            })
+            .collect();
+        let inv = 1.0 / states.len() as f32;
+        for (l, kv) in out.attention.iter_mut().enumerate() {
+            let mut at = 0;
+            for &i in &rotations[0] {
+                for t in 0..lens[i] {
+                    for (dst, pick) in [(&mut kv.keys, 0), (&mut kv.values, 1)] {
+                        for c in 0..row {
+                            let sum: f32 = states
+                                .iter()
+                                .zip(&starts)
+                                .map(|(s, st)| {
+                                    let src = if pick == 0 { &s.attention[l].keys } else { &s.attention[l].values };
+                                    src[(st[i] + t) * row + c]
+                                })
+                                .sum();
+                            dst[(at + t) * row + c] = sum * inv;
+                        }
+                    }
+                }
+                at += lens[i];
+            }
+        }
+    }
     let inv = 1.0 / states.len() as f32;
     for (l, layer) in out.layers.iter_mut().enumerate() {
         for (i, v) in layer.ssm.iter_mut().enumerate() {

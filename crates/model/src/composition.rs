@@ -150,3 +150,23 @@ pub fn compose_views_into(
     }
     Ok(())
 }
+
+/// A hybrid's ablation: keeps only the attention layers' keys and values, the Mamba layers'
+/// states set to the zero state (no context at all in them).
+pub fn keep_only_keys_and_values(state: &mut State) {
+    for l in &mut state.layers {
+        l.ssm.fill(0.0);
+        l.conv.fill(0.0);
+        l.log_decay.fill(0.0);
+    }
+}
+
+/// A hybrid's ablation: keeps only the Mamba layers' states, the attention layers emptied (the
+/// query attends to itself alone) and the position back to 0.
+pub fn drop_keys_and_values(state: &mut State) {
+    for kv in &mut state.attention {
+        kv.keys.clear();
+        kv.values.clear();
+    }
+    state.position = 0;
+}
