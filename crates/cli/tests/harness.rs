@@ -55,9 +55,17 @@ fn write_tasks(dir: &Path) {
     let mc = MC.iter().map(|(q, c, a)| json!({"question": q, "choices": c, "answer": a})).collect();
     std::fs::write(dir.join("mc.jsonl"), lines(mc)).unwrap();
     std::fs::write(dir.join("docs.jsonl"), lines(DOCS.iter().map(|d| json!({"text": d})).collect())).unwrap();
-    std::fs::write(dir.join("gen.jsonl"), lines(GEN.iter().map(|(q, a)| json!({"question": q, "answer": a})).collect()))
-        .unwrap();
-    let data = |file: &str| format!("dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {}\ntest_split: test\n", dir.join(file).display());
+    std::fs::write(
+        dir.join("gen.jsonl"),
+        lines(GEN.iter().map(|(q, a)| json!({"question": q, "answer": a})).collect()),
+    )
+    .unwrap();
+    let data = |file: &str| {
+        format!(
+            "dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {}\ntest_split: test\n",
+            dir.join(file).display()
+        )
+    };
     let tasks = [
         (
             "picaso_mc",
@@ -164,6 +172,11 @@ fn generate(model: &str, prompt: &str, max_tokens: usize, until: &str) -> String
     v["text"].as_str().unwrap().to_string()
 }
 
+/// A number as the harness logs it: JSON number or its Python repr in a string.
+fn number(v: &Value) -> Option<f64> {
+    v.as_f64().or_else(|| v.as_str()?.parse().ok())
+}
+
 /// The log-likelihoods of a task's samples as the harness recorded them.
 fn recorded(rows: &[Value]) -> Vec<(Value, Vec<f64>)> {
     rows.iter()
@@ -174,7 +187,7 @@ fn recorded(rows: &[Value]) -> Vec<(Value, Vec<f64>)> {
                 .iter()
                 .map(|resp| {
                     let first = &resp[0];
-                    first.as_f64().or_else(|| first[0].as_f64()).unwrap_or_else(|| panic!("{resp}"))
+                    number(first).or_else(|| number(&first[0])).unwrap_or_else(|| panic!("{resp}"))
                 })
                 .collect();
             (r["arguments"].clone(), lls)
@@ -210,10 +223,8 @@ fn lm_eval_scores_picaso_serve_as_picaso_score_does() {
     let completions = format!("base_url={}/v1/completions,model=picaso-mamba2", server.url);
 
     // The expected numbers, from the CLI alone.
-    let mc_want: Vec<Vec<f64>> = MC
-        .iter()
-        .map(|(q, choices, _)| choices.iter().map(|c| loglikelihood(m, q, c)).collect())
-        .collect();
+    let mc_want: Vec<Vec<f64>> =
+        MC.iter().map(|(q, choices, _)| choices.iter().map(|c| loglikelihood(m, q, c)).collect()).collect();
     let rolling_want: Vec<f64> = DOCS
         .iter()
         .map(|d| {

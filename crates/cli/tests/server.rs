@@ -109,10 +109,14 @@ fn the_official_openai_client_works() {
         assert_eq!(v["batch"][i], json!([i, alone["choices"][0]["text"]]), "{v}");
     }
     // Chat: the request's template rendered, answered as the completion of the rendered prompt.
-    let rendered = server.complete(json!({"prompt": "<|user|>The tower\n<|assistant|>", "max_tokens": 6, "temperature": 0}));
+    let rendered =
+        server.complete(json!({"prompt": "<|user|>The tower\n<|assistant|>", "max_tokens": 6, "temperature": 0}));
     assert_eq!(v["chat"]["content"], rendered["choices"][0]["text"], "{v}");
     assert_eq!(v["chat"]["streamed"], v["chat"]["content"], "{v}");
-    assert_eq!((v["chat"]["role"].as_str(), v["chat"]["object"].as_str()), (Some("assistant"), Some("chat.completion")));
+    assert_eq!(
+        (v["chat"]["role"].as_str(), v["chat"]["object"].as_str()),
+        (Some("assistant"), Some("chat.completion"))
+    );
     for (name, status, needle) in [
         ("model", 404, "no model"),
         ("context", 404, "no context with id 999"),
@@ -517,13 +521,23 @@ fn serve_completions_contexts_search_metrics_and_bad_input(arch: &str, db: &Test
         ("/v1/completions", json!({"prompt": "x", "n": 2}).to_string(), 400, "not supported"),
         ("/v1/completions", json!({"prompt": "x", "temperature": -1}).to_string(), 400, "temperature"),
         ("/v1/completions", json!({"prompt": [99_999_999]}).to_string(), 400, "token"),
-        ("/v1/completions", json!({"prompt": [[1, 2], "x"]}).to_string(), 400, "prompt 1 of the list is not a list of token ids"),
+        (
+            "/v1/completions",
+            json!({"prompt": [[1, 2], "x"]}).to_string(),
+            400,
+            "prompt 1 of the list is not a list of token ids",
+        ),
         ("/v1/completions", json!({"prompt": "x", "logprobs": 21}).to_string(), 400, "give 0 to 20"),
         ("/v1/completions", json!({"prompt": "x", "logprobs": true}).to_string(), 400, "`logprobs` must be an integer"),
         ("/v1/completions", json!({"prompt": vec!["x"; 65]}).to_string(), 400, "at most 64"),
         ("/v1/completions", json!({"prompt": ["x", "word ".repeat(60)]}).to_string(), 413, "prompt 1 has"),
         ("/v1/chat/completions", json!({"messages": []}).to_string(), 400, "`messages` is empty"),
-        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "x"}]}).to_string(), 400, "no chat template"),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "x"}]}).to_string(),
+            400,
+            "no chat template",
+        ),
         ("/tokenize", json!({}).to_string(), 400, "either `prompt`"),
         ("/detokenize", json!({"tokens": [99_999_999]}).to_string(), 400, "token"),
         ("/v1/completions", json!({"prompt": null}).to_string(), 400, "`prompt` must be a string"),

@@ -41,7 +41,8 @@ impl TryFrom<serde_json::Value> for Prompt {
     /// enums say only that no variant matched).
     fn try_from(v: serde_json::Value) -> Result<Self, String> {
         use serde_json::Value;
-        const FORMS: &str = "`prompt` must be a string, a list of strings, a list of token ids (integers), or a list of token-id lists";
+        const FORMS: &str =
+            "`prompt` must be a string, a list of strings, a list of token ids (integers), or a list of token-id lists";
         match v {
             Value::String(s) => Ok(Prompt::Text(s)),
             Value::Array(items) if items.iter().all(Value::is_string) && !items.is_empty() => {
@@ -61,9 +62,9 @@ impl TryFrom<serde_json::Value> for Prompt {
                 }
                 Ok(Prompt::TokenLists(lists))
             }
-            Value::Array(items) => token_ids(&items)
-                .map(Prompt::Tokens)
-                .ok_or_else(|| format!("{FORMS}; this list mixes other values in")),
+            Value::Array(items) => {
+                token_ids(&items).map(Prompt::Tokens).ok_or_else(|| format!("{FORMS}; this list mixes other values in"))
+            }
             other => Err(format!("{FORMS}, not {}", kind_of(&other))),
         }
     }

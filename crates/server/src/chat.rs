@@ -211,8 +211,12 @@ pub(crate) fn to_completion(
     let own;
     let template = match (&req.chat_template, template) {
         (Some(source), _) => {
-            own = ChatTemplate::new(source.clone(), template.and_then(|t| t.bos_token.clone()), template.and_then(|t| t.eos_token.clone()))
-                .map_err(ApiError::bad_request)?;
+            own = ChatTemplate::new(
+                source.clone(),
+                template.and_then(|t| t.bos_token.clone()),
+                template.and_then(|t| t.eos_token.clone()),
+            )
+            .map_err(ApiError::bad_request)?;
             &own
         }
         (None, Some(t)) => t,
@@ -224,7 +228,8 @@ pub(crate) fn to_completion(
             ))
         }
     };
-    let prompt = template.render(&messages, req.add_generation_prompt.unwrap_or(true), req.chat_template_kwargs.as_ref())?;
+    let prompt =
+        template.render(&messages, req.add_generation_prompt.unwrap_or(true), req.chat_template_kwargs.as_ref())?;
     let query = retrieval_query(&messages);
     let completion = CompletionRequest {
         prompt: Prompt::Text(prompt),
@@ -295,10 +300,12 @@ mod tests {
     /// A tokenizer config's template, plain or named, with its tokens as strings or objects.
     #[test]
     fn templates_are_found_in_tokenizer_configs() {
-        let plain = json!({"chat_template": "{{ bos_token }}{{ messages[0]['content'] }}", "bos_token": {"content": "<s>"}});
+        let plain =
+            json!({"chat_template": "{{ bos_token }}{{ messages[0]['content'] }}", "bos_token": {"content": "<s>"}});
         let t = ChatTemplate::from_tokenizer_config(&plain).unwrap().unwrap();
         assert_eq!(t.render(&[json!({"role": "user", "content": "x"})], true, None).unwrap(), "<s>x");
-        let named = json!({"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]});
+        let named =
+            json!({"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]});
         assert_eq!(ChatTemplate::from_tokenizer_config(&named).unwrap().unwrap().source(), "D");
         assert!(ChatTemplate::from_tokenizer_config(&json!({})).unwrap().is_none());
     }
