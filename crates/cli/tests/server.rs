@@ -103,6 +103,27 @@ fn the_official_openai_client_works() {
     let text = echo["text"].as_str().unwrap();
     assert!(text.starts_with("The tower is tall"), "{echo}");
     assert_eq!(echo["text_offset"][0], 0);
+    // Streamed, the same text and log-probabilities: the echo in the first chunk, then each
+    // token's with its text.
+    let ask = json!({"prompt": "The tower is tall", "max_tokens": 3, "temperature": 0, "logprobs": 5, "echo": true});
+    let events = server.stream(ask.clone());
+    let plain = server.complete(ask);
+    let joined: String = events.iter().filter_map(|e| e["choices"][0]["text"].as_str()).collect();
+    assert_eq!(joined, plain["choices"][0]["text"].as_str().unwrap());
+    let streamed: Vec<Value> = events
+        .iter()
+        .filter_map(|e| e["choices"][0]["logprobs"]["token_logprobs"].as_array())
+        .flatten()
+        .cloned()
+        .collect();
+    assert_eq!(streamed, plain["choices"][0]["logprobs"]["token_logprobs"].as_array().unwrap().clone());
+    // `max_tokens: 0` with echo scores the prompt only (token ids in, as harnesses send them).
+    let ids = scored["token_ids"].clone();
+    let only = server.complete(json!({"prompt": [ids], "max_tokens": 0, "echo": true, "logprobs": 0}));
+    let choice = &only["choices"][0];
+    assert_eq!(choice["logprobs"]["token_logprobs"].as_array().unwrap().len(), n_prompt, "{only}");
+    assert_eq!((choice["finish_reason"].as_str(), &only["usage"]["completion_tokens"]), (Some("length"), &json!(0)));
+    assert_eq!(choice["text"].as_str(), Some("The tower is tall"));
     // Several prompts: a choice each, the same text as alone.
     for (i, prompt) in ["The tower", "Cats are"].iter().enumerate() {
         let alone = server.complete(json!({"prompt": prompt, "max_tokens": 4, "temperature": 0}));
