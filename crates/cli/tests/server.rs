@@ -202,6 +202,21 @@ fn serve_completions_contexts_search_metrics_and_bad_input(arch: &str, db: &Test
         let used: Vec<i64> =
             v["picaso"]["contexts"].as_array().unwrap().iter().map(|c| c["id"].as_i64().unwrap()).collect();
         assert_eq!(used, if method == "naive" { vec![] } else { vec![3, 2] }, "{method}");
+        if method != "naive" {
+            // The prompt's log-probabilities continue the composed state: an answer's sum over
+            // its tokens is the log-likelihood attribution computes (another code path).
+            let (_, attr) = server.post(
+                "/v1/attribute",
+                json!({"prompt": "The tower", "answer": " is tall", "contexts": [3, 2], "composition": method}),
+            );
+            let n = server.post("/tokenize", json!({"prompt": "The tower"})).1["count"].as_u64().unwrap() as usize;
+            let echo = server.complete(json!({"prompt": "The tower is tall", "max_tokens": 0, "echo": true,
+                "logprobs": 0, "contexts": [3, 2], "composition": method}));
+            let lps = echo["choices"][0]["logprobs"]["token_logprobs"].as_array().unwrap();
+            let answer: f64 = lps[n..].iter().map(|x| x.as_f64().unwrap()).sum();
+            let want = attr["loglik"].as_f64().unwrap();
+            assert!((answer - want).abs() < 1e-4, "{method}: echo {answer} vs attribution {want}");
+        }
         let u = &v["usage"];
         assert_eq!(
             u["prompt_tokens"].as_u64().unwrap() + u["completion_tokens"].as_u64().unwrap(),
