@@ -218,6 +218,17 @@ fn lm_eval_scores_picaso_serve_as_picaso_score_does() {
     let chat_template = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat_tokenizer_config.json");
     let server =
         Server::start(&["--db", db, "--model", m, "--embedder", e, "--chat-template", chat_template.to_str().unwrap()]);
+    // The tokenizer endpoints: the template is served, and messages tokenize as their rendering.
+    let (_, info) = server.call("GET", "/tokenizer_info", None);
+    assert_eq!((info["eos_token"].as_str(), info["eos_token_id"].as_u64()), (Some("<|endoftext|>"), Some(0)));
+    assert!(info["chat_template"].as_str().unwrap().contains("add_generation_prompt"), "{info}");
+    let body = json!({"messages": [{"role": "user", "content": " Hi "}]}).to_string();
+    let (_, by_messages) = server.call("POST", "/tokenize", Some(&body));
+    let body = json!({"prompt": "<|user|>\nHi\n<|assistant|>\n", "return_token_strs": true}).to_string();
+    let (_, by_text) = server.call("POST", "/tokenize", Some(&body));
+    assert_eq!(by_messages["tokens"], by_text["tokens"], "{by_messages} vs {by_text}");
+    let body = json!({"tokens": by_text["tokens"]}).to_string();
+    assert_eq!(server.call("POST", "/detokenize", Some(&body)).1["prompt"], "<|user|>\nHi\n<|assistant|>\n");
     let tasks = tmp.path().join("tasks");
     write_tasks(&tasks);
     let completions = format!("base_url={}/v1/completions,model=picaso-mamba2", server.url);
