@@ -331,8 +331,19 @@ impl App {
         let texts = |v: &[String]| -> Result<Vec<(String, Vec<u32>)>, ApiError> {
             v.iter().map(|t| Ok((t.clone(), tokenizer.encode(t)?))).collect()
         };
+        // Ids are checked before they are decoded: an id past the vocabulary is the client's 400.
         let ids = |v: &[Vec<u32>]| -> Result<Vec<(String, Vec<u32>)>, ApiError> {
-            v.iter().map(|ids| Ok((tokenizer.decode(ids)?, ids.clone()))).collect()
+            let which = |i: usize| if v.len() > 1 { format!("prompt {i}: ") } else { String::new() };
+            let check = |i: usize, ids: &[u32]| {
+                self.model.check_tokens(ids).map_err(|e| ApiError::bad_request(format!("{}{e}", which(i))))
+            };
+            v.iter()
+                .enumerate()
+                .map(|(i, ids)| {
+                    check(i, ids)?;
+                    Ok((tokenizer.decode(ids)?, ids.clone()))
+                })
+                .collect()
         };
         let prompts = match prompt {
             Prompt::Text(t) => texts(std::slice::from_ref(t))?,
@@ -380,7 +391,6 @@ impl App {
         filter: Option<&Filter>,
         started: Instant,
     ) -> Result<(Plan, State), ApiError> {
-        let text = query;
         let t_retrieve = Instant::now();
         let (hits, prepared): (Vec<(i64, Option<f32>)>, _) = match (method, &req.contexts, req.retrieve) {
             (ContextMethod::Naive, _, _) | (_, None, None | Some(0)) => {
@@ -391,8 +401,8 @@ impl App {
                 (ids.iter().map(|&id| (id, None)).collect(), prepared)
             }
             (_, None, Some(k)) => {
-                let query = self.embedder.embed_one(text)?;
-                let what = Retrieval::new(&query, k).within(req.documents.as_deref()).matching(filter);
+                let embedded = self.embedder.embed_one(query)?;
+                let what = Retrieval::new(&embedded, k).within(req.documents.as_deref()).matching(filter);
                 let (hits, prepared) = retrieve_and_prepare(&self.store, &self.model, what, method, Some(&self.cache))?;
                 (hits.into_iter().map(|(id, score)| (id, Some(score))).collect(), prepared)
             }
