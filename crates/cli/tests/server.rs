@@ -134,6 +134,17 @@ fn the_official_openai_client_works() {
         server.complete(json!({"prompt": "<|user|>The tower\n<|assistant|>", "max_tokens": 6, "temperature": 0}));
     assert_eq!(v["chat"]["content"], rendered["choices"][0]["text"], "{v}");
     assert_eq!(v["chat"]["streamed"], v["chat"]["content"], "{v}");
+    // Chat log-probabilities: the generated tokens' as the completion's, 3 alternatives each.
+    let with_lps = server.complete(
+        json!({"prompt": "<|user|>The tower\n<|assistant|>", "max_tokens": 6, "temperature": 0, "logprobs": 3}),
+    );
+    let want = &with_lps["choices"][0]["logprobs"];
+    let got = v["chat"]["logprobs"].as_array().unwrap();
+    assert_eq!(got.len(), want["tokens"].as_array().unwrap().len(), "{v}");
+    for (i, t) in got.iter().enumerate() {
+        assert_eq!((&t[0], &t[1]), (&want["tokens"][i], &want["token_logprobs"][i]), "{v}");
+        assert_eq!(t[2].as_array().unwrap().len(), 3, "{v}");
+    }
     assert_eq!(
         (v["chat"]["role"].as_str(), v["chat"]["object"].as_str()),
         (Some("assistant"), Some("chat.completion"))

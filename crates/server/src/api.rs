@@ -647,10 +647,9 @@ pub struct ChatRequest {
     pub ignore_eos: bool,
     /// Only 1 is supported.
     pub n: Option<usize>,
-    /// Only false (or null) is supported: chat log-probabilities are not implemented; the
-    /// completions API gives them (`logprobs`, `echo`).
+    /// Report each generated token's log-probability (`choices[].logprobs.content`).
     pub logprobs: Option<bool>,
-    /// Only with `logprobs`, so not supported.
+    /// With `logprobs`: how many likeliest alternatives to list per token (0 to 20).
     pub top_logprobs: Option<usize>,
     /// Only 0 is supported.
     pub presence_penalty: Option<f32>,

@@ -250,11 +250,19 @@ pub(crate) fn to_completion(
     default_max_tokens: usize,
 ) -> Result<(CompletionRequest, Option<String>), ApiError> {
     let unsupported = |what: &str| Err(ApiError::bad_request(format!("{what} is not supported by picaso")));
-    if req.logprobs == Some(true) || req.top_logprobs.is_some_and(|n| n > 0) {
-        return unsupported(
-            "logprobs on chat completions (POST /v1/completions gives them: `logprobs`, with `echo` for the prompt's)",
-        );
-    }
+    let logprobs = match (req.logprobs, req.top_logprobs) {
+        (Some(true), Some(n)) if n > crate::logprobs::MAX_TOP_LOGPROBS => {
+            return Err(ApiError::bad_request(format!(
+                "`top_logprobs` is {n}; give 0 to {}",
+                crate::logprobs::MAX_TOP_LOGPROBS
+            )));
+        }
+        (Some(true), n) => Some(n.unwrap_or(0)),
+        (_, Some(n)) if n > 0 => {
+            return Err(ApiError::bad_request("`top_logprobs` needs `logprobs: true`"));
+        }
+        _ => None,
+    };
     if req.tools.as_ref().is_some_and(|t| !t.is_empty()) {
         return unsupported("`tools`");
     }
@@ -309,7 +317,7 @@ pub(crate) fn to_completion(
         n: req.n,
         best_of: None,
         echo: false,
-        logprobs: None,
+        logprobs,
         suffix: None,
         presence_penalty: req.presence_penalty,
         frequency_penalty: req.frequency_penalty,

@@ -229,7 +229,7 @@ pub(crate) async fn complete(
         usage: Some(usage),
         picaso: Some(first_info),
     };
-    Ok(shaped(&completion, answer.shape, false))
+    Ok(shaped(&completion, answer.shape, false, answer.logprobs.unwrap_or(0)))
 }
 
 /// Streams the answer as JSON chunks into `out` (the events of [`submit_all`]): each choice's echoed prompt first, then its
@@ -256,7 +256,9 @@ pub(crate) async fn stream(
         usage: None,
         picaso: None,
     };
-    let send = async |c: &Completion| out.send(shaped(c, answer.shape, true).to_string()).await.is_ok();
+    let send = async |c: &Completion| {
+        out.send(shaped(c, answer.shape, true, answer.logprobs.unwrap_or(0)).to_string()).await.is_ok()
+    };
     let mut choices = start(&prepared);
     let all_done = |choices: &[Building]| choices.iter().all(|c| c.finish.is_some());
     // The head of each choice: its echo (or nothing), and picaso's account of its contexts.
@@ -329,20 +331,38 @@ fn prefix(shape: Shape) -> &'static str {
 }
 
 /// The completion as the client's API shapes it: unchanged for completions; for chat, each
-/// choice's text becomes the assistant's message (a `delta` in a stream chunk).
-pub(crate) fn shaped(c: &Completion, shape: Shape, chunk: bool) -> serde_json::Value {
+/// choice's text becomes the assistant's message (a `delta` in a stream chunk), and its
+/// log-probabilities chat's list of tokens, each with its `top_n` likeliest alternatives.
+pub(crate) fn shaped(c: &Completion, shape: Shape, chunk: bool, top_n: usize) -> serde_json::Value {
     let mut v = serde_json::to_value(c).unwrap_or_else(|e| json!({"error": {"message": e.to_string()}}));
     if shape == Shape::Text {
         return v;
     }
     v["object"] = json!(if chunk { "chat.completion.chunk" } else { "chat.completion" });
     if let Some(choices) = v["choices"].as_array_mut() {
-        for choice in choices {
+        for (choice, from) in choices.iter_mut().zip(&c.choices) {
             let text = choice.as_object_mut().and_then(|o| o.remove("text")).unwrap_or(json!(""));
             let message = json!({"role": "assistant", "content": text});
             choice[if chunk { "delta" } else { "message" }] = message;
-            choice["logprobs"] = serde_json::Value::Null;
+            choice["logprobs"] = from.logprobs.as_ref().map_or(serde_json::Value::Null, |l| chat_logprobs(l, top_n));
         }
     }
     v
+}
+
+/// Legacy `logprobs` as chat completions give them: `{"content": [{token, logprob, bytes,
+/// top_logprobs: [{token, logprob, bytes}]}]}`, the alternatives likeliest first.
+fn chat_logprobs(l: &Logprobs, top_n: usize) -> serde_json::Value {
+    let entry = |token: &str, logprob: f32| json!({"token": token, "logprob": logprob, "bytes": token.as_bytes()});
+    let content: Vec<serde_json::Value> = (l.tokens.iter().zip(&l.token_logprobs).zip(&l.top_logprobs))
+        .filter_map(|((token, lp), top)| {
+            let mut top: Vec<(String, f32)> = top.as_ref().map(|t| t.0.clone()).unwrap_or_default();
+            top.sort_by(|a, b| b.1.total_cmp(&a.1));
+            top.truncate(top_n);
+            let mut e = entry(token, (*lp)?);
+            e["top_logprobs"] = top.iter().map(|(t, x)| entry(t, *x)).collect();
+            Some(e)
+        })
+        .collect();
+    json!({ "content": content })
 }

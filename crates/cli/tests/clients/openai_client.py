@@ -36,6 +36,8 @@ batch = client.completions.create(model=models[0], prompt=["The tower", "Cats ar
 template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}<|assistant|>"
 chat_ask = dict(model=models[0], messages=[{"role": "user", "content": "The tower"}], max_tokens=6, temperature=0)
 chat = client.chat.completions.create(**chat_ask, extra_body={"chat_template": template})
+chat_lp = client.chat.completions.create(**chat_ask, extra_body={"chat_template": template}, logprobs=True,
+                                        top_logprobs=3).choices[0].logprobs.content
 chat_chunks = list(client.chat.completions.create(**chat_ask, extra_body={"chat_template": template}, stream=True))
 try:
     client.chat.completions.create(**chat_ask)
@@ -48,6 +50,7 @@ print(json.dumps({
     "batch": [(c.index, c.text) for c in batch.choices],
     "chat": {"content": chat.choices[0].message.content, "role": chat.choices[0].message.role,
              "object": chat.object, "finish_reason": chat.choices[0].finish_reason,
+             "logprobs": [[t.token, t.logprob, [a.token for a in t.top_logprobs]] for t in chat_lp],
              "streamed": "".join(c.choices[0].delta.content or "" for c in chat_chunks if c.choices)},
     "version": openai.__version__,
     "models": models,
