@@ -56,6 +56,16 @@ pub struct ServeArgs {
     /// Most prompt tokens per request (413 above).
     #[arg(long, default_value_t = 8192)]
     max_prompt_tokens: usize,
+    /// Most prompts in one completion request (a list of prompts, one choice each; 400 above).
+    #[arg(long, default_value_t = 64)]
+    max_prompts: usize,
+    /// Most prompt tokens in one request, all its prompts together (413 above).
+    #[arg(long, default_value_t = 65536)]
+    max_request_tokens: usize,
+    /// Chat template for /v1/chat/completions: a tokenizer_config.json with `chat_template`, or
+    /// a Jinja file (default: the model folder's tokenizer_config.json, if it has one).
+    #[arg(long)]
+    chat_template: Option<PathBuf>,
     /// Largest max_tokens a request may ask for (400 above).
     #[arg(long, default_value_t = 2048)]
     max_tokens_limit: usize,
@@ -101,6 +111,8 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         decode_states: a.decode_state,
         limits: picaso_server::Limits {
             max_prompt_tokens: a.max_prompt_tokens,
+            max_prompts: a.max_prompts.max(1),
+            max_request_tokens: a.max_request_tokens,
             max_tokens: a.max_tokens_limit,
             max_contexts: a.max_contexts,
             header_timeout: seconds("--header-timeout-s", a.header_timeout_s)?,
@@ -110,6 +122,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             ..Default::default()
         },
         model_name,
+        chat_template: a.chat_template,
     };
     let app = Arc::new(picaso_server::App::new(model, store, embedder, options).map_err(anyhow::Error::msg)?);
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;

@@ -82,9 +82,79 @@ fn the_official_openai_client_works() {
         (&v["completion_tokens"], &v["streamed_tokens"]),
         (&want["usage"]["completion_tokens"], &want["usage"]["completion_tokens"])
     );
-    for (name, status, needle) in
-        [("model", 404, "no model"), ("context", 404, "no context with id 999"), ("n", 400, "n or best_of")]
-    {
+    // Echo with log-probabilities: the prompt's as `picaso score` gives them, then 3 generated
+    // tokens, each position's alternatives its 5 likeliest plus the chosen token.
+    let echo = &v["echo"];
+    let scored = ok(&["score", "--model", m, "--text", "The tower is tall", "--json"]);
+    let n_prompt = scored["token_ids"].as_array().unwrap().len();
+    let lps = echo["token_logprobs"].as_array().unwrap();
+    assert_eq!(lps.len(), n_prompt + 3, "{echo}");
+    assert!(lps[0].is_null() && echo["top_logprobs"][0].is_null(), "the first token has no log-probability: {echo}");
+    for (got, want) in lps[1..n_prompt].iter().zip(scored["logprobs"].as_array().unwrap()) {
+        assert!((got.as_f64().unwrap() - want.as_f64().unwrap()).abs() < 1e-4, "{got} vs {want}");
+    }
+    for (i, top) in echo["top_logprobs"].as_array().unwrap().iter().enumerate().skip(1) {
+        let top = top.as_object().unwrap();
+        let chosen = lps[i].as_f64().unwrap();
+        assert!((5..=6).contains(&top.len()), "{top:?}");
+        assert!(top.values().any(|x| (x.as_f64().unwrap() - chosen).abs() < 1e-9), "the chosen token is listed");
+        assert!(top.values().all(|x| x.as_f64().unwrap() <= 1e-6));
+    }
+    let text = echo["text"].as_str().unwrap();
+    assert!(text.starts_with("The tower is tall"), "{echo}");
+    assert_eq!(echo["text_offset"][0], 0);
+    // Streamed, the same text and log-probabilities: the echo in the first chunk, then each
+    // token's with its text.
+    let ask = json!({"prompt": "The tower is tall", "max_tokens": 3, "temperature": 0, "logprobs": 5, "echo": true});
+    let events = server.stream(ask.clone());
+    let plain = server.complete(ask);
+    let joined: String = events.iter().filter_map(|e| e["choices"][0]["text"].as_str()).collect();
+    assert_eq!(joined, plain["choices"][0]["text"].as_str().unwrap());
+    let streamed: Vec<Value> = events
+        .iter()
+        .filter_map(|e| e["choices"][0]["logprobs"]["token_logprobs"].as_array())
+        .flatten()
+        .cloned()
+        .collect();
+    assert_eq!(streamed, plain["choices"][0]["logprobs"]["token_logprobs"].as_array().unwrap().clone());
+    // `max_tokens: 0` with echo scores the prompt only (token ids in, as harnesses send them).
+    let ids = scored["token_ids"].clone();
+    let only = server.complete(json!({"prompt": [ids], "max_tokens": 0, "echo": true, "logprobs": 0}));
+    let choice = &only["choices"][0];
+    assert_eq!(choice["logprobs"]["token_logprobs"].as_array().unwrap().len(), n_prompt, "{only}");
+    assert_eq!((choice["finish_reason"].as_str(), &only["usage"]["completion_tokens"]), (Some("length"), &json!(0)));
+    assert_eq!(choice["text"].as_str(), Some("The tower is tall"));
+    // Several prompts: a choice each, the same text as alone.
+    for (i, prompt) in ["The tower", "Cats are"].iter().enumerate() {
+        let alone = server.complete(json!({"prompt": prompt, "max_tokens": 4, "temperature": 0}));
+        assert_eq!(v["batch"][i], json!([i, alone["choices"][0]["text"]]), "{v}");
+    }
+    // Chat: the request's template rendered, answered as the completion of the rendered prompt.
+    let rendered =
+        server.complete(json!({"prompt": "<|user|>The tower\n<|assistant|>", "max_tokens": 6, "temperature": 0}));
+    assert_eq!(v["chat"]["content"], rendered["choices"][0]["text"], "{v}");
+    assert_eq!(v["chat"]["streamed"], v["chat"]["content"], "{v}");
+    // Chat log-probabilities: the generated tokens' as the completion's, 3 alternatives each.
+    let with_lps = server.complete(
+        json!({"prompt": "<|user|>The tower\n<|assistant|>", "max_tokens": 6, "temperature": 0, "logprobs": 3}),
+    );
+    let want = &with_lps["choices"][0]["logprobs"];
+    let got = v["chat"]["logprobs"].as_array().unwrap();
+    assert_eq!(got.len(), want["tokens"].as_array().unwrap().len(), "{v}");
+    for (i, t) in got.iter().enumerate() {
+        assert_eq!((&t[0], &t[1]), (&want["tokens"][i], &want["token_logprobs"][i]), "{v}");
+        assert_eq!(t[2].as_array().unwrap().len(), 3, "{v}");
+    }
+    assert_eq!(
+        (v["chat"]["role"].as_str(), v["chat"]["object"].as_str()),
+        (Some("assistant"), Some("chat.completion"))
+    );
+    for (name, status, needle) in [
+        ("model", 404, "no model"),
+        ("context", 404, "no context with id 999"),
+        ("n", 400, "n or best_of"),
+        ("no_template", 400, "no chat template"),
+    ] {
         let err = &v["errors"][name];
         assert_eq!(err["status"], status, "{name}: {v}");
         assert!(err["message"].as_str().unwrap_or("").contains(needle), "{name}: {v}");
@@ -151,6 +221,21 @@ fn serve_completions_contexts_search_metrics_and_bad_input(arch: &str, db: &Test
         let used: Vec<i64> =
             v["picaso"]["contexts"].as_array().unwrap().iter().map(|c| c["id"].as_i64().unwrap()).collect();
         assert_eq!(used, if method == "naive" { vec![] } else { vec![3, 2] }, "{method}");
+        if method != "naive" {
+            // The prompt's log-probabilities continue the composed state: an answer's sum over
+            // its tokens is the log-likelihood attribution computes (another code path).
+            let (_, attr) = server.post(
+                "/v1/attribute",
+                json!({"prompt": "The tower", "answer": " is tall", "contexts": [3, 2], "composition": method}),
+            );
+            let n = server.post("/tokenize", json!({"prompt": "The tower"})).1["count"].as_u64().unwrap() as usize;
+            let echo = server.complete(json!({"prompt": "The tower is tall", "max_tokens": 0, "echo": true,
+                "logprobs": 0, "contexts": [3, 2], "composition": method}));
+            let lps = echo["choices"][0]["logprobs"]["token_logprobs"].as_array().unwrap();
+            let answer: f64 = lps[n..].iter().map(|x| x.as_f64().unwrap()).sum();
+            let want = attr["loglik"].as_f64().unwrap();
+            assert!((answer - want).abs() < 1e-4, "{method}: echo {answer} vs attribution {want}");
+        }
         let u = &v["usage"];
         assert_eq!(
             u["prompt_tokens"].as_u64().unwrap() + u["completion_tokens"].as_u64().unwrap(),
@@ -491,7 +576,25 @@ fn serve_completions_contexts_search_metrics_and_bad_input(arch: &str, db: &Test
         ("/v1/completions", json!({"prompt": "x", "n": 2}).to_string(), 400, "not supported"),
         ("/v1/completions", json!({"prompt": "x", "temperature": -1}).to_string(), 400, "temperature"),
         ("/v1/completions", json!({"prompt": [99_999_999]}).to_string(), 400, "token"),
-        ("/v1/completions", json!({"prompt": [[1, 2]]}).to_string(), 400, "a batch of token lists is not supported"),
+        (
+            "/v1/completions",
+            json!({"prompt": [[1, 2], "x"]}).to_string(),
+            400,
+            "prompt 1 of the list is not a list of token ids",
+        ),
+        ("/v1/completions", json!({"prompt": "x", "logprobs": 21}).to_string(), 400, "give 0 to 20"),
+        ("/v1/completions", json!({"prompt": "x", "logprobs": true}).to_string(), 400, "`logprobs` must be an integer"),
+        ("/v1/completions", json!({"prompt": vec!["x"; 65]}).to_string(), 400, "at most 64"),
+        ("/v1/completions", json!({"prompt": ["x", "word ".repeat(60)]}).to_string(), 413, "prompt 1 has"),
+        ("/v1/chat/completions", json!({"messages": []}).to_string(), 400, "`messages` is empty"),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "x"}]}).to_string(),
+            400,
+            "no chat template",
+        ),
+        ("/tokenize", json!({}).to_string(), 400, "either `prompt`"),
+        ("/detokenize", json!({"tokens": [99_999_999]}).to_string(), 400, "token"),
         ("/v1/completions", json!({"prompt": null}).to_string(), 400, "`prompt` must be a string"),
         ("/v1/completions", json!({"prompt": "x", "stop": ["\n", null]}).to_string(), 400, "`stop` must be"),
         ("/v1/completions", json!([{"prompt": "x"}]).to_string(), 400, "must be a JSON object"),

@@ -3,16 +3,35 @@
 
 use serde::{Deserialize, Serialize};
 
-/// A prompt: text, a one-element list of texts, or token ids (all forms OpenAI accepts).
+/// A prompt, or several: text, a list of texts, token ids, or a list of token-id lists (all
+/// the forms OpenAI and vLLM accept; evaluation harnesses send a batch of token lists).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(try_from = "serde_json::Value")]
 pub enum Prompt {
     /// Text.
     Text(String),
-    /// A batch of texts; only one prompt per request is supported.
+    /// Several texts: one choice each.
     Texts(Vec<String>),
     /// Token ids.
     Tokens(Vec<u32>),
+    /// Several prompts as token ids: one choice each.
+    TokenLists(Vec<Vec<u32>>),
+}
+
+impl Prompt {
+    /// How many prompts (choices) this is.
+    pub fn count(&self) -> usize {
+        match self {
+            Prompt::Text(_) | Prompt::Tokens(_) => 1,
+            Prompt::Texts(v) => v.len(),
+            Prompt::TokenLists(v) => v.len(),
+        }
+    }
+}
+
+/// A JSON list of token ids, or None when an item is not one.
+fn token_ids(items: &[serde_json::Value]) -> Option<Vec<u32>> {
+    items.iter().map(|i| i.as_u64().and_then(|t| u32::try_from(t).ok())).collect()
 }
 
 impl TryFrom<serde_json::Value> for Prompt {
@@ -22,21 +41,30 @@ impl TryFrom<serde_json::Value> for Prompt {
     /// enums say only that no variant matched).
     fn try_from(v: serde_json::Value) -> Result<Self, String> {
         use serde_json::Value;
-        const FORMS: &str = "`prompt` must be a string, a list of one string, or a list of token ids (integers)";
+        const FORMS: &str =
+            "`prompt` must be a string, a list of strings, a list of token ids (integers), or a list of token-id lists";
         match v {
             Value::String(s) => Ok(Prompt::Text(s)),
-            Value::Array(items) if items.iter().all(Value::is_string) => {
+            Value::Array(items) if items.iter().all(Value::is_string) && !items.is_empty() => {
                 Ok(Prompt::Texts(items.into_iter().filter_map(|i| i.as_str().map(str::to_string)).collect()))
             }
             Value::Array(items) if items.iter().any(Value::is_array) => {
-                Err(format!("{FORMS}; a batch of token lists is not supported: send one prompt per request"))
+                let mut lists = Vec::with_capacity(items.len());
+                for (i, item) in items.iter().enumerate() {
+                    match item.as_array().and_then(|l| token_ids(l)) {
+                        Some(ids) => lists.push(ids),
+                        None => {
+                            return Err(format!(
+                                "{FORMS}; prompt {i} of the list is not a list of token ids (every item must be one)"
+                            ))
+                        }
+                    }
+                }
+                Ok(Prompt::TokenLists(lists))
             }
-            Value::Array(items) => items
-                .iter()
-                .map(|i| i.as_u64().and_then(|t| u32::try_from(t).ok()))
-                .collect::<Option<Vec<u32>>>()
-                .map(Prompt::Tokens)
-                .ok_or_else(|| format!("{FORMS}; this list mixes other values in")),
+            Value::Array(items) => {
+                token_ids(&items).map(Prompt::Tokens).ok_or_else(|| format!("{FORMS}; this list mixes other values in"))
+            }
             other => Err(format!("{FORMS}, not {}", kind_of(&other))),
         }
     }
@@ -123,14 +151,18 @@ pub struct CompletionRequest {
     pub model: Option<String>,
     /// Accepted for compatibility; ignored.
     pub user: Option<String>,
-    /// Only 1 is supported.
+    /// Only 1 is supported (several prompts give several choices).
     pub n: Option<usize>,
     /// Only 1 is supported.
     pub best_of: Option<usize>,
-    /// Only false is supported.
-    pub echo: Option<bool>,
-    /// Not supported (must be absent or null).
-    pub logprobs: Option<serde_json::Value>,
+    /// Prepend the prompt to the text (and its tokens to `logprobs`; null: false). With
+    /// `max_tokens: 0`, scores the prompt without generating.
+    #[serde(default, deserialize_with = "null_is_default")]
+    pub echo: bool,
+    /// Report each token's log-probability and this many likeliest alternatives per position
+    /// (0 to 20; null: none).
+    #[serde(default, deserialize_with = "logprobs_count")]
+    pub logprobs: Option<usize>,
     /// Not supported (must be absent or null).
     pub suffix: Option<String>,
     /// Only 0 is supported.
@@ -141,6 +173,20 @@ pub struct CompletionRequest {
     pub logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
     /// Accepted for compatibility: usage is always sent in the last chunk of a stream.
     pub stream_options: Option<serde_json::Value>,
+}
+
+/// `logprobs`: null, or how many alternatives per position (an integer, as OpenAI's legacy
+/// API takes it; chat's boolean form belongs to `/v1/chat/completions`).
+fn logprobs_count<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<usize>, D::Error> {
+    match Option::<serde_json::Value>::deserialize(d)? {
+        None => Ok(None),
+        Some(v) => v.as_u64().map(|n| Some(n as usize)).ok_or_else(|| {
+            serde::de::Error::custom(format!(
+                "`logprobs` must be an integer from 0 to 20 (how many likeliest tokens to list at each position) or null, not {}",
+                kind_of(&v)
+            ))
+        }),
+    }
 }
 
 fn default_max_tokens() -> usize {
@@ -234,17 +280,36 @@ pub struct Usage {
     pub total_tokens: usize,
 }
 
-/// One choice (always one: `n` = 1).
+/// One choice: one per prompt.
 #[derive(Debug, Clone, Serialize)]
 pub struct Choice {
     /// The text (a piece of it when streaming).
     pub text: String,
-    /// Always 0.
+    /// Which prompt this answers (its place in `prompt`).
     pub index: usize,
-    /// Always null.
-    pub logprobs: Option<()>,
+    /// Log-probabilities, when the request asked for them.
+    pub logprobs: Option<Logprobs>,
     /// `length` or `stop`; null until the last chunk of a stream.
     pub finish_reason: Option<&'static str>,
+    /// picaso's account of this prompt's contexts, when the request has several prompts (with
+    /// one, it is the completion's `picaso`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub picaso: Option<CompletionInfo>,
+}
+
+/// `choices[].logprobs`, as OpenAI's legacy completions API gives it: one entry per token of
+/// the choice's text (the echoed prompt's first token has no log-probability).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Logprobs {
+    /// Each token's text.
+    pub tokens: Vec<String>,
+    /// Each token's log-probability (natural log) given everything before it.
+    pub token_logprobs: Vec<Option<f32>>,
+    /// The likeliest tokens at each position (the chosen one included) and their
+    /// log-probabilities.
+    pub top_logprobs: Vec<Option<crate::logprobs::TopLogprobs>>,
+    /// Where each token starts in the choice's text, in characters.
+    pub text_offset: Vec<usize>,
 }
 
 /// A completion, or one chunk of a streamed one.
@@ -506,4 +571,113 @@ pub struct AttributeResponse {
     pub retrieve_ms: f64,
     /// Milliseconds for the k + 1 states and scorings.
     pub attribute_ms: f64,
+}
+
+/// `POST /tokenize` (vLLM's shape): text, or chat messages rendered with the chat template, to
+/// token ids.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenizeRequest {
+    /// The text to tokenize.
+    pub prompt: Option<String>,
+    /// Or chat messages, rendered with the model's chat template first.
+    pub messages: Option<Vec<serde_json::Value>>,
+    /// With `messages`: end the rendering with the assistant's turn opening (default true).
+    pub add_generation_prompt: Option<bool>,
+    /// Accepted for compatibility: picaso's models use no BOS token, so there is nothing to add.
+    pub add_special_tokens: Option<bool>,
+    /// Also give each token's text.
+    #[serde(default, deserialize_with = "null_is_default")]
+    pub return_token_strs: bool,
+    /// Accepted for compatibility; the server has one model.
+    pub model: Option<String>,
+}
+
+/// Answer to `POST /tokenize`.
+#[derive(Debug, Clone, Serialize)]
+pub struct Tokenized {
+    /// How many tokens.
+    pub count: usize,
+    /// Most prompt tokens a request may have on this server.
+    pub max_model_len: usize,
+    /// The token ids.
+    pub tokens: Vec<u32>,
+    /// Each token's text, when asked for.
+    pub token_strs: Option<Vec<String>>,
+}
+
+/// `POST /detokenize` (vLLM's shape).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DetokenizeRequest {
+    /// The token ids.
+    pub tokens: Vec<u32>,
+    /// Accepted for compatibility; the server has one model.
+    pub model: Option<String>,
+}
+
+/// `POST /v1/chat/completions`: OpenAI's chat completions, the messages rendered into a prompt
+/// by the model's chat template, plus picaso's fields for contexts.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ChatRequest {
+    /// The conversation: objects with `role` and `content` (text, or a list of text parts).
+    pub messages: Vec<serde_json::Value>,
+    /// Most new tokens (default: the server's limit).
+    pub max_tokens: Option<usize>,
+    /// The same as `max_tokens` (OpenAI's newer name); give one of them.
+    pub max_completion_tokens: Option<usize>,
+    /// Sampling temperature; 0 is greedy (default 1, also for null).
+    #[serde(default = "one", deserialize_with = "null_is_one")]
+    pub temperature: f32,
+    /// Nucleus sampling mass (default 1, also for null).
+    #[serde(default = "one", deserialize_with = "null_is_one")]
+    pub top_p: f32,
+    /// Seed of the sampler.
+    pub seed: Option<u64>,
+    /// Stop strings.
+    pub stop: Option<Stop>,
+    /// Stream the answer as server-sent events (null: false).
+    #[serde(default, deserialize_with = "null_is_default")]
+    pub stream: bool,
+    /// Accepted for compatibility: usage is always sent in the last chunk of a stream.
+    pub stream_options: Option<serde_json::Value>,
+    /// Generate past the end-of-text token.
+    #[serde(default, deserialize_with = "null_is_default")]
+    pub ignore_eos: bool,
+    /// Only 1 is supported.
+    pub n: Option<usize>,
+    /// Report each generated token's log-probability (`choices[].logprobs.content`).
+    pub logprobs: Option<bool>,
+    /// With `logprobs`: how many likeliest alternatives to list per token (0 to 20).
+    pub top_logprobs: Option<usize>,
+    /// Only 0 is supported.
+    pub presence_penalty: Option<f32>,
+    /// Only 0 is supported.
+    pub frequency_penalty: Option<f32>,
+    /// Not supported (must be absent or empty).
+    pub logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
+    /// Not supported (must be absent or empty): the server runs no tools.
+    pub tools: Option<Vec<serde_json::Value>>,
+    /// Accepted for compatibility; ignored.
+    pub user: Option<String>,
+    /// Accepted for compatibility; the server has one model.
+    pub model: Option<String>,
+    /// A Jinja chat template to use instead of the model's (required when the model has none).
+    pub chat_template: Option<String>,
+    /// End the rendering with the assistant's turn opening (default true).
+    pub add_generation_prompt: Option<bool>,
+    /// More variables for the template (as transformers' `apply_chat_template` takes them).
+    pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
+    /// picaso: use these contexts (ids, the last nearest the prompt).
+    pub contexts: Option<Vec<i64>>,
+    /// picaso: retrieve this many contexts by similarity to the last user message.
+    pub retrieve: Option<usize>,
+    /// picaso: retrieve only from these documents' contexts.
+    pub documents: Option<Vec<String>>,
+    /// picaso: retrieve only contexts whose metadata holds these values.
+    #[serde(default, deserialize_with = "filter_object")]
+    pub filter: Option<picaso_store::Metadata>,
+    /// picaso: how to combine the contexts: picaso-r (default), picaso-s, caso, soup, concat, naive.
+    pub composition: Option<String>,
 }

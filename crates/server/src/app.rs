@@ -14,12 +14,12 @@ use picaso_store::{
     prepare, retrieve_and_prepare, retrieve_then, ContextMethod, ContextRecord, DocumentSummary, Filter, NewContext,
     Retrieval, StateCache, Store,
 };
-use serde_json::json;
 use tokio::sync::{mpsc, Semaphore};
 
 use crate::api::*;
 use crate::batcher::{Batcher, DecodeStates, Event, Job, Refused};
 use crate::error::ApiError;
+use crate::logprobs::MAX_TOP_LOGPROBS;
 use crate::metrics::Metrics;
 
 /// Most documents one request may limit retrieval to: each name is looked up in the catalog.
@@ -41,6 +41,10 @@ fn check_documents(documents: Option<&[String]>) -> Result<(), ApiError> {
 pub struct Limits {
     /// Most tokens in a prompt (or an added context); more is answered 413.
     pub max_prompt_tokens: usize,
+    /// Most prompts in one completion request (a list of prompts); more is answered 400.
+    pub max_prompts: usize,
+    /// Most prompt tokens in one request, all its prompts together; more is answered 413.
+    pub max_request_tokens: usize,
     /// Largest `max_tokens`; more is answered 400.
     pub max_tokens: usize,
     /// Most contexts per completion (given or retrieved).
@@ -61,6 +65,8 @@ impl Default for Limits {
     fn default() -> Self {
         Self {
             max_prompt_tokens: 8192,
+            max_prompts: 64,
+            max_request_tokens: 65536,
             max_tokens: 2048,
             max_contexts: 64,
             max_body_bytes: 1 << 20,
@@ -96,6 +102,9 @@ pub struct Options {
     pub limits: Limits,
     /// The model name reported in responses.
     pub model_name: String,
+    /// A chat template to use instead of the model's (a `tokenizer_config.json` or a Jinja
+    /// file); without one, the model folder's `tokenizer_config.json` gives it, if any.
+    pub chat_template: Option<std::path::PathBuf>,
 }
 
 /// Everything a request needs, shared by all of them.
@@ -114,6 +123,8 @@ pub struct App {
     pub metrics: Metrics,
     /// The model name reported in responses.
     pub model_name: String,
+    /// The chat template, if the model has one (or the server was given one).
+    pub chat: Option<crate::chat::ChatTemplate>,
     /// Slots for completions preparing.
     pub(crate) gate: Arc<Semaphore>,
     /// Slots for uploads and attributions.
@@ -130,8 +141,6 @@ pub struct App {
 
 /// A completion ready to generate: the prompt and the state it continues from.
 pub(crate) struct Plan {
-    pub id: String,
-    pub created: u64,
     pub prompt: Vec<u32>,
     pub opts: GenerateOptions,
     pub info: CompletionInfo,
@@ -156,11 +165,11 @@ fn page<T, K>(mut data: Vec<T>, limit: usize, key: impl Fn(&T) -> K) -> Page<T, 
     Page { object: "list", data, next_after }
 }
 
-fn unix_now() -> u64 {
+pub(crate) fn unix_now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
-fn finish_reason(r: StopReason) -> &'static str {
+pub(crate) fn finish_reason(r: StopReason) -> &'static str {
     match r {
         StopReason::Length => "length",
         StopReason::Eos | StopReason::Stop | StopReason::Cancelled => "stop",
@@ -192,6 +201,7 @@ impl App {
             .bind_embedder(embedder.fingerprint(), &embedder.dir().display().to_string())
             .map_err(|e| e.to_string())?;
         model.tokenizer().map_err(|e| e.to_string())?;
+        let chat = crate::chat::ChatTemplate::load(model.dir(), options.chat_template.as_deref())?;
         if options.decode_states == DecodeStates::F16 && !model.runs_f16_states() {
             return Err(
                 "f16 decode states need a Mamba-2 model on the cpu engine (--device cpu); use --decode-state f32"
@@ -218,6 +228,7 @@ impl App {
             limits: options.limits,
             metrics,
             model_name: options.model_name,
+            chat,
             gate: Arc::new(Semaphore::new(options.parallel.max(1))),
             ingest: Arc::new(Semaphore::new(options.parallel_ingest.max(1))),
             next_id: AtomicU64::new(0),
@@ -235,13 +246,22 @@ impl App {
     ) -> Result<(ContextMethod, GenerateOptions, Option<Filter>), ApiError> {
         let unsupported = |what: &str| Err(ApiError::bad_request(format!("{what} is not supported by picaso")));
         if req.n.is_some_and(|n| n != 1) || req.best_of.is_some_and(|n| n != 1) {
-            return unsupported("n or best_of other than 1");
+            return unsupported("n or best_of other than 1 (for several answers, send several prompts: a list)");
         }
-        if req.echo == Some(true) {
-            return unsupported("echo");
+        if let Some(n) = req.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
+            return Err(ApiError::bad_request(format!(
+                "`logprobs` is {n}; give 0 to {MAX_TOP_LOGPROBS} (how many likeliest tokens to list at each position)"
+            )));
         }
-        if req.logprobs.as_ref().is_some_and(|v| !v.is_null()) {
-            return unsupported("logprobs");
+        let prompts = req.prompt.count();
+        if prompts == 0 {
+            return Err(ApiError::bad_request("`prompt` is an empty list; give at least one prompt"));
+        }
+        if prompts > self.limits.max_prompts {
+            return Err(ApiError::bad_request(format!(
+                "{prompts} prompts in one request; this server takes at most {} (send the rest in further requests)",
+                self.limits.max_prompts
+            )));
         }
         if req.suffix.is_some() {
             return unsupported("suffix");
@@ -303,36 +323,74 @@ impl App {
         Ok((method, opts, filter))
     }
 
-    /// Tokenizes the prompt, retrieves or looks up the contexts and builds the state to continue
-    /// from. Blocking (model work for concat).
+    /// The request's prompts as token ids, each with its text (what retrieval embeds and `echo`
+    /// shows); refuses an empty prompt, one over the per-prompt limit (413) and a request over
+    /// the total (413). Blocking (tokenization).
+    pub(crate) fn prompts(&self, prompt: &Prompt) -> Result<Vec<(String, Vec<u32>)>, ApiError> {
+        let tokenizer = self.model.tokenizer()?;
+        let texts = |v: &[String]| -> Result<Vec<(String, Vec<u32>)>, ApiError> {
+            v.iter().map(|t| Ok((t.clone(), tokenizer.encode(t)?))).collect()
+        };
+        // Ids are checked before they are decoded: an id past the vocabulary is the client's 400.
+        let ids = |v: &[Vec<u32>]| -> Result<Vec<(String, Vec<u32>)>, ApiError> {
+            let which = |i: usize| if v.len() > 1 { format!("prompt {i}: ") } else { String::new() };
+            let check = |i: usize, ids: &[u32]| {
+                self.model.check_tokens(ids).map_err(|e| ApiError::bad_request(format!("{}{e}", which(i))))
+            };
+            v.iter()
+                .enumerate()
+                .map(|(i, ids)| {
+                    check(i, ids)?;
+                    Ok((tokenizer.decode(ids)?, ids.clone()))
+                })
+                .collect()
+        };
+        let prompts = match prompt {
+            Prompt::Text(t) => texts(std::slice::from_ref(t))?,
+            Prompt::Texts(v) => texts(v)?,
+            Prompt::Tokens(t) => ids(std::slice::from_ref(t))?,
+            Prompt::TokenLists(v) => ids(v)?,
+        };
+        let several = prompts.len() > 1;
+        let which = |i: usize| if several { format!("prompt {i}") } else { "the prompt".to_string() };
+        for (i, (_, tokens)) in prompts.iter().enumerate() {
+            if tokens.is_empty() {
+                return Err(ApiError::bad_request(format!("{} is empty; it must have at least one token", which(i))));
+            }
+            if tokens.len() > self.limits.max_prompt_tokens {
+                return Err(ApiError::too_large(format!(
+                    "{} has {} tokens; this server accepts at most {}",
+                    which(i),
+                    tokens.len(),
+                    self.limits.max_prompt_tokens
+                )));
+            }
+            self.model.check_tokens(tokens).map_err(|e| ApiError::bad_request(format!("{}: {e}", which(i))))?;
+        }
+        let total: usize = prompts.iter().map(|p| p.1.len()).sum();
+        if total > self.limits.max_request_tokens {
+            return Err(ApiError::too_large(format!(
+                "the {} prompts have {total} tokens together; this server accepts at most {} per request (send fewer prompts per request)",
+                prompts.len(),
+                self.limits.max_request_tokens
+            )));
+        }
+        Ok(prompts)
+    }
+
+    /// Retrieves or looks up one prompt's contexts and builds the state to continue from;
+    /// `query` is the text retrieval embeds. Blocking (model work for concat).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn plan(
         &self,
         req: &CompletionRequest,
+        query: &str,
+        prompt: Vec<u32>,
         method: ContextMethod,
         opts: GenerateOptions,
         filter: Option<&Filter>,
         started: Instant,
     ) -> Result<(Plan, State), ApiError> {
-        let tokenizer = self.model.tokenizer()?;
-        let (text, prompt) = match &req.prompt {
-            Prompt::Text(t) => (t.clone(), tokenizer.encode(t)?),
-            Prompt::Texts(v) if v.len() == 1 => (v[0].clone(), tokenizer.encode(&v[0])?),
-            Prompt::Texts(v) => {
-                return Err(ApiError::bad_request(format!("{} prompts given; send one prompt per request", v.len())))
-            }
-            Prompt::Tokens(ids) => (tokenizer.decode(ids)?, ids.clone()),
-        };
-        if prompt.is_empty() {
-            return Err(ApiError::bad_request("the prompt is empty; it must have at least one token"));
-        }
-        if prompt.len() > self.limits.max_prompt_tokens {
-            return Err(ApiError::too_large(format!(
-                "the prompt has {} tokens; this server accepts at most {}",
-                prompt.len(),
-                self.limits.max_prompt_tokens
-            )));
-        }
-        self.model.check_tokens(&prompt)?;
         let t_retrieve = Instant::now();
         let (hits, prepared): (Vec<(i64, Option<f32>)>, _) = match (method, &req.contexts, req.retrieve) {
             (ContextMethod::Naive, _, _) | (_, None, None | Some(0)) => {
@@ -343,8 +401,8 @@ impl App {
                 (ids.iter().map(|&id| (id, None)).collect(), prepared)
             }
             (_, None, Some(k)) => {
-                let query = self.embedder.embed_one(&text)?;
-                let what = Retrieval::new(&query, k).within(req.documents.as_deref()).matching(filter);
+                let embedded = self.embedder.embed_one(query)?;
+                let what = Retrieval::new(&embedded, k).within(req.documents.as_deref()).matching(filter);
                 let (hits, prepared) = retrieve_and_prepare(&self.store, &self.model, what, method, Some(&self.cache))?;
                 (hits.into_iter().map(|(id, score)| (id, Some(score))).collect(), prepared)
             }
@@ -378,10 +436,7 @@ impl App {
                 .observe(prepared.compose_seconds);
         }
         m.prompt_tokens.inc_by(prompt.len() as u64);
-        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
         let plan = Plan {
-            id: format!("cmpl-{:x}-{n}", self.boot),
-            created: unix_now(),
             prompt,
             opts,
             info: CompletionInfo {
@@ -405,23 +460,19 @@ impl App {
         self.boot
     }
 
-    fn chunk(&self, plan: &Plan, text: String, finish: Option<&'static str>) -> Completion {
-        Completion {
-            id: plan.id.clone(),
-            object: "text_completion",
-            created: plan.created,
-            model: self.model_name.clone(),
-            choices: vec![Choice { text, index: 0, logprobs: None, finish_reason: finish }],
-            usage: None,
-            picaso: None,
-        }
-    }
-
-    /// Hands the plan's generation to the batch; its events arrive on the returned receiver
-    /// (dropping it cancels the generation). 503 with Retry-After when the queue is full.
-    pub(crate) fn submit(&self, plan: &Plan, state: State) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
+    /// Hands a generation to the batch: `prompt` continues `state`, sampled with `opts`; its
+    /// events arrive on the returned receiver (dropping it cancels the generation). 503 with
+    /// Retry-After when the queue is full.
+    pub(crate) fn submit(
+        &self,
+        prompt: Vec<u32>,
+        opts: GenerateOptions,
+        logprobs: Option<usize>,
+        started: Instant,
+        state: State,
+    ) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
         let (tx, rx) = mpsc::unbounded_channel();
-        let job = Job { prompt: plan.prompt.clone(), opts: plan.opts.clone(), started: plan.started, events: tx };
+        let job = Job { prompt, opts, logprobs, started, events: tx };
         match self.batcher.submit(job, state) {
             Ok(()) => Ok(rx),
             Err(Refused::Busy) => {
@@ -431,81 +482,10 @@ impl App {
         }
     }
 
-    /// Waits for the whole completion.
-    pub(crate) async fn complete(&self, mut plan: Plan, state: State) -> Result<Completion, ApiError> {
-        let mut events = self.submit(&plan, state)?;
-        let mut text = String::new();
-        loop {
-            match events.recv().await {
-                Some(Event::Text(piece)) => text.push_str(&piece),
-                Some(Event::Done { tokens, reason, ttft }) => {
-                    plan.info.time_to_first_token_ms = Some(1e3 * ttft);
-                    let mut out = self.chunk(&plan, text, Some(finish_reason(reason)));
-                    out.usage = Some(Usage {
-                        prompt_tokens: plan.prompt.len(),
-                        completion_tokens: tokens,
-                        total_tokens: plan.prompt.len() + tokens,
-                    });
-                    out.picaso = Some(plan.info);
-                    return Ok(out);
-                }
-                Some(Event::Failed(message)) => return Err(ApiError::internal(message)),
-                None => return Err(ApiError::internal("the batching thread stopped")),
-            }
-        }
-    }
-
-    /// Streams the completion as JSON chunks into `out`; stops once the client is gone (`out`
-    /// closed), which drops the events and so takes the generation out of the batch or its
-    /// queue. The closing is awaited beside the events, not found when a send fails: a request
-    /// still queued or prefilling, or one whose stop strings hold back all its text, sends
-    /// nothing for long and would otherwise run on for nobody.
-    pub(crate) async fn stream(
-        &self,
-        mut plan: Plan,
-        mut events: mpsc::UnboundedReceiver<Event>,
-        out: mpsc::Sender<String>,
-    ) {
-        let json = |c: &Completion| serde_json::to_string(c).expect("completions serialise");
-        let send = async |chunk: String| out.send(chunk).await.is_ok();
-        let mut head = self.chunk(&plan, String::new(), None);
-        head.picaso = Some(plan.info.clone());
-        if !send(json(&head)).await {
-            return;
-        }
-        loop {
-            let event = tokio::select! {
-                event = events.recv() => event,
-                () = out.closed() => return,
-            };
-            let Some(event) = event else { return };
-            match event {
-                Event::Text(piece) => {
-                    if !send(json(&self.chunk(&plan, piece, None))).await {
-                        return;
-                    }
-                }
-                Event::Done { tokens, reason, ttft } => {
-                    plan.info.time_to_first_token_ms = Some(1e3 * ttft);
-                    let mut last = self.chunk(&plan, String::new(), Some(finish_reason(reason)));
-                    last.usage = Some(Usage {
-                        prompt_tokens: plan.prompt.len(),
-                        completion_tokens: tokens,
-                        total_tokens: plan.prompt.len() + tokens,
-                    });
-                    last.picaso = Some(plan.info);
-                    if send(json(&last)).await {
-                        send("[DONE]".into()).await;
-                    }
-                    return;
-                }
-                Event::Failed(message) => {
-                    let e = ApiError::internal(message);
-                    send(json!({"error": {"message": e.public_message(), "type": "server_error"}}).to_string()).await;
-                    return;
-                }
-            }
-        }
+    /// A fresh completion id.
+    pub(crate) fn completion_id(&self, prefix: &str) -> String {
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        format!("{prefix}-{:x}-{n}", self.boot)
     }
 
     /// Adds one context: its state, embedding and metadata. Blocking.

@@ -27,6 +27,8 @@ use prometheus_client::metrics::{counter::Counter, gauge::Gauge, histogram::Hist
 use rayon::prelude::*;
 use tokio::sync::mpsc;
 
+use crate::logprobs::{position, Position};
+
 /// Prompt tokens prefilled per step by default, shared among all joining requests, in
 /// one forward pass: a long prompt is cut into chunks, and several short ones start together.
 /// Every running stream waits for that prefill, so the chunk trades the joiners' time to first
@@ -62,6 +64,8 @@ impl std::str::FromStr for DecodeStates {
 pub(crate) struct Job {
     pub prompt: Vec<u32>,
     pub opts: GenerateOptions,
+    /// Report each sampled token's log-probability with this many alternatives.
+    pub logprobs: Option<usize>,
     /// When the request arrived (for the time to first token).
     pub started: Instant,
     pub events: mpsc::UnboundedSender<Event>,
@@ -70,6 +74,10 @@ pub(crate) struct Job {
 /// What a generation reports, in order: text pieces, then one `Done` or `Failed`.
 #[derive(Debug)]
 pub(crate) enum Event {
+    /// A sampled token's log-probability (when the job asked for them), sent before the text
+    /// it makes. A token that ends the generation (end of text, a stop string) has one too, as
+    /// OpenAI reports it.
+    Logprob(Position),
     /// New final text.
     Text(String),
     /// The end.
@@ -236,9 +244,22 @@ impl Sequence<'_> {
     }
 
     /// Samples from the logits, if there are any: sets the token to feed, or ends.
-    fn sample(&mut self, m: &BatchMetrics) {
+    fn sample(&mut self, model: &Model, m: &BatchMetrics) {
         let Some(logits) = self.logits.take() else { return };
-        match self.decoder.push(&logits) {
+        let next = self.decoder.push(&logits);
+        if let (Some(top_n), Ok(next)) = (self.job.logprobs, &next) {
+            let tokenizer = model.tokenizer().ok();
+            let sampled = match next {
+                Next::Feed { token, .. } | Next::Done { unfed: Some(token), .. } => Some(*token),
+                Next::Done { reason: StopReason::Eos, .. } => tokenizer.and_then(|t| t.eos()),
+                Next::Done { .. } => None,
+            };
+            if let Some(token) = sampled {
+                let vocab = tokenizer.map_or(usize::MAX, |t| t.vocab_size());
+                self.send(Event::Logprob(position(&logits, token, top_n, vocab)));
+            }
+        }
+        match next {
             Ok(Next::Feed { token, text }) => {
                 if !text.is_empty() {
                     self.send(Event::Text(text));
@@ -384,7 +405,7 @@ fn run(
         // Each sequence samples on its own (its options, seed and stop strings): the cores
         // share the work instead of one thread doing it while the pool waits.
         let t0 = Instant::now();
-        batch.par_iter_mut().for_each(|s| s.sample(m));
+        batch.par_iter_mut().for_each(|s| s.sample(model, m));
         m.sample_seconds.observe(t0.elapsed().as_secs_f64());
         // One batched decode step for every sequence that goes on.
         let t0 = Instant::now();

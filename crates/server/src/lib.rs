@@ -6,7 +6,9 @@
 //!
 //! | route | what |
 //! |---|---|
-//! | `POST /v1/completions` | OpenAI completions + `contexts` (ids) or `retrieve` (k), `composition` (method); `stream` as server-sent events |
+//! | `POST /v1/completions` | OpenAI's legacy completions (one or several prompts, text or token ids; `logprobs`, `echo`, `max_tokens: 0` to score a prompt) + `contexts` (ids) or `retrieve` (k), `composition` (method); `stream` as server-sent events |
+//! | `POST /v1/chat/completions` | OpenAI chat completions: the messages rendered by the model's chat template (`tokenizer_config.json`, or `--chat-template`); the same picaso fields |
+//! | `GET /tokenizer_info`, `POST /tokenize`, `POST /detokenize` | the server's tokenizer, in vLLM's shapes (evaluation harnesses tokenize with it) |
 //! | `POST /v1/contexts` | add a text as a context → its id (other text for a stored document segment replaces it) |
 //! | `GET /v1/contexts` | list contexts, a page at a time (`?after=&limit=`) |
 //! | `POST /v1/documents`, `GET /v1/documents/{id}`, `DELETE /v1/documents/{id}` | add or update a document (cut into contexts as `picaso ingest` cuts it); read or remove its contexts |
@@ -28,7 +30,10 @@
 pub mod api;
 mod app;
 mod batcher;
+pub mod chat;
+mod completions;
 pub mod error;
+pub mod logprobs;
 mod metrics;
 mod routes;
 

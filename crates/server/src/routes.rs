@@ -21,6 +21,7 @@ use tokio_stream::StreamExt;
 
 use crate::api::*;
 use crate::app::App;
+use crate::completions::{self, Shape};
 use crate::error::ApiError;
 
 type Shared = State<Arc<App>>;
@@ -30,6 +31,10 @@ pub fn router(app: Arc<App>) -> Router {
     let body_limit = app.limits.max_body_bytes;
     Router::new()
         .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/tokenizer_info", get(tokenizer_info))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .route("/v1/contexts", post(add_context).get(list_contexts).delete(delete_matching))
         .route("/v1/contexts/{id}", get(get_context).delete(delete_context))
         .route("/v1/documents", post(add_document).get(list_documents))
@@ -122,26 +127,98 @@ async fn blocking<T: Send + 'static>(
 }
 
 async fn completions(State(app): Shared, ApiJson(req): ApiJson<CompletionRequest>) -> Result<Response, ApiError> {
+    run_completion(app, req, None, Shape::Text, Instant::now()).await
+}
+
+async fn chat_completions(State(app): Shared, ApiJson(req): ApiJson<ChatRequest>) -> Result<Response, ApiError> {
     let started = Instant::now();
+    let (req, query) = crate::chat::to_completion(req, app.chat.as_ref(), app.limits.max_tokens)?;
+    run_completion(app, req, query, Shape::Chat, started).await
+}
+
+/// A completion, plain or streamed: preparing (retrieval, states, composition, prompt scoring)
+/// holds a preparation slot; generating joins the batch.
+async fn run_completion(
+    app: Arc<App>,
+    req: CompletionRequest,
+    query: Option<String>,
+    shape: Shape,
+    started: Instant,
+) -> Result<Response, ApiError> {
     let (method, opts, filter) = app.validate(&req)?;
     let permit = app.gate.clone().acquire_owned().await.map_err(|_| ApiError::internal("server shutting down"))?;
     let stream = req.stream;
+    let answer = completions::Answer { shape, model: app.model_name.clone(), logprobs: req.logprobs };
     let planner = app.clone();
-    // Preparing (retrieval, states, composition) holds a permit; generating joins the batch.
-    let (plan, state) = blocking(move || {
+    let mut prepared = blocking(move || {
         let _permit = permit;
-        planner.plan(&req, method, opts, filter.as_ref(), started)
+        completions::prepare(&planner, &req, query.as_deref(), method, &opts, filter.as_ref(), started)
     })
     .await?;
     if !stream {
-        // Dropped with the handler when the client goes away, which cancels the generation.
-        return Ok(Json(app.complete(plan, state).await?).into_response());
+        // Dropped with the handler when the client goes away, which cancels the generations.
+        return Ok(Json(completions::complete(&app, prepared, &answer).await?).into_response());
     }
-    let events = app.submit(&plan, state)?;
+    // Submitted before the stream starts, so a full queue is still a 503.
+    let events = completions::submit_all(&app, &mut prepared, answer.logprobs)?;
     let (tx, rx) = tokio::sync::mpsc::channel::<String>(16);
-    tokio::spawn(async move { app.stream(plan, events, tx).await });
+    tokio::spawn(completions::stream(app, prepared, events, answer, tx));
     let chunks = ReceiverStream::new(rx).map(|data| Ok::<_, Infallible>(Event::default().data(data)));
     Ok(Sse::new(chunks).keep_alive(KeepAlive::default()).into_response())
+}
+
+/// `GET /tokenizer_info` (vLLM's shape): what a client needs to tokenize as the server does
+/// (lm-eval's `local-completions` finds the server's tokenizer here).
+async fn tokenizer_info(State(app): Shared) -> Result<Response, ApiError> {
+    let tokenizer = app.model.tokenizer()?;
+    let eos = tokenizer.eos().map(|id| crate::logprobs::token_text(tokenizer, id));
+    Ok(Json(json!({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": eos,
+        "eos_token_id": tokenizer.eos(),
+        "bos_token": null,
+        "pad_token": null,
+        "unk_token": null,
+        "vocab_size": tokenizer.vocab_size(),
+        "model_max_length": app.limits.max_prompt_tokens,
+        "chat_template": app.chat.as_ref().map(|t| t.source()),
+    }))
+    .into_response())
+}
+
+/// `POST /tokenize` (vLLM's shape): text, or chat messages rendered with the chat template.
+async fn tokenize(State(app): Shared, ApiJson(req): ApiJson<TokenizeRequest>) -> Result<Response, ApiError> {
+    let text = match (req.prompt, req.messages) {
+        (Some(text), None) => text,
+        (None, Some(messages)) => {
+            let messages = crate::chat::check_messages(&messages)?;
+            let template = app.chat.as_ref().ok_or_else(|| {
+                ApiError::bad_request("this model has no chat template to render `messages` with; send `prompt` (text)")
+            })?;
+            template.render(&messages, req.add_generation_prompt.unwrap_or(true), None)?
+        }
+        _ => return Err(ApiError::bad_request("give either `prompt` (text) or `messages` (a chat), one of them")),
+    };
+    let tokenized = blocking(move || {
+        let tokenizer = app.model.tokenizer()?;
+        let tokens = tokenizer.encode(&text)?;
+        let token_strs = req
+            .return_token_strs
+            .then(|| tokens.iter().map(|&id| crate::logprobs::token_text(tokenizer, id)).collect());
+        Ok(Tokenized { count: tokens.len(), max_model_len: app.limits.max_prompt_tokens, tokens, token_strs })
+    })
+    .await?;
+    Ok(Json(tokenized).into_response())
+}
+
+/// `POST /detokenize` (vLLM's shape): token ids to text.
+async fn detokenize(State(app): Shared, ApiJson(req): ApiJson<DetokenizeRequest>) -> Result<Response, ApiError> {
+    let prompt = blocking(move || {
+        app.model.check_tokens(&req.tokens)?;
+        Ok(app.model.tokenizer()?.decode(&req.tokens)?)
+    })
+    .await?;
+    Ok(Json(json!({ "prompt": prompt })).into_response())
 }
 
 async fn add_context(State(app): Shared, ApiJson(req): ApiJson<AddContext>) -> Result<Response, ApiError> {
@@ -284,7 +361,7 @@ async fn metrics(State(app): Shared) -> Response {
 
 async fn no_route(method: Method, uri: Uri) -> ApiError {
     ApiError::not_found(format!(
-        "no route {method} {uri}; the API has POST /v1/completions, GET|POST /v1/contexts, GET|DELETE /v1/contexts/{{id}}, GET|POST /v1/documents, GET|DELETE /v1/documents/{{id}}, POST /v1/search, POST /v1/attribute, GET /v1/models, GET /health, GET /metrics"
+        "no route {method} {uri}; the API has POST /v1/completions, POST /v1/chat/completions, GET /tokenizer_info, POST /tokenize, POST /detokenize, GET|POST /v1/contexts, GET|DELETE /v1/contexts/{{id}}, GET|POST /v1/documents, GET|DELETE /v1/documents/{{id}}, POST /v1/search, POST /v1/attribute, GET /v1/models, GET /health, GET /metrics"
     ))
 }
 
@@ -292,7 +369,7 @@ async fn wrong_method(method: Method, uri: Uri) -> ApiError {
     ApiError::new(
         StatusCode::METHOD_NOT_ALLOWED,
         format!(
-            "{method} is not allowed on {}; the API has POST /v1/completions, GET|POST /v1/contexts, GET|DELETE /v1/contexts/{{id}}, GET|POST /v1/documents, GET|DELETE /v1/documents/{{id}}, POST /v1/search, POST /v1/attribute, GET /v1/models, GET /health, GET /metrics",
+            "{method} is not allowed on {}; the API has POST /v1/completions, POST /v1/chat/completions, GET /tokenizer_info, POST /tokenize, POST /detokenize, GET|POST /v1/contexts, GET|DELETE /v1/contexts/{{id}}, GET|POST /v1/documents, GET|DELETE /v1/documents/{{id}}, POST /v1/search, POST /v1/attribute, GET /v1/models, GET /health, GET /metrics",
             uri.path()
         ),
     )

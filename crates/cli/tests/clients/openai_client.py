@@ -26,7 +26,32 @@ for name, bad, kind in [
         errors[name] = None
     except kind as e:
         errors[name] = {"status": e.status_code, "message": e.body.get("message") if isinstance(e.body, dict) else str(e)}
+# Log-probabilities of the prompt (echo) and of 3 generated tokens, 5 alternatives each.
+scored = client.completions.create(model=models[0], prompt="The tower is tall", max_tokens=3, temperature=0,
+                                   logprobs=5, echo=True)
+lp = scored.choices[0].logprobs
+# Several prompts: one choice each, in order.
+batch = client.completions.create(model=models[0], prompt=["The tower", "Cats are"], max_tokens=4, temperature=0)
+# Chat, with a template in the request (the test model ships none), plain and streamed.
+template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}<|assistant|>"
+chat_ask = dict(model=models[0], messages=[{"role": "user", "content": "The tower"}], max_tokens=6, temperature=0)
+chat = client.chat.completions.create(**chat_ask, extra_body={"chat_template": template})
+chat_lp = client.chat.completions.create(**chat_ask, extra_body={"chat_template": template}, logprobs=True,
+                                        top_logprobs=3).choices[0].logprobs.content
+chat_chunks = list(client.chat.completions.create(**chat_ask, extra_body={"chat_template": template}, stream=True))
+try:
+    client.chat.completions.create(**chat_ask)
+    errors["no_template"] = None
+except openai.BadRequestError as e:
+    errors["no_template"] = {"status": e.status_code, "message": e.body.get("message") if isinstance(e.body, dict) else str(e)}
 print(json.dumps({
+    "echo": {"text": scored.choices[0].text, "tokens": lp.tokens, "token_logprobs": lp.token_logprobs,
+             "top_logprobs": lp.top_logprobs, "text_offset": lp.text_offset},
+    "batch": [(c.index, c.text) for c in batch.choices],
+    "chat": {"content": chat.choices[0].message.content, "role": chat.choices[0].message.role,
+             "object": chat.object, "finish_reason": chat.choices[0].finish_reason,
+             "logprobs": [[t.token, t.logprob, [a.token for a in t.top_logprobs]] for t in chat_lp],
+             "streamed": "".join(c.choices[0].delta.content or "" for c in chat_chunks if c.choices)},
     "version": openai.__version__,
     "models": models,
     "text": plain.choices[0].text,
