@@ -72,3 +72,22 @@ def test_interop_errors():
         hf.to_cache(other.state([1, 2, 3]), hf_model)
     with pytest.raises(picaso.InvalidArgument, match="DynamicCache"):
         hf.from_cache(object(), hf_model, fingerprint=model.fingerprint, n_tokens=0)
+
+
+@pytest.mark.parametrize("folder", ["models/picaso-hybrid", "testdata/granite/moe-rope-g2/hf"])
+def test_hybrid_models_score_as_transformers(folder):
+    """A Granite 4.0 H hybrid (the bundled one, and a MoE RoPE fixture) scores as transformers'
+    GraniteMoeHybridForCausalLM does on the same folder; its composed states score from Python."""
+    path = FIXTURES.parent / folder
+    model = picaso.Model.load(str(path))
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    tokens = ids(hf_model.config.vocab_size, 300 if "picaso-hybrid" in folder else 37, 3)
+    with torch.no_grad():
+        logits = hf_model(input_ids=torch.tensor([tokens]), use_cache=False).logits[0].double()
+    want = torch.log_softmax(logits, -1)[:-1].gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0].numpy()
+    got = model.score(tokens)
+    assert np.abs(got - want).max() < 1e-4, np.abs(got - want).max()
+    parts = [model.state(tokens[a:b]) for a, b in [(0, 9), (9, 20)]]
+    composed = picaso.compose(parts, method="picaso-r")
+    assert composed.n_tokens == 20
+    assert np.all(np.isfinite(model.score(tokens[20:30], composed)))
