@@ -494,17 +494,13 @@ impl State {
             None => Vec::new(),
         };
         // Tensors in the model's layer order (a pure SSM model's: layers 0.. of the state).
-        let ssm_at = self.shape.ssm_layers();
-        let mut attention = self.shape.attention_layers().iter().zip(&self.attention).zip(&kv_shapes).peekable();
-        let mut ssm = ssm_at.iter().zip(&self.layers).peekable();
-        while ssm.peek().is_some() || attention.peek().is_some() {
-            let attention_next = match (ssm.peek(), attention.peek()) {
-                (Some((&s, _)), Some(((&a, _), _))) => a < s,
-                (None, _) => true,
-                _ => false,
-            };
-            if attention_next {
-                let ((&i, kv), shape) = attention.next().expect("peeked");
+        let attention_at = self.shape.attention_layers();
+        let (mut ssm, mut attention) = (self.layers.iter(), self.attention.iter().zip(&kv_shapes));
+        for i in 0..self.layers.len() + self.attention.len() {
+            if attention_at.contains(&i) {
+                let (kv, shape) = attention.next().ok_or_else(|| {
+                    Error::state(format!("layer {i} attends, but the state holds no keys and values for it"))
+                })?;
                 tensors.push((
                     format!("layers.{i}.k"),
                     name(dtype),
@@ -518,7 +514,9 @@ impl State {
                     encode(&head_major(&kv.values, shape), dtype),
                 ));
             } else {
-                let (&i, l) = ssm.next().expect("peeked");
+                let l = ssm.next().ok_or_else(|| {
+                    Error::state(format!("layer {i} is an SSM layer, but the state holds no SSM state for it"))
+                })?;
                 tensors.push((format!("layers.{i}.ssm"), name(dtype), &self.shape.ssm, encode(&l.ssm, dtype)));
                 tensors.push((format!("layers.{i}.conv"), name(dtype), &self.shape.conv, encode(&l.conv, dtype)));
                 let log_decay = encode(&l.log_decay, StateDtype::F32);

@@ -258,3 +258,26 @@ fn bf16_weights_stay_close() {
         assert!(err < 0.1, "{case}: bf16 log-probs differ by {err}");
     }
 }
+
+/// A decode step batched beside a prompt being prefilled leaves exactly the state it leaves
+/// alone (single tokens and longer sequences run as separate passes), as on Mamba-2. With bf16
+/// weights a prefill's products and a decode step's give different bits where the CPU's bf16
+/// kernel widens weights (AVX2 without AVX512-BF16, e.g. Zen 1-3); with the pair layout (AVX512-BF16,
+/// AMX) or f32 weights they agree anyway and this check cannot tell the passes apart.
+#[test]
+fn a_decode_step_beside_a_prefill_keeps_its_lone_bits() {
+    for case in CASES {
+        let e = exp(case);
+        let opts = picaso_model::LoadOptions {
+            skip_tokenizer: true,
+            weight_dtype: picaso_model::WeightDtype::Bf16,
+            ..Default::default()
+        };
+        let m = Model::load(&fixture_dir("granite", case).join("hf"), &opts).unwrap();
+        let start = m.prefill(&e.tokens[..6], &m.zero_state()).unwrap();
+        let mut alone = start.clone();
+        m.step(e.tokens[6], &mut alone).unwrap();
+        let batched = m.prefill_batch(&[&e.tokens[10..20], &e.tokens[6..7]], &[&m.zero_state(), &start]).unwrap();
+        assert!(batched[1].1 == alone, "{case}: the decode step's state depends on its batch");
+    }
+}

@@ -493,6 +493,22 @@ where
     L: Sync,
     S: Send,
 {
+    by_kind(io.d_model, tokens, lens, states, |tokens, lens, states| {
+        run_layers_of_one_kind(io, layers, tokens, lens, states, &layer)
+    })
+}
+
+/// Runs a batch as at most two passes, its single tokens and its longer sequences apart, with
+/// `run(tokens, lens, states)` (each pass's rows of width `d`), and puts the rows back in the
+/// sequences' order: a lone token keeps its decode-step bits whatever else is in the batch.
+/// Every CPU engine's batched forward goes through it.
+pub(crate) fn by_kind<S: Send>(
+    d: usize,
+    tokens: &[u32],
+    lens: &[usize],
+    states: &mut [&mut State<S>],
+    run: impl Fn(&[u32], &[usize], &mut [&mut State<S>]) -> Vec<f32>,
+) -> Vec<f32> {
     assert_eq!(lens.iter().sum::<usize>(), tokens.len(), "lens must add up to the tokens");
     assert_eq!(lens.len(), states.len(), "one state per sequence");
     if tokens.is_empty() {
@@ -500,7 +516,7 @@ where
     }
     let singles = lens.iter().filter(|&&t| t == 1).count();
     if singles == 0 || singles == lens.len() {
-        return run_layers_of_one_kind(io, layers, tokens, lens, states, &layer);
+        return run(tokens, lens, states);
     }
     // Split by kind, run each part, and put the rows back in the sequences' order.
     let (mut one, mut many) = ((Vec::new(), Vec::new(), Vec::new()), (Vec::new(), Vec::new(), Vec::new()));
@@ -513,9 +529,8 @@ where
         part.1.push(t);
         part.2.push(&mut **s);
     }
-    let h_one = run_layers_of_one_kind(io, layers, &one.0, &one.1, &mut one.2, &layer);
-    let h_many = run_layers_of_one_kind(io, layers, &many.0, &many.1, &mut many.2, &layer);
-    let d = io.d_model;
+    let h_one = run(&one.0, &one.1, &mut one.2);
+    let h_many = run(&many.0, &many.1, &mut many.2);
     let (mut from_one, mut from_many) = (h_one.chunks_exact(d), h_many.chunks(d));
     let mut h = Vec::with_capacity(tokens.len() * d);
     for &t in lens {

@@ -13,7 +13,7 @@ use rayon::prelude::*;
 use super::config::GraniteHybridConfig;
 use super::weights::{GraniteHybridWeights, MixerWeights, MoeWeights};
 use crate::cpu::kernels::{self, Bf16Kernel, Matrix};
-use crate::cpu::{mamba2_mixer, on_pool, rows_par, CpuLayer, Rows, TokenIo, WeightDtype};
+use crate::cpu::{by_kind, mamba2_mixer, on_pool, rows_par, CpuLayer, Rows, TokenIo, WeightDtype};
 use crate::state::{KvState, LayerState, SsmValue, State};
 
 /// A Granite 4.0 H model ready to run on the CPU.
@@ -116,13 +116,15 @@ impl CpuGraniteHybrid {
     }
 
     /// Several sequences at once: `lens[i]` tokens continue `states[i]`. The projections read
-    /// each weight once for all rows; the mixers run per sequence on its own state.
+    /// each weight once for all rows; the mixers run per sequence on its own state. Single
+    /// tokens and longer sequences run as separate passes ([`crate::cpu::by_kind`]), so a
+    /// decode step's bits do not depend on what else is in the batch.
     pub fn forward_batch<S: SsmValue>(&self, tokens: &[u32], lens: &[usize], states: &mut [&mut State<S>]) -> Vec<f32> {
-        assert_eq!(lens.iter().sum::<usize>(), tokens.len(), "lens must add up to the tokens");
-        assert_eq!(lens.len(), states.len(), "one state per sequence");
-        if tokens.is_empty() {
-            return Vec::new();
-        }
+        by_kind(self.config.d_model, tokens, lens, states, |t, l, s| self.forward_one_kind(t, l, s))
+    }
+
+    /// [`CpuGraniteHybrid::forward_batch`] of sequences that are all single tokens or all longer.
+    fn forward_one_kind<S: SsmValue>(&self, tokens: &[u32], lens: &[usize], states: &mut [&mut State<S>]) -> Vec<f32> {
         let c = &self.config;
         let d = c.d_model;
         on_pool(|| {
