@@ -117,7 +117,7 @@ impl CpuGraniteHybrid {
 
     /// Several sequences at once: `lens[i]` tokens continue `states[i]`. The projections read
     /// each weight once for all rows; the mixers run per sequence on its own state. Single
-    /// tokens and longer sequences run as separate passes ([`crate::cpu::by_kind`]), so a
+    /// tokens and longer sequences run as separate passes (`cpu::by_kind`), so a
     /// decode step's bits do not depend on what else is in the batch.
     pub fn forward_batch<S: SsmValue>(&self, tokens: &[u32], lens: &[usize], states: &mut [&mut State<S>]) -> Vec<f32> {
         by_kind(self.config.d_model, tokens, lens, states, |t, l, s| self.forward_one_kind(t, l, s))
