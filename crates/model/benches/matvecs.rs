@@ -7,7 +7,7 @@
 //!     cargo bench -p picaso-model --bench matvecs
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use picaso_model::cpu::kernels::{matmul_rows_t, matmul_t, Bf16Kernel, Matrix};
+use picaso_model::cpu::matmul::{matmul_rows_t, matmul_t, Bf16Kernel, Matrix};
 use picaso_model::cpu::{on_pool, WeightDtype};
 
 fn bench(c: &mut Criterion) {
@@ -105,14 +105,14 @@ fn conv_step(c: &mut Criterion) {
     let mut tail = weights(ch * (k - 1), 4);
     let mut out = vec![0.0f32; ch];
     c.bench_function("conv step 1792 channels", |b| {
-        b.iter(|| picaso_model::cpu::kernels::conv_step_silu(&x, &wt, &bias, k, &mut tail, &mut out))
+        b.iter(|| picaso_model::cpu::conv::conv_step_silu(&x, &wt, &bias, k, &mut tail, &mut out))
     });
 }
 
 /// One head's selective scan at mamba2-130m's shapes (headdim 64, d_state 128), from a state
 /// in cache: one token (a decode step) and 32 (a short prompt).
 fn scan_head(c: &mut Criterion) {
-    use picaso_model::cpu::kernels::ScanInputs;
+    use picaso_model::cpu::scan::ScanInputs;
     let (p_dim, n_dim) = (64, 128);
     let stride = p_dim + 2 * n_dim;
     for t in [1, 32] {
@@ -136,11 +136,11 @@ fn scan_head(c: &mut Criterion) {
         let mut s = weights(p_dim * n_dim, 6);
         let mut y = vec![0.0f32; t * p_dim];
         c.bench_function(&format!("scan head 64x128, {t} tokens"), |b| {
-            b.iter(|| picaso_model::cpu::kernels::scan_head(&mut s, &head, &mut y))
+            b.iter(|| picaso_model::cpu::scan::scan_head(&mut s, &head, &mut y))
         });
         if t == 1 {
             // A decode step on a state held as f16: in registers, and through an f32 copy.
-            use picaso_model::cpu::f16_state::{scan_head_f16, scan_head_f16_widened};
+            use picaso_model::cpu::scan::f16::{scan_head_f16, scan_head_f16_widened};
             let mut h: Vec<half::f16> = s.iter().map(|&v| half::f16::from_f32(v)).collect();
             c.bench_function("scan head 64x128 f16, 1 token", |b| b.iter(|| scan_head_f16(&mut h, &head, &mut y)));
             c.bench_function("scan head 64x128 f16 widened, 1 token", |b| {
@@ -156,8 +156,8 @@ fn scan_head(c: &mut Criterion) {
 /// prefetching them ahead (`ScanInputs::from_memory`, which the engine sets for a batch whose
 /// states outgrow the cache).
 fn step_scans(c: &mut Criterion) {
-    use picaso_model::cpu::f16_state::scan_head_f16;
-    use picaso_model::cpu::kernels::{scan_head, ScanInputs};
+    use picaso_model::cpu::scan::f16::scan_head_f16;
+    use picaso_model::cpu::scan::{scan_head, ScanInputs};
     let (layers, heads, p_dim, n_dim) = (24, 24, 64, 128);
     let stride = heads * p_dim + 2 * n_dim;
     let xbc: Vec<f32> = weights(stride, 5).iter().map(|v| v + 1e-3).collect();
@@ -224,7 +224,7 @@ fn scans<S: Send>(
 
 /// The peak rates of one core's multiply-add instructions, in registers (12 independent
 /// chains, no memory): why batches run on FMAs where `vdpbf16ps` is slower
-/// (`picaso_model::cpu::bf16_dot`). Throughput is in multiply-adds.
+/// (`picaso_model::cpu::matmul::bf16_dot`). Throughput is in multiply-adds.
 fn instruction_rates(c: &mut Criterion) {
     #[cfg(target_arch = "x86_64")]
     {
@@ -282,7 +282,7 @@ fn instruction_rates(c: &mut Criterion) {
             // SAFETY: the CPU has AVX2 and FMA.
             group.bench_function("vfmadd231ps ymm (f32)", |b| b.iter(|| unsafe { fma_ymm(std::hint::black_box(0.5)) }));
         }
-        if picaso_model::cpu::bf16_dot::available() {
+        if picaso_model::cpu::matmul::bf16_dot::available() {
             group.throughput(Throughput::Elements((STEPS * CHAINS * 32) as u64));
             // SAFETY: the CPU has AVX512-BF16.
             group

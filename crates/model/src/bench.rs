@@ -7,7 +7,7 @@ use std::time::Instant;
 use rayon::prelude::*;
 
 use crate::composition::{compose, compose_into};
-use crate::cpu::kernels::Bf16Kernel;
+use crate::cpu::matmul::Bf16Kernel;
 use crate::error::Result;
 use crate::model::Model;
 use crate::state::{SsmValue, State};

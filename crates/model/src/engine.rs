@@ -2,15 +2,53 @@
 //! logits. A [`crate::Model`] holds a `Box<dyn Engine>`; adding an architecture or a device is
 //! an implementation of this trait and one arm in [`build`], not arms in every method.
 
-use crate::candle_engine::CandleMamba2;
 use crate::config::ModelConfig;
-use crate::cpu::{CpuMamba2, Rows, WeightDtype};
+use crate::cpu::{Rows, WeightDtype};
 use crate::error::{Error, Result};
 use crate::granite_hybrid::{CpuGraniteHybrid, GraniteHybridWeights};
 use crate::mamba1::{CandleMamba1, CpuMamba1, Mamba1Weights};
-use crate::model::Backend;
+use crate::mamba2::{CandleMamba2, CpuMamba2, Mamba2Weights};
 use crate::state::State;
-use crate::weights::Mamba2Weights;
+
+/// Which engine runs the model.
+#[derive(Debug, Clone, Default)]
+pub enum Backend {
+    /// The hand-written multi-threaded CPU engine (fast path).
+    #[default]
+    Cpu,
+    /// The device-generic candle engine: CUDA or Metal when built with their feature, or the
+    /// CPU (a cross-check of the fast path).
+    Candle {
+        /// Where the weights live and the math runs.
+        device: candle_core::Device,
+        /// Compute precision (f32 on CPU; bf16/f16 on GPUs).
+        dtype: candle_core::DType,
+    },
+}
+
+impl std::str::FromStr for Backend {
+    type Err = Error;
+    /// `cpu`, `candle-cpu`, `cuda`, `cuda:N` or `metal`.
+    fn from_str(s: &str) -> Result<Self> {
+        let candle = |device| Ok(Backend::Candle { device, dtype: candle_core::DType::F32 });
+        match s {
+            "cpu" => Ok(Backend::Cpu),
+            "candle-cpu" => candle(candle_core::Device::Cpu),
+            "metal" => candle(candle_core::Device::new_metal(0)?),
+            _ => match s.strip_prefix("cuda") {
+                Some(rest) => {
+                    let ordinal = rest
+                        .strip_prefix(':')
+                        .unwrap_or("0")
+                        .parse()
+                        .map_err(|_| Error::Input(format!("device {s:?}: use cuda or cuda:N")))?;
+                    candle(candle_core::Device::new_cuda(ordinal)?)
+                }
+                None => Err(Error::Input(format!("unknown device {s:?}: use cpu, candle-cpu, cuda[:N] or metal"))),
+            },
+        }
+    }
+}
 
 /// An engine: a model's weights laid out for one device and its kernels.
 pub(crate) trait Engine: Send + Sync + std::fmt::Debug {
@@ -107,7 +145,7 @@ fn log_softmax_rows_at(logits: &[f32], vocab: usize, targets: &[u32]) -> Vec<f32
     logits
         .chunks_exact(vocab)
         .zip(targets)
-        .map(|(row, &t)| crate::cpu::kernels::log_softmax_at(row, t as usize))
+        .map(|(row, &t)| crate::cpu::softmax::log_softmax_at(row, t as usize))
         .collect()
 }
 

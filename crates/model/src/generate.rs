@@ -3,7 +3,7 @@
 
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
-use crate::cpu::kernels::max_ignoring_nan;
+use crate::cpu::softmax::max_ignoring_nan;
 use crate::error::{Error, Result};
 use crate::model::Model;
 use crate::state::State;
@@ -141,7 +141,7 @@ mod vectorised {
         pub fn softmax_weights(v: &[f32], max: f32, t: f32, w: &mut [f32]) -> Vec<f64> {
             // Plain loops: iterator adapters would be compiled apart from this function, without
             // its instruction set.
-            use crate::cpu::kernels::exp;
+            use crate::cpu::activations::exp;
             let mut sums = Vec::with_capacity(v.len().div_ceil(SUM_BLOCK));
             let mut start = 0;
             while start < v.len() {

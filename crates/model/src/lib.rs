@@ -1,16 +1,19 @@
 //! # picaso-model
 //!
-//! A Mamba language model (Mamba-2 or Mamba-1, detected from `config.json`) whose state is a
-//! first-class value. [`Model::prefill`] turns any
-//! token sequence, started from any [`State`], into the state after it; [`Model::score`] also
+//! A language model whose state is a first-class value: Mamba-2, Mamba-1, or a Granite 4.0 H
+//! hybrid (attention among Mamba-2 layers), detected from `config.json`. [`Model::prefill`] turns
+//! any token sequence, started from any [`State`], into the state after it; [`Model::score`] also
 //! returns the log-probabilities; [`generate()`] continues from a state. States save to and load
 //! from safetensors files ([`State::save`], [`State::load`]) and carry the fingerprint of the
 //! model that made them, so they are never applied to another model.
 //!
-//! Design: weights are read once into host memory ([`Mamba2Weights`]) from either checkpoint
-//! layout (HF transformers or state-spaces), validated, and handed to an engine. The CPU engine
-//! ([`cpu::CpuMamba2`]) runs prefill and decode through the same code, so the Markov property —
-//! scoring `a+b` equals scoring `b` from the state of `a` — holds by construction and is tested.
+//! Layout: one folder per architecture ([`mamba2`], [`mamba1`], [`granite_hybrid`]: config,
+//! weights, CPU engine, candle engine); the CPU kernels by operation in [`cpu`]; one engine
+//! interface (`engine.rs`) that [`Model`] holds as a `Box<dyn Engine>`. Weights are read once
+//! into host memory from either checkpoint layout (HF transformers or state-spaces), validated,
+//! and handed to an engine. Prefill and decode run through the same code, so the Markov
+//! property — scoring `a+b` equals scoring `b` from the state of `a` — holds by construction and
+//! is tested.
 //!
 //! ```no_run
 //! use picaso_model::{LoadOptions, Model};
@@ -24,7 +27,6 @@
 #![deny(missing_docs)]
 
 pub mod bench;
-pub mod candle_engine;
 pub mod composition;
 pub mod config;
 pub mod cpu;
@@ -34,6 +36,7 @@ pub mod generate;
 pub mod granite_hybrid;
 pub mod hub;
 pub mod mamba1;
+pub mod mamba2;
 mod memory;
 pub use memory::reuse_freed_buffers;
 pub mod model;
@@ -43,12 +46,13 @@ pub mod weights;
 pub mod wording;
 
 pub use composition::{compose, compose_into, compose_views, compose_views_into};
-pub use config::{CheckpointFormat, Mamba2Config, ModelConfig};
+pub use config::{CheckpointFormat, ModelConfig};
 pub use cpu::WeightDtype;
 pub use error::{Error, Result};
 pub use generate::{generate, Decoder, GenerateOptions, Generation, Next, StopReason};
 pub use granite_hybrid::{GraniteHybridConfig, GraniteHybridWeights};
 pub use mamba1::{Mamba1Config, Mamba1Weights};
+pub use mamba2::{Mamba2Config, Mamba2Weights};
 pub use model::{Backend, LoadOptions, Model, Scored};
 /// The run-time instruction-set dispatch of the CPU kernels (defined in picaso-compose).
 pub use picaso_compose::simd_fn;
@@ -58,5 +62,5 @@ pub use state::{
     StateView,
 };
 pub use tokenizer::TextTokenizer;
-pub use weights::{HostTensor, Mamba2Weights};
+pub use weights::HostTensor;
 pub use wording::counted;

@@ -4,54 +4,15 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::config::{Mamba2Config, ModelConfig};
+use crate::config::ModelConfig;
 use crate::cpu::{Rows, WeightDtype};
+pub use crate::engine::Backend;
 use crate::engine::{Engine, Weights};
 use crate::error::{Error, Result};
 use crate::mamba1::Mamba1Weights;
+use crate::mamba2::{Mamba2Config, Mamba2Weights};
 use crate::state::{SsmValue, State, StateShape};
 use crate::tokenizer::TextTokenizer;
-use crate::weights::Mamba2Weights;
-
-/// Which engine runs the model.
-#[derive(Debug, Clone, Default)]
-pub enum Backend {
-    /// The hand-written multi-threaded CPU engine (fast path).
-    #[default]
-    Cpu,
-    /// The device-generic candle engine: CUDA or Metal when built with their feature, or the
-    /// CPU (a cross-check of the fast path).
-    Candle {
-        /// Where the weights live and the math runs.
-        device: candle_core::Device,
-        /// Compute precision (f32 on CPU; bf16/f16 on GPUs).
-        dtype: candle_core::DType,
-    },
-}
-
-impl std::str::FromStr for Backend {
-    type Err = Error;
-    /// `cpu`, `candle-cpu`, `cuda`, `cuda:N` or `metal`.
-    fn from_str(s: &str) -> Result<Self> {
-        let candle = |device| Ok(Backend::Candle { device, dtype: candle_core::DType::F32 });
-        match s {
-            "cpu" => Ok(Backend::Cpu),
-            "candle-cpu" => candle(candle_core::Device::Cpu),
-            "metal" => candle(candle_core::Device::new_metal(0)?),
-            _ => match s.strip_prefix("cuda") {
-                Some(rest) => {
-                    let ordinal = rest
-                        .strip_prefix(':')
-                        .unwrap_or("0")
-                        .parse()
-                        .map_err(|_| Error::Input(format!("device {s:?}: use cuda or cuda:N")))?;
-                    candle(candle_core::Device::new_cuda(ordinal)?)
-                }
-                None => Err(Error::Input(format!("unknown device {s:?}: use cpu, candle-cpu, cuda[:N] or metal"))),
-            },
-        }
-    }
-}
 
 /// How to load a model.
 #[derive(Debug, Clone, Default)]

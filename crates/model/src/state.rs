@@ -32,8 +32,8 @@ use std::path::Path;
 
 use safetensors::{Dtype, SafeTensors};
 
-use crate::config::Mamba2Config;
 use crate::error::{Error, Result};
+use crate::mamba2::Mamba2Config;
 use crate::memory::big_vec;
 
 /// Format tag written into every state file's metadata.
@@ -381,7 +381,7 @@ impl<S> State<S> {
 impl State<half::f16> {
     /// The f32 state (exact: every f16 is an f32).
     pub fn to_f32(&self) -> State {
-        self.map_ssm(crate::cpu::f16_state::widen)
+        self.map_ssm(crate::cpu::scan::f16::widen)
     }
 }
 
@@ -394,8 +394,8 @@ impl State<half::f16> {
 ///   after every step, so log-probs drift slowly from the f32 ones (measured in BENCHMARKS.md),
 ///   and a value beyond ±65,504 becomes infinite (the next logits are then not finite).
 pub trait SsmValue: Copy + Default + Send + Sync + std::fmt::Debug + PartialEq + 'static {
-    /// The selective scan of one head ([`crate::cpu::kernels::scan_head`]) on values held as `Self`.
-    fn scan_head(s: &mut [Self], head: &crate::cpu::kernels::ScanInputs, y: &mut [f32]);
+    /// The selective scan of one head ([`crate::cpu::scan::scan_head`]) on values held as `Self`.
+    fn scan_head(s: &mut [Self], head: &crate::cpu::scan::ScanInputs, y: &mut [f32]);
     /// `states`, if they hold f32 (what the engines other than the CPU Mamba-2 one take).
     fn as_f32<'a, 'b>(states: &'a mut [&'b mut State<Self>]) -> Option<&'a mut [&'b mut State]>;
     /// `states`, if they hold f16.
@@ -403,8 +403,8 @@ pub trait SsmValue: Copy + Default + Send + Sync + std::fmt::Debug + PartialEq +
 }
 
 impl SsmValue for f32 {
-    fn scan_head(s: &mut [f32], head: &crate::cpu::kernels::ScanInputs, y: &mut [f32]) {
-        crate::cpu::kernels::scan_head(s, head, y);
+    fn scan_head(s: &mut [f32], head: &crate::cpu::scan::ScanInputs, y: &mut [f32]) {
+        crate::cpu::scan::scan_head(s, head, y);
     }
     fn as_f32<'a, 'b>(states: &'a mut [&'b mut State]) -> Option<&'a mut [&'b mut State]> {
         Some(states)
@@ -415,8 +415,8 @@ impl SsmValue for f32 {
 }
 
 impl SsmValue for half::f16 {
-    fn scan_head(s: &mut [half::f16], head: &crate::cpu::kernels::ScanInputs, y: &mut [f32]) {
-        crate::cpu::f16_state::scan_head_f16(s, head, y);
+    fn scan_head(s: &mut [half::f16], head: &crate::cpu::scan::ScanInputs, y: &mut [f32]) {
+        crate::cpu::scan::f16::scan_head_f16(s, head, y);
     }
     fn as_f32<'a, 'b>(_: &'a mut [&'b mut State<half::f16>]) -> Option<&'a mut [&'b mut State]> {
         None
@@ -430,7 +430,7 @@ impl State {
     /// This state with its SSM values rounded to f16 (to nearest): what decoding with f16
     /// states ([`SsmValue`]) starts from.
     pub fn to_f16(&self) -> State<half::f16> {
-        self.map_ssm(crate::cpu::f16_state::narrow)
+        self.map_ssm(crate::cpu::scan::f16::narrow)
     }
 
     /// The state before any token: all zeros.

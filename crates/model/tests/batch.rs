@@ -111,7 +111,7 @@ fn a_batched_prefill_gives_each_sequence_its_state_alone() {
 
 #[test]
 fn prefill_each_gives_each_sequence_its_lone_state_to_the_bit() {
-    use picaso_model::cpu::kernels::Bf16Kernel;
+    use picaso_model::cpu::matmul::Bf16Kernel;
     for (name, model) in models() {
         // Batched only where the products are batch-invariant: the bf16 pair layout (chosen on
         // CPUs with AVX512-BF16, on AMX tiles where present); f32 and widened bf16 run each

@@ -108,7 +108,7 @@ fn bf16_weights_stay_close_to_f32_and_keep_the_markov_property() {
     let err = max_abs_diff(&a.logprobs, &b.logprobs);
     let mean =
         a.logprobs.iter().zip(&b.logprobs).map(|(x, y)| (x - y).abs() as f64).sum::<f64>() / a.logprobs.len() as f64;
-    let kernel = picaso_model::cpu::kernels::Bf16Kernel::detect().name();
+    let kernel = picaso_model::cpu::matmul::Bf16Kernel::detect().name();
     eprintln!("bf16 weights ({kernel}): max |Δ logprob| {err:.4}, mean {mean:.4}");
     assert!(err > 0.0 && err < 0.2 && mean < 0.03, "bf16 weights change log-probs by {err} (mean {mean})");
     // Prefill and decode agree with each other, on whichever bf16 kernel this CPU runs. Widened

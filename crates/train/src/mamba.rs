@@ -187,7 +187,7 @@ impl TrainMamba2 {
             .layers
             .iter()
             .map(|l| {
-                Ok(picaso_model::weights::LayerWeights {
+                Ok(picaso_model::mamba2::LayerWeights {
                     norm: host(&l.norm)?,
                     in_proj: host(&l.in_proj)?,
                     in_proj_bias: opt(&l.in_proj_bias)?,
@@ -346,8 +346,9 @@ impl TrainMamba2 {
 
         // dt (B, T, H) and the per-token log-decays a = dt·A.
         let (lo, hi) = c.time_step_limit;
-        let mut dt =
-            picaso_model::candle_engine::softplus(&dt_raw.broadcast_add(&w.dt_bias.as_tensor().reshape((1, 1, nh))?)?)?;
+        let mut dt = picaso_model::mamba2::candle::softplus(
+            &dt_raw.broadcast_add(&w.dt_bias.as_tensor().reshape((1, 1, nh))?)?,
+        )?;
         if lo > 0.0 || hi.is_finite() {
             dt = dt.clamp(lo, hi)?;
         }

@@ -6,8 +6,9 @@ use std::path::Path;
 
 use serde_json::{Map, Value};
 
-use crate::config::{CheckpointFormat, Fields, Mamba2Config};
+use crate::config::{CheckpointFormat, Fields};
 use crate::error::{Error, Result};
+use crate::mamba2::Mamba2Config;
 use crate::state::{Arch, AttentionShape, StateShape};
 
 /// The mixer of one layer of a hybrid.

@@ -12,8 +12,12 @@ use rayon::prelude::*;
 
 use super::config::GraniteHybridConfig;
 use super::weights::{GraniteHybridWeights, MixerWeights, MoeWeights};
-use crate::cpu::kernels::{self, Bf16Kernel, Matrix};
-use crate::cpu::{by_kind, mamba2_mixer, on_pool, rows_par, CpuLayer, Rows, TokenIo, WeightDtype};
+use crate::cpu::layers::by_kind;
+use crate::cpu::matmul::{Bf16Kernel, Matrix};
+use crate::cpu::rows::{rows_par, Rows};
+use crate::cpu::token_io::TokenIo;
+use crate::cpu::{activations, matmul, norm, on_pool, WeightDtype};
+use crate::mamba2::cpu::{mixer, CpuLayer};
 use crate::state::{KvState, LayerState, SsmValue, State};
 
 /// A Granite 4.0 H model ready to run on the CPU.
@@ -139,11 +143,11 @@ impl CpuGraniteHybrid {
             let mut xn = vec![0.0f32; rows * d];
             let mut branch = vec![0.0f32; rows * d];
             for layer in &self.layers {
-                rows_par(&h, &mut xn, d, d, |x, o| kernels::rmsnorm(x, &layer.input_norm, c.norm_eps as f32, o));
+                rows_par(&h, &mut xn, d, d, |x, o| norm::rmsnorm(x, &layer.input_norm, c.norm_eps as f32, o));
                 match &layer.mixer {
                     Mixer::Mamba { slot, weights } => {
                         let mut ls: Vec<&mut LayerState<S>> = states.iter_mut().map(|s| &mut s.layers[*slot]).collect();
-                        mamba2_mixer(&c.mamba, weights, &xn, &mut ls, lens, kind, &mut branch, false);
+                        mixer(&c.mamba, weights, &xn, &mut ls, lens, kind, &mut branch, false);
                     }
                     Mixer::Attention { slot, q, k, v, o } => {
                         let mut kv: Vec<&mut KvState> = states.iter_mut().map(|s| &mut s.attention[*slot]).collect();
@@ -151,7 +155,7 @@ impl CpuGraniteHybrid {
                     }
                 }
                 add_scaled(&mut h, &branch, c.residual_multiplier as f32);
-                rows_par(&h, &mut xn, d, d, |x, o| kernels::rmsnorm(x, &layer.post_norm, c.norm_eps as f32, o));
+                rows_par(&h, &mut xn, d, d, |x, o| norm::rmsnorm(x, &layer.post_norm, c.norm_eps as f32, o));
                 self.mlp(layer, &xn, kind, &mut branch);
                 add_scaled(&mut h, &branch, c.residual_multiplier as f32);
             }
@@ -236,7 +240,7 @@ impl CpuGraniteHybrid {
             .par_chunks(d)
             .map(|x| {
                 let mut logits: Vec<(usize, f32)> =
-                    (0..e).map(|j| (j, kernels::dot(x, &moe.router[j * d..(j + 1) * d]))).collect();
+                    (0..e).map(|j| (j, matmul::dot(x, &moe.router[j * d..(j + 1) * d]))).collect();
                 logits.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
                 logits.truncate(top);
                 let max = logits[0].1;
@@ -316,7 +320,7 @@ fn swiglu(
     let mut act = vec![0.0f32; rows * inner];
     act.par_chunks_mut(inner).zip(gu.par_chunks(2 * inner)).for_each(|(a, g)| {
         for (i, o) in a.iter_mut().enumerate() {
-            *o = kernels::silu(g[i]) * g[inner + i];
+            *o = activations::silu(g[i]) * g[inner + i];
         }
     });
     kind.matmul_t(&act, rows, inner, down, d, out, acc);
@@ -354,7 +358,7 @@ fn attend_row(q: &[f32], kv: &KvState, n: usize, nh: usize, nkv: usize, hd: usiz
         let qh = &q[h * hd..(h + 1) * hd];
         let mut max = f32::NEG_INFINITY;
         for (j, s) in scores.iter_mut().enumerate() {
-            *s = scale * kernels::dot(qh, &kv.keys[j * stride + g * hd..j * stride + (g + 1) * hd]);
+            *s = scale * matmul::dot(qh, &kv.keys[j * stride + g * hd..j * stride + (g + 1) * hd]);
             max = max.max(*s);
         }
         let mut sum = 0.0f64;

@@ -6,7 +6,8 @@ use std::path::Path;
 
 use super::config::{GraniteHybridConfig, LayerKind};
 use crate::error::{Error, Result};
-use crate::weights::{fingerprint, normal_sampler, read_tensors, write_checkpoint, HostTensor, LayerWeights, Take};
+use crate::mamba2::LayerWeights;
+use crate::weights::{fingerprint, normal_sampler, read_tensors, write_checkpoint, HostTensor, Take};
 
 /// One layer's mixer weights.
 #[derive(Debug, Clone)]

@@ -7,8 +7,8 @@ use candle_core::{DType, Device, Tensor};
 
 use super::config::Mamba1Config;
 use super::weights::Mamba1Weights;
-use crate::candle_engine::{causal_conv_silu, rmsnorm, softplus};
 use crate::error::Result;
+use crate::mamba2::candle::{causal_conv_silu, rmsnorm, softplus};
 use crate::state::{LayerState, State};
 
 /// One block's weights on the device.

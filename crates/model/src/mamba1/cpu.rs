@@ -7,8 +7,13 @@ use rayon::prelude::*;
 
 use super::config::Mamba1Config;
 use super::weights::Mamba1Weights;
-use crate::cpu::kernels::{self, Matrix, LANES};
-use crate::cpu::{add_bias_rows, causal_conv_silu, per_sequence, rows_par, run_layers, Rows, TokenIo, WeightDtype};
+use crate::cpu::conv::causal_conv_silu;
+use crate::cpu::layers::run_layers;
+use crate::cpu::rows::{add_bias_rows, per_sequence, rows_par, Rows};
+use crate::cpu::token_io::TokenIo;
+use crate::cpu::Matrix;
+use crate::cpu::LANES;
+use crate::cpu::{activations, matmul, norm, scan, WeightDtype};
 use crate::state::{LayerState, State};
 
 /// One block, laid out for the kernels.
@@ -86,7 +91,7 @@ impl CpuMamba1 {
         self.forward_batch(tokens, &[tokens.len()], &mut [state])
     }
 
-    /// Several sequences at once, as [`crate::cpu::CpuMamba2::forward_batch`].
+    /// Several sequences at once, as [`crate::mamba2::CpuMamba2::forward_batch`].
     pub fn forward_batch(&self, tokens: &[u32], lens: &[usize], states: &mut [&mut State]) -> Vec<f32> {
         run_layers(&self.io, &self.layers, tokens, lens, states, |lw, ls, lens, kind, h| {
             self.layer(lw, ls, lens, kind, h)
@@ -102,7 +107,7 @@ impl CpuMamba1 {
 
         // Pre-norm and in_proj: xz (rows × 2D) = [x | z].
         let mut xn = vec![0.0f32; rows * d];
-        rows_par(h, &mut xn, d, d, |x, o| kernels::rmsnorm(x, &lw.norm, c.norm_eps as f32, o));
+        rows_par(h, &mut xn, d, d, |x, o| norm::rmsnorm(x, &lw.norm, c.norm_eps as f32, o));
         let mut xz = vec![0.0f32; rows * 2 * di];
         kind.matmul_t(&xn, rows, d, &lw.in_proj, 2 * di, &mut xz, false);
         if let Some(b) = &lw.in_proj_bias {
@@ -135,13 +140,13 @@ impl CpuMamba1 {
         // x_proj → [dt_low | B | C]; dt = softplus(dt_proj(dt_low) + bias), all (T × ·).
         let xp = c.x_proj_dim();
         let mut xdbl = vec![0.0f32; t * xp];
-        kernels::matmul_t(&xc, t, di, &lw.x_proj, xp, &mut xdbl, false);
+        matmul::matmul_t(&xc, t, di, &lw.x_proj, xp, &mut xdbl, false);
         let low: Vec<f32> = xdbl.chunks_exact(xp).flat_map(|row| row[..r].iter().copied()).collect();
         let mut dt = vec![0.0f32; t * di];
-        kernels::matmul_t(&low, t, r, &lw.dt_proj, di, &mut dt, false);
+        matmul::matmul_t(&low, t, r, &lw.dt_proj, di, &mut dt, false);
         for row in dt.chunks_exact_mut(di) {
             for (v, b) in row.iter_mut().zip(&lw.dt_proj_bias) {
-                *v = kernels::softplus(*v + b);
+                *v = activations::softplus(*v + b);
             }
         }
 
@@ -159,7 +164,7 @@ impl CpuMamba1 {
                 let ch0 = bi * LANES;
                 let w = s.len() / n;
                 let a = &lw.a[ch0 * n..(ch0 + w) * n];
-                let dt_sum = kernels::scan_channels(s, a, &lw.d[ch0..ch0 + w], &dt, &xc, di, ch0, &b, &cm, t, y);
+                let dt_sum = scan::scan_channels(s, a, &lw.d[ch0..ch0 + w], &dt, &xc, di, ch0, &b, &cm, t, y);
                 // The log-decay of element (c, j) grows by Σ_t dt_t·A_cj = A_cj·Σ_t dt_t.
                 for (l, (ldc, ac)) in ld.chunks_exact_mut(n).zip(a.chunks_exact(n)).enumerate() {
                     for (v, &aj) in ldc.iter_mut().zip(ac) {
@@ -172,7 +177,7 @@ impl CpuMamba1 {
         gated.par_chunks_mut(di).enumerate().for_each(|(ti, o)| {
             let z = &xz[ti * 2 * di + di..(ti + 1) * 2 * di];
             for (ch, (ov, &zv)) in o.iter_mut().zip(z).enumerate() {
-                *ov = y_blk[((ch / LANES) * t + ti) * LANES + ch % LANES] * kernels::silu(zv);
+                *ov = y_blk[((ch / LANES) * t + ti) * LANES + ch % LANES] * activations::silu(zv);
             }
         });
     }

@@ -12,7 +12,7 @@
 
 pub mod ops;
 
-use picaso_model::weights::LayerWeights;
+use picaso_model::mamba2::LayerWeights;
 use picaso_model::{Mamba2Config, Mamba2Weights};
 use rayon::prelude::*;
 
@@ -326,7 +326,7 @@ impl CpuTrainer {
         dt.par_chunks_mut(k.h).enumerate().for_each(|(r, o)| {
             let raw = &zxbcdt[r * k.dp + k.di + k.cc..][..k.h];
             for ((o, &x), &b) in o.iter_mut().zip(raw).zip(&lw.dt_bias) {
-                *o = (picaso_model::cpu::kernels::softplus(x + b) as f64).clamp(lo, hi) as f32;
+                *o = (picaso_model::cpu::activations::softplus(x + b) as f64).clamp(lo, hi) as f32;
             }
         });
 

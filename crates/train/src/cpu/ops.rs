@@ -3,9 +3,11 @@
 //! selective scan and cross-entropy. Hot loops are compiled for AVX-512, AVX2+FMA and
 //! portable code, chosen at run time (`picaso_model::simd_fn!`).
 
-use picaso_model::cpu::bf16_gemm::{self, Strided};
-use picaso_model::cpu::bf16_tiles;
-use picaso_model::cpu::kernels::{exp, Bf16Kernel, LANES};
+use picaso_model::cpu::activations::exp;
+use picaso_model::cpu::matmul::bf16_gemm::{self, Strided};
+use picaso_model::cpu::matmul::bf16_tiles;
+use picaso_model::cpu::matmul::Bf16Kernel;
+use picaso_model::cpu::LANES;
 use picaso_model::simd_fn;
 use rayon::prelude::*;
 

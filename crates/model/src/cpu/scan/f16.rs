@@ -6,7 +6,7 @@
 //! widened into a per-thread buffer, scanned by the f32 kernel, and rounded back (to nearest,
 //! ties to even), so one step from an f16 state gives the bits of the f32 step from its widened
 //! values. A one-token step (every batched decode step) on AVX-512 does the same in registers
-//! instead ([`super::scan_avx512`]), with no f32 copy of the head: the same operations in the
+//! instead ([`super::avx512`]), with no f32 copy of the head: the same operations in the
 //! same order, so the same bits. f16 rather than bf16: 11 significant bits against 8; measured
 //! on the bundled model (BENCHMARKS.md), bf16 states moved single log-probs ~15× more. A value
 //! beyond ±65,504 becomes infinite, and the next logits are then not finite, which decoding
@@ -17,7 +17,7 @@ use std::cell::RefCell;
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
-use super::kernels::{scan_head, ScanInputs};
+use super::{scan_head, ScanInputs};
 
 /// [`scan_head`] on a state stored as f16: widened, scanned in f32, rounded back.
 pub fn scan_head_f16(s: &mut [f16], head: &ScanInputs, y: &mut [f32]) {
@@ -26,7 +26,7 @@ pub fn scan_head_f16(s: &mut [f16], head: &ScanInputs, y: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if head.dt.len() == 1 {
         let bits: &mut [u16] = s.reinterpret_cast_mut();
-        if super::scan_avx512::try_scan_head(bits, head, y) || super::scan_avx2::try_scan_head(bits, head, y) {
+        if super::avx512::try_scan_head(bits, head, y) || super::avx2::try_scan_head(bits, head, y) {
             return;
         }
     }
@@ -100,7 +100,7 @@ fn narrow_scalar(src: &[f32], dst: &mut [u16]) {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::super::scan_avx512::NEAREST;
+    use super::super::avx512::NEAREST;
 
     /// [`NEAREST`] for F16C, whose immediate has no exception bit.
     const NEAREST_F16C: i32 = _MM_FROUND_TO_NEAREST_INT;
@@ -270,7 +270,7 @@ mod tests {
                 #[cfg(target_arch = "x86_64")]
                 {
                     let mut y_avx2 = vec![0.0f32; p];
-                    if super::super::scan_avx2::try_scan_head::<u16>(avx2.reinterpret_cast_mut(), &head, &mut y_avx2) {
+                    if super::super::avx2::try_scan_head::<u16>(avx2.reinterpret_cast_mut(), &head, &mut y_avx2) {
                         assert_eq!(bits(&y_avx2), bits(&y_widened), "AVX2, d_state {n}, step {step}: y");
                         assert_eq!(hbits(&avx2), hbits(&widened), "AVX2, d_state {n}, step {step}: state");
                     }

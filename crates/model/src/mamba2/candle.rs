@@ -7,10 +7,9 @@
 
 use candle_core::{DType, Device, Tensor, D};
 
-use crate::config::Mamba2Config;
+use super::{Mamba2Config, Mamba2Weights};
 use crate::error::Result;
 use crate::state::{LayerState, State};
-use crate::weights::Mamba2Weights;
 
 /// One block's weights on the device.
 #[derive(Debug)]
@@ -246,7 +245,7 @@ mod tests {
             let want = x64.max(0.0) + (-x64.abs()).exp().ln_1p();
             let rel = ((g as f64 - want) / want).abs();
             assert!(rel < 4e-7, "softplus({x}) = {g}, want {want} (relative error {rel:.1e})");
-            let cpu = crate::cpu::kernels::softplus(x) as f64;
+            let cpu = crate::cpu::activations::softplus(x) as f64;
             assert!(((cpu - want) / want).abs() < 4e-7, "cpu softplus({x}) = {cpu}");
         }
     }

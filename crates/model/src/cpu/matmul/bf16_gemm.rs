@@ -14,7 +14,7 @@ use rayon::prelude::*;
 
 use super::bf16_dot::{self, pair_of, round_input, tile_rows, PairedBf16, BLOCK};
 use super::bf16_tiles;
-use super::kernels::Bf16Kernel;
+use super::Bf16Kernel;
 
 /// An f32 matrix read through strides: element (r, c) at `data[r * rs + c * cs]`.
 #[derive(Clone, Copy, Debug)]

@@ -2,7 +2,7 @@
 //! AMD Zen 4 and later, Intel Cooper Lake, Sapphire Rapids and later). The inputs are rounded to
 //! bf16 (nearest even) and each instruction adds, for 16 outputs at once, the products of one pair
 //! of columns into f32 accumulators: twice the multiply-adds of an f32 FMA, and the weights are
-//! never widened. CPUs without the instruction keep the widening kernels of [`super::kernels`].
+//! never widened. CPUs without the instruction keep the widening kernels of [`super`].
 //!
 //! Layout: the weight rows are grouped in blocks of 16, and within a block pair `p` holds, for
 //! each of the 16 rows, its columns `2p` and `2p + 1` side by side in one u32 — the instruction's
@@ -20,7 +20,7 @@
 use picaso_compose::prefetch_l2;
 use rayon::prelude::*;
 
-use super::kernels::Widen;
+use super::Widen;
 use super::{bf16_gemm, bf16_tiles};
 
 /// Output rows per block: one AVX-512 register of f32 accumulators.
@@ -230,7 +230,7 @@ impl PairedBf16 {
         let n = self.n;
         let out = SharedOut(out.as_mut_ptr());
         let tasks = self.blocks().div_ceil(panel);
-        // Decode streams the weights: fewer, larger tasks (see kernels::matmul_t).
+        // Decode streams the weights: fewer, larger tasks (see matmul::matmul_t).
         let per_task = if m == 1 { (tasks / (8 * rayon::current_num_threads())).max(1) } else { 1 };
         (0..tasks.div_ceil(per_task)).into_par_iter().for_each(|t| {
             for p in t * per_task..((t + 1) * per_task).min(tasks) {

@@ -4,13 +4,14 @@
 //! The portable kernel, compiled for AVX2, came out as 128-bit and 64-bit loads and scalar sums
 //! (`perf annotate` on an AMD EPYC Zen 3): the scan was 32% of a 512-token prefill there. Here
 //! each row's 16 partial sums are two 256-bit registers (lanes 0..8 and 8..16 of
-//! [`super::kernels::sum_lanes`]'s order), two rows advance together (four independent chains of
+//! [`super::sum_lanes`]'s order), two rows advance together (four independent chains of
 //! multiply-adds), and eight rows' sums are reduced together by shuffles in `sum_lanes`'s
 //! halving order, so this kernel gives the portable kernel's bits.
 
 use std::arch::x86_64::*;
 
-use super::kernels::{prefetch_state_ahead, sum_lanes, with_vectors, ScanInputs, LANES};
+use super::{prefetch_state_ahead, sum_lanes, with_vectors, ScanInputs};
+use crate::cpu::LANES;
 
 /// How a state's values are held: f32, or f16 (as its bits) widened on load and rounded to
 /// nearest on store.
@@ -72,7 +73,7 @@ pub fn try_scan_head<H: Held>(s: &mut [H], head: &ScanInputs, y: &mut [f32]) -> 
     true
 }
 
-/// [`super::kernels::scan_head`] for d_state N = 16·NV: over every token of `head`, the state
+/// [`super::scan_head`] for d_state N = 16·NV: over every token of `head`, the state
 /// `s` (P rows of N values, held as `H`) is updated in place and y (T, P) written. For f16
 /// (`H = u16`) each token's values are rounded back as they are stored.
 ///

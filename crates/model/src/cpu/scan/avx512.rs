@@ -9,11 +9,12 @@
 //! partial sums are reduced together by shuffles (46 vector operations per 16 rows, where 16
 //! stores, 256 scalar loads and 240 adds summed them row by row: with the rows advanced four at
 //! a time but summed alone it took 0.63 µs). The reduction adds in the halving order of
-//! [`super::kernels::sum_lanes`], so every CPU's kernel gives the same bits.
+//! [`super::sum_lanes`], so every CPU's kernel gives the same bits.
 
 use std::arch::x86_64::*;
 
-use super::kernels::{prefetch_state_ahead, sum_lanes, with_vectors, ScanInputs, LANES};
+use super::{prefetch_state_ahead, sum_lanes, with_vectors, ScanInputs};
+use crate::cpu::LANES;
 
 /// How a state's values are held: f32, or f16 (as its bits) widened on load and rounded to
 /// nearest on store.
@@ -76,7 +77,7 @@ pub fn try_scan_head<H: Held>(s: &mut [H], head: &ScanInputs, y: &mut [f32]) -> 
     true
 }
 
-/// [`super::kernels::scan_head`] for d_state N = 16·NV: over every token of `head`, the state
+/// [`super::scan_head`] for d_state N = 16·NV: over every token of `head`, the state
 /// `s` (P rows of N values, held as `H`) is updated in place and y (T, P) written. For f16
 /// (`H = u16`) each token's values are rounded back as they are stored.
 ///
