@@ -382,56 +382,106 @@ impl State {
         py.detach(|| self.inner.save(&path, dtype)).map_err(model_err)
     }
 
-    /// Builds a state from arrays, one (ssm, conv, log_decay) triple per layer: Mamba-2 ssm
-    /// (heads, headdim, d_state), conv (conv_dim, d_conv - 1), log_decay (heads); Mamba-1 ssm
-    /// (d_inner, d_state), conv (d_inner, d_conv - 1), log_decay (d_inner, d_state). The
-    /// fingerprint names the model it belongs to (`Model.fingerprint`).
+    /// Builds a state from arrays, one tuple per layer of the model: a Mamba layer's
+    /// (ssm, conv, log_decay) — Mamba-2 ssm (heads, headdim, d_state), conv (conv_dim,
+    /// d_conv - 1), log_decay (heads); Mamba-1 ssm (d_inner, d_state), conv (d_inner,
+    /// d_conv - 1), log_decay (d_inner, d_state) — or, in a hybrid, an attention layer's
+    /// (keys, values), each (kv_heads, tokens, head_dim). The fingerprint names the model it
+    /// belongs to (`Model.fingerprint`); `position` is where the next token goes (default
+    /// `n_tokens`; a composed hybrid state's is its longest part's).
     #[staticmethod]
-    #[pyo3(signature = (layers, *, fingerprint, n_tokens))]
+    #[pyo3(signature = (layers, *, fingerprint, n_tokens, position=None))]
     fn from_arrays(
-        layers: Vec<(PyReadonlyArrayDyn<'_, f32>, PyReadonlyArrayDyn<'_, f32>, PyReadonlyArrayDyn<'_, f32>)>,
+        layers: Vec<Vec<PyReadonlyArrayDyn<'_, f32>>>,
         fingerprint: String,
         n_tokens: u64,
+        position: Option<u64>,
     ) -> PyResult<Self> {
-        let Some((s0, c0, l0)) = layers.first() else {
-            return Err(raise(Kind::Invalid, "a state needs at least one layer"));
+        let invalid = |m: String| raise(Kind::Invalid, m);
+        let mamba: Vec<(usize, &Vec<PyReadonlyArrayDyn<'_, f32>>)> =
+            layers.iter().enumerate().filter(|(_, l)| l.len() != 2).collect();
+        let attention: Vec<(usize, &Vec<PyReadonlyArrayDyn<'_, f32>>)> =
+            layers.iter().enumerate().filter(|(_, l)| l.len() == 2).collect();
+        if let Some((i, l)) = mamba.iter().find(|(_, l)| l.len() != 3) {
+            return Err(invalid(format!(
+                "layer {i} has {} arrays: a Mamba layer takes (ssm, conv, log_decay), an attention layer (keys, values)",
+                l.len()
+            )));
+        }
+        let Some((_, first)) = mamba.first() else {
+            return Err(invalid("a state needs at least one Mamba layer (ssm, conv, log_decay)".into()));
         };
-        let arch = match s0.ndim() {
+        let arch = match first[0].ndim() {
             3 => Arch::Mamba2,
             2 => Arch::Mamba1,
-            n => return Err(raise(Kind::Invalid, format!("layer 0: ssm has {n} axes; Mamba-2 has 3, Mamba-1 2"))),
+            n => return Err(invalid(format!("layer 0: ssm has {n} axes; Mamba-2 has 3, Mamba-1 2"))),
+        };
+        let flat = |a: &PyReadonlyArrayDyn<'_, f32>| a.as_array().iter().copied().collect::<Vec<f32>>();
+        let (attention_shape, kv) = match attention.first() {
+            None => (None, Vec::new()),
+            Some((_, l0)) => {
+                let want = l0[0].shape().to_vec();
+                if want.len() != 3 {
+                    return Err(invalid(format!(
+                        "attention keys have {} axes; expected (kv_heads, tokens, head_dim)",
+                        want.len()
+                    )));
+                }
+                let mut kv = Vec::with_capacity(attention.len());
+                for (i, l) in &attention {
+                    for (name, a) in [("keys", &l[0]), ("values", &l[1])] {
+                        if a.shape() != want.as_slice() {
+                            return Err(invalid(format!(
+                                "layer {i}: {name} have shape {:?}, the first attention layer's keys {want:?} (every attention layer holds the same tokens)",
+                                a.shape()
+                            )));
+                        }
+                    }
+                    // (kv_heads, T, head_dim) head-major, as transformers keeps them -> token-major rows.
+                    let token_major = |a: &PyReadonlyArrayDyn<'_, f32>| {
+                        a.as_array().permuted_axes(IxDyn(&[1, 0, 2])).iter().copied().collect::<Vec<f32>>()
+                    };
+                    kv.push(picaso_model::KvState { keys: token_major(&l[0]), values: token_major(&l[1]) });
+                }
+                let shape = picaso_model::AttentionShape {
+                    layers: attention.iter().map(|(i, _)| *i).collect(),
+                    n_layers: layers.len(),
+                    kv_heads: want[0],
+                    head_dim: want[2],
+                };
+                (Some(shape), kv)
+            }
         };
         let shape = StateShape {
             arch,
-            n_layer: layers.len(),
-            ssm: s0.shape().to_vec(),
-            conv: c0.shape().to_vec(),
-            log_decay: l0.shape().to_vec(),
-            attention: None,
+            n_layer: mamba.len(),
+            ssm: first[0].shape().to_vec(),
+            conv: first[1].shape().to_vec(),
+            log_decay: first[2].shape().to_vec(),
+            attention: attention_shape,
         };
-        shape.check().map_err(|e| raise(Kind::Invalid, e.to_string()))?;
-        let mut out = Vec::with_capacity(layers.len());
-        for (i, (s, c, l)) in layers.iter().enumerate() {
+        shape.check().map_err(|e| invalid(e.to_string()))?;
+        let mut out = Vec::with_capacity(mamba.len());
+        for (i, l) in &mamba {
             for (name, a, want) in
-                [("ssm", s, &shape.ssm), ("conv", c, &shape.conv), ("log_decay", l, &shape.log_decay)]
+                [("ssm", &l[0], &shape.ssm), ("conv", &l[1], &shape.conv), ("log_decay", &l[2], &shape.log_decay)]
             {
                 if a.shape() != want.as_slice() {
-                    return Err(raise(
-                        Kind::Invalid,
-                        format!("layer {i}: {name} has shape {:?}, layer 0's is {want:?}", a.shape()),
-                    ));
+                    return Err(invalid(format!(
+                        "layer {i}: {name} has shape {:?}, the first Mamba layer's is {want:?}",
+                        a.shape()
+                    )));
                 }
             }
-            let flat = |a: &PyReadonlyArrayDyn<'_, f32>| a.as_array().iter().copied().collect::<Vec<f32>>();
-            out.push(LayerState { ssm: flat(s), conv: flat(c), log_decay: flat(l) });
+            out.push(LayerState { ssm: flat(&l[0]), conv: flat(&l[1]), log_decay: flat(&l[2]) });
         }
         let inner = picaso_model::State {
             fingerprint,
             n_tokens,
             shape,
             layers: out,
-            attention: Vec::new(),
-            position: n_tokens,
+            attention: kv,
+            position: position.unwrap_or(n_tokens),
         };
         inner.check_values().map_err(model_err)?;
         Ok(Self { inner })
@@ -449,16 +499,31 @@ impl State {
         &self.inner.fingerprint
     }
 
-    /// "mamba2" or "mamba1".
+    /// "mamba2" or "mamba1" (a hybrid's Mamba layers are Mamba-2).
     #[getter]
     fn arch(&self) -> &'static str {
         self.inner.shape.arch.name()
     }
 
-    /// Number of layers.
+    /// Number of layers of the model, Mamba and attention.
     #[getter]
     fn n_layers(&self) -> usize {
-        self.inner.layers.len()
+        self.inner.shape.attention.as_ref().map_or(self.inner.layers.len(), |a| a.n_layers)
+    }
+
+    /// "mamba" or "attention" per layer of the model (as the hub's `layer_types`).
+    #[getter]
+    fn layer_types(&self) -> Vec<&'static str> {
+        match &self.inner.shape.attention {
+            Some(a) => a.layer_types(),
+            None => vec!["mamba"; self.inner.layers.len()],
+        }
+    }
+
+    /// The position the next token takes: the tokens seen, or a composed hybrid state's longest part's.
+    #[getter]
+    fn position(&self) -> u64 {
+        self.inner.position
     }
 
     /// Bytes of the state in f32.
@@ -468,6 +533,7 @@ impl State {
     }
 
     /// Layer `i`'s SSM state: Mamba-2 (heads, headdim, d_state), Mamba-1 (d_inner, d_state).
+    /// `i` counts every layer of the model, so in a hybrid it is a Mamba layer's own index.
     fn ssm<'py>(this: &Bound<'py, Self>, i: usize) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {
         let s = this.get();
         view(this, &s.inner.shape.ssm, &s.layer(i)?.ssm)
@@ -485,16 +551,36 @@ impl State {
         view(this, &s.inner.shape.log_decay, &s.layer(i)?.log_decay)
     }
 
-    /// Every layer as a dict of read-only arrays: {"ssm", "conv", "log_decay"}.
+    /// Attention layer `i`'s keys, (kv_heads, tokens, head_dim) as transformers keeps them
+    /// (RoPE, if the model has it, applied). A copy: picaso holds them token by token.
+    fn keys<'py>(&self, py: Python<'py>, i: usize) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {
+        let (kv, shape) = self.kv(i)?;
+        head_major(py, &kv.keys, shape)
+    }
+
+    /// Attention layer `i`'s values, (kv_heads, tokens, head_dim). A copy.
+    fn values<'py>(&self, py: Python<'py>, i: usize) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {
+        let (kv, shape) = self.kv(i)?;
+        head_major(py, &kv.values, shape)
+    }
+
+    /// Every layer of the model as a dict of arrays: a Mamba layer's {"ssm", "conv",
+    /// "log_decay"} (read-only views), an attention layer's {"keys", "values"} (copies).
     #[getter]
     fn layers<'py>(this: &Bound<'py, Self>) -> PyResult<Bound<'py, PyList>> {
         let py = this.py();
         let list = PyList::empty(py);
-        for i in 0..this.get().inner.layers.len() {
+        let types = this.get().layer_types();
+        for (i, kind) in types.into_iter().enumerate() {
             let d = PyDict::new(py);
-            d.set_item("ssm", Self::ssm(this, i)?)?;
-            d.set_item("conv", Self::conv(this, i)?)?;
-            d.set_item("log_decay", Self::log_decay(this, i)?)?;
+            if kind == "attention" {
+                d.set_item("keys", this.get().keys(py, i)?)?;
+                d.set_item("values", this.get().values(py, i)?)?;
+            } else {
+                d.set_item("ssm", Self::ssm(this, i)?)?;
+                d.set_item("conv", Self::conv(this, i)?)?;
+                d.set_item("log_decay", Self::log_decay(this, i)?)?;
+            }
             list.append(d)?;
         }
         Ok(list)
@@ -502,9 +588,13 @@ impl State {
 
     fn __repr__(&self) -> String {
         format!(
-            "State(arch={:?}, layers={}, n_tokens={}, fingerprint={:?})",
+            "State(arch={:?}, layers={}{}, n_tokens={}, fingerprint={:?})",
             self.arch(),
-            self.inner.layers.len(),
+            self.n_layers(),
+            match &self.inner.shape.attention {
+                Some(a) => format!(" ({} attention)", a.layers.len()),
+                None => String::new(),
+            },
             self.inner.n_tokens,
             self.inner.fingerprint
         )
@@ -512,14 +602,51 @@ impl State {
 }
 
 impl State {
+    /// The Mamba layer at the model's layer index `i`.
     fn layer(&self, i: usize) -> PyResult<&LayerState> {
-        self.inner.layers.get(i).ok_or_else(|| {
+        let index = match &self.inner.shape.attention {
+            None => Some(i),
+            Some(a) if a.layers.contains(&i) => {
+                return Err(raise(
+                    Kind::Invalid,
+                    format!("layer {i} is an attention layer: read its keys({i}) and values({i})"),
+                ))
+            }
+            Some(a) => a.ssm_layers().iter().position(|&l| l == i),
+        };
+        index.and_then(|k| self.inner.layers.get(k)).ok_or_else(|| {
             pyo3::exceptions::PyIndexError::new_err(format!(
-                "layer {i} out of range: the state has {}",
-                self.inner.layers.len()
+                "layer {i} out of range: the model has {}",
+                self.n_layers()
             ))
         })
     }
+
+    /// The keys and values of the attention layer at the model's layer index `i`.
+    fn kv(&self, i: usize) -> PyResult<(&picaso_model::KvState, [usize; 3])> {
+        let Some(a) = &self.inner.shape.attention else {
+            return Err(raise(Kind::Invalid, "this state has no attention layers (a pure SSM model's)".to_string()));
+        };
+        let Some(k) = a.layers.iter().position(|&l| l == i) else {
+            return Err(raise(
+                Kind::Invalid,
+                format!("layer {i} is not an attention layer; the attention layers are {:?}", a.layers),
+            ));
+        };
+        let kv = &self.inner.attention[k];
+        Ok((kv, [a.kv_heads, kv.tokens(a.token_len()), a.head_dim]))
+    }
+}
+
+/// Token-major rows (T, kv_heads, head_dim) as a new (kv_heads, T, head_dim) array.
+fn head_major<'py>(
+    py: Python<'py>,
+    rows: &[f32],
+    [heads, tokens, dim]: [usize; 3],
+) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {
+    let view =
+        ArrayView::from_shape(IxDyn(&[tokens, heads, dim]), rows).map_err(|e| raise(Kind::Other, e.to_string()))?;
+    Ok(PyArrayDyn::from_owned_array(py, view.permuted_axes(IxDyn(&[1, 0, 2])).as_standard_layout().into_owned()))
 }
 
 /// Composes states of one model into one: "soup" (mean), "caso", "picaso-s" (exact average of

@@ -91,3 +91,67 @@ def test_hybrid_models_score_as_transformers(folder):
     composed = picaso.compose(parts, method="picaso-r")
     assert composed.n_tokens == 20
     assert np.all(np.isfinite(model.score(tokens[20:30], composed)))
+
+
+# transformers' one-token step of a 2-group hybrid disagrees with its own full forward (by 0.65 in
+# the logits on moe-rope-g2, from its own cache too), so that fixture checks the many-token path.
+@pytest.mark.parametrize("case,one", [("dense-nope-g1", True), ("moe-rope-g2", False)])
+def test_hybrid_states_move_to_transformers_and_back(case, one):
+    """A Granite 4.0 H state (Mamba layers and attention keys/values) continues in transformers
+    as in picaso, a transformers cache comes back to the same picaso state, and a composed state
+    (PICASO-R + the union of keys and values) continues in transformers at its own position."""
+    path = FIXTURES.parent / "testdata" / "granite" / case / "hf"
+    model = picaso.Model.load(str(path))
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    vocab = hf_model.config.vocab_size
+    a, b = ids(vocab, 13, 0), ids(vocab, 5, 1)
+    state = model.state(a)
+    assert state.layer_types == [("attention" if t in ("attention", "full_attention") else "mamba")
+                                 for t in hf_model.config.layer_types]
+    for cont in (b, b[:1]) if one else (b,):  # transformers counts positions from the cache's first layer, a Mamba one: pass them
+        with torch.no_grad():
+            logits = hf_model(input_ids=torch.tensor([cont]), position_ids=hf.position_ids(state, len(cont)),
+                              **hf.cache_kwargs(hf_model, hf.to_cache(state, hf_model))).logits[0, -1].numpy()
+        np.testing.assert_allclose(logits, model.next_logits(cont, state=state), atol=1e-4)
+
+    with torch.no_grad():
+        out = hf_model(input_ids=torch.tensor([a]), use_cache=True)
+    back = hf.from_cache(hf.output_cache(out), hf_model, fingerprint=model.fingerprint, n_tokens=len(a),
+                         log_decays=hf.log_decays(hf_model, a))
+    for i, kind in enumerate(state.layer_types):
+        names = ["keys", "values"] if kind == "attention" else ["ssm", "conv", "log_decay"]
+        for name in names:
+            np.testing.assert_allclose(getattr(back, name)(i), getattr(state, name)(i), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(model.score(b, state=back), model.score(b, state=state), atol=1e-4)
+
+    parts = [model.state(ids(vocab, n, 10 + n)) for n in (7, 11, 4)]
+    composed = picaso.compose(parts, "picaso-r")
+    assert composed.position == 11 and composed.n_tokens == 22
+    with torch.no_grad():
+        logits = hf_model(input_ids=torch.tensor([b]), position_ids=hf.position_ids(composed, len(b)),
+                          **hf.cache_kwargs(hf_model, hf.to_cache(composed, hf_model))).logits[0, -1].numpy()
+    np.testing.assert_allclose(logits, model.next_logits(b, state=composed), atol=1e-4)
+
+
+def test_hybrid_state_arrays_and_errors():
+    path = FIXTURES.parent / "testdata" / "granite" / "dense-nope-g1" / "hf"
+    model = picaso.Model.load(str(path))
+    state = model.state([1, 2, 3, 4])
+    attention = state.layer_types.index("attention")
+    mamba = state.layer_types.index("mamba")
+    assert state.keys(attention).shape[1] == 4 and state.keys(attention).shape == state.values(attention).shape
+    with pytest.raises(picaso.InvalidArgument, match="attention layer"):
+        state.ssm(attention)
+    with pytest.raises(picaso.InvalidArgument, match="not an attention layer"):
+        state.keys(mamba)
+    # Round trip through arrays: the same state, scoring the same.
+    arrays = [tuple(d.values()) for d in state.layers]
+    again = picaso.State.from_arrays(arrays, fingerprint=state.fingerprint, n_tokens=state.n_tokens)
+    np.testing.assert_array_equal(model.score([5, 6, 7], state=again), model.score([5, 6, 7], state=state))
+    bad = list(arrays)
+    bad[attention] = (arrays[attention][0][:, :2], arrays[attention][1])
+    with pytest.raises(picaso.InvalidArgument, match="same tokens"):
+        picaso.State.from_arrays(bad, fingerprint=state.fingerprint, n_tokens=state.n_tokens)
+    pure, hf_pure = load("mamba2/g1")
+    with pytest.raises(picaso.InvalidArgument, match="do not match"):
+        hf.to_cache(state, hf_pure)

@@ -14,6 +14,12 @@ its `DynamicCache` (a linear-attention layer per Mamba layer: `recurrent_states`
     >>> back = hf.from_cache(hf.output_cache(out), hf_model, fingerprint=model.fingerprint,
     ...                      n_tokens=..., log_decays=hf.log_decays(hf_model, input_ids))
 
+A hybrid's state (GraniteMoeHybridForCausalLM) moves the same way: its Mamba layers as above,
+each attention layer's keys and values (kv_heads, tokens, head_dim) into the cache's attention
+layer. Pass `position_ids=hf.position_ids(state, n)` to a RoPE hybrid's forward: transformers
+counts positions from its cache's first layer, a Mamba layer that holds none, and a composed
+state continues at `state.position` (its longest part's length), not at its token count.
+
 transformers does not keep the log-decays. They are only needed to *compose* a state (every
 method but soup weights contexts by them); `log_decays(hf_model, input_ids)` computes them
 from the tokens, or `from_cache` fills zeros (a state to continue from, not to compose).
@@ -26,7 +32,7 @@ import numpy as np
 from ._errors import InvalidArgument
 from ._picaso import State
 
-__all__ = ["to_cache", "from_cache", "log_decays", "cache_kwargs", "output_cache"]
+__all__ = ["to_cache", "from_cache", "log_decays", "cache_kwargs", "output_cache", "position_ids"]
 
 
 def cache_kwargs(hf_model, cache) -> dict:
@@ -44,54 +50,98 @@ def output_cache(output):
     return cache if cache is not None else output.cache_params
 
 
-def _layers_of(cache):
+def position_ids(state: State, n: int):
+    """The positions of `n` tokens that continue `state` (a (1, n) torch tensor), for the
+    `position_ids` argument of a RoPE hybrid's forward: a composed state's next position is its
+    longest part's length, not the sum of its tokens."""
+    import torch
+
+    return torch.arange(state.position, state.position + n)[None]
+
+
+def _layer_types(config):
+    """"mamba" / "attention" per layer: a hybrid's `layer_types` (either spelling), else all Mamba."""
+    types = getattr(config, "layer_types", None)
+    if not types:
+        return ["mamba"] * config.num_hidden_layers
+    names = {"mamba": "mamba", "linear_attention": "mamba", "attention": "attention", "full_attention": "attention"}
+    unknown = sorted({t for t in types if t not in names})
+    if unknown:
+        raise InvalidArgument(f"unknown layer types {unknown} in the model's config")
+    return [names[t] for t in types]
+
+
+def _layers_of(cache, types):
     layers = getattr(cache, "layers", None)
-    if layers is None or not all(hasattr(layer, "recurrent_states") for layer in layers):
+    wanted = {"mamba": "recurrent_states", "attention": "keys"}
+    if layers is None or len(layers) != len(types) or not all(
+        hasattr(layer, wanted[t]) for layer, t in zip(layers, types)
+    ):
         raise InvalidArgument(
-            "expected a transformers >= 5 DynamicCache of a Mamba model (linear-attention layers); "
-            f"got {type(cache).__name__}"
+            "expected a transformers >= 5 DynamicCache of this Mamba or hybrid model (a linear-attention "
+            f"layer per Mamba layer, an attention layer per attention layer); got {type(cache).__name__}"
         )
     return layers
 
 
 def to_cache(state: State, hf_model, *, dtype=None, device=None):
-    """A transformers `DynamicCache` holding `state`, for `hf_model` (a Mamba2ForCausalLM or
-    MambaForCausalLM of the same checkpoint as the picaso model that made the state). Pass it
-    with `cache_kwargs(hf_model, cache)`; the model continues exactly where the state stopped."""
+    """A transformers `DynamicCache` holding `state`, for `hf_model` (a Mamba2ForCausalLM,
+    MambaForCausalLM or GraniteMoeHybridForCausalLM of the same checkpoint as the picaso model
+    that made the state). Pass it with `cache_kwargs(hf_model, cache)`; the model continues
+    exactly where the state stopped."""
     import torch
     from transformers import DynamicCache
 
     config = hf_model.config
-    if state.n_layers != config.num_hidden_layers:
-        raise InvalidArgument(f"the state has {state.n_layers} layers, the model {config.num_hidden_layers}")
+    types = _layer_types(config)
+    if state.n_layers != len(types) or list(state.layer_types) != types:
+        raise InvalidArgument(
+            f"the state's layers ({state.n_layers}: {_summary(state.layer_types)}) do not match the model's "
+            f"({len(types)}: {_summary(types)})"
+        )
+    hybrid = "attention" in types
     param = next(hf_model.parameters())
     dtype = dtype or param.dtype
     device = device or param.device
+    tensor = lambda a: torch.from_numpy(np.array(a, dtype=np.float32)).to(dtype=dtype, device=device)  # noqa: E731
     cache = DynamicCache(config=config)
-    for i in range(state.n_layers):
+    for i, kind in enumerate(types):
+        if kind == "attention":
+            cache.layers[i].update(tensor(state.keys(i))[None], tensor(state.values(i))[None])
+            continue
         conv = np.asarray(state.conv(i))
         # transformers keeps d_conv columns; the oldest never reaches an output, so it is zero.
         full = torch.zeros((1, conv.shape[0], conv.shape[1] + 1), dtype=dtype, device=device)
-        full[0, :, 1:] = torch.from_numpy(conv.copy())
-        ssm = torch.from_numpy(np.asarray(state.ssm(i)).copy()).to(dtype=dtype, device=device)[None]
+        full[0, :, 1:] = tensor(conv)
         cache.update_conv_state(full, layer_idx=i)
-        cache.update_recurrent_state(ssm, layer_idx=i)
+        cache.update_recurrent_state(tensor(state.ssm(i))[None], layer_idx=i)
+        if hybrid:  # the hybrid's mixer reads a cached conv state only when told there is one
+            cache.layers[i].has_previous_state[0] = True
     return cache
 
 
+def _summary(types) -> str:
+    attention = [i for i, t in enumerate(types) if t == "attention"]
+    return f"attention at {attention}" if attention else "all Mamba"
+
+
 def from_cache(cache, hf_model, *, fingerprint: str, n_tokens: int, log_decays=None, batch_index: int = 0) -> State:
-    """The picaso `State` in row `batch_index` of a transformers Mamba cache.
+    """The picaso `State` in row `batch_index` of a transformers Mamba or hybrid cache.
 
     `fingerprint` is the picaso model's (`Model.fingerprint`), `n_tokens` the tokens the cache
     has seen, `log_decays` one array per layer (from `log_decays()`); without them the state
     continues exactly but carries zero log-decays, so composing it weighs it wrongly (soup aside).
     """
-    layers = _layers_of(cache)
-    n_layer = hf_model.config.num_hidden_layers
-    if len(layers) != n_layer:
-        raise InvalidArgument(f"the cache has {len(layers)} layers, the model {n_layer}")
+    types = _layer_types(hf_model.config)
+    layers = _layers_of(cache, types)
     out = []
-    for i, layer in enumerate(layers):
+    for i, (layer, kind) in enumerate(zip(layers, types)):
+        if kind == "attention":
+            if layer.keys is None or layer.keys.numel() == 0:
+                raise InvalidArgument(f"layer {i} of the cache is empty: run the model on some tokens first")
+            kv = [t[batch_index].detach().float().cpu().numpy() for t in (layer.keys, layer.values)]
+            out.append(tuple(np.ascontiguousarray(a, dtype=np.float32) for a in kv))
+            continue
         conv, ssm = layer.conv_states[0], layer.recurrent_states[0]
         if conv is None or ssm is None:
             raise InvalidArgument(f"layer {i} of the cache is empty: run the model on some tokens first")
@@ -107,15 +157,20 @@ def from_cache(cache, hf_model, *, fingerprint: str, n_tokens: int, log_decays=N
 
 def log_decays(hf_model, input_ids, *, batch_index: int = 0):
     """Per layer, the log of the decay accumulated over `input_ids` (what a picaso state's
-    `log_decay` holds): Mamba-2 Σ_t dt_t,h · A_h per head, Mamba-1 Σ_t dt_t,d · A_d,n.
-    Runs the model once, reading each mixer's time steps."""
+    `log_decay` holds): Mamba-2 Σ_t dt_t,h · A_h per head, Mamba-1 Σ_t dt_t,d · A_d,n; None for
+    a hybrid's attention layers. Runs the model once, reading each mixer's time steps."""
     import torch
     import torch.nn.functional as F
 
     captured = {}
     hooks = []
-    mixers = [layer.mixer for layer in hf_model.backbone.layers]
+    if hasattr(hf_model, "backbone"):
+        mixers = [layer.mixer for layer in hf_model.backbone.layers]
+    else:  # a hybrid: each layer has a `mamba` mixer or None
+        mixers = [getattr(layer, "mamba", None) for layer in hf_model.model.layers]
     for i, mixer in enumerate(mixers):
+        if mixer is None:
+            continue
         target = mixer.in_proj if hasattr(mixer, "num_heads") else mixer.x_proj
 
         def hook(module, args, output, i=i):
@@ -130,6 +185,9 @@ def log_decays(hf_model, input_ids, *, batch_index: int = 0):
             h.remove()
     out = []
     for i, mixer in enumerate(mixers):
+        if mixer is None:
+            out.append(None)
+            continue
         A = -torch.exp(mixer.A_log.detach().float())
         if hasattr(mixer, "num_heads"):  # Mamba-2: dt is the projection's last `num_heads` columns
             dt = captured[i][batch_index, :, -mixer.num_heads :].float()
