@@ -1,0 +1,77 @@
+#!/usr/bin/env python3
+"""Create an HF-transformers Granite 4.0 H folder (GraniteMoeHybridForCausalLM) with random weights,
+for speed benchmarks against llama.cpp on the same weights.
+
+`--preset 350m-like`: hidden 768, 32 layers of which 4 attention (NoPE, 12 query / 4 key-value
+heads of 64) evenly spread, Mamba-2 layers of 48 heads x 32 with state 128 and 1 group, conv 4,
+dense SwiGLU MLP of 2048, tied embeddings: the layout of Granite 4.0 H-350M as IBM describes it,
+with sizes chosen here (the hub's config is not reachable from this machine). The vocabulary is
+the GPT-NeoX tokenizer's (50,304 rows), which `--tokenizer` copies into the folder so that
+llama.cpp's convert_hf_to_gguf.py accepts it. Weights come from transformers' own init (seeded),
+stored as float32 safetensors.
+
+Run:  python scripts/make_random_granite.py --preset 350m-like \
+          --tokenizer ../shared/data/gpt-neox-20b-tokenizer/tokenizer.json --out /work/bench/granite-350m-like
+"""
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+
+def layer_types(n, attention):
+    at = {round((k + 0.5) * n / len(attention)) for k in range(len(attention))} if attention else set()
+    return ["attention" if i in at else "mamba" for i in range(n)]
+
+
+PRESETS = {
+    "350m-like": dict(hidden_size=768, num_hidden_layers=32, attention=4, num_attention_heads=12,
+                      num_key_value_heads=4, mamba_n_heads=48, mamba_d_head=32, mamba_d_state=128,
+                      mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2, shared_intermediate_size=2048,
+                      intermediate_size=2048, num_local_experts=0, num_experts_per_tok=0,
+                      vocab_size=50304),
+}
+# GPT-NeoX token ids: <|endoftext|> = 0 (bos/eos), <|padding|> = 1.
+SPECIAL = dict(bos_token_id=0, eos_token_id=0, pad_token_id=1)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="350m-like")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--tokenizer", type=Path, help="tokenizer.json to copy into the folder")
+    args = ap.parse_args()
+
+    p = dict(PRESETS[args.preset])
+    types = layer_types(p["num_hidden_layers"], range(p.pop("attention")))
+    torch.manual_seed(args.seed)
+    config = GraniteMoeHybridConfig(**p, layer_types=types, position_embedding_type="nope",
+                                    tie_word_embeddings=True, embedding_multiplier=12.0,
+                                    attention_multiplier=1 / 64, residual_multiplier=0.22,
+                                    logits_scaling=3.0, **SPECIAL)
+    model = GraniteMoeHybridForCausalLM(config).to(torch.float32).eval()
+    args.out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(args.out, safe_serialization=True)
+
+    if args.tokenizer:
+        shutil.copyfile(args.tokenizer, args.out / "tokenizer.json")
+        tok_cfg = {"tokenizer_class": "GPTNeoXTokenizer", "bos_token": "<|endoftext|>",
+                   "eos_token": "<|endoftext|>", "pad_token": "<|padding|>", "unk_token": "<|endoftext|>",
+                   "add_bos_token": False, "add_eos_token": False, "model_max_length": 1000000000}
+        (args.out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+
+    ids = torch.randint(0, config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(args.seed))
+    with torch.no_grad():
+        lg = model(ids).logits
+    assert torch.isfinite(lg).all(), "non-finite logits"
+    print(f"wrote {args.out}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, layer types "
+          f"{''.join('A' if t == 'attention' else 'm' for t in types)}, logits std {lg.std():.3f}")
+
+
+if __name__ == "__main__":
+    main()
