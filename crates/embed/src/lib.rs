@@ -10,6 +10,8 @@
 //!   CLS, max, …) over the real tokens and its `Normalize`, inputs truncated to
 //!   `max_seq_length`. It matches sentence-transformers (tested against committed fixtures:
 //!   all-MiniLM-L6-v2 to a cosine above 0.9999, tiny random MPNet and CLS-pooled BERT to 1e-5).
+//! - [`Bm25Index`] ranks texts by BM25 (lexical retrieval), and [`reciprocal_rank_fusion`]
+//!   fuses its ranking with the dense one (hybrid retrieval).
 //! - [`VectorIndex`] is the search interface; [`FlatIndex`] implements it with an exact,
 //!   multi-threaded scan over one contiguous `Vec<f32>` (scores are inner products, i.e. cosines
 //!   of the normalised embeddings), returning the best `k` in order, ties by lower id.
@@ -40,9 +42,11 @@
 #![deny(missing_docs)]
 
 pub mod bert;
+pub mod bm25;
 pub mod embedder;
 pub mod encoder;
 pub mod error;
+pub mod fusion;
 mod hf_config;
 pub mod index;
 mod layers;
@@ -50,7 +54,9 @@ pub mod modules;
 pub mod mpnet;
 pub mod pooling;
 
+pub use bm25::Bm25Index;
 pub use embedder::{l2_normalize, Embedder};
+pub use fusion::reciprocal_rank_fusion;
 pub use encoder::{Encoder, EncoderConfig};
 pub use pooling::{Pooling, PoolingMode};
 pub use error::{Error, Result};
