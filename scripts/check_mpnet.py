@@ -63,11 +63,11 @@ def main():
     assert got.shape == want.shape, (got.shape, want.shape)
     diff = np.abs(got - want).max()
     cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
-    tokens = [len(t) for t in st.tokenize(texts)["input_ids"]]
+    tokens = [len(t) for t in st.preprocess(texts)["input_ids"]]
     print(json.dumps({
         "model": str(args.model),
         "texts": len(texts),
-        "max_tokens_seen": max(int(np.sum(np.array(m))) for m in st.tokenize(texts)["attention_mask"]),
+        "max_tokens_seen": max(int(np.sum(np.array(m))) for m in st.preprocess(texts)["attention_mask"]),
         "st_max_seq_length": st.max_seq_length,
         "rust_max_tokens": got_json["max_tokens"],
         "dim": got_json["dim"],

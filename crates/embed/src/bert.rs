@@ -120,8 +120,8 @@ impl BertModel {
                 ff_norm: w.norm(&format!("{p}.output.LayerNorm"), h)?,
             });
         }
-        let activation =
-            Activation::parse(&config.hidden_act).map_err(|message| Error::Config { path: path.to_path_buf(), message })?;
+        let activation = Activation::parse(&config.hidden_act)
+            .map_err(|message| Error::Config { path: path.to_path_buf(), message })?;
         Ok(Self { config, activation, word, position, token_type0, emb_norm, layers, device: device.clone() })
     }
 

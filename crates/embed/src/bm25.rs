@@ -28,8 +28,8 @@ const STOP_WORDS: [&str; 80] = [
     "could", "did", "do", "does", "for", "from", "had", "has", "have", "he", "her", "his", "how", "if", "in", "into",
     "is", "it", "its", "may", "more", "most", "no", "not", "of", "on", "or", "other", "our", "she", "so", "some",
     "such", "than", "that", "the", "their", "them", "then", "there", "these", "they", "this", "those", "to", "up",
-    "was", "we", "were", "what", "when", "where", "which", "while", "who", "will", "with", "would", "you", "your",
-    "i", "me", "my", "s",
+    "was", "we", "were", "what", "when", "where", "which", "while", "who", "will", "with", "would", "you", "your", "i",
+    "me", "my", "s",
 ];
 
 /// The terms BM25 indexes in `text`: maximal runs of alphanumeric characters, lowercased, less

@@ -45,9 +45,10 @@ impl HfConfig {
     pub(crate) fn string(&self, name: &str, default: &str) -> Result<String> {
         match self.field(name) {
             None => Ok(default.to_string()),
-            Some(v) => {
-                v.as_str().map(str::to_string).ok_or_else(|| self.bad(format!("field `{name}` must be a string, got {v}")))
-            }
+            Some(v) => v
+                .as_str()
+                .map(str::to_string)
+                .ok_or_else(|| self.bad(format!("field `{name}` must be a string, got {v}"))),
         }
     }
 
@@ -69,9 +70,9 @@ impl HfConfig {
     /// Fails unless `hidden` splits evenly into `heads`.
     pub(crate) fn require_heads(&self, hidden: usize, heads: usize) -> Result<()> {
         if !hidden.is_multiple_of(heads) {
-            return Err(self.bad(format!(
-                "field `hidden_size` ({hidden}) is not divisible by `num_attention_heads` ({heads})"
-            )));
+            return Err(
+                self.bad(format!("field `hidden_size` ({hidden}) is not divisible by `num_attention_heads` ({heads})"))
+            );
         }
         Ok(())
     }

@@ -35,8 +35,10 @@ impl Activation {
 /// Reads a safetensors file into tensors on `device`, naming the file if it cannot.
 pub(crate) fn read_safetensors(path: &Path, device: &Device) -> Result<HashMap<String, Tensor>> {
     let bytes = std::fs::read(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
-    candle_core::safetensors::load_buffer(&bytes, device)
-        .map_err(|e| Error::Weights { path: path.to_path_buf(), message: format!("not a readable safetensors file: {e}") })
+    candle_core::safetensors::load_buffer(&bytes, device).map_err(|e| Error::Weights {
+        path: path.to_path_buf(),
+        message: format!("not a readable safetensors file: {e}"),
+    })
 }
 
 /// Weight tensors by name, with checks that name the tensor and file at fault.

@@ -56,8 +56,8 @@ pub mod pooling;
 
 pub use bm25::Bm25Index;
 pub use embedder::{l2_normalize, Embedder};
-pub use fusion::reciprocal_rank_fusion;
 pub use encoder::{Encoder, EncoderConfig};
-pub use pooling::{Pooling, PoolingMode};
 pub use error::{Error, Result};
+pub use fusion::reciprocal_rank_fusion;
 pub use index::{dot, FlatIndex, VectorIndex};
+pub use pooling::{Pooling, PoolingMode};

@@ -41,7 +41,8 @@ impl Pipeline {
         let modules = json.as_array().ok_or_else(|| bad("not a list of modules".into()))?;
         let (mut transformer_dir, mut pooling, mut normalize) = (None, None, false);
         for (i, m) in modules.iter().enumerate() {
-            let kind = m.get("type").and_then(|t| t.as_str()).ok_or_else(|| bad(format!("module {i} has no `type`")))?;
+            let kind =
+                m.get("type").and_then(|t| t.as_str()).ok_or_else(|| bad(format!("module {i} has no `type`")))?;
             let sub = m.get("path").and_then(|p| p.as_str()).unwrap_or("");
             // `sentence_transformers.models.Pooling`, or a newer package path to the same class.
             let short = kind.rsplit('.').next().unwrap_or(kind);

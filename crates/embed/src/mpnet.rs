@@ -101,8 +101,8 @@ pub fn relative_bucket(relative: i64) -> usize {
     bucket += if n < max_exact {
         n
     } else {
-        let scaled = (n as f32 / max_exact as f32).ln() / (MAX_DISTANCE / max_exact as f32).ln()
-            * (half - max_exact) as f32;
+        let scaled =
+            (n as f32 / max_exact as f32).ln() / (MAX_DISTANCE / max_exact as f32).ln() * (half - max_exact) as f32;
         (max_exact + scaled as i64).min(half - 1)
     };
     bucket as usize
@@ -152,8 +152,8 @@ impl MpnetModel {
                 ff_norm: w.norm(&format!("{p}.output.LayerNorm"), h)?,
             });
         }
-        let activation =
-            Activation::parse(&config.hidden_act).map_err(|message| Error::Config { path: path.to_path_buf(), message })?;
+        let activation = Activation::parse(&config.hidden_act)
+            .map_err(|message| Error::Config { path: path.to_path_buf(), message })?;
         Ok(Self { config, activation, word, position, emb_norm, relative, layers, device: device.clone() })
     }
 
@@ -169,9 +169,8 @@ impl MpnetModel {
 
     /// The relative position bias of a length-`s` input, shape (1, heads, s, s).
     fn relative_bias(&self, s: usize) -> Result<Tensor> {
-        let buckets: Vec<u32> = (0..s as i64)
-            .flat_map(|q| (0..s as i64).map(move |k| relative_bucket(k - q) as u32))
-            .collect();
+        let buckets: Vec<u32> =
+            (0..s as i64).flat_map(|q| (0..s as i64).map(move |k| relative_bucket(k - q) as u32)).collect();
         let buckets = Tensor::from_vec(buckets, s * s, &self.device)?;
         let heads = self.config.num_attention_heads;
         Ok(self.relative.index_select(&buckets, 0)?.reshape((s, s, heads))?.permute((2, 0, 1))?.unsqueeze(0)?)

@@ -55,7 +55,9 @@ impl std::str::FromStr for PoolingMode {
     type Err = String;
     fn from_str(s: &str) -> std::result::Result<Self, String> {
         LEGACY_KEYS.iter().map(|(_, m)| *m).find(|m| m.name() == s).ok_or_else(|| {
-            format!("unknown pooling mode {s:?}; supported: cls, max, mean, mean_sqrt_len_tokens, weightedmean, lasttoken")
+            format!(
+                "unknown pooling mode {s:?}; supported: cls, max, mean, mean_sqrt_len_tokens, weightedmean, lasttoken"
+            )
         })
     }
 }
@@ -90,7 +92,9 @@ impl Pooling {
         let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
         let obj = json.as_object().ok_or_else(|| bad("not a JSON object".into()))?;
         let modes = match obj.get("pooling_mode") {
-            Some(serde_json::Value::String(s)) => vec![s.parse().map_err(|e: String| bad(format!("`pooling_mode`: {e}")))?],
+            Some(serde_json::Value::String(s)) => {
+                vec![s.parse().map_err(|e: String| bad(format!("`pooling_mode`: {e}")))?]
+            }
             Some(serde_json::Value::Array(list)) => list
                 .iter()
                 .map(|v| {
@@ -176,9 +180,7 @@ fn pool_one(mode: PoolingMode, tokens: &[&[f32]], h: usize) -> Vec<f32> {
     match mode {
         PoolingMode::Cls => tokens[0].to_vec(),
         PoolingMode::LastToken => tokens[tokens.len() - 1].to_vec(),
-        PoolingMode::Max => {
-            (0..h).map(|j| tokens.iter().map(|t| t[j]).fold(f32::NEG_INFINITY, f32::max)).collect()
-        }
+        PoolingMode::Max => (0..h).map(|j| tokens.iter().map(|t| t[j]).fold(f32::NEG_INFINITY, f32::max)).collect(),
         PoolingMode::Mean => scaled(weighted(&|_| 1.0), n),
         PoolingMode::MeanSqrtLen => scaled(weighted(&|_| 1.0), n.sqrt()),
         PoolingMode::WeightedMean => scaled(weighted(&|i| (i + 1) as f64), n * (n + 1.0) / 2.0),

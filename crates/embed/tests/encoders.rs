@@ -26,12 +26,12 @@ fn agree(e: &Embedder, json: &serde_json::Value, embeddings: Option<Vec<Vec<f32>
     let cases = json["cases"].as_array().unwrap();
     let texts: Vec<&str> = cases.iter().map(|c| c["text"].as_str().unwrap()).collect();
     let ids = e.tokenize(&texts).unwrap();
-    let want =
-        embeddings.unwrap_or_else(|| cases.iter().map(|c| floats(&c["embedding"])).collect::<Vec<_>>());
+    let want = embeddings.unwrap_or_else(|| cases.iter().map(|c| floats(&c["embedding"])).collect::<Vec<_>>());
     let got = e.embed(&texts).unwrap();
     let mut worst = 0f32;
     for (i, c) in cases.iter().enumerate() {
-        let want_ids: Vec<u32> = c["input_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+        let want_ids: Vec<u32> =
+            c["input_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
         assert_eq!(ids[i], want_ids, "{:?}", texts[i]);
         assert_eq!(got[i].len(), want[i].len());
         let diff = got[i].iter().zip(&want[i]).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
@@ -89,7 +89,9 @@ fn max_and_mean_sqrt_len_pooling_match() {
     let src = fixture("bert-cls");
     let json = expected(&src);
     let dir = tempfile::tempdir().unwrap();
-    for f in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "sentence_bert_config.json"] {
+    for f in
+        ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "sentence_bert_config.json"]
+    {
         std::fs::copy(src.join(f), dir.path().join(f)).unwrap();
     }
     std::fs::copy(src.join("modules.json"), dir.path().join("modules.json")).unwrap();

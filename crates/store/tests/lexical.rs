@@ -114,7 +114,12 @@ fn a_store_refuses_queries_of_another_encoder() {
         assert!(err.contains(needle), "{needle}: {err}");
     }
     let err = store
-        .retrieve_in(&Query { text: Some("Paris"), ..q("bbbb") }, Retriever::Hybrid { dense_weight: 0.5 }, 2, Scope::all())
+        .retrieve_in(
+            &Query { text: Some("Paris"), ..q("bbbb") },
+            Retriever::Hybrid { dense_weight: 0.5 },
+            2,
+            Scope::all(),
+        )
         .unwrap_err();
     assert!(err.to_string().contains("bbbb"));
     // Binding another encoder to the store is refused too.
