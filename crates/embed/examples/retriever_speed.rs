@@ -25,7 +25,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let n: usize = args.get(4).map(|s| s.parse()).transpose()?.unwrap_or(100_000);
     let words: Vec<String> = std::fs::read_to_string(&args[1])?.split_whitespace().map(str::to_string).collect();
     let mut rng = rand::rngs::StdRng::seed_from_u64(0);
-    let mut window = |rng: &mut rand::rngs::StdRng| -> String {
+    let window = |rng: &mut rand::rngs::StdRng| -> String {
         let start = rng.random_range(0..words.len() - 60);
         words[start..start + 60].iter().filter(|_| rng.random::<f32>() > 0.1).cloned().collect::<Vec<_>>().join(" ")
     };
