@@ -78,6 +78,10 @@ def markdown(table, command):
         f"(seed 0), the bundled model (models/picaso-mamba2). Naive loss {first['naive_loss']:.4f} nats/token. "
         f"Command: `{command}` (the per-retriever commands are in results.json)."
     )
+    missing = [label for name, label in RETRIEVERS if name not in table]
+    if missing:
+        md.append("")
+        md.append(f"PARTIAL: {len(table)} of {len(RETRIEVERS)} retrievers finished; not yet run: {', '.join(missing)}.")
     md.append("")
     md.append("Improvement over Naive (% of Naive's loss, paired 95% interval over the same passages):")
     md.append("")
@@ -117,9 +121,10 @@ def plot(table, path: Path):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
-    for name, t in table.items():
+    for i, (name, t) in enumerate(table.items()):
         for ax, m in zip(axes[:2], METHODS):
-            ks = [c["k"] for c in t["methods"][m]]
+            # Offset a little per retriever, so the intervals do not hide one another.
+            ks = [c["k"] + 0.08 * (i - 1.5) for c in t["methods"][m]]
             y = [c["gain_pct_vs_naive"] for c in t["methods"][m]]
             e = [c["gain_pct_ci95"] for c in t["methods"][m]]
             ax.errorbar(ks, y, yerr=e, marker="o", capsize=3, label=t["retriever"])
@@ -155,6 +160,11 @@ def main():
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps({"command": args.command, "retrievers": table}, indent=1) + "\n")
     (args.out / "results.md").write_text(markdown(table, args.command))
+    for name in table:
+        # Each run's own report (every method's table, the contrasts), beside the summary.
+        (args.out / "runs" / name).mkdir(parents=True, exist_ok=True)
+        for f in ["results.md", "results.json"]:
+            (args.out / "runs" / name / f).write_text((args.runs / name / f).read_text())
     plot(table, args.out / "retrievers.png")
     print((args.out / "results.md").read_text())
 
