@@ -135,6 +135,8 @@ pub struct WikitextArgs {
     #[arg(long, value_delimiter = ',', default_value = "concat,piconcat-r,soup,caso,picaso-s,picaso-r")]
     methods: Vec<EvalMethod>,
     #[command(flatten)]
+    retriever: crate::retriever::RetrieverArgs,
+    #[command(flatten)]
     sampling: Sampling,
 }
 
@@ -492,11 +494,13 @@ fn print_results(out: &std::path::Path) -> Result<()> {
     Ok(())
 }
 
+#[allow(clippy::too_many_arguments)]
 fn run_wikitext(
     model: &picaso_model::Model,
     store: &picaso_store::Store,
     ks: Vec<usize>,
     methods: &[EvalMethod],
+    retriever: picaso_store::Retriever,
     s: &Sampling,
     out: &std::path::Path,
     progress: &mut dyn FnMut(usize, usize),
@@ -507,6 +511,7 @@ fn run_wikitext(
         sample: s.sample,
         seed: s.seed,
         restate: s.restate,
+        retriever,
         journal: Some(journal(out)),
     };
     Ok(picaso_eval::wikitext::run(model, store, &options, progress)?)
@@ -552,11 +557,12 @@ fn store_experiment<R>(
 
 fn wikitext(a: WikitextArgs) -> Result<()> {
     let ks = ks_or_up_to(&a.ks, a.max_k);
+    let retriever = a.retriever.retriever()?;
     store_experiment(
         &a.data,
         &a.model,
         &a.out,
-        |m, s, p| run_wikitext(m, s, ks, &a.methods, &a.sampling, &a.out, p),
+        |m, s, p| run_wikitext(m, s, ks, &a.methods, retriever, &a.sampling, &a.out, p),
         report::write_wikitext,
     )
 }
@@ -566,7 +572,7 @@ fn scaling(a: ScalingArgs) -> Result<()> {
         &a.data,
         &a.model,
         &a.out,
-        |m, s, p| run_wikitext(m, s, a.ks.clone(), &a.methods, &a.sampling, &a.out, p),
+        |m, s, p| run_wikitext(m, s, a.ks.clone(), &a.methods, picaso_store::Retriever::Dense, &a.sampling, &a.out, p),
         report::write_wikitext,
     )
 }
@@ -724,7 +730,9 @@ fn finetuned(a: FinetunedArgs) -> Result<()> {
         let model = crate::load_model(&margs, true)?;
         let store = open_store(&a.data, &model)?;
         let wt = a.out.join(name).join("wikitext");
-        let w = with_progress("passages", |p| run_wikitext(&model, &store, ks.clone(), &a.methods, &sampling, &wt, p))?;
+        let w = with_progress("passages", |p| {
+            run_wikitext(&model, &store, ks.clone(), &a.methods, picaso_store::Retriever::Dense, &sampling, &wt, p)
+        })?;
         // The journal stays until the comparison is written: it holds the per-passage losses
         // that pair this model with the others, so a run stopped at a later model resumes
         // without scoring this one again.

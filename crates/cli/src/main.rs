@@ -17,6 +17,7 @@ mod contexts;
 mod demo;
 mod embedder;
 mod eval;
+mod retriever;
 mod serve;
 mod train;
 
@@ -175,6 +176,8 @@ struct QueryArgs {
     /// Contexts to retrieve.
     #[arg(long, default_value_t = 5, value_parser = at_least_one)]
     k: usize,
+    #[command(flatten)]
+    retriever: retriever::RetrieverArgs,
     /// picaso-r, picaso-s, caso, soup, concat or naive.
     #[arg(long, default_value = "picaso-r")]
     method: picaso_store::ContextMethod,
@@ -1142,6 +1145,7 @@ fn query(a: QueryArgs) -> Result<()> {
         bail!("--method naive retrieves nothing, so --filter would be ignored: drop --filter, or pick picaso-r, picaso-s, caso, soup or concat");
     }
     let filter = (!a.filters.is_empty()).then(|| picaso_store::Filter::from_args(&a.filters)).transpose()?;
+    let retriever = a.retriever.retriever()?;
     let store = picaso_store::Store::open(a.db.location()?)?;
     let model = load_model(&a.model, true)?;
     let t_retrieve = Instant::now();
@@ -1159,10 +1163,23 @@ fn query(a: QueryArgs) -> Result<()> {
         Some(ids) => (ids.iter().map(|&i| (i, None)).collect(), prepare(ids)?),
         None if a.method == picaso_store::ContextMethod::Naive => (Vec::new(), prepare(&[])?),
         None => {
-            let embedder = embedder::resolve(a.embedder.as_deref(), Some(&store))?;
-            let q = embedder.embed_one(&a.prompt)?;
+            // BM25 needs no embedder: none is loaded.
+            let embedder = match retriever.needs_embedding() {
+                true => Some(embedder::resolve(a.embedder.as_deref(), Some(&store))?),
+                false => None,
+            };
+            let q = match &embedder {
+                Some(e) => e.embed_one(&a.prompt)?,
+                None => Vec::new(),
+            };
             let docs = (!a.docs.is_empty()).then_some(&a.docs[..]);
-            let what = picaso_store::Retrieval::new(&q, a.k).within(docs).matching(filter.as_ref());
+            let mut what = picaso_store::Retrieval::new(&q, a.k)
+                .within(docs)
+                .matching(filter.as_ref())
+                .by(retriever, Some(&a.prompt));
+            if let Some(e) = &embedder {
+                what = what.embedded_by(e.fingerprint());
+            }
             let (hits, prepared) = picaso_store::retrieve_then(&store, what, prepare)?;
             (hits.into_iter().map(|(i, s)| (i, Some(s))).collect(), prepared)
         }
@@ -1183,10 +1200,17 @@ fn query(a: QueryArgs) -> Result<()> {
         );
     }
     if ids.is_empty() && a.ids.is_none() && a.method != picaso_store::ContextMethod::Naive {
-        eprintln!(
-            "(the store holds no contexts: {} has nothing to combine, so this answers without context)",
-            a.method.name()
-        );
+        if store.is_empty()? {
+            eprintln!(
+                "(the store holds no contexts: {} has nothing to combine, so this answers without context)",
+                a.method.name()
+            );
+        } else {
+            eprintln!(
+                "(no context shares a term with the prompt, so bm25 retrieved none and this answers without context; \
+                 --retriever dense or hybrid retrieves by meaning)"
+            );
+        }
     }
     let tokenizer = model.tokenizer()?;
     let prompt = tokenizer.encode(&a.prompt)?;
@@ -1255,7 +1279,7 @@ fn query(a: QueryArgs) -> Result<()> {
                 c
             })
             .collect();
-        let mut v = json!({"method": a.method.name(), "contexts": contexts, "retrieve_ms": 1e3 * retrieve_seconds});
+        let mut v = json!({"method": a.method.name(), "retriever": retriever.name(), "contexts": contexts, "retrieve_ms": 1e3 * retrieve_seconds});
         if let Some(p) = &prepared {
             v["load_ms"] = json!(1e3 * p.load_seconds);
             v["compose_ms"] = json!(1e3 * p.compose_seconds);

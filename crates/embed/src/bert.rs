@@ -1,14 +1,15 @@
-//! A BERT encoder (HF `BertModel` layout) in candle: embeddings, post-norm transformer layers,
-//! no pooler. Written for inference only: query, key and value projections are fused into one
-//! matrix at load time and attention uses an additive mask over padded keys.
+//! A BERT encoder (HF `BertModel` layout) in candle: absolute position and token-type
+//! embeddings, post-norm transformer layers, no pooler. Written for inference only: query, key
+//! and value projections are fused into one matrix at load time and attention uses an additive
+//! mask over padded keys.
 
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::Linear;
+use candle_core::{Device, Tensor};
 
 use crate::error::{Error, Result};
+use crate::hf_config::HfConfig;
+use crate::layers::{padding_mask, read_safetensors, run_layers, Activation, Layer, Norm, Weights};
 
 /// The fields of a HF BERT `config.json` that the encoder uses.
 #[derive(Debug, Clone, PartialEq)]
@@ -36,164 +37,44 @@ pub struct BertConfig {
     pub position_embedding_type: String,
 }
 
-/// Feed-forward activation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Activation {
-    GeluErf,
-    GeluTanh,
-    Relu,
-}
-
 impl BertConfig {
     /// Reads and validates `config.json`; errors name the field at fault.
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
-        let bad = |message: String| Error::Config { path: path.to_path_buf(), message };
-        let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
-        let field = |name: &str| json.get(name).filter(|v| !v.is_null());
-        let uint = |name: &str, default: Option<usize>| -> Result<usize> {
-            match (field(name), default) {
-                (None, Some(d)) => Ok(d),
-                (None, None) => Err(bad(format!("missing field `{name}`"))),
-                (Some(v), _) => v
-                    .as_u64()
-                    .and_then(|n| usize::try_from(n).ok())
-                    .ok_or_else(|| bad(format!("field `{name}` must be a non-negative integer, got {v}"))),
-            }
-        };
-        let string = |name: &str, default: &str| -> Result<String> {
-            match field(name) {
-                None => Ok(default.to_string()),
-                Some(v) => v
-                    .as_str()
-                    .map(str::to_string)
-                    .ok_or_else(|| bad(format!("field `{name}` must be a string, got {v}"))),
-            }
-        };
-        let layer_norm_eps = match field("layer_norm_eps") {
-            None => 1e-12,
-            Some(v) => v.as_f64().ok_or_else(|| bad(format!("field `layer_norm_eps` must be a number, got {v}")))?,
-        };
+        Self::from_hf(&HfConfig::read(path)?)
+    }
+
+    pub(crate) fn from_hf(c: &HfConfig) -> Result<Self> {
         let config = BertConfig {
-            vocab_size: uint("vocab_size", None)?,
-            hidden_size: uint("hidden_size", None)?,
-            num_hidden_layers: uint("num_hidden_layers", None)?,
-            num_attention_heads: uint("num_attention_heads", None)?,
-            intermediate_size: uint("intermediate_size", None)?,
-            hidden_act: string("hidden_act", "gelu")?,
-            max_position_embeddings: uint("max_position_embeddings", None)?,
-            type_vocab_size: uint("type_vocab_size", Some(2))?,
-            layer_norm_eps,
-            position_embedding_type: string("position_embedding_type", "absolute")?,
+            vocab_size: c.uint("vocab_size", None)?,
+            hidden_size: c.uint("hidden_size", None)?,
+            num_hidden_layers: c.uint("num_hidden_layers", None)?,
+            num_attention_heads: c.uint("num_attention_heads", None)?,
+            intermediate_size: c.uint("intermediate_size", None)?,
+            hidden_act: c.string("hidden_act", "gelu")?,
+            max_position_embeddings: c.uint("max_position_embeddings", None)?,
+            type_vocab_size: c.uint("type_vocab_size", Some(2))?,
+            layer_norm_eps: c.float("layer_norm_eps", 1e-12)?,
+            position_embedding_type: c.string("position_embedding_type", "absolute")?,
         };
-        config.validate(path)?;
+        c.require_positive(&[
+            ("vocab_size", config.vocab_size),
+            ("hidden_size", config.hidden_size),
+            ("num_attention_heads", config.num_attention_heads),
+            ("intermediate_size", config.intermediate_size),
+            ("max_position_embeddings", config.max_position_embeddings),
+            ("type_vocab_size", config.type_vocab_size),
+        ])?;
+        c.require_heads(config.hidden_size, config.num_attention_heads)?;
+        if config.position_embedding_type != "absolute" {
+            return Err(c.bad(format!(
+                "field `position_embedding_type` is {:?}; only \"absolute\" is supported",
+                config.position_embedding_type
+            )));
+        }
+        c.require_eps(config.layer_norm_eps)?;
+        Activation::parse(&config.hidden_act).map_err(|m| c.bad(m))?;
         Ok(config)
     }
-
-    fn validate(&self, path: &Path) -> Result<()> {
-        let bad = |message: String| Err(Error::Config { path: path.to_path_buf(), message });
-        for (name, value) in [
-            ("vocab_size", self.vocab_size),
-            ("hidden_size", self.hidden_size),
-            ("num_attention_heads", self.num_attention_heads),
-            ("intermediate_size", self.intermediate_size),
-            ("max_position_embeddings", self.max_position_embeddings),
-            ("type_vocab_size", self.type_vocab_size),
-        ] {
-            if value == 0 {
-                return bad(format!("field `{name}` must be positive"));
-            }
-        }
-        if !self.hidden_size.is_multiple_of(self.num_attention_heads) {
-            return bad(format!(
-                "field `hidden_size` ({}) is not divisible by `num_attention_heads` ({})",
-                self.hidden_size, self.num_attention_heads
-            ));
-        }
-        if self.position_embedding_type != "absolute" {
-            return bad(format!(
-                "field `position_embedding_type` is {:?}; only \"absolute\" is supported",
-                self.position_embedding_type
-            ));
-        }
-        if !(self.layer_norm_eps.is_finite() && self.layer_norm_eps > 0.0) {
-            return bad(format!("field `layer_norm_eps` must be a positive number, got {}", self.layer_norm_eps));
-        }
-        self.activation().map_err(|m| Error::Config { path: path.to_path_buf(), message: m })?;
-        Ok(())
-    }
-
-    fn activation(&self) -> std::result::Result<Activation, String> {
-        match self.hidden_act.as_str() {
-            "gelu" => Ok(Activation::GeluErf),
-            "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast" => Ok(Activation::GeluTanh),
-            "relu" => Ok(Activation::Relu),
-            other => {
-                Err(format!("field `hidden_act` is {other:?}; supported: gelu, gelu_new, gelu_pytorch_tanh, relu"))
-            }
-        }
-    }
-}
-
-/// Weight tensors by name, with checks that name the tensor and file at fault.
-struct Weights {
-    path: PathBuf,
-    prefix: &'static str,
-    tensors: HashMap<String, Tensor>,
-}
-
-impl Weights {
-    fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
-        let full = format!("{}{name}", self.prefix);
-        let t = self
-            .tensors
-            .get(&full)
-            .ok_or_else(|| Error::Weights { path: self.path.clone(), message: format!("missing tensor `{full}`") })?;
-        if t.dims() != shape {
-            return Err(Error::Weights {
-                path: self.path.clone(),
-                message: format!("tensor `{full}` has shape {:?}, expected {shape:?}", t.dims()),
-            });
-        }
-        Ok(t.to_dtype(DType::F32)?)
-    }
-
-    fn linear(&self, name: &str, out: usize, inp: usize) -> Result<Linear> {
-        Ok(Linear::new(
-            self.get(&format!("{name}.weight"), &[out, inp])?,
-            Some(self.get(&format!("{name}.bias"), &[out])?),
-        ))
-    }
-
-    fn norm(&self, name: &str, dim: usize) -> Result<Norm> {
-        Ok(Norm {
-            weight: self.get(&format!("{name}.weight"), &[dim])?,
-            bias: self.get(&format!("{name}.bias"), &[dim])?,
-        })
-    }
-}
-
-/// Affine layer norm over the last dimension.
-#[derive(Debug, Clone)]
-struct Norm {
-    weight: Tensor,
-    bias: Tensor,
-}
-
-impl Norm {
-    fn forward(&self, x: &Tensor, eps: f32) -> Result<Tensor> {
-        Ok(candle_nn::ops::layer_norm(&x.contiguous()?, &self.weight, &self.bias, eps)?)
-    }
-}
-
-#[derive(Debug, Clone)]
-struct Layer {
-    qkv: Linear,
-    attn_out: Linear,
-    attn_norm: Norm,
-    ff_in: Linear,
-    ff_out: Linear,
-    ff_norm: Norm,
 }
 
 /// A loaded BERT encoder: token ids in, last hidden states out.
@@ -213,12 +94,7 @@ impl BertModel {
     /// Loads the weights of `config` from a safetensors file (HF `BertModel` names, with or
     /// without a `bert.` prefix; f32, f16 or bf16, computed in f32).
     pub fn load(path: &Path, config: BertConfig, device: &Device) -> Result<Self> {
-        let bytes = std::fs::read(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
-        let tensors = candle_core::safetensors::load_buffer(&bytes, device).map_err(|e| Error::Weights {
-            path: path.to_path_buf(),
-            message: format!("not a readable safetensors file: {e}"),
-        })?;
-        drop(bytes);
+        let tensors = read_safetensors(path, device)?;
         let prefix = if !tensors.contains_key("embeddings.word_embeddings.weight")
             && tensors.contains_key("bert.embeddings.word_embeddings.weight")
         {
@@ -227,7 +103,7 @@ impl BertModel {
             ""
         };
         let w = Weights { path: path.to_path_buf(), prefix, tensors };
-        let (h, inter) = (config.hidden_size, config.intermediate_size);
+        let (h, inter, heads) = (config.hidden_size, config.intermediate_size, config.num_attention_heads);
         let word = w.get("embeddings.word_embeddings.weight", &[config.vocab_size, h])?;
         let position = w.get("embeddings.position_embeddings.weight", &[config.max_position_embeddings, h])?;
         let token_type0 = w.get("embeddings.token_type_embeddings.weight", &[config.type_vocab_size, h])?.get(0)?;
@@ -235,18 +111,8 @@ impl BertModel {
         let mut layers = Vec::new();
         for i in 0..config.num_hidden_layers {
             let p = format!("encoder.layer.{i}");
-            // One (3h, h) projection instead of three: one matrix product per layer.
-            let names = ["query", "key", "value"].map(|n| format!("{p}.attention.self.{n}"));
-            let mut ws = names.iter().map(|n| w.get(&format!("{n}.weight"), &[h, h])).collect::<Result<Vec<_>>>()?;
-            let mut bs = names.iter().map(|n| w.get(&format!("{n}.bias"), &[h])).collect::<Result<Vec<_>>>()?;
-            // The attention scale 1/√head_dim is folded into the query projection.
-            let scale = 1.0 / ((h / config.num_attention_heads) as f64).sqrt();
-            ws[0] = (&ws[0] * scale)?;
-            bs[0] = (&bs[0] * scale)?;
-            let qkv_w = Tensor::cat(&ws, 0)?;
-            let qkv_b = Tensor::cat(&bs, 0)?;
             layers.push(Layer {
-                qkv: Linear::new(qkv_w, Some(qkv_b)),
+                qkv: w.fused_qkv(["query", "key", "value"].map(|n| format!("{p}.attention.self.{n}")), h, heads)?,
                 attn_out: w.linear(&format!("{p}.attention.output.dense"), h, h)?,
                 attn_norm: w.norm(&format!("{p}.attention.output.LayerNorm"), h)?,
                 ff_in: w.linear(&format!("{p}.intermediate.dense"), inter, h)?,
@@ -254,7 +120,8 @@ impl BertModel {
                 ff_norm: w.norm(&format!("{p}.output.LayerNorm"), h)?,
             });
         }
-        let activation = config.activation().map_err(|message| Error::Config { path: path.to_path_buf(), message })?;
+        let activation = Activation::parse(&config.hidden_act)
+            .map_err(|message| Error::Config { path: path.to_path_buf(), message })?;
         Ok(Self { config, activation, word, position, token_type0, emb_norm, layers, device: device.clone() })
     }
 
@@ -274,66 +141,11 @@ impl BertModel {
     pub fn forward(&self, ids: &Tensor, lens: &[usize]) -> Result<Tensor> {
         let (b, s) = ids.dims2()?;
         let h = self.config.hidden_size;
-        let nh = self.config.num_attention_heads;
-        let hd = h / nh;
         let eps = self.config.layer_norm_eps as f32;
-
-        // Additive attention mask over keys: 0 for real tokens, a huge negative for padding
-        // (finite, so a row can never become NaN; exp underflows to exactly 0). Not needed
-        // when no row is padded.
-        let mask = if lens.iter().all(|&len| len >= s) {
-            None
-        } else {
-            let mut mask = vec![0f32; b * s];
-            for (row, &len) in mask.chunks_mut(s).zip(lens) {
-                row[len.min(s)..].fill(f32::MIN);
-            }
-            Some(Tensor::from_vec(mask, (b, 1, 1, s), &self.device)?)
-        };
-
+        let mask = padding_mask(lens, s, &self.device)?;
         let x = self.word.index_select(&ids.flatten_all()?, 0)?.reshape((b, s, h))?;
         let x = x.broadcast_add(&self.position.narrow(0, 0, s)?)?.broadcast_add(&self.token_type0)?;
-        let mut x = self.emb_norm.forward(&x, eps)?;
-
-        for layer in &self.layers {
-            // (b, s, 3·h) → (3, b, heads, s, head_dim) in one copy; q is pre-scaled.
-            let qkv = layer.qkv.forward(&x)?.reshape((b, s, 3, nh, hd))?.permute((2, 0, 3, 1, 4))?.contiguous()?;
-            let (q, k, v) = (qkv.get(0)?, qkv.get(1)?, qkv.get(2)?);
-            let mut scores = q.matmul(&k.t()?)?;
-            if let Some(mask) = &mask {
-                scores = scores.broadcast_add(mask)?;
-            }
-            let probs = candle_nn::ops::softmax_last_dim(&scores)?;
-            let ctx = probs.matmul(&v)?.transpose(1, 2)?.contiguous()?.reshape((b, s, h))?;
-            let x1 = layer.attn_norm.forward(&(layer.attn_out.forward(&ctx)? + &x)?, eps)?;
-            let ff = layer.ff_in.forward(&x1)?;
-            let ff = match self.activation {
-                Activation::GeluErf => ff.gelu_erf()?,
-                Activation::GeluTanh => ff.gelu()?,
-                Activation::Relu => ff.relu()?,
-            };
-            x = layer.ff_norm.forward(&(layer.ff_out.forward(&ff)? + &x1)?, eps)?;
-        }
-        Ok(x)
+        let x = self.emb_norm.forward(&x, eps)?;
+        run_layers(x, &self.layers, mask.as_ref(), self.config.num_attention_heads, eps, self.activation)
     }
-}
-
-/// Sums a (batch, seq, hidden) f32 tensor over the first `lens[b]` positions of each row and
-/// divides by the count: mean pooling over the attention mask, computed in f64.
-pub(crate) fn mean_pool(hidden: &Tensor, lens: &[usize]) -> Result<Vec<Vec<f32>>> {
-    let (b, s, h) = hidden.dims3()?;
-    let data = hidden.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-    let mut out = Vec::with_capacity(b);
-    for (row, &len) in data.chunks_exact(s * h).zip(lens) {
-        let len = len.min(s);
-        let mut acc = vec![0f64; h];
-        for tok in row.chunks_exact(h).take(len) {
-            for (a, &v) in acc.iter_mut().zip(tok) {
-                *a += v as f64;
-            }
-        }
-        let denom = (len as f64).max(1e-9);
-        out.push(acc.iter().map(|&a| (a / denom) as f32).collect());
-    }
-    Ok(out)
 }

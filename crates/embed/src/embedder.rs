@@ -1,13 +1,16 @@
-//! Sentence embeddings: WordPiece tokenization, a BERT encoder, mean pooling over the real
-//! tokens and L2 normalisation — the sentence-transformers pipeline of all-MiniLM-L6-v2.
+//! Sentence embeddings: the sentence-transformers pipeline of a model folder — tokenization,
+//! a BERT or MPNet encoder, pooling over the real tokens, L2 normalisation — as
+//! all-MiniLM-L6-v2 and all-mpnet-base-v2 run it.
 
 use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
 use tokenizers::{Tokenizer, TruncationDirection, TruncationParams, TruncationStrategy};
 
-use crate::bert::{mean_pool, BertConfig, BertModel};
+use crate::encoder::{Encoder, EncoderConfig};
 use crate::error::{Error, Result};
+use crate::modules::Pipeline;
+use crate::pooling::Pooling;
 
 /// Token limit when the model folder has no `sentence_bert_config.json` (all-MiniLM-L6-v2's).
 pub const DEFAULT_MAX_TOKENS: usize = 256;
@@ -16,7 +19,8 @@ pub const DEFAULT_BATCH_SIZE: usize = 32;
 /// Default most (padded) tokens per encoder call; bounds the attention matrices' memory.
 pub const DEFAULT_BATCH_TOKENS: usize = 8192;
 
-/// A sentence-transformers style embedder (BERT + mean pooling + L2 normalisation).
+/// A sentence-transformers embedder: BERT or MPNet, then the folder's pooling and
+/// normalisation (`modules.json`, `1_Pooling/config.json`).
 ///
 /// ```no_run
 /// use picaso_embed::Embedder;
@@ -27,7 +31,9 @@ pub const DEFAULT_BATCH_TOKENS: usize = 8192;
 /// ```
 #[derive(Debug, Clone)]
 pub struct Embedder {
-    model: BertModel,
+    model: Encoder,
+    pooling: Pooling,
+    normalize: bool,
     tokenizer: Tokenizer,
     tokenizer_path: PathBuf,
     max_tokens: usize,
@@ -37,9 +43,14 @@ pub struct Embedder {
     dir: PathBuf,
 }
 
-/// xxh3-128 over the files that define an embedder (config, tokenizer, weights), as 32 hex
-/// digits: two folders with the same fingerprint embed identically.
-fn fingerprint_files(dir: &Path) -> Result<String> {
+/// The pipeline every store made before pipelines were read has (BERT, mean pooling,
+/// normalised): its fingerprint stays the hash of the three files, so those stores still open.
+const LEGACY_PIPELINE: &str = "bert;mean;normalize";
+
+/// xxh3-128 over the files that define an embedder (config, tokenizer, weights) and, unless it
+/// is [`LEGACY_PIPELINE`], the pipeline's description, as 32 hex digits: two folders with the
+/// same fingerprint embed identically.
+fn fingerprint_files(dir: &Path, pipeline: &str) -> Result<String> {
     use std::io::Read;
     let mut h = xxhash_rust::xxh3::Xxh3::new();
     let mut buf = vec![0u8; 1 << 20];
@@ -55,16 +66,26 @@ fn fingerprint_files(dir: &Path) -> Result<String> {
             h.update(&buf[..n]);
         }
     }
+    if pipeline != LEGACY_PIPELINE {
+        h.update(b"pipeline");
+        h.update(pipeline.as_bytes());
+    }
     Ok(format!("{:032x}", h.digest128()))
 }
 
 impl Embedder {
-    /// Loads `config.json`, `model.safetensors` and `tokenizer.json` from `dir`, and the token
-    /// limit from `sentence_bert_config.json` (`max_seq_length`) when present, else 256; the
-    /// limit never exceeds the model's `max_position_embeddings`.
+    /// Loads a sentence-transformers folder: `modules.json` (Transformer, Pooling, optional
+    /// Normalize; without it, mean pooling and normalisation), the transformer's
+    /// `config.json` (BERT or MPNet), `model.safetensors` and `tokenizer.json`, the pooling's
+    /// `1_Pooling/config.json`, and the token limit from `sentence_bert_config.json`
+    /// (`max_seq_length`) when present, else 256; the limit never exceeds what the model's
+    /// position embeddings allow.
     pub fn load(dir: &Path, device: &Device) -> Result<Self> {
-        let config = BertConfig::from_file(&dir.join("config.json"))?;
-        let max_tokens = read_max_tokens(dir)?.min(config.max_position_embeddings);
+        let pipeline = Pipeline::read(dir)?;
+        let dir = pipeline.transformer_dir.as_path();
+        // The tokenizer is checked before the weights are read (hundreds of MB for mpnet).
+        let config = EncoderConfig::read(dir)?;
+        let max_tokens = read_max_tokens(dir)?.min(config.max_tokens());
 
         let tokenizer_path = dir.join("tokenizer.json");
         let tok_err = |message: String| Error::Tokenizer { path: tokenizer_path.clone(), message };
@@ -86,22 +107,30 @@ impl Embedder {
         // Padding is done per batch here; the file's fixed padding (128) would be wrong.
         tokenizer.with_padding(None);
         let vocab = tokenizer.get_vocab_size(true);
-        if vocab > config.vocab_size {
+        let vocab_size = config.vocab_size();
+        if vocab > vocab_size {
             return Err(tok_err(format!(
-                "has {vocab} tokens but the model's `vocab_size` in config.json is {}",
-                config.vocab_size
+                "has {vocab} tokens but the model's `vocab_size` in config.json is {vocab_size}"
             )));
         }
 
-        let model = BertModel::load(&dir.join("model.safetensors"), config, device)?;
+        let model = Encoder::from_config(config, &dir.join("model.safetensors"), device)?;
+        let description = format!(
+            "{};{};{}",
+            model.family(),
+            pipeline.pooling.describe(),
+            if pipeline.normalize { "normalize" } else { "raw" }
+        );
         Ok(Self {
+            fingerprint: fingerprint_files(dir, &description)?,
             model,
+            pooling: pipeline.pooling,
+            normalize: pipeline.normalize,
             tokenizer,
             tokenizer_path,
             max_tokens,
             batch_size: DEFAULT_BATCH_SIZE,
             batch_tokens: DEFAULT_BATCH_TOKENS,
-            fingerprint: fingerprint_files(dir)?,
             dir: std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf()),
         })
     }
@@ -130,9 +159,19 @@ impl Embedder {
         self
     }
 
-    /// Embedding dimension (384 for all-MiniLM-L6-v2).
+    /// Embedding dimension (384 for all-MiniLM-L6-v2, 768 for all-mpnet-base-v2).
     pub fn dim(&self) -> usize {
-        self.model.config().hidden_size
+        self.pooling.dim(self.model.hidden_size())
+    }
+
+    /// The pooling applied to the token states.
+    pub fn pooling(&self) -> &Pooling {
+        &self.pooling
+    }
+
+    /// Whether embeddings are L2-normalised (the folder has a `Normalize` module).
+    pub fn normalizes(&self) -> bool {
+        self.normalize
     }
 
     /// Most tokens per text, special tokens included; longer texts are truncated.
@@ -141,11 +180,11 @@ impl Embedder {
     }
 
     /// The encoder.
-    pub fn model(&self) -> &BertModel {
+    pub fn model(&self) -> &Encoder {
         &self.model
     }
 
-    /// Token ids the encoder sees for each text: `[CLS] … [SEP]`, truncated to
+    /// Token ids the encoder sees for each text: `[CLS] … [SEP]` (`<s> … </s>` for MPNet), truncated to
     /// [`max_tokens`](Self::max_tokens).
     pub fn tokenize(&self, texts: &[&str]) -> Result<Vec<Vec<u32>>> {
         if texts.is_empty() {
@@ -158,7 +197,7 @@ impl Embedder {
         Ok(encodings.into_iter().map(|e| e.get_ids().to_vec()).collect())
     }
 
-    /// L2-normalised embeddings of `texts`, in order. An empty list gives an empty result; an
+    /// Embeddings of `texts` (L2-normalised when the pipeline says so), in order. An empty list gives an empty result; an
     /// empty string is embedded like any text (as `[CLS] [SEP]`).
     ///
     /// Texts are sorted by length and encoded in padded batches of similar lengths, so little
@@ -177,7 +216,7 @@ impl Embedder {
     /// Embeddings of already tokenized texts (as [`tokenize`](Self::tokenize) returns them:
     /// with special tokens, at most `max_tokens` each, ids below the vocabulary size).
     pub fn embed_tokens(&self, ids: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {
-        let vocab = self.model.config().vocab_size;
+        let vocab = self.model.vocab_size();
         for (i, row) in ids.iter().enumerate() {
             if row.is_empty() || row.len() > self.max_tokens {
                 return Err(Error::Input(format!(
@@ -201,7 +240,7 @@ impl Embedder {
             let width = ids[order[start]].len();
             let rows = (self.batch_tokens / width).clamp(1, self.batch_size).min(order.len() - start);
             let batch = &order[start..start + rows];
-            let mut flat = vec![0u32; rows * width];
+            let mut flat = vec![self.model.pad_id(); rows * width];
             let mut lens = Vec::with_capacity(rows);
             for (dst, &i) in flat.chunks_exact_mut(width).zip(batch) {
                 dst[..ids[i].len()].copy_from_slice(&ids[i]);
@@ -209,8 +248,10 @@ impl Embedder {
             }
             let tensor = Tensor::from_vec(flat, (rows, width), self.model.device())?;
             let hidden = self.model.forward(&tensor, &lens)?;
-            for (mut v, &i) in mean_pool(&hidden, &lens)?.into_iter().zip(batch) {
-                l2_normalize(&mut v);
+            for (mut v, &i) in self.pooling.pool(&hidden, &lens)?.into_iter().zip(batch) {
+                if self.normalize {
+                    l2_normalize(&mut v);
+                }
                 out[i] = v;
             }
             start += rows;
@@ -227,20 +268,31 @@ pub fn l2_normalize(v: &mut [f32]) {
     }
 }
 
+/// The token limit of a transformer folder: `max_seq_length` of `sentence_bert_config.json`
+/// (sentence-transformers before 6), else `model_max_length` of `tokenizer_config.json` (where
+/// sentence-transformers 6 keeps it; HF writes a huge number there for "no limit", ignored),
+/// else [`DEFAULT_MAX_TOKENS`].
 fn read_max_tokens(dir: &Path) -> Result<usize> {
-    let path = dir.join("sentence_bert_config.json");
-    let text = match std::fs::read_to_string(&path) {
-        Ok(text) => text,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(DEFAULT_MAX_TOKENS),
-        Err(source) => return Err(Error::Io { path, source }),
+    let read = |name: &str, key: &str| -> Result<Option<usize>> {
+        let path = dir.join(name);
+        let text = match std::fs::read_to_string(&path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(source) => return Err(Error::Io { path, source }),
+        };
+        let bad = |message: String| Error::Config { path: path.clone(), message };
+        let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
+        match value.get(key).filter(|v| !v.is_null()) {
+            None => Ok(None),
+            Some(v) => match v.as_f64() {
+                Some(n) if n >= 1e6 => Ok(None),
+                Some(n) if n >= 2.0 && n.fract() == 0.0 => Ok(Some(n as usize)),
+                _ => Err(bad(format!("field `{key}` must be an integer of at least 2, got {v}"))),
+            },
+        }
     };
-    let bad = |message: String| Error::Config { path: path.clone(), message };
-    let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
-    match value.get("max_seq_length") {
-        None => Ok(DEFAULT_MAX_TOKENS),
-        Some(v) => match v.as_u64() {
-            Some(n) if n >= 2 => Ok(n as usize),
-            _ => Err(bad(format!("field `max_seq_length` must be an integer of at least 2, got {v}"))),
-        },
-    }
+    Ok(match read("sentence_bert_config.json", "max_seq_length")? {
+        Some(n) => n,
+        None => read("tokenizer_config.json", "model_max_length")?.unwrap_or(DEFAULT_MAX_TOKENS),
+    })
 }

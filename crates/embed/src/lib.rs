@@ -3,11 +3,15 @@
 //! The retriever of picaso's database of states: it turns texts into sentence embeddings and
 //! finds the stored contexts nearest to a query, whose states picaso then composes.
 //!
-//! - [`Embedder`] computes all-MiniLM-L6-v2 embeddings (or any BERT-layout sentence-transformers
-//!   model with mean pooling) in pure Rust: WordPiece tokenization with `tokenizers`, a BERT
-//!   encoder written with candle ([`bert::BertModel`]), mean pooling over the real tokens and L2
-//!   normalisation, inputs truncated to 256 tokens. It matches sentence-transformers to a
-//!   cosine above 0.9999 (tested against a committed fixture).
+//! - [`Embedder`] computes the embeddings of a sentence-transformers folder of the BERT or MPNet
+//!   family (all-MiniLM-L6-v2, all-mpnet-base-v2, …) in pure Rust: tokenization with
+//!   `tokenizers`, a BERT ([`bert::BertModel`]) or MPNet ([`mpnet::MpnetModel`], with its
+//!   relative position buckets) encoder written with candle, the folder's [`Pooling`] (mean,
+//!   CLS, max, …) over the real tokens and its `Normalize`, inputs truncated to
+//!   `max_seq_length`. It matches sentence-transformers (tested against committed fixtures:
+//!   all-MiniLM-L6-v2 to a cosine above 0.9999, tiny random MPNet and CLS-pooled BERT to 1e-5).
+//! - [`Bm25Index`] ranks texts by BM25 (lexical retrieval), and [`reciprocal_rank_fusion`]
+//!   fuses its ranking with the dense one (hybrid retrieval).
 //! - [`VectorIndex`] is the search interface; [`FlatIndex`] implements it with an exact,
 //!   multi-threaded scan over one contiguous `Vec<f32>` (scores are inner products, i.e. cosines
 //!   of the normalised embeddings), returning the best `k` in order, ties by lower id.
@@ -38,10 +42,22 @@
 #![deny(missing_docs)]
 
 pub mod bert;
+pub mod bm25;
 pub mod embedder;
+pub mod encoder;
 pub mod error;
+pub mod fusion;
+mod hf_config;
 pub mod index;
+mod layers;
+pub mod modules;
+pub mod mpnet;
+pub mod pooling;
 
+pub use bm25::Bm25Index;
 pub use embedder::{l2_normalize, Embedder};
+pub use encoder::{Encoder, EncoderConfig};
 pub use error::{Error, Result};
+pub use fusion::reciprocal_rank_fusion;
 pub use index::{dot, FlatIndex, VectorIndex};
+pub use pooling::{Pooling, PoolingMode};

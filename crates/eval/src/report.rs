@@ -229,6 +229,25 @@ pub fn write_wikitext(out: &Path, report: &wikitext::Report, info: &RunInfo) -> 
         )
         .expect("string");
     }
+    if report.neighbour_passages > 0 {
+        write!(
+            md,
+            "\nRetriever: {}. Recall of the true neighbouring segment (the one just before the query) among the k \
+             retrieved, over the {} passages that have one:\n\n| k |",
+            report.options.retriever, report.neighbour_passages
+        )
+        .expect("string");
+        for (k, _) in &report.neighbour_recall {
+            write!(md, " {k} |").expect("string");
+        }
+        md.push_str("\n|---|");
+        md.push_str(&"---:|".repeat(report.neighbour_recall.len()));
+        md.push_str("\n| recall |");
+        for (_, r) in &report.neighbour_recall {
+            write!(md, " {:.3} |", r).expect("string");
+        }
+        md.push('\n');
+    }
     let picaso_r = EvalMethod::Compose(picaso_model::Method::PicasoR);
     if methods.contains(&EvalMethod::Concat) && methods.contains(&picaso_r) {
         md.push_str("\nTime to a ready state, per query (composition of stored states vs processing the contexts' tokens):\n\n| k | concat tokens | concat ms | picaso-r ms | speed-up |\n|---:|---:|---:|---:|---:|\n");

@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 
 use picaso_model::Model;
-use picaso_store::{passages, retrieve, Passage, Store};
+use picaso_store::{passages, retrieve_by, Passage, Retriever, Store};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 
@@ -31,10 +31,17 @@ pub struct Options {
     /// reading the stored states (to evaluate another model, e.g. a fine-tuned one, on a store
     /// ingested once: retrieval uses the stored embeddings, which do not depend on the model).
     pub restate: bool,
+    /// Which retriever ranks the segments (dense by default: the store's embeddings).
+    #[serde(default, skip_serializing_if = "is_dense")]
+    pub retriever: Retriever,
     /// Journal every scored passage here, and resume from what it holds (a long run that is
     /// stopped goes on where it was; see [`crate::journal`]).
     #[serde(skip)]
     pub journal: Option<std::path::PathBuf>,
+}
+
+fn is_dense(r: &Retriever) -> bool {
+    *r == Retriever::Dense
 }
 
 /// One passage's results, as journaled.
@@ -45,6 +52,10 @@ struct Scored {
     naive: f64,
     /// (method, k, loss, seconds to make the state, tokens processed to make it).
     cells: Vec<(String, usize, f64, f64, usize)>,
+    /// Whether the query's true neighbour (the segment just before it: the second half of the
+    /// previous paragraph) is stored, and its rank among the retrieved (1 = first), if found.
+    #[serde(default)]
+    neighbour: Option<Option<usize>>,
 }
 
 /// One (method, k) cell of the table.
@@ -87,6 +98,14 @@ pub struct Report {
     pub cells: Vec<Cell>,
     /// Paired comparisons on the same passages, per k.
     pub contrasts: Vec<Contrast>,
+    /// Retrieval recall of the true neighbouring segment (the one just before the query, the
+    /// second half of the previous paragraph), per k: the fraction of passages that have one
+    /// whose neighbour is among the k retrieved.
+    #[serde(default)]
+    pub neighbour_recall: Vec<(usize, f64)>,
+    /// Passages with a stored neighbour (the denominator of the recall).
+    #[serde(default)]
+    pub neighbour_passages: usize,
     /// Every passage's loss per (method, k), in the order scored (Naive under every k): what
     /// pairs two models run on the same passages. Not written to results.json.
     #[serde(skip)]
@@ -172,7 +191,7 @@ pub fn run(model: &Model, store: &Store, options: &Options, mut progress: impl F
     // opened, it refuses it before anything is written into the results folder (a journal left
     // by a refused run would block the corrected command as "other settings").
     if let Some(first) = chosen.first() {
-        retrieve(store, first, options.max_k())?;
+        retrieve_by(store, first, options.max_k(), options.retriever)?;
     }
     let mut methods: Vec<EvalMethod> = options.methods.iter().copied().filter(|m| *m != EvalMethod::Naive).collect();
     methods.dedup();
@@ -181,6 +200,7 @@ pub fn run(model: &Model, store: &Store, options: &Options, mut progress: impl F
     let mut losses: HashMap<(EvalMethod, usize), Vec<f64>> = HashMap::new();
     let mut costs: HashMap<(EvalMethod, usize), (f64, f64)> = HashMap::new();
     let (mut q_tokens, mut c_tokens) = (0usize, 0usize);
+    let mut ranks: Vec<Option<usize>> = Vec::new();
     let mut contexts = Contexts::new(store, options.restate);
     let cap = cache_cap(model);
     let (mut journal, mut resumed) = match &options.journal {
@@ -200,13 +220,17 @@ pub fn run(model: &Model, store: &Store, options: &Options, mut progress: impl F
         let scored = match resumed.next() {
             Some(s) => s,
             None => {
-                let s = score_passage(model, store, passage, options, &methods, &mut contexts, cap)?;
+                let neighbour = passage.previous.map(|i| all[i].continuation);
+                let s = score_passage(model, store, passage, neighbour, options, &methods, &mut contexts, cap)?;
                 if let Some(j) = journal.as_mut() {
                     j.append(&s)?;
                 }
                 s
             }
         };
+        if let Some(rank) = scored.neighbour {
+            ranks.push(rank);
+        }
         q_tokens += scored.query_tokens;
         c_tokens += scored.continuation_tokens;
         naive.push(scored.naive);
@@ -249,7 +273,17 @@ pub fn run(model: &Model, store: &Store, options: &Options, mut progress: impl F
     }
     losses.extend(options.ks.iter().map(|&k| ((EvalMethod::Naive, k), naive.clone())));
     let contrasts = contrasts(&options.ks, &losses, naive_loss);
+    let neighbour_recall = options
+        .ks
+        .iter()
+        .map(|&k| {
+            let found = ranks.iter().filter(|r| r.is_some_and(|r| r <= k)).count();
+            (k, if ranks.is_empty() { 0.0 } else { found as f64 / ranks.len() as f64 })
+        })
+        .collect();
     Ok(Report {
+        neighbour_recall,
+        neighbour_passages: ranks.len(),
         options: options.clone(),
         passages_available: available,
         passages: chosen.len(),
@@ -264,10 +298,12 @@ pub fn run(model: &Model, store: &Store, options: &Options, mut progress: impl F
 }
 
 /// Scores one passage: Naive, then every method at every k from its retrieved contexts.
+#[allow(clippy::too_many_arguments)]
 fn score_passage(
     model: &Model,
     store: &Store,
     passage: &Passage,
+    neighbour: Option<i64>,
     options: &Options,
     methods: &[EvalMethod],
     contexts: &mut Contexts<'_>,
@@ -276,18 +312,21 @@ fn score_passage(
     let query = store.get(passage.query)?.tokens;
     let continuation = store.get(passage.continuation)?.tokens;
     let naive = continuation_nll(model, &model.zero_state(), &query, &continuation)?;
-    let ids: Vec<i64> = retrieve(store, passage, options.max_k())?.into_iter().map(|(id, _)| id).collect();
+    let ids: Vec<i64> =
+        retrieve_by(store, passage, options.max_k(), options.retriever)?.into_iter().map(|(id, _)| id).collect();
+    let neighbour = neighbour.map(|n| ids.iter().position(|&id| id == n).map(|i| i + 1));
     contexts.load(model, &ids, cap)?;
     let retrieved = contexts.get(&ids);
     let mut cells = Vec::new();
     for &k in &options.ks {
         for &method in methods {
-            let started = start_state(model, method, &retrieved[..k])?;
+            // BM25 can find fewer than k segments (a query sharing few terms): all it found.
+            let started = start_state(model, method, &retrieved[..k.min(retrieved.len())])?;
             let nll = continuation_nll(model, &started.state, &query, &continuation)?;
             cells.push((method.to_string(), k, nll, started.seconds, started.tokens_processed));
         }
     }
-    Ok(Scored { query_tokens: query.len(), continuation_tokens: continuation.len(), naive, cells })
+    Ok(Scored { query_tokens: query.len(), continuation_tokens: continuation.len(), naive, cells, neighbour })
 }
 
 /// The paper's comparisons ([`EvalMethod::claim_pairs`]) where both methods were scored.

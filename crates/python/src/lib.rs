@@ -919,8 +919,12 @@ impl Store {
     /// is a scalar to equal, or operators ({"$gte": 2020, "$lt": 2025}; also $eq, $ne, $gt,
     /// $lte, $in, $nin, $exists, $contains, $prefix, $regex, $elemMatch, $not), all of which
     /// must hold, and keys within the object there ({"author": {"name": "Ann"}}); "$or", "$and"
-    /// and "$nor" in place of a key combine filters.
-    #[pyo3(signature = (query, k=4, *, documents=None, filter=None))]
+    /// and "$nor" in place of a key combine filters. `retriever` ranks by "dense" (the
+    /// default: cosine of sentence embeddings), "bm25" (the contexts' text) or "hybrid"
+    /// (reciprocal-rank fusion of both, the dense ranking weighted `hybrid_weight`, 0.5 unless
+    /// given); a score is then a cosine, a BM25 score or a fused reciprocal rank.
+    #[pyo3(signature = (query, k=4, *, documents=None, filter=None, retriever="dense", hybrid_weight=None))]
+    #[allow(clippy::too_many_arguments)]
     fn search<'py>(
         &self,
         py: Python<'py>,
@@ -928,13 +932,25 @@ impl Store {
         k: usize,
         documents: Option<Vec<String>>,
         filter: Option<&Bound<'py, PyAny>>,
+        retriever: &str,
+        hybrid_weight: Option<f32>,
     ) -> PyResult<Bound<'py, PyList>> {
         let filter = filter_from_py(filter)?;
-        let (store, embedder) = (&self.inner, self.embedder()?);
+        let retriever = picaso_store::Retriever::parse(retriever, hybrid_weight).map_err(store_err)?;
+        let store = &self.inner;
+        let embedder = if retriever.needs_embedding() { Some(self.embedder()?) } else { None };
         let hits = py.detach(|| -> PyResult<_> {
-            let q = embedder.embed_one(query).map_err(embed_err)?;
+            let q = match embedder {
+                Some(e) => Some(e.embed_one(query).map_err(embed_err)?),
+                None => None,
+            };
             let scope = picaso_store::Scope { documents: documents.as_deref(), filter: filter.as_ref() };
-            store.search_records(&q, k, scope).map_err(store_err)
+            let query = picaso_store::Query {
+                text: Some(query),
+                embedding: q.as_deref(),
+                encoder: embedder.map(|e| e.fingerprint()),
+            };
+            store.retrieve_records(&query, retriever, k, scope).map_err(store_err)
         })?;
         let list = PyList::empty(py);
         for (r, score) in &hits {
@@ -957,8 +973,9 @@ impl Store {
     /// Retrieves the `k` contexts nearest to `prompt`, composes their states by `method` and
     /// continues the prompt from the composed state. Returns a Generation whose `contexts` are
     /// the retrieved ones, best first. `documents` (names) retrieves only from their contexts,
-    /// `filter` (a dict, as for `search`) only from contexts whose metadata passes it.
-    #[pyo3(signature = (prompt, k=4, method="picaso-r", *, max_tokens=64, temperature=0.0, top_p=1.0, seed=0, stop=None, documents=None, filter=None))]
+    /// `filter` (a dict, as for `search`) only from contexts whose metadata passes it;
+    /// `retriever` and `hybrid_weight` choose the ranking, as for `search`.
+    #[pyo3(signature = (prompt, k=4, method="picaso-r", *, max_tokens=64, temperature=0.0, top_p=1.0, seed=0, stop=None, documents=None, filter=None, retriever="dense", hybrid_weight=None))]
     #[allow(clippy::too_many_arguments)]
     fn query<'py>(
         &self,
@@ -973,8 +990,11 @@ impl Store {
         stop: Option<Vec<String>>,
         documents: Option<Vec<String>>,
         filter: Option<&Bound<'py, PyAny>>,
+        retriever: &str,
+        hybrid_weight: Option<f32>,
     ) -> PyResult<Generation> {
         let model = self.need_model()?;
+        let retriever = picaso_store::Retriever::parse(retriever, hybrid_weight).map_err(store_err)?;
         let method = method.parse::<picaso_store::ContextMethod>().map_err(|e| raise(Kind::Invalid, e))?;
         if method == picaso_store::ContextMethod::Naive && (documents.is_some() || filter.is_some()) {
             return Err(raise(
@@ -991,11 +1011,21 @@ impl Store {
             GenerateOptions { max_tokens, temperature, top_p, seed, stop: stop.unwrap_or_default(), ignore_eos: false };
         opts.validate().map_err(model_err)?;
         let store = &self.inner;
-        let embedder = if method == picaso_store::ContextMethod::Naive { None } else { Some(self.embedder()?) };
+        let retrieves = method != picaso_store::ContextMethod::Naive;
+        let embedder = if retrieves && retriever.needs_embedding() { Some(self.embedder()?) } else { None };
         let (hits, g) = py.detach(|| -> PyResult<_> {
-            let (hits, prepared) = if let Some(embedder) = embedder {
-                let q = embedder.embed_one(prompt).map_err(embed_err)?;
-                let what = picaso_store::Retrieval::new(&q, k).within(documents.as_deref()).matching(filter.as_ref());
+            let (hits, prepared) = if retrieves {
+                let q = match embedder {
+                    Some(e) => e.embed_one(prompt).map_err(embed_err)?,
+                    None => Vec::new(),
+                };
+                let mut what = picaso_store::Retrieval::new(&q, k)
+                    .within(documents.as_deref())
+                    .matching(filter.as_ref())
+                    .by(retriever, Some(prompt));
+                if let Some(e) = embedder {
+                    what = what.embedded_by(e.fingerprint());
+                }
                 picaso_store::retrieve_and_prepare(store, model, what, method, None).map_err(store_err)?
             } else {
                 (Vec::new(), picaso_store::prepare(store, model, &[], method, None).map_err(store_err)?)
@@ -1020,7 +1050,7 @@ impl Store {
     /// "loglik" (nats with every context), "contexts"}: each context's record with
     /// "loglik_without" and "drop" (what the answer loses without it), the one it owes most to
     /// first.
-    #[pyo3(signature = (prompt, answer, ids=None, k=4, method="picaso-r", *, documents=None, filter=None))]
+    #[pyo3(signature = (prompt, answer, ids=None, k=4, method="picaso-r", *, documents=None, filter=None, retriever="dense", hybrid_weight=None))]
     #[allow(clippy::too_many_arguments)]
     fn attribute<'py>(
         &self,
@@ -1032,8 +1062,11 @@ impl Store {
         method: &str,
         documents: Option<Vec<String>>,
         filter: Option<&Bound<'py, PyAny>>,
+        retriever: &str,
+        hybrid_weight: Option<f32>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let model = self.need_model()?;
+        let retriever = picaso_store::Retriever::parse(retriever, hybrid_weight).map_err(store_err)?;
         let method = method.parse::<picaso_store::ContextMethod>().map_err(|e| raise(Kind::Invalid, e))?;
         if ids.is_some() && (documents.is_some() || filter.is_some()) {
             return Err(raise(
@@ -1054,9 +1087,18 @@ impl Store {
                 (ids.into_iter().map(|id| (id, None)).collect(), at)
             }
             None => {
-                let embedder = self.embedder()?;
-                let q = py.detach(|| embedder.embed_one(prompt)).map_err(embed_err)?;
-                let what = picaso_store::Retrieval::new(&q, k).within(documents.as_deref()).matching(filter.as_ref());
+                let embedder = if retriever.needs_embedding() { Some(self.embedder()?) } else { None };
+                let q = match embedder {
+                    Some(e) => py.detach(|| e.embed_one(prompt)).map_err(embed_err)?,
+                    None => Vec::new(),
+                };
+                let mut what = picaso_store::Retrieval::new(&q, k)
+                    .within(documents.as_deref())
+                    .matching(filter.as_ref())
+                    .by(retriever, Some(prompt));
+                if let Some(e) = embedder {
+                    what = what.embedded_by(e.fingerprint());
+                }
                 let (hits, at) =
                     py.detach(|| picaso_store::retrieve_then(store, what, attribute)).map_err(store_err)?;
                 (hits.into_iter().map(|(id, score)| (id, Some(score))).collect(), at)

@@ -81,6 +81,32 @@ def test_retrieval_within_documents(model, embedder, tmp_path):
             store.attribute("x", " y", ids=[1], documents=["volcano"])
 
 
+def test_bm25_and_hybrid_retrieval(model, embedder, tmp_path):
+    """`retriever` ranks by BM25 or fuses it with the dense ranking, in search, query and attribute."""
+    for url, states in store_locations(tmp_path):
+        store = picaso.Store.create(url, model, embedder=embedder, states=states)
+        store.ingest(DOCS)
+        hits = store.search("lava rupture crust", k=5, retriever="bm25")
+        assert [h["doc"] for h in hits] == ["volcano"] and hits[0]["score"] > 0  # only texts sharing a term
+        assert store.search("zeppelin", retriever="bm25") == []
+        fused = store.search("Where is the tower with lava?", k=3, retriever="hybrid", hybrid_weight=0.5)
+        assert len(fused) == 3 and "volcano" in [h["doc"] for h in fused]
+        dense = store.search("Where is the tower with lava?", k=3)
+        assert [h["id"] for h in store.search("Where is the tower with lava?", k=3, retriever="hybrid", hybrid_weight=1.0)] == [
+            h["id"] for h in dense
+        ]
+        g = store.query("The lava of a volcano", k=2, max_tokens=2, retriever="bm25")
+        assert [c["doc"] for c in g.contexts] == ["volcano"]
+        at = store.attribute("Lava escapes through the crust", " of a planet.", k=2, retriever="hybrid")
+        assert len(at["contexts"]) == 2
+        with pytest.raises(ValueError, match="unknown retriever"):
+            store.search("x", retriever="sparse")
+        with pytest.raises(ValueError, match="between 0 and 1"):
+            store.search("x", retriever="hybrid", hybrid_weight=2.0)
+        with pytest.raises(ValueError, match="hybrid retrieval only"):
+            store.search("x", retriever="bm25", hybrid_weight=0.5)
+
+
 def test_metadata_and_filters(model, embedder, tmp_path):
     """A document's metadata is carried by its contexts and returned with them; `filter`
     limits search, query and attribution to contexts whose metadata holds its values; new

@@ -139,6 +139,10 @@ pub struct CompletionRequest {
     pub contexts: Option<Vec<i64>>,
     /// picaso: retrieve this many contexts by similarity to the prompt.
     pub retrieve: Option<usize>,
+    /// picaso: how retrieval ranks contexts: dense (default), bm25 or hybrid.
+    pub retriever: Option<String>,
+    /// picaso: the dense ranking's weight in hybrid retrieval, 0 to 1 (default 0.5).
+    pub hybrid_weight: Option<f32>,
     /// picaso: retrieve only from these documents' contexts (names, as `/v1/documents` lists).
     pub documents: Option<Vec<String>>,
     /// picaso: retrieve only contexts whose metadata holds these values (keys to strings,
@@ -483,6 +487,10 @@ pub struct SearchRequest {
     /// How many (default 5).
     #[serde(default = "default_k")]
     pub k: usize,
+    /// How contexts are ranked: dense (default), bm25 or hybrid.
+    pub retriever: Option<String>,
+    /// The dense ranking's weight in hybrid retrieval, 0 to 1 (default 0.5).
+    pub hybrid_weight: Option<f32>,
     /// Only these documents' contexts (names, as `/v1/documents` lists).
     pub documents: Option<Vec<String>>,
     /// Only contexts whose metadata holds these values.
@@ -531,6 +539,10 @@ pub struct AttributeRequest {
     /// Retrieve this many contexts by similarity to the prompt (as a completion with
     /// `retrieve` does).
     pub retrieve: Option<usize>,
+    /// How retrieval ranks contexts: dense (default), bm25 or hybrid.
+    pub retriever: Option<String>,
+    /// The dense ranking's weight in hybrid retrieval, 0 to 1 (default 0.5).
+    pub hybrid_weight: Option<f32>,
     /// Retrieve only from these documents' contexts (names, as `/v1/documents` lists).
     pub documents: Option<Vec<String>>,
     /// Retrieve only contexts whose metadata holds these values.
@@ -673,6 +685,10 @@ pub struct ChatRequest {
     pub contexts: Option<Vec<i64>>,
     /// picaso: retrieve this many contexts by similarity to the last user message.
     pub retrieve: Option<usize>,
+    /// picaso: how retrieval ranks contexts: dense (default), bm25 or hybrid.
+    pub retriever: Option<String>,
+    /// picaso: the dense ranking's weight in hybrid retrieval, 0 to 1 (default 0.5).
+    pub hybrid_weight: Option<f32>,
     /// picaso: retrieve only from these documents' contexts.
     pub documents: Option<Vec<String>>,
     /// picaso: retrieve only contexts whose metadata holds these values.

@@ -12,7 +12,7 @@ use picaso_embed::Embedder;
 use picaso_model::{GenerateOptions, Model, State, StopReason};
 use picaso_store::{
     prepare, retrieve_and_prepare, retrieve_then, ContextMethod, ContextRecord, DocumentSummary, Filter, NewContext,
-    Retrieval, StateCache, Store,
+    Retrieval, Retriever, StateCache, Store,
 };
 use tokio::sync::{mpsc, Semaphore};
 
@@ -401,8 +401,13 @@ impl App {
                 (ids.iter().map(|&id| (id, None)).collect(), prepared)
             }
             (_, None, Some(k)) => {
-                let embedded = self.embedder.embed_one(query)?;
-                let what = Retrieval::new(&embedded, k).within(req.documents.as_deref()).matching(filter);
+                let retriever = Retriever::parse(req.retriever.as_deref().unwrap_or("dense"), req.hybrid_weight)?;
+                let embedded = self.embed_for(retriever, query)?;
+                let what = Retrieval::new(&embedded, k)
+                    .within(req.documents.as_deref())
+                    .matching(filter)
+                    .by(retriever, Some(query))
+                    .embedded_by(self.embedder.fingerprint());
                 let (hits, prepared) = retrieve_and_prepare(&self.store, &self.model, what, method, Some(&self.cache))?;
                 (hits.into_iter().map(|(id, score)| (id, Some(score))).collect(), prepared)
             }
@@ -804,9 +809,13 @@ impl App {
         let (hits, at): (Vec<(i64, Option<f32>)>, _) = match (&req.contexts, retrieve) {
             (Some(ids), _) => (ids.iter().map(|&id| (id, None)).collect(), attribute(ids)?),
             (None, k) => {
-                let query = self.embedder.embed_one(&req.prompt)?;
-                let what =
-                    Retrieval::new(&query, k.unwrap_or(0)).within(req.documents.as_deref()).matching(filter.as_ref());
+                let retriever = Retriever::parse(req.retriever.as_deref().unwrap_or("dense"), req.hybrid_weight)?;
+                let query = self.embed_for(retriever, &req.prompt)?;
+                let what = Retrieval::new(&query, k.unwrap_or(0))
+                    .within(req.documents.as_deref())
+                    .matching(filter.as_ref())
+                    .by(retriever, Some(&req.prompt))
+                    .embedded_by(self.embedder.fingerprint());
                 let (hits, at) = retrieve_then(&self.store, what, attribute)?;
                 (hits.into_iter().map(|(id, score)| (id, Some(score))).collect(), at)
             }
@@ -830,6 +839,11 @@ impl App {
         })
     }
 
+    /// The query's embedding when `retriever` uses one (BM25 does not: nothing is embedded).
+    fn embed_for(&self, retriever: Retriever, query: &str) -> Result<Vec<f32>, ApiError> {
+        Ok(if retriever.needs_embedding() { self.embedder.embed_one(query)? } else { Vec::new() })
+    }
+
     /// Retrieval only. Blocking.
     pub(crate) fn search(&self, req: SearchRequest) -> Result<SearchResponse, ApiError> {
         check_documents(req.documents.as_deref())?;
@@ -843,9 +857,15 @@ impl App {
                 req.k, self.limits.max_contexts
             )));
         }
-        let q = self.embedder.embed_one(&req.query)?;
+        let retriever = Retriever::parse(req.retriever.as_deref().unwrap_or("dense"), req.hybrid_weight)?;
+        let q = self.embed_for(retriever, &req.query)?;
         let scope = picaso_store::Scope { documents: req.documents.as_deref(), filter: filter.as_ref() };
-        let results = (self.store.search_records(&q, req.k, scope)?.into_iter())
+        let query = picaso_store::Query {
+            text: Some(&req.query),
+            embedding: retriever.needs_embedding().then_some(&q[..]),
+            encoder: Some(self.embedder.fingerprint()),
+        };
+        let results = (self.store.retrieve_records(&query, retriever, req.k, scope)?.into_iter())
             .map(|(rec, score)| SearchHit {
                 id: rec.id,
                 score,

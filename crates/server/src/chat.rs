@@ -309,6 +309,8 @@ pub(crate) fn to_completion(
         ignore_eos: req.ignore_eos,
         contexts: req.contexts,
         retrieve: req.retrieve,
+        retriever: req.retriever,
+        hybrid_weight: req.hybrid_weight,
         documents: req.documents,
         filter: req.filter,
         composition: req.composition,

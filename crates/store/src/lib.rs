@@ -28,6 +28,7 @@ pub mod migrate;
 pub mod passages;
 pub mod pattern;
 pub mod query;
+pub mod retriever;
 mod runtime;
 pub mod sources;
 pub mod states;
@@ -42,8 +43,9 @@ pub use ingest::{ingest, ingest_while, prune, IngestProgress};
 pub use location::{CatalogUrl, Location, StatesUrl};
 pub use metadata::{Metadata, Scope};
 pub use migrate::{migrate, MigrateReport};
-pub use passages::{passages, retrieve, Passage};
+pub use passages::{passages, retrieve, retrieve_by, Passage};
 pub use query::{prepare, retrieve_and_prepare, retrieve_then, ContextMethod, Prepared, Retrieval};
+pub use retriever::{Query, Retriever};
 pub use runtime::Resilience;
 pub use sources::{detokenize_wikitext, read_jsonl, read_text_dir, read_wikitext, Document, Segmentation};
 pub use store::{

@@ -9,6 +9,7 @@
 use std::collections::HashMap;
 
 use crate::error::{Error, Result};
+use crate::retriever::{Query, Retriever};
 use crate::store::Store;
 
 /// One paragraph as a (query, continuation) pair of stored contexts.
@@ -77,13 +78,22 @@ pub fn passages(store: &Store) -> Result<Vec<Passage>> {
 /// The `k` contexts most similar to `passage`'s query (by the stored embeddings), most similar
 /// first, leaving out the passage's own halves.
 pub fn retrieve(store: &Store, passage: &Passage, k: usize) -> Result<Vec<(i64, f32)>> {
+    retrieve_by(store, passage, k, Retriever::Dense)
+}
+
+/// [`retrieve`] ranked by `retriever`: the query is the first half's stored embedding and
+/// text. BM25 returns only contexts sharing a term with the query, so fewer than `k` can come
+/// back (rarely: a query with no indexed term).
+pub fn retrieve_by(store: &Store, passage: &Passage, k: usize, retriever: Retriever) -> Result<Vec<(i64, f32)>> {
     let available = store.len()?.saturating_sub(2);
     if k > available {
         return Err(Error::Input(format!(
             "k = {k} contexts asked, but the store holds only {available} besides the query's own passage"
         )));
     }
-    let query = store.embedding(passage.query)?;
-    let hits = store.search(&query, k + 2)?;
+    let embedding = if retriever.needs_embedding() { Some(store.embedding(passage.query)?) } else { None };
+    let text = if retriever.needs_text() { Some(store.get(passage.query)?.text) } else { None };
+    let query = Query { text: text.as_deref(), embedding: embedding.as_deref(), encoder: None };
+    let hits = store.retrieve_in(&query, retriever, k + 2, crate::metadata::Scope::all())?;
     Ok(hits.into_iter().filter(|(id, _)| *id != passage.query && *id != passage.continuation).take(k).collect())
 }

@@ -11,6 +11,7 @@ use crate::cache::StateCache;
 use crate::error::{Error, Result};
 use crate::filter::Filter;
 use crate::metadata::Scope;
+use crate::retriever::{Query, Retriever};
 use crate::store::{Store, RETRIEVAL_ATTEMPTS};
 
 /// How the contexts reach the model.
@@ -72,22 +73,49 @@ impl Prepared {
     }
 }
 
-/// What to retrieve: the `k` contexts nearest a normalised query embedding, among every
-/// context or those a [`Scope`] allows ([`Store::search_in`]).
+/// What to retrieve: the `k` contexts a [`Retriever`] ranks highest for a query (by default
+/// dense: nearest a normalised query embedding), among every context or those a [`Scope`]
+/// allows ([`Store::retrieve_in`]).
 #[derive(Debug, Clone, Copy)]
 pub struct Retrieval<'a> {
-    /// The query's embedding (normalised).
+    /// The query's embedding (normalised; empty when the retriever needs none).
     pub query: &'a [f32],
     /// How many contexts.
     pub k: usize,
     /// Which contexts may be retrieved.
     pub scope: Scope<'a>,
+    /// The query's text (BM25 and hybrid retrieval).
+    pub text: Option<&'a str>,
+    /// Which retriever ranks the contexts.
+    pub retriever: Retriever,
+    /// Fingerprint of the encoder that embedded `query`, checked against the store's.
+    pub encoder: Option<&'a str>,
 }
 
 impl<'a> Retrieval<'a> {
     /// The `k` nearest `query` in every document.
     pub fn new(query: &'a [f32], k: usize) -> Self {
-        Self { query, k, scope: Scope::all() }
+        Self { query, k, scope: Scope::all(), text: None, retriever: Retriever::Dense, encoder: None }
+    }
+
+    /// The same, ranked by `retriever`, the query's text being `text`.
+    pub fn by(mut self, retriever: Retriever, text: Option<&'a str>) -> Self {
+        self.retriever = retriever;
+        self.text = text;
+        self
+    }
+
+    /// The same, the query embedding made by the encoder of this fingerprint (refused by a
+    /// store built with another).
+    pub fn embedded_by(mut self, fingerprint: &'a str) -> Self {
+        self.encoder = Some(fingerprint);
+        self
+    }
+
+    /// The query as [`Store::retrieve_in`] takes it.
+    pub fn as_query(&self) -> Query<'a> {
+        let embedding = (!self.query.is_empty() || self.retriever.needs_embedding()).then_some(self.query);
+        Query { text: self.text, embedding, encoder: self.encoder }
     }
 
     /// The same, among the contexts of `documents` only (`None`: all).
@@ -128,7 +156,7 @@ pub fn retrieve_then<T>(
 ) -> Result<(Vec<(i64, f32)>, T)> {
     let mut gone = Vec::new();
     loop {
-        let mut hits = store.search_without(what.query, what.k, what.scope, &gone)?;
+        let mut hits = store.retrieve_without(&what.as_query(), what.retriever, what.k, what.scope, &gone)?;
         hits.reverse();
         let ids: Vec<i64> = hits.iter().map(|h| h.0).collect();
         match work(&ids) {

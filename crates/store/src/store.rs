@@ -934,6 +934,79 @@ impl Store {
         Ok(())
     }
 
+    /// The `k` contexts whose text best matches `text` (BM25 on a folder store, PostgreSQL's
+    /// full-text rank on a shared one), best first, among those `scope` allows (checked as in
+    /// [`Store::search_in`]). Only contexts sharing a term with the query are returned.
+    pub fn search_text_in(&self, text: &str, k: usize, scope: Scope<'_>) -> Result<Vec<(i64, f32)>> {
+        if let Some(docs) = scope.documents {
+            self.check_documents(docs)?;
+        }
+        self.catalog.search_text(text, k, scope)
+    }
+
+    /// Refuses a query embedded by an encoder other than the one this store's vectors were
+    /// made with (their vectors are not comparable, and retrieval would silently return noise).
+    pub fn check_encoder(&self, fingerprint: &str) -> Result<()> {
+        match self.embedder()? {
+            Some(r) if r.fingerprint != fingerprint => Err(Error::Input(format!(
+                "the query was embedded by the encoder with fingerprint {fingerprint}, but store {} holds vectors of                  {} (fingerprint {}); embed the query with that encoder (--embedder {}, Python embedder=), or ingest                  the documents into a new store with the new encoder",
+                self.location.catalog, r.source, r.fingerprint, r.source
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// The `k` contexts `retriever` ranks highest for `query`, best first, among those `scope`
+    /// allows. Dense scores are cosines, BM25 scores BM25's, hybrid scores the fused reciprocal
+    /// ranks. A query lacking what the retriever needs (text, embedding) is refused.
+    pub fn retrieve_in(
+        &self,
+        query: &crate::retriever::Query<'_>,
+        retriever: crate::retriever::Retriever,
+        k: usize,
+        scope: Scope<'_>,
+    ) -> Result<Vec<(i64, f32)>> {
+        use crate::retriever::{Retriever, FUSION_DEPTH};
+        if let Some(fp) = query.encoder {
+            self.check_encoder(fp)?;
+        }
+        let embedding = || {
+            query.embedding.ok_or_else(|| {
+                Error::Input(format!("the {} retriever needs the query's embedding; none was given", retriever.name()))
+            })
+        };
+        let text = || {
+            query.text.ok_or_else(|| {
+                Error::Input(format!("the {} retriever needs the query's text; none was given", retriever.name()))
+            })
+        };
+        match retriever {
+            Retriever::Dense => self.search_in(embedding()?, k, scope),
+            Retriever::Bm25 => self.search_text_in(text()?, k, scope),
+            Retriever::Hybrid { dense_weight } => {
+                let depth = k.max(FUSION_DEPTH);
+                let dense = self.search_in(embedding()?, depth, scope)?;
+                let lexical = self.search_text_in(text()?, depth, scope)?;
+                Ok(picaso_embed::reciprocal_rank_fusion(&[(&dense, dense_weight), (&lexical, 1.0 - dense_weight)], k))
+            }
+        }
+    }
+
+    /// [`Store::retrieve_in`] leaving out `gone` (contexts found deleted since an earlier search).
+    pub fn retrieve_without(
+        &self,
+        query: &crate::retriever::Query<'_>,
+        retriever: crate::retriever::Retriever,
+        k: usize,
+        scope: Scope<'_>,
+        gone: &[i64],
+    ) -> Result<Vec<(i64, f32)>> {
+        let mut hits = self.retrieve_in(query, retriever, k + gone.len(), scope)?;
+        hits.retain(|(id, _)| !gone.contains(id));
+        hits.truncate(k);
+        Ok(hits)
+    }
+
     /// [`Store::search_in`] leaving out `gone` (contexts found deleted since an earlier search).
     pub fn search_without(&self, query: &[f32], k: usize, scope: Scope<'_>, gone: &[i64]) -> Result<Vec<(i64, f32)>> {
         let mut hits = self.search_in(query, k + gone.len(), scope)?;
@@ -946,9 +1019,21 @@ impl Store {
     /// between the ranking and the read is left out and the search runs again without it, so a
     /// concurrent delete never becomes a "not found" for a caller who named no id.
     pub fn search_records(&self, query: &[f32], k: usize, scope: Scope<'_>) -> Result<Vec<(ContextRecord, f32)>> {
+        let query = crate::retriever::Query { embedding: Some(query), ..Default::default() };
+        self.retrieve_records(&query, crate::retriever::Retriever::Dense, k, scope)
+    }
+
+    /// [`Store::retrieve_in`] with each hit's record, as [`Store::search_records`].
+    pub fn retrieve_records(
+        &self,
+        query: &crate::retriever::Query<'_>,
+        retriever: crate::retriever::Retriever,
+        k: usize,
+        scope: Scope<'_>,
+    ) -> Result<Vec<(ContextRecord, f32)>> {
         let mut gone = Vec::new();
         loop {
-            let hits = self.search_without(query, k, scope, &gone)?;
+            let hits = self.retrieve_without(query, retriever, k, scope, &gone)?;
             let mut found = Vec::with_capacity(hits.len());
             let before = gone.len();
             for (id, score) in hits {

@@ -134,10 +134,14 @@ class Store:
         *,
         documents: Optional[Sequence[str]] = None,
         filter: Optional[Filter] = None,
+        retriever: str = "dense",
+        hybrid_weight: Optional[float] = None,
     ) -> list[dict[str, Any]]:
         """The `k` nearest contexts, best first: {id, score, doc, segment, text, metadata} (only
         `documents`' contexts, and those whose metadata passes `filter`, when given: e.g.
-        {"lang": "en", "year": {"$gte": 2020}, "tags": {"$contains": "physics"}})."""
+        {"lang": "en", "year": {"$gte": 2020}, "tags": {"$contains": "physics"}}). `retriever`:
+        "dense" (cosine of sentence embeddings), "bm25" (the contexts' text) or "hybrid"
+        (reciprocal-rank fusion, the dense ranking weighted `hybrid_weight`, default 0.5)."""
     def state(self, ids: Sequence[int], method: str = "picaso-r") -> State: ...
     def query(
         self,
@@ -152,6 +156,8 @@ class Store:
         stop: Optional[Sequence[str]] = None,
         documents: Optional[Sequence[str]] = None,
         filter: Optional[Filter] = None,
+        retriever: str = "dense",
+        hybrid_weight: Optional[float] = None,
     ) -> Generation: ...
     def attribute(
         self,
@@ -163,6 +169,8 @@ class Store:
         *,
         documents: Optional[Sequence[str]] = None,
         filter: Optional[Filter] = None,
+        retriever: str = "dense",
+        hybrid_weight: Optional[float] = None,
     ) -> dict[str, Any]:
         """Leave-one-out attribution of `answer` to the contexts `ids` (or the `k` retrieved, from
         `documents` only when given):

@@ -113,6 +113,11 @@ pub trait Catalog: Send + Sync + std::fmt::Debug {
     /// best first (equal scores by lower id), among the contexts `scope` allows. `exact`
     /// forbids approximate indexes; a scoped search is always exact.
     fn search(&self, query: &[f32], k: usize, exact: bool, scope: Scope<'_>) -> Result<Vec<(i64, f32)>>;
+    /// The `k` contexts whose text best matches `query` (lexical retrieval), best first, equal
+    /// scores by lower id, among the contexts `scope` allows; only contexts sharing a term with
+    /// the query. SQLite: BM25 ([`picaso_embed::Bm25Index`]); PostgreSQL: its full-text search
+    /// (`ts_rank` over an `english` text-search index).
+    fn search_text(&self, query: &str, k: usize, scope: Scope<'_>) -> Result<Vec<(i64, f32)>>;
     /// Sets the metadata (JSON text of an object) of those of `ids` whose metadata is not
     /// equal to it, in one transaction; returns how many changed (a context gone is skipped).
     fn set_metadata(&self, ids: &[i64], metadata: &str) -> Result<u64>;

@@ -43,6 +43,12 @@ const METADATA_COLUMN: &str = "metadata JSONB NOT NULL DEFAULT '{}'::jsonb CHECK
 const METADATA_INDEX: &str =
     "CREATE INDEX IF NOT EXISTS picaso_contexts_metadata ON picaso_contexts USING gin (metadata jsonb_path_ops)";
 
+/// The index lexical retrieval is answered from: PostgreSQL's full-text search over the
+/// contexts' text (`english` configuration: stemmed, stop words dropped), as an expression
+/// index, so nothing is stored twice and every writer keeps it current.
+const TEXT_INDEX: &str =
+    "CREATE INDEX IF NOT EXISTS picaso_contexts_text ON picaso_contexts USING gin (to_tsvector('english', text))";
+
 /// A failed attempt.
 #[derive(Debug)]
 enum Fail {
@@ -306,14 +312,15 @@ impl PostgresCatalog {
                 let current =
                     "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('picaso_contexts')
                                  AND attname = 'metadata' AND NOT attisdropped)
-                               AND to_regclass('picaso_contexts_metadata') IS NOT NULL";
+                               AND to_regclass('picaso_contexts_metadata') IS NOT NULL
+                               AND to_regclass('picaso_contexts_text') IS NOT NULL";
                 if c.query_one(current, &[]).await?.get::<_, bool>(0) {
                     return Ok(());
                 }
                 let tx = c.transaction().await?;
                 tx.execute("SELECT pg_advisory_xact_lock(7362531)", &[]).await?;
                 tx.batch_execute(&format!(
-                    "ALTER TABLE picaso_contexts ADD COLUMN IF NOT EXISTS {METADATA_COLUMN}; {METADATA_INDEX};"
+                    "ALTER TABLE picaso_contexts ADD COLUMN IF NOT EXISTS {METADATA_COLUMN}; {METADATA_INDEX}; {TEXT_INDEX};"
                 ))
                 .await?;
                 tx.commit().await?;
@@ -361,6 +368,7 @@ impl PostgresCatalog {
                      );
                      CREATE INDEX IF NOT EXISTS picaso_contexts_checksum ON picaso_contexts (checksum);
                      {METADATA_INDEX};
+                     {TEXT_INDEX};
                      INSERT INTO picaso_meta (key, value) VALUES ('dim', '{dim}') ON CONFLICT DO NOTHING;"
                 ))
                 .await?;
@@ -1112,6 +1120,49 @@ impl Catalog for PostgresCatalog {
                     )
                     .await?;
                 tx.commit().await?;
+                Ok(rows.iter().map(|r| (r.get::<_, i64>(0), r.get::<_, f64>(1) as f32)).collect())
+            })
+        }))
+    }
+
+    fn search_text(&self, query: &str, k: usize, scope: Scope<'_>) -> Result<Vec<(i64, f32)>> {
+        // The query's terms as picaso's BM25 finds them (alphanumeric, so safe in a tsquery),
+        // OR-ed: a context sharing any term is a candidate, as in BM25.
+        let words = picaso_embed::bm25::terms(query);
+        if words.is_empty() || k == 0 {
+            return Ok(Vec::new());
+        }
+        let tsquery = words.join(" | ");
+        let limit = k as i64;
+        let documents = scope.documents.map(<[String]>::to_vec);
+        let filter = scope.filter.map(|f| filter_sql(f, 2 + usize::from(documents.is_some())));
+        self.run(Box::new(move |c| {
+            let (tsquery, documents, filter) = (tsquery.clone(), documents.clone(), filter.clone());
+            Box::pin(async move {
+                let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = vec![&tsquery, &limit];
+                let mut conditions = vec!["to_tsvector('english', text) @@ q".to_string()];
+                if let Some(docs) = &documents {
+                    params.push(docs);
+                    conditions.push(format!("doc = ANY(${})", params.len()));
+                }
+                if let Some((condition, values)) = &filter {
+                    params.extend(values.iter().map(|v| v as &(dyn tokio_postgres::types::ToSql + Sync)));
+                    conditions.push(condition.clone());
+                }
+                // Normalisation 1: the rank divided by 1 + ln(length), so long texts do not win
+                // by length alone.
+                let rows = c
+                    .query(
+                        &format!(
+                            "SELECT id, ts_rank(to_tsvector('english', text), q, 1)::float8 AS score
+                             FROM picaso_contexts, to_tsquery('english', $1) AS q
+                             WHERE {}
+                             ORDER BY score DESC, id LIMIT $2",
+                            conditions.join(" AND ")
+                        ),
+                        &params,
+                    )
+                    .await?;
                 Ok(rows.iter().map(|r| (r.get::<_, i64>(0), r.get::<_, f64>(1) as f32)).collect())
             })
         }))

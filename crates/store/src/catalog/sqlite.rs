@@ -2,13 +2,14 @@
 //! in-memory exact index over the embeddings, loaded at open and brought up to date before it
 //! is read whenever another connection (another process, or another `Store` of this one) has
 //! committed since. One writer at a time per folder store; several servers share a PostgreSQL
-//! catalog instead.
+//! catalog instead. A BM25 index over the contexts' text is built the same way, from the
+//! table, at the first text search.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, RwLock};
 
-use picaso_embed::{FlatIndex, VectorIndex};
+use picaso_embed::{Bm25Index, FlatIndex, VectorIndex};
 use rusqlite::{params, Connection, OptionalExtension};
 
 use super::columns::MetadataColumns;
@@ -100,6 +101,9 @@ struct Index {
     /// connection's inserts and deletes; dropped (read again at the next filter) when another
     /// connection commits or metadata is set.
     metadata: Option<MetadataColumns>,
+    /// BM25 over the contexts' text, read at the first text search and kept up to date like
+    /// `metadata` (dropped when another connection commits).
+    text: Option<Bm25Index>,
 }
 
 /// The number SQLite changes whenever another connection commits to the database.
@@ -130,7 +134,7 @@ impl Index {
     /// Every context's embedding, in id order.
     fn load(dir: &Path, conn: &Connection, dim: usize) -> Result<Self> {
         let version = data_version(conn)?;
-        let mut index = Index { flat: FlatIndex::new(dim)?, ids: Vec::new(), version, metadata: None };
+        let mut index = Index { flat: FlatIndex::new(dim)?, ids: Vec::new(), version, metadata: None, text: None };
         let mut stmt = conn.prepare("SELECT id, embedding FROM contexts ORDER BY id")?;
         let mut rows = stmt.query([])?;
         while let Some(row) = rows.next()? {
@@ -151,6 +155,7 @@ impl Index {
         }
         // Which rows' metadata changed is not known: read it all again when a filter needs it.
         self.metadata = None;
+        self.text = None;
         let current: Vec<i64> = {
             let mut stmt = conn.prepare_cached("SELECT id FROM contexts ORDER BY id")?;
             let rows = stmt.query_map([], |r| r.get(0))?;
@@ -203,6 +208,28 @@ impl Index {
             self.metadata = Some(read_columns(conn, has_metadata, &self.ids)?);
         }
         Ok(self.metadata.get_or_insert_default())
+    }
+}
+
+impl Index {
+    /// The BM25 index, built from the table's text if it is not held (`conn` as for
+    /// [`Index::metadata`]).
+    fn text(&mut self, conn: &Connection) -> Result<&Bm25Index> {
+        if self.text.is_none() {
+            let mut text = Bm25Index::new();
+            let mut stmt = conn.prepare_cached("SELECT id, text FROM contexts")?;
+            let mut rows = stmt.query([])?;
+            while let Some(row) = rows.next()? {
+                let id: i64 = row.get(0)?;
+                // Only the rows the index holds (a row committed since the last sync waits for
+                // the next one, as its vector does).
+                if self.ids.binary_search(&id).is_ok() {
+                    text.add(id, &row.get::<_, String>(1)?);
+                }
+            }
+            self.text = Some(text);
+        }
+        Ok(self.text.get_or_insert_default())
     }
 }
 
@@ -580,6 +607,9 @@ impl Catalog for SqliteCatalog {
                     // Out of order (or not an object): read the columns again when needed.
                     index.metadata = None;
                 }
+                if let Some(text) = &mut index.text {
+                    text.add(*id, r.text);
+                }
             }
         }
         Ok(ids)
@@ -647,6 +677,11 @@ impl Catalog for SqliteCatalog {
             if let Some(columns) = &mut index.metadata {
                 columns.remove(&removed);
             }
+            if let Some(text) = &mut index.text {
+                for id in &removed {
+                    text.remove(*id);
+                }
+            }
         }
         let mut shared = conn.prepare_cached("SELECT EXISTS (SELECT 1 FROM contexts WHERE checksum = ?1)")?;
         let unshared: Vec<String> = checksums
@@ -706,6 +741,24 @@ impl Catalog for SqliteCatalog {
             }
         };
         Ok(hits.into_iter().map(|(row, score)| (index.ids[row], score)).collect())
+    }
+
+    fn search_text(&self, query: &str, k: usize, scope: Scope<'_>) -> Result<Vec<(i64, f32)>> {
+        // As in `search`: the scope first, then the index.
+        let ids = self.ids_in(scope)?;
+        {
+            let index = self.index()?;
+            if let Some(text) = &index.text {
+                return Ok(text.search(query, k, ids.as_deref()));
+            }
+        }
+        // The first text search since the store opened or another connection committed: the
+        // text is read under the index's write lock, taken after the connection as everywhere.
+        let conn = self.conn();
+        let version = data_version(&conn)?;
+        let mut index = self.index.write().unwrap_or_else(|p| p.into_inner());
+        index.sync(&self.dir, &conn, version)?;
+        Ok(index.text(&conn)?.search(query, k, ids.as_deref()))
     }
 
     fn set_metadata(&self, ids: &[i64], metadata: &str) -> Result<u64> {
