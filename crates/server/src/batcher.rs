@@ -28,6 +28,7 @@ use rayon::prelude::*;
 use tokio::sync::mpsc;
 
 use crate::logprobs::{position, Position};
+use crate::prefix_cache::{Origin, PrefixCache};
 
 /// Prompt tokens prefilled per step by default, shared among all joining requests, in
 /// one forward pass: a long prompt is cut into chunks, and several short ones start together.
@@ -69,6 +70,26 @@ pub(crate) struct Job {
     /// When the request arrived (for the time to first token).
     pub started: Instant,
     pub events: mpsc::UnboundedSender<Event>,
+    /// Next-token logits when the state already holds the whole prompt (a prefix-cache hit of
+    /// all of it; `prompt` is then empty).
+    pub logits: Option<Vec<f32>>,
+    /// Where to keep the prompt's states in the prefix cache, if anywhere.
+    pub prefix: Option<PrefixJob>,
+}
+
+/// The prefix states a job stores as its prompt goes in: prefill passes stop at each cut, and
+/// the state there goes into the prefix cache.
+pub(crate) struct PrefixJob {
+    pub origin: Origin,
+    /// The whole prompt: the job's `prompt` is its tail after the `start` tokens its state
+    /// already holds.
+    pub tokens: Vec<u32>,
+    pub start: usize,
+    /// Tokens of the job's `prompt` after which to store the state: ascending, each above 0,
+    /// the last its whole length.
+    pub cuts: Vec<usize>,
+    /// The prefix cache's epoch when the request's contexts were composed.
+    pub epoch: u64,
 }
 
 /// What a generation reports, in order: text pieces, then one `Done` or `Failed`.
@@ -154,6 +175,7 @@ impl Batcher {
         prefill_chunk: usize,
         states: DecodeStates,
         metrics: BatchMetrics,
+        prefix: Arc<PrefixCache>,
     ) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
         let outstanding = Arc::new(AtomicUsize::new(0));
@@ -161,7 +183,7 @@ impl Batcher {
         let (max_batch, prefill_chunk) = (max_batch.max(1), prefill_chunk.max(1));
         std::thread::Builder::new()
             .name("picaso-batcher".into())
-            .spawn(move || run(&model, rx, max_batch, prefill_chunk, states, &metrics))
+            .spawn(move || run(&model, rx, max_batch, prefill_chunk, states, &metrics, &prefix))
             .expect("the batching thread starts");
         Self { jobs: tx, outstanding, limit: max_batch + max_queue, queued }
     }
@@ -305,8 +327,9 @@ fn shares(left: &[usize], budget: usize) -> Vec<usize> {
 
 /// Prefills up to `chunk` prompt tokens of the joining requests (up to
 /// [`IDLE_PREFILL_CHUNK`] when none is streaming yet), shared among them by [`shares`], in one
-/// forward pass; a request whose prompt is all in gets its first logits.
-fn prefill_chunks(model: &Model, batch: &mut [Sequence], chunk: usize, m: &BatchMetrics) {
+/// forward pass; a request whose prompt is all in gets its first logits. A request's share
+/// stops at its next prefix-cache cut, and the state there is stored.
+fn prefill_chunks(model: &Model, batch: &mut [Sequence], chunk: usize, m: &BatchMetrics, cache: &PrefixCache) {
     let streaming = batch.iter().any(|s| !s.ended && !s.joining());
     let budget = if streaming { chunk } else { chunk.max(IDLE_PREFILL_CHUNK) };
     let joining: Vec<&mut Sequence> = batch.iter_mut().filter(|s| !s.ended && s.joining()).collect();
@@ -316,7 +339,12 @@ fn prefill_chunks(model: &Model, batch: &mut [Sequence], chunk: usize, m: &Batch
         .zip(shares(&left, budget))
         .filter(|(_, n)| *n > 0)
         .map(|(s, n)| {
-            let end = s.prefilled + n;
+            let mut end = s.prefilled + n;
+            if let Some(p) = &s.job.prefix {
+                if let Some(&cut) = p.cuts.iter().find(|&&c| c > s.prefilled) {
+                    end = end.min(cut);
+                }
+            }
             (s, end)
         })
         .collect();
@@ -339,7 +367,13 @@ fn prefill_chunks(model: &Model, batch: &mut [Sequence], chunk: usize, m: &Batch
         Ok(logits) => {
             for ((s, end), logits) in joining.into_iter().zip(logits) {
                 s.prefilled = end;
-                if end == s.job.prompt.len() {
+                let whole = end == s.job.prompt.len();
+                if let Some(p) = s.job.prefix.as_ref().filter(|p| p.cuts.contains(&end)) {
+                    let state = s.state.wide().clone();
+                    let logits = whole.then(|| logits.clone());
+                    cache.insert(&p.origin, &p.tokens[..p.start + end], state, logits, p.epoch);
+                }
+                if whole {
                     s.logits = Some(logits);
                 }
             }
@@ -356,6 +390,7 @@ fn run(
     prefill_chunk: usize,
     states: DecodeStates,
     m: &BatchMetrics,
+    cache: &PrefixCache,
 ) {
     let mut batch: Vec<Sequence> = Vec::new();
     // Jobs submitted and not yet admitted, oldest first. Read off the channel every iteration
@@ -401,7 +436,7 @@ fn run(
             }
             !gone
         });
-        prefill_chunks(model, &mut batch, prefill_chunk, m);
+        prefill_chunks(model, &mut batch, prefill_chunk, m, cache);
         // Each sequence samples on its own (its options, seed and stop strings): the cores
         // share the work instead of one thread doing it while the pool waits.
         let t0 = Instant::now();
@@ -458,19 +493,19 @@ fn step<S: SsmValue>(
 /// Starts a job: a decoder for its options (checked when the request was validated).
 fn admit<'m>(
     model: &'m Model,
-    (job, state, slot): (Job, State, Slot),
+    (mut job, state, slot): (Job, State, Slot),
     batch: &mut Vec<Sequence<'m>>,
     m: &BatchMetrics,
 ) {
     m.queued.dec();
     match Decoder::new(model, &job.opts) {
         Ok(decoder) => batch.push(Sequence {
+            logits: job.logits.take(),
             job,
             state: Live::F32(state),
             slot: Some(slot),
             decoder,
             prefilled: 0,
-            logits: None,
             fed: None,
             ttft: None,
             ended: false,

@@ -241,14 +241,40 @@ pub fn retrieval_query(messages: &[Value]) -> Option<String> {
     messages.iter().rev().find(|m| m["role"] == "user").and_then(|m| m["content"].as_str()).map(str::to_string)
 }
 
+/// Byte offsets in `prompt` (the conversation rendered) where messages end: where the first
+/// ends (a system prompt that other conversations share) and where each of the last three
+/// does (the turn before this one). The conversation up to message `i`, rendered without a
+/// generation prompt, must be a prefix of `prompt`; a template that renders it otherwise (or
+/// refuses it) gives no offset there. A few renders at most, whatever the conversation's length.
+fn message_ends(
+    template: &ChatTemplate,
+    messages: &[Value],
+    prompt: &str,
+    extra: Option<&Map<String, Value>>,
+) -> Vec<usize> {
+    let n = messages.len();
+    let mut at: Vec<usize> = std::iter::once(1).chain(n.saturating_sub(2).max(1)..=n).collect();
+    at.dedup();
+    let mut ends: Vec<usize> = at
+        .into_iter()
+        .filter_map(|i| template.render(&messages[..i], false, extra).ok())
+        .filter(|r| !r.is_empty() && r.len() < prompt.len() && prompt.starts_with(r.as_str()))
+        .map(|r| r.len())
+        .collect();
+    ends.sort_unstable();
+    ends.dedup();
+    ends
+}
+
 /// A chat request as the completion it asks for: its messages rendered with the request's
 /// template or the model's (`template`), its options carried over. Returns it with the text
-/// retrieval embeds. A model without a template is refused unless the request brings one.
+/// retrieval embeds and where messages end. A model without a template is refused unless the
+/// request brings one.
 pub(crate) fn to_completion(
     req: ChatRequest,
     template: Option<&ChatTemplate>,
     default_max_tokens: usize,
-) -> Result<(CompletionRequest, Option<String>), ApiError> {
+) -> Result<(CompletionRequest, crate::completions::FromChat), ApiError> {
     let unsupported = |what: &str| Err(ApiError::bad_request(format!("{what} is not supported by picaso")));
     let logprobs = match (req.logprobs, req.top_logprobs) {
         (Some(true), Some(n)) if n > crate::logprobs::MAX_TOP_LOGPROBS => {
@@ -298,6 +324,7 @@ pub(crate) fn to_completion(
     let prompt =
         template.render(&messages, req.add_generation_prompt.unwrap_or(true), req.chat_template_kwargs.as_ref())?;
     let query = retrieval_query(&messages);
+    let boundaries = message_ends(template, &messages, &prompt, req.chat_template_kwargs.as_ref());
     let completion = CompletionRequest {
         prompt: Prompt::Text(prompt),
         max_tokens,
@@ -324,7 +351,7 @@ pub(crate) fn to_completion(
         logit_bias: req.logit_bias,
         stream_options: req.stream_options,
     };
-    Ok((completion, query))
+    Ok((completion, crate::completions::FromChat { query, boundaries }))
 }
 
 #[cfg(test)]
