@@ -27,6 +27,14 @@ fn store(tmp: &Path, model: &Path, embedder: &Path) -> String {
     db
 }
 
+/// A copy of the store `db` (each server is its store's one writer).
+fn copy_of(db: &str) -> String {
+    let to = format!("{db}-copy");
+    let status = std::process::Command::new("cp").args(["-r", db, &to]).status().unwrap();
+    assert!(status.success());
+    to
+}
+
 fn serve(db: &str, model: &Path, embedder: &Path, more: &[&str]) -> Server {
     let template = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat_tokenizer_config.json");
     let mut args = vec![
@@ -72,7 +80,7 @@ fn answers_as_a_cold_run(model_name: &str) {
     let tmp = tempfile::tempdir().unwrap();
     let db = store(tmp.path(), &model, &embedder);
     let warm = serve(&db, &model, &embedder, &[]);
-    let cold = serve(&db, &model, &embedder, &["--prefix-cache-mb", "0"]);
+    let cold = serve(&copy_of(&db), &model, &embedder, &["--prefix-cache-mb", "0"]);
 
     // A conversation of four turns, each answer sent back as the next turn's history.
     let questions = ["Where is the Eiffel Tower?", "When was it finished?", "What is Mamba?", "Tell me about cats."];
@@ -155,7 +163,7 @@ fn compositions_key_their_prefixes_and_removed_contexts_leave() {
     let tmp = tempfile::tempdir().unwrap();
     let db = store(tmp.path(), &model, &embedder);
     let warm = serve(&db, &model, &embedder, &[]);
-    let cold = serve(&db, &model, &embedder, &["--prefix-cache-mb", "0"]);
+    let cold = serve(&copy_of(&db), &model, &embedder, &["--prefix-cache-mb", "0"]);
     let prompt = "Tell me where the tower stands and when it was finished.";
     let ask = |contexts: Value, composition: &str| {
         json!({"prompt": prompt, "max_tokens": 6, "temperature": 0, "contexts": contexts, "composition": composition})

@@ -86,7 +86,7 @@ pub(crate) struct PrefixJob {
     pub tokens: Vec<u32>,
     pub start: usize,
     /// Tokens of the job's `prompt` after which to store the state: ascending, each above 0,
-    /// the last its whole length.
+    /// the last its whole length (none when the whole prompt was stored).
     pub cuts: Vec<usize>,
     /// The prefix cache's epoch when the request's contexts were composed.
     pub epoch: u64,
@@ -101,6 +101,9 @@ pub(crate) enum Event {
     Logprob(Position),
     /// New final text.
     Text(String),
+    /// The prompt continued from a stored prefix of this many tokens after all: another
+    /// request in the batch stored it while this one waited (sent before any text).
+    Cached(usize),
     /// The end.
     Done {
         /// Tokens generated.
@@ -245,12 +248,26 @@ struct Sequence<'m> {
     ttft: Option<f64>,
     /// Finished (done or failed): leaves the batch at the end of the step.
     ended: bool,
+    /// Waits, without prefilling, for an earlier sequence to store the state after this many
+    /// tokens of the prompt, which both prompts start with (see [`coalesce`]).
+    waiting_for: Option<usize>,
 }
 
 impl Sequence<'_> {
     /// Whether part of the prompt is still to be prefilled.
     fn joining(&self) -> bool {
         self.prefilled < self.job.prompt.len()
+    }
+
+    /// Prompt tokens in the state, counting those it started with.
+    fn at(&self) -> usize {
+        self.job.prefix.as_ref().map_or(0, |p| p.start) + self.prefilled
+    }
+
+    /// The prefix-cache cuts still ahead, in tokens of the whole prompt.
+    fn pending_cuts(&self) -> impl Iterator<Item = usize> + '_ {
+        let p = self.job.prefix.as_ref().filter(|_| !self.ended && self.waiting_for.is_none());
+        p.into_iter().flat_map(move |p| p.cuts.iter().filter(move |&&c| c > self.prefilled).map(move |c| p.start + c))
     }
 
     fn send(&mut self, event: Event) {
@@ -332,7 +349,8 @@ fn shares(left: &[usize], budget: usize) -> Vec<usize> {
 fn prefill_chunks(model: &Model, batch: &mut [Sequence], chunk: usize, m: &BatchMetrics, cache: &PrefixCache) {
     let streaming = batch.iter().any(|s| !s.ended && !s.joining());
     let budget = if streaming { chunk } else { chunk.max(IDLE_PREFILL_CHUNK) };
-    let joining: Vec<&mut Sequence> = batch.iter_mut().filter(|s| !s.ended && s.joining()).collect();
+    let joining: Vec<&mut Sequence> =
+        batch.iter_mut().filter(|s| !s.ended && s.joining() && s.waiting_for.is_none()).collect();
     let left: Vec<usize> = joining.iter().map(|s| s.job.prompt.len() - s.prefilled).collect();
     let mut joining: Vec<(&mut Sequence, usize)> = joining
         .into_iter()
@@ -375,6 +393,9 @@ fn prefill_chunks(model: &Model, batch: &mut [Sequence], chunk: usize, m: &Batch
                 }
                 if whole {
                     s.logits = Some(logits);
+                    if let Some(p) = &s.job.prefix {
+                        cache.record(p.start);
+                    }
                 }
             }
         }
@@ -436,6 +457,7 @@ fn run(
             }
             !gone
         });
+        coalesce(&mut batch, cache);
         prefill_chunks(model, &mut batch, prefill_chunk, m, cache);
         // Each sequence samples on its own (its options, seed and stop strings): the cores
         // share the work instead of one thread doing it while the pool waits.
@@ -460,6 +482,68 @@ fn run(
         }
         batch.retain(|s| !s.ended);
         m.active.set(batch.len() as i64);
+    }
+}
+
+/// Joining sequences that share a prefix prefill it once: a sequence that has prefilled
+/// nothing yet, whose prompt starts with the tokens up to an earlier sequence's coming
+/// prefix-cache cut (same origin), waits for that cut; once it is stored (or the earlier one
+/// left), the waiter continues from the longest stored prefix of its prompt. So 16 agents that
+/// arrive together with one system prompt prefill it once, not 16 times.
+fn coalesce(batch: &mut [Sequence], cache: &PrefixCache) {
+    // Waiters whose cut is no longer ahead of anyone: continue from the cache.
+    for i in 0..batch.len() {
+        let Some(cut) = batch[i].waiting_for else { continue };
+        let ahead = batch[..i].iter().any(|l| {
+            l.pending_cuts().any(|c| c == cut) && shares_prefix(l, &batch[i], cut)
+        });
+        if ahead {
+            continue;
+        }
+        let s = &mut batch[i];
+        s.waiting_for = None;
+        let (Some(p), false) = (&mut s.job.prefix, s.ended) else { continue };
+        let Some(hit) = cache.lookup(&p.origin, &p.tokens) else { continue };
+        if hit.len <= p.start + s.prefilled {
+            continue;
+        }
+        s.prefilled = hit.len - p.start;
+        s.state = Live::F32(hit.state);
+        if s.prefilled == s.job.prompt.len() {
+            s.logits = hit.logits;
+            cache.record(hit.len);
+        }
+        // The stored prefix replaces the start: what the answer reports as cached.
+        p.start = hit.len;
+        let (start, prefilled) = (p.start, s.prefilled);
+        p.cuts.retain(|&c| c > prefilled);
+        p.cuts.iter_mut().for_each(|c| *c -= prefilled);
+        s.job.prompt.drain(..prefilled);
+        s.prefilled = 0;
+        let _ = s.job.events.send(Event::Cached(start));
+    }
+    // Sequences yet to start: wait for the furthest cut an earlier one will store first.
+    for i in 0..batch.len() {
+        let s = &batch[i];
+        if s.ended || s.prefilled > 0 || s.waiting_for.is_some() || !s.joining() || s.job.prefix.is_none() {
+            continue;
+        }
+        let at = s.at();
+        let cut = batch[..i]
+            .iter()
+            .flat_map(|l| l.pending_cuts().filter(|&c| c > at).filter(|&c| shares_prefix(l, s, c)).collect::<Vec<_>>())
+            .max();
+        batch[i].waiting_for = cut;
+    }
+}
+
+/// Whether `b`'s prompt starts with `a`'s first `n` tokens, from the same origin.
+fn shares_prefix(a: &Sequence, b: &Sequence, n: usize) -> bool {
+    match (&a.job.prefix, &b.job.prefix) {
+        (Some(pa), Some(pb)) => {
+            pa.origin == pb.origin && pa.tokens.len() >= n && pb.tokens.len() >= n && pa.tokens[..n] == pb.tokens[..n]
+        }
+        _ => false,
     }
 }
 
@@ -509,6 +593,7 @@ fn admit<'m>(
             fed: None,
             ttft: None,
             ended: false,
+            waiting_for: None,
         }),
         Err(e) => {
             drop(slot);

@@ -127,18 +127,20 @@ fn from_prefix(
         None => (0, state, None),
     };
     plan.info.cached_tokens = start;
+    if start == tokens.len() {
+        // All of it stored, logits too: nothing to prefill or store.
+        app.prefix.record(start);
+        return Generate { prompt: Vec::new(), state, logits, prefix: None };
+    }
     let mut cuts: Vec<usize> = token_boundaries(app, text, &tokens, boundaries)
         .into_iter()
         .filter(|&b| b > start)
         .map(|b| b - start)
         .collect();
-    if start < tokens.len() {
-        cuts.push(tokens.len() - start);
-    }
+    cuts.push(tokens.len() - start);
     cuts.dedup();
     let prompt = tokens[start..].to_vec();
-    let prefix = (!cuts.is_empty()).then_some(PrefixJob { origin, tokens, start, cuts, epoch });
-    Generate { prompt, state, logits, prefix }
+    Generate { prompt, state, logits, prefix: Some(PrefixJob { origin, tokens, start, cuts, epoch }) }
 }
 
 /// Token positions of `text` (tokenized as `tokens`) at the byte offsets `boundaries`: the
@@ -252,6 +254,10 @@ fn apply(
             b.text.push_str(&piece);
             Ok((piece, None))
         }
+        Event::Cached(n) => {
+            b.info.cached_tokens = n;
+            Ok((String::new(), None))
+        }
         Event::Done { tokens, reason, ttft } => {
             b.finish = Some(finish_reason(reason));
             b.completion_tokens = tokens;
@@ -265,7 +271,7 @@ fn apply(
 fn usage(prepared: &[Prepared], choices: &[Building]) -> Usage {
     let prompt_tokens = prepared.iter().map(|p| p.plan.prompt.len()).sum();
     let completion_tokens = choices.iter().map(|c| c.completion_tokens).sum();
-    let cached_tokens = prepared.iter().map(|p| p.plan.info.cached_tokens).sum();
+    let cached_tokens = choices.iter().map(|c| c.info.cached_tokens).sum();
     Usage {
         prompt_tokens,
         completion_tokens,

@@ -177,7 +177,9 @@ impl PrefixCache {
 
     /// The longest stored prefix of `tokens` from `origin`, as a copy of its state. A prefix
     /// of all of `tokens` counts only if its logits were stored (the batch must have the
-    /// next-token logits to sample from). Counts a hit or a miss.
+    /// next-token logits to sample from). Counts nothing: [`PrefixCache::record`] counts a
+    /// prompt's outcome once it is known (a request that waited for another's prefix may hit
+    /// after a first miss).
     pub(crate) fn lookup(&self, origin: &Origin, tokens: &[u32]) -> Option<Hit> {
         if !self.enabled() || tokens.is_empty() {
             return None;
@@ -203,17 +205,18 @@ impl PrefixCache {
             found
         };
         // Copied outside the lock; the Arc keeps the entry alive if it is evicted meanwhile.
-        match found {
-            Some(e) => {
-                self.metrics.hits.inc();
-                self.metrics.tokens_saved.inc_by(e.tokens.len() as u64);
-                let logits = if e.tokens.len() == tokens.len() { e.logits.clone() } else { None };
-                Some(Hit { len: e.tokens.len(), state: e.state.clone(), logits })
-            }
-            None => {
-                self.metrics.misses.inc();
-                None
-            }
+        let e = found?;
+        let logits = if e.tokens.len() == tokens.len() { e.logits.clone() } else { None };
+        Some(Hit { len: e.tokens.len(), state: e.state.clone(), logits })
+    }
+
+    /// Counts a prompt that went in with `cached` tokens from the cache: a hit when any.
+    pub(crate) fn record(&self, cached: usize) {
+        if cached > 0 {
+            self.metrics.hits.inc();
+            self.metrics.tokens_saved.inc_by(cached as u64);
+        } else {
+            self.metrics.misses.inc();
         }
     }
 
@@ -354,7 +357,9 @@ mod tests {
         // The whole prompt stored without logits: the next shorter prefix.
         assert_eq!(c.lookup(&o, &[1, 2]).map(|h| h.len), None);
         assert!(c.lookup(&o, &[7, 1, 2]).is_none());
-        assert_eq!((c.metrics.hits.get(), c.metrics.misses.get(), c.metrics.tokens_saved.get()), (3, 2, 10));
+        c.record(4);
+        c.record(0);
+        assert_eq!((c.metrics.hits.get(), c.metrics.misses.get(), c.metrics.tokens_saved.get()), (1, 1, 4));
     }
 
     #[test]
