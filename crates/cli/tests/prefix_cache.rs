@@ -215,3 +215,37 @@ fn the_cache_stays_within_its_budget() {
         assert!(server.metric("picaso_prefix_cache_evictions_total") > 0.0, "{name}: nothing evicted");
     }
 }
+
+/// Agents that send the same long system prompt at the same moment prefill it once: the first
+/// stores it, the others wait for it and continue from it; each answers as a cold server does.
+#[test]
+fn agents_arriving_together_prefill_a_shared_system_prompt_once() {
+    let Some(embedder) = shared("all-MiniLM-L6-v2") else { return };
+    let model = bundled("picaso-mamba2");
+    let tmp = tempfile::tempdir().unwrap();
+    let db = store(tmp.path(), &model, &embedder);
+    let warm = serve(&db, &model, &embedder, &[]);
+    let cold = serve(&copy_of(&db), &model, &embedder, &["--prefix-cache-mb", "0"]);
+    let system = "You are one of several agents working on a shared plan. Read the plan carefully. ".repeat(40);
+    let (_, n) = warm.call_json("POST", "/tokenize", Some(json!({"prompt": format!("<|system|>\n{}\n", system.trim())})));
+    let system_tokens = n["count"].as_u64().unwrap();
+    let body = |i: usize| {
+        json!({"messages": [{"role": "system", "content": system}, {"role": "user", "content": format!("Agent {i}: what is your next step?")}],
+            "max_tokens": 6, "temperature": 0})
+    };
+    let agents = 8;
+    let answers: Vec<Value> = std::thread::scope(|scope| {
+        let warm = &warm;
+        let handles: Vec<_> = (0..agents).map(|i| scope.spawn(move || post(warm, "/v1/chat/completions", &body(i)))).collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let prompt: u64 = answers.iter().map(|v| v["usage"]["prompt_tokens"].as_u64().unwrap()).sum();
+    let saved: u64 = answers.iter().map(cached).sum();
+    // All but the first continue from the system prompt (to a token or two of its end).
+    assert!(saved + 2 * agents as u64 >= (agents as u64 - 1) * system_tokens, "{saved} of {prompt} cached: {answers:?}");
+    assert!(prompt - saved < system_tokens + 2 * (prompt / agents as u64 - system_tokens) * agents as u64);
+    for (i, w) in answers.iter().enumerate() {
+        let c = post(&cold, "/v1/chat/completions", &body(i));
+        assert_eq!(w["choices"][0]["message"], c["choices"][0]["message"], "agent {i}");
+    }
+}

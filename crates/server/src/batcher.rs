@@ -251,6 +251,8 @@ struct Sequence<'m> {
     /// Waits, without prefilling, for an earlier sequence to store the state after this many
     /// tokens of the prompt, which both prompts start with (see [`coalesce`]).
     waiting_for: Option<usize>,
+    /// Whether the prefix cache was looked up again as it joined.
+    rechecked: bool,
 }
 
 impl Sequence<'_> {
@@ -488,41 +490,23 @@ fn run(
 /// Joining sequences that share a prefix prefill it once: a sequence that has prefilled
 /// nothing yet, whose prompt starts with the tokens up to an earlier sequence's coming
 /// prefix-cache cut (same origin), waits for that cut; once it is stored (or the earlier one
-/// left), the waiter continues from the longest stored prefix of its prompt. So 16 agents that
-/// arrive together with one system prompt prefill it once, not 16 times.
+/// left), the waiter continues from the longest stored prefix of its prompt. A sequence that
+/// waits for nobody looks the cache up again as it joins (a prefix may have been stored since
+/// its request was prepared). So 16 agents that arrive together with one system prompt
+/// prefill it once, not 16 times.
 fn coalesce(batch: &mut [Sequence], cache: &PrefixCache) {
     // Waiters whose cut is no longer ahead of anyone: continue from the cache.
     for i in 0..batch.len() {
         let Some(cut) = batch[i].waiting_for else { continue };
-        let ahead = batch[..i].iter().any(|l| {
-            l.pending_cuts().any(|c| c == cut) && shares_prefix(l, &batch[i], cut)
-        });
-        if ahead {
-            continue;
+        let ahead =
+            batch[..i].iter().any(|l| l.pending_cuts().any(|c| c == cut) && shares_prefix(l, &batch[i], cut));
+        if !ahead {
+            batch[i].waiting_for = None;
+            resume_from_cache(&mut batch[i], cache);
         }
-        let s = &mut batch[i];
-        s.waiting_for = None;
-        let (Some(p), false) = (&mut s.job.prefix, s.ended) else { continue };
-        let Some(hit) = cache.lookup(&p.origin, &p.tokens) else { continue };
-        if hit.len <= p.start + s.prefilled {
-            continue;
-        }
-        s.prefilled = hit.len - p.start;
-        s.state = Live::F32(hit.state);
-        if s.prefilled == s.job.prompt.len() {
-            s.logits = hit.logits;
-            cache.record(hit.len);
-        }
-        // The stored prefix replaces the start: what the answer reports as cached.
-        p.start = hit.len;
-        let (start, prefilled) = (p.start, s.prefilled);
-        p.cuts.retain(|&c| c > prefilled);
-        p.cuts.iter_mut().for_each(|c| *c -= prefilled);
-        s.job.prompt.drain(..prefilled);
-        s.prefilled = 0;
-        let _ = s.job.events.send(Event::Cached(start));
     }
-    // Sequences yet to start: wait for the furthest cut an earlier one will store first.
+    // Sequences yet to start: wait for the furthest cut an earlier one will store first, or
+    // continue from what the cache holds now.
     for i in 0..batch.len() {
         let s = &batch[i];
         if s.ended || s.prefilled > 0 || s.waiting_for.is_some() || !s.joining() || s.job.prefix.is_none() {
@@ -533,8 +517,33 @@ fn coalesce(batch: &mut [Sequence], cache: &PrefixCache) {
             .iter()
             .flat_map(|l| l.pending_cuts().filter(|&c| c > at).filter(|&c| shares_prefix(l, s, c)).collect::<Vec<_>>())
             .max();
-        batch[i].waiting_for = cut;
+        let s = &mut batch[i];
+        s.waiting_for = cut;
+        if cut.is_none() && !s.rechecked {
+            resume_from_cache(s, cache);
+        }
+        s.rechecked = true;
     }
+}
+
+/// Continues `s` from the longest prefix of its prompt the cache holds, if that is further
+/// than its state: the prompt and the cuts are rebased on it, and the client is told how many
+/// tokens were cached.
+fn resume_from_cache(s: &mut Sequence, cache: &PrefixCache) {
+    let (Some(p), false) = (&mut s.job.prefix, s.ended) else { return };
+    let Some(hit) = cache.lookup(&p.origin, &p.tokens, p.start + s.prefilled) else { return };
+    let skip = hit.len - p.start;
+    s.state = Live::F32(hit.state);
+    if skip == s.job.prompt.len() {
+        s.logits = hit.logits;
+        cache.record(hit.len);
+    }
+    p.start = hit.len;
+    p.cuts.retain(|&c| c > skip);
+    p.cuts.iter_mut().for_each(|c| *c -= skip);
+    s.job.prompt.drain(..skip);
+    s.prefilled = 0;
+    let _ = s.job.events.send(Event::Cached(hit.len));
 }
 
 /// Whether `b`'s prompt starts with `a`'s first `n` tokens, from the same origin.
@@ -594,6 +603,7 @@ fn admit<'m>(
             ttft: None,
             ended: false,
             waiting_for: None,
+            rechecked: false,
         }),
         Err(e) => {
             drop(slot);

@@ -122,7 +122,7 @@ fn from_prefix(
     }
     let ids: Vec<i64> = plan.info.contexts.iter().map(|c| c.id).collect();
     let origin = Origin::new(app.model.fingerprint(), plan.info.composition, &ids);
-    let (start, state, logits) = match app.prefix.lookup(&origin, &tokens) {
+    let (start, state, logits) = match app.prefix.lookup(&origin, &tokens, 0) {
         Some(hit) => (hit.len, hit.state, hit.logits),
         None => (0, state, None),
     };

@@ -175,12 +175,13 @@ impl PrefixCache {
         keys
     }
 
-    /// The longest stored prefix of `tokens` from `origin`, as a copy of its state. A prefix
+    /// The longest stored prefix of `tokens` from `origin` longer than `longer_than` tokens,
+    /// as a copy of its state. A prefix
     /// of all of `tokens` counts only if its logits were stored (the batch must have the
     /// next-token logits to sample from). Counts nothing: [`PrefixCache::record`] counts a
     /// prompt's outcome once it is known (a request that waited for another's prefix may hit
     /// after a first miss).
-    pub(crate) fn lookup(&self, origin: &Origin, tokens: &[u32]) -> Option<Hit> {
+    pub(crate) fn lookup(&self, origin: &Origin, tokens: &[u32], longer_than: usize) -> Option<Hit> {
         if !self.enabled() || tokens.is_empty() {
             return None;
         }
@@ -188,7 +189,7 @@ impl PrefixCache {
         let found = {
             let mut inner = self.lock();
             let mut found = None;
-            let lengths: Vec<usize> = inner.lengths.range(1..=tokens.len()).rev().map(|(&n, _)| n).collect();
+            let lengths: Vec<usize> = inner.lengths.range(longer_than + 1..=tokens.len()).rev().map(|(&n, _)| n).collect();
             for n in lengths {
                 let Some(e) = inner.entries.peek(&keys[n]) else { continue };
                 let usable = e.tokens.len() == n
@@ -346,17 +347,20 @@ mod tests {
         let o = Origin::new("fp", "picaso-r", &[]);
         c.insert(&o, &[1, 2], state(2.0, 2), None, 0);
         c.insert(&o, &[1, 2, 3, 4], state(4.0, 4), Some(vec![0.5; 16]), 0);
-        let hit = c.lookup(&o, &[1, 2, 3, 4, 5]).unwrap();
+        let hit = c.lookup(&o, &[1, 2, 3, 4, 5], 0).unwrap();
         assert_eq!((hit.len, hit.state.layers[0].ssm[0], hit.logits.is_some()), (4, 4.0, false));
         // Another token in the middle: only the shorter prefix matches.
-        let hit = c.lookup(&o, &[1, 2, 9, 4, 5]).unwrap();
+        let hit = c.lookup(&o, &[1, 2, 9, 4, 5], 0).unwrap();
         assert_eq!((hit.len, hit.state.layers[0].ssm[0]), (2, 2.0));
         // The whole prompt stored with its logits: a hit of all of it.
-        let hit = c.lookup(&o, &[1, 2, 3, 4]).unwrap();
+        let hit = c.lookup(&o, &[1, 2, 3, 4], 0).unwrap();
         assert_eq!((hit.len, hit.logits.as_deref()), (4, Some(&[0.5; 16][..])));
         // The whole prompt stored without logits: the next shorter prefix.
-        assert_eq!(c.lookup(&o, &[1, 2]).map(|h| h.len), None);
-        assert!(c.lookup(&o, &[7, 1, 2]).is_none());
+        assert_eq!(c.lookup(&o, &[1, 2], 0).map(|h| h.len), None);
+        assert!(c.lookup(&o, &[7, 1, 2], 0).is_none());
+        // Only prefixes longer than asked: none past 4 tokens, the 4-token one past 2.
+        assert!(c.lookup(&o, &[1, 2, 3, 4, 5], 4).is_none());
+        assert_eq!(c.lookup(&o, &[1, 2, 3, 4, 5], 2).map(|h| h.len), Some(4));
         c.record(4);
         c.record(0);
         assert_eq!((c.metrics.hits.get(), c.metrics.misses.get(), c.metrics.tokens_saved.get()), (1, 1, 4));
@@ -368,19 +372,19 @@ mod tests {
         let zero = Origin::new("fp", "picaso-r", &[]);
         c.insert(&zero, &[1, 2, 3], state(1.0, 3), None, 0);
         // Without contexts the method does not matter: the zero state either way.
-        assert!(c.lookup(&Origin::new("fp", "concat", &[]), &[1, 2, 3, 4]).is_some());
+        assert!(c.lookup(&Origin::new("fp", "concat", &[]), &[1, 2, 3, 4], 0).is_some());
         for other in [
             Origin::new("fp2", "picaso-r", &[]),
             Origin::new("fp", "picaso-r", &[5]),
             Origin::new("fp", "soup", &[5]),
             Origin::new("fp", "picaso-r", &[5, 6]),
         ] {
-            assert!(c.lookup(&other, &[1, 2, 3, 4]).is_none(), "{other:?}");
+            assert!(c.lookup(&other, &[1, 2, 3, 4], 0).is_none(), "{other:?}");
         }
         let composed = Origin::new("fp", "picaso-r", &[5, 6]);
         c.insert(&composed, &[1, 2, 3], state(7.0, 3), None, 0);
-        assert_eq!(c.lookup(&composed, &[1, 2, 3, 4]).unwrap().state.layers[0].ssm[0], 7.0);
-        assert!(c.lookup(&Origin::new("fp", "picaso-r", &[6, 5]), &[1, 2, 3, 4]).is_none(), "order matters");
+        assert_eq!(c.lookup(&composed, &[1, 2, 3, 4], 0).unwrap().state.layers[0].ssm[0], 7.0);
+        assert!(c.lookup(&Origin::new("fp", "picaso-r", &[6, 5]), &[1, 2, 3, 4], 0).is_none(), "order matters");
     }
 
     /// A colliding key (forced here by writing an entry under another prefix's key) is a miss.
@@ -395,7 +399,7 @@ mod tests {
             let (_, e) = inner.entries.pop_lru().unwrap();
             inner.entries.put(victim_key, e);
         }
-        assert!(c.lookup(&o, &[4, 5, 6, 7]).is_none());
+        assert!(c.lookup(&o, &[4, 5, 6, 7], 0).is_none());
     }
 
     #[test]
@@ -408,12 +412,12 @@ mod tests {
         }
         assert_eq!(c.bytes(), 3 * one);
         // Touch the oldest, then add a fourth: the second oldest goes.
-        assert!(c.lookup(&o, &[0, 0, 0, 9]).is_some());
+        assert!(c.lookup(&o, &[0, 0, 0, 9], 0).is_some());
         c.insert(&o, &[3, 3, 3], state(3.0, 3), None, 0);
         assert!(c.bytes() <= c.budget());
-        assert!(c.lookup(&o, &[1, 1, 1, 9]).is_none());
+        assert!(c.lookup(&o, &[1, 1, 1, 9], 0).is_none());
         for t in [0, 2, 3] {
-            assert!(c.lookup(&o, &[t, t, t, 9]).is_some(), "{t}");
+            assert!(c.lookup(&o, &[t, t, t, 9], 0).is_some(), "{t}");
         }
         assert_eq!((c.metrics.evictions.get(), c.metrics.entries.get()), (1, 3));
         // An entry larger than the whole budget is not stored (and evicts nothing).
@@ -423,7 +427,7 @@ mod tests {
         // A zero budget disables the cache.
         let off = cache(0);
         off.insert(&o, &[1], state(1.0, 1), None, 0);
-        assert!(!off.enabled() && off.lookup(&o, &[1, 2]).is_none());
+        assert!(!off.enabled() && off.lookup(&o, &[1, 2], 0).is_none());
     }
 
     #[test]
@@ -450,12 +454,12 @@ mod tests {
             c.insert(o, &[5, 6], state(1.0, 2), None, epoch);
         }
         c.forget_contexts(&[2]);
-        assert!(c.lookup(&a, &[5, 6, 7]).is_none());
-        assert!(c.lookup(&b, &[5, 6, 7]).is_some() && c.lookup(&zero, &[5, 6, 7]).is_some());
+        assert!(c.lookup(&a, &[5, 6, 7], 0).is_none());
+        assert!(c.lookup(&b, &[5, 6, 7], 0).is_some() && c.lookup(&zero, &[5, 6, 7], 0).is_some());
         // A composition read before the removal is not stored after it (it may hold context 2).
         c.insert(&a, &[5, 6], state(1.0, 2), None, epoch);
-        assert!(c.lookup(&a, &[5, 6, 7]).is_none());
+        assert!(c.lookup(&a, &[5, 6, 7], 0).is_none());
         c.insert(&a, &[5, 6], state(1.0, 2), None, c.epoch());
-        assert!(c.lookup(&a, &[5, 6, 7]).is_some());
+        assert!(c.lookup(&a, &[5, 6, 7], 0).is_some());
     }
 }
