@@ -88,7 +88,8 @@ fn answers_as_a_cold_run(model_name: &str) {
     let mut prompt_tokens = 0;
     for (turn, q) in questions.iter().enumerate() {
         messages.push(json!({"role": "user", "content": q}));
-        let body = json!({"messages": messages, "max_tokens": 12, "temperature": 0, "logprobs": true, "top_logprobs": 2});
+        let body =
+            json!({"messages": messages, "max_tokens": 12, "temperature": 0, "logprobs": true, "top_logprobs": 2});
         let (w, c) = (post(&warm, "/v1/chat/completions", &body), post(&cold, "/v1/chat/completions", &body));
         let content = w["choices"][0]["message"]["content"].as_str().unwrap().to_string();
         assert_eq!(content, c["choices"][0]["message"]["content"].as_str().unwrap(), "{model_name} turn {turn}");
@@ -123,7 +124,12 @@ fn answers_as_a_cold_run(model_name: &str) {
         let (w, c) = (post(&warm, "/v1/completions", &body), post(&cold, "/v1/completions", &body));
         assert_eq!(w["choices"][0]["text"], c["choices"][0]["text"], "{p}");
         let lps = |v: &Value| -> Vec<f64> {
-            v["choices"][0]["logprobs"]["token_logprobs"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect()
+            v["choices"][0]["logprobs"]["token_logprobs"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap())
+                .collect()
         };
         close(&lps(&w), &lps(&c), &p);
     }
@@ -165,9 +171,7 @@ fn compositions_key_their_prefixes_and_removed_contexts_leave() {
     let warm = serve(&db, &model, &embedder, &[]);
     let cold = serve(&copy_of(&db), &model, &embedder, &["--prefix-cache-mb", "0"]);
     let prompt = "Tell me where the tower stands and when it was finished.";
-    let ask = |contexts: Value, composition: &str| {
-        json!({"prompt": prompt, "max_tokens": 6, "temperature": 0, "contexts": contexts, "composition": composition})
-    };
+    let ask = |contexts: Value, composition: &str| json!({"prompt": prompt, "max_tokens": 6, "temperature": 0, "contexts": contexts, "composition": composition});
     let first = post(&warm, "/v1/completions", &ask(json!([2, 3]), "picaso-r"));
     assert_eq!(cached(&first), 0);
     for (contexts, composition) in [(json!([3, 2]), "picaso-r"), (json!([2, 3]), "soup"), (json!([2]), "picaso-r")] {
@@ -205,7 +209,8 @@ fn the_cache_stays_within_its_budget() {
         let server = serve(&db, &model, &embedder, &["--prefix-cache-mb", &format!("{budget_mb}")]);
         let mut peak: f64 = 0.0;
         for i in 0..12 {
-            let long = "The tower was painted again that year, and the city argued about its colour. ".repeat(4 * i + 1);
+            let long =
+                "The tower was painted again that year, and the city argued about its colour. ".repeat(4 * i + 1);
             let body = json!({"prompt": format!("{i}: {long}"), "max_tokens": 2, "temperature": 0});
             post(&server, "/v1/completions", &body);
             peak = peak.max(server.metric("picaso_prefix_cache_bytes"));
@@ -227,7 +232,8 @@ fn agents_arriving_together_prefill_a_shared_system_prompt_once() {
     let warm = serve(&db, &model, &embedder, &[]);
     let cold = serve(&copy_of(&db), &model, &embedder, &["--prefix-cache-mb", "0"]);
     let system = "You are one of several agents working on a shared plan. Read the plan carefully. ".repeat(40);
-    let (_, n) = warm.call_json("POST", "/tokenize", Some(json!({"prompt": format!("<|system|>\n{}\n", system.trim())})));
+    let (_, n) =
+        warm.call_json("POST", "/tokenize", Some(json!({"prompt": format!("<|system|>\n{}\n", system.trim())})));
     let system_tokens = n["count"].as_u64().unwrap();
     let body = |i: usize| {
         json!({"messages": [{"role": "system", "content": system}, {"role": "user", "content": format!("Agent {i}: what is your next step?")}],
@@ -236,13 +242,17 @@ fn agents_arriving_together_prefill_a_shared_system_prompt_once() {
     let agents = 8;
     let answers: Vec<Value> = std::thread::scope(|scope| {
         let warm = &warm;
-        let handles: Vec<_> = (0..agents).map(|i| scope.spawn(move || post(warm, "/v1/chat/completions", &body(i)))).collect();
+        let handles: Vec<_> =
+            (0..agents).map(|i| scope.spawn(move || post(warm, "/v1/chat/completions", &body(i)))).collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
     let prompt: u64 = answers.iter().map(|v| v["usage"]["prompt_tokens"].as_u64().unwrap()).sum();
     let saved: u64 = answers.iter().map(cached).sum();
     // All but the first continue from the system prompt (to a token or two of its end).
-    assert!(saved + 2 * agents as u64 >= (agents as u64 - 1) * system_tokens, "{saved} of {prompt} cached: {answers:?}");
+    assert!(
+        saved + 2 * agents as u64 >= (agents as u64 - 1) * system_tokens,
+        "{saved} of {prompt} cached: {answers:?}"
+    );
     assert!(prompt - saved < system_tokens + 2 * (prompt / agents as u64 - system_tokens) * agents as u64);
     for (i, w) in answers.iter().enumerate() {
         let c = post(&cold, "/v1/chat/completions", &body(i));

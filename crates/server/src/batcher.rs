@@ -498,8 +498,7 @@ fn coalesce(batch: &mut [Sequence], cache: &PrefixCache) {
     // Waiters whose cut is no longer ahead of anyone: continue from the cache.
     for i in 0..batch.len() {
         let Some(cut) = batch[i].waiting_for else { continue };
-        let ahead =
-            batch[..i].iter().any(|l| l.pending_cuts().any(|c| c == cut) && shares_prefix(l, &batch[i], cut));
+        let ahead = batch[..i].iter().any(|l| l.pending_cuts().any(|c| c == cut) && shares_prefix(l, &batch[i], cut));
         if !ahead {
             batch[i].waiting_for = None;
             resume_from_cache(&mut batch[i], cache);

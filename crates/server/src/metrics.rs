@@ -134,11 +134,7 @@ impl Default for Metrics {
             m.batch.sample_seconds.clone(),
         );
         let p = &m.prefix;
-        registry.register(
-            "prefix_cache_hits",
-            "Prompts that continued from a stored prefix's state",
-            p.hits.clone(),
-        );
+        registry.register("prefix_cache_hits", "Prompts that continued from a stored prefix's state", p.hits.clone());
         registry.register("prefix_cache_misses", "Prompts that found no stored prefix", p.misses.clone());
         registry.register(
             "prefix_cache_tokens_saved",
@@ -146,7 +142,11 @@ impl Default for Metrics {
             p.tokens_saved.clone(),
         );
         registry.register("prefix_cache_stored", "Prefix states stored", p.stored.clone());
-        registry.register("prefix_cache_evictions", "Prefix states evicted to stay within the budget", p.evictions.clone());
+        registry.register(
+            "prefix_cache_evictions",
+            "Prefix states evicted to stay within the budget",
+            p.evictions.clone(),
+        );
         registry.register("prefix_cache_bytes", "Bytes held by the prefix cache", p.bytes.clone());
         registry.register("prefix_cache_entries", "Prefix states held", p.entries.clone());
         Self { registry, ..m }

@@ -125,10 +125,9 @@ impl PrefixCache {
     pub(crate) fn new(budget: usize, metrics: PrefixMetrics) -> Self {
         // Seeded per process, so prompts cannot be crafted offline to collide (a collision
         // would only be a miss: entries are compared in full).
-        let seed = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64)
-            ^ (std::process::id() as u64).rotate_left(40);
+        let seed =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+                ^ (std::process::id() as u64).rotate_left(40);
         let inner = Inner { entries: LruCache::unbounded(), lengths: BTreeMap::new(), bytes: 0, epoch: 0 };
         Self { budget, seed, inner: Mutex::new(inner), metrics }
     }
@@ -189,7 +188,8 @@ impl PrefixCache {
         let found = {
             let mut inner = self.lock();
             let mut found = None;
-            let lengths: Vec<usize> = inner.lengths.range(longer_than + 1..=tokens.len()).rev().map(|(&n, _)| n).collect();
+            let lengths: Vec<usize> =
+                inner.lengths.range(longer_than + 1..=tokens.len()).rev().map(|(&n, _)| n).collect();
             for n in lengths {
                 let Some(e) = inner.entries.peek(&keys[n]) else { continue };
                 let usable = e.tokens.len() == n
@@ -247,7 +247,9 @@ impl PrefixCache {
             if let Some(old) = inner.entries.peek(&key) {
                 // The same prefix stored again (two requests raced): keep one, with logits if
                 // either has them.
-                if old.origin == *origin && old.tokens[..] == tokens[..] && (old.logits.is_some() || entry.logits.is_none())
+                if old.origin == *origin
+                    && old.tokens[..] == tokens[..]
+                    && (old.logits.is_some() || entry.logits.is_none())
                 {
                     inner.entries.promote(&key);
                     return;
@@ -448,7 +450,8 @@ mod tests {
     #[test]
     fn removed_contexts_take_their_compositions_with_them() {
         let c = cache(1 << 20);
-        let (a, b, zero) = (Origin::new("fp", "soup", &[1, 2]), Origin::new("fp", "soup", &[3]), Origin::new("fp", "", &[]));
+        let (a, b, zero) =
+            (Origin::new("fp", "soup", &[1, 2]), Origin::new("fp", "soup", &[3]), Origin::new("fp", "", &[]));
         let epoch = c.epoch();
         for o in [&a, &b, &zero] {
             c.insert(o, &[5, 6], state(1.0, 2), None, epoch);
