@@ -40,7 +40,9 @@ def count_tokens(url, text):
         conn.close()
         if resp.status == 200:
             v = json.loads(data)
-            return v.get("count") or len(v["tokens"])
+            n = v.get("count") or len(v.get("tokens") or [])
+            if n:  # llama-server answers {"tokens": []} to picaso's shape
+                return n
     raise SystemExit("the server has no /tokenize")
 
 

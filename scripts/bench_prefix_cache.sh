@@ -8,7 +8,7 @@
 #
 # Env: PICASO (binary, default target/release/picaso), LLAMA_SERVER (binary), EMBEDDER,
 # TEXT (corpus, default WikiText-2 valid), OUT (JSON lines, appended), CLIENTS (default 1,8),
-# MODES (default "1024 0": --prefix-cache-mb values), PYTHON.
+# MODES (default "1024 0": --prefix-cache-mb values; "" runs llama-server alone), PYTHON.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 model=$1 gguf=${2:-}
@@ -37,7 +37,7 @@ wait_listening() { # log file → URL
   echo "server did not start: $(cat "$1")" >&2; exit 1
 }
 
-for mb in ${MODES:-1024 0}; do
+for mb in ${MODES-1024 0}; do
   "$picaso" serve --db "$tmp/db" --model "$model" --embedder "$embedder" --chat-template "$template" \
     --addr 127.0.0.1:0 --prefix-cache-mb "$mb" > "$tmp/serve.log" 2>&1 &
   pid=$!

@@ -241,29 +241,25 @@ pub fn retrieval_query(messages: &[Value]) -> Option<String> {
     messages.iter().rev().find(|m| m["role"] == "user").and_then(|m| m["content"].as_str()).map(str::to_string)
 }
 
-/// Byte offsets in `prompt` (the conversation rendered) where messages end: where the first
-/// ends (a system prompt that other conversations share) and where each of the last three
-/// does (the turn before this one). The conversation up to message `i`, rendered without a
-/// generation prompt, must be a prefix of `prompt`; a template that renders it otherwise (or
-/// refuses it) gives no offset there. A few renders at most, whatever the conversation's length.
+/// Byte offsets in `prompt` (the conversation rendered) where the first message ends, when
+/// more follow: the state there is what other conversations with the same system prompt share.
+/// (A conversation's next turn starts with this whole prompt, whose end is stored anyway; each
+/// further cut costs the prefill another pass over the weights.) The first message rendered
+/// alone, without a generation prompt, must be a prefix of `prompt`; a template that renders it
+/// otherwise (or refuses it) gives no offset.
 fn message_ends(
     template: &ChatTemplate,
     messages: &[Value],
     prompt: &str,
     extra: Option<&Map<String, Value>>,
 ) -> Vec<usize> {
-    let n = messages.len();
-    let mut at: Vec<usize> = std::iter::once(1).chain(n.saturating_sub(2).max(1)..=n).collect();
-    at.dedup();
-    let mut ends: Vec<usize> = at
-        .into_iter()
-        .filter_map(|i| template.render(&messages[..i], false, extra).ok())
+    if messages.len() < 2 {
+        return Vec::new();
+    }
+    (template.render(&messages[..1], false, extra).ok())
         .filter(|r| !r.is_empty() && r.len() < prompt.len() && prompt.starts_with(r.as_str()))
-        .map(|r| r.len())
-        .collect();
-    ends.sort_unstable();
-    ends.dedup();
-    ends
+        .map(|r| vec![r.len()])
+        .unwrap_or_default()
 }
 
 /// A chat request as the completion it asks for: its messages rendered with the request's

@@ -1,6 +1,7 @@
-//! The prefix cache: the state after every prompt the server has prefilled (and after each chat
-//! message inside it), so a request that repeats a stored prefix (the conversation so far, a
-//! shared system prompt) continues from that state and prefills only the rest.
+//! The prefix cache: the state after every prompt the server has prefilled (and after a chat's
+//! first message, a system prompt others share), so a request that repeats a stored prefix
+//! (the conversation so far, a shared system prompt) continues from that state and prefills
+//! only the rest.
 //!
 //! An SSM's state is a few megabytes whatever the prefix's length (a hybrid's also holds its
 //! attention layers' keys and values, which grow with it), so many prefixes fit in memory.
@@ -21,7 +22,7 @@
 //! conversation-specific and least shared; the traffic this serves (a conversation's next
 //! turn, agents re-sending one system prompt) is recency-driven, and a shared prefix is touched
 //! by every request that uses it. Admission is already selective as Marconi's is: only prompt
-//! ends and message boundaries are stored, never every block.
+//! ends and a chat's first message are stored, never every block.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
