@@ -268,6 +268,8 @@ pub struct CompletionInfo {
     pub load_ms: f64,
     /// Milliseconds to compose them (for concat: to process the context tokens).
     pub compose_ms: f64,
+    /// Prompt tokens whose state came from the prefix cache (not prefilled).
+    pub cached_tokens: usize,
     /// Milliseconds from the request to the first generated text.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub time_to_first_token_ms: Option<f64>,
@@ -282,6 +284,15 @@ pub struct Usage {
     pub completion_tokens: usize,
     /// Their sum.
     pub total_tokens: usize,
+    /// Of the prompt tokens, those the prefix cache held (OpenAI's `cached_tokens`).
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+/// `usage.prompt_tokens_details`, as OpenAI reports it.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens continued from a stored prefix's state instead of prefilled.
+    pub cached_tokens: usize,
 }
 
 /// One choice: one per prompt.

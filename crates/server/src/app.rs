@@ -21,6 +21,7 @@ use crate::batcher::{Batcher, DecodeStates, Event, Job, Refused};
 use crate::error::ApiError;
 use crate::logprobs::MAX_TOP_LOGPROBS;
 use crate::metrics::Metrics;
+use crate::prefix_cache::PrefixCache;
 
 /// Most documents one request may limit retrieval to: each name is looked up in the catalog.
 const MAX_DOCUMENTS: usize = 1000;
@@ -83,6 +84,9 @@ impl Default for Limits {
 pub struct Options {
     /// Byte budget of the in-memory state cache.
     pub cache_bytes: usize,
+    /// Byte budget of the prefix cache (the states after prompts and chat messages, so a
+    /// request continues from the longest stored prefix of its prompt); 0 disables it.
+    pub prefix_cache_bytes: usize,
     /// Completions preparing at the same time (retrieval, loading and composing states,
     /// concat's prefill); others wait their turn.
     pub parallel: usize,
@@ -125,6 +129,8 @@ pub struct App {
     pub model_name: String,
     /// The chat template, if the model has one (or the server was given one).
     pub chat: Option<crate::chat::ChatTemplate>,
+    /// The states after prompt prefixes seen.
+    pub(crate) prefix: Arc<PrefixCache>,
     /// Slots for completions preparing.
     pub(crate) gate: Arc<Semaphore>,
     /// Slots for uploads and attributions.
@@ -137,6 +143,15 @@ pub struct App {
     /// Held while a document or a named segment is written, so two requests for one document
     /// do not interleave their replacements.
     documents: std::sync::Mutex<()>,
+}
+
+/// What the batch continues: `prompt` from `state` (with the next-token logits when the state
+/// holds the whole prompt already), storing prefix states as `prefix` says.
+pub(crate) struct Generate {
+    pub prompt: Vec<u32>,
+    pub state: State,
+    pub logits: Option<Vec<f32>>,
+    pub prefix: Option<crate::batcher::PrefixJob>,
 }
 
 /// A completion ready to generate: the prompt and the state it continues from.
@@ -211,6 +226,7 @@ impl App {
         let metrics = Metrics::default();
         metrics.contexts.set(store.len().map_err(|e| e.to_string())? as i64);
         let model = Arc::new(model);
+        let prefix = Arc::new(PrefixCache::new(options.prefix_cache_bytes, metrics.prefix.clone()));
         let batcher = Batcher::start(
             model.clone(),
             options.max_batch,
@@ -218,6 +234,7 @@ impl App {
             options.prefill_chunk,
             options.decode_states,
             metrics.batch.clone(),
+            prefix.clone(),
         );
         Ok(Self {
             model,
@@ -229,6 +246,7 @@ impl App {
             metrics,
             model_name: options.model_name,
             chat,
+            prefix,
             gate: Arc::new(Semaphore::new(options.parallel.max(1))),
             ingest: Arc::new(Semaphore::new(options.parallel_ingest.max(1))),
             next_id: AtomicU64::new(0),
@@ -453,6 +471,7 @@ impl App {
                 retrieve_ms,
                 load_ms: 1e3 * prepared.load_seconds,
                 compose_ms: 1e3 * prepared.compose_seconds,
+                cached_tokens: 0,
                 time_to_first_token_ms: None,
             },
             started,
@@ -465,19 +484,19 @@ impl App {
         self.boot
     }
 
-    /// Hands a generation to the batch: `prompt` continues `state`, sampled with `opts`; its
+    /// Hands a generation to the batch: `generate`'s prompt continues its state, sampled with `opts`; its
     /// events arrive on the returned receiver (dropping it cancels the generation). 503 with
     /// Retry-After when the queue is full.
     pub(crate) fn submit(
         &self,
-        prompt: Vec<u32>,
+        generate: Generate,
         opts: GenerateOptions,
         logprobs: Option<usize>,
         started: Instant,
-        state: State,
     ) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
         let (tx, rx) = mpsc::unbounded_channel();
-        let job = Job { prompt, opts, logprobs, started, events: tx };
+        let Generate { prompt, state, logits, prefix } = generate;
+        let job = Job { prompt, opts, logprobs, started, events: tx, logits, prefix };
         match self.batcher.submit(job, state) {
             Ok(()) => Ok(rx),
             Err(Refused::Busy) => {
@@ -557,6 +576,7 @@ impl App {
                 replaced = Some(old);
             }
             self.cache.remove(old);
+            self.prefix.forget_contexts(&[old]);
         }
         let id = match self.store.insert(std::slice::from_ref(&item))?[0] {
             Some(id) => id,
@@ -645,6 +665,11 @@ impl App {
             self.metrics.contexts.set(n as i64);
         }
         let changed = report.done + report.removed + report.relabelled > 0;
+        if changed {
+            // Compositions of the document's old segments are not reused (a segment's id may
+            // stay while its text changes).
+            self.prefix.forget_contexts(&before);
+        }
         Ok((
             changed,
             AddedDocument {
@@ -728,6 +753,7 @@ impl App {
         for &id in ids {
             self.cache.remove(id);
         }
+        self.prefix.forget_contexts(ids);
         if let Ok(n) = self.store.len() {
             self.metrics.contexts.set(n as i64);
         }

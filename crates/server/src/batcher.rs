@@ -28,6 +28,7 @@ use rayon::prelude::*;
 use tokio::sync::mpsc;
 
 use crate::logprobs::{position, Position};
+use crate::prefix_cache::{Origin, PrefixCache};
 
 /// Prompt tokens prefilled per step by default, shared among all joining requests, in
 /// one forward pass: a long prompt is cut into chunks, and several short ones start together.
@@ -69,6 +70,26 @@ pub(crate) struct Job {
     /// When the request arrived (for the time to first token).
     pub started: Instant,
     pub events: mpsc::UnboundedSender<Event>,
+    /// Next-token logits when the state already holds the whole prompt (a prefix-cache hit of
+    /// all of it; `prompt` is then empty).
+    pub logits: Option<Vec<f32>>,
+    /// Where to keep the prompt's states in the prefix cache, if anywhere.
+    pub prefix: Option<PrefixJob>,
+}
+
+/// The prefix states a job stores as its prompt goes in: prefill passes stop at each cut, and
+/// the state there goes into the prefix cache.
+pub(crate) struct PrefixJob {
+    pub origin: Origin,
+    /// The whole prompt: the job's `prompt` is its tail after the `start` tokens its state
+    /// already holds.
+    pub tokens: Vec<u32>,
+    pub start: usize,
+    /// Tokens of the job's `prompt` after which to store the state: ascending, each above 0,
+    /// the last its whole length (none when the whole prompt was stored).
+    pub cuts: Vec<usize>,
+    /// The prefix cache's epoch when the request's contexts were composed.
+    pub epoch: u64,
 }
 
 /// What a generation reports, in order: text pieces, then one `Done` or `Failed`.
@@ -80,6 +101,9 @@ pub(crate) enum Event {
     Logprob(Position),
     /// New final text.
     Text(String),
+    /// The prompt continued from a stored prefix of this many tokens after all: another
+    /// request in the batch stored it while this one waited (sent before any text).
+    Cached(usize),
     /// The end.
     Done {
         /// Tokens generated.
@@ -154,6 +178,7 @@ impl Batcher {
         prefill_chunk: usize,
         states: DecodeStates,
         metrics: BatchMetrics,
+        prefix: Arc<PrefixCache>,
     ) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
         let outstanding = Arc::new(AtomicUsize::new(0));
@@ -161,7 +186,7 @@ impl Batcher {
         let (max_batch, prefill_chunk) = (max_batch.max(1), prefill_chunk.max(1));
         std::thread::Builder::new()
             .name("picaso-batcher".into())
-            .spawn(move || run(&model, rx, max_batch, prefill_chunk, states, &metrics))
+            .spawn(move || run(&model, rx, max_batch, prefill_chunk, states, &metrics, &prefix))
             .expect("the batching thread starts");
         Self { jobs: tx, outstanding, limit: max_batch + max_queue, queued }
     }
@@ -223,12 +248,28 @@ struct Sequence<'m> {
     ttft: Option<f64>,
     /// Finished (done or failed): leaves the batch at the end of the step.
     ended: bool,
+    /// Waits, without prefilling, for an earlier sequence to store the state after this many
+    /// tokens of the prompt, which both prompts start with (see [`coalesce`]).
+    waiting_for: Option<usize>,
+    /// Whether the prefix cache was looked up again as it joined.
+    rechecked: bool,
 }
 
 impl Sequence<'_> {
     /// Whether part of the prompt is still to be prefilled.
     fn joining(&self) -> bool {
         self.prefilled < self.job.prompt.len()
+    }
+
+    /// Prompt tokens in the state, counting those it started with.
+    fn at(&self) -> usize {
+        self.job.prefix.as_ref().map_or(0, |p| p.start) + self.prefilled
+    }
+
+    /// The prefix-cache cuts still ahead, in tokens of the whole prompt.
+    fn pending_cuts(&self) -> impl Iterator<Item = usize> + '_ {
+        let p = self.job.prefix.as_ref().filter(|_| !self.ended && self.waiting_for.is_none());
+        p.into_iter().flat_map(move |p| p.cuts.iter().filter(move |&&c| c > self.prefilled).map(move |c| p.start + c))
     }
 
     fn send(&mut self, event: Event) {
@@ -305,18 +346,25 @@ fn shares(left: &[usize], budget: usize) -> Vec<usize> {
 
 /// Prefills up to `chunk` prompt tokens of the joining requests (up to
 /// [`IDLE_PREFILL_CHUNK`] when none is streaming yet), shared among them by [`shares`], in one
-/// forward pass; a request whose prompt is all in gets its first logits.
-fn prefill_chunks(model: &Model, batch: &mut [Sequence], chunk: usize, m: &BatchMetrics) {
+/// forward pass; a request whose prompt is all in gets its first logits. A request's share
+/// stops at its next prefix-cache cut, and the state there is stored.
+fn prefill_chunks(model: &Model, batch: &mut [Sequence], chunk: usize, m: &BatchMetrics, cache: &PrefixCache) {
     let streaming = batch.iter().any(|s| !s.ended && !s.joining());
     let budget = if streaming { chunk } else { chunk.max(IDLE_PREFILL_CHUNK) };
-    let joining: Vec<&mut Sequence> = batch.iter_mut().filter(|s| !s.ended && s.joining()).collect();
+    let joining: Vec<&mut Sequence> =
+        batch.iter_mut().filter(|s| !s.ended && s.joining() && s.waiting_for.is_none()).collect();
     let left: Vec<usize> = joining.iter().map(|s| s.job.prompt.len() - s.prefilled).collect();
     let mut joining: Vec<(&mut Sequence, usize)> = joining
         .into_iter()
         .zip(shares(&left, budget))
         .filter(|(_, n)| *n > 0)
         .map(|(s, n)| {
-            let end = s.prefilled + n;
+            let mut end = s.prefilled + n;
+            if let Some(p) = &s.job.prefix {
+                if let Some(&cut) = p.cuts.iter().find(|&&c| c > s.prefilled) {
+                    end = end.min(cut);
+                }
+            }
             (s, end)
         })
         .collect();
@@ -339,8 +387,17 @@ fn prefill_chunks(model: &Model, batch: &mut [Sequence], chunk: usize, m: &Batch
         Ok(logits) => {
             for ((s, end), logits) in joining.into_iter().zip(logits) {
                 s.prefilled = end;
-                if end == s.job.prompt.len() {
+                let whole = end == s.job.prompt.len();
+                if let Some(p) = s.job.prefix.as_ref().filter(|p| p.cuts.contains(&end)) {
+                    let state = s.state.wide().clone();
+                    let logits = whole.then(|| logits.clone());
+                    cache.insert(&p.origin, &p.tokens[..p.start + end], state, logits, p.epoch);
+                }
+                if whole {
                     s.logits = Some(logits);
+                    if let Some(p) = &s.job.prefix {
+                        cache.record(p.start);
+                    }
                 }
             }
         }
@@ -356,6 +413,7 @@ fn run(
     prefill_chunk: usize,
     states: DecodeStates,
     m: &BatchMetrics,
+    cache: &PrefixCache,
 ) {
     let mut batch: Vec<Sequence> = Vec::new();
     // Jobs submitted and not yet admitted, oldest first. Read off the channel every iteration
@@ -401,7 +459,8 @@ fn run(
             }
             !gone
         });
-        prefill_chunks(model, &mut batch, prefill_chunk, m);
+        coalesce(&mut batch, cache);
+        prefill_chunks(model, &mut batch, prefill_chunk, m, cache);
         // Each sequence samples on its own (its options, seed and stop strings): the cores
         // share the work instead of one thread doing it while the pool waits.
         let t0 = Instant::now();
@@ -425,6 +484,74 @@ fn run(
         }
         batch.retain(|s| !s.ended);
         m.active.set(batch.len() as i64);
+    }
+}
+
+/// Joining sequences that share a prefix prefill it once: a sequence that has prefilled
+/// nothing yet, whose prompt starts with the tokens up to an earlier sequence's coming
+/// prefix-cache cut (same origin), waits for that cut; once it is stored (or the earlier one
+/// left), the waiter continues from the longest stored prefix of its prompt. A sequence that
+/// waits for nobody looks the cache up again as it joins (a prefix may have been stored since
+/// its request was prepared). So 16 agents that arrive together with one system prompt
+/// prefill it once, not 16 times.
+fn coalesce(batch: &mut [Sequence], cache: &PrefixCache) {
+    // Waiters whose cut is no longer ahead of anyone: continue from the cache.
+    for i in 0..batch.len() {
+        let Some(cut) = batch[i].waiting_for else { continue };
+        let ahead = batch[..i].iter().any(|l| l.pending_cuts().any(|c| c == cut) && shares_prefix(l, &batch[i], cut));
+        if !ahead {
+            batch[i].waiting_for = None;
+            resume_from_cache(&mut batch[i], cache);
+        }
+    }
+    // Sequences yet to start: wait for the furthest cut an earlier one will store first, or
+    // continue from what the cache holds now.
+    for i in 0..batch.len() {
+        let s = &batch[i];
+        if s.ended || s.prefilled > 0 || s.waiting_for.is_some() || !s.joining() || s.job.prefix.is_none() {
+            continue;
+        }
+        let at = s.at();
+        let cut = batch[..i]
+            .iter()
+            .flat_map(|l| l.pending_cuts().filter(|&c| c > at).filter(|&c| shares_prefix(l, s, c)).collect::<Vec<_>>())
+            .max();
+        let s = &mut batch[i];
+        s.waiting_for = cut;
+        if cut.is_none() && !s.rechecked {
+            resume_from_cache(s, cache);
+        }
+        s.rechecked = true;
+    }
+}
+
+/// Continues `s` from the longest prefix of its prompt the cache holds, if that is further
+/// than its state: the prompt and the cuts are rebased on it, and the client is told how many
+/// tokens were cached.
+fn resume_from_cache(s: &mut Sequence, cache: &PrefixCache) {
+    let (Some(p), false) = (&mut s.job.prefix, s.ended) else { return };
+    let Some(hit) = cache.lookup(&p.origin, &p.tokens, p.start + s.prefilled) else { return };
+    let skip = hit.len - p.start;
+    s.state = Live::F32(hit.state);
+    if skip == s.job.prompt.len() {
+        s.logits = hit.logits;
+        cache.record(hit.len);
+    }
+    p.start = hit.len;
+    p.cuts.retain(|&c| c > skip);
+    p.cuts.iter_mut().for_each(|c| *c -= skip);
+    s.job.prompt.drain(..skip);
+    s.prefilled = 0;
+    let _ = s.job.events.send(Event::Cached(hit.len));
+}
+
+/// Whether `b`'s prompt starts with `a`'s first `n` tokens, from the same origin.
+fn shares_prefix(a: &Sequence, b: &Sequence, n: usize) -> bool {
+    match (&a.job.prefix, &b.job.prefix) {
+        (Some(pa), Some(pb)) => {
+            pa.origin == pb.origin && pa.tokens.len() >= n && pb.tokens.len() >= n && pa.tokens[..n] == pb.tokens[..n]
+        }
+        _ => false,
     }
 }
 
@@ -458,22 +585,24 @@ fn step<S: SsmValue>(
 /// Starts a job: a decoder for its options (checked when the request was validated).
 fn admit<'m>(
     model: &'m Model,
-    (job, state, slot): (Job, State, Slot),
+    (mut job, state, slot): (Job, State, Slot),
     batch: &mut Vec<Sequence<'m>>,
     m: &BatchMetrics,
 ) {
     m.queued.dec();
     match Decoder::new(model, &job.opts) {
         Ok(decoder) => batch.push(Sequence {
+            logits: job.logits.take(),
             job,
             state: Live::F32(state),
             slot: Some(slot),
             decoder,
             prefilled: 0,
-            logits: None,
             fed: None,
             ttft: None,
             ended: false,
+            waiting_for: None,
+            rechecked: false,
         }),
         Err(e) => {
             drop(slot);

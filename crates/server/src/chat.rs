@@ -241,14 +241,36 @@ pub fn retrieval_query(messages: &[Value]) -> Option<String> {
     messages.iter().rev().find(|m| m["role"] == "user").and_then(|m| m["content"].as_str()).map(str::to_string)
 }
 
+/// Byte offsets in `prompt` (the conversation rendered) where the first message ends, when
+/// more follow: the state there is what other conversations with the same system prompt share.
+/// (A conversation's next turn starts with this whole prompt, whose end is stored anyway; each
+/// further cut costs the prefill another pass over the weights.) The first message rendered
+/// alone, without a generation prompt, must be a prefix of `prompt`; a template that renders it
+/// otherwise (or refuses it) gives no offset.
+fn message_ends(
+    template: &ChatTemplate,
+    messages: &[Value],
+    prompt: &str,
+    extra: Option<&Map<String, Value>>,
+) -> Vec<usize> {
+    if messages.len() < 2 {
+        return Vec::new();
+    }
+    (template.render(&messages[..1], false, extra).ok())
+        .filter(|r| !r.is_empty() && r.len() < prompt.len() && prompt.starts_with(r.as_str()))
+        .map(|r| vec![r.len()])
+        .unwrap_or_default()
+}
+
 /// A chat request as the completion it asks for: its messages rendered with the request's
 /// template or the model's (`template`), its options carried over. Returns it with the text
-/// retrieval embeds. A model without a template is refused unless the request brings one.
+/// retrieval embeds and where messages end. A model without a template is refused unless the
+/// request brings one.
 pub(crate) fn to_completion(
     req: ChatRequest,
     template: Option<&ChatTemplate>,
     default_max_tokens: usize,
-) -> Result<(CompletionRequest, Option<String>), ApiError> {
+) -> Result<(CompletionRequest, crate::completions::FromChat), ApiError> {
     let unsupported = |what: &str| Err(ApiError::bad_request(format!("{what} is not supported by picaso")));
     let logprobs = match (req.logprobs, req.top_logprobs) {
         (Some(true), Some(n)) if n > crate::logprobs::MAX_TOP_LOGPROBS => {
@@ -298,6 +320,7 @@ pub(crate) fn to_completion(
     let prompt =
         template.render(&messages, req.add_generation_prompt.unwrap_or(true), req.chat_template_kwargs.as_ref())?;
     let query = retrieval_query(&messages);
+    let boundaries = message_ends(template, &messages, &prompt, req.chat_template_kwargs.as_ref());
     let completion = CompletionRequest {
         prompt: Prompt::Text(prompt),
         max_tokens,
@@ -326,7 +349,7 @@ pub(crate) fn to_completion(
         logit_bias: req.logit_bias,
         stream_options: req.stream_options,
     };
-    Ok((completion, query))
+    Ok((completion, crate::completions::FromChat { query, boundaries }))
 }
 
 #[cfg(test)]

@@ -18,11 +18,12 @@ use picaso_store::{ContextMethod, Filter};
 use serde_json::json;
 use tokio::sync::mpsc;
 
-use crate::api::{Choice, Completion, CompletionInfo, CompletionRequest, Logprobs, Usage};
-use crate::app::{finish_reason, unix_now, App, Plan};
-use crate::batcher::Event;
+use crate::api::{Choice, Completion, CompletionInfo, CompletionRequest, Logprobs, PromptTokensDetails, Usage};
+use crate::app::{finish_reason, unix_now, App, Generate, Plan};
+use crate::batcher::{Event, PrefixJob};
 use crate::error::ApiError;
 use crate::logprobs::{score_prompt, LogprobsBuilder};
+use crate::prefix_cache::Origin;
 
 /// How the answer is shaped: OpenAI's legacy completions, or chat completions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,18 +46,29 @@ pub(crate) struct Prepared {
     offset: usize,
     /// The tokens to feed and the state they continue, until handed to the batch; None when
     /// nothing is generated (`max_tokens: 0`).
-    generate: Option<(Vec<u32>, State)>,
+    generate: Option<Generate>,
     /// Whether the prompt generates (`generate` is taken when it joins the batch).
     generates: bool,
 }
 
-/// Plans every prompt of `req`, scoring those it echoes with log-probabilities. `query`
-/// replaces each prompt's text as what retrieval embeds (chat retrieves by the last user
-/// message, not by the rendered template). Blocking.
+/// What a chat request adds to the completion it becomes.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct FromChat {
+    /// What retrieval embeds instead of the prompt (the last user message, not the rendered
+    /// template).
+    pub query: Option<String>,
+    /// Byte offsets in the rendered prompt where messages end: the prefix cache keeps the
+    /// states there (a conversation's next turn, or agents sharing a system prompt, start
+    /// from them).
+    pub boundaries: Vec<usize>,
+}
+
+/// Plans every prompt of `req`, scoring those it echoes with log-probabilities; each prompt
+/// that generates continues from the longest prefix of it the prefix cache holds. Blocking.
 pub(crate) fn prepare(
     app: &App,
     req: &CompletionRequest,
-    query: Option<&str>,
+    chat: &FromChat,
     method: ContextMethod,
     opts: &GenerateOptions,
     filter: Option<&Filter>,
@@ -64,12 +76,17 @@ pub(crate) fn prepare(
 ) -> Result<Vec<Prepared>, ApiError> {
     let tokenizer = app.model.tokenizer()?;
     let mut out = Vec::new();
+    // Read before any context is composed: a context removed meanwhile bumps it, and states
+    // composed from it are then not stored.
+    let epoch = app.prefix.epoch();
     for (text, tokens) in app.prompts(&req.prompt)? {
-        let (plan, state) =
-            app.plan(req, query.unwrap_or(&text), tokens.clone(), method, opts.clone(), filter, started)?;
+        let query = chat.query.as_deref().unwrap_or(&text);
+        let (mut plan, state) = app.plan(req, query, tokens.clone(), method, opts.clone(), filter, started)?;
         let generating = opts.max_tokens > 0;
         let (mut echo_logprobs, mut offset) = (None, 0);
         let generate = match req.logprobs.filter(|_| req.echo) {
+            // The prompt's log-probabilities need every position's logits: scored whole, never
+            // from a stored prefix (whose positions were not kept).
             Some(top_n) => {
                 let (positions, state) = score_prompt(&app.model, &tokens, state, top_n)?;
                 let (mut logprobs, mut builder) = (Logprobs::default(), LogprobsBuilder::new(tokenizer, 0));
@@ -77,14 +94,75 @@ pub(crate) fn prepare(
                 positions.iter().for_each(|p| builder.push(&mut logprobs, p));
                 (echo_logprobs, offset) = (Some(logprobs), builder.offset());
                 let last = tokens[tokens.len() - 1];
-                generating.then(|| (vec![last], state))
+                generating.then(|| Generate { prompt: vec![last], state, logits: None, prefix: None })
             }
-            None => generating.then_some((tokens, state)),
+            None if generating => Some(from_prefix(app, &mut plan, &text, tokens, state, &chat.boundaries, epoch)),
+            None => None,
         };
         let echo_text = if req.echo { text } else { String::new() };
         out.push(Prepared { plan, echo_text, echo_logprobs, offset, generates: generate.is_some(), generate });
     }
     Ok(out)
+}
+
+/// What the batch continues for `tokens`: from the longest prefix the prefix cache holds (its
+/// state replaces `state`, the composition the prompt starts from), storing the states at the
+/// prompt's end and at the message ends (`boundaries`, bytes of `text`) it prefills.
+fn from_prefix(
+    app: &App,
+    plan: &mut Plan,
+    text: &str,
+    tokens: Vec<u32>,
+    state: State,
+    boundaries: &[usize],
+    epoch: u64,
+) -> Generate {
+    if !app.prefix.enabled() {
+        return Generate { prompt: tokens, state, logits: None, prefix: None };
+    }
+    let ids: Vec<i64> = plan.info.contexts.iter().map(|c| c.id).collect();
+    let origin = Origin::new(app.model.fingerprint(), plan.info.composition, &ids);
+    let (start, state, logits) = match app.prefix.lookup(&origin, &tokens, 0) {
+        Some(hit) => (hit.len, hit.state, hit.logits),
+        None => (0, state, None),
+    };
+    plan.info.cached_tokens = start;
+    if start == tokens.len() {
+        // All of it stored, logits too: nothing to prefill or store.
+        app.prefix.record(start);
+        return Generate { prompt: Vec::new(), state, logits, prefix: None };
+    }
+    let mut cuts: Vec<usize> = token_boundaries(app, text, &tokens, boundaries)
+        .into_iter()
+        .filter(|&b| b > start)
+        .map(|b| b - start)
+        .collect();
+    cuts.push(tokens.len() - start);
+    cuts.dedup();
+    let prompt = tokens[start..].to_vec();
+    Generate { prompt, state, logits, prefix: Some(PrefixJob { origin, tokens, start, cuts, epoch }) }
+}
+
+/// Token positions of `text` (tokenized as `tokens`) at the byte offsets `boundaries`: the
+/// tokens that end at or before each. Ascending, within the prompt (not its end).
+fn token_boundaries(app: &App, text: &str, tokens: &[u32], boundaries: &[usize]) -> Vec<usize> {
+    if boundaries.is_empty() {
+        return Vec::new();
+    }
+    let Ok(encoding) = app.model.tokenizer().map(|t| t.inner().encode(text, false)) else { return Vec::new() };
+    let Ok(encoding) = encoding else { return Vec::new() };
+    if encoding.get_ids() != tokens {
+        return Vec::new();
+    }
+    let offsets = encoding.get_offsets();
+    let mut out: Vec<usize> = boundaries
+        .iter()
+        .map(|&b| offsets.partition_point(|o| o.1 <= b))
+        .filter(|&t| t > 0 && t < tokens.len())
+        .collect();
+    out.sort_unstable();
+    out.dedup();
+    out
 }
 
 /// A choice as it builds up.
@@ -116,8 +194,8 @@ pub(crate) fn submit_all(
 ) -> Result<mpsc::UnboundedReceiver<(usize, Event)>, ApiError> {
     let (tx, merged) = mpsc::unbounded_channel();
     for (index, p) in prepared.iter_mut().enumerate() {
-        let Some((prompt, state)) = p.generate.take() else { continue };
-        let mut events = app.submit(prompt, p.plan.opts.clone(), logprobs, p.plan.started, state)?;
+        let Some(generate) = p.generate.take() else { continue };
+        let mut events = app.submit(generate, p.plan.opts.clone(), logprobs, p.plan.started)?;
         let tx = tx.clone();
         tokio::spawn(async move {
             loop {
@@ -176,6 +254,10 @@ fn apply(
             b.text.push_str(&piece);
             Ok((piece, None))
         }
+        Event::Cached(n) => {
+            b.info.cached_tokens = n;
+            Ok((String::new(), None))
+        }
         Event::Done { tokens, reason, ttft } => {
             b.finish = Some(finish_reason(reason));
             b.completion_tokens = tokens;
@@ -189,7 +271,13 @@ fn apply(
 fn usage(prepared: &[Prepared], choices: &[Building]) -> Usage {
     let prompt_tokens = prepared.iter().map(|p| p.plan.prompt.len()).sum();
     let completion_tokens = choices.iter().map(|c| c.completion_tokens).sum();
-    Usage { prompt_tokens, completion_tokens, total_tokens: prompt_tokens + completion_tokens }
+    let cached_tokens = choices.iter().map(|c| c.info.cached_tokens).sum();
+    Usage {
+        prompt_tokens,
+        completion_tokens,
+        total_tokens: prompt_tokens + completion_tokens,
+        prompt_tokens_details: PromptTokensDetails { cached_tokens },
+    }
 }
 
 /// Waits for every choice and gives the whole answer.

@@ -35,6 +35,7 @@ mod completions;
 pub mod error;
 pub mod logprobs;
 mod metrics;
+mod prefix_cache;
 mod routes;
 
 use std::sync::Arc;

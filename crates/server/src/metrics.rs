@@ -45,6 +45,9 @@ pub struct Metrics {
     /// What the batching thread updates: tokens generated, generations cancelled by a client
     /// going away, time to first token, batch size and queue.
     pub(crate) batch: crate::batcher::BatchMetrics,
+    /// What the prefix cache counts: hits, misses, tokens saved, states stored and evicted,
+    /// bytes and states held.
+    pub(crate) prefix: crate::prefix_cache::PrefixMetrics,
 }
 
 impl Default for Metrics {
@@ -78,6 +81,7 @@ impl Default for Metrics {
             contexts: Gauge::default(),
             prompt_tokens: Counter::default(),
             batch,
+            prefix: crate::prefix_cache::PrefixMetrics::default(),
             registry: Registry::default(),
         };
         registry.register("requests", "HTTP requests by endpoint, method and status", m.requests.clone());
@@ -129,6 +133,22 @@ impl Default for Metrics {
             "Time per batch iteration to sample every generation's next token and hand out its text",
             m.batch.sample_seconds.clone(),
         );
+        let p = &m.prefix;
+        registry.register("prefix_cache_hits", "Prompts that continued from a stored prefix's state", p.hits.clone());
+        registry.register("prefix_cache_misses", "Prompts that found no stored prefix", p.misses.clone());
+        registry.register(
+            "prefix_cache_tokens_saved",
+            "Prompt tokens not prefilled because a stored prefix held them",
+            p.tokens_saved.clone(),
+        );
+        registry.register("prefix_cache_stored", "Prefix states stored", p.stored.clone());
+        registry.register(
+            "prefix_cache_evictions",
+            "Prefix states evicted to stay within the budget",
+            p.evictions.clone(),
+        );
+        registry.register("prefix_cache_bytes", "Bytes held by the prefix cache", p.bytes.clone());
+        registry.register("prefix_cache_entries", "Prefix states held", p.entries.clone());
         Self { registry, ..m }
     }
 }

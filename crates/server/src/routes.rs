@@ -127,13 +127,13 @@ async fn blocking<T: Send + 'static>(
 }
 
 async fn completions(State(app): Shared, ApiJson(req): ApiJson<CompletionRequest>) -> Result<Response, ApiError> {
-    run_completion(app, req, None, Shape::Text, Instant::now()).await
+    run_completion(app, req, completions::FromChat::default(), Shape::Text, Instant::now()).await
 }
 
 async fn chat_completions(State(app): Shared, ApiJson(req): ApiJson<ChatRequest>) -> Result<Response, ApiError> {
     let started = Instant::now();
-    let (req, query) = crate::chat::to_completion(req, app.chat.as_ref(), app.limits.max_tokens)?;
-    run_completion(app, req, query, Shape::Chat, started).await
+    let (req, chat) = crate::chat::to_completion(req, app.chat.as_ref(), app.limits.max_tokens)?;
+    run_completion(app, req, chat, Shape::Chat, started).await
 }
 
 /// A completion, plain or streamed: preparing (retrieval, states, composition, prompt scoring)
@@ -141,7 +141,7 @@ async fn chat_completions(State(app): Shared, ApiJson(req): ApiJson<ChatRequest>
 async fn run_completion(
     app: Arc<App>,
     req: CompletionRequest,
-    query: Option<String>,
+    chat: completions::FromChat,
     shape: Shape,
     started: Instant,
 ) -> Result<Response, ApiError> {
@@ -152,7 +152,7 @@ async fn run_completion(
     let planner = app.clone();
     let mut prepared = blocking(move || {
         let _permit = permit;
-        completions::prepare(&planner, &req, query.as_deref(), method, &opts, filter.as_ref(), started)
+        completions::prepare(&planner, &req, &chat, method, &opts, filter.as_ref(), started)
     })
     .await?;
     if !stream {
