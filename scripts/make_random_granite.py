@@ -57,6 +57,12 @@ def main():
     model = GraniteMoeHybridForCausalLM(config).to(torch.float32).eval()
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out, safe_serialization=True)
+    # The hub's spelling of the layer types ("mamba" / "attention"): transformers 5 writes its own
+    # ("linear_attention" / "full_attention"), which llama.cpp's converter does not read.
+    cfg_path = args.out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["layer_types"] = types
+    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
 
     if args.tokenizer:
         shutil.copyfile(args.tokenizer, args.out / "tokenizer.json")
