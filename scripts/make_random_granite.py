@@ -2,6 +2,9 @@
 """Create an HF-transformers Granite 4.0 H folder (GraniteMoeHybridForCausalLM) with random weights,
 for speed benchmarks against llama.cpp on the same weights.
 
+`--preset micro-like` (2.9 B): hidden 2560, 40 layers of which 4 attention (40 query / 8 key-value
+heads of 64), Mamba-2 layers of 80 heads x 64, dense SwiGLU MLP of 4096: Granite 4.0 H-Micro's
+layout (3 B, dense), sizes chosen here.
 `--preset 350m-like`: hidden 768, 32 layers of which 4 attention (NoPE, 12 query / 4 key-value
 heads of 64) evenly spread, Mamba-2 layers of 48 heads x 32 with state 128 and 1 group, conv 4,
 dense SwiGLU MLP of 2048, tied embeddings: the layout of Granite 4.0 H-350M as IBM describes it,
@@ -34,6 +37,11 @@ PRESETS = {
                       mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2, shared_intermediate_size=2048,
                       intermediate_size=2048, num_local_experts=0, num_experts_per_tok=0,
                       vocab_size=50304),
+    "micro-like": dict(hidden_size=2560, num_hidden_layers=40, attention=4, num_attention_heads=40,
+                       num_key_value_heads=8, mamba_n_heads=80, mamba_d_head=64, mamba_d_state=128,
+                       mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2, shared_intermediate_size=4096,
+                       intermediate_size=4096, num_local_experts=0, num_experts_per_tok=0,
+                       vocab_size=50304),
 }
 # GPT-NeoX token ids: <|endoftext|> = 0 (bos/eos), <|padding|> = 1.
 SPECIAL = dict(bos_token_id=0, eos_token_id=0, pad_token_id=1)
@@ -45,6 +53,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--tokenizer", type=Path, help="tokenizer.json to copy into the folder")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="storage of the weights (bfloat16 as the hub's checkpoints; halves a large preset)")
     args = ap.parse_args()
 
     p = dict(PRESETS[args.preset])
@@ -54,7 +64,7 @@ def main():
                                     tie_word_embeddings=True, embedding_multiplier=12.0,
                                     attention_multiplier=1 / 64, residual_multiplier=0.22,
                                     logits_scaling=3.0, **SPECIAL)
-    model = GraniteMoeHybridForCausalLM(config).to(torch.float32).eval()
+    model = GraniteMoeHybridForCausalLM(config).to(getattr(torch, args.dtype)).eval()
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out, safe_serialization=True)
     # The hub's spelling of the layer types ("mamba" / "attention"): transformers 5 writes its own
@@ -71,9 +81,9 @@ def main():
                    "add_bos_token": False, "add_eos_token": False, "model_max_length": 1000000000}
         (args.out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
 
-    ids = torch.randint(0, config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(args.seed))
+    ids = torch.randint(0, config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(args.seed))
     with torch.no_grad():
-        lg = model(ids).logits
+        lg = model.float()(ids).logits
     assert torch.isfinite(lg).all(), "non-finite logits"
     print(f"wrote {args.out}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, layer types "
           f"{''.join('A' if t == 'attention' else 'm' for t in types)}, logits std {lg.std():.3f}")
