@@ -19,11 +19,12 @@ Run:  python scripts/make_random_granite.py --preset 350m-like \
 
 import argparse
 import json
-import shutil
 from pathlib import Path
 
 import torch
 from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+from make_random_mamba2 import SPECIAL, copy_tokenizer  # same tokenizer files and special ids
 
 
 def layer_types(n, attention):
@@ -43,8 +44,6 @@ PRESETS = {
                        intermediate_size=4096, num_local_experts=0, num_experts_per_tok=0,
                        vocab_size=50304),
 }
-# GPT-NeoX token ids: <|endoftext|> = 0 (bos/eos), <|padding|> = 1.
-SPECIAL = dict(bos_token_id=0, eos_token_id=0, pad_token_id=1)
 
 
 def main():
@@ -75,11 +74,7 @@ def main():
     cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
 
     if args.tokenizer:
-        shutil.copyfile(args.tokenizer, args.out / "tokenizer.json")
-        tok_cfg = {"tokenizer_class": "GPTNeoXTokenizer", "bos_token": "<|endoftext|>",
-                   "eos_token": "<|endoftext|>", "pad_token": "<|padding|>", "unk_token": "<|endoftext|>",
-                   "add_bos_token": False, "add_eos_token": False, "model_max_length": 1000000000}
-        (args.out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+        copy_tokenizer(args.tokenizer, args.out)
 
     ids = torch.randint(0, config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(args.seed))
     with torch.no_grad():

@@ -27,6 +27,16 @@ PRESETS = {
 SPECIAL = dict(bos_token_id=0, eos_token_id=0, pad_token_id=1)
 
 
+def copy_tokenizer(tokenizer: Path, out: Path):
+    """Copies a GPT-NeoX tokenizer.json into `out` with a matching tokenizer_config.json (what
+    transformers and llama.cpp's converter read). make_random_granite.py uses it too."""
+    shutil.copyfile(tokenizer, out / "tokenizer.json")
+    tok_cfg = {"tokenizer_class": "GPTNeoXTokenizer", "bos_token": "<|endoftext|>",
+               "eos_token": "<|endoftext|>", "pad_token": "<|padding|>", "unk_token": "<|endoftext|>",
+               "add_bos_token": False, "add_eos_token": False, "model_max_length": 1000000000}
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="130m")
@@ -42,11 +52,7 @@ def main():
     model.save_pretrained(args.out, safe_serialization=True)
 
     if args.tokenizer:
-        shutil.copyfile(args.tokenizer, args.out / "tokenizer.json")
-        tok_cfg = {"tokenizer_class": "GPTNeoXTokenizer", "bos_token": "<|endoftext|>",
-                   "eos_token": "<|endoftext|>", "pad_token": "<|padding|>", "unk_token": "<|endoftext|>",
-                   "add_bos_token": False, "add_eos_token": False, "model_max_length": 1000000000}
-        (args.out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+        copy_tokenizer(args.tokenizer, args.out)
 
     # Sanity check: activations and logits of the random model should be finite and O(1).
     ids = torch.randint(0, config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(args.seed))
