@@ -115,7 +115,7 @@ pub struct BenchStoreArgs {
     queries: usize,
     /// The composition.
     #[arg(long, default_value = "picaso-r")]
-    method: picaso_model::Method,
+    method: picaso_model::Composition,
     /// State cache for the warm measurement, MiB.
     #[arg(long, default_value_t = 512, value_parser = crate::at_least_one)]
     cache_mb: usize,

@@ -15,8 +15,8 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use picaso_model::{generate, GenerateOptions, Method, Model};
-use picaso_store::{prepare, ContextMethod, Document, Store};
+use picaso_model::{generate, Composition, GenerateOptions, Method, Model};
+use picaso_store::{prepare, Document, Store};
 
 use crate::ModelArgs;
 
@@ -112,7 +112,7 @@ pub fn run(a: DemoArgs) -> Result<()> {
         .unwrap_or_else(|| PathBuf::from(if a.data.is_some() { "target/demo-db-wikitext" } else { "target/demo-db" }));
     // The retriever first: without one the demo stops at once with what to fetch.
     let existing = Store::open(&db).ok();
-    let embedder = crate::embedder::resolve(a.embedder.as_deref(), existing.as_ref())?;
+    let embedder = picaso_store::find_embedder(a.embedder.as_deref(), existing.as_ref())?;
     drop(existing);
     let model = crate::load_model(&a.model, true)?;
     let (docs, segmentation) = match &a.data {
@@ -149,11 +149,8 @@ pub fn run(a: DemoArgs) -> Result<()> {
         Some(_) => wikitext_questions(&store, a.prompts, a.k)?,
         None => builtin_questions(&store, &model, &embedder, a.prompts, a.k)?,
     };
-    let methods = [
-        ("naive", ContextMethod::Naive),
-        ("concat", ContextMethod::Concat),
-        ("picaso-r", ContextMethod::Compose(Method::PicasoR)),
-    ];
+    let methods =
+        [("naive", Method::Naive), ("concat", Method::Concat), ("picaso-r", Method::Compose(Composition::PicasoR))];
     let mut totals = vec![(0.0, 0.0); methods.len()];
     let opts = GenerateOptions { max_tokens: a.max_tokens, ..Default::default() };
     for (i, q) in questions.iter().enumerate() {
@@ -190,7 +187,7 @@ pub fn run(a: DemoArgs) -> Result<()> {
         // Which retrieved context the true answer owes most to, by leaving each out of the
         // composed state (`picaso query --answer`).
         if !q.contexts.is_empty() && !q.answer.is_empty() {
-            let picaso_r = ContextMethod::Compose(Method::PicasoR);
+            let picaso_r = Method::Compose(Composition::PicasoR);
             let at =
                 picaso_store::attribute(&store, &model, &q.contexts, picaso_r, &q.prompt, &q.answer, Some(&cache))?;
             let top = at.ranking()[0];

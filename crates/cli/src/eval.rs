@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
-use picaso_eval::{report, EvalMethod};
+use picaso_eval::{report, Method};
 
 use crate::ModelArgs;
 
@@ -87,7 +87,7 @@ pub struct RecallArgs {
     distractors: usize,
     /// Methods (comma-separated).
     #[arg(long, value_delimiter = ',', default_value = "naive,concat,piconcat-r,soup,caso,picaso-s,picaso-r")]
-    methods: Vec<EvalMethod>,
+    methods: Vec<Method>,
     #[arg(long, default_value_t = 0)]
     seed: u64,
 }
@@ -133,7 +133,7 @@ pub struct WikitextArgs {
     ks: Option<Vec<usize>>,
     /// Methods besides naive (comma-separated).
     #[arg(long, value_delimiter = ',', default_value = "concat,piconcat-r,soup,caso,picaso-s,picaso-r")]
-    methods: Vec<EvalMethod>,
+    methods: Vec<Method>,
     #[command(flatten)]
     retriever: crate::retriever::RetrieverArgs,
     #[command(flatten)]
@@ -168,7 +168,7 @@ pub struct ScalingArgs {
     ks: Vec<usize>,
     /// Methods besides naive (PIConcat-R is left out by default: it processes k × k segments).
     #[arg(long, value_delimiter = ',', default_value = "concat,soup,caso,picaso-s,picaso-r")]
-    methods: Vec<EvalMethod>,
+    methods: Vec<Method>,
     #[command(flatten)]
     sampling: Sampling,
 }
@@ -203,7 +203,7 @@ pub struct OpenbookqaArgs {
     ks: Vec<usize>,
     /// Methods besides naive.
     #[arg(long, value_delimiter = ',', default_value = "concat,piconcat-r,soup,caso,picaso-s,picaso-r")]
-    methods: Vec<EvalMethod>,
+    methods: Vec<Method>,
     /// Score this many questions drawn with --seed (default: all).
     #[arg(long)]
     sample: Option<usize>,
@@ -225,7 +225,7 @@ pub struct AttributionArgs {
     distractors: String,
     /// Leave-one-out methods.
     #[arg(long, value_delimiter = ',', default_value = "concat,soup,caso,picaso-r,picaso-s")]
-    methods: Vec<EvalMethod>,
+    methods: Vec<Method>,
     /// Score this many questions drawn with --seed (default: all).
     #[arg(long)]
     sample: Option<usize>,
@@ -245,7 +245,7 @@ pub struct MsmarcoArgs {
     out: PathBuf,
     /// Leave-one-out methods.
     #[arg(long, value_delimiter = ',', default_value = "concat,soup,caso,picaso-r,picaso-s")]
-    methods: Vec<EvalMethod>,
+    methods: Vec<Method>,
     /// Score this many queries drawn with --seed (default: all).
     #[arg(long)]
     sample: Option<usize>,
@@ -286,7 +286,7 @@ pub struct FidelityArgs {
     ks: Vec<usize>,
     /// Methods compared with Concat.
     #[arg(long, value_delimiter = ',', default_value = "naive,piconcat-r,soup,caso,picaso-s,picaso-r")]
-    methods: Vec<EvalMethod>,
+    methods: Vec<Method>,
     #[command(flatten)]
     sampling: Sampling,
 }
@@ -316,7 +316,7 @@ pub struct FinetunedArgs {
     obqa_ks: Vec<usize>,
     /// Methods besides naive.
     #[arg(long, value_delimiter = ',', default_value = "concat,soup,caso,picaso-s,picaso-r")]
-    methods: Vec<EvalMethod>,
+    methods: Vec<Method>,
     /// WikiText passages to score (drawn with --seed); OpenBookQA scores all 500 questions.
     #[arg(long)]
     sample: Option<usize>,
@@ -439,7 +439,7 @@ fn open_store(d: &DataArgs, model: &picaso_model::Model) -> Result<picaso_store:
         if let Some(store) = &existing {
             check_segmentation(store, d.min_tokens)?;
         }
-        let embedder = crate::embedder::resolve(d.embedder.as_deref(), existing.as_ref())?;
+        let embedder = picaso_store::find_embedder(d.embedder.as_deref(), existing.as_ref())?;
         drop(existing);
         let docs = picaso_store::read_wikitext(data)?;
         let info = picaso_store::StoreInfo {
@@ -499,7 +499,7 @@ fn run_wikitext(
     model: &picaso_model::Model,
     store: &picaso_store::Store,
     ks: Vec<usize>,
-    methods: &[EvalMethod],
+    methods: &[Method],
     retriever: picaso_store::Retriever,
     s: &Sampling,
     out: &std::path::Path,
@@ -588,7 +588,7 @@ fn obqa_prepare(
     use picaso_eval::openbookqa;
     let data = openbookqa::load(&d.data, &d.split)?;
     check(&data)?;
-    let embedder = crate::embedder::resolve(d.embedder.as_deref(), None)?;
+    let embedder = picaso_store::find_embedder(d.embedder.as_deref(), None)?;
     eprintln!(
         "{}, {}: processing and embedding",
         counted(data.facts.len(), "fact"),

@@ -9,13 +9,12 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
-use picaso_model::{compose, generate, GenerateOptions, LoadOptions, Method, Model, State, StateDtype};
+use picaso_model::{compose, generate, Composition, GenerateOptions, LoadOptions, Method, Model, State, StateDtype};
 use serde_json::json;
 
 mod backends;
 mod contexts;
 mod demo;
-mod embedder;
 mod eval;
 mod retriever;
 mod serve;
@@ -179,8 +178,8 @@ struct QueryArgs {
     #[command(flatten)]
     retriever: retriever::RetrieverArgs,
     /// picaso-r, picaso-s, caso, soup, concat or naive.
-    #[arg(long, default_value = "picaso-r")]
-    method: picaso_store::ContextMethod,
+    #[arg(long, default_value = "picaso-r", value_parser = |s: &str| Method::parse_among(s, &Method::QUERY))]
+    method: Method,
     /// Use these context ids (in this order, the last nearest the prompt) instead of retrieving.
     #[arg(long, value_delimiter = ',')]
     ids: Option<Vec<i64>>,
@@ -287,7 +286,7 @@ struct BenchContextArgs {
     repeats: usize,
     /// Composition method.
     #[arg(long, default_value = "picaso-r")]
-    method: Method,
+    method: Composition,
     /// Precision of the state files.
     #[arg(long, default_value = "f32")]
     state_dtype: StateDtype,
@@ -437,7 +436,7 @@ impl SamplingArgs {
 struct ComposeArgs {
     /// soup, caso, picaso-s or picaso-r.
     #[arg(long)]
-    method: Method,
+    method: Composition,
     /// State files, in order.
     #[arg(long, num_args = 1.., required = true)]
     state_files: Vec<PathBuf>,
@@ -459,7 +458,7 @@ struct ComposeArgs {
 struct WeightsArgs {
     /// soup, caso, picaso-s or picaso-r.
     #[arg(long)]
-    method: Method,
+    method: Composition,
     /// One log-decay per context (<= 0), comma-separated, in order.
     #[arg(long, value_delimiter = ',', allow_hyphen_values = true, required = true)]
     log_decays: Vec<f64>,
@@ -1028,7 +1027,7 @@ fn ingest(a: IngestArgs) -> Result<()> {
     let model = load_model(&a.model, true)?;
     let location = a.db.location()?;
     let existing = picaso_store::Store::open(location.clone()).ok();
-    let embedder = embedder::resolve(a.embedder.as_deref(), existing.as_ref())?;
+    let embedder = picaso_store::find_embedder(a.embedder.as_deref(), existing.as_ref())?;
     drop(existing);
     let docs = match (&a.text_dir, &a.jsonl, &a.wikitext) {
         (Some(d), _, _) => picaso_store::read_text_dir(d)?,
@@ -1135,14 +1134,23 @@ fn at_least_one(s: &str) -> std::result::Result<usize, String> {
 }
 
 fn query(a: QueryArgs) -> Result<()> {
-    if a.method == picaso_store::ContextMethod::Naive && a.ids.as_ref().is_some_and(|ids| !ids.is_empty()) {
-        bail!("--method naive uses no context, so --ids would be ignored: drop --ids, or pick picaso-r, picaso-s, caso, soup or concat");
+    if a.method == Method::Naive && a.ids.as_ref().is_some_and(|ids| !ids.is_empty()) {
+        bail!(
+            "--method naive uses no context, so --ids would be ignored: drop --ids, or pick {}",
+            Method::list(&Method::WITH_CONTEXT)
+        );
     }
-    if a.method == picaso_store::ContextMethod::Naive && !a.docs.is_empty() {
-        bail!("--method naive retrieves nothing, so --doc would be ignored: drop --doc, or pick picaso-r, picaso-s, caso, soup or concat");
+    if a.method == Method::Naive && !a.docs.is_empty() {
+        bail!(
+            "--method naive retrieves nothing, so --doc would be ignored: drop --doc, or pick {}",
+            Method::list(&Method::WITH_CONTEXT)
+        );
     }
-    if a.method == picaso_store::ContextMethod::Naive && !a.filters.is_empty() {
-        bail!("--method naive retrieves nothing, so --filter would be ignored: drop --filter, or pick picaso-r, picaso-s, caso, soup or concat");
+    if a.method == Method::Naive && !a.filters.is_empty() {
+        bail!(
+            "--method naive retrieves nothing, so --filter would be ignored: drop --filter, or pick {}",
+            Method::list(&Method::WITH_CONTEXT)
+        );
     }
     let filter = (!a.filters.is_empty()).then(|| picaso_store::Filter::from_args(&a.filters)).transpose()?;
     let retriever = a.retriever.retriever()?;
@@ -1161,11 +1169,11 @@ fn query(a: QueryArgs) -> Result<()> {
     // Best first from retrieval; composition wants the most relevant last (nearest the prompt).
     let (hits, prepared): (Vec<(i64, Option<f32>)>, _) = match &a.ids {
         Some(ids) => (ids.iter().map(|&i| (i, None)).collect(), prepare(ids)?),
-        None if a.method == picaso_store::ContextMethod::Naive => (Vec::new(), prepare(&[])?),
+        None if a.method == Method::Naive => (Vec::new(), prepare(&[])?),
         None => {
             // BM25 needs no embedder: none is loaded.
             let embedder = match retriever.needs_embedding() {
-                true => Some(embedder::resolve(a.embedder.as_deref(), Some(&store))?),
+                true => Some(picaso_store::find_embedder(a.embedder.as_deref(), Some(&store))?),
                 false => None,
             };
             let q = match &embedder {
@@ -1199,7 +1207,7 @@ fn query(a: QueryArgs) -> Result<()> {
             if a.docs.is_empty() { contexts::why_none_match(&store, filter)? } else { String::new() }
         );
     }
-    if ids.is_empty() && a.ids.is_none() && a.method != picaso_store::ContextMethod::Naive {
+    if ids.is_empty() && a.ids.is_none() && a.method != Method::Naive {
         if store.is_empty()? {
             eprintln!(
                 "(the store holds no contexts: {} has nothing to combine, so this answers without context)",
@@ -1218,8 +1226,11 @@ fn query(a: QueryArgs) -> Result<()> {
         bail!("the prompt must contain at least one token");
     }
     if a.attribute || a.answer.is_some() {
-        if a.method == picaso_store::ContextMethod::Naive {
-            bail!("--attribute leaves each context out in turn, but naive uses none: pick picaso-r, picaso-s, caso, soup or concat");
+        if a.method == Method::Naive {
+            bail!(
+                "--attribute leaves each context out in turn, but naive uses none: pick {}",
+                Method::list(&Method::WITH_CONTEXT)
+            );
         }
         if ids.is_empty() {
             bail!("no contexts to attribute the answer to: retrieve some (--k) or name them (--ids)");

@@ -104,7 +104,7 @@ fn seconds(flag: &str, s: f64) -> Result<std::time::Duration> {
 pub fn serve(a: ServeArgs) -> Result<()> {
     let store = picaso_store::Store::open(a.db.location()?)?;
     let model = load_model(&a.model, true)?;
-    let embedder = crate::embedder::resolve(a.embedder.as_deref(), Some(&store))?;
+    let embedder = picaso_store::find_embedder(a.embedder.as_deref(), Some(&store))?;
     let model_name =
         model.dir().file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "picaso".to_string());
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);

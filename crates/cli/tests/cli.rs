@@ -362,7 +362,7 @@ fn bench_measures_single_and_batched_decode() {
         assert!(v.is_finite() && v > 0.0, "{key} = {v}");
     }
     assert_eq!(r["decode_batch"], 3);
-    assert_eq!(r["compose_ms"].as_array().map(Vec::len), Some(picaso_compose::Method::ALL.len()), "{r}");
+    assert_eq!(r["compose_ms"].as_array().map(Vec::len), Some(picaso_compose::Composition::ALL.len()), "{r}");
     let skipped = ok_json(&[&args[..], &["--compose-n", "0", "--decode-batch", "0", "--json"]].concat());
     assert!(
         skipped["batched_decode_tokens_per_s"].is_null()

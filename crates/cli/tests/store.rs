@@ -5,7 +5,7 @@
 
 use std::process::Command;
 
-use picaso_model::{compose, LoadOptions, Method, Model, State};
+use picaso_model::{compose, Composition, LoadOptions, Method, Model, State};
 
 mod common;
 use common::{args, backends, ok, ok_s, run, run_s, shared, text_model, text_model_of, write_docs, TestDb};
@@ -110,9 +110,9 @@ fn ingest_stats_query_and_compose(
         texts.iter().map(|t| model_obj.prefill(&tok.encode(t).unwrap(), &model_obj.zero_state()).unwrap()).collect();
     let stored: Vec<State> = [1, 2].iter().map(|&id| store.load_state(id).unwrap()).collect();
     let cache = picaso_store::StateCache::new(1 << 30);
-    for m in Method::ALL {
+    for m in Composition::ALL {
         let a = compose(m, &mem.iter().collect::<Vec<_>>(), None).unwrap();
-        let method = picaso_store::ContextMethod::Compose(m);
+        let method = Method::Compose(m);
         let b = picaso_store::prepare(&store, &model_obj, &[1, 2], method, None).unwrap().state;
         assert!(a.layers == b.layers, "{m}: composition through the store differs");
         let c = picaso_store::prepare(&store, &model_obj, &[1, 2], method, Some(&cache)).unwrap();
@@ -132,12 +132,10 @@ fn ingest_stats_query_and_compose(
     let stored3: Vec<State> = ids.iter().map(|&id| store.load_state(id).unwrap()).collect();
     let tokens3: Vec<Vec<u32>> = ids.iter().map(|&id| store.get(id).unwrap().tokens).collect();
     for method in ["picaso-r", "soup", "caso", "concat"] {
-        let method: picaso_store::ContextMethod = method.parse().unwrap();
+        let method: Method = method.parse().unwrap();
         let by_hand = |keep: &[usize]| -> State {
             match method {
-                picaso_store::ContextMethod::Compose(m) => {
-                    compose(m, &keep.iter().map(|&i| &stored3[i]).collect::<Vec<_>>(), None).unwrap()
-                }
+                Method::Compose(m) => compose(m, &keep.iter().map(|&i| &stored3[i]).collect::<Vec<_>>(), None).unwrap(),
                 _ => {
                     let joined: Vec<u32> = keep.iter().flat_map(|&i| tokens3[i].clone()).collect();
                     model_obj.prefill(&joined, &model_obj.zero_state()).unwrap()
@@ -165,7 +163,7 @@ fn ingest_stats_query_and_compose(
     let one = picaso_store::attribute(&store, &model_obj, &[2], method_r(), &prompt, &answer, None).unwrap();
     assert!(close_to(one.without[0], ll(&model_obj.zero_state())), "{:?}", one.without);
     for (ids, method, answer, says) in [
-        (&[1i64][..], picaso_store::ContextMethod::Naive, &answer[..], "naive uses no context"),
+        (&[1i64][..], Method::Naive, &answer[..], "naive uses no context"),
         (&[][..], method_r(), &answer[..], "no contexts"),
         (&[1][..], method_r(), &[][..], "the answer is empty"),
     ] {
@@ -661,8 +659,8 @@ fn a_store_keeps_one_state_precision() {
     }
 }
 
-fn method_r() -> picaso_store::ContextMethod {
-    picaso_store::ContextMethod::Compose(Method::PicasoR)
+fn method_r() -> Method {
+    Method::Compose(Composition::PicasoR)
 }
 
 /// Equal to float rounding (sums of log-probabilities scored in different batches).

@@ -10,7 +10,7 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use picaso_compose::{compose_per_value, lane_sum, weighted_sum_blocks, weights_per_element, Method};
+use picaso_compose::{compose_per_value, lane_sum, weighted_sum_blocks, weights_per_element, Composition};
 use rayon::prelude::*;
 
 const N: usize = 10;
@@ -52,7 +52,7 @@ fn bench(c: &mut Criterion) {
         let arrays: Vec<&[f32]> = ssm.iter().chain(&ld).flat_map(|c| c.iter().map(|v| &v[..])).collect();
         b.iter(|| black_box(arrays.par_iter().flat_map(|a| a.par_chunks(16 * 1024)).map(lane_sum).sum::<f32>()))
     });
-    for method in [Method::Soup, Method::Caso, Method::PicasoS, Method::PicasoR] {
+    for method in [Composition::Soup, Composition::Caso, Composition::PicasoS, Composition::PicasoR] {
         group.bench_with_input(BenchmarkId::new("two_pass", method.name()), &method, |b, &m| {
             b.iter(|| {
                 out.par_iter_mut().zip(&mut ld_out).enumerate().for_each(|(l, (o, lo))| {

@@ -11,7 +11,7 @@
 use rayon::prelude::*;
 
 use crate::simd::prefetch_l2;
-use crate::{Error, Method, TINY_WEIGHT};
+use crate::{Composition, Error, TINY_WEIGHT};
 
 /// Values whose weights are computed together: 16 f32 (two AVX2 registers, one AVX-512), one
 /// cache line per context; larger blocks spill the per-block accumulators (measured slower).
@@ -89,11 +89,11 @@ fn flush_tiny(w: Block) -> Block {
 /// are computed, [`picaso_r_block`]): `s.w[k][j]` for context k and value j, from the block's
 /// decays `s.a` as [`read_log_decays`] leaves them. Weights below [`TINY_WEIGHT`] are 0.
 #[inline(always)]
-fn block_weights(method: Method, n: usize, s: &mut Scratch) {
+fn block_weights(method: Composition, n: usize, s: &mut Scratch) {
     s.w.resize(n, [0.0; B]);
     match method {
-        Method::Soup => s.w.fill([(1.0 / n as f64) as f32; B]),
-        Method::Caso => {
+        Composition::Soup => s.w.fill([(1.0 / n as f64) as f32; B]),
+        Composition::Caso => {
             // w_k = A_{k+1}·…·A_{n-1}: products of decays, walking down from w_{n-1} = 1.
             let mut w = [1.0f32; B];
             for k in (0..n).rev() {
@@ -104,8 +104,8 @@ fn block_weights(method: Method, n: usize, s: &mut Scratch) {
                 }
             }
         }
-        Method::PicasoR => unreachable!("PICASO-R's weights are applied as they are computed"),
-        Method::PicasoS => picaso_s_block(s),
+        Composition::PicasoR => unreachable!("PICASO-R's weights are applied as they are computed"),
+        Composition::PicasoS => picaso_s_block(s),
     }
 }
 
@@ -139,8 +139,8 @@ fn picaso_r_block(a: &[Block], total: &Block, x: &[&[f32]], e: usize) -> Block {
 /// `s.a[k] = e^ld[k]` (a second loop over the block, now in L1: fused into the first, it ran
 /// slower).
 #[inline(always)]
-fn read_log_decays(method: Method, ld: &[&[f32]], e: usize, s: &mut Scratch) -> Option<Block> {
-    let decays = method != Method::Soup;
+fn read_log_decays(method: Composition, ld: &[&[f32]], e: usize, s: &mut Scratch) -> Option<Block> {
+    let decays = method != Composition::Soup;
     if decays {
         s.a.resize(ld.len(), [0.0; B]);
     }
@@ -170,7 +170,7 @@ fn read_log_decays(method: Method, ld: &[&[f32]], e: usize, s: &mut Scratch) -> 
 /// before computing weights.
 #[inline(always)]
 fn compose_block(
-    method: Method,
+    method: Composition,
     ld: &[&[f32]],
     x: &[&[f32]],
     e: usize,
@@ -187,7 +187,7 @@ fn compose_block(
     let Some(total) = read_log_decays(method, ld, e, s) else {
         return (true, false);
     };
-    let acc = if method == Method::PicasoR {
+    let acc = if method == Composition::PicasoR {
         picaso_r_block(&s.a, &total, x, e)
     } else {
         block_weights(method, ld.len(), s);
@@ -210,7 +210,7 @@ crate::simd_fn! {
     /// padded with log-decay 0 and value 0). Returns (every output is finite, every log-decay
     /// is finite and ≤ 0).
     pub fn compose_range(
-        method: Method,
+        method: Composition,
         log_decays: &[&[f32]],
         ssm: &[&[f32]],
         from: usize,
@@ -297,7 +297,7 @@ fn picaso_s_block(s: &mut Scratch) {
 /// [`crate::weights_per_element`] then [`crate::weighted_sum_blocks`] (f64 weights) within a
 /// few ulp of f32 per term: the weights are computed in f32.
 pub fn compose_per_value(
-    method: Method,
+    method: Composition,
     log_decays: &[&[f32]],
     ssm: &[&[f32]],
     ssm_out: &mut [f32],
@@ -382,7 +382,7 @@ mod tests {
             rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
             (rng >> 11) as f64 / (1u64 << 53) as f64
         };
-        for method in [Method::Soup, Method::Caso, Method::PicasoS, Method::PicasoR] {
+        for method in [Composition::Soup, Composition::Caso, Composition::PicasoS, Composition::PicasoR] {
             for n in [1usize, 2, 3, 7, 12] {
                 let mut s = Scratch::default();
                 // Log-decays from 0 to -1e4, including exact zeros.

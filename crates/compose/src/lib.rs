@@ -26,60 +26,21 @@
 //! (P = product of all decays) and PICASO-S a prefix/suffix pairing of polynomial coefficients.
 //!
 //! ```
-//! use picaso_compose::{weights, Method};
-//! let w = weights(Method::Caso, &[(0.5f64).ln(), (0.25f64).ln()]).unwrap();
+//! use picaso_compose::{weights, Composition};
+//! let w = weights(Composition::Caso, &[(0.5f64).ln(), (0.25f64).ln()]).unwrap();
 //! assert!((w[0] - 0.25).abs() < 1e-15 && w[1] == 1.0);
 //! ```
 #![deny(missing_docs)]
 
 mod elementwise;
+mod method;
 mod simd;
 
 use rayon::prelude::*;
 
 pub use elementwise::compose_per_value;
+pub use method::{Composition, Method, UnknownMethod};
 pub use simd::prefetch_l2;
-
-/// A composition method.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Method {
-    /// Mean of the states.
-    Soup,
-    /// Concatenation-aware: exact for one SSM layer; depends on the order.
-    Caso,
-    /// Mean of CASO over all permutations (order-invariant).
-    PicasoS,
-    /// Mean of CASO over the cyclic rotations of the given order.
-    PicasoR,
-}
-
-impl Method {
-    /// All methods, in the order the paper introduces them.
-    pub const ALL: [Method; 4] = [Method::Soup, Method::Caso, Method::PicasoS, Method::PicasoR];
-
-    /// The CLI / wire name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Method::Soup => "soup",
-            Method::Caso => "caso",
-            Method::PicasoS => "picaso-s",
-            Method::PicasoR => "picaso-r",
-        }
-    }
-}
-
-impl std::fmt::Display for Method {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl std::str::FromStr for Method {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self, Error> {
-        Method::ALL.into_iter().find(|m| m.name() == s).ok_or_else(|| Error::UnknownMethod(s.to_string()))
-    }
-}
 
 /// Errors of bad composition input.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -87,9 +48,6 @@ pub enum Error {
     /// Nothing to compose.
     #[error("no contexts to compose: give at least one")]
     Empty,
-    /// An unknown method name.
-    #[error("unknown composition method {0:?}: use soup, caso, picaso-s or picaso-r")]
-    UnknownMethod(String),
     /// A log-decay is NaN or positive (decays must lie in [0, 1]).
     #[error("log-decay {value:?} of context {context} is not a number <= 0 (decays must lie in [0, 1])")]
     BadLogDecay {
@@ -136,7 +94,7 @@ fn check_log_decays(log_decays: &[f64]) -> Result<(), Error> {
 }
 
 /// Weights of the n contexts (in the given order) for one decay element.
-pub fn weights(method: Method, log_decays: &[f64]) -> Result<Vec<f64>, Error> {
+pub fn weights(method: Composition, log_decays: &[f64]) -> Result<Vec<f64>, Error> {
     check_log_decays(log_decays)?;
     let mut out = vec![0.0; log_decays.len()];
     let mut scratch = Scratch::default();
@@ -153,12 +111,12 @@ pub struct Scratch {
 }
 
 /// Like [`weights`] without validation or allocation (inputs must be valid log-decays ≤ 0).
-pub fn weights_into(method: Method, log_decays: &[f64], out: &mut [f64], s: &mut Scratch) {
+pub fn weights_into(method: Composition, log_decays: &[f64], out: &mut [f64], s: &mut Scratch) {
     let n = log_decays.len();
     debug_assert_eq!(out.len(), n);
     match method {
-        Method::Soup => out.fill(1.0 / n as f64),
-        Method::Caso => {
+        Composition::Soup => out.fill(1.0 / n as f64),
+        Composition::Caso => {
             // w_k = exp(Σ_{j>k} a_j): a suffix sum, exact in log space.
             let mut suffix = 0.0f64;
             for k in (0..n).rev() {
@@ -166,8 +124,8 @@ pub fn weights_into(method: Method, log_decays: &[f64], out: &mut [f64], s: &mut
                 suffix += log_decays[k];
             }
         }
-        Method::PicasoR => picaso_r(log_decays, out, s),
-        Method::PicasoS => picaso_s(log_decays, out, s),
+        Composition::PicasoR => picaso_r(log_decays, out, s),
+        Composition::PicasoS => picaso_s(log_decays, out, s),
     }
 }
 
@@ -262,7 +220,7 @@ fn flush_tiny(w: f64) -> f32 {
 /// `log_decays[i][e]` is the log-decay of element `e` in context `i` (contexts in the given
 /// order). Returns `w[e * n + i]`: element-major, contexts contiguous, as f32 ready for
 /// [`weighted_sum_blocks`].
-pub fn weights_per_element(method: Method, log_decays: &[&[f32]]) -> Result<Vec<f32>, Error> {
+pub fn weights_per_element(method: Composition, log_decays: &[&[f32]]) -> Result<Vec<f32>, Error> {
     let n = log_decays.len();
     if n == 0 {
         return Err(Error::Empty);

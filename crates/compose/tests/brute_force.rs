@@ -2,7 +2,7 @@
 //! orders, PICASO-R over the n rotations (to 1e-12 in f64), with invariances and edge cases,
 //! and finite, exact results for decays that underflow and n up to 64.
 
-use picaso_compose::{compose_per_value, weighted_sum_blocks, weights, weights_per_element, Method};
+use picaso_compose::{compose_per_value, weighted_sum_blocks, weights, weights_per_element, Composition};
 use proptest::prelude::*;
 
 /// CASO weights straight from the definition: product of the decays after each context.
@@ -54,7 +54,7 @@ proptest! {
     fn picaso_s_is_the_mean_of_caso_over_all_orders(ld in log_decays(6)) {
         let a: Vec<f64> = ld.iter().map(|v| v.exp()).collect();
         let want = mean_caso_over(&permutations(a.len()), &a);
-        let got = weights(Method::PicasoS, &ld).unwrap();
+        let got = weights(Composition::PicasoS, &ld).unwrap();
         prop_assert!(close(&got, &want, 1e-12), "{got:?} vs {want:?}");
     }
 
@@ -62,32 +62,32 @@ proptest! {
     fn picaso_r_is_the_mean_of_caso_over_rotations(ld in log_decays(8)) {
         let a: Vec<f64> = ld.iter().map(|v| v.exp()).collect();
         let want = mean_caso_over(&rotations(a.len()), &a);
-        let got = weights(Method::PicasoR, &ld).unwrap();
+        let got = weights(Composition::PicasoR, &ld).unwrap();
         prop_assert!(close(&got, &want, 1e-12), "{got:?} vs {want:?}");
     }
 
     #[test]
     fn caso_matches_the_product_of_later_decays(ld in log_decays(10)) {
         let a: Vec<f64> = ld.iter().map(|v| v.exp()).collect();
-        prop_assert!(close(&weights(Method::Caso, &ld).unwrap(), &caso_brute(&a), 1e-12));
+        prop_assert!(close(&weights(Composition::Caso, &ld).unwrap(), &caso_brute(&a), 1e-12));
     }
 
     #[test]
     fn picaso_s_ignores_order_and_picaso_r_ignores_rotation(ld in log_decays(9), seed in 0usize..1000) {
         let n = ld.len();
-        let w = weights(Method::PicasoS, &ld).unwrap();
+        let w = weights(Composition::PicasoS, &ld).unwrap();
         // A pseudo-random permutation from the seed.
         let mut perm: Vec<usize> = (0..n).collect();
         for i in (1..n).rev() { perm.swap(i, (seed * 7919 + i * 31) % (i + 1)); }
         let permuted: Vec<f64> = perm.iter().map(|&i| ld[i]).collect();
-        let wp = weights(Method::PicasoS, &permuted).unwrap();
+        let wp = weights(Composition::PicasoS, &permuted).unwrap();
         for (pos, &i) in perm.iter().enumerate() {
             prop_assert!((wp[pos] - w[i]).abs() <= 1e-12 * (1.0 + w[i]));
         }
         let r = seed % n;
         let rotated: Vec<f64> = (0..n).map(|i| ld[(i + r) % n]).collect();
-        let wr = weights(Method::PicasoR, &rotated).unwrap();
-        let w0 = weights(Method::PicasoR, &ld).unwrap();
+        let wr = weights(Composition::PicasoR, &rotated).unwrap();
+        let w0 = weights(Composition::PicasoR, &ld).unwrap();
         for i in 0..n {
             prop_assert!((wr[i] - w0[(i + r) % n]).abs() <= 1e-12 * (1.0 + w0[i]));
         }
@@ -96,11 +96,11 @@ proptest! {
     #[test]
     fn extreme_decays_give_finite_exact_weights(ld in prop::collection::vec(prop_oneof![Just(0.0), Just(-1e4), -1e4..0.0f64, -1.0..0.0f64], 1..=64)) {
         let n = ld.len() as f64;
-        for m in Method::ALL {
+        for m in Composition::ALL {
             let w = weights(m, &ld).unwrap();
             prop_assert!(w.iter().all(|v| v.is_finite() && *v >= 0.0 && *v <= 1.0 + 1e-12), "{m}: {w:?}");
             // Every method gives the last (or every) context at least the weight 1/n of its own term.
-            prop_assert!(w.iter().all(|v| *v >= 1.0 / n - 1e-15) || m == Method::Caso);
+            prop_assert!(w.iter().all(|v| *v >= 1.0 / n - 1e-15) || m == Composition::Caso);
         }
         let a: Vec<f64> = ld.iter().map(|v| v.exp()).collect();
         // PICASO-R against the O(n²) definition in log space.
@@ -109,9 +109,9 @@ proptest! {
             for m in 0..ld.len() { if m > 0 { acc += ld[(k + m) % ld.len()]; } s += acc.exp(); }
             s / n
         }).collect();
-        prop_assert!(close(&weights(Method::PicasoR, &ld).unwrap(), &want_r, 1e-12));
+        prop_assert!(close(&weights(Composition::PicasoR, &ld).unwrap(), &want_r, 1e-12));
         // PICASO-S against the O(n³) product of prefix and suffix polynomials.
-        prop_assert!(close(&weights(Method::PicasoS, &ld).unwrap(), &picaso_s_cubic(&a), 1e-11));
+        prop_assert!(close(&weights(Composition::PicasoS, &ld).unwrap(), &picaso_s_cubic(&a), 1e-11));
     }
 }
 
@@ -147,30 +147,30 @@ fn picaso_s_cubic(a: &[f64]) -> Vec<f64> {
 
 #[test]
 fn one_context_gets_weight_one_and_soup_is_uniform() {
-    for m in Method::ALL {
+    for m in Composition::ALL {
         assert_eq!(weights(m, &[-3.5]).unwrap(), vec![1.0]);
     }
-    assert_eq!(weights(Method::Soup, &[-1.0, 0.0, -2.0, -9.0]).unwrap(), vec![0.25; 4]);
+    assert_eq!(weights(Composition::Soup, &[-1.0, 0.0, -2.0, -9.0]).unwrap(), vec![0.25; 4]);
 }
 
 #[test]
 fn the_paper_example_by_hand() {
     // Two contexts, decays 0.5 and 0.25: CASO (1 then 2) = [0.25, 1]; all orders = [(0.25+1)/2, (1+0.5)/2].
     let ld = [0.5f64.ln(), 0.25f64.ln()];
-    assert!(close(&weights(Method::Caso, &ld).unwrap(), &[0.25, 1.0], 1e-15));
-    assert!(close(&weights(Method::PicasoS, &ld).unwrap(), &[0.625, 0.75], 1e-15));
-    assert!(close(&weights(Method::PicasoR, &ld).unwrap(), &[0.625, 0.75], 1e-15));
+    assert!(close(&weights(Composition::Caso, &ld).unwrap(), &[0.25, 1.0], 1e-15));
+    assert!(close(&weights(Composition::PicasoS, &ld).unwrap(), &[0.625, 0.75], 1e-15));
+    assert!(close(&weights(Composition::PicasoR, &ld).unwrap(), &[0.625, 0.75], 1e-15));
 }
 
 #[test]
 fn bad_input_is_refused() {
-    assert!(weights(Method::Soup, &[]).unwrap_err().to_string().contains("at least one"));
-    assert!(weights(Method::Caso, &[-1.0, 0.5]).unwrap_err().to_string().contains("<= 0"));
-    assert!(weights(Method::Caso, &[f64::NAN]).is_err());
-    assert!("picaso-x".parse::<Method>().unwrap_err().to_string().contains("picaso-s"));
+    assert!(weights(Composition::Soup, &[]).unwrap_err().to_string().contains("at least one"));
+    assert!(weights(Composition::Caso, &[-1.0, 0.5]).unwrap_err().to_string().contains("<= 0"));
+    assert!(weights(Composition::Caso, &[f64::NAN]).is_err());
+    assert!("picaso-x".parse::<Composition>().unwrap_err().to_string().contains("picaso-s"));
     let a = [1.0f32; 4];
     assert!(weighted_sum_blocks(&[&a, &a[..3]], &[0.5; 2], 4, &mut [0.0; 4]).is_err());
-    assert!(weights_per_element(Method::Soup, &[&[0.0f32, -1.0][..], &[0.0f32][..]]).is_err());
+    assert!(weights_per_element(Composition::Soup, &[&[0.0f32, -1.0][..], &[0.0f32][..]]).is_err());
 }
 
 #[test]
@@ -235,7 +235,7 @@ fn per_value_composition_equals_stored_weights_then_sum() {
             .collect();
         let (ssm, ld): (Vec<&[f32]>, Vec<&[f32]>) =
             (ssm.iter().map(Vec::as_slice).collect(), ld.iter().map(Vec::as_slice).collect());
-        for method in [Method::Soup, Method::Caso, Method::PicasoS, Method::PicasoR] {
+        for method in [Composition::Soup, Composition::Caso, Composition::PicasoS, Composition::PicasoR] {
             let w = weights_per_element(method, &ld).unwrap();
             let mut want = vec![0.0f32; len];
             weighted_sum_blocks(&ssm, &w, 1, &mut want).unwrap();
@@ -259,16 +259,16 @@ fn per_value_composition_refuses_bad_input() {
     let mut bad_ld = ld.clone();
     bad_ld[13] = 0.25;
     let (mut out, mut out_ld) = (vec![0.0; 20], vec![0.0; 20]);
-    let e = compose_per_value(Method::PicasoR, &[&ld, &bad_ld], &[&x, &x], &mut out, &mut out_ld).unwrap_err();
+    let e = compose_per_value(Composition::PicasoR, &[&ld, &bad_ld], &[&x, &x], &mut out, &mut out_ld).unwrap_err();
     assert!(matches!(e, picaso_compose::Error::BadLogDecay { context: 1, .. }), "{e}");
     bad_ld[13] = f32::NAN;
-    assert!(compose_per_value(Method::Soup, &[&bad_ld], &[&x], &mut out, &mut out_ld).is_err());
+    assert!(compose_per_value(Composition::Soup, &[&bad_ld], &[&x], &mut out, &mut out_ld).is_err());
     let mut bad_x = x.clone();
     bad_x[19] = f32::NAN;
-    let e = compose_per_value(Method::Caso, &[&ld, &ld], &[&x, &bad_x], &mut out, &mut out_ld).unwrap_err();
+    let e = compose_per_value(Composition::Caso, &[&ld, &ld], &[&x, &bad_x], &mut out, &mut out_ld).unwrap_err();
     assert!(e.to_string().contains("finite"), "{e}");
-    assert!(compose_per_value(Method::Caso, &[&ld], &[&x[..19]], &mut out, &mut out_ld).is_err());
-    assert!(compose_per_value(Method::Caso, &[], &[], &mut out, &mut out_ld).is_err());
+    assert!(compose_per_value(Composition::Caso, &[&ld], &[&x[..19]], &mut out, &mut out_ld).is_err());
+    assert!(compose_per_value(Composition::Caso, &[], &[], &mut out, &mut out_ld).is_err());
 }
 
 /// Many contexts: PICASO-S's sums of n! orders stay finite and exact where closed forms exist
@@ -281,7 +281,7 @@ fn many_contexts_keep_exact_finite_weights() {
         for a in [0.0f64, 0.3, 0.9, 0.999, 1.0] {
             let ld = vec![a.ln(); n];
             let want = if a == 1.0 { 1.0 } else { (1.0 - a.powi(n as i32)) / ((1.0 - a) * n as f64) };
-            for m in [Method::PicasoS, Method::PicasoR] {
+            for m in [Composition::PicasoS, Composition::PicasoR] {
                 let w = weights(m, &ld).unwrap();
                 let worst = w.iter().map(|v| (v - want).abs() / want).fold(0.0, f64::max);
                 assert!(worst < 1e-9, "{m} n={n} a={a}: {worst:e} off {want}");
@@ -289,7 +289,7 @@ fn many_contexts_keep_exact_finite_weights() {
         }
         // Mixed decays: PICASO-S between the extremes of CASO's weights, summing to Σ_k E[weight].
         let ld: Vec<f64> = (0..n).map(|i| -(((i * 7919) % 13) as f64) * 0.01).collect();
-        let w = weights(Method::PicasoS, &ld).unwrap();
+        let w = weights(Composition::PicasoS, &ld).unwrap();
         assert!(w.iter().all(|v| v.is_finite() && *v >= 1.0 / n as f64 - 1e-12 && *v <= 1.0), "n={n}");
     }
     // The per-value (f32) path agrees with the f64 weights at a size where f32 binomials overflow.
@@ -299,9 +299,9 @@ fn many_contexts_keep_exact_finite_weights() {
     let (ldr, xr): (Vec<&[f32]>, Vec<&[f32]>) =
         (ld.iter().map(|v| &v[..]).collect(), x.iter().map(|v| &v[..]).collect());
     let (mut out, mut ld_out) = (vec![0.0f32; 16], vec![0.0f32; 16]);
-    compose_per_value(Method::PicasoS, &ldr, &xr, &mut out, &mut ld_out).unwrap();
+    compose_per_value(Composition::PicasoS, &ldr, &xr, &mut out, &mut ld_out).unwrap();
     for e in 0..16 {
-        let w = weights(Method::PicasoS, &ld.iter().map(|v| v[e] as f64).collect::<Vec<_>>()).unwrap();
+        let w = weights(Composition::PicasoS, &ld.iter().map(|v| v[e] as f64).collect::<Vec<_>>()).unwrap();
         let want: f64 = (0..n).map(|i| w[i] * x[i][e] as f64).sum();
         let scale: f64 = (0..n).map(|i| (w[i] * x[i][e] as f64).abs()).sum();
         assert!((out[e] as f64 - want).abs() <= 1e-4 * scale, "value {e}: {} vs {want}", out[e]);

@@ -6,9 +6,9 @@
 
 use std::time::Instant;
 
-use picaso_model::Model;
+use picaso_model::{Composition, Method, Model};
 
-use crate::methods::{choice_logliks, start_state, Context, EvalMethod};
+use crate::methods::{choice_logliks, start_state, Context};
 use crate::stats::{mean_ci95, paired_ci95};
 use crate::Result;
 
@@ -27,18 +27,18 @@ pub fn attribute(
     prompt: &[u32],
     answer: &[u32],
     candidates: &[Context<'_>],
-    methods: &[EvalMethod],
+    methods: &[Method],
 ) -> Result<Picks> {
     let n = candidates.len();
     let answer = [answer.to_vec()];
-    let score = |contexts: &[Context<'_>], method: EvalMethod| -> Result<f64> {
+    let score = |contexts: &[Context<'_>], method: Method| -> Result<f64> {
         let started = start_state(model, method, contexts)?;
         Ok(choice_logliks(model, &started.state, prompt, &answer)?[0])
     };
     let t0 = Instant::now();
     let mut loi = Vec::with_capacity(n);
     for c in candidates {
-        loi.push(score(std::slice::from_ref(c), EvalMethod::Concat)?);
+        loi.push(score(std::slice::from_ref(c), Method::Concat)?);
     }
     let loi_pick = (0..n).fold(0, |b, i| if loi[i] > loi[b] { i } else { b });
     let loi = (loi_pick, t0.elapsed().as_secs_f64());
@@ -106,7 +106,7 @@ pub struct RulePair {
 
 /// Accumulates picks into precisions.
 pub struct Tally {
-    methods: Vec<EvalMethod>,
+    methods: Vec<Method>,
     hits: Vec<Vec<f64>>,
     seconds: Vec<f64>,
     candidates: usize,
@@ -115,7 +115,7 @@ pub struct Tally {
 
 impl Tally {
     /// For Leave-One-Out with `methods`.
-    pub fn new(methods: &[EvalMethod]) -> Self {
+    pub fn new(methods: &[Method]) -> Self {
         let rules = methods.len() + 1;
         Self {
             methods: methods.to_vec(),
@@ -149,7 +149,7 @@ impl Tally {
             RulePair { a: names[a].clone(), b: names[b].clone(), diff, ci95 }
         };
         let mut paired: Vec<RulePair> = (1..names.len()).map(|r| pair(r, 0)).collect();
-        if let Some(r) = self.methods.iter().position(|&m| m == EvalMethod::Compose(picaso_model::Method::PicasoR)) {
+        if let Some(r) = self.methods.iter().position(|&m| m == Method::Compose(Composition::PicasoR)) {
             paired.extend((1..names.len()).filter(|&o| o != r + 1).map(|o| pair(r + 1, o)));
         }
         let rows = names
@@ -190,16 +190,16 @@ mod tests {
         let states: Vec<_> = segs.iter().map(|s| m.prefill(s, &m.zero_state()).unwrap()).collect();
         let ctx: Vec<Context<'_>> = segs.iter().zip(&states).map(|(t, s)| Context { tokens: t, state: s }).collect();
         let (prompt, answer) = ([11u32, 12], [13u32, 14, 15]);
-        let method = EvalMethod::Compose(Method::PicasoR);
-        let picks = attribute(&m, &prompt, &answer, &ctx, &[method, EvalMethod::Concat]).unwrap();
+        let method = Method::Compose(Composition::PicasoR);
+        let picks = attribute(&m, &prompt, &answer, &ctx, &[method, Method::Concat]).unwrap();
         let ll = |cs: &[Context<'_>], me| {
             let s = start_state(&m, me, cs).unwrap().state;
             choice_logliks(&m, &s, &prompt, &[answer.to_vec()]).unwrap()[0]
         };
-        let alone: Vec<f64> = ctx.iter().map(|c| ll(std::slice::from_ref(c), EvalMethod::Concat)).collect();
+        let alone: Vec<f64> = ctx.iter().map(|c| ll(std::slice::from_ref(c), Method::Concat)).collect();
         let best = (0..4).max_by(|&a, &b| alone[a].total_cmp(&alone[b])).unwrap();
         assert_eq!(picks.loi.0, best);
-        for (r, me) in [method, EvalMethod::Concat].into_iter().enumerate() {
+        for (r, me) in [method, Method::Concat].into_iter().enumerate() {
             let without: Vec<f64> = (0..4)
                 .map(|i| {
                     let rest: Vec<Context<'_>> = (0..4).filter(|&j| j != i).map(|j| ctx[j]).collect();
@@ -209,7 +209,7 @@ mod tests {
             let worst = (0..4).min_by(|&a, &b| without[a].total_cmp(&without[b])).unwrap();
             assert_eq!(picks.loo[r].0, worst);
         }
-        let mut t = Tally::new(&[method, EvalMethod::Concat]);
+        let mut t = Tally::new(&[method, Method::Concat]);
         let gold: Vec<bool> = (0..4).map(|i| i == best).collect();
         t.add(&picks, &gold);
         let r = t.report("unit", 0);

@@ -3,11 +3,11 @@
 //! method whose state is far from Concat's but whose next-token distributions are close loses
 //! little.
 
-use picaso_model::{Model, State};
+use picaso_model::{Method, Model, State};
 use picaso_store::{passages, retrieve, Passage, Store};
 
 use crate::database::{cache_cap, check_model, Contexts};
-use crate::methods::{start_state, EvalMethod};
+use crate::methods::start_state;
 use crate::stats::mean_ci95;
 use crate::wikitext::{check_ks, choose};
 use crate::{Error, Result};
@@ -18,7 +18,7 @@ pub struct Options {
     /// Numbers of retrieved contexts, ascending.
     pub ks: Vec<usize>,
     /// Methods compared with Concat.
-    pub methods: Vec<EvalMethod>,
+    pub methods: Vec<Method>,
     /// Score this many passages drawn with `seed` (all if `None`).
     pub sample: Option<usize>,
     /// Seed of the sample.
@@ -31,7 +31,7 @@ pub struct Options {
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Row {
     /// Method.
-    pub method: EvalMethod,
+    pub method: Method,
     /// Contexts.
     pub k: usize,
     /// Per layer, mean of ‖x_method − x_concat‖ / ‖x_concat‖ over passages (SSM states).
@@ -93,7 +93,7 @@ pub fn run(model: &Model, store: &Store, options: &Options, mut progress: impl F
     check_ks(&options.ks)?;
     let max_k = *options.ks.last().expect("checked");
     let vocab = model.config().vocab_size();
-    let methods: Vec<EvalMethod> = options.methods.iter().copied().filter(|m| *m != EvalMethod::Concat).collect();
+    let methods: Vec<Method> = options.methods.iter().copied().filter(|m| *m != Method::Concat).collect();
     if methods.is_empty() {
         return Err(Error::Input(format!(
             "methods {:?}: fidelity measures each method against Concat; give a method besides concat",
@@ -119,7 +119,7 @@ pub fn run(model: &Model, store: &Store, options: &Options, mut progress: impl F
             Ok(log_softmax_rows(&logits[from * vocab..to * vocab], vocab))
         };
         for (ki, &k) in options.ks.iter().enumerate() {
-            let concat = start_state(model, EvalMethod::Concat, &retrieved[..k])?.state;
+            let concat = start_state(model, Method::Concat, &retrieved[..k])?.state;
             let reference = predictions(&concat)?;
             for (mi, &method) in methods.iter().enumerate() {
                 let s = start_state(model, method, &retrieved[..k])?.state;

@@ -31,7 +31,8 @@ pub mod report;
 pub mod stats;
 pub mod wikitext;
 
-pub use methods::{start_state, Context, EvalMethod, Started};
+pub use methods::{start_state, Context, Started};
+pub use picaso_model::{Composition, Method};
 
 /// What can go wrong in an experiment.
 #[derive(Debug, thiserror::Error)]

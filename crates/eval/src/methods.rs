@@ -5,98 +5,25 @@
 
 use std::time::Instant;
 
-use picaso_model::{compose, Method, Model, State};
+use picaso_model::{compose, Composition, Method, Model, State};
 
 use crate::{Error, Result};
 
-/// How the contexts reach the model.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum EvalMethod {
-    /// No context.
-    Naive,
-    /// The contexts' tokens processed in front of the query.
-    Concat,
-    /// Concat averaged over the n rotations of the order (states averaged).
-    PiConcatR,
-    /// The stored states composed.
-    Compose(Method),
-    /// A hybrid's ablation: only the union of the contexts' keys and values, the Mamba layers'
-    /// states left at zero.
-    KvUnion,
-    /// A hybrid's ablation: PICASO-R on the Mamba layers alone, without the keys and values.
-    PicasoRNoKv,
-}
-
-impl EvalMethod {
-    /// Every method, baselines first.
-    pub const ALL: [EvalMethod; 7] = [
-        EvalMethod::Naive,
-        EvalMethod::Concat,
-        EvalMethod::PiConcatR,
-        EvalMethod::Compose(Method::Soup),
-        EvalMethod::Compose(Method::Caso),
-        EvalMethod::Compose(Method::PicasoS),
-        EvalMethod::Compose(Method::PicasoR),
-    ];
-
-    /// The comparisons the paper's claims rest on: every method against Naive and against
-    /// Concat; PICASO-R against Soup, CASO and PICASO-S; CASO against Soup. Each experiment
-    /// reports them as paired intervals over its items, where both methods were scored.
-    pub fn claim_pairs() -> Vec<(EvalMethod, EvalMethod)> {
-        use Method::{Caso, PicasoR, PicasoS, Soup};
-        let mut pairs = Vec::new();
-        for m in Self::ALL.into_iter().filter(|&m| m != Self::Naive) {
-            pairs.push((m, Self::Naive));
-            if m != Self::Concat {
-                pairs.push((m, Self::Concat));
-            }
-        }
-        let c = Self::Compose;
-        pairs.extend([(c(PicasoR), c(Soup)), (c(PicasoR), c(Caso)), (c(PicasoR), c(PicasoS)), (c(Caso), c(Soup))]);
-        pairs
-    }
-
-    /// The name used in tables and on the command line.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Naive => "naive",
-            Self::Concat => "concat",
-            Self::PiConcatR => "piconcat-r",
-            Self::Compose(m) => m.name(),
-            Self::KvUnion => "kv-union",
-            Self::PicasoRNoKv => "picaso-r-no-kv",
+/// The comparisons the paper's claims rest on: every method against Naive and against
+/// Concat; PICASO-R against Soup, CASO and PICASO-S; CASO against Soup. Each experiment
+/// reports them as paired intervals over its items, where both methods were scored.
+pub fn claim_pairs() -> Vec<(Method, Method)> {
+    use picaso_model::Composition::{Caso, PicasoR, PicasoS, Soup};
+    let mut pairs = Vec::new();
+    for m in Method::PAPER.into_iter().filter(|&m| m != Method::Naive) {
+        pairs.push((m, Method::Naive));
+        if m != Method::Concat {
+            pairs.push((m, Method::Concat));
         }
     }
-}
-
-impl serde::Serialize for EvalMethod {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        s.serialize_str(self.name())
-    }
-}
-
-impl<'de> serde::Deserialize<'de> for EvalMethod {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-        let name = String::deserialize(d)?;
-        name.parse().map_err(serde::de::Error::custom)
-    }
-}
-
-impl std::fmt::Display for EvalMethod {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl std::str::FromStr for EvalMethod {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        let all = Self::ALL.into_iter().chain([Self::KvUnion, Self::PicasoRNoKv]);
-        all.clone().find(|m| m.name() == s).ok_or_else(|| {
-            let names: Vec<&str> = all.map(|m| m.name()).collect();
-            format!("unknown method {s:?}: use one of {} (the last two: hybrid models only)", names.join(", "))
-        })
-    }
+    let c = Method::Compose;
+    pairs.extend([(c(PicasoR), c(Soup)), (c(PicasoR), c(Caso)), (c(PicasoR), c(PicasoS)), (c(Caso), c(Soup))]);
+    pairs
 }
 
 /// A retrieved context: its tokens and its stored state.
@@ -120,21 +47,21 @@ pub struct Started {
 }
 
 /// The state `method` makes from `contexts` (most relevant first).
-pub fn start_state(model: &Model, method: EvalMethod, contexts: &[Context<'_>]) -> Result<Started> {
+pub fn start_state(model: &Model, method: Method, contexts: &[Context<'_>]) -> Result<Started> {
     let n = contexts.len();
     // Sequence order: least relevant first, the most relevant next to the query.
     let order: Vec<usize> = (0..n).rev().collect();
-    if n == 0 || method == EvalMethod::Naive {
+    if n == 0 || method == Method::Naive {
         return Ok(Started { state: model.zero_state(), seconds: 0.0, tokens_processed: 0 });
     }
     let t0 = Instant::now();
     let (state, tokens_processed) = match method {
-        EvalMethod::Naive => unreachable!("handled above"),
-        EvalMethod::Concat => {
+        Method::Naive => unreachable!("handled above"),
+        Method::Concat => {
             let tokens: Vec<u32> = order.iter().flat_map(|&i| contexts[i].tokens.iter().copied()).collect();
             (model.prefill(&tokens, &model.zero_state())?, tokens.len())
         }
-        EvalMethod::PiConcatR => {
+        Method::PiConcatR => {
             let mut states = Vec::with_capacity(n);
             let mut rotations = Vec::with_capacity(n);
             let mut processed = 0;
@@ -148,11 +75,11 @@ pub fn start_state(model: &Model, method: EvalMethod, contexts: &[Context<'_>]) 
             let lens: Vec<usize> = contexts.iter().map(|c| c.tokens.len()).collect();
             (average(&states, &rotations, &lens)?, processed)
         }
-        EvalMethod::Compose(m) => {
+        Method::Compose(m) => {
             let states: Vec<&State> = contexts.iter().map(|c| c.state).collect();
             (compose(m, &states, Some(&order))?, 0)
         }
-        EvalMethod::KvUnion | EvalMethod::PicasoRNoKv => {
+        Method::KvUnion | Method::PicasoRNoKv => {
             if model.state_shape().attention.is_none() {
                 return Err(Error::Input(format!(
                     "{} is an ablation of a hybrid model's state (keys and values vs Mamba states); this model has no attention layers",
@@ -160,8 +87,8 @@ pub fn start_state(model: &Model, method: EvalMethod, contexts: &[Context<'_>]) 
                 )));
             }
             let states: Vec<&State> = contexts.iter().map(|c| c.state).collect();
-            let mut s = compose(Method::PicasoR, &states, Some(&order))?;
-            if method == EvalMethod::KvUnion {
+            let mut s = compose(Composition::PicasoR, &states, Some(&order))?;
+            if method == Method::KvUnion {
                 picaso_model::composition::keep_only_keys_and_values(&mut s);
             } else {
                 picaso_model::composition::drop_keys_and_values(&mut s);
@@ -292,12 +219,12 @@ mod tests {
         let st = states(&m, &segs);
         let ctx: Vec<Context<'_>> = segs.iter().zip(&st).map(|(t, s)| Context { tokens: t, state: s }).collect();
 
-        let concat = start_state(&m, EvalMethod::Concat, &ctx).unwrap();
+        let concat = start_state(&m, Method::Concat, &ctx).unwrap();
         let want = m.prefill(&[6, 7, 8, 9, 4, 5, 1, 2, 3], &m.zero_state()).unwrap();
         assert_eq!(concat.state.layers[1].ssm, want.layers[1].ssm);
         assert_eq!(concat.tokens_processed, 9);
 
-        for method in EvalMethod::ALL.into_iter().skip(1) {
+        for method in Method::PAPER.into_iter().skip(1) {
             let one = start_state(&m, method, &ctx[..1]).unwrap();
             let d = one.state.layers[0]
                 .ssm
@@ -307,11 +234,11 @@ mod tests {
                 .fold(0f32, f32::max);
             assert!(d < 1e-5, "{method} of one context differs from its state by {d}");
         }
-        let naive = start_state(&m, EvalMethod::Naive, &ctx).unwrap();
+        let naive = start_state(&m, Method::Naive, &ctx).unwrap();
         assert!(naive.state.layers[0].ssm.iter().all(|&v| v == 0.0));
 
         // PIConcat-R of three = the mean of the three rotations' concat states.
-        let pi = start_state(&m, EvalMethod::PiConcatR, &ctx).unwrap();
+        let pi = start_state(&m, Method::PiConcatR, &ctx).unwrap();
         let rots = [vec![6, 7, 8, 9, 4, 5, 1, 2, 3], vec![4, 5, 1, 2, 3, 6, 7, 8, 9], vec![1, 2, 3, 6, 7, 8, 9, 4, 5]];
         let rs: Vec<State> = rots.iter().map(|t| m.prefill(t, &m.zero_state()).unwrap()).collect();
         for (i, v) in pi.state.layers[1].ssm.iter().enumerate() {
@@ -323,10 +250,10 @@ mod tests {
 
     #[test]
     fn names_round_trip() {
-        for m in EvalMethod::ALL {
-            assert_eq!(m.name().parse::<EvalMethod>(), Ok(m));
+        for m in Method::PAPER {
+            assert_eq!(m.name().parse::<Method>(), Ok(m));
         }
-        assert!("concatenate".parse::<EvalMethod>().is_err());
+        assert!("concatenate".parse::<Method>().is_err());
     }
 
     /// Scoring choices from the prompt's state equals scoring prompt + choice whole.

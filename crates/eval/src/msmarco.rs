@@ -13,9 +13,10 @@ use picaso_model::Model;
 use serde_json::Value;
 
 use crate::attribution::{self, Tally};
-use crate::methods::{Context, EvalMethod};
+use crate::methods::Context;
 use crate::wikitext::choose;
 use crate::{Error, Result};
+use picaso_model::Method;
 
 /// One query with its passages and answer.
 #[derive(Debug, Clone, PartialEq)]
@@ -113,7 +114,7 @@ pub fn prompt_text(query: &str) -> String {
 pub fn attribution(
     model: &Model,
     data: &Data,
-    methods: &[EvalMethod],
+    methods: &[Method],
     sample: Option<usize>,
     seed: u64,
     mut progress: impl FnMut(usize, usize),

@@ -11,11 +11,11 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use picaso_embed::Embedder;
-use picaso_model::{Model, State};
+use picaso_model::{Method, Model, State};
 use serde::Deserialize;
 
 use crate::attribution::{self, Tally};
-use crate::methods::{choice_logliks, start_state, Context, EvalMethod};
+use crate::methods::{choice_logliks, start_state, Context};
 use crate::stats::{mean_ci95, paired_ci95};
 use crate::wikitext::{check_ks, check_sample, choose};
 use crate::{Error, Result};
@@ -245,7 +245,7 @@ pub struct Options {
     /// Numbers of retrieved facts to score, ascending.
     pub ks: Vec<usize>,
     /// Methods besides Naive (always scored).
-    pub methods: Vec<EvalMethod>,
+    pub methods: Vec<Method>,
     /// Score this many questions drawn with `seed` (all if `None`).
     pub sample: Option<usize>,
     /// Seed of the sample.
@@ -270,7 +270,7 @@ impl Options {
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Cell {
     /// Method.
-    pub method: EvalMethod,
+    pub method: Method,
     /// Facts (0 for Naive).
     pub k: usize,
     /// Accuracy: the choice with the highest log-likelihood is the answer.
@@ -304,7 +304,7 @@ pub struct Report {
     /// Per question, right (1) or not (0) by acc_norm, per (method, k), in the order scored
     /// (Naive under k = 0): what pairs two models. Not written to results.json.
     #[serde(skip)]
-    pub right_norm: HashMap<(EvalMethod, usize), Vec<f64>>,
+    pub right_norm: HashMap<(Method, usize), Vec<f64>>,
 }
 
 /// Method `a` against method `b` on the same questions: the mean per-question difference of
@@ -315,9 +315,9 @@ pub struct Contrast {
     /// Facts.
     pub k: usize,
     /// The method compared.
-    pub a: EvalMethod,
+    pub a: Method,
     /// What it is compared with.
-    pub b: EvalMethod,
+    pub b: Method,
     /// Mean of `right_a − right_b` by acc.
     pub acc_diff: f64,
     /// Its 95% interval half-width (`None` for one question).
@@ -328,13 +328,13 @@ pub struct Contrast {
     pub acc_norm_diff_ci95: Option<f64>,
 }
 
-/// The paper's comparisons ([`EvalMethod::claim_pairs`]) where both methods were scored;
+/// The paper's comparisons ([`claim_pairs`](crate::methods::claim_pairs)) where both methods were scored;
 /// Naive's answers (k = 0) stand for every k.
-fn contrasts(ks: &[usize], hits: &HashMap<(EvalMethod, usize), Hits>) -> Vec<Contrast> {
-    let get = |m: EvalMethod, k: usize| hits.get(&(m, if m == EvalMethod::Naive { 0 } else { k }));
+fn contrasts(ks: &[usize], hits: &HashMap<(Method, usize), Hits>) -> Vec<Contrast> {
+    let get = |m: Method, k: usize| hits.get(&(m, if m == Method::Naive { 0 } else { k }));
     let mut out = Vec::new();
     for &k in ks {
-        for (a, b) in EvalMethod::claim_pairs() {
+        for (a, b) in crate::methods::claim_pairs() {
             let (Some(ha), Some(hb)) = (get(a, k), get(b, k)) else { continue };
             let (acc_diff, acc_diff_ci95) = paired_ci95(&ha.0, &hb.0);
             let (acc_norm_diff, acc_norm_diff_ci95) = paired_ci95(&ha.1, &hb.1);
@@ -346,8 +346,8 @@ fn contrasts(ks: &[usize], hits: &HashMap<(EvalMethod, usize), Hits>) -> Vec<Con
 
 impl Report {
     /// The cell of `method` at `k`.
-    pub fn cell(&self, method: EvalMethod, k: usize) -> Option<&Cell> {
-        self.cells.iter().find(|c| c.method == method && (c.k == k || method == EvalMethod::Naive))
+    pub fn cell(&self, method: Method, k: usize) -> Option<&Cell> {
+        self.cells.iter().find(|c| c.method == method && (c.k == k || method == Method::Naive))
     }
 }
 
@@ -369,13 +369,13 @@ pub fn run(
     options.check(base.len())?;
     let max_k = *options.ks.last().expect("checked non-empty");
     let chosen = choose((0..data.questions.len()).collect(), options.sample, options.seed)?;
-    let mut methods: Vec<EvalMethod> = options.methods.iter().copied().filter(|m| *m != EvalMethod::Naive).collect();
+    let mut methods: Vec<Method> = options.methods.iter().copied().filter(|m| *m != Method::Naive).collect();
     methods.dedup();
-    let mut hits: HashMap<(EvalMethod, usize), Hits> = HashMap::new();
+    let mut hits: HashMap<(Method, usize), Hits> = HashMap::new();
     for (done, &qi) in chosen.iter().enumerate() {
         let q = &data.questions[qi];
         let lens: Vec<f64> = q.choices.iter().map(|c| c.chars().count().max(1) as f64).collect();
-        let mut record = |key: (EvalMethod, usize), ll: &[f64], secs: f64, toks: usize| {
+        let mut record = |key: (Method, usize), ll: &[f64], secs: f64, toks: usize| {
             let norm: Vec<f64> = ll.iter().zip(&lens).map(|(l, n)| l / n).collect();
             let e = hits.entry(key).or_default();
             e.0.push(f64::from(u8::from(argmax(ll) == q.answer)));
@@ -384,7 +384,7 @@ pub fn run(
             e.3 += toks as f64;
         };
         let naive = choice_logliks(model, &model.zero_state(), &data.prompts[qi], &data.choices[qi])?;
-        record((EvalMethod::Naive, 0), &naive, 0.0, 0);
+        record((Method::Naive, 0), &naive, 0.0, 0);
         let facts: Vec<Context<'_>> =
             base.nearest(&data.embeddings[qi], max_k, &[]).into_iter().map(|i| base.context(i)).collect();
         for &k in &options.ks {
@@ -397,7 +397,7 @@ pub fn run(
         progress(done + 1, chosen.len());
     }
     let n = chosen.len() as f64;
-    let cell = |method: EvalMethod, k: usize| {
+    let cell = |method: Method, k: usize| {
         let (acc, norm, secs, toks) = &hits[&(method, k)];
         let (acc, acc_ci95) = mean_ci95(acc);
         let (acc_norm, acc_norm_ci95) = mean_ci95(norm);
@@ -412,7 +412,7 @@ pub fn run(
             tokens_processed: toks / n,
         }
     };
-    let mut cells = vec![cell(EvalMethod::Naive, 0)];
+    let mut cells = vec![cell(Method::Naive, 0)];
     for &k in &options.ks {
         for &m in &methods {
             cells.push(cell(m, k));
@@ -429,7 +429,7 @@ pub struct AttributionOptions {
     /// Distractors per question: drawn uniformly from this range (inclusive).
     pub distractors: (usize, usize),
     /// Leave-one-out methods.
-    pub methods: Vec<EvalMethod>,
+    pub methods: Vec<Method>,
     /// Score this many questions drawn with `seed` (all if `None`).
     pub sample: Option<usize>,
     /// Seed of the sample, the number of distractors and the candidates' order.

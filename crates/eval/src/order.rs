@@ -4,7 +4,7 @@
 //! For each passage and n, random orders are scored and the spread of the loss over them is
 //! measured.
 
-use picaso_model::{compose, Method, Model};
+use picaso_model::{compose, Composition, Model};
 use picaso_store::{passages, retrieve, Passage, Store};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
@@ -137,7 +137,7 @@ pub fn run(model: &Model, store: &Store, options: &Options, mut progress: impl F
                 let tokens: Vec<u32> = order.iter().flat_map(|&i| ctx[i].tokens.iter().copied()).collect();
                 let concat = model.prefill(&tokens, &model.zero_state())?;
                 losses[0].push(continuation_nll(model, &concat, &query, &continuation)?);
-                for (slot, method) in [(1, Method::Caso), (2, Method::PicasoR), (3, Method::PicasoS)] {
+                for (slot, method) in [(1, Composition::Caso), (2, Composition::PicasoR), (3, Composition::PicasoS)] {
                     let s = compose(method, &states, Some(order))?;
                     losses[slot].push(continuation_nll(model, &s, &query, &continuation)?);
                 }

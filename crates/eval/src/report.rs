@@ -6,10 +6,10 @@ use std::fmt::Write as _;
 use std::path::Path;
 use std::time::Instant;
 
-use crate::methods::EvalMethod;
 use crate::plot::{bar_chart, has_points, line_chart, Bar, Chart, Series};
 use crate::stats::paired_ci95;
 use crate::{attribution, context_use, fidelity, openbookqa, order, recall, wikitext, Error, Result};
+use picaso_model::Method;
 
 /// Where and how a result was made.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -144,8 +144,8 @@ fn draw_line_charts(out: &Path, charts: &[LineChart]) -> Result<()> {
 
 /// PICASO-R's mean improvement over Naive as a share of Concat's (the paper: 10.1 / 11.1).
 pub fn picaso_r_share(report: &wikitext::Report) -> Option<f64> {
-    let r = report.mean_improvement(EvalMethod::Compose(picaso_model::Method::PicasoR))?;
-    let c = report.mean_improvement(EvalMethod::Concat)?;
+    let r = report.mean_improvement(Method::Compose(picaso_model::Composition::PicasoR))?;
+    let c = report.mean_improvement(Method::Concat)?;
     (c != 0.0).then_some(r / c)
 }
 
@@ -195,7 +195,7 @@ pub fn write_wikitext(out: &Path, report: &wikitext::Report, info: &RunInfo) -> 
     write(&out.join("results.csv"), &csv)?;
 
     let ks = &report.options.ks;
-    let mut methods: Vec<EvalMethod> = Vec::new();
+    let mut methods: Vec<Method> = Vec::new();
     for c in &report.cells {
         if !methods.contains(&c.method) {
             methods.push(c.method);
@@ -248,12 +248,11 @@ pub fn write_wikitext(out: &Path, report: &wikitext::Report, info: &RunInfo) -> 
         }
         md.push('\n');
     }
-    let picaso_r = EvalMethod::Compose(picaso_model::Method::PicasoR);
-    if methods.contains(&EvalMethod::Concat) && methods.contains(&picaso_r) {
+    let picaso_r = Method::Compose(picaso_model::Composition::PicasoR);
+    if methods.contains(&Method::Concat) && methods.contains(&picaso_r) {
         md.push_str("\nTime to a ready state, per query (composition of stored states vs processing the contexts' tokens):\n\n| k | concat tokens | concat ms | picaso-r ms | speed-up |\n|---:|---:|---:|---:|---:|\n");
         for &k in ks {
-            let (c, r) =
-                (report.cell(EvalMethod::Concat, k).expect("filled"), report.cell(picaso_r, k).expect("filled"));
+            let (c, r) = (report.cell(Method::Concat, k).expect("filled"), report.cell(picaso_r, k).expect("filled"));
             writeln!(
                 md,
                 "| {k} | {:.0} | {:.2} | {:.3} | {:.0}× |",
@@ -266,7 +265,7 @@ pub fn write_wikitext(out: &Path, report: &wikitext::Report, info: &RunInfo) -> 
         }
     }
     // The widest interval of a method's cell; there is none with one passage.
-    let widest = report.cells.iter().filter(|c| c.method != EvalMethod::Naive).filter_map(|c| c.ci95).reduce(f64::max);
+    let widest = report.cells.iter().filter(|c| c.method != Method::Naive).filter_map(|c| c.ci95).reduce(f64::max);
     match widest {
         Some(w) => writeln!(md, "\nLargest 95% confidence half-width of a cell: {w:.4}."),
         None if report.passages < 2 => writeln!(
@@ -322,7 +321,7 @@ pub fn write_wikitext(out: &Path, report: &wikitext::Report, info: &RunInfo) -> 
 const GAIN_AT_MAX_K: &str = "gain_at_max_k.png";
 
 /// The WikiText charts against k (with two or more k) and against time.
-fn wikitext_charts(out: &Path, report: &wikitext::Report, methods: &[EvalMethod]) -> Result<Vec<LineChart>> {
+fn wikitext_charts(out: &Path, report: &wikitext::Report, methods: &[Method]) -> Result<Vec<LineChart>> {
     let mut charts = Vec::new();
     if against_k(out, &report.options.ks, &["gain_vs_k.png", "loss_vs_k.png"])? {
         let gains = paired_gains(
@@ -331,7 +330,7 @@ fn wikitext_charts(out: &Path, report: &wikitext::Report, methods: &[EvalMethod]
                 report
                     .contrasts
                     .iter()
-                    .find(|c| c.a == m && c.b == EvalMethod::Naive && c.k == k)
+                    .find(|c| c.a == m && c.b == Method::Naive && c.k == k)
                     .map(|c| (c.gain_pct, c.gain_pct_ci95))
             },
             &report.options.ks,
@@ -361,7 +360,7 @@ fn wikitext_charts(out: &Path, report: &wikitext::Report, methods: &[EvalMethod]
     }
     let by_time: Vec<Series> = methods
         .iter()
-        .filter(|&&m| m != EvalMethod::Naive)
+        .filter(|&&m| m != Method::Naive)
         .map(|&m| {
             let points = report.cells.iter().filter(|c| c.method == m).map(|c| (c.prepare_ms, c.loss)).collect();
             Series::line(m.to_string(), points)
@@ -381,12 +380,12 @@ fn wikitext_charts(out: &Path, report: &wikitext::Report, methods: &[EvalMethod]
 
 /// The headline at a glance, also when only one k was scored: each method's paired gain over
 /// Naive at the largest k (none when Naive alone was scored).
-fn gain_bars(report: &wikitext::Report, methods: &[EvalMethod]) -> Vec<Bar> {
+fn gain_bars(report: &wikitext::Report, methods: &[Method]) -> Vec<Bar> {
     let k = report.options.max_k();
     methods
         .iter()
         .filter_map(|&m| {
-            let c = report.contrasts.iter().find(|c| c.a == m && c.b == EvalMethod::Naive && c.k == k)?;
+            let c = report.contrasts.iter().find(|c| c.a == m && c.b == Method::Naive && c.k == k)?;
             Some(Bar { label: m.to_string(), value: c.gain_pct, error: c.gain_pct_ci95 })
         })
         .collect()
@@ -538,8 +537,8 @@ fn write_all(out: &Path, value: serde_json::Value, csv: &str, md: &str, info: &R
     write(&out.join("results.md"), &format!("{md}\n{}", info.markdown()))
 }
 
-fn methods_in<'a>(cells: impl Iterator<Item = &'a EvalMethod>) -> Vec<EvalMethod> {
-    let mut out: Vec<EvalMethod> = Vec::new();
+fn methods_in<'a>(cells: impl Iterator<Item = &'a Method>) -> Vec<Method> {
+    let mut out: Vec<Method> = Vec::new();
     for &m in cells {
         if !out.contains(&m) {
             out.push(m);
@@ -552,11 +551,11 @@ fn methods_in<'a>(cells: impl Iterator<Item = &'a EvalMethod>) -> Vec<EvalMethod
 /// interval's half-width (`gain(method, k)`; no error bar where there is none), each method's
 /// points shifted a little along x so that the error bars of methods at the same k stay apart.
 fn paired_gains(
-    methods: &[EvalMethod],
-    gain: impl Fn(EvalMethod, usize) -> Option<(f64, Option<f64>)>,
+    methods: &[Method],
+    gain: impl Fn(Method, usize) -> Option<(f64, Option<f64>)>,
     ks: &[usize],
 ) -> Vec<Series> {
-    let shown: Vec<EvalMethod> = methods.iter().copied().filter(|&m| m != EvalMethod::Naive).collect();
+    let shown: Vec<Method> = methods.iter().copied().filter(|&m| m != Method::Naive).collect();
     let step = ks.windows(2).map(|w| (w[1] - w[0]) as f64).fold(f64::MAX, f64::min).min(1.0);
     let step = if step == f64::MAX { 1.0 } else { step };
     shown
@@ -618,14 +617,14 @@ pub fn write_openbookqa(out: &Path, report: &openbookqa::Report, info: &RunInfo)
     md.push_str(" prepare ms at k=max |\n|---|");
     md.push_str(&"---:|".repeat(ks.len() + 1));
     md.push('\n');
-    let naive = report.cell(EvalMethod::Naive, 0).expect("naive is always scored");
+    let naive = report.cell(Method::Naive, 0).expect("naive is always scored");
     write!(md, "| naive |").expect("string");
     for _ in ks {
         write!(md, " {:.1} / {:.1} |", 100.0 * naive.acc, 100.0 * naive.acc_norm).expect("string");
     }
     md.push_str(" 0 |\n");
     let methods = methods_in(report.cells.iter().map(|c| &c.method));
-    for &m in methods.iter().filter(|&&m| m != EvalMethod::Naive) {
+    for &m in methods.iter().filter(|&&m| m != Method::Naive) {
         write!(md, "| {m} |").expect("string");
         for &k in ks {
             let c = report.cell(m, k).expect("filled");
@@ -667,7 +666,7 @@ pub fn write_openbookqa(out: &Path, report: &openbookqa::Report, info: &RunInfo)
                 report
                     .contrasts
                     .iter()
-                    .find(|c| c.a == m && c.b == EvalMethod::Naive && c.k == k)
+                    .find(|c| c.a == m && c.b == Method::Naive && c.k == k)
                     .map(|c| (100.0 * c.acc_norm_diff, pct_ci(c.acc_norm_diff_ci95)))
             },
             ks,
@@ -884,11 +883,11 @@ fn finetuned_pairs(md: &mut String, models: &[ModelResults<'_>]) {
         first.name
     )
     .expect("string");
-    let picaso_r = EvalMethod::Compose(picaso_model::Method::PicasoR);
+    let picaso_r = Method::Compose(picaso_model::Composition::PicasoR);
     for (m, earlier) in later_earlier(models) {
-        let mut rows: Vec<(EvalMethod, EvalMethod)> =
+        let mut rows: Vec<(Method, Method)> =
             methods_in(m.wikitext.cells.iter().map(|c| &c.method)).into_iter().map(|x| (x, x)).collect();
-        rows.push((picaso_r, EvalMethod::Concat));
+        rows.push((picaso_r, Method::Concat));
         for (mine, theirs) in rows {
             let (Some(a), Some(b)) = (m.wikitext.losses.get(&(mine, k)), earlier.wikitext.losses.get(&(theirs, k)))
             else {
@@ -919,8 +918,8 @@ fn finetuned_chart(out: &Path, models: &[ModelResults<'_>]) -> Result<()> {
     let Some(first) = models.first() else { return Ok(()) };
     let k = first.wikitext.options.max_k();
     let pct = 100.0 / first.wikitext.naive_loss;
-    let Some(base) = first.wikitext.losses.get(&(EvalMethod::Naive, k)) else { return Ok(()) };
-    let gain = |m: &ModelResults<'_>, method: EvalMethod| {
+    let Some(base) = first.wikitext.losses.get(&(Method::Naive, k)) else { return Ok(()) };
+    let gain = |m: &ModelResults<'_>, method: Method| {
         let a = m.wikitext.losses.get(&(method, k)).filter(|a| a.len() == base.len())?;
         let (g, half) = paired_ci95(base, a);
         Some((g * pct, half.map(|h| h * pct)))
@@ -928,7 +927,7 @@ fn finetuned_chart(out: &Path, models: &[ModelResults<'_>]) -> Result<()> {
     let mut bars = Vec::new();
     for (i, m) in models.iter().enumerate() {
         for method in methods_in(m.wikitext.cells.iter().map(|c| &c.method)) {
-            if i == 0 && method == EvalMethod::Naive {
+            if i == 0 && method == Method::Naive {
                 continue;
             }
             if let Some((value, error)) = gain(m, method) {
@@ -939,7 +938,7 @@ fn finetuned_chart(out: &Path, models: &[ModelResults<'_>]) -> Result<()> {
     if bars.is_empty() {
         return Ok(());
     }
-    let reference = gain(first, EvalMethod::Concat);
+    let reference = gain(first, Method::Concat);
     let name = format!("{} concat", first.name);
     bar_chart(
         &out.join("gain_vs_first_naive.png"),
@@ -964,7 +963,7 @@ fn finetuned_obqa_pairs(md: &mut String, models: &[ModelResults<'_>]) {
     .expect("string");
     for (m, earlier) in later_earlier(models) {
         for method in methods_in(m.openbookqa.cells.iter().map(|c| &c.method)) {
-            let key = (method, if method == EvalMethod::Naive { 0 } else { kq });
+            let key = (method, if method == Method::Naive { 0 } else { kq });
             let (Some(a), Some(b)) = (m.openbookqa.right_norm.get(&key), earlier.openbookqa.right_norm.get(&key))
             else {
                 continue;
@@ -999,7 +998,7 @@ pub fn write_finetuned(out: &Path, models: &[ModelResults<'_>], info: &RunInfo) 
             writeln!(md, "| {} | naive | {naive:.4} | 0.00% |", m.name).expect("string");
             writeln!(csv, "{},wikitext,naive,0,{naive:.6}", m.name).expect("string");
             for method in methods_in(m.wikitext.cells.iter().map(|c| &c.method)) {
-                if method == EvalMethod::Naive {
+                if method == Method::Naive {
                     continue;
                 }
                 let c = m.wikitext.cell(method, m.wikitext.options.max_k()).expect("filled");
@@ -1146,7 +1145,7 @@ pub fn write_recall(out: &Path, runs: &[RecallRun<'_>], paired: &[recall::Paired
         }
         if o.orders > 1 {
             md.push_str("\n### Order: exact match in each order of the same contexts (%), range, share of queries that flip\n\n| k | method | per order | range (points) | flips |\n|---:|---|---|---:|---:|\n");
-            for c in r.cells.iter().filter(|c| c.k > 1 && c.method != EvalMethod::Naive) {
+            for c in r.cells.iter().filter(|c| c.k > 1 && c.method != Method::Naive) {
                 let per: Vec<String> = c.order_exact.iter().map(|&x| format!("{:.1}", pct(x))).collect();
                 writeln!(
                     md,

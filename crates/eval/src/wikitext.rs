@@ -5,13 +5,13 @@
 
 use std::collections::HashMap;
 
-use picaso_model::Model;
+use picaso_model::{Method, Model};
 use picaso_store::{passages, retrieve_by, Passage, Retriever, Store};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 
 use crate::database::{cache_cap, check_model, Contexts};
-use crate::methods::{continuation_nll, start_state, EvalMethod};
+use crate::methods::{continuation_nll, start_state};
 use crate::stats::{mean_ci95, paired_ci95};
 use crate::{Error, Result};
 
@@ -22,7 +22,7 @@ pub struct Options {
     /// goes to 50).
     pub ks: Vec<usize>,
     /// Methods to score (Naive is always scored: it is the reference).
-    pub methods: Vec<EvalMethod>,
+    pub methods: Vec<Method>,
     /// Score this many passages drawn with `seed` (all if `None`).
     pub sample: Option<usize>,
     /// Seed of the sample.
@@ -62,7 +62,7 @@ struct Scored {
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Cell {
     /// Method.
-    pub method: EvalMethod,
+    pub method: Method,
     /// Contexts.
     pub k: usize,
     /// Mean continuation NLL (nats/token) over the passages.
@@ -109,7 +109,7 @@ pub struct Report {
     /// Every passage's loss per (method, k), in the order scored (Naive under every k): what
     /// pairs two models run on the same passages. Not written to results.json.
     #[serde(skip)]
-    pub losses: HashMap<(EvalMethod, usize), Vec<f64>>,
+    pub losses: HashMap<(Method, usize), Vec<f64>>,
 }
 
 /// Method `a` against method `b` on the same passages: the mean per-passage loss difference
@@ -120,9 +120,9 @@ pub struct Contrast {
     /// Contexts.
     pub k: usize,
     /// The method compared.
-    pub a: EvalMethod,
+    pub a: Method,
     /// What it is compared with.
-    pub b: EvalMethod,
+    pub b: Method,
     /// Mean of `loss_b − loss_a` (nats/token).
     pub gain: f64,
     /// Its 95% interval half-width (`None` for one passage).
@@ -169,12 +169,12 @@ pub fn check_ks(ks: &[usize]) -> Result<()> {
 
 impl Report {
     /// The cell of `method` at `k`.
-    pub fn cell(&self, method: EvalMethod, k: usize) -> Option<&Cell> {
+    pub fn cell(&self, method: Method, k: usize) -> Option<&Cell> {
         self.cells.iter().find(|c| c.method == method && c.k == k)
     }
 
     /// Mean improvement over Naive (percent) of `method` across every k.
-    pub fn mean_improvement(&self, method: EvalMethod) -> Option<f64> {
+    pub fn mean_improvement(&self, method: Method) -> Option<f64> {
         let v: Vec<f64> = self.cells.iter().filter(|c| c.method == method).map(|c| c.improvement_pct).collect();
         (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
     }
@@ -193,12 +193,12 @@ pub fn run(model: &Model, store: &Store, options: &Options, mut progress: impl F
     if let Some(first) = chosen.first() {
         retrieve_by(store, first, options.max_k(), options.retriever)?;
     }
-    let mut methods: Vec<EvalMethod> = options.methods.iter().copied().filter(|m| *m != EvalMethod::Naive).collect();
+    let mut methods: Vec<Method> = options.methods.iter().copied().filter(|m| *m != Method::Naive).collect();
     methods.dedup();
 
     let mut naive = Vec::new();
-    let mut losses: HashMap<(EvalMethod, usize), Vec<f64>> = HashMap::new();
-    let mut costs: HashMap<(EvalMethod, usize), (f64, f64)> = HashMap::new();
+    let mut losses: HashMap<(Method, usize), Vec<f64>> = HashMap::new();
+    let mut costs: HashMap<(Method, usize), (f64, f64)> = HashMap::new();
     let (mut q_tokens, mut c_tokens) = (0usize, 0usize);
     let mut ranks: Vec<Option<usize>> = Vec::new();
     let mut contexts = Contexts::new(store, options.restate);
@@ -235,7 +235,7 @@ pub fn run(model: &Model, store: &Store, options: &Options, mut progress: impl F
         c_tokens += scored.continuation_tokens;
         naive.push(scored.naive);
         for (name, k, nll, seconds, tokens) in scored.cells {
-            let method: EvalMethod = name.parse().map_err(Error::Input)?;
+            let method: Method = name.parse().map_err(|e: picaso_model::UnknownMethod| Error::Input(e.to_string()))?;
             losses.entry((method, k)).or_default().push(nll);
             let c = costs.entry((method, k)).or_default();
             c.0 += seconds;
@@ -249,7 +249,7 @@ pub fn run(model: &Model, store: &Store, options: &Options, mut progress: impl F
     let mut cells = Vec::new();
     for &k in &options.ks {
         cells.push(Cell {
-            method: EvalMethod::Naive,
+            method: Method::Naive,
             k,
             loss: naive_loss,
             ci95: naive_ci95,
@@ -271,7 +271,7 @@ pub fn run(model: &Model, store: &Store, options: &Options, mut progress: impl F
             });
         }
     }
-    losses.extend(options.ks.iter().map(|&k| ((EvalMethod::Naive, k), naive.clone())));
+    losses.extend(options.ks.iter().map(|&k| ((Method::Naive, k), naive.clone())));
     let contrasts = contrasts(&options.ks, &losses, naive_loss);
     let neighbour_recall = options
         .ks
@@ -305,7 +305,7 @@ fn score_passage(
     passage: &Passage,
     neighbour: Option<i64>,
     options: &Options,
-    methods: &[EvalMethod],
+    methods: &[Method],
     contexts: &mut Contexts<'_>,
     cap: usize,
 ) -> Result<Scored> {
@@ -329,9 +329,9 @@ fn score_passage(
     Ok(Scored { query_tokens: query.len(), continuation_tokens: continuation.len(), naive, cells, neighbour })
 }
 
-/// The paper's comparisons ([`EvalMethod::claim_pairs`]) where both methods were scored.
-fn contrasts(ks: &[usize], losses: &HashMap<(EvalMethod, usize), Vec<f64>>, naive_loss: f64) -> Vec<Contrast> {
-    let pairs = EvalMethod::claim_pairs();
+/// The paper's comparisons ([`claim_pairs`](crate::methods::claim_pairs)) where both methods were scored.
+fn contrasts(ks: &[usize], losses: &HashMap<(Method, usize), Vec<f64>>, naive_loss: f64) -> Vec<Contrast> {
+    let pairs = crate::methods::claim_pairs();
     let mut out = Vec::new();
     for &k in ks {
         for &(a, b) in &pairs {
@@ -347,7 +347,7 @@ fn contrasts(ks: &[usize], losses: &HashMap<(EvalMethod, usize), Vec<f64>>, naiv
 
 #[cfg(test)]
 mod tests {
-    use picaso_model::Method;
+    use picaso_model::Composition;
 
     use super::*;
 
@@ -360,20 +360,20 @@ mod tests {
         let soup = vec![2.0, 6.0, 4.0];
         let r = vec![1.95, 5.95, 3.95];
         let mut losses = HashMap::new();
-        losses.insert((EvalMethod::Naive, 1), naive);
-        losses.insert((EvalMethod::Concat, 1), concat);
-        losses.insert((EvalMethod::Compose(Method::Soup), 1), soup);
-        losses.insert((EvalMethod::Compose(Method::PicasoR), 1), r);
+        losses.insert((Method::Naive, 1), naive);
+        losses.insert((Method::Concat, 1), concat);
+        losses.insert((Method::Compose(Composition::Soup), 1), soup);
+        losses.insert((Method::Compose(Composition::PicasoR), 1), r);
         let c = contrasts(&[1], &losses, 4.0);
-        let find = |a: EvalMethod, b: EvalMethod| c.iter().find(|x| x.a == a && x.b == b).unwrap();
-        let cn = find(EvalMethod::Concat, EvalMethod::Naive);
+        let find = |a: Method, b: Method| c.iter().find(|x| x.a == a && x.b == b).unwrap();
+        let cn = find(Method::Concat, Method::Naive);
         assert!((cn.gain - 0.1).abs() < 1e-12 && cn.gain_ci95.unwrap() < 1e-9, "{cn:?}");
         assert!((cn.gain_pct - 2.5).abs() < 1e-9);
-        let rs = find(EvalMethod::Compose(Method::PicasoR), EvalMethod::Compose(Method::Soup));
+        let rs = find(Method::Compose(Composition::PicasoR), Method::Compose(Composition::Soup));
         assert!((rs.gain - 0.05).abs() < 1e-12);
-        let rc = find(EvalMethod::Compose(Method::PicasoR), EvalMethod::Concat);
+        let rc = find(Method::Compose(Composition::PicasoR), Method::Concat);
         assert!((rc.gain + 0.05).abs() < 1e-12, "PICASO-R is worse than Concat here");
         // Methods that were not scored are left out.
-        assert!(c.iter().all(|x| x.a != EvalMethod::Compose(Method::Caso)));
+        assert!(c.iter().all(|x| x.a != Method::Compose(Composition::Caso)));
     }
 }

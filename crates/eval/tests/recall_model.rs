@@ -4,8 +4,8 @@
 //! in any of them shows up as lost accuracy.
 
 use picaso_eval::recall::{run, Form, Options, Task};
-use picaso_eval::EvalMethod;
-use picaso_model::{LoadOptions, Method, Model};
+use picaso_eval::{Composition, Method};
+use picaso_model::{LoadOptions, Model};
 
 fn model() -> Model {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/picaso-recall");
@@ -25,23 +25,23 @@ fn the_recall_model_recalls_through_concat_and_composition() {
         orders: 2,
         distractors: 9,
         methods: vec![
-            EvalMethod::Naive,
-            EvalMethod::Concat,
-            EvalMethod::Compose(Method::Soup),
-            EvalMethod::Compose(Method::PicasoS),
-            EvalMethod::Compose(Method::PicasoR),
+            Method::Naive,
+            Method::Concat,
+            Method::Compose(Composition::Soup),
+            Method::Compose(Composition::PicasoS),
+            Method::Compose(Composition::PicasoR),
         ],
         seed: 11,
     };
     let r = run(&m, &options, |_, _| {}).unwrap();
-    let exact = |method: EvalMethod, k: usize| r.cell(method, k).unwrap().exact;
-    assert!(exact(EvalMethod::Concat, 1) >= 0.95, "concat k=1: {}", exact(EvalMethod::Concat, 1));
-    assert!(exact(EvalMethod::Concat, 4) >= 0.9, "concat k=4: {}", exact(EvalMethod::Concat, 4));
-    assert!(exact(EvalMethod::Compose(Method::PicasoR), 4) >= 0.85);
+    let exact = |method: Method, k: usize| r.cell(method, k).unwrap().exact;
+    assert!(exact(Method::Concat, 1) >= 0.95, "concat k=1: {}", exact(Method::Concat, 1));
+    assert!(exact(Method::Concat, 4) >= 0.9, "concat k=4: {}", exact(Method::Concat, 4));
+    assert!(exact(Method::Compose(Composition::PicasoR), 4) >= 0.85);
     // Without the facts there is nothing to recall; averaging the states dilutes them.
-    assert!(exact(EvalMethod::Naive, 4) <= 0.05);
-    assert!(exact(EvalMethod::Compose(Method::Soup), 4) < exact(EvalMethod::Compose(Method::PicasoR), 4));
+    assert!(exact(Method::Naive, 4) <= 0.05);
+    assert!(exact(Method::Compose(Composition::Soup), 4) < exact(Method::Compose(Composition::PicasoR), 4));
     // PICASO-S answers the same in every order of its inputs.
-    let s = r.cell(EvalMethod::Compose(Method::PicasoS), 4).unwrap();
+    let s = r.cell(Method::Compose(Composition::PicasoS), 4).unwrap();
     assert_eq!((s.order_range, s.order_flips), (0.0, 0.0));
 }

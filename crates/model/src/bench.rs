@@ -11,7 +11,7 @@ use crate::cpu::matmul::Bf16Kernel;
 use crate::error::Result;
 use crate::model::Model;
 use crate::state::{SsmValue, State};
-use picaso_compose::Method;
+use picaso_compose::Composition;
 
 /// What to measure.
 #[derive(Debug, Clone)]
@@ -136,7 +136,7 @@ pub fn run(model: &Model, opts: &BenchOptions) -> Result<BenchReport> {
             .collect::<Result<_>>()?;
         let refs: Vec<&State> = states.iter().collect();
         read_states_ms = 1e3 * best_of(opts.repeats.max(5), || Ok(read_all(&refs)))?;
-        for m in Method::ALL {
+        for m in Composition::ALL {
             let t = best_of(opts.repeats.max(5), || compose(m, &refs, None))?;
             compose_ms.push((m.name().to_string(), 1e3 * t));
             let mut out = model.zero_state();

@@ -12,14 +12,14 @@
 //! and the query starts after the longest. The union is associative: a composed state composes
 //! again.
 
-use picaso_compose::{compose_per_value, mean, weighted_sum_blocks, weights_per_element, Method};
+use picaso_compose::{compose_per_value, mean, weighted_sum_blocks, weights_per_element, Composition};
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::state::{State, StateView};
 
 /// Composes `states` (taken in `order` if given, else as listed) with `method`.
-pub fn compose(method: Method, states: &[&State], order: Option<&[usize]>) -> Result<State> {
+pub fn compose(method: Composition, states: &[&State], order: Option<&[usize]>) -> Result<State> {
     let first = *states.first().ok_or(picaso_compose::Error::Empty)?;
     let mut out = State::zeros(first.shape.clone(), first.fingerprint.clone());
     compose_into(method, states, order, &mut out)?;
@@ -29,13 +29,13 @@ pub fn compose(method: Method, states: &[&State], order: Option<&[usize]>) -> Re
 /// Like [`compose`], writing into `out` (any state of the same shape, overwritten). Reusing one
 /// output buffer across requests saves the page faults of a fresh allocation, which cost about
 /// as much as the arithmetic.
-pub fn compose_into(method: Method, states: &[&State], order: Option<&[usize]>, out: &mut State) -> Result<()> {
+pub fn compose_into(method: Composition, states: &[&State], order: Option<&[usize]>, out: &mut State) -> Result<()> {
     let views: Vec<StateView<'_>> = states.iter().map(|s| s.view()).collect();
     compose_views_into(method, &views, order, out)
 }
 
 /// [`compose`] over borrowed tensors (states read in place from memory-mapped files).
-pub fn compose_views(method: Method, states: &[StateView<'_>], order: Option<&[usize]>) -> Result<State> {
+pub fn compose_views(method: Composition, states: &[StateView<'_>], order: Option<&[usize]>) -> Result<State> {
     let first = states.first().ok_or(picaso_compose::Error::Empty)?;
     let mut out = State::zeros(first.shape.clone(), first.fingerprint);
     compose_views_into(method, states, order, &mut out)?;
@@ -44,7 +44,7 @@ pub fn compose_views(method: Method, states: &[StateView<'_>], order: Option<&[u
 
 /// [`compose_into`] over borrowed tensors.
 pub fn compose_views_into(
-    method: Method,
+    method: Composition,
     states: &[StateView<'_>],
     order: Option<&[usize]>,
     out: &mut State,

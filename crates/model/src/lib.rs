@@ -56,7 +56,7 @@ pub use mamba2::{Mamba2Config, Mamba2Weights};
 pub use model::{Backend, LoadOptions, Model, Scored};
 /// The run-time instruction-set dispatch of the CPU kernels (defined in picaso-compose).
 pub use picaso_compose::simd_fn;
-pub use picaso_compose::Method;
+pub use picaso_compose::{Composition, Method, UnknownMethod};
 pub use state::{
     Arch, AttentionShape, KvState, KvView, LayerState, LayerView, MappedState, SsmValue, State, StateDtype, StateShape,
     StateView,

@@ -4,7 +4,7 @@
 mod common;
 
 use common::*;
-use picaso_model::{compose, Mamba2Config, Mamba2Weights, Method, Model, State};
+use picaso_model::{compose, Composition, Mamba2Config, Mamba2Weights, Model, State};
 
 fn tiny_model(n_layer: usize, d_conv: usize, seed: u64) -> Model {
     let config = Mamba2Config::tiny(n_layer, d_conv);
@@ -27,7 +27,7 @@ fn proposition_1_caso_is_the_state_of_the_concatenation() {
     let refs: Vec<&State> = states.iter().collect();
     let concat: Vec<u32> = segs.concat();
     let whole = model.prefill(&concat, &model.zero_state()).unwrap();
-    let caso = compose(Method::Caso, &refs, None).unwrap();
+    let caso = compose(Composition::Caso, &refs, None).unwrap();
     let (x, y) = (&caso.layers[0], &whole.layers[0]);
     assert!(rel_err(&x.ssm, &y.ssm) < 1e-5, "ssm differs by {}", rel_err(&x.ssm, &y.ssm));
     assert!(rel_err(&x.log_decay, &y.log_decay) < 1e-5);
@@ -36,7 +36,7 @@ fn proposition_1_caso_is_the_state_of_the_concatenation() {
     let order = [2, 0, 1];
     let reordered: Vec<u32> = order.iter().flat_map(|&i| segs[i].clone()).collect();
     let whole2 = model.prefill(&reordered, &model.zero_state()).unwrap();
-    let caso2 = compose(Method::Caso, &refs, Some(&order)).unwrap();
+    let caso2 = compose(Composition::Caso, &refs, Some(&order)).unwrap();
     assert!(rel_err(&caso2.layers[0].ssm, &whole2.layers[0].ssm) < 1e-5);
     // And scoring from the composed state equals scoring after the concatenation.
     let query: Vec<u32> = (0..12).map(|i| (i * 13 + 2) % 61).collect();
@@ -60,7 +60,7 @@ fn caso_on_a_multi_layer_model_is_close_but_not_exact() {
         let (a, b, c) = (&tokens[..third], &tokens[third..2 * third], &tokens[2 * third..]);
         let sa = model.prefill(a, &model.zero_state()).unwrap();
         let sb = model.prefill(b, &model.zero_state()).unwrap();
-        let composed = compose(Method::Caso, &[&sa, &sb], None).unwrap();
+        let composed = compose(Composition::Caso, &[&sa, &sb], None).unwrap();
         let from_composed = model.score(c, &composed).unwrap().logprobs;
         let concat = model.prefill(&tokens[..2 * third], &model.zero_state()).unwrap();
         let from_concat = model.score(c, &concat).unwrap().logprobs;
@@ -77,11 +77,11 @@ fn caso_on_a_multi_layer_model_is_close_but_not_exact() {
 fn one_state_composes_to_itself_and_identical_states_soup_to_themselves() {
     let model = tiny_model(2, 4, 3);
     let s = model.prefill(&segments()[0], &model.zero_state()).unwrap();
-    for m in Method::ALL {
+    for m in Composition::ALL {
         let one = compose(m, &[&s], None).unwrap();
         assert_eq!(one.layers, s.layers, "{m}");
     }
-    let soup = compose(Method::Soup, &[&s, &s, &s], None).unwrap();
+    let soup = compose(Composition::Soup, &[&s, &s, &s], None).unwrap();
     for (x, y) in soup.layers.iter().zip(&s.layers) {
         assert!(rel_err(&x.ssm, &y.ssm) < 1e-6 && rel_err(&x.conv, &y.conv) < 1e-6);
     }
@@ -92,7 +92,7 @@ fn composed_log_decay_is_the_sum_and_composes_again() {
     let model = tiny_model(2, 4, 5);
     let states: Vec<State> = segments().iter().map(|s| model.prefill(s, &model.zero_state()).unwrap()).collect();
     let refs: Vec<&State> = states.iter().collect();
-    let ab = compose(Method::Caso, &refs[..2], None).unwrap();
+    let ab = compose(Composition::Caso, &refs[..2], None).unwrap();
     for (l, layer) in ab.layers.iter().enumerate() {
         for h in 0..layer.log_decay.len() {
             let want = states[0].layers[l].log_decay[h] + states[1].layers[l].log_decay[h];
@@ -100,8 +100,8 @@ fn composed_log_decay_is_the_sum_and_composes_again() {
         }
     }
     // CASO is associative: (a ∘ b) ∘ c = a ∘ b ∘ c on the SSM states.
-    let abc = compose(Method::Caso, &[&ab, &states[2]], None).unwrap();
-    let direct = compose(Method::Caso, &refs, None).unwrap();
+    let abc = compose(Composition::Caso, &[&ab, &states[2]], None).unwrap();
+    let direct = compose(Composition::Caso, &refs, None).unwrap();
     for (x, y) in abc.layers.iter().zip(&direct.layers) {
         assert!(rel_err(&x.ssm, &y.ssm) < 1e-5);
     }
@@ -113,20 +113,20 @@ fn bad_composition_input_is_refused() {
     let m2 = tiny_model(2, 4, 2);
     let s1 = m1.prefill(&[1, 2, 3], &m1.zero_state()).unwrap();
     let s2 = m2.prefill(&[1, 2, 3], &m2.zero_state()).unwrap();
-    let err = compose(Method::Soup, &[&s1, &s2], None).unwrap_err().to_string();
+    let err = compose(Composition::Soup, &[&s1, &s2], None).unwrap_err().to_string();
     assert!(err.contains("made by model"), "{err}");
-    assert!(compose(Method::Soup, &[], None).unwrap_err().to_string().contains("no contexts"));
-    let err = compose(Method::Caso, &[&s1, &s1], Some(&[0, 0])).unwrap_err().to_string();
+    assert!(compose(Composition::Soup, &[], None).unwrap_err().to_string().contains("no contexts"));
+    let err = compose(Composition::Caso, &[&s1, &s1], Some(&[0, 0])).unwrap_err().to_string();
     assert!(err.contains("not a permutation"), "{err}");
     let mut bad = s1.clone();
     bad.layers[1].ssm[3] = f32::NAN;
-    let err = compose(Method::PicasoR, &[&s1, &bad], None).unwrap_err().to_string();
+    let err = compose(Composition::PicasoR, &[&s1, &bad], None).unwrap_err().to_string();
     assert!(err.contains("state 1") && err.contains("non-finite"), "{err}");
     let other_shape = tiny_model(3, 4, 1);
     let s3 = other_shape.prefill(&[1], &other_shape.zero_state()).unwrap();
     let mut s3 = s3;
     s3.fingerprint = s1.fingerprint.clone();
-    assert!(compose(Method::Soup, &[&s1, &s3], None).unwrap_err().to_string().contains("shape"));
+    assert!(compose(Composition::Soup, &[&s1, &s3], None).unwrap_err().to_string().contains("shape"));
 }
 
 /// Large but finite inputs compose; a weighted sum beyond f32's range is named as such (not
@@ -150,15 +150,15 @@ fn extreme_but_finite_inputs_compose_or_are_refused_for_what_they_are() {
             t
         };
         let big = filled(2e35, -1.0);
-        let soup = compose(Method::Soup, &[&big, &big], None).unwrap();
+        let soup = compose(Composition::Soup, &[&big, &big], None).unwrap();
         assert!(soup.layers.iter().all(|l| l.ssm.iter().all(|&v| v == 2e35)));
 
         let huge = filled(3e38, 0.0);
-        let err = compose(Method::Caso, &[&huge, &huge], None).unwrap_err().to_string();
+        let err = compose(Composition::Caso, &[&huge, &huge], None).unwrap_err().to_string();
         assert!(err.contains("beyond f32's range") && !err.contains("state 0"), "{err}");
 
         let steep = filled(1.0, -2e38);
-        let caso = compose(Method::Caso, &[&steep, &steep], None).unwrap();
+        let caso = compose(Composition::Caso, &[&steep, &steep], None).unwrap();
         assert!(caso.layers.iter().all(|l| l.log_decay.iter().all(|&v| v == f32::MIN)));
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("s.safetensors");

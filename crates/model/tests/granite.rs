@@ -7,7 +7,7 @@
 mod common;
 
 use common::*;
-use picaso_model::{compose, Method, Model, State, StateDtype};
+use picaso_model::{compose, Composition, Model, State, StateDtype};
 
 const CASES: [&str; 2] = ["dense-nope-g1", "moe-rope-g2"];
 
@@ -117,7 +117,7 @@ fn a_composed_state_continues_as_transformers() {
             at += n;
         }
         let refs: Vec<&State> = states.iter().collect();
-        let composed = compose(Method::PicasoR, &refs, None).unwrap();
+        let composed = compose(Composition::PicasoR, &refs, None).unwrap();
         assert_eq!(composed.position, 11, "{case}: the query starts after the longest context");
         check_state(case, &composed, &e, "composed");
         let query = &e.tokens[at..at + 8];
@@ -141,7 +141,7 @@ fn picaso_s_of_a_nope_hybrid_is_invariant_to_every_order() {
         .collect();
     let query = &e.tokens[27..35];
     let refs: Vec<&State> = parts.iter().collect();
-    let base = m.score(query, &compose(Method::PicasoS, &refs, None).unwrap()).unwrap().logprobs;
+    let base = m.score(query, &compose(Composition::PicasoS, &refs, None).unwrap()).unwrap().logprobs;
     let mut orders = 0;
     for a in 0..4 {
         for b in 0..4 {
@@ -152,7 +152,7 @@ fn picaso_s_of_a_nope_hybrid_is_invariant_to_every_order() {
                         continue;
                     }
                     orders += 1;
-                    let s = compose(Method::PicasoS, &refs, Some(&o)).unwrap();
+                    let s = compose(Composition::PicasoS, &refs, Some(&o)).unwrap();
                     let lp = m.score(query, &s).unwrap().logprobs;
                     let err = max_abs_diff(&lp, &base);
                     assert!(err < 1e-5, "order {o:?}: log-probs move by {err}");
@@ -162,7 +162,7 @@ fn picaso_s_of_a_nope_hybrid_is_invariant_to_every_order() {
     }
     assert_eq!(orders, 24);
     // CASO is not order-free: the check above could fail.
-    let caso = |o: &[usize]| m.score(query, &compose(Method::Caso, &refs, Some(o)).unwrap()).unwrap().logprobs;
+    let caso = |o: &[usize]| m.score(query, &compose(Composition::Caso, &refs, Some(o)).unwrap()).unwrap().logprobs;
     assert!(max_abs_diff(&caso(&[0, 1, 2, 3]), &caso(&[3, 2, 1, 0])) > 1e-4);
 }
 
@@ -174,7 +174,7 @@ fn hybrid_states_save_load_and_compose_again() {
         let (m, e) = (model(case), exp(case));
         let a = m.prefill(&e.tokens[..10], &m.zero_state()).unwrap();
         let b = m.prefill(&e.tokens[10..17], &m.zero_state()).unwrap();
-        let ab = compose(Method::PicasoR, &[&a, &b], None).unwrap();
+        let ab = compose(Composition::PicasoR, &[&a, &b], None).unwrap();
         for s in [&a, &ab, &m.zero_state()] {
             let bytes = s.to_bytes(StateDtype::F32).unwrap();
             let back = State::from_bytes(&bytes).unwrap();
@@ -191,7 +191,7 @@ fn hybrid_states_save_load_and_compose_again() {
         }
         // The union is associative: ((a ∪ b) ∪ c) keeps every token's keys.
         let c = m.prefill(&e.tokens[17..20], &m.zero_state()).unwrap();
-        let abc = compose(Method::Soup, &[&ab, &c], None).unwrap();
+        let abc = compose(Composition::Soup, &[&ab, &c], None).unwrap();
         let tl = a.shape.attention.as_ref().unwrap().token_len();
         assert_eq!(abc.attention[0].tokens(tl), 10 + 7 + 3);
         assert_eq!(abc.n_tokens, 20);

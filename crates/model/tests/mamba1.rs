@@ -6,7 +6,7 @@
 mod common;
 
 use common::*;
-use picaso_model::{compose, Arch, Mamba1Config, Mamba1Weights, Method, Model, State, StateDtype};
+use picaso_model::{compose, Arch, Composition, Mamba1Config, Mamba1Weights, Model, State, StateDtype};
 
 const FORMATS: [&str; 2] = ["hf", "state-spaces"];
 
@@ -94,7 +94,7 @@ fn proposition_1_with_per_element_decays() {
     for order in [[0usize, 1, 2], [2, 0, 1], [1, 2, 0]] {
         let tokens: Vec<u32> = order.iter().flat_map(|&i| segs[i].clone()).collect();
         let whole = model.prefill(&tokens, &model.zero_state()).unwrap();
-        let caso = compose(Method::Caso, &refs, Some(&order)).unwrap();
+        let caso = compose(Composition::Caso, &refs, Some(&order)).unwrap();
         let err = rel_err(&caso.layers[0].ssm, &whole.layers[0].ssm);
         assert!(err < 1e-5, "order {order:?}: CASO differs from the concatenation by {err}");
         assert!(rel_err(&caso.layers[0].log_decay, &whole.layers[0].log_decay) < 1e-5);
@@ -115,7 +115,7 @@ fn permutation_averages_match_brute_force() {
     let mean_of = |orders: &[Vec<usize>]| -> Vec<Vec<f64>> {
         let mut acc: Vec<Vec<f64>> = states[0].layers.iter().map(|l| vec![0.0; l.ssm.len()]).collect();
         for o in orders {
-            let c = compose(Method::Caso, &refs, Some(o)).unwrap();
+            let c = compose(Composition::Caso, &refs, Some(o)).unwrap();
             for (a, l) in acc.iter_mut().zip(&c.layers) {
                 for (x, v) in a.iter_mut().zip(&l.ssm) {
                     *x += f64::from(*v) / orders.len() as f64;
@@ -128,7 +128,7 @@ fn permutation_averages_match_brute_force() {
     permutations(&mut vec![0, 1, 2, 3], 0, &mut all);
     assert_eq!(all.len(), 24);
     let rotations: Vec<Vec<usize>> = (0..4).map(|r| (0..4).map(|j| (r + j) % 4).collect()).collect();
-    for (method, orders) in [(Method::PicasoS, &all), (Method::PicasoR, &rotations)] {
+    for (method, orders) in [(Composition::PicasoS, &all), (Composition::PicasoR, &rotations)] {
         let want = mean_of(orders);
         let got = compose(method, &refs, None).unwrap();
         for (l, (w, g)) in want.iter().zip(&got.layers).enumerate() {

@@ -18,7 +18,9 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString};
 
-use picaso_model::{Arch, GenerateOptions, LayerState, LoadOptions, Method, StateDtype, StateShape, WeightDtype};
+use picaso_model::{
+    Arch, Composition, GenerateOptions, LayerState, LoadOptions, Method, StateDtype, StateShape, WeightDtype,
+};
 
 /// The bundled model, where this extension was built from a picaso checkout.
 const BUNDLED_MODEL: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../models/picaso-mamba2");
@@ -88,8 +90,8 @@ fn embed_err(e: picaso_embed::Error) -> PyErr {
     raise(Kind::Other, e.to_string())
 }
 
-fn method_of(name: &str) -> PyResult<Method> {
-    name.parse::<Method>().map_err(|e| raise(Kind::Invalid, e.to_string()))
+fn composition_of(name: &str) -> PyResult<Composition> {
+    name.parse::<Composition>().map_err(|e| raise(Kind::Invalid, e.to_string()))
 }
 
 /// Text or token ids, as callers pass them.
@@ -655,7 +657,7 @@ fn head_major<'py>(
 #[pyfunction]
 #[pyo3(signature = (states, method="picaso-r", order=None))]
 fn compose(py: Python<'_>, states: Vec<PyRef<'_, State>>, method: &str, order: Option<Vec<usize>>) -> PyResult<State> {
-    let method = method_of(method)?;
+    let method = composition_of(method)?;
     let refs: Vec<&picaso_model::State> = states.iter().map(|s| &s.inner).collect();
     let inner = py.detach(|| picaso_model::compose(method, &refs, order.as_deref())).map_err(model_err)?;
     Ok(State { inner })
@@ -666,7 +668,7 @@ fn compose(py: Python<'_>, states: Vec<PyRef<'_, State>>, method: &str, order: O
 /// Python in the same process (scripts/bench_python_compose.py).
 #[pyfunction]
 fn _compose_seconds(py: Python<'_>, states: Vec<PyRef<'_, State>>, method: &str, calls: usize) -> PyResult<Vec<f64>> {
-    let method = method_of(method)?;
+    let method = composition_of(method)?;
     let refs: Vec<&picaso_model::State> = states.iter().map(|s| &s.inner).collect();
     py.detach(|| {
         (0..calls)
@@ -685,7 +687,7 @@ fn _compose_seconds(py: Python<'_>, states: Vec<PyRef<'_, State>>, method: &str,
 #[pyfunction]
 #[pyo3(signature = (log_decays, method="picaso-r"))]
 fn weights(log_decays: Vec<f64>, method: &str) -> PyResult<Vec<f64>> {
-    picaso_compose::weights(method_of(method)?, &log_decays).map_err(|e| raise(Kind::Invalid, e.to_string()))
+    picaso_compose::weights(composition_of(method)?, &log_decays).map_err(|e| raise(Kind::Invalid, e.to_string()))
 }
 
 /// A database of states: contexts processed once, retrieved by meaning, composed at query time.
@@ -705,34 +707,17 @@ fn location(url: &str, states: Option<&str>) -> PyResult<picaso_store::Location>
     picaso_store::Location::parse(url, states).map_err(store_err)
 }
 
-/// The embedder: the folder given, else $PICASO_EMBEDDER, else the one the store recorded.
+/// The embedder ([`picaso_store::find_embedder`]: the folder given, `$PICASO_EMBEDDER`, the
+/// store's own, the hub, the shared data folder).
 fn embedder_for(given: Option<PathBuf>, store: Option<&picaso_store::Store>) -> PyResult<picaso_embed::Embedder> {
-    let recorded = match store {
-        Some(s) => s.embedder().map_err(store_err)?,
-        None => None,
-    };
-    let dir = given
-        .or_else(|| std::env::var_os("PICASO_EMBEDDER").map(PathBuf::from))
-        .or_else(|| recorded.as_ref().map(|r| PathBuf::from(&r.source)))
-        .ok_or_else(|| {
-            raise(
-                Kind::Invalid,
-                "no embedder: pass embedder= (an all-MiniLM-L6-v2 folder: config.json, tokenizer.json, model.safetensors) or set PICASO_EMBEDDER",
-            )
-        })?;
-    if !dir.is_dir() {
-        return Err(raise(Kind::NotFound, format!("{}: embedder folder not found (all-MiniLM-L6-v2)", dir.display())));
-    }
-    let e = picaso_embed::Embedder::load(&dir, &candle_core::Device::Cpu).map_err(embed_err)?;
-    if let Some(r) = recorded {
-        if r.fingerprint != e.fingerprint() {
-            return Err(raise(
-                Kind::StateMismatch,
-                format!("embedder {} is not the one this store was built with ({})", dir.display(), r.source),
-            ));
-        }
-    }
-    Ok(e)
+    use picaso_store::EmbedderError as E;
+    picaso_store::find_embedder(given.as_deref(), store).map_err(|e| match e {
+        E::Store(e) => store_err(e),
+        E::NotFound(_) => raise(Kind::NotFound, e.to_string()),
+        E::Mismatch { .. } => raise(Kind::StateMismatch, e.to_string()),
+        E::Missing(_) => raise(Kind::Invalid, e.to_string()),
+        E::Load { .. } => raise(Kind::Other, e.to_string()),
+    })
 }
 
 fn record_dict<'py>(
@@ -786,8 +771,8 @@ fn filter_from_py(filter: Option<&Bound<'_, PyAny>>) -> PyResult<Option<picaso_s
 #[pymethods]
 impl Store {
     /// Opens an existing store. `model` is needed to ingest and query; `embedder` (an
-    /// all-MiniLM-L6-v2 folder, loaded when first needed) defaults to $PICASO_EMBEDDER or the
-    /// one the store recorded.
+    /// all-MiniLM-L6-v2 folder, loaded when first needed) defaults to $PICASO_EMBEDDER, the one
+    /// the store recorded, the Hugging Face hub, then ../shared/data (the CLI's order).
     #[staticmethod]
     #[pyo3(signature = (url, *, model=None, embedder=None))]
     fn open(py: Python<'_>, url: &str, model: Option<&Model>, embedder: Option<PathBuf>) -> PyResult<Self> {
@@ -964,7 +949,7 @@ impl Store {
     #[pyo3(signature = (ids, method="picaso-r"))]
     fn state(&self, py: Python<'_>, ids: Vec<i64>, method: &str) -> PyResult<State> {
         let model = self.need_model()?;
-        let method = method.parse::<picaso_store::ContextMethod>().map_err(|e| raise(Kind::Invalid, e))?;
+        let method = Method::parse_among(&method, &Method::QUERY).map_err(|e| raise(Kind::Invalid, e.to_string()))?;
         let store = &self.inner;
         let prepared = py.detach(|| picaso_store::prepare(store, model, &ids, method, None)).map_err(store_err)?;
         Ok(State { inner: prepared.state })
@@ -995,8 +980,8 @@ impl Store {
     ) -> PyResult<Generation> {
         let model = self.need_model()?;
         let retriever = picaso_store::Retriever::parse(retriever, hybrid_weight).map_err(store_err)?;
-        let method = method.parse::<picaso_store::ContextMethod>().map_err(|e| raise(Kind::Invalid, e))?;
-        if method == picaso_store::ContextMethod::Naive && (documents.is_some() || filter.is_some()) {
+        let method = Method::parse_among(&method, &Method::QUERY).map_err(|e| raise(Kind::Invalid, e.to_string()))?;
+        if method == Method::Naive && (documents.is_some() || filter.is_some()) {
             return Err(raise(
                 Kind::Invalid,
                 "method \"naive\" retrieves nothing: drop `documents` and `filter`, or pick another method",
@@ -1011,7 +996,7 @@ impl Store {
             GenerateOptions { max_tokens, temperature, top_p, seed, stop: stop.unwrap_or_default(), ignore_eos: false };
         opts.validate().map_err(model_err)?;
         let store = &self.inner;
-        let retrieves = method != picaso_store::ContextMethod::Naive;
+        let retrieves = method != Method::Naive;
         let embedder = if retrieves && retriever.needs_embedding() { Some(self.embedder()?) } else { None };
         let (hits, g) = py.detach(|| -> PyResult<_> {
             let (hits, prepared) = if retrieves {
@@ -1067,7 +1052,7 @@ impl Store {
     ) -> PyResult<Bound<'py, PyDict>> {
         let model = self.need_model()?;
         let retriever = picaso_store::Retriever::parse(retriever, hybrid_weight).map_err(store_err)?;
-        let method = method.parse::<picaso_store::ContextMethod>().map_err(|e| raise(Kind::Invalid, e))?;
+        let method = Method::parse_among(&method, &Method::QUERY).map_err(|e| raise(Kind::Invalid, e.to_string()))?;
         if ids.is_some() && (documents.is_some() || filter.is_some()) {
             return Err(raise(
                 Kind::Invalid,

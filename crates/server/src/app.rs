@@ -9,10 +9,10 @@ use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use picaso_embed::Embedder;
-use picaso_model::{GenerateOptions, Model, State, StopReason};
+use picaso_model::{Composition, GenerateOptions, Method, Model, State, StopReason};
 use picaso_store::{
-    prepare, retrieve_and_prepare, retrieve_then, ContextMethod, ContextRecord, DocumentSummary, Filter, NewContext,
-    Retrieval, Retriever, StateCache, Store,
+    prepare, retrieve_and_prepare, retrieve_then, ContextRecord, DocumentSummary, Filter, NewContext, Retrieval,
+    Retriever, StateCache, Store,
 };
 use tokio::sync::{mpsc, Semaphore};
 
@@ -261,7 +261,7 @@ impl App {
     pub(crate) fn validate(
         &self,
         req: &CompletionRequest,
-    ) -> Result<(ContextMethod, GenerateOptions, Option<Filter>), ApiError> {
+    ) -> Result<(Method, GenerateOptions, Option<Filter>), ApiError> {
         let unsupported = |what: &str| Err(ApiError::bad_request(format!("{what} is not supported by picaso")));
         if req.n.is_some_and(|n| n != 1) || req.best_of.is_some_and(|n| n != 1) {
             return unsupported("n or best_of other than 1 (for several answers, send several prompts: a list)");
@@ -291,8 +291,10 @@ impl App {
             return unsupported("logit_bias");
         }
         let method = match &req.composition {
-            None => ContextMethod::Compose(picaso_model::Method::PicasoR),
-            Some(name) => name.parse().map_err(ApiError::bad_request)?,
+            None => Method::Compose(Composition::PicasoR),
+            Some(name) => {
+                Method::parse_among(name, &Method::QUERY).map_err(|e| ApiError::bad_request(e.to_string()))?
+            }
         };
         if let Some(m) = req.model.as_deref().filter(|m| !m.is_empty() && *m != self.model_name) {
             return Err(ApiError::not_found(format!(
@@ -301,10 +303,11 @@ impl App {
             )));
         }
         let uses_contexts = req.contexts.as_ref().is_some_and(|c| !c.is_empty()) || req.retrieve.is_some_and(|k| k > 0);
-        if method == ContextMethod::Naive && uses_contexts {
-            return Err(ApiError::bad_request(
-                "composition \"naive\" uses no context: drop `contexts` and `retrieve`, or pick picaso-r, picaso-s, caso, soup or concat",
-            ));
+        if method == Method::Naive && uses_contexts {
+            return Err(ApiError::bad_request(format!(
+                "composition \"naive\" uses no context: drop `contexts` and `retrieve`, or pick {}",
+                Method::list(&Method::WITH_CONTEXT)
+            )));
         }
         if req.contexts.is_some() && req.retrieve.is_some() {
             return Err(ApiError::bad_request("give either `contexts` (ids) or `retrieve` (a count), not both"));
@@ -404,14 +407,14 @@ impl App {
         req: &CompletionRequest,
         query: &str,
         prompt: Vec<u32>,
-        method: ContextMethod,
+        method: Method,
         opts: GenerateOptions,
         filter: Option<&Filter>,
         started: Instant,
     ) -> Result<(Plan, State), ApiError> {
         let t_retrieve = Instant::now();
         let (hits, prepared): (Vec<(i64, Option<f32>)>, _) = match (method, &req.contexts, req.retrieve) {
-            (ContextMethod::Naive, _, _) | (_, None, None | Some(0)) => {
+            (Method::Naive, _, _) | (_, None, None | Some(0)) => {
                 (Vec::new(), prepare(&self.store, &self.model, &[], method, Some(&self.cache))?)
             }
             (_, Some(ids), _) => {
@@ -803,8 +806,10 @@ impl App {
     /// scorings of the prompt and answer; for concat, k + 1 passes over the contexts too).
     pub(crate) fn attribute(&self, req: AttributeRequest) -> Result<AttributeResponse, ApiError> {
         let method = match &req.composition {
-            None => ContextMethod::Compose(picaso_model::Method::PicasoR),
-            Some(name) => name.parse().map_err(ApiError::bad_request)?,
+            None => Method::Compose(Composition::PicasoR),
+            Some(name) => {
+                Method::parse_among(name, &Method::QUERY).map_err(|e| ApiError::bad_request(e.to_string()))?
+            }
         };
         let retrieve = match (&req.contexts, req.retrieve) {
             (Some(_), Some(_)) => {

@@ -13,8 +13,9 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use picaso_model::Method;
 use picaso_model::{GenerateOptions, State};
-use picaso_store::{ContextMethod, Filter};
+use picaso_store::Filter;
 use serde_json::json;
 use tokio::sync::mpsc;
 
@@ -69,7 +70,7 @@ pub(crate) fn prepare(
     app: &App,
     req: &CompletionRequest,
     chat: &FromChat,
-    method: ContextMethod,
+    method: Method,
     opts: &GenerateOptions,
     filter: Option<&Filter>,
     started: Instant,

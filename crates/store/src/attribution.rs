@@ -12,14 +12,15 @@ use picaso_model::{compose_views, Model, State, StateView};
 
 use crate::cache::StateCache;
 use crate::error::{Error, Result};
-use crate::query::{map_states, ContextMethod};
+use crate::query::map_states;
 use crate::store::Store;
+use picaso_model::Method;
 
 /// The answer's log-likelihood with every context and with each left out.
 #[derive(Debug, Clone)]
 pub struct Attribution {
     /// How the contexts were combined.
-    pub method: ContextMethod,
+    pub method: Method,
     /// The answer's log-likelihood after the prompt (nats, summed over its tokens), from the
     /// state of all the contexts.
     pub loglik: f64,
@@ -54,17 +55,18 @@ pub fn attribute(
     store: &Store,
     model: &Model,
     ids: &[i64],
-    method: ContextMethod,
+    method: Method,
     prompt: &[u32],
     answer: &[u32],
     cache: Option<&StateCache>,
 ) -> Result<Attribution> {
-    if method == ContextMethod::Naive {
-        return Err(Error::Input(
-            "naive uses no context, so there is nothing to attribute; use picaso-r, picaso-s, caso, soup or concat"
-                .into(),
-        ));
+    if method == Method::Naive {
+        return Err(Error::Input(format!(
+            "naive uses no context, so there is nothing to attribute; use {}",
+            Method::list(&Method::WITH_CONTEXT)
+        )));
     }
+    method.check_among(&Method::WITH_CONTEXT).map_err(|e| Error::Input(e.to_string()))?;
     if ids.is_empty() {
         return Err(Error::Input("no contexts to attribute the answer to; give ids or retrieve some".into()));
     }
@@ -80,11 +82,11 @@ pub fn attribute(
     let started = Instant::now();
     // What each state is built from: the contexts' tokens (concat) or their stored states.
     let tokens: Vec<Vec<u32>> = match method {
-        ContextMethod::Concat => ids.iter().map(|&id| Ok(store.get(id)?.tokens)).collect::<Result<_>>()?,
+        Method::Concat => ids.iter().map(|&id| Ok(store.get(id)?.tokens)).collect::<Result<_>>()?,
         _ => Vec::new(),
     };
     let mapped = match method {
-        ContextMethod::Compose(_) => map_states(store, ids, cache)?.0,
+        Method::Compose(_) => map_states(store, ids, cache)?.0,
         _ => Vec::new(),
     };
     // The state of the contexts at positions `keep`, combined by the method.
@@ -93,7 +95,7 @@ pub fn attribute(
             return Ok(model.zero_state());
         }
         Ok(match method {
-            ContextMethod::Compose(m) => {
+            Method::Compose(m) => {
                 compose_views(m, &keep.iter().map(|&i| mapped[i].view()).collect::<Vec<StateView<'_>>>(), None)?
             }
             _ => {

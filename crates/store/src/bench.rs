@@ -5,11 +5,11 @@
 use std::path::Path;
 use std::time::Instant;
 
-use picaso_model::{Method, Model, StateDtype};
+use picaso_model::{Composition, Method, Model, StateDtype};
 use rand::{Rng, SeedableRng};
 
 use crate::error::{Error, Result};
-use crate::query::{prepare, ContextMethod};
+use crate::query::prepare;
 use crate::store::{NewContext, Store, StoreInfo};
 
 /// What to measure.
@@ -24,7 +24,7 @@ pub struct ContextCostOptions {
     /// Runs per measurement; medians are reported.
     pub repeats: usize,
     /// The composition.
-    pub method: Method,
+    pub method: Composition,
     /// Precision of the state files.
     pub state_dtype: StateDtype,
 }
@@ -133,7 +133,7 @@ pub fn context_cost(model: &Model, dir: &Path, opts: &ContextCostOptions) -> Res
             tokens.extend(rec.tokens);
             files.push(dir.join(rec.state_file));
         }
-        let method = ContextMethod::Compose(opts.method);
+        let method = Method::Compose(opts.method);
         let (mut concat, mut ttft_concat) = (Vec::new(), Vec::new());
         let (mut load_cold, mut load_warm, mut compose) = (Vec::new(), Vec::new(), Vec::new());
         let (mut ttft_cold, mut ttft_warm) = (Vec::new(), Vec::new());
@@ -189,7 +189,7 @@ pub struct BackendLatencyOptions {
     /// Queries per k (stored embeddings of random contexts, seed 0); medians are reported.
     pub queries: usize,
     /// The composition.
-    pub method: Method,
+    pub method: Composition,
     /// Byte budget of the warm state cache measured next to no cache.
     pub cache_bytes: usize,
 }
@@ -226,7 +226,7 @@ pub fn backend_latency(store: &Store, model: &Model, opts: &BackendLatencyOption
     let queries: Vec<Vec<f32>> = (0..opts.queries.max(1))
         .map(|_| store.embedding(ids[rng.random_range(0..ids.len())]))
         .collect::<Result<_>>()?;
-    let method = ContextMethod::Compose(opts.method);
+    let method = Method::Compose(opts.method);
     let mut rows = Vec::new();
     for &k in &opts.ks {
         let (mut retrieve, mut retrieve_exact, mut load, mut compose, mut total, mut cached) =

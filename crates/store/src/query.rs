@@ -14,42 +14,6 @@ use crate::metadata::Scope;
 use crate::retriever::{Query, Retriever};
 use crate::store::{Store, RETRIEVAL_ATTEMPTS};
 
-/// How the contexts reach the model.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ContextMethod {
-    /// Ignore the contexts.
-    Naive,
-    /// Process the contexts' tokens, in order (the baseline picaso avoids).
-    Concat,
-    /// Compose the stored states.
-    Compose(Method),
-}
-
-impl std::str::FromStr for ContextMethod {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s {
-            "naive" => Ok(Self::Naive),
-            "concat" => Ok(Self::Concat),
-            other => other
-                .parse::<Method>()
-                .map(Self::Compose)
-                .map_err(|_| format!("unknown method {other:?}: use picaso-r, picaso-s, caso, soup, concat or naive")),
-        }
-    }
-}
-
-impl ContextMethod {
-    /// The wire name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Naive => "naive",
-            Self::Concat => "concat",
-            Self::Compose(m) => m.name(),
-        }
-    }
-}
-
 /// The state to continue from, and what it cost.
 #[derive(Debug, Clone)]
 pub struct Prepared {
@@ -138,7 +102,7 @@ pub fn retrieve_and_prepare(
     store: &Store,
     model: &Model,
     what: Retrieval<'_>,
-    method: ContextMethod,
+    method: Method,
     cache: Option<&StateCache>,
 ) -> Result<(Vec<(i64, f32)>, Prepared)> {
     retrieve_then(store, what, |ids| prepare(store, model, ids, method, cache))
@@ -173,13 +137,13 @@ pub fn prepare(
     store: &Store,
     model: &Model,
     ids: &[i64],
-    method: ContextMethod,
+    method: Method,
     cache: Option<&StateCache>,
 ) -> Result<Prepared> {
     store.require_model(model)?;
-    match method {
-        ContextMethod::Naive => Ok(Prepared::empty(model.zero_state())),
-        ContextMethod::Concat => {
+    match method.check_among(&Method::QUERY).map_err(|e| Error::Input(e.to_string()))? {
+        Method::Naive => Ok(Prepared::empty(model.zero_state())),
+        Method::Concat => {
             let mut tokens = Vec::new();
             for &id in ids {
                 tokens.extend(store.get(id)?.tokens);
@@ -192,7 +156,7 @@ pub fn prepare(
                 ..Prepared::empty(state)
             })
         }
-        ContextMethod::Compose(m) => {
+        Method::Compose(m) => {
             if ids.is_empty() {
                 return Ok(Prepared::empty(model.zero_state()));
             }
@@ -211,6 +175,7 @@ pub fn prepare(
                 tokens_processed: 0,
             })
         }
+        Method::PiConcatR | Method::KvUnion | Method::PicasoRNoKv => unreachable!("not in Method::QUERY"),
     }
 }
 

@@ -4,7 +4,7 @@
 //! uninterrupted one.
 
 use candle_core::{DType, Device, Tensor, Var};
-use picaso_model::{compose, Mamba2Config, Mamba2Weights, Method, Model, State};
+use picaso_model::{compose, Composition, Mamba2Config, Mamba2Weights, Model, State};
 use picaso_train::compose::{
     finetune, picaso_r, ComposeConfig, ContextItem, ContextState, Dataset, Example, Objective,
 };
@@ -37,7 +37,7 @@ fn picaso_r_equals_the_inference_composition() {
     let batch = TrainState::from_states(&refs, DType::F32, &Device::Cpu).unwrap();
     let got = picaso_r(&batch, 2, 3).unwrap();
     for e in 0..2 {
-        let want = compose(Method::PicasoR, &refs[3 * e..3 * e + 3], None).unwrap();
+        let want = compose(Composition::PicasoR, &refs[3 * e..3 * e + 3], None).unwrap();
         let row = got.to_state(e, &want).unwrap();
         for (l, (g, w)) in row.layers.iter().zip(&want.layers).enumerate() {
             let scale = w.ssm.iter().fold(1e-6f32, |a, v| a.max(v.abs()));

@@ -13,10 +13,10 @@
 
 pub mod task;
 
-use picaso_model::{Method, Model, State};
+use picaso_model::{Composition, Method, Model, State};
 use rand::seq::SliceRandom;
 
-use crate::methods::{choice_logliks_after, log_softmax, start_state, Context, EvalMethod};
+use crate::methods::{choice_logliks_after, log_softmax, start_state, Context};
 use crate::stats::{mean_ci95, paired_ci95};
 use crate::wikitext::check_ks;
 use crate::{Error, Result};
@@ -38,7 +38,7 @@ pub struct Options {
     /// Distractor values each answer competes with.
     pub distractors: usize,
     /// Methods (naive included if wanted).
-    pub methods: Vec<EvalMethod>,
+    pub methods: Vec<Method>,
     /// Seed of the episodes and orders.
     pub seed: u64,
 }
@@ -58,7 +58,7 @@ pub struct AnswerScore {
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Cell {
     /// Method.
-    pub method: EvalMethod,
+    pub method: Method,
     /// Contexts.
     pub k: usize,
     /// Queries scored (episodes × queries × orders).
@@ -90,7 +90,7 @@ pub struct Cell {
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct PositionCell {
     /// Method.
-    pub method: EvalMethod,
+    pub method: Method,
     /// Contexts.
     pub k: usize,
     /// 1 = first in sequence order (farthest from the query), k = last (next to it).
@@ -144,11 +144,11 @@ pub struct Report {
 
 impl Report {
     /// The cell of `method` at `k`.
-    pub fn cell(&self, method: EvalMethod, k: usize) -> Option<&Cell> {
+    pub fn cell(&self, method: Method, k: usize) -> Option<&Cell> {
         self.cells.iter().find(|c| c.method == method && c.k == k)
     }
 
-    fn outcomes_of(&self, method: EvalMethod, k: usize) -> Option<&[f64]> {
+    fn outcomes_of(&self, method: Method, k: usize) -> Option<&[f64]> {
         let i = self.cells.iter().position(|c| c.method == method && c.k == k)?;
         Some(&self.outcomes[i])
     }
@@ -294,7 +294,7 @@ pub fn run(model: &Model, options: &Options, mut progress: impl FnMut(usize, usi
                         t.choice.push(f64::from(u8::from(s.choice)));
                         t.nll.push(-s.loglik / q.answer.len() as f64);
                         t.position.push(position);
-                        if method == EvalMethod::Compose(Method::PicasoS) && o.orders > 1 {
+                        if method == Method::Compose(Composition::PicasoS) && o.orders > 1 {
                             if r == 0 {
                                 s_first.push(s.loglik);
                             } else {
@@ -370,11 +370,13 @@ pub fn run(model: &Model, options: &Options, mut progress: impl FnMut(usize, usi
 /// The comparisons that matter, per k, where both methods were run: every method against
 /// Concat, and PICASO-R against Soup, CASO and PICASO-S.
 fn contrasts(report: &Report) -> Vec<Paired> {
-    use EvalMethod::*;
-    let r = Compose(Method::PicasoR);
-    let mut pairs: Vec<(EvalMethod, EvalMethod)> =
+    use Method::*;
+    let r = Compose(Composition::PicasoR);
+    let mut pairs: Vec<(Method, Method)> =
         report.options.methods.iter().filter(|&&m| m != Concat).map(|&m| (m, Concat)).collect();
-    pairs.extend([Compose(Method::Soup), Compose(Method::Caso), Compose(Method::PicasoS)].map(|m| (r, m)));
+    pairs.extend(
+        [Compose(Composition::Soup), Compose(Composition::Caso), Compose(Composition::PicasoS)].map(|m| (r, m)),
+    );
     let mut out = Vec::new();
     for &k in &report.options.ks {
         for &(a, b) in &pairs {
@@ -458,7 +460,7 @@ mod tests {
         assert!(score_answer(&m, &start, &prompt, &[], &[]).is_err());
     }
 
-    fn options(methods: Vec<EvalMethod>) -> Options {
+    fn options(methods: Vec<Method>) -> Options {
         Options {
             task: Task { form: Form::Synthetic, facts: 2, keys: 32, values: 32 },
             ks: vec![1, 3],
@@ -475,7 +477,7 @@ mod tests {
     fn runs_every_method_and_picaso_s_ignores_the_order() {
         let dir = tempfile::tempdir().unwrap();
         let m = model(dir.path());
-        let report = run(&m, &options(EvalMethod::ALL.to_vec()), |_, _| {}).unwrap();
+        let report = run(&m, &options(Method::PAPER.to_vec()), |_, _| {}).unwrap();
         assert_eq!(report.cells.len(), 14);
         assert_eq!(report.positions.len(), 7 * (1 + 3));
         for c in &report.cells {
@@ -483,18 +485,18 @@ mod tests {
             assert!((0.0..=1.0).contains(&c.exact) && (0.0..=1.0).contains(&c.choice));
             assert_eq!(c.order_exact.len(), 3);
         }
-        let s = report.cell(EvalMethod::Compose(Method::PicasoS), 3).unwrap();
+        let s = report.cell(Method::Compose(Composition::PicasoS), 3).unwrap();
         assert_eq!(s.order_range, 0.0);
         assert_eq!(s.order_flips, 0.0);
         assert!(report.picaso_s_order_gap.unwrap() < 1e-4);
         // With one context, every method but naive starts from that context's state.
-        let one = report.cell(EvalMethod::Concat, 1).unwrap().exact;
-        for method in &EvalMethod::ALL[1..] {
+        let one = report.cell(Method::Concat, 1).unwrap().exact;
+        for method in &Method::PAPER[1..] {
             assert_eq!(report.cell(*method, 1).unwrap().exact, one, "{method}");
         }
         // Positions cover every query once.
         let n: usize =
-            report.positions.iter().filter(|p| p.k == 3 && p.method == EvalMethod::Naive).map(|p| p.queries).sum();
+            report.positions.iter().filter(|p| p.k == 3 && p.method == Method::Naive).map(|p| p.queries).sum();
         assert_eq!(n, 18);
         // A model compared with itself differs by nothing.
         let same = compare_models("a", &report, "b", &report).unwrap();
@@ -506,19 +508,19 @@ mod tests {
     fn bad_options_are_refused() {
         let dir = tempfile::tempdir().unwrap();
         let m = model(dir.path());
-        let mut o = options(vec![EvalMethod::Concat]);
+        let mut o = options(vec![Method::Concat]);
         o.ks = vec![17];
         assert!(run(&m, &o, |_, _| {}).unwrap_err().to_string().contains("distinct keys"));
-        let mut o = options(vec![EvalMethod::Concat]);
+        let mut o = options(vec![Method::Concat]);
         o.episodes = 0;
         assert!(run(&m, &o, |_, _| {}).is_err());
         assert!(run(&m, &options(vec![]), |_, _| {}).unwrap_err().to_string().contains("no methods"));
-        let mut o = options(vec![EvalMethod::Concat]);
+        let mut o = options(vec![Method::Concat]);
         o.ks = vec![3, 1];
         assert!(run(&m, &o, |_, _| {}).is_err());
         // The answer competes with exactly --distractors values: at least one, at most all the
         // task's other values (32 here).
-        let mut o = options(vec![EvalMethod::Concat]);
+        let mut o = options(vec![Method::Concat]);
         o.distractors = 32;
         let e = run(&m, &o, |_, _| {}).unwrap_err().to_string();
         assert!(e.contains("32 values") && e.contains("1 to 31"), "{e}");
