@@ -5,7 +5,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde_json::json;
 
-use crate::{load_model, DbArgs, ModelArgs};
+use crate::args::{load_model, DbArgs, ModelArgs};
 
 #[derive(Args)]
 pub struct MigrateArgs {
@@ -117,7 +117,7 @@ pub struct BenchStoreArgs {
     #[arg(long, default_value = "picaso-r")]
     method: picaso_model::Composition,
     /// State cache for the warm measurement, MiB.
-    #[arg(long, default_value_t = 512, value_parser = crate::at_least_one)]
+    #[arg(long, default_value_t = 512, value_parser = crate::args::at_least_one)]
     cache_mb: usize,
     /// Print JSON.
     #[arg(long)]

@@ -7,7 +7,8 @@ use clap::Args;
 use picaso_model::counted;
 use serde_json::json;
 
-use crate::{demo::snippet, DbArgs, ModelArgs};
+use crate::args::{DbArgs, ModelArgs};
+use crate::demo::snippet;
 
 /// Contexts read from the catalog per round trip when listing a whole store.
 const PAGE: usize = 1000;
@@ -230,7 +231,7 @@ pub fn check(a: CheckArgs) -> Result<()> {
     }
     let store = picaso_store::Store::open(a.db.location()?)?;
     // Loaded first: a wrong --model fails before the (long) check.
-    let model = if a.repair { Some(crate::load_model(&a.model, false)?) } else { None };
+    let model = if a.repair { Some(crate::args::load_model(&a.model, false)?) } else { None };
     let bar = |what: &str| {
         (!a.json).then(|| {
             let bar = indicatif::ProgressBar::new(0);

@@ -18,7 +18,7 @@ use clap::Args;
 use picaso_model::{generate, Composition, GenerateOptions, Method, Model};
 use picaso_store::{prepare, Document, Store};
 
-use crate::ModelArgs;
+use crate::args::ModelArgs;
 
 /// The built-in corpus: articles (`= Title =`, blank-line paragraphs) written for this demo.
 const CORPUS: &str = include_str!("../demo/corpus.txt");
@@ -114,7 +114,7 @@ pub fn run(a: DemoArgs) -> Result<()> {
     let existing = Store::open(&db).ok();
     let embedder = picaso_store::find_embedder(a.embedder.as_deref(), existing.as_ref())?;
     drop(existing);
-    let model = crate::load_model(&a.model, true)?;
+    let model = crate::args::load_model(&a.model, true)?;
     let (docs, segmentation) = match &a.data {
         Some(d) => {
             let mut docs = picaso_store::read_wikitext(d)?;

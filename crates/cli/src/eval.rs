@@ -9,7 +9,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 use picaso_eval::{report, Method};
 
-use crate::ModelArgs;
+use crate::args::ModelArgs;
 
 #[derive(Subcommand)]
 pub enum EvalCommand {
@@ -93,7 +93,7 @@ pub struct RecallArgs {
 }
 
 fn parse_named(s: &str) -> std::result::Result<(String, String), String> {
-    crate::parse_name_value(s, "NAME=DIR, e.g. bptc=runs/recall-bptc/model")
+    crate::args::parse_name_value(s, "NAME=DIR, e.g. bptc=runs/recall-bptc/model")
 }
 
 /// The database of (query, continuation) halves.
@@ -102,7 +102,7 @@ pub struct DataArgs {
     /// Store of WikiText paragraphs ingested with `--segment halves` (created from --data if
     /// missing).
     #[command(flatten)]
-    db: crate::DbArgs,
+    db: crate::args::DbArgs,
     /// A WikiText file (e.g. wikitext-2/wiki.test.tokens) to ingest into --db first
     /// (idempotent: stored segments are skipped).
     #[arg(long)]
@@ -547,7 +547,7 @@ fn store_experiment<R>(
 ) -> Result<()> {
     let started = Instant::now();
     check_out(out)?;
-    let model = crate::load_model(model, true)?;
+    let model = crate::args::load_model(model, true)?;
     let store = open_store(data, &model)?;
     let r = with_progress("passages", |p| run(&model, &store, p))?;
     write(out, &r, &report::RunInfo::collect(started))?;
@@ -611,7 +611,7 @@ fn run_openbookqa(
 fn openbookqa(a: OpenbookqaArgs) -> Result<()> {
     let started = Instant::now();
     check_out(&a.out)?;
-    let model = crate::load_model(&a.model, true)?;
+    let model = crate::args::load_model(&a.model, true)?;
     let options = picaso_eval::openbookqa::Options {
         split: a.data.split.clone(),
         ks: a.ks,
@@ -638,7 +638,7 @@ fn parse_range(s: &str) -> Result<(usize, usize)> {
 fn attribution(a: AttributionArgs) -> Result<()> {
     let started = Instant::now();
     check_out(&a.out)?;
-    let model = crate::load_model(&a.model, true)?;
+    let model = crate::args::load_model(&a.model, true)?;
     let options = picaso_eval::openbookqa::AttributionOptions {
         distractors: parse_range(&a.distractors)?,
         methods: a.methods,
@@ -656,7 +656,7 @@ fn msmarco(a: MsmarcoArgs) -> Result<()> {
     let started = Instant::now();
     check_out(&a.out)?;
     picaso_eval::wikitext::check_sample(a.sample)?;
-    let model = crate::load_model(&a.model, true)?;
+    let model = crate::args::load_model(&a.model, true)?;
     let data = picaso_eval::msmarco::load(&a.data)?;
     let r = with_progress("queries", |p| {
         picaso_eval::msmarco::attribution(&model, &data, &a.methods, a.sample, a.seed, p)
@@ -705,7 +705,7 @@ fn finetuned(a: FinetunedArgs) -> Result<()> {
     let named = a
         .models
         .iter()
-        .map(|m| crate::parse_name_value(m, "NAME=DIR, e.g. bptc=runs/bptc/model").map_err(anyhow::Error::msg))
+        .map(|m| crate::args::parse_name_value(m, "NAME=DIR, e.g. bptc=runs/bptc/model").map_err(anyhow::Error::msg))
         .collect::<Result<Vec<_>>>()?;
     check_names(named.iter().map(|(name, _)| name.as_str()))?;
     let obqa = ObqaData { data: a.obqa.clone(), embedder: a.data.embedder.clone(), split: "test".into() };
@@ -727,7 +727,7 @@ fn finetuned(a: FinetunedArgs) -> Result<()> {
     for (name, dir) in &named {
         eprintln!("== {name}: {dir}");
         let margs = ModelArgs::for_dir(dir);
-        let model = crate::load_model(&margs, true)?;
+        let model = crate::args::load_model(&margs, true)?;
         let store = open_store(&a.data, &model)?;
         let wt = a.out.join(name).join("wikitext");
         let w = with_progress("passages", |p| {
@@ -784,7 +784,7 @@ fn context_use(a: ContextUseArgs) -> Result<()> {
     }
     let mut reports = Vec::new();
     for (name, args, out) in &models {
-        let model = crate::load_model(args, true)?;
+        let model = crate::args::load_model(args, true)?;
         let name = name.clone().unwrap_or_else(|| {
             model.dir().file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into())
         });
@@ -819,7 +819,7 @@ fn recall(a: RecallArgs) -> Result<()> {
     let mut runs: Vec<(String, picaso_eval::recall::Report)> = Vec::new();
     let mut task: Option<Task> = None;
     for (name, args) in &models {
-        let model = crate::load_model(args, true)?;
+        let model = crate::args::load_model(args, true)?;
         let name = name.clone().unwrap_or_else(|| {
             model.dir().file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into())
         });

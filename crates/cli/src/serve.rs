@@ -10,12 +10,12 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde_json::{json, Value};
 
-use crate::{load_model, ModelArgs};
+use crate::args::{load_model, ModelArgs};
 
 #[derive(Args)]
 pub struct ServeArgs {
     #[command(flatten)]
-    db: crate::DbArgs,
+    db: crate::args::DbArgs,
     #[command(flatten)]
     model: ModelArgs,
     /// all-MiniLM-L6-v2 folder (the store's retriever; default: $PICASO_EMBEDDER, else the one

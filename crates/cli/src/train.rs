@@ -41,7 +41,7 @@ pub struct PlotContextArgs {
 }
 
 fn named_log(s: &str) -> std::result::Result<(String, String), String> {
-    crate::parse_name_value(s, "NAME=PATH, e.g. v3=models/picaso-mamba2/train-log.jsonl")
+    crate::args::parse_name_value(s, "NAME=PATH, e.g. v3=models/picaso-mamba2/train-log.jsonl")
 }
 
 #[derive(Args)]
@@ -69,7 +69,7 @@ pub struct ComposeArgs {
     #[arg(long, requires = "db")]
     states: Option<String>,
     #[command(flatten)]
-    model: crate::ModelArgs,
+    model: crate::args::ModelArgs,
     /// The run's JSON config (see models/README.md).
     #[arg(long)]
     config: PathBuf,
@@ -989,14 +989,14 @@ fn compose_cmd(a: ComposeArgs) -> Result<()> {
     let text =
         std::fs::read_to_string(&a.config).with_context(|| format!("reading --config {}", a.config.display()))?;
     let f: ComposeFile = serde_json::from_str(&text).with_context(|| format!("--config {}", a.config.display()))?;
-    let model = crate::load_model(&a.model, true)?;
+    let model = crate::args::load_model(&a.model, true)?;
     let config = compose_config(&a, &f, &model)?;
     // Checked before the examples are gathered (retrieval over a whole store).
     config.validate().with_context(|| format!("--config {}", a.config.display()))?;
     let data = match (&f.recall, &a.db) {
         (Some(r), None) => recall_examples(&model, &f, r)?,
         (None, Some(db)) => {
-            store_examples(&model, &crate::DbArgs { db: db.clone(), states: a.states.clone() }, &f, a.restate)?
+            store_examples(&model, &crate::args::DbArgs { db: db.clone(), states: a.states.clone() }, &f, a.restate)?
         }
         (Some(_), Some(_)) => bail!("--config has a \"recall\" section, which generates its examples: drop --db"),
         (None, None) => bail!(
@@ -1096,7 +1096,7 @@ fn recall_examples(
 /// passage held out.
 fn store_examples(
     model: &picaso_model::Model,
-    db: &crate::DbArgs,
+    db: &crate::args::DbArgs,
     f: &ComposeFile,
     restate: bool,
 ) -> Result<picaso_train::compose::Dataset> {

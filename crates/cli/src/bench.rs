@@ -1,0 +1,309 @@
+//! `bench`, `bench-context` and `random-model`: engine and composition throughput on random
+//! or given weights.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use picaso_model::{Composition, Model, StateDtype};
+use serde_json::json;
+
+use crate::args::{at_least_one, backend_for, load_model, ModelArgs};
+
+#[derive(Args)]
+pub(crate) struct BenchArgs {
+    /// Model folder; without it, random weights of --random's shape (130m = mamba2-130m, mamba1-130m, tiny) are used.
+    #[arg(long, conflicts_with = "random")]
+    model: Option<String>,
+    /// Random weights in a known shape: `130m` (state-spaces/mamba2-130m), `mamba1-130m`
+    /// (state-spaces/mamba-130m) or `tiny`.
+    #[arg(long, default_value = "130m")]
+    random: String,
+    /// Seed of the random weights.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Storage of the large weight matrices: f32 or bf16.
+    #[arg(long, default_value = "f32")]
+    weights: picaso_model::WeightDtype,
+    /// Engine: cpu (the fast CPU path), candle-cpu, `cuda[:N]` or metal (need a build with the
+    /// `cuda` / `metal` feature).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Tokens to prefill and score.
+    #[arg(long, default_value_t = 512, value_parser = at_least_one)]
+    prompt_tokens: usize,
+    /// Tokens to decode one at a time.
+    #[arg(long, default_value_t = 32, value_parser = at_least_one)]
+    decode_tokens: usize,
+    /// Runs per measurement (best is reported).
+    #[arg(long, default_value_t = 3, value_parser = at_least_one)]
+    repeats: usize,
+    /// States to compose (0 skips the composition benchmark).
+    #[arg(long, default_value_t = 10)]
+    compose_n: usize,
+    /// Sequences to decode together, one batched step per token, as `serve` batches its
+    /// clients; as many prompts are also prefilled together (0 skips both).
+    #[arg(long, default_value_t = 16)]
+    decode_batch: usize,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+pub(crate) struct BenchContextArgs {
+    /// Model folder; without it, random weights of --random's shape (130m = mamba2-130m, mamba1-130m, tiny) are used.
+    #[arg(long, conflicts_with = "random")]
+    model: Option<String>,
+    /// Random weights in a known shape: `130m` (state-spaces/mamba2-130m), `mamba1-130m`
+    /// (state-spaces/mamba-130m) or `tiny`.
+    #[arg(long, default_value = "130m")]
+    random: String,
+    /// Storage of the large weight matrices: f32 or bf16.
+    #[arg(long, default_value = "f32")]
+    weights: picaso_model::WeightDtype,
+    /// Store folder for the benchmark's contexts (default: a temporary folder).
+    #[arg(long)]
+    db: Option<PathBuf>,
+    /// Measure k = 1..=max_k contexts.
+    #[arg(long, default_value_t = 10)]
+    max_k: usize,
+    /// Tokens per context.
+    #[arg(long, default_value_t = 100)]
+    context_tokens: usize,
+    /// Tokens of the prompt after the contexts (for the time to first token).
+    #[arg(long, default_value_t = 32, value_parser = at_least_one)]
+    prompt_tokens: usize,
+    /// Runs per measurement (medians are reported).
+    #[arg(long, default_value_t = 5, value_parser = at_least_one)]
+    repeats: usize,
+    /// Composition method.
+    #[arg(long, default_value = "picaso-r")]
+    method: Composition,
+    /// Precision of the state files.
+    #[arg(long, default_value = "f32")]
+    state_dtype: StateDtype,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+pub(crate) struct RandomModelArgs {
+    /// Shape: 130m (state-spaces/mamba2-130m), mamba1-130m (state-spaces/mamba-130m) or tiny.
+    #[arg(long, default_value = "130m")]
+    shape: String,
+    /// Seed of the weights.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Folder to write (config.json, model.safetensors; must not exist yet).
+    #[arg(long)]
+    out: PathBuf,
+    /// A tokenizer.json to copy beside the weights (GPT-NeoX-20B's for the 130m shapes).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+}
+
+pub(crate) fn random_model(a: RandomModelArgs) -> Result<()> {
+    if a.out.exists() {
+        bail!("{} exists; give a new folder to --out", a.out.display());
+    }
+    let config = match a.shape.as_str() {
+        "130m" => picaso_model::ModelConfig::Mamba2(picaso_model::Mamba2Config::mamba2_130m()),
+        "mamba1-130m" => picaso_model::ModelConfig::Mamba1(picaso_model::Mamba1Config::mamba_130m()),
+        "tiny" => picaso_model::ModelConfig::Mamba2(picaso_model::Mamba2Config::tiny(2, 4)),
+        other => bail!("--shape {other:?}: use 130m (Mamba-2), mamba1-130m or tiny"),
+    };
+    if let Some(t) = &a.tokenizer {
+        let known = picaso_model::TextTokenizer::from_file(t)?.vocab_size();
+        if known > config.vocab_size() {
+            bail!(
+                "{} knows {known} tokens, but a {} model has {}: text would give ids it cannot read (drop --tokenizer, or use a larger --shape)",
+                t.display(),
+                a.shape,
+                config.vocab_size()
+            );
+        }
+    }
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    match &config {
+        picaso_model::ModelConfig::Mamba1(c) => {
+            picaso_model::Mamba1Weights::random(c, a.seed).save_pretrained(&a.out, c)?
+        }
+        picaso_model::ModelConfig::Mamba2(c) => {
+            picaso_model::Mamba2Weights::random(c, a.seed).save_pretrained(&a.out, c)?
+        }
+        picaso_model::ModelConfig::GraniteHybrid(_) => bail!("--shape: no random hybrid shape is offered"),
+    }
+    if let Some(t) = &a.tokenizer {
+        std::fs::copy(t, a.out.join("tokenizer.json")).with_context(|| format!("copying {}", t.display()))?;
+    }
+    println!("wrote {} ({} shape, seed {})", a.out.display(), a.shape, a.seed);
+    Ok(())
+}
+
+/// The model to benchmark: a folder, or random weights of a known shape.
+fn bench_model(
+    model: Option<&str>,
+    random: &str,
+    seed: u64,
+    weights: picaso_model::WeightDtype,
+    device: &str,
+) -> Result<Model> {
+    if let Some(m) = model {
+        let args = ModelArgs { model: Some(m.to_string()), tokenizer: None, device: device.into(), weights };
+        return load_model(&args, false);
+    }
+    let backend = backend_for(device, weights)?;
+    if random == "mamba1-130m" {
+        let config = picaso_model::Mamba1Config::mamba_130m();
+        let w = picaso_model::Mamba1Weights::random(&config, seed);
+        return Ok(Model::from_mamba1_weights_on(config, w, None, &backend, weights)?);
+    }
+    let config = match random {
+        "130m" => picaso_model::Mamba2Config::mamba2_130m(),
+        "tiny" => picaso_model::Mamba2Config::tiny(2, 4),
+        other => bail!("--random {other:?}: use 130m (Mamba-2), mamba1-130m or tiny"),
+    };
+    let w = picaso_model::Mamba2Weights::random(&config, seed);
+    Ok(Model::from_weights_on(config, w, None, &backend, weights)?)
+}
+
+pub(crate) fn bench_context(a: BenchContextArgs) -> Result<()> {
+    if a.max_k == 0 || a.context_tokens == 0 {
+        bail!("--max-k and --context-tokens must be at least 1");
+    }
+    let model = bench_model(a.model.as_deref(), &a.random, 0, a.weights, "cpu")?;
+    let tmp;
+    let dir = match &a.db {
+        Some(d) => d.clone(),
+        None => {
+            tmp = std::env::temp_dir().join(format!("picaso-bench-context-{}", std::process::id()));
+            tmp
+        }
+    };
+    let opts = picaso_store::bench::ContextCostOptions {
+        max_k: a.max_k,
+        context_tokens: a.context_tokens,
+        prompt_tokens: a.prompt_tokens,
+        repeats: a.repeats,
+        method: a.method,
+        state_dtype: a.state_dtype,
+    };
+    let rows = picaso_store::bench::context_cost(&model, &dir, &opts);
+    if a.db.is_none() {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    let rows = rows?;
+    if a.json {
+        println!("{}", json!({"method": a.method.name(), "n_params": model.n_params(), "rows": rows}));
+        return Ok(());
+    }
+    println!(
+        "{} parameters, {} contexts of {} tokens, {} ({} state files), prompt {} tokens; medians of {} runs, ms",
+        model.n_params(),
+        a.max_k,
+        a.context_tokens,
+        a.method.name(),
+        format!("{:?}", a.state_dtype).to_lowercase(),
+        a.prompt_tokens,
+        a.repeats
+    );
+    println!(
+        "{:>3} {:>7} {:>10} {:>10} {:>10} {:>9} {:>8} {:>8} {:>11} {:>11} {:>11}",
+        "k",
+        "tokens",
+        "concat",
+        "load cold",
+        "load warm",
+        "compose",
+        "× cold",
+        "× warm",
+        "ttft concat",
+        "ttft cold",
+        "ttft warm"
+    );
+    for r in &rows {
+        println!(
+            "{:>3} {:>7} {:>10.2} {:>10.2} {:>10.2} {:>9.2} {:>8.1} {:>8.1} {:>11.2} {:>11.2} {:>11.2}",
+            r.k,
+            r.context_tokens,
+            r.concat_ms,
+            r.load_cold_ms,
+            r.load_warm_ms,
+            r.compose_ms,
+            r.speedup_cold,
+            r.speedup_warm,
+            r.ttft_concat_ms,
+            r.ttft_picaso_cold_ms,
+            r.ttft_picaso_warm_ms
+        );
+    }
+    Ok(())
+}
+
+pub(crate) fn bench(a: BenchArgs) -> Result<()> {
+    let model = bench_model(a.model.as_deref(), &a.random, a.seed, a.weights, &a.device)?;
+    let opts = picaso_model::bench::BenchOptions {
+        prompt_tokens: a.prompt_tokens.max(1),
+        decode_tokens: a.decode_tokens,
+        repeats: a.repeats,
+        compose_n: a.compose_n,
+        decode_batch: a.decode_batch,
+    };
+    let r = picaso_model::bench::run(&model, &opts)?;
+    if a.json {
+        println!("{}", serde_json::to_string(&r)?);
+        return Ok(());
+    }
+    println!("model        {} parameters, {} threads", model.n_params(), r.threads);
+    println!("prefill      {:>8.1} tokens/s  ({} tokens → state)", r.prefill_tokens_per_s, opts.prompt_tokens);
+    println!("score        {:>8.1} tokens/s  (with log-probs of every token)", r.score_tokens_per_s);
+    println!("decode       {:>8.1} tokens/s  ({:.2} ms/token)", r.decode_tokens_per_s, 1e3 / r.decode_tokens_per_s);
+    if let Some(t) = r.batched_decode_tokens_per_s {
+        println!(
+            "decode ×{:<3}  {:>8.1} tokens/s  ({:.2} ms per step of all {}; {:.1}× one sequence)",
+            r.decode_batch,
+            t,
+            1e3 * r.decode_batch as f64 / t,
+            r.decode_batch,
+            t / r.decode_tokens_per_s
+        );
+    }
+    if let Some(t) = r.batched_decode_f16_state_tokens_per_s {
+        println!(
+            "  f16 states  {:>8.1} tokens/s  ({:.2} ms per step of all {}; serve --decode-state f16)",
+            t,
+            1e3 * r.decode_batch as f64 / t,
+            r.decode_batch
+        );
+    }
+    if let Some(t) = r.batched_prefill_tokens_per_s {
+        println!(
+            "prefill ×{:<3} {:>8.1} tokens/s  ({} prompts of {} tokens in one pass, to their first logits)",
+            r.decode_batch, t, r.decode_batch, opts.prompt_tokens
+        );
+    }
+    if !r.compose_ms.is_empty() {
+        println!(
+            "read states  {:>8.2} ms  ({} × {:.1} MiB, {:.1} GB/s)",
+            r.read_states_ms,
+            opts.compose_n,
+            r.state_bytes as f64 / 1048576.0,
+            (opts.compose_n * r.state_bytes) as f64 / r.read_states_ms / 1e6
+        );
+        for ((m, ms), (_, into)) in r.compose_ms.iter().zip(&r.compose_into_ms) {
+            println!(
+                "compose      {:>8.2} ms  {m:<8} ({:.2}× the read); into a reused state {:.2} ms ({:.2}×)",
+                ms,
+                ms / r.read_states_ms,
+                into,
+                into / r.read_states_ms
+            );
+        }
+    }
+    if let Some(b) = r.peak_rss_bytes {
+        println!("peak memory  {:.0} MiB", b as f64 / 1048576.0);
+    }
+    Ok(())
+}
