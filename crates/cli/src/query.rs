@@ -102,20 +102,22 @@ pub(crate) fn query(a: QueryArgs) -> Result<()> {
         Some(_) => Ok(None),
         None => picaso_store::prepare(&store, &model, ids, a.method, Some(&cache)).map(Some),
     };
-    // Best first from retrieval; composition wants the most relevant last (nearest the prompt).
-    let (hits, prepared): (Vec<(i64, Option<f32>)>, _) = match &a.ids {
-        Some(ids) => (ids.iter().map(|&i| (i, None)).collect(), prepare(ids)?),
-        None if a.method == Method::Naive => (Vec::new(), prepare(&[])?),
+    // Most relevant last (nearest the prompt), as composition wants.
+    let embedder = match (&a.ids, a.method, retriever.needs_embedding()) {
+        (None, m, true) if m != Method::Naive => {
+            Some(picaso_store::find_embedder(a.embedder.as_deref(), Some(&store))?)
+        }
+        _ => None,
+    };
+    let q = match &embedder {
+        Some(e) => e.embed_one(&a.prompt)?,
+        None => Vec::new(),
+    };
+    let contexts = match &a.ids {
+        Some(ids) => picaso_store::Contexts::Ids(ids),
+        None if a.method == Method::Naive => picaso_store::Contexts::Nothing,
         None => {
             // BM25 needs no embedder: none is loaded.
-            let embedder = match retriever.needs_embedding() {
-                true => Some(picaso_store::find_embedder(a.embedder.as_deref(), Some(&store))?),
-                false => None,
-            };
-            let q = match &embedder {
-                Some(e) => e.embed_one(&a.prompt)?,
-                None => Vec::new(),
-            };
             let docs = (!a.docs.is_empty()).then_some(&a.docs[..]);
             let mut what = picaso_store::Retrieval::new(&q, a.k)
                 .within(docs)
@@ -124,13 +126,13 @@ pub(crate) fn query(a: QueryArgs) -> Result<()> {
             if let Some(e) = &embedder {
                 what = what.embedded_by(e.fingerprint());
             }
-            let (hits, prepared) = picaso_store::retrieve_then(&store, what, prepare)?;
-            (hits.into_iter().map(|(i, s)| (i, Some(s))).collect(), prepared)
+            picaso_store::Contexts::Retrieved(what)
         }
     };
-    // Retrieval is what the preparation did besides loading and composing.
+    let (hits, prepared) = picaso_store::gather(&store, contexts, prepare)?;
     let ready = prepared.as_ref().map_or(0.0, |p| p.load_seconds + p.compose_seconds);
-    let retrieve_seconds = (t_retrieve.elapsed().as_secs_f64() - ready).max(0.0);
+    let retrieve_seconds =
+        prepared.as_ref().map_or(t_retrieve.elapsed().as_secs_f64(), |p| p.retrieval_seconds(t_retrieve));
     let ids: Vec<i64> = hits.iter().map(|h| h.0).collect();
     if let (true, Some(filter)) = (ids.is_empty(), &filter) {
         bail!(

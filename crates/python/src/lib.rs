@@ -999,22 +999,26 @@ impl Store {
         let retrieves = method != Method::Naive;
         let embedder = if retrieves && retriever.needs_embedding() { Some(self.embedder()?) } else { None };
         let (hits, g) = py.detach(|| -> PyResult<_> {
-            let (hits, prepared) = if retrieves {
-                let q = match embedder {
-                    Some(e) => e.embed_one(prompt).map_err(embed_err)?,
-                    None => Vec::new(),
-                };
-                let mut what = picaso_store::Retrieval::new(&q, k)
-                    .within(documents.as_deref())
-                    .matching(filter.as_ref())
-                    .by(retriever, Some(prompt));
-                if let Some(e) = embedder {
-                    what = what.embedded_by(e.fingerprint());
-                }
-                picaso_store::retrieve_and_prepare(store, model, what, method, None).map_err(store_err)?
-            } else {
-                (Vec::new(), picaso_store::prepare(store, model, &[], method, None).map_err(store_err)?)
+            let q = match embedder {
+                Some(e) => e.embed_one(prompt).map_err(embed_err)?,
+                None => Vec::new(),
             };
+            let contexts = match retrieves {
+                false => picaso_store::Contexts::Nothing,
+                true => {
+                    let mut what = picaso_store::Retrieval::new(&q, k)
+                        .within(documents.as_deref())
+                        .matching(filter.as_ref())
+                        .by(retriever, Some(prompt));
+                    if let Some(e) = embedder {
+                        what = what.embedded_by(e.fingerprint());
+                    }
+                    picaso_store::Contexts::Retrieved(what)
+                }
+            };
+            let (hits, prepared) =
+                picaso_store::gather(store, contexts, |ids| picaso_store::prepare(store, model, ids, method, None))
+                    .map_err(store_err)?;
             let g = picaso_model::generate(model, &tokens, &prepared.state, &opts, |_| true).map_err(model_err)?;
             Ok((hits, g))
         })?;
@@ -1022,7 +1026,7 @@ impl Store {
         let mut contexts = Vec::with_capacity(hits.len());
         for (id, score) in hits.iter().rev() {
             let r = store.get(*id).map_err(store_err)?;
-            contexts.push(record_dict(py, &r, Some(*score))?.unbind());
+            contexts.push(record_dict(py, &r, *score)?.unbind());
         }
         Ok(Generation::from(model, g, contexts))
     }

@@ -11,8 +11,8 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use picaso_embed::Embedder;
 use picaso_model::{Composition, GenerateOptions, Method, Model, State, StopReason};
 use picaso_store::{
-    prepare, retrieve_and_prepare, retrieve_then, ContextRecord, DocumentSummary, Filter, NewContext, Retrieval,
-    Retriever, StateCache, Store,
+    gather, prepare, retrieve_then, ContextRecord, Contexts, DocumentSummary, Filter, NewContext, Retrieval, Retriever,
+    StateCache, Store,
 };
 use tokio::sync::{mpsc, Semaphore};
 
@@ -413,26 +413,24 @@ impl App {
         started: Instant,
     ) -> Result<(Plan, State), ApiError> {
         let t_retrieve = Instant::now();
-        let (hits, prepared): (Vec<(i64, Option<f32>)>, _) = match (method, &req.contexts, req.retrieve) {
-            (Method::Naive, _, _) | (_, None, None | Some(0)) => {
-                (Vec::new(), prepare(&self.store, &self.model, &[], method, Some(&self.cache))?)
-            }
-            (_, Some(ids), _) => {
-                let prepared = prepare(&self.store, &self.model, ids, method, Some(&self.cache))?;
-                (ids.iter().map(|&id| (id, None)).collect(), prepared)
-            }
+        let embedded;
+        let contexts = match (method, &req.contexts, req.retrieve) {
+            (Method::Naive, _, _) | (_, None, None | Some(0)) => Contexts::Nothing,
+            (_, Some(ids), _) => Contexts::Ids(ids),
             (_, None, Some(k)) => {
                 let retriever = Retriever::parse(req.retriever.as_deref().unwrap_or("dense"), req.hybrid_weight)?;
-                let embedded = self.embed_for(retriever, query)?;
-                let what = Retrieval::new(&embedded, k)
-                    .within(req.documents.as_deref())
-                    .matching(filter)
-                    .by(retriever, Some(query))
-                    .embedded_by(self.embedder.fingerprint());
-                let (hits, prepared) = retrieve_and_prepare(&self.store, &self.model, what, method, Some(&self.cache))?;
-                (hits.into_iter().map(|(id, score)| (id, Some(score))).collect(), prepared)
+                embedded = self.embed_for(retriever, query)?;
+                Contexts::Retrieved(
+                    Retrieval::new(&embedded, k)
+                        .within(req.documents.as_deref())
+                        .matching(filter)
+                        .by(retriever, Some(query))
+                        .embedded_by(self.embedder.fingerprint()),
+                )
             }
         };
+        let (hits, prepared) =
+            gather(&self.store, contexts, |ids| prepare(&self.store, &self.model, ids, method, Some(&self.cache)))?;
         // Where each context comes from, to cite it by (one catalog read for all).
         let ids: Vec<i64> = hits.iter().map(|h| h.0).collect();
         let records = if ids.is_empty() { Vec::new() } else { self.store.records(&ids)? };
@@ -447,9 +445,7 @@ impl App {
                 metadata: r.map(|r| r.metadata),
             })
             .collect();
-        // Retrieval is what the preparation did besides loading and composing.
-        let retrieve_ms =
-            1e3 * (t_retrieve.elapsed().as_secs_f64() - prepared.load_seconds - prepared.compose_seconds).max(0.0);
+        let retrieve_ms = 1e3 * prepared.retrieval_seconds(t_retrieve);
         let m = &self.metrics;
         m.states_loaded.inc_by(prepared.states_loaded as u64);
         m.cache_hits.inc_by(prepared.cache_hits as u64);

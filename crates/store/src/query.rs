@@ -35,6 +35,42 @@ impl Prepared {
     fn empty(state: State) -> Self {
         Self { state, load_seconds: 0.0, compose_seconds: 0.0, states_loaded: 0, cache_hits: 0, tokens_processed: 0 }
     }
+
+    /// Seconds since `started` spent retrieving: what the query did besides loading and
+    /// composing (embedding the prompt too, when the clock started before it).
+    pub fn retrieval_seconds(&self, started: Instant) -> f64 {
+        (started.elapsed().as_secs_f64() - self.load_seconds - self.compose_seconds).max(0.0)
+    }
+}
+
+/// Where a query's contexts come from.
+#[derive(Debug, Clone, Copy)]
+pub enum Contexts<'a> {
+    /// None: the query answers without context.
+    Nothing,
+    /// These ids, in composition order (the last nearest the prompt).
+    Ids(&'a [i64]),
+    /// Those a retrieval finds.
+    Retrieved(Retrieval<'a>),
+}
+
+/// Finds a query's contexts and runs `work` on their ids in composition order (most relevant
+/// last): usually [`prepare`], which builds the state to continue from. Returns each context
+/// with its retrieval score (`None` when named by id) and what `work` made. Retrieval survives
+/// a concurrent delete ([`retrieve_then`]).
+pub fn gather<T>(
+    store: &Store,
+    contexts: Contexts<'_>,
+    mut work: impl FnMut(&[i64]) -> Result<T>,
+) -> Result<(Vec<(i64, Option<f32>)>, T)> {
+    match contexts {
+        Contexts::Nothing => Ok((Vec::new(), work(&[])?)),
+        Contexts::Ids(ids) => Ok((ids.iter().map(|&id| (id, None)).collect(), work(ids)?)),
+        Contexts::Retrieved(what) => {
+            let (hits, done) = retrieve_then(store, what, work)?;
+            Ok((hits.into_iter().map(|(id, score)| (id, Some(score))).collect(), done))
+        }
+    }
 }
 
 /// What to retrieve: the `k` contexts a [`Retriever`] ranks highest for a query (by default
@@ -93,19 +129,6 @@ impl<'a> Retrieval<'a> {
         self.scope.filter = filter;
         self
     }
-}
-
-/// Retrieves the contexts `what` asks for and builds their state with `method`. Returns the
-/// hits in composition order (most relevant last, nearest the prompt) and the state. A
-/// concurrent delete never fails it ([`retrieve_then`]).
-pub fn retrieve_and_prepare(
-    store: &Store,
-    model: &Model,
-    what: Retrieval<'_>,
-    method: Method,
-    cache: Option<&StateCache>,
-) -> Result<(Vec<(i64, f32)>, Prepared)> {
-    retrieve_then(store, what, |ids| prepare(store, model, ids, method, cache))
 }
 
 /// Retrieves the contexts `what` asks for and runs `work` on their ids in composition order
