@@ -15,6 +15,8 @@ pub mod kernels;
 pub mod mamba;
 pub mod optim;
 pub mod pretrain;
+pub mod run_file;
+pub mod token_data;
 pub mod xent;
 
 pub use mamba::{TrainMamba2, TrainState};
