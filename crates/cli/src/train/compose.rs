@@ -1,14 +1,12 @@
 //! `picaso train compose`: fine-tuning a model to use composed states (BPTC, BP2C) on a
 //! store's passages or on generated recall episodes.
 
-use std::io::Write;
-use std::path::PathBuf;
-
+use super::plot::loss_chart;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use picaso_train::run_file::{ComposeFile, RecallEpisodes};
-
-use super::plot::loss_chart;
+use std::io::Write;
+use std::path::PathBuf;
 
 #[derive(Args)]
 pub struct ComposeArgs {
