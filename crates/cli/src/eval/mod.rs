@@ -1,12 +1,14 @@
 //! `picaso eval`: the experiments of picaso-eval, each writing results.json, results.csv and
 //! results.md (with the command, revision, machine and wall time) into `--out`.
 
-use crate::args::ModelArgs;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 use picaso_eval::report;
-use std::path::{Path, PathBuf};
-use std::time::Instant;
+
+use crate::args::ModelArgs;
 
 mod models;
 mod paper;

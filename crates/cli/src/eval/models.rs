@@ -1,14 +1,16 @@
 //! Experiments that compare models: fine-tuned against base, context use, associative recall.
 
-use super::paper::{run_openbookqa, run_wikitext};
-use super::*;
-use crate::args::ModelArgs;
+use std::path::PathBuf;
+use std::time::Instant;
+
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use picaso_eval::{report, Method};
 use picaso_model::counted;
-use std::path::PathBuf;
-use std::time::Instant;
+
+use super::paper::{run_openbookqa, run_wikitext};
+use super::*;
+use crate::args::ModelArgs;
 
 #[derive(Args)]
 pub struct RecallArgs {

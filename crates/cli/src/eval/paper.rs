@@ -1,14 +1,16 @@
 //! The paper's experiments over a store: WikiText (and its scaling in k), OpenBookQA,
 //! attribution (OpenBookQA, MS MARCO), order sensitivity, fidelity.
 
-use super::*;
-use crate::args::ModelArgs;
+use std::path::PathBuf;
+use std::time::Instant;
+
 use anyhow::Result;
 use clap::Args;
 use picaso_eval::{report, Method};
 use picaso_model::counted;
-use std::path::PathBuf;
-use std::time::Instant;
+
+use super::*;
+use crate::args::ModelArgs;
 
 #[derive(Args)]
 pub struct WikitextArgs {

@@ -1,12 +1,14 @@
 //! `picaso train compose`: fine-tuning a model to use composed states (BPTC, BP2C) on a
 //! store's passages or on generated recall episodes.
 
-use super::plot::loss_chart;
+use std::io::Write;
+use std::path::PathBuf;
+
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use picaso_train::run_file::{ComposeFile, RecallEpisodes};
-use std::io::Write;
-use std::path::PathBuf;
+
+use super::plot::loss_chart;
 
 #[derive(Args)]
 pub struct ComposeArgs {

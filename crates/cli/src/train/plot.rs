@@ -1,10 +1,11 @@
 //! `picaso train plot` and `plot-context`: a training log's loss chart, and the context-use
 //! checks it logged.
 
+use std::path::PathBuf;
+
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde::Deserialize;
-use std::path::PathBuf;
 
 #[derive(Args)]
 pub struct PlotContextArgs {

@@ -1,8 +1,9 @@
 //! `picaso train pretrain`: corpora → tokenizer → packed token streams → a trained Mamba-2
 //! folder (`OUT/model`, loadable with `--model`), resumable from `OUT/checkpoint`.
 
-use super::available_memory_bytes;
-use super::plot::write_loss_png;
+use std::io::Write;
+use std::path::PathBuf;
+
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use picaso_model::counted;
@@ -10,8 +11,9 @@ use picaso_train::corpus::{read_corpus, CorpusSpec};
 use picaso_train::pretrain::{pretrain, TokenData};
 use picaso_train::run_file::{PretrainFile, RecallData};
 use picaso_train::token_data::{context_pairs, read_token_cache, read_train_stream, write_token_cache};
-use std::io::Write;
-use std::path::PathBuf;
+
+use super::available_memory_bytes;
+use super::plot::write_loss_png;
 
 #[derive(Args)]
 pub struct PretrainArgs {
