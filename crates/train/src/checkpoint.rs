@@ -11,8 +11,7 @@ use std::path::Path;
 
 use picaso_model::{Mamba2Config, Mamba2Weights};
 
-use crate::pretrain::io;
-use crate::Result;
+use crate::{io, Result};
 
 /// The folder a run resumes from.
 pub(crate) const CHECKPOINT: &str = "checkpoint";

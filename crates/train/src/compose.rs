@@ -22,9 +22,10 @@ use picaso_model::{Mamba2Config, Mamba2Weights, State};
 use rand::{Rng, SeedableRng};
 
 use crate::checkpoint;
+use crate::io;
 use crate::mamba::{TrainMamba2, TrainState};
 use crate::optim::{check_counts, check_settings, check_warmup, lr_at, AdamW, AdamWConfig};
-use crate::pretrain::{io, save_checkpoint};
+use crate::pretrain::save_checkpoint;
 use crate::xent::IGNORE;
 use crate::Result;
 

@@ -25,3 +25,8 @@ pub use mamba::{TrainMamba2, TrainState};
 pub type Error = candle_core::Error;
 /// Results of training.
 pub type Result<T> = candle_core::Result<T>;
+
+/// A file error, naming the file.
+pub(crate) fn io(e: impl std::fmt::Display, path: &std::path::Path) -> Error {
+    Error::Msg(format!("{}: {e}", path.display()))
+}

@@ -24,7 +24,7 @@ use crate::cpu::{param_shapes, params, params_mut, CpuTrainer};
 use crate::mamba::TrainMamba2;
 use crate::optim::{check_counts, check_settings, check_warmup, lr_at, AdamW, AdamWConfig, HostAdamW};
 use crate::xent::IGNORE;
-use crate::Result;
+use crate::{io, Result};
 
 /// Everything that defines a run (saved with each checkpoint; a resume must match it).
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -480,10 +480,6 @@ pub fn context_use(trainer: &CpuTrainer, w: &Mamba2Weights, pairs: &[ContextPair
         random_gain: (none - random) / none,
         recall: (recall_none / r, recall_prev / r),
     })
-}
-
-pub(crate) fn io(e: impl std::fmt::Display, path: &Path) -> candle_core::Error {
-    candle_core::Error::Msg(format!("{}: {e}", path.display()))
 }
 
 /// Saves a checkpoint into `out/checkpoint` atomically (see [`crate::checkpoint`]).
