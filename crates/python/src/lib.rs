@@ -949,7 +949,7 @@ impl Store {
     #[pyo3(signature = (ids, method="picaso-r"))]
     fn state(&self, py: Python<'_>, ids: Vec<i64>, method: &str) -> PyResult<State> {
         let model = self.need_model()?;
-        let method = Method::parse_among(&method, &Method::QUERY).map_err(|e| raise(Kind::Invalid, e.to_string()))?;
+        let method = Method::parse_among(method, &Method::QUERY).map_err(|e| raise(Kind::Invalid, e.to_string()))?;
         let store = &self.inner;
         let prepared = py.detach(|| picaso_store::prepare(store, model, &ids, method, None)).map_err(store_err)?;
         Ok(State { inner: prepared.state })
@@ -980,7 +980,7 @@ impl Store {
     ) -> PyResult<Generation> {
         let model = self.need_model()?;
         let retriever = picaso_store::Retriever::parse(retriever, hybrid_weight).map_err(store_err)?;
-        let method = Method::parse_among(&method, &Method::QUERY).map_err(|e| raise(Kind::Invalid, e.to_string()))?;
+        let method = Method::parse_among(method, &Method::QUERY).map_err(|e| raise(Kind::Invalid, e.to_string()))?;
         if method == Method::Naive && (documents.is_some() || filter.is_some()) {
             return Err(raise(
                 Kind::Invalid,
@@ -1056,7 +1056,7 @@ impl Store {
     ) -> PyResult<Bound<'py, PyDict>> {
         let model = self.need_model()?;
         let retriever = picaso_store::Retriever::parse(retriever, hybrid_weight).map_err(store_err)?;
-        let method = Method::parse_among(&method, &Method::QUERY).map_err(|e| raise(Kind::Invalid, e.to_string()))?;
+        let method = Method::parse_among(method, &Method::QUERY).map_err(|e| raise(Kind::Invalid, e.to_string()))?;
         if ids.is_some() && (documents.is_some() || filter.is_some()) {
             return Err(raise(
                 Kind::Invalid,

@@ -46,7 +46,7 @@ pub use location::{CatalogUrl, Location, StatesUrl};
 pub use metadata::{Metadata, Scope};
 pub use migrate::{migrate, MigrateReport};
 pub use passages::{passages, retrieve, retrieve_by, Passage};
-pub use query::{gather, prepare, retrieve_then, Contexts, Prepared, Retrieval};
+pub use query::{gather, prepare, retrieve_then, Contexts, Hits, Prepared, Retrieval};
 pub use retriever::{Query, Retriever};
 pub use runtime::Resilience;
 pub use sources::{detokenize_wikitext, read_jsonl, read_text_dir, read_wikitext, Document, Segmentation};

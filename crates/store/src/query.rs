@@ -43,6 +43,10 @@ impl Prepared {
     }
 }
 
+/// A query's contexts in composition order (most relevant last), each with its retrieval score
+/// (`None` when named by id).
+pub type Hits = Vec<(i64, Option<f32>)>;
+
 /// Where a query's contexts come from.
 #[derive(Debug, Clone, Copy)]
 pub enum Contexts<'a> {
@@ -62,7 +66,7 @@ pub fn gather<T>(
     store: &Store,
     contexts: Contexts<'_>,
     mut work: impl FnMut(&[i64]) -> Result<T>,
-) -> Result<(Vec<(i64, Option<f32>)>, T)> {
+) -> Result<(Hits, T)> {
     match contexts {
         Contexts::Nothing => Ok((Vec::new(), work(&[])?)),
         Contexts::Ids(ids) => Ok((ids.iter().map(|&id| (id, None)).collect(), work(ids)?)),
