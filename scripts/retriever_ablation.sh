@@ -33,5 +33,5 @@ run minilm "$RUNS/minilm.db" "$D/all-MiniLM-L6-v2" --retriever dense
 run bm25 "$RUNS/minilm.db" "$D/all-MiniLM-L6-v2" --retriever bm25
 run hybrid "$RUNS/minilm.db" "$D/all-MiniLM-L6-v2" --retriever hybrid --hybrid-weight 0.5
 run mpnet "$RUNS/mpnet.db" "$MPNET" --retriever dense
-/work/venv/bin/python scripts/retriever_ablation.py --runs "$RUNS/eval-$tag" --out results/retrievers \
+"${PYTHON:-python3}" scripts/retriever_ablation.py --runs "$RUNS/eval-$tag" --out results/retrievers \
     --command "scripts/retriever_ablation.sh $SAMPLE"

@@ -16,7 +16,7 @@ use crate::cpu::layers::by_kind;
 use crate::cpu::matmul::{Bf16Kernel, Matrix};
 use crate::cpu::rows::{rows_par, Rows};
 use crate::cpu::token_io::TokenIo;
-use crate::cpu::{activations, matmul, norm, on_pool, WeightDtype};
+use crate::cpu::{activations, matmul, norm, on_pool, softmax, WeightDtype};
 use crate::mamba2::cpu::{mixer, CpuLayer};
 use crate::state::{KvState, LayerState, SsmValue, State};
 
@@ -219,9 +219,13 @@ impl CpuGraniteHybrid {
         }
         let scale = c.attention_multiplier as f32;
         jobs.into_par_iter().for_each(|(state, qs, prev, ys)| {
-            ys.par_chunks_mut(qw).enumerate().for_each(|(ti, yrow)| {
-                attend_row(&qs[ti * qw..(ti + 1) * qw], state, prev + ti + 1, nh, nkv, hd, scale, yrow)
-            })
+            if ys.len() / qw >= TILED_FROM {
+                attend_rows(qs, state, prev, (nh, nkv, hd), scale, ys)
+            } else {
+                ys.par_chunks_mut(qw).enumerate().for_each(|(ti, yrow)| {
+                    attend_row(&qs[ti * qw..(ti + 1) * qw], state, prev + ti + 1, nh, nkv, hd, scale, yrow)
+                })
+            }
         });
         kind.matmul_t(&y, rows, qw, wo, d, out, false);
     }
@@ -346,6 +350,59 @@ fn rope(x: &mut [f32], heads: usize, hd: usize, p0: u64, theta: f64) {
     }
 }
 
+/// Query rows per tile of [`attend_rows`].
+const ROW_TILE: usize = 64;
+/// A sequence's new rows from which [`attend_rows`] runs instead of one [`attend_row`] per row.
+const TILED_FROM: usize = 16;
+
+/// A prompt's `t` query rows (all heads, row i seeing the first `prev + i + 1` keys of `kv`)
+/// attending as tiles of rows per head: scores = scale · Q·Kᵀ and then softmax(scores) · V as
+/// two matrix products, where [`attend_row`] makes one dot product per key and row. Keys a
+/// row may not see yet (the tile's later rows') get weight 0.
+fn attend_rows(
+    qs: &[f32],
+    kv: &KvState,
+    prev: usize,
+    (nh, nkv, hd): (usize, usize, usize),
+    scale: f32,
+    ys: &mut [f32],
+) {
+    let (qw, stride, group) = (nh * hd, nkv * hd, nh / nkv);
+    let t = qs.len() / qw;
+    let tiles: Vec<(usize, usize)> = (0..nh).flat_map(|h| (0..t).step_by(ROW_TILE).map(move |r0| (h, r0))).collect();
+    let outs: Vec<Vec<f32>> = tiles
+        .par_iter()
+        .map(|&(h, r0)| {
+            let rows = ROW_TILE.min(t - r0);
+            let n = prev + r0 + rows;
+            let g = h / group;
+            let mut p = vec![0.0f32; rows * n];
+            let q = &qs[r0 * qw + h * hd..];
+            matmul::matmul_strided((rows, hd, n), q, qw, &kv.keys[g * hd..], (1, stride), scale, &mut p, n);
+            for (i, row) in p.chunks_exact_mut(n).enumerate() {
+                let (live, unseen) = row.split_at_mut(prev + r0 + i + 1);
+                let max = softmax::max_ignoring_nan(live);
+                let mut sum = 0.0f64;
+                for s in live.iter_mut() {
+                    *s = (*s - max).exp();
+                    sum += *s as f64;
+                }
+                let inv = (1.0 / sum) as f32;
+                live.iter_mut().for_each(|s| *s *= inv);
+                unseen.fill(0.0);
+            }
+            let mut y = vec![0.0f32; rows * hd];
+            matmul::matmul_strided((rows, n, hd), &p, n, &kv.values[g * hd..], (stride, 1), 1.0, &mut y, hd);
+            y
+        })
+        .collect();
+    for (&(h, r0), y) in tiles.iter().zip(outs) {
+        for (i, yr) in y.chunks_exact(hd).enumerate() {
+            ys[(r0 + i) * qw + h * hd..(r0 + i) * qw + (h + 1) * hd].copy_from_slice(yr);
+        }
+    }
+}
+
 /// One query row (all heads) attending to the first `n` keys of `kv`: softmax(scale · q·k)
 /// weighted values, per head, into `y` (heads × hd).
 #[allow(clippy::too_many_arguments)]
@@ -375,5 +432,32 @@ fn attend_row(q: &[f32], kv: &KvState, n: usize, nh: usize, nkv: usize, hd: usiz
                 *o += w * v;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The tiled prompt attention gives what one row at a time gives, across several tiles,
+    /// after earlier keys, with grouped heads.
+    #[test]
+    fn tiles_of_rows_attend_as_single_rows() {
+        let (nh, nkv, hd, prev, t) = (4, 2, 8, 40, 2 * ROW_TILE + 22);
+        let (qw, stride) = (nh * hd, nkv * hd);
+        let val = |i: usize, salt: usize| (((i * 7919 + salt) % 1013) as f32 / 1013.0 - 0.5) * 3.0;
+        let kv = KvState {
+            keys: (0..(prev + t) * stride).map(|i| val(i, 1)).collect(),
+            values: (0..(prev + t) * stride).map(|i| val(i, 2)).collect(),
+        };
+        let qs: Vec<f32> = (0..t * qw).map(|i| val(i, 3)).collect();
+        let mut tiled = vec![f32::NAN; t * qw];
+        attend_rows(&qs, &kv, prev, (nh, nkv, hd), 0.3, &mut tiled);
+        let mut rows = vec![0.0f32; t * qw];
+        for (i, y) in rows.chunks_exact_mut(qw).enumerate() {
+            attend_row(&qs[i * qw..(i + 1) * qw], &kv, prev + i + 1, nh, nkv, hd, 0.3, y);
+        }
+        let worst = tiled.iter().zip(&rows).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(worst < 1e-5, "tiled and single-row attention differ by {worst}");
     }
 }

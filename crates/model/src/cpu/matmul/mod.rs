@@ -793,6 +793,57 @@ fn with_scratch<R>(
     r
 }
 
+/// dst (m×n, rows `dst_rs` apart) = beta · lhs (m×k, rows `lhs_rs` apart) · rhs (k×n), where
+/// rhs's element (r, c) is `rhs[r·rhs_rs + c·rhs_cs]`: any strided view, such as the transpose
+/// of interleaved keys. On the calling thread: callers run many at once.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_strided(
+    (m, k, n): (usize, usize, usize),
+    lhs: &[f32],
+    lhs_rs: usize,
+    rhs: &[f32],
+    (rhs_rs, rhs_cs): (usize, usize),
+    beta: f32,
+    dst: &mut [f32],
+    dst_rs: usize,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        (0..m).for_each(|i| dst[i * dst_rs..i * dst_rs + n].fill(0.0));
+        return;
+    }
+    assert!(lhs_rs >= k && dst_rs >= n, "matmul_strided: rows overlap");
+    assert!(lhs.len() >= (m - 1) * lhs_rs + k, "matmul_strided: lhs is not m×k");
+    assert!(rhs.len() > (k - 1) * rhs_rs + (n - 1) * rhs_cs, "matmul_strided: rhs is not k×n");
+    assert!(dst.len() >= (m - 1) * dst_rs + n, "matmul_strided: dst is not m×n");
+    // SAFETY: the asserts keep every strided access inside the slices.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            dst_rs as isize,
+            false,
+            lhs.as_ptr(),
+            1,
+            lhs_rs as isize,
+            rhs.as_ptr(),
+            rhs_cs as isize,
+            rhs_rs as isize,
+            0.0,
+            beta,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
+}
+
 /// out[:, col0 .. col0+n] (+)= x (m×k) · wᵀ for w (n×k); `out` has `ld` columns.
 #[allow(clippy::too_many_arguments)]
 fn gemm_t(
@@ -838,6 +889,23 @@ fn gemm_t(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_strided_product_equals_the_naive_one() {
+        // rhs read as the transpose of interleaved rows: (r, c) at c·stride + 3 + r.
+        let (m, k, n, stride) = (5, 7, 9, 11);
+        let lhs: Vec<f32> = (0..m * 8).map(|i| ((i * 7 % 13) as f32 - 6.0) / 7.0).collect();
+        let rhs: Vec<f32> = (0..n * stride + 3).map(|i| ((i * 5 % 11) as f32 - 5.0) / 9.0).collect();
+        let mut dst = vec![7.0f32; m * 10];
+        matmul_strided((m, k, n), &lhs, 8, &rhs[3..], (1, stride), 0.5, &mut dst, 10);
+        for i in 0..m {
+            for j in 0..n {
+                let want: f32 = 0.5 * (0..k).map(|r| lhs[i * 8 + r] * rhs[3 + j * stride + r]).sum::<f32>();
+                assert!((dst[i * 10 + j] - want).abs() < 1e-5, "({i}, {j}): {} vs {want}", dst[i * 10 + j]);
+            }
+            assert!(dst[i * 10 + n..i * 10 + 10].iter().all(|&x| x == 7.0), "beyond n is left alone");
+        }
+    }
 
     #[test]
     fn matvec_equals_gemm_and_naive() {
