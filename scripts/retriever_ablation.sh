@@ -7,6 +7,7 @@
 # Usage: scripts/retriever_ablation.sh [SAMPLE]    (SAMPLE passages, seed 0; "all" for every one)
 #   MPNET=/work/mpnet (all-mpnet-base-v2 folder; see docs/retrievers.md to obtain it)
 #   RUNS=/work/retr-runs (the two stores and the runs' folders; outside the checkout)
+#   PYTHON=python3 with matplotlib (draws retrievers.png)
 # Resumable: each store's ingest skips what is stored, each eval journals every passage, and a
 # finished eval (results.json present) is not run again. Two stores are ingested, one per
 # encoder (a store holds the vectors of one encoder); BM25 and hybrid use the MiniLM store.
