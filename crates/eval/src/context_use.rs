@@ -10,10 +10,17 @@
 //! Paragraphs are tokenized as they appear in a training stream: the text followed by its
 //! blank line (`"\n\n"`).
 
+use std::fmt::Write as _;
+use std::path::Path;
+
 use picaso_model::Model;
 use picaso_store::Document;
 use rand::{Rng, SeedableRng};
 
+use crate::plot::{bar_chart, Bar};
+use crate::report::files::{json, write};
+use crate::report::run::RunInfo;
+use crate::report::tables::{ci, ci_csv};
 use crate::stats::mean_ci95;
 use crate::wikitext::{check_sample, choose};
 use crate::{Error, Result};
@@ -294,4 +301,132 @@ pub fn bits_per_byte(model: &Model, docs: &[Document]) -> Result<BitsPerByte> {
         bits_per_byte: nll / (std::f64::consts::LN_2 * bytes as f64),
         nats_per_token: nll / tokens as f64,
     })
+}
+
+/// Writes the context-use check into `out`.
+pub fn write_context_use(out: &Path, source: &str, report: &Report, bpb: &BitsPerByte, info: &RunInfo) -> Result<()> {
+    std::fs::create_dir_all(out).map_err(|source| Error::Io { path: out.to_path_buf(), source })?;
+    json(
+        &out.join("results.json"),
+        &serde_json::json!({ "run": info, "source": source, "report": report, "bits_per_byte": bpb }),
+    )?;
+    let mut csv = String::from("context,loss,ci95,delta_vs_none,delta_ci95,change_pct,change_ci95_pct,recall_loss\n");
+    let mut md = format!(
+        "# Context use: continuation loss after the query, by what precedes it\n\n{source}: {} of {} paragraphs that have a previous paragraph in their article (at least {} tokens; seed {}), each cut into a query half and a continuation half. Intervals are 95%, paired per passage. Recall tokens ({} of {} continuation tokens) complete a bigram of the previous paragraph.\n\n| before the query | loss (nats/token) | change vs none | relative change | loss on recall tokens |\n|---|---:|---:|---:|---:|\n",
+        report.passages, report.eligible, MIN_TOKENS, report.seed, report.recall_tokens, report.continuation_tokens
+    );
+    for c in &report.conditions {
+        writeln!(
+            csv,
+            "{},{:.6},{},{:.6},{},{:.4},{},{:.6}",
+            c.context,
+            c.loss,
+            ci_csv(c.ci95, 6),
+            c.delta_vs_none,
+            ci_csv(c.delta_ci95, 6),
+            c.change_pct,
+            ci_csv(c.change_ci95_pct, 4),
+            c.recall_loss
+        )
+        .expect("string");
+        writeln!(
+            md,
+            "| {} | {:.4} ± {} | {:+.4} ± {} | {:+.2}% ± {} | {:.3} |",
+            c.context,
+            c.loss,
+            ci(c.ci95, 4),
+            c.delta_vs_none,
+            ci(c.delta_ci95, 4),
+            c.change_pct,
+            ci(c.change_ci95_pct, 2),
+            c.recall_loss
+        )
+        .expect("string");
+    }
+    writeln!(
+        md,
+        "\nThe true previous paragraph lowers the loss by {:+.2} ± {} points more than a random paragraph of another article.\n\nBits per byte over the {} whole articles ({} bytes, {} tokens): **{:.4}** ({:.4} nats/token).\n",
+        report.previous_over_random_pct, ci(report.previous_over_random_ci95_pct, 2), bpb.documents, bpb.bytes, bpb.tokens, bpb.bits_per_byte, bpb.nats_per_token
+    )
+    .expect("string");
+    md.push_str(&info.markdown());
+    write(&out.join("results.csv"), &csv)?;
+    write(&out.join("results.md"), &md)?;
+    // Per passage, so runs scored apart can still be paired after the fact.
+    let mut passages = String::from("document,paragraph,none,previous,random\n");
+    for ((d, j), l) in &report.per_passage {
+        writeln!(passages, "{d},{j},{:.6},{:.6},{:.6}", l[0], l[1], l[2]).expect("string");
+    }
+    write(&out.join("passages.csv"), &passages)?;
+    context_use_chart(&out.join("change.png"), report)
+}
+
+/// Other models against the first (`eval context-use --compare`): `comparison.json`,
+/// `comparison.csv`, and a section per model at the end of `results.md`.
+pub fn write_context_use_comparisons(out: &Path, comparisons: &[Comparison]) -> Result<()> {
+    json(&out.join("comparison.json"), &comparisons)?;
+    let mut csv = String::from("first,other,passages,what,first_value,other_value,delta,ci95\n");
+    let md_path = out.join("results.md");
+    let mut md = std::fs::read_to_string(&md_path).map_err(|source| Error::Io { path: md_path.clone(), source })?;
+    for c in comparisons {
+        writeln!(
+            md,
+            "\n## {} against {}\n\nThe same {} passages, paired per passage (95%). Changes are each model's against its own no-context loss.\n\n| | {} | {} | {} − {} |\n|---|---:|---:|---:|",
+            c.other, c.first, c.passages, c.first, c.other, c.other, c.first
+        )
+        .expect("string");
+        for r in &c.rows {
+            writeln!(
+                csv,
+                "{},{},{},{},{:.6},{:.6},{:.6},{}",
+                c.first,
+                c.other,
+                c.passages,
+                r.what,
+                r.first,
+                r.other,
+                r.delta,
+                ci_csv(r.ci95, 6)
+            )
+            .expect("string");
+            writeln!(md, "| {} | {:.4} | {:.4} | {:+.4} ± {} |", r.what, r.first, r.other, r.delta, ci(r.ci95, 4))
+                .expect("string");
+        }
+    }
+    write(&out.join("comparison.csv"), &csv)?;
+    write(&md_path, &md)
+}
+
+/// The conditions' relative change of the continuation's loss against no context: on all
+/// tokens (paired intervals) and on the recall tokens (pooled, so without one).
+fn context_use_chart(path: &Path, report: &Report) -> Result<()> {
+    let Some(none) = report.conditions.iter().find(|c| c.context == "none") else {
+        return Err(Error::Input("context use: no 'none' condition to compare with".into()));
+    };
+    let others = report.conditions.iter().filter(|c| c.context != "none");
+    let mut bars: Vec<Bar> = others
+        .clone()
+        .map(|c| Bar {
+            label: format!("{}, all tokens", short(c.context)),
+            value: c.change_pct,
+            error: c.change_ci95_pct,
+        })
+        .collect();
+    // Recall tokens are pooled over passages: no interval, and none at all in a text without any.
+    bars.extend(others.filter(|_| report.recall_tokens > 0).map(|c| Bar {
+        label: format!("{}, recall tokens", short(c.context)),
+        value: 100.0 * (c.recall_loss - none.recall_loss) / none.recall_loss,
+        error: None,
+    }));
+    // "previous paragraph" → "previous": four labels of 960 pixels.
+    fn short(context: &str) -> &str {
+        context.split(' ').next().unwrap_or(context)
+    }
+    bar_chart(
+        path,
+        &format!("Continuation loss against no context ({} passages, paired 95% CI)", report.passages),
+        "change of loss (%)",
+        &bars,
+        None,
+    )
 }

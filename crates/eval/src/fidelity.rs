@@ -3,11 +3,19 @@
 //! method whose state is far from Concat's but whose next-token distributions are close loses
 //! little.
 
+use std::fmt::Write as _;
+use std::path::Path;
+
 use picaso_model::{Method, Model, State};
 use picaso_store::{passages, retrieve, Passage, Store};
 
 use crate::database::{cache_cap, check_model, Contexts};
 use crate::methods::start_state;
+use crate::plot::Series;
+use crate::report::charts::{draw_line_charts, empty_charts, not_drawn_note, LineChart};
+use crate::report::files::write_all;
+use crate::report::run::RunInfo;
+use crate::report::tables::{ci, ci_csv, methods_in};
 use crate::stats::mean_ci95;
 use crate::wikitext::{check_ks, choose};
 use crate::{Error, Result};
@@ -141,6 +149,54 @@ pub fn run(model: &Model, store: &Store, options: &Options, mut progress: impl F
         }
     }
     Ok(Report { options: options.clone(), passages: chosen.len(), rows })
+}
+
+/// Writes the fidelity experiment into `out`.
+pub fn write_fidelity(out: &Path, report: &Report, info: &RunInfo) -> Result<()> {
+    let layers = report.rows.first().map_or(0, |r| r.relative_distance.len());
+    let mut csv = String::from("method,k,kl,kl_ci95");
+    for l in 0..layers {
+        write!(csv, ",rel_dist_layer{l}").expect("string");
+    }
+    csv.push('\n');
+    let mut md = format!(
+        "# Fidelity: each method's state and predictions vs Concat's\n\n{} WikiText-2 passages (seed {}). KL(concat ‖ method) of next-token distributions over the continuation (nats/token); relative distance ‖x − x_concat‖ / ‖x_concat‖ of the SSM state per layer.\n\n| k | method | KL | ",
+        report.passages, report.options.seed
+    );
+    for l in 0..layers {
+        write!(md, "layer {l} | ").expect("string");
+    }
+    md.push_str("\n|---:|---|---:|");
+    md.push_str(&"---:|".repeat(layers));
+    md.push('\n');
+    for r in &report.rows {
+        write!(csv, "{},{},{:.6},{}", r.method, r.k, r.kl, ci_csv(r.kl_ci95, 6)).expect("string");
+        write!(md, "| {} | {} | {:.4} ± {} |", r.k, r.method, r.kl, ci(r.kl_ci95, 4)).expect("string");
+        for d in &r.relative_distance {
+            write!(csv, ",{d:.6}").expect("string");
+            write!(md, " {d:.3} |").expect("string");
+        }
+        csv.push('\n');
+        md.push('\n');
+    }
+    let methods = methods_in(report.rows.iter().map(|r| &r.method));
+    let series: Vec<Series> = methods
+        .iter()
+        .map(|&m| {
+            let points = report.rows.iter().filter(|r| r.method == m).map(|r| (r.k as f64, r.kl)).collect();
+            Series::line(m.to_string(), points)
+        })
+        .collect();
+    let charts = [LineChart::against_count(
+        "kl_vs_k.png",
+        "KL(concat || method) of next-token distributions".into(),
+        "k (segments)",
+        "KL (nats/token)",
+        series,
+    )];
+    md.push_str(&not_drawn_note(&empty_charts(&charts)));
+    write_all(out, serde_json::json!({ "run": info, "report": report }), &csv, &md, info)?;
+    draw_line_charts(out, &charts)
 }
 
 #[cfg(test)]

@@ -9,8 +9,10 @@
 //! leaving contexts in or out (on OpenBookQA and [`msmarco`]); [`order`] measures how much the
 //! order of contexts matters; [`fidelity`] compares each method's state and predictions with
 //! Concat's; [`context_use`] checks that a model uses its context at all; [`recall`] asks for facts spread
-//! over k contexts (exact-match recall per method, per k and per context position); [`report`] writes
-//! the results as JSON, CSV, Markdown and PNG plots.
+//! over k contexts (exact-match recall per method, per k and per context position); [`finetuned`]
+//! sets fine-tuned models against the zero-shot one. Each experiment writes its own results as
+//! JSON, CSV, Markdown and PNG plots; [`report`] holds what the writers share (the run's
+//! provenance, tables, charts) and names every writer in one place.
 //!
 //! Design decision: experiments read their database from a [`picaso_store::Store`] — the
 //! same states the server composes — so what is measured is what is served.
@@ -20,6 +22,7 @@ pub mod attribution;
 pub mod context_use;
 pub mod database;
 pub mod fidelity;
+pub mod finetuned;
 pub mod journal;
 pub mod methods;
 pub mod msmarco;

@@ -1,6 +1,7 @@
 //! The wire format: request and response bodies of every endpoint. Completions follow OpenAI's
 //! legacy completions API (so its clients work unchanged), plus picaso's fields for contexts.
 
+use serde::ser::{SerializeMap, Serializer};
 use serde::{Deserialize, Serialize};
 
 /// A prompt, or several: text, a list of texts, token ids, or a list of token-id lists (all
@@ -322,9 +323,26 @@ pub struct Logprobs {
     pub token_logprobs: Vec<Option<f32>>,
     /// The likeliest tokens at each position (the chosen one included) and their
     /// log-probabilities.
-    pub top_logprobs: Vec<Option<crate::logprobs::TopLogprobs>>,
+    pub top_logprobs: Vec<Option<TopLogprobs>>,
     /// Where each token starts in the choice's text, in characters.
     pub text_offset: Vec<usize>,
+}
+
+/// A position's alternatives as OpenAI sends them: a JSON object from token text to
+/// log-probability, likeliest first. The chosen token is always in it (OpenAI: "up to
+/// logprobs + 1 elements"), so a harness can tell whether it was the likeliest. Two ids with the
+/// same text keep the likelier entry (an object has one value per key).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TopLogprobs(pub Vec<(String, f32)>);
+
+impl Serialize for TopLogprobs {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut map = s.serialize_map(Some(self.0.len()))?;
+        for (k, v) in &self.0 {
+            map.serialize_entry(k, v)?;
+        }
+        map.end()
+    }
 }
 
 /// A completion, or one chunk of a streamed one.

@@ -262,6 +262,18 @@ fn message_ends(
         .unwrap_or_default()
 }
 
+/// What a chat request adds to the completion it becomes.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct FromChat {
+    /// What retrieval embeds instead of the prompt (the last user message, not the rendered
+    /// template).
+    pub query: Option<String>,
+    /// Byte offsets in the rendered prompt where messages end: the prefix cache keeps the
+    /// states there (a conversation's next turn, or agents sharing a system prompt, start
+    /// from them).
+    pub boundaries: Vec<usize>,
+}
+
 /// A chat request as the completion it asks for: its messages rendered with the request's
 /// template or the model's (`template`), its options carried over. Returns it with the text
 /// retrieval embeds and where messages end. A model without a template is refused unless the
@@ -270,7 +282,7 @@ pub(crate) fn to_completion(
     req: ChatRequest,
     template: Option<&ChatTemplate>,
     default_max_tokens: usize,
-) -> Result<(CompletionRequest, crate::completions::FromChat), ApiError> {
+) -> Result<(CompletionRequest, FromChat), ApiError> {
     let unsupported = |what: &str| Err(ApiError::bad_request(format!("{what} is not supported by picaso")));
     let logprobs = match (req.logprobs, req.top_logprobs) {
         (Some(true), Some(n)) if n > crate::logprobs::MAX_TOP_LOGPROBS => {
@@ -349,7 +361,7 @@ pub(crate) fn to_completion(
         logit_bias: req.logit_bias,
         stream_options: req.stream_options,
     };
-    Ok((completion, crate::completions::FromChat { query, boundaries }))
+    Ok((completion, FromChat { query, boundaries }))
 }
 
 #[cfg(test)]

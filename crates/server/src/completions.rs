@@ -22,6 +22,7 @@ use tokio::sync::mpsc;
 use crate::api::{Choice, Completion, CompletionInfo, CompletionRequest, Logprobs, PromptTokensDetails, Usage};
 use crate::app::{finish_reason, unix_now, App, Generate, Plan};
 use crate::batcher::{Event, PrefixJob};
+use crate::chat::FromChat;
 use crate::error::ApiError;
 use crate::logprobs::{score_prompt, LogprobsBuilder};
 use crate::prefix_cache::Origin;
@@ -50,18 +51,6 @@ pub(crate) struct Prepared {
     generate: Option<Generate>,
     /// Whether the prompt generates (`generate` is taken when it joins the batch).
     generates: bool,
-}
-
-/// What a chat request adds to the completion it becomes.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct FromChat {
-    /// What retrieval embeds instead of the prompt (the last user message, not the rendered
-    /// template).
-    pub query: Option<String>,
-    /// Byte offsets in the rendered prompt where messages end: the prefix cache keeps the
-    /// states there (a conversation's next turn, or agents sharing a system prompt, start
-    /// from them).
-    pub boundaries: Vec<usize>,
 }
 
 /// Plans every prompt of `req`, scoring those it echoes with log-probabilities; each prompt

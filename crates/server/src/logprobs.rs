@@ -5,9 +5,8 @@
 //! accumulated in f64.
 
 use picaso_model::{Model, State, TextTokenizer};
-use serde::ser::{Serialize, SerializeMap, Serializer};
 
-use crate::api::Logprobs;
+use crate::api::{Logprobs, TopLogprobs};
 use crate::error::ApiError;
 
 /// Most alternatives a request may ask for per position (OpenAI's and vLLM's cap).
@@ -82,23 +81,6 @@ pub(crate) fn score_prompt(
 /// included (an end-of-text token shows as itself, not as nothing).
 pub(crate) fn token_text(tokenizer: &TextTokenizer, id: u32) -> String {
     tokenizer.inner().decode(&[id], false).unwrap_or_default()
-}
-
-/// A position's alternatives as OpenAI sends them: a JSON object from token text to
-/// log-probability, likeliest first. The chosen token is always in it (OpenAI: "up to
-/// logprobs + 1 elements"), so a harness can tell whether it was the likeliest. Two ids with the
-/// same text keep the likelier entry (an object has one value per key).
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct TopLogprobs(pub Vec<(String, f32)>);
-
-impl Serialize for TopLogprobs {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let mut map = s.serialize_map(Some(self.0.len()))?;
-        for (k, v) in &self.0 {
-            map.serialize_entry(k, v)?;
-        }
-        map.end()
-    }
 }
 
 /// Builds `choices[].logprobs` piece by piece: echoed prompt tokens (the first without a

@@ -127,7 +127,7 @@ async fn blocking<T: Send + 'static>(
 }
 
 async fn completions(State(app): Shared, ApiJson(req): ApiJson<CompletionRequest>) -> Result<Response, ApiError> {
-    run_completion(app, req, completions::FromChat::default(), Shape::Text, Instant::now()).await
+    run_completion(app, req, crate::chat::FromChat::default(), Shape::Text, Instant::now()).await
 }
 
 async fn chat_completions(State(app): Shared, ApiJson(req): ApiJson<ChatRequest>) -> Result<Response, ApiError> {
@@ -141,7 +141,7 @@ async fn chat_completions(State(app): Shared, ApiJson(req): ApiJson<ChatRequest>
 async fn run_completion(
     app: Arc<App>,
     req: CompletionRequest,
-    chat: completions::FromChat,
+    chat: crate::chat::FromChat,
     shape: Shape,
     started: Instant,
 ) -> Result<Response, ApiError> {

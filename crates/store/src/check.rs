@@ -13,8 +13,9 @@ use std::time::Instant;
 use picaso_model::{counted, Model, State};
 
 use crate::error::{Error, Result};
-use crate::states::{checksum_of, key_of, Entry, Finding};
-use crate::store::{checksum, is_checksum, row_problem, ContextRecord, Store};
+use crate::records::ContextRecord;
+use crate::states::{checksum, checksum_of, is_checksum, key_of, Entry, Finding};
+use crate::store::{row_problem, Store};
 
 /// Contexts whose objects are read at once: enough requests in flight for a remote store, and
 /// at most ~600 MB of mamba2-130m states held while they are judged.

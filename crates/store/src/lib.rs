@@ -29,8 +29,10 @@ pub mod migrate;
 pub mod passages;
 pub mod pattern;
 pub mod query;
+pub mod records;
 pub mod retriever;
 mod runtime;
+pub mod scope;
 pub mod sources;
 pub mod states;
 pub mod store;
@@ -43,14 +45,14 @@ pub use error::{Error, Result};
 pub use filter::Filter;
 pub use ingest::{ingest, ingest_while, prune, IngestProgress};
 pub use location::{CatalogUrl, Location, StatesUrl};
-pub use metadata::{Metadata, Scope};
+pub use metadata::Metadata;
 pub use migrate::{migrate, MigrateReport};
 pub use passages::{passages, retrieve, retrieve_by, Passage};
 pub use query::{gather, prepare, retrieve_then, Contexts, Hits, Prepared, Retrieval};
+pub use records::{ContextRecord, DocumentSummary};
 pub use retriever::{Query, Retriever};
 pub use runtime::Resilience;
+pub use scope::Scope;
 pub use sources::{detokenize_wikitext, read_jsonl, read_text_dir, read_wikitext, Document, Segmentation};
-pub use store::{
-    checksum, ContextRecord, DocumentSummary, EmbedderRecord, NewContext, Stats, Store, StoreInfo, WriteLock,
-    RETRIEVAL_ATTEMPTS,
-};
+pub use states::checksum;
+pub use store::{EmbedderRecord, NewContext, Stats, Store, StoreInfo, WriteLock, RETRIEVAL_ATTEMPTS};

@@ -6,45 +6,12 @@
 use serde_json::Value;
 
 use crate::error::{Error, Result};
-use crate::filter::Filter;
 
 /// A context's metadata: a JSON object.
 pub type Metadata = serde_json::Map<String, Value>;
 
 /// The most bytes a context's metadata may take as JSON: it is read with every record.
 pub const MAX_METADATA_BYTES: usize = 16 * 1024;
-
-/// Which contexts a search may return: every context, those of some documents, those whose
-/// metadata matches a filter, or both at once.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Scope<'a> {
-    /// Only these documents' contexts (`None`: every document's).
-    pub documents: Option<&'a [String]>,
-    /// Only contexts whose metadata matches this filter (`None`: any metadata).
-    pub filter: Option<&'a Filter>,
-}
-
-impl<'a> Scope<'a> {
-    /// Every context.
-    pub fn all() -> Self {
-        Self::default()
-    }
-
-    /// The contexts of `documents`.
-    pub fn within(documents: &'a [String]) -> Self {
-        Self { documents: Some(documents), filter: None }
-    }
-
-    /// The contexts whose metadata matches `filter`.
-    pub fn matching(filter: &'a Filter) -> Self {
-        Self { documents: None, filter: Some(filter) }
-    }
-
-    /// Whether it names neither documents nor a filter.
-    pub fn is_all(&self) -> bool {
-        self.documents.is_none() && self.filter.is_none()
-    }
-}
 
 /// Refuses metadata a catalog could not hold or that would weigh on every read: over
 /// [`MAX_METADATA_BYTES`] as JSON, or with a NUL character (PostgreSQL's text cannot hold one).

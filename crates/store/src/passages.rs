@@ -94,6 +94,6 @@ pub fn retrieve_by(store: &Store, passage: &Passage, k: usize, retriever: Retrie
     let embedding = if retriever.needs_embedding() { Some(store.embedding(passage.query)?) } else { None };
     let text = if retriever.needs_text() { Some(store.get(passage.query)?.text) } else { None };
     let query = Query { text: text.as_deref(), embedding: embedding.as_deref(), encoder: None };
-    let hits = store.retrieve_in(&query, retriever, k + 2, crate::metadata::Scope::all())?;
+    let hits = store.retrieve_in(&query, retriever, k + 2, crate::scope::Scope::all())?;
     Ok(hits.into_iter().filter(|(id, _)| *id != passage.query && *id != passage.continuation).take(k).collect())
 }

@@ -10,8 +10,8 @@ use picaso_model::{compose_views, MappedState, Method, Model, State, StateView};
 use crate::cache::StateCache;
 use crate::error::{Error, Result};
 use crate::filter::Filter;
-use crate::metadata::Scope;
 use crate::retriever::{Query, Retriever};
+use crate::scope::Scope;
 use crate::store::{Store, RETRIEVAL_ATTEMPTS};
 
 /// The state to continue from, and what it cost.

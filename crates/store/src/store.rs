@@ -16,12 +16,14 @@ use std::path::PathBuf;
 use picaso_model::{MappedState, State, StateDtype};
 use rayon::prelude::*;
 
-use crate::catalog::{Catalog, PostgresCatalog, Row, SqliteCatalog};
+use crate::catalog::{unfinished, Catalog, PostgresCatalog, Row, SqliteCatalog};
 use crate::error::{Error, Result};
 use crate::filter::Filter;
 use crate::location::{CatalogUrl, Location, StatesUrl};
-use crate::metadata::{self, check_metadata, Metadata, Scope};
-use crate::states::{key_of, StateObjects};
+use crate::metadata::{self, check_metadata, Metadata};
+use crate::records::{ContextRecord, DocumentSummary};
+use crate::scope::Scope;
+use crate::states::{checksum, is_checksum, key_of, StateObjects};
 
 /// How often a retrieval is repeated (without the contexts found gone) when a context it ranked
 /// is deleted before it is read; more than a couple means writers delete very fast.
@@ -107,47 +109,6 @@ pub struct NewContext {
     /// The model state after its tokens.
     pub state: State,
     /// Its document's metadata (empty for none).
-    pub metadata: Metadata,
-}
-
-/// A stored context's metadata.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct ContextRecord {
-    /// Context id (never reused).
-    pub id: i64,
-    /// Source document.
-    pub doc: String,
-    /// Position in the document.
-    pub seg: u32,
-    /// Segment text.
-    pub text: String,
-    /// Token ids.
-    pub tokens: Vec<u32>,
-    /// Number of tokens.
-    pub n_tokens: usize,
-    /// State object, relative to the store (`states/ab/<checksum>.safetensors`).
-    pub state_file: String,
-    /// xxh3-128 of the state file, hex.
-    pub checksum: String,
-    /// Size of the state file.
-    pub state_bytes: u64,
-    /// Creation time, seconds since the Unix epoch.
-    pub created: i64,
-    /// Its document's metadata (`{}` for none).
-    pub metadata: Metadata,
-}
-
-/// A document of a store, as listed.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
-pub struct DocumentSummary {
-    /// Its name (file name, JSON id, article title, or the id given to the server).
-    pub id: String,
-    /// Its contexts.
-    pub contexts: u64,
-    /// Their tokens.
-    pub tokens: u64,
-    /// The metadata of its first context (lowest segment): a document's metadata, which
-    /// ingesting it gives every one of its contexts (contexts added one at a time may differ).
     pub metadata: Metadata,
 }
 
@@ -246,16 +207,6 @@ const LOOKUPS_BEFORE_LISTING: usize = 256;
 /// taken to cost 4 lookups, so listing a store of n contexts costs n / 250 lookups.
 const LISTING_COST: usize = 250;
 
-/// xxh3-128 of bytes, as 32 hex digits: the name and checksum of a state file.
-pub fn checksum(bytes: &[u8]) -> String {
-    format!("{:032x}", xxhash_rust::xxh3::xxh3_128(bytes))
-}
-
-/// Whether `s` is what [`checksum`] makes: 32 lowercase hex digits.
-pub(crate) fn is_checksum(s: &str) -> bool {
-    s.len() == 32 && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-}
-
 /// What [`Store::checked`] finds wrong with a catalog row, if anything: a checksum that is not
 /// one (it could point outside the store), a state file that does not match it, a token count
 /// that does not match the tokens.
@@ -275,29 +226,6 @@ fn dtype_name(d: StateDtype) -> &'static str {
     match d {
         StateDtype::F32 => "f32",
         StateDtype::Bf16 => "bf16",
-    }
-}
-
-/// The error for a store whose creation never finished: a catalog without its metadata, made by
-/// an older picaso that wrote the tables and each metadata value in separate steps and was
-/// killed in between. It holds no context (ingest writes only to a finished store).
-pub(crate) fn unfinished(url: &CatalogUrl) -> Error {
-    let remedy = match url {
-        CatalogUrl::Sqlite(dir) => {
-            format!("remove its database (`rm {}/store.sqlite*`) and run the ingest again", dir.display())
-        }
-        CatalogUrl::Postgres(_) => {
-            "drop its tables (`DROP TABLE picaso_contexts, picaso_meta` in the schema the URL's \
-             search_path names, or `DROP SCHEMA name CASCADE` for a schema of its own) and run the ingest again"
-                .to_string()
-        }
-    };
-    Error::Store {
-        location: url.to_string(),
-        message: format!(
-            "this store was never finished: its creation was interrupted (a picaso creating it was killed) and its \
-             metadata is missing; {remedy}"
-        ),
     }
 }
 

@@ -22,6 +22,9 @@ use crate::wikitext::check_ks;
 use crate::{Error, Result};
 pub use task::{Episode, Fact, Form, Task};
 
+mod report;
+pub use report::{write_recall, RecallRun};
+
 /// What to run.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Options {

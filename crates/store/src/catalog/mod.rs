@@ -12,10 +12,11 @@ pub(crate) use sqlite::CREATING_PREFIX;
 
 use std::collections::BTreeMap;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::filter::Filter;
-use crate::metadata::Scope;
-use crate::store::{ContextRecord, DocumentSummary};
+use crate::location::CatalogUrl;
+use crate::records::{ContextRecord, DocumentSummary};
+use crate::scope::Scope;
 
 /// One context's row, as written.
 #[derive(Debug, Clone)]
@@ -52,6 +53,29 @@ pub type Totals = (u64, u64, u64, u64);
 
 /// Removes the state objects of these checksums (called by a delete once their rows are gone).
 pub type RemoveStates<'a> = dyn FnMut(&[String]) -> Result<()> + 'a;
+
+/// The error for a store whose creation never finished: a catalog without its metadata, made by
+/// an older picaso that wrote the tables and each metadata value in separate steps and was
+/// killed in between. It holds no context (ingest writes only to a finished store).
+pub(crate) fn unfinished(url: &CatalogUrl) -> Error {
+    let remedy = match url {
+        CatalogUrl::Sqlite(dir) => {
+            format!("remove its database (`rm {}/store.sqlite*`) and run the ingest again", dir.display())
+        }
+        CatalogUrl::Postgres(_) => {
+            "drop its tables (`DROP TABLE picaso_contexts, picaso_meta` in the schema the URL's \
+             search_path names, or `DROP SCHEMA name CASCADE` for a schema of its own) and run the ingest again"
+                .to_string()
+        }
+    };
+    Error::Store {
+        location: url.to_string(),
+        message: format!(
+            "this store was never finished: its creation was interrupted (a picaso creating it was killed) and its \
+             metadata is missing; {remedy}"
+        ),
+    }
+}
 
 /// A metadata and vector backend.
 pub trait Catalog: Send + Sync + std::fmt::Debug {

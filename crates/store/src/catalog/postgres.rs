@@ -28,9 +28,10 @@ use super::{blob_to_u32s, u32s_to_blob, Catalog, RemoveStates, Row, Totals};
 use crate::error::{Error, Result};
 use crate::filter::{Clause, Condition, Filter, Test};
 use crate::location::redact;
-use crate::metadata::{self, Metadata, Scope};
+use crate::metadata::{self, Metadata};
+use crate::records::{ContextRecord, DocumentSummary};
 use crate::runtime::{block_on, Resilience};
-use crate::store::{ContextRecord, DocumentSummary};
+use crate::scope::Scope;
 
 const RECORD_COLUMNS: &str =
     "id, doc, seg, text, tokens, n_tokens, state_file, checksum, state_bytes, created, metadata::text";

@@ -17,8 +17,9 @@ use super::{blob_to_f32s, blob_to_u32s, f32s_to_blob, u32s_to_blob, Catalog, Rem
 use crate::error::{Error, Result};
 use crate::filter::Filter;
 use crate::location::CatalogUrl;
-use crate::metadata::{self, Scope};
-use crate::store::{ContextRecord, DocumentSummary};
+use crate::metadata;
+use crate::records::{ContextRecord, DocumentSummary};
+use crate::scope::Scope;
 
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -375,7 +376,7 @@ impl SqliteCatalog {
                 location: dir.display().to_string(),
                 message: format!("metadata `dim` is {d:?}, not a number"),
             })?,
-            None => return Err(crate::store::unfinished(&CatalogUrl::Sqlite(dir.to_path_buf()))),
+            None => return Err(super::unfinished(&CatalogUrl::Sqlite(dir.to_path_buf()))),
         };
         if writable(dir) {
             upgrade(&mut conn)?;

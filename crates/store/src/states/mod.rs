@@ -16,6 +16,16 @@ use crate::error::Result;
 use crate::location::StatesUrl;
 use crate::runtime::Resilience;
 
+/// xxh3-128 of bytes, as 32 hex digits: the name and checksum of a state file.
+pub fn checksum(bytes: &[u8]) -> String {
+    format!("{:032x}", xxhash_rust::xxh3::xxh3_128(bytes))
+}
+
+/// Whether `s` is what [`checksum`] makes: 32 lowercase hex digits.
+pub(crate) fn is_checksum(s: &str) -> bool {
+    s.len() == 32 && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
 /// The object key of a state with this checksum.
 pub fn key_of(checksum: &str) -> String {
     format!("{}/{checksum}.safetensors", &checksum[..2])
@@ -24,7 +34,7 @@ pub fn key_of(checksum: &str) -> String {
 /// The checksum a state key names (`ab/<checksum>.safetensors`), `None` for names picaso does
 /// not give.
 pub fn checksum_of(key: &str) -> Option<&str> {
-    key.split_once('/').and_then(|(_, f)| f.strip_suffix(".safetensors")).filter(|s| crate::store::is_checksum(s))
+    key.split_once('/').and_then(|(_, f)| f.strip_suffix(".safetensors")).filter(|s| is_checksum(s))
 }
 
 /// What reading one state object found (see [`StateObjects::inspect_many`]).

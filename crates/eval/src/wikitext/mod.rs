@@ -15,6 +15,9 @@ use crate::methods::{continuation_nll, start_state};
 use crate::stats::{mean_ci95, paired_ci95};
 use crate::{Error, Result};
 
+mod report;
+pub use report::{picaso_r_share, rewrite_wikitext, write_wikitext};
+
 /// What to run.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Options {

@@ -20,6 +20,9 @@ use crate::stats::{mean_ci95, paired_ci95};
 use crate::wikitext::{check_ks, check_sample, choose};
 use crate::{Error, Result};
 
+mod report;
+pub use report::write_openbookqa;
+
 /// One question.
 #[derive(Debug, Clone)]
 pub struct Question {
