@@ -350,6 +350,17 @@ fn rope(x: &mut [f32], heads: usize, hd: usize, p0: u64, theta: f64) {
     }
 }
 
+/// Replaces each score by e^(score − max) and returns 1 / their sum (summed in f64): the
+/// softmax's weights, still to be scaled.
+fn exp_below(scores: &mut [f32], max: f32) -> f32 {
+    let mut sum = 0.0f64;
+    for s in scores.iter_mut() {
+        *s = (*s - max).exp();
+        sum += *s as f64;
+    }
+    (1.0 / sum) as f32
+}
+
 /// Query rows per tile of [`attend_rows`].
 const ROW_TILE: usize = 64;
 /// A sequence's new rows from which [`attend_rows`] runs instead of one [`attend_row`] per row.
@@ -381,13 +392,7 @@ fn attend_rows(
             matmul::matmul_strided((rows, hd, n), q, qw, &kv.keys[g * hd..], (1, stride), scale, &mut p, n);
             for (i, row) in p.chunks_exact_mut(n).enumerate() {
                 let (live, unseen) = row.split_at_mut(prev + r0 + i + 1);
-                let max = softmax::max_ignoring_nan(live);
-                let mut sum = 0.0f64;
-                for s in live.iter_mut() {
-                    *s = (*s - max).exp();
-                    sum += *s as f64;
-                }
-                let inv = (1.0 / sum) as f32;
+                let inv = exp_below(live, softmax::max_ignoring_nan(live));
                 live.iter_mut().for_each(|s| *s *= inv);
                 unseen.fill(0.0);
             }
@@ -418,12 +423,7 @@ fn attend_row(q: &[f32], kv: &KvState, n: usize, nh: usize, nkv: usize, hd: usiz
             *s = scale * matmul::dot(qh, &kv.keys[j * stride + g * hd..j * stride + (g + 1) * hd]);
             max = max.max(*s);
         }
-        let mut sum = 0.0f64;
-        for s in scores.iter_mut() {
-            *s = (*s - max).exp();
-            sum += *s as f64;
-        }
-        let inv = (1.0 / sum) as f32;
+        let inv = exp_below(&mut scores, max);
         let yh = &mut y[h * hd..(h + 1) * hd];
         yh.fill(0.0);
         for (j, &p) in scores.iter().enumerate() {
