@@ -37,12 +37,13 @@ pub(crate) struct ModelArgs {
     /// tokenizer.json to use instead of the model folder's.
     #[arg(long)]
     pub(crate) tokenizer: Option<PathBuf>,
-    /// Engine: cpu (the fast CPU path), candle-cpu (the generic path, for checking),
-    /// `cuda[:N]` or metal (need a build with the `cuda` / `metal` feature).
+    /// Engine: cpu (the fast CPU path), `cuda[:N]` (the GPU engine, Mamba-2; a build with the
+    /// `cuda` feature), candle-cpu (the generic path, for checking), `candle-cuda[:N]` or metal
+    /// (candle on a GPU; the `candle-cuda` / `metal` feature).
     #[arg(long, default_value = "cpu")]
     pub(crate) device: String,
-    /// Storage of the large weight matrices on the cpu engine: f32 (exact) or bf16 (half the
-    /// memory; decode about twice as fast; log-probs move by a few hundredths of a nat).
+    /// Storage of the large weight matrices on the cpu and cuda engines: f32 (exact) or bf16
+    /// (half the memory; decode about twice as fast; log-probs move by a few hundredths of a nat).
     #[arg(long, default_value = "f32")]
     pub(crate) weights: picaso_model::WeightDtype,
 }
@@ -150,12 +151,13 @@ pub(crate) fn resolve_model_dir(model: &str) -> Result<PathBuf> {
     bail!("{model}: model folder not found")
 }
 
-/// The engine `--device` names, refusing `--weights` other than f32 off the cpu engine.
+/// The engine `--device` names, refusing `--weights` other than f32 on candle's engines (the cpu
+/// and GPU engines store their matrices as `--weights` says).
 pub(crate) fn backend_for(device: &str, weights: picaso_model::WeightDtype) -> Result<picaso_model::Backend> {
     let backend: picaso_model::Backend = device.parse()?;
-    if weights != picaso_model::WeightDtype::F32 && !matches!(backend, picaso_model::Backend::Cpu) {
+    if weights != picaso_model::WeightDtype::F32 && matches!(backend, picaso_model::Backend::Candle { .. }) {
         bail!(
-            "--weights {:?} is the cpu engine's storage; --device {device} computes in its device's own precision (drop --weights, or use --device cpu)",
+            "--weights {:?} is the cpu and GPU engines' storage; --device {device} (candle) computes in its device's own precision (drop --weights, or use --device cpu)",
             format!("{weights:?}").to_lowercase(),
         );
     }

@@ -15,8 +15,8 @@ pub(crate) struct BenchArgs {
     /// Model folder; without it, random weights of --random's shape (130m = mamba2-130m, mamba1-130m, tiny) are used.
     #[arg(long, conflicts_with = "random")]
     model: Option<String>,
-    /// Random weights in a known shape: `130m` (state-spaces/mamba2-130m), `mamba1-130m`
-    /// (state-spaces/mamba-130m) or `tiny`.
+    /// Random weights in a known shape: `130m` (state-spaces/mamba2-130m), `2.7b`
+    /// (state-spaces/mamba2-2.7b), `mamba1-130m` (state-spaces/mamba-130m) or `tiny`.
     #[arg(long, default_value = "130m")]
     random: String,
     /// Seed of the random weights.
@@ -25,8 +25,8 @@ pub(crate) struct BenchArgs {
     /// Storage of the large weight matrices: f32 or bf16.
     #[arg(long, default_value = "f32")]
     weights: picaso_model::WeightDtype,
-    /// Engine: cpu (the fast CPU path), candle-cpu, `cuda[:N]` or metal (need a build with the
-    /// `cuda` / `metal` feature).
+    /// Engine: cpu (the fast CPU path), `cuda[:N]` (the GPU engine; `cuda` feature),
+    /// candle-cpu, `candle-cuda[:N]` or metal (candle; `candle-cuda` / `metal` feature).
     #[arg(long, default_value = "cpu")]
     device: String,
     /// Tokens to prefill and score.
@@ -55,8 +55,8 @@ pub(crate) struct BenchContextArgs {
     /// Model folder; without it, random weights of --random's shape (130m = mamba2-130m, mamba1-130m, tiny) are used.
     #[arg(long, conflicts_with = "random")]
     model: Option<String>,
-    /// Random weights in a known shape: `130m` (state-spaces/mamba2-130m), `mamba1-130m`
-    /// (state-spaces/mamba-130m) or `tiny`.
+    /// Random weights in a known shape: `130m` (state-spaces/mamba2-130m), `2.7b`
+    /// (state-spaces/mamba2-2.7b), `mamba1-130m` (state-spaces/mamba-130m) or `tiny`.
     #[arg(long, default_value = "130m")]
     random: String,
     /// Storage of the large weight matrices: f32 or bf16.
@@ -110,9 +110,10 @@ pub(crate) fn random_model(a: RandomModelArgs) -> Result<()> {
     }
     let config = match a.shape.as_str() {
         "130m" => picaso_model::ModelConfig::Mamba2(picaso_model::Mamba2Config::mamba2_130m()),
+        "2.7b" => picaso_model::ModelConfig::Mamba2(picaso_model::Mamba2Config::mamba2_2_7b()),
         "mamba1-130m" => picaso_model::ModelConfig::Mamba1(picaso_model::Mamba1Config::mamba_130m()),
         "tiny" => picaso_model::ModelConfig::Mamba2(picaso_model::Mamba2Config::tiny(2, 4)),
-        other => bail!("--shape {other:?}: use 130m (Mamba-2), mamba1-130m or tiny"),
+        other => bail!("--shape {other:?}: use 130m (Mamba-2), 2.7b (Mamba-2), mamba1-130m or tiny"),
     };
     if let Some(t) = &a.tokenizer {
         let known = picaso_model::TextTokenizer::from_file(t)?.vocab_size();
@@ -162,8 +163,9 @@ fn bench_model(
     }
     let config = match random {
         "130m" => picaso_model::Mamba2Config::mamba2_130m(),
+        "2.7b" => picaso_model::Mamba2Config::mamba2_2_7b(),
         "tiny" => picaso_model::Mamba2Config::tiny(2, 4),
-        other => bail!("--random {other:?}: use 130m (Mamba-2), mamba1-130m or tiny"),
+        other => bail!("--random {other:?}: use 130m (Mamba-2), 2.7b (Mamba-2), mamba1-130m or tiny"),
     };
     let w = picaso_model::Mamba2Weights::random(&config, seed);
     Ok(Model::from_weights_on(config, w, None, &backend, weights)?)

@@ -10,7 +10,7 @@ use crate::composition::{compose, compose_into};
 use crate::cpu::matmul::Bf16Kernel;
 use crate::error::Result;
 use crate::model::Model;
-use crate::state::{SsmValue, State};
+use crate::state::State;
 use picaso_compose::Composition;
 
 /// What to measure.
@@ -99,15 +99,17 @@ pub fn run(model: &Model, opts: &BenchOptions) -> Result<BenchReport> {
     let prefill = best_of(opts.repeats, || model.prefill(&tokens, &zero))?;
     let score = best_of(opts.repeats, || model.score(&tokens, &zero))?;
     let (logits, state) = model.prefill_last_logits(&tokens, &zero)?;
+    // Decode runs in a session, as `generate` does: on a GPU the state stays on the device.
     let decode = best_of_with(
         opts.repeats,
-        || state.clone(),
-        |mut s| {
+        || model.session(vec![state.clone()]),
+        |session| {
+            let mut session = session?;
             let mut next = argmax(&logits);
             for _ in 0..opts.decode_tokens {
-                next = argmax(&model.step(next, &mut s)?);
+                next = argmax(&session.step(&[next])?);
             }
-            Ok(s)
+            Ok(())
         },
     )?;
     let decode_per_token = decode / opts.decode_tokens.max(1) as f64;
@@ -118,7 +120,7 @@ pub fn run(model: &Model, opts: &BenchOptions) -> Result<BenchReport> {
     let batched_decode_f16_state_tokens_per_s = match opts.decode_batch {
         0 => None,
         _ if !model.runs_f16_states() => None,
-        b => Some(batched_decode(model, &state.to_f16(), b, opts, vocab)?),
+        b => Some(batched_decode_f16(model, &state.to_f16(), b, opts, vocab)?),
     };
     let batched_prefill_tokens_per_s = match opts.decode_batch {
         0 => None,
@@ -173,9 +175,28 @@ pub fn cpu_model() -> Option<String> {
 /// Tokens/s of `b` sequences decoded together from `state`, one batched step per token. Each
 /// sequence starts with its own first token, so the sequences differ (as a server's do) from
 /// the first step on.
-fn batched_decode<S: SsmValue>(
+fn batched_decode(model: &Model, state: &State, b: usize, opts: &BenchOptions, vocab: u64) -> Result<f64> {
+    let firsts: Vec<u32> = (0..b as u64).map(|i| ((i * 40_503 + 7) % vocab) as u32).collect();
+    let t = best_of_with(
+        opts.repeats,
+        || model.session(vec![state.clone(); b]),
+        |session| {
+            let mut session = session?;
+            let mut next = firsts.clone();
+            for _ in 0..opts.decode_tokens {
+                let logits = session.step(&next)?;
+                next = logits.chunks_exact(logits.len() / b).map(argmax).collect();
+            }
+            Ok(())
+        },
+    )?;
+    Ok((b * opts.decode_tokens.max(1)) as f64 / t)
+}
+
+/// [`batched_decode`] with f16 SSM values, as `serve --state-dtype f16` holds them.
+fn batched_decode_f16(
     model: &Model,
-    state: &State<S>,
+    state: &State<half::f16>,
     b: usize,
     opts: &BenchOptions,
     vocab: u64,
@@ -183,11 +204,11 @@ fn batched_decode<S: SsmValue>(
     let firsts: Vec<u32> = (0..b as u64).map(|i| ((i * 40_503 + 7) % vocab) as u32).collect();
     let t = best_of_with(
         opts.repeats,
-        || (0..b).map(|_| state.clone()).collect::<Vec<State<S>>>(),
+        || (0..b).map(|_| state.clone()).collect::<Vec<_>>(),
         |mut states| {
             let mut next = firsts.clone();
             for _ in 0..opts.decode_tokens {
-                let mut refs: Vec<&mut State<S>> = states.iter_mut().collect();
+                let mut refs: Vec<&mut State<half::f16>> = states.iter_mut().collect();
                 let logits = model.step_batch(&next, &mut refs)?;
                 next = logits.chunks_exact(logits.len() / b).map(argmax).collect();
             }

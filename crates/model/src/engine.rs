@@ -5,9 +5,10 @@
 use crate::config::ModelConfig;
 use crate::cpu::{Rows, WeightDtype};
 use crate::error::{Error, Result};
+use crate::gpu::{Gpu, MatrixDtype};
 use crate::granite_hybrid::{CpuGraniteHybrid, GraniteHybridWeights};
 use crate::mamba1::{CandleMamba1, CpuMamba1, Mamba1Weights};
-use crate::mamba2::{CandleMamba2, CpuMamba2, Mamba2Weights};
+use crate::mamba2::{CandleMamba2, CpuMamba2, GpuMamba2, Mamba2Weights};
 use crate::state::State;
 
 /// Which engine runs the model.
@@ -16,6 +17,9 @@ pub enum Backend {
     /// The hand-written multi-threaded CPU engine (fast path).
     #[default]
     Cpu,
+    /// The GPU engine ([`crate::gpu`]) on a device: CUDA (`cuda`, `cuda:N`, built with the
+    /// `cuda` feature), or the CPU emulator in the tests.
+    Gpu(std::sync::Arc<dyn Gpu>),
     /// The device-generic candle engine: CUDA or Metal when built with their feature, or the
     /// CPU (a cross-check of the fast path).
     Candle {
@@ -28,26 +32,47 @@ pub enum Backend {
 
 impl std::str::FromStr for Backend {
     type Err = Error;
-    /// `cpu`, `candle-cpu`, `cuda`, `cuda:N` or `metal`.
+    /// `cpu`, `cuda`, `cuda:N` (the GPU engine), `candle-cpu`, `candle-cuda[:N]` or `metal` (candle).
     fn from_str(s: &str) -> Result<Self> {
         let candle = |device| Ok(Backend::Candle { device, dtype: candle_core::DType::F32 });
-        match s {
-            "cpu" => Ok(Backend::Cpu),
-            "candle-cpu" => candle(candle_core::Device::Cpu),
-            "metal" => candle(candle_core::Device::new_metal(0)?),
-            _ => match s.strip_prefix("cuda") {
-                Some(rest) => {
-                    let ordinal = rest
-                        .strip_prefix(':')
-                        .unwrap_or("0")
-                        .parse()
-                        .map_err(|_| Error::Input(format!("device {s:?}: use cuda or cuda:N")))?;
-                    candle(candle_core::Device::new_cuda(ordinal)?)
-                }
-                None => Err(Error::Input(format!("unknown device {s:?}: use cpu, candle-cpu, cuda[:N] or metal"))),
-            },
+        let ordinal = |rest: &str, name: &str| -> Result<usize> {
+            match rest {
+                "" => Ok(0),
+                _ => rest.strip_prefix(':').and_then(|n| n.parse().ok()).ok_or_else(|| {
+                    Error::Input(format!(
+                        "device {s:?}: use {name} or {name}:N (N the GPU's ordinal, as nvidia-smi lists it)"
+                    ))
+                }),
+            }
+        };
+        if s == "cpu" {
+            Ok(Backend::Cpu)
+        } else if s == "candle-cpu" {
+            candle(candle_core::Device::Cpu)
+        } else if s == "metal" {
+            candle(candle_core::Device::new_metal(0)?)
+        } else if let Some(rest) = s.strip_prefix("candle-cuda") {
+            candle(candle_core::Device::new_cuda(ordinal(rest, "candle-cuda")?)?)
+        } else if let Some(rest) = s.strip_prefix("cuda") {
+            cuda(ordinal(rest, "cuda")?)
+        } else {
+            Err(Error::Input(format!(
+                "unknown device {s:?}: use cpu, cuda[:N] (the GPU engine), candle-cpu, candle-cuda[:N] or metal"
+            )))
         }
     }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda(ordinal: usize) -> Result<Backend> {
+    Ok(Backend::Gpu(std::sync::Arc::new(crate::gpu::cuda::CudaGpu::new(ordinal)?)))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda(_ordinal: usize) -> Result<Backend> {
+    Err(Error::Input(
+        "this picaso was built without the GPU engine: build it with `cargo build --release --features cuda` (no CUDA toolkit needed to build; a driver and GPU to run), or use --device cpu".into(),
+    ))
 }
 
 /// An engine: a model's weights laid out for one device and its kernels.
@@ -77,6 +102,37 @@ pub(crate) trait Engine: Send + Sync + std::fmt::Debug {
     /// Whether [`Engine::forward_batch_f16`] runs.
     fn runs_f16_states(&self) -> bool {
         false
+    }
+    /// Keeps `states` where this engine computes for a run of forward passes (a decode loop):
+    /// the GPU engine holds them in device memory, so they cross to the host once, not per
+    /// token. Engines that compute on the host keep them as they are.
+    fn resident<'e>(&'e self, states: Vec<State>) -> Result<Box<dyn Resident + 'e>> {
+        Ok(Box::new(HostStates { engine: self, states }))
+    }
+}
+
+/// States held by an engine across forward passes ([`Engine::resident`]).
+pub(crate) trait Resident: Send {
+    /// Runs `lens[i]` tokens on sequence i (every sequence, in order; a length may be 0) and
+    /// returns the final-normed hidden rows.
+    fn forward(&mut self, tokens: &[u32], lens: &[usize]) -> Result<Vec<f32>>;
+    /// The states as they stand, on the host.
+    fn states(&self) -> Result<Vec<State>>;
+}
+
+/// [`Resident`] for engines that compute on the host: the states stay in host memory.
+struct HostStates<'e, E: ?Sized> {
+    engine: &'e E,
+    states: Vec<State>,
+}
+
+impl<E: Engine + ?Sized> Resident for HostStates<'_, E> {
+    fn forward(&mut self, tokens: &[u32], lens: &[usize]) -> Result<Vec<f32>> {
+        let mut refs: Vec<&mut State> = self.states.iter_mut().collect();
+        self.engine.forward_batch(tokens, lens, &mut refs)
+    }
+    fn states(&self) -> Result<Vec<State>> {
+        Ok(self.states.clone())
     }
 }
 
@@ -123,6 +179,18 @@ pub(crate) fn build(
         (ModelConfig::Mamba2(c), Weights::Mamba2(w), Backend::Cpu) => Box::new(CpuMamba2::new(c, w, dtype)),
         (ModelConfig::Mamba2(c), Weights::Mamba2(w), Backend::Candle { device, dtype }) => {
             Box::new(CandleMamba2::new(&c, &w, device, *dtype)?)
+        }
+        (ModelConfig::Mamba2(c), Weights::Mamba2(w), Backend::Gpu(gpu)) => {
+            let matrices = match dtype {
+                WeightDtype::F32 => MatrixDtype::F32,
+                WeightDtype::Bf16 => MatrixDtype::Bf16,
+            };
+            Box::new(GpuMamba2::new(&c, &w, gpu.clone(), matrices)?)
+        }
+        (ModelConfig::Mamba1(_) | ModelConfig::GraniteHybrid(_), _, Backend::Gpu(_)) => {
+            return Err(Error::Input(
+                "the GPU engine runs Mamba-2 models for now; run Mamba-1 and hybrid (Granite 4.0 H) models with --device cpu".into(),
+            ))
         }
         (ModelConfig::Mamba1(c), Weights::Mamba1(w), Backend::Cpu) => Box::new(CpuMamba1::new(c, w, dtype)),
         (ModelConfig::Mamba1(c), Weights::Mamba1(w), Backend::Candle { device, dtype }) => {
@@ -224,6 +292,21 @@ impl Engine for CpuGraniteHybrid {
     }
     fn runs_f16_states(&self) -> bool {
         true
+    }
+}
+
+impl Engine for GpuMamba2 {
+    fn forward_batch(&self, tokens: &[u32], lens: &[usize], states: &mut [&mut State]) -> Result<Vec<f32>> {
+        GpuMamba2::forward_batch(self, tokens, lens, states)
+    }
+    fn resident<'e>(&'e self, states: Vec<State>) -> Result<Box<dyn Resident + 'e>> {
+        Ok(Box::new(GpuMamba2::resident(self, states)?))
+    }
+    fn logits(&self, hidden: &[f32], _: Rows) -> Result<Vec<f32>> {
+        GpuMamba2::logits(self, hidden)
+    }
+    fn logprobs(&self, hidden: &[f32], targets: &[u32]) -> Result<Vec<f32>> {
+        GpuMamba2::logprobs(self, hidden, targets)
     }
 }
 

@@ -55,6 +55,9 @@ pub enum Error {
     /// An error from the tensor library.
     #[error("tensor error: {0}")]
     Candle(#[from] candle_core::Error),
+    /// A GPU that cannot be reached or used (no driver, no device, a failed launch), with what to do.
+    #[error("GPU: {0}")]
+    Gpu(String),
 }
 
 /// Shorthand for results in this crate.

@@ -362,13 +362,15 @@ pub fn generate(
     mut on_text: impl FnMut(&str) -> bool,
 ) -> Result<Generation> {
     let mut decoder = Decoder::new(model, opts)?;
-    let (mut logits, mut state) = model.prefill_last_logits(prompt, state)?;
+    let (mut logits, state) = model.prefill_last_logits(prompt, state)?;
+    // The state stays where the engine computes (a GPU's memory) until the end.
+    let mut session = model.session(vec![state])?;
     let stop_reason = loop {
         match decoder.push(&logits)? {
             Next::Feed { token, text } => {
                 let go_on = text.is_empty() || on_text(&text);
-                // One step keeps `state` consistent with the tokens, even when stopping here.
-                let after = model.step(token, &mut state)?;
+                // One step keeps the state consistent with the tokens, even when stopping here.
+                let after = session.step(&[token])?;
                 if !go_on {
                     break StopReason::Cancelled;
                 }
@@ -376,7 +378,7 @@ pub fn generate(
             }
             Next::Done { text, reason, unfed } => {
                 if let Some(token) = unfed {
-                    model.step(token, &mut state)?;
+                    session.step(&[token])?;
                 }
                 if !text.is_empty() {
                     on_text(&text);
@@ -385,6 +387,7 @@ pub fn generate(
             }
         }
     };
+    let state = session.states()?.pop().expect("a session of one sequence");
     let (tokens, mut text) = (decoder.tokens, decoder.text);
     if stop_reason == StopReason::Cancelled {
         text.truncate(decoder.emitted);

@@ -8,7 +8,8 @@
 //! model that made them, so they are never applied to another model.
 //!
 //! Layout: one folder per architecture ([`mamba2`], [`mamba1`], [`granite_hybrid`]: config,
-//! weights, CPU engine, candle engine); the CPU kernels by operation in [`cpu`]; one engine
+//! weights, CPU engine, GPU engine, candle engine); the CPU kernels by operation in [`cpu`], the GPU's
+//! device layer and kernels in [`gpu`]; one engine
 //! interface (`engine.rs`) that [`Model`] holds as a `Box<dyn Engine>`. Weights are read once
 //! into host memory from either checkpoint layout (HF transformers or state-spaces), validated,
 //! and handed to an engine. Prefill and decode run through the same code, so the Markov
@@ -33,6 +34,7 @@ pub mod cpu;
 mod engine;
 pub mod error;
 pub mod generate;
+pub mod gpu;
 pub mod granite_hybrid;
 pub mod hub;
 pub mod mamba1;
@@ -53,7 +55,7 @@ pub use generate::{generate, Decoder, GenerateOptions, Generation, Next, StopRea
 pub use granite_hybrid::{GraniteHybridConfig, GraniteHybridWeights};
 pub use mamba1::{Mamba1Config, Mamba1Weights};
 pub use mamba2::{Mamba2Config, Mamba2Weights};
-pub use model::{Backend, LoadOptions, Model, Scored};
+pub use model::{Backend, LoadOptions, Model, Scored, Session};
 /// The run-time instruction-set dispatch of the CPU kernels (defined in picaso-compose).
 pub use picaso_compose::simd_fn;
 pub use picaso_compose::{Composition, Method, UnknownMethod};

@@ -40,6 +40,38 @@ pub struct Model {
     tokenizer_error: Option<String>,
 }
 
+/// A run of decode steps over a batch of states that the engine keeps where it computes
+/// ([`Model::session`]). Each step gives what [`Model::step_batch`] gives for the same states.
+pub struct Session<'m> {
+    model: &'m Model,
+    resident: Box<dyn crate::engine::Resident + 'm>,
+    n: usize,
+}
+
+impl std::fmt::Debug for Session<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session").field("sequences", &self.n).finish_non_exhaustive()
+    }
+}
+
+impl Session<'_> {
+    /// One token per sequence (`tokens[i]` continues sequence i); returns each sequence's
+    /// next-token logits (B × vocab).
+    pub fn step(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        if tokens.len() != self.n {
+            return Err(Error::Input(format!("{} tokens for a session of {} sequences", tokens.len(), self.n)));
+        }
+        self.model.check_tokens(tokens)?;
+        let hidden = self.resident.forward(tokens, &vec![1; tokens.len()])?;
+        self.model.engine.logits(&hidden, Rows::of(&vec![1; tokens.len()]))
+    }
+
+    /// The states as they stand, on the host.
+    pub fn states(&self) -> Result<Vec<State>> {
+        self.resident.states()
+    }
+}
+
 /// The outcome of scoring a token sequence.
 #[derive(Debug, Clone)]
 pub struct Scored {
@@ -232,6 +264,16 @@ impl Model {
         self.check_state(state)?;
         let hidden = self.engine.forward_batch(&[token], &[1], &mut [state])?;
         self.engine.logits(&hidden, Rows::Tokens)
+    }
+
+    /// Holds `states` where the engine computes for a run of decode steps ([`Session`]): on a
+    /// GPU they stay in device memory, so only logits cross to the host per step.
+    pub fn session(&self, states: Vec<State>) -> Result<Session<'_>> {
+        for s in &states {
+            self.check_state(s)?;
+        }
+        let n = states.len();
+        Ok(Session { model: self, resident: self.engine.resident(states)?, n })
     }
 
     /// One decode step of several sequences at once: `tokens[i]` continues `states[i]`

@@ -300,6 +300,11 @@ impl Mamba2Config {
             ..Self::tiny(24, 4)
         }
     }
+
+    /// The shape of state-spaces/mamba2-2.7b, the paper's model (for GPU benchmarks).
+    pub fn mamba2_2_7b() -> Self {
+        Self { d_model: 2560, n_layer: 64, nheads: 80, ..Self::mamba2_130m() }
+    }
 }
 
 /// JSON for `time_step_limit`: numbers, with infinities as the strings "inf" / "-inf" (JSON

@@ -1,0 +1,221 @@
+//! A [`Gpu`] on an NVIDIA device through cudarc: the CUDA driver, NVRTC and cuBLAS are loaded
+//! at run time (a build needs none of them), the kernels compiled once per process for the
+//! device's architecture. Every call binds the context to the calling thread and queues on the
+//! legacy default stream, so launches, products and copies run in call order.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
+use cudarc::driver::{result as driver, sys as driver_sys, CudaContext, CudaFunction, CudaStream};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
+
+use super::kernels::KERNELS;
+use super::{DevicePtr, Gemm, Gpu, MatrixDtype, KERNEL_SOURCE};
+use crate::error::{Error, Result};
+
+/// Where a user gets the libraries (the driver comes with the GPU's driver install).
+const LIBRARY_HINT: &str = "install the CUDA 12 runtime libraries (e.g. `pip install nvidia-cuda-nvrtc-cu12 nvidia-cublas-cu12`) and put their lib folders on LD_LIBRARY_PATH";
+
+/// An NVIDIA GPU with the engine's kernels loaded.
+pub struct CudaGpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    functions: HashMap<&'static str, CudaFunction>,
+    blas: CudaBlas,
+    name: String,
+}
+
+impl std::fmt::Debug for CudaGpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaGpu").field("name", &self.name).finish_non_exhaustive()
+    }
+}
+
+fn gpu_err(what: &str) -> impl Fn(driver::DriverError) -> Error + '_ {
+    move |e| Error::Gpu(format!("{what}: {e}"))
+}
+
+/// Checks that the driver, NVRTC and cuBLAS can be loaded (cudarc panics on a missing one).
+fn check_libraries() -> Result<()> {
+    // SAFETY: these only try to dlopen the libraries.
+    let (driver, nvrtc, cublas) = unsafe {
+        (driver_sys::is_culib_present(), cudarc::nvrtc::sys::is_culib_present(), blas_sys::is_culib_present())
+    };
+    if !driver {
+        return Err(Error::Gpu(
+            "no CUDA driver found (libcuda.so): this machine has no NVIDIA driver or GPU; use --device cpu".into(),
+        ));
+    }
+    for (found, lib) in [(nvrtc, "NVRTC (libnvrtc.so)"), (cublas, "cuBLAS (libcublas.so)")] {
+        if !found {
+            return Err(Error::Gpu(format!("{lib} not found: {LIBRARY_HINT}")));
+        }
+    }
+    Ok(())
+}
+
+/// The kernels compiled to PTX for compute capability `major.minor` (no GPU needed: NVRTC only).
+pub fn compile_kernels(major: i32, minor: i32) -> Result<Ptx> {
+    // SAFETY: only tries to dlopen the library.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(Error::Gpu(format!("NVRTC (libnvrtc.so) not found: {LIBRARY_HINT}")));
+    }
+    let options = CompileOptions {
+        options: vec![format!("--gpu-architecture=compute_{major}{minor}"), "--std=c++17".into()],
+        fmad: Some(true),
+        ..Default::default()
+    };
+    compile_ptx_with_opts(KERNEL_SOURCE, options).map_err(|e| Error::Gpu(format!("compiling the kernels: {e:?}")))
+}
+
+impl CudaGpu {
+    /// Opens GPU `ordinal`, compiles and loads the kernels, and creates a cuBLAS handle.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        check_libraries()?;
+        let count = CudaContext::device_count().map_err(gpu_err("counting GPUs"))?;
+        if ordinal >= count.max(0) as usize {
+            return Err(Error::Gpu(match count {
+                0 => "the CUDA driver sees no GPU; use --device cpu".into(),
+                n => format!("no GPU {ordinal}: this machine has {n} (cuda:0 … cuda:{})", n - 1),
+            }));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(gpu_err("opening the GPU"))?;
+        let (major, minor) = ctx.compute_capability().map_err(gpu_err("reading the compute capability"))?;
+        if major < 8 {
+            return Err(Error::Gpu(format!(
+                "compute capability {major}.{minor}: the GPU engine's bf16 products need 8.0 or newer (A100, H100, …); use --device cpu"
+            )));
+        }
+        let module = ctx.load_module(compile_kernels(major, minor)?).map_err(gpu_err("loading the kernels"))?;
+        let functions = KERNELS
+            .iter()
+            .map(|&k| Ok((k, module.load_function(k).map_err(gpu_err(k))?)))
+            .collect::<Result<HashMap<_, _>>>()?;
+        let stream = ctx.default_stream();
+        let blas = CudaBlas::new(stream.clone()).map_err(|e| Error::Gpu(format!("starting cuBLAS: {e:?}")))?;
+        let name =
+            format!("{} (cuda:{ordinal}, compute {major}.{minor})", ctx.name().unwrap_or_else(|_| "NVIDIA GPU".into()));
+        Ok(Self { ctx, stream, functions, blas, name })
+    }
+
+    fn bind(&self) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(gpu_err("binding the context"))
+    }
+}
+
+impl Gpu for CudaGpu {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+    fn alloc_zeroed(&self, bytes: usize) -> Result<DevicePtr> {
+        self.bind()?;
+        // SAFETY: a fresh allocation, zeroed before use.
+        unsafe {
+            let p = driver::malloc_sync(bytes).map_err(|e| Error::Gpu(format!("allocating {bytes} bytes: {e}")))?;
+            driver::memset_d8_sync(p, 0, bytes).map_err(gpu_err("zeroing memory"))?;
+            Ok(p)
+        }
+    }
+    unsafe fn free(&self, ptr: DevicePtr) {
+        if self.bind().is_ok() {
+            // A failure here (a context already torn down) leaves nothing to do.
+            let _ = driver::free_sync(ptr);
+        }
+    }
+    fn upload(&self, dst: DevicePtr, src: &[u8]) -> Result<()> {
+        self.bind()?;
+        // SAFETY: `dst` is an allocation of at least `src.len()` bytes (DeviceBuf checks).
+        unsafe { driver::memcpy_htod_sync(dst, src) }.map_err(gpu_err("copying to the GPU"))
+    }
+    fn download(&self, src: DevicePtr, dst: &mut [u8]) -> Result<()> {
+        self.bind()?;
+        // SAFETY: `src` holds at least `dst.len()` bytes; the synchronous copy waits for the
+        // default stream's queued work.
+        unsafe { driver::memcpy_dtoh_sync(dst, src) }.map_err(gpu_err("copying from the GPU"))
+    }
+    fn launch(&self, name: &'static str, grid: [u32; 3], block: [u32; 3], args: &[u8]) -> Result<()> {
+        self.bind()?;
+        let f = self.functions.get(name).ok_or_else(|| Error::Gpu(format!("no kernel {name:?}")))?;
+        let mut params = [args.as_ptr() as *mut c_void];
+        // SAFETY: `args` is the kernel's one argument struct, laid out as the kernel reads it.
+        unsafe {
+            driver::launch_kernel(
+                f.cu_function(),
+                (grid[0], grid[1], grid[2]),
+                (block[0], block[1], block[2]),
+                0,
+                self.stream.cu_stream(),
+                &mut params,
+            )
+        }
+        .map_err(|e| Error::Gpu(format!("launching {name}: {e}")))
+    }
+    fn gemm(&self, g: &Gemm) -> Result<()> {
+        self.bind()?;
+        // Row-major out (rows × n) = a (rows × k) · wᵀ is, column-major, outᵀ (n × rows) =
+        // op(W) · A with W read as a k × n column-major matrix, transposed.
+        let ty = match g.dtype {
+            MatrixDtype::F32 => blas_sys::cudaDataType::CUDA_R_32F,
+            MatrixDtype::Bf16 => blas_sys::cudaDataType::CUDA_R_16BF,
+        };
+        let (alpha, beta) = (1.0f32, if g.accumulate { 1.0f32 } else { 0.0 });
+        let dim =
+            |v: usize| i32::try_from(v).map_err(|_| Error::Gpu(format!("a product dimension of {v} exceeds i32")));
+        let (n, rows, k) = (dim(g.n)?, dim(g.rows)?, dim(g.k)?);
+        // SAFETY: the pointers hold rows × k, n × k and rows × n elements of their types.
+        unsafe {
+            blas::gemm_ex(
+                *self.blas.handle(),
+                blas_sys::cublasOperation_t::CUBLAS_OP_T,
+                blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                n,
+                rows,
+                k,
+                (&alpha as *const f32).cast(),
+                g.w as *const c_void,
+                ty,
+                k,
+                g.a as *const c_void,
+                ty,
+                k,
+                (&beta as *const f32).cast(),
+                g.out as *mut c_void,
+                blas_sys::cudaDataType::CUDA_R_32F,
+                n,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| Error::Gpu(format!("matrix product ({} × {} · {} × {}): {e:?}", g.rows, g.k, g.n, g.k)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// NVRTC compiles every kernel for the GPUs the engine targets. Needs only libnvrtc (the
+    /// `nvidia-cuda-nvrtc-cu12` wheel; CI installs it), no GPU.
+    #[test]
+    fn nvrtc_compiles_every_kernel() {
+        for (major, minor) in [(8, 0), (9, 0)] {
+            let ptx = compile_kernels(major, minor).unwrap().to_src();
+            for k in KERNELS {
+                assert!(ptx.contains(&format!(".entry {k}(")), "compute {major}.{minor}: no entry {k}");
+            }
+        }
+    }
+
+    /// Without a GPU the engine says so instead of panicking.
+    #[test]
+    fn no_gpu_is_a_clear_error() {
+        // SAFETY: only tries to dlopen the driver.
+        if unsafe { driver_sys::is_culib_present() } {
+            return; // a machine with a driver: nothing to check here (gpu_bench.sh runs the GPU)
+        }
+        let err = CudaGpu::new(0).unwrap_err().to_string();
+        assert!(err.contains("no CUDA driver") && err.contains("--device cpu"), "{err}");
+    }
+}

@@ -1,0 +1,164 @@
+//! A [`Gpu`] on the CPU for the tests: `kernels.cu` compiled by the system's C++ compiler with
+//! `emulator.h` (blocks run one after another, each with its threads as OS threads), host
+//! memory for device memory, and a plain triple loop for the matrix product. The engine's
+//! host code and kernels then run, unchanged, on machines without a GPU.
+
+use std::ffi::{c_void, CString};
+use std::sync::{Mutex, OnceLock};
+
+use super::{DevicePtr, Gemm, Gpu, MatrixDtype, KERNEL_SOURCE};
+use crate::error::{Error, Result};
+
+/// The compiled kernels, loaded once per process.
+struct Library {
+    handle: *mut c_void,
+}
+
+// SAFETY: the handle is only used to look up symbols, which dlsym allows from any thread.
+unsafe impl Send for Library {}
+unsafe impl Sync for Library {}
+
+static LIBRARY: OnceLock<std::result::Result<Library, String>> = OnceLock::new();
+/// One launch at a time: the emulator keeps the launch shape in globals.
+static LAUNCH: Mutex<()> = Mutex::new(());
+
+fn library() -> Result<&'static Library> {
+    LIBRARY.get_or_init(build).as_ref().map_err(|e| Error::Input(e.clone()))
+}
+
+/// Compiles the kernels into a shared library under the temporary folder (named by a hash of
+/// the sources, so concurrent test processes share one build) and loads it.
+fn build() -> std::result::Result<Library, String> {
+    let header = include_str!("emulator.h");
+    let hash = xxhash_rust::xxh3::xxh3_64(format!("{header}{KERNEL_SOURCE}").as_bytes());
+    let dir = std::env::temp_dir().join(format!("picaso-gpu-emulator-{hash:016x}"));
+    let lib = dir.join("libkernels.so");
+    if !lib.exists() {
+        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let src = dir.join(format!("kernels-{}.cpp", std::process::id()));
+        std::fs::write(&src, format!("{header}\n{KERNEL_SOURCE}")).map_err(|e| format!("{}: {e}", src.display()))?;
+        let tmp = dir.join(format!("libkernels-{}.so", std::process::id()));
+        let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+        let out = std::process::Command::new(&cxx)
+            .args(["-std=c++17", "-O2", "-shared", "-fPIC", "-pthread", "-Wall", "-Werror", "-o"])
+            .arg(&tmp)
+            .arg(&src)
+            .output()
+            .map_err(|e| format!("the GPU emulator needs a C++ compiler ({cxx}: {e}); install g++ or set CXX"))?;
+        if !out.status.success() {
+            return Err(format!(
+                "compiling the kernels for the emulator failed:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            ));
+        }
+        std::fs::rename(&tmp, &lib).map_err(|e| format!("{}: {e}", lib.display()))?;
+    }
+    let path = CString::new(lib.to_string_lossy().as_bytes()).expect("a path without NUL");
+    // SAFETY: dlopen of a library this function just built.
+    let handle = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+    if handle.is_null() {
+        return Err(format!("loading {} failed", lib.display()));
+    }
+    Ok(Library { handle })
+}
+
+impl Library {
+    fn symbol(&self, name: &str) -> Result<*mut c_void> {
+        let c = CString::new(name).expect("a symbol without NUL");
+        // SAFETY: a lookup in a loaded library.
+        let f = unsafe { libc::dlsym(self.handle, c.as_ptr()) };
+        if f.is_null() {
+            return Err(Error::Input(format!("the emulator has no kernel {name:?}")));
+        }
+        Ok(f)
+    }
+}
+
+/// The size of a kernel's argument struct as the C++ compiler lays it out.
+pub(crate) fn c_args_size(kernel: &str) -> Result<usize> {
+    let f = library()?.symbol(&format!("{kernel}_args_size"))?;
+    // SAFETY: the symbol is `extern "C" unsigned long name_args_size()`.
+    let f: extern "C" fn() -> libc::c_ulong = unsafe { std::mem::transmute(f) };
+    Ok(f() as usize)
+}
+
+/// The CPU emulator of a GPU.
+#[derive(Debug, Default)]
+pub(crate) struct Emulator;
+
+impl Emulator {
+    /// Builds (once per process) and loads the emulated kernels.
+    pub(crate) fn new() -> Result<Self> {
+        library()?;
+        Ok(Self)
+    }
+}
+
+fn read_matrix(ptr: DevicePtr, count: usize, dtype: MatrixDtype) -> Vec<f32> {
+    // SAFETY: emulated device pointers are host allocations of at least `count` elements.
+    unsafe {
+        match dtype {
+            MatrixDtype::F32 => std::slice::from_raw_parts(ptr as *const f32, count).to_vec(),
+            MatrixDtype::Bf16 => {
+                std::slice::from_raw_parts(ptr as *const half::bf16, count).iter().map(|v| v.to_f32()).collect()
+            }
+        }
+    }
+}
+
+impl Gpu for Emulator {
+    fn name(&self) -> String {
+        "CPU emulator".into()
+    }
+    fn alloc_zeroed(&self, bytes: usize) -> Result<DevicePtr> {
+        // SAFETY: calloc; null checked.
+        let p = unsafe { libc::calloc(bytes.max(1), 1) };
+        if p.is_null() {
+            return Err(Error::Input(format!("the emulator could not allocate {bytes} bytes")));
+        }
+        Ok(p as DevicePtr)
+    }
+    unsafe fn free(&self, ptr: DevicePtr) {
+        libc::free(ptr as *mut c_void)
+    }
+    fn upload(&self, dst: DevicePtr, src: &[u8]) -> Result<()> {
+        // SAFETY: `dst` is an emulated allocation of at least `src.len()` bytes.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
+        Ok(())
+    }
+    fn download(&self, src: DevicePtr, dst: &mut [u8]) -> Result<()> {
+        // SAFETY: as `upload`.
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+    fn launch(&self, name: &'static str, grid: [u32; 3], block: [u32; 3], args: &[u8]) -> Result<()> {
+        let lib = library()?;
+        let config = lib.symbol("emu_config")?;
+        let kernel = lib.symbol(name)?;
+        let _one = LAUNCH.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: the symbols are `emu_config(unsigned × 6)` and `name(const void*)`; `args`
+        // is the kernel's argument struct (its size is tested against the C compiler's).
+        unsafe {
+            let config: extern "C" fn(u32, u32, u32, u32, u32, u32) = std::mem::transmute(config);
+            let kernel: extern "C" fn(*const c_void) = std::mem::transmute(kernel);
+            config(grid[0], grid[1], grid[2], block[0], block[1], block[2]);
+            kernel(args.as_ptr().cast());
+        }
+        Ok(())
+    }
+    fn gemm(&self, g: &Gemm) -> Result<()> {
+        let a = read_matrix(g.a, g.rows * g.k, g.dtype);
+        let w = read_matrix(g.w, g.n * g.k, g.dtype);
+        // SAFETY: `out` is an emulated allocation of rows × n f32.
+        let out = unsafe { std::slice::from_raw_parts_mut(g.out as *mut f32, g.rows * g.n) };
+        for r in 0..g.rows {
+            for j in 0..g.n {
+                let dot: f32 =
+                    a[r * g.k..(r + 1) * g.k].iter().zip(&w[j * g.k..(j + 1) * g.k]).map(|(x, y)| x * y).sum();
+                let o = &mut out[r * g.n + j];
+                *o = if g.accumulate { *o + dot } else { dot };
+            }
+        }
+        Ok(())
+    }
+}

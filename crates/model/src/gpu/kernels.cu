@@ -1,0 +1,482 @@
+// The GPU engine's kernels, in the subset of CUDA C that both NVRTC and the CPU emulator
+// (gpu/emulator.h, used by the tests) compile: no headers, no warp intrinsics, no atomics,
+// static shared memory only, every block size a power of two. Each kernel takes one struct
+// of arguments whose layout matches a #[repr(C)] struct in gpu/kernels.rs (pointers first,
+// then 4-byte fields); `KERNEL` declares it for the device or for the emulator.
+//
+// Layouts: rows are tokens, sequences packed one after another; `starts[s]` / `lens[s]`
+// give sequence s's first row and its length. States are packed per sequence: the SSM
+// state (H, P, N), the conv tail (C, K-1) oldest first, the log-decay (H).
+
+#ifndef KERNEL
+#define KERNEL(name, Args) extern "C" __global__ void name(const Args a)
+#endif
+
+typedef unsigned short bf16;
+
+__device__ __forceinline__ float bf16_to_f32(bf16 v) { return __uint_as_float(((unsigned int)v) << 16); }
+
+// Round to nearest even (NaN kept a NaN), as the CPU engine and PyTorch convert.
+__device__ __forceinline__ bf16 f32_to_bf16(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16)(u >> 16);
+}
+
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
+
+__device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+// Loads element i of a matrix stored as f32 (is_bf16 = 0) or bf16.
+__device__ __forceinline__ float load(const void* p, long i, int is_bf16) {
+    return is_bf16 ? bf16_to_f32(((const bf16*)p)[i]) : ((const float*)p)[i];
+}
+
+__device__ __forceinline__ void store(void* p, long i, float v, int is_bf16) {
+    if (is_bf16) ((bf16*)p)[i] = f32_to_bf16(v);
+    else ((float*)p)[i] = v;
+}
+
+// Sum of `v` over the block (blockDim.x a power of two ≤ 256); every thread gets it.
+__device__ float block_sum(float v) {
+    __shared__ float scratch[256];
+    int t = threadIdx.x;
+    scratch[t] = v;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (t < s) scratch[t] += scratch[t + s];
+        __syncthreads();
+    }
+    float r = scratch[0];
+    __syncthreads();
+    return r;
+}
+
+__device__ float block_max(float v) {
+    __shared__ float scratch[256];
+    int t = threadIdx.x;
+    scratch[t] = v;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (t < s) scratch[t] = fmaxf(scratch[t], scratch[t + s]);
+        __syncthreads();
+    }
+    float r = scratch[0];
+    __syncthreads();
+    return r;
+}
+
+// ---------------------------------------------------------------------------------------
+// Tokens in and out.
+
+struct EmbedArgs {
+    const void* table;  // (vocab, d), f32 or bf16
+    const int* ids;     // (rows)
+    float* out;         // (rows, d)
+    int d;
+    int table_bf16;
+};
+
+// grid (rows), block 256.
+KERNEL(embed, EmbedArgs) {
+    long row = blockIdx.x;
+    long src = (long)a.ids[row] * a.d;
+    for (int i = threadIdx.x; i < a.d; i += blockDim.x) a.out[row * a.d + i] = load(a.table, src + i, a.table_bf16);
+}
+
+struct RmsnormArgs {
+    const float* x;   // (rows, d)
+    const float* w;   // (d)
+    void* out;        // (rows, d), f32 or bf16
+    int d;
+    int out_bf16;
+    float eps;
+    int pad;
+};
+
+// out = x / sqrt(mean(x²) + eps) · w. grid (rows), block 256.
+KERNEL(rmsnorm, RmsnormArgs) {
+    long row = blockIdx.x;
+    const float* x = a.x + row * a.d;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < a.d; i += blockDim.x) ss += x[i] * x[i];
+    ss = block_sum(ss);
+    float scale = 1.0f / sqrtf(ss / (float)a.d + a.eps);
+    for (int i = threadIdx.x; i < a.d; i += blockDim.x) store(a.out, row * a.d + i, x[i] * scale * a.w[i], a.out_bf16);
+}
+
+struct ConvertArgs {
+    const float* x;
+    void* out;
+    long n;
+    int out_bf16;
+    int pad;
+};
+
+// grid (ceil(n / 256)), block 256.
+KERNEL(convert, ConvertArgs) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < a.n) store(a.out, i, a.x[i], a.out_bf16);
+}
+
+struct AddBiasArgs {
+    float* x;        // (rows, cols)
+    const float* b;  // (cols)
+    int cols;
+    int pad;
+};
+
+// grid (rows), block 256.
+KERNEL(add_bias, AddBiasArgs) {
+    long row = blockIdx.x;
+    for (int i = threadIdx.x; i < a.cols; i += blockDim.x) a.x[row * a.cols + i] += a.b[i];
+}
+
+struct LogprobArgs {
+    const float* logits;  // (rows, vocab)
+    const int* targets;   // (rows)
+    float* out;           // (rows)
+    int vocab;
+    int pad;
+};
+
+// log p(target) of each row: grid (rows), block 256.
+KERNEL(logprob_at, LogprobArgs) {
+    long row = blockIdx.x;
+    const float* l = a.logits + row * a.vocab;
+    float m = -3.402823466e38f;
+    for (int i = threadIdx.x; i < a.vocab; i += blockDim.x) m = fmaxf(m, l[i]);
+    m = block_max(m);
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < a.vocab; i += blockDim.x) s += expf(l[i] - m);
+    s = block_sum(s);
+    if (threadIdx.x == 0) a.out[row] = l[a.targets[row]] - m - logf(s);
+}
+
+// ---------------------------------------------------------------------------------------
+// The Mamba-2 mixer's stateful part.
+
+struct ConvArgs {
+    const float* zx;     // in_proj output (rows, width); the conv input starts at column `offset`
+    const float* tails;  // (seqs, C, K-1), read only: conv_tail writes the new tails after
+    const float* w;      // (C, K)
+    const float* bias;   // (C)
+    float* out;          // (rows, C): SiLU(conv)
+    const int* starts;
+    const int* lens;
+    int width;
+    int offset;
+    int channels;
+    int k;
+};
+
+// Depthwise causal conv over [tail; x], then SiLU. grid (ceil(max_len · C / 256), seqs), block 256.
+KERNEL(conv_silu, ConvArgs) {
+    int s = blockIdx.y;
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    int len = a.lens[s], c = (int)(i % a.channels), t = (int)(i / a.channels);
+    if (t >= len) return;
+    int kt = a.k - 1;
+    const float* tail = a.tails + ((long)s * a.channels + c) * kt;
+    long row0 = a.starts[s];
+    float acc = a.bias[c];
+    for (int j = 0; j < a.k; ++j) {
+        int src = t + j - kt;  // position in the sequence; negative: the tail
+        float v = src < 0 ? tail[kt + src] : a.zx[(row0 + src) * a.width + a.offset + c];
+        acc += a.w[c * a.k + j] * v;
+    }
+    a.out[(row0 + t) * a.channels + c] = silu(acc);
+}
+
+struct ConvTailArgs {
+    const float* zx;
+    float* tails;  // (seqs, C, K-1), updated in place
+    const int* starts;
+    const int* lens;
+    int width;
+    int offset;
+    int channels;
+    int k;
+};
+
+// The tails after each sequence: its last K-1 conv inputs. One thread per (sequence,
+// channel) reads the old tail before writing. grid (ceil(C / 256), seqs), block 256.
+KERNEL(conv_tail, ConvTailArgs) {
+    int s = blockIdx.y;
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= a.channels) return;
+    int kt = a.k - 1, len = a.lens[s];
+    float* tail = a.tails + ((long)s * a.channels + c) * kt;
+    float old[16];
+    for (int j = 0; j < kt; ++j) old[j] = tail[j];
+    long row0 = a.starts[s];
+    for (int j = 0; j < kt; ++j) {
+        int src = len - kt + j;
+        tail[j] = src < 0 ? old[kt + src] : a.zx[(row0 + src) * a.width + a.offset + c];
+    }
+}
+
+struct DtArgs {
+    const float* zx;       // in_proj output; dt_raw at column `offset` + h
+    const float* dt_bias;  // (H)
+    const float* a_neg;    // A = -exp(A_log), (H)
+    float* dt;             // (rows, H): clamp(softplus(dt_raw + dt_bias), lo, hi)
+    float* log_decay;      // (seqs, H): += Σ dt·A over the sequence
+    const int* starts;
+    const int* lens;
+    int width;
+    int offset;
+    int heads;
+    float lo;
+    float hi;
+    int pad;
+};
+
+// One thread per (sequence, head), through the sequence in order: the log-decay sums
+// in f64 as the CPU engine does. grid (ceil(H / 64), seqs), block 64.
+KERNEL(dt_decay, DtArgs) {
+    int s = blockIdx.y;
+    int h = blockIdx.x * blockDim.x + threadIdx.x;
+    if (h >= a.heads) return;
+    long row0 = a.starts[s];
+    double acc = 0.0;
+    for (int t = 0; t < a.lens[s]; ++t) {
+        long row = row0 + t;
+        float v = softplus(a.zx[row * a.width + a.offset + h] + a.dt_bias[h]);
+        v = fminf(fmaxf(v, a.lo), a.hi);
+        a.dt[row * a.heads + h] = v;
+        acc += (double)(v * a.a_neg[h]);
+    }
+    float* ld = a.log_decay + (long)s * a.heads + h;
+    *ld = (float)((double)*ld + acc);
+}
+
+// Where one head's inputs sit in a row of the conv output (x | B | C).
+struct ScanShape {
+    int heads;     // H
+    int headdim;   // P
+    int d_state;   // N
+    int groups;    // G
+    int conv_dim;  // row stride of xbc: H·P + 2·G·N
+    int pad;
+};
+
+__device__ __forceinline__ int x_col(const ScanShape& s, int h, int p) { return h * s.headdim + p; }
+__device__ __forceinline__ int b_col(const ScanShape& s, int h, int n) {
+    return s.heads * s.headdim + (h / (s.heads / s.groups)) * s.d_state + n;
+}
+__device__ __forceinline__ int c_col(const ScanShape& s, int h, int n) {
+    return s.heads * s.headdim + s.groups * s.d_state + (h / (s.heads / s.groups)) * s.d_state + n;
+}
+
+struct ScanArgs {
+    const float* xbc;    // (rows, conv_dim)
+    const float* dt;     // (rows, H)
+    const float* a_neg;  // (H)
+    const float* d;      // (H)
+    float* ssm;          // (seqs, H, P, N), updated in place
+    float* y;            // (rows, H·P)
+    const int* starts;
+    const int* lens;
+    ScanShape shape;
+    int threads_per_row;  // blockDim.x / P: the threads that share one p
+    int pad;
+};
+
+// The recurrence token by token, for decode steps and short prompts: S = exp(dt·A)·S +
+// dt·x·Bᵀ, y = S·C + D·x. One block per (head, sequence); thread (p, r) owns the state
+// entries (p, n) with n ≡ r (mod threads_per_row). grid (H, seqs), block P · threads_per_row.
+KERNEL(scan_steps, ScanArgs) {
+    __shared__ float part[1024];
+    int h = blockIdx.x, s = blockIdx.y;
+    const ScanShape sh = a.shape;
+    int tpr = a.threads_per_row;
+    int p = threadIdx.x / tpr, r = threadIdx.x % tpr;
+    float* S = a.ssm + (((long)s * sh.heads + h) * sh.headdim + p) * sh.d_state;
+    long row0 = a.starts[s];
+    float A = a.a_neg[h], D = a.d[h];
+    for (int t = 0; t < a.lens[s]; ++t) {
+        long row = row0 + t;
+        const float* in = a.xbc + row * sh.conv_dim;
+        float dt = a.dt[row * sh.heads + h];
+        float decay = expf(dt * A);
+        float x = in[x_col(sh, h, p)];
+        float dx = dt * x;
+        float acc = 0.0f;
+        for (int n = r; n < sh.d_state; n += tpr) {
+            float v = S[n] * decay + dx * in[b_col(sh, h, n)];
+            S[n] = v;
+            acc += v * in[c_col(sh, h, n)];
+        }
+        part[threadIdx.x] = acc;
+        __syncthreads();
+        if (r == 0) {
+            float sum = 0.0f;
+            for (int j = 0; j < tpr; ++j) sum += part[threadIdx.x + j];
+            a.y[row * (sh.heads * sh.headdim) + h * sh.headdim + p] = sum + D * x;
+        }
+        __syncthreads();
+    }
+}
+
+// The chunked form (state-space duality) for prompts: chunks of L ≤ 64 tokens.
+//   ChunkState: each chunk's own contribution to the state, as if it started from zero:
+//               S_c = Σ_τ exp(cs_last − cs_τ)·dt_τ·x_τ·B_τᵀ
+//   StatePass:  the state entering each chunk, in order: S_in(c+1) = exp(cs_last(c))·S_in(c) + S_c,
+//               starting from the sequence's state, which ends as the state after the last chunk
+//   ChunkScan:  y_t = Σ_{τ≤t} exp(cs_t − cs_τ)·(C_t·B_τ)·dt_τ·x_τ + exp(cs_t)·S_in·C_t + D·x_t
+// where cs is the running sum of dt·A inside the chunk (cs_t includes t).
+struct ChunkArgs {
+    const float* xbc;    // (rows, conv_dim)
+    const float* dt;     // (rows, H)
+    const float* a_neg;  // (H)
+    const float* d;      // (H)
+    float* ssm;          // (seqs, H, P, N)
+    float* chunks;       // (seqs, max_chunks, H, P, N): each chunk's state, then the state entering it
+    float* y;            // (rows, H·P)
+    const int* starts;
+    const int* lens;
+    ScanShape shape;
+    int chunk;       // L ≤ 64
+    int max_chunks;
+};
+
+// Loads a chunk's dt and the running sum of dt·A (cs) into shared memory; returns its length.
+__device__ int chunk_decays(const ChunkArgs& a, int s, int c, int h, float* dt, float* cs) {
+    int len = a.lens[s] - c * a.chunk;
+    if (len > a.chunk) len = a.chunk;
+    long row0 = a.starts[s] + (long)c * a.chunk;
+    for (int t = threadIdx.x; t < len; t += blockDim.x) dt[t] = a.dt[(row0 + t) * a.shape.heads + h];
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float run = 0.0f, A = a.a_neg[h];
+        for (int t = 0; t < len; ++t) {
+            run += dt[t] * A;
+            cs[t] = run;
+        }
+    }
+    __syncthreads();
+    return len;
+}
+
+__device__ __forceinline__ float* chunk_state(const ChunkArgs& a, int s, int c, int h) {
+    const ScanShape& sh = a.shape;
+    return a.chunks + ((((long)s * a.max_chunks + c) * sh.heads + h) * sh.headdim) * sh.d_state;
+}
+
+// grid (max_chunks, H, seqs), block 256.
+KERNEL(ssd_chunk_state, ChunkArgs) {
+    __shared__ float dt[64];
+    __shared__ float cs[64];
+    int c = blockIdx.x, h = blockIdx.y, s = blockIdx.z;
+    if (c * a.chunk >= a.lens[s]) return;
+    int len = chunk_decays(a, s, c, h, dt, cs);
+    const ScanShape sh = a.shape;
+    long row0 = a.starts[s] + (long)c * a.chunk;
+    float* out = chunk_state(a, s, c, h);
+    for (int e = threadIdx.x; e < sh.headdim * sh.d_state; e += blockDim.x) {
+        int p = e / sh.d_state, n = e % sh.d_state;
+        float acc = 0.0f;
+        for (int t = 0; t < len; ++t) {
+            const float* in = a.xbc + (row0 + t) * sh.conv_dim;
+            acc += expf(cs[len - 1] - cs[t]) * dt[t] * in[x_col(sh, h, p)] * in[b_col(sh, h, n)];
+        }
+        out[e] = acc;
+    }
+}
+
+// grid (H, seqs), block 256.
+KERNEL(ssd_state_pass, ChunkArgs) {
+    __shared__ float total;
+    int h = blockIdx.x, s = blockIdx.y;
+    const ScanShape sh = a.shape;
+    int nchunks = (a.lens[s] + a.chunk - 1) / a.chunk;
+    long row0 = a.starts[s];
+    float* S = a.ssm + ((long)s * sh.heads + h) * sh.headdim * sh.d_state;
+    for (int c = 0; c < nchunks; ++c) {
+        if (threadIdx.x == 0) {  // the chunk's Σ dt·A, summed in chunk_decays' order
+            int end = (c + 1) * a.chunk < a.lens[s] ? (c + 1) * a.chunk : a.lens[s];
+            float run = 0.0f, A = a.a_neg[h];
+            for (int t = c * a.chunk; t < end; ++t) run += a.dt[(row0 + t) * sh.heads + h] * A;
+            total = run;
+        }
+        __syncthreads();
+        float decay = expf(total);
+        float* slot = chunk_state(a, s, c, h);
+        for (int e = threadIdx.x; e < sh.headdim * sh.d_state; e += blockDim.x) {
+            float own = slot[e];
+            slot[e] = S[e];  // the state entering chunk c
+            S[e] = decay * S[e] + own;
+        }
+        __syncthreads();
+    }
+}
+
+// grid (max_chunks, H, seqs), block 256.
+KERNEL(ssd_chunk_scan, ChunkArgs) {
+    __shared__ float dt[64];
+    __shared__ float cs[64];
+    __shared__ float cb[64 * 64];
+    int c = blockIdx.x, h = blockIdx.y, s = blockIdx.z;
+    if (c * a.chunk >= a.lens[s]) return;
+    int len = chunk_decays(a, s, c, h, dt, cs);
+    const ScanShape sh = a.shape;
+    long row0 = a.starts[s] + (long)c * a.chunk;
+    // C_t · B_τ for τ ≤ t.
+    for (int e = threadIdx.x; e < len * len; e += blockDim.x) {
+        int t = e / len, u = e % len;
+        float v = 0.0f;
+        if (u <= t) {
+            const float* ct = a.xbc + (row0 + t) * sh.conv_dim;
+            const float* bu = a.xbc + (row0 + u) * sh.conv_dim;
+            for (int n = 0; n < sh.d_state; ++n) v += ct[c_col(sh, h, n)] * bu[b_col(sh, h, n)];
+        }
+        cb[t * 64 + u] = v;
+    }
+    __syncthreads();
+    const float* S = chunk_state(a, s, c, h);
+    float D = a.d[h];
+    for (int e = threadIdx.x; e < len * sh.headdim; e += blockDim.x) {
+        int t = e / sh.headdim, p = e % sh.headdim;
+        const float* in = a.xbc + (row0 + t) * sh.conv_dim;
+        float from_state = 0.0f;
+        for (int n = 0; n < sh.d_state; ++n) from_state += S[p * sh.d_state + n] * in[c_col(sh, h, n)];
+        float acc = expf(cs[t]) * from_state;
+        for (int u = 0; u <= t; ++u) {
+            float xu = a.xbc[(row0 + u) * sh.conv_dim + x_col(sh, h, p)];
+            acc += expf(cs[t] - cs[u]) * cb[t * 64 + u] * dt[u] * xu;
+        }
+        a.y[(row0 + t) * (sh.heads * sh.headdim) + h * sh.headdim + p] = acc + D * in[x_col(sh, h, p)];
+    }
+}
+
+struct GatedNormArgs {
+    const float* y;   // (rows, d_inner)
+    const float* zx;  // in_proj output: z in columns [0, d_inner)
+    const float* w;   // (d_inner)
+    void* out;        // (rows, d_inner), f32 or bf16
+    int width;
+    int d_inner;
+    int group;
+    int out_bf16;
+    float eps;
+    int pad;
+};
+
+// v = y·silu(z); out = v / sqrt(mean_group(v²) + eps)·w. grid (rows, d_inner / group), block 256.
+KERNEL(gated_rmsnorm, GatedNormArgs) {
+    long row = blockIdx.x;
+    int g0 = blockIdx.y * a.group;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < a.group; i += blockDim.x) {
+        float v = a.y[row * a.d_inner + g0 + i] * silu(a.zx[row * a.width + g0 + i]);
+        ss += v * v;
+    }
+    ss = block_sum(ss);
+    float scale = 1.0f / sqrtf(ss / (float)a.group + a.eps);
+    for (int i = threadIdx.x; i < a.group; i += blockDim.x) {
+        float v = a.y[row * a.d_inner + g0 + i] * silu(a.zx[row * a.width + g0 + i]);
+        store(a.out, row * a.d_inner + g0 + i, v * scale * a.w[g0 + i], a.out_bf16);
+    }
+}

@@ -1,0 +1,173 @@
+//! The GPU engine's device layer: memory, kernel launches and matrix products behind one small
+//! trait, [`Gpu`], so the engine's host code (`mamba2::gpu`) is written once and runs on a
+//! CUDA device (`cuda`, with the `cuda` feature: cudarc, kernels compiled at run time by
+//! NVRTC, cuBLAS) or on the CPU emulator of the tests (`emulator`: the same kernel source
+//! compiled by the system's C++ compiler), which holds it to the CPU engine on machines
+//! without a GPU.
+//!
+//! Device memory is addressed by raw 64-bit pointers ([`DevicePtr`]) owned by [`DeviceBuf`]s;
+//! kernels take one `#[repr(C)]` argument struct each ([`kernels`]).
+
+#[cfg(feature = "cuda")]
+pub mod cuda;
+#[cfg(test)]
+pub(crate) mod emulator;
+pub(crate) mod kernels;
+pub(crate) mod plan;
+
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+
+/// A device address.
+pub type DevicePtr = u64;
+
+/// The CUDA C source of every kernel (NVRTC compiles it at run time).
+pub const KERNEL_SOURCE: &str = include_str!("kernels.cu");
+
+/// How the large matrices (embedding, projections, LM head) are stored on the device: the
+/// products read them in this type and accumulate in f32.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MatrixDtype {
+    /// f32 (exact against the CPU engine's f32 path to rounding).
+    F32,
+    /// bf16 (half the bytes; the usual choice on a GPU).
+    Bf16,
+}
+
+impl MatrixDtype {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            MatrixDtype::F32 => 4,
+            MatrixDtype::Bf16 => 2,
+        }
+    }
+    /// The kernels' flag (`*_bf16` arguments).
+    pub(crate) fn flag(self) -> i32 {
+        i32::from(self == MatrixDtype::Bf16)
+    }
+    /// `v` as this type's bytes (bf16 rounds to nearest even).
+    pub(crate) fn encode(self, v: &[f32]) -> Vec<u8> {
+        match self {
+            MatrixDtype::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            MatrixDtype::Bf16 => v.iter().flat_map(|&x| half::bf16::from_f32(x).to_le_bytes()).collect(),
+        }
+    }
+}
+
+/// `out (rows × n) [+]= a (rows × k) · w (n × k)ᵀ`: activations times a weight matrix stored
+/// row-major as (out features, in features), both in `dtype`, `out` in f32.
+#[derive(Debug, Clone, Copy)]
+pub struct Gemm {
+    /// Storage type of `a` and `w`.
+    pub dtype: MatrixDtype,
+    /// Rows of `a` and `out`.
+    pub rows: usize,
+    /// Output features (rows of `w`).
+    pub n: usize,
+    /// Input features.
+    pub k: usize,
+    /// Activations.
+    pub a: DevicePtr,
+    /// Weights.
+    pub w: DevicePtr,
+    /// f32 output.
+    pub out: DevicePtr,
+    /// Add to `out` instead of overwriting it (the residual stream).
+    pub accumulate: bool,
+}
+
+/// What the engine needs of a device.
+pub trait Gpu: Send + Sync + std::fmt::Debug {
+    /// A human-readable name ("NVIDIA H200 (cuda:0)", "CPU emulator").
+    fn name(&self) -> String;
+    /// `bytes` of zeroed device memory.
+    fn alloc_zeroed(&self, bytes: usize) -> Result<DevicePtr>;
+    /// Frees memory from [`Gpu::alloc_zeroed`].
+    ///
+    /// # Safety
+    /// `ptr` came from this device's `alloc_zeroed` and is not used afterwards.
+    unsafe fn free(&self, ptr: DevicePtr);
+    /// Copies host bytes to `dst`.
+    fn upload(&self, dst: DevicePtr, src: &[u8]) -> Result<()>;
+    /// Copies device bytes at `src` to the host (waits for the work queued before it).
+    fn download(&self, src: DevicePtr, dst: &mut [u8]) -> Result<()>;
+    /// Runs kernel `name` over `grid` blocks of `block` threads with its argument struct.
+    fn launch(&self, name: &'static str, grid: [u32; 3], block: [u32; 3], args: &[u8]) -> Result<()>;
+    /// A matrix product ([`Gemm`]).
+    fn gemm(&self, g: &Gemm) -> Result<()>;
+}
+
+/// Device memory owned by the host: freed when dropped.
+#[derive(Debug)]
+pub struct DeviceBuf {
+    gpu: Arc<dyn Gpu>,
+    ptr: DevicePtr,
+    bytes: usize,
+}
+
+impl DeviceBuf {
+    /// `bytes` of zeroed memory (at least 1 byte is allocated, so the pointer is valid).
+    pub fn zeroed(gpu: &Arc<dyn Gpu>, bytes: usize) -> Result<Self> {
+        let ptr = gpu.alloc_zeroed(bytes.max(4))?;
+        Ok(Self { gpu: gpu.clone(), ptr, bytes })
+    }
+    /// A copy of `data` on the device.
+    pub fn from_bytes(gpu: &Arc<dyn Gpu>, data: &[u8]) -> Result<Self> {
+        let buf = Self::zeroed(gpu, data.len())?;
+        gpu.upload(buf.ptr, data)?;
+        Ok(buf)
+    }
+    /// A copy of `v` on the device, as f32.
+    pub fn from_f32(gpu: &Arc<dyn Gpu>, v: &[f32]) -> Result<Self> {
+        Self::from_bytes(gpu, &MatrixDtype::F32.encode(v))
+    }
+    /// A copy of `v` on the device, as i32.
+    pub fn from_i32(gpu: &Arc<dyn Gpu>, v: &[i32]) -> Result<Self> {
+        Self::from_bytes(gpu, &v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<_>>())
+    }
+    /// The device address.
+    pub fn ptr(&self) -> DevicePtr {
+        self.ptr
+    }
+    /// The address `offset` bytes in.
+    pub fn at(&self, offset: usize) -> DevicePtr {
+        debug_assert!(offset <= self.bytes);
+        self.ptr + offset as u64
+    }
+    /// Size in bytes.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+    /// The contents as f32.
+    pub fn to_f32(&self) -> Result<Vec<f32>> {
+        let mut raw = vec![0u8; self.bytes];
+        self.gpu.download(self.ptr, &mut raw)?;
+        Ok(raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+    }
+    /// Overwrites the start of the buffer with `v` (f32).
+    pub fn write_f32(&self, offset_floats: usize, v: &[f32]) -> Result<()> {
+        if (offset_floats + v.len()) * 4 > self.bytes {
+            return Err(Error::Input(format!(
+                "internal: writing {} floats at {offset_floats} into a device buffer of {} bytes",
+                v.len(),
+                self.bytes
+            )));
+        }
+        self.gpu.upload(self.at(offset_floats * 4), &MatrixDtype::F32.encode(v))
+    }
+    /// `count` floats from `offset_floats` on.
+    pub fn read_f32(&self, offset_floats: usize, count: usize) -> Result<Vec<f32>> {
+        let mut raw = vec![0u8; count * 4];
+        self.gpu.download(self.at(offset_floats * 4), &mut raw)?;
+        Ok(raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+    }
+}
+
+impl Drop for DeviceBuf {
+    fn drop(&mut self) {
+        // SAFETY: the pointer came from this device and the buffer owns it.
+        unsafe { self.gpu.free(self.ptr) }
+    }
+}

@@ -1,0 +1,696 @@
+//! The Mamba-2 GPU engine: the weights on the device once, each forward pass a fixed sequence of
+//! kernels (`gpu/kernels.cu`) and matrix products per layer, with the chunked scan
+//! (state-space duality) for prompts and the token-by-token scan for decode steps, both from
+//! any state. It runs on any [`Gpu`]: a CUDA device, or the CPU emulator that holds it to the
+//! CPU engine in the tests.
+//!
+//! Per forward pass the states cross to the device and back once (not per layer or token);
+//! keeping them on the device across calls is the next step (issue 79).
+
+use std::sync::{Arc, Mutex};
+
+use super::{Mamba2Config, Mamba2Weights};
+use crate::cpu::layers::by_kind;
+use crate::error::{Error, Result};
+use crate::gpu::kernels::{
+    launch, AddBiasArgs, ChunkArgs, ConvArgs, ConvTailArgs, ConvertArgs, DtArgs, EmbedArgs, GatedNormArgs, LogprobArgs,
+    RmsnormArgs, ScanArgs, ScanShape,
+};
+use crate::gpu::plan::{blocks, scan_threads_per_row, Batch, BLOCK, CHUNK};
+use crate::gpu::{DeviceBuf, DevicePtr, Gemm, Gpu, MatrixDtype};
+use crate::state::State;
+
+/// One block's weights on the device (small vectors in f32, the projections in the matrix type).
+#[derive(Debug)]
+struct Layer {
+    norm: DeviceBuf,
+    in_proj: DeviceBuf,
+    in_proj_bias: Option<DeviceBuf>,
+    /// (C, K)
+    conv_w: DeviceBuf,
+    /// (C); zeros when the checkpoint has none.
+    conv_b: DeviceBuf,
+    dt_bias: DeviceBuf,
+    /// A = -exp(A_log), (H)
+    a_neg: DeviceBuf,
+    d: DeviceBuf,
+    gated_norm: DeviceBuf,
+    out_proj: DeviceBuf,
+    out_proj_bias: Option<DeviceBuf>,
+}
+
+/// A Mamba-2 model on a GPU.
+#[derive(Debug)]
+pub struct GpuMamba2 {
+    config: Mamba2Config,
+    gpu: Arc<dyn Gpu>,
+    dtype: MatrixDtype,
+    embedding: DeviceBuf,
+    lm_head: Option<DeviceBuf>,
+    norm_f: DeviceBuf,
+    layers: Vec<Layer>,
+    /// One forward pass at a time (one stream; the kernels' scratch is per pass).
+    busy: Mutex<()>,
+}
+
+/// Device buffers of one forward pass.
+struct Pass {
+    ids: DeviceBuf,
+    starts: DeviceBuf,
+    lens: DeviceBuf,
+    h: DeviceBuf,
+    xn: DeviceBuf,
+    zx: DeviceBuf,
+    xbc: DeviceBuf,
+    dt: DeviceBuf,
+    y: DeviceBuf,
+    gated: DeviceBuf,
+    chunks: Option<DeviceBuf>,
+}
+
+/// States of a batch held in device memory across forward passes: a decode loop uploads them
+/// once and brings them back once, however many tokens it runs.
+pub(crate) struct GpuStates<'e> {
+    engine: &'e GpuMamba2,
+    /// One entry per layer.
+    layers: Vec<LayerStates>,
+    /// The states as given (their values stale until [`crate::engine::Resident::states`]),
+    /// with positions kept current.
+    host: Vec<State>,
+}
+
+impl crate::engine::Resident for GpuStates<'_> {
+    fn forward(&mut self, tokens: &[u32], lens: &[usize]) -> Result<Vec<f32>> {
+        if lens.len() != self.host.len() || lens.iter().sum::<usize>() != tokens.len() {
+            return Err(Error::Input(format!(
+                "internal: {} lengths adding up to {} for {} resident states and {} tokens",
+                lens.len(),
+                lens.iter().sum::<usize>(),
+                self.host.len(),
+                tokens.len()
+            )));
+        }
+        let hidden = self.engine.run(tokens, &Batch::new(lens), &self.layers)?;
+        for (s, &t) in self.host.iter_mut().zip(lens) {
+            s.advance(t);
+        }
+        Ok(hidden)
+    }
+    fn states(&self) -> Result<Vec<State>> {
+        let mut out = self.host.clone();
+        for (l, ls) in self.layers.iter().enumerate() {
+            self.engine.download_states(ls, out.iter_mut(), l)?;
+        }
+        Ok(out)
+    }
+}
+
+/// One layer's states of every sequence, packed.
+struct LayerStates {
+    ssm: DeviceBuf,
+    tails: DeviceBuf,
+    log_decay: DeviceBuf,
+}
+
+impl GpuMamba2 {
+    /// Uploads `weights` to `gpu`, the large matrices as `dtype`.
+    pub fn new(config: &Mamba2Config, weights: &Mamba2Weights, gpu: Arc<dyn Gpu>, dtype: MatrixDtype) -> Result<Self> {
+        let c = config;
+        if c.headdim > 1024 || c.d_conv < 1 || c.d_conv > 17 {
+            return Err(Error::Input(format!(
+                "the GPU engine runs headdim ≤ 1024 and d_conv 1..=17 (this model: headdim {}, d_conv {}); use --device cpu",
+                c.headdim, c.d_conv
+            )));
+        }
+        let f32buf = |v: &[f32]| DeviceBuf::from_f32(&gpu, v);
+        let matrix = |v: &[f32]| DeviceBuf::from_bytes(&gpu, &dtype.encode(v));
+        let layers = weights
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(Layer {
+                    norm: f32buf(&l.norm)?,
+                    in_proj: matrix(&l.in_proj)?,
+                    in_proj_bias: l.in_proj_bias.as_deref().map(f32buf).transpose()?,
+                    conv_w: f32buf(&l.conv_weight)?,
+                    conv_b: f32buf(l.conv_bias.as_deref().unwrap_or(&vec![0.0; c.conv_dim()]))?,
+                    dt_bias: f32buf(&l.dt_bias)?,
+                    a_neg: f32buf(&l.a_log.iter().map(|v| -v.exp()).collect::<Vec<_>>())?,
+                    d: f32buf(&l.d)?,
+                    gated_norm: f32buf(&l.gated_norm)?,
+                    out_proj: matrix(&l.out_proj)?,
+                    out_proj_bias: l.out_proj_bias.as_deref().map(f32buf).transpose()?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            config: c.clone(),
+            embedding: matrix(&weights.embedding)?,
+            lm_head: weights.lm_head.as_deref().map(matrix).transpose()?,
+            norm_f: f32buf(&weights.norm_f)?,
+            layers,
+            gpu,
+            dtype,
+            busy: Mutex::new(()),
+        })
+    }
+
+    /// The config.
+    pub fn config(&self) -> &Mamba2Config {
+        &self.config
+    }
+
+    /// The device's name.
+    pub fn device_name(&self) -> String {
+        self.gpu.name()
+    }
+
+    /// Runs several sequences (`lens[i]` tokens continue `states[i]`, updated in place) and
+    /// returns the final-normed hidden rows. Single tokens and longer sequences run as
+    /// separate passes, as on the CPU, so a decode step's result never depends on its batch's
+    /// longer prompts.
+    pub fn forward_batch(&self, tokens: &[u32], lens: &[usize], states: &mut [&mut State]) -> Result<Vec<f32>> {
+        let failure = std::cell::RefCell::new(None);
+        let hidden = by_kind(self.config.d_model, tokens, lens, states, |tokens, lens, states| {
+            match self.forward_one_kind(tokens, lens, states) {
+                Ok(h) => h,
+                Err(e) => {
+                    failure.borrow_mut().get_or_insert(e);
+                    vec![0.0; tokens.len() * self.config.d_model]
+                }
+            }
+        });
+        match failure.into_inner() {
+            Some(e) => Err(e),
+            None => Ok(hidden),
+        }
+    }
+
+    fn forward_one_kind(&self, tokens: &[u32], lens: &[usize], states: &mut [&mut State]) -> Result<Vec<f32>> {
+        let on_device = {
+            let refs: Vec<&State> = states.iter().map(|s| &**s).collect();
+            (0..self.layers.len()).map(|l| self.upload_states(&refs, l)).collect::<Result<Vec<_>>>()?
+        };
+        let hidden = self.run(tokens, &Batch::new(lens), &on_device)?;
+        for (l, ls) in on_device.iter().enumerate() {
+            self.download_states(ls, states.iter_mut().map(|s| &mut **s), l)?;
+        }
+        for (s, &t) in states.iter_mut().zip(lens) {
+            s.advance(t);
+        }
+        Ok(hidden)
+    }
+
+    /// Keeps `states` in device memory for a run of forward passes ([`GpuStates`]).
+    pub(crate) fn resident(&self, states: Vec<State>) -> Result<GpuStates<'_>> {
+        let refs: Vec<&State> = states.iter().collect();
+        let layers = (0..self.layers.len()).map(|l| self.upload_states(&refs, l)).collect::<Result<Vec<_>>>()?;
+        Ok(GpuStates { engine: self, layers, host: states })
+    }
+
+    /// The kernels of one forward pass over `batch`, from and into the device states `states`
+    /// (one entry per layer); returns the final-normed hidden rows.
+    fn run(&self, tokens: &[u32], batch: &Batch, states: &[LayerStates]) -> Result<Vec<f32>> {
+        let _one = self.busy.lock().unwrap_or_else(|e| e.into_inner());
+        let c = &self.config;
+        if batch.rows == 0 {
+            return Ok(Vec::new());
+        }
+        let pass = self.pass(tokens, batch)?;
+        let embed = EmbedArgs {
+            table: self.embedding.ptr(),
+            ids: pass.ids.ptr(),
+            out: pass.h.ptr(),
+            d: c.d_model as i32,
+            table_bf16: self.dtype.flag(),
+        };
+        launch(&*self.gpu, "embed", [batch.rows as u32, 1, 1], [BLOCK, 1, 1], &embed)?;
+        for (layer, ls) in self.layers.iter().zip(states) {
+            self.layer(layer, ls, &pass, batch)?;
+        }
+        self.rmsnorm(pass.h.ptr(), self.norm_f.ptr(), pass.y.ptr(), batch.rows, false)?;
+        pass.y.read_f32(0, batch.rows * c.d_model)
+    }
+
+    /// Allocates a pass's buffers and uploads its token ids and layout.
+    fn pass(&self, tokens: &[u32], batch: &Batch) -> Result<Pass> {
+        let c = &self.config;
+        let rows = batch.rows;
+        let f32s = |n: usize| DeviceBuf::zeroed(&self.gpu, n * 4);
+        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+        Ok(Pass {
+            ids: DeviceBuf::from_i32(&self.gpu, &ids)?,
+            starts: DeviceBuf::from_i32(&self.gpu, &batch.starts)?,
+            lens: DeviceBuf::from_i32(&self.gpu, &batch.lens)?,
+            h: f32s(rows * c.d_model)?,
+            xn: DeviceBuf::zeroed(&self.gpu, rows * c.d_model * self.dtype.size())?,
+            zx: f32s(rows * c.d_in_proj())?,
+            xbc: f32s(rows * c.conv_dim())?,
+            dt: f32s(rows * c.nheads)?,
+            // Also the final norm's output (rows × d_model), so at least that big.
+            y: f32s(rows * c.d_inner().max(c.d_model))?,
+            gated: DeviceBuf::zeroed(&self.gpu, rows * c.d_inner() * self.dtype.size())?,
+            chunks: if batch.step_scan() {
+                None
+            } else {
+                Some(f32s(batch.seqs() * batch.max_chunks() * c.nheads * c.headdim * c.d_state)?)
+            },
+        })
+    }
+
+    /// Layer `l`'s states of every sequence, packed and uploaded.
+    fn upload_states(&self, states: &[&State], l: usize) -> Result<LayerStates> {
+        let pack = |part: &dyn Fn(&State) -> &[f32]| -> Result<DeviceBuf> {
+            let v: Vec<f32> = states.iter().flat_map(|s| part(s).iter().copied()).collect();
+            DeviceBuf::from_f32(&self.gpu, &v)
+        };
+        Ok(LayerStates {
+            ssm: pack(&|s| &s.layers[l].ssm)?,
+            tails: pack(&|s| &s.layers[l].conv)?,
+            log_decay: pack(&|s| &s.layers[l].log_decay)?,
+        })
+    }
+
+    /// Copies layer `l`'s device states back into `states`.
+    fn download_states<'s>(
+        &self,
+        ls: &LayerStates,
+        states: impl Iterator<Item = &'s mut State>,
+        l: usize,
+    ) -> Result<()> {
+        let (ssm, tails, decay) = (ls.ssm.to_f32()?, ls.tails.to_f32()?, ls.log_decay.to_f32()?);
+        let c = &self.config;
+        let (n_ssm, n_tail) = (c.nheads * c.headdim * c.d_state, c.conv_dim() * (c.d_conv - 1));
+        for (i, s) in states.enumerate() {
+            let layer = &mut s.layers[l];
+            layer.ssm.copy_from_slice(&ssm[i * n_ssm..(i + 1) * n_ssm]);
+            layer.conv.copy_from_slice(&tails[i * n_tail..(i + 1) * n_tail]);
+            layer.log_decay.copy_from_slice(&decay[i * c.nheads..(i + 1) * c.nheads]);
+        }
+        Ok(())
+    }
+
+    fn rmsnorm(&self, x: DevicePtr, w: DevicePtr, out: DevicePtr, rows: usize, out_matrix: bool) -> Result<()> {
+        let c = &self.config;
+        launch(
+            &*self.gpu,
+            "rmsnorm",
+            [rows as u32, 1, 1],
+            [BLOCK, 1, 1],
+            &RmsnormArgs {
+                x,
+                w,
+                out,
+                d: c.d_model as i32,
+                out_bf16: if out_matrix { self.dtype.flag() } else { 0 },
+                eps: c.norm_eps as f32,
+                pad: 0,
+            },
+        )
+    }
+
+    fn add_bias(&self, x: DevicePtr, b: Option<&DeviceBuf>, rows: usize, cols: usize) -> Result<()> {
+        let Some(b) = b else { return Ok(()) };
+        let args = AddBiasArgs { x, b: b.ptr(), cols: cols as i32, pad: 0 };
+        launch(&*self.gpu, "add_bias", [rows as u32, 1, 1], [BLOCK, 1, 1], &args)
+    }
+
+    /// One block, residual included: h += out_proj(mixer(rmsnorm(h))).
+    fn layer(&self, w: &Layer, ls: &LayerStates, pass: &Pass, batch: &Batch) -> Result<()> {
+        let c = &self.config;
+        let gpu = &*self.gpu;
+        let (rows, seqs) = (batch.rows, batch.seqs() as u32);
+        let (width, di, cd) = (c.d_in_proj(), c.d_inner(), c.conv_dim());
+        self.rmsnorm(pass.h.ptr(), w.norm.ptr(), pass.xn.ptr(), rows, true)?;
+        let gemm = |a, w: &DeviceBuf, out, n, k, accumulate| {
+            gpu.gemm(&Gemm { dtype: self.dtype, rows, n, k, a, w: w.ptr(), out, accumulate })
+        };
+        gemm(pass.xn.ptr(), &w.in_proj, pass.zx.ptr(), width, c.d_model, false)?;
+        self.add_bias(pass.zx.ptr(), w.in_proj_bias.as_ref(), rows, width)?;
+
+        let (starts, lens) = (pass.starts.ptr(), pass.lens.ptr());
+        let conv = ConvArgs {
+            zx: pass.zx.ptr(),
+            tails: ls.tails.ptr(),
+            w: w.conv_w.ptr(),
+            bias: w.conv_b.ptr(),
+            out: pass.xbc.ptr(),
+            starts,
+            lens,
+            width: width as i32,
+            offset: di as i32,
+            channels: cd as i32,
+            k: c.d_conv as i32,
+        };
+        launch(gpu, "conv_silu", [blocks(batch.max_len * cd), seqs, 1], [BLOCK, 1, 1], &conv)?;
+        let tail = ConvTailArgs {
+            zx: pass.zx.ptr(),
+            tails: ls.tails.ptr(),
+            starts,
+            lens,
+            width: width as i32,
+            offset: di as i32,
+            channels: cd as i32,
+            k: c.d_conv as i32,
+        };
+        launch(gpu, "conv_tail", [blocks(cd), seqs, 1], [BLOCK, 1, 1], &tail)?;
+        let (lo, hi) = c.time_step_limit;
+        let dt = DtArgs {
+            zx: pass.zx.ptr(),
+            dt_bias: w.dt_bias.ptr(),
+            a_neg: w.a_neg.ptr(),
+            dt: pass.dt.ptr(),
+            log_decay: ls.log_decay.ptr(),
+            starts,
+            lens,
+            width: width as i32,
+            offset: (di + cd) as i32,
+            heads: c.nheads as i32,
+            lo: lo as f32,
+            hi: hi as f32,
+            pad: 0,
+        };
+        launch(gpu, "dt_decay", [c.nheads.div_ceil(64) as u32, seqs, 1], [64, 1, 1], &dt)?;
+
+        let shape = ScanShape {
+            heads: c.nheads as i32,
+            headdim: c.headdim as i32,
+            d_state: c.d_state as i32,
+            groups: c.n_groups as i32,
+            conv_dim: cd as i32,
+            pad: 0,
+        };
+        let heads = c.nheads as u32;
+        match &pass.chunks {
+            None => {
+                let tpr = scan_threads_per_row(c.headdim, c.d_state);
+                let args = ScanArgs {
+                    xbc: pass.xbc.ptr(),
+                    dt: pass.dt.ptr(),
+                    a_neg: w.a_neg.ptr(),
+                    d: w.d.ptr(),
+                    ssm: ls.ssm.ptr(),
+                    y: pass.y.ptr(),
+                    starts,
+                    lens,
+                    shape,
+                    threads_per_row: tpr as i32,
+                    pad: 0,
+                };
+                launch(gpu, "scan_steps", [heads, seqs, 1], [(c.headdim * tpr) as u32, 1, 1], &args)?;
+            }
+            Some(chunks) => {
+                let args = ChunkArgs {
+                    xbc: pass.xbc.ptr(),
+                    dt: pass.dt.ptr(),
+                    a_neg: w.a_neg.ptr(),
+                    d: w.d.ptr(),
+                    ssm: ls.ssm.ptr(),
+                    chunks: chunks.ptr(),
+                    y: pass.y.ptr(),
+                    starts,
+                    lens,
+                    shape,
+                    chunk: CHUNK as i32,
+                    max_chunks: batch.max_chunks() as i32,
+                };
+                let grid = [batch.max_chunks() as u32, heads, seqs];
+                launch(gpu, "ssd_chunk_state", grid, [BLOCK, 1, 1], &args)?;
+                launch(gpu, "ssd_state_pass", [heads, seqs, 1], [BLOCK, 1, 1], &args)?;
+                launch(gpu, "ssd_chunk_scan", grid, [BLOCK, 1, 1], &args)?;
+            }
+        }
+
+        let group = di / c.n_groups;
+        let norm = GatedNormArgs {
+            y: pass.y.ptr(),
+            zx: pass.zx.ptr(),
+            w: w.gated_norm.ptr(),
+            out: pass.gated.ptr(),
+            width: width as i32,
+            d_inner: di as i32,
+            group: group as i32,
+            out_bf16: self.dtype.flag(),
+            eps: c.gated_norm_eps as f32,
+            pad: 0,
+        };
+        launch(gpu, "gated_rmsnorm", [rows as u32, c.n_groups as u32, 1], [BLOCK, 1, 1], &norm)?;
+        gemm(pass.gated.ptr(), &w.out_proj, pass.h.ptr(), c.d_model, di, true)?;
+        self.add_bias(pass.h.ptr(), w.out_proj_bias.as_ref(), rows, c.d_model)
+    }
+
+    /// Logits (rows × vocab) of final hidden rows.
+    pub fn logits(&self, hidden: &[f32]) -> Result<Vec<f32>> {
+        let logits = self.logits_on_device(hidden)?;
+        logits.to_f32()
+    }
+
+    /// `log p(targets[i] | hidden row i)`: only one float per row crosses back.
+    pub fn logprobs(&self, hidden: &[f32], targets: &[u32]) -> Result<Vec<f32>> {
+        let rows = targets.len();
+        let logits = self.logits_on_device(hidden)?;
+        let ids: Vec<i32> = targets.iter().map(|&t| t as i32).collect();
+        let targets = DeviceBuf::from_i32(&self.gpu, &ids)?;
+        let out = DeviceBuf::zeroed(&self.gpu, rows * 4)?;
+        let args = LogprobArgs {
+            logits: logits.ptr(),
+            targets: targets.ptr(),
+            out: out.ptr(),
+            vocab: self.config.vocab_size as i32,
+            pad: 0,
+        };
+        launch(&*self.gpu, "logprob_at", [rows.max(1) as u32, 1, 1], [BLOCK, 1, 1], &args)?;
+        out.read_f32(0, rows)
+    }
+
+    fn logits_on_device(&self, hidden: &[f32]) -> Result<DeviceBuf> {
+        let c = &self.config;
+        let rows = hidden.len() / c.d_model;
+        let h = DeviceBuf::from_f32(&self.gpu, hidden)?;
+        let a = DeviceBuf::zeroed(&self.gpu, hidden.len() * self.dtype.size())?;
+        let convert =
+            ConvertArgs { x: h.ptr(), out: a.ptr(), n: hidden.len() as i64, out_bf16: self.dtype.flag(), pad: 0 };
+        launch(&*self.gpu, "convert", [blocks(hidden.len()), 1, 1], [BLOCK, 1, 1], &convert)?;
+        let logits = DeviceBuf::zeroed(&self.gpu, rows * c.vocab_size * 4)?;
+        let head = self.lm_head.as_ref().unwrap_or(&self.embedding);
+        self.gpu.gemm(&Gemm {
+            dtype: self.dtype,
+            rows,
+            n: c.vocab_size,
+            k: c.d_model,
+            a: a.ptr(),
+            w: head.ptr(),
+            out: logits.ptr(),
+            accumulate: false,
+        })?;
+        Ok(logits)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The GPU engine's host code and kernels against the CPU engine: on the CPU emulator here
+    //! and in CI, on a GPU with `PICASO_TEST_GPU=cuda`.
+    use super::*;
+    use crate::cpu::WeightDtype;
+    use crate::gpu::emulator::Emulator;
+    use crate::mamba2::CpuMamba2;
+    use crate::state::StateShape;
+
+    /// The device under test: the CPU emulator, or with `PICASO_TEST_GPU=cuda` (a `cuda` build
+    /// on a GPU machine, as `scripts/gpu_bench.sh` runs these tests) GPU 0.
+    fn test_gpu() -> Arc<dyn Gpu> {
+        match std::env::var("PICASO_TEST_GPU").as_deref() {
+            #[cfg(feature = "cuda")]
+            Ok("cuda") => Arc::new(crate::gpu::cuda::CudaGpu::new(0).expect("GPU 0 opens")),
+            Ok(other) if other != "emulator" => {
+                panic!("PICASO_TEST_GPU={other}: use emulator, or cuda in a build with --features cuda")
+            }
+            _ => Arc::new(Emulator::new().expect("the GPU emulator builds (needs a C++ compiler)")),
+        }
+    }
+
+    /// Two configurations: the tiny one (2 groups, conv bias) and one with projection biases,
+    /// wider heads and a clamped dt.
+    fn configs() -> Vec<Mamba2Config> {
+        let wide = Mamba2Config {
+            d_model: 48,
+            headdim: 16,
+            nheads: 6,
+            d_state: 16,
+            n_groups: 1,
+            use_bias: true,
+            time_step_limit: (0.01, 0.5),
+            ..Mamba2Config::tiny(2, 4)
+        };
+        vec![Mamba2Config::tiny(2, 4), wide]
+    }
+
+    fn tokens(n: usize, vocab: usize, seed: u32) -> Vec<u32> {
+        (0..n as u32).map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed * 97) >> 7) % vocab as u32).collect()
+    }
+
+    /// Largest |a − b| / max(1, |b|).
+    fn rel_diff(a: &[f32], b: &[f32]) -> f32 {
+        assert_eq!(a.len(), b.len());
+        a.iter().zip(b).map(|(x, y)| (x - y).abs() / y.abs().max(1.0)).fold(0.0, f32::max)
+    }
+
+    fn assert_states_close(gpu: &State, cpu: &State, tol: f32, at: &str) {
+        assert_eq!((gpu.position, gpu.n_tokens), (cpu.position, cpu.n_tokens), "{at}: positions");
+        for (l, (g, c)) in gpu.layers.iter().zip(&cpu.layers).enumerate() {
+            for (name, a, b) in
+                [("ssm", &g.ssm, &c.ssm), ("conv", &g.conv, &c.conv), ("log_decay", &g.log_decay, &c.log_decay)]
+            {
+                let d = rel_diff(a, b);
+                assert!(d <= tol, "{at}: layer {l} {name} differs by {d:e} (tolerance {tol:e})");
+            }
+        }
+    }
+
+    /// Every kernel exists in the compiled library and takes the argument struct laid out as
+    /// the C++ compiler lays out its C twin.
+    #[test]
+    fn every_argument_struct_has_the_c_compilers_layout() {
+        use crate::gpu::kernels::{ARG_SIZES, KERNELS};
+        let of = |name: &str| ARG_SIZES.iter().find(|(n, _)| *n == name).expect("a struct of kernels.rs").1;
+        for &kernel in KERNELS {
+            let args = match kernel {
+                "embed" => "EmbedArgs",
+                "rmsnorm" => "RmsnormArgs",
+                "convert" => "ConvertArgs",
+                "add_bias" => "AddBiasArgs",
+                "logprob_at" => "LogprobArgs",
+                "conv_silu" => "ConvArgs",
+                "conv_tail" => "ConvTailArgs",
+                "dt_decay" => "DtArgs",
+                "scan_steps" => "ScanArgs",
+                "ssd_chunk_state" | "ssd_state_pass" | "ssd_chunk_scan" => "ChunkArgs",
+                "gated_rmsnorm" => "GatedNormArgs",
+                other => panic!("kernel {other} has no argument struct in this test"),
+            };
+            assert_eq!(crate::gpu::emulator::c_args_size(kernel).unwrap(), of(args), "{kernel}({args})");
+        }
+    }
+
+    /// Prompts of several chunks (a partial last one) and decode steps, from the zero state
+    /// and from a state carried over, match the CPU engine in f32: hidden rows, states,
+    /// logits and log-probs.
+    #[test]
+    fn the_gpu_engine_matches_the_cpu_engine_in_f32() {
+        for c in configs() {
+            let w = Mamba2Weights::random(&c, 5);
+            let gpu = GpuMamba2::new(&c, &w, test_gpu(), MatrixDtype::F32).unwrap();
+            let cpu = CpuMamba2::new(c.clone(), w, WeightDtype::F32);
+            let zero = State::zeros(StateShape::of(&c), "test");
+            let (mut sg, mut sc) = (zero.clone(), zero.clone());
+            // 150 tokens: chunks of 64, 64, 22; then 5 tokens (the step scan); then single steps.
+            for (i, n) in [150usize, 5, 1, 1, 70].into_iter().enumerate() {
+                let t = tokens(n, c.vocab_size, i as u32);
+                let hg = gpu.forward_batch(&t, &[n], &mut [&mut sg]).unwrap();
+                let hc = cpu.forward(&t, &mut sc);
+                let at = format!("d_model {} step {i} ({n} tokens)", c.d_model);
+                let d = rel_diff(&hg, &hc);
+                assert!(d < 2e-5, "{at}: hidden rows differ by {d:e}");
+                assert_states_close(&sg, &sc, 2e-5, &at);
+                let targets = tokens(n, c.vocab_size, 99);
+                let (lg, lc) = (gpu.logprobs(&hc, &targets).unwrap(), cpu.logprobs(&hc, &targets));
+                assert!(rel_diff(&lg, &lc) < 1e-5, "{at}: log-probs differ by {:e}", rel_diff(&lg, &lc));
+                let (xg, xc) = (gpu.logits(&hc).unwrap(), cpu.logits(&hc, crate::cpu::Rows::of(&[n])));
+                assert!(rel_diff(&xg, &xc) < 1e-5, "{at}: logits differ");
+            }
+        }
+    }
+
+    /// A batch mixing decode steps and prompts gives each sequence what it gets alone.
+    #[test]
+    fn a_mixed_batch_gives_each_sequence_its_lone_result() {
+        let c = &configs()[1];
+        let gpu = GpuMamba2::new(c, &Mamba2Weights::random(c, 8), test_gpu(), MatrixDtype::F32).unwrap();
+        let zero = State::zeros(StateShape::of(c), "test");
+        let mut warm = zero.clone();
+        gpu.forward_batch(&tokens(9, c.vocab_size, 3), &[9], &mut [&mut warm]).unwrap();
+        let lens = [1usize, 70, 3, 1];
+        let starts = [warm.clone(), zero.clone(), warm.clone(), zero.clone()];
+        let all: Vec<u32> =
+            lens.iter().enumerate().flat_map(|(i, &n)| tokens(n, c.vocab_size, 10 + i as u32)).collect();
+        let mut batched = starts.clone();
+        let mut refs: Vec<&mut State> = batched.iter_mut().collect();
+        let hidden = gpu.forward_batch(&all, &lens, &mut refs).unwrap();
+        let (mut at, d) = (0, c.d_model);
+        for (i, &n) in lens.iter().enumerate() {
+            let mut alone = starts[i].clone();
+            let h = gpu.forward_batch(&all[at..at + n], &[n], &mut [&mut alone]).unwrap();
+            let diff = rel_diff(&hidden[at * d..(at + n) * d], &h);
+            assert!(diff < 1e-6, "sequence {i}: {diff:e}");
+            assert_states_close(&batched[i], &alone, 1e-6, &format!("sequence {i}"));
+            at += n;
+        }
+    }
+
+    /// bf16 matrices: the products read bf16 weights and activations and accumulate in f32, as
+    /// the CPU engine's bf16 path does, so the two agree far more closely than either with f32.
+    #[test]
+    fn bf16_matrices_match_the_cpu_engines_bf16_path() {
+        let c = &configs()[0];
+        let w = Mamba2Weights::random(c, 21);
+        let gpu = GpuMamba2::new(c, &w, test_gpu(), MatrixDtype::Bf16).unwrap();
+        let cpu16 = CpuMamba2::new(c.clone(), w.clone(), WeightDtype::Bf16);
+        let cpu32 = CpuMamba2::new(c.clone(), w, WeightDtype::F32);
+        let zero = State::zeros(StateShape::of(c), "test");
+        let t = tokens(100, c.vocab_size, 4);
+        let run = |f: &dyn Fn(&mut State) -> Vec<f32>| {
+            let mut s = zero.clone();
+            f(&mut s)
+        };
+        let hg = run(&|s| gpu.forward_batch(&t[..99], &[99], &mut [s]).unwrap());
+        let h16 = run(&|s| cpu16.forward(&t[..99], s));
+        let h32 = run(&|s| cpu32.forward(&t[..99], s));
+        let lg = gpu.logprobs(&hg, &t[1..]).unwrap();
+        let (l16, l32) = (cpu16.logprobs(&h16, &t[1..]), cpu32.logprobs(&h32, &t[1..]));
+        let worst = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+        let (to16, to32, cpu_gap) = (worst(&lg, &l16), worst(&lg, &l32), worst(&l16, &l32));
+        eprintln!("bf16 log-probs: gpu vs cpu bf16 {to16:e}, gpu vs f32 {to32:e}, cpu bf16 vs f32 {cpu_gap:e}");
+        assert!(to16 < 1e-3, "the GPU's bf16 path is {to16} nats from the CPU's");
+        assert!(cpu_gap > 10.0 * to16, "bf16 should move log-probs by more than the engines differ");
+    }
+
+    /// Decode steps with the states kept on the device give the CPU engine's logits, greedy
+    /// tokens and final states; the model-level session and `step` agree.
+    #[test]
+    fn a_session_keeps_states_on_the_device_and_matches_the_cpu_engine() {
+        use crate::model::{Backend, Model};
+        let c = configs()[0].clone();
+        let w = Mamba2Weights::random(&c, 13);
+        let on =
+            |backend: &Backend| Model::from_weights_on(c.clone(), w.clone(), None, backend, WeightDtype::F32).unwrap();
+        let (gpu, cpu) = (on(&Backend::Gpu(test_gpu())), on(&Backend::Cpu));
+        let prompt = tokens(40, c.vocab_size, 2);
+        let mut states = Vec::new();
+        for m in [&gpu, &cpu] {
+            let (mut logits, s) = m.prefill_last_logits(&prompt, &m.zero_state()).unwrap();
+            let mut session = m.session(vec![s.clone(), s]).unwrap();
+            let mut greedy = Vec::new();
+            for i in 0..12 {
+                let next = [crate::generate::argmax(&logits) as u32, (i * 7) as u32 % c.vocab_size as u32];
+                greedy.push(next[0]);
+                let both = session.step(&next).unwrap();
+                logits = both[..c.vocab_size].to_vec();
+            }
+            states.push((greedy, logits, session.states().unwrap()));
+        }
+        let ((g_tokens, g_logits, g_states), (c_tokens, c_logits, c_states)) = (&states[0], &states[1]);
+        assert_eq!(g_tokens, c_tokens, "greedy tokens");
+        assert!(rel_diff(g_logits, c_logits) < 1e-5, "last logits differ by {:e}", rel_diff(g_logits, c_logits));
+        for (i, (g, c)) in g_states.iter().zip(c_states).enumerate() {
+            assert_states_close(g, c, 2e-5, &format!("sequence {i} after the session"));
+        }
+    }
+
+    #[test]
+    fn the_engine_refuses_shapes_its_kernels_cannot_run() {
+        let c = Mamba2Config { d_conv: 20, ..Mamba2Config::tiny(1, 4) };
+        let err = GpuMamba2::new(&c, &Mamba2Weights::random(&c, 1), test_gpu(), MatrixDtype::F32).unwrap_err();
+        assert!(err.to_string().contains("d_conv"), "{err}");
+    }
+}
