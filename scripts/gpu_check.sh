@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The candle engine on a CUDA GPU, in one call of a lent machine: the HF-reference tests run on the
+# candle's engine on a CUDA GPU (the GPU engine of issue 79 has its own script, gpu_bench.sh), in one call of a lent machine: the HF-reference tests run on the
 # GPU, the CLI on the bundled model against the CPU engine (score, state, compose, continue,
 # generate, the multi-token Markov property), and `picaso bench` on the GPU.
 #
@@ -8,16 +8,18 @@
 # -cuda-nvrtc ==13.0.*, nvidia-cublas, nvidia-curand; unzip into one folder, CUDA = its
 # nvidia/cu13), `lib*.so` links beside the wheels' `.so.N`, and a stub `lib/stubs/libcuda.so`
 # (soname libcuda.so.1) defining the driver functions cudarc names, for the link only:
-#   CUDA_ROOT=CUDA PATH=CUDA/bin:$PATH CUDA_COMPUTE_CAP=90 cargo build --release -p picaso --features cuda
-#   ... cargo test --release -p picaso-model --features cuda --test reference --test mamba1 --no-run
+#   CUDA_ROOT=CUDA PATH=CUDA/bin:$PATH CUDA_COMPUTE_CAP=90 cargo build --release -p picaso --features candle-cuda
+#   ... cargo test --release -p picaso-model --features candle-cuda --test reference --test mamba1 --no-run
 # then picaso and the two test binaries, stripped, into .gpu-bin/bins.tar.xz; there, carrying .gpu-bin:
 #   OUT=$OUT scripts/gpu_check.sh
-# DEVICE (default cuda) names the engine under test; DEVICE=candle-cpu BIN=target/release runs
+# TESTS (default "reference mamba1": the test binaries to run) and BENCH (default 1; 0 skips
+# `picaso bench`) let gpu_bench.sh reuse the CLI checks for the GPU engine (DEVICE=cuda).
+# DEVICE (default candle-cuda) names the engine under test; DEVICE=candle-cpu BIN=target/release runs
 # the same checks on the CPU, to try the script without a GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:?give OUT, the folder whose files come back}
-DEVICE=${DEVICE:-cuda}
+DEVICE=${DEVICE:-candle-cuda}
 BIN=${BIN:-.gpu-bin}
 W=${WORK:-/tmp/gpu-check}
 mkdir -p "$W" "$OUT"
@@ -25,7 +27,7 @@ exec > >(tee "$OUT/log") 2>&1
 
 # The libraries cudarc links (cuBLAS, cuRAND, NVRTC) come from the nvidia wheels beside torch;
 # the driver from the system.
-if [[ $DEVICE == cuda* ]]; then
+if [[ $DEVICE == *cuda* ]]; then
   nvidia-smi -L
   libs=$(python3 -c 'import glob, os, nvidia; print(":".join(sorted({os.path.dirname(p) for d in nvidia.__path__ for p in glob.glob(d + "/**/lib*.so*", recursive=True)})))')
   export LD_LIBRARY_PATH="$libs:${LD_LIBRARY_PATH:-}"
@@ -38,7 +40,7 @@ built=$(grep -a -o -m1 '/[[:alnum:]/_.-]*/crates/model' "$BIN/reference" | head 
 if [[ -n $built && ! -e $built ]]; then mkdir -p "$(dirname "${built%/crates/model}")" && ln -sfn "$PWD" "${built%/crates/model}"; fi
 
 echo "== reference tests on $DEVICE"
-for t in reference mamba1; do
+for t in ${TESTS-reference mamba1}; do
   PICASO_TEST_CANDLE_DEVICE=$DEVICE "$BIN/$t" candle --test-threads 1 2>&1
 done
 
@@ -92,6 +94,7 @@ print(json.dumps(r, indent=1))
 json.dump(r, open(out, "w"), indent=1)
 PY
 
+[[ ${BENCH:-1} == 0 ]] && exit 0
 echo "== bench on $DEVICE"
 for args in "--random 130m --prompt-tokens 512" "--random 130m --prompt-tokens 4096 --repeats 2" \
             "--random mamba1-130m --prompt-tokens 512" "--model models/picaso-mamba2 --prompt-tokens 512"; do

@@ -62,6 +62,10 @@ pub(crate) struct BenchContextArgs {
     /// Storage of the large weight matrices: f32 or bf16.
     #[arg(long, default_value = "f32")]
     weights: picaso_model::WeightDtype,
+    /// Engine: cpu or `cuda[:N]` (the GPU engine; `cuda` feature). The composition itself runs
+    /// on the host (picaso-compose) on either.
+    #[arg(long, default_value = "cpu")]
+    device: String,
     /// Store folder for the benchmark's contexts (default: a temporary folder).
     #[arg(long)]
     db: Option<PathBuf>,
@@ -175,7 +179,7 @@ pub(crate) fn bench_context(a: BenchContextArgs) -> Result<()> {
     if a.max_k == 0 || a.context_tokens == 0 {
         bail!("--max-k and --context-tokens must be at least 1");
     }
-    let model = bench_model(a.model.as_deref(), &a.random, 0, a.weights, "cpu")?;
+    let model = bench_model(a.model.as_deref(), &a.random, 0, a.weights, &a.device)?;
     let tmp;
     let dir = match &a.db {
         Some(d) => d.clone(),

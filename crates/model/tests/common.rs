@@ -13,9 +13,10 @@ pub const CASES: [&str; 3] = ["g1", "g2", "g2-untied-bias"];
 /// The fixture cases written by scripts/make_mamba1_fixtures.py.
 pub const MAMBA1_CASES: [&str; 4] = ["a", "b", "c", "d"];
 
-/// The candle engine the candle tests hold to the reference: `candle-cpu` unless
-/// `PICASO_TEST_CANDLE_DEVICE` names another (`cuda`, `cuda:1`, `metal`), so the same tests check
-/// a GPU build on its GPU (`PICASO_TEST_CANDLE_DEVICE=cuda cargo test -p picaso-model --features cuda`).
+/// The device engine the `candle` tests hold to the reference: `candle-cpu` unless
+/// `PICASO_TEST_CANDLE_DEVICE` names another — `candle-cuda[:N]` or `metal` (candle on a GPU), or
+/// `cuda[:N]` (the GPU engine, Mamba-2 cases) — so the same tests check a GPU build on its GPU
+/// (`PICASO_TEST_CANDLE_DEVICE=cuda cargo test -p picaso-model --features cuda --test reference`).
 pub fn candle_backend() -> picaso_model::Backend {
     let device = std::env::var("PICASO_TEST_CANDLE_DEVICE").unwrap_or_else(|_| "candle-cpu".into());
     eprintln!("candle engine under test: {device}");

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The GPU engine (issue 79) on a lent GPU in one call, building nothing there: correctness
+# against the CPU engine and the HF fixtures, then picaso beside mamba_ssm 2.3, interleaved
+# (scripts/bench_gpu_peers.py). Results land in $OUT: gpu-bench.json (commit it under
+# results/gpu/), check/check.json, the test logs and `log`.
+#
+#   scripts/gpu_bench_prepare.sh                  # here: builds .gpu-bench (no GPU or CUDA needed)
+#   OUT=$OUT scripts/gpu_bench.sh                 # there, carrying .gpu-bench
+#
+# QUICK=1 measures the 130m shapes only (one round), for a call with little time left.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:?give OUT, the folder whose files come back}
+G=${G:-.gpu-bench}
+W=${WORK:-/tmp/gpu-bench}
+mkdir -p "$W/bin" "$OUT"
+exec > >(tee "$OUT/log") 2>&1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+# NVRTC and cuBLAS from the nvidia wheels beside torch; the driver from the system.
+libs=$(python3 -c 'import glob, os, nvidia; print(":".join(sorted({os.path.dirname(p) for d in nvidia.__path__ for p in glob.glob(d + "/**/lib*.so*", recursive=True)})))')
+export LD_LIBRARY_PATH="$libs:${LD_LIBRARY_PATH:-}"
+tar xJf "$G/bins.tar.xz" -C "$W/bin"
+echo "revision $(cat "$G/revision" 2>/dev/null)"
+
+echo "== the engine's tests on the GPU, against the CPU engine"
+PICASO_TEST_GPU=cuda timeout 300 "$W/bin/model-lib" mamba2::gpu::tests --skip every_argument_struct --test-threads 1 2>&1 | tee "$OUT/engine-tests.txt"
+echo "== the HF reference tests on the GPU engine, and the bundled model through the CLI"
+DEVICE=cuda BIN=$W/bin TESTS=reference BENCH=0 OUT=$OUT/check timeout 300 scripts/gpu_check.sh > /dev/null 2>&1
+tail -30 "$OUT/check/log"
+
+echo "== picaso beside mamba_ssm"
+if [[ ${QUICK:-0} == 1 ]]; then set -- --shapes 130m --rounds 1; else set -- --rounds 3; fi
+PICASO_REVISION=$(cat "$G/revision" 2>/dev/null) python3 scripts/bench_gpu_peers.py --picaso "$W/bin/picaso" \
+  --mamba-ssm "$G/mamba_ssm-2.3.0.tar.gz" --out "$OUT/gpu-bench.json" --work "$W/peer" "$@"
