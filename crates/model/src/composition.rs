@@ -42,13 +42,14 @@ pub fn compose_views(method: Composition, states: &[StateView<'_>], order: Optio
     Ok(out)
 }
 
-/// [`compose_into`] over borrowed tensors.
-pub fn compose_views_into(
-    method: Composition,
-    states: &[StateView<'_>],
+/// Checks `states` and writes into `out` everything of their composition but the SSM states:
+/// fingerprint, token count, position, the keys and values. Returns the states in composition
+/// order and the SSM values per log-decay element (1 for Mamba-1's decay per value).
+fn prepare<'a, 's>(
+    states: &'a [StateView<'s>],
     order: Option<&[usize]>,
     out: &mut State,
-) -> Result<()> {
+) -> Result<(Vec<&'a StateView<'s>>, usize)> {
     let first = states.first().ok_or(picaso_compose::Error::Empty)?;
     if &out.shape != first.shape || out.layers.len() != first.layers.len() {
         return Err(Error::state(format!("output has shape {:?}, the states {:?}", out.shape, first.shape)));
@@ -71,9 +72,6 @@ pub fn compose_views_into(
             o.iter().map(|&i| &states[i]).collect()
         }
         None => states.iter().collect(),
-    };
-    let bad_decay = |i: usize, l: usize, v: f64| {
-        Error::state(format!("state {i}: layers.{l}.log_decay holds {v:?}; log-decays must be finite and <= 0"))
     };
     first.shape.check()?;
     let block = first.shape.ssm_len() / first.shape.log_decay_len();
@@ -101,6 +99,57 @@ pub fn compose_views_into(
             values: ordered.iter().flat_map(|s| s.attention[a].values.iter().copied()).collect(),
         })
         .collect();
+    Ok((ordered, block))
+}
+
+fn bad_decay(i: usize, l: usize, v: f64) -> Error {
+    Error::state(format!("state {i}: layers.{l}.log_decay holds {v:?}; log-decays must be finite and <= 0"))
+}
+
+/// Everything of a composition but the weighted sum of the SSM states, for engines that do that
+/// sum themselves (the GPU engine, on the device): the composed state with its SSM values
+/// zero, each layer's weights (`w[e · n + i]`: log-decay element e, part i, in `order`), and the
+/// parts in composition order. States with a log-decay per head only (Mamba-2, hybrids).
+pub fn compose_all_but_ssm<'a>(
+    method: Composition,
+    states: &[&'a State],
+    order: Option<&[usize]>,
+) -> Result<(State, Vec<Vec<f32>>, Vec<&'a State>)> {
+    let first = *states.first().ok_or(picaso_compose::Error::Empty)?;
+    let mut out = State::zeros(first.shape.clone(), first.fingerprint.clone());
+    let views: Vec<StateView<'_>> = states.iter().map(|s| s.view()).collect();
+    let (ordered, block) = prepare(&views, order, &mut out)?;
+    if block == 1 {
+        return Err(Error::Input(
+            "composition outside the host runs on states with a log-decay per head (Mamba-2)".into(),
+        ));
+    }
+    let index: Vec<usize> = match order {
+        Some(o) => o.to_vec(),
+        None => (0..states.len()).collect(),
+    };
+    let mut weights = Vec::with_capacity(out.layers.len());
+    for (l, dst) in out.layers.iter_mut().enumerate() {
+        let parts: Vec<_> = ordered.iter().map(|s| s.layers[l]).collect();
+        let conv: Vec<&[f32]> = parts.iter().map(|p| p.conv).collect();
+        mean(&conv, &mut dst.conv)?;
+        let decays: Vec<&[f32]> = parts.iter().map(|p| p.log_decay).collect();
+        weights.push(weights_per_element(method, &decays)?);
+        for (e, v) in dst.log_decay.iter_mut().enumerate() {
+            *v = (parts.iter().map(|p| p.log_decay[e] as f64).sum::<f64>() as f32).max(f32::MIN);
+        }
+    }
+    Ok((out, weights, index.into_iter().map(|i| states[i]).collect()))
+}
+
+/// [`compose_into`] over borrowed tensors.
+pub fn compose_views_into(
+    method: Composition,
+    states: &[StateView<'_>],
+    order: Option<&[usize]>,
+    out: &mut State,
+) -> Result<()> {
+    let (ordered, block) = prepare(states, order, out)?;
     // Layers in parallel (and blocks within a layer): one pass over the inputs, no barriers.
     let results: Vec<Result<()>> = out
         .layers

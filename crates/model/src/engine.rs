@@ -109,6 +109,16 @@ pub(crate) trait Engine: Send + Sync + std::fmt::Debug {
     fn resident<'e>(&'e self, states: Vec<State>) -> Result<Box<dyn Resident + 'e>> {
         Ok(Box::new(HostStates { engine: self, states }))
     }
+    /// The composition of `states` ([`crate::compose`]), held as [`Engine::resident`] holds a
+    /// state: the GPU engine computes it on the device, where generation then starts from it.
+    fn resident_composed<'e>(
+        &'e self,
+        method: picaso_compose::Composition,
+        states: &[&State],
+        order: Option<&[usize]>,
+    ) -> Result<Box<dyn Resident + 'e>> {
+        self.resident(vec![crate::composition::compose(method, states, order)?])
+    }
 }
 
 /// States held by an engine across forward passes ([`Engine::resident`]).
@@ -301,6 +311,14 @@ impl Engine for GpuMamba2 {
     }
     fn resident<'e>(&'e self, states: Vec<State>) -> Result<Box<dyn Resident + 'e>> {
         Ok(Box::new(GpuMamba2::resident(self, states)?))
+    }
+    fn resident_composed<'e>(
+        &'e self,
+        method: picaso_compose::Composition,
+        states: &[&State],
+        order: Option<&[usize]>,
+    ) -> Result<Box<dyn Resident + 'e>> {
+        Ok(Box::new(GpuMamba2::compose_resident(self, method, states, order)?))
     }
     fn logits(&self, hidden: &[f32], _: Rows) -> Result<Vec<f32>> {
         GpuMamba2::logits(self, hidden)

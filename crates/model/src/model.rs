@@ -276,6 +276,20 @@ impl Model {
         Ok(Session { model: self, resident: self.engine.resident(states)?, n })
     }
 
+    /// A session of one sequence that starts from the composition of `states` ([`crate::compose`]):
+    /// on a GPU the composition runs there and generation starts from it without a copy back.
+    pub fn session_composed(
+        &self,
+        method: picaso_compose::Composition,
+        states: &[&State],
+        order: Option<&[usize]>,
+    ) -> Result<Session<'_>> {
+        for s in states {
+            self.check_state(s)?;
+        }
+        Ok(Session { model: self, resident: self.engine.resident_composed(method, states, order)?, n: 1 })
+    }
+
     /// One decode step of several sequences at once: `tokens[i]` continues `states[i]`
     /// (advanced in place). Returns the next-token logits of each (B × vocab), each to the bit
     /// what [`Model::step`] gives that sequence alone, for one pass over the weights. The

@@ -480,3 +480,25 @@ KERNEL(gated_rmsnorm, GatedNormArgs) {
         store(a.out, row * a.d_inner + g0 + i, v * scale * a.w[g0 + i], a.out_bf16);
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// Composition: the weighted sum every composition method reduces to for the SSM states.
+
+struct WeightedSumArgs {
+    const float* inputs;   // (count, n): the parts, one after another
+    const float* weights;  // (n / block, count): each block's weight of each part
+    float* out;            // (n)
+    long n;
+    int count;
+    int block;
+};
+
+// out[e·block + j] = Σ_i w[e·count + i] · inputs[i][e·block + j]. grid (ceil(n / 256)), block 256.
+KERNEL(weighted_sum, WeightedSumArgs) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= a.n) return;
+    const float* w = a.weights + (i / a.block) * a.count;
+    float acc = 0.0f;
+    for (int j = 0; j < a.count; ++j) acc += w[j] * a.inputs[(long)j * a.n + i];
+    a.out[i] = acc;
+}

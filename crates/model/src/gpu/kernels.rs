@@ -21,6 +21,7 @@ pub(crate) const KERNELS: &[&str] = &[
     "ssd_state_pass",
     "ssd_chunk_scan",
     "gated_rmsnorm",
+    "weighted_sum",
 ];
 
 /// An argument struct that can cross to a kernel as raw bytes.
@@ -98,6 +99,8 @@ kernel_args! {
         starts: DevicePtr, lens: DevicePtr,
         shape: ScanShape, chunk: i32, max_chunks: i32,
     }
+    /// `weighted_sum`.
+    pub struct WeightedSumArgs { inputs: DevicePtr, weights: DevicePtr, out: DevicePtr, n: i64, count: i32, block: i32, }
     /// `gated_rmsnorm`.
     pub struct GatedNormArgs {
         y: DevicePtr, zx: DevicePtr, w: DevicePtr, out: DevicePtr,

@@ -14,7 +14,7 @@ use crate::cpu::layers::by_kind;
 use crate::error::{Error, Result};
 use crate::gpu::kernels::{
     launch, AddBiasArgs, ChunkArgs, ConvArgs, ConvTailArgs, ConvertArgs, DtArgs, EmbedArgs, GatedNormArgs, LogprobArgs,
-    RmsnormArgs, ScanArgs, ScanShape,
+    RmsnormArgs, ScanArgs, ScanShape, WeightedSumArgs,
 };
 use crate::gpu::plan::{blocks, scan_threads_per_row, Batch, BLOCK, CHUNK};
 use crate::gpu::{DeviceBuf, DevicePtr, Gemm, Gpu, MatrixDtype};
@@ -206,6 +206,42 @@ impl GpuMamba2 {
         let refs: Vec<&State> = states.iter().collect();
         let layers = (0..self.layers.len()).map(|l| self.upload_states(&refs, l)).collect::<Result<Vec<_>>>()?;
         Ok(GpuStates { engine: self, layers, host: states })
+    }
+
+    /// Composes `states` on the device ([`crate::compose`]'s arithmetic: the weights and the
+    /// small parts on the host, the weighted sum of the SSM states — nearly all the bytes — by
+    /// the `weighted_sum` kernel) and keeps the result there for generation.
+    pub(crate) fn compose_resident(
+        &self,
+        method: picaso_compose::Composition,
+        states: &[&State],
+        order: Option<&[usize]>,
+    ) -> Result<GpuStates<'_>> {
+        let (composed, weights, parts) = crate::composition::compose_all_but_ssm(method, states, order)?;
+        let c = &self.config;
+        let (len, block) = (c.nheads * c.headdim * c.d_state, c.headdim * c.d_state);
+        let resident = self.resident(vec![composed])?;
+        for (l, (w, out)) in weights.iter().zip(&resident.layers).enumerate() {
+            let inputs = DeviceBuf::zeroed(&self.gpu, parts.len() * len * 4)?;
+            for (i, part) in parts.iter().enumerate() {
+                let ssm = &part.layers[l].ssm;
+                if let Some(v) = ssm.iter().find(|v| !v.is_finite()) {
+                    return Err(Error::state(format!("a part of the composition holds {v} in layers.{l}.ssm")));
+                }
+                inputs.write_f32(i * len, ssm)?;
+            }
+            let w = DeviceBuf::from_f32(&self.gpu, w)?;
+            let args = WeightedSumArgs {
+                inputs: inputs.ptr(),
+                weights: w.ptr(),
+                out: out.ssm.ptr(),
+                n: len as i64,
+                count: parts.len() as i32,
+                block: block as i32,
+            };
+            launch(&*self.gpu, "weighted_sum", [blocks(len), 1, 1], [BLOCK, 1, 1], &args)?;
+        }
+        Ok(resident)
     }
 
     /// The kernels of one forward pass over `batch`, from and into the device states `states`
@@ -567,6 +603,7 @@ mod tests {
                 "scan_steps" => "ScanArgs",
                 "ssd_chunk_state" | "ssd_state_pass" | "ssd_chunk_scan" => "ChunkArgs",
                 "gated_rmsnorm" => "GatedNormArgs",
+                "weighted_sum" => "WeightedSumArgs",
                 other => panic!("kernel {other} has no argument struct in this test"),
             };
             assert_eq!(crate::gpu::emulator::c_args_size(kernel).unwrap(), of(args), "{kernel}({args})");
@@ -685,6 +722,41 @@ mod tests {
         for (i, (g, c)) in g_states.iter().zip(c_states).enumerate() {
             assert_states_close(g, c, 2e-5, &format!("sequence {i} after the session"));
         }
+    }
+
+    /// Every composition method computed on the device equals the host's, and generation
+    /// continues from it as from the host's composed state.
+    #[test]
+    fn composition_on_the_device_equals_the_hosts() {
+        use crate::model::{Backend, Model};
+        use picaso_compose::Composition;
+        let c = configs()[1].clone();
+        let w = Mamba2Weights::random(&c, 17);
+        let gpu =
+            Model::from_weights_on(c.clone(), w.clone(), None, &Backend::Gpu(test_gpu()), WeightDtype::F32).unwrap();
+        let cpu = Model::from_weights_on(c.clone(), w, None, &Backend::Cpu, WeightDtype::F32).unwrap();
+        let parts: Vec<State> = (0..4)
+            .map(|i| cpu.prefill(&tokens(20 + 9 * i, c.vocab_size, i as u32), &cpu.zero_state()).unwrap())
+            .collect();
+        let refs: Vec<&State> = parts.iter().collect();
+        let order = [2usize, 0, 3, 1];
+        for method in Composition::ALL {
+            let host = crate::composition::compose(method, &refs, Some(&order)).unwrap();
+            let mut on_device = gpu.session_composed(method, &refs, Some(&order)).unwrap();
+            let composed = on_device.states().unwrap().pop().unwrap();
+            assert_states_close(&composed, &host, 1e-6, method.name());
+            let mut from_host = cpu.session(vec![host]).unwrap();
+            let next = [5u32];
+            let (a, b) = (on_device.step(&next).unwrap(), from_host.step(&next).unwrap());
+            assert!(
+                rel_diff(&a, &b) < 1e-5,
+                "{}: logits after the composed state differ by {:e}",
+                method.name(),
+                rel_diff(&a, &b)
+            );
+        }
+        let bad = State { fingerprint: "another model".into(), ..parts[0].clone() };
+        assert!(gpu.session_composed(Composition::Soup, &[&parts[1], &bad], None).is_err());
     }
 
     #[test]
