@@ -106,15 +106,26 @@ fn bad_decay(i: usize, l: usize, v: f64) -> Error {
     Error::state(format!("state {i}: layers.{l}.log_decay holds {v:?}; log-decays must be finite and <= 0"))
 }
 
+/// A composition with everything done but the weighted sum of the SSM states
+/// ([`compose_all_but_ssm`]).
+#[derive(Debug)]
+pub struct SsmSumLeft<'a> {
+    /// The composed state, its SSM values zero.
+    pub composed: State,
+    /// Per layer, the weights `w[e · n + i]` of log-decay element e (a head) and part i.
+    pub weights: Vec<Vec<f32>>,
+    /// The parts in composition order.
+    pub parts: Vec<&'a State>,
+}
+
 /// Everything of a composition but the weighted sum of the SSM states, for engines that do that
-/// sum themselves (the GPU engine, on the device): the composed state with its SSM values
-/// zero, each layer's weights (`w[e · n + i]`: log-decay element e, part i, in `order`), and the
-/// parts in composition order. States with a log-decay per head only (Mamba-2, hybrids).
+/// sum themselves (the GPU engine, on the device). States with a log-decay per head only
+/// (Mamba-2, hybrids).
 pub fn compose_all_but_ssm<'a>(
     method: Composition,
     states: &[&'a State],
     order: Option<&[usize]>,
-) -> Result<(State, Vec<Vec<f32>>, Vec<&'a State>)> {
+) -> Result<SsmSumLeft<'a>> {
     let first = *states.first().ok_or(picaso_compose::Error::Empty)?;
     let mut out = State::zeros(first.shape.clone(), first.fingerprint.clone());
     let views: Vec<StateView<'_>> = states.iter().map(|s| s.view()).collect();
@@ -139,7 +150,7 @@ pub fn compose_all_but_ssm<'a>(
             *v = (parts.iter().map(|p| p.log_decay[e] as f64).sum::<f64>() as f32).max(f32::MIN);
         }
     }
-    Ok((out, weights, index.into_iter().map(|i| states[i]).collect()))
+    Ok(SsmSumLeft { composed: out, weights, parts: index.into_iter().map(|i| states[i]).collect() })
 }
 
 /// [`compose_into`] over borrowed tensors.

@@ -217,7 +217,8 @@ impl GpuMamba2 {
         states: &[&State],
         order: Option<&[usize]>,
     ) -> Result<GpuStates<'_>> {
-        let (composed, weights, parts) = crate::composition::compose_all_but_ssm(method, states, order)?;
+        let crate::composition::SsmSumLeft { composed, weights, parts } =
+            crate::composition::compose_all_but_ssm(method, states, order)?;
         let c = &self.config;
         let (len, block) = (c.nheads * c.headdim * c.d_state, c.headdim * c.d_state);
         let resident = self.resident(vec![composed])?;
