@@ -124,8 +124,8 @@ pub(crate) trait Engine: Send + Sync + std::fmt::Debug {
 /// States held by an engine across forward passes ([`Engine::resident`]).
 pub(crate) trait Resident: Send {
     /// Runs `lens[i]` tokens on sequence i (every sequence, in order; a length may be 0) and
-    /// returns the final-normed hidden rows.
-    fn forward(&mut self, tokens: &[u32], lens: &[usize]) -> Result<Vec<f32>>;
+    /// returns every row's next-token logits (rows × vocab).
+    fn forward_logits(&mut self, tokens: &[u32], lens: &[usize]) -> Result<Vec<f32>>;
     /// The states as they stand, on the host.
     fn states(&self) -> Result<Vec<State>>;
 }
@@ -137,9 +137,10 @@ struct HostStates<'e, E: ?Sized> {
 }
 
 impl<E: Engine + ?Sized> Resident for HostStates<'_, E> {
-    fn forward(&mut self, tokens: &[u32], lens: &[usize]) -> Result<Vec<f32>> {
+    fn forward_logits(&mut self, tokens: &[u32], lens: &[usize]) -> Result<Vec<f32>> {
         let mut refs: Vec<&mut State> = self.states.iter_mut().collect();
-        self.engine.forward_batch(tokens, lens, &mut refs)
+        let hidden = self.engine.forward_batch(tokens, lens, &mut refs)?;
+        self.engine.logits(&hidden, Rows::of(lens))
     }
     fn states(&self) -> Result<Vec<State>> {
         Ok(self.states.clone())

@@ -62,8 +62,7 @@ impl Session<'_> {
             return Err(Error::Input(format!("{} tokens for a session of {} sequences", tokens.len(), self.n)));
         }
         self.model.check_tokens(tokens)?;
-        let hidden = self.resident.forward(tokens, &vec![1; tokens.len()])?;
-        self.model.engine.logits(&hidden, Rows::of(&vec![1; tokens.len()]))
+        self.resident.forward_logits(tokens, &vec![1; tokens.len()])
     }
 
     /// The states as they stand, on the host.

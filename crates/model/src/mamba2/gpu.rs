@@ -49,12 +49,16 @@ pub struct GpuMamba2 {
     lm_head: Option<DeviceBuf>,
     norm_f: DeviceBuf,
     layers: Vec<Layer>,
-    /// One forward pass at a time (one stream; the kernels' scratch is per pass).
-    busy: Mutex<()>,
+    /// The last pass's buffers, reused while they are big enough; the lock also makes passes
+    /// run one at a time (one stream).
+    scratch: Mutex<Option<Pass>>,
 }
 
-/// Device buffers of one forward pass.
+/// Device buffers of a forward pass, sized for up to `rows` rows of `seqs` sequences.
+#[derive(Debug)]
 struct Pass {
+    rows: usize,
+    seqs: usize,
     ids: DeviceBuf,
     starts: DeviceBuf,
     lens: DeviceBuf,
@@ -80,7 +84,7 @@ pub(crate) struct GpuStates<'e> {
 }
 
 impl crate::engine::Resident for GpuStates<'_> {
-    fn forward(&mut self, tokens: &[u32], lens: &[usize]) -> Result<Vec<f32>> {
+    fn forward_logits(&mut self, tokens: &[u32], lens: &[usize]) -> Result<Vec<f32>> {
         if lens.len() != self.host.len() || lens.iter().sum::<usize>() != tokens.len() {
             return Err(Error::Input(format!(
                 "internal: {} lengths adding up to {} for {} resident states and {} tokens",
@@ -90,11 +94,11 @@ impl crate::engine::Resident for GpuStates<'_> {
                 tokens.len()
             )));
         }
-        let hidden = self.engine.run(tokens, &Batch::new(lens), &self.layers)?;
+        let logits = self.engine.run_logits(tokens, &Batch::new(lens), &self.layers)?;
         for (s, &t) in self.host.iter_mut().zip(lens) {
             s.advance(t);
         }
-        Ok(hidden)
+        Ok(logits)
     }
     fn states(&self) -> Result<Vec<State>> {
         let mut out = self.host.clone();
@@ -151,7 +155,7 @@ impl GpuMamba2 {
             layers,
             gpu,
             dtype,
-            busy: Mutex::new(()),
+            scratch: Mutex::new(None),
         })
     }
 
@@ -248,12 +252,37 @@ impl GpuMamba2 {
     /// The kernels of one forward pass over `batch`, from and into the device states `states`
     /// (one entry per layer); returns the final-normed hidden rows.
     fn run(&self, tokens: &[u32], batch: &Batch, states: &[LayerStates]) -> Result<Vec<f32>> {
-        let _one = self.busy.lock().unwrap_or_else(|e| e.into_inner());
-        let c = &self.config;
+        let d = self.config.d_model;
+        self.run_then(tokens, batch, states, |pass| {
+            self.rmsnorm(pass.h.ptr(), self.norm_f.ptr(), pass.y.ptr(), batch.rows, false)?;
+            pass.y.read_f32(0, batch.rows * d)
+        })
+    }
+
+    /// [`GpuMamba2::run`] that returns every row's logits, computed on the device from its
+    /// hidden rows (only the logits cross to the host).
+    fn run_logits(&self, tokens: &[u32], batch: &Batch, states: &[LayerStates]) -> Result<Vec<f32>> {
+        self.run_then(tokens, batch, states, |pass| {
+            self.rmsnorm(pass.h.ptr(), self.norm_f.ptr(), pass.xn.ptr(), batch.rows, true)?;
+            self.lm_head(pass.xn.ptr(), batch.rows)?.read_f32(0, batch.rows * self.config.vocab_size)
+        })
+    }
+
+    /// Embeds `tokens`, runs every layer, and hands the pass (the residual stream in `h`) to
+    /// `finish`. An empty batch runs nothing and gives `T::default()`.
+    fn run_then<T: Default>(
+        &self,
+        tokens: &[u32],
+        batch: &Batch,
+        states: &[LayerStates],
+        finish: impl FnOnce(&Pass) -> Result<T>,
+    ) -> Result<T> {
+        let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         if batch.rows == 0 {
-            return Ok(Vec::new());
+            return Ok(T::default());
         }
-        let pass = self.pass(tokens, batch)?;
+        let pass = self.pass(&mut scratch, tokens, batch)?;
+        let c = &self.config;
         let embed = EmbedArgs {
             table: self.embedding.ptr(),
             ids: pass.ids.ptr(),
@@ -263,36 +292,56 @@ impl GpuMamba2 {
         };
         launch(&*self.gpu, "embed", [batch.rows as u32, 1, 1], [BLOCK, 1, 1], &embed)?;
         for (layer, ls) in self.layers.iter().zip(states) {
-            self.layer(layer, ls, &pass, batch)?;
+            self.layer(layer, ls, pass, batch)?;
         }
-        self.rmsnorm(pass.h.ptr(), self.norm_f.ptr(), pass.y.ptr(), batch.rows, false)?;
-        pass.y.read_f32(0, batch.rows * c.d_model)
+        finish(pass)
     }
 
-    /// Allocates a pass's buffers and uploads its token ids and layout.
-    fn pass(&self, tokens: &[u32], batch: &Batch) -> Result<Pass> {
+    /// The pass buffers for `batch`: the last pass's if big enough, else new ones (with room
+    /// to grow); uploads the token ids and the batch layout.
+    fn pass<'s>(&self, scratch: &'s mut Option<Pass>, tokens: &[u32], batch: &Batch) -> Result<&'s Pass> {
         let c = &self.config;
-        let rows = batch.rows;
-        let f32s = |n: usize| DeviceBuf::zeroed(&self.gpu, n * 4);
+        let chunk_floats = |seqs: usize, chunks: usize| seqs * chunks * c.nheads * c.headdim * c.d_state;
+        let fits = scratch.as_ref().is_some_and(|p| {
+            p.rows >= batch.rows
+                && p.seqs >= batch.seqs()
+                && (batch.step_scan()
+                    || p.chunks
+                        .as_ref()
+                        .is_some_and(|b| b.bytes() >= 4 * chunk_floats(batch.seqs(), batch.max_chunks())))
+        });
+        if !fits {
+            *scratch = None; // free the old buffers first
+            let (rows, seqs) = (batch.rows.next_power_of_two(), batch.seqs().next_power_of_two());
+            let f32s = |n: usize| DeviceBuf::zeroed(&self.gpu, n * 4);
+            let chunks = match batch.step_scan() {
+                true => None,
+                false => Some(f32s(chunk_floats(batch.seqs(), batch.max_chunks()))?),
+            };
+            *scratch = Some(Pass {
+                rows,
+                seqs,
+                ids: DeviceBuf::zeroed(&self.gpu, rows * 4)?,
+                starts: DeviceBuf::zeroed(&self.gpu, seqs * 4)?,
+                lens: DeviceBuf::zeroed(&self.gpu, seqs * 4)?,
+                h: f32s(rows * c.d_model)?,
+                xn: DeviceBuf::zeroed(&self.gpu, rows * c.d_model * self.dtype.size())?,
+                zx: f32s(rows * c.d_in_proj())?,
+                xbc: f32s(rows * c.conv_dim())?,
+                dt: f32s(rows * c.nheads)?,
+                // Also the final norm's output (rows × d_model), so at least that big.
+                y: f32s(rows * c.d_inner().max(c.d_model))?,
+                gated: DeviceBuf::zeroed(&self.gpu, rows * c.d_inner() * self.dtype.size())?,
+                chunks,
+            });
+        }
+        let pass = scratch.as_ref().expect("set above");
+        let i32s = |v: &[i32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
         let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
-        Ok(Pass {
-            ids: DeviceBuf::from_i32(&self.gpu, &ids)?,
-            starts: DeviceBuf::from_i32(&self.gpu, &batch.starts)?,
-            lens: DeviceBuf::from_i32(&self.gpu, &batch.lens)?,
-            h: f32s(rows * c.d_model)?,
-            xn: DeviceBuf::zeroed(&self.gpu, rows * c.d_model * self.dtype.size())?,
-            zx: f32s(rows * c.d_in_proj())?,
-            xbc: f32s(rows * c.conv_dim())?,
-            dt: f32s(rows * c.nheads)?,
-            // Also the final norm's output (rows × d_model), so at least that big.
-            y: f32s(rows * c.d_inner().max(c.d_model))?,
-            gated: DeviceBuf::zeroed(&self.gpu, rows * c.d_inner() * self.dtype.size())?,
-            chunks: if batch.step_scan() {
-                None
-            } else {
-                Some(f32s(batch.seqs() * batch.max_chunks() * c.nheads * c.headdim * c.d_state)?)
-            },
-        })
+        self.gpu.upload(pass.ids.ptr(), &i32s(&ids))?;
+        self.gpu.upload(pass.starts.ptr(), &i32s(&batch.starts))?;
+        self.gpu.upload(pass.lens.ptr(), &i32s(&batch.lens))?;
+        Ok(pass)
     }
 
     /// Layer `l`'s states of every sequence, packed and uploaded.
@@ -501,13 +550,18 @@ impl GpuMamba2 {
     }
 
     fn logits_on_device(&self, hidden: &[f32]) -> Result<DeviceBuf> {
-        let c = &self.config;
-        let rows = hidden.len() / c.d_model;
+        let rows = hidden.len() / self.config.d_model;
         let h = DeviceBuf::from_f32(&self.gpu, hidden)?;
         let a = DeviceBuf::zeroed(&self.gpu, hidden.len() * self.dtype.size())?;
         let convert =
             ConvertArgs { x: h.ptr(), out: a.ptr(), n: hidden.len() as i64, out_bf16: self.dtype.flag(), pad: 0 };
         launch(&*self.gpu, "convert", [blocks(hidden.len()), 1, 1], [BLOCK, 1, 1], &convert)?;
+        self.lm_head(a.ptr(), rows)
+    }
+
+    /// Logits (rows × vocab, f32) of final-normed rows `a` stored in the matrices' type.
+    fn lm_head(&self, a: DevicePtr, rows: usize) -> Result<DeviceBuf> {
+        let c = &self.config;
         let logits = DeviceBuf::zeroed(&self.gpu, rows * c.vocab_size * 4)?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embedding);
         self.gpu.gemm(&Gemm {
@@ -515,7 +569,7 @@ impl GpuMamba2 {
             rows,
             n: c.vocab_size,
             k: c.d_model,
-            a: a.ptr(),
+            a,
             w: head.ptr(),
             out: logits.ptr(),
             accumulate: false,
