@@ -217,6 +217,28 @@ KERNEL(conv_tail, ConvTailArgs) {
     }
 }
 
+// The conv of short sequences (decode steps): one thread per (sequence, channel) walks the
+// sequence with the window in registers, writing SiLU(conv) and then the new tail — the work of
+// conv_silu and conv_tail in one launch. grid (ceil(C / 256), seqs), block 256; K ≤ 17.
+KERNEL(conv_step, ConvArgs) {
+    int s = blockIdx.y;
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= a.channels) return;
+    int kt = a.k - 1, len = a.lens[s];
+    float* tail = (float*)a.tails + ((long)s * a.channels + c) * kt;
+    float win[17];
+    for (int j = 0; j < kt; ++j) win[j] = tail[j];
+    long row0 = a.starts[s];
+    for (int t = 0; t < len; ++t) {
+        win[kt] = a.zx[(row0 + t) * a.width + a.offset + c];
+        float acc = a.bias[c];
+        for (int j = 0; j < a.k; ++j) acc += a.w[c * a.k + j] * win[j];
+        a.out[(row0 + t) * a.channels + c] = silu(acc);
+        for (int j = 0; j < kt; ++j) win[j] = win[j + 1];
+    }
+    for (int j = 0; j < kt; ++j) tail[j] = win[j];
+}
+
 struct DtArgs {
     const float* zx;       // in_proj output; dt_raw at column `offset` + h
     const float* dt_bias;  // (H)
@@ -271,24 +293,33 @@ __device__ __forceinline__ int c_col(const ScanShape& s, int h, int n) {
 }
 
 struct ScanArgs {
-    const float* xbc;    // (rows, conv_dim)
-    const float* dt;     // (rows, H)
-    const float* a_neg;  // (H)
-    const float* d;      // (H)
-    float* ssm;          // (seqs, H, P, N), updated in place
-    float* y;            // (rows, H·P)
+    const float* xbc;        // (rows, conv_dim)
+    const float* zx;         // in_proj output: dt_raw at column dt_offset + h
+    const float* dt_bias;    // (H)
+    const float* a_neg;      // (H)
+    const float* d;          // (H)
+    float* ssm;              // (seqs, H, P, N), updated in place
+    float* log_decay;        // (seqs, H): += Σ dt·A, summed in f64 as dt_decay does
+    float* y;                // (rows, H·P)
     const int* starts;
     const int* lens;
     ScanShape shape;
+    int width;
+    int dt_offset;
+    float lo;
+    float hi;
     int threads_per_row;  // blockDim.x / P: the threads that share one p
     int pad;
 };
 
-// The recurrence token by token, for decode steps and short prompts: S = exp(dt·A)·S +
-// dt·x·Bᵀ, y = S·C + D·x. One block per (head, sequence); thread (p, r) owns the state
-// entries (p, n) with n ≡ r (mod threads_per_row). grid (H, seqs), block P · threads_per_row.
+// The recurrence token by token, for decode steps and short prompts: dt = clamp(softplus(
+// dt_raw + dt_bias)) (the work of dt_decay, done here so a decode step launches one kernel
+// less), S = exp(dt·A)·S + dt·x·Bᵀ, y = S·C + D·x. One block per (head, sequence); thread
+// (p, r) owns the state entries (p, n) with n ≡ r (mod threads_per_row).
+// grid (H, seqs), block P · threads_per_row.
 KERNEL(scan_steps, ScanArgs) {
     __shared__ float part[1024];
+    __shared__ float dt_shared;
     int h = blockIdx.x, s = blockIdx.y;
     const ScanShape sh = a.shape;
     int tpr = a.threads_per_row;
@@ -296,10 +327,18 @@ KERNEL(scan_steps, ScanArgs) {
     float* S = a.ssm + (((long)s * sh.heads + h) * sh.headdim + p) * sh.d_state;
     long row0 = a.starts[s];
     float A = a.a_neg[h], D = a.d[h];
+    double decay_sum = 0.0;
     for (int t = 0; t < a.lens[s]; ++t) {
         long row = row0 + t;
+        if (threadIdx.x == 0) {
+            float v = softplus(a.zx[row * a.width + a.dt_offset + h] + a.dt_bias[h]);
+            v = fminf(fmaxf(v, a.lo), a.hi);
+            dt_shared = v;
+            decay_sum += (double)(v * A);
+        }
+        __syncthreads();
         const float* in = a.xbc + row * sh.conv_dim;
-        float dt = a.dt[row * sh.heads + h];
+        float dt = dt_shared;
         float decay = expf(dt * A);
         float x = in[x_col(sh, h, p)];
         float dx = dt * x;
@@ -317,6 +356,10 @@ KERNEL(scan_steps, ScanArgs) {
             a.y[row * (sh.heads * sh.headdim) + h * sh.headdim + p] = sum + D * x;
         }
         __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        float* ld = a.log_decay + (long)s * sh.heads + h;
+        *ld = (float)((double)*ld + decay_sum);
     }
 }
 

@@ -15,6 +15,7 @@ pub(crate) const KERNELS: &[&str] = &[
     "logprob_at",
     "conv_silu",
     "conv_tail",
+    "conv_step",
     "dt_decay",
     "scan_steps",
     "ssd_chunk_state",
@@ -71,7 +72,7 @@ kernel_args! {
     pub struct AddBiasArgs { x: DevicePtr, b: DevicePtr, cols: i32, pad: i32, }
     /// `logprob_at`.
     pub struct LogprobArgs { logits: DevicePtr, targets: DevicePtr, out: DevicePtr, vocab: i32, pad: i32, }
-    /// `conv_silu`.
+    /// `conv_silu` and `conv_step`.
     pub struct ConvArgs {
         zx: DevicePtr, tails: DevicePtr, w: DevicePtr, bias: DevicePtr, out: DevicePtr, starts: DevicePtr, lens: DevicePtr,
         width: i32, offset: i32, channels: i32, k: i32,
@@ -88,10 +89,11 @@ kernel_args! {
     }
     /// Where a head's x, B and C sit in a conv-output row.
     pub struct ScanShape { heads: i32, headdim: i32, d_state: i32, groups: i32, conv_dim: i32, pad: i32, }
-    /// `scan_steps`.
+    /// `scan_steps` (which computes dt itself).
     pub struct ScanArgs {
-        xbc: DevicePtr, dt: DevicePtr, a_neg: DevicePtr, d: DevicePtr, ssm: DevicePtr, y: DevicePtr, starts: DevicePtr, lens: DevicePtr,
-        shape: ScanShape, threads_per_row: i32, pad: i32,
+        xbc: DevicePtr, zx: DevicePtr, dt_bias: DevicePtr, a_neg: DevicePtr, d: DevicePtr, ssm: DevicePtr, log_decay: DevicePtr,
+        y: DevicePtr, starts: DevicePtr, lens: DevicePtr,
+        shape: ScanShape, width: i32, dt_offset: i32, lo: f32, hi: f32, threads_per_row: i32, pad: i32,
     }
     /// `ssd_chunk_state`, `ssd_state_pass`, `ssd_chunk_scan`.
     pub struct ChunkArgs {

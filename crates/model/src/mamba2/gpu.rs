@@ -428,36 +428,6 @@ impl GpuMamba2 {
             channels: cd as i32,
             k: c.d_conv as i32,
         };
-        launch(gpu, "conv_silu", [blocks(batch.max_len * cd), seqs, 1], [BLOCK, 1, 1], &conv)?;
-        let tail = ConvTailArgs {
-            zx: pass.zx.ptr(),
-            tails: ls.tails.ptr(),
-            starts,
-            lens,
-            width: width as i32,
-            offset: di as i32,
-            channels: cd as i32,
-            k: c.d_conv as i32,
-        };
-        launch(gpu, "conv_tail", [blocks(cd), seqs, 1], [BLOCK, 1, 1], &tail)?;
-        let (lo, hi) = c.time_step_limit;
-        let dt = DtArgs {
-            zx: pass.zx.ptr(),
-            dt_bias: w.dt_bias.ptr(),
-            a_neg: w.a_neg.ptr(),
-            dt: pass.dt.ptr(),
-            log_decay: ls.log_decay.ptr(),
-            starts,
-            lens,
-            width: width as i32,
-            offset: (di + cd) as i32,
-            heads: c.nheads as i32,
-            lo: lo as f32,
-            hi: hi as f32,
-            pad: 0,
-        };
-        launch(gpu, "dt_decay", [c.nheads.div_ceil(64) as u32, seqs, 1], [64, 1, 1], &dt)?;
-
         let shape = ScanShape {
             heads: c.nheads as i32,
             headdim: c.headdim as i32,
@@ -467,44 +437,80 @@ impl GpuMamba2 {
             pad: 0,
         };
         let heads = c.nheads as u32;
-        match &pass.chunks {
-            None => {
-                let tpr = scan_threads_per_row(c.headdim, c.d_state);
-                let args = ScanArgs {
-                    xbc: pass.xbc.ptr(),
-                    dt: pass.dt.ptr(),
-                    a_neg: w.a_neg.ptr(),
-                    d: w.d.ptr(),
-                    ssm: ls.ssm.ptr(),
-                    y: pass.y.ptr(),
-                    starts,
-                    lens,
-                    shape,
-                    threads_per_row: tpr as i32,
-                    pad: 0,
-                };
-                launch(gpu, "scan_steps", [heads, seqs, 1], [(c.headdim * tpr) as u32, 1, 1], &args)?;
-            }
-            Some(chunks) => {
-                let args = ChunkArgs {
-                    xbc: pass.xbc.ptr(),
-                    dt: pass.dt.ptr(),
-                    a_neg: w.a_neg.ptr(),
-                    d: w.d.ptr(),
-                    ssm: ls.ssm.ptr(),
-                    chunks: chunks.ptr(),
-                    y: pass.y.ptr(),
-                    starts,
-                    lens,
-                    shape,
-                    chunk: CHUNK as i32,
-                    max_chunks: batch.max_chunks() as i32,
-                };
-                let grid = [batch.max_chunks() as u32, heads, seqs];
-                launch(gpu, "ssd_chunk_state", grid, [BLOCK, 1, 1], &args)?;
-                launch(gpu, "ssd_state_pass", [heads, seqs, 1], [BLOCK, 1, 1], &args)?;
-                launch(gpu, "ssd_chunk_scan", grid, [BLOCK, 1, 1], &args)?;
-            }
+        let (lo, hi) = c.time_step_limit;
+        if batch.step_scan() {
+            // Decode steps and short prompts: three launches (conv and tail, dt and scan).
+            launch(gpu, "conv_step", [blocks(cd), seqs, 1], [BLOCK, 1, 1], &conv)?;
+            let tpr = scan_threads_per_row(c.headdim, c.d_state);
+            let args = ScanArgs {
+                xbc: pass.xbc.ptr(),
+                zx: pass.zx.ptr(),
+                dt_bias: w.dt_bias.ptr(),
+                a_neg: w.a_neg.ptr(),
+                d: w.d.ptr(),
+                ssm: ls.ssm.ptr(),
+                log_decay: ls.log_decay.ptr(),
+                y: pass.y.ptr(),
+                starts,
+                lens,
+                shape,
+                width: width as i32,
+                dt_offset: (di + cd) as i32,
+                lo: lo as f32,
+                hi: hi as f32,
+                threads_per_row: tpr as i32,
+                pad: 0,
+            };
+            launch(gpu, "scan_steps", [heads, seqs, 1], [(c.headdim * tpr) as u32, 1, 1], &args)?;
+        } else {
+            // Prompts: the conv in parallel over tokens, then the chunked scan.
+            launch(gpu, "conv_silu", [blocks(batch.max_len * cd), seqs, 1], [BLOCK, 1, 1], &conv)?;
+            let tail = ConvTailArgs {
+                zx: pass.zx.ptr(),
+                tails: ls.tails.ptr(),
+                starts,
+                lens,
+                width: width as i32,
+                offset: di as i32,
+                channels: cd as i32,
+                k: c.d_conv as i32,
+            };
+            launch(gpu, "conv_tail", [blocks(cd), seqs, 1], [BLOCK, 1, 1], &tail)?;
+            let dt = DtArgs {
+                zx: pass.zx.ptr(),
+                dt_bias: w.dt_bias.ptr(),
+                a_neg: w.a_neg.ptr(),
+                dt: pass.dt.ptr(),
+                log_decay: ls.log_decay.ptr(),
+                starts,
+                lens,
+                width: width as i32,
+                offset: (di + cd) as i32,
+                heads: c.nheads as i32,
+                lo: lo as f32,
+                hi: hi as f32,
+                pad: 0,
+            };
+            launch(gpu, "dt_decay", [c.nheads.div_ceil(64) as u32, seqs, 1], [64, 1, 1], &dt)?;
+            let chunks = pass.chunks.as_ref().expect("a pass for a chunked batch has chunk buffers");
+            let args = ChunkArgs {
+                xbc: pass.xbc.ptr(),
+                dt: pass.dt.ptr(),
+                a_neg: w.a_neg.ptr(),
+                d: w.d.ptr(),
+                ssm: ls.ssm.ptr(),
+                chunks: chunks.ptr(),
+                y: pass.y.ptr(),
+                starts,
+                lens,
+                shape,
+                chunk: CHUNK as i32,
+                max_chunks: batch.max_chunks() as i32,
+            };
+            let grid = [batch.max_chunks() as u32, heads, seqs];
+            launch(gpu, "ssd_chunk_state", grid, [BLOCK, 1, 1], &args)?;
+            launch(gpu, "ssd_state_pass", [heads, seqs, 1], [BLOCK, 1, 1], &args)?;
+            launch(gpu, "ssd_chunk_scan", grid, [BLOCK, 1, 1], &args)?;
         }
 
         let group = di / c.n_groups;
@@ -652,7 +658,7 @@ mod tests {
                 "convert" => "ConvertArgs",
                 "add_bias" => "AddBiasArgs",
                 "logprob_at" => "LogprobArgs",
-                "conv_silu" => "ConvArgs",
+                "conv_silu" | "conv_step" => "ConvArgs",
                 "conv_tail" => "ConvTailArgs",
                 "dt_decay" => "DtArgs",
                 "scan_steps" => "ScanArgs",
