@@ -370,10 +370,13 @@ fn bench_measures_single_and_batched_decode() {
             && skipped["compose_ms"] == serde_json::json!([]),
         "{skipped}"
     );
-    // Any engine: the candle one measured the same way; bf16 storage is the cpu engine's alone.
+    // Any engine: the candle one measured the same way; bf16 storage is the cpu and GPU engines'.
     let candle = ok_json(&[&args[..], &["--device", "candle-cpu", "--compose-n", "0", "--json"]].concat());
     assert!(candle["decode_tokens_per_s"].as_f64().is_some_and(|v| v > 0.0), "{candle}");
-    fails_with(&[&args[..], &["--device", "candle-cpu", "--weights", "bf16"]].concat(), "cpu engine's storage");
+    fails_with(&[&args[..], &["--device", "candle-cpu", "--weights", "bf16"]].concat(), "cpu and GPU engines' storage");
+    // Without the `cuda` feature the GPU engine says how to get it.
+    #[cfg(not(feature = "cuda"))]
+    fails_with(&[&args[..], &["--device", "cuda"]].concat(), "--features cuda");
 }
 
 /// Output into a pipe whose reader is gone (`picaso info | head`) ends the command without a
