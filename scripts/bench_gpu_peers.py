@@ -7,7 +7,9 @@ an empty stand-in for the Mamba-1 CUDA extension `selective_scan_cuda` that its 
 `causal_conv1d` is absent, so Mamba2 runs with use_mem_eff_path=False and falls back to F.conv1d
 for the prefill's convolution and to torch ops for the decode step's).
 
-Both sides run random bf16 weights of the same shapes (timings do not depend on the values):
+Both sides run the same random weights (written once per shape by `picaso random-model`, f32,
+loaded by mamba_ssm after renaming `backbone.embeddings` to `backbone.embedding`; bf16 on both
+sides), and the next-token log-probs of one prompt are compared as a cross-check. Measured:
 prefill tokens/s at 512 and 4,096 tokens, decode ms/token at batch 1 and 16 (mamba_ssm with CUDA
 graphs, cg=True, as the paper's timings), and Concat's time to a ready state for k contexts of
 256 tokens beside picaso's composition (`bench-context`). Every picaso ÷ mamba_ssm ratio is kept
@@ -30,16 +32,25 @@ SHAPES = {  # d_model, n_layer (mamba2-130m and mamba2-2.7b; headdim 64, d_state
 VOCAB = 50288
 
 
-def picaso_bench(binary, device, shape, prompt, decode_batch, repeats):
-    cmd = [binary, "bench", "--device", device, "--random", shape, "--weights", "bf16",
+def random_model(binary, shape, work):
+    """The folder of `shape`'s random weights (seed 0), written once."""
+    out = os.path.join(work, f"random-{shape}")
+    if not os.path.exists(os.path.join(out, "model.safetensors")):
+        subprocess.run(["rm", "-rf", out], check=True)
+        subprocess.run([binary, "random-model", "--shape", shape, "--out", out], check=True)
+    return out
+
+
+def picaso_bench(binary, device, model, prompt, decode_batch, repeats):
+    cmd = [binary, "bench", "--device", device, "--model", model, "--weights", "bf16",
            "--prompt-tokens", str(prompt), "--decode-tokens", "64", "--decode-batch", str(decode_batch),
            "--compose-n", "0", "--repeats", str(repeats), "--json"]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out)
 
 
-def picaso_context(binary, device, shape, max_k):
-    cmd = [binary, "bench-context", "--device", device, "--random", shape, "--weights", "bf16",
+def picaso_context(binary, device, model, max_k):
+    cmd = [binary, "bench-context", "--device", device, "--model", model, "--weights", "bf16",
            "--max-k", str(max_k), "--context-tokens", "256", "--json"]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out)
@@ -48,7 +59,7 @@ def picaso_context(binary, device, shape, max_k):
 class Peer:
     """mamba_ssm's MambaLMHeadModel with random bf16 weights."""
 
-    def __init__(self, sdist, work, shape):
+    def __init__(self, sdist, work, shape, weights):
         import torch
         src = os.path.join(work, "mamba_ssm-2.3.0")
         if not os.path.isdir(src):
@@ -66,6 +77,26 @@ class Peer:
         torch.manual_seed(0)
         self.torch = torch
         self.model = MambaLMHeadModel(cfg, device="cuda", dtype=torch.bfloat16).eval()
+        self.same_weights = False
+        try:
+            from safetensors.torch import load_file
+            sd = {k.replace("backbone.embeddings.", "backbone.embedding."): v
+                  for k, v in load_file(os.path.join(weights, "model.safetensors")).items()}
+            missing, unexpected = self.model.load_state_dict(sd, strict=False)
+            self.same_weights = not unexpected and all(k == "lm_head.weight" for k in missing)
+            print("mamba_ssm loaded picaso's weights" if self.same_weights else
+                  f"mamba_ssm: weights not loaded (missing {missing[:4]}, unexpected {unexpected[:4]})")
+        except Exception as e:  # noqa: BLE001 (a report, not a failure: timings need no values)
+            print("mamba_ssm: random init, picaso's weights not loaded:", e)
+
+    def logprobs(self, ids):
+        """log p(ids[i+1] | ids[..=i]) for one prompt, float64 on the host."""
+        torch = self.torch
+        with torch.inference_mode():
+            x = torch.tensor([ids], device="cuda")
+            logits = self.model(x).logits[0, :-1].float()
+            lp = torch.log_softmax(logits, -1).gather(1, x[0, 1:, None])[:, 0]
+        return lp.double().cpu().tolist()
 
     def _ids(self, batch, n):
         return self.torch.randint(0, VOCAB, (batch, n), device="cuda")
@@ -113,7 +144,7 @@ def main():
     ap.add_argument("--picaso", required=True)
     ap.add_argument("--mamba-ssm", help="mamba_ssm-2.3.0.tar.gz (the PyPI sdist)")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--shapes", default="130m,2.7b")
     ap.add_argument("--work", default="/tmp/gpu-bench-peer")
     ap.add_argument("--cpu-dry-run", action="store_true")
@@ -131,12 +162,21 @@ def main():
               "shapes": {}}
     for shape in a.shapes.split(","):
         rows = {"picaso": [], "mamba_ssm": []}
-        peer = None
+        model = random_model(a.picaso, shape, a.work)
+        peer, cross = None, None
         if not a.cpu_dry_run:
-            peer = Peer(a.mamba_ssm, a.work, shape)
+            peer = Peer(a.mamba_ssm, a.work, shape, model)
+            if peer.same_weights:
+                ids = [(i * 2654435761 + 12345) % 50000 for i in range(64)]
+                out = subprocess.run([a.picaso, "score", "--device", device, "--model", model, "--weights", "bf16",
+                                      "--token-ids", ",".join(map(str, ids)), "--json"],
+                                     check=True, capture_output=True, text=True).stdout
+                mine, theirs = json.loads(out)["logprobs"], peer.logprobs(ids)
+                cross = {"tokens": len(mine), "max_abs_logprob_diff_bf16": max(abs(x - y) for x, y in zip(mine, theirs))}
+                print("picaso vs mamba_ssm, same weights:", cross, flush=True)
         for r in range(a.rounds):
-            short = picaso_bench(a.picaso, device, shape, 512, 16, 2)
-            long_ = picaso_bench(a.picaso, device, shape, 4096, 0, 2) if not a.cpu_dry_run else None
+            short = picaso_bench(a.picaso, device, model, 512, 16, 2)
+            long_ = picaso_bench(a.picaso, device, model, 4096, 0, 2) if not a.cpu_dry_run else None
             rows["picaso"].append({
                 "prefill_512_tokens_per_s": short["prefill_tokens_per_s"],
                 "prefill_4096_tokens_per_s": long_["prefill_tokens_per_s"] if long_ else None,
@@ -167,10 +207,10 @@ def main():
         bytes_step = 2 * params + 2 * state_bytes  # bf16 weights read once; the f32 state read and written
         decode_s = summary["picaso"]["decode_ms_per_token_batch1"] / 1e3
         bw = gpu_bandwidth_tb_s(gpu)
-        context = picaso_context(a.picaso, device, shape, 10)
+        context = picaso_context(a.picaso, device, model, 10)
         concat_peer = {k: peer.concat_ready_ms(k, 3) for k in range(1, 11)} if peer is not None else None
         report["shapes"][shape] = {
-            "rounds": rows, "median": summary, "ratios": ratios,
+            "rounds": rows, "median": summary, "ratios": ratios, "same_weights_check": cross,
             "decode_bytes_per_step": bytes_step,
             "decode_gb_per_s": bytes_step / decode_s / 1e9,
             "decode_fraction_of_bandwidth": (bytes_step / decode_s / 1e12 / bw) if bw else None,

@@ -29,6 +29,6 @@ DEVICE=cuda BIN=$W/bin TESTS=reference BENCH=0 OUT=$OUT/check timeout 300 script
 tail -30 "$OUT/check/log"
 
 echo "== picaso beside mamba_ssm"
-if [[ ${QUICK:-0} == 1 ]]; then set -- --shapes 130m --rounds 1; else set -- --rounds 3; fi
+if [[ ${QUICK:-0} == 1 ]]; then set -- --shapes 130m --rounds 1; else set -- --rounds 2; fi
 PICASO_REVISION=$(cat "$G/revision" 2>/dev/null) python3 scripts/bench_gpu_peers.py --picaso "$W/bin/picaso" \
   --mamba-ssm "$G/mamba_ssm-2.3.0.tar.gz" --out "$OUT/gpu-bench.json" --work "$W/peer" "$@"
