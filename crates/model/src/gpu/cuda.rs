@@ -120,7 +120,9 @@ impl Gpu for CudaGpu {
     }
     unsafe fn free(&self, ptr: DevicePtr) {
         if self.bind().is_ok() {
-            // A failure here (a context already torn down) leaves nothing to do.
+            // Queued kernels may still read the buffer: wait for them first. A failure here (a
+            // context already torn down) leaves nothing to do.
+            let _ = self.stream.synchronize();
             let _ = driver::free_sync(ptr);
         }
     }
