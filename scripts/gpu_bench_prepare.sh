@@ -14,7 +14,7 @@ for l in sys.stdin:
     m = json.loads(l)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in ("picaso_model", "reference"):
         print(("model-lib" if m["target"]["name"] == "picaso_model" else "reference") + " " + m["executable"])')
-cp target/release/picaso "$G/bin/picaso"
+cp "${CARGO_TARGET_DIR:-target}/release/picaso" "$G/bin/picaso"
 while read -r name exe; do cp "$exe" "$G/bin/$name"; done <<< "$tests"
 strip "$G"/bin/*
 tar cJf "$G/bins.tar.xz" -C "$G/bin" .
