@@ -700,6 +700,35 @@ mod tests {
         }
     }
 
+    /// The head shapes of the real checkpoints (headdim 64, d_state 128: every thread of a block
+    /// loops over several state entries, four threads share a row in the step scan), on one
+    /// small layer: a prompt of two chunks, then decode steps.
+    #[test]
+    fn real_head_shapes_match_the_cpu_engine() {
+        let c = Mamba2Config {
+            d_model: 128,
+            nheads: 4,
+            headdim: 64,
+            d_state: 128,
+            n_groups: 1,
+            vocab_size: 97,
+            ..Mamba2Config::tiny(1, 4)
+        };
+        let w = Mamba2Weights::random(&c, 3);
+        let gpu = GpuMamba2::new(&c, &w, test_gpu(), MatrixDtype::F32).unwrap();
+        let cpu = CpuMamba2::new(c.clone(), w, WeightDtype::F32);
+        let zero = State::zeros(StateShape::of(&c), "test");
+        let (mut sg, mut sc) = (zero.clone(), zero);
+        for (i, n) in [100usize, 1, 1, 3].into_iter().enumerate() {
+            let t = tokens(n, c.vocab_size, 40 + i as u32);
+            let hg = gpu.forward_batch(&t, &[n], &mut [&mut sg]).unwrap();
+            let hc = cpu.forward(&t, &mut sc);
+            let d = rel_diff(&hg, &hc);
+            assert!(d < 2e-5, "step {i} ({n} tokens): hidden rows differ by {d:e}");
+            assert_states_close(&sg, &sc, 2e-5, &format!("step {i}"));
+        }
+    }
+
     /// A batch mixing decode steps and prompts gives each sequence what it gets alone.
     #[test]
     fn a_mixed_batch_gives_each_sequence_its_lone_result() {
