@@ -412,9 +412,12 @@ __device__ __forceinline__ float* chunk_state(const ChunkArgs& a, int s, int c, 
 KERNEL(ssd_chunk_state, ChunkArgs) {
     __shared__ float dt[64];
     __shared__ float cs[64];
+    __shared__ float scale[64];  // exp(cs_last − cs_t)·dt_t, once per token
     int c = blockIdx.x, h = blockIdx.y, s = blockIdx.z;
     if (c * a.chunk >= a.lens[s]) return;
     int len = chunk_decays(a, s, c, h, dt, cs);
+    for (int t = threadIdx.x; t < len; t += blockDim.x) scale[t] = expf(cs[len - 1] - cs[t]) * dt[t];
+    __syncthreads();
     const ScanShape sh = a.shape;
     long row0 = a.starts[s] + (long)c * a.chunk;
     float* out = chunk_state(a, s, c, h);
@@ -423,7 +426,7 @@ KERNEL(ssd_chunk_state, ChunkArgs) {
         float acc = 0.0f;
         for (int t = 0; t < len; ++t) {
             const float* in = a.xbc + (row0 + t) * sh.conv_dim;
-            acc += expf(cs[len - 1] - cs[t]) * dt[t] * in[x_col(sh, h, p)] * in[b_col(sh, h, n)];
+            acc += scale[t] * in[x_col(sh, h, p)] * in[b_col(sh, h, n)];
         }
         out[e] = acc;
     }
@@ -466,7 +469,7 @@ KERNEL(ssd_chunk_scan, ChunkArgs) {
     int len = chunk_decays(a, s, c, h, dt, cs);
     const ScanShape sh = a.shape;
     long row0 = a.starts[s] + (long)c * a.chunk;
-    // C_t · B_τ for τ ≤ t.
+    // The chunk's mixing matrix M[t][u] = exp(cs_t − cs_u)·(C_t·B_u)·dt_u for u ≤ t, once.
     for (int e = threadIdx.x; e < len * len; e += blockDim.x) {
         int t = e / len, u = e % len;
         float v = 0.0f;
@@ -474,6 +477,7 @@ KERNEL(ssd_chunk_scan, ChunkArgs) {
             const float* ct = a.xbc + (row0 + t) * sh.conv_dim;
             const float* bu = a.xbc + (row0 + u) * sh.conv_dim;
             for (int n = 0; n < sh.d_state; ++n) v += ct[c_col(sh, h, n)] * bu[b_col(sh, h, n)];
+            v *= expf(cs[t] - cs[u]) * dt[u];
         }
         cb[t * 64 + u] = v;
     }
@@ -486,10 +490,7 @@ KERNEL(ssd_chunk_scan, ChunkArgs) {
         float from_state = 0.0f;
         for (int n = 0; n < sh.d_state; ++n) from_state += S[p * sh.d_state + n] * in[c_col(sh, h, n)];
         float acc = expf(cs[t]) * from_state;
-        for (int u = 0; u <= t; ++u) {
-            float xu = a.xbc[(row0 + u) * sh.conv_dim + x_col(sh, h, p)];
-            acc += expf(cs[t] - cs[u]) * cb[t * 64 + u] * dt[u] * xu;
-        }
+        for (int u = 0; u <= t; ++u) acc += cb[t * 64 + u] * a.xbc[(row0 + u) * sh.conv_dim + x_col(sh, h, p)];
         a.y[(row0 + t) * (sh.heads * sh.headdim) + h * sh.headdim + p] = acc + D * in[x_col(sh, h, p)];
     }
 }
