@@ -6,7 +6,7 @@
 //! without a GPU.
 //!
 //! Device memory is addressed by raw 64-bit pointers ([`DevicePtr`]) owned by [`DeviceBuf`]s;
-//! kernels take one `#[repr(C)]` argument struct each ([`kernels`]).
+//! kernels take one `#[repr(C)]` argument struct each (`kernels.rs`).
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
