@@ -20,9 +20,8 @@ strip "$G"/bin/*
 tar cJf "$G/bins.tar.xz" -C "$G/bin" .
 rm -rf "$G/bin"
 if [[ ! -s $G/mamba_ssm-2.3.0.tar.gz ]]; then
-  url=$(python3 -c 'import json, urllib.request
-d = json.load(urllib.request.urlopen("https://pypi.org/pypi/mamba-ssm/2.3.0/json"))
-print(next(u["url"] for u in d["urls"] if u["packagetype"] == "sdist"))')
+  # The simple index (PEP 503), which pip's mirrors serve too.
+  url=$(curl -sSfL https://pypi.org/simple/mamba-ssm/ | grep -o 'https://[^"#]*mamba_ssm-2\.3\.0\.tar\.gz' | head -1)
   curl -sSfL -o "$G/mamba_ssm-2.3.0.tar.gz" "$url"
 fi
 git rev-parse --short HEAD > "$G/revision"
