@@ -88,7 +88,15 @@ impl CudaGpu {
                 "compute capability {major}.{minor}: the GPU engine's bf16 products need 8.0 or newer (A100, H100, …); use --device cpu"
             )));
         }
-        let module = ctx.load_module(compile_kernels(major, minor)?).map_err(gpu_err("loading the kernels"))?;
+        let module = ctx.load_module(compile_kernels(major, minor)?).map_err(|e| {
+            let hint = match e.0 {
+                driver_sys::cudaError_enum::CUDA_ERROR_UNSUPPORTED_PTX_VERSION => {
+                    "; NVRTC is newer than the driver: install the nvidia-cuda-nvrtc-cu12 release that matches the CUDA version nvidia-smi shows"
+                }
+                _ => "",
+            };
+            Error::Gpu(format!("loading the kernels: {e}{hint}"))
+        })?;
         let functions = KERNELS
             .iter()
             .map(|&k| Ok((k, module.load_function(k).map_err(gpu_err(k))?)))

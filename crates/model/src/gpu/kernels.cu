@@ -29,11 +29,11 @@ __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
 // Loads element i of a matrix stored as f32 (is_bf16 = 0) or bf16.
-__device__ __forceinline__ float load(const void* p, long i, int is_bf16) {
+__device__ __forceinline__ float load(const void* p, long long i, int is_bf16) {
     return is_bf16 ? bf16_to_f32(((const bf16*)p)[i]) : ((const float*)p)[i];
 }
 
-__device__ __forceinline__ void store(void* p, long i, float v, int is_bf16) {
+__device__ __forceinline__ void store(void* p, long long i, float v, int is_bf16) {
     if (is_bf16) ((bf16*)p)[i] = f32_to_bf16(v);
     else ((float*)p)[i] = v;
 }
@@ -80,8 +80,8 @@ struct EmbedArgs {
 
 // grid (rows), block 256.
 KERNEL(embed, EmbedArgs) {
-    long row = blockIdx.x;
-    long src = (long)a.ids[row] * a.d;
+    long long row = blockIdx.x;
+    long long src = (long long)a.ids[row] * a.d;
     for (int i = threadIdx.x; i < a.d; i += blockDim.x) a.out[row * a.d + i] = load(a.table, src + i, a.table_bf16);
 }
 
@@ -97,7 +97,7 @@ struct RmsnormArgs {
 
 // out = x / sqrt(mean(x²) + eps) · w. grid (rows), block 256.
 KERNEL(rmsnorm, RmsnormArgs) {
-    long row = blockIdx.x;
+    long long row = blockIdx.x;
     const float* x = a.x + row * a.d;
     float ss = 0.0f;
     for (int i = threadIdx.x; i < a.d; i += blockDim.x) ss += x[i] * x[i];
@@ -109,14 +109,14 @@ KERNEL(rmsnorm, RmsnormArgs) {
 struct ConvertArgs {
     const float* x;
     void* out;
-    long n;
+    long long n;
     int out_bf16;
     int pad;
 };
 
 // grid (ceil(n / 256)), block 256.
 KERNEL(convert, ConvertArgs) {
-    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < a.n) store(a.out, i, a.x[i], a.out_bf16);
 }
 
@@ -129,7 +129,7 @@ struct AddBiasArgs {
 
 // grid (rows), block 256.
 KERNEL(add_bias, AddBiasArgs) {
-    long row = blockIdx.x;
+    long long row = blockIdx.x;
     for (int i = threadIdx.x; i < a.cols; i += blockDim.x) a.x[row * a.cols + i] += a.b[i];
 }
 
@@ -143,7 +143,7 @@ struct LogprobArgs {
 
 // log p(target) of each row: grid (rows), block 256.
 KERNEL(logprob_at, LogprobArgs) {
-    long row = blockIdx.x;
+    long long row = blockIdx.x;
     const float* l = a.logits + row * a.vocab;
     float m = -3.402823466e38f;
     for (int i = threadIdx.x; i < a.vocab; i += blockDim.x) m = fmaxf(m, l[i]);
@@ -174,12 +174,12 @@ struct ConvArgs {
 // Depthwise causal conv over [tail; x], then SiLU. grid (ceil(max_len · C / 256), seqs), block 256.
 KERNEL(conv_silu, ConvArgs) {
     int s = blockIdx.y;
-    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     int len = a.lens[s], c = (int)(i % a.channels), t = (int)(i / a.channels);
     if (t >= len) return;
     int kt = a.k - 1;
-    const float* tail = a.tails + ((long)s * a.channels + c) * kt;
-    long row0 = a.starts[s];
+    const float* tail = a.tails + ((long long)s * a.channels + c) * kt;
+    long long row0 = a.starts[s];
     float acc = a.bias[c];
     for (int j = 0; j < a.k; ++j) {
         int src = t + j - kt;  // position in the sequence; negative: the tail
@@ -207,10 +207,10 @@ KERNEL(conv_tail, ConvTailArgs) {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= a.channels) return;
     int kt = a.k - 1, len = a.lens[s];
-    float* tail = a.tails + ((long)s * a.channels + c) * kt;
+    float* tail = a.tails + ((long long)s * a.channels + c) * kt;
     float old[16];
     for (int j = 0; j < kt; ++j) old[j] = tail[j];
-    long row0 = a.starts[s];
+    long long row0 = a.starts[s];
     for (int j = 0; j < kt; ++j) {
         int src = len - kt + j;
         tail[j] = src < 0 ? old[kt + src] : a.zx[(row0 + src) * a.width + a.offset + c];
@@ -225,10 +225,10 @@ KERNEL(conv_step, ConvArgs) {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= a.channels) return;
     int kt = a.k - 1, len = a.lens[s];
-    float* tail = (float*)a.tails + ((long)s * a.channels + c) * kt;
+    float* tail = (float*)a.tails + ((long long)s * a.channels + c) * kt;
     float win[17];
     for (int j = 0; j < kt; ++j) win[j] = tail[j];
-    long row0 = a.starts[s];
+    long long row0 = a.starts[s];
     for (int t = 0; t < len; ++t) {
         win[kt] = a.zx[(row0 + t) * a.width + a.offset + c];
         float acc = a.bias[c];
@@ -252,26 +252,38 @@ struct DtArgs {
     int heads;
     float lo;
     float hi;
-    int pad;
+    int rows;
 };
 
-// One thread per (sequence, head), through the sequence in order: the log-decay sums
-// in f64 as the CPU engine does. grid (ceil(H / 64), seqs), block 64.
-KERNEL(dt_decay, DtArgs) {
-    int s = blockIdx.y;
-    int h = blockIdx.x * blockDim.x + threadIdx.x;
-    if (h >= a.heads) return;
-    long row0 = a.starts[s];
+// dt of every (row, head). grid (ceil(rows · H / 256)), block 256.
+KERNEL(dt_values, DtArgs) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)a.rows * a.heads) return;
+    long long row = i / a.heads;
+    int h = (int)(i % a.heads);
+    float v = softplus(a.zx[row * a.width + a.offset + h] + a.dt_bias[h]);
+    a.dt[i] = fminf(fmaxf(v, a.lo), a.hi);
+}
+
+// log_decay[s][h] += Σ_t dt·A over sequence s, each product rounded to f32 and summed in f64
+// as the CPU engine sums it. grid (H, seqs), block 256.
+KERNEL(log_decay_sum, DtArgs) {
+    __shared__ double part[256];
+    int h = blockIdx.x, s = blockIdx.y;
+    long long row0 = a.starts[s];
+    float A = a.a_neg[h];
     double acc = 0.0;
-    for (int t = 0; t < a.lens[s]; ++t) {
-        long row = row0 + t;
-        float v = softplus(a.zx[row * a.width + a.offset + h] + a.dt_bias[h]);
-        v = fminf(fmaxf(v, a.lo), a.hi);
-        a.dt[row * a.heads + h] = v;
-        acc += (double)(v * a.a_neg[h]);
+    for (int t = threadIdx.x; t < a.lens[s]; t += blockDim.x) acc += (double)(a.dt[(row0 + t) * a.heads + h] * A);
+    part[threadIdx.x] = acc;
+    __syncthreads();
+    for (int k = blockDim.x / 2; k > 0; k >>= 1) {
+        if ((int)threadIdx.x < k) part[threadIdx.x] += part[threadIdx.x + k];
+        __syncthreads();
     }
-    float* ld = a.log_decay + (long)s * a.heads + h;
-    *ld = (float)((double)*ld + acc);
+    if (threadIdx.x == 0) {
+        float* ld = a.log_decay + (long long)s * a.heads + h;
+        *ld = (float)((double)*ld + part[0]);
+    }
 }
 
 // Where one head's inputs sit in a row of the conv output (x | B | C).
@@ -299,7 +311,7 @@ struct ScanArgs {
     const float* a_neg;      // (H)
     const float* d;          // (H)
     float* ssm;              // (seqs, H, P, N), updated in place
-    float* log_decay;        // (seqs, H): += Σ dt·A, summed in f64 as dt_decay does
+    float* log_decay;        // (seqs, H): += Σ dt·A, summed in f64 as the CPU engine sums it
     float* y;                // (rows, H·P)
     const int* starts;
     const int* lens;
@@ -313,8 +325,8 @@ struct ScanArgs {
 };
 
 // The recurrence token by token, for decode steps and short prompts: dt = clamp(softplus(
-// dt_raw + dt_bias)) (the work of dt_decay, done here so a decode step launches one kernel
-// less), S = exp(dt·A)·S + dt·x·Bᵀ, y = S·C + D·x. One block per (head, sequence); thread
+// dt_raw + dt_bias)) (the work of dt_values and log_decay_sum, done here so a decode step
+// launches two kernels less), S = exp(dt·A)·S + dt·x·Bᵀ, y = S·C + D·x. One block per (head, sequence); thread
 // (p, r) owns the state entries (p, n) with n ≡ r (mod threads_per_row).
 // grid (H, seqs), block P · threads_per_row.
 KERNEL(scan_steps, ScanArgs) {
@@ -324,12 +336,12 @@ KERNEL(scan_steps, ScanArgs) {
     const ScanShape sh = a.shape;
     int tpr = a.threads_per_row;
     int p = threadIdx.x / tpr, r = threadIdx.x % tpr;
-    float* S = a.ssm + (((long)s * sh.heads + h) * sh.headdim + p) * sh.d_state;
-    long row0 = a.starts[s];
+    float* S = a.ssm + (((long long)s * sh.heads + h) * sh.headdim + p) * sh.d_state;
+    long long row0 = a.starts[s];
     float A = a.a_neg[h], D = a.d[h];
     double decay_sum = 0.0;
     for (int t = 0; t < a.lens[s]; ++t) {
-        long row = row0 + t;
+        long long row = row0 + t;
         if (threadIdx.x == 0) {
             float v = softplus(a.zx[row * a.width + a.dt_offset + h] + a.dt_bias[h]);
             v = fminf(fmaxf(v, a.lo), a.hi);
@@ -358,7 +370,7 @@ KERNEL(scan_steps, ScanArgs) {
         __syncthreads();
     }
     if (threadIdx.x == 0) {
-        float* ld = a.log_decay + (long)s * sh.heads + h;
+        float* ld = a.log_decay + (long long)s * sh.heads + h;
         *ld = (float)((double)*ld + decay_sum);
     }
 }
@@ -389,7 +401,7 @@ struct ChunkArgs {
 __device__ int chunk_decays(const ChunkArgs& a, int s, int c, int h, float* dt, float* cs) {
     int len = a.lens[s] - c * a.chunk;
     if (len > a.chunk) len = a.chunk;
-    long row0 = a.starts[s] + (long)c * a.chunk;
+    long long row0 = a.starts[s] + (long long)c * a.chunk;
     for (int t = threadIdx.x; t < len; t += blockDim.x) dt[t] = a.dt[(row0 + t) * a.shape.heads + h];
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -405,7 +417,7 @@ __device__ int chunk_decays(const ChunkArgs& a, int s, int c, int h, float* dt, 
 
 __device__ __forceinline__ float* chunk_state(const ChunkArgs& a, int s, int c, int h) {
     const ScanShape& sh = a.shape;
-    return a.chunks + ((((long)s * a.max_chunks + c) * sh.heads + h) * sh.headdim) * sh.d_state;
+    return a.chunks + ((((long long)s * a.max_chunks + c) * sh.heads + h) * sh.headdim) * sh.d_state;
 }
 
 // grid (max_chunks, H, seqs), block 256.
@@ -419,7 +431,7 @@ KERNEL(ssd_chunk_state, ChunkArgs) {
     for (int t = threadIdx.x; t < len; t += blockDim.x) scale[t] = expf(cs[len - 1] - cs[t]) * dt[t];
     __syncthreads();
     const ScanShape sh = a.shape;
-    long row0 = a.starts[s] + (long)c * a.chunk;
+    long long row0 = a.starts[s] + (long long)c * a.chunk;
     float* out = chunk_state(a, s, c, h);
     for (int e = threadIdx.x; e < sh.headdim * sh.d_state; e += blockDim.x) {
         int p = e / sh.d_state, n = e % sh.d_state;
@@ -438,8 +450,8 @@ KERNEL(ssd_state_pass, ChunkArgs) {
     int h = blockIdx.x, s = blockIdx.y;
     const ScanShape sh = a.shape;
     int nchunks = (a.lens[s] + a.chunk - 1) / a.chunk;
-    long row0 = a.starts[s];
-    float* S = a.ssm + ((long)s * sh.heads + h) * sh.headdim * sh.d_state;
+    long long row0 = a.starts[s];
+    float* S = a.ssm + ((long long)s * sh.heads + h) * sh.headdim * sh.d_state;
     for (int c = 0; c < nchunks; ++c) {
         if (threadIdx.x == 0) {  // the chunk's Σ dt·A, summed in chunk_decays' order
             int end = (c + 1) * a.chunk < a.lens[s] ? (c + 1) * a.chunk : a.lens[s];
@@ -468,7 +480,7 @@ KERNEL(ssd_chunk_scan, ChunkArgs) {
     if (c * a.chunk >= a.lens[s]) return;
     int len = chunk_decays(a, s, c, h, dt, cs);
     const ScanShape sh = a.shape;
-    long row0 = a.starts[s] + (long)c * a.chunk;
+    long long row0 = a.starts[s] + (long long)c * a.chunk;
     // The chunk's mixing matrix M[t][u] = exp(cs_t − cs_u)·(C_t·B_u)·dt_u for u ≤ t, once.
     for (int e = threadIdx.x; e < len * len; e += blockDim.x) {
         int t = e / len, u = e % len;
@@ -510,7 +522,7 @@ struct GatedNormArgs {
 
 // v = y·silu(z); out = v / sqrt(mean_group(v²) + eps)·w. grid (rows, d_inner / group), block 256.
 KERNEL(gated_rmsnorm, GatedNormArgs) {
-    long row = blockIdx.x;
+    long long row = blockIdx.x;
     int g0 = blockIdx.y * a.group;
     float ss = 0.0f;
     for (int i = threadIdx.x; i < a.group; i += blockDim.x) {
@@ -532,17 +544,17 @@ struct WeightedSumArgs {
     const float* inputs;   // (count, n): the parts, one after another
     const float* weights;  // (n / block, count): each block's weight of each part
     float* out;            // (n)
-    long n;
+    long long n;
     int count;
     int block;
 };
 
 // out[e·block + j] = Σ_i w[e·count + i] · inputs[i][e·block + j]. grid (ceil(n / 256)), block 256.
 KERNEL(weighted_sum, WeightedSumArgs) {
-    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= a.n) return;
     const float* w = a.weights + (i / a.block) * a.count;
     float acc = 0.0f;
-    for (int j = 0; j < a.count; ++j) acc += w[j] * a.inputs[(long)j * a.n + i];
+    for (int j = 0; j < a.count; ++j) acc += w[j] * a.inputs[(long long)j * a.n + i];
     a.out[i] = acc;
 }

@@ -16,7 +16,8 @@ pub(crate) const KERNELS: &[&str] = &[
     "conv_silu",
     "conv_tail",
     "conv_step",
-    "dt_decay",
+    "dt_values",
+    "log_decay_sum",
     "scan_steps",
     "ssd_chunk_state",
     "ssd_state_pass",
@@ -82,10 +83,10 @@ kernel_args! {
         zx: DevicePtr, tails: DevicePtr, starts: DevicePtr, lens: DevicePtr,
         width: i32, offset: i32, channels: i32, k: i32,
     }
-    /// `dt_decay`.
+    /// `dt_values` and `log_decay_sum`.
     pub struct DtArgs {
         zx: DevicePtr, dt_bias: DevicePtr, a_neg: DevicePtr, dt: DevicePtr, log_decay: DevicePtr, starts: DevicePtr, lens: DevicePtr,
-        width: i32, offset: i32, heads: i32, lo: f32, hi: f32, pad: i32,
+        width: i32, offset: i32, heads: i32, lo: f32, hi: f32, rows: i32,
     }
     /// Where a head's x, B and C sit in a conv-output row.
     pub struct ScanShape { heads: i32, headdim: i32, d_state: i32, groups: i32, conv_dim: i32, pad: i32, }

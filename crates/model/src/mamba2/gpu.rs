@@ -281,6 +281,12 @@ impl GpuMamba2 {
         if batch.rows == 0 {
             return Ok(T::default());
         }
+        if batch.seqs() > 65_535 {
+            return Err(Error::Input(format!(
+                "{} sequences in one pass: the GPU engine runs at most 65,535 at once (a grid dimension); split the batch",
+                batch.seqs()
+            )));
+        }
         let pass = self.pass(&mut scratch, tokens, batch)?;
         let c = &self.config;
         let embed = EmbedArgs {
@@ -311,8 +317,11 @@ impl GpuMamba2 {
                         .is_some_and(|b| b.bytes() >= 4 * chunk_floats(batch.seqs(), batch.max_chunks())))
         });
         if !fits {
+            // Never smaller than before (a pass rebuilt for its chunk buffer keeps its rows).
+            let (old_rows, old_seqs) = scratch.as_ref().map_or((0, 0), |p| (p.rows, p.seqs));
             *scratch = None; // free the old buffers first
-            let (rows, seqs) = (batch.rows.next_power_of_two(), batch.seqs().next_power_of_two());
+            let rows = batch.rows.next_power_of_two().max(old_rows);
+            let seqs = batch.seqs().next_power_of_two().max(old_seqs);
             let f32s = |n: usize| DeviceBuf::zeroed(&self.gpu, n * 4);
             let chunks = match batch.step_scan() {
                 true => None,
@@ -489,9 +498,10 @@ impl GpuMamba2 {
                 heads: c.nheads as i32,
                 lo: lo as f32,
                 hi: hi as f32,
-                pad: 0,
+                rows: rows as i32,
             };
-            launch(gpu, "dt_decay", [c.nheads.div_ceil(64) as u32, seqs, 1], [64, 1, 1], &dt)?;
+            launch(gpu, "dt_values", [blocks(rows * c.nheads), 1, 1], [BLOCK, 1, 1], &dt)?;
+            launch(gpu, "log_decay_sum", [heads, seqs, 1], [BLOCK, 1, 1], &dt)?;
             let chunks = pass.chunks.as_ref().expect("a pass for a chunked batch has chunk buffers");
             let args = ChunkArgs {
                 xbc: pass.xbc.ptr(),
@@ -540,6 +550,9 @@ impl GpuMamba2 {
     /// `log p(targets[i] | hidden row i)`: only one float per row crosses back.
     pub fn logprobs(&self, hidden: &[f32], targets: &[u32]) -> Result<Vec<f32>> {
         let rows = targets.len();
+        if rows == 0 {
+            return Ok(Vec::new());
+        }
         let logits = self.logits_on_device(hidden)?;
         let ids: Vec<i32> = targets.iter().map(|&t| t as i32).collect();
         let targets = DeviceBuf::from_i32(&self.gpu, &ids)?;
@@ -660,7 +673,7 @@ mod tests {
                 "logprob_at" => "LogprobArgs",
                 "conv_silu" | "conv_step" => "ConvArgs",
                 "conv_tail" => "ConvTailArgs",
-                "dt_decay" => "DtArgs",
+                "dt_values" | "log_decay_sum" => "DtArgs",
                 "scan_steps" => "ScanArgs",
                 "ssd_chunk_state" | "ssd_state_pass" | "ssd_chunk_scan" => "ChunkArgs",
                 "gated_rmsnorm" => "GatedNormArgs",
@@ -748,9 +761,12 @@ mod tests {
         for (i, &n) in lens.iter().enumerate() {
             let mut alone = starts[i].clone();
             let h = gpu.forward_batch(&all[at..at + n], &[n], &mut [&mut alone]).unwrap();
+            // cuBLAS picks its kernels by the number of rows, so on a GPU a row's rounding may
+            // depend on its batch; the emulator's product does not.
+            let tol = if std::env::var("PICASO_TEST_GPU").as_deref() == Ok("cuda") { 1e-5 } else { 1e-6 };
             let diff = rel_diff(&hidden[at * d..(at + n) * d], &h);
-            assert!(diff < 1e-6, "sequence {i}: {diff:e}");
-            assert_states_close(&batched[i], &alone, 1e-6, &format!("sequence {i}"));
+            assert!(diff < tol, "sequence {i}: {diff:e}");
+            assert_states_close(&batched[i], &alone, tol, &format!("sequence {i}"));
             at += n;
         }
     }
