@@ -81,6 +81,8 @@ pub(crate) struct GpuStates<'e> {
     /// The states as given (their values stale until [`crate::engine::Resident::states`]),
     /// with positions kept current.
     host: Vec<State>,
+    /// The logits of one step of every sequence (sequences × vocab), allocated once.
+    logits: DeviceBuf,
 }
 
 impl crate::engine::Resident for GpuStates<'_> {
@@ -94,7 +96,7 @@ impl crate::engine::Resident for GpuStates<'_> {
                 tokens.len()
             )));
         }
-        let logits = self.engine.run_logits(tokens, &Batch::new(lens), &self.layers)?;
+        let logits = self.engine.run_logits(tokens, &Batch::new(lens), &self.layers, &self.logits)?;
         for (s, &t) in self.host.iter_mut().zip(lens) {
             s.advance(t);
         }
@@ -209,7 +211,8 @@ impl GpuMamba2 {
     pub(crate) fn resident(&self, states: Vec<State>) -> Result<GpuStates<'_>> {
         let refs: Vec<&State> = states.iter().collect();
         let layers = (0..self.layers.len()).map(|l| self.upload_states(&refs, l)).collect::<Result<Vec<_>>>()?;
-        Ok(GpuStates { engine: self, layers, host: states })
+        let logits = DeviceBuf::zeroed(&self.gpu, states.len() * self.config.vocab_size * 4)?;
+        Ok(GpuStates { engine: self, layers, host: states, logits })
     }
 
     /// Composes `states` on the device ([`crate::compose`]'s arithmetic: the weights and the
@@ -261,10 +264,16 @@ impl GpuMamba2 {
 
     /// [`GpuMamba2::run`] that returns every row's logits, computed on the device from its
     /// hidden rows (only the logits cross to the host).
-    fn run_logits(&self, tokens: &[u32], batch: &Batch, states: &[LayerStates]) -> Result<Vec<f32>> {
+    fn run_logits(&self, tokens: &[u32], batch: &Batch, states: &[LayerStates], out: &DeviceBuf) -> Result<Vec<f32>> {
+        let n = batch.rows * self.config.vocab_size;
         self.run_then(tokens, batch, states, |pass| {
             self.rmsnorm(pass.h.ptr(), self.norm_f.ptr(), pass.xn.ptr(), batch.rows, true)?;
-            self.lm_head(pass.xn.ptr(), batch.rows)?.read_f32(0, batch.rows * self.config.vocab_size)
+            if out.bytes() >= 4 * n {
+                self.lm_head_into(pass.xn.ptr(), batch.rows, out.ptr())?;
+                out.read_f32(0, n)
+            } else {
+                self.lm_head(pass.xn.ptr(), batch.rows)?.read_f32(0, n)
+            }
         })
     }
 
@@ -580,8 +589,14 @@ impl GpuMamba2 {
 
     /// Logits (rows × vocab, f32) of final-normed rows `a` stored in the matrices' type.
     fn lm_head(&self, a: DevicePtr, rows: usize) -> Result<DeviceBuf> {
+        let logits = DeviceBuf::zeroed(&self.gpu, rows * self.config.vocab_size * 4)?;
+        self.lm_head_into(a, rows, logits.ptr())?;
+        Ok(logits)
+    }
+
+    /// [`GpuMamba2::lm_head`] into `out` (at least rows × vocab f32).
+    fn lm_head_into(&self, a: DevicePtr, rows: usize, out: DevicePtr) -> Result<()> {
         let c = &self.config;
-        let logits = DeviceBuf::zeroed(&self.gpu, rows * c.vocab_size * 4)?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embedding);
         self.gpu.gemm(&Gemm {
             dtype: self.dtype,
@@ -590,10 +605,9 @@ impl GpuMamba2 {
             k: c.d_model,
             a,
             w: head.ptr(),
-            out: logits.ptr(),
+            out,
             accumulate: false,
-        })?;
-        Ok(logits)
+        })
     }
 }
 
