@@ -38,34 +38,30 @@ __device__ __forceinline__ void store(void* p, long long i, float v, int is_bf16
     else ((float*)p)[i] = v;
 }
 
-// Sum of `v` over the block (blockDim.x a power of two ≤ 256); every thread gets it.
-__device__ float block_sum(float v) {
-    __shared__ float scratch[256];
+struct Add {
+    template <typename T> __device__ T operator()(T a, T b) const { return a + b; }
+};
+struct Max {
+    __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+
+// `op` of `v` over the block (blockDim.x a power of two ≤ 256), as a tree; every thread gets it.
+template <typename T, typename Op> __device__ T block_reduce(T v, Op op) {
+    __shared__ T scratch[256];
     int t = threadIdx.x;
     scratch[t] = v;
     __syncthreads();
     for (int s = blockDim.x / 2; s > 0; s >>= 1) {
-        if (t < s) scratch[t] += scratch[t + s];
+        if (t < s) scratch[t] = op(scratch[t], scratch[t + s]);
         __syncthreads();
     }
-    float r = scratch[0];
+    T r = scratch[0];
     __syncthreads();
     return r;
 }
 
-__device__ float block_max(float v) {
-    __shared__ float scratch[256];
-    int t = threadIdx.x;
-    scratch[t] = v;
-    __syncthreads();
-    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
-        if (t < s) scratch[t] = fmaxf(scratch[t], scratch[t + s]);
-        __syncthreads();
-    }
-    float r = scratch[0];
-    __syncthreads();
-    return r;
-}
+__device__ float block_sum(float v) { return block_reduce(v, Add()); }
+__device__ float block_max(float v) { return block_reduce(v, Max()); }
 
 // ---------------------------------------------------------------------------------------
 // Tokens in and out.
@@ -159,7 +155,8 @@ KERNEL(logprob_at, LogprobArgs) {
 
 struct ConvArgs {
     const float* zx;     // in_proj output (rows, width); the conv input starts at column `offset`
-    const float* tails;  // (seqs, C, K-1), read only: conv_tail writes the new tails after
+    float* tails;        // (seqs, C, K-1): conv_silu reads them, conv_tail then writes the
+                         // new ones; conv_step does both
     const float* w;      // (C, K)
     const float* bias;   // (C)
     float* out;          // (rows, C): SiLU(conv)
@@ -189,20 +186,9 @@ KERNEL(conv_silu, ConvArgs) {
     a.out[(row0 + t) * a.channels + c] = silu(acc);
 }
 
-struct ConvTailArgs {
-    const float* zx;
-    float* tails;  // (seqs, C, K-1), updated in place
-    const int* starts;
-    const int* lens;
-    int width;
-    int offset;
-    int channels;
-    int k;
-};
-
-// The tails after each sequence: its last K-1 conv inputs. One thread per (sequence,
-// channel) reads the old tail before writing. grid (ceil(C / 256), seqs), block 256.
-KERNEL(conv_tail, ConvTailArgs) {
+// The tails after each sequence: its last K-1 conv inputs (conv_silu's arguments; w, bias and
+// out unused). One thread per (sequence, channel) reads the old tail before writing. grid (ceil(C / 256), seqs), block 256.
+KERNEL(conv_tail, ConvArgs) {
     int s = blockIdx.y;
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= a.channels) return;
@@ -225,7 +211,7 @@ KERNEL(conv_step, ConvArgs) {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= a.channels) return;
     int kt = a.k - 1, len = a.lens[s];
-    float* tail = (float*)a.tails + ((long long)s * a.channels + c) * kt;
+    float* tail = a.tails + ((long long)s * a.channels + c) * kt;
     float win[17];
     for (int j = 0; j < kt; ++j) win[j] = tail[j];
     long long row0 = a.starts[s];
@@ -268,21 +254,15 @@ KERNEL(dt_values, DtArgs) {
 // log_decay[s][h] += Σ_t dt·A over sequence s, each product rounded to f32 and summed in f64
 // as the CPU engine sums it. grid (H, seqs), block 256.
 KERNEL(log_decay_sum, DtArgs) {
-    __shared__ double part[256];
     int h = blockIdx.x, s = blockIdx.y;
     long long row0 = a.starts[s];
     float A = a.a_neg[h];
     double acc = 0.0;
     for (int t = threadIdx.x; t < a.lens[s]; t += blockDim.x) acc += (double)(a.dt[(row0 + t) * a.heads + h] * A);
-    part[threadIdx.x] = acc;
-    __syncthreads();
-    for (int k = blockDim.x / 2; k > 0; k >>= 1) {
-        if ((int)threadIdx.x < k) part[threadIdx.x] += part[threadIdx.x + k];
-        __syncthreads();
-    }
+    acc = block_reduce(acc, Add());
     if (threadIdx.x == 0) {
         float* ld = a.log_decay + (long long)s * a.heads + h;
-        *ld = (float)((double)*ld + part[0]);
+        *ld = (float)((double)*ld + acc);
     }
 }
 

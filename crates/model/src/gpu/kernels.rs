@@ -73,14 +73,9 @@ kernel_args! {
     pub struct AddBiasArgs { x: DevicePtr, b: DevicePtr, cols: i32, pad: i32, }
     /// `logprob_at`.
     pub struct LogprobArgs { logits: DevicePtr, targets: DevicePtr, out: DevicePtr, vocab: i32, pad: i32, }
-    /// `conv_silu` and `conv_step`.
+    /// `conv_silu`, `conv_tail` and `conv_step`.
     pub struct ConvArgs {
         zx: DevicePtr, tails: DevicePtr, w: DevicePtr, bias: DevicePtr, out: DevicePtr, starts: DevicePtr, lens: DevicePtr,
-        width: i32, offset: i32, channels: i32, k: i32,
-    }
-    /// `conv_tail`.
-    pub struct ConvTailArgs {
-        zx: DevicePtr, tails: DevicePtr, starts: DevicePtr, lens: DevicePtr,
         width: i32, offset: i32, channels: i32, k: i32,
     }
     /// `dt_values` and `log_decay_sum`.

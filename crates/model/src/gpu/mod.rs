@@ -99,6 +99,11 @@ pub trait Gpu: Send + Sync + std::fmt::Debug {
     fn gemm(&self, g: &Gemm) -> Result<()>;
 }
 
+/// `v` as the little-endian bytes the kernels read.
+pub(crate) fn i32_bytes(v: &[i32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
 /// Device memory owned by the host: freed when dropped.
 #[derive(Debug)]
 pub struct DeviceBuf {
@@ -125,7 +130,7 @@ impl DeviceBuf {
     }
     /// A copy of `v` on the device, as i32.
     pub fn from_i32(gpu: &Arc<dyn Gpu>, v: &[i32]) -> Result<Self> {
-        Self::from_bytes(gpu, &v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<_>>())
+        Self::from_bytes(gpu, &i32_bytes(v))
     }
     /// The device address.
     pub fn ptr(&self) -> DevicePtr {
@@ -142,11 +147,9 @@ impl DeviceBuf {
     }
     /// The contents as f32.
     pub fn to_f32(&self) -> Result<Vec<f32>> {
-        let mut raw = vec![0u8; self.bytes];
-        self.gpu.download(self.ptr, &mut raw)?;
-        Ok(raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+        self.read_f32(0, self.bytes / 4)
     }
-    /// Overwrites the start of the buffer with `v` (f32).
+    /// Writes `v` (f32) from `offset_floats` on.
     pub fn write_f32(&self, offset_floats: usize, v: &[f32]) -> Result<()> {
         if (offset_floats + v.len()) * 4 > self.bytes {
             return Err(Error::Input(format!(

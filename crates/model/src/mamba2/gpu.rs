@@ -13,11 +13,11 @@ use super::{Mamba2Config, Mamba2Weights};
 use crate::cpu::layers::by_kind;
 use crate::error::{Error, Result};
 use crate::gpu::kernels::{
-    launch, AddBiasArgs, ChunkArgs, ConvArgs, ConvTailArgs, ConvertArgs, DtArgs, EmbedArgs, GatedNormArgs, LogprobArgs,
-    RmsnormArgs, ScanArgs, ScanShape, WeightedSumArgs,
+    launch, AddBiasArgs, ChunkArgs, ConvArgs, ConvertArgs, DtArgs, EmbedArgs, GatedNormArgs, LogprobArgs, RmsnormArgs,
+    ScanArgs, ScanShape, WeightedSumArgs,
 };
 use crate::gpu::plan::{blocks, scan_threads_per_row, Batch, BLOCK, CHUNK};
-use crate::gpu::{DeviceBuf, DevicePtr, Gemm, Gpu, MatrixDtype};
+use crate::gpu::{i32_bytes, DeviceBuf, DevicePtr, Gemm, Gpu, MatrixDtype};
 use crate::state::State;
 
 /// One block's weights on the device (small vectors in f32, the projections in the matrix type).
@@ -354,11 +354,10 @@ impl GpuMamba2 {
             });
         }
         let pass = scratch.as_ref().expect("set above");
-        let i32s = |v: &[i32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
         let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
-        self.gpu.upload(pass.ids.ptr(), &i32s(&ids))?;
-        self.gpu.upload(pass.starts.ptr(), &i32s(&batch.starts))?;
-        self.gpu.upload(pass.lens.ptr(), &i32s(&batch.lens))?;
+        self.gpu.upload(pass.ids.ptr(), &i32_bytes(&ids))?;
+        self.gpu.upload(pass.starts.ptr(), &i32_bytes(&batch.starts))?;
+        self.gpu.upload(pass.lens.ptr(), &i32_bytes(&batch.lens))?;
         Ok(pass)
     }
 
@@ -483,17 +482,7 @@ impl GpuMamba2 {
         } else {
             // Prompts: the conv in parallel over tokens, then the chunked scan.
             launch(gpu, "conv_silu", [blocks(batch.max_len * cd), seqs, 1], [BLOCK, 1, 1], &conv)?;
-            let tail = ConvTailArgs {
-                zx: pass.zx.ptr(),
-                tails: ls.tails.ptr(),
-                starts,
-                lens,
-                width: width as i32,
-                offset: di as i32,
-                channels: cd as i32,
-                k: c.d_conv as i32,
-            };
-            launch(gpu, "conv_tail", [blocks(cd), seqs, 1], [BLOCK, 1, 1], &tail)?;
+            launch(gpu, "conv_tail", [blocks(cd), seqs, 1], [BLOCK, 1, 1], &conv)?;
             let dt = DtArgs {
                 zx: pass.zx.ptr(),
                 dt_bias: w.dt_bias.ptr(),
@@ -685,8 +674,7 @@ mod tests {
                 "convert" => "ConvertArgs",
                 "add_bias" => "AddBiasArgs",
                 "logprob_at" => "LogprobArgs",
-                "conv_silu" | "conv_step" => "ConvArgs",
-                "conv_tail" => "ConvTailArgs",
+                "conv_silu" | "conv_tail" | "conv_step" => "ConvArgs",
                 "dt_values" | "log_decay_sum" => "DtArgs",
                 "scan_steps" => "ScanArgs",
                 "ssd_chunk_state" | "ssd_state_pass" | "ssd_chunk_scan" => "ChunkArgs",
