@@ -102,6 +102,15 @@ fn prepare<'a, 's>(
     Ok((ordered, block))
 }
 
+/// The composed log-decay per element: the parts' sum (the decay of any concatenation of them).
+/// Below f32's range it is held at its lowest value: e^that is 0 either way, and the composed
+/// state stays one that a state file can hold.
+fn sum_log_decays(decays: &[&[f32]], out: &mut [f32]) {
+    for (e, v) in out.iter_mut().enumerate() {
+        *v = (decays.iter().map(|d| d[e] as f64).sum::<f64>() as f32).max(f32::MIN);
+    }
+}
+
 fn bad_decay(i: usize, l: usize, v: f64) -> Error {
     Error::state(format!("state {i}: layers.{l}.log_decay holds {v:?}; log-decays must be finite and <= 0"))
 }
@@ -146,9 +155,7 @@ pub fn compose_all_but_ssm<'a>(
         mean(&conv, &mut dst.conv)?;
         let decays: Vec<&[f32]> = parts.iter().map(|p| p.log_decay).collect();
         weights.push(weights_per_element(method, &decays)?);
-        for (e, v) in dst.log_decay.iter_mut().enumerate() {
-            *v = (parts.iter().map(|p| p.log_decay[e] as f64).sum::<f64>() as f32).max(f32::MIN);
-        }
+        sum_log_decays(&decays, &mut dst.log_decay);
     }
     Ok(SsmSumLeft { composed: out, weights, parts: index.into_iter().map(|i| states[i]).collect() })
 }
@@ -185,11 +192,7 @@ pub fn compose_views_into(
             }
             let w = weights_per_element(method, &decays)?;
             weighted_sum_blocks(&ssm, &w, block, &mut dst.ssm)?;
-            for (e, v) in dst.log_decay.iter_mut().enumerate() {
-                // Below f32's range, held at its lowest value: e^that is 0 either way, and the
-                // composed state stays one that a state file can hold.
-                *v = (parts.iter().map(|p| p.log_decay[e] as f64).sum::<f64>() as f32).max(f32::MIN);
-            }
+            sum_log_decays(&decays, &mut dst.log_decay);
             Ok(())
         })
         .collect();

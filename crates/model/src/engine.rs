@@ -128,6 +128,10 @@ pub(crate) trait Resident: Send {
     fn forward_logits(&mut self, tokens: &[u32], lens: &[usize]) -> Result<Vec<f32>>;
     /// The states as they stand, on the host.
     fn states(&self) -> Result<Vec<State>>;
+    /// The states, on the host, ending the residency (host engines hand them back uncopied).
+    fn into_states(self: Box<Self>) -> Result<Vec<State>> {
+        self.states()
+    }
 }
 
 /// [`Resident`] for engines that compute on the host: the states stay in host memory.
@@ -144,6 +148,9 @@ impl<E: Engine + ?Sized> Resident for HostStates<'_, E> {
     }
     fn states(&self) -> Result<Vec<State>> {
         Ok(self.states.clone())
+    }
+    fn into_states(self: Box<Self>) -> Result<Vec<State>> {
+        Ok(self.states)
     }
 }
 

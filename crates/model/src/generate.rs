@@ -387,7 +387,7 @@ pub fn generate(
             }
         }
     };
-    let state = session.states()?.pop().expect("a session of one sequence");
+    let state = session.into_states()?.pop().expect("a session of one sequence");
     let (tokens, mut text) = (decoder.tokens, decoder.text);
     if stop_reason == StopReason::Cancelled {
         text.truncate(decoder.emitted);

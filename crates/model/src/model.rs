@@ -69,6 +69,11 @@ impl Session<'_> {
     pub fn states(&self) -> Result<Vec<State>> {
         self.resident.states()
     }
+
+    /// The states, on the host, ending the session (a host engine's come back uncopied).
+    pub fn into_states(self) -> Result<Vec<State>> {
+        self.resident.into_states()
+    }
 }
 
 /// The outcome of scoring a token sequence.
