@@ -8,6 +8,7 @@ use picaso_train::cpu::ops::Matmul;
 use picaso_train::cpu::CpuTrainer;
 use picaso_train::mamba::TrainMamba2;
 use picaso_train::pretrain::init_weights;
+use picaso_train::Net;
 
 fn main() -> candle_core::Result<()> {
     // As the picaso binary does: freed activations are reused, not mapped and zeroed anew.

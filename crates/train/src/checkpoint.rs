@@ -9,8 +9,6 @@ use std::fs::File;
 use std::io::Write;
 use std::path::Path;
 
-use picaso_model::{Mamba2Config, Mamba2Weights};
-
 use crate::{io, Result};
 
 /// The folder a run resumes from.
@@ -63,19 +61,19 @@ pub(crate) fn recover(out: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Writes weights, optimiser state (by `save_optimizer`) and `state` into
+/// Writes weights (by `save_weights`: `config.json` and the tensors), optimiser state (by
+/// `save_optimizer`) and `state` into
 /// `out/checkpoint.tmp`, flushes them, then swaps it in for `out/checkpoint`.
 pub(crate) fn write(
     out: &Path,
-    config: &Mamba2Config,
-    weights: &Mamba2Weights,
+    save_weights: impl FnOnce(&Path) -> Result<()>,
     save_optimizer: impl FnOnce(&Path) -> Result<()>,
     state: &impl serde::Serialize,
 ) -> Result<()> {
     let tmp = out.join(TMP);
     remove(&tmp)?;
     std::fs::create_dir_all(&tmp).map_err(|e| io(e, &tmp))?;
-    weights.save_pretrained(&tmp, config).map_err(|e| io(e, &tmp))?;
+    save_weights(&tmp)?;
     save_optimizer(&tmp.join("optimizer.safetensors"))?;
     for entry in std::fs::read_dir(&tmp).map_err(|e| io(e, &tmp))? {
         sync(&entry.map_err(|e| io(e, &tmp))?.path())?;

@@ -18,12 +18,13 @@ use std::time::Instant;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor};
-use picaso_model::{Mamba2Config, Mamba2Weights, State};
+use picaso_model::{Mamba2Config, State};
 use rand::{Rng, SeedableRng};
 
 use crate::checkpoint;
 use crate::io;
-use crate::mamba::{TrainMamba2, TrainState};
+use crate::mamba::TrainState;
+use crate::net::Net;
 use crate::optim::{check_counts, check_settings, check_warmup, lr_at, AdamW, AdamWConfig};
 use crate::pretrain::save_checkpoint;
 use crate::xent::IGNORE;
@@ -145,11 +146,12 @@ impl Dataset {
     }
 }
 
-/// Everything that defines a fine-tuning run (a resume must match it).
+/// Everything that defines a fine-tuning run (a resume must match it); `C` is the model's
+/// config ([`Net::Config`]).
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct ComposeConfig {
+pub struct ComposeConfig<C = Mamba2Config> {
     /// The architecture (of the starting model).
-    pub model: Mamba2Config,
+    pub model: C,
     /// Gradient path.
     pub objective: Objective,
     /// Examples per step.
@@ -205,7 +207,7 @@ pub struct ComposeRow {
     pub seconds: f64,
 }
 
-impl ComposeConfig {
+impl<C> ComposeConfig<C> {
     /// Checks the run's settings: counts of at least 1, `min_k` and `val_k` within `max_k`,
     /// and the optimiser's numbers ([`crate::optim::check_settings`]). [`finetune`] calls it;
     /// callers may call it earlier, before gathering examples.
@@ -228,8 +230,8 @@ impl ComposeConfig {
 }
 
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
-struct ComposeTrainer {
-    config: ComposeConfig,
+struct ComposeTrainer<C> {
+    config: ComposeConfig<C>,
     step: u64,
     history: Vec<ComposeRow>,
     /// What the run started from; `None` in checkpoints made before it was recorded.
@@ -291,9 +293,22 @@ impl Origin {
 /// example's contexts in sequence order (the last is nearest the query). Per head, context `i`
 /// gets `w_i = (1/k) Σ_{m<k} exp(ℓ_{i+1} + … + ℓ_{i+m})` (indices mod k) — its CASO weight
 /// averaged over the k rotations — computed in f64 from cumulative log-decays, never dividing
-/// by products of decays. Conv tails are averaged, log-decays summed (as at inference).
+/// by products of decays. Conv tails are averaged, log-decays summed (as at inference). A
+/// hybrid's attention layers get the union of the contexts' keys and values, in sequence
+/// order, their padding still masked.
 pub fn picaso_r(states: &TrainState, b: usize, k: usize) -> Result<TrainState> {
-    let mut out = TrainState { ssm: Vec::new(), conv: Vec::new(), log_decay: Vec::new() };
+    let mut out = TrainState::default();
+    let union = |x: &Tensor| -> Result<Tensor> {
+        let dims = x.dims();
+        let mut shape = vec![b, k * dims[1]];
+        shape.extend_from_slice(&dims[2..]);
+        x.reshape(shape)
+    };
+    for (keys, values) in states.keys.iter().zip(&states.values) {
+        out.keys.push(union(keys)?);
+        out.values.push(union(values)?);
+    }
+    out.kv_mask = states.kv_mask.as_ref().map(union).transpose()?;
     for l in 0..states.ssm.len() {
         let (rows, h, p, n) = states.ssm[l].dims4()?;
         if rows != b * k {
@@ -342,8 +357,8 @@ fn query_batch(examples: &[&Example], device: &Device) -> Result<(Tensor, Vec<u3
 }
 
 /// The composed starting states of `examples` at `k` under `objective`.
-fn composed(
-    net: &TrainMamba2,
+fn composed<N: Net>(
+    net: &N,
     data: &Dataset,
     examples: &[&Example],
     k: usize,
@@ -363,15 +378,15 @@ fn composed(
             let states: Vec<Cow<'_, State>> =
                 ids.iter().map(|&i| data.contexts[i].state.get()).collect::<Result<_>>()?;
             let refs: Vec<&State> = states.iter().map(|s| s.as_ref()).collect();
-            TrainState::from_states(&refs, net.dtype(), net.device())?
+            net.stack_states(&refs)?
         }
     };
     Ok(Some(picaso_r(&states, examples.len(), k)?))
 }
 
 /// Mean continuation loss over `examples` at `k` (no gradient kept).
-pub fn eval_loss(
-    net: &TrainMamba2,
+pub fn eval_loss<N: Net>(
+    net: &N,
     data: &Dataset,
     examples: &[Example],
     k: usize,
@@ -396,8 +411,8 @@ pub fn eval_loss(
 /// tokens and the gradients are summed, so the step is the one of a single pass over the
 /// batch, while the autograd graph held at once shrinks by batch / micro_batch (BPTC at k = 10
 /// and batch 8 holds 24 GB in one pass for the bundled model).
-fn batch_gradients(
-    net: &TrainMamba2,
+fn batch_gradients<N: Net>(
+    net: &N,
     data: &Dataset,
     examples: &[&Example],
     k: usize,
@@ -440,7 +455,7 @@ fn batch_gradients(
 }
 
 /// (examples, k) of step `step`.
-fn batch_at<'a>(data: &'a Dataset, cfg: &ComposeConfig, step: u64) -> (Vec<&'a Example>, usize) {
+fn batch_at<'a, C>(data: &'a Dataset, cfg: &ComposeConfig<C>, step: u64) -> (Vec<&'a Example>, usize) {
     let mut rng = rand::rngs::StdRng::seed_from_u64(cfg.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ step);
     let k = rng.random_range(cfg.min_k.min(cfg.max_k)..=cfg.max_k);
     let examples = (0..cfg.batch).map(|_| &data.train[rng.random_range(0..data.train.len())]).collect();
@@ -454,9 +469,9 @@ fn batch_at<'a>(data: &'a Dataset, cfg: &ComposeConfig, step: u64) -> (Vec<&'a E
 /// and examples as the run that made the checkpoint; `model_source` (where the weights came
 /// from) names them when they are not.
 #[allow(clippy::too_many_arguments)]
-pub fn finetune(
-    config: &ComposeConfig,
-    weights: &Mamba2Weights,
+pub fn finetune<N: Net>(
+    config: &ComposeConfig<N::Config>,
+    weights: &N::Weights,
     model_source: &str,
     data: &Dataset,
     out: &Path,
@@ -474,7 +489,7 @@ pub fn finetune(
     }
     std::fs::create_dir_all(out).map_err(|e| io(e, out))?;
     let origin = Origin {
-        model: weights.fingerprint(&config.model),
+        model: N::fingerprint(weights, &config.model),
         model_source: Some(model_source.to_string()),
         data: data.source.clone(),
         data_fingerprint: data.fingerprint(),
@@ -483,7 +498,7 @@ pub fn finetune(
     let ckpt = out.join(checkpoint::CHECKPOINT);
     let (net, mut opt, mut state) = if ckpt.join("trainer.json").is_file() {
         let text = std::fs::read_to_string(ckpt.join("trainer.json")).map_err(|e| io(e, &ckpt))?;
-        let mut state: ComposeTrainer = serde_json::from_str(&text).map_err(|e| io(e, &ckpt))?;
+        let mut state: ComposeTrainer<N::Config> = serde_json::from_str(&text).map_err(|e| io(e, &ckpt))?;
         if &state.config != config {
             candle_core::bail!(
                 "{}: this checkpoint was made with another configuration; resume with the same one (see its trainer.json) or use a new --out",
@@ -492,13 +507,13 @@ pub fn finetune(
         }
         origin.check(state.origin.as_ref(), &ckpt)?;
         state.origin.get_or_insert(origin);
-        let w = Mamba2Weights::load(&ckpt, &config.model).map_err(|e| io(e, &ckpt))?;
-        let net = TrainMamba2::from_weights(&config.model, &w, DType::F32, &device)?.with_chunk(config.chunk);
+        let w = N::load_weights(&ckpt, &config.model)?;
+        let net = N::build(&config.model, &w, DType::F32, &device)?.with_chunk(config.chunk);
         let mut opt = AdamW::new(net.vars(), config.adamw.clone())?;
         opt.load(&ckpt.join("optimizer.safetensors"))?;
         (net, opt, state)
     } else {
-        let net = TrainMamba2::from_weights(&config.model, weights, DType::F32, &device)?.with_chunk(config.chunk);
+        let net = N::build(&config.model, weights, DType::F32, &device)?.with_chunk(config.chunk);
         let opt = AdamW::new(net.vars(), config.adamw.clone())?;
         (net, opt, ComposeTrainer { config: config.clone(), step: 0, history: Vec::new(), origin: Some(origin) })
     };

@@ -22,6 +22,7 @@ use crate::checkpoint;
 use crate::cpu::ops::Matmul;
 use crate::cpu::{param_shapes, params, params_mut, CpuTrainer};
 use crate::mamba::TrainMamba2;
+use crate::net::Net;
 use crate::optim::{check_counts, check_settings, check_warmup, lr_at, AdamW, AdamWConfig, HostAdamW};
 use crate::xent::IGNORE;
 use crate::{io, Result};
@@ -483,8 +484,8 @@ pub fn context_use(trainer: &CpuTrainer, w: &Mamba2Weights, pairs: &[ContextPair
 }
 
 /// Saves a checkpoint into `out/checkpoint` atomically (see [`crate::checkpoint`]).
-pub(crate) fn save_checkpoint(out: &Path, net: &TrainMamba2, opt: &AdamW, state: &impl serde::Serialize) -> Result<()> {
-    checkpoint::write(out, net.config(), &net.to_weights()?, |p| opt.save(p), state)
+pub(crate) fn save_checkpoint(out: &Path, net: &impl Net, opt: &AdamW, state: &impl serde::Serialize) -> Result<()> {
+    checkpoint::write(out, |p| net.save_pretrained(p), |p| opt.save(p), state)
 }
 
 /// Saves a CPU-path checkpoint: the same files as [`save_checkpoint`].
@@ -495,7 +496,7 @@ fn save_host_checkpoint(
     opt: &HostAdamW,
     state: &TrainerState,
 ) -> Result<()> {
-    checkpoint::write(out, config, w, |p| opt.save(p), state)
+    checkpoint::write(out, |p| w.save_pretrained(p, config).map_err(|e| crate::io(e, p)), |p| opt.save(p), state)
 }
 
 /// Where a run starts when `out` has no checkpoint of its own.

@@ -8,7 +8,7 @@ use picaso_model::{compose, Composition, Mamba2Config, Mamba2Weights, Model, Sta
 use picaso_train::compose::{
     finetune, picaso_r, ComposeConfig, ContextItem, ContextState, Dataset, Example, Objective,
 };
-use picaso_train::{TrainMamba2, TrainState};
+use picaso_train::{Net, TrainMamba2, TrainState};
 use rand::{Rng, SeedableRng};
 
 fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
@@ -81,7 +81,12 @@ fn composition_gradients_match_finite_differences() {
     let ld = Var::from_tensor(&(Tensor::rand(0f64, 1.0, (b * k, h), &dev).unwrap() * -3.0).unwrap()).unwrap();
     let probe = Tensor::randn(0f64, 1.0, (b, h, p, n), &dev).unwrap();
     let loss = |ld: &Tensor| -> Tensor {
-        let s = TrainState { ssm: vec![ssm.clone()], conv: vec![conv.clone()], log_decay: vec![ld.clone()] };
+        let s = TrainState {
+            ssm: vec![ssm.clone()],
+            conv: vec![conv.clone()],
+            log_decay: vec![ld.clone()],
+            ..TrainState::default()
+        };
         picaso_r(&s, b, k).unwrap().ssm[0].mul(&probe).unwrap().sum_all().unwrap()
     };
     let g = loss(ld.as_tensor()).backward().unwrap().get(&ld).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
@@ -143,10 +148,13 @@ fn a_resumed_finetune_equals_an_uninterrupted_one() {
         let cfg = config(&c, objective);
         let tmp = tempfile::tempdir().unwrap();
         let full =
-            finetune(&cfg, &w, "the test model", &data, &tmp.path().join("a"), None, usize::MAX, |_| {}).unwrap();
-        finetune(&cfg, &w, "the test model", &data, &tmp.path().join("b"), Some(3), usize::MAX, |_| {}).unwrap();
+            finetune::<TrainMamba2>(&cfg, &w, "the test model", &data, &tmp.path().join("a"), None, usize::MAX, |_| {})
+                .unwrap();
+        finetune::<TrainMamba2>(&cfg, &w, "the test model", &data, &tmp.path().join("b"), Some(3), usize::MAX, |_| {})
+            .unwrap();
         let resumed =
-            finetune(&cfg, &w, "the test model", &data, &tmp.path().join("b"), None, usize::MAX, |_| {}).unwrap();
+            finetune::<TrainMamba2>(&cfg, &w, "the test model", &data, &tmp.path().join("b"), None, usize::MAX, |_| {})
+                .unwrap();
         // Equal up to float rounding: the CPU sums' association can depend on buffer alignment,
         // so the last bits of a gradient norm may differ between two identical runs.
         assert_eq!(full.len(), resumed.len());
@@ -173,7 +181,17 @@ fn a_resumed_finetune_equals_an_uninterrupted_one() {
         }
         assert!(max_diff(&wa.embedding, &wb.embedding) < 1e-6);
         let other = ComposeConfig { lr: 1e-3, ..cfg.clone() };
-        assert!(finetune(&other, &w, "the test model", &data, &tmp.path().join("b"), None, usize::MAX, |_| {}).is_err());
+        assert!(finetune::<TrainMamba2>(
+            &other,
+            &w,
+            "the test model",
+            &data,
+            &tmp.path().join("b"),
+            None,
+            usize::MAX,
+            |_| {}
+        )
+        .is_err());
     }
 }
 
@@ -188,7 +206,7 @@ fn a_finetune_resumes_only_with_its_own_model_and_examples() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("run");
     let run = |w: &Mamba2Weights, data: &Dataset, stop: u64| {
-        finetune(&cfg, w, "the test model", data, &out, Some(stop), 3, |_| {})
+        finetune::<TrainMamba2>(&cfg, w, "the test model", data, &out, Some(stop), 3, |_| {})
     };
     run(&w, &data, 2).unwrap();
     let trainer = out.join("checkpoint/trainer.json");
@@ -222,9 +240,20 @@ fn micro_batches_take_the_same_steps_as_whole_batches() {
         let cfg = config(&c, objective);
         assert!(cfg.batch > 1, "the test needs several examples per batch");
         let tmp = tempfile::tempdir().unwrap();
-        let whole =
-            finetune(&cfg, &w, "the test model", &data, &tmp.path().join("whole"), None, cfg.batch, |_| {}).unwrap();
-        let micro = finetune(&cfg, &w, "the test model", &data, &tmp.path().join("micro"), None, 1, |_| {}).unwrap();
+        let whole = finetune::<TrainMamba2>(
+            &cfg,
+            &w,
+            "the test model",
+            &data,
+            &tmp.path().join("whole"),
+            None,
+            cfg.batch,
+            |_| {},
+        )
+        .unwrap();
+        let micro =
+            finetune::<TrainMamba2>(&cfg, &w, "the test model", &data, &tmp.path().join("micro"), None, 1, |_| {})
+                .unwrap();
         let close = |a: f64, b: f64| (a - b).abs() <= 1e-5 * a.abs().max(1.0);
         for (x, y) in whole.iter().zip(&micro) {
             assert_eq!((x.step, x.k), (y.step, y.k));

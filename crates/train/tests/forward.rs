@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use candle_core::{DType, Device, Tensor, Var};
 use picaso_model::{Mamba2Config, Mamba2Weights, Model, State};
 use picaso_train::cpu::ops::Matmul;
-use picaso_train::{TrainMamba2, TrainState};
+use picaso_train::{Net, TrainMamba2, TrainState};
 use rand::{Rng, SeedableRng};
 
 fn case(name: &str) -> (Mamba2Config, Mamba2Weights) {
@@ -101,6 +101,7 @@ fn gradients_match_finite_differences() {
         ssm: init_vars.iter().map(|v| v.0.as_tensor().clone()).collect(),
         conv: init_vars.iter().map(|v| v.1.as_tensor().clone()).collect(),
         log_decay: init_vars.iter().map(|v| v.2.as_tensor().clone()).collect(),
+        ..TrainState::default()
     };
     let tokens = Tensor::from_vec(random_tokens(16, v, 9), (2, 8), &Device::Cpu).unwrap();
     let targets = random_tokens(16, v, 10);

@@ -6,7 +6,9 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use picaso_model::ModelConfig;
 use picaso_train::run_file::{ComposeFile, RecallEpisodes};
+use picaso_train::{Net, TrainGraniteHybrid, TrainMamba2};
 
 use super::plot::loss_chart;
 
@@ -52,37 +54,42 @@ pub(super) fn compose_cmd(a: ComposeArgs) -> Result<()> {
         std::fs::read_to_string(&a.config).with_context(|| format!("reading --config {}", a.config.display()))?;
     let f: ComposeFile = serde_json::from_str(&text).with_context(|| format!("--config {}", a.config.display()))?;
     let model = crate::args::load_model(&a.model, true)?;
-    let config = compose_config(&a, &f, &model)?;
+    match model.config() {
+        ModelConfig::Mamba2(c) => run::<TrainMamba2>(&a, &f, &model, c.clone()),
+        ModelConfig::GraniteHybrid(c) => run::<TrainGraniteHybrid>(&a, &f, &model, c.clone()),
+        ModelConfig::Mamba1(_) => bail!(
+            "{}: fine-tuning supports Mamba-2 models and Granite 4.0 H hybrids; this one is Mamba-1",
+            model.dir().display()
+        ),
+    }
+}
+
+/// Gathers the examples and fine-tunes `model`, whose architecture `N` trains.
+fn run<N: Net>(a: &ComposeArgs, f: &ComposeFile, model: &picaso_model::Model, arch: N::Config) -> Result<()> {
+    let config = compose_config(a, f, arch);
     // Checked before the examples are gathered (retrieval over a whole store).
     config.validate().with_context(|| format!("--config {}", a.config.display()))?;
     let data = match (&f.recall, &a.db) {
-        (Some(r), None) => recall_examples(&model, &f, r)?,
+        (Some(r), None) => recall_examples(model, f, r)?,
         (None, Some(db)) => {
-            store_examples(&model, &crate::args::DbArgs { db: db.clone(), states: a.states.clone() }, &f, a.restate)?
+            store_examples(model, &crate::args::DbArgs { db: db.clone(), states: a.states.clone() }, f, a.restate)?
         }
         (Some(_), Some(_)) => bail!("--config has a \"recall\" section, which generates its examples: drop --db"),
         (None, None) => bail!(
             "give --db (a store of passages ingested with --segment halves), or a config with a \"recall\" section"
         ),
     };
-    fit_compose(&a, &config, &model, &data)
+    fit_compose::<N>(a, &config, model, &data)
 }
 
-/// The fine-tuning run's config: the file's settings for `model`'s architecture.
-fn compose_config(
-    a: &ComposeArgs,
-    f: &ComposeFile,
-    model: &picaso_model::Model,
-) -> Result<picaso_train::compose::ComposeConfig> {
+/// The fine-tuning run's config: the file's settings for the model's architecture `model`.
+fn compose_config<C>(a: &ComposeArgs, f: &ComposeFile, model: C) -> picaso_train::compose::ComposeConfig<C> {
     let mut adamw = picaso_train::optim::AdamWConfig::default();
     if let Some(wd) = f.weight_decay {
         adamw.weight_decay = wd;
     }
-    let mamba2 = model.config().as_mamba2().with_context(|| {
-        format!("{}: fine-tuning supports Mamba-2 models; this one is Mamba-1", model.dir().display())
-    })?;
-    Ok(picaso_train::compose::ComposeConfig {
-        model: mamba2.clone(),
+    picaso_train::compose::ComposeConfig {
+        model,
         objective: a.objective,
         batch: f.batch,
         steps: f.steps,
@@ -98,7 +105,7 @@ fn compose_config(
         val_k: f.val_k,
         checkpoint_every: f.checkpoint_every,
         chunk: f.chunk,
-    })
+    }
 }
 
 /// Recall examples: episode i of max_k contexts (generated with the config's seed), asking
@@ -244,13 +251,13 @@ fn held_out_documents(passages: &[picaso_store::Passage], every: usize) -> Optio
 }
 
 /// Fine-tunes `model` on `data` as `config` says; writes OUT's log, chart and model.
-fn fit_compose(
+fn fit_compose<N: Net>(
     a: &ComposeArgs,
-    config: &picaso_train::compose::ComposeConfig,
+    config: &picaso_train::compose::ComposeConfig<N::Config>,
     model: &picaso_model::Model,
     data: &picaso_train::compose::Dataset,
 ) -> Result<()> {
-    let weights = picaso_model::Mamba2Weights::load(model.dir(), &config.model)?;
+    let weights = N::load_weights(model.dir(), &config.model)?;
     let bar = indicatif::ProgressBar::new(config.steps);
     bar.set_style(
         indicatif::ProgressStyle::with_template("{bar:30} step {pos}/{len} · {msg} · ETA {eta}")
@@ -258,7 +265,7 @@ fn fit_compose(
     );
     let plain = bar.is_hidden();
     let micro = a.micro_batch.map_or(config.batch, |m| m as usize);
-    let history = picaso_train::compose::finetune(
+    let history = picaso_train::compose::finetune::<N>(
         config,
         &weights,
         &model.dir().display().to_string(),
@@ -302,8 +309,8 @@ fn fit_compose(
     let val_name = format!("validation (PICASO-R, k = {})", config.val_k);
     loss_chart(&a.out.join("loss.png"), &chart, ["train (k drawn 0..max_k)", &val_name], &rows, 50)?;
     let model_dir = a.out.join("model");
-    let w = picaso_model::Mamba2Weights::load(&a.out.join("checkpoint"), &config.model)?;
-    w.save_pretrained(&model_dir, &config.model)?;
+    let w = N::load_weights(&a.out.join("checkpoint"), &config.model)?;
+    N::save_weights(&w, &config.model, &model_dir)?;
     let tok = model.dir().join("tokenizer.json");
     if tok.is_file() {
         std::fs::copy(&tok, model_dir.join("tokenizer.json"))?;

@@ -629,6 +629,7 @@ mod tests {
 
     use super::*;
     use crate::mamba::TrainMamba2;
+    use crate::net::Net;
     use crate::pretrain::init_weights;
 
     /// The hand-written loss and every gradient equal candle autograd's on the f64 composite

@@ -1,0 +1,260 @@
+//! The differentiable Granite 4.0 H hybrid against the inference engine (itself checked against
+//! HF transformers): equal logits and final states (Mamba states, keys and values) from any
+//! state, padded context states, the PICASO-R + key/value union composition and what the model
+//! reads after it; its gradients against central finite differences in f64 (attention, MLP,
+//! Mamba weights and the starting keys and values); composition fine-tuning of a hybrid.
+
+use candle_core::{DType, Device, Tensor, Var};
+use picaso_model::{compose, Composition, GraniteHybridConfig, GraniteHybridWeights, LoadOptions, Model, State};
+use picaso_train::compose::{
+    finetune, picaso_r, ComposeConfig, ContextItem, ContextState, Dataset, Example, Objective,
+};
+use picaso_train::{Net, TrainGraniteHybrid, TrainState};
+use rand::{Rng, SeedableRng};
+
+fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    (0..n).map(|_| rng.random_range(0..vocab as u32)).collect()
+}
+
+/// The tiny hybrid (`mamba, attention, mamba, attention`; 2 query heads per key head), with
+/// multipliers away from 1 so each scalar is exercised, and the inference model of the same
+/// weights (loaded from a saved folder, as users load one).
+fn setup() -> (GraniteHybridConfig, GraniteHybridWeights, Model, tempfile::TempDir) {
+    let c = GraniteHybridConfig {
+        embedding_multiplier: 1.5,
+        residual_multiplier: 0.7,
+        logits_scaling: 2.0,
+        ..GraniteHybridConfig::tiny(48)
+    };
+    let w = GraniteHybridWeights::random(&c, 7);
+    let dir = tempfile::tempdir().unwrap();
+    w.save_pretrained(dir.path(), &c).unwrap();
+    let m = Model::load(dir.path(), &LoadOptions::default()).unwrap();
+    (c, w, m, dir)
+}
+
+fn max_rel(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len(), "lengths differ");
+    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6) as f64;
+    a.iter().zip(b).map(|(x, y)| (x - y).abs() as f64).fold(0.0, f64::max) / scale
+}
+
+/// Every tensor of two states of the hybrid agree to `tol` relative to each one's largest value.
+fn assert_states_close(got: &State, want: &State, tol: f64, what: &str) {
+    for (l, (g, w)) in got.layers.iter().zip(&want.layers).enumerate() {
+        for (part, a, b) in
+            [("ssm", &g.ssm, &w.ssm), ("conv", &g.conv, &w.conv), ("log_decay", &g.log_decay, &w.log_decay)]
+        {
+            let e = max_rel(a, b);
+            assert!(e < tol, "{what}: Mamba layer {l} {part} differs by {e:e}");
+        }
+    }
+    assert_eq!(got.attention.len(), want.attention.len());
+    for (l, (g, w)) in got.attention.iter().zip(&want.attention).enumerate() {
+        for (part, a, b) in [("keys", &g.keys, &w.keys), ("values", &g.values, &w.values)] {
+            let e = max_rel(a, b);
+            assert!(e < tol, "{what}: attention layer {l} {part} differ by {e:e}");
+        }
+    }
+}
+
+#[test]
+fn matches_the_inference_engine_from_any_state() {
+    let (c, w, m, _dir) = setup();
+    let v = c.vocab_size;
+    // Rows continuing from states of different lengths: the shorter one's keys are padded.
+    let prefixes = [tokens(11, v, 1), tokens(5, v, 2)];
+    let states: Vec<State> = prefixes.iter().map(|p| m.prefill(p, &m.zero_state()).unwrap()).collect();
+    let suffixes = [tokens(26, v, 3), tokens(26, v, 4)];
+    for chunk in [1, 7, 64] {
+        let net = TrainGraniteHybrid::from_weights(&c, &w, DType::F32, &Device::Cpu).unwrap().with_chunk(chunk);
+        let init = net.stack_states(&states.iter().collect::<Vec<_>>()).unwrap();
+        assert!(init.kv_mask.is_some(), "keys of different lengths are masked");
+        let x = Tensor::from_vec(suffixes.concat(), (2, 26), &Device::Cpu).unwrap();
+        let (logits, next) = net.forward(&x, Some(&init)).unwrap();
+        for row in 0..2 {
+            let (want_logits, want_state) = m.forward_all_logits(&suffixes[row], &states[row]).unwrap();
+            let got: Vec<f32> = logits.get(row).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            let e = max_rel(&got, &want_logits);
+            assert!(e < 1e-4, "chunk {chunk} row {row}: logits differ by {e:e}");
+            let got_state = next.to_state(row, &want_state).unwrap();
+            assert_states_close(&got_state, &want_state, 1e-4, &format!("chunk {chunk} row {row}"));
+        }
+    }
+}
+
+#[test]
+fn padded_batched_context_states_equal_the_inference_engine() {
+    let (c, w, m, _dir) = setup();
+    let lists: Vec<Vec<u32>> =
+        [1usize, 2, 9, 4, 17, 3, 12].iter().enumerate().map(|(i, &n)| tokens(n, 48, 10 + i as u64)).collect();
+    let refs: Vec<&[u32]> = lists.iter().map(Vec::as_slice).collect();
+    let net = TrainGraniteHybrid::from_weights(&c, &w, DType::F32, &Device::Cpu).unwrap().with_chunk(4);
+    for group in [1, 3, 16] {
+        let batch = net.context_states(&refs, group).unwrap();
+        for (i, t) in lists.iter().enumerate() {
+            let want = m.prefill(t, &m.zero_state()).unwrap();
+            let got = batch.to_state(i, &want).unwrap();
+            assert_states_close(&got, &want, 1e-4, &format!("group {group} list {i}"));
+        }
+    }
+}
+
+/// PICASO-R on the Mamba layers and the union of keys and values, from padded batched context
+/// states, equals the inference composition, and the model reads the same continuation from it.
+#[test]
+fn composition_with_the_key_value_union_equals_the_inference_one() {
+    let (c, w, m, _dir) = setup();
+    let (b, k) = (2, 3);
+    let lists: Vec<Vec<u32>> = (0..b * k).map(|i| tokens(3 + 5 * i, 48, 40 + i as u64)).collect();
+    let refs: Vec<&[u32]> = lists.iter().map(Vec::as_slice).collect();
+    let net = TrainGraniteHybrid::from_weights(&c, &w, DType::F32, &Device::Cpu).unwrap();
+    let composed = picaso_r(&net.context_states(&refs, 4).unwrap(), b, k).unwrap();
+    let query = [tokens(9, 48, 50), tokens(9, 48, 51)];
+    let (logits, _) =
+        net.forward(&Tensor::from_vec(query.concat(), (b, 9), &Device::Cpu).unwrap(), Some(&composed)).unwrap();
+    for e in 0..b {
+        let parts: Vec<State> =
+            lists[e * k..(e + 1) * k].iter().map(|t| m.prefill(t, &m.zero_state()).unwrap()).collect();
+        let want = compose(Composition::PicasoR, &parts.iter().collect::<Vec<_>>(), None).unwrap();
+        assert_states_close(&composed.to_state(e, &want).unwrap(), &want, 1e-4, &format!("example {e}"));
+        let (want_logits, _) = m.forward_all_logits(&query[e], &want).unwrap();
+        let got: Vec<f32> = logits.get(e).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let err = max_rel(&got, &want_logits);
+        assert!(err < 1e-4, "example {e}: logits after the composed state differ by {err:e}");
+    }
+}
+
+fn numeric_grad(var: &Var, i: usize, loss: &dyn Fn() -> f64) -> f64 {
+    let base = var.as_tensor().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+    let at = |d: f64| {
+        let mut v = base.clone();
+        v[i] += d;
+        var.set(&Tensor::from_vec(v, var.shape(), &Device::Cpu).unwrap()).unwrap();
+        loss()
+    };
+    let h = 1e-5;
+    let g = (at(h) - at(-h)) / (2.0 * h);
+    var.set(&Tensor::from_vec(base, var.shape(), &Device::Cpu).unwrap()).unwrap();
+    g
+}
+
+#[test]
+fn gradients_match_finite_differences() {
+    let (c, w, m, _dir) = setup();
+    let net = TrainGraniteHybrid::from_weights(&c, &w, DType::F64, &Device::Cpu).unwrap().with_chunk(3);
+    // Two starting states of different lengths: padded, masked keys.
+    let starts = [
+        m.prefill(&tokens(6, 48, 8), &m.zero_state()).unwrap(),
+        m.prefill(&tokens(3, 48, 9), &m.zero_state()).unwrap(),
+    ];
+    let init = net.stack_states(&[&starts[0], &starts[1]]).unwrap();
+    let keys: Vec<Var> = init.keys.iter().map(|t| Var::from_tensor(t).unwrap()).collect();
+    let values: Vec<Var> = init.values.iter().map(|t| Var::from_tensor(t).unwrap()).collect();
+    let state = || TrainState {
+        keys: keys.iter().map(|v| v.as_tensor().clone()).collect(),
+        values: values.iter().map(|v| v.as_tensor().clone()).collect(),
+        ..init.clone()
+    };
+    let x = Tensor::from_vec(tokens(16, 48, 10), (2, 8), &Device::Cpu).unwrap();
+    let targets = tokens(16, 48, 11);
+    // Also weight the final keys, so gradients flow through the state output too.
+    let probe = Tensor::randn(0f64, 1.0, (2, 6 + 8, 1, 8), &Device::Cpu).unwrap();
+    let loss_of = || -> Tensor {
+        let (ce, next) = net.loss(&x, &targets, Some(&state())).unwrap();
+        (ce + (next.keys[1].mul(&probe).unwrap().sum_all().unwrap() * 0.1).unwrap()).unwrap()
+    };
+    let loss = || loss_of().to_scalar::<f64>().unwrap();
+    let grads = loss_of().backward().unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(12);
+    let mut checked = 0;
+    let mut check = |name: &str, var: &Var, picks: usize| {
+        let g = grads
+            .get(var)
+            .unwrap_or_else(|| panic!("{name}: no gradient"))
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f64>()
+            .unwrap();
+        for _ in 0..picks {
+            let i = rng.random_range(0..g.len());
+            let num = numeric_grad(var, i, &loss);
+            let err = (g[i] - num).abs() / num.abs().max(1e-3);
+            assert!(err < 1e-5, "{name}[{i}]: autograd {} vs finite differences {num} (rel {err:e})", g[i]);
+            checked += 1;
+        }
+    };
+    // Every parameter (the Mamba ones, attention's norm and q, k, v, o, the MLP's, the norms).
+    for (i, var) in net.vars().iter().enumerate() {
+        check(&format!("parameter {i}"), var, 2);
+    }
+    for (l, (k, v)) in keys.iter().zip(&values).enumerate() {
+        check(&format!("init keys {l}"), k, 3);
+        check(&format!("init values {l}"), v, 3);
+    }
+    assert!(checked > 60, "{checked} checks");
+}
+
+fn dataset(m: &Model) -> Dataset {
+    let contexts: Vec<ContextItem> = (0..10)
+        .map(|i| {
+            let t = tokens(4 + i % 5, 48, 100 + i as u64);
+            let state = m.prefill(&t, &m.zero_state()).unwrap();
+            ContextItem { tokens: t, state: ContextState::Held(Box::new(state)) }
+        })
+        .collect();
+    let example = |i: u64| Example {
+        contexts: vec![(i % 10) as usize, ((i + 3) % 10) as usize, ((i + 7) % 10) as usize],
+        query: tokens(5, 48, 200 + i),
+        continuation: tokens(4 + (i % 3) as usize, 48, 300 + i),
+    };
+    let (train, val) = ((0..12).map(example).collect(), (12..15).map(example).collect());
+    Dataset { source: "generated examples".into(), contexts, train, val }
+}
+
+/// BPTC and BP2C fine-tune a hybrid: the loss falls on the training examples, a resumed run
+/// equals an uninterrupted one, and the saved model loads in the inference engine with the
+/// fine-tuned weights.
+#[test]
+fn a_hybrid_fine_tunes_through_the_composition_and_resumes() {
+    let (c, w, m, _dir) = setup();
+    let data = dataset(&m);
+    for objective in [Objective::Bptc, Objective::Bp2c] {
+        let config = ComposeConfig {
+            model: c.clone(),
+            objective,
+            batch: 4,
+            steps: 6,
+            warmup: 1,
+            lr: 3e-3,
+            min_lr: 3e-4,
+            clip: 1.0,
+            adamw: Default::default(),
+            max_k: 3,
+            min_k: 1,
+            seed: 3,
+            val_every: 3,
+            val_k: 3,
+            checkpoint_every: 2,
+            chunk: 4,
+        };
+        let whole = tempfile::tempdir().unwrap();
+        let log = finetune::<TrainGraniteHybrid>(&config, &w, "tiny", &data, whole.path(), None, 2, |_| {}).unwrap();
+        assert_eq!(log.len(), 6);
+        let (first, last) = (log[0].val_loss.or(log[2].val_loss).unwrap(), log[5].val_loss.unwrap());
+        assert!(last < first, "{objective:?}: validation loss {first} → {last}");
+        let parts = tempfile::tempdir().unwrap();
+        finetune::<TrainGraniteHybrid>(&config, &w, "tiny", &data, parts.path(), Some(3), 4, |_| {}).unwrap();
+        let resumed =
+            finetune::<TrainGraniteHybrid>(&config, &w, "tiny", &data, parts.path(), None, 4, |_| {}).unwrap();
+        for (a, b) in log.iter().zip(&resumed) {
+            assert!((a.loss - b.loss).abs() < 1e-5, "{objective:?} step {}: {} vs {}", a.step, a.loss, b.loss);
+        }
+        let tuned = GraniteHybridWeights::load(&whole.path().join("checkpoint"), &c).unwrap();
+        let saved = tempfile::tempdir().unwrap();
+        tuned.save_pretrained(saved.path(), &c).unwrap();
+        let tuned = Model::load(saved.path(), &LoadOptions::default()).unwrap();
+        assert_ne!(tuned.fingerprint(), m.fingerprint(), "{objective:?}: the weights changed");
+    }
+}
