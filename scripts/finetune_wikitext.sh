@@ -6,6 +6,8 @@
 #   scripts/finetune_wikitext.sh [SAMPLE]     # SAMPLE: test passages to evaluate (default 100; "all": every one)
 #   KS=10 OUT=results/finetuned-full scripts/finetune_wikitext.sh all   # every passage, at k = 10 only
 #   OBJECTIVES=bptc OUT=/tmp/finetuned-bptc scripts/finetune_wikitext.sh   # one objective only
+#   MODEL=models/picaso-hybrid RUNS=/work/runs/ft-hybrid OUT=results/finetuned-hybrid \
+#     KS=10 scripts/finetune_wikitext.sh all                                # the bundled hybrid
 #
 # 1. a store of WikiText-2 *train* paragraphs cut into query/continuation halves, ingested by
 #    the bundled model (RUNS/no-unk/db): the split's 3,870 paragraphs without `<unk>`, with bf16
@@ -22,7 +24,8 @@
 #    zero-shot vs BPTC vs BP2C on the same test passages, each pair of models paired, into
 #    OUT, with each objective's training log and loss curve in OUT/training-OBJECTIVE.
 # RUNS defaults to /work/runs/ft-wikitext; DATA to ../shared/data (WikiText-2 and MiniLM; see
-# their PROVENANCE.md); OBJECTIVES to "bp2c bptc"; OUT (the report's folder) to results/finetuned.
+# their PROVENANCE.md); OBJECTIVES to "bp2c bptc"; OUT (the report's folder) to results/finetuned;
+# MODEL (the zero-shot model that ingests the stores and is fine-tuned) to models/picaso-mamba2.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-/work/runs/ft-wikitext}
@@ -35,6 +38,7 @@ SELECT=()
 [ -z "${KS:-}" ] || SELECT+=(--ks "$KS")
 OBJECTIVES=${OBJECTIVES:-bp2c bptc}
 OUT=${OUT:-results/finetuned}
+MODEL=${MODEL:-models/picaso-mamba2}
 BIN=${PICASO_BIN:-target/release/picaso}
 [ -x "$BIN" ] || cargo build --release -p picaso
 mkdir -p "$RUNS"
@@ -44,14 +48,14 @@ P=$RUNS/picaso.bin
 T=$RUNS/no-unk
 mkdir -p "$T"
 grep -v '<unk>' "$D/wikitext-2/wiki.train.tokens" > "$T/wiki.train.no-unk.tokens"   # headings kept
-$P ingest --db "$T/db" --embedder "$E" --wikitext "$T/wiki.train.no-unk.tokens" --segment halves --state-dtype bf16
-MODELS=zero-shot=models/picaso-mamba2
+$P ingest --db "$T/db" --model "$MODEL" --embedder "$E" --wikitext "$T/wiki.train.no-unk.tokens" --segment halves --state-dtype bf16
+MODELS=zero-shot=$MODEL
 for objective in $OBJECTIVES; do   # a finished run resumes to its end at once
-  $P train compose --objective $objective --db "$T/db" \
+  $P train compose --objective $objective --db "$T/db" --model "$MODEL" \
     --config models/training/finetune-wikitext.json --micro-batch 2 --out "$T/$objective"
   MODELS="$MODELS,$objective=$T/$objective/model"
 done
-$P ingest --db "$RUNS/db-test" --embedder "$E" --wikitext "$D/wikitext-2/wiki.test.raw.crlf_nonempty" --segment halves
+$P ingest --db "$RUNS/db-test" --model "$MODEL" --embedder "$E" --wikitext "$D/wikitext-2/wiki.test.raw.crlf_nonempty" --segment halves
 $P eval finetuned --db "$RUNS/db-test" --embedder "$E" --obqa "$D/openbookqa" \
   --models "$MODELS" --obqa-ks 10 --methods concat,picaso-r "${SELECT[@]}" --seed 0 --out "$OUT"
 for objective in $OBJECTIVES; do

@@ -481,3 +481,75 @@ fn recall_trains_evaluates_and_finetunes() {
         "drop --db",
     );
 }
+
+/// A Granite-4.0-H-shaped hybrid trains from a run file (`"arch": "granite_hybrid"`) on
+/// generated recall sequences, its folder loads for `eval recall`, and it fine-tunes through
+/// the composition (PICASO-R + the key/value union); a hybrid's fields are checked.
+#[test]
+fn a_hybrid_recall_model_trains_evaluates_and_finetunes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = |name: &str| tmp.path().join(name).to_str().unwrap().to_string();
+    let cfg = r#"{"arch": "granite_hybrid", "d_model": 32, "n_layer": 2, "attention": [1], "attn_heads": 2,
+        "kv_heads": 1, "mlp": 48, "d_state": 8, "headdim": 8, "seq_len": 40, "batch": 4, "steps": 4,
+        "warmup": 1, "lr": 3e-3, "min_lr": 3e-4, "val_every": 2, "val_sequences": 2, "checkpoint_every": 2,
+        "val_fraction": 0.1, "sampler": "epochs",
+        "recall": {"keys": 16, "values": 16, "facts": 2, "max_k": 4, "sequences": 60}}"#;
+    std::fs::write(p("cfg.json"), cfg).unwrap();
+    let out = p("run");
+    let o = picaso(&["train", "pretrain", "--config", &p("cfg.json"), "--out", &out]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["step"], 4);
+    let model = format!("{out}/model");
+    let config = std::fs::read_to_string(format!("{model}/config.json")).unwrap();
+    assert!(config.contains("granitemoehybrid") && config.contains("\"attention\""), "{config}");
+    let o = picaso(&[
+        "eval",
+        "recall",
+        "--model",
+        &model,
+        "--ks",
+        "1,2",
+        "--facts",
+        "2",
+        "--episodes",
+        "2",
+        "--queries",
+        "2",
+        "--out",
+        &p("eval"),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    std::fs::write(
+        p("ft.json"),
+        r#"{"batch": 2, "steps": 2, "warmup": 1, "lr": 1e-3, "min_lr": 1e-4, "max_k": 3, "min_k": 1,
+            "val_every": 2, "val_k": 2, "val_passages": 2, "checkpoint_every": 2,
+            "recall": {"facts": 2, "episodes": 6}}"#,
+    )
+    .unwrap();
+    let o = picaso(&[
+        "train",
+        "compose",
+        "--objective",
+        "bptc",
+        "--model",
+        &model,
+        "--config",
+        &p("ft.json"),
+        "--out",
+        &p("ft"),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(tmp.path().join("ft/model/model.safetensors").is_file());
+
+    for (from, to, needle) in [
+        ("\"attention\": [1]", "\"attention\": [2]", "attention lists layer 2"),
+        ("\"attention\": [1]", "\"attention\": [0, 1]", "at least one Mamba-2 layer"),
+        ("\"kv_heads\": 1", "\"kv_heads\": 3", "attn_heads a multiple of kv_heads"),
+        ("\"arch\": \"granite_hybrid\", ", "", "add \"arch\": \"granite_hybrid\""),
+        ("\"arch\": \"granite_hybrid\"", "\"arch\": \"granite\"", "unknown variant"),
+    ] {
+        std::fs::write(p("bad.json"), cfg.replace(from, to)).unwrap();
+        fails(&["train", "pretrain", "--config", &p("bad.json"), "--out", &p("bad")], needle);
+    }
+}

@@ -15,13 +15,13 @@ use std::path::Path;
 use std::time::Instant;
 
 use candle_core::{DType, Tensor};
-use picaso_model::{Mamba2Config, Mamba2Weights};
+use picaso_model::granite_hybrid::weights::MixerWeights;
+use picaso_model::{GraniteHybridConfig, GraniteHybridWeights, Mamba2Config, Mamba2Weights};
 use rand::{Rng, SeedableRng};
 
 use crate::checkpoint;
 use crate::cpu::ops::Matmul;
 use crate::cpu::{param_shapes, params, params_mut, CpuTrainer};
-use crate::mamba::TrainMamba2;
 use crate::net::Net;
 use crate::optim::{check_counts, check_settings, check_warmup, lr_at, AdamW, AdamWConfig, HostAdamW};
 use crate::xent::IGNORE;
@@ -29,9 +29,9 @@ use crate::{io, Result};
 
 /// Everything that defines a run (saved with each checkpoint; a resume must match it).
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct PretrainConfig {
+pub struct PretrainConfig<C = Mamba2Config> {
     /// The architecture.
-    pub model: Mamba2Config,
+    pub model: C,
     /// Tokens per training sequence.
     pub seq_len: usize,
     /// Sequences per step.
@@ -107,7 +107,7 @@ pub struct InitOptions {
     pub mimetic: bool,
 }
 
-impl PretrainConfig {
+impl<C> PretrainConfig<C> {
     /// Checks the run's settings (the architecture is the model's to check): counts of at
     /// least 1, `loss_from` inside a window, and the optimiser's numbers
     /// ([`crate::optim::check_settings`]). [`pretrain`] calls it; callers may call it earlier,
@@ -131,7 +131,9 @@ impl PretrainConfig {
         check_warmup(self.warmup, self.steps)?;
         check_settings(self.lr, self.min_lr, self.clip, &self.adamw)
     }
+}
 
+impl PretrainConfig {
     /// A conservative estimate of the run's peak memory (bytes): parameters with their
     /// gradients and AdamW moments, plus the activations a step keeps for backward — the
     /// logits (batch·seq_len × vocab, three copies) and per layer the projections, conv,
@@ -205,8 +207,8 @@ pub struct ContextUse {
 
 /// What a checkpoint folder's `trainer.json` holds.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
-struct TrainerState {
-    config: PretrainConfig,
+struct TrainerState<C = Mamba2Config> {
+    config: PretrainConfig<C>,
     step: u64,
     history: Vec<LogRow>,
     /// What happened to the run besides steps (warm starts).
@@ -305,9 +307,52 @@ pub fn init_weights_with(c: &Mamba2Config, seed: u64, opts: &InitOptions) -> Mam
     w
 }
 
+/// Initial weights of a dense NoPE hybrid as `scripts/hybrid_lm.py` makes them: embedding and
+/// the projections into the residual stream normal(0, 0.02); the projections out of it
+/// (out_proj, o_proj, the MLP's output) normal(0, 0.02 / √(2·n_layer)), two residual branches
+/// per layer; each Mamba mixer's dt, A, D, conv and `opts` as [`init_weights_with`]; unit norms.
+pub fn init_hybrid_weights(c: &GraniteHybridConfig, seed: u64, opts: &InitOptions) -> GraniteHybridWeights {
+    let mut w = GraniteHybridWeights::random(c, seed);
+    let mut mamba = init_weights_with(&c.mamba, seed, opts).layers.into_iter();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x4b1d);
+    let mut normal = |n: usize, std: f64| -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                let (u1, u2): (f64, f64) = (rng.random::<f64>().max(1e-12), rng.random());
+                (std * (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
+            })
+            .collect()
+    };
+    let out_std = 0.02 / (2.0 * c.n_layer() as f64).sqrt();
+    w.embedding = normal(w.embedding.len(), 0.02);
+    for l in &mut w.layers {
+        l.input_norm.iter_mut().for_each(|x| *x = 1.0);
+        l.post_norm.iter_mut().for_each(|x| *x = 1.0);
+        match &mut l.mixer {
+            MixerWeights::Mamba(m) => {
+                *m = mamba.next().expect("one Mamba-2 layer per mamba kind");
+                m.out_proj = normal(m.out_proj.len(), out_std);
+            }
+            MixerWeights::Attention { q, k, v, o } => {
+                for p in [q, k, v] {
+                    *p = normal(p.len(), 0.02);
+                }
+                *o = normal(o.len(), out_std);
+            }
+        }
+        l.mlp_in = normal(l.mlp_in.len(), 0.02);
+        l.mlp_out = normal(l.mlp_out.len(), out_std);
+    }
+    w.norm_f.iter_mut().for_each(|x| *x = 1.0);
+    if let Some(h) = &mut w.lm_head {
+        *h = normal(h.len(), 0.02);
+    }
+    w
+}
+
 /// The (inputs, targets) of step `step`: `batch` windows of `seq_len + 1` tokens, drawn as the
 /// config's sampler says from (seed, step) alone. Targets before `loss_from` are ignored.
-fn batch_at(tokens: &[u32], mask: &[bool], cfg: &PretrainConfig, step: u64) -> (Vec<u32>, Vec<u32>) {
+fn batch_at<C>(tokens: &[u32], mask: &[bool], cfg: &PretrainConfig<C>, step: u64) -> (Vec<u32>, Vec<u32>) {
     let (mut x, mut y) = (Vec::with_capacity(cfg.batch * cfg.seq_len), Vec::with_capacity(cfg.batch * cfg.seq_len));
     let mut take = |o: usize| {
         x.extend_from_slice(&tokens[o..o + cfg.seq_len]);
@@ -357,34 +402,121 @@ fn epoch_order(windows: usize, seed: u64, epoch: u64) -> Vec<u32> {
     order
 }
 
-/// Mean validation loss over `val_sequences` consecutive windows of the validation stream
-/// (targets where `mask` is false do not count; an empty mask counts all).
-pub fn validation_loss(
-    net: &TrainMamba2,
-    val: &[u32],
-    mask: &[bool],
-    seq_len: usize,
-    n: usize,
-    batch: usize,
-) -> Result<f64> {
-    let dev = net.device().clone();
-    validation_with(val, mask, seq_len, n, batch, |x, y, b| {
-        let (loss, _) = net.loss(&Tensor::from_vec(x.to_vec(), (b, seq_len), &dev)?, y, None)?;
-        loss.to_dtype(DType::F64)?.to_scalar::<f64>()
-    })
+/// What the pretraining loop needs of the model it trains: gradients of a batch, an optimiser
+/// step, the loss of every target without gradients (validation, context use), and a
+/// checkpoint. The Mamba-2 runs on the hand-written CPU path ([`HostLearner`]); other
+/// architectures on candle autograd ([`NetLearner`]).
+trait Learner {
+    /// The mean loss of (`x`, `y`) (B·T each) and the norm of its gradient, kept for [`Learner::apply`].
+    fn gradients(&mut self, x: &[u32], y: &[u32], b: usize, t: usize) -> Result<(f64, f64)>;
+    /// An AdamW step with the kept gradients scaled by `scale`.
+    fn apply(&mut self, lr: f64, scale: f64) -> Result<()>;
+    /// The loss of every target (B·T; 0 where it is [`IGNORE`]), no gradients.
+    fn token_losses(&self, x: &[u32], y: &[u32], b: usize, t: usize) -> Result<Vec<f64>>;
+    /// Saves the weights, the optimiser and `state` as `out`'s checkpoint.
+    fn save(&self, out: &Path, state: &impl serde::Serialize) -> Result<()>;
 }
 
-/// [`validation_loss`] on the CPU fast path.
-pub fn host_validation_loss(
-    trainer: &CpuTrainer,
-    w: &Mamba2Weights,
+/// A Mamba-2 on the CPU path: host weights, gradients and AdamW moments.
+struct HostLearner {
+    /// f32 products (validation and context use measure in f32 whatever the step multiplies in).
+    trainer: CpuTrainer,
+    step_trainer: CpuTrainer,
+    config: Mamba2Config,
+    weights: Mamba2Weights,
+    grads: Mamba2Weights,
+    opt: HostAdamW,
+}
+
+impl Learner for HostLearner {
+    fn gradients(&mut self, x: &[u32], y: &[u32], b: usize, t: usize) -> Result<(f64, f64)> {
+        for g in params_mut(&mut self.grads) {
+            g.fill(0.0);
+        }
+        let out = self.step_trainer.loss_and_grads(&self.weights, x, y, b, t, &mut self.grads)?;
+        Ok((out.loss, HostAdamW::grad_norm(&params(&self.grads))))
+    }
+
+    fn apply(&mut self, lr: f64, scale: f64) -> Result<()> {
+        self.opt.step(params_mut(&mut self.weights), &params(&self.grads), lr, scale)
+    }
+
+    fn token_losses(&self, x: &[u32], y: &[u32], b: usize, t: usize) -> Result<Vec<f64>> {
+        self.trainer.token_losses(&self.weights, x, y, b, t)
+    }
+
+    fn save(&self, out: &Path, state: &impl serde::Serialize) -> Result<()> {
+        let (w, c) = (&self.weights, &self.config);
+        checkpoint::write(out, |p| w.save_pretrained(p, c).map_err(|e| io(e, p)), |p| self.opt.save(p), state)
+    }
+}
+
+/// Any [`Net`] on candle autograd, f32, with AdamW.
+struct NetLearner<N> {
+    net: N,
+    opt: AdamW,
+    grads: Option<candle_core::backprop::GradStore>,
+}
+
+impl<N: Net> Learner for NetLearner<N> {
+    fn gradients(&mut self, x: &[u32], y: &[u32], b: usize, t: usize) -> Result<(f64, f64)> {
+        let tokens = Tensor::from_vec(x.to_vec(), (b, t), self.net.device())?;
+        let (loss, _) = self.net.loss(&tokens, y, None)?;
+        let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        let grads = loss.backward()?;
+        let norm = self.opt.grad_norm(&grads)?;
+        self.grads = Some(grads);
+        Ok((value, norm))
+    }
+
+    fn apply(&mut self, lr: f64, scale: f64) -> Result<()> {
+        let grads = self.grads.take().ok_or_else(|| candle_core::Error::Msg("apply before gradients".into()))?;
+        self.opt.step(&grads, lr, scale)
+    }
+
+    fn token_losses(&self, x: &[u32], y: &[u32], b: usize, t: usize) -> Result<Vec<f64>> {
+        let (logits, _) = self.net.forward(&Tensor::from_vec(x.to_vec(), (b, t), self.net.device())?, None)?;
+        let v = logits.dim(2)?;
+        let rows: Vec<f32> = logits.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
+        Ok(rows
+            .chunks(v)
+            .zip(y)
+            .map(|(row, &target)| {
+                if target == IGNORE {
+                    return 0.0;
+                }
+                let max = row.iter().fold(f32::NEG_INFINITY, |m, &l| m.max(l)) as f64;
+                let sum: f64 = row.iter().map(|&l| (l as f64 - max).exp()).sum();
+                max + sum.ln() - row[target as usize] as f64
+            })
+            .collect())
+    }
+
+    fn save(&self, out: &Path, state: &impl serde::Serialize) -> Result<()> {
+        save_checkpoint(out, &self.net, &self.opt, state)
+    }
+}
+
+/// The mean loss of the counted targets of a batch.
+fn mean_loss(l: &impl Learner, x: &[u32], y: &[u32], b: usize, t: usize) -> Result<f64> {
+    let counted = y.iter().filter(|&&v| v != IGNORE).count();
+    if counted == 0 {
+        candle_core::bail!("every target is ignored, the mean is undefined");
+    }
+    Ok(l.token_losses(x, y, b, t)?.iter().sum::<f64>() / counted as f64)
+}
+
+/// Mean validation loss over `n` consecutive windows of `val` (targets where `mask` is false
+/// do not count; an empty mask counts all), in batches of `batch`.
+fn validation_loss(
+    l: &impl Learner,
     val: &[u32],
     mask: &[bool],
     seq_len: usize,
     n: usize,
     batch: usize,
 ) -> Result<f64> {
-    validation_with(val, mask, seq_len, n, batch, |x, y, b| Ok(trainer.loss(w, x, y, b, seq_len)?.loss))
+    validation_with(val, mask, seq_len, n, batch, |x, y, b| mean_loss(l, x, y, b, seq_len))
 }
 
 fn validation_with(
@@ -416,7 +548,7 @@ fn validation_with(
 
 /// Context use on `pairs`: each pair's continuation scored after its query with nothing, the
 /// previous paragraph or the random one before it, in batches of `batch` sequences.
-pub fn context_use(trainer: &CpuTrainer, w: &Mamba2Weights, pairs: &[ContextPair], batch: usize) -> Result<ContextUse> {
+fn context_use(learner: &impl Learner, pairs: &[ContextPair], batch: usize) -> Result<ContextUse> {
     // One sequence per (pair, condition): [before] + query + continuation, targets on the
     // continuation only; rows padded at the end with ignored targets.
     struct Seq {
@@ -445,7 +577,7 @@ pub fn context_use(trainer: &CpuTrainer, w: &Mamba2Weights, pairs: &[ContextPair
             y.extend((0..n).map(|i| if i + 1 >= s.first { s.tokens[i + 1] } else { IGNORE }));
             y.extend(std::iter::repeat_n(IGNORE, t - n));
         }
-        let losses = trainer.token_losses(w, &x, &y, group.len(), t)?;
+        let losses = learner.token_losses(&x, &y, group.len(), t)?;
         for (r, s) in group.iter().enumerate() {
             let n = s.tokens.len() - 1;
             per_token.push(losses[r * t + s.first - 1..r * t + n].to_vec());
@@ -488,17 +620,6 @@ pub(crate) fn save_checkpoint(out: &Path, net: &impl Net, opt: &AdamW, state: &i
     checkpoint::write(out, |p| net.save_pretrained(p), |p| opt.save(p), state)
 }
 
-/// Saves a CPU-path checkpoint: the same files as [`save_checkpoint`].
-fn save_host_checkpoint(
-    out: &Path,
-    config: &Mamba2Config,
-    w: &Mamba2Weights,
-    opt: &HostAdamW,
-    state: &TrainerState,
-) -> Result<()> {
-    checkpoint::write(out, |p| w.save_pretrained(p, config).map_err(|e| crate::io(e, p)), |p| opt.save(p), state)
-}
-
 /// Where a run starts when `out` has no checkpoint of its own.
 pub enum Start<'a> {
     /// Fresh weights from the config's seed and init options.
@@ -511,9 +632,9 @@ pub enum Start<'a> {
 
 /// What a model folder's `progress.json` records of the run that made it.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
-pub struct ModelProgress {
+pub struct ModelProgress<C = Mamba2Config> {
     /// The run's config.
-    pub config: PretrainConfig,
+    pub config: PretrainConfig<C>,
     /// Steps done.
     pub step: u64,
     /// The loss history.
@@ -528,22 +649,74 @@ pub struct ModelProgress {
 pub fn write_progress(out: &Path, dir: &Path) -> Result<()> {
     let ckpt = out.join("checkpoint").join("trainer.json");
     let text = std::fs::read_to_string(&ckpt).map_err(|e| io(e, &ckpt))?;
-    let state: TrainerState = serde_json::from_str(&text).map_err(|e| io(e, &ckpt))?;
-    let p = ModelProgress { config: state.config, step: state.step, history: state.history, notes: state.notes };
+    // The checkpoint's trainer.json holds the same fields, whatever the architecture.
+    let state: serde_json::Value = serde_json::from_str(&text).map_err(|e| io(e, &ckpt))?;
+    let mut p = serde_json::Map::new();
+    for field in ["config", "step", "history", "notes"] {
+        p.insert(field.into(), state.get(field).cloned().unwrap_or(serde_json::Value::Array(Vec::new())));
+    }
     let path = dir.join("progress.json");
     std::fs::write(&path, serde_json::to_string(&p).map_err(|e| io(e, &path))?).map_err(|e| io(e, &path))
 }
 
-/// Trains (or resumes from `out/checkpoint`) until `config.steps`, or until `stop_after` steps
-/// have run in this call. Returns the loss history.
-pub fn pretrain(
-    config: &PretrainConfig,
-    data: &TokenData,
+/// Where the run starts: `out`'s checkpoint (its weights, its trainer state, and the optimiser
+/// file to load), else `start`'s weights (`load` reads a folder, `fresh` makes new ones).
+#[allow(clippy::type_complexity)]
+fn starting_point<C, W>(
+    config: &PretrainConfig<C>,
     out: &Path,
-    stop_after: Option<u64>,
     start: Start<'_>,
-    mut on_progress: impl FnMut(&Progress),
-) -> Result<Vec<LogRow>> {
+    load: impl Fn(&Path) -> Result<W>,
+    fresh: impl FnOnce() -> W,
+) -> Result<(W, TrainerState<C>, Option<std::path::PathBuf>)>
+where
+    C: Clone + PartialEq + serde::Serialize + serde::de::DeserializeOwned,
+{
+    checkpoint::recover(out)?;
+    let ckpt = out.join(checkpoint::CHECKPOINT);
+    if ckpt.join("trainer.json").is_file() {
+        let text = std::fs::read_to_string(ckpt.join("trainer.json")).map_err(|e| io(e, &ckpt))?;
+        let state: TrainerState<C> = serde_json::from_str(&text).map_err(|e| io(e, &ckpt))?;
+        if &state.config != config {
+            candle_core::bail!(
+                "{}: this checkpoint was made with another configuration; resume with the same one (see its trainer.json) or use a new --out",
+                ckpt.display()
+            );
+        }
+        return Ok((load(&ckpt)?, state, Some(ckpt.join("optimizer.safetensors"))));
+    }
+    let fresh_state = |step, history, notes| TrainerState { config: config.clone(), step, history, notes };
+    match start {
+        Start::Fresh => Ok((fresh(), fresh_state(0, Vec::new(), Vec::new()), None)),
+        Start::Warm(dir) => {
+            let weights = load(dir)?;
+            let progress = dir.join("progress.json");
+            let (step, history, mut notes) = if progress.is_file() {
+                let text = std::fs::read_to_string(&progress).map_err(|e| io(e, &progress))?;
+                let p: ModelProgress<C> = serde_json::from_str(&text).map_err(|e| io(e, &progress))?;
+                if &p.config != config {
+                    candle_core::bail!(
+                        "{}: the warm-start model was trained with another configuration; use its run config",
+                        progress.display()
+                    );
+                }
+                (p.step, p.history, p.notes)
+            } else {
+                (0, Vec::new(), Vec::new())
+            };
+            let note = format!(
+                "warm start at step {step} from {} (weights only; the optimiser's moments restart at zero)",
+                dir.display()
+            );
+            eprintln!("{note}");
+            notes.push(note);
+            Ok((weights, fresh_state(step, history, notes), None))
+        }
+    }
+}
+
+/// Checks that the corpus holds a window and creates `out`.
+fn prepare<C>(config: &PretrainConfig<C>, data: &TokenData, out: &Path) -> Result<()> {
     config.validate()?;
     if data.train.len() < config.seq_len + 2 {
         return Err(candle_core::Error::Msg(format!(
@@ -552,98 +725,220 @@ pub fn pretrain(
             config.seq_len + 1
         )));
     }
-    std::fs::create_dir_all(out).map_err(|e| io(e, out))?;
-    // Validation and the context-use check measure in f32 whatever the step multiplies in, so
-    // runs of either precision compare on the same scale.
-    let trainer = CpuTrainer::new(&config.model, config.chunk)?;
-    let step_trainer = CpuTrainer::new(&config.model, config.chunk)?.with_matmul(config.matmul);
-    checkpoint::recover(out)?;
-    let ckpt = out.join(checkpoint::CHECKPOINT);
-    let (mut weights, mut opt, mut state) = if ckpt.join("trainer.json").is_file() {
-        let text = std::fs::read_to_string(ckpt.join("trainer.json")).map_err(|e| io(e, &ckpt))?;
-        let state: TrainerState = serde_json::from_str(&text).map_err(|e| io(e, &ckpt))?;
-        if &state.config != config {
-            return Err(candle_core::Error::Msg(format!(
-                "{}: this checkpoint was made with another configuration; resume with the same one (see its trainer.json) or use a new --out",
-                ckpt.display()
-            )));
-        }
-        let weights = Mamba2Weights::load(&ckpt, &config.model).map_err(|e| io(e, &ckpt))?;
-        let mut opt = HostAdamW::new(param_shapes(&config.model, &weights), config.adamw.clone());
-        opt.load(&ckpt.join("optimizer.safetensors"))?;
-        (weights, opt, state)
-    } else {
-        match start {
-            Start::Fresh => {
-                let weights = init_weights_with(&config.model, config.seed, &config.init);
-                let opt = HostAdamW::new(param_shapes(&config.model, &weights), config.adamw.clone());
-                (weights, opt, TrainerState { config: config.clone(), step: 0, history: Vec::new(), notes: Vec::new() })
-            }
-            Start::Warm(dir) => {
-                let weights = Mamba2Weights::load(dir, &config.model).map_err(|e| io(e, dir))?;
-                let progress = dir.join("progress.json");
-                let (step, history, mut notes) = if progress.is_file() {
-                    let text = std::fs::read_to_string(&progress).map_err(|e| io(e, &progress))?;
-                    let p: ModelProgress = serde_json::from_str(&text).map_err(|e| io(e, &progress))?;
-                    if &p.config != config {
-                        candle_core::bail!(
-                            "{}: the warm-start model was trained with another configuration; use its run config",
-                            progress.display()
-                        );
-                    }
-                    (p.step, p.history, p.notes)
-                } else {
-                    (0, Vec::new(), Vec::new())
-                };
-                let note = format!(
-                    "warm start at step {step} from {} (weights only; the optimiser's moments restart at zero)",
-                    dir.display()
-                );
-                eprintln!("{note}");
-                notes.push(note);
-                let opt = HostAdamW::new(param_shapes(&config.model, &weights), config.adamw.clone());
-                (weights, opt, TrainerState { config: config.clone(), step, history, notes })
-            }
-        }
-    };
+    std::fs::create_dir_all(out).map_err(|e| io(e, out))
+}
+
+/// What differs between the architectures a run can pretrain: the config's vocabulary, the
+/// parameter count and memory a run needs, the training itself, and the model folder it makes.
+pub trait PretrainArch: Clone + PartialEq + std::fmt::Debug + serde::Serialize + serde::de::DeserializeOwned {
+    /// Sets the vocabulary (the tokenizer's, rounded up).
+    fn set_vocab(&mut self, vocab: usize);
+    /// Parameters of a model of this shape.
+    fn n_params(&self) -> usize;
+    /// A conservative estimate of a run's peak memory (bytes).
+    fn peak_bytes(run: &PretrainConfig<Self>) -> u64;
+    /// Trains (or resumes) as [`pretrain`] says.
+    fn pretrain(
+        run: &PretrainConfig<Self>,
+        data: &TokenData,
+        out: &Path,
+        stop_after: Option<u64>,
+        start: Start<'_>,
+        on_progress: &mut dyn FnMut(&Progress),
+    ) -> Result<Vec<LogRow>>;
+    /// Writes the weights of the checkpoint `ckpt` as a model folder `dir`.
+    fn export(&self, ckpt: &Path, dir: &Path) -> Result<()>;
+}
+
+impl PretrainArch for Mamba2Config {
+    fn set_vocab(&mut self, vocab: usize) {
+        self.vocab_size = vocab;
+    }
+
+    fn n_params(&self) -> usize {
+        init_weights(self, 0).n_params()
+    }
+
+    fn peak_bytes(run: &PretrainConfig<Self>) -> u64 {
+        run.estimated_peak_bytes()
+    }
+
+    fn pretrain(
+        run: &PretrainConfig<Self>,
+        data: &TokenData,
+        out: &Path,
+        stop_after: Option<u64>,
+        start: Start<'_>,
+        on_progress: &mut dyn FnMut(&Progress),
+    ) -> Result<Vec<LogRow>> {
+        pretrain_mamba2(run, data, out, stop_after, start, on_progress)
+    }
+
+    fn export(&self, ckpt: &Path, dir: &Path) -> Result<()> {
+        let w = Mamba2Weights::load(ckpt, self).map_err(|e| io(e, ckpt))?;
+        w.save_pretrained(dir, self).map_err(|e| io(e, dir))
+    }
+}
+
+impl PretrainArch for GraniteHybridConfig {
+    fn set_vocab(&mut self, vocab: usize) {
+        self.vocab_size = vocab;
+        self.mamba.vocab_size = vocab;
+    }
+
+    fn n_params(&self) -> usize {
+        GraniteHybridWeights::random(self, 0).n_params()
+    }
+
+    /// Parameters with gradients and moments, plus what candle's graph keeps per token: the
+    /// logits (three copies), per Mamba layer about twice the CPU path's activations, per
+    /// attention layer its projections and the (heads × window) scores (four copies), per
+    /// layer the MLP (six of its width) and the norms; 2.5× for allocator slack.
+    fn peak_bytes(run: &PretrainConfig<Self>) -> u64 {
+        let c = &run.model;
+        let m = &c.mamba;
+        let tokens = (run.batch * run.seq_len) as u64;
+        let mamba = 2 * (3 * m.d_in_proj() + 8 * m.conv_dim() + 10 * m.d_inner() + 4 * m.nheads * run.chunk);
+        let attention = 4 * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim + 4 * c.n_heads * run.seq_len;
+        let per_layer = 6 * c.shared_intermediate + 8 * c.d_model;
+        let n_attention = c.attention_layers().len();
+        let per_token = 3 * c.vocab_size + c.n_mamba() * mamba + n_attention * attention + c.n_layer() * per_layer;
+        (2.5 * 4.0 * (tokens * per_token as u64 + 4 * c.n_params() as u64) as f64) as u64
+    }
+
+    fn pretrain(
+        run: &PretrainConfig<Self>,
+        data: &TokenData,
+        out: &Path,
+        stop_after: Option<u64>,
+        start: Start<'_>,
+        on_progress: &mut dyn FnMut(&Progress),
+    ) -> Result<Vec<LogRow>> {
+        let init = || init_hybrid_weights(&run.model, run.seed, &run.init);
+        pretrain_net::<crate::TrainGraniteHybrid>(run, init, data, out, stop_after, start, on_progress)
+    }
+
+    fn export(&self, ckpt: &Path, dir: &Path) -> Result<()> {
+        let w = GraniteHybridWeights::load(ckpt, self).map_err(|e| io(e, ckpt))?;
+        w.save_pretrained(dir, self).map_err(|e| io(e, dir))
+    }
+}
+
+/// Trains (or resumes from `out/checkpoint`) a model of `config.model`'s architecture until
+/// `config.steps`, or until `stop_after` steps have run in this call. Returns the loss history.
+pub fn pretrain<C: PretrainArch>(
+    config: &PretrainConfig<C>,
+    data: &TokenData,
+    out: &Path,
+    stop_after: Option<u64>,
+    start: Start<'_>,
+    mut on_progress: impl FnMut(&Progress),
+) -> Result<Vec<LogRow>> {
+    C::pretrain(config, data, out, stop_after, start, &mut on_progress)
+}
+
+/// [`pretrain`] of a Mamba-2, on the hand-written CPU path.
+fn pretrain_mamba2(
+    config: &PretrainConfig,
+    data: &TokenData,
+    out: &Path,
+    stop_after: Option<u64>,
+    start: Start<'_>,
+    on_progress: impl FnMut(&Progress),
+) -> Result<Vec<LogRow>> {
+    prepare(config, data, out)?;
+    let c = &config.model;
+    let (weights, mut state, optimizer) = starting_point(
+        config,
+        out,
+        start,
+        |dir| Mamba2Weights::load(dir, c).map_err(|e| io(e, dir)),
+        || init_weights_with(c, config.seed, &config.init),
+    )?;
+    let mut opt = HostAdamW::new(param_shapes(c, &weights), config.adamw.clone());
+    if let Some(path) = optimizer {
+        opt.load(&path)?;
+    }
     if config.matmul != Matmul::F32 {
         // Which kernel a (re)start got: a run resumed on another CPU may multiply differently.
         let note = format!("step {}: the step's matrix products run in {}", state.step, config.matmul.describe());
         eprintln!("{note}");
         state.notes.push(note);
     }
+    let mut learner = HostLearner {
+        trainer: CpuTrainer::new(c, config.chunk)?,
+        step_trainer: CpuTrainer::new(c, config.chunk)?.with_matmul(config.matmul),
+        config: c.clone(),
+        grads: CpuTrainer::zero_grads(&weights),
+        weights,
+        opt,
+    };
+    run(config, data, out, stop_after, &mut learner, state, on_progress)
+}
+
+/// [`pretrain`] for any architecture [`Net`] trains, on candle autograd in f32: `init` makes
+/// the fresh weights. The step's products are f32 whatever `config.matmul` says (refused
+/// otherwise).
+#[allow(clippy::too_many_arguments)]
+pub fn pretrain_net<N: Net>(
+    config: &PretrainConfig<N::Config>,
+    init: impl FnOnce() -> N::Weights,
+    data: &TokenData,
+    out: &Path,
+    stop_after: Option<u64>,
+    start: Start<'_>,
+    on_progress: impl FnMut(&Progress),
+) -> Result<Vec<LogRow>> {
+    if config.matmul != Matmul::F32 {
+        candle_core::bail!("matmul {:?}: this architecture trains with f32 products only", config.matmul);
+    }
+    prepare(config, data, out)?;
+    let c = &config.model;
+    let (weights, state, optimizer) = starting_point(config, out, start, |dir| N::load_weights(dir, c), init)?;
+    let net = N::build(c, &weights, DType::F32, &candle_core::Device::Cpu)?.with_chunk(config.chunk);
+    let mut opt = AdamW::new(net.vars(), config.adamw.clone())?;
+    if let Some(path) = optimizer {
+        opt.load(&path)?;
+    }
+    let mut learner = NetLearner { net, opt, grads: None };
+    run(config, data, out, stop_after, &mut learner, state, on_progress)
+}
+
+/// The loop: steps from `state` until `config.steps` (or `stop_after` in this call), with
+/// validation, context use and checkpoints as the config says.
+fn run<C: serde::Serialize>(
+    config: &PretrainConfig<C>,
+    data: &TokenData,
+    out: &Path,
+    stop_after: Option<u64>,
+    learner: &mut impl Learner,
+    mut state: TrainerState<C>,
+    mut on_progress: impl FnMut(&Progress),
+) -> Result<Vec<LogRow>> {
     let started = Instant::now();
     let seconds_before = state.history.last().map(|r| r.seconds).unwrap_or(0.0);
     let tokens_per_step = (config.batch * config.seq_len) as u64;
-    let mut grads = CpuTrainer::zero_grads(&weights);
     let mut ran = 0u64;
     while state.step < config.steps && stop_after.is_none_or(|n| ran < n) {
         let step = state.step;
         let (x, y) = batch_at(&data.train, &data.train_mask, config, step);
-        for g in params_mut(&mut grads) {
-            g.fill(0.0);
-        }
-        let result = step_trainer.loss_and_grads(&weights, &x, &y, config.batch, config.seq_len, &mut grads)?;
-        let grad_list = params(&grads);
-        let grad_norm = HostAdamW::grad_norm(&grad_list);
-        if !grad_norm.is_finite() || !result.loss.is_finite() {
+        let (loss, grad_norm) = learner.gradients(&x, &y, config.batch, config.seq_len)?;
+        if !grad_norm.is_finite() || !loss.is_finite() {
             candle_core::bail!(
-                "step {}: the loss or the gradient is not finite (loss {}, gradient norm {grad_norm}); lower lr and restart from the last checkpoint",
-                step + 1,
-                result.loss
+                "step {}: the loss or the gradient is not finite (loss {loss}, gradient norm {grad_norm}); lower lr and restart from the last checkpoint",
+                step + 1
             );
         }
         let scale = if grad_norm > config.clip { config.clip / grad_norm } else { 1.0 };
         let lr = lr_at(step, config.warmup, config.steps, config.lr, config.min_lr);
-        opt.step(params_mut(&mut weights), &grad_list, lr, scale)?;
+        learner.apply(lr, scale)?;
         state.step += 1;
         ran += 1;
         let last = state.step == config.steps;
-        let validate = state.step % config.val_every == 0 || last;
+        let validate = state.step.is_multiple_of(config.val_every) || last;
         let val_loss = if validate {
-            Some(host_validation_loss(
-                &trainer,
-                &weights,
+            Some(validation_loss(
+                &*learner,
                 &data.val,
                 &data.val_mask,
                 config.seq_len,
@@ -654,13 +949,13 @@ pub fn pretrain(
             None
         };
         let context = if validate && !data.pairs.is_empty() {
-            Some(context_use(&trainer, &weights, &data.pairs, config.batch * 2)?)
+            Some(context_use(&*learner, &data.pairs, config.batch * 2)?)
         } else {
             None
         };
         let row = LogRow {
             step: state.step,
-            loss: result.loss,
+            loss,
             val_loss,
             lr,
             grad_norm,
@@ -671,12 +966,12 @@ pub fn pretrain(
         state.history.push(row);
         let tokens_per_s = (ran * tokens_per_step) as f64 / started.elapsed().as_secs_f64().max(1e-9);
         on_progress(&Progress { row: state.history.last().expect("pushed"), total: config.steps, tokens_per_s });
-        if state.step % config.checkpoint_every == 0 || last {
-            save_host_checkpoint(out, &config.model, &weights, &opt, &state)?;
+        if state.step.is_multiple_of(config.checkpoint_every) || last {
+            learner.save(out, &state)?;
         }
     }
-    if ran > 0 && state.step % config.checkpoint_every != 0 && state.step != config.steps {
-        save_host_checkpoint(out, &config.model, &weights, &opt, &state)?;
+    if ran > 0 && !state.step.is_multiple_of(config.checkpoint_every) && state.step != config.steps {
+        learner.save(out, &state)?;
     }
     Ok(state.history)
 }

@@ -2,7 +2,8 @@
 //! optimisation of pretraining ([`PretrainFile`]), and of composition fine-tuning
 //! ([`ComposeFile`]). Unknown fields are refused, so a typo is an error rather than a default.
 
-use picaso_model::Mamba2Config;
+use picaso_model::granite_hybrid::LayerKind;
+use picaso_model::{GraniteHybridConfig, Mamba2Config};
 use serde::Deserialize;
 
 use crate::pretrain::PretrainConfig;
@@ -78,14 +79,44 @@ fn val_passages() -> usize {
     64
 }
 
+/// Which architecture a run trains.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Arch {
+    /// A pure Mamba-2 (the hand-written CPU path).
+    #[default]
+    Mamba2,
+    /// A dense NoPE Granite 4.0 H hybrid: attention layers among Mamba-2 layers, each followed
+    /// by a SwiGLU MLP (candle autograd).
+    GraniteHybrid,
+}
+
 /// The config file: the architecture (vocabulary from the tokenizer) and the run's settings.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PretrainFile {
+    /// `mamba2` (default) or `granite_hybrid`.
+    #[serde(default)]
+    pub arch: Arch,
     /// Width of the residual stream.
     pub d_model: usize,
-    /// Mamba-2 layers.
+    /// Layers (Mamba-2 layers, plus the attention layers of a hybrid).
     pub n_layer: usize,
+    /// A hybrid's attention layers (0-based indices; the others are Mamba-2 layers).
+    #[serde(default)]
+    pub attention: Vec<usize>,
+    /// A hybrid's query heads.
+    #[serde(default)]
+    pub attn_heads: Option<usize>,
+    /// A hybrid's key/value heads (default: attn_heads).
+    #[serde(default)]
+    pub kv_heads: Option<usize>,
+    /// A hybrid's channels per attention head (default: d_model / attn_heads).
+    #[serde(default)]
+    pub attn_head_dim: Option<usize>,
+    /// A hybrid's SwiGLU width (default: d_model).
+    #[serde(default)]
+    pub mlp: Option<usize>,
     /// SSM state size per head.
     pub d_state: usize,
     /// Channels per head.
@@ -191,6 +222,7 @@ impl PretrainFile {
         if !shape_ok {
             return Err("sizes must be positive, d_conv at least 2, d_model·expand a multiple of headdim and the heads a multiple of n_groups".into());
         }
+        self.check_arch()?;
         if !(self.val_fraction > 0.0 && self.val_fraction <= 0.5) {
             return Err(format!(
                 "val_fraction = {}: the share of documents held out for validation must be above 0 and at most 0.5 (every second document)",
@@ -200,9 +232,87 @@ impl PretrainFile {
         Ok(())
     }
 
-    /// The run's config, its vocabulary still unset (0): it is the tokenizer's.
-    pub fn run_config(&self) -> PretrainConfig {
-        let model = Mamba2Config {
+    /// A hybrid's fields only with `arch: granite_hybrid`, and with it consistent sizes.
+    fn check_arch(&self) -> Result<(), String> {
+        let hybrid_fields = !self.attention.is_empty()
+            || self.attn_heads.is_some()
+            || self.kv_heads.is_some()
+            || self.attn_head_dim.is_some()
+            || self.mlp.is_some();
+        if self.arch == Arch::Mamba2 {
+            return match hybrid_fields {
+                true => Err("attention, attn_heads, kv_heads, attn_head_dim and mlp describe a hybrid: add \"arch\": \"granite_hybrid\"".into()),
+                false => Ok(()),
+            };
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        if let Some(&i) = self.attention.iter().find(|&&i| i >= self.n_layer || !seen.insert(i)) {
+            return Err(format!(
+                "attention lists layer {i} twice or beyond the {} layers (0-based indices)",
+                self.n_layer
+            ));
+        }
+        if self.attention.len() == self.n_layer {
+            return Err("attention lists every layer: a hybrid needs at least one Mamba-2 layer".into());
+        }
+        let heads = self.attn_heads.ok_or("a hybrid needs attn_heads")?;
+        let kv = self.kv_heads.unwrap_or(heads);
+        if heads == 0 || kv == 0 || !heads.is_multiple_of(kv) {
+            return Err(format!(
+                "attn_heads = {heads}, kv_heads = {kv}: both positive, attn_heads a multiple of kv_heads"
+            ));
+        }
+        if self.attn_head_dim == Some(0)
+            || self.mlp == Some(0)
+            || (self.attn_head_dim.is_none() && self.d_model < heads)
+        {
+            return Err(
+                "attn_head_dim and mlp must be positive (attn_head_dim defaults to d_model / attn_heads)".into()
+            );
+        }
+        Ok(())
+    }
+
+    /// The hybrid's architecture (after [`PretrainFile::check`]), its vocabulary still unset (0).
+    pub fn hybrid_config(&self) -> GraniteHybridConfig {
+        let layers: Vec<LayerKind> = (0..self.n_layer)
+            .map(|i| if self.attention.contains(&i) { LayerKind::Attention } else { LayerKind::Mamba })
+            .collect();
+        let n_mamba = layers.iter().filter(|k| **k == LayerKind::Mamba).count();
+        let heads = self.attn_heads.unwrap_or(1);
+        let head_dim = self.attn_head_dim.unwrap_or(self.d_model / heads.max(1));
+        GraniteHybridConfig {
+            d_model: self.d_model,
+            vocab_size: 0,
+            layers,
+            mamba: Mamba2Config {
+                n_layer: n_mamba,
+                norm_eps: 1e-5,
+                gated_norm_eps: 1e-5,
+                time_step_limit: (0.0, f64::INFINITY),
+                use_conv_bias: true,
+                format: picaso_model::CheckpointFormat::HfTransformers,
+                ..self.mamba2_config()
+            },
+            n_heads: heads,
+            n_kv_heads: self.kv_heads.unwrap_or(heads),
+            head_dim,
+            attention_multiplier: 1.0 / (head_dim as f64).sqrt(),
+            rope_theta: None,
+            embedding_multiplier: 1.0,
+            residual_multiplier: 1.0,
+            logits_scaling: 1.0,
+            shared_intermediate: self.mlp.unwrap_or(self.d_model),
+            n_experts: 0,
+            top_k: 0,
+            expert_intermediate: 0,
+            norm_eps: 1e-5,
+            tie_embeddings: true,
+        }
+    }
+
+    fn mamba2_config(&self) -> Mamba2Config {
+        Mamba2Config {
             d_model: self.d_model,
             n_layer: self.n_layer,
             vocab_size: 0,
@@ -213,7 +323,16 @@ impl PretrainFile {
             n_groups: self.n_groups,
             d_conv: self.d_conv,
             ..Mamba2Config::tiny(self.n_layer, self.d_conv)
-        };
+        }
+    }
+
+    /// The run's config for a Mamba-2, its vocabulary still unset (0): it is the tokenizer's.
+    pub fn run_config(&self) -> PretrainConfig {
+        self.run_config_of(self.mamba2_config())
+    }
+
+    /// The run's settings for the architecture `model`.
+    pub fn run_config_of<C>(&self, model: C) -> PretrainConfig<C> {
         let mut adamw = crate::optim::AdamWConfig::default();
         if let Some(wd) = self.weight_decay {
             adamw.weight_decay = wd;

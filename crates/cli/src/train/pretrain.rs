@@ -8,8 +8,8 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use picaso_model::counted;
 use picaso_train::corpus::{read_corpus, CorpusSpec};
-use picaso_train::pretrain::{pretrain, TokenData};
-use picaso_train::run_file::{PretrainFile, RecallData};
+use picaso_train::pretrain::{pretrain, PretrainArch, PretrainConfig, TokenData};
+use picaso_train::run_file::{Arch, PretrainFile, RecallData};
 use picaso_train::token_data::{context_pairs, read_token_cache, read_train_stream, write_token_cache};
 
 use super::available_memory_bytes;
@@ -68,15 +68,22 @@ pub(super) fn pretrain_cmd(a: PretrainArgs) -> Result<()> {
         std::fs::read_to_string(&a.config).with_context(|| format!("reading --config {}", a.config.display()))?;
     let f: PretrainFile = serde_json::from_str(&text).with_context(|| format!("--config {}", a.config.display()))?;
     f.check().map_err(|e| anyhow::anyhow!("--config: {e}"))?;
+    match f.arch {
+        Arch::Mamba2 => run(&a, &f, f.run_config()),
+        Arch::GraniteHybrid => run(&a, &f, f.run_config_of(f.hybrid_config())),
+    }
+}
+
+/// Pretrains the architecture of `config` (its vocabulary still unset) as `f` says.
+fn run<C: PretrainArch>(a: &PretrainArgs, f: &PretrainFile, mut config: PretrainConfig<C>) -> Result<()> {
     // Checked before the corpora are read and tokenized (minutes for a large one); the
     // vocabulary is the tokenizer's, set below.
-    let mut config = f.run_config();
     config.validate().with_context(|| format!("--config {}", a.config.display()))?;
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
 
     let (tok_path, mut data) = match &f.recall {
-        Some(r) => recall_data(&a, &f, r)?,
-        None => text_data(&a, &f)?,
+        Some(r) => recall_data(a, f, r)?,
+        None => text_data(a, f)?,
     };
     let tokenizer = picaso_model::TextTokenizer::from_file(&tok_path)?;
     let train_stream = match &a.train_stream {
@@ -97,21 +104,21 @@ pub(super) fn pretrain_cmd(a: PretrainArgs) -> Result<()> {
         }
         None => None,
     };
-    config.model.vocab_size = tokenizer.vocab_size().div_ceil(8) * 8;
+    config.model.set_vocab(tokenizer.vocab_size().div_ceil(8) * 8);
     config.train_stream = train_stream;
-    let need = config.estimated_peak_bytes();
+    let need = C::peak_bytes(&config);
     if let Some(avail) = available_memory_bytes() {
         if need > avail {
             bail!(
                 "--config: this run needs about {:.1} GiB of memory (batch·seq_len = {} tokens, vocab {}), but {:.1} GiB is available; lower batch or seq_len",
                 need as f64 / 1073741824.0,
                 config.batch * config.seq_len,
-                config.model.vocab_size,
+                tokenizer.vocab_size().div_ceil(8) * 8,
                 avail as f64 / 1073741824.0
             );
         }
     }
-    let n_params = picaso_train::pretrain::init_weights(&config.model, 0).n_params();
+    let n_params = config.model.n_params();
     eprintln!("{} parameters ({:.1} MiB in f32)", n_params, n_params as f64 * 4.0 / 1048576.0);
     let bar = indicatif::ProgressBar::new(config.steps);
     bar.set_style(
@@ -172,8 +179,7 @@ pub(super) fn pretrain_cmd(a: PretrainArgs) -> Result<()> {
     write_loss_png(&a.out.join("loss.png"), &history)?;
     let ckpt = a.out.join("checkpoint");
     let model_dir = a.out.join("model");
-    let weights = picaso_model::Mamba2Weights::load(&ckpt, &config.model)?;
-    weights.save_pretrained(&model_dir, &config.model)?;
+    config.model.export(&ckpt, &model_dir)?;
     std::fs::copy(&tok_path, model_dir.join("tokenizer.json"))?;
     picaso_train::pretrain::write_progress(&a.out, &model_dir)?;
     let last = history.last();
