@@ -286,14 +286,7 @@ impl Net for TrainGraniteHybrid {
     ) -> Result<(Tensor, TrainState)> {
         let c = &self.config;
         let (b, t) = tokens.dims2()?;
-        let zeros;
-        let init = match init {
-            Some(s) => s,
-            None => {
-                zeros = TrainState::zeros(&c.mamba, b, self.dtype, &self.device)?;
-                &zeros
-            }
-        };
+        let init = TrainState::or_zeros(init, &c.mamba, b, self.dtype, &self.device)?;
         let tp = match init.keys.first() {
             Some(k) => k.dim(1)?,
             None => 0,

@@ -222,6 +222,20 @@ impl TrainState {
         })
     }
 
+    /// `init`, or the zero state of `config`'s Mamba layers for a batch of `b`.
+    pub(crate) fn or_zeros<'a>(
+        init: Option<&'a TrainState>,
+        config: &Mamba2Config,
+        b: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<std::borrow::Cow<'a, TrainState>> {
+        Ok(match init {
+            Some(s) => std::borrow::Cow::Borrowed(s),
+            None => std::borrow::Cow::Owned(Self::zeros(config, b, dtype, device)?),
+        })
+    }
+
     /// Stacks inference states (one per batch row) into tensors. Keys and values of rows with
     /// fewer tokens are padded at the end and masked.
     pub fn from_states(states: &[&State], dtype: DType, device: &Device) -> Result<Self> {
@@ -479,14 +493,7 @@ impl Net for TrainMamba2 {
     ) -> Result<(Tensor, TrainState)> {
         let (b, _t) = tokens.dims2()?;
         let c = &self.config;
-        let zeros;
-        let init = match init {
-            Some(s) => s,
-            None => {
-                zeros = TrainState::zeros(c, b, self.dtype, &self.device)?;
-                &zeros
-            }
-        };
+        let init = TrainState::or_zeros(init, c, b, self.dtype, &self.device)?;
         let mut h = self.embedding.as_tensor().embedding(&tokens.flatten_all()?)?.reshape((b, (), c.d_model))?;
         let mut next = TrainState::default();
         for (l, layer) in self.layers.iter().enumerate() {

@@ -243,20 +243,25 @@ pub struct Progress<'a> {
     pub tokens_per_s: f64,
 }
 
-/// Initial weights in the spirit of the Mamba reference: normal(0, 0.02) embedding and
-/// projections (out_proj scaled by 1/√(2·n_layer)), dt_bias = softplus⁻¹ of a log-uniform dt in
-/// [0.001, 0.1], A_log = log U(1, 16), D = 1, unit norms.
-pub fn init_weights(c: &Mamba2Config, seed: u64) -> Mamba2Weights {
-    let mut w = Mamba2Weights::random(c, seed);
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x5eed);
-    let mut normal = |n: usize, std: f64| -> Vec<f32> {
+/// `normal(n, std)`: n draws from normal(0, std²) (Box–Muller on a generator seeded by `seed`).
+fn gaussian(seed: u64) -> impl FnMut(usize, f64) -> Vec<f32> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    move |n, std| {
         (0..n)
             .map(|_| {
                 let (u1, u2): (f64, f64) = (rng.random::<f64>().max(1e-12), rng.random());
                 (std * (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
             })
             .collect()
-    };
+    }
+}
+
+/// Initial weights in the spirit of the Mamba reference: normal(0, 0.02) embedding and
+/// projections (out_proj scaled by 1/√(2·n_layer)), dt_bias = softplus⁻¹ of a log-uniform dt in
+/// [0.001, 0.1], A_log = log U(1, 16), D = 1, unit norms.
+pub fn init_weights(c: &Mamba2Config, seed: u64) -> Mamba2Weights {
+    let mut w = Mamba2Weights::random(c, seed);
+    let mut normal = gaussian(seed ^ 0x5eed);
     w.embedding = normal(c.vocab_size * c.d_model, 0.02);
     let out_std = 0.02 / (2.0 * c.n_layer as f64).sqrt();
     let mut rng2 = rand::rngs::StdRng::seed_from_u64(seed ^ 0xd7);
@@ -314,15 +319,7 @@ pub fn init_weights_with(c: &Mamba2Config, seed: u64, opts: &InitOptions) -> Mam
 pub fn init_hybrid_weights(c: &GraniteHybridConfig, seed: u64, opts: &InitOptions) -> GraniteHybridWeights {
     let mut w = GraniteHybridWeights::random(c, seed);
     let mut mamba = init_weights_with(&c.mamba, seed, opts).layers.into_iter();
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x4b1d);
-    let mut normal = |n: usize, std: f64| -> Vec<f32> {
-        (0..n)
-            .map(|_| {
-                let (u1, u2): (f64, f64) = (rng.random::<f64>().max(1e-12), rng.random());
-                (std * (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
-            })
-            .collect()
-    };
+    let mut normal = gaussian(seed ^ 0x4b1d);
     let out_std = 0.02 / (2.0 * c.n_layer() as f64).sqrt();
     w.embedding = normal(w.embedding.len(), 0.02);
     for l in &mut w.layers {

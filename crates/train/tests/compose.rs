@@ -5,16 +5,11 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 use picaso_model::{compose, Composition, Mamba2Config, Mamba2Weights, Model, State};
-use picaso_train::compose::{
-    finetune, picaso_r, ComposeConfig, ContextItem, ContextState, Dataset, Example, Objective,
-};
+use picaso_train::compose::{finetune, picaso_r, ComposeConfig, Dataset, Example, Objective};
 use picaso_train::{Net, TrainMamba2, TrainState};
-use rand::{Rng, SeedableRng};
 
-fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    (0..n).map(|_| rng.random_range(0..vocab as u32)).collect()
-}
+mod common;
+use common::{dataset, tokens};
 
 fn setup() -> (Mamba2Config, Mamba2Weights, Model) {
     let c = Mamba2Config { vocab_size: 48, ..Mamba2Config::tiny(2, 4) };
@@ -100,23 +95,6 @@ fn composition_gradients_match_finite_differences() {
         let num = (at(1e-6) - at(-1e-6)) / 2e-6;
         assert!((g[i] - num).abs() < 1e-6 * num.abs().max(1.0), "ℓ[{i}]: autograd {} vs {num}", g[i]);
     }
-}
-
-fn dataset(m: &Model) -> Dataset {
-    let contexts: Vec<ContextItem> = (0..10)
-        .map(|i| {
-            let t = tokens(4 + i % 5, 48, 100 + i as u64);
-            let state = m.prefill(&t, &m.zero_state()).unwrap();
-            ContextItem { tokens: t, state: ContextState::Held(Box::new(state)) }
-        })
-        .collect();
-    let example = |i: u64| Example {
-        contexts: vec![(i % 10) as usize, ((i + 3) % 10) as usize, ((i + 7) % 10) as usize],
-        query: tokens(5, 48, 200 + i),
-        continuation: tokens(4 + (i % 3) as usize, 48, 300 + i),
-    };
-    let (train, val) = ((0..12).map(example).collect(), (12..15).map(example).collect());
-    Dataset { source: "generated examples".into(), contexts, train, val }
 }
 
 fn config(c: &Mamba2Config, objective: Objective) -> ComposeConfig {

@@ -10,6 +10,9 @@ use picaso_train::cpu::ops::Matmul;
 use picaso_train::{Net, TrainMamba2, TrainState};
 use rand::{Rng, SeedableRng};
 
+mod common;
+use common::GradCheck;
+
 fn case(name: &str) -> (Mamba2Config, Mamba2Weights) {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../testdata/mamba2").join(name).join("hf");
     let config = Mamba2Config::from_file(&dir.join("config.json")).unwrap();
@@ -62,21 +65,6 @@ fn matches_the_inference_engine_from_any_state() {
     }
 }
 
-/// d loss / d element `i` of `var` by central differences.
-fn numeric_grad(var: &Var, i: usize, loss: &dyn Fn() -> f64) -> f64 {
-    let orig = var.as_tensor().flatten_all().unwrap().to_vec1::<f64>().unwrap();
-    let eps = 1e-6 * orig[i].abs().max(1.0);
-    let eval = |x: f64| {
-        let mut v = orig.clone();
-        v[i] = x;
-        var.set(&Tensor::from_vec(v, var.shape(), &Device::Cpu).unwrap()).unwrap();
-        loss()
-    };
-    let (up, down) = (eval(orig[i] + eps), eval(orig[i] - eps));
-    var.set(&Tensor::from_vec(orig, var.shape(), &Device::Cpu).unwrap()).unwrap();
-    (up - down) / (2.0 * eps)
-}
-
 #[test]
 fn gradients_match_finite_differences() {
     // n_groups 2, chunk 3 over 8 tokens: the group expansion and several partial chunks.
@@ -115,24 +103,8 @@ fn gradients_match_finite_differences() {
     let grads = loss_of().backward().unwrap();
 
     let vars = net.vars();
-    let mut checked = 0;
-    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
-    let mut check = |name: &str, var: &Var, picks: usize| {
-        let g = grads
-            .get(var)
-            .unwrap_or_else(|| panic!("{name}: no gradient"))
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f64>()
-            .unwrap();
-        for _ in 0..picks {
-            let i = rng.random_range(0..g.len());
-            let num = numeric_grad(var, i, &loss);
-            let err = (g[i] - num).abs() / num.abs().max(1e-3);
-            assert!(err < 1e-5, "{name}[{i}]: autograd {} vs finite differences {num} (rel {err:e})", g[i]);
-            checked += 1;
-        }
-    };
+    let mut checker = GradCheck::new(11);
+    let mut check = |name: &str, var: &Var, picks: usize| checker.check(name, var, &grads, picks, &loss);
     // vars(): embedding, then per layer norm, in_proj, conv_w, dt_bias, a_log, d, gated_norm, out_proj.
     let names = ["norm", "in_proj", "conv_w", "dt_bias", "A_log", "D", "gated_norm", "out_proj"];
     check("embedding", &vars[0], 4);
@@ -144,7 +116,7 @@ fn gradients_match_finite_differences() {
         check(&format!("init.layers.{l}.conv"), &init_vars[l].1, 3);
     }
     check("norm_f", &vars[1 + config.n_layer * names.len()], 3);
-    assert!(checked > 50);
+    assert!(checker.checked > 50, "{} checks", checker.checked);
 }
 
 /// Six steps of a two-layer model on 2 × 16 random tokens (the pretraining tests' base).

@@ -6,16 +6,11 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 use picaso_model::{compose, Composition, GraniteHybridConfig, GraniteHybridWeights, LoadOptions, Model, State};
-use picaso_train::compose::{
-    finetune, picaso_r, ComposeConfig, ContextItem, ContextState, Dataset, Example, Objective,
-};
+use picaso_train::compose::{finetune, picaso_r, ComposeConfig, Objective};
 use picaso_train::{Net, TrainGraniteHybrid, TrainState};
-use rand::{Rng, SeedableRng};
 
-fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    (0..n).map(|_| rng.random_range(0..vocab as u32)).collect()
-}
+mod common;
+use common::{dataset, tokens, GradCheck};
 
 /// The tiny hybrid (`mamba, attention, mamba, attention`; 2 query heads per key head), with
 /// multipliers away from 1 so each scalar is exercised, and the inference model of the same
@@ -126,20 +121,6 @@ fn composition_with_the_key_value_union_equals_the_inference_one() {
     }
 }
 
-fn numeric_grad(var: &Var, i: usize, loss: &dyn Fn() -> f64) -> f64 {
-    let base = var.as_tensor().flatten_all().unwrap().to_vec1::<f64>().unwrap();
-    let at = |d: f64| {
-        let mut v = base.clone();
-        v[i] += d;
-        var.set(&Tensor::from_vec(v, var.shape(), &Device::Cpu).unwrap()).unwrap();
-        loss()
-    };
-    let h = 1e-5;
-    let g = (at(h) - at(-h)) / (2.0 * h);
-    var.set(&Tensor::from_vec(base, var.shape(), &Device::Cpu).unwrap()).unwrap();
-    g
-}
-
 #[test]
 fn gradients_match_finite_differences() {
     let (c, w, m, _dir) = setup();
@@ -167,24 +148,8 @@ fn gradients_match_finite_differences() {
     };
     let loss = || loss_of().to_scalar::<f64>().unwrap();
     let grads = loss_of().backward().unwrap();
-    let mut rng = rand::rngs::StdRng::seed_from_u64(12);
-    let mut checked = 0;
-    let mut check = |name: &str, var: &Var, picks: usize| {
-        let g = grads
-            .get(var)
-            .unwrap_or_else(|| panic!("{name}: no gradient"))
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f64>()
-            .unwrap();
-        for _ in 0..picks {
-            let i = rng.random_range(0..g.len());
-            let num = numeric_grad(var, i, &loss);
-            let err = (g[i] - num).abs() / num.abs().max(1e-3);
-            assert!(err < 1e-5, "{name}[{i}]: autograd {} vs finite differences {num} (rel {err:e})", g[i]);
-            checked += 1;
-        }
-    };
+    let mut checker = GradCheck::new(12);
+    let mut check = |name: &str, var: &Var, picks: usize| checker.check(name, var, &grads, picks, &loss);
     // Every parameter (the Mamba ones, attention's norm and q, k, v, o, the MLP's, the norms).
     for (i, var) in net.vars().iter().enumerate() {
         check(&format!("parameter {i}"), var, 2);
@@ -193,24 +158,7 @@ fn gradients_match_finite_differences() {
         check(&format!("init keys {l}"), k, 3);
         check(&format!("init values {l}"), v, 3);
     }
-    assert!(checked > 60, "{checked} checks");
-}
-
-fn dataset(m: &Model) -> Dataset {
-    let contexts: Vec<ContextItem> = (0..10)
-        .map(|i| {
-            let t = tokens(4 + i % 5, 48, 100 + i as u64);
-            let state = m.prefill(&t, &m.zero_state()).unwrap();
-            ContextItem { tokens: t, state: ContextState::Held(Box::new(state)) }
-        })
-        .collect();
-    let example = |i: u64| Example {
-        contexts: vec![(i % 10) as usize, ((i + 3) % 10) as usize, ((i + 7) % 10) as usize],
-        query: tokens(5, 48, 200 + i),
-        continuation: tokens(4 + (i % 3) as usize, 48, 300 + i),
-    };
-    let (train, val) = ((0..12).map(example).collect(), (12..15).map(example).collect());
-    Dataset { source: "generated examples".into(), contexts, train, val }
+    assert!(checker.checked > 60, "{} checks", checker.checked);
 }
 
 /// BPTC and BP2C fine-tune a hybrid: the loss falls on the training examples, a resumed run
