@@ -4,10 +4,14 @@
 //! any state. It runs on any [`Gpu`]: a CUDA device, or the CPU emulator that holds it to the
 //! CPU engine in the tests.
 //!
-//! Per forward pass the states cross to the device and back once (not per layer or token);
-//! keeping them on the device across calls is the next step (issue 79).
+//! Through the `Engine` calls that take host states, the states cross to the device and back
+//! once per forward pass (not per layer or token); a session ([`GpuStates`], what `generate`
+//! and `Model::session_composed` use) keeps them on the device across steps, and only logits
+//! come back.
 
 use std::sync::{Arc, Mutex};
+
+use rayon::prelude::*;
 
 use super::{Mamba2Config, Mamba2Weights};
 use crate::cpu::layers::by_kind;
@@ -195,7 +199,7 @@ impl GpuMamba2 {
     fn forward_one_kind(&self, tokens: &[u32], lens: &[usize], states: &mut [&mut State]) -> Result<Vec<f32>> {
         let on_device = {
             let refs: Vec<&State> = states.iter().map(|s| &**s).collect();
-            (0..self.layers.len()).map(|l| self.upload_states(&refs, l)).collect::<Result<Vec<_>>>()?
+            (0..self.layers.len()).map(|l| self.upload_states(&refs, l, true)).collect::<Result<Vec<_>>>()?
         };
         let hidden = self.run(tokens, &Batch::new(lens), &on_device)?;
         for (l, ls) in on_device.iter().enumerate() {
@@ -209,8 +213,15 @@ impl GpuMamba2 {
 
     /// Keeps `states` in device memory for a run of forward passes ([`GpuStates`]).
     pub(crate) fn resident(&self, states: Vec<State>) -> Result<GpuStates<'_>> {
+        self.resident_with(states, true)
+    }
+
+    /// [`GpuMamba2::resident`]; with `upload_ssm` false the SSM states start as zeros on the
+    /// device instead of being copied (a composition writes them there).
+    fn resident_with(&self, states: Vec<State>, upload_ssm: bool) -> Result<GpuStates<'_>> {
         let refs: Vec<&State> = states.iter().collect();
-        let layers = (0..self.layers.len()).map(|l| self.upload_states(&refs, l)).collect::<Result<Vec<_>>>()?;
+        let layers =
+            (0..self.layers.len()).map(|l| self.upload_states(&refs, l, upload_ssm)).collect::<Result<Vec<_>>>()?;
         let logits = DeviceBuf::zeroed(&self.gpu, states.len() * self.config.vocab_size * 4)?;
         Ok(GpuStates { engine: self, layers, host: states, logits })
     }
@@ -228,12 +239,12 @@ impl GpuMamba2 {
             crate::composition::compose_all_but_ssm(method, states, order)?;
         let c = &self.config;
         let (len, block) = (c.nheads * c.headdim * c.d_state, c.headdim * c.d_state);
-        let resident = self.resident(vec![composed])?;
+        let resident = self.resident_with(vec![composed], false)?;
         for (l, (w, out)) in weights.iter().zip(&resident.layers).enumerate() {
             let inputs = DeviceBuf::zeroed(&self.gpu, parts.len() * len * 4)?;
             for (i, part) in parts.iter().enumerate() {
                 let ssm = &part.layers[l].ssm;
-                if let Some(v) = ssm.iter().find(|v| !v.is_finite()) {
+                if let Some(v) = ssm.par_chunks(1 << 16).find_map_any(|c| c.iter().copied().find(|v| !v.is_finite())) {
                     return Err(Error::state(format!("a part of the composition holds {v} in layers.{l}.ssm")));
                 }
                 inputs.write_f32(i * len, ssm)?;
@@ -362,13 +373,22 @@ impl GpuMamba2 {
     }
 
     /// Layer `l`'s states of every sequence, packed and uploaded.
-    fn upload_states(&self, states: &[&State], l: usize) -> Result<LayerStates> {
+    fn upload_states(&self, states: &[&State], l: usize, upload_ssm: bool) -> Result<LayerStates> {
+        // Each state's part straight from its buffer: no packed copy on the host.
         let pack = |part: &dyn Fn(&State) -> &[f32]| -> Result<DeviceBuf> {
-            let v: Vec<f32> = states.iter().flat_map(|s| part(s).iter().copied()).collect();
-            DeviceBuf::from_f32(&self.gpu, &v)
+            let n = states.first().map_or(0, |s| part(s).len());
+            let buf = DeviceBuf::zeroed(&self.gpu, states.len() * n * 4)?;
+            for (i, s) in states.iter().enumerate() {
+                buf.write_f32(i * n, part(s))?;
+            }
+            Ok(buf)
         };
+        let c = &self.config;
         Ok(LayerStates {
-            ssm: pack(&|s| &s.layers[l].ssm)?,
+            ssm: match upload_ssm {
+                true => pack(&|s| &s.layers[l].ssm)?,
+                false => DeviceBuf::zeroed(&self.gpu, states.len() * c.nheads * c.headdim * c.d_state * 4)?,
+            },
             tails: pack(&|s| &s.layers[l].conv)?,
             log_decay: pack(&|s| &s.layers[l].log_decay)?,
         })
