@@ -51,7 +51,11 @@ impl MatrixDtype {
     pub(crate) fn encode(self, v: &[f32]) -> Vec<u8> {
         match self {
             MatrixDtype::F32 => f32_bytes(v).to_vec(),
-            MatrixDtype::Bf16 => v.iter().flat_map(|&x| half::bf16::from_f32(x).to_le_bytes()).collect(),
+            MatrixDtype::Bf16 => {
+                use rayon::prelude::*;
+                let bits: Vec<u16> = v.par_iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect();
+                bytemuck::cast_slice(&bits).to_vec()
+            }
         }
     }
 }
