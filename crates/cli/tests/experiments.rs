@@ -251,7 +251,9 @@ fn order_fidelity_scaling_and_finetuned() {
     ok(&["eval", "scaling", "--db", db_s, "--model", m, "--out", sc.to_str().unwrap(), "--ks", "1,4"]);
     let md = std::fs::read_to_string(sc.join("results.md")).unwrap();
     assert!(md.contains("| k=4 |") && md.contains("speed-up"), "{md}");
-    assert!(!sc.join("journal.jsonl").exists(), "a finished run's journal is removed");
+    assert!(!sc.join("journal.jsonl").exists(), "a finished run's journal is closed");
+    let kept = std::fs::read_to_string(sc.join("passages.jsonl")).expect("and kept as passages.jsonl");
+    assert!(kept.lines().count() >= 2, "a header and the passages: {kept}");
 
     // A stopped run resumes from its journal. Here the report cannot be written (results.md is
     // a folder), so the journal of every scored passage stays; a run with the same settings
@@ -323,7 +325,8 @@ fn order_fidelity_scaling_and_finetuned() {
     let naive = results(&ft.join("zero-shot/wikitext"))["report"]["naive_loss"].as_f64().unwrap();
     assert!(naive > 1000.0 / (lines.len() - 1) as f64, "the journaled model was scored again: naive {naive}");
     for name in ["zero-shot", "other", "third"] {
-        assert!(!ft.join(name).join("wikitext/journal.jsonl").exists(), "{name}: a finished run's journals go");
+        assert!(!ft.join(name).join("wikitext/journal.jsonl").exists(), "{name}: a finished run's journals close");
+        assert!(ft.join(name).join("wikitext/passages.jsonl").is_file(), "{name}: and stay as passages.jsonl");
     }
     let md = std::fs::read_to_string(ft.join("results.md")).unwrap();
     assert!(md.contains("| other | picaso-r |") && md.contains("| zero-shot | naive |"), "{md}");

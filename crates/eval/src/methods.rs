@@ -10,8 +10,10 @@ use picaso_model::{compose, Composition, Method, Model, State};
 use crate::{Error, Result};
 
 /// The comparisons the paper's claims rest on: every method against Naive and against
-/// Concat; PICASO-R against Soup, CASO and PICASO-S; CASO against Soup. Each experiment
-/// reports them as paired intervals over its items, where both methods were scored.
+/// Concat; PICASO-R against Soup, CASO and PICASO-S; CASO against Soup; and a hybrid's two
+/// ablations (the key/value union alone, PICASO-R without keys and values) against Naive and
+/// against PICASO-R with both. Each experiment reports them as paired intervals over its
+/// items, where both methods were scored.
 pub fn claim_pairs() -> Vec<(Method, Method)> {
     use picaso_model::Composition::{Caso, PicasoR, PicasoS, Soup};
     let mut pairs = Vec::new();
@@ -23,6 +25,10 @@ pub fn claim_pairs() -> Vec<(Method, Method)> {
     }
     let c = Method::Compose;
     pairs.extend([(c(PicasoR), c(Soup)), (c(PicasoR), c(Caso)), (c(PicasoR), c(PicasoS)), (c(Caso), c(Soup))]);
+    // A hybrid's two halves: each alone against Naive, and what the other half adds to it.
+    for half in [Method::KvUnion, Method::PicasoRNoKv] {
+        pairs.extend([(half, Method::Naive), (c(PicasoR), half)]);
+    }
     pairs
 }
 

@@ -251,9 +251,10 @@ fn journal(out: &std::path::Path) -> PathBuf {
     out.join("journal.jsonl")
 }
 
-/// Removes a finished run's journal (its results are in the report now).
+/// Keeps a finished run's journal as `passages.jsonl`: every passage's figures, for paired
+/// comparisons the report does not make (a rerun into the same folder starts afresh).
 fn finish_journal(out: &std::path::Path) -> Result<()> {
-    match std::fs::remove_file(journal(out)) {
+    match std::fs::rename(journal(out), out.join("passages.jsonl")) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e.into()),
         _ => Ok(()),
     }

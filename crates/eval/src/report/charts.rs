@@ -87,6 +87,8 @@ pub(crate) fn paired_gains(
                 .unzip();
             Series { name: m.to_string(), points, errors }
         })
+        // A method without paired gains draws nothing: it is not listed in the legend either.
+        .filter(|s| !s.points.is_empty())
         .collect()
 }
 

@@ -379,4 +379,21 @@ mod tests {
         // Methods that were not scored are left out.
         assert!(c.iter().all(|x| x.a != Method::Compose(Composition::Caso)));
     }
+
+    /// A hybrid's ablations are each paired with Naive and with PICASO-R (which has both halves).
+    #[test]
+    fn a_hybrids_ablations_are_paired() {
+        let mut losses = HashMap::new();
+        losses.insert((Method::Naive, 2), vec![3.0, 4.0]);
+        losses.insert((Method::Compose(Composition::PicasoR), 2), vec![2.8, 3.7]);
+        losses.insert((Method::KvUnion, 2), vec![2.9, 3.8]);
+        losses.insert((Method::PicasoRNoKv, 2), vec![3.1, 4.05]);
+        let c = contrasts(&[2], &losses, 3.5);
+        let gain = |a: Method, b: Method| c.iter().find(|x| x.a == a && x.b == b).map(|x| x.gain);
+        let r = Method::Compose(Composition::PicasoR);
+        assert!((gain(Method::KvUnion, Method::Naive).unwrap() - 0.15).abs() < 1e-12);
+        assert!((gain(Method::PicasoRNoKv, Method::Naive).unwrap() + 0.075).abs() < 1e-12);
+        assert!((gain(r, Method::KvUnion).unwrap() - 0.1).abs() < 1e-12);
+        assert!((gain(r, Method::PicasoRNoKv).unwrap() - 0.325).abs() < 1e-12);
+    }
 }
