@@ -28,7 +28,7 @@ impl DbArgs {
     }
 }
 
-#[derive(Args)]
+#[derive(Args, Clone)]
 pub(crate) struct ModelArgs {
     /// Model folder (config.json + weights [+ tokenizer.json]) or a Hugging Face repo id;
     /// default: $PICASO_MODEL, else the bundled model.
@@ -108,6 +108,14 @@ impl SamplingArgs {
 
 /// Where the bundled model lives in a checkout (the training issue puts it there).
 pub(crate) const BUNDLED_MODEL: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../models/picaso-mamba2");
+/// Where the bundled Granite-4.0-H-shaped hybrid lives in a checkout.
+const BUNDLED_HYBRID: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../models/picaso-hybrid");
+
+/// The bundled hybrid's folder, if this checkout has it.
+pub(crate) fn bundled_hybrid() -> Option<PathBuf> {
+    let dir = PathBuf::from(BUNDLED_HYBRID);
+    dir.join("config.json").is_file().then_some(dir)
+}
 
 /// A `NAME=VALUE` argument (a named model folder or log), both sides non-empty; `usage`
 /// (e.g. "NAME=DIR, e.g. bptc=runs/bptc/model") says what to give instead.

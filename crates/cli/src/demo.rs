@@ -1,5 +1,6 @@
 //! `picaso demo`: the main job end to end. Ingests a corpus into a store with the bundled
-//! model, then answers prompts three ways — without the retrieved contexts (naive), with them
+//! model (and into a second store with the bundled hybrid, whose answers it prints beside the
+//! Mamba-2's; `--model` runs one model), then answers prompts three ways — without the retrieved contexts (naive), with them
 //! as tokens in front of the prompt (concat), and with their stored states composed into one
 //! (picaso-r) — and prints, per prompt and method, the loss of the true answer, the time to
 //! first token and the generated text.
@@ -38,7 +39,8 @@ pub struct DemoArgs {
     #[arg(long)]
     embedder: Option<PathBuf>,
     /// Store folder (created; re-runs reuse it). Default: target/demo-db, or
-    /// target/demo-db-wikitext with --data.
+    /// target/demo-db-wikitext with --data. The bundled hybrid's store is this folder's name
+    /// with `-hybrid` appended.
     #[arg(long)]
     db: Option<PathBuf>,
     /// Articles to ingest from --data (from the start of the file).
@@ -97,6 +99,44 @@ fn builtin_prompts() -> Result<Vec<(String, String)>> {
         .collect()
 }
 
+/// A model the demo runs, with its own store (a store holds one model's states).
+struct Subject {
+    name: String,
+    model: Model,
+    store: Store,
+}
+
+/// The models to run: `--model` (or `$PICASO_MODEL`) alone, else the bundled Mamba-2 and, where
+/// it is bundled too, the hybrid beside it (its store is `DB-hybrid`).
+fn subjects(a: &DemoArgs, db: &std::path::Path, embedder: &picaso_embed::Embedder) -> Result<Vec<Subject>> {
+    let mut wanted = vec![(a.model.clone(), db.to_path_buf())];
+    if a.model.model.is_none() && std::env::var_os("PICASO_MODEL").is_none() {
+        if let Some(hybrid) = crate::args::bundled_hybrid() {
+            let model =
+                crate::args::ModelArgs { model: Some(hybrid.to_string_lossy().into_owned()), ..a.model.clone() };
+            let mut hybrid_db = db.as_os_str().to_owned();
+            hybrid_db.push("-hybrid");
+            wanted.push((model, PathBuf::from(hybrid_db)));
+        }
+    }
+    wanted
+        .into_iter()
+        .map(|(args, db)| {
+            let model = crate::args::load_model(&args, true)?;
+            let info = picaso_store::StoreInfo {
+                fingerprint: model.fingerprint().to_string(),
+                dim: embedder.dim(),
+                state_dtype: picaso_model::StateDtype::F32,
+            };
+            let store = Store::open_or_create(&db, &info).with_context(|| {
+                format!("{}: a demo store of another model? remove the folder or pass --db", db.display())
+            })?;
+            let name = model.dir().file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned());
+            Ok(Subject { name, model, store })
+        })
+        .collect()
+}
+
 pub fn run(a: DemoArgs) -> Result<()> {
     if let Some(d) = &a.data {
         if !d.is_file() {
@@ -114,7 +154,7 @@ pub fn run(a: DemoArgs) -> Result<()> {
     let existing = Store::open(&db).ok();
     let embedder = picaso_store::find_embedder(a.embedder.as_deref(), existing.as_ref())?;
     drop(existing);
-    let model = crate::args::load_model(&a.model, true)?;
+    let subjects = subjects(&a, &db, &embedder)?;
     let (docs, segmentation) = match &a.data {
         Some(d) => {
             let mut docs = picaso_store::read_wikitext(d)?;
@@ -123,90 +163,99 @@ pub fn run(a: DemoArgs) -> Result<()> {
         }
         None => (builtin_documents(), picaso_store::Segmentation::Paragraph),
     };
-    let info = picaso_store::StoreInfo {
-        fingerprint: model.fingerprint().to_string(),
-        dim: embedder.dim(),
-        state_dtype: picaso_model::StateDtype::F32,
-    };
-    let store = Store::open_or_create(&db, &info)
-        .with_context(|| format!("{}: a demo store of another model? remove the folder or pass --db", db.display()))?;
-    let t0 = Instant::now();
-    let r = picaso_store::ingest(&store, &model, &embedder, &docs, segmentation, 32, |_| {})?;
-    let stats = store.stats()?;
-    println!(
-        "store {}: {} from {} ({} new, {} tokens processed in {:.1} s); model {} ({} parameters)\n",
-        db.display(),
-        counted(stats.contexts, "context"),
-        counted(stats.documents, "document"),
-        r.done,
-        r.tokens,
-        t0.elapsed().as_secs_f64(),
-        model.dir().display(),
-        model.n_params()
-    );
-
-    let questions = match &a.data {
-        Some(_) => wikitext_questions(&store, a.prompts, a.k)?,
-        None => builtin_questions(&store, &model, &embedder, a.prompts, a.k)?,
-    };
+    let mut questions = Vec::new();
+    for s in &subjects {
+        let t0 = Instant::now();
+        let r = picaso_store::ingest(&s.store, &s.model, &embedder, &docs, segmentation, 32, |_| {})?;
+        let stats = s.store.stats()?;
+        println!(
+            "store {}: {} from {} ({} new, {} tokens processed in {:.1} s); model {} ({} parameters)",
+            s.store.location(),
+            counted(stats.contexts, "context"),
+            counted(stats.documents, "document"),
+            r.done,
+            r.tokens,
+            t0.elapsed().as_secs_f64(),
+            s.model.dir().display(),
+            s.model.n_params()
+        );
+        questions.push(match &a.data {
+            Some(_) => wikitext_questions(&s.store, a.prompts, a.k)?,
+            None => builtin_questions(&s.store, &s.model, &embedder, a.prompts, a.k)?,
+        });
+    }
+    println!();
     let methods =
         [("naive", Method::Naive), ("concat", Method::Concat), ("picaso-r", Method::Compose(Composition::PicasoR))];
-    let mut totals = vec![(0.0, 0.0); methods.len()];
+    let mut totals = vec![vec![(0.0, 0.0); methods.len()]; subjects.len()];
     let opts = GenerateOptions { max_tokens: a.max_tokens, ..Default::default() };
-    for (i, q) in questions.iter().enumerate() {
-        println!("prompt {}: {}", i + 1, snippet(&q.prompt_text, 110));
-        let sources: Vec<String> = q
+    let several = subjects.len() > 1;
+    for i in 0..questions[0].len() {
+        let first = &questions[0][i];
+        println!("prompt {}: {}", i + 1, snippet(&first.prompt_text, 110));
+        let sources: Vec<String> = first
             .contexts
             .iter()
             .rev()
-            .map(|&id| store.get(id).map(|c| format!("{} #{}", c.doc, c.seg)))
+            .map(|&id| subjects[0].store.get(id).map(|c| format!("{} #{}", c.doc, c.seg)))
             .collect::<std::result::Result<_, _>>()?;
         println!("  retrieved (best first): {}", sources.join(", "));
-        println!("  true answer: {}", snippet(&q.answer_text, 90));
-        let mut rows = Vec::new();
-        // The states picaso-r reads, kept for the attribution below (which would read them again).
-        let cache = picaso_store::StateCache::new(usize::MAX);
-        for (name, method) in methods {
-            let started = Instant::now();
-            let prepared = prepare(&store, &model, &q.contexts, method, Some(&cache))?;
-            let mut first: Option<f64> = None;
-            let out = generate(&model, &q.prompt, &prepared.state, &opts, |_| {
-                first.get_or_insert_with(|| started.elapsed().as_secs_f64());
-                true
-            })?;
-            let ttft = first.unwrap_or_else(|| started.elapsed().as_secs_f64());
-            let loss = picaso_eval::methods::continuation_nll(&model, &prepared.state, &q.prompt, &q.answer)?;
-            rows.push(Row { method: name, loss, ttft_ms: 1e3 * ttft, output: out.text });
-        }
-        println!("  {:<9} {:>7} {:>9}  output", "method", "loss", "TTFT ms");
-        for (j, r) in rows.iter().enumerate() {
-            println!("  {:<9} {:>7.3} {:>9.1}  {}", r.method, r.loss, r.ttft_ms, snippet(&r.output, 70));
-            totals[j].0 += r.loss;
-            totals[j].1 += r.ttft_ms;
-        }
-        // Which retrieved context the true answer owes most to, by leaving each out of the
-        // composed state (`picaso query --answer`).
-        if !q.contexts.is_empty() && !q.answer.is_empty() {
-            let picaso_r = Method::Compose(Composition::PicasoR);
-            let at =
-                picaso_store::attribute(&store, &model, &q.contexts, picaso_r, &q.prompt, &q.answer, Some(&cache))?;
-            let top = at.ranking()[0];
-            let c = store.get(q.contexts[top])?;
-            println!(
-                "  the true answer owes most to {} #{}: {:+.2} nats without it (leave-one-out over picaso-r, {:.0} ms)",
-                c.doc,
-                c.seg,
-                at.drop(top),
-                1e3 * at.seconds
-            );
+        println!("  true answer: {}", snippet(&first.answer_text, 90));
+        for (s, subject) in subjects.iter().enumerate() {
+            let (model, store, q) = (&subject.model, &subject.store, &questions[s][i]);
+            if several {
+                println!("  {}:", subject.name);
+            }
+            let mut rows = Vec::new();
+            // The states picaso-r reads, kept for the attribution below (which would read them again).
+            let cache = picaso_store::StateCache::new(usize::MAX);
+            for (name, method) in methods {
+                let started = Instant::now();
+                let prepared = prepare(store, model, &q.contexts, method, Some(&cache))?;
+                let mut first: Option<f64> = None;
+                let out = generate(model, &q.prompt, &prepared.state, &opts, |_| {
+                    first.get_or_insert_with(|| started.elapsed().as_secs_f64());
+                    true
+                })?;
+                let ttft = first.unwrap_or_else(|| started.elapsed().as_secs_f64());
+                let loss = picaso_eval::methods::continuation_nll(model, &prepared.state, &q.prompt, &q.answer)?;
+                rows.push(Row { method: name, loss, ttft_ms: 1e3 * ttft, output: out.text });
+            }
+            println!("  {:<9} {:>7} {:>9}  output", "method", "loss", "TTFT ms");
+            for (j, r) in rows.iter().enumerate() {
+                println!("  {:<9} {:>7.3} {:>9.1}  {}", r.method, r.loss, r.ttft_ms, snippet(&r.output, 70));
+                totals[s][j].0 += r.loss;
+                totals[s][j].1 += r.ttft_ms;
+            }
+            // Which retrieved context the true answer owes most to, by leaving each out of the
+            // composed state (`picaso query --answer`).
+            if !q.contexts.is_empty() && !q.answer.is_empty() {
+                let picaso_r = Method::Compose(Composition::PicasoR);
+                let at =
+                    picaso_store::attribute(store, model, &q.contexts, picaso_r, &q.prompt, &q.answer, Some(&cache))?;
+                let top = at.ranking()[0];
+                let c = store.get(q.contexts[top])?;
+                println!(
+                    "  the true answer owes most to {} #{}: {:+.2} nats without it (leave-one-out over picaso-r, {:.0} ms)",
+                    c.doc,
+                    c.seg,
+                    at.drop(top),
+                    1e3 * at.seconds
+                );
+            }
         }
         println!();
     }
-    let n = questions.len() as f64;
-    println!("mean over {}, k = {} retrieved contexts each:", counted(questions.len(), "prompt"), a.k);
-    println!("  {:<9} {:>7} {:>9}", "method", "loss", "TTFT ms");
-    for ((name, _), (loss, ttft)) in methods.iter().zip(&totals) {
-        println!("  {:<9} {:>7.3} {:>9.1}", name, loss / n, ttft / n);
+    let n = questions[0].len() as f64;
+    println!("mean over {}, k = {} retrieved contexts each:", counted(questions[0].len(), "prompt"), a.k);
+    for (subject, totals) in subjects.iter().zip(&totals) {
+        if several {
+            println!("  {}:", subject.name);
+        }
+        println!("  {:<9} {:>7} {:>9}", "method", "loss", "TTFT ms");
+        for ((name, _), (loss, ttft)) in methods.iter().zip(totals) {
+            println!("  {:<9} {:>7.3} {:>9.1}", name, loss / n, ttft / n);
+        }
     }
     println!("\nloss: mean negative log-likelihood of the true answer (nats/token; lower is better)");
     Ok(())

@@ -395,8 +395,9 @@ fn a_closed_stdout_ends_the_command_without_a_panic() {
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
 
-/// The demo with the bundled model: for every prompt, leave-one-out over the composed state
-/// names the retrieved paragraph that holds the true answer.
+/// The demo with the bundled models (the Mamba-2, and the hybrid beside it): for every prompt
+/// and model, leave-one-out over the composed state names the retrieved paragraph that holds
+/// the true answer.
 #[test]
 fn the_demo_attributes_each_answer_to_the_paragraph_that_holds_it() {
     let Some(embedder) = common::shared("all-MiniLM-L6-v2") else { return };
@@ -419,10 +420,13 @@ fn the_demo_attributes_each_answer_to_the_paragraph_that_holds_it() {
                 .find(|c| c.doc == doc && c.seg.to_string() == seg)
                 .unwrap_or_else(|| panic!("no context {source}"));
             let text = context.text;
-            let answer = answer.take().expect("the true answer comes first");
+            let answer = answer.clone().expect("the true answer comes first");
             assert!(text.contains(&answer), "{source} does not hold {answer:?}: {text}");
             checked += 1;
         }
     }
-    assert_eq!(checked, 4, "{stdout}");
+    let models = stdout.lines().filter(|l| l.starts_with("store ")).count();
+    assert_eq!(models, 2, "the Mamba-2 and the hybrid: {stdout}");
+    assert!(stdout.contains("  picaso-hybrid:") && stdout.contains("  picaso-mamba2:"), "{stdout}");
+    assert_eq!(checked, 4 * models, "{stdout}");
 }
