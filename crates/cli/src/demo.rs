@@ -190,8 +190,7 @@ pub fn run(a: DemoArgs) -> Result<()> {
     let mut totals = vec![vec![(0.0, 0.0); methods.len()]; subjects.len()];
     let opts = GenerateOptions { max_tokens: a.max_tokens, ..Default::default() };
     let several = subjects.len() > 1;
-    for i in 0..questions[0].len() {
-        let first = &questions[0][i];
+    for (i, first) in questions[0].iter().enumerate() {
         println!("prompt {}: {}", i + 1, snippet(&first.prompt_text, 110));
         let sources: Vec<String> = first
             .contexts

@@ -1,5 +1,5 @@
 //! A differentiable Granite 4.0 H hybrid on candle autograd: Mamba-2 mixers (the same
-//! [`MambaLayer`] as [`crate::TrainMamba2`]) and grouped-query attention without positional
+//! `MambaLayer` as [`crate::TrainMamba2`]) and grouped-query attention without positional
 //! encoding (NoPE), each followed by a SwiGLU MLP, every branch added to the residual scaled by
 //! `residual_multiplier` — what the inference engine in `picaso_model::granite_hybrid` runs.
 //!

@@ -5,7 +5,7 @@
 //! CPU engine in the tests.
 //!
 //! Through the `Engine` calls that take host states, the states cross to the device and back
-//! once per forward pass (not per layer or token); a session ([`GpuStates`], what `generate`
+//! once per forward pass (not per layer or token); a session (`GpuStates`, what `generate`
 //! and `Model::session_composed` use) keeps them on the device across steps, and only logits
 //! come back.
 

@@ -550,8 +550,8 @@ impl CpuTrainer {
     }
 }
 
-/// The parameters in the order of [`crate::mamba::TrainMamba2::vars`] (the order optimiser
-/// checkpoints use), with their shapes.
+/// The parameters in the order of a [`crate::TrainMamba2`]'s [`crate::Net::vars`] (the order
+/// optimiser checkpoints use), with their shapes.
 pub fn param_shapes(c: &Mamba2Config, w: &Mamba2Weights) -> Vec<Vec<usize>> {
     let mut s = vec![vec![c.vocab_size, c.d_model]];
     for l in &w.layers {
