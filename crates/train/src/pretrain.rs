@@ -473,20 +473,8 @@ impl<N: Net> Learner for NetLearner<N> {
 
     fn token_losses(&self, x: &[u32], y: &[u32], b: usize, t: usize) -> Result<Vec<f64>> {
         let (logits, _) = self.net.forward(&Tensor::from_vec(x.to_vec(), (b, t), self.net.device())?, None)?;
-        let v = logits.dim(2)?;
         let rows: Vec<f32> = logits.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
-        Ok(rows
-            .chunks(v)
-            .zip(y)
-            .map(|(row, &target)| {
-                if target == IGNORE {
-                    return 0.0;
-                }
-                let max = row.iter().fold(f32::NEG_INFINITY, |m, &l| m.max(l)) as f64;
-                let sum: f64 = row.iter().map(|&l| (l as f64 - max).exp()).sum();
-                max + sum.ln() - row[target as usize] as f64
-            })
-            .collect())
+        Ok(crate::xent::row_losses(&rows, logits.dim(2)?, y))
     }
 
     fn save(&self, out: &Path, state: &impl serde::Serialize) -> Result<()> {
@@ -646,12 +634,9 @@ pub struct ModelProgress<C = Mamba2Config> {
 pub fn write_progress(out: &Path, dir: &Path) -> Result<()> {
     let ckpt = out.join("checkpoint").join("trainer.json");
     let text = std::fs::read_to_string(&ckpt).map_err(|e| io(e, &ckpt))?;
-    // The checkpoint's trainer.json holds the same fields, whatever the architecture.
-    let state: serde_json::Value = serde_json::from_str(&text).map_err(|e| io(e, &ckpt))?;
-    let mut p = serde_json::Map::new();
-    for field in ["config", "step", "history", "notes"] {
-        p.insert(field.into(), state.get(field).cloned().unwrap_or(serde_json::Value::Array(Vec::new())));
-    }
+    // The architecture's config stays JSON: the same fields follow it whatever it is.
+    let state: TrainerState<serde_json::Value> = serde_json::from_str(&text).map_err(|e| io(e, &ckpt))?;
+    let p = ModelProgress { config: state.config, step: state.step, history: state.history, notes: state.notes };
     let path = dir.join("progress.json");
     std::fs::write(&path, serde_json::to_string(&p).map_err(|e| io(e, &path))?).map_err(|e| io(e, &path))
 }
@@ -728,6 +713,8 @@ fn prepare<C>(config: &PretrainConfig<C>, data: &TokenData, out: &Path) -> Resul
 /// What differs between the architectures a run can pretrain: the config's vocabulary, the
 /// parameter count and memory a run needs, the training itself, and the model folder it makes.
 pub trait PretrainArch: Clone + PartialEq + std::fmt::Debug + serde::Serialize + serde::de::DeserializeOwned {
+    /// The trainable model of this architecture (its weights' reading and writing).
+    type Net: Net<Config = Self>;
     /// Sets the vocabulary (the tokenizer's, rounded up).
     fn set_vocab(&mut self, vocab: usize);
     /// Parameters of a model of this shape.
@@ -744,10 +731,14 @@ pub trait PretrainArch: Clone + PartialEq + std::fmt::Debug + serde::Serialize +
         on_progress: &mut dyn FnMut(&Progress),
     ) -> Result<Vec<LogRow>>;
     /// Writes the weights of the checkpoint `ckpt` as a model folder `dir`.
-    fn export(&self, ckpt: &Path, dir: &Path) -> Result<()>;
+    fn export(&self, ckpt: &Path, dir: &Path) -> Result<()> {
+        Self::Net::save_weights(&Self::Net::load_weights(ckpt, self)?, self, dir)
+    }
 }
 
 impl PretrainArch for Mamba2Config {
+    type Net = crate::TrainMamba2;
+
     fn set_vocab(&mut self, vocab: usize) {
         self.vocab_size = vocab;
     }
@@ -770,14 +761,11 @@ impl PretrainArch for Mamba2Config {
     ) -> Result<Vec<LogRow>> {
         pretrain_mamba2(run, data, out, stop_after, start, on_progress)
     }
-
-    fn export(&self, ckpt: &Path, dir: &Path) -> Result<()> {
-        let w = Mamba2Weights::load(ckpt, self).map_err(|e| io(e, ckpt))?;
-        w.save_pretrained(dir, self).map_err(|e| io(e, dir))
-    }
 }
 
 impl PretrainArch for GraniteHybridConfig {
+    type Net = crate::TrainGraniteHybrid;
+
     fn set_vocab(&mut self, vocab: usize) {
         self.vocab_size = vocab;
         self.mamba.vocab_size = vocab;
@@ -812,12 +800,7 @@ impl PretrainArch for GraniteHybridConfig {
         on_progress: &mut dyn FnMut(&Progress),
     ) -> Result<Vec<LogRow>> {
         let init = || init_hybrid_weights(&run.model, run.seed, &run.init);
-        pretrain_net::<crate::TrainGraniteHybrid>(run, init, data, out, stop_after, start, on_progress)
-    }
-
-    fn export(&self, ckpt: &Path, dir: &Path) -> Result<()> {
-        let w = GraniteHybridWeights::load(ckpt, self).map_err(|e| io(e, ckpt))?;
-        w.save_pretrained(dir, self).map_err(|e| io(e, dir))
+        pretrain_net::<Self::Net>(run, init, data, out, stop_after, start, on_progress)
     }
 }
 

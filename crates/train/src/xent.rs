@@ -58,6 +58,22 @@ fn f32_rows<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'a [f32]> {
     }
 }
 
+/// The cross-entropy of each row of `logits` (rows × `vocab`) at its target, 0 where the
+/// target is [`IGNORE`].
+pub(crate) fn row_losses(logits: &[f32], vocab: usize, targets: &[u32]) -> Vec<f64> {
+    logits
+        .par_chunks(vocab)
+        .zip(targets.par_iter())
+        .map(|(row, &t)| {
+            if t == IGNORE {
+                return 0.0;
+            }
+            let (max, lse) = log_sum_exp(row);
+            f64::from(max + lse - row[t as usize])
+        })
+        .collect()
+}
+
 /// (max, log Σ exp(x − max)) of one row.
 fn log_sum_exp(row: &[f32]) -> (f32, f32) {
     let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -74,18 +90,7 @@ impl CustomOp1 for CrossEntropy {
         let vocab = layout.dims()[1];
         let logits = f32_rows(storage, layout)?;
         // Per-row losses in parallel, summed in row order: deterministic.
-        let rows: Vec<f64> = logits
-            .par_chunks(vocab)
-            .zip(self.targets.par_iter())
-            .map(|(row, &t)| {
-                if t == IGNORE {
-                    return 0.0;
-                }
-                let (max, lse) = log_sum_exp(row);
-                f64::from(max + lse - row[t as usize])
-            })
-            .collect();
-        let total: f64 = rows.iter().sum();
+        let total: f64 = row_losses(logits, vocab, &self.targets).iter().sum();
         Ok((CpuStorage::F32(vec![(total / self.counted as f64) as f32]), Shape::from(1)))
     }
 
