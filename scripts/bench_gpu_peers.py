@@ -41,11 +41,14 @@ def random_model(binary, shape, work):
     return out
 
 
-def picaso_bench(binary, device, model, prompt, decode_batch, repeats):
+def picaso_bench(binary, device, model, prompt, decode_batch, repeats, graphs=True):
+    """`picaso bench`; graphs=False launches each decode kernel instead of replaying the
+    recorded CUDA graph (PICASO_CUDA_GRAPHS=0)."""
     cmd = [binary, "bench", "--device", device, "--model", model, "--weights", "bf16",
            "--prompt-tokens", str(prompt), "--decode-tokens", "64", "--decode-batch", str(decode_batch),
            "--compose-n", "0", "--repeats", str(repeats), "--json"]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    env = dict(os.environ, PICASO_CUDA_GRAPHS="1" if graphs else "0")
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
     return json.loads(out)
 
 
@@ -178,11 +181,15 @@ def main():
         for r in range(a.rounds if shape == "130m" else 1):
             short = picaso_bench(a.picaso, device, model, 512, 16, 2)
             long_ = picaso_bench(a.picaso, device, model, 4096, 0, 2) if not a.cpu_dry_run else None
+            # What the decode step's CUDA graph saves (the 130m shapes, where launches dominate).
+            eager = picaso_bench(a.picaso, device, model, 512, 16, 2, graphs=False) if shape == "130m" else None
             rows["picaso"].append({
                 "prefill_512_tokens_per_s": short["prefill_tokens_per_s"],
                 "prefill_4096_tokens_per_s": long_["prefill_tokens_per_s"] if long_ else None,
                 "decode_ms_per_token_batch1": 1e3 / short["decode_tokens_per_s"],
                 "decode_ms_per_step_batch16": 16e3 / short["batched_decode_tokens_per_s"],
+                "decode_ms_per_token_batch1_no_graph": 1e3 / eager["decode_tokens_per_s"] if eager else None,
+                "decode_ms_per_step_batch16_no_graph": 16e3 / eager["batched_decode_tokens_per_s"] if eager else None,
             })
             if peer is not None:
                 rows["mamba_ssm"].append({
@@ -199,7 +206,7 @@ def main():
         if "mamba_ssm" in summary:
             p, m = summary["picaso"], summary["mamba_ssm"]
             for key in p:
-                if p[key] and m[key]:
+                if p[key] and m.get(key):
                     better_high = key.startswith("prefill")
                     ratios[f"picaso_over_mamba_ssm_{key}"] = p[key] / m[key] if better_high else m[key] / p[key]
         d_model, n_layer = SHAPES[shape]

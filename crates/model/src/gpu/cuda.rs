@@ -1,22 +1,28 @@
 //! A [`Gpu`] on an NVIDIA device through cudarc: the CUDA driver, NVRTC and cuBLAS are loaded
 //! at run time (a build needs none of them), the kernels compiled once per process for the
 //! device's architecture. Every call binds the context to the calling thread and queues on the
-//! legacy default stream, so launches, products and copies run in call order.
+//! engine's one stream (a created stream, not the legacy default one, which CUDA cannot
+//! capture into a graph), so launches, products and copies run in call order; a download
+//! waits for the stream.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Arc;
 
 use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
-use cudarc::driver::{result as driver, sys as driver_sys, CudaContext, CudaFunction, CudaStream};
+use cudarc::driver::{result as driver, sys as driver_sys, CudaContext, CudaFunction, CudaGraph, CudaStream};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 
 use super::kernels::KERNELS;
-use super::{DevicePtr, Gemm, Gpu, MatrixDtype, KERNEL_SOURCE};
+use super::{DevicePtr, Gemm, Gpu, Graph, MatrixDtype, KERNEL_SOURCE};
 use crate::error::{Error, Result};
 
 /// Where a user gets the libraries (the driver comes with the GPU's driver install).
 const LIBRARY_HINT: &str = "install the CUDA 12 runtime libraries (e.g. `pip install nvidia-cuda-nvrtc-cu12 nvidia-cublas-cu12`) and put their lib folders on LD_LIBRARY_PATH";
+
+/// cuBLAS's workspace, set once so that a product allocates nothing while a graph is being
+/// captured (32 MiB: cuBLAS's recommendation for Hopper, more than enough before it).
+const BLAS_WORKSPACE: usize = 32 << 20;
 
 /// An NVIDIA GPU with the engine's kernels loaded.
 pub struct CudaGpu {
@@ -24,7 +30,32 @@ pub struct CudaGpu {
     stream: Arc<CudaStream>,
     functions: HashMap<&'static str, CudaFunction>,
     blas: CudaBlas,
+    blas_workspace: DevicePtr,
     name: String,
+}
+
+impl Drop for CudaGpu {
+    fn drop(&mut self) {
+        if self.bind().is_ok() {
+            let _ = self.stream.synchronize();
+            // SAFETY: allocated in `new`, used only by this handle's products, all finished.
+            let _ = unsafe { driver::free_sync(self.blas_workspace) };
+        }
+    }
+}
+
+/// A captured CUDA graph.
+struct CudaReplay(CudaGraph);
+
+// SAFETY: a CUDA graph may be launched from any thread with its context bound (`launch` binds
+// it), as long as calls on it are serialised: the engine replays under its pass lock, and a
+// `Graph` is replayed through `&self` by one owner at a time (it is `Send`, not `Sync`).
+unsafe impl Send for CudaReplay {}
+
+impl Graph for CudaReplay {
+    fn replay(&self) -> Result<()> {
+        self.0.launch().map_err(gpu_err("replaying a CUDA graph"))
+    }
 }
 
 impl std::fmt::Debug for CudaGpu {
@@ -101,11 +132,21 @@ impl CudaGpu {
             .iter()
             .map(|&k| Ok((k, module.load_function(k).map_err(gpu_err(k))?)))
             .collect::<Result<HashMap<_, _>>>()?;
-        let stream = ctx.default_stream();
+        let stream = ctx.new_stream().map_err(gpu_err("creating a stream"))?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| Error::Gpu(format!("starting cuBLAS: {e:?}")))?;
+        // SAFETY: a fresh allocation handed to cuBLAS for this handle's products only.
+        let blas_workspace = unsafe {
+            let p = driver::malloc_sync(BLAS_WORKSPACE).map_err(gpu_err("allocating cuBLAS's workspace"))?;
+            let status = blas_sys::cublasSetWorkspace_v2(*blas.handle(), p as *mut c_void, BLAS_WORKSPACE);
+            if status != blas_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                let _ = driver::free_sync(p);
+                return Err(Error::Gpu(format!("setting cuBLAS's workspace: {status:?}")));
+            }
+            p
+        };
         let name =
             format!("{} (cuda:{ordinal}, compute {major}.{minor})", ctx.name().unwrap_or_else(|_| "NVIDIA GPU".into()));
-        Ok(Self { ctx, stream, functions, blas, name })
+        Ok(Self { ctx, stream, functions, blas, blas_workspace, name })
     }
 
     fn bind(&self) -> Result<()> {
@@ -119,10 +160,10 @@ impl Gpu for CudaGpu {
     }
     fn alloc_zeroed(&self, bytes: usize) -> Result<DevicePtr> {
         self.bind()?;
-        // SAFETY: a fresh allocation, zeroed before use.
+        // SAFETY: a fresh allocation, zeroed on the stream before any later use of it there.
         unsafe {
             let p = driver::malloc_sync(bytes).map_err(|e| Error::Gpu(format!("allocating {bytes} bytes: {e}")))?;
-            driver::memset_d8_sync(p, 0, bytes).map_err(gpu_err("zeroing memory"))?;
+            driver::memset_d8_async(p, 0, bytes, self.stream.cu_stream()).map_err(gpu_err("zeroing memory"))?;
             Ok(p)
         }
     }
@@ -136,14 +177,17 @@ impl Gpu for CudaGpu {
     }
     fn upload(&self, dst: DevicePtr, src: &[u8]) -> Result<()> {
         self.bind()?;
-        // SAFETY: `dst` is an allocation of at least `src.len()` bytes (DeviceBuf checks).
-        unsafe { driver::memcpy_htod_sync(dst, src) }.map_err(gpu_err("copying to the GPU"))
+        // SAFETY: `dst` is an allocation of at least `src.len()` bytes (DeviceBuf checks). From
+        // pageable memory the call returns once `src` is staged, so `src` may go right after.
+        unsafe { driver::memcpy_htod_async(dst, src, self.stream.cu_stream()) }.map_err(gpu_err("copying to the GPU"))
     }
     fn download(&self, src: DevicePtr, dst: &mut [u8]) -> Result<()> {
         self.bind()?;
-        // SAFETY: `src` holds at least `dst.len()` bytes; the synchronous copy waits for the
-        // default stream's queued work.
-        unsafe { driver::memcpy_dtoh_sync(dst, src) }.map_err(gpu_err("copying from the GPU"))
+        // SAFETY: `src` holds at least `dst.len()` bytes; the copy is queued after the work that
+        // writes them, and `dst` is read only after the stream has finished.
+        unsafe { driver::memcpy_dtoh_async(dst, src, self.stream.cu_stream()) }
+            .map_err(gpu_err("copying from the GPU"))?;
+        self.stream.synchronize().map_err(gpu_err("waiting for the GPU"))
     }
     fn launch(&self, name: &'static str, grid: [u32; 3], block: [u32; 3], args: &[u8]) -> Result<()> {
         self.bind()?;
@@ -199,6 +243,23 @@ impl Gpu for CudaGpu {
             )
         }
         .map_err(|e| Error::Gpu(format!("matrix product ({} × {} · {} × {}): {e:?}", g.rows, g.k, g.n, g.k)))
+    }
+    fn begin_capture(&self) -> Result<()> {
+        self.bind()?;
+        // Thread-local mode: a call on this thread that a capture cannot hold (an allocation,
+        // a synchronous copy) fails instead of silently breaking the graph.
+        self.stream
+            .begin_capture(driver_sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(gpu_err("starting a CUDA graph capture"))
+    }
+    fn end_capture(&self) -> Result<Box<dyn Graph>> {
+        self.bind()?;
+        let graph = self
+            .stream
+            .end_capture(driver_sys::CUgraphInstantiate_flags(0))
+            .map_err(gpu_err("ending a CUDA graph capture"))?
+            .ok_or_else(|| Error::Gpu("a CUDA graph capture recorded nothing".into()))?;
+        Ok(Box::new(CudaReplay(graph)))
     }
 }
 

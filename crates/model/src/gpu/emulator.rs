@@ -6,7 +6,7 @@
 use std::ffi::{c_void, CString};
 use std::sync::{Mutex, OnceLock};
 
-use super::{DevicePtr, Gemm, Gpu, MatrixDtype, KERNEL_SOURCE};
+use super::{DevicePtr, Gemm, Gpu, Graph, MatrixDtype, KERNEL_SOURCE};
 use crate::error::{Error, Result};
 
 /// The compiled kernels, loaded once per process.
@@ -84,13 +84,93 @@ pub(crate) fn c_args_size(kernel: &str) -> Result<usize> {
 
 /// The CPU emulator of a GPU.
 #[derive(Debug, Default)]
-pub(crate) struct Emulator;
+pub(crate) struct Emulator {
+    /// While recording ([`Gpu::begin_capture`]): the work so far, kept instead of run.
+    recording: Mutex<Option<Vec<Op>>>,
+}
+
+/// One recorded piece of work.
+#[derive(Debug, Clone)]
+enum Op {
+    Launch { name: &'static str, grid: [u32; 3], block: [u32; 3], args: Vec<u8> },
+    Gemm(Gemm),
+}
 
 impl Emulator {
     /// Builds (once per process) and loads the emulated kernels.
     pub(crate) fn new() -> Result<Self> {
         library()?;
-        Ok(Self)
+        Ok(Self::default())
+    }
+
+    /// Keeps `op` if recording; otherwise hands it back to be run.
+    fn record(&self, op: Op) -> Option<Op> {
+        match self.recording.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+            Some(ops) => {
+                ops.push(op);
+                None
+            }
+            None => Some(op),
+        }
+    }
+
+    /// Refuses what a CUDA stream capture refuses: memory calls while recording.
+    fn not_recording(&self, what: &str) -> Result<()> {
+        match self.recording.lock().unwrap_or_else(|e| e.into_inner()).is_some() {
+            true => Err(Error::Gpu(format!("internal: {what} while recording a graph"))),
+            false => Ok(()),
+        }
+    }
+}
+
+/// Work recorded by the emulator, run again on replay.
+struct EmulatedGraph {
+    ops: Vec<Op>,
+}
+
+impl Graph for EmulatedGraph {
+    fn replay(&self) -> Result<()> {
+        self.ops.iter().try_for_each(run)
+    }
+}
+
+fn run(op: &Op) -> Result<()> {
+    match op {
+        Op::Launch { name, grid, block, args } => run_launch(name, *grid, *block, args),
+        Op::Gemm(g) => {
+            run_gemm(g);
+            Ok(())
+        }
+    }
+}
+
+fn run_launch(name: &str, grid: [u32; 3], block: [u32; 3], args: &[u8]) -> Result<()> {
+    let lib = library()?;
+    let config = lib.symbol("emu_config")?;
+    let kernel = lib.symbol(name)?;
+    let _one = LAUNCH.lock().unwrap_or_else(|e| e.into_inner());
+    // SAFETY: the symbols are `emu_config(unsigned × 6)` and `name(const void*)`; `args` is the
+    // kernel's argument struct (its size is tested against the C compiler's).
+    unsafe {
+        let config: extern "C" fn(u32, u32, u32, u32, u32, u32) = std::mem::transmute(config);
+        let kernel: extern "C" fn(*const c_void) = std::mem::transmute(kernel);
+        config(grid[0], grid[1], grid[2], block[0], block[1], block[2]);
+        kernel(args.as_ptr().cast());
+    }
+    Ok(())
+}
+
+fn run_gemm(g: &Gemm) {
+    let a = read_matrix(g.a, g.rows * g.k, g.dtype);
+    let w = read_matrix(g.w, g.n * g.k, g.dtype);
+    // SAFETY: `out` is an emulated allocation of rows × n f32.
+    let out = unsafe { std::slice::from_raw_parts_mut(g.out as *mut f32, g.rows * g.n) };
+    for r in 0..g.rows {
+        for j in 0..g.n {
+            let dot: f32 = a[r * g.k..(r + 1) * g.k].iter().zip(&w[j * g.k..(j + 1) * g.k]).map(|(x, y)| x * y).sum();
+            let o = &mut out[r * g.n + j];
+            *o = if g.accumulate { *o + dot } else { dot };
+        }
     }
 }
 
@@ -111,6 +191,7 @@ impl Gpu for Emulator {
         "CPU emulator".into()
     }
     fn alloc_zeroed(&self, bytes: usize) -> Result<DevicePtr> {
+        self.not_recording("allocating")?;
         // SAFETY: calloc; null checked.
         let p = unsafe { libc::calloc(bytes.max(1), 1) };
         if p.is_null() {
@@ -122,43 +203,41 @@ impl Gpu for Emulator {
         libc::free(ptr as *mut c_void)
     }
     fn upload(&self, dst: DevicePtr, src: &[u8]) -> Result<()> {
+        self.not_recording("uploading")?;
         // SAFETY: `dst` is an emulated allocation of at least `src.len()` bytes.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
         Ok(())
     }
     fn download(&self, src: DevicePtr, dst: &mut [u8]) -> Result<()> {
+        self.not_recording("downloading")?;
         // SAFETY: as `upload`.
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
         Ok(())
     }
     fn launch(&self, name: &'static str, grid: [u32; 3], block: [u32; 3], args: &[u8]) -> Result<()> {
-        let lib = library()?;
-        let config = lib.symbol("emu_config")?;
-        let kernel = lib.symbol(name)?;
-        let _one = LAUNCH.lock().unwrap_or_else(|e| e.into_inner());
-        // SAFETY: the symbols are `emu_config(unsigned × 6)` and `name(const void*)`; `args`
-        // is the kernel's argument struct (its size is tested against the C compiler's).
-        unsafe {
-            let config: extern "C" fn(u32, u32, u32, u32, u32, u32) = std::mem::transmute(config);
-            let kernel: extern "C" fn(*const c_void) = std::mem::transmute(kernel);
-            config(grid[0], grid[1], grid[2], block[0], block[1], block[2]);
-            kernel(args.as_ptr().cast());
+        match self.record(Op::Launch { name, grid, block, args: args.to_vec() }) {
+            Some(op) => run(&op),
+            None => Ok(()),
         }
-        Ok(())
     }
     fn gemm(&self, g: &Gemm) -> Result<()> {
-        let a = read_matrix(g.a, g.rows * g.k, g.dtype);
-        let w = read_matrix(g.w, g.n * g.k, g.dtype);
-        // SAFETY: `out` is an emulated allocation of rows × n f32.
-        let out = unsafe { std::slice::from_raw_parts_mut(g.out as *mut f32, g.rows * g.n) };
-        for r in 0..g.rows {
-            for j in 0..g.n {
-                let dot: f32 =
-                    a[r * g.k..(r + 1) * g.k].iter().zip(&w[j * g.k..(j + 1) * g.k]).map(|(x, y)| x * y).sum();
-                let o = &mut out[r * g.n + j];
-                *o = if g.accumulate { *o + dot } else { dot };
-            }
+        match self.record(Op::Gemm(*g)) {
+            Some(op) => run(&op),
+            None => Ok(()),
         }
+    }
+    fn begin_capture(&self) -> Result<()> {
+        let mut recording = self.recording.lock().unwrap_or_else(|e| e.into_inner());
+        if recording.is_some() {
+            return Err(Error::Gpu("internal: a graph is already being recorded".into()));
+        }
+        *recording = Some(Vec::new());
         Ok(())
+    }
+    fn end_capture(&self) -> Result<Box<dyn Graph>> {
+        match self.recording.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            Some(ops) => Ok(Box::new(EmulatedGraph { ops })),
+            None => Err(Error::Gpu("internal: no graph is being recorded".into())),
+        }
     }
 }

@@ -101,6 +101,21 @@ pub trait Gpu: Send + Sync + std::fmt::Debug {
     fn launch(&self, name: &'static str, grid: [u32; 3], block: [u32; 3], args: &[u8]) -> Result<()>;
     /// A matrix product ([`Gemm`]).
     fn gemm(&self, g: &Gemm) -> Result<()>;
+    /// Starts recording: the launches and products that follow are kept, not run, until
+    /// [`Gpu::end_capture`]. Nothing may be allocated, freed, uploaded or downloaded meanwhile.
+    fn begin_capture(&self) -> Result<()>;
+    /// Stops recording and returns what was recorded, to [`Graph::replay`] (a CUDA graph on a
+    /// GPU). Also called after a failed recording, to leave the device as it was.
+    fn end_capture(&self) -> Result<Box<dyn Graph>>;
+}
+
+/// Launches and products recorded once ([`Gpu::begin_capture`]) and replayed with one call: a
+/// decode step is ~10 kernels and products per layer, and on a GPU launching them one by one
+/// takes longer than running them.
+pub trait Graph: Send {
+    /// Runs the recorded work again, in order, with the arguments it was recorded with (the
+    /// same device addresses: the caller keeps those buffers, and refreshes their contents).
+    fn replay(&self) -> Result<()>;
 }
 
 /// `v` as the little-endian bytes the kernels read.

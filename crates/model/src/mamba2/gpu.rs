@@ -7,8 +7,11 @@
 //! Through the `Engine` calls that take host states, the states cross to the device and back
 //! once per forward pass (not per layer or token); a session (`GpuStates`, what `generate`
 //! and `Model::session_composed` use) keeps them on the device across steps, and only logits
-//! come back.
+//! come back. A session's decode steps run as one recorded graph ([`crate::gpu::Graph`], a
+//! CUDA graph): recorded at its first step, replayed at the next ones while the pass buffers
+//! stay the same (`PICASO_CUDA_GRAPHS=0` launches every kernel instead).
 
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use rayon::prelude::*;
@@ -21,7 +24,7 @@ use crate::gpu::kernels::{
     ScanArgs, ScanShape, WeightedSumArgs,
 };
 use crate::gpu::plan::{blocks, scan_threads_per_row, Batch, BLOCK, CHUNK};
-use crate::gpu::{i32_bytes, DeviceBuf, DevicePtr, Gemm, Gpu, MatrixDtype};
+use crate::gpu::{i32_bytes, DeviceBuf, DevicePtr, Gemm, Gpu, Graph, MatrixDtype};
 use crate::state::State;
 
 /// One block's weights on the device (small vectors in f32, the projections in the matrix type).
@@ -56,11 +59,17 @@ pub struct GpuMamba2 {
     /// The last pass's buffers, reused while they are big enough; the lock also makes passes
     /// run one at a time (one stream).
     scratch: Mutex<Option<Pass>>,
+    /// The id the next new [`Pass`] gets.
+    next_pass: AtomicU64,
+    /// Whether sessions record their decode steps as graphs (off after a failed capture).
+    graphs: AtomicBool,
 }
 
 /// Device buffers of a forward pass, sized for up to `rows` rows of `seqs` sequences.
 #[derive(Debug)]
 struct Pass {
+    /// Which allocation this is: a graph recorded on one pass replays only on it.
+    id: u64,
     rows: usize,
     seqs: usize,
     ids: DeviceBuf,
@@ -87,6 +96,16 @@ pub(crate) struct GpuStates<'e> {
     host: Vec<State>,
     /// The logits of one step of every sequence (sequences × vocab), allocated once.
     logits: DeviceBuf,
+    /// The decode step recorded on these states ([`GpuMamba2::decode_logits`]).
+    step: Option<DecodeGraph>,
+}
+
+/// A decode step of every sequence of a session, recorded ([`Gpu::begin_capture`]) with the
+/// addresses of the session's states and logits and of one pass's buffers.
+struct DecodeGraph {
+    /// The [`Pass::id`] it was recorded on.
+    pass: u64,
+    graph: Box<dyn Graph>,
 }
 
 impl crate::engine::Resident for GpuStates<'_> {
@@ -100,7 +119,11 @@ impl crate::engine::Resident for GpuStates<'_> {
                 tokens.len()
             )));
         }
-        let logits = self.engine.run_logits(tokens, &Batch::new(lens), &self.layers, &self.logits)?;
+        let batch = Batch::new(lens);
+        let logits = match lens.iter().all(|&l| l == 1) && self.engine.graphs.load(Ordering::Relaxed) {
+            true => self.engine.decode_logits(tokens, &batch, &self.layers, &self.logits, &mut self.step)?,
+            false => self.engine.run_logits(tokens, &batch, &self.layers, &self.logits)?,
+        };
         for (s, &t) in self.host.iter_mut().zip(lens) {
             s.advance(t);
         }
@@ -162,7 +185,14 @@ impl GpuMamba2 {
             gpu,
             dtype,
             scratch: Mutex::new(None),
+            next_pass: AtomicU64::new(0),
+            graphs: AtomicBool::new(std::env::var("PICASO_CUDA_GRAPHS").map_or(true, |v| v != "0")),
         })
+    }
+
+    /// Turns the recording of decode steps as graphs on or off (on unless `PICASO_CUDA_GRAPHS=0`).
+    pub fn set_graphs(&self, on: bool) {
+        self.graphs.store(on, Ordering::Relaxed);
     }
 
     /// The config.
@@ -223,7 +253,7 @@ impl GpuMamba2 {
         let layers =
             (0..self.layers.len()).map(|l| self.upload_states(&refs, l, upload_ssm)).collect::<Result<Vec<_>>>()?;
         let logits = DeviceBuf::zeroed(&self.gpu, states.len() * self.config.vocab_size * 4)?;
-        Ok(GpuStates { engine: self, layers, host: states, logits })
+        Ok(GpuStates { engine: self, layers, host: states, logits, step: None })
     }
 
     /// Composes `states` on the device ([`crate::compose`]'s arithmetic: the weights and the
@@ -308,19 +338,70 @@ impl GpuMamba2 {
             )));
         }
         let pass = self.pass(&mut scratch, tokens, batch)?;
-        let c = &self.config;
+        self.layers_on(pass, batch, states)?;
+        finish(pass)
+    }
+
+    /// The embedding and every layer over the tokens already in `pass`: launches only, so
+    /// they can be recorded.
+    fn layers_on(&self, pass: &Pass, batch: &Batch, states: &[LayerStates]) -> Result<()> {
         let embed = EmbedArgs {
             table: self.embedding.ptr(),
             ids: pass.ids.ptr(),
             out: pass.h.ptr(),
-            d: c.d_model as i32,
+            d: self.config.d_model as i32,
             table_bf16: self.dtype.flag(),
         };
         launch(&*self.gpu, "embed", [batch.rows as u32, 1, 1], [BLOCK, 1, 1], &embed)?;
         for (layer, ls) in self.layers.iter().zip(states) {
             self.layer(layer, ls, pass, batch)?;
         }
-        finish(pass)
+        Ok(())
+    }
+
+    /// A decode step (one token per sequence) of a session into `out` (sequences × vocab):
+    /// the step's kernels are recorded once into `step` and replayed while the pass buffers
+    /// are the ones they were recorded on; a new pass (a longer batch ran between two steps)
+    /// records them again. Where the device cannot record, graphs are turned off for this
+    /// engine and the step runs as launches.
+    fn decode_logits(
+        &self,
+        tokens: &[u32],
+        batch: &Batch,
+        states: &[LayerStates],
+        out: &DeviceBuf,
+        step: &mut Option<DecodeGraph>,
+    ) -> Result<Vec<f32>> {
+        let n = batch.rows * self.config.vocab_size;
+        if batch.rows == 0 || out.bytes() < 4 * n {
+            return self.run_logits(tokens, batch, states, out);
+        }
+        let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let pass = self.pass(&mut scratch, tokens, batch)?;
+        let kernels = || {
+            self.layers_on(pass, batch, states)?;
+            self.rmsnorm(pass.h.ptr(), self.norm_f.ptr(), pass.xn.ptr(), batch.rows, true)?;
+            self.lm_head_into(pass.xn.ptr(), batch.rows, out.ptr())
+        };
+        if step.as_ref().is_none_or(|g| g.pass != pass.id) {
+            *step = None;
+            let graph = self.gpu.begin_capture().and_then(|()| {
+                let recorded = kernels();
+                let graph = self.gpu.end_capture(); // also after a failed recording
+                recorded.and(graph)
+            });
+            match graph {
+                Ok(graph) => *step = Some(DecodeGraph { pass: pass.id, graph }),
+                Err(e) => {
+                    self.graphs.store(false, Ordering::Relaxed);
+                    eprintln!("warning: recording a decode step as a graph failed ({e}); launching its kernels one by one");
+                    kernels()?;
+                    return out.read_f32(0, n);
+                }
+            }
+        }
+        step.as_ref().expect("recorded above").graph.replay()?;
+        out.read_f32(0, n)
     }
 
     /// The pass buffers for `batch`: the last pass's if big enough, else new ones (with room
@@ -348,6 +429,7 @@ impl GpuMamba2 {
                 false => Some(f32s(chunk_floats(batch.seqs(), batch.max_chunks()))?),
             };
             *scratch = Some(Pass {
+                id: self.next_pass.fetch_add(1, Ordering::Relaxed),
                 rows,
                 seqs,
                 ids: DeviceBuf::zeroed(&self.gpu, rows * 4)?,
@@ -849,6 +931,57 @@ mod tests {
         assert!(rel_diff(g_logits, c_logits) < 1e-5, "last logits differ by {:e}", rel_diff(g_logits, c_logits));
         for (i, (g, c)) in g_states.iter().zip(c_states).enumerate() {
             assert_states_close(g, c, 2e-5, &format!("sequence {i} after the session"));
+        }
+    }
+
+    /// A session's decode steps replayed from the recorded graph give what launching their
+    /// kernels gives, step for step; a longer pass between two steps (new pass buffers) makes
+    /// the session record its step again rather than replay one on freed buffers.
+    #[test]
+    fn decode_steps_replayed_from_a_graph_equal_launched_ones() {
+        use crate::engine::Resident;
+        let c = configs()[1].clone();
+        let w = Mamba2Weights::random(&c, 21);
+        let gpu = test_gpu();
+        let engine = |graphs: bool| {
+            let e = GpuMamba2::new(&c, &w, gpu.clone(), MatrixDtype::F32).unwrap();
+            e.set_graphs(graphs);
+            e
+        };
+        let (graphed, launched) = (engine(true), engine(false));
+        let start = {
+            let mut s = State::zeros(StateShape::of(&c), "test");
+            graphed.forward_batch(&tokens(30, c.vocab_size, 5), &[30], &mut [&mut s]).unwrap();
+            s
+        };
+        let mut runs = Vec::new();
+        for e in [&graphed, &launched] {
+            let mut session = e.resident(vec![start.clone(), start.clone(), State::zeros(StateShape::of(&c), "test")]).unwrap();
+            let (mut logits, mut passes) = (Vec::new(), Vec::new());
+            for i in 0..8u32 {
+                if i == 4 {
+                    // A prompt of 200 tokens on the same engine outgrows the decode pass.
+                    let mut other = State::zeros(StateShape::of(&c), "test");
+                    e.forward_batch(&tokens(200, c.vocab_size, 9), &[200], &mut [&mut other]).unwrap();
+                }
+                let next = [i % c.vocab_size as u32, (i * 7 + 3) % c.vocab_size as u32, 5];
+                logits.push(session.forward_logits(&next, &[1, 1, 1]).unwrap());
+                passes.push(session.step.as_ref().map(|g| g.pass));
+            }
+            runs.push((logits, passes, session.states().unwrap()));
+        }
+        let ((g_logits, g_passes, g_states), (l_logits, l_passes, l_states)) = (&runs[0], &runs[1]);
+        assert!(graphed.graphs.load(Ordering::Relaxed), "recording a decode step failed on {}", gpu.name());
+        assert!(l_passes.iter().all(Option::is_none), "graphs off, yet a step was recorded");
+        assert!(g_passes.iter().all(Option::is_some), "a step ran without a recorded graph");
+        assert_eq!(g_passes[..4], [g_passes[0]; 4], "the first four steps replay one graph");
+        assert_ne!(g_passes[4], g_passes[3], "after the longer pass the step is recorded again");
+        assert_eq!(g_passes[4..], [g_passes[4]; 4], "and then replayed");
+        for (i, (g, l)) in g_logits.iter().zip(l_logits).enumerate() {
+            assert!(rel_diff(g, l) < 1e-6, "step {i}: logits differ by {:e}", rel_diff(g, l));
+        }
+        for (i, (g, l)) in g_states.iter().zip(l_states).enumerate() {
+            assert_states_close(g, l, 1e-6, &format!("sequence {i} after the steps"));
         }
     }
 
