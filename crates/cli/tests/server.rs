@@ -1034,6 +1034,63 @@ fn continuous_batching_caps_the_batch_queues_and_frees_slots() {
     assert_eq!(server.call("GET", "/health", None).0, 200);
 }
 
+/// The GPU's batch path (the running generations' states held in a session, joining and
+/// leaving it as they start and end; `PICASO_DEVICE_BATCH=1` takes it on the CPU engine):
+/// generations of different lengths, started together and one after another, each answer
+/// what it is alone.
+#[test]
+fn generations_held_in_a_session_batch_like_alone() {
+    let (Some(model), Some(embedder)) = (text_model_of("mamba2", 3), shared("all-MiniLM-L6-v2")) else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let docs = tmp.path().join("docs");
+    write_docs(&docs);
+    let db = tmp.path().join("db");
+    let (m, e, db_s) = (model.path().to_str().unwrap(), embedder.to_str().unwrap(), db.to_str().unwrap());
+    ok(&["ingest", "--db", db_s, "--model", m, "--embedder", e, "--text-dir", docs.to_str().unwrap(), "--json"]);
+    let server = Server::start_with(&["--db", db_s, "--model", m, "--max-batch", "4"], &[("PICASO_DEVICE_BATCH", "1")]);
+    // Sampled (each request its own seed), so that a step given another sequence's state or
+    // token shows in the text; lengths that end at different steps (leavers in the middle of
+    // the session) and more requests than the batch holds (joiners as others leave).
+    let jobs = [
+        ("The tower stands", 8),
+        ("Cats", 90),
+        ("Mamba models read", 40),
+        ("A river", 2),
+        ("Once upon", 70),
+        ("The city", 25),
+    ];
+    let request = |i: usize| {
+        let (p, n) = jobs[i];
+        json!({"prompt": p, "max_tokens": n, "temperature": 1.0, "seed": i, "ignore_eos": true})
+    };
+    let alone: Vec<Value> =
+        (0..jobs.len()).map(|i| server.complete(request(i))["choices"][0]["text"].clone()).collect();
+    let (steps0, stepped0) =
+        (server.metric("picaso_batch_step_sequences_count"), server.metric("picaso_batch_step_sequences_sum"));
+    let server_ref = &server;
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..jobs.len())
+            .map(|i| {
+                s.spawn(move || {
+                    std::thread::sleep(Duration::from_millis(5 * i as u64));
+                    server_ref.complete(request(i))
+                })
+            })
+            .collect();
+        for (h, want) in handles.into_iter().zip(&alone) {
+            let got = h.join().unwrap();
+            assert_eq!(
+                &got["choices"][0]["text"], want,
+                "an answer from the session batch differs from the one alone: {got}"
+            );
+        }
+    });
+    let steps = server.metric("picaso_batch_step_sequences_count") - steps0;
+    let stepped = server.metric("picaso_batch_step_sequences_sum") - stepped0;
+    assert!(stepped > 1.2 * steps, "the generations hardly overlapped: {stepped} sequence steps in {steps} steps");
+    assert_eq!(server.metric("picaso_batch_active"), 0.0);
+}
+
 /// `--decode-state f16`: generations decode with their SSM states held as f16, and batching
 /// still changes nothing a request sees (each answer is what it gets alone on that server); a
 /// model or engine that cannot hold f16 states is refused at startup with what to do instead.

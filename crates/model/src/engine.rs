@@ -103,6 +103,11 @@ pub(crate) trait Engine: Send + Sync + std::fmt::Debug {
     fn runs_f16_states(&self) -> bool {
         false
     }
+    /// Whether [`Engine::resident`] keeps states away from the host (in a GPU's memory), so
+    /// that a decode loop should hold its states there rather than pass host states per step.
+    fn states_on_device(&self) -> bool {
+        false
+    }
     /// Keeps `states` where this engine computes for a run of forward passes (a decode loop):
     /// the GPU engine holds them in device memory, so they cross to the host once, not per
     /// token. Engines that compute on the host keep them as they are.
@@ -132,6 +137,10 @@ pub(crate) trait Resident: Send {
     fn into_states(self: Box<Self>) -> Result<Vec<State>> {
         self.states()
     }
+    /// Adds a sequence that continues from `state`, after the others.
+    fn push(&mut self, state: State) -> Result<()>;
+    /// Drops sequence `i`; the last sequence takes its place (as [`Vec::swap_remove`]).
+    fn swap_remove(&mut self, i: usize) -> Result<()>;
 }
 
 /// [`Resident`] for engines that compute on the host: the states stay in host memory.
@@ -151,6 +160,14 @@ impl<E: Engine + ?Sized> Resident for HostStates<'_, E> {
     }
     fn into_states(self: Box<Self>) -> Result<Vec<State>> {
         Ok(self.states)
+    }
+    fn push(&mut self, state: State) -> Result<()> {
+        self.states.push(state);
+        Ok(())
+    }
+    fn swap_remove(&mut self, i: usize) -> Result<()> {
+        self.states.swap_remove(i);
+        Ok(())
     }
 }
 
@@ -316,6 +333,9 @@ impl Engine for CpuGraniteHybrid {
 impl Engine for GpuMamba2 {
     fn forward_batch(&self, tokens: &[u32], lens: &[usize], states: &mut [&mut State]) -> Result<Vec<f32>> {
         GpuMamba2::forward_batch(self, tokens, lens, states)
+    }
+    fn states_on_device(&self) -> bool {
+        true
     }
     fn resident<'e>(&'e self, states: Vec<State>) -> Result<Box<dyn Resident + 'e>> {
         Ok(Box::new(GpuMamba2::resident(self, states)?))

@@ -74,6 +74,36 @@ impl Session<'_> {
     pub fn into_states(self) -> Result<Vec<State>> {
         self.resident.into_states()
     }
+
+    /// Adds a sequence that continues from `state`, after the others: a server's request that
+    /// joins the running batch (on a GPU its state is copied there once).
+    pub fn push(&mut self, state: State) -> Result<()> {
+        self.model.check_state(&state)?;
+        self.resident.push(state)?;
+        self.n += 1;
+        Ok(())
+    }
+
+    /// Drops sequence `i` (a request that ended); the last sequence takes its place, as
+    /// [`Vec::swap_remove`] does.
+    pub fn swap_remove(&mut self, i: usize) -> Result<()> {
+        if i >= self.n {
+            return Err(Error::Input(format!("sequence {i} of a session of {}", self.n)));
+        }
+        self.resident.swap_remove(i)?;
+        self.n -= 1;
+        Ok(())
+    }
+
+    /// Sequences in the session.
+    pub fn len(&self) -> usize {
+        self.n
+    }
+
+    /// Whether the session has no sequence.
+    pub fn is_empty(&self) -> bool {
+        self.n == 0
+    }
 }
 
 /// The outcome of scoring a token sequence.
@@ -384,6 +414,13 @@ impl Model {
     /// AVX512-BF16 kernel, `--weights bf16`), on candle where sequences run one after another.
     pub fn batch_invariant(&self) -> bool {
         self.engine.batch_invariant()
+    }
+
+    /// Whether the engine keeps states in a GPU's memory: a decode loop then holds its states
+    /// in a [`Session`] (only tokens and logits cross per step) rather than stepping host
+    /// states with [`Model::step_batch`] (which copies every state there and back per step).
+    pub fn states_on_device(&self) -> bool {
+        self.engine.states_on_device()
     }
 
     /// Whether [`Model::step_batch`] takes states with f16 SSM values: on the CPU engine of a

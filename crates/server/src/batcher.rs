@@ -15,14 +15,18 @@
 //! With [`DecodeStates::F16`] a generation's SSM state is held as f16 from its first decoded
 //! token on: a step of 16 sequences then reads and writes half the state bytes, which are most
 //! of its memory traffic (the prompt is still prefilled in f32; see [`picaso_model::SsmValue`]).
+//!
+//! On a GPU ([`Model::states_on_device`]) the running generations' states live in device
+//! memory ([`DeviceBatch`]): a state goes there once, at its generation's first decode step, and
+//! leaves when the generation ends, so a step moves only tokens and logits.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
 use half::f16;
-use picaso_model::{Decoder, GenerateOptions, Model, Next, SsmValue, State, StopReason};
+use picaso_model::{Decoder, GenerateOptions, Model, Next, Session, SsmValue, State, StopReason};
 use prometheus_client::metrics::{counter::Counter, gauge::Gauge, histogram::Histogram};
 use rayon::prelude::*;
 use tokio::sync::mpsc;
@@ -210,17 +214,20 @@ impl Batcher {
 enum Live {
     F32(State),
     F16(State<f16>),
+    /// In the [`DeviceBatch`], from the generation's first decode step on.
+    Device,
 }
 
 impl Live {
-    /// The f32 state (widened back, exactly, if it was held as f16).
-    fn wide(&mut self) -> &mut State {
+    /// The f32 state on the host (widened back, exactly, if it was held as f16); `None` once
+    /// it is in device memory.
+    fn wide(&mut self) -> Option<&mut State> {
         if let Live::F16(s) = self {
             *self = Live::F32(s.to_f32());
         }
         match self {
-            Live::F32(s) => s,
-            Live::F16(_) => unreachable!("just widened"),
+            Live::F32(s) => Some(s),
+            Live::F16(_) | Live::Device => None,
         }
     }
 
@@ -234,6 +241,8 @@ impl Live {
 
 /// One generation in the batch.
 struct Sequence<'m> {
+    /// Unique in the batcher's life: how the [`DeviceBatch`] names it.
+    id: u64,
     job: Job,
     state: Live,
     /// Held until the generation ends.
@@ -351,8 +360,11 @@ fn shares(left: &[usize], budget: usize) -> Vec<usize> {
 fn prefill_chunks(model: &Model, batch: &mut [Sequence], chunk: usize, m: &BatchMetrics, cache: &PrefixCache) {
     let streaming = batch.iter().any(|s| !s.ended && !s.joining());
     let budget = if streaming { chunk } else { chunk.max(IDLE_PREFILL_CHUNK) };
-    let joining: Vec<&mut Sequence> =
-        batch.iter_mut().filter(|s| !s.ended && s.joining() && s.waiting_for.is_none()).collect();
+    // A joining sequence's state is on the host (it goes to the device at its first step).
+    let joining: Vec<&mut Sequence> = batch
+        .iter_mut()
+        .filter(|s| !s.ended && s.joining() && s.waiting_for.is_none() && !matches!(s.state, Live::Device))
+        .collect();
     let left: Vec<usize> = joining.iter().map(|s| s.job.prompt.len() - s.prefilled).collect();
     let mut joining: Vec<(&mut Sequence, usize)> = joining
         .into_iter()
@@ -373,9 +385,9 @@ fn prefill_chunks(model: &Model, batch: &mut [Sequence], chunk: usize, m: &Batch
     }
     let (chunks, mut states): (Vec<&[u32]>, Vec<&mut State>) = joining
         .iter_mut()
-        .map(|(s, end)| {
+        .filter_map(|(s, end)| {
             let s = &mut **s;
-            (&s.job.prompt[s.prefilled..*end], s.state.wide())
+            Some((&s.job.prompt[s.prefilled..*end], s.state.wide()?))
         })
         .unzip();
     let t0 = Instant::now();
@@ -388,10 +400,11 @@ fn prefill_chunks(model: &Model, batch: &mut [Sequence], chunk: usize, m: &Batch
             for ((s, end), logits) in joining.into_iter().zip(logits) {
                 s.prefilled = end;
                 let whole = end == s.job.prompt.len();
-                if let Some(p) = s.job.prefix.as_ref().filter(|p| p.cuts.contains(&end)) {
-                    let state = s.state.wide().clone();
+                if let (Some(p), Some(state)) =
+                    (s.job.prefix.as_ref().filter(|p| p.cuts.contains(&end)), s.state.wide())
+                {
                     let logits = whole.then(|| logits.clone());
-                    cache.insert(&p.origin, &p.tokens[..p.start + end], state, logits, p.epoch);
+                    cache.insert(&p.origin, &p.tokens[..p.start + end], state.clone(), logits, p.epoch);
                 }
                 if whole {
                     s.logits = Some(logits);
@@ -416,6 +429,20 @@ fn run(
     cache: &PrefixCache,
 ) {
     let mut batch: Vec<Sequence> = Vec::new();
+    let mut ids = 0u64;
+    // PICASO_DEVICE_BATCH=1 takes the GPU's path on any engine (a session holds the states),
+    // so that its bookkeeping is tested, and can be tried, without a GPU.
+    let session_batch = model.states_on_device() || std::env::var("PICASO_DEVICE_BATCH").is_ok_and(|v| v == "1");
+    let mut device = match session_batch && states == DecodeStates::F32 {
+        false => None,
+        true => match model.session(Vec::new()) {
+            Ok(session) => Some(DeviceBatch { session, ids: Vec::new() }),
+            Err(e) => {
+                eprintln!("warning: holding the batch's states on the GPU failed ({e}); they cross to it every step");
+                None
+            }
+        },
+    };
     // Jobs submitted and not yet admitted, oldest first. Read off the channel every iteration
     // (not only while the batch has room), so that clients who leave while queued give their
     // place back at once instead of holding it until the batch has room for them.
@@ -448,7 +475,8 @@ fn run(
         // Admit the oldest, up to the cap.
         while batch.len() < max_batch {
             let Some(job) = waiting.pop_front() else { break };
-            admit(model, job, &mut batch, m);
+            ids += 1;
+            admit(model, job, ids, &mut batch, m);
         }
         // Clients that went away leave now.
         batch.retain(|s| {
@@ -471,13 +499,16 @@ fn run(
         if states == DecodeStates::F16 {
             batch.iter_mut().filter(|s| s.fed.is_some()).for_each(|s| s.state.narrow());
         }
-        let stepped = step(model, &mut batch, |l| match l {
-            Live::F32(s) => Some(s),
-            Live::F16(_) => None,
-        }) + step(model, &mut batch, |l| match l {
-            Live::F16(s) => Some(s),
-            Live::F32(_) => None,
-        });
+        let on_device = device.as_mut().map_or(0, |d| d.step(&mut batch));
+        let stepped = on_device
+            + step(model, &mut batch, |l| match l {
+                Live::F32(s) => Some(s),
+                Live::F16(_) | Live::Device => None,
+            })
+            + step(model, &mut batch, |l| match l {
+                Live::F16(s) => Some(s),
+                Live::F32(_) | Live::Device => None,
+            });
         if stepped > 0 {
             m.step_seconds.observe(t0.elapsed().as_secs_f64());
             m.step_sequences.observe(stepped as f64);
@@ -582,16 +613,83 @@ fn step<S: SsmValue>(
     feed.len()
 }
 
+/// The running generations' states in a GPU's memory, one sequence of `session` each:
+/// `ids[i]` names the sequence at position `i`.
+struct DeviceBatch<'m> {
+    session: Session<'m>,
+    ids: Vec<u64>,
+}
+
+impl DeviceBatch<'_> {
+    /// One decode step for the batch's sequences on the device: first those that left the
+    /// batch or ended go, and those about to take their first step come in (their state moves
+    /// to the device); then every one (each has a token to feed: it got logits last step, or
+    /// just came in with one) gets its next logits. Returns how many stepped.
+    fn step(&mut self, batch: &mut [Sequence]) -> usize {
+        let mut i = 0;
+        while i < self.ids.len() {
+            if batch.iter().any(|s| s.id == self.ids[i] && !s.ended) {
+                i += 1;
+            } else if let Err(e) = self.session.swap_remove(i) {
+                return self.fail(batch, &e.to_string());
+            } else {
+                self.ids.swap_remove(i);
+            }
+        }
+        for s in batch.iter_mut().filter(|s| s.fed.is_some() && !s.ended && matches!(s.state, Live::F32(_))) {
+            let Live::F32(state) = std::mem::replace(&mut s.state, Live::Device) else { continue };
+            match self.session.push(state) {
+                Ok(()) => self.ids.push(s.id),
+                Err(e) => s.send(Event::Failed(e.to_string())),
+            }
+        }
+        if self.ids.is_empty() {
+            return 0;
+        }
+        let at: HashMap<u64, usize> = batch.iter().enumerate().map(|(i, s)| (s.id, i)).collect();
+        let feed: Option<Vec<u32>> = self.ids.iter().map(|id| batch[*at.get(id)?].fed).collect();
+        let Some(feed) = feed else {
+            return self.fail(batch, "internal: a sequence on the device has no token to feed");
+        };
+        match self.session.step(&feed) {
+            Ok(logits) => {
+                let v = logits.len() / feed.len();
+                for (id, l) in self.ids.iter().zip(logits.chunks_exact(v)) {
+                    let s = &mut batch[at[id]];
+                    s.fed = None;
+                    s.logits = Some(l.to_vec());
+                }
+            }
+            Err(e) => {
+                for id in &self.ids {
+                    batch[at[id]].send(Event::Failed(e.to_string()));
+                }
+            }
+        }
+        feed.len()
+    }
+
+    /// Fails every sequence on the device (they leave at the next step).
+    fn fail(&mut self, batch: &mut [Sequence], why: &str) -> usize {
+        for s in batch.iter_mut().filter(|s| matches!(s.state, Live::Device) && !s.ended) {
+            s.send(Event::Failed(why.to_string()));
+        }
+        0
+    }
+}
+
 /// Starts a job: a decoder for its options (checked when the request was validated).
 fn admit<'m>(
     model: &'m Model,
     (mut job, state, slot): (Job, State, Slot),
+    id: u64,
     batch: &mut Vec<Sequence<'m>>,
     m: &BatchMetrics,
 ) {
     m.queued.dec();
     match Decoder::new(model, &job.opts) {
         Ok(decoder) => batch.push(Sequence {
+            id,
             logits: job.logits.take(),
             job,
             state: Live::F32(state),

@@ -189,6 +189,12 @@ impl Gpu for CudaGpu {
             .map_err(gpu_err("copying from the GPU"))?;
         self.stream.synchronize().map_err(gpu_err("waiting for the GPU"))
     }
+    fn copy(&self, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<()> {
+        self.bind()?;
+        // SAFETY: both are allocations of at least `bytes` bytes (the caller's buffers).
+        unsafe { driver::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
+            .map_err(gpu_err("copying on the GPU"))
+    }
     fn launch(&self, name: &'static str, grid: [u32; 3], block: [u32; 3], args: &[u8]) -> Result<()> {
         self.bind()?;
         let f = self.functions.get(name).ok_or_else(|| Error::Gpu(format!("no kernel {name:?}")))?;

@@ -214,6 +214,12 @@ impl Gpu for Emulator {
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
         Ok(())
     }
+    fn copy(&self, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<()> {
+        self.not_recording("copying")?;
+        // SAFETY: both are emulated allocations of at least `bytes` bytes, not overlapping.
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes) };
+        Ok(())
+    }
     fn launch(&self, name: &'static str, grid: [u32; 3], block: [u32; 3], args: &[u8]) -> Result<()> {
         match self.record(Op::Launch { name, grid, block, args: args.to_vec() }) {
             Some(op) => run(&op),

@@ -97,6 +97,8 @@ pub trait Gpu: Send + Sync + std::fmt::Debug {
     fn upload(&self, dst: DevicePtr, src: &[u8]) -> Result<()>;
     /// Copies device bytes at `src` to the host (waits for the work queued before it).
     fn download(&self, src: DevicePtr, dst: &mut [u8]) -> Result<()>;
+    /// Copies `bytes` from `src` to `dst` on the device (the ranges do not overlap).
+    fn copy(&self, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<()>;
     /// Runs kernel `name` over `grid` blocks of `block` threads with its argument struct.
     fn launch(&self, name: &'static str, grid: [u32; 3], block: [u32; 3], args: &[u8]) -> Result<()>;
     /// A matrix product ([`Gemm`]).

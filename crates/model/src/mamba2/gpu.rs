@@ -8,9 +8,11 @@
 //! once per forward pass (not per layer or token); a session (`GpuStates`, what `generate`
 //! and `Model::session_composed` use) keeps them on the device across steps, and only logits
 //! come back. A session's decode steps run as one recorded graph ([`crate::gpu::Graph`], a
-//! CUDA graph): recorded at its first step, replayed at the next ones while the pass buffers
-//! stay the same (`PICASO_CUDA_GRAPHS=0` launches every kernel instead).
+//! CUDA graph): recorded at its first step of a batch size, replayed at the next ones while the
+//! buffers stay the same (`PICASO_CUDA_GRAPHS=0` launches every kernel instead). Sequences
+//! join and leave a session (a server's running batch) by a copy of their own state only.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -89,15 +91,18 @@ struct Pass {
 /// once and brings them back once, however many tokens it runs.
 pub(crate) struct GpuStates<'e> {
     engine: &'e GpuMamba2,
-    /// One entry per layer.
+    /// One entry per layer, each with room for `capacity` sequences (the first `host.len()`
+    /// in use, packed).
     layers: Vec<LayerStates>,
+    capacity: usize,
     /// The states as given (their values stale until [`crate::engine::Resident::states`]),
     /// with positions kept current.
     host: Vec<State>,
-    /// The logits of one step of every sequence (sequences × vocab), allocated once.
+    /// The logits of one step of every sequence (capacity × vocab).
     logits: DeviceBuf,
-    /// The decode step recorded on these states ([`GpuMamba2::decode_logits`]).
-    step: Option<DecodeGraph>,
+    /// The decode steps recorded on these buffers, by number of sequences
+    /// ([`GpuMamba2::decode_logits`]): a batch that shrinks and grows again replays its graphs.
+    steps: HashMap<usize, DecodeGraph>,
 }
 
 /// A decode step of every sequence of a session, recorded ([`Gpu::begin_capture`]) with the
@@ -121,7 +126,7 @@ impl crate::engine::Resident for GpuStates<'_> {
         }
         let batch = Batch::new(lens);
         let logits = match lens.iter().all(|&l| l == 1) && self.engine.graphs.load(Ordering::Relaxed) {
-            true => self.engine.decode_logits(tokens, &batch, &self.layers, &self.logits, &mut self.step)?,
+            true => self.engine.decode_logits(tokens, &batch, &self.layers, &self.logits, &mut self.steps)?,
             false => self.engine.run_logits(tokens, &batch, &self.layers, &self.logits)?,
         };
         for (s, &t) in self.host.iter_mut().zip(lens) {
@@ -136,6 +141,64 @@ impl crate::engine::Resident for GpuStates<'_> {
         }
         Ok(out)
     }
+    fn push(&mut self, state: State) -> Result<()> {
+        if self.host.len() == self.capacity {
+            self.grow((2 * self.capacity).max(4))?;
+        }
+        let (i, sizes) = (self.host.len(), self.engine.state_floats());
+        for (ls, layer) in self.layers.iter().zip(&state.layers) {
+            for ((buf, floats), part) in
+                ls.parts().into_iter().zip(sizes).zip([&layer.ssm, &layer.conv, &layer.log_decay])
+            {
+                buf.write_f32(i * floats, part)?;
+            }
+        }
+        self.host.push(state);
+        Ok(())
+    }
+    fn swap_remove(&mut self, i: usize) -> Result<()> {
+        let n = self.host.len();
+        if i >= n {
+            return Err(Error::Input(format!("internal: removing sequence {i} of {n}")));
+        }
+        if i + 1 < n {
+            let gpu = &self.engine.gpu;
+            for ls in &self.layers {
+                for (buf, floats) in ls.parts().into_iter().zip(self.engine.state_floats()) {
+                    gpu.copy(buf.at(i * floats * 4), buf.at((n - 1) * floats * 4), floats * 4)?;
+                }
+            }
+        }
+        self.host.swap_remove(i);
+        Ok(())
+    }
+}
+
+impl GpuStates<'_> {
+    /// Room for `capacity` sequences: new buffers, the sequences copied over on the device.
+    /// The recorded steps go (they hold the old addresses).
+    fn grow(&mut self, capacity: usize) -> Result<()> {
+        let (gpu, n) = (&self.engine.gpu, self.host.len());
+        let sizes = self.engine.state_floats();
+        for ls in &mut self.layers {
+            let moved = |old: &DeviceBuf, floats: usize| -> Result<DeviceBuf> {
+                let buf = DeviceBuf::zeroed(gpu, capacity * floats * 4)?;
+                if n > 0 {
+                    gpu.copy(buf.ptr(), old.ptr(), n * floats * 4)?;
+                }
+                Ok(buf)
+            };
+            *ls = LayerStates {
+                ssm: moved(&ls.ssm, sizes[0])?,
+                tails: moved(&ls.tails, sizes[1])?,
+                log_decay: moved(&ls.log_decay, sizes[2])?,
+            };
+        }
+        self.logits = DeviceBuf::zeroed(gpu, capacity * self.engine.config.vocab_size * 4)?;
+        self.capacity = capacity;
+        self.steps.clear();
+        Ok(())
+    }
 }
 
 /// One layer's states of every sequence, packed.
@@ -143,6 +206,13 @@ struct LayerStates {
     ssm: DeviceBuf,
     tails: DeviceBuf,
     log_decay: DeviceBuf,
+}
+
+impl LayerStates {
+    /// The parts in the order of [`GpuMamba2::state_floats`].
+    fn parts(&self) -> [&DeviceBuf; 3] {
+        [&self.ssm, &self.tails, &self.log_decay]
+    }
 }
 
 impl GpuMamba2 {
@@ -188,6 +258,12 @@ impl GpuMamba2 {
             next_pass: AtomicU64::new(0),
             graphs: AtomicBool::new(std::env::var("PICASO_CUDA_GRAPHS").map_or(true, |v| v != "0")),
         })
+    }
+
+    /// Floats per sequence of a layer's SSM state, conv tail and log-decay.
+    fn state_floats(&self) -> [usize; 3] {
+        let c = &self.config;
+        [c.nheads * c.headdim * c.d_state, c.conv_dim() * (c.d_conv - 1), c.nheads]
     }
 
     /// Turns the recording of decode steps as graphs on or off (on unless `PICASO_CUDA_GRAPHS=0`).
@@ -253,7 +329,7 @@ impl GpuMamba2 {
         let layers =
             (0..self.layers.len()).map(|l| self.upload_states(&refs, l, upload_ssm)).collect::<Result<Vec<_>>>()?;
         let logits = DeviceBuf::zeroed(&self.gpu, states.len() * self.config.vocab_size * 4)?;
-        Ok(GpuStates { engine: self, layers, host: states, logits, step: None })
+        Ok(GpuStates { engine: self, layers, capacity: states.len(), host: states, logits, steps: HashMap::new() })
     }
 
     /// Composes `states` on the device ([`crate::compose`]'s arithmetic: the weights and the
@@ -360,9 +436,9 @@ impl GpuMamba2 {
     }
 
     /// A decode step (one token per sequence) of a session into `out` (sequences × vocab):
-    /// the step's kernels are recorded once into `step` and replayed while the pass buffers
-    /// are the ones they were recorded on; a new pass (a longer batch ran between two steps)
-    /// records them again. Where the device cannot record, graphs are turned off for this
+    /// the step's kernels are recorded once per batch size into `steps` and replayed while the
+    /// pass buffers are the ones they were recorded on; a new pass (a longer batch ran between
+    /// two steps) records them again. Where the device cannot record, graphs are turned off for this
     /// engine and the step runs as launches.
     fn decode_logits(
         &self,
@@ -370,7 +446,7 @@ impl GpuMamba2 {
         batch: &Batch,
         states: &[LayerStates],
         out: &DeviceBuf,
-        step: &mut Option<DecodeGraph>,
+        steps: &mut HashMap<usize, DecodeGraph>,
     ) -> Result<Vec<f32>> {
         let n = batch.rows * self.config.vocab_size;
         if batch.rows == 0 || out.bytes() < 4 * n {
@@ -383,24 +459,32 @@ impl GpuMamba2 {
             self.rmsnorm(pass.h.ptr(), self.norm_f.ptr(), pass.xn.ptr(), batch.rows, true)?;
             self.lm_head_into(pass.xn.ptr(), batch.rows, out.ptr())
         };
-        if step.as_ref().is_none_or(|g| g.pass != pass.id) {
-            *step = None;
+        let seqs = batch.seqs();
+        if steps.get(&seqs).is_none_or(|g| g.pass != pass.id) {
+            steps.remove(&seqs);
             let graph = self.gpu.begin_capture().and_then(|()| {
                 let recorded = kernels();
                 let graph = self.gpu.end_capture(); // also after a failed recording
                 recorded.and(graph)
             });
             match graph {
-                Ok(graph) => *step = Some(DecodeGraph { pass: pass.id, graph }),
+                Ok(graph) => {
+                    steps.insert(seqs, DecodeGraph { pass: pass.id, graph });
+                }
                 Err(e) => {
                     self.graphs.store(false, Ordering::Relaxed);
-                    eprintln!("warning: recording a decode step as a graph failed ({e}); launching its kernels one by one");
+                    eprintln!(
+                        "warning: recording a decode step as a graph failed ({e}); launching its kernels one by one"
+                    );
                     kernels()?;
                     return out.read_f32(0, n);
                 }
             }
         }
-        step.as_ref().expect("recorded above").graph.replay()?;
+        match steps.get(&seqs) {
+            Some(step) => step.graph.replay()?,
+            None => kernels()?,
+        }
         out.read_f32(0, n)
     }
 
@@ -484,13 +568,12 @@ impl GpuMamba2 {
         l: usize,
     ) -> Result<()> {
         let (ssm, tails, decay) = (ls.ssm.to_f32()?, ls.tails.to_f32()?, ls.log_decay.to_f32()?);
-        let c = &self.config;
-        let (n_ssm, n_tail) = (c.nheads * c.headdim * c.d_state, c.conv_dim() * (c.d_conv - 1));
+        let [n_ssm, n_tail, n_decay] = self.state_floats();
         for (i, s) in states.enumerate() {
             let layer = &mut s.layers[l];
             layer.ssm.copy_from_slice(&ssm[i * n_ssm..(i + 1) * n_ssm]);
             layer.conv.copy_from_slice(&tails[i * n_tail..(i + 1) * n_tail]);
-            layer.log_decay.copy_from_slice(&decay[i * c.nheads..(i + 1) * c.nheads]);
+            layer.log_decay.copy_from_slice(&decay[i * n_decay..(i + 1) * n_decay]);
         }
         Ok(())
     }
@@ -956,7 +1039,8 @@ mod tests {
         };
         let mut runs = Vec::new();
         for e in [&graphed, &launched] {
-            let mut session = e.resident(vec![start.clone(), start.clone(), State::zeros(StateShape::of(&c), "test")]).unwrap();
+            let mut session =
+                e.resident(vec![start.clone(), start.clone(), State::zeros(StateShape::of(&c), "test")]).unwrap();
             let (mut logits, mut passes) = (Vec::new(), Vec::new());
             for i in 0..8u32 {
                 if i == 4 {
@@ -966,7 +1050,7 @@ mod tests {
                 }
                 let next = [i % c.vocab_size as u32, (i * 7 + 3) % c.vocab_size as u32, 5];
                 logits.push(session.forward_logits(&next, &[1, 1, 1]).unwrap());
-                passes.push(session.step.as_ref().map(|g| g.pass));
+                passes.push(session.steps.get(&3).map(|g| g.pass));
             }
             runs.push((logits, passes, session.states().unwrap()));
         }
@@ -982,6 +1066,60 @@ mod tests {
         }
         for (i, (g, l)) in g_states.iter().zip(l_states).enumerate() {
             assert_states_close(g, l, 1e-6, &format!("sequence {i} after the steps"));
+        }
+    }
+
+    /// Sequences join and leave a session on the device as a server's batch does (growing
+    /// past its room, the last taking a leaver's place, batch sizes recurring so that recorded
+    /// steps replay), and every step gives each sequence what the CPU engine's session gives.
+    #[test]
+    fn sequences_join_and_leave_a_session_as_on_the_cpu() {
+        use crate::model::{Backend, Model};
+        let c = configs()[0].clone();
+        let w = Mamba2Weights::random(&c, 17);
+        let on =
+            |backend: &Backend| Model::from_weights_on(c.clone(), w.clone(), None, backend, WeightDtype::F32).unwrap();
+        let (gpu, cpu) = (on(&Backend::Gpu(test_gpu())), on(&Backend::Cpu));
+        let joiner =
+            |m: &Model, seed: u32| m.prefill(&tokens(9 + seed as usize, c.vocab_size, seed), &m.zero_state()).unwrap();
+        // (sequences joining, index leaving) before each step.
+        let plan: [(&[u32], Option<usize>); 9] = [
+            (&[1, 2], None),
+            (&[], None),
+            (&[3], None),
+            (&[], Some(0)),
+            (&[4, 5, 6], None), // five sequences: past the first room of four
+            (&[], Some(4)),
+            (&[], Some(1)),
+            (&[7], None), // back to four: that size's step replays, if still valid
+            (&[], None),
+        ];
+        let mut runs = Vec::new();
+        for m in [&gpu, &cpu] {
+            let mut session = m.session(Vec::new()).unwrap();
+            let mut logits = Vec::new();
+            for (step, (joining, leaving)) in plan.iter().enumerate() {
+                for &seed in *joining {
+                    session.push(joiner(m, seed)).unwrap();
+                }
+                if let Some(i) = leaving {
+                    session.swap_remove(*i).unwrap();
+                }
+                let next: Vec<u32> =
+                    (0..session.len() as u32).map(|i| (i * 5 + step as u32) % c.vocab_size as u32).collect();
+                logits.push(session.step(&next).unwrap());
+            }
+            assert!(session.swap_remove(session.len()).is_err(), "a sequence past the end");
+            runs.push((logits, session.states().unwrap()));
+        }
+        let ((g_logits, g_states), (c_logits, c_states)) = (&runs[0], &runs[1]);
+        for (i, (g, c)) in g_logits.iter().zip(c_logits).enumerate() {
+            assert_eq!(g.len(), c.len(), "step {i}: batch sizes differ");
+            assert!(rel_diff(g, c) < 1e-5, "step {i}: logits differ by {:e}", rel_diff(g, c));
+        }
+        assert_eq!(g_states.len(), 4);
+        for (i, (g, c)) in g_states.iter().zip(c_states).enumerate() {
+            assert_states_close(g, c, 2e-5, &format!("sequence {i} at the end"));
         }
     }
 
