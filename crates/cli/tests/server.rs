@@ -40,6 +40,36 @@ impl Server {
     }
 }
 
+/// A tiny random Mamba-2 (seeded) and a folder store of the test documents made with it.
+struct Ingested {
+    model: tempfile::TempDir,
+    db: String,
+    docs: std::path::PathBuf,
+    _tmp: tempfile::TempDir,
+}
+
+impl Ingested {
+    fn mamba2(seed: u64) -> Option<Self> {
+        let (model, embedder) = (text_model_of("mamba2", seed)?, shared("all-MiniLM-L6-v2")?);
+        let tmp = tempfile::tempdir().unwrap();
+        let docs = tmp.path().join("docs");
+        write_docs(&docs);
+        let db = tmp.path().join("db").to_str().unwrap().to_string();
+        let (m, e) = (model.path().to_str().unwrap(), embedder.to_str().unwrap());
+        ok(&["ingest", "--db", &db, "--model", m, "--embedder", e, "--text-dir", docs.to_str().unwrap(), "--json"]);
+        Some(Self { model, db, docs, _tmp: tmp })
+    }
+    fn model(&self) -> &str {
+        self.model.path().to_str().unwrap()
+    }
+    fn db(&self) -> &str {
+        &self.db
+    }
+    fn docs(&self) -> &str {
+        self.docs.to_str().unwrap()
+    }
+}
+
 #[test]
 fn serve_completions_contexts_search_metrics_and_bad_input_mamba2() {
     let tmp = tempfile::tempdir().unwrap();
@@ -768,13 +798,8 @@ fn read_until_closed(sock: &mut TcpStream, limit: Duration) -> (String, bool) {
 /// connections past the cap are closed at once.
 #[test]
 fn hostile_clients_get_json_errors_timeouts_and_a_connection_cap() {
-    let (Some(model), Some(embedder)) = (text_model_of("mamba2", 2), shared("all-MiniLM-L6-v2")) else { return };
-    let tmp = tempfile::tempdir().unwrap();
-    let docs = tmp.path().join("docs");
-    write_docs(&docs);
-    let db = tmp.path().join("db");
-    let (m, e, db_s) = (model.path().to_str().unwrap(), embedder.to_str().unwrap(), db.to_str().unwrap());
-    ok(&["ingest", "--db", db_s, "--model", m, "--embedder", e, "--text-dir", docs.to_str().unwrap(), "--json"]);
+    let Some(setup) = Ingested::mamba2(2) else { return };
+    let (m, db_s) = (setup.model(), setup.db());
     let server = Server::start(&[
         "--db",
         db_s,
@@ -791,8 +816,7 @@ fn hostile_clients_get_json_errors_timeouts_and_a_connection_cap() {
     ]);
     let addr = server.url.trim_start_matches("http://").to_string();
     // The server is the folder store's one writer: an ingest beside it is refused.
-    let (success, _, stderr) =
-        common::run(&["ingest", "--db", db_s, "--model", m, "--text-dir", docs.to_str().unwrap()]);
+    let (success, _, stderr) = common::run(&["ingest", "--db", db_s, "--model", m, "--text-dir", setup.docs()]);
     assert!(!success && stderr.contains("being written by another process"), "{stderr}");
 
     // What OpenAI clients call first.
@@ -877,7 +901,7 @@ fn hostile_clients_get_json_errors_timeouts_and_a_connection_cap() {
     }
 
     // A server failure (state files gone from disk) is a 500 that names no server path.
-    std::fs::remove_dir_all(db.join("states")).unwrap();
+    std::fs::remove_dir_all(std::path::Path::new(db_s).join("states")).unwrap();
     let (got, v) = server.post("/v1/completions", json!({"prompt": "x", "contexts": [2], "max_tokens": 1}));
     let msg = v["error"]["message"].as_str().unwrap().to_string();
     assert!(got >= 500 && !msg.contains(db_s) && !msg.contains("/tmp"), "{got} {v}");
@@ -936,13 +960,8 @@ fn retrieval_during_deletes_never_answers_not_found() {
 /// it generates alone; a non-streaming client that goes away frees its slot.
 #[test]
 fn continuous_batching_caps_the_batch_queues_and_frees_slots() {
-    let (Some(model), Some(embedder)) = (text_model_of("mamba2", 1), shared("all-MiniLM-L6-v2")) else { return };
-    let tmp = tempfile::tempdir().unwrap();
-    let docs = tmp.path().join("docs");
-    write_docs(&docs);
-    let db = tmp.path().join("db");
-    let (m, e, db_s) = (model.path().to_str().unwrap(), embedder.to_str().unwrap(), db.to_str().unwrap());
-    ok(&["ingest", "--db", db_s, "--model", m, "--embedder", e, "--text-dir", docs.to_str().unwrap(), "--json"]);
+    let Some(setup) = Ingested::mamba2(1) else { return };
+    let (m, db_s) = (setup.model(), setup.db());
     let server = Server::start(&[
         "--db",
         db_s,
@@ -1040,13 +1059,8 @@ fn continuous_batching_caps_the_batch_queues_and_frees_slots() {
 /// what it is alone.
 #[test]
 fn generations_held_in_a_session_batch_like_alone() {
-    let (Some(model), Some(embedder)) = (text_model_of("mamba2", 3), shared("all-MiniLM-L6-v2")) else { return };
-    let tmp = tempfile::tempdir().unwrap();
-    let docs = tmp.path().join("docs");
-    write_docs(&docs);
-    let db = tmp.path().join("db");
-    let (m, e, db_s) = (model.path().to_str().unwrap(), embedder.to_str().unwrap(), db.to_str().unwrap());
-    ok(&["ingest", "--db", db_s, "--model", m, "--embedder", e, "--text-dir", docs.to_str().unwrap(), "--json"]);
+    let Some(setup) = Ingested::mamba2(3) else { return };
+    let (m, db_s) = (setup.model(), setup.db());
     let server = Server::start_with(&["--db", db_s, "--model", m, "--max-batch", "4"], &[("PICASO_DEVICE_BATCH", "1")]);
     // Sampled (each request its own seed), so that a step given another sequence's state or
     // token shows in the text; lengths that end at different steps (leavers in the middle of
@@ -1168,13 +1182,8 @@ fn wait_for(server: &Server, metric: &str, limit: Duration, ok: impl Fn(f64) -> 
 /// 200 when read whole.
 #[test]
 fn clients_that_leave_are_let_go_at_once_and_streams_are_tracked_to_their_end() {
-    let (Some(model), Some(embedder)) = (text_model_of("mamba2", 3), shared("all-MiniLM-L6-v2")) else { return };
-    let tmp = tempfile::tempdir().unwrap();
-    let docs = tmp.path().join("docs");
-    write_docs(&docs);
-    let db = tmp.path().join("db");
-    let (m, e, db_s) = (model.path().to_str().unwrap(), embedder.to_str().unwrap(), db.to_str().unwrap());
-    ok(&["ingest", "--db", db_s, "--model", m, "--embedder", e, "--text-dir", docs.to_str().unwrap(), "--json"]);
+    let Some(setup) = Ingested::mamba2(3) else { return };
+    let (m, db_s) = (setup.model(), setup.db());
     let server = Server::start(&[
         "--db",
         db_s,
@@ -1250,13 +1259,8 @@ fn clients_that_leave_are_let_go_at_once_and_streams_are_tracked_to_their_end() 
 /// wait behind a long document upload even when both limits are 1.
 #[test]
 fn completions_do_not_wait_behind_uploads() {
-    let (Some(model), Some(embedder)) = (text_model_of("mamba2", 3), shared("all-MiniLM-L6-v2")) else { return };
-    let tmp = tempfile::tempdir().unwrap();
-    let docs = tmp.path().join("docs");
-    write_docs(&docs);
-    let db = tmp.path().join("db");
-    let (m, e, db_s) = (model.path().to_str().unwrap(), embedder.to_str().unwrap(), db.to_str().unwrap());
-    ok(&["ingest", "--db", db_s, "--model", m, "--embedder", e, "--text-dir", docs.to_str().unwrap(), "--json"]);
+    let Some(setup) = Ingested::mamba2(3) else { return };
+    let (m, db_s) = (setup.model(), setup.db());
     let server = Server::start(&["--db", db_s, "--model", m, "--parallel", "1", "--parallel-ingest", "1"]);
     // Thousands of paragraphs: seconds of embedding and prefilling.
     let text: Vec<String> =
@@ -1282,13 +1286,8 @@ const UPLOAD_PARAGRAPHS: usize = 1000;
 #[cfg(unix)]
 #[test]
 fn shutdown_refuses_new_connections_and_has_a_deadline() {
-    let (Some(model), Some(embedder)) = (text_model_of("mamba2", 3), shared("all-MiniLM-L6-v2")) else { return };
-    let tmp = tempfile::tempdir().unwrap();
-    let docs = tmp.path().join("docs");
-    write_docs(&docs);
-    let db = tmp.path().join("db");
-    let (m, e, db_s) = (model.path().to_str().unwrap(), embedder.to_str().unwrap(), db.to_str().unwrap());
-    ok(&["ingest", "--db", db_s, "--model", m, "--embedder", e, "--text-dir", docs.to_str().unwrap(), "--json"]);
+    let Some(setup) = Ingested::mamba2(3) else { return };
+    let (m, db_s) = (setup.model(), setup.db());
     let endless =
         json!({"prompt": "Once", "max_tokens": 1_000_000, "stream": true, "temperature": 1, "ignore_eos": true});
     let signal = |server: &Server| {
