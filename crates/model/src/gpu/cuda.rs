@@ -14,7 +14,7 @@ use cudarc::driver::{result as driver, sys as driver_sys, CudaContext, CudaFunct
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 
 use super::kernels::KERNELS;
-use super::{DevicePtr, Gemm, Gpu, Graph, MatrixDtype, KERNEL_SOURCE};
+use super::{CaptureGate, DevicePtr, Gemm, Gpu, Graph, MatrixDtype, KERNEL_SOURCE};
 use crate::error::{Error, Result};
 
 /// Where a user gets the libraries (the driver comes with the GPU's driver install).
@@ -31,6 +31,8 @@ pub struct CudaGpu {
     functions: HashMap<&'static str, CudaFunction>,
     blas: CudaBlas,
     blas_workspace: DevicePtr,
+    /// Other threads wait while one records a graph: their work would join it.
+    gate: CaptureGate,
     name: String,
 }
 
@@ -146,7 +148,7 @@ impl CudaGpu {
         };
         let name =
             format!("{} (cuda:{ordinal}, compute {major}.{minor})", ctx.name().unwrap_or_else(|_| "NVIDIA GPU".into()));
-        Ok(Self { ctx, stream, functions, blas, blas_workspace, name })
+        Ok(Self { ctx, stream, functions, blas, blas_workspace, gate: CaptureGate::default(), name })
     }
 
     fn bind(&self) -> Result<()> {
@@ -159,6 +161,7 @@ impl Gpu for CudaGpu {
         self.name.clone()
     }
     fn alloc_zeroed(&self, bytes: usize) -> Result<DevicePtr> {
+        let _gate = self.gate.enter();
         self.bind()?;
         // SAFETY: a fresh allocation, zeroed on the stream before any later use of it there.
         unsafe {
@@ -168,6 +171,7 @@ impl Gpu for CudaGpu {
         }
     }
     unsafe fn free(&self, ptr: DevicePtr) {
+        let _gate = self.gate.enter();
         if self.bind().is_ok() {
             // Queued kernels may still read the buffer: wait for them first. A failure here (a
             // context already torn down) leaves nothing to do.
@@ -176,12 +180,14 @@ impl Gpu for CudaGpu {
         }
     }
     fn upload(&self, dst: DevicePtr, src: &[u8]) -> Result<()> {
+        let _gate = self.gate.enter();
         self.bind()?;
         // SAFETY: `dst` is an allocation of at least `src.len()` bytes (DeviceBuf checks). From
         // pageable memory the call returns once `src` is staged, so `src` may go right after.
         unsafe { driver::memcpy_htod_async(dst, src, self.stream.cu_stream()) }.map_err(gpu_err("copying to the GPU"))
     }
     fn download(&self, src: DevicePtr, dst: &mut [u8]) -> Result<()> {
+        let _gate = self.gate.enter();
         self.bind()?;
         // SAFETY: `src` holds at least `dst.len()` bytes; the copy is queued after the work that
         // writes them, and `dst` is read only after the stream has finished.
@@ -190,12 +196,14 @@ impl Gpu for CudaGpu {
         self.stream.synchronize().map_err(gpu_err("waiting for the GPU"))
     }
     fn copy(&self, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<()> {
+        let _gate = self.gate.enter();
         self.bind()?;
         // SAFETY: both are allocations of at least `bytes` bytes (the caller's buffers).
         unsafe { driver::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
             .map_err(gpu_err("copying on the GPU"))
     }
     fn launch(&self, name: &'static str, grid: [u32; 3], block: [u32; 3], args: &[u8]) -> Result<()> {
+        let _gate = self.gate.enter();
         self.bind()?;
         let f = self.functions.get(name).ok_or_else(|| Error::Gpu(format!("no kernel {name:?}")))?;
         let mut params = [args.as_ptr() as *mut c_void];
@@ -213,6 +221,7 @@ impl Gpu for CudaGpu {
         .map_err(|e| Error::Gpu(format!("launching {name}: {e}")))
     }
     fn gemm(&self, g: &Gemm) -> Result<()> {
+        let _gate = self.gate.enter();
         self.bind()?;
         // Row-major out (rows × n) = a (rows × k) · wᵀ is, column-major, outᵀ (n × rows) =
         // op(W) · A with W read as a k × n column-major matrix, transposed.
@@ -251,21 +260,34 @@ impl Gpu for CudaGpu {
         .map_err(|e| Error::Gpu(format!("matrix product ({} × {} · {} × {}): {e:?}", g.rows, g.k, g.n, g.k)))
     }
     fn begin_capture(&self) -> Result<()> {
+        if self.gate.recording() {
+            return Err(Error::Gpu("internal: a graph is already being recorded".into()));
+        }
         self.bind()?;
+        self.gate.begin();
         // Thread-local mode: a call on this thread that a capture cannot hold (an allocation,
         // a synchronous copy) fails instead of silently breaking the graph.
-        self.stream
+        let begun = self
+            .stream
             .begin_capture(driver_sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(gpu_err("starting a CUDA graph capture"))
+            .map_err(gpu_err("starting a CUDA graph capture"));
+        if begun.is_err() {
+            self.gate.end();
+        }
+        begun
     }
     fn end_capture(&self) -> Result<Box<dyn Graph>> {
-        self.bind()?;
-        let graph = self
-            .stream
-            .end_capture(driver_sys::CUgraphInstantiate_flags(0))
-            .map_err(gpu_err("ending a CUDA graph capture"))?
-            .ok_or_else(|| Error::Gpu("a CUDA graph capture recorded nothing".into()))?;
-        Ok(Box::new(CudaReplay(graph)))
+        if !self.gate.recording() {
+            return Err(Error::Gpu("internal: this thread records no graph".into()));
+        }
+        let graph = self.bind().and_then(|()| {
+            self.stream
+                .end_capture(driver_sys::CUgraphInstantiate_flags(0))
+                .map_err(gpu_err("ending a CUDA graph capture"))?
+                .ok_or_else(|| Error::Gpu("a CUDA graph capture recorded nothing".into()))
+        });
+        self.gate.end();
+        Ok(Box::new(CudaReplay(graph?)))
     }
 }
 

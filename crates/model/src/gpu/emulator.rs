@@ -6,7 +6,7 @@
 use std::ffi::{c_void, CString};
 use std::sync::{Mutex, OnceLock};
 
-use super::{DevicePtr, Gemm, Gpu, Graph, MatrixDtype, KERNEL_SOURCE};
+use super::{CaptureGate, DevicePtr, Gemm, Gpu, Graph, MatrixDtype, KERNEL_SOURCE};
 use crate::error::{Error, Result};
 
 /// The compiled kernels, loaded once per process.
@@ -87,6 +87,8 @@ pub(crate) fn c_args_size(kernel: &str) -> Result<usize> {
 pub(crate) struct Emulator {
     /// While recording ([`Gpu::begin_capture`]): the work so far, kept instead of run.
     recording: Mutex<Option<Vec<Op>>>,
+    /// Other threads wait while one records, as on a CUDA stream.
+    gate: CaptureGate,
 }
 
 /// One recorded piece of work.
@@ -191,6 +193,7 @@ impl Gpu for Emulator {
         "CPU emulator".into()
     }
     fn alloc_zeroed(&self, bytes: usize) -> Result<DevicePtr> {
+        let _gate = self.gate.enter();
         self.not_recording("allocating")?;
         // SAFETY: calloc; null checked.
         let p = unsafe { libc::calloc(bytes.max(1), 1) };
@@ -200,50 +203,98 @@ impl Gpu for Emulator {
         Ok(p as DevicePtr)
     }
     unsafe fn free(&self, ptr: DevicePtr) {
+        let _gate = self.gate.enter();
         libc::free(ptr as *mut c_void)
     }
     fn upload(&self, dst: DevicePtr, src: &[u8]) -> Result<()> {
+        let _gate = self.gate.enter();
         self.not_recording("uploading")?;
         // SAFETY: `dst` is an emulated allocation of at least `src.len()` bytes.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
         Ok(())
     }
     fn download(&self, src: DevicePtr, dst: &mut [u8]) -> Result<()> {
+        let _gate = self.gate.enter();
         self.not_recording("downloading")?;
         // SAFETY: as `upload`.
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
         Ok(())
     }
     fn copy(&self, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<()> {
+        let _gate = self.gate.enter();
         self.not_recording("copying")?;
         // SAFETY: both are emulated allocations of at least `bytes` bytes, not overlapping.
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes) };
         Ok(())
     }
     fn launch(&self, name: &'static str, grid: [u32; 3], block: [u32; 3], args: &[u8]) -> Result<()> {
+        let _gate = self.gate.enter();
         match self.record(Op::Launch { name, grid, block, args: args.to_vec() }) {
             Some(op) => run(&op),
             None => Ok(()),
         }
     }
     fn gemm(&self, g: &Gemm) -> Result<()> {
+        let _gate = self.gate.enter();
         match self.record(Op::Gemm(*g)) {
             Some(op) => run(&op),
             None => Ok(()),
         }
     }
     fn begin_capture(&self) -> Result<()> {
-        let mut recording = self.recording.lock().unwrap_or_else(|e| e.into_inner());
-        if recording.is_some() {
+        if self.gate.recording() {
             return Err(Error::Gpu("internal: a graph is already being recorded".into()));
         }
-        *recording = Some(Vec::new());
+        self.gate.begin();
+        *self.recording.lock().unwrap_or_else(|e| e.into_inner()) = Some(Vec::new());
         Ok(())
     }
     fn end_capture(&self) -> Result<Box<dyn Graph>> {
-        match self.recording.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            Some(ops) => Ok(Box::new(EmulatedGraph { ops })),
-            None => Err(Error::Gpu("internal: no graph is being recorded".into())),
+        if !self.gate.recording() {
+            return Err(Error::Gpu("internal: this thread records no graph".into()));
         }
+        let ops = self.recording.lock().unwrap_or_else(|e| e.into_inner()).take().unwrap_or_default();
+        self.gate.end();
+        Ok(Box::new(EmulatedGraph { ops }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    /// While one thread records, another thread's device work waits for the recording to end
+    /// (on a CUDA stream it would join the graph instead of running), and the recording holds
+    /// only the recording thread's work.
+    #[test]
+    fn other_threads_wait_while_one_records() {
+        let emu = Arc::new(Emulator::new().unwrap());
+        let buf = emu.alloc_zeroed(4).unwrap();
+        let gemm = Gemm { dtype: MatrixDtype::F32, rows: 1, n: 1, k: 1, a: buf, w: buf, out: buf, accumulate: true };
+        emu.begin_capture().unwrap();
+        emu.gemm(&gemm).unwrap();
+        let uploaded = Arc::new(AtomicBool::new(false));
+        let other = {
+            let (emu, uploaded) = (emu.clone(), uploaded.clone());
+            std::thread::spawn(move || {
+                emu.upload(buf, &2f32.to_le_bytes()).unwrap();
+                uploaded.store(true, Ordering::SeqCst);
+            })
+        };
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        assert!(!uploaded.load(Ordering::SeqCst), "another thread's upload ran during the recording");
+        assert!(emu.upload(buf, &[0; 4]).is_err(), "the recording thread may not upload");
+        let graph = emu.end_capture().unwrap();
+        other.join().unwrap();
+        assert!(uploaded.load(Ordering::SeqCst));
+        // The graph holds the one product (2 · 2 added to 2), not the upload.
+        graph.replay().unwrap();
+        let mut out = [0u8; 4];
+        emu.download(buf, &mut out).unwrap();
+        assert_eq!(f32::from_le_bytes(out), 6.0);
+        assert!(emu.end_capture().is_err(), "no recording to end");
+        unsafe { emu.free(buf) };
     }
 }

@@ -120,6 +120,43 @@ pub trait Graph: Send {
     fn replay(&self) -> Result<()>;
 }
 
+/// Keeps other threads off the device's stream while one thread records a graph: work queued
+/// on a stream that is being captured joins the graph instead of running, so a state upload
+/// from a server's ingest thread would otherwise vanish into the batcher's decode graph. Every
+/// device call passes through [`CaptureGate::enter`]; the recording thread's own calls go on.
+#[cfg(any(feature = "cuda", test))]
+#[derive(Debug, Default)]
+pub(crate) struct CaptureGate {
+    /// The thread recording, if any.
+    owner: std::sync::Mutex<Option<std::thread::ThreadId>>,
+    ended: std::sync::Condvar,
+}
+
+#[cfg(any(feature = "cuda", test))]
+impl CaptureGate {
+    /// Waits until no other thread is recording; the guard keeps it so while the caller queues
+    /// its work.
+    pub(crate) fn enter(&self) -> std::sync::MutexGuard<'_, Option<std::thread::ThreadId>> {
+        let me = std::thread::current().id();
+        let owner = self.owner.lock().unwrap_or_else(|e| e.into_inner());
+        self.ended.wait_while(owner, |o| o.is_some_and(|t| t != me)).unwrap_or_else(|e| e.into_inner())
+    }
+    /// Makes the calling thread the recording one (after any other's recording ends).
+    pub(crate) fn begin(&self) {
+        let mut owner = self.enter();
+        *owner = Some(std::thread::current().id());
+    }
+    /// Ends the calling thread's recording and lets the others on.
+    pub(crate) fn end(&self) {
+        *self.owner.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        self.ended.notify_all();
+    }
+    /// Whether the calling thread is recording.
+    pub(crate) fn recording(&self) -> bool {
+        self.owner.lock().unwrap_or_else(|e| e.into_inner()).is_some_and(|t| t == std::thread::current().id())
+    }
+}
+
 /// `v` as the little-endian bytes the kernels read.
 pub(crate) fn i32_bytes(v: &[i32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
