@@ -104,9 +104,9 @@ fn seconds(flag: &str, s: f64) -> Result<std::time::Duration> {
 /// A long-running server allocates and frees states of megabytes from many threads. glibc's
 /// defaults (an arena per thread up to 8 per core; the mmap threshold raised to each freed
 /// block's size) let such blocks pile up in the arenas: in a 20-minute soak the resident
-/// memory grew from 358 to ~410 MB. Blocks of 1 MiB and more mapped and unmapped each time, and
-/// one arena per core, held it to 294–307 MB over 8 minutes of the same load
-/// (docs/benchmarks/serving.md).
+/// memory climbed from 358 to 400 MB and went on climbing. Blocks of 1 MiB and more mapped and
+/// unmapped each time, and one arena per core, held it flat at 272 MB over the last 7 minutes
+/// of a 15-minute soak (docs/benchmarks/serving.md, "Longer soaks").
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 fn tune_allocator(cores: usize) {
     // SAFETY: mallopt only sets glibc's allocator parameters; called before the server's threads.
