@@ -1064,14 +1064,15 @@ fn generations_held_in_a_session_batch_like_alone() {
     let server = Server::start_with(&["--db", db_s, "--model", m, "--max-batch", "4"], &[("PICASO_DEVICE_BATCH", "1")]);
     // Sampled (each request its own seed), so that a step given another sequence's state or
     // token shows in the text; lengths that end at different steps (leavers in the middle of
-    // the session) and more requests than the batch holds (joiners as others leave).
+    // the session), long enough that the generations overlap on a loaded machine, and more
+    // requests than the batch holds (joiners as others leave).
     let jobs = [
-        ("The tower stands", 8),
-        ("Cats", 90),
-        ("Mamba models read", 40),
-        ("A river", 2),
-        ("Once upon", 70),
-        ("The city", 25),
+        ("The tower stands", 32),
+        ("Cats", 360),
+        ("Mamba models read", 160),
+        ("A river", 8),
+        ("Once upon", 280),
+        ("The city", 100),
     ];
     let request = |i: usize| {
         let (p, n) = jobs[i];
@@ -1102,7 +1103,9 @@ fn generations_held_in_a_session_batch_like_alone() {
     let steps = server.metric("picaso_batch_step_sequences_count") - steps0;
     let stepped = server.metric("picaso_batch_step_sequences_sum") - stepped0;
     assert!(stepped > 1.2 * steps, "the generations hardly overlapped: {stepped} sequence steps in {steps} steps");
-    assert_eq!(server.metric("picaso_batch_active"), 0.0);
+    // The last answer can reach its client just before the batch counts it gone.
+    let done = |v| v == 0.0;
+    wait_for(&server, "picaso_batch_active", Duration::from_secs(10), done, "a generation stayed in the batch");
 }
 
 /// `--decode-state f16`: generations decode with their SSM states held as f16, and batching

@@ -7,36 +7,31 @@ use picaso_eval::recall::{run, Form, Options, Task};
 use picaso_eval::{Composition, Method};
 use picaso_model::{LoadOptions, Model};
 
-fn model_named(name: &str) -> Model {
+fn model(name: &str) -> Model {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models").join(name);
     Model::load(&dir, &LoadOptions::default()).unwrap_or_else(|e| panic!("the committed {name} loads: {e}"))
 }
 
-fn model() -> Model {
-    model_named("picaso-recall")
+/// A short run of `methods` at k = 1 and 4 on the synthetic task of `m`'s vocabulary.
+fn options(m: &Model, methods: Vec<Method>) -> Options {
+    let task = Task::synthetic_from_vocab(&m.tokenizer().unwrap().inner().get_vocab(true), 4).unwrap();
+    Options { task, ks: vec![1, 4], episodes: 25, queries: 4, orders: 2, distractors: 9, methods, seed: 11 }
 }
 
 #[test]
 fn the_recall_model_recalls_through_concat_and_composition() {
-    let m = model();
-    let task = Task::synthetic_from_vocab(&m.tokenizer().unwrap().inner().get_vocab(true), 4).unwrap();
-    assert_eq!(task, Task { form: Form::Synthetic, facts: 4, keys: 256, values: 256 });
-    let options = Options {
-        task,
-        ks: vec![1, 4],
-        episodes: 25,
-        queries: 4,
-        orders: 2,
-        distractors: 9,
-        methods: vec![
+    let m = model("picaso-recall");
+    let options = options(
+        &m,
+        vec![
             Method::Naive,
             Method::Concat,
             Method::Compose(Composition::Soup),
             Method::Compose(Composition::PicasoS),
             Method::Compose(Composition::PicasoR),
         ],
-        seed: 11,
-    };
+    );
+    assert_eq!(options.task, Task { form: Form::Synthetic, facts: 4, keys: 256, values: 256 });
     let r = run(&m, &options, |_, _| {}).unwrap();
     let exact = |method: Method, k: usize| r.cell(method, k).unwrap().exact;
     assert!(exact(Method::Concat, 1) >= 0.95, "concat k=1: {}", exact(Method::Concat, 1));
@@ -55,16 +50,10 @@ fn the_recall_model_recalls_through_concat_and_composition() {
 /// layer, the union of keys and values on the attention layer); each half alone keeps less.
 #[test]
 fn the_hybrid_recall_model_recalls_through_its_composed_state() {
-    let m = model_named("picaso-recall-hybrid");
-    let task = Task::synthetic_from_vocab(&m.tokenizer().unwrap().inner().get_vocab(true), 4).unwrap();
-    let options = Options {
-        task,
-        ks: vec![1, 4],
-        episodes: 25,
-        queries: 4,
-        orders: 2,
-        distractors: 9,
-        methods: vec![
+    let m = model("picaso-recall-hybrid");
+    let options = options(
+        &m,
+        vec![
             Method::Naive,
             Method::Concat,
             Method::Compose(Composition::PicasoS),
@@ -72,8 +61,7 @@ fn the_hybrid_recall_model_recalls_through_its_composed_state() {
             Method::KvUnion,
             Method::PicasoRNoKv,
         ],
-        seed: 11,
-    };
+    );
     let r = run(&m, &options, |_, _| {}).unwrap();
     let exact = |method: Method, k: usize| r.cell(method, k).unwrap().exact;
     assert!(exact(Method::Concat, 1) >= 0.95, "concat k=1: {}", exact(Method::Concat, 1));

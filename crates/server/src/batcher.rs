@@ -626,9 +626,11 @@ impl DeviceBatch<'_> {
     /// to the device); then every one (each has a token to feed: it got logits last step, or
     /// just came in with one) gets its next logits. Returns how many stepped.
     fn step(&mut self, batch: &mut [Sequence]) -> usize {
+        // Where each sequence is in the batch (joining the session does not move it there).
+        let at: HashMap<u64, usize> = batch.iter().enumerate().map(|(i, s)| (s.id, i)).collect();
         let mut i = 0;
         while i < self.ids.len() {
-            if batch.iter().any(|s| s.id == self.ids[i] && !s.ended) {
+            if at.get(&self.ids[i]).is_some_and(|&j| !batch[j].ended) {
                 i += 1;
             } else if let Err(e) = self.session.swap_remove(i) {
                 return self.fail(batch, &e.to_string());
@@ -646,7 +648,6 @@ impl DeviceBatch<'_> {
         if self.ids.is_empty() {
             return 0;
         }
-        let at: HashMap<u64, usize> = batch.iter().enumerate().map(|(i, s)| (s.id, i)).collect();
         let feed: Option<Vec<u32>> = self.ids.iter().map(|id| batch[*at.get(id)?].fed).collect();
         let Some(feed) = feed else {
             return self.fail(batch, "internal: a sequence on the device has no token to feed");
@@ -670,7 +671,7 @@ impl DeviceBatch<'_> {
     }
 
     /// Fails every sequence on the device (they leave at the next step).
-    fn fail(&mut self, batch: &mut [Sequence], why: &str) -> usize {
+    fn fail(&self, batch: &mut [Sequence], why: &str) -> usize {
         for s in batch.iter_mut().filter(|s| matches!(s.state, Live::Device) && !s.ended) {
             s.send(Event::Failed(why.to_string()));
         }

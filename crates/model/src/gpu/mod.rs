@@ -112,7 +112,7 @@ pub trait Gpu: Send + Sync + std::fmt::Debug {
 }
 
 /// Launches and products recorded once ([`Gpu::begin_capture`]) and replayed with one call: a
-/// decode step is ~10 kernels and products per layer, and on a GPU launching them one by one
+/// decode step is six kernels and products per layer, and on a GPU launching them one by one
 /// takes longer than running them.
 pub trait Graph: Send {
     /// Runs the recorded work again, in order, with the arguments it was recorded with (the

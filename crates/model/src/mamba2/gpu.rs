@@ -12,6 +12,7 @@
 //! buffers stay the same (`PICASO_CUDA_GRAPHS=0` launches every kernel instead). Sequences
 //! join and leave a session (a server's running batch) by a copy of their own state only.
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -459,32 +460,28 @@ impl GpuMamba2 {
             self.rmsnorm(pass.h.ptr(), self.norm_f.ptr(), pass.xn.ptr(), batch.rows, true)?;
             self.lm_head_into(pass.xn.ptr(), batch.rows, out.ptr())
         };
-        let seqs = batch.seqs();
-        if steps.get(&seqs).is_none_or(|g| g.pass != pass.id) {
-            steps.remove(&seqs);
-            let graph = self.gpu.begin_capture().and_then(|()| {
-                let recorded = kernels();
-                let graph = self.gpu.end_capture(); // also after a failed recording
-                recorded.and(graph)
-            });
-            match graph {
-                Ok(graph) => {
-                    steps.insert(seqs, DecodeGraph { pass: pass.id, graph });
-                }
-                Err(e) => {
-                    self.graphs.store(false, Ordering::Relaxed);
-                    eprintln!(
-                        "warning: recording a decode step as a graph failed ({e}); launching its kernels one by one"
-                    );
-                    kernels()?;
-                    return out.read_f32(0, n);
+        let step = match steps.entry(batch.seqs()) {
+            Entry::Occupied(recorded) if recorded.get().pass == pass.id => recorded.into_mut(),
+            stale_or_none => {
+                let graph = self.gpu.begin_capture().and_then(|()| {
+                    let recorded = kernels();
+                    let graph = self.gpu.end_capture(); // also after a failed recording
+                    recorded.and(graph)
+                });
+                match graph {
+                    Ok(graph) => stale_or_none.insert_entry(DecodeGraph { pass: pass.id, graph }).into_mut(),
+                    Err(e) => {
+                        self.graphs.store(false, Ordering::Relaxed);
+                        eprintln!(
+                            "warning: recording a decode step as a graph failed ({e}); launching its kernels one by one"
+                        );
+                        kernels()?;
+                        return out.read_f32(0, n);
+                    }
                 }
             }
-        }
-        match steps.get(&seqs) {
-            Some(step) => step.graph.replay()?,
-            None => kernels()?,
-        }
+        };
+        step.graph.replay()?;
         out.read_f32(0, n)
     }
 
