@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
-"""Generate small GraniteMoeHybrid (Granite 4.0 H) reference fixtures from HF transformers.
+"""Generate small GraniteMoeHybrid (Granite 4.0 H) and Bamba reference fixtures from HF transformers.
 
 For every case in CASES this script
   1. builds a tiny random `GraniteMoeHybridForCausalLM` (fixed seed, every parameter overwritten
      with non-trivial random values, stored as float32; non-trivial embedding, residual,
-     attention and logits multipliers),
+     attention and logits multipliers), or a `BambaForCausalLM` (family "bamba": no
+     multipliers, RoPE on half of each head's channels),
   2. writes it in HF format (`hf/config.json` with the hub's `layer_types` names
      `mamba`/`attention`, `hf/model.safetensors`),
   3. runs the HF torch reference in float64 (`Float64Everywhere`) on a seeded random token
@@ -30,7 +31,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import transformers
-from transformers import DynamicCache, GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+from transformers import (
+    BambaConfig,
+    BambaForCausalLM,
+    DynamicCache,
+    GraniteMoeHybridConfig,
+    GraniteMoeHybridForCausalLM,
+)
 
 from fixture_common import Float64Everywhere, check_float64_mode, file_digests, max_diff, write_expected
 
@@ -43,6 +50,10 @@ BASE = dict(
     embedding_multiplier=2.5, residual_multiplier=0.7, attention_multiplier=0.3, logits_scaling=1.7,
     rms_norm_eps=1e-5, hidden_act="silu", attention_bias=False, mamba_d_conv=4, mamba_expand=2,
     mamba_conv_bias=True, mamba_proj_bias=False, max_position_embeddings=512, tie_word_embeddings=True,
+)
+BAMBA_BASE = dict(
+    rms_norm_eps=1e-5, hidden_act="silu", mamba_d_conv=4, mamba_expand=2, mamba_conv_bias=True,
+    mamba_proj_bias=False, max_position_embeddings=512,
 )
 CASES = {
     # dense, no positional encoding (Granite 4.0 H), one group, a Mamba layer first
@@ -62,6 +73,14 @@ CASES = {
         mamba_n_heads=8, mamba_d_head=12, mamba_n_groups=2, mamba_d_state=10, mamba_chunk_size=16,
         vocab_size=101, time_step_limit=(0.001, 0.25), tie_word_embeddings=False,
     ),
+    # Bamba: attention first and last, RoPE on 6 of 12 channels per head, two groups, untied head
+    "bamba-rope-g2": dict(
+        family="bamba", seed=2003, hidden_size=48, num_hidden_layers=4, attn_layer_indices=[0, 3],
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=28,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+        mamba_n_heads=8, mamba_d_head=12, mamba_n_groups=2, mamba_d_state=10, mamba_chunk_size=16,
+        vocab_size=89, time_step_limit=(0.001, 0.25), tie_word_embeddings=False,
+    ),
 }
 
 
@@ -77,9 +96,23 @@ class Float64Granite(Float64Everywhere):
         return super().__torch_function__(func, types, args, kwargs)
 
 
-def make_config(case: dict) -> GraniteMoeHybridConfig:
-    kw = {**BASE, **{k: v for k, v in case.items() if k != "seed"}}
-    return GraniteMoeHybridConfig(**kw)
+def make_config(case: dict):
+    kw = {k: v for k, v in case.items() if k not in ("seed", "family")}
+    if case.get("family") == "bamba":
+        return BambaConfig(**{**BAMBA_BASE, **kw})
+    return GraniteMoeHybridConfig(**{**BASE, **kw})
+
+
+def load_kw(case: dict) -> dict:
+    """The eager (reference) implementations."""
+    kw = {"attn_implementation": "eager"}
+    if case.get("family") != "bamba":
+        kw["experts_implementation"] = "eager"
+    return kw
+
+
+def model_class(case: dict):
+    return BambaForCausalLM if case.get("family") == "bamba" else GraniteMoeHybridForCausalLM
 
 
 def random_value(name: str, shape, gen: torch.Generator) -> torch.Tensor:
@@ -108,9 +141,10 @@ def random_value(name: str, shape, gen: torch.Generator) -> torch.Tensor:
     raise KeyError(f"no random rule for parameter {name}")
 
 
-def build_model(config, seed):
+def build_model(config, case):
+    seed = case["seed"]
     torch.manual_seed(seed)
-    model = GraniteMoeHybridForCausalLM(config).eval()
+    model = model_class(case)(config).eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -127,14 +161,15 @@ def hub_config(model, out: Path):
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
-def is_mamba(model, i):
-    return model.model.layers[i].mamba is not None
+def mixer(layer):
+    """A layer's Mamba mixer, or None for an attention layer (Bamba's have no `mamba` at all)."""
+    return getattr(layer, "mamba", None)
 
 
 def capture_in_proj(model):
     captured, handles = {}, []
     for i, layer in enumerate(model.model.layers):
-        if layer.mamba is None:
+        if mixer(layer) is None:
             continue
 
         def hook(_m, _i, output, i=i):
@@ -167,8 +202,8 @@ def log_decay(mixer, zxbcdt):
 def extract_states(model, cache, zxbcdt, tag):
     states = {}
     for i, layer in enumerate(model.model.layers):
-        if layer.mamba is not None:
-            m = layer.mamba
+        if mixer(layer) is not None:
+            m = mixer(layer)
             ssm = cache.get_recurrent_state(i)[0]
             conv = cache.get_conv_state(i)[0]  # (conv_dim, K): last K inputs, oldest first
             assert ssm.shape == (m.num_heads, m.head_dim, m.ssm_state_size), ssm.shape
@@ -186,7 +221,7 @@ def cache_from(model, parts: dict, n_tokens: int) -> DynamicCache:
     cache = DynamicCache(config=model.config)
     K = model.config.mamba_d_conv
     for i, layer in enumerate(model.model.layers):
-        if layer.mamba is not None:
+        if mixer(layer) is not None:
             conv = parts[f"layers.{i}.conv"]
             conv_k = torch.cat([torch.zeros_like(conv[:, :1]), conv], dim=1)[None].clone()
             cache.update_conv_state(conv_k, i)
@@ -264,13 +299,12 @@ def main():
     for name, case in CASES.items():
         out = root / name
         config = make_config(case)
-        model32 = build_model(config, case["seed"])
+        model32 = build_model(config, case)
         model32.save_pretrained(out / "hf", safe_serialization=True)
         (out / "hf" / "generation_config.json").unlink(missing_ok=True)
-        hub_config(model32, out / "hf")
-        ref = GraniteMoeHybridForCausalLM.from_pretrained(
-            out / "hf", dtype=torch.float64, experts_implementation="eager", attn_implementation="eager"
-        ).eval()
+        if case.get("family") != "bamba":
+            hub_config(model32, out / "hf")
+        ref = model_class(case).from_pretrained(out / "hf", dtype=torch.float64, **load_kw(case)).eval()
         gen = torch.Generator().manual_seed(case["seed"] + 7)
         tokens = torch.randint(0, config.vocab_size, (SEQ_LEN,), generator=gen, dtype=torch.int64)
         logits, _, _ = hf_run(ref, tokens)
@@ -281,8 +315,19 @@ def main():
             states.update(extract_states(ref, cache, zx, tag))
             checks[f"prefix_{tag}_logits"] = max_diff(pl, logits[:n])
             if n < SEQ_LEN:  # the Markov property in transformers itself
-                cont, _, _ = hf_run(ref, tokens[n:], cache=cache)
+                # Positions given: Bamba's transformers code numbers a continuation from 0 otherwise.
+                cont, _, _ = hf_run(ref, tokens[n:], cache=cache, position_ids=torch.arange(n, SEQ_LEN))
                 checks[f"continue_from_{tag}"] = max_diff(cont, logits[n:])
+        # How far rounding the large matrices to bf16 alone moves the log-probs: the scale
+        # picaso's bf16 weights are held to (a model's sensitivity to it varies a lot).
+        rounded = model_class(case).from_pretrained(out / "hf", dtype=torch.float64, **load_kw(case)).eval()
+        with torch.no_grad():
+            for pname, p in rounded.named_parameters():
+                if p.dim() >= 2 and "conv1d" not in pname:
+                    p.copy_(p.to(torch.bfloat16).to(torch.float64))
+        rl, _, _ = hf_run(rounded, tokens)
+        rlp = torch.log_softmax(rl, -1)[:-1].gather(-1, tokens[1:, None])[:, 0]
+        states["bf16_rounding_logprob_error"] = torch.tensor([max_diff(rlp, logprobs)])
         comp, query = composed_case(ref, tokens)
         states.update(comp)
         assert max(checks.values()) < 1e-9, checks

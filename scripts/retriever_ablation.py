@@ -52,8 +52,10 @@ def summarise(runs):
             for c in r["contrasts"]
             if c["a"] == "picaso-r" and c["b"] == "concat"
         ]
+        words = d["run"]["command"].split()
         table[name] = {
             "retriever": label,
+            "model": words[words.index("--model") + 1],
             "command": d["run"]["command"],
             "wall_seconds": d["run"]["wall_seconds"],
             "passages": r["passages"],
@@ -66,6 +68,8 @@ def summarise(runs):
         }
     # Every run scored the same passages (same store order, sample and seed): one Naive loss.
     assert len(naive) <= 1, f"the runs scored different passages: naive losses {naive}"
+    models = {t["model"] for t in table.values()}
+    assert len(models) <= 1, f"the runs composed the states of different models: {models}"
     return table
 
 
@@ -75,7 +79,7 @@ def markdown(table, command):
     md = ["# Retriever ablation: WikiText-2 raw test, k = 1..10", ""]
     md.append(
         f"{'A SAMPLE of ' if sample else 'All '}{first['passages']} of {first['passages_available']} passages "
-        f"(seed 0), the bundled model (models/picaso-mamba2). Naive loss {first['naive_loss']:.4f} nats/token. "
+        f"(seed 0), the model {first['model']}. Naive loss {first['naive_loss']:.4f} nats/token. "
         f"Command: `{command}` (the per-retriever commands are in results.json)."
     )
     missing = [label for name, label in RETRIEVERS if name not in table]

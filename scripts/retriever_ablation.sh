@@ -7,6 +7,8 @@
 # Usage: scripts/retriever_ablation.sh [SAMPLE]    (SAMPLE passages, seed 0; "all" for every one)
 #   MPNET=/work/mpnet (all-mpnet-base-v2 folder; see docs/retrievers.md to obtain it)
 #   RUNS=/work/retr-runs (the two stores and the runs' folders; outside the checkout)
+#   MODEL=models/picaso-mamba2 (the model whose states are composed; its stores live in RUNS)
+#   OUT=results/retrievers (the combined report's folder)
 #   PYTHON=python3 with matplotlib (draws retrievers.png)
 # Resumable: each store's ingest skips what is stored, each eval journals every passage, and a
 # finished eval (results.json present) is not run again. Two stores are ingested, one per
@@ -19,6 +21,7 @@ MPNET=${MPNET:-/work/mpnet}
 RUNS=${RUNS:-/work/retr-runs}
 MODEL=${MODEL:-models/picaso-mamba2}
 BIN=${BIN:-target/release/picaso}
+OUT=${OUT:-results/retrievers}
 DATA=$D/wikitext-2/wiki.test.raw.crlf_nonempty
 mkdir -p "$RUNS"
 sample=(); [ "$SAMPLE" = all ] || sample=(--sample "$SAMPLE")
@@ -34,5 +37,5 @@ run minilm "$RUNS/minilm.db" "$D/all-MiniLM-L6-v2" --retriever dense
 run bm25 "$RUNS/minilm.db" "$D/all-MiniLM-L6-v2" --retriever bm25
 run hybrid "$RUNS/minilm.db" "$D/all-MiniLM-L6-v2" --retriever hybrid --hybrid-weight 0.5
 run mpnet "$RUNS/mpnet.db" "$MPNET" --retriever dense
-"${PYTHON:-python3}" scripts/retriever_ablation.py --runs "$RUNS/eval-$tag" --out results/retrievers \
-    --command "scripts/retriever_ablation.sh $SAMPLE"
+"${PYTHON:-python3}" scripts/retriever_ablation.py --runs "$RUNS/eval-$tag" --out "$OUT" \
+    --command "MODEL=$MODEL scripts/retriever_ablation.sh $SAMPLE"

@@ -28,7 +28,8 @@ pub enum ModelConfig {
     Mamba1(Mamba1Config),
     /// Mamba-2 (`model_type: "mamba2"`, or `ssm_cfg.layer: "Mamba2"`).
     Mamba2(Mamba2Config),
-    /// A Granite 4.0 H hybrid (`model_type: "granitemoehybrid"`): attention among Mamba-2 layers.
+    /// A Granite 4.0 H hybrid (`model_type: "granitemoehybrid"`) or a Bamba one (`"bamba"`):
+    /// attention among Mamba-2 layers.
     GraniteHybrid(crate::granite_hybrid::GraniteHybridConfig),
 }
 
@@ -72,6 +73,9 @@ impl ModelConfig {
             Some("granitemoehybrid") => {
                 Ok(Self::GraniteHybrid(crate::granite_hybrid::GraniteHybridConfig::from_hf(path, &map)?))
             }
+            Some("bamba") => {
+                Ok(Self::GraniteHybrid(crate::granite_hybrid::GraniteHybridConfig::from_bamba(path, &map)?))
+            }
             Some("mamba2") | None => {
                 let c = Mamba2Config::from_hf(path, &map)?;
                 c.validate(path)?;
@@ -80,8 +84,8 @@ impl ModelConfig {
             Some(other) => Err(Error::config(
                 path,
                 format!(
-                    "model_type is {other:?}; picaso reads Mamba-1 (\"mamba\"), Mamba-2 (\"mamba2\") and Granite 4.0 H \
-                     (\"granitemoehybrid\") models"
+                    "model_type is {other:?}; picaso reads Mamba-1 (\"mamba\"), Mamba-2 (\"mamba2\"), Granite 4.0 H \
+                     (\"granitemoehybrid\") and Bamba (\"bamba\") models"
                 ),
             )),
         }

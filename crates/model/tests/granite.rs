@@ -9,7 +9,7 @@ mod common;
 use common::*;
 use picaso_model::{compose, Composition, Model, State, StateDtype};
 
-const CASES: [&str; 2] = ["dense-nope-g1", "moe-rope-g2"];
+const CASES: [&str; 3] = ["dense-nope-g1", "moe-rope-g2", "bamba-rope-g2"];
 
 fn model(case: &str) -> Model {
     load_from(&fixture_dir("granite", case).join("hf"))
@@ -217,19 +217,34 @@ fn states_of_other_architectures_are_refused() {
 }
 
 /// A config with a layer kind or option picaso does not run is refused by name, never run
-/// wrongly: Nemotron-H's `moe` layers, a scaled RoPE, a bias picaso does not apply.
+/// wrongly: Nemotron-H's `moe` layers, a scaled RoPE, a bias picaso does not apply; for Bamba
+/// an MLP bias, an attention layer past the last, a rotated width that is odd.
 #[test]
 fn unsupported_hybrid_options_are_refused_by_name() {
-    let src = fixture_dir("granite", "moe-rope-g2").join("hf");
-    let base: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
-    let cases: [(&str, serde_json::Value, &str); 4] = [
-        ("layer_types", serde_json::json!(["attention", "mamba", "moe"]), "layer_types[2]"),
-        ("rope_parameters", serde_json::json!({"rope_type": "yarn", "rope_theta": 1e4}), "rope_type \"yarn\""),
-        ("attention_bias", serde_json::json!(true), "attention_bias"),
-        ("num_key_value_heads", serde_json::json!(4), "multiple of num_key_value_heads"),
+    let cases: [(&str, &str, serde_json::Value, &str); 8] = [
+        ("moe-rope-g2", "layer_types", serde_json::json!(["attention", "mamba", "moe"]), "layer_types[2]"),
+        (
+            "moe-rope-g2",
+            "rope_parameters",
+            serde_json::json!({"rope_type": "yarn", "rope_theta": 1e4}),
+            "rope_type \"yarn\"",
+        ),
+        ("moe-rope-g2", "attention_bias", serde_json::json!(true), "attention_bias"),
+        ("moe-rope-g2", "num_key_value_heads", serde_json::json!(4), "multiple of num_key_value_heads"),
+        ("bamba-rope-g2", "mlp_bias", serde_json::json!(true), "mlp_bias"),
+        ("bamba-rope-g2", "attn_layer_indices", serde_json::json!([0, 4]), "attn_layer_indices"),
+        ("bamba-rope-g2", "hidden_act", serde_json::json!("gelu"), "hidden_act"),
+        (
+            "bamba-rope-g2",
+            "rope_parameters",
+            serde_json::json!({"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.25}),
+            "even, positive number of rotated channels",
+        ),
     ];
-    for (key, value, want) in cases {
+    for (case, key, value, want) in cases {
+        let src = fixture_dir("granite", case).join("hf");
+        let base: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
         let dir = tempfile::tempdir().unwrap();
         let mut cfg = base.clone();
         cfg[key] = value;
@@ -241,7 +256,7 @@ fn unsupported_hybrid_options_are_refused_by_name() {
     }
 }
 
-/// bf16 weights (half the memory) stay close to the f32 engine.
+/// bf16 weights (half the memory) stay as close to transformers as rounding its matrices allows.
 #[test]
 fn bf16_weights_stay_close() {
     for case in CASES {
@@ -255,7 +270,12 @@ fn bf16_weights_stay_close() {
         let m = Model::load(&dir, &opts).unwrap();
         let lp = m.score(&e.tokens, &m.zero_state()).unwrap().logprobs;
         let err = max_abs_diff(&lp, e.get("logprobs"));
-        assert!(err < 0.1, "{case}: bf16 log-probs differ by {err}");
+        // The fixture records how far rounding the matrices to bf16 alone moves transformers'
+        // log-probs (0.03–0.19 across these random models): picaso's bf16 kernels also round
+        // activations, so they may move them up to twice as far.
+        let rounding = e.get("bf16_rounding_logprob_error")[0];
+        let bound = 2.0 * rounding as f64 + 0.02;
+        assert!(err < bound, "{case}: bf16 log-probs differ by {err}; rounding alone moves them {rounding}");
     }
 }
 
@@ -280,4 +300,26 @@ fn a_decode_step_beside_a_prefill_keeps_its_lone_bits() {
         let batched = m.prefill_batch(&[&e.tokens[10..20], &e.tokens[6..7]], &[&m.zero_state(), &start]).unwrap();
         assert!(batched[1].1 == alone, "{case}: the decode step's state depends on its batch");
     }
+}
+
+/// A Bamba model written back by picaso (Bamba's config keys and tensor names) loads with the
+/// same fingerprint and scores the same: a Bamba checkpoint is never renamed to Granite's.
+#[test]
+fn a_bamba_model_is_written_back_as_bamba() {
+    let src = fixture_dir("granite", "bamba-rope-g2").join("hf");
+    let path = src.join("config.json");
+    let map: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let c = picaso_model::GraniteHybridConfig::from_bamba(&path, &map).unwrap();
+    assert_eq!((c.rotary_dim(), c.head_dim), (6, 12));
+    let w = picaso_model::GraniteHybridWeights::load(&src, &c).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    w.save_pretrained(dir.path(), &c).unwrap();
+    let written = std::fs::read_to_string(dir.path().join("config.json")).unwrap();
+    assert!(written.contains("\"model_type\":\"bamba\"") || written.contains("\"model_type\": \"bamba\""), "{written}");
+    let (a, b) = (load_from(&src), load_from(dir.path()));
+    assert_eq!(a.fingerprint(), b.fingerprint());
+    let e = exp("bamba-rope-g2");
+    let (la, lb) = (a.score(&e.tokens, &a.zero_state()).unwrap(), b.score(&e.tokens, &b.zero_state()).unwrap());
+    assert_eq!(la.logprobs, lb.logprobs);
 }

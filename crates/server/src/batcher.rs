@@ -385,9 +385,11 @@ fn prefill_chunks(model: &Model, batch: &mut [Sequence], chunk: usize, m: &Batch
     }
     let (chunks, mut states): (Vec<&[u32]>, Vec<&mut State>) = joining
         .iter_mut()
-        .filter_map(|(s, end)| {
+        .map(|(s, end)| {
             let s = &mut **s;
-            Some((&s.job.prompt[s.prefilled..*end], s.state.wide()?))
+            // Host states only (filtered above), so every joining sequence keeps its place
+            // against the logits zipped back below.
+            (&s.job.prompt[s.prefilled..*end], s.state.wide().expect("device states are filtered out above"))
         })
         .unzip();
     let t0 = Instant::now();

@@ -282,6 +282,7 @@ impl PretrainFile {
         let heads = self.attn_heads.unwrap_or(1);
         let head_dim = self.attn_head_dim.unwrap_or(self.d_model / heads.max(1));
         GraniteHybridConfig {
+            family: Default::default(),
             d_model: self.d_model,
             vocab_size: 0,
             layers,
@@ -299,6 +300,7 @@ impl PretrainFile {
             head_dim,
             attention_multiplier: 1.0 / (head_dim as f64).sqrt(),
             rope_theta: None,
+            partial_rotary_factor: 1.0,
             embedding_multiplier: 1.0,
             residual_multiplier: 1.0,
             logits_scaling: 1.0,

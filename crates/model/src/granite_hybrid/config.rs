@@ -1,6 +1,7 @@
 //! [`GraniteHybridConfig`]: transformers' `GraniteMoeHybridConfig` (IBM Granite 4.0 H), as the
 //! hub ships it (`layer_types` of `mamba` / `attention`) or as newer transformers writes it
-//! (`linear_attention` / `full_attention`).
+//! (`linear_attention` / `full_attention`), and its predecessor `BambaConfig` (IBM's Bamba:
+//! the same blocks without multipliers or experts, RoPE on half of each head's channels).
 
 use std::path::Path;
 
@@ -21,9 +22,25 @@ pub enum LayerKind {
     Attention,
 }
 
-/// Everything that shapes a Granite 4.0 H model.
+/// Which transformers class a hybrid's checkpoint is written for: it decides the config's
+/// keys and the tensors' names, never the computation (a Bamba model is a Granite 4.0 H model
+/// whose multipliers are 1, with no experts and partial RoPE).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HybridFamily {
+    /// `GraniteMoeHybridForCausalLM` (`model_type: "granitemoehybrid"`).
+    #[default]
+    Granite,
+    /// `BambaForCausalLM` (`model_type: "bamba"`).
+    Bamba,
+}
+
+/// Everything that shapes a Granite 4.0 H (or Bamba) model.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct GraniteHybridConfig {
+    /// The checkpoint's class: its config keys and tensor names.
+    #[serde(default)]
+    pub family: HybridFamily,
     /// Width of the residual stream.
     pub d_model: usize,
     /// Rows of the embedding matrix.
@@ -42,6 +59,10 @@ pub struct GraniteHybridConfig {
     pub attention_multiplier: f64,
     /// RoPE's base (`rope_theta`) when `position_embedding_type` is `rope`; `None` for NoPE.
     pub rope_theta: Option<f64>,
+    /// The share of each head's channels RoPE rotates, from the first (`partial_rotary_factor`:
+    /// 1 for Granite, 0.5 for Bamba); the rest pass unrotated.
+    #[serde(default = "one")]
+    pub partial_rotary_factor: f64,
     /// Scale of the token embeddings.
     pub embedding_multiplier: f64,
     /// Scale of every mixer's and MLP's output before it joins the residual stream.
@@ -60,6 +81,10 @@ pub struct GraniteHybridConfig {
     pub norm_eps: f64,
     /// Whether the LM head is the embedding matrix.
     pub tie_embeddings: bool,
+}
+
+fn one() -> f64 {
+    1.0
 }
 
 impl GraniteHybridConfig {
@@ -138,6 +163,7 @@ impl GraniteHybridConfig {
         };
         let n_experts = f.usize_or("num_local_experts", 0)?;
         let config = Self {
+            family: HybridFamily::Granite,
             d_model,
             vocab_size: mamba.vocab_size,
             tie_embeddings: mamba.tie_embeddings,
@@ -148,6 +174,7 @@ impl GraniteHybridConfig {
             head_dim,
             attention_multiplier: f.f64_or("attention_multiplier", 1.0)?,
             rope_theta,
+            partial_rotary_factor: partial_rotary_factor(&f, 1.0)?,
             embedding_multiplier: f.f64_or("embedding_multiplier", 1.0)?,
             residual_multiplier: f.f64_or("residual_multiplier", 1.0)?,
             logits_scaling: f.f64_or("logits_scaling", 1.0)?,
@@ -159,6 +186,60 @@ impl GraniteHybridConfig {
         };
         config.validate(path)?;
         Ok(config)
+    }
+
+    /// Reads transformers' `config.json` of a `bamba` model (`BambaForCausalLM`): attention
+    /// at `attn_layer_indices`, a SwiGLU MLP of `intermediate_size` after every mixer, RoPE on
+    /// `partial_rotary_factor` (0.5 unless the file says otherwise) of each head, softmax scale
+    /// 1/√head_dim, no multipliers. Options picaso does not implement are refused by name.
+    pub fn from_bamba(path: &Path, map: &Map<String, Value>) -> Result<Self> {
+        let f = Fields { path, map };
+        let bad = |m: String| Error::config(path, m);
+        let d_model = f.usize("hidden_size")?;
+        let n_layer = f.usize("num_hidden_layers")?;
+        let attention: Vec<usize> = match map.get("attn_layer_indices") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|v| match v.as_u64() {
+                    Some(i) if (i as usize) < n_layer => Ok(i as usize),
+                    _ => Err(bad(format!(
+                        "attn_layer_indices holds {v}; each must be a layer index below num_hidden_layers ({n_layer})"
+                    ))),
+                })
+                .collect::<Result<_>>()?,
+            Some(_) => return Err(f.err("attn_layer_indices", "a list of layer indices")),
+        };
+        let layers = (0..n_layer)
+            .map(|i| if attention.contains(&i) { LayerKind::Attention } else { LayerKind::Mamba })
+            .collect();
+        // The activation, attention and Mamba biases are checked by the Granite reader below.
+        if f.bool_or("mlp_bias", false)? {
+            return Err(bad("`mlp_bias: true` is not supported by picaso".into()));
+        }
+        let n_heads = f.usize("num_attention_heads")?;
+        let head_dim = f.usize_or("head_dim", d_model / n_heads.max(1))?;
+        let mut config = Self::from_hf(path, map)?;
+        config.family = HybridFamily::Bamba;
+        config.layers = layers;
+        config.mamba.n_layer = config.n_mamba();
+        config.head_dim = head_dim;
+        config.attention_multiplier = 1.0 / (head_dim as f64).sqrt();
+        config.rope_theta = Some(rope_theta(&f, path)?);
+        config.partial_rotary_factor = partial_rotary_factor(&f, 0.5)?;
+        config.shared_intermediate = f.usize("intermediate_size")?;
+        // Bamba's default epsilon is not Granite's.
+        config.norm_eps = f.f64_or("rms_norm_eps", 1e-5)?;
+        (config.mamba.norm_eps, config.mamba.gated_norm_eps) = (config.norm_eps, config.norm_eps);
+        (config.n_experts, config.top_k, config.expert_intermediate) = (0, 0, 0);
+        (config.embedding_multiplier, config.residual_multiplier, config.logits_scaling) = (1.0, 1.0, 1.0);
+        config.validate(path)?;
+        Ok(config)
+    }
+
+    /// Channels of a head RoPE rotates (transformers' `int(head_dim * partial_rotary_factor)`).
+    pub fn rotary_dim(&self) -> usize {
+        (self.head_dim as f64 * self.partial_rotary_factor) as usize
     }
 
     /// Checks that the sizes fit together.
@@ -185,8 +266,16 @@ impl GraniteHybridConfig {
                 self.n_heads, self.n_kv_heads
             ));
         }
-        if self.rope_theta.is_some() && !self.head_dim.is_multiple_of(2) {
-            return bad(format!("RoPE needs an even head_dim, not {}", self.head_dim));
+        if self.rope_theta.is_some() && (self.rotary_dim() == 0 || !self.rotary_dim().is_multiple_of(2)) {
+            return bad(format!(
+                "RoPE needs an even, positive number of rotated channels, not {} (head_dim {} × partial_rotary_factor {})",
+                self.rotary_dim(),
+                self.head_dim,
+                self.partial_rotary_factor
+            ));
+        }
+        if !(self.partial_rotary_factor > 0.0 && self.partial_rotary_factor <= 1.0) {
+            return bad(format!("`partial_rotary_factor` is {}; it must be in (0, 1]", self.partial_rotary_factor));
         }
         if self.n_experts > 0 && (self.top_k == 0 || self.top_k > self.n_experts || self.expert_intermediate == 0) {
             return bad(format!(
@@ -223,6 +312,7 @@ impl GraniteHybridConfig {
             ..Mamba2Config::tiny(2, 4)
         };
         Self {
+            family: HybridFamily::Granite,
             d_model: 16,
             vocab_size,
             layers: vec![LayerKind::Mamba, LayerKind::Attention, LayerKind::Mamba, LayerKind::Attention],
@@ -232,6 +322,7 @@ impl GraniteHybridConfig {
             head_dim: 8,
             attention_multiplier: 1.0 / 8f64.sqrt(),
             rope_theta: None,
+            partial_rotary_factor: 1.0,
             embedding_multiplier: 1.0,
             residual_multiplier: 1.0,
             logits_scaling: 1.0,
@@ -289,34 +380,13 @@ impl GraniteHybridConfig {
         } else {
             serde_json::json!(m.time_step_limit.1)
         };
-        let kinds: Vec<&str> = self
-            .layers
-            .iter()
-            .map(|k| match k {
-                LayerKind::Mamba => "mamba",
-                LayerKind::Attention => "attention",
-            })
-            .collect();
-        serde_json::json!({
-            "architectures": ["GraniteMoeHybridForCausalLM"],
-            "model_type": "granitemoehybrid",
+        let mut json = serde_json::json!({
             "hidden_size": self.d_model,
             "num_hidden_layers": self.n_layer(),
             "vocab_size": self.vocab_size,
-            "layer_types": kinds,
             "num_attention_heads": self.n_heads,
             "num_key_value_heads": self.n_kv_heads,
             "head_dim": self.head_dim,
-            "attention_multiplier": self.attention_multiplier,
-            "position_embedding_type": if self.rope_theta.is_some() { "rope" } else { "nope" },
-            "rope_theta": self.rope_theta,
-            "embedding_multiplier": self.embedding_multiplier,
-            "residual_multiplier": self.residual_multiplier,
-            "logits_scaling": self.logits_scaling,
-            "shared_intermediate_size": self.shared_intermediate,
-            "num_local_experts": self.n_experts,
-            "num_experts_per_tok": self.top_k,
-            "intermediate_size": self.expert_intermediate,
             "rms_norm_eps": self.norm_eps,
             "tie_word_embeddings": self.tie_embeddings,
             "mamba_n_heads": m.nheads,
@@ -327,14 +397,67 @@ impl GraniteHybridConfig {
             "mamba_expand": m.expand,
             "mamba_conv_bias": m.use_conv_bias,
             "time_step_limit": [m.time_step_limit.0, hi],
-        })
+        });
+        let extra = match self.family {
+            HybridFamily::Granite => {
+                let kinds: Vec<&str> = self
+                    .layers
+                    .iter()
+                    .map(|k| match k {
+                        LayerKind::Mamba => "mamba",
+                        LayerKind::Attention => "attention",
+                    })
+                    .collect();
+                let mut g = serde_json::json!({
+                    "architectures": ["GraniteMoeHybridForCausalLM"],
+                    "model_type": "granitemoehybrid",
+                    "layer_types": kinds,
+                    "attention_multiplier": self.attention_multiplier,
+                    "position_embedding_type": if self.rope_theta.is_some() { "rope" } else { "nope" },
+                    "rope_theta": self.rope_theta,
+                    "embedding_multiplier": self.embedding_multiplier,
+                    "residual_multiplier": self.residual_multiplier,
+                    "logits_scaling": self.logits_scaling,
+                    "shared_intermediate_size": self.shared_intermediate,
+                    "num_local_experts": self.n_experts,
+                    "num_experts_per_tok": self.top_k,
+                    "intermediate_size": self.expert_intermediate,
+                });
+                // Written only when partial, so full-RoPE and NoPE fingerprints stay as they were.
+                if self.partial_rotary_factor != 1.0 {
+                    g["partial_rotary_factor"] = self.partial_rotary_factor.into();
+                }
+                g
+            }
+            HybridFamily::Bamba => serde_json::json!({
+                "architectures": ["BambaForCausalLM"],
+                "model_type": "bamba",
+                "attn_layer_indices": self.attention_layers(),
+                "intermediate_size": self.shared_intermediate,
+                "hidden_act": "silu",
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "rope_theta": self.rope_theta,
+                    "partial_rotary_factor": self.partial_rotary_factor,
+                },
+            }),
+        };
+        let (Value::Object(all), Value::Object(extra)) = (&mut json, extra) else {
+            unreachable!("both are JSON objects")
+        };
+        all.extend(extra);
+        json
     }
 
     /// The sizes, in one line.
     pub fn describe(&self) -> String {
         let att = self.attention_layers();
         format!(
-            "granite-hybrid: d_model {}, {} layers ({} Mamba-2: {} heads x {} x d_state {}; {} attention at {:?}: {} heads, {} kv, head_dim {}, {}), {}, vocab {}",
+            "{}: d_model {}, {} layers ({} Mamba-2: {} heads x {} x d_state {}; {} attention at {:?}: {} heads, {} kv, head_dim {}, {}), {}, vocab {}",
+            match self.family {
+                HybridFamily::Granite => "granite-hybrid",
+                HybridFamily::Bamba => "bamba",
+            },
             self.d_model,
             self.n_layer(),
             self.n_mamba(),
@@ -346,7 +469,11 @@ impl GraniteHybridConfig {
             self.n_heads,
             self.n_kv_heads,
             self.head_dim,
-            if self.rope_theta.is_some() { "RoPE" } else { "NoPE" },
+            match (self.rope_theta.is_some(), self.partial_rotary_factor == 1.0) {
+                (false, _) => "NoPE".to_string(),
+                (true, true) => "RoPE".to_string(),
+                (true, false) => format!("RoPE on {} of {} channels", self.rotary_dim(), self.head_dim),
+            },
             if self.n_experts > 0 {
                 format!("MoE {} of {} experts + shared MLP {}", self.top_k, self.n_experts, self.shared_intermediate)
             } else {
@@ -355,6 +482,22 @@ impl GraniteHybridConfig {
             self.vocab_size
         )
     }
+}
+
+/// The share of a head's channels RoPE rotates: `partial_rotary_factor` in `rope_parameters`
+/// (transformers 5) or at the top level, else `default`.
+fn partial_rotary_factor(f: &Fields<'_>, default: f64) -> Result<f64> {
+    if let Some(Value::Object(p)) = f.map.get("rope_parameters") {
+        if let Some(v) = p.get("partial_rotary_factor") {
+            return v.as_f64().ok_or_else(|| {
+                Error::config(
+                    f.path,
+                    format!("field `rope_parameters.partial_rotary_factor` must be a number, found {v}"),
+                )
+            });
+        }
+    }
+    f.f64_or("partial_rotary_factor", default)
 }
 
 /// RoPE's base from `rope_parameters` (transformers 5) or `rope_theta` (the hub's); only the

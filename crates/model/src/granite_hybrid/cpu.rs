@@ -200,8 +200,8 @@ impl CpuGraniteHybrid {
         for ((state, &t), &p0) in kv.iter_mut().zip(lens).zip(positions) {
             let (qs, ks) = (&mut q[at * qw..(at + t) * qw], &mut k[at * kvw..(at + t) * kvw]);
             if let Some(theta) = c.rope_theta {
-                rope(qs, nh, hd, p0, theta);
-                rope(ks, nkv, hd, p0, theta);
+                rope(qs, nh, hd, c.rotary_dim(), p0, theta);
+                rope(ks, nkv, hd, c.rotary_dim(), p0, theta);
             }
             prevs.push(state.tokens(kvw));
             state.keys.extend_from_slice(ks);
@@ -330,11 +330,12 @@ fn swiglu(
     kind.matmul_t(&act, rows, inner, down, d, out, acc);
 }
 
-/// Rotates each head of each row (rows of `heads × hd`) by its position `p0 + row` as
-/// transformers' default RoPE does: the first and second halves of a head form the pairs.
-fn rope(x: &mut [f32], heads: usize, hd: usize, p0: u64, theta: f64) {
-    let half = hd / 2;
-    let inv: Vec<f64> = (0..half).map(|i| theta.powf(-((2 * i) as f64) / hd as f64)).collect();
+/// Rotates the first `rotary` channels of each head of each row (rows of `heads × hd`) by its
+/// position `p0 + row` as transformers' default RoPE does: the first and second halves of
+/// those channels form the pairs; the channels past them pass unrotated (partial RoPE).
+fn rope(x: &mut [f32], heads: usize, hd: usize, rotary: usize, p0: u64, theta: f64) {
+    let half = rotary / 2;
+    let inv: Vec<f64> = (0..half).map(|i| theta.powf(-((2 * i) as f64) / rotary as f64)).collect();
     for (r, row) in x.chunks_exact_mut(heads * hd).enumerate() {
         let pos = (p0 + r as u64) as f64;
         // Angles in f64 (transformers' are f32: ~1e-7 relative apart at these positions).

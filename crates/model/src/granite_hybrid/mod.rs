@@ -1,5 +1,7 @@
 //! IBM Granite 4.0 H (`GraniteMoeHybridForCausalLM`): attention layers among Mamba-2 layers,
-//! each followed by a SwiGLU MLP and optionally routed experts.
+//! each followed by a SwiGLU MLP and optionally routed experts; and IBM's Bamba
+//! (`BambaForCausalLM`), the same blocks without multipliers or experts, with partial RoPE
+//! (one engine: [`HybridFamily`] only names the checkpoint's keys and tensors).
 //!
 //! A hybrid's state is its Mamba layers' states (as a Mamba-2 model's) plus each attention
 //! layer's keys and values ([`crate::state::KvState`]); composition unions the keys and values
@@ -9,6 +11,6 @@ pub mod config;
 pub mod cpu;
 pub mod weights;
 
-pub use config::{GraniteHybridConfig, LayerKind};
+pub use config::{GraniteHybridConfig, HybridFamily, LayerKind};
 pub use cpu::CpuGraniteHybrid;
 pub use weights::GraniteHybridWeights;

@@ -1,10 +1,10 @@
-//! [`GraniteHybridWeights`]: a Granite 4.0 H checkpoint's tensors (one file or hub shards, f32
-//! or bf16), named as transformers names them, validated against the config.
+//! [`GraniteHybridWeights`]: a Granite 4.0 H (or Bamba) checkpoint's tensors (one file or hub
+//! shards, f32 or bf16), named as transformers names them, validated against the config.
 
 use std::collections::HashMap;
 use std::path::Path;
 
-use super::config::{GraniteHybridConfig, LayerKind};
+use super::config::{GraniteHybridConfig, HybridFamily, LayerKind};
 use crate::error::{Error, Result};
 use crate::mamba2::LayerWeights;
 use crate::weights::{fingerprint, normal_sampler, read_tensors, write_checkpoint, HostTensor, Take};
@@ -129,16 +129,28 @@ impl GraniteHybridWeights {
             } else {
                 None
             };
+            let (mlp_in, mlp_out) = match c.family {
+                HybridFamily::Granite => (
+                    t.get(&format!("{p}.shared_mlp.input_linear.weight"), &[2 * inner, d])?,
+                    t.get(&format!("{p}.shared_mlp.output_linear.weight"), &[d, inner])?,
+                ),
+                HybridFamily::Bamba => {
+                    let mut gate_up = t.get(&format!("{p}.feed_forward.gate_proj.weight"), &[inner, d])?;
+                    gate_up.extend(t.get(&format!("{p}.feed_forward.up_proj.weight"), &[inner, d])?);
+                    (gate_up, t.get(&format!("{p}.feed_forward.down_proj.weight"), &[d, inner])?)
+                }
+            };
+            let names = Names::of(c.family);
             layers.push(GraniteLayerWeights {
                 input_norm,
                 mixer,
-                post_norm: t.get(&format!("{p}.post_attention_layernorm.weight"), &[d])?,
-                mlp_in: t.get(&format!("{p}.shared_mlp.input_linear.weight"), &[2 * inner, d])?,
-                mlp_out: t.get(&format!("{p}.shared_mlp.output_linear.weight"), &[d, inner])?,
+                post_norm: t.get(&format!("{p}.{}.weight", names.post_norm), &[d])?,
+                mlp_in,
+                mlp_out,
                 moe,
             });
         }
-        let norm_f = t.get("model.norm.weight", &[d])?;
+        let norm_f = t.get(Names::of(c.family).norm_f, &[d])?;
         let lm_head = if c.tie_embeddings {
             t.map.remove("lm_head.weight");
             None
@@ -154,8 +166,9 @@ impl GraniteHybridWeights {
         Ok(Self { embedding, layers, norm_f, lm_head })
     }
 
-    /// Visits every tensor under its hub name, in a fixed order.
-    pub fn for_each(&self, mut f: impl FnMut(&str, &[f32])) {
+    /// Visits every tensor under its hub name for `family`, in a fixed order.
+    pub fn for_each(&self, family: HybridFamily, mut f: impl FnMut(&str, &[f32])) {
+        let names = Names::of(family);
         f("model.embed_tokens.weight", &self.embedding);
         for (i, l) in self.layers.iter().enumerate() {
             let p = format!("model.layers.{i}");
@@ -180,16 +193,26 @@ impl GraniteHybridWeights {
                     }
                 }
             }
-            f(&format!("{p}.post_attention_layernorm.weight"), &l.post_norm);
-            f(&format!("{p}.shared_mlp.input_linear.weight"), &l.mlp_in);
-            f(&format!("{p}.shared_mlp.output_linear.weight"), &l.mlp_out);
+            f(&format!("{p}.{}.weight", names.post_norm), &l.post_norm);
+            match family {
+                HybridFamily::Granite => {
+                    f(&format!("{p}.shared_mlp.input_linear.weight"), &l.mlp_in);
+                    f(&format!("{p}.shared_mlp.output_linear.weight"), &l.mlp_out);
+                }
+                HybridFamily::Bamba => {
+                    let (gate, up) = l.mlp_in.split_at(l.mlp_in.len() / 2);
+                    f(&format!("{p}.feed_forward.gate_proj.weight"), gate);
+                    f(&format!("{p}.feed_forward.up_proj.weight"), up);
+                    f(&format!("{p}.feed_forward.down_proj.weight"), &l.mlp_out);
+                }
+            }
             if let Some(moe) = &l.moe {
                 f(&format!("{p}.block_sparse_moe.router.layer.weight"), &moe.router);
                 f(&format!("{p}.block_sparse_moe.input_linear.weight"), &moe.gate_up);
                 f(&format!("{p}.block_sparse_moe.output_linear.weight"), &moe.down);
             }
         }
-        f("model.norm.weight", &self.norm_f);
+        f(names.norm_f, &self.norm_f);
         if let Some(h) = &self.lm_head {
             f("lm_head.weight", h);
         }
@@ -198,13 +221,13 @@ impl GraniteHybridWeights {
     /// Number of parameters (a tied head counted once).
     pub fn n_params(&self) -> usize {
         let mut n = 0;
-        self.for_each(|_, t| n += t.len());
+        self.for_each(HybridFamily::Granite, |_, t| n += t.len());
         n
     }
 
     /// The fingerprint every state of this model carries.
     pub fn fingerprint(&self, c: &GraniteHybridConfig) -> String {
-        fingerprint("granite-hybrid", c.to_hf_json(), |f| self.for_each(|name, data| f(name, data)))
+        fingerprint("granite-hybrid", c.to_hf_json(), |f| self.for_each(c.family, |name, data| f(name, data)))
     }
 }
 
@@ -292,13 +315,34 @@ impl GraniteHybridWeights {
                     shapes.insert(format!("{p}.self_attn.o_proj.weight"), vec![d, q]);
                 }
             }
-            shapes.insert(format!("{p}.shared_mlp.input_linear.weight"), vec![2 * c.shared_intermediate, d]);
-            shapes.insert(format!("{p}.shared_mlp.output_linear.weight"), vec![d, c.shared_intermediate]);
+            let inner = c.shared_intermediate;
+            shapes.insert(format!("{p}.shared_mlp.input_linear.weight"), vec![2 * inner, d]);
+            shapes.insert(format!("{p}.shared_mlp.output_linear.weight"), vec![d, inner]);
+            shapes.insert(format!("{p}.feed_forward.gate_proj.weight"), vec![inner, d]);
+            shapes.insert(format!("{p}.feed_forward.up_proj.weight"), vec![inner, d]);
+            shapes.insert(format!("{p}.feed_forward.down_proj.weight"), vec![d, inner]);
             let (e, ei) = (c.n_experts, c.expert_intermediate);
             shapes.insert(format!("{p}.block_sparse_moe.router.layer.weight"), vec![e, d]);
             shapes.insert(format!("{p}.block_sparse_moe.input_linear.weight"), vec![e, 2 * ei, d]);
             shapes.insert(format!("{p}.block_sparse_moe.output_linear.weight"), vec![e, d, ei]);
         }
-        write_checkpoint(dir, &c.to_hf_json(), &shapes, |f| self.for_each(|name, data| f(name, data)))
+        write_checkpoint(dir, &c.to_hf_json(), &shapes, |f| self.for_each(c.family, |name, data| f(name, data)))
+    }
+}
+
+/// The tensor names that differ between the families.
+struct Names {
+    /// The RMSNorm before each layer's MLP, after `model.layers.{i}.`.
+    post_norm: &'static str,
+    /// The final RMSNorm.
+    norm_f: &'static str,
+}
+
+impl Names {
+    fn of(family: HybridFamily) -> Self {
+        match family {
+            HybridFamily::Granite => Names { post_norm: "post_attention_layernorm", norm_f: "model.norm.weight" },
+            HybridFamily::Bamba => Names { post_norm: "pre_ff_layernorm", norm_f: "model.final_layernorm.weight" },
+        }
     }
 }
