@@ -74,10 +74,13 @@ def test_interop_errors():
         hf.from_cache(object(), hf_model, fingerprint=model.fingerprint, n_tokens=0)
 
 
-@pytest.mark.parametrize("folder", ["models/picaso-hybrid", "testdata/granite/moe-rope-g2/hf"])
+@pytest.mark.parametrize(
+    "folder", ["models/picaso-hybrid", "testdata/granite/moe-rope-g2/hf", "testdata/granite/bamba-rope-g2/hf"]
+)
 def test_hybrid_models_score_as_transformers(folder):
-    """A Granite 4.0 H hybrid (the bundled one, and a MoE RoPE fixture) scores as transformers'
-    GraniteMoeHybridForCausalLM does on the same folder; its composed states score from Python."""
+    """A hybrid (the bundled one, a MoE RoPE Granite 4.0 H fixture, a Bamba fixture) scores as
+    transformers' GraniteMoeHybridForCausalLM / BambaForCausalLM does on the same folder; its
+    composed states score from Python."""
     path = FIXTURES.parent / folder
     model = picaso.Model.load(str(path))
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
@@ -95,9 +98,9 @@ def test_hybrid_models_score_as_transformers(folder):
 
 # transformers' one-token step of a 2-group hybrid disagrees with its own full forward (by 0.65 in
 # the logits on moe-rope-g2, from its own cache too), so that fixture checks the many-token path.
-@pytest.mark.parametrize("case,one", [("dense-nope-g1", True), ("moe-rope-g2", False)])
+@pytest.mark.parametrize("case,one", [("dense-nope-g1", True), ("moe-rope-g2", False), ("bamba-rope-g2", False)])
 def test_hybrid_states_move_to_transformers_and_back(case, one):
-    """A Granite 4.0 H state (Mamba layers and attention keys/values) continues in transformers
+    """A Granite 4.0 H or Bamba state (Mamba layers and attention keys/values) continues in transformers
     as in picaso, a transformers cache comes back to the same picaso state, and a composed state
     (PICASO-R + the union of keys and values) continues in transformers at its own position."""
     path = FIXTURES.parent / "testdata" / "granite" / case / "hf"
