@@ -212,7 +212,8 @@ pub(crate) struct Fields<'a> {
 
 impl Fields<'_> {
     pub(crate) fn err(&self, key: &str, want: &str) -> Error {
-        Error::config(self.path, format!("field `{key}` must be {want}, found {}", self.map[key]))
+        let found = self.map.get(key).map_or_else(|| "nothing".to_string(), Value::to_string);
+        Error::config(self.path, format!("field `{key}` must be {want}, found {found}"))
     }
     pub(crate) fn usize(&self, key: &str) -> Result<usize> {
         match self.map.get(key) {

@@ -221,7 +221,7 @@ fn states_of_other_architectures_are_refused() {
 /// an MLP bias, an attention layer past the last, a rotated width that is odd.
 #[test]
 fn unsupported_hybrid_options_are_refused_by_name() {
-    let cases: [(&str, &str, serde_json::Value, &str); 8] = [
+    let cases: [(&str, &str, serde_json::Value, &str); 11] = [
         ("moe-rope-g2", "layer_types", serde_json::json!(["attention", "mamba", "moe"]), "layer_types[2]"),
         (
             "moe-rope-g2",
@@ -231,6 +231,14 @@ fn unsupported_hybrid_options_are_refused_by_name() {
         ),
         ("moe-rope-g2", "attention_bias", serde_json::json!(true), "attention_bias"),
         ("moe-rope-g2", "num_key_value_heads", serde_json::json!(4), "multiple of num_key_value_heads"),
+        (
+            "moe-rope-g2",
+            "rope_parameters",
+            serde_json::json!({"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+            "partial_rotary_factor",
+        ),
+        ("moe-rope-g2", "layers_block_type", serde_json::json!("mamba"), "layers_block_type"),
+        ("moe-rope-g2", "num_hidden_layers", serde_json::json!(1u64 << 40), "num_hidden_layers"),
         ("bamba-rope-g2", "mlp_bias", serde_json::json!(true), "mlp_bias"),
         ("bamba-rope-g2", "attn_layer_indices", serde_json::json!([0, 4]), "attn_layer_indices"),
         ("bamba-rope-g2", "hidden_act", serde_json::json!("gelu"), "hidden_act"),
@@ -248,6 +256,9 @@ fn unsupported_hybrid_options_are_refused_by_name() {
         let dir = tempfile::tempdir().unwrap();
         let mut cfg = base.clone();
         cfg[key] = value;
+        if key == "layers_block_type" {
+            cfg.as_object_mut().unwrap().remove("layer_types");
+        }
         std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
         std::fs::copy(src.join("model.safetensors"), dir.path().join("model.safetensors")).unwrap();
         let opts = picaso_model::LoadOptions { skip_tokenizer: true, ..Default::default() };
@@ -312,6 +323,15 @@ fn a_bamba_model_is_written_back_as_bamba() {
         serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     let c = picaso_model::GraniteHybridConfig::from_bamba(&path, &map).unwrap();
     assert_eq!((c.rotary_dim(), c.head_dim), (6, 12));
+    // Settings a Bamba checkpoint cannot hold are refused, never written out as Bamba.
+    for bad in [
+        picaso_model::GraniteHybridConfig { residual_multiplier: 0.7, ..c.clone() },
+        picaso_model::GraniteHybridConfig { rope_theta: None, ..c.clone() },
+        picaso_model::GraniteHybridConfig { attention_multiplier: 0.3, ..c.clone() },
+    ] {
+        let err = bad.validate(&path).unwrap_err().to_string();
+        assert!(err.contains("a Bamba model has RoPE"), "{err}");
+    }
     let w = picaso_model::GraniteHybridWeights::load(&src, &c).unwrap();
     let dir = tempfile::tempdir().unwrap();
     w.save_pretrained(dir.path(), &c).unwrap();
@@ -322,4 +342,28 @@ fn a_bamba_model_is_written_back_as_bamba() {
     let e = exp("bamba-rope-g2");
     let (la, lb) = (a.score(&e.tokens, &a.zero_state()).unwrap(), b.score(&e.tokens, &b.zero_state()).unwrap());
     assert_eq!(la.logprobs, lb.logprobs);
+}
+
+/// A Bamba config as the hub's older checkpoints spell it (`rope_theta` at the top level, no
+/// `rope_parameters`; a top-level `partial_rotary_factor`, which transformers ignores) reads as
+/// the same model: same fingerprint, same log-probs.
+#[test]
+fn a_hub_style_bamba_config_reads_the_same() {
+    let src = fixture_dir("granite", "bamba-rope-g2").join("hf");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    let map = cfg.as_object_mut().unwrap();
+    map.remove("rope_parameters");
+    map.insert("rope_theta".into(), serde_json::json!(500.0));
+    map.insert("partial_rotary_factor".into(), serde_json::json!(1.0));
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
+    std::fs::copy(src.join("model.safetensors"), dir.path().join("model.safetensors")).unwrap();
+    let (a, b) = (load_from(&src), load_from(dir.path()));
+    assert_eq!(a.fingerprint(), b.fingerprint());
+    let e = exp("bamba-rope-g2");
+    assert_eq!(
+        a.score(&e.tokens, &a.zero_state()).unwrap().logprobs,
+        b.score(&e.tokens, &b.zero_state()).unwrap().logprobs
+    );
 }

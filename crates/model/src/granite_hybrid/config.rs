@@ -94,8 +94,12 @@ impl GraniteHybridConfig {
         let f = Fields { path, map };
         let bad = |m: String| Error::config(path, m);
         let d_model = f.usize("hidden_size")?;
-        let n_layer = f.usize("num_hidden_layers")?;
-        let layers: Vec<LayerKind> = match map.get("layer_types").or_else(|| map.get("layers_block_type")) {
+        let n_layer = layer_count(&f)?;
+        let (types_key, types) = match map.get("layer_types") {
+            Some(v) => ("layer_types", Some(v)),
+            None => ("layers_block_type", map.get("layers_block_type")),
+        };
+        let layers: Vec<LayerKind> = match types {
             None | Some(Value::Null) => vec![LayerKind::Mamba; n_layer],
             Some(Value::Array(a)) => a
                 .iter()
@@ -104,12 +108,12 @@ impl GraniteHybridConfig {
                     Some("mamba" | "linear_attention") => Ok(LayerKind::Mamba),
                     Some("attention" | "full_attention") => Ok(LayerKind::Attention),
                     other => Err(bad(format!(
-                        "layer_types[{i}] is {other:?}; picaso runs \"mamba\" (\"linear_attention\") and \
+                        "{types_key}[{i}] is {other:?}; picaso runs \"mamba\" (\"linear_attention\") and \
                          \"attention\" (\"full_attention\") layers"
                     ))),
                 })
                 .collect::<Result<_>>()?,
-            Some(_) => return Err(f.err("layer_types", "a list of layer kinds")),
+            Some(_) => return Err(f.err(types_key, "a list of layer kinds")),
         };
         if layers.len() != n_layer {
             return Err(bad(format!("layer_types lists {} layers, num_hidden_layers is {n_layer}", layers.len())));
@@ -131,6 +135,15 @@ impl GraniteHybridConfig {
                 return Err(bad(format!("position_embedding_type is {other:?}; picaso runs \"nope\" and \"rope\"")))
             }
         };
+        // transformers' Granite rotates whole heads (its RoPE cannot rotate part of one), and
+        // ignores the factor without RoPE.
+        if rope_theta.is_some() && partial_rotary_factor(&f, 1.0)? != 1.0 {
+            return Err(bad(
+                "`partial_rotary_factor` below 1 on a Granite 4.0 H model: transformers' Granite rotates whole \
+                 heads, so picaso has no reference to run it against"
+                    .into(),
+            ));
+        }
         let n_heads = f.usize("num_attention_heads")?;
         let n_kv_heads = f.usize_or("num_key_value_heads", n_heads)?;
         let head_dim = f.usize_or("head_dim", d_model / n_heads.max(1))?;
@@ -174,7 +187,7 @@ impl GraniteHybridConfig {
             head_dim,
             attention_multiplier: f.f64_or("attention_multiplier", 1.0)?,
             rope_theta,
-            partial_rotary_factor: partial_rotary_factor(&f, 1.0)?,
+            partial_rotary_factor: 1.0,
             embedding_multiplier: f.f64_or("embedding_multiplier", 1.0)?,
             residual_multiplier: f.f64_or("residual_multiplier", 1.0)?,
             logits_scaling: f.f64_or("logits_scaling", 1.0)?,
@@ -196,7 +209,7 @@ impl GraniteHybridConfig {
         let f = Fields { path, map };
         let bad = |m: String| Error::config(path, m);
         let d_model = f.usize("hidden_size")?;
-        let n_layer = f.usize("num_hidden_layers")?;
+        let n_layer = layer_count(&f)?;
         let attention: Vec<usize> = match map.get("attn_layer_indices") {
             None | Some(Value::Null) => Vec::new(),
             Some(Value::Array(a)) => a
@@ -219,7 +232,14 @@ impl GraniteHybridConfig {
         }
         let n_heads = f.usize("num_attention_heads")?;
         let head_dim = f.usize_or("head_dim", d_model / n_heads.max(1))?;
+        // Bamba's defaults: 8 key/value heads when the key is absent, all heads when it is null.
+        let n_kv_heads = match map.get("num_key_value_heads") {
+            None => 8,
+            Some(Value::Null) => n_heads,
+            Some(_) => f.usize("num_key_value_heads")?,
+        };
         let mut config = Self::from_hf(path, map)?;
+        config.n_kv_heads = n_kv_heads;
         config.family = HybridFamily::Bamba;
         config.layers = layers;
         config.mamba.n_layer = config.n_mamba();
@@ -276,6 +296,23 @@ impl GraniteHybridConfig {
         }
         if !(self.partial_rotary_factor > 0.0 && self.partial_rotary_factor <= 1.0) {
             return bad(format!("`partial_rotary_factor` is {}; it must be in (0, 1]", self.partial_rotary_factor));
+        }
+        if self.family == HybridFamily::Granite && self.partial_rotary_factor != 1.0 {
+            return bad("a Granite 4.0 H model rotates whole heads: `partial_rotary_factor` must be 1".into());
+        }
+        // A Bamba checkpoint has no key for these: they are fixed, so a config that sets them
+        // otherwise would be written out (and fingerprinted) as a model it is not.
+        if self.family == HybridFamily::Bamba {
+            let scale = 1.0 / (self.head_dim as f64).sqrt();
+            if self.rope_theta.is_none()
+                || self.n_experts > 0
+                || (self.embedding_multiplier, self.residual_multiplier, self.logits_scaling) != (1.0, 1.0, 1.0)
+                || (self.attention_multiplier - scale).abs() > 1e-12 * scale
+            {
+                return bad("a Bamba model has RoPE, no experts, no multipliers and the softmax scale 1/√head_dim; \
+                     this config sets one of them otherwise"
+                    .into());
+            }
         }
         if self.n_experts > 0 && (self.top_k == 0 || self.top_k > self.n_experts || self.expert_intermediate == 0) {
             return bad(format!(
@@ -408,7 +445,7 @@ impl GraniteHybridConfig {
                         LayerKind::Attention => "attention",
                     })
                     .collect();
-                let mut g = serde_json::json!({
+                serde_json::json!({
                     "architectures": ["GraniteMoeHybridForCausalLM"],
                     "model_type": "granitemoehybrid",
                     "layer_types": kinds,
@@ -422,12 +459,7 @@ impl GraniteHybridConfig {
                     "num_local_experts": self.n_experts,
                     "num_experts_per_tok": self.top_k,
                     "intermediate_size": self.expert_intermediate,
-                });
-                // Written only when partial, so full-RoPE and NoPE fingerprints stay as they were.
-                if self.partial_rotary_factor != 1.0 {
-                    g["partial_rotary_factor"] = self.partial_rotary_factor.into();
-                }
-                g
+                })
             }
             HybridFamily::Bamba => serde_json::json!({
                 "architectures": ["BambaForCausalLM"],
@@ -484,27 +516,43 @@ impl GraniteHybridConfig {
     }
 }
 
-/// The share of a head's channels RoPE rotates: `partial_rotary_factor` in `rope_parameters`
-/// (transformers 5) or at the top level, else `default`.
-fn partial_rotary_factor(f: &Fields<'_>, default: f64) -> Result<f64> {
-    if let Some(Value::Object(p)) = f.map.get("rope_parameters") {
-        if let Some(v) = p.get("partial_rotary_factor") {
-            return v.as_f64().ok_or_else(|| {
-                Error::config(
-                    f.path,
-                    format!("field `rope_parameters.partial_rotary_factor` must be a number, found {v}"),
-                )
-            });
-        }
+/// RoPE's parameters as transformers reads them: a non-empty `rope_scaling` object (older
+/// configs) before `rope_parameters` (transformers 5).
+fn rope_params<'a>(f: &Fields<'a>) -> Option<&'a Map<String, Value>> {
+    match f.map.get("rope_scaling") {
+        Some(Value::Object(p)) if !p.is_empty() => Some(p),
+        _ => match f.map.get("rope_parameters") {
+            Some(Value::Object(p)) => Some(p),
+            _ => None,
+        },
     }
-    f.f64_or("partial_rotary_factor", default)
+}
+
+/// The share of a head's channels RoPE rotates: `partial_rotary_factor` among RoPE's
+/// parameters, else `default` (transformers ignores a top-level one: Bamba's config replaces it
+/// by 0.5).
+fn partial_rotary_factor(f: &Fields<'_>, default: f64) -> Result<f64> {
+    match rope_params(f).and_then(|p| p.get("partial_rotary_factor")) {
+        None | Some(Value::Null) => Ok(default),
+        Some(v) => v.as_f64().ok_or_else(|| {
+            Error::config(f.path, format!("field `rope_parameters.partial_rotary_factor` must be a number, found {v}"))
+        }),
+    }
+}
+
+/// At most 2^24 layers, checked before anything is allocated per layer.
+fn layer_count(f: &Fields<'_>) -> Result<usize> {
+    let n = f.usize("num_hidden_layers")?;
+    if n == 0 || n > 1 << 24 {
+        return Err(Error::config(f.path, format!("`num_hidden_layers` is {n}; it must be between 1 and 2^24")));
+    }
+    Ok(n)
 }
 
 /// RoPE's base from `rope_parameters` (transformers 5) or `rope_theta` (the hub's); only the
 /// default (unscaled) rotary embedding is supported.
 fn rope_theta(f: &Fields<'_>, path: &Path) -> Result<f64> {
-    let params = f.map.get("rope_parameters").or_else(|| f.map.get("rope_scaling"));
-    if let Some(Value::Object(p)) = params {
+    if let Some(p) = rope_params(f) {
         if let Some(kind) = p.get("rope_type").or_else(|| p.get("type")).and_then(Value::as_str) {
             if kind != "default" {
                 return Err(Error::config(

@@ -14,7 +14,7 @@ its `DynamicCache` (a linear-attention layer per Mamba layer: `recurrent_states`
     >>> back = hf.from_cache(hf.output_cache(out), hf_model, fingerprint=model.fingerprint,
     ...                      n_tokens=..., log_decays=hf.log_decays(hf_model, input_ids))
 
-A hybrid's state (GraniteMoeHybridForCausalLM) moves the same way: its Mamba layers as above,
+A hybrid's state (GraniteMoeHybridForCausalLM, BambaForCausalLM) moves the same way: its Mamba layers as above,
 each attention layer's keys and values (kv_heads, tokens, head_dim) into the cache's attention
 layer. Pass `position_ids=hf.position_ids(state, n)` to a RoPE hybrid's forward: transformers
 counts positions from its cache's first layer, a Mamba layer that holds none, and a composed
@@ -86,7 +86,7 @@ def _layers_of(cache, types):
 
 def to_cache(state: State, hf_model, *, dtype=None, device=None):
     """A transformers `DynamicCache` holding `state`, for `hf_model` (a Mamba2ForCausalLM,
-    MambaForCausalLM or GraniteMoeHybridForCausalLM of the same checkpoint as the picaso model
+    MambaForCausalLM, GraniteMoeHybridForCausalLM or BambaForCausalLM of the same checkpoint as the picaso model
     that made the state). Pass it with `cache_kwargs(hf_model, cache)`; the model continues
     exactly where the state stopped."""
     import torch
