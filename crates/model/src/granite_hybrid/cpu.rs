@@ -354,12 +354,7 @@ fn rope(x: &mut [f32], heads: usize, hd: usize, rotary: usize, p0: u64, theta: f
 /// Replaces each score by e^(score − max) and returns 1 / their sum (summed in f64): the
 /// softmax's weights, still to be scaled.
 fn exp_below(scores: &mut [f32], max: f32) -> f32 {
-    let mut sum = 0.0f64;
-    for s in scores.iter_mut() {
-        *s = (*s - max).exp();
-        sum += *s as f64;
-    }
-    (1.0 / sum) as f32
+    (1.0 / softmax::exp_below_in_place(scores, max)) as f32
 }
 
 /// Query rows per tile of [`attend_rows`].
