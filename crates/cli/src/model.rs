@@ -133,11 +133,7 @@ pub(crate) fn info(a: InfoArgs) -> Result<()> {
         println!("model        {}", model.dir().display());
         println!("fingerprint  {}", model.fingerprint());
         let layers = match c {
-            picaso_model::ModelConfig::GraniteHybrid(h) => match h.family {
-                picaso_model::granite_hybrid::HybridFamily::Granite => "granite-hybrid: mamba2 and attention layers",
-                picaso_model::granite_hybrid::HybridFamily::Bamba => "bamba: mamba2 and attention layers",
-            }
-            .to_string(),
+            picaso_model::ModelConfig::GraniteHybrid(h) => format!("{}: mamba2 and attention layers", h.family.name()),
             _ => c.arch().to_string(),
         };
         println!("format       {layers} ({:?})", c.format());

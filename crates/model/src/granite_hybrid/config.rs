@@ -35,6 +35,16 @@ pub enum HybridFamily {
     Bamba,
 }
 
+impl HybridFamily {
+    /// The family's name as `picaso info` and [`GraniteHybridConfig::describe`] print it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Granite => "granite-hybrid",
+            Self::Bamba => "bamba",
+        }
+    }
+}
+
 /// Everything that shapes a Granite 4.0 H (or Bamba) model.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct GraniteHybridConfig {
@@ -91,6 +101,14 @@ impl GraniteHybridConfig {
     /// Reads transformers' `config.json` of a `granitemoehybrid` model. Options picaso does
     /// not implement are refused by name (never silently computed wrong).
     pub fn from_hf(path: &Path, map: &Map<String, Value>) -> Result<Self> {
+        let config = Self::read_hf(path, map)?;
+        config.validate(path)?;
+        Ok(config)
+    }
+
+    /// [`GraniteHybridConfig::from_hf`] before the sizes are checked: the fields both families
+    /// share, read once (Bamba's reader overrides what it spells otherwise, then checks).
+    fn read_hf(path: &Path, map: &Map<String, Value>) -> Result<Self> {
         let f = Fields { path, map };
         let bad = |m: String| Error::config(path, m);
         let d_model = f.usize("hidden_size")?;
@@ -197,7 +215,6 @@ impl GraniteHybridConfig {
             expert_intermediate: if n_experts > 0 { f.usize("intermediate_size")? } else { 0 },
             norm_eps,
         };
-        config.validate(path)?;
         Ok(config)
     }
 
@@ -208,7 +225,6 @@ impl GraniteHybridConfig {
     pub fn from_bamba(path: &Path, map: &Map<String, Value>) -> Result<Self> {
         let f = Fields { path, map };
         let bad = |m: String| Error::config(path, m);
-        let d_model = f.usize("hidden_size")?;
         let n_layer = layer_count(&f)?;
         let attention: Vec<usize> = match map.get("attn_layer_indices") {
             None | Some(Value::Null) => Vec::new(),
@@ -230,21 +246,17 @@ impl GraniteHybridConfig {
         if f.bool_or("mlp_bias", false)? {
             return Err(bad("`mlp_bias: true` is not supported by picaso".into()));
         }
-        let n_heads = f.usize("num_attention_heads")?;
-        let head_dim = f.usize_or("head_dim", d_model / n_heads.max(1))?;
+        let mut config = Self::read_hf(path, map)?;
         // Bamba's defaults: 8 key/value heads when the key is absent, all heads when it is null.
-        let n_kv_heads = match map.get("num_key_value_heads") {
+        config.n_kv_heads = match map.get("num_key_value_heads") {
             None => 8,
-            Some(Value::Null) => n_heads,
+            Some(Value::Null) => config.n_heads,
             Some(_) => f.usize("num_key_value_heads")?,
         };
-        let mut config = Self::from_hf(path, map)?;
-        config.n_kv_heads = n_kv_heads;
         config.family = HybridFamily::Bamba;
         config.layers = layers;
         config.mamba.n_layer = config.n_mamba();
-        config.head_dim = head_dim;
-        config.attention_multiplier = 1.0 / (head_dim as f64).sqrt();
+        config.attention_multiplier = 1.0 / (config.head_dim as f64).sqrt();
         config.rope_theta = Some(rope_theta(&f, path)?);
         config.partial_rotary_factor = partial_rotary_factor(&f, 0.5)?;
         config.shared_intermediate = f.usize("intermediate_size")?;
@@ -486,10 +498,7 @@ impl GraniteHybridConfig {
         let att = self.attention_layers();
         format!(
             "{}: d_model {}, {} layers ({} Mamba-2: {} heads x {} x d_state {}; {} attention at {:?}: {} heads, {} kv, head_dim {}, {}), {}, vocab {}",
-            match self.family {
-                HybridFamily::Granite => "granite-hybrid",
-                HybridFamily::Bamba => "bamba",
-            },
+            self.family.name(),
             self.d_model,
             self.n_layer(),
             self.n_mamba(),

@@ -81,6 +81,7 @@ impl GraniteHybridWeights {
         let mut t = Take { dir, map };
         let (d, v) = (c.d_model, c.vocab_size);
         let m = &c.mamba;
+        let names = Names::of(c.family);
         let embedding = t.get("model.embed_tokens.weight", &[v, d])?;
         let mut layers = Vec::with_capacity(c.n_layer());
         for (i, kind) in c.layers.iter().enumerate() {
@@ -140,7 +141,6 @@ impl GraniteHybridWeights {
                     (gate_up, t.get(&format!("{p}.feed_forward.down_proj.weight"), &[d, inner])?)
                 }
             };
-            let names = Names::of(c.family);
             layers.push(GraniteLayerWeights {
                 input_norm,
                 mixer,
@@ -150,7 +150,7 @@ impl GraniteHybridWeights {
                 moe,
             });
         }
-        let norm_f = t.get(Names::of(c.family).norm_f, &[d])?;
+        let norm_f = t.get(names.norm_f, &[d])?;
         let lm_head = if c.tie_embeddings {
             t.map.remove("lm_head.weight");
             None
