@@ -1,18 +1,21 @@
 #!/usr/bin/env python3
-"""Generate small GraniteMoeHybrid (Granite 4.0 H) and Bamba reference fixtures from HF transformers.
+"""Generate small GraniteMoeHybrid (Granite 4.0 H), Bamba and Nemotron-H reference fixtures from HF transformers.
 
 For every case in CASES this script
   1. builds a tiny random `GraniteMoeHybridForCausalLM` (fixed seed, every parameter overwritten
      with non-trivial random values, stored as float32; non-trivial embedding, residual,
      attention and logits multipliers), or a `BambaForCausalLM` (family "bamba": no
-     multipliers, RoPE on half of each head's channels),
+     multipliers, RoPE on half of each head's channels), or a `NemotronHForCausalLM` (family
+     "nemotron_h": Mamba, attention and relu² MLP blocks apart, NoPE),
   2. writes it in HF format (`hf/config.json` with the hub's `layer_types` names
      `mamba`/`attention`, `hf/model.safetensors`),
   3. runs the HF torch reference in float64 (`Float64Everywhere`) on a seeded random token
      sequence and records log-probs, logits and every layer's state after a short prefix, a
      longer prefix and the full sequence: per Mamba layer the SSM state, conv tail and
      log-decay, per attention layer its keys and values (kv_heads, tokens, head_dim) as the
-     cache holds them (RoPE already applied), named by the model's own layer index,
+     cache holds them (RoPE already applied), named by picaso's layer index (the model's own,
+     except on Nemotron-H, where picaso counts the mixer blocks: an `mlp` block joins the mixer
+     block before it),
   4. records a composed continuation: three contexts each encoded alone, composed with
      PICASO-R on the Mamba layers (the mean over the n rotations of CASO), the mean of the conv
      tails and the union of the keys and values on the attention layers (contexts in order,
@@ -37,6 +40,8 @@ from transformers import (
     DynamicCache,
     GraniteMoeHybridConfig,
     GraniteMoeHybridForCausalLM,
+    NemotronHConfig,
+    NemotronHForCausalLM,
 )
 
 from fixture_common import Float64Everywhere, check_float64_mode, file_digests, max_diff, write_expected
@@ -54,6 +59,10 @@ BASE = dict(
 BAMBA_BASE = dict(
     rms_norm_eps=1e-5, hidden_act="silu", mamba_d_conv=4, mamba_expand=2, mamba_conv_bias=True,
     mamba_proj_bias=False, max_position_embeddings=512,
+)
+NEMOTRON_BASE = dict(
+    layer_norm_epsilon=1e-5, mlp_hidden_act="relu2", mamba_hidden_act="silu", conv_kernel=4, expand=2,
+    use_conv_bias=True, attention_bias=False, mlp_bias=False, max_position_embeddings=512,
 )
 CASES = {
     # dense, no positional encoding (Granite 4.0 H), one group, a Mamba layer first
@@ -81,6 +90,15 @@ CASES = {
         mamba_n_heads=8, mamba_d_head=12, mamba_n_groups=2, mamba_d_state=10, mamba_chunk_size=16,
         vocab_size=89, time_step_limit=(0.001, 0.25), tie_word_embeddings=False,
     ),
+    # Nemotron-H: a Mamba block with no MLP after it, attention with one, a Mamba block with one,
+    # a last Mamba block with none; Mamba biases (`use_bias`), two groups, untied head
+    "nemotron-h-g2": dict(
+        family="nemotron_h", seed=2004, hidden_size=48, layers_block_type=[
+            "mamba", "attention", "mlp", "mamba", "mlp", "mamba"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=12, intermediate_size=40,
+        mamba_num_heads=8, mamba_head_dim=12, n_groups=2, ssm_state_size=10, chunk_size=16, use_bias=True,
+        vocab_size=83, time_step_limit=(0.001, 0.25), tie_word_embeddings=False,
+    ),
 }
 
 
@@ -100,19 +118,22 @@ def make_config(case: dict):
     kw = {k: v for k, v in case.items() if k not in ("seed", "family")}
     if case.get("family") == "bamba":
         return BambaConfig(**{**BAMBA_BASE, **kw})
+    if case.get("family") == "nemotron_h":
+        return NemotronHConfig(**{**NEMOTRON_BASE, **kw})
     return GraniteMoeHybridConfig(**{**BASE, **kw})
 
 
 def load_kw(case: dict) -> dict:
     """The eager (reference) implementations."""
     kw = {"attn_implementation": "eager"}
-    if case.get("family") != "bamba":
+    if case.get("family") not in ("bamba", "nemotron_h"):
         kw["experts_implementation"] = "eager"
     return kw
 
 
 def model_class(case: dict):
-    return BambaForCausalLM if case.get("family") == "bamba" else GraniteMoeHybridForCausalLM
+    family = case.get("family")
+    return {"bamba": BambaForCausalLM, "nemotron_h": NemotronHForCausalLM}.get(family, GraniteMoeHybridForCausalLM)
 
 
 def random_value(name: str, shape, gen: torch.Generator) -> torch.Tensor:
@@ -126,7 +147,7 @@ def random_value(name: str, shape, gen: torch.Generator) -> torch.Tensor:
         return normal(1.0, 0.5)
     if "norm" in name and name.endswith("weight"):
         return normal(1.0, 0.2)
-    if name.endswith("embed_tokens.weight"):
+    if name.endswith("embed_tokens.weight") or name.endswith("embeddings.weight"):
         return normal(0.0, 0.5)
     if name == "lm_head.weight":
         return normal(0.0, 0.3)
@@ -161,9 +182,40 @@ def hub_config(model, out: Path):
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
+def nemotron_hub_config(model, out: Path):
+    """config.json with the hub's spelling of the blocks (`hybrid_override_pattern`, as Nemotron-H
+    and Nemotron Nano 2 ship it), not transformers 5's list."""
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.pop("layers_block_type", None)
+    cfg["hybrid_override_pattern"] = model.config.hybrid_override_pattern
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
 def mixer(layer):
-    """A layer's Mamba mixer, or None for an attention layer (Bamba's have no `mamba` at all)."""
+    """A layer's Mamba mixer, or None for an attention layer (Bamba's have no `mamba` at all) or a
+    Nemotron-H `mlp` block."""
+    if nemotron(layer):
+        return layer.mixer if layer.block_type == "linear_attention" else None
     return getattr(layer, "mamba", None)
+
+
+def nemotron(layer):
+    return type(layer).__name__ == "NemotronHBlock"
+
+
+def is_attention(layer):
+    return mixer(layer) is None and (not nemotron(layer) or layer.block_type == "full_attention")
+
+
+def picaso_index(model):
+    """picaso's layer index of each block that holds a state (Nemotron-H's `mlp` blocks hold
+    none and join the mixer block before them)."""
+    out, n = {}, 0
+    for i, layer in enumerate(model.model.layers):
+        if mixer(layer) is not None or is_attention(layer):
+            out[i] = n
+            n += 1
+    return out
 
 
 def capture_in_proj(model):
@@ -175,7 +227,7 @@ def capture_in_proj(model):
         def hook(_m, _i, output, i=i):
             captured.setdefault(i, []).append(output.detach()[0])
 
-        handles.append(layer.mamba.in_proj.register_forward_hook(hook))
+        handles.append(mixer(layer).in_proj.register_forward_hook(hook))
     return captured, handles
 
 
@@ -202,33 +254,35 @@ def log_decay(mixer, zxbcdt):
 def extract_states(model, cache, zxbcdt, tag):
     states = {}
     for i, layer in enumerate(model.model.layers):
+        j = picaso_index(model).get(i)
         if mixer(layer) is not None:
             m = mixer(layer)
             ssm = cache.get_recurrent_state(i)[0]
             conv = cache.get_conv_state(i)[0]  # (conv_dim, K): last K inputs, oldest first
             assert ssm.shape == (m.num_heads, m.head_dim, m.ssm_state_size), ssm.shape
-            states[f"{tag}.layers.{i}.ssm"] = ssm.clone()
-            states[f"{tag}.layers.{i}.conv"] = conv[:, 1:].clone()
-            states[f"{tag}.layers.{i}.log_decay"] = log_decay(m, zxbcdt[i])
-        else:
-            states[f"{tag}.layers.{i}.k"] = cache.layers[i].keys[0].clone()  # (kv_heads, T, head_dim)
-            states[f"{tag}.layers.{i}.v"] = cache.layers[i].values[0].clone()
+            states[f"{tag}.layers.{j}.ssm"] = ssm.clone()
+            states[f"{tag}.layers.{j}.conv"] = conv[:, 1:].clone()
+            states[f"{tag}.layers.{j}.log_decay"] = log_decay(m, zxbcdt[i])
+        elif is_attention(layer):
+            states[f"{tag}.layers.{j}.k"] = cache.layers[i].keys[0].clone()  # (kv_heads, T, head_dim)
+            states[f"{tag}.layers.{j}.v"] = cache.layers[i].values[0].clone()
     return states
 
 
 def cache_from(model, parts: dict, n_tokens: int) -> DynamicCache:
     """An HF cache holding exactly `parts` (our layout): conv tails get a zero oldest column back."""
     cache = DynamicCache(config=model.config)
-    K = model.config.mamba_d_conv
+    K = getattr(model.config, "mamba_d_conv", None) or model.config.conv_kernel
     for i, layer in enumerate(model.model.layers):
+        j = picaso_index(model).get(i)
         if mixer(layer) is not None:
-            conv = parts[f"layers.{i}.conv"]
+            conv = parts[f"layers.{j}.conv"]
             conv_k = torch.cat([torch.zeros_like(conv[:, :1]), conv], dim=1)[None].clone()
             cache.update_conv_state(conv_k, i)
-            cache.update_recurrent_state(parts[f"layers.{i}.ssm"][None].clone(), i)
+            cache.update_recurrent_state(parts[f"layers.{j}.ssm"][None].clone(), i)
             cache.layers[i].has_previous_state[0] = True
-        else:
-            cache.layers[i].update(parts[f"layers.{i}.k"][None].clone(), parts[f"layers.{i}.v"][None].clone())
+        elif is_attention(layer):
+            cache.layers[i].update(parts[f"layers.{j}.k"][None].clone(), parts[f"layers.{j}.v"][None].clone())
     assert conv_k.shape[-1] == K
     return cache
 
@@ -302,8 +356,10 @@ def main():
         model32 = build_model(config, case)
         model32.save_pretrained(out / "hf", safe_serialization=True)
         (out / "hf" / "generation_config.json").unlink(missing_ok=True)
-        if case.get("family") != "bamba":
+        if case.get("family") is None:
             hub_config(model32, out / "hf")
+        elif case["family"] == "nemotron_h":
+            nemotron_hub_config(model32, out / "hf")
         ref = model_class(case).from_pretrained(out / "hf", dtype=torch.float64, **load_kw(case)).eval()
         gen = torch.Generator().manual_seed(case["seed"] + 7)
         tokens = torch.randint(0, config.vocab_size, (SEQ_LEN,), generator=gen, dtype=torch.int64)

@@ -28,8 +28,8 @@ pub enum ModelConfig {
     Mamba1(Mamba1Config),
     /// Mamba-2 (`model_type: "mamba2"`, or `ssm_cfg.layer: "Mamba2"`).
     Mamba2(Mamba2Config),
-    /// A Granite 4.0 H hybrid (`model_type: "granitemoehybrid"`) or a Bamba one (`"bamba"`):
-    /// attention among Mamba-2 layers.
+    /// A Granite 4.0 H hybrid (`model_type: "granitemoehybrid"`), a Bamba one (`"bamba"`) or a
+    /// Nemotron-H one (`"nemotron_h"`): attention among Mamba-2 layers.
     GraniteHybrid(crate::granite_hybrid::GraniteHybridConfig),
 }
 
@@ -76,6 +76,9 @@ impl ModelConfig {
             Some("bamba") => {
                 Ok(Self::GraniteHybrid(crate::granite_hybrid::GraniteHybridConfig::from_bamba(path, &map)?))
             }
+            Some("nemotron_h") => {
+                Ok(Self::GraniteHybrid(crate::granite_hybrid::GraniteHybridConfig::from_nemotron_h(path, &map)?))
+            }
             Some("mamba2") | None => {
                 let c = Mamba2Config::from_hf(path, &map)?;
                 c.validate(path)?;
@@ -85,7 +88,7 @@ impl ModelConfig {
                 path,
                 format!(
                     "model_type is {other:?}; picaso reads Mamba-1 (\"mamba\"), Mamba-2 (\"mamba2\"), Granite 4.0 H \
-                     (\"granitemoehybrid\") and Bamba (\"bamba\") models"
+                     (\"granitemoehybrid\"), Bamba (\"bamba\") and Nemotron-H (\"nemotron_h\") models"
                 ),
             )),
         }

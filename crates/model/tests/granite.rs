@@ -9,7 +9,7 @@ mod common;
 use common::*;
 use picaso_model::{compose, Composition, Model, State, StateDtype};
 
-const CASES: [&str; 3] = ["dense-nope-g1", "moe-rope-g2", "bamba-rope-g2"];
+const CASES: [&str; 4] = ["dense-nope-g1", "moe-rope-g2", "bamba-rope-g2", "nemotron-h-g2"];
 
 fn model(case: &str) -> Model {
     load_from(&fixture_dir("granite", case).join("hf"))
@@ -366,4 +366,114 @@ fn a_hub_style_bamba_config_reads_the_same() {
         a.score(&e.tokens, &a.zero_state()).unwrap().logprobs,
         b.score(&e.tokens, &b.zero_state()).unwrap().logprobs
     );
+}
+
+/// Copies a fixture's model into a temporary folder with `config.json` edited by `edit` and
+/// each tensor renamed by `rename` (`None` drops it), plus `extra` tensors.
+fn edited_copy(
+    case: &str,
+    edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>),
+    rename: impl Fn(&str) -> Option<String>,
+    extra: &[(&str, Vec<f32>)],
+) -> tempfile::TempDir {
+    use safetensors::tensor::{Dtype, TensorView};
+    let src = fixture_dir("granite", case).join("hf");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    edit(cfg.as_object_mut().unwrap());
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let extra_bytes: Vec<(String, Vec<u8>, usize)> =
+        extra.iter().map(|(n, v)| (n.to_string(), v.iter().flat_map(|x| x.to_le_bytes()).collect(), v.len())).collect();
+    let mut views: Vec<(String, TensorView<'_>)> = file
+        .tensors()
+        .into_iter()
+        .filter_map(|(name, view)| {
+            rename(&name).map(|n| (n, TensorView::new(view.dtype(), view.shape().to_vec(), view.data()).unwrap()))
+        })
+        .collect();
+    for (name, data, n) in &extra_bytes {
+        views.push((name.clone(), TensorView::new(Dtype::F32, vec![*n], data).unwrap()));
+    }
+    safetensors::serialize_to_file(views, None, &dir.path().join("model.safetensors")).unwrap();
+    dir
+}
+
+/// A Nemotron-H checkpoint as transformers 5 writes it (the blocks as a `layers_block_type`
+/// list, the tensors under `model.` instead of the hub's `backbone.`, a multi-token-prediction
+/// head beside them, which a forward pass does not use) is the same model as the hub's
+/// spelling: same fingerprint, same log-probs. Written back, picaso keeps the hub's spelling,
+/// and the copy reloads the same.
+#[test]
+fn nemotron_h_spellings_read_the_same_and_write_back() {
+    let case = "nemotron-h-g2";
+    let e = exp(case);
+    let hub = model(case);
+    let logprobs = |m: &Model| m.score(&e.tokens, &m.zero_state()).unwrap().logprobs;
+    let v5 = edited_copy(
+        case,
+        |c| {
+            c.remove("hybrid_override_pattern");
+            let blocks = ["mamba", "attention", "mlp", "mamba", "mlp", "mamba"];
+            c.insert("layers_block_type".into(), serde_json::json!(blocks));
+        },
+        |name| Some(name.replacen("backbone.", "model.", 1)),
+        &[("mtp.layers.0.norm.weight", vec![1.0; 48])],
+    );
+    let v5 = load_from(v5.path());
+    assert_eq!(hub.fingerprint(), v5.fingerprint());
+    assert_eq!(logprobs(&hub), logprobs(&v5));
+    let described = hub.config().describe();
+    assert!(described.contains("nemotron-h") && described.contains("relu² MLP 40 after 2 mixers"), "{described}");
+
+    let src = fixture_dir("granite", case).join("hf");
+    let path = src.join("config.json");
+    let map: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let c = picaso_model::GraniteHybridConfig::from_nemotron_h(&path, &map).unwrap();
+    assert_eq!(c.without_mlp, [0, 3]);
+    assert_eq!(c.hf_blocks(), [(0, None), (1, Some(2)), (3, Some(4)), (5, None)]);
+    let w = picaso_model::GraniteHybridWeights::load(&src, &c).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    w.save_pretrained(dir.path(), &c).unwrap();
+    let written: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("config.json")).unwrap()).unwrap();
+    assert_eq!(written["model_type"], "nemotron_h");
+    assert_eq!(written["hybrid_override_pattern"], "M*-M-M");
+    assert!(written.get("mamba_n_heads").is_none(), "Granite's keys leaked into a Nemotron-H config: {written}");
+    let copy = load_from(dir.path());
+    assert_eq!(hub.fingerprint(), copy.fingerprint());
+    assert_eq!(logprobs(&hub), logprobs(&copy));
+}
+
+/// What picaso does not run of a Nemotron-H config is refused by name: routed experts
+/// (Nemotron 3's `moe` blocks), an `mlp` block with no mixer before it, another activation,
+/// attention or MLP biases, a letter the pattern does not have.
+#[test]
+fn unsupported_nemotron_h_options_are_refused_by_name() {
+    let cases: [(&str, serde_json::Value, &str); 8] = [
+        ("hybrid_override_pattern", serde_json::json!("M*-M-E"), "`moe` block"),
+        ("hybrid_override_pattern", serde_json::json!("-M*M"), "no mixer block before it"),
+        ("hybrid_override_pattern", serde_json::json!("M*--M"), "block 3 is an `mlp` block"),
+        ("hybrid_override_pattern", serde_json::json!("M*-X"), "hybrid_override_pattern[3]"),
+        ("hybrid_override_pattern", serde_json::json!("*-*-"), "no mamba layer"),
+        ("mlp_hidden_act", serde_json::json!("silu"), "mlp_hidden_act"),
+        ("attention_bias", serde_json::json!(true), "attention_bias"),
+        ("mlp_bias", serde_json::json!(true), "mlp_bias"),
+    ];
+    for (key, value, want) in cases {
+        let dir = edited_copy(
+            "nemotron-h-g2",
+            |c| {
+                c.insert(key.into(), value.clone());
+            },
+            |n| Some(n.to_string()),
+            &[],
+        );
+        let opts = picaso_model::LoadOptions { skip_tokenizer: true, ..Default::default() };
+        let err = Model::load(dir.path(), &opts).unwrap_err().to_string();
+        assert!(err.contains(want) && err.contains("config.json"), "{key}: {err}");
+    }
 }

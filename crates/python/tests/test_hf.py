@@ -75,12 +75,18 @@ def test_interop_errors():
 
 
 @pytest.mark.parametrize(
-    "folder", ["models/picaso-hybrid", "testdata/granite/moe-rope-g2/hf", "testdata/granite/bamba-rope-g2/hf"]
+    "folder",
+    [
+        "models/picaso-hybrid",
+        "testdata/granite/moe-rope-g2/hf",
+        "testdata/granite/bamba-rope-g2/hf",
+        "testdata/granite/nemotron-h-g2/hf",
+    ],
 )
 def test_hybrid_models_score_as_transformers(folder):
-    """A hybrid (the bundled one, a MoE RoPE Granite 4.0 H fixture, a Bamba fixture) scores as
-    transformers' GraniteMoeHybridForCausalLM / BambaForCausalLM does on the same folder; its
-    composed states score from Python."""
+    """A hybrid (the bundled one, a MoE RoPE Granite 4.0 H fixture, a Bamba fixture, a Nemotron-H
+    fixture) scores as transformers' GraniteMoeHybridForCausalLM / BambaForCausalLM /
+    NemotronHForCausalLM does on the same folder; its composed states score from Python."""
     path = FIXTURES.parent / folder
     model = picaso.Model.load(str(path))
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
@@ -98,9 +104,12 @@ def test_hybrid_models_score_as_transformers(folder):
 
 # transformers' one-token step of a 2-group hybrid disagrees with its own full forward (by 0.65 in
 # the logits on moe-rope-g2, from its own cache too), so that fixture checks the many-token path.
-@pytest.mark.parametrize("case,one", [("dense-nope-g1", True), ("moe-rope-g2", False), ("bamba-rope-g2", False)])
+@pytest.mark.parametrize(
+    "case,one", [("dense-nope-g1", True), ("moe-rope-g2", False), ("bamba-rope-g2", False), ("nemotron-h-g2", False)]
+)
 def test_hybrid_states_move_to_transformers_and_back(case, one):
-    """A Granite 4.0 H or Bamba state (Mamba layers and attention keys/values) continues in transformers
+    """A Granite 4.0 H, Bamba or Nemotron-H state (Mamba layers and attention keys/values; Nemotron-H's
+    `mlp` blocks hold none, so picaso's layer j is its j-th mixer block) continues in transformers
     as in picaso, a transformers cache comes back to the same picaso state, and a composed state
     (PICASO-R + the union of keys and values) continues in transformers at its own position."""
     path = FIXTURES.parent / "testdata" / "granite" / case / "hf"
@@ -110,7 +119,7 @@ def test_hybrid_states_move_to_transformers_and_back(case, one):
     a, b = ids(vocab, 13, 0), ids(vocab, 5, 1)
     state = model.state(a)
     assert state.layer_types == [("attention" if t in ("attention", "full_attention") else "mamba")
-                                 for t in hf_model.config.layer_types]
+                                 for t in hf_model.config.layer_types if t != "mlp"]
     for cont in (b, b[:1]) if one else (b,):  # transformers counts positions from the cache's first layer, a Mamba one: pass them
         with torch.no_grad():
             logits = hf_model(input_ids=torch.tensor([cont]), position_ids=hf.position_ids(state, len(cont)),

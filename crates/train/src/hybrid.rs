@@ -11,7 +11,8 @@
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor, Var};
-use picaso_model::granite_hybrid::weights::{GraniteLayerWeights, MixerWeights};
+use picaso_model::granite_hybrid::weights::{GraniteLayerWeights, MixerWeights, MlpWeights};
+use picaso_model::granite_hybrid::HybridFamily;
 use picaso_model::granite_hybrid::LayerKind;
 use picaso_model::{GraniteHybridConfig, GraniteHybridWeights};
 
@@ -65,6 +66,12 @@ impl TrainGraniteHybrid {
         device: &Device,
     ) -> Result<Self> {
         let c = config;
+        if c.family != HybridFamily::Granite {
+            candle_core::bail!(
+                "training supports Granite 4.0 H hybrids (a SwiGLU MLP after every mixer); this is a {} model",
+                c.family.name()
+            );
+        }
         if c.n_experts > 0 {
             candle_core::bail!(
                 "training supports dense Granite 4.0 H hybrids; this one routes to {} experts per layer",
@@ -92,11 +99,14 @@ impl TrainGraniteHybrid {
                         o: var(o, &[d, qw])?,
                     },
                 };
+                let Some(mlp) = &l.mlp else {
+                    candle_core::bail!("training needs an MLP after every mixer; a layer has none")
+                };
                 Ok(Block {
                     mixer,
-                    post_norm: var(&l.post_norm, &[d])?,
-                    mlp_in: var(&l.mlp_in, &[2 * c.shared_intermediate, d])?,
-                    mlp_out: var(&l.mlp_out, &[d, c.shared_intermediate])?,
+                    post_norm: var(&mlp.norm, &[d])?,
+                    mlp_in: var(&mlp.input, &[2 * c.shared_intermediate, d])?,
+                    mlp_out: var(&mlp.output, &[d, c.shared_intermediate])?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -133,9 +143,11 @@ impl TrainGraniteHybrid {
                 Ok(GraniteLayerWeights {
                     input_norm,
                     mixer,
-                    post_norm: host(&b.post_norm)?,
-                    mlp_in: host(&b.mlp_in)?,
-                    mlp_out: host(&b.mlp_out)?,
+                    mlp: Some(MlpWeights {
+                        norm: host(&b.post_norm)?,
+                        input: host(&b.mlp_in)?,
+                        output: host(&b.mlp_out)?,
+                    }),
                     moe: None,
                 })
             })

@@ -324,7 +324,6 @@ pub fn init_hybrid_weights(c: &GraniteHybridConfig, seed: u64, opts: &InitOption
     w.embedding = normal(w.embedding.len(), 0.02);
     for l in &mut w.layers {
         l.input_norm.iter_mut().for_each(|x| *x = 1.0);
-        l.post_norm.iter_mut().for_each(|x| *x = 1.0);
         match &mut l.mixer {
             MixerWeights::Mamba(m) => {
                 *m = mamba.next().expect("one Mamba-2 layer per mamba kind");
@@ -337,8 +336,11 @@ pub fn init_hybrid_weights(c: &GraniteHybridConfig, seed: u64, opts: &InitOption
                 *o = normal(o.len(), out_std);
             }
         }
-        l.mlp_in = normal(l.mlp_in.len(), 0.02);
-        l.mlp_out = normal(l.mlp_out.len(), out_std);
+        if let Some(mlp) = &mut l.mlp {
+            mlp.norm.iter_mut().for_each(|x| *x = 1.0);
+            mlp.input = normal(mlp.input.len(), 0.02);
+            mlp.output = normal(mlp.output.len(), out_std);
+        }
     }
     w.norm_f.iter_mut().for_each(|x| *x = 1.0);
     if let Some(h) = &mut w.lm_head {

@@ -305,6 +305,8 @@ impl PretrainFile {
             residual_multiplier: 1.0,
             logits_scaling: 1.0,
             shared_intermediate: self.mlp.unwrap_or(self.d_model),
+            mlp_kind: picaso_model::granite_hybrid::MlpKind::SwiGlu,
+            without_mlp: Vec::new(),
             n_experts: 0,
             top_k: 0,
             expert_intermediate: 0,

@@ -283,5 +283,20 @@ fn a_hybrid_pretrains_and_resumes() {
     assert!((trained - engine).abs() < 1e-4, "trainer {trained} vs engine {engine}");
     // Fresh weights follow the reference scheme: unit norms, small projections.
     let init = init_hybrid_weights(&config.model, 5, &InitOptions::default());
-    assert!(init.layers.iter().all(|l| l.post_norm.iter().all(|&x| x == 1.0)));
+    assert!(init.layers.iter().all(|l| l.mlp.as_ref().unwrap().norm.iter().all(|&x| x == 1.0)));
+}
+
+/// Training covers Granite 4.0 H: a Nemotron-H model (relu² MLPs, mixers without one) is
+/// refused by name, never trained as the Granite blocks it is not.
+#[test]
+fn a_nemotron_h_model_is_refused_for_training() {
+    let c = GraniteHybridConfig {
+        family: picaso_model::granite_hybrid::HybridFamily::NemotronH,
+        mlp_kind: picaso_model::granite_hybrid::MlpKind::Relu2,
+        without_mlp: vec![0],
+        ..GraniteHybridConfig::tiny(48)
+    };
+    let w = GraniteHybridWeights::random(&c, 7);
+    let err = TrainGraniteHybrid::from_weights(&c, &w, DType::F32, &Device::Cpu).err().expect("refused").to_string();
+    assert!(err.contains("nemotron-h"), "{err}");
 }

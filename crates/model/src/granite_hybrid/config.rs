@@ -1,7 +1,9 @@
 //! [`GraniteHybridConfig`]: transformers' `GraniteMoeHybridConfig` (IBM Granite 4.0 H), as the
 //! hub ships it (`layer_types` of `mamba` / `attention`) or as newer transformers writes it
-//! (`linear_attention` / `full_attention`), and its predecessor `BambaConfig` (IBM's Bamba:
-//! the same blocks without multipliers or experts, RoPE on half of each head's channels).
+//! (`linear_attention` / `full_attention`); its predecessor `BambaConfig` (IBM's Bamba:
+//! the same blocks without multipliers or experts, RoPE on half of each head's channels); and
+//! `NemotronHConfig` (NVIDIA's Nemotron-H and Nemotron Nano 2: mixer and MLP blocks stand apart,
+//! and each `mlp` block is read as the MLP of the mixer block before it).
 
 use std::path::Path;
 
@@ -33,6 +35,10 @@ pub enum HybridFamily {
     Granite,
     /// `BambaForCausalLM` (`model_type: "bamba"`).
     Bamba,
+    /// `NemotronHForCausalLM` (`model_type: "nemotron_h"`): a picaso layer is a mixer block
+    /// and the `mlp` block after it, if there is one (see [`GraniteHybridConfig::hf_blocks`]).
+    #[serde(rename = "nemotron_h")]
+    NemotronH,
 }
 
 impl HybridFamily {
@@ -41,8 +47,20 @@ impl HybridFamily {
         match self {
             Self::Granite => "granite-hybrid",
             Self::Bamba => "bamba",
+            Self::NemotronH => "nemotron-h",
         }
     }
+}
+
+/// The MLP after a mixer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MlpKind {
+    /// `down(silu(gate(x)) · up(x))` (Granite 4.0 H, Bamba).
+    #[default]
+    SwiGlu,
+    /// `down(relu(up(x))²)`, not gated (Nemotron-H's `relu2`).
+    Relu2,
 }
 
 /// Everything that shapes a Granite 4.0 H (or Bamba) model.
@@ -79,8 +97,15 @@ pub struct GraniteHybridConfig {
     pub residual_multiplier: f64,
     /// Divisor of the logits.
     pub logits_scaling: f64,
-    /// Inner width of the shared SwiGLU MLP that follows every mixer.
+    /// Inner width of the MLP that follows a mixer.
     pub shared_intermediate: usize,
+    /// The MLPs' kind.
+    #[serde(default)]
+    pub mlp_kind: MlpKind,
+    /// The layers whose mixer no MLP follows (a Nemotron-H mixer block with no `mlp` block
+    /// after it); none for Granite 4.0 H and Bamba.
+    #[serde(default)]
+    pub without_mlp: Vec<usize>,
     /// Routed experts beside the shared MLP (0: dense).
     pub n_experts: usize,
     /// Experts per token.
@@ -210,6 +235,8 @@ impl GraniteHybridConfig {
             residual_multiplier: f.f64_or("residual_multiplier", 1.0)?,
             logits_scaling: f.f64_or("logits_scaling", 1.0)?,
             shared_intermediate: f.usize_or("shared_intermediate_size", 1024)?,
+            mlp_kind: MlpKind::SwiGlu,
+            without_mlp: Vec::new(),
             n_experts,
             top_k: if n_experts > 0 { f.usize_or("num_experts_per_tok", 2)? } else { 0 },
             expert_intermediate: if n_experts > 0 { f.usize("intermediate_size")? } else { 0 },
@@ -269,6 +296,140 @@ impl GraniteHybridConfig {
         Ok(config)
     }
 
+    /// Reads transformers' `config.json` of a `nemotron_h` model (`NemotronHForCausalLM`): its
+    /// blocks from `layers_block_type` (transformers 5) or `hybrid_override_pattern` (the hub's
+    /// `M`, `*`, `-`, `E`), each `mlp` block folded into the mixer block before it as that
+    /// layer's relu² MLP; NoPE attention at the softmax scale 1/√head_dim; no multipliers.
+    /// `moe` blocks (Nemotron 3), an `mlp` block with no mixer before it, biases on attention or
+    /// MLP, and other activations are refused by name.
+    pub fn from_nemotron_h(path: &Path, map: &Map<String, Value>) -> Result<Self> {
+        let f = Fields { path, map };
+        let bad = |m: String| Error::config(path, m);
+        let blocks = nemotron_blocks(&f)?;
+        let (mut layers, mut without_mlp) = (Vec::new(), Vec::new());
+        for (i, &b) in blocks.iter().enumerate() {
+            match b {
+                'M' | '*' => {
+                    if i > 0 && blocks[i - 1] != '-' {
+                        without_mlp.push(layers.len() - 1);
+                    }
+                    layers.push(if b == 'M' { LayerKind::Mamba } else { LayerKind::Attention });
+                }
+                '-' if i > 0 && blocks[i - 1] != '-' => {}
+                '-' => {
+                    return Err(bad(format!(
+                        "block {i} is an `mlp` block with no mixer block before it; picaso reads each `mlp` block \
+                         as the MLP of the Mamba or attention block it follows"
+                    )))
+                }
+                _ => {
+                    return Err(bad(format!(
+                        "block {i} is a `moe` block (Nemotron 3's routed experts), which picaso does not run; it \
+                         runs Nemotron-H models of Mamba (M), attention (*) and MLP (-) blocks"
+                    )))
+                }
+            }
+        }
+        if blocks.last() != Some(&'-') {
+            without_mlp.push(layers.len() - 1);
+        }
+        if layers.len() > 1 << 24 {
+            return Err(bad(format!("{} layers; at most 2^24", layers.len())));
+        }
+        for (key, want) in [("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")] {
+            match map.get(key).and_then(Value::as_str) {
+                None => {}
+                Some(v) if v == want => {}
+                Some(v) => return Err(bad(format!("{key} is {v:?}; picaso runs {want:?}"))),
+            }
+        }
+        for key in ["attention_bias", "mlp_bias"] {
+            if f.bool_or(key, false)? {
+                return Err(bad(format!("`{key}: true` is not supported by picaso")));
+            }
+        }
+        let d_model = f.usize("hidden_size")?;
+        let n_heads = f.usize("num_attention_heads")?;
+        let head_dim = f.usize_or("head_dim", d_model / n_heads.max(1))?;
+        let norm_eps = f.f64_or("layer_norm_epsilon", 1e-5)?;
+        // transformers renames the hub's `mamba_*` spellings; either is read.
+        let either = |new: &str, old: &str| {
+            if map.contains_key(old) && !map.contains_key(new) {
+                old.to_string()
+            } else {
+                new.to_string()
+            }
+        };
+        let use_bias = f.bool_or("use_bias", false)?;
+        let mamba = Mamba2Config {
+            d_model,
+            n_layer: layers.iter().filter(|k| **k == LayerKind::Mamba).count(),
+            vocab_size: f.usize("vocab_size")?,
+            d_state: f.usize_or("ssm_state_size", 128)?,
+            headdim: f.usize_or("mamba_head_dim", 64)?,
+            nheads: f.usize_or("mamba_num_heads", 128)?,
+            expand: f.usize_or(&either("expand", "mamba_expand"), 2)?,
+            n_groups: f.usize_or(&either("n_groups", "mamba_n_groups"), 8)?,
+            d_conv: f.usize_or(&either("conv_kernel", "mamba_d_conv"), 4)?,
+            norm_eps,
+            gated_norm_eps: norm_eps,
+            time_step_limit: f.limit(&either("time_step_limit", "mamba_dt_limit"))?,
+            tie_embeddings: f.bool_or("tie_word_embeddings", false)?,
+            use_bias,
+            use_conv_bias: f.bool_or(&either("use_conv_bias", "mamba_conv_bias"), true)?,
+            format: CheckpointFormat::HfTransformers,
+        };
+        let config = Self {
+            family: HybridFamily::NemotronH,
+            d_model,
+            vocab_size: mamba.vocab_size,
+            tie_embeddings: mamba.tie_embeddings,
+            layers,
+            mamba,
+            n_heads,
+            n_kv_heads: f.usize_or("num_key_value_heads", n_heads)?,
+            head_dim,
+            attention_multiplier: 1.0 / (head_dim as f64).sqrt(),
+            rope_theta: None,
+            partial_rotary_factor: 1.0,
+            embedding_multiplier: 1.0,
+            residual_multiplier: 1.0,
+            logits_scaling: 1.0,
+            shared_intermediate: f.usize("intermediate_size")?,
+            mlp_kind: MlpKind::Relu2,
+            without_mlp,
+            n_experts: 0,
+            top_k: 0,
+            expert_intermediate: 0,
+            norm_eps,
+        };
+        config.validate(path)?;
+        Ok(config)
+    }
+
+    /// Whether an MLP follows layer `i`'s mixer.
+    pub fn has_mlp(&self, i: usize) -> bool {
+        !self.without_mlp.contains(&i)
+    }
+
+    /// The checkpoint's block index of each layer's mixer and of its MLP. Granite 4.0 H and
+    /// Bamba blocks hold both (`(i, Some(i))`); a Nemotron-H block holds one, so its indices
+    /// run past picaso's layer indices wherever an `mlp` block was folded in.
+    pub fn hf_blocks(&self) -> Vec<(usize, Option<usize>)> {
+        let mut next = 0;
+        (0..self.n_layer())
+            .map(|i| {
+                if self.family != HybridFamily::NemotronH {
+                    return (i, Some(i));
+                }
+                let mixer = next;
+                let mlp = self.has_mlp(i).then_some(mixer + 1);
+                next = mlp.unwrap_or(mixer) + 1;
+                (mixer, mlp)
+            })
+            .collect()
+    }
+
     /// Channels of a head RoPE rotates (transformers' `int(head_dim * partial_rotary_factor)`).
     pub fn rotary_dim(&self) -> usize {
         (self.head_dim as f64 * self.partial_rotary_factor) as usize
@@ -326,6 +487,24 @@ impl GraniteHybridConfig {
                     .into());
             }
         }
+        if self.family == HybridFamily::NemotronH {
+            let scale = 1.0 / (self.head_dim as f64).sqrt();
+            if self.rope_theta.is_some()
+                || self.n_experts > 0
+                || self.mlp_kind != MlpKind::Relu2
+                || (self.embedding_multiplier, self.residual_multiplier, self.logits_scaling) != (1.0, 1.0, 1.0)
+                || (self.attention_multiplier - scale).abs() > 1e-12 * scale
+            {
+                return bad("a Nemotron-H model has NoPE attention at the softmax scale 1/√head_dim, relu² MLPs, no \
+                     experts and no multipliers; this config sets one of them otherwise"
+                    .into());
+            }
+        } else if self.mlp_kind != MlpKind::SwiGlu || !self.without_mlp.is_empty() {
+            return bad(format!("a {} model has a SwiGLU MLP after every mixer", self.family.name()));
+        }
+        if let Some(&i) = self.without_mlp.iter().find(|&&i| i >= self.n_layer()) {
+            return bad(format!("layer {i} is listed without an MLP, but the model has {} layers", self.n_layer()));
+        }
         if self.n_experts > 0 && (self.top_k == 0 || self.top_k > self.n_experts || self.expert_intermediate == 0) {
             return bad(format!(
                 "num_experts_per_tok ({}) must be 1..=num_local_experts ({}) and intermediate_size positive",
@@ -376,6 +555,8 @@ impl GraniteHybridConfig {
             residual_multiplier: 1.0,
             logits_scaling: 1.0,
             shared_intermediate: 24,
+            mlp_kind: MlpKind::SwiGlu,
+            without_mlp: Vec::new(),
             n_experts: 0,
             top_k: 0,
             expert_intermediate: 0,
@@ -436,8 +617,12 @@ impl GraniteHybridConfig {
             "num_attention_heads": self.n_heads,
             "num_key_value_heads": self.n_kv_heads,
             "head_dim": self.head_dim,
-            "rms_norm_eps": self.norm_eps,
             "tie_word_embeddings": self.tie_embeddings,
+            "time_step_limit": [m.time_step_limit.0, hi],
+        });
+        // Granite 4.0 H and Bamba spell the Mamba settings alike.
+        let granite_mamba = serde_json::json!({
+            "rms_norm_eps": self.norm_eps,
             "mamba_n_heads": m.nheads,
             "mamba_d_head": m.headdim,
             "mamba_d_state": m.d_state,
@@ -445,7 +630,6 @@ impl GraniteHybridConfig {
             "mamba_d_conv": m.d_conv,
             "mamba_expand": m.expand,
             "mamba_conv_bias": m.use_conv_bias,
-            "time_step_limit": [m.time_step_limit.0, hi],
         });
         let extra = match self.family {
             HybridFamily::Granite => {
@@ -473,6 +657,35 @@ impl GraniteHybridConfig {
                     "intermediate_size": self.expert_intermediate,
                 })
             }
+            HybridFamily::NemotronH => {
+                let mut pattern = String::new();
+                for (i, k) in self.layers.iter().enumerate() {
+                    pattern.push(if *k == LayerKind::Mamba { 'M' } else { '*' });
+                    if self.has_mlp(i) {
+                        pattern.push('-');
+                    }
+                }
+                serde_json::json!({
+                    "architectures": ["NemotronHForCausalLM"],
+                    "model_type": "nemotron_h",
+                    "num_hidden_layers": pattern.len(),
+                    "hybrid_override_pattern": pattern,
+                    "intermediate_size": self.shared_intermediate,
+                    "mlp_hidden_act": "relu2",
+                    "mamba_hidden_act": "silu",
+                    "layer_norm_epsilon": self.norm_eps,
+                    "mamba_num_heads": m.nheads,
+                    "mamba_head_dim": m.headdim,
+                    "ssm_state_size": m.d_state,
+                    "n_groups": m.n_groups,
+                    "conv_kernel": m.d_conv,
+                    "expand": m.expand,
+                    "use_conv_bias": m.use_conv_bias,
+                    "use_bias": m.use_bias,
+                    "attention_bias": false,
+                    "mlp_bias": false,
+                })
+            }
             HybridFamily::Bamba => serde_json::json!({
                 "architectures": ["BambaForCausalLM"],
                 "model_type": "bamba",
@@ -486,9 +699,14 @@ impl GraniteHybridConfig {
                 },
             }),
         };
-        let (Value::Object(all), Value::Object(extra)) = (&mut json, extra) else {
-            unreachable!("both are JSON objects")
+        let (Value::Object(all), Value::Object(extra), Value::Object(granite_mamba)) =
+            (&mut json, extra, granite_mamba)
+        else {
+            unreachable!("all are JSON objects")
         };
+        if self.family != HybridFamily::NemotronH {
+            all.extend(granite_mamba);
+        }
         all.extend(extra);
         json
     }
@@ -497,10 +715,16 @@ impl GraniteHybridConfig {
     pub fn describe(&self) -> String {
         let att = self.attention_layers();
         format!(
-            "{}: d_model {}, {} layers ({} Mamba-2: {} heads x {} x d_state {}; {} attention at {:?}: {} heads, {} kv, head_dim {}, {}), {}, vocab {}",
+            "{}: d_model {}, {} layers{} ({} Mamba-2: {} heads x {} x d_state {}; {} attention at {:?}: {} heads, {} kv, head_dim {}, {}), {}, vocab {}",
             self.family.name(),
             self.d_model,
             self.n_layer(),
+            match self.hf_blocks().last() {
+                Some(&(m, mlp)) if self.family == HybridFamily::NemotronH => {
+                    format!(" from the checkpoint's {} blocks", mlp.unwrap_or(m) + 1)
+                }
+                _ => String::new(),
+            },
             self.n_mamba(),
             self.mamba.nheads,
             self.mamba.headdim,
@@ -518,7 +742,13 @@ impl GraniteHybridConfig {
             if self.n_experts > 0 {
                 format!("MoE {} of {} experts + shared MLP {}", self.top_k, self.n_experts, self.shared_intermediate)
             } else {
-                format!("MLP {}", self.shared_intermediate)
+                match (self.mlp_kind, self.without_mlp.len()) {
+                    (MlpKind::SwiGlu, 0) => format!("MLP {}", self.shared_intermediate),
+                    (MlpKind::SwiGlu, n) => format!("MLP {} after {} mixers", self.shared_intermediate, self.n_layer() - n),
+                    (MlpKind::Relu2, n) => {
+                        format!("relu² MLP {} after {} mixers", self.shared_intermediate, self.n_layer() - n)
+                    }
+                }
             },
             self.vocab_size
         )
@@ -547,6 +777,54 @@ fn partial_rotary_factor(f: &Fields<'_>, default: f64) -> Result<f64> {
             Error::config(f.path, format!("field `rope_parameters.partial_rotary_factor` must be a number, found {v}"))
         }),
     }
+}
+
+/// A Nemotron-H config's blocks as the hub's pattern letters (`M` Mamba, `*` attention, `-`
+/// MLP, `E` experts): from `layers_block_type` (or its alias `layer_types`), else from
+/// `hybrid_override_pattern`, as transformers reads them (the list wins).
+fn nemotron_blocks(f: &Fields<'_>) -> Result<Vec<char>> {
+    let key = if f.map.contains_key("layers_block_type") { "layers_block_type" } else { "layer_types" };
+    let blocks: Vec<char> = match (f.map.get(key), f.map.get("hybrid_override_pattern")) {
+        (Some(Value::Array(a)), _) => a
+            .iter()
+            .enumerate()
+            .map(|(i, v)| match v.as_str() {
+                Some("mamba" | "linear_attention") => Ok('M'),
+                Some("attention" | "full_attention") => Ok('*'),
+                Some("mlp") => Ok('-'),
+                Some("moe") => Ok('E'),
+                other => Err(Error::config(
+                    f.path,
+                    format!(
+                        "{key}[{i}] is {other:?}; Nemotron-H blocks are \"mamba\", \"attention\", \"mlp\" and \"moe\""
+                    ),
+                )),
+            })
+            .collect::<Result<_>>()?,
+        (None | Some(Value::Null), Some(Value::String(p))) => p
+            .chars()
+            .enumerate()
+            .map(|(i, c)| match c {
+                'M' | '*' | '-' | 'E' => Ok(c),
+                _ => Err(Error::config(
+                    f.path,
+                    format!("hybrid_override_pattern[{i}] is {c:?}; its letters are M, *, - and E"),
+                )),
+            })
+            .collect::<Result<_>>()?,
+        (Some(v), _) if !v.is_null() => return Err(f.err(key, "a list of block kinds")),
+        (_, Some(v)) if !v.is_null() => return Err(f.err("hybrid_override_pattern", "a string of M, *, - and E")),
+        _ => {
+            return Err(Error::config(
+                f.path,
+                "neither `layers_block_type` nor `hybrid_override_pattern` says which blocks the model has",
+            ))
+        }
+    };
+    if blocks.is_empty() {
+        return Err(Error::config(f.path, "the model has no blocks"));
+    }
+    Ok(blocks)
 }
 
 /// At most 2^24 layers, checked before anything is allocated per layer.

@@ -1,7 +1,8 @@
-//! The CPU engine of a Granite 4.0 H hybrid: each layer is an RMSNorm, a mixer (the Mamba-2
-//! mixer the Mamba-2 engine runs, or grouped-query attention over the state's keys and values),
-//! the residual scaled by `residual_multiplier`, an RMSNorm and the shared SwiGLU MLP plus the
-//! routed experts.
+//! The CPU engine of a Granite 4.0 H, Bamba or Nemotron-H hybrid: each layer is an RMSNorm, a
+//! mixer (the Mamba-2 mixer the Mamba-2 engine runs, or grouped-query attention over the state's
+//! keys and values), the residual scaled by `residual_multiplier`, then (unless a Nemotron-H
+//! mixer has none) an RMSNorm and the MLP (SwiGLU, or Nemotron-H's relu²) plus the routed
+//! experts.
 //!
 //! Prefill (T tokens) and decode (T = 1) are one code path: a sequence's new keys and values
 //! are appended to its state, and each new token attends to every key before it (a composed
@@ -10,8 +11,8 @@
 
 use rayon::prelude::*;
 
-use super::config::GraniteHybridConfig;
-use super::weights::{GraniteHybridWeights, MixerWeights, MoeWeights};
+use super::config::{GraniteHybridConfig, MlpKind};
+use super::weights::{GraniteHybridWeights, MixerWeights, MlpWeights, MoeWeights};
 use crate::cpu::layers::by_kind;
 use crate::cpu::matmul::{Bf16Kernel, Matrix};
 use crate::cpu::rows::{rows_par, Rows};
@@ -32,10 +33,17 @@ pub struct CpuGraniteHybrid {
 struct Layer {
     input_norm: Vec<f32>,
     mixer: Mixer,
-    post_norm: Vec<f32>,
-    mlp_in: Matrix,
-    mlp_out: Matrix,
+    mlp: Option<Mlp>,
     moe: Option<Moe>,
+}
+
+#[derive(Debug)]
+struct Mlp {
+    norm: Vec<f32>,
+    /// SwiGLU: gate and up (2·inner × d_model); relu²: up (inner × d_model).
+    input: Matrix,
+    /// Down (d_model × inner).
+    output: Matrix,
 }
 
 #[derive(Debug)]
@@ -93,14 +101,12 @@ impl CpuGraniteHybrid {
                         .collect();
                     Moe { router, experts }
                 });
-                Layer {
-                    input_norm: l.input_norm,
-                    mixer,
-                    post_norm: l.post_norm,
-                    mlp_in: mat(l.mlp_in, d),
-                    mlp_out: mat(l.mlp_out, config.shared_intermediate),
-                    moe,
-                }
+                let mlp = l.mlp.map(|MlpWeights { norm, input, output }| Mlp {
+                    norm,
+                    input: mat(input, d),
+                    output: mat(output, config.shared_intermediate),
+                });
+                Layer { input_norm: l.input_norm, mixer, mlp, moe }
             })
             .collect();
         let io =
@@ -155,9 +161,11 @@ impl CpuGraniteHybrid {
                     }
                 }
                 add_scaled(&mut h, &branch, c.residual_multiplier as f32);
-                rows_par(&h, &mut xn, d, d, |x, o| norm::rmsnorm(x, &layer.post_norm, c.norm_eps as f32, o));
-                self.mlp(layer, &xn, kind, &mut branch);
-                add_scaled(&mut h, &branch, c.residual_multiplier as f32);
+                if let Some(mlp) = &layer.mlp {
+                    rows_par(&h, &mut xn, d, d, |x, o| norm::rmsnorm(x, &mlp.norm, c.norm_eps as f32, o));
+                    self.mlp(mlp, layer.moe.as_ref(), &xn, kind, &mut branch);
+                    add_scaled(&mut h, &branch, c.residual_multiplier as f32);
+                }
             }
             for (s, &t) in states.iter_mut().zip(lens) {
                 s.advance(t);
@@ -230,13 +238,16 @@ impl CpuGraniteHybrid {
         kind.matmul_t(&y, rows, qw, wo, d, out, false);
     }
 
-    /// The shared SwiGLU MLP plus the routed experts of the normed rows `xn`, into `out`.
-    fn mlp(&self, layer: &Layer, xn: &[f32], kind: Rows, out: &mut [f32]) {
+    /// The MLP plus the routed experts of the normed rows `xn`, into `out`.
+    fn mlp(&self, mlp: &Mlp, moe: Option<&Moe>, xn: &[f32], kind: Rows, out: &mut [f32]) {
         let c = &self.config;
         let d = c.d_model;
         let rows = xn.len() / d;
-        swiglu(xn, rows, d, c.shared_intermediate, &layer.mlp_in, &layer.mlp_out, kind, out, false);
-        let Some(moe) = &layer.moe else { return };
+        match c.mlp_kind {
+            MlpKind::SwiGlu => swiglu(xn, rows, d, c.shared_intermediate, &mlp.input, &mlp.output, kind, out, false),
+            MlpKind::Relu2 => relu2_mlp(xn, rows, d, c.shared_intermediate, &mlp.input, &mlp.output, kind, out),
+        }
+        let Some(moe) = moe else { return };
         // Route each row: the top-k router logits, softmax over those k.
         let (e, top) = (c.n_experts, c.top_k);
         let mut by_expert: Vec<Route> = vec![Vec::new(); e];
@@ -328,6 +339,20 @@ fn swiglu(
         }
     });
     kind.matmul_t(&act, rows, inner, down, d, out, acc);
+}
+
+/// Nemotron-H's MLP of `rows` rows: `down(relu(up(x))²)`.
+#[allow(clippy::too_many_arguments)]
+fn relu2_mlp(x: &[f32], rows: usize, d: usize, inner: usize, up: &Matrix, down: &Matrix, kind: Rows, out: &mut [f32]) {
+    let mut act = vec![0.0f32; rows * inner];
+    kind.matmul_t(x, rows, d, up, inner, &mut act, false);
+    act.par_chunks_mut(inner).for_each(|a| {
+        for v in a {
+            let r = v.max(0.0);
+            *v = r * r;
+        }
+    });
+    kind.matmul_t(&act, rows, inner, down, d, out, false);
 }
 
 /// Rotates the first `rotary` channels of each head of each row (rows of `heads × hd`) by its

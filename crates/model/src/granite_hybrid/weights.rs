@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use super::config::{GraniteHybridConfig, HybridFamily, LayerKind};
+use super::config::{GraniteHybridConfig, HybridFamily, LayerKind, MlpKind};
 use crate::error::{Error, Result};
 use crate::mamba2::LayerWeights;
 use crate::weights::{fingerprint, normal_sampler, read_tensors, write_checkpoint, HostTensor, Take};
@@ -38,19 +38,28 @@ pub struct MoeWeights {
     pub down: Vec<f32>,
 }
 
-/// One layer: input norm, mixer, post norm, shared MLP and optional experts.
+/// The MLP after a layer's mixer, with the RMSNorm before it.
+#[derive(Debug, Clone)]
+pub struct MlpWeights {
+    /// RMSNorm before the MLP (d_model).
+    pub norm: Vec<f32>,
+    /// SwiGLU: the gate and up projections (2 * inner, d_model), gate rows first; relu²: the
+    /// up projection (inner, d_model).
+    pub input: Vec<f32>,
+    /// The down projection (d_model, inner).
+    pub output: Vec<f32>,
+}
+
+/// One layer: input norm, mixer, the MLP (absent after a Nemotron-H mixer block no `mlp`
+/// block follows) and optional experts.
 #[derive(Debug, Clone)]
 pub struct GraniteLayerWeights {
     /// Input RMSNorm (d_model).
     pub input_norm: Vec<f32>,
     /// The mixer.
     pub mixer: MixerWeights,
-    /// RMSNorm before the MLP (d_model).
-    pub post_norm: Vec<f32>,
-    /// The shared SwiGLU MLP's gate and up projections (2 * inner, d_model): gate rows first.
-    pub mlp_in: Vec<f32>,
-    /// Its down projection (d_model, inner).
-    pub mlp_out: Vec<f32>,
+    /// The MLP and its norm.
+    pub mlp: Option<MlpWeights>,
     /// The routed experts, if any.
     pub moe: Option<MoeWeights>,
 }
@@ -76,24 +85,36 @@ impl GraniteHybridWeights {
 
     /// Validates a name → tensor map against `c`. Experts are read in the hub's spelling
     /// (`block_sparse_moe.input_linear`, `.output_linear`, `.router.layer`) or transformers 5's
-    /// (`.experts.gate_up_proj`, `.experts.down_proj`, `.router.weight`).
-    pub fn from_tensors(dir: &Path, c: &GraniteHybridConfig, map: HashMap<String, HostTensor>) -> Result<Self> {
+    /// (`.experts.gate_up_proj`, `.experts.down_proj`, `.router.weight`); a Nemotron-H model's
+    /// tensors under the hub's `backbone.` or transformers 5's `model.`, its multi-token
+    /// prediction head (`mtp.*`, unused by a forward pass, as transformers ignores it) dropped.
+    pub fn from_tensors(dir: &Path, c: &GraniteHybridConfig, mut map: HashMap<String, HostTensor>) -> Result<Self> {
+        let prefix = match c.family {
+            HybridFamily::NemotronH => {
+                map.retain(|name, _| !name.starts_with("mtp."));
+                if map.contains_key("model.embeddings.weight") {
+                    "model"
+                } else {
+                    "backbone"
+                }
+            }
+            _ => "model",
+        };
+        let names = Names { family: c.family, prefix };
         let mut t = Take { dir, map };
         let (d, v) = (c.d_model, c.vocab_size);
         let m = &c.mamba;
-        let names = Names::of(c.family);
-        let embedding = t.get("model.embed_tokens.weight", &[v, d])?;
+        let embedding = t.get(&names.embedding(), &[v, d])?;
         let mut layers = Vec::with_capacity(c.n_layer());
-        for (i, kind) in c.layers.iter().enumerate() {
-            let p = format!("model.layers.{i}");
-            let input_norm = t.get(&format!("{p}.input_layernorm.weight"), &[d])?;
+        for (i, (kind, (block, mlp_block))) in c.layers.iter().zip(c.hf_blocks()).enumerate() {
+            let input_norm = t.get(&names.input_norm(block), &[d])?;
             let mixer = match kind {
                 LayerKind::Mamba => {
-                    let x = format!("{p}.mamba");
+                    let x = names.mamba(block);
                     MixerWeights::Mamba(LayerWeights {
                         norm: input_norm.clone(),
                         in_proj: t.get(&format!("{x}.in_proj.weight"), &[m.d_in_proj(), d])?,
-                        in_proj_bias: None,
+                        in_proj_bias: t.opt(&format!("{x}.in_proj.bias"), &[m.d_in_proj()], m.use_bias)?,
                         conv_weight: t.get(&format!("{x}.conv1d.weight"), &[m.conv_dim(), 1, m.d_conv])?,
                         conv_bias: t.opt(&format!("{x}.conv1d.bias"), &[m.conv_dim()], m.use_conv_bias)?,
                         dt_bias: t.get(&format!("{x}.dt_bias"), &[m.nheads])?,
@@ -101,11 +122,11 @@ impl GraniteHybridWeights {
                         d: t.get(&format!("{x}.D"), &[m.nheads])?,
                         gated_norm: t.get(&format!("{x}.norm.weight"), &[m.d_inner()])?,
                         out_proj: t.get(&format!("{x}.out_proj.weight"), &[d, m.d_inner()])?,
-                        out_proj_bias: None,
+                        out_proj_bias: t.opt(&format!("{x}.out_proj.bias"), &[d], m.use_bias)?,
                     })
                 }
                 LayerKind::Attention => {
-                    let a = format!("{p}.self_attn");
+                    let a = names.attention(block);
                     let (q, kv) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
                     MixerWeights::Attention {
                         q: t.get(&format!("{a}.q_proj.weight"), &[q, d])?,
@@ -117,7 +138,7 @@ impl GraniteHybridWeights {
             };
             let inner = c.shared_intermediate;
             let moe = if c.n_experts > 0 {
-                let (e, ei, x) = (c.n_experts, c.expert_intermediate, format!("{p}.block_sparse_moe"));
+                let (e, ei, x) = (c.n_experts, c.expert_intermediate, format!("model.layers.{i}.block_sparse_moe"));
                 let either = |t: &mut Take<'_>, hub: &str, new: &str, shape: &[usize]| {
                     let name = if t.map.contains_key(&format!("{x}.{new}")) { new } else { hub };
                     t.get(&format!("{x}.{name}"), shape)
@@ -130,27 +151,31 @@ impl GraniteHybridWeights {
             } else {
                 None
             };
-            let (mlp_in, mlp_out) = match c.family {
-                HybridFamily::Granite => (
-                    t.get(&format!("{p}.shared_mlp.input_linear.weight"), &[2 * inner, d])?,
-                    t.get(&format!("{p}.shared_mlp.output_linear.weight"), &[d, inner])?,
-                ),
-                HybridFamily::Bamba => {
-                    let mut gate_up = t.get(&format!("{p}.feed_forward.gate_proj.weight"), &[inner, d])?;
-                    gate_up.extend(t.get(&format!("{p}.feed_forward.up_proj.weight"), &[inner, d])?);
-                    (gate_up, t.get(&format!("{p}.feed_forward.down_proj.weight"), &[d, inner])?)
+            let mlp = match mlp_block {
+                None => None,
+                Some(b) => {
+                    let p = names.block(b);
+                    let (input, output) = match c.family {
+                        HybridFamily::Granite => (
+                            t.get(&format!("{p}.shared_mlp.input_linear.weight"), &[2 * inner, d])?,
+                            t.get(&format!("{p}.shared_mlp.output_linear.weight"), &[d, inner])?,
+                        ),
+                        HybridFamily::Bamba => {
+                            let mut gate_up = t.get(&format!("{p}.feed_forward.gate_proj.weight"), &[inner, d])?;
+                            gate_up.extend(t.get(&format!("{p}.feed_forward.up_proj.weight"), &[inner, d])?);
+                            (gate_up, t.get(&format!("{p}.feed_forward.down_proj.weight"), &[d, inner])?)
+                        }
+                        HybridFamily::NemotronH => (
+                            t.get(&format!("{p}.mixer.up_proj.weight"), &[inner, d])?,
+                            t.get(&format!("{p}.mixer.down_proj.weight"), &[d, inner])?,
+                        ),
+                    };
+                    Some(MlpWeights { norm: t.get(&names.post_norm(b), &[d])?, input, output })
                 }
             };
-            layers.push(GraniteLayerWeights {
-                input_norm,
-                mixer,
-                post_norm: t.get(&format!("{p}.{}.weight", names.post_norm), &[d])?,
-                mlp_in,
-                mlp_out,
-                moe,
-            });
+            layers.push(GraniteLayerWeights { input_norm, mixer, mlp, moe });
         }
-        let norm_f = t.get(names.norm_f, &[d])?;
+        let norm_f = t.get(&names.norm_f(), &[d])?;
         let lm_head = if c.tie_embeddings {
             t.map.remove("lm_head.weight");
             None
@@ -166,17 +191,20 @@ impl GraniteHybridWeights {
         Ok(Self { embedding, layers, norm_f, lm_head })
     }
 
-    /// Visits every tensor under its hub name for `family`, in a fixed order.
-    pub fn for_each(&self, family: HybridFamily, mut f: impl FnMut(&str, &[f32])) {
-        let names = Names::of(family);
-        f("model.embed_tokens.weight", &self.embedding);
-        for (i, l) in self.layers.iter().enumerate() {
-            let p = format!("model.layers.{i}");
-            f(&format!("{p}.input_layernorm.weight"), &l.input_norm);
+    /// Visits every tensor under its hub name for `c`'s family (a Nemotron-H model's under
+    /// `backbone.`), in a fixed order.
+    pub fn for_each(&self, c: &GraniteHybridConfig, mut f: impl FnMut(&str, &[f32])) {
+        let names = Names::writing(c.family);
+        f(&names.embedding(), &self.embedding);
+        for (i, (l, (block, mlp_block))) in self.layers.iter().zip(c.hf_blocks()).enumerate() {
+            f(&names.input_norm(block), &l.input_norm);
             match &l.mixer {
                 MixerWeights::Mamba(w) => {
-                    let x = format!("{p}.mamba");
+                    let x = names.mamba(block);
                     f(&format!("{x}.in_proj.weight"), &w.in_proj);
+                    if let Some(b) = &w.in_proj_bias {
+                        f(&format!("{x}.in_proj.bias"), b);
+                    }
                     f(&format!("{x}.conv1d.weight"), &w.conv_weight);
                     if let Some(b) = &w.conv_bias {
                         f(&format!("{x}.conv1d.bias"), b);
@@ -186,33 +214,45 @@ impl GraniteHybridWeights {
                     f(&format!("{x}.D"), &w.d);
                     f(&format!("{x}.norm.weight"), &w.gated_norm);
                     f(&format!("{x}.out_proj.weight"), &w.out_proj);
+                    if let Some(b) = &w.out_proj_bias {
+                        f(&format!("{x}.out_proj.bias"), b);
+                    }
                 }
                 MixerWeights::Attention { q, k, v, o } => {
+                    let a = names.attention(block);
                     for (n, w) in [("q_proj", q), ("k_proj", k), ("v_proj", v), ("o_proj", o)] {
-                        f(&format!("{p}.self_attn.{n}.weight"), w);
+                        f(&format!("{a}.{n}.weight"), w);
                     }
                 }
             }
-            f(&format!("{p}.{}.weight", names.post_norm), &l.post_norm);
-            match family {
-                HybridFamily::Granite => {
-                    f(&format!("{p}.shared_mlp.input_linear.weight"), &l.mlp_in);
-                    f(&format!("{p}.shared_mlp.output_linear.weight"), &l.mlp_out);
-                }
-                HybridFamily::Bamba => {
-                    let (gate, up) = l.mlp_in.split_at(l.mlp_in.len() / 2);
-                    f(&format!("{p}.feed_forward.gate_proj.weight"), gate);
-                    f(&format!("{p}.feed_forward.up_proj.weight"), up);
-                    f(&format!("{p}.feed_forward.down_proj.weight"), &l.mlp_out);
+            if let (Some(mlp), Some(b)) = (&l.mlp, mlp_block) {
+                let p = names.block(b);
+                f(&names.post_norm(b), &mlp.norm);
+                match c.family {
+                    HybridFamily::Granite => {
+                        f(&format!("{p}.shared_mlp.input_linear.weight"), &mlp.input);
+                        f(&format!("{p}.shared_mlp.output_linear.weight"), &mlp.output);
+                    }
+                    HybridFamily::Bamba => {
+                        let (gate, up) = mlp.input.split_at(mlp.input.len() / 2);
+                        f(&format!("{p}.feed_forward.gate_proj.weight"), gate);
+                        f(&format!("{p}.feed_forward.up_proj.weight"), up);
+                        f(&format!("{p}.feed_forward.down_proj.weight"), &mlp.output);
+                    }
+                    HybridFamily::NemotronH => {
+                        f(&format!("{p}.mixer.up_proj.weight"), &mlp.input);
+                        f(&format!("{p}.mixer.down_proj.weight"), &mlp.output);
+                    }
                 }
             }
             if let Some(moe) = &l.moe {
-                f(&format!("{p}.block_sparse_moe.router.layer.weight"), &moe.router);
-                f(&format!("{p}.block_sparse_moe.input_linear.weight"), &moe.gate_up);
-                f(&format!("{p}.block_sparse_moe.output_linear.weight"), &moe.down);
+                let p = format!("model.layers.{i}.block_sparse_moe");
+                f(&format!("{p}.router.layer.weight"), &moe.router);
+                f(&format!("{p}.input_linear.weight"), &moe.gate_up);
+                f(&format!("{p}.output_linear.weight"), &moe.down);
             }
         }
-        f(names.norm_f, &self.norm_f);
+        f(&names.norm_f(), &self.norm_f);
         if let Some(h) = &self.lm_head {
             f("lm_head.weight", h);
         }
@@ -220,14 +260,34 @@ impl GraniteHybridWeights {
 
     /// Number of parameters (a tied head counted once).
     pub fn n_params(&self) -> usize {
-        let mut n = 0;
-        self.for_each(HybridFamily::Granite, |_, t| n += t.len());
-        n
+        let layer = |l: &GraniteLayerWeights| {
+            let mixer = match &l.mixer {
+                MixerWeights::Mamba(w) => {
+                    let opt = |b: &Option<Vec<f32>>| b.as_ref().map_or(0, Vec::len);
+                    w.in_proj.len()
+                        + opt(&w.in_proj_bias)
+                        + w.conv_weight.len()
+                        + opt(&w.conv_bias)
+                        + 3 * w.dt_bias.len()
+                        + w.gated_norm.len()
+                        + w.out_proj.len()
+                        + opt(&w.out_proj_bias)
+                }
+                MixerWeights::Attention { q, k, v, o } => q.len() + k.len() + v.len() + o.len(),
+            };
+            let mlp = l.mlp.as_ref().map_or(0, |m| m.norm.len() + m.input.len() + m.output.len());
+            let moe = l.moe.as_ref().map_or(0, |m| m.router.len() + m.gate_up.len() + m.down.len());
+            l.input_norm.len() + mixer + mlp + moe
+        };
+        self.embedding.len()
+            + self.layers.iter().map(layer).sum::<usize>()
+            + self.norm_f.len()
+            + self.lm_head.as_ref().map_or(0, Vec::len)
     }
 
     /// The fingerprint every state of this model carries.
     pub fn fingerprint(&self, c: &GraniteHybridConfig) -> String {
-        fingerprint("granite-hybrid", c.to_hf_json(), |f| self.for_each(c.family, |name, data| f(name, data)))
+        fingerprint("granite-hybrid", c.to_hf_json(), |f| self.for_each(c, |name, data| f(name, data)))
     }
 }
 
@@ -246,7 +306,8 @@ impl GraniteHybridWeights {
         let layers = c
             .layers
             .iter()
-            .map(|kind| {
+            .enumerate()
+            .map(|(l, kind)| {
                 let input_norm = ones(d, &mut normal);
                 let mixer = match kind {
                     LayerKind::Mamba => {
@@ -265,7 +326,6 @@ impl GraniteHybridWeights {
                         }
                     }
                 };
-                let i = c.shared_intermediate;
                 let moe = (c.n_experts > 0).then(|| {
                     let (e, ei) = (c.n_experts, c.expert_intermediate);
                     MoeWeights {
@@ -274,14 +334,13 @@ impl GraniteHybridWeights {
                         down: normal(e * d * ei, out_scale / (ei as f32).sqrt()),
                     }
                 });
-                GraniteLayerWeights {
-                    input_norm,
-                    mixer,
-                    post_norm: ones(d, &mut normal),
-                    mlp_in: normal(2 * i * d, 1.0 / (d as f32).sqrt()),
-                    mlp_out: normal(d * i, out_scale / (i as f32).sqrt()),
-                    moe,
-                }
+                let (i, gates) = (c.shared_intermediate, if c.mlp_kind == MlpKind::SwiGlu { 2 } else { 1 });
+                let mlp = c.has_mlp(l).then(|| MlpWeights {
+                    norm: ones(d, &mut normal),
+                    input: normal(gates * i * d, 1.0 / (d as f32).sqrt()),
+                    output: normal(d * i, out_scale / (i as f32).sqrt()),
+                });
+                GraniteLayerWeights { input_norm, mixer, mlp, moe }
             })
             .collect();
         Self {
@@ -295,54 +354,103 @@ impl GraniteHybridWeights {
     /// Writes `config.json` (the hub's spelling) and `model.safetensors` (f32) into `dir`: a
     /// folder [`crate::Model::load`] and transformers both read.
     pub fn save_pretrained(&self, dir: &Path, c: &GraniteHybridConfig) -> Result<()> {
-        let (d, m) = (c.d_model, &c.mamba);
+        let (d, m, inner) = (c.d_model, &c.mamba, c.shared_intermediate);
+        let names = Names::writing(c.family);
         let mut shapes: HashMap<String, Vec<usize>> = HashMap::new();
-        shapes.insert("model.embed_tokens.weight".into(), vec![c.vocab_size, d]);
+        shapes.insert(names.embedding(), vec![c.vocab_size, d]);
         shapes.insert("lm_head.weight".into(), vec![c.vocab_size, d]);
-        for (i, kind) in c.layers.iter().enumerate() {
-            let p = format!("model.layers.{i}");
+        for (i, (kind, (block, mlp_block))) in c.layers.iter().zip(c.hf_blocks()).enumerate() {
             match kind {
                 LayerKind::Mamba => {
-                    shapes.insert(format!("{p}.mamba.in_proj.weight"), vec![m.d_in_proj(), d]);
-                    shapes.insert(format!("{p}.mamba.conv1d.weight"), vec![m.conv_dim(), 1, m.d_conv]);
-                    shapes.insert(format!("{p}.mamba.out_proj.weight"), vec![d, m.d_inner()]);
+                    let x = names.mamba(block);
+                    shapes.insert(format!("{x}.in_proj.weight"), vec![m.d_in_proj(), d]);
+                    shapes.insert(format!("{x}.conv1d.weight"), vec![m.conv_dim(), 1, m.d_conv]);
+                    shapes.insert(format!("{x}.out_proj.weight"), vec![d, m.d_inner()]);
                 }
                 LayerKind::Attention => {
-                    let (q, kv) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
-                    shapes.insert(format!("{p}.self_attn.q_proj.weight"), vec![q, d]);
-                    shapes.insert(format!("{p}.self_attn.k_proj.weight"), vec![kv, d]);
-                    shapes.insert(format!("{p}.self_attn.v_proj.weight"), vec![kv, d]);
-                    shapes.insert(format!("{p}.self_attn.o_proj.weight"), vec![d, q]);
+                    let (a, q, kv) = (names.attention(block), c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+                    shapes.insert(format!("{a}.q_proj.weight"), vec![q, d]);
+                    shapes.insert(format!("{a}.k_proj.weight"), vec![kv, d]);
+                    shapes.insert(format!("{a}.v_proj.weight"), vec![kv, d]);
+                    shapes.insert(format!("{a}.o_proj.weight"), vec![d, q]);
                 }
             }
-            let inner = c.shared_intermediate;
-            shapes.insert(format!("{p}.shared_mlp.input_linear.weight"), vec![2 * inner, d]);
-            shapes.insert(format!("{p}.shared_mlp.output_linear.weight"), vec![d, inner]);
-            shapes.insert(format!("{p}.feed_forward.gate_proj.weight"), vec![inner, d]);
-            shapes.insert(format!("{p}.feed_forward.up_proj.weight"), vec![inner, d]);
-            shapes.insert(format!("{p}.feed_forward.down_proj.weight"), vec![d, inner]);
-            let (e, ei) = (c.n_experts, c.expert_intermediate);
-            shapes.insert(format!("{p}.block_sparse_moe.router.layer.weight"), vec![e, d]);
-            shapes.insert(format!("{p}.block_sparse_moe.input_linear.weight"), vec![e, 2 * ei, d]);
-            shapes.insert(format!("{p}.block_sparse_moe.output_linear.weight"), vec![e, d, ei]);
+            if let Some(b) = mlp_block {
+                let p = names.block(b);
+                shapes.insert(format!("{p}.shared_mlp.input_linear.weight"), vec![2 * inner, d]);
+                shapes.insert(format!("{p}.shared_mlp.output_linear.weight"), vec![d, inner]);
+                shapes.insert(format!("{p}.feed_forward.gate_proj.weight"), vec![inner, d]);
+                shapes.insert(format!("{p}.feed_forward.up_proj.weight"), vec![inner, d]);
+                shapes.insert(format!("{p}.feed_forward.down_proj.weight"), vec![d, inner]);
+                shapes.insert(format!("{p}.mixer.up_proj.weight"), vec![inner, d]);
+                shapes.insert(format!("{p}.mixer.down_proj.weight"), vec![d, inner]);
+            }
+            let (e, ei, p) = (c.n_experts, c.expert_intermediate, format!("model.layers.{i}.block_sparse_moe"));
+            shapes.insert(format!("{p}.router.layer.weight"), vec![e, d]);
+            shapes.insert(format!("{p}.input_linear.weight"), vec![e, 2 * ei, d]);
+            shapes.insert(format!("{p}.output_linear.weight"), vec![e, d, ei]);
         }
-        write_checkpoint(dir, &c.to_hf_json(), &shapes, |f| self.for_each(c.family, |name, data| f(name, data)))
+        write_checkpoint(dir, &c.to_hf_json(), &shapes, |f| self.for_each(c, |name, data| f(name, data)))
     }
 }
 
-/// The tensor names that differ between the families.
+/// The tensor names of a family, by the checkpoint's block index (see
+/// [`GraniteHybridConfig::hf_blocks`]).
 struct Names {
-    /// The RMSNorm before each layer's MLP, after `model.layers.{i}.`.
-    post_norm: &'static str,
-    /// The final RMSNorm.
-    norm_f: &'static str,
+    family: HybridFamily,
+    /// What the model's tensors are under: `model` (a Nemotron-H checkpoint from the hub:
+    /// `backbone`).
+    prefix: &'static str,
 }
 
 impl Names {
-    fn of(family: HybridFamily) -> Self {
-        match family {
-            HybridFamily::Granite => Names { post_norm: "post_attention_layernorm", norm_f: "model.norm.weight" },
-            HybridFamily::Bamba => Names { post_norm: "pre_ff_layernorm", norm_f: "model.final_layernorm.weight" },
+    /// The names picaso writes (and fingerprints): the hub's.
+    fn writing(family: HybridFamily) -> Self {
+        Names { family, prefix: if family == HybridFamily::NemotronH { "backbone" } else { "model" } }
+    }
+    fn embedding(&self) -> String {
+        match self.family {
+            HybridFamily::NemotronH => format!("{}.embeddings.weight", self.prefix),
+            _ => format!("{}.embed_tokens.weight", self.prefix),
+        }
+    }
+    fn block(&self, b: usize) -> String {
+        format!("{}.layers.{b}", self.prefix)
+    }
+    fn input_norm(&self, b: usize) -> String {
+        match self.family {
+            HybridFamily::NemotronH => format!("{}.norm.weight", self.block(b)),
+            _ => format!("{}.input_layernorm.weight", self.block(b)),
+        }
+    }
+    /// The Mamba mixer's tensors' prefix.
+    fn mamba(&self, b: usize) -> String {
+        match self.family {
+            HybridFamily::NemotronH => format!("{}.mixer", self.block(b)),
+            _ => format!("{}.mamba", self.block(b)),
+        }
+    }
+    /// The attention's projections' prefix.
+    fn attention(&self, b: usize) -> String {
+        match self.family {
+            HybridFamily::NemotronH => format!("{}.mixer", self.block(b)),
+            _ => format!("{}.self_attn", self.block(b)),
+        }
+    }
+    /// The RMSNorm before the MLP of block `b`.
+    fn post_norm(&self, b: usize) -> String {
+        let name = match self.family {
+            HybridFamily::Granite => "post_attention_layernorm",
+            HybridFamily::Bamba => "pre_ff_layernorm",
+            HybridFamily::NemotronH => "norm",
+        };
+        format!("{}.{name}.weight", self.block(b))
+    }
+    fn norm_f(&self) -> String {
+        match self.family {
+            HybridFamily::Granite => format!("{}.norm.weight", self.prefix),
+            HybridFamily::Bamba => format!("{}.final_layernorm.weight", self.prefix),
+            HybridFamily::NemotronH => format!("{}.norm_f.weight", self.prefix),
         }
     }
 }

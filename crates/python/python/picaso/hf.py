@@ -14,9 +14,11 @@ its `DynamicCache` (a linear-attention layer per Mamba layer: `recurrent_states`
     >>> back = hf.from_cache(hf.output_cache(out), hf_model, fingerprint=model.fingerprint,
     ...                      n_tokens=..., log_decays=hf.log_decays(hf_model, input_ids))
 
-A hybrid's state (GraniteMoeHybridForCausalLM, BambaForCausalLM) moves the same way: its Mamba layers as above,
-each attention layer's keys and values (kv_heads, tokens, head_dim) into the cache's attention
-layer. Pass `position_ids=hf.position_ids(state, n)` to a RoPE hybrid's forward: transformers
+A hybrid's state (GraniteMoeHybridForCausalLM, BambaForCausalLM, NemotronHForCausalLM) moves the same way: its
+Mamba layers as above, each attention layer's keys and values (kv_heads, tokens, head_dim) into
+the cache's attention layer. A Nemotron-H model's `mlp` blocks hold no state: picaso's layer j is
+its j-th Mamba or attention block (each `mlp` block joins the one before it), and the cache's
+layer index is the block's. Pass `position_ids=hf.position_ids(state, n)` to a RoPE hybrid's forward: transformers
 counts positions from its cache's first layer, a Mamba layer that holds none, and a composed
 state continues at `state.position` (its longest part's length), not at its token count.
 
@@ -59,24 +61,28 @@ def position_ids(state: State, n: int):
     return torch.arange(state.position, state.position + n)[None]
 
 
-def _layer_types(config):
-    """"mamba" / "attention" per layer: a hybrid's `layer_types` (either spelling), else all Mamba."""
+def _layers(config):
+    """(cache layer index, "mamba" / "attention") per picaso layer, from a hybrid's `layer_types`
+    (either spelling; a Nemotron-H model's `mlp` blocks hold no state and are skipped), else all
+    Mamba."""
     types = getattr(config, "layer_types", None)
     if not types:
-        return ["mamba"] * config.num_hidden_layers
-    names = {"mamba": "mamba", "linear_attention": "mamba", "attention": "attention", "full_attention": "attention"}
+        return [(i, "mamba") for i in range(config.num_hidden_layers)]
+    names = {"mamba": "mamba", "linear_attention": "mamba", "attention": "attention", "full_attention": "attention",
+             "mlp": None}
     unknown = sorted({t for t in types if t not in names})
     if unknown:
-        raise InvalidArgument(f"unknown layer types {unknown} in the model's config")
-    return [names[t] for t in types]
+        raise InvalidArgument(f"layer types {unknown} in the model's config are not ones picaso runs")
+    return [(i, names[t]) for i, t in enumerate(types) if names[t] is not None]
 
 
-def _layers_of(cache, types):
+def _cache_layers(cache, config):
+    """The cache's layer objects, checked against the model's blocks."""
     layers = getattr(cache, "layers", None)
+    blocks = _layers(config)
     wanted = {"mamba": "recurrent_states", "attention": "keys"}
-    if layers is None or len(layers) != len(types) or not all(
-        hasattr(layer, wanted[t]) for layer, t in zip(layers, types)
-    ):
+    n = len(getattr(config, "layer_types", None) or []) or config.num_hidden_layers
+    if layers is None or len(layers) != n or not all(hasattr(layers[i], wanted[t]) for i, t in blocks):
         raise InvalidArgument(
             "expected a transformers >= 5 DynamicCache of this Mamba or hybrid model (a linear-attention "
             f"layer per Mamba layer, an attention layer per attention layer); got {type(cache).__name__}"
@@ -86,14 +92,15 @@ def _layers_of(cache, types):
 
 def to_cache(state: State, hf_model, *, dtype=None, device=None):
     """A transformers `DynamicCache` holding `state`, for `hf_model` (a Mamba2ForCausalLM,
-    MambaForCausalLM, GraniteMoeHybridForCausalLM or BambaForCausalLM of the same checkpoint as the picaso model
-    that made the state). Pass it with `cache_kwargs(hf_model, cache)`; the model continues
+    MambaForCausalLM, GraniteMoeHybridForCausalLM, BambaForCausalLM or NemotronHForCausalLM of the same checkpoint
+    as the picaso model that made the state). Pass it with `cache_kwargs(hf_model, cache)`; the model continues
     exactly where the state stopped."""
     import torch
     from transformers import DynamicCache
 
     config = hf_model.config
-    types = _layer_types(config)
+    blocks = _layers(config)
+    types = [t for _, t in blocks]
     if state.n_layers != len(types) or list(state.layer_types) != types:
         raise InvalidArgument(
             f"the state's layers ({state.n_layers}: {_summary(state.layer_types)}) do not match the model's "
@@ -105,16 +112,16 @@ def to_cache(state: State, hf_model, *, dtype=None, device=None):
     device = device or param.device
     tensor = lambda a: torch.from_numpy(np.array(a, dtype=np.float32)).to(dtype=dtype, device=device)  # noqa: E731
     cache = DynamicCache(config=config)
-    for i, kind in enumerate(types):
+    for j, (i, kind) in enumerate(blocks):  # picaso's layer j is the cache's layer i
         if kind == "attention":
-            cache.layers[i].update(tensor(state.keys(i))[None], tensor(state.values(i))[None])
+            cache.layers[i].update(tensor(state.keys(j))[None], tensor(state.values(j))[None])
             continue
-        conv = np.asarray(state.conv(i))
+        conv = np.asarray(state.conv(j))
         # transformers keeps d_conv columns; the oldest never reaches an output, so it is zero.
         full = torch.zeros((1, conv.shape[0], conv.shape[1] + 1), dtype=dtype, device=device)
         full[0, :, 1:] = tensor(conv)
         cache.update_conv_state(full, layer_idx=i)
-        cache.update_recurrent_state(tensor(state.ssm(i))[None], layer_idx=i)
+        cache.update_recurrent_state(tensor(state.ssm(j))[None], layer_idx=i)
         if hybrid:  # the hybrid's mixer reads a cached conv state only when told there is one
             cache.layers[i].has_previous_state[0] = True
     return cache
@@ -129,13 +136,15 @@ def from_cache(cache, hf_model, *, fingerprint: str, n_tokens: int, log_decays=N
     """The picaso `State` in row `batch_index` of a transformers Mamba or hybrid cache.
 
     `fingerprint` is the picaso model's (`Model.fingerprint`), `n_tokens` the tokens the cache
-    has seen, `log_decays` one array per layer (from `log_decays()`); without them the state
-    continues exactly but carries zero log-decays, so composing it weighs it wrongly (soup aside).
+    has seen, `log_decays` one array per picaso layer (from `log_decays()`); without them the
+    state continues exactly but carries zero log-decays, so composing it weighs it wrongly (soup
+    aside).
     """
-    types = _layer_types(hf_model.config)
-    layers = _layers_of(cache, types)
+    blocks = _layers(hf_model.config)
+    layers = _cache_layers(cache, hf_model.config)
     out = []
-    for i, (layer, kind) in enumerate(zip(layers, types)):
+    for j, (i, kind) in enumerate(blocks):
+        layer = layers[i]
         if kind == "attention":
             if layer.keys is None or layer.keys.numel() == 0:
                 raise InvalidArgument(f"layer {i} of the cache is empty: run the model on some tokens first")
@@ -150,15 +159,15 @@ def from_cache(cache, hf_model, *, fingerprint: str, n_tokens: int, log_decays=N
         if log_decays is None:
             ld = np.zeros(ssm.shape[:1] if ssm.ndim == 3 else ssm.shape, dtype=np.float32)
         else:
-            ld = np.asarray(log_decays[i], dtype=np.float32)
+            ld = np.asarray(log_decays[j], dtype=np.float32)
         out.append((np.ascontiguousarray(ssm, dtype=np.float32), np.ascontiguousarray(conv, dtype=np.float32), ld))
     return State.from_arrays(out, fingerprint=fingerprint, n_tokens=n_tokens)
 
 
 def log_decays(hf_model, input_ids, *, batch_index: int = 0):
-    """Per layer, the log of the decay accumulated over `input_ids` (what a picaso state's
-    `log_decay` holds): Mamba-2 Σ_t dt_t,h · A_h per head, Mamba-1 Σ_t dt_t,d · A_d,n; None for
-    a hybrid's attention layers. Runs the model once, reading each mixer's time steps."""
+    """Per picaso layer, the log of the decay accumulated over `input_ids` (what a picaso
+    state's `log_decay` holds): Mamba-2 Σ_t dt_t,h · A_h per head, Mamba-1 Σ_t dt_t,d · A_d,n;
+    None for a hybrid's attention layers. Runs the model once, reading each mixer's time steps."""
     import torch
     import torch.nn.functional as F
 
@@ -166,8 +175,10 @@ def log_decays(hf_model, input_ids, *, batch_index: int = 0):
     hooks = []
     if hasattr(hf_model, "backbone"):
         mixers = [layer.mixer for layer in hf_model.backbone.layers]
-    else:  # a hybrid: each layer has a `mamba` mixer or None
-        mixers = [getattr(layer, "mamba", None) for layer in hf_model.model.layers]
+    else:  # a hybrid: a Mamba layer's mixer is `mamba` (Granite, Bamba) or `mixer` (Nemotron-H)
+        blocks = hf_model.model.layers
+        mamba = lambda b: b.mamba if hasattr(b, "mamba") else b.mixer  # noqa: E731
+        mixers = [mamba(blocks[i]) if kind == "mamba" else None for i, kind in _layers(hf_model.config)]
     for i, mixer in enumerate(mixers):
         if mixer is None:
             continue
