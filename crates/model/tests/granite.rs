@@ -453,10 +453,12 @@ fn nemotron_h_spellings_read_the_same_and_write_back() {
 /// attention or MLP biases, a letter the pattern does not have.
 #[test]
 fn unsupported_nemotron_h_options_are_refused_by_name() {
-    let cases: [(&str, serde_json::Value, &str); 8] = [
+    let cases: [(&str, serde_json::Value, &str); 10] = [
+        ("tie_word_embeddings", serde_json::json!(true), "tie_word_embeddings"),
+        ("sliding_window", serde_json::json!(4096), "sliding_window"),
         ("hybrid_override_pattern", serde_json::json!("M*-M-E"), "`moe` block"),
-        ("hybrid_override_pattern", serde_json::json!("-M*M"), "no mixer block before it"),
-        ("hybrid_override_pattern", serde_json::json!("M*--M"), "block 3 is an `mlp` block"),
+        ("hybrid_override_pattern", serde_json::json!("-M*M"), "with no block before it"),
+        ("hybrid_override_pattern", serde_json::json!("M*--M"), "block 3 is an `mlp` block with another"),
         ("hybrid_override_pattern", serde_json::json!("M*-X"), "hybrid_override_pattern[3]"),
         ("hybrid_override_pattern", serde_json::json!("*-*-"), "no mamba layer"),
         ("mlp_hidden_act", serde_json::json!("silu"), "mlp_hidden_act"),
@@ -476,4 +478,62 @@ fn unsupported_nemotron_h_options_are_refused_by_name() {
         let err = Model::load(dir.path(), &opts).unwrap_err().to_string();
         assert!(err.contains(want) && err.contains("config.json"), "{key}: {err}");
     }
+}
+
+/// Nemotron-H configs shaped as the hub ships them: Nemotron Nano 2's mixers are wider than
+/// `expand` × the model (128 heads × 80 against 2 × 4,480; transformers takes the width from the
+/// heads alone), and Nemotron-H 8B spells the attention's head width `attention_head_dim`. Both
+/// read with transformers' meaning; a small model of Nano 2's kind (heads × width ≠ expand ×
+/// d_model) runs, continues its own states exactly, and writes back its own `expand`.
+#[test]
+fn nemotron_h_configs_read_as_transformers_reads_them() {
+    let read = |cfg: serde_json::Value| {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("config.json");
+        std::fs::write(&path, cfg.to_string()).unwrap();
+        match picaso_model::ModelConfig::from_file(&path).unwrap() {
+            picaso_model::ModelConfig::GraniteHybrid(c) => c,
+            other => panic!("read as {other:?}"),
+        }
+    };
+    let nano2 = read(serde_json::json!({
+        "model_type": "nemotron_h", "hidden_size": 4480, "vocab_size": 131072, "num_hidden_layers": 8,
+        "hybrid_override_pattern": "M-M*-M-M", "num_attention_heads": 40, "num_key_value_heads": 8,
+        "head_dim": 128, "intermediate_size": 15680, "mamba_num_heads": 128, "mamba_head_dim": 80,
+        "n_groups": 8, "ssm_state_size": 128, "conv_kernel": 4, "expand": 2, "use_bias": false,
+        "use_conv_bias": true, "mlp_hidden_act": "relu2", "layer_norm_epsilon": 1e-5,
+        "time_step_limit": [0.0, {"__float__": "Infinity"}], "tie_word_embeddings": false
+    }));
+    assert_eq!((nano2.mamba.d_inner(), nano2.mamba.expand, nano2.head_dim), (10240, 2, 128));
+    assert_eq!(nano2.hf_blocks(), [(0, Some(1)), (2, None), (3, Some(4)), (5, Some(6)), (7, None)]);
+    let h8b = read(serde_json::json!({
+        "model_type": "nemotron_h", "hidden_size": 4096, "vocab_size": 131072, "num_hidden_layers": 4,
+        "hybrid_override_pattern": "M-*-", "num_attention_heads": 32, "num_key_value_heads": 8,
+        "attention_head_dim": 128, "intermediate_size": 21504, "mamba_num_heads": 128, "mamba_head_dim": 64,
+        "mamba_n_groups": 8, "ssm_state_size": 128, "mamba_d_conv": 4, "expand": 2, "tie_word_embeddings": false
+    }));
+    assert_eq!((h8b.head_dim, h8b.n_kv_heads, h8b.mamba.n_groups), (128, 8, 8));
+
+    // A small model of Nano 2's kind: 8 heads × 12 = 96 channels where expand × d_model is 80.
+    let src = fixture_dir("granite", "nemotron-h-g2").join("hf");
+    let map: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    let base = picaso_model::GraniteHybridConfig::from_nemotron_h(&src.join("config.json"), &map).unwrap();
+    let mut c = base.clone();
+    c.d_model = 40;
+    c.mamba.d_model = 40;
+    let w = picaso_model::GraniteHybridWeights::random(&c, 3);
+    let dir = tempfile::tempdir().unwrap();
+    w.save_pretrained(dir.path(), &c).unwrap();
+    let written: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("config.json")).unwrap()).unwrap();
+    assert_eq!((written["expand"].as_u64(), written["mamba_num_heads"].as_u64()), (Some(2), Some(8)));
+    let m = load_from(dir.path());
+    let tokens: Vec<u32> = (0..24).map(|i| (i * 7 + 3) % 83).collect();
+    let whole = m.score(&tokens, &m.zero_state()).unwrap().logprobs;
+    assert!(whole.iter().all(|x| x.is_finite() && *x < 0.0));
+    let head = m.prefill(&tokens[..10], &m.zero_state()).unwrap();
+    let tail = m.score(&tokens[10..], &head).unwrap().logprobs;
+    let err = max_abs_diff(&tail, &whole[10..]);
+    assert!(err < 1e-5, "the Markov property: {err}");
 }

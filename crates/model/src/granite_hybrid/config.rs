@@ -25,8 +25,9 @@ pub enum LayerKind {
 }
 
 /// Which transformers class a hybrid's checkpoint is written for: it decides the config's
-/// keys and the tensors' names, never the computation (a Bamba model is a Granite 4.0 H model
-/// whose multipliers are 1, with no experts and partial RoPE).
+/// keys and the tensors' names (a Bamba model is a Granite 4.0 H model whose multipliers are 1,
+/// with no experts and partial RoPE), and for Nemotron-H how its blocks make picaso's layers
+/// and that its MLPs are relu² (checked by [`GraniteHybridConfig::validate`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum HybridFamily {
@@ -63,7 +64,7 @@ pub enum MlpKind {
     Relu2,
 }
 
-/// Everything that shapes a Granite 4.0 H (or Bamba) model.
+/// Everything that shapes a Granite 4.0 H, Bamba or Nemotron-H model.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct GraniteHybridConfig {
     /// The checkpoint's class: its config keys and tensor names.
@@ -317,10 +318,11 @@ impl GraniteHybridConfig {
                 }
                 '-' if i > 0 && blocks[i - 1] != '-' => {}
                 '-' => {
+                    let before = if i == 0 { "no block before it" } else { "another `mlp` block before it" };
                     return Err(bad(format!(
-                        "block {i} is an `mlp` block with no mixer block before it; picaso reads each `mlp` block \
-                         as the MLP of the Mamba or attention block it follows"
-                    )))
+                        "block {i} is an `mlp` block with {before}; picaso reads each `mlp` block as the MLP of \
+                         the Mamba or attention block it follows"
+                    )));
                 }
                 _ => {
                     return Err(bad(format!(
@@ -348,13 +350,30 @@ impl GraniteHybridConfig {
                 return Err(bad(format!("`{key}: true` is not supported by picaso")));
             }
         }
+        // transformers 5 never ties a Nemotron-H head to the embeddings (its remote code does):
+        // with two references that disagree, picaso does not guess.
+        if f.bool_or("tie_word_embeddings", false)? {
+            return Err(bad("`tie_word_embeddings: true` on a Nemotron-H model: transformers keeps its own \
+                 `lm_head` and the hub's remote code ties it, so picaso runs neither"
+                .into()));
+        }
+        if !matches!(map.get("sliding_window"), None | Some(Value::Null)) {
+            return Err(bad(
+                "`sliding_window` on a Nemotron-H model is not supported by picaso (full attention only)".into()
+            ));
+        }
         let d_model = f.usize("hidden_size")?;
         let n_heads = f.usize("num_attention_heads")?;
-        let head_dim = f.usize_or("head_dim", d_model / n_heads.max(1))?;
+        // The hub's configs spell it `attention_head_dim`; transformers' default is 128.
+        let head_dim = match (map.get("head_dim"), map.get("attention_head_dim")) {
+            (Some(v), _) if !v.is_null() => f.usize("head_dim")?,
+            (_, Some(v)) if !v.is_null() => f.usize("attention_head_dim")?,
+            _ => 128,
+        };
         let norm_eps = f.f64_or("layer_norm_epsilon", 1e-5)?;
-        // transformers renames the hub's `mamba_*` spellings; either is read.
+        // transformers reads the hub's older `mamba_*` spellings first, where present.
         let either = |new: &str, old: &str| {
-            if map.contains_key(old) && !map.contains_key(new) {
+            if map.contains_key(old) {
                 old.to_string()
             } else {
                 new.to_string()
@@ -387,7 +406,12 @@ impl GraniteHybridConfig {
             layers,
             mamba,
             n_heads,
-            n_kv_heads: f.usize_or("num_key_value_heads", n_heads)?,
+            // transformers' defaults: 8 when absent, all heads when null.
+            n_kv_heads: match map.get("num_key_value_heads") {
+                None => 8,
+                Some(Value::Null) => n_heads,
+                Some(_) => f.usize("num_key_value_heads")?,
+            },
             head_dim,
             attention_multiplier: 1.0 / (head_dim as f64).sqrt(),
             rope_theta: None,
@@ -439,7 +463,7 @@ impl GraniteHybridConfig {
     pub fn validate(&self, path: &Path) -> Result<()> {
         let bad = |m: String| Err(Error::config(path, m));
         if self.n_mamba() > 0 {
-            self.mamba.validate(path)?;
+            self.mamba.validate_with(path, self.family != HybridFamily::NemotronH)?;
         }
         for (name, v) in [
             ("hidden_size", self.d_model),
@@ -491,12 +515,13 @@ impl GraniteHybridConfig {
             let scale = 1.0 / (self.head_dim as f64).sqrt();
             if self.rope_theta.is_some()
                 || self.n_experts > 0
+                || self.tie_embeddings
                 || self.mlp_kind != MlpKind::Relu2
                 || (self.embedding_multiplier, self.residual_multiplier, self.logits_scaling) != (1.0, 1.0, 1.0)
                 || (self.attention_multiplier - scale).abs() > 1e-12 * scale
             {
-                return bad("a Nemotron-H model has NoPE attention at the softmax scale 1/√head_dim, relu² MLPs, no \
-                     experts and no multipliers; this config sets one of them otherwise"
+                return bad("a Nemotron-H model has NoPE attention at the softmax scale 1/√head_dim, relu² MLPs, an \
+                     untied head, no experts and no multipliers; this config sets one of them otherwise"
                     .into());
             }
         } else if self.mlp_kind != MlpKind::SwiGlu || !self.without_mlp.is_empty() {

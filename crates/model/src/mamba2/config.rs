@@ -191,6 +191,13 @@ impl Mamba2Config {
 
     /// Checks the sizes fit together; called by every constructor.
     pub fn validate(&self, path: &Path) -> Result<()> {
+        self.validate_with(path, true)
+    }
+
+    /// [`Mamba2Config::validate`], with `expand` held to `nheads · headdim / d_model` only when
+    /// `expand_sets_width` (Nemotron-H's mixers take their width from the heads alone, and its
+    /// configs keep an `expand` that no longer matches them).
+    pub fn validate_with(&self, path: &Path, expand_sets_width: bool) -> Result<()> {
         let bad = |m: String| Err(Error::config(path, m));
         let (d, l) = (self.d_model as u128, self.n_layer as u128);
         let inner = self.nheads as u128 * self.headdim as u128;
@@ -212,7 +219,7 @@ impl Mamba2Config {
                 + l * (d * (2 * inner + conv + self.nheads as u128) + conv * self.d_conv as u128),
             l * (inner * self.d_state as u128 + conv * self.d_conv as u128 + self.nheads as u128),
         )?;
-        if self.nheads * self.headdim != self.expand * self.d_model {
+        if expand_sets_width && self.nheads * self.headdim != self.expand * self.d_model {
             return bad(format!(
                 "num_heads ({}) * head_dim ({}) must equal expand ({}) * hidden size ({})",
                 self.nheads, self.headdim, self.expand, self.d_model

@@ -175,6 +175,11 @@ def log_decays(hf_model, input_ids, *, batch_index: int = 0):
     hooks = []
     if hasattr(hf_model, "backbone"):
         mixers = [layer.mixer for layer in hf_model.backbone.layers]
+        if not all(hasattr(m, "in_proj") or hasattr(m, "x_proj") for m in mixers):
+            raise InvalidArgument(
+                "a model whose `backbone` holds other blocks than Mamba ones (a remote-code hybrid?): load it "
+                "with transformers' own class (without trust_remote_code)"
+            )
     else:  # a hybrid: a Mamba layer's mixer is `mamba` (Granite, Bamba) or `mixer` (Nemotron-H)
         blocks = hf_model.model.layers
         mamba = lambda b: b.mamba if hasattr(b, "mamba") else b.mixer  # noqa: E731
