@@ -2,13 +2,16 @@
 """Combines the four `picaso eval wikitext` runs of scripts/retriever_ablation.sh into
 results/retrievers: results.json, results.md and retrievers.png (improvement over Naive of
 PICASO-R and Concat, with paired 95% intervals, and recall of the true neighbouring segment,
-per retriever and k).
+per retriever and k; and each retriever against MiniLM, paired over the same passages from the
+runs' per-passage journals).
 
   /work/venv/bin/python scripts/retriever_ablation.py --runs /work/retr-runs/eval-200 --out results/retrievers
 """
 
 import argparse
 import json
+import math
+import statistics
 from pathlib import Path
 
 RETRIEVERS = [
@@ -73,7 +76,44 @@ def summarise(runs):
     return table
 
 
-def markdown(table, command):
+def per_passage(path: Path):
+    """The run's per-passage journal: the passages' ids (its header) and, per passage, Naive's
+    loss and each (method, k)'s loss."""
+    lines = path.read_text().splitlines()
+    header = json.loads(lines[0])
+    rows = []
+    for line in lines[1:]:
+        p = json.loads(line)
+        rows.append((p["naive"], {(c[0], c[1]): c[2] for c in p["cells"]}))
+    return header["queries"], rows
+
+
+def against_base(runs_dir: Path, table, base="minilm"):
+    """Each retriever's gain minus `base`'s, per method and k, as % of Naive's mean loss with a
+    paired 95% interval over the same passages (positive: the retriever beats `base`)."""
+    if base not in table or not (runs_dir / base / "passages.jsonl").is_file():
+        return {}
+    queries, base_rows = per_passage(runs_dir / base / "passages.jsonl")
+    naive = statistics.mean(n for n, _ in base_rows)
+    out = {}
+    for name in table:
+        path = runs_dir / name / "passages.jsonl"
+        if name == base or not path.is_file():
+            continue
+        q, rows = per_passage(path)
+        assert q == queries and len(rows) == len(base_rows), f"{name} scored other passages than {base}"
+        out[name] = {}
+        for m in METHODS:
+            cells = []
+            for k in sorted({k for (mm, k) in base_rows[0][1] if mm == m}):
+                d = [(b[1][(m, k)] - r[1][(m, k)]) for b, r in zip(base_rows, rows)]
+                ci = 1.96 * statistics.stdev(d) / math.sqrt(len(d))
+                cells.append({"k": k, "gain_pct": 100 * statistics.mean(d) / naive, "gain_pct_ci95": 100 * ci / naive})
+            out[name][m] = cells
+    return out
+
+
+def markdown(table, command, versus=None):
     first = next(iter(table.values()))
     sample = first["passages"] < first["passages_available"]
     md = ["# Retriever ablation: WikiText-2 raw test, k = 1..10", ""]
@@ -114,6 +154,19 @@ def markdown(table, command):
     for t in table.values():
         md.append(f"| {t['retriever']} | {t['neighbour_passages']} | " + " | ".join(f"{r:.3f}" for _, r in t["neighbour_recall"]) + " |")
     md.append("")
+    if versus:
+        md.append(
+            "Each retriever against dense all-MiniLM-L6-v2 (its gain minus MiniLM's, % of Naive's loss, paired 95% "
+            "interval over the same passages; positive: the retriever beats MiniLM):"
+        )
+        md.append("")
+        md.append("| retriever | method | " + " | ".join(f"k={k}" for k in ks) + " |")
+        md.append("|---|---|" + "---:|" * len(ks))
+        for name, by_method in versus.items():
+            for m in METHODS:
+                cells = [f"{c['gain_pct']:+.2f} ± {c['gain_pct_ci95']:.2f}" for c in by_method[m]]
+                md.append(f"| {table[name]['retriever']} | {m} | " + " | ".join(cells) + " |")
+        md.append("")
     md.append("The paper's third retriever, averaged GloVe vectors, is not reachable offline here and is left out.")
     return "\n".join(md) + "\n"
 
@@ -161,9 +214,11 @@ def main():
     if not runs:
         raise SystemExit(f"no finished run under {args.runs}")
     table = summarise(runs)
+    versus = against_base(args.runs, table)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps({"command": args.command, "retrievers": table}, indent=1) + "\n")
-    (args.out / "results.md").write_text(markdown(table, args.command))
+    summary = {"command": args.command, "retrievers": table, "against_minilm": versus}
+    (args.out / "results.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (args.out / "results.md").write_text(markdown(table, args.command, versus))
     for name in table:
         # Each run's own report (every method's table, the contrasts), beside the summary.
         (args.out / "runs" / name).mkdir(parents=True, exist_ok=True)
