@@ -99,6 +99,17 @@ CASES = {
         mamba_num_heads=8, mamba_head_dim=12, n_groups=2, ssm_state_size=10, chunk_size=16, use_bias=True,
         vocab_size=83, time_step_limit=(0.001, 0.25), tie_word_embeddings=False,
     ),
+    # Nemotron 3: routed experts (`moe` blocks: sigmoid router with a correction bias, 2 groups of
+    # which 1 is kept, 2 of 6 relu² experts, scaled weights, a shared expert) beside an `mlp` block
+    "nemotron-h-moe-g2": dict(
+        family="nemotron_h", seed=2005, hidden_size=48, layers_block_type=[
+            "mamba", "moe", "attention", "mlp", "mamba", "moe"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=12, intermediate_size=40,
+        mamba_num_heads=8, mamba_head_dim=12, n_groups=2, ssm_state_size=10, chunk_size=16,
+        n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=16,
+        moe_shared_expert_intermediate_size=20, n_group=2, topk_group=1, norm_topk_prob=True,
+        routed_scaling_factor=1.5, vocab_size=79, time_step_limit=(0.0, float("inf")), tie_word_embeddings=False,
+    ),
 }
 
 
@@ -111,7 +122,20 @@ class Float64Granite(Float64Everywhere):
         if args and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float64:
             if kwargs.get("dtype") is torch.float32:
                 kwargs["dtype"] = torch.float64
+            # Nemotron 3's router casts with `.type(torch.float32)`.
+            if func is torch.Tensor.type and len(args) > 1 and args[1] is torch.float32:
+                return args[0]
         return super().__torch_function__(func, types, args, kwargs)
+
+
+def float64_routers(model):
+    """Nemotron 3's router keeps its weight and correction bias in float32 whatever the model's
+    dtype: made float64 too, so the reference routes in float64."""
+    for m in model.modules():
+        if type(m).__name__ == "NemotronHTopkRouter":
+            m.weight.data = m.weight.data.double()
+            m.e_score_correction_bias.data = m.e_score_correction_bias.data.double()
+    return model
 
 
 def make_config(case: dict):
@@ -126,7 +150,7 @@ def make_config(case: dict):
 def load_kw(case: dict) -> dict:
     """The eager (reference) implementations."""
     kw = {"attn_implementation": "eager"}
-    if case.get("family") not in ("bamba", "nemotron_h"):
+    if case.get("family") != "bamba":
         kw["experts_implementation"] = "eager"
     return kw
 
@@ -157,7 +181,9 @@ def random_value(name: str, shape, gen: torch.Generator) -> torch.Tensor:
         return normal(0.0, 0.2)
     if name.endswith("router.weight"):
         return normal(0.0, 0.5)
-    if name.endswith("weight") or name.endswith("gate_up_proj") or name.endswith("down_proj"):
+    if name.endswith("e_score_correction_bias"):
+        return normal(0.0, 0.3)
+    if name.endswith("weight") or name.endswith("gate_up_proj") or name.endswith("up_proj") or name.endswith("down_proj"):
         return normal(0.0, 0.2)
     raise KeyError(f"no random rule for parameter {name}")
 
@@ -170,6 +196,9 @@ def build_model(config, case):
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(random_value(name, p.shape, gen))
+        for name, b in model.named_buffers():  # Nemotron 3's router correction bias
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(random_value(name, b.shape, gen))
     return model
 
 
@@ -360,7 +389,7 @@ def main():
             hub_config(model32, out / "hf")
         elif case["family"] == "nemotron_h":
             nemotron_hub_config(model32, out / "hf")
-        ref = model_class(case).from_pretrained(out / "hf", dtype=torch.float64, **load_kw(case)).eval()
+        ref = float64_routers(model_class(case).from_pretrained(out / "hf", dtype=torch.float64, **load_kw(case)).eval())
         gen = torch.Generator().manual_seed(case["seed"] + 7)
         tokens = torch.randint(0, config.vocab_size, (SEQ_LEN,), generator=gen, dtype=torch.int64)
         logits, _, _ = hf_run(ref, tokens)
@@ -376,7 +405,7 @@ def main():
                 checks[f"continue_from_{tag}"] = max_diff(cont, logits[n:])
         # How far rounding the large matrices to bf16 alone moves the log-probs: the scale
         # picaso's bf16 weights are held to (a model's sensitivity to it varies a lot).
-        rounded = model_class(case).from_pretrained(out / "hf", dtype=torch.float64, **load_kw(case)).eval()
+        rounded = float64_routers(model_class(case).from_pretrained(out / "hf", dtype=torch.float64, **load_kw(case)).eval())
         with torch.no_grad():
             for pname, p in rounded.named_parameters():
                 if p.dim() >= 2 and "conv1d" not in pname:
