@@ -21,6 +21,8 @@ pub enum CheckpointFormat {
 }
 
 /// The config of any supported architecture, as detected from `config.json`.
+// A hybrid's config is a few hundred bytes more than the others, and a model holds one.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq)]
 pub enum ModelConfig {
     /// Mamba-1 (`model_type: "mamba"`, or a state-spaces config whose `ssm_cfg.layer` is absent

@@ -9,7 +9,7 @@ mod common;
 use common::*;
 use picaso_model::{compose, Composition, Model, State, StateDtype};
 
-const CASES: [&str; 4] = ["dense-nope-g1", "moe-rope-g2", "bamba-rope-g2", "nemotron-h-g2"];
+const CASES: [&str; 5] = ["dense-nope-g1", "moe-rope-g2", "bamba-rope-g2", "nemotron-h-g2", "nemotron-h-moe-g2"];
 
 fn model(case: &str) -> Model {
     load_from(&fixture_dir("granite", case).join("hf"))
@@ -369,12 +369,12 @@ fn a_hub_style_bamba_config_reads_the_same() {
 }
 
 /// Copies a fixture's model into a temporary folder with `config.json` edited by `edit` and
-/// each tensor renamed by `rename` (`None` drops it), plus `extra` tensors.
+/// each tensor renamed by `rename` (`None` drops it), plus `extra` f32 tensors (name, shape, data).
 fn edited_copy(
     case: &str,
     edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>),
     rename: impl Fn(&str) -> Option<String>,
-    extra: &[(&str, Vec<f32>)],
+    extra: &[(String, Vec<usize>, Vec<f32>)],
 ) -> tempfile::TempDir {
     use safetensors::tensor::{Dtype, TensorView};
     let src = fixture_dir("granite", case).join("hf");
@@ -385,8 +385,10 @@ fn edited_copy(
     std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
     let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
     let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let extra_bytes: Vec<(String, Vec<u8>, usize)> =
-        extra.iter().map(|(n, v)| (n.to_string(), v.iter().flat_map(|x| x.to_le_bytes()).collect(), v.len())).collect();
+    let extra_bytes: Vec<(String, Vec<u8>, Vec<usize>)> = extra
+        .iter()
+        .map(|(n, shape, v)| (n.clone(), v.iter().flat_map(|x| x.to_le_bytes()).collect(), shape.clone()))
+        .collect();
     let mut views: Vec<(String, TensorView<'_>)> = file
         .tensors()
         .into_iter()
@@ -394,11 +396,25 @@ fn edited_copy(
             rename(&name).map(|n| (n, TensorView::new(view.dtype(), view.shape().to_vec(), view.data()).unwrap()))
         })
         .collect();
-    for (name, data, n) in &extra_bytes {
-        views.push((name.clone(), TensorView::new(Dtype::F32, vec![*n], data).unwrap()));
+    for (name, data, shape) in &extra_bytes {
+        views.push((name.clone(), TensorView::new(Dtype::F32, shape.clone(), data).unwrap()));
     }
     safetensors::serialize_to_file(views, None, &dir.path().join("model.safetensors")).unwrap();
     dir
+}
+
+/// The error loading a fixture's model with `key` set to `value` in its config.
+fn refused_with(case: &str, key: &str, value: serde_json::Value) -> String {
+    let dir = edited_copy(
+        case,
+        |c| {
+            c.insert(key.into(), value);
+        },
+        |n| Some(n.to_string()),
+        &[],
+    );
+    let opts = picaso_model::LoadOptions { skip_tokenizer: true, ..Default::default() };
+    Model::load(dir.path(), &opts).unwrap_err().to_string()
 }
 
 /// A Nemotron-H checkpoint as transformers 5 writes it (the blocks as a `layers_block_type`
@@ -420,7 +436,7 @@ fn nemotron_h_spellings_read_the_same_and_write_back() {
             c.insert("layers_block_type".into(), serde_json::json!(blocks));
         },
         |name| Some(name.replacen("backbone.", "model.", 1)),
-        &[("mtp.layers.0.norm.weight", vec![1.0; 48])],
+        &[("mtp.layers.0.norm.weight".into(), vec![48], vec![1.0; 48])],
     );
     let v5 = load_from(v5.path());
     assert_eq!(hub.fingerprint(), v5.fingerprint());
@@ -453,10 +469,12 @@ fn nemotron_h_spellings_read_the_same_and_write_back() {
 /// attention or MLP biases, a letter the pattern does not have.
 #[test]
 fn unsupported_nemotron_h_options_are_refused_by_name() {
-    let cases: [(&str, serde_json::Value, &str); 10] = [
+    let cases: [(&str, serde_json::Value, &str); 12] = [
+        ("hybrid_override_pattern", serde_json::json!("ME-M"), "block 2 is an `mlp` block with another MLP block"),
+        ("hybrid_override_pattern", serde_json::json!("EM"), "block 0 is an `moe` block with no block before it"),
         ("tie_word_embeddings", serde_json::json!(true), "tie_word_embeddings"),
         ("sliding_window", serde_json::json!(4096), "sliding_window"),
-        ("hybrid_override_pattern", serde_json::json!("M*-M-E"), "`moe` block"),
+        ("hybrid_override_pattern", serde_json::json!("M*-E-M"), "block 3 is an `moe` block with another MLP block"),
         ("hybrid_override_pattern", serde_json::json!("-M*M"), "with no block before it"),
         ("hybrid_override_pattern", serde_json::json!("M*--M"), "block 3 is an `mlp` block with another"),
         ("hybrid_override_pattern", serde_json::json!("M*-X"), "hybrid_override_pattern[3]"),
@@ -466,16 +484,7 @@ fn unsupported_nemotron_h_options_are_refused_by_name() {
         ("mlp_bias", serde_json::json!(true), "mlp_bias"),
     ];
     for (key, value, want) in cases {
-        let dir = edited_copy(
-            "nemotron-h-g2",
-            |c| {
-                c.insert(key.into(), value.clone());
-            },
-            |n| Some(n.to_string()),
-            &[],
-        );
-        let opts = picaso_model::LoadOptions { skip_tokenizer: true, ..Default::default() };
-        let err = Model::load(dir.path(), &opts).unwrap_err().to_string();
+        let err = refused_with("nemotron-h-g2", key, value);
         assert!(err.contains(want) && err.contains("config.json"), "{key}: {err}");
     }
 }
@@ -536,4 +545,76 @@ fn nemotron_h_configs_read_as_transformers_reads_them() {
     let tail = m.score(&tokens[10..], &head).unwrap().logprobs;
     let err = max_abs_diff(&tail, &whole[10..]);
     assert!(err < 1e-5, "the Markov property: {err}");
+}
+
+/// Nemotron 3's experts as transformers 5 holds them (each `moe` block's experts stacked in
+/// one `experts.up_proj` and one `experts.down_proj`) read as the hub's one tensor per expert
+/// do; written back, picaso keeps the hub's spelling, and the copy reloads the same.
+#[test]
+fn nemotron_3_experts_read_in_either_spelling_and_write_back() {
+    let case = "nemotron-h-moe-g2";
+    let e = exp(case);
+    let hub = model(case);
+    let logprobs = |m: &Model| m.score(&e.tokens, &m.zero_state()).unwrap().logprobs;
+    let src = fixture_dir("granite", case).join("hf");
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let f32s = |name: &str| -> Vec<f32> {
+        file.tensor(name)
+            .unwrap()
+            .data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect()
+    };
+    let mut stacked = Vec::new();
+    for block in [1, 5] {
+        for (proj, shape) in [("up_proj", [16, 48]), ("down_proj", [48, 16])] {
+            let all: Vec<f32> = (0..6)
+                .flat_map(|j| f32s(&format!("backbone.layers.{block}.mixer.experts.{j}.{proj}.weight")))
+                .collect();
+            stacked.push((format!("model.layers.{block}.mixer.experts.{proj}"), vec![6, shape[0], shape[1]], all));
+        }
+    }
+    let v5 = edited_copy(
+        case,
+        |_| {},
+        |name| (!name.contains(".experts.")).then(|| name.replacen("backbone.", "model.", 1)),
+        &stacked,
+    );
+    let v5 = load_from(v5.path());
+    assert_eq!(hub.fingerprint(), v5.fingerprint());
+    assert_eq!(logprobs(&hub), logprobs(&v5));
+    let described = hub.config().describe();
+    assert!(described.contains("sigmoid-routed MoE 2 of 6 experts (16) + shared expert 20"), "{described}");
+
+    let path = src.join("config.json");
+    let map: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let c = picaso_model::GraniteHybridConfig::from_nemotron_h(&path, &map).unwrap();
+    assert_eq!((c.moe_layers.clone(), c.without_mlp.clone()), (vec![0, 2], vec![]));
+    let w = picaso_model::GraniteHybridWeights::load(&src, &c).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    w.save_pretrained(dir.path(), &c).unwrap();
+    let written: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("config.json")).unwrap()).unwrap();
+    assert_eq!(written["hybrid_override_pattern"], "ME*-ME");
+    assert_eq!((written["n_group"].as_u64(), written["topk_group"].as_u64()), (Some(2), Some(1)));
+    let copy = load_from(dir.path());
+    assert_eq!(hub.fingerprint(), copy.fingerprint());
+    assert_eq!(logprobs(&hub), logprobs(&copy));
+}
+
+/// What picaso does not run of Nemotron 3's experts is refused by name: experts in a latent
+/// width, groups that do not split the experts.
+#[test]
+fn unsupported_nemotron_3_options_are_refused_by_name() {
+    for (key, value, want) in [
+        ("moe_latent_size", serde_json::json!(8), "moe_latent_size"),
+        ("n_group", serde_json::json!(4), "n_group (4) must split n_routed_experts (6)"),
+        ("topk_group", serde_json::json!(3), "topk_group"),
+    ] {
+        let err = refused_with("nemotron-h-moe-g2", key, value);
+        assert!(err.contains(want) && err.contains("config.json"), "{key}: {err}");
+    }
 }

@@ -310,6 +310,9 @@ impl PretrainFile {
             n_experts: 0,
             top_k: 0,
             expert_intermediate: 0,
+            routing: Default::default(),
+            moe_layers: Vec::new(),
+            moe_shared_intermediate: 0,
             norm_eps: 1e-5,
             tie_embeddings: true,
         }

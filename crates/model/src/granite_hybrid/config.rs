@@ -64,6 +64,29 @@ pub enum MlpKind {
     Relu2,
 }
 
+/// How a token picks its experts.
+#[derive(Debug, Clone, Copy, PartialEq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Routing {
+    /// Granite 4.0 H: the top-k router logits, softmax over those k.
+    #[default]
+    Softmax,
+    /// Nemotron 3 (DeepSeek-V3's rule): sigmoid scores; with the router's correction bias added,
+    /// the experts split into `groups`, each group scored by its two best, the best `keep_groups`
+    /// groups kept, the top-k experts among them chosen; their plain sigmoid scores, divided by
+    /// their sum when `normalize`, times `scale`, are the weights.
+    Sigmoid {
+        /// `n_group`.
+        groups: usize,
+        /// `topk_group`.
+        keep_groups: usize,
+        /// `norm_topk_prob`.
+        normalize: bool,
+        /// `routed_scaling_factor`.
+        scale: f64,
+    },
+}
+
 /// Everything that shapes a Granite 4.0 H, Bamba or Nemotron-H model.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct GraniteHybridConfig {
@@ -113,6 +136,17 @@ pub struct GraniteHybridConfig {
     pub top_k: usize,
     /// Inner width of one expert.
     pub expert_intermediate: usize,
+    /// How tokens pick experts.
+    #[serde(default)]
+    pub routing: Routing,
+    /// The layers with routed experts when not all have them (a Nemotron 3 mixer block followed
+    /// by a `moe` block); empty for Granite 4.0 H, where every layer has them when
+    /// `n_experts > 0`.
+    #[serde(default)]
+    pub moe_layers: Vec<usize>,
+    /// Inner width of the shared expert of a Nemotron 3 `moe` block (its layer's MLP).
+    #[serde(default)]
+    pub moe_shared_intermediate: usize,
     /// Epsilon of every RMSNorm.
     pub norm_eps: f64,
     /// Whether the LM head is the embedding matrix.
@@ -241,6 +275,9 @@ impl GraniteHybridConfig {
             n_experts,
             top_k: if n_experts > 0 { f.usize_or("num_experts_per_tok", 2)? } else { 0 },
             expert_intermediate: if n_experts > 0 { f.usize("intermediate_size")? } else { 0 },
+            routing: Routing::Softmax,
+            moe_layers: Vec::new(),
+            moe_shared_intermediate: 0,
             norm_eps,
         };
         Ok(config)
@@ -300,40 +337,47 @@ impl GraniteHybridConfig {
     /// Reads transformers' `config.json` of a `nemotron_h` model (`NemotronHForCausalLM`): its
     /// blocks from `layers_block_type` (transformers 5) or `hybrid_override_pattern` (the hub's
     /// `M`, `*`, `-`, `E`), each `mlp` block folded into the mixer block before it as that
-    /// layer's relu² MLP; NoPE attention at the softmax scale 1/√head_dim; no multipliers.
-    /// `moe` blocks (Nemotron 3), an `mlp` block with no mixer before it, biases on attention or
-    /// MLP, and other activations are refused by name.
+    /// layer's relu² MLP, each `moe` block (Nemotron 3) as that layer's shared expert and routed
+    /// experts; NoPE attention at the softmax scale 1/√head_dim; no multipliers. An MLP block
+    /// with no mixer before it, a latent expert projection, biases on attention or MLP, and
+    /// other activations are refused by name.
     pub fn from_nemotron_h(path: &Path, map: &Map<String, Value>) -> Result<Self> {
         let f = Fields { path, map };
         let bad = |m: String| Error::config(path, m);
         let blocks = nemotron_blocks(&f)?;
-        let (mut layers, mut without_mlp) = (Vec::new(), Vec::new());
+        let (mut layers, mut without_mlp, mut moe_layers) = (Vec::new(), Vec::new(), Vec::new());
+        let is_mlp = |b: char| b == '-' || b == 'E';
         for (i, &b) in blocks.iter().enumerate() {
             match b {
                 'M' | '*' => {
-                    if i > 0 && blocks[i - 1] != '-' {
+                    if i > 0 && !is_mlp(blocks[i - 1]) {
                         without_mlp.push(layers.len() - 1);
                     }
                     layers.push(if b == 'M' { LayerKind::Mamba } else { LayerKind::Attention });
                 }
-                '-' if i > 0 && blocks[i - 1] != '-' => {}
-                '-' => {
-                    let before = if i == 0 { "no block before it" } else { "another `mlp` block before it" };
-                    return Err(bad(format!(
-                        "block {i} is an `mlp` block with {before}; picaso reads each `mlp` block as the MLP of \
-                         the Mamba or attention block it follows"
-                    )));
+                _ if i > 0 && !is_mlp(blocks[i - 1]) => {
+                    if b == 'E' {
+                        moe_layers.push(layers.len() - 1);
+                    }
                 }
                 _ => {
+                    let (kind, before) = (
+                        if b == 'E' { "`moe`" } else { "`mlp`" },
+                        if i == 0 { "no block before it" } else { "another MLP block before it" },
+                    );
                     return Err(bad(format!(
-                        "block {i} is a `moe` block (Nemotron 3's routed experts), which picaso does not run; it \
-                         runs Nemotron-H models of Mamba (M), attention (*) and MLP (-) blocks"
-                    )))
+                        "block {i} is an {kind} block with {before}; picaso reads each `mlp` or `moe` block as the \
+                         MLP of the Mamba or attention block it follows"
+                    )));
                 }
             }
         }
-        if blocks.last() != Some(&'-') {
+        if !blocks.last().is_some_and(|&b| is_mlp(b)) {
             without_mlp.push(layers.len() - 1);
+        }
+        let routed = !moe_layers.is_empty();
+        if routed && !matches!(map.get("moe_latent_size"), None | Some(Value::Null)) {
+            return Err(bad("`moe_latent_size` (experts in a latent width) is not supported by picaso".into()));
         }
         if layers.len() > 1 << 24 {
             return Err(bad(format!("{} layers; at most 2^24", layers.len())));
@@ -419,12 +463,24 @@ impl GraniteHybridConfig {
             embedding_multiplier: 1.0,
             residual_multiplier: 1.0,
             logits_scaling: 1.0,
-            shared_intermediate: f.usize("intermediate_size")?,
+            shared_intermediate: f.usize_or("intermediate_size", 21504)?,
             mlp_kind: MlpKind::Relu2,
             without_mlp,
-            n_experts: 0,
-            top_k: 0,
-            expert_intermediate: 0,
+            n_experts: if routed { f.usize_or("n_routed_experts", 8)? } else { 0 },
+            top_k: if routed { f.usize_or("num_experts_per_tok", 2)? } else { 0 },
+            expert_intermediate: if routed { f.usize_or("moe_intermediate_size", 7688)? } else { 0 },
+            routing: if routed {
+                Routing::Sigmoid {
+                    groups: f.usize_or("n_group", 1)?,
+                    keep_groups: f.usize_or("topk_group", 1)?,
+                    normalize: f.bool_or("norm_topk_prob", true)?,
+                    scale: f.f64_or("routed_scaling_factor", 1.0)?,
+                }
+            } else {
+                Routing::Softmax
+            },
+            moe_layers,
+            moe_shared_intermediate: if routed { f.usize_or("moe_shared_expert_intermediate_size", 7688)? } else { 0 },
             norm_eps,
         };
         config.validate(path)?;
@@ -434,6 +490,20 @@ impl GraniteHybridConfig {
     /// Whether an MLP follows layer `i`'s mixer.
     pub fn has_mlp(&self, i: usize) -> bool {
         !self.without_mlp.contains(&i)
+    }
+
+    /// Whether layer `i` has routed experts beside its MLP.
+    pub fn has_experts(&self, i: usize) -> bool {
+        self.n_experts > 0 && (self.family != HybridFamily::NemotronH || self.moe_layers.contains(&i))
+    }
+
+    /// Inner width of layer `i`'s MLP (a Nemotron 3 `moe` block's shared expert has its own).
+    pub fn mlp_inner(&self, i: usize) -> usize {
+        if self.family == HybridFamily::NemotronH && self.moe_layers.contains(&i) {
+            self.moe_shared_intermediate
+        } else {
+            self.shared_intermediate
+        }
     }
 
     /// The checkpoint's block index of each layer's mixer and of its MLP. Granite 4.0 H and
@@ -514,18 +584,48 @@ impl GraniteHybridConfig {
         if self.family == HybridFamily::NemotronH {
             let scale = 1.0 / (self.head_dim as f64).sqrt();
             if self.rope_theta.is_some()
-                || self.n_experts > 0
+                || (self.n_experts > 0) == self.moe_layers.is_empty()
+                || (self.n_experts > 0 && self.routing == Routing::Softmax)
                 || self.tie_embeddings
                 || self.mlp_kind != MlpKind::Relu2
                 || (self.embedding_multiplier, self.residual_multiplier, self.logits_scaling) != (1.0, 1.0, 1.0)
                 || (self.attention_multiplier - scale).abs() > 1e-12 * scale
             {
                 return bad("a Nemotron-H model has NoPE attention at the softmax scale 1/√head_dim, relu² MLPs, an \
-                     untied head, no experts and no multipliers; this config sets one of them otherwise"
+                     untied head, experts (routed by sigmoid scores) only after `moe` blocks and no multipliers; \
+                     this config sets one of them otherwise"
                     .into());
             }
-        } else if self.mlp_kind != MlpKind::SwiGlu || !self.without_mlp.is_empty() {
-            return bad(format!("a {} model has a SwiGLU MLP after every mixer", self.family.name()));
+            if let Some(&i) = self.moe_layers.iter().find(|&&i| i >= self.n_layer() || !self.has_mlp(i)) {
+                return bad(format!("layer {i} is listed with experts but has no MLP block"));
+            }
+            if let Routing::Sigmoid { groups, keep_groups, scale, .. } = self.routing {
+                let per_group = self.n_experts.checked_div(groups).unwrap_or(0);
+                if groups == 0
+                    || !self.n_experts.is_multiple_of(groups)
+                    || per_group < 2
+                    || keep_groups == 0
+                    || keep_groups > groups
+                    || self.top_k > keep_groups * per_group
+                    || !scale.is_finite()
+                {
+                    return bad(format!(
+                        "n_group ({groups}) must split n_routed_experts ({}) into groups of at least 2, topk_group \
+                         ({keep_groups}) be 1..=n_group, the kept groups hold num_experts_per_tok ({}) experts, and \
+                         routed_scaling_factor ({scale}) be finite",
+                        self.n_experts, self.top_k
+                    ));
+                }
+            }
+        } else if self.mlp_kind != MlpKind::SwiGlu
+            || !self.without_mlp.is_empty()
+            || !self.moe_layers.is_empty()
+            || self.routing != Routing::Softmax
+        {
+            return bad(format!(
+                "a {} model has a SwiGLU MLP after every mixer and softmax routing",
+                self.family.name()
+            ));
         }
         if let Some(&i) = self.without_mlp.iter().find(|&&i| i >= self.n_layer()) {
             return bad(format!("layer {i} is listed without an MLP, but the model has {} layers", self.n_layer()));
@@ -585,6 +685,9 @@ impl GraniteHybridConfig {
             n_experts: 0,
             top_k: 0,
             expert_intermediate: 0,
+            routing: Routing::Softmax,
+            moe_layers: Vec::new(),
+            moe_shared_intermediate: 0,
             norm_eps: 1e-5,
             tie_embeddings: true,
         }
@@ -687,10 +790,10 @@ impl GraniteHybridConfig {
                 for (i, k) in self.layers.iter().enumerate() {
                     pattern.push(if *k == LayerKind::Mamba { 'M' } else { '*' });
                     if self.has_mlp(i) {
-                        pattern.push('-');
+                        pattern.push(if self.has_experts(i) { 'E' } else { '-' });
                     }
                 }
-                serde_json::json!({
+                let mut json = serde_json::json!({
                     "architectures": ["NemotronHForCausalLM"],
                     "model_type": "nemotron_h",
                     "num_hidden_layers": pattern.len(),
@@ -709,7 +812,25 @@ impl GraniteHybridConfig {
                     "use_bias": m.use_bias,
                     "attention_bias": false,
                     "mlp_bias": false,
-                })
+                });
+                if let (Routing::Sigmoid { groups, keep_groups, normalize, scale }, Value::Object(o)) =
+                    (self.routing, &mut json)
+                {
+                    o.extend([
+                        ("n_routed_experts".to_string(), serde_json::json!(self.n_experts)),
+                        ("num_experts_per_tok".to_string(), serde_json::json!(self.top_k)),
+                        ("moe_intermediate_size".to_string(), serde_json::json!(self.expert_intermediate)),
+                        (
+                            "moe_shared_expert_intermediate_size".to_string(),
+                            serde_json::json!(self.moe_shared_intermediate),
+                        ),
+                        ("n_group".to_string(), serde_json::json!(groups)),
+                        ("topk_group".to_string(), serde_json::json!(keep_groups)),
+                        ("norm_topk_prob".to_string(), serde_json::json!(normalize)),
+                        ("routed_scaling_factor".to_string(), serde_json::json!(scale)),
+                    ]);
+                }
+                json
             }
             HybridFamily::Bamba => serde_json::json!({
                 "architectures": ["BambaForCausalLM"],
@@ -764,7 +885,18 @@ impl GraniteHybridConfig {
                 (true, true) => "RoPE".to_string(),
                 (true, false) => format!("RoPE on {} of {} channels", self.rotary_dim(), self.head_dim),
             },
-            if self.n_experts > 0 {
+            if self.n_experts > 0 && self.family == HybridFamily::NemotronH {
+                format!(
+                    "relu² MLP {} after {} mixers; after {} of them sigmoid-routed MoE {} of {} experts ({}) + shared expert {}",
+                    self.shared_intermediate,
+                    self.n_layer() - self.without_mlp.len(),
+                    self.moe_layers.len(),
+                    self.top_k,
+                    self.n_experts,
+                    self.expert_intermediate,
+                    self.moe_shared_intermediate
+                )
+            } else if self.n_experts > 0 {
                 format!("MoE {} of {} experts + shared MLP {}", self.top_k, self.n_experts, self.shared_intermediate)
             } else {
                 match (self.mlp_kind, self.without_mlp.len()) {

@@ -11,7 +11,7 @@
 
 use rayon::prelude::*;
 
-use super::config::{GraniteHybridConfig, MlpKind};
+use super::config::{GraniteHybridConfig, MlpKind, Routing};
 use super::weights::{GraniteHybridWeights, MixerWeights, MlpWeights, MoeWeights};
 use crate::cpu::layers::by_kind;
 use crate::cpu::matmul::{Bf16Kernel, Matrix};
@@ -40,6 +40,8 @@ struct Layer {
 #[derive(Debug)]
 struct Mlp {
     norm: Vec<f32>,
+    /// Inner width.
+    inner: usize,
     /// SwiGLU: gate and up (2·inner × d_model); relu²: up (inner × d_model).
     input: Matrix,
     /// Down (d_model × inner).
@@ -58,7 +60,10 @@ enum Mixer {
 struct Moe {
     /// Router (n_experts × d_model), f32: routing decisions must not move with the weights' dtype.
     router: Vec<f32>,
-    /// Per expert: gate and up (2·inner × d_model), down (d_model × inner).
+    /// The router's correction bias (Nemotron 3), f32 as the router.
+    bias: Option<Vec<f32>>,
+    /// Per expert: gate and up (2·inner × d_model), or up alone for relu² experts (inner ×
+    /// d_model); down (d_model × inner).
     experts: Vec<(Matrix, Matrix)>,
 }
 
@@ -69,10 +74,12 @@ impl CpuGraniteHybrid {
         let mat = |v: Vec<f32>, cols: usize| Matrix::with_kernel(v, cols, dtype, kernel);
         let d = config.d_model;
         let (mut mamba, mut attention) = (0, 0);
+        let gates = if config.mlp_kind == MlpKind::SwiGlu { 2 } else { 1 };
         let layers = weights
             .layers
             .into_iter()
-            .map(|l| {
+            .enumerate()
+            .map(|(i, l)| {
                 let mixer = match l.mixer {
                     MixerWeights::Mamba(w) => {
                         mamba += 1;
@@ -90,21 +97,22 @@ impl CpuGraniteHybrid {
                         }
                     }
                 };
-                let moe = l.moe.map(|MoeWeights { router, gate_up, down }| {
+                let moe = l.moe.map(|MoeWeights { router, bias, gate_up, down }| {
                     let (e, ei) = (config.n_experts, config.expert_intermediate);
                     let experts = (0..e)
                         .map(|x| {
-                            let gu = gate_up[x * 2 * ei * d..(x + 1) * 2 * ei * d].to_vec();
+                            let gu = gate_up[x * gates * ei * d..(x + 1) * gates * ei * d].to_vec();
                             let dn = down[x * d * ei..(x + 1) * d * ei].to_vec();
                             (mat(gu, d), mat(dn, ei))
                         })
                         .collect();
-                    Moe { router, experts }
+                    Moe { router, bias, experts }
                 });
                 let mlp = l.mlp.map(|MlpWeights { norm, input, output }| Mlp {
                     norm,
+                    inner: config.mlp_inner(i),
                     input: mat(input, d),
-                    output: mat(output, config.shared_intermediate),
+                    output: mat(output, config.mlp_inner(i)),
                 });
                 Layer { input_norm: l.input_norm, mixer, mlp, moe }
             })
@@ -244,23 +252,17 @@ impl CpuGraniteHybrid {
         let d = c.d_model;
         let rows = xn.len() / d;
         match c.mlp_kind {
-            MlpKind::SwiGlu => swiglu(xn, rows, d, c.shared_intermediate, &mlp.input, &mlp.output, kind, out, false),
-            MlpKind::Relu2 => relu2_mlp(xn, rows, d, c.shared_intermediate, &mlp.input, &mlp.output, kind, out),
+            MlpKind::SwiGlu => swiglu(xn, rows, d, mlp.inner, &mlp.input, &mlp.output, kind, out, false),
+            MlpKind::Relu2 => relu2_mlp(xn, rows, d, mlp.inner, &mlp.input, &mlp.output, kind, out),
         }
         let Some(moe) = moe else { return };
-        // Route each row: the top-k router logits, softmax over those k.
-        let (e, top) = (c.n_experts, c.top_k);
+        let e = c.n_experts;
         let mut by_expert: Vec<Route> = vec![Vec::new(); e];
         let routes: Vec<Route> = xn
             .par_chunks(d)
             .map(|x| {
-                let mut logits: Vec<(usize, f32)> =
-                    (0..e).map(|j| (j, matmul::dot(x, &moe.router[j * d..(j + 1) * d]))).collect();
-                logits.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-                logits.truncate(top);
-                let max = logits[0].1;
-                let sum: f32 = logits.iter().map(|(_, l)| (l - max).exp()).sum();
-                logits.iter().map(|&(j, l)| (j, (l - max).exp() / sum)).collect()
+                let logits: Vec<f32> = (0..e).map(|j| matmul::dot(x, &moe.router[j * d..(j + 1) * d])).collect();
+                route(&logits, moe.bias.as_deref(), c.top_k, c.routing)
             })
             .collect();
         for (r, route) in routes.into_iter().enumerate() {
@@ -280,7 +282,10 @@ impl CpuGraniteHybrid {
                 }
                 let mut y = vec![0.0f32; picked.len() * d];
                 let (gate_up, down) = &moe.experts[j];
-                swiglu(&x, picked.len(), d, ei, gate_up, down, kind, &mut y, false);
+                match c.mlp_kind {
+                    MlpKind::SwiGlu => swiglu(&x, picked.len(), d, ei, gate_up, down, kind, &mut y, false),
+                    MlpKind::Relu2 => relu2_mlp(&x, picked.len(), d, ei, gate_up, down, kind, &mut y),
+                }
                 (picked, y)
             })
             .collect();
@@ -306,6 +311,46 @@ impl CpuGraniteHybrid {
 
 /// (index, weight) pairs: a row's experts, or an expert's rows.
 type Route = Vec<(usize, f32)>;
+
+/// A row's experts and their weights from its router logits (see [`Routing`]).
+fn route(logits: &[f32], bias: Option<&[f32]>, top: usize, routing: Routing) -> Route {
+    // Highest first; ties to the lower index.
+    let best = |v: &mut Vec<(usize, f32)>, n: usize| {
+        v.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        v.truncate(n);
+    };
+    match routing {
+        Routing::Softmax => {
+            let mut picked: Vec<(usize, f32)> = logits.iter().copied().enumerate().collect();
+            best(&mut picked, top);
+            let max = picked[0].1;
+            let sum: f32 = picked.iter().map(|(_, l)| (l - max).exp()).sum();
+            picked.iter().map(|&(j, l)| (j, (l - max).exp() / sum)).collect()
+        }
+        Routing::Sigmoid { groups, keep_groups, normalize, scale } => {
+            let scores: Vec<f32> = logits.iter().map(|&l| 1.0 / (1.0 + (-l).exp())).collect();
+            let choice: Vec<f32> = match bias {
+                Some(b) => scores.iter().zip(b).map(|(s, b)| s + b).collect(),
+                None => scores.clone(),
+            };
+            // Each group scored by the sum of its two best choices; the best groups kept.
+            let per = choice.len() / groups;
+            let mut group_scores: Vec<(usize, f32)> = (0..groups)
+                .map(|g| {
+                    let mut v: Vec<(usize, f32)> = choice[g * per..(g + 1) * per].iter().copied().enumerate().collect();
+                    best(&mut v, 2);
+                    (g, v.iter().map(|(_, s)| s).sum())
+                })
+                .collect();
+            best(&mut group_scores, keep_groups);
+            let mut picked: Vec<(usize, f32)> =
+                group_scores.iter().flat_map(|&(g, _)| (g * per..(g + 1) * per).map(|j| (j, choice[j]))).collect();
+            best(&mut picked, top);
+            let sum: f32 = if normalize { picked.iter().map(|&(j, _)| scores[j]).sum::<f32>() + 1e-20 } else { 1.0 };
+            picked.iter().map(|&(j, _)| (j, scores[j] / sum * scale as f32)).collect()
+        }
+    }
+}
 
 /// `h += m · branch`.
 fn add_scaled(h: &mut [f32], branch: &[f32], m: f32) {

@@ -11,6 +11,6 @@ pub mod config;
 pub mod cpu;
 pub mod weights;
 
-pub use config::{GraniteHybridConfig, HybridFamily, LayerKind, MlpKind};
+pub use config::{GraniteHybridConfig, HybridFamily, LayerKind, MlpKind, Routing};
 pub use cpu::CpuGraniteHybrid;
 pub use weights::GraniteHybridWeights;

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use super::config::{GraniteHybridConfig, HybridFamily, LayerKind, MlpKind};
+use super::config::{GraniteHybridConfig, HybridFamily, LayerKind, MlpKind, Routing};
 use crate::error::{Error, Result};
 use crate::mamba2::LayerWeights;
 use crate::weights::{fingerprint, normal_sampler, read_tensors, write_checkpoint, HostTensor, Take};
@@ -32,7 +32,11 @@ pub enum MixerWeights {
 pub struct MoeWeights {
     /// Router (n_experts, d_model).
     pub router: Vec<f32>,
-    /// Each expert's gate and up projections, (n_experts, 2 * inner, d_model): gate rows first.
+    /// The router's correction bias, added to the scores to choose experts but not to weigh
+    /// them (Nemotron 3's `e_score_correction_bias`).
+    pub bias: Option<Vec<f32>>,
+    /// Each expert's gate and up projections, (n_experts, 2 * inner, d_model): gate rows first;
+    /// relu² experts (Nemotron 3): the up projection, (n_experts, inner, d_model).
     pub gate_up: Vec<f32>,
     /// Each expert's down projection, (n_experts, d_model, inner).
     pub down: Vec<f32>,
@@ -107,6 +111,7 @@ impl GraniteHybridWeights {
         let embedding = t.get(&names.embedding(), &[v, d])?;
         let mut layers = Vec::with_capacity(c.n_layer());
         for (i, (kind, (block, mlp_block))) in c.layers.iter().zip(c.hf_blocks()).enumerate() {
+            let inner = c.mlp_inner(i);
             let input_norm = t.get(&names.input_norm(block), &[d])?;
             let mixer = match kind {
                 LayerKind::Mamba => {
@@ -136,8 +141,29 @@ impl GraniteHybridWeights {
                     }
                 }
             };
-            let inner = c.shared_intermediate;
-            let moe = if c.n_experts > 0 {
+            let moe = if c.has_experts(i) && c.family == HybridFamily::NemotronH {
+                let b = mlp_block.expect("a layer with experts has an MLP block");
+                let (e, ei, x) = (c.n_experts, c.expert_intermediate, format!("{}.mixer", names.block(b)));
+                // The hub's one tensor per expert, or transformers 5's stacked ones.
+                let stacked = |t: &mut Take<'_>, name: &str, shape: [usize; 2]| -> Result<Vec<f32>> {
+                    if t.map.contains_key(&format!("{x}.experts.{name}")) {
+                        return t.get(&format!("{x}.experts.{name}"), &[e, shape[0], shape[1]]);
+                    }
+                    let mut all = Vec::with_capacity(e * shape[0] * shape[1]);
+                    for j in 0..e {
+                        all.extend(t.get(&format!("{x}.experts.{j}.{name}.weight"), &shape)?);
+                    }
+                    Ok(all)
+                };
+                let gate_up = stacked(&mut t, "up_proj", [ei, d])?;
+                let down = stacked(&mut t, "down_proj", [d, ei])?;
+                Some(MoeWeights {
+                    router: t.get(&format!("{x}.gate.weight"), &[e, d])?,
+                    bias: Some(t.get(&format!("{x}.gate.e_score_correction_bias"), &[e])?),
+                    gate_up,
+                    down,
+                })
+            } else if c.has_experts(i) {
                 let (e, ei, x) = (c.n_experts, c.expert_intermediate, format!("model.layers.{i}.block_sparse_moe"));
                 let either = |t: &mut Take<'_>, hub: &str, new: &str, shape: &[usize]| {
                     let name = if t.map.contains_key(&format!("{x}.{new}")) { new } else { hub };
@@ -145,6 +171,7 @@ impl GraniteHybridWeights {
                 };
                 Some(MoeWeights {
                     router: either(&mut t, "router.layer.weight", "router.weight", &[e, d])?,
+                    bias: None,
                     gate_up: either(&mut t, "input_linear.weight", "experts.gate_up_proj", &[e, 2 * ei, d])?,
                     down: either(&mut t, "output_linear.weight", "experts.down_proj", &[e, d, ei])?,
                 })
@@ -165,10 +192,17 @@ impl GraniteHybridWeights {
                             gate_up.extend(t.get(&format!("{p}.feed_forward.up_proj.weight"), &[inner, d])?);
                             (gate_up, t.get(&format!("{p}.feed_forward.down_proj.weight"), &[d, inner])?)
                         }
-                        HybridFamily::NemotronH => (
-                            t.get(&format!("{p}.mixer.up_proj.weight"), &[inner, d])?,
-                            t.get(&format!("{p}.mixer.down_proj.weight"), &[d, inner])?,
-                        ),
+                        HybridFamily::NemotronH => {
+                            let x = if c.has_experts(i) {
+                                format!("{p}.mixer.shared_experts")
+                            } else {
+                                format!("{p}.mixer")
+                            };
+                            (
+                                t.get(&format!("{x}.up_proj.weight"), &[inner, d])?,
+                                t.get(&format!("{x}.down_proj.weight"), &[d, inner])?,
+                            )
+                        }
                     };
                     Some(MlpWeights { norm: t.get(&names.post_norm(b), &[d])?, input, output })
                 }
@@ -240,12 +274,26 @@ impl GraniteHybridWeights {
                         f(&format!("{p}.feed_forward.down_proj.weight"), &mlp.output);
                     }
                     HybridFamily::NemotronH => {
-                        f(&format!("{p}.mixer.up_proj.weight"), &mlp.input);
-                        f(&format!("{p}.mixer.down_proj.weight"), &mlp.output);
+                        let x =
+                            if l.moe.is_some() { format!("{p}.mixer.shared_experts") } else { format!("{p}.mixer") };
+                        f(&format!("{x}.up_proj.weight"), &mlp.input);
+                        f(&format!("{x}.down_proj.weight"), &mlp.output);
                     }
                 }
             }
-            if let Some(moe) = &l.moe {
+            if let (Some(moe), HybridFamily::NemotronH, Some(b)) = (&l.moe, c.family, mlp_block) {
+                let x = format!("{}.mixer", names.block(b));
+                f(&format!("{x}.gate.weight"), &moe.router);
+                if let Some(bias) = &moe.bias {
+                    f(&format!("{x}.gate.e_score_correction_bias"), bias);
+                }
+                let e = moe.router.len() / c.d_model;
+                let (up, down) = (moe.gate_up.len() / e, moe.down.len() / e);
+                for j in 0..e {
+                    f(&format!("{x}.experts.{j}.up_proj.weight"), &moe.gate_up[j * up..(j + 1) * up]);
+                    f(&format!("{x}.experts.{j}.down_proj.weight"), &moe.down[j * down..(j + 1) * down]);
+                }
+            } else if let Some(moe) = &l.moe {
                 let p = format!("model.layers.{i}.block_sparse_moe");
                 f(&format!("{p}.router.layer.weight"), &moe.router);
                 f(&format!("{p}.input_linear.weight"), &moe.gate_up);
@@ -276,7 +324,10 @@ impl GraniteHybridWeights {
                 MixerWeights::Attention { q, k, v, o } => q.len() + k.len() + v.len() + o.len(),
             };
             let mlp = l.mlp.as_ref().map_or(0, |m| m.norm.len() + m.input.len() + m.output.len());
-            let moe = l.moe.as_ref().map_or(0, |m| m.router.len() + m.gate_up.len() + m.down.len());
+            let moe = l
+                .moe
+                .as_ref()
+                .map_or(0, |m| m.router.len() + m.bias.as_ref().map_or(0, Vec::len) + m.gate_up.len() + m.down.len());
             l.input_norm.len() + mixer + mlp + moe
         };
         self.embedding.len()
@@ -326,15 +377,17 @@ impl GraniteHybridWeights {
                         }
                     }
                 };
-                let moe = (c.n_experts > 0).then(|| {
+                let gates = if c.mlp_kind == MlpKind::SwiGlu { 2 } else { 1 };
+                let moe = c.has_experts(l).then(|| {
                     let (e, ei) = (c.n_experts, c.expert_intermediate);
                     MoeWeights {
                         router: normal(e * d, 1.0 / (d as f32).sqrt()),
-                        gate_up: normal(e * 2 * ei * d, 1.0 / (d as f32).sqrt()),
+                        bias: (c.routing != Routing::Softmax).then(|| normal(e, 0.1)),
+                        gate_up: normal(e * gates * ei * d, 1.0 / (d as f32).sqrt()),
                         down: normal(e * d * ei, out_scale / (ei as f32).sqrt()),
                     }
                 });
-                let (i, gates) = (c.shared_intermediate, if c.mlp_kind == MlpKind::SwiGlu { 2 } else { 1 });
+                let i = c.mlp_inner(l);
                 let mlp = c.has_mlp(l).then(|| MlpWeights {
                     norm: ones(d, &mut normal),
                     input: normal(gates * i * d, 1.0 / (d as f32).sqrt()),
@@ -354,7 +407,7 @@ impl GraniteHybridWeights {
     /// Writes `config.json` (the hub's spelling) and `model.safetensors` (f32) into `dir`: a
     /// folder [`crate::Model::load`] and transformers both read.
     pub fn save_pretrained(&self, dir: &Path, c: &GraniteHybridConfig) -> Result<()> {
-        let (d, m, inner) = (c.d_model, &c.mamba, c.shared_intermediate);
+        let (d, m) = (c.d_model, &c.mamba);
         let names = Names::writing(c.family);
         let mut shapes: HashMap<String, Vec<usize>> = HashMap::new();
         shapes.insert(names.embedding(), vec![c.vocab_size, d]);
@@ -376,7 +429,7 @@ impl GraniteHybridWeights {
                 }
             }
             if let Some(b) = mlp_block {
-                let p = names.block(b);
+                let (p, inner, ei) = (names.block(b), c.mlp_inner(i), c.expert_intermediate);
                 shapes.insert(format!("{p}.shared_mlp.input_linear.weight"), vec![2 * inner, d]);
                 shapes.insert(format!("{p}.shared_mlp.output_linear.weight"), vec![d, inner]);
                 shapes.insert(format!("{p}.feed_forward.gate_proj.weight"), vec![inner, d]);
@@ -384,6 +437,13 @@ impl GraniteHybridWeights {
                 shapes.insert(format!("{p}.feed_forward.down_proj.weight"), vec![d, inner]);
                 shapes.insert(format!("{p}.mixer.up_proj.weight"), vec![inner, d]);
                 shapes.insert(format!("{p}.mixer.down_proj.weight"), vec![d, inner]);
+                shapes.insert(format!("{p}.mixer.shared_experts.up_proj.weight"), vec![inner, d]);
+                shapes.insert(format!("{p}.mixer.shared_experts.down_proj.weight"), vec![d, inner]);
+                shapes.insert(format!("{p}.mixer.gate.weight"), vec![c.n_experts, d]);
+                for j in 0..c.n_experts {
+                    shapes.insert(format!("{p}.mixer.experts.{j}.up_proj.weight"), vec![ei, d]);
+                    shapes.insert(format!("{p}.mixer.experts.{j}.down_proj.weight"), vec![d, ei]);
+                }
             }
             let (e, ei, p) = (c.n_experts, c.expert_intermediate, format!("model.layers.{i}.block_sparse_moe"));
             shapes.insert(format!("{p}.router.layer.weight"), vec![e, d]);

@@ -69,7 +69,7 @@ def _layers(config):
     if not types:
         return [(i, "mamba") for i in range(config.num_hidden_layers)]
     names = {"mamba": "mamba", "linear_attention": "mamba", "attention": "attention", "full_attention": "attention",
-             "mlp": None}
+             "mlp": None, "moe": None}
     unknown = sorted({t for t in types if t not in names})
     if unknown:
         raise InvalidArgument(f"layer types {unknown} in the model's config are not ones picaso runs")
