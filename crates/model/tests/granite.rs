@@ -586,7 +586,12 @@ fn nemotron_3_experts_read_in_either_spelling_and_write_back() {
     assert_eq!(hub.fingerprint(), v5.fingerprint());
     assert_eq!(logprobs(&hub), logprobs(&v5));
     let described = hub.config().describe();
-    assert!(described.contains("sigmoid-routed MoE 2 of 6 experts (16) + shared expert 20"), "{described}");
+    assert!(
+        described.contains(
+            "relu² MLP 40 after 1 mixers; after 2 mixers sigmoid-routed MoE 2 of 6 experts (16) + shared expert 20"
+        ),
+        "{described}"
+    );
 
     let path = src.join("config.json");
     let map: serde_json::Map<String, serde_json::Value> =
@@ -606,13 +611,17 @@ fn nemotron_3_experts_read_in_either_spelling_and_write_back() {
 }
 
 /// What picaso does not run of Nemotron 3's experts is refused by name: experts in a latent
-/// width, groups that do not split the experts.
+/// width, groups that do not split the experts, sizes out of range (before anything is
+/// allocated for them).
 #[test]
 fn unsupported_nemotron_3_options_are_refused_by_name() {
     for (key, value, want) in [
         ("moe_latent_size", serde_json::json!(8), "moe_latent_size"),
         ("n_group", serde_json::json!(4), "n_group (4) must split n_routed_experts (6)"),
         ("topk_group", serde_json::json!(3), "topk_group"),
+        ("n_routed_experts", serde_json::json!(1u64 << 40), "n_routed_experts"),
+        ("n_routed_experts", serde_json::json!(0), "n_routed_experts` is 0"),
+        ("moe_shared_expert_intermediate_size", serde_json::json!(0), "moe_shared_expert_intermediate_size"),
     ] {
         let err = refused_with("nemotron-h-moe-g2", key, value);
         assert!(err.contains(want) && err.contains("config.json"), "{key}: {err}");

@@ -542,6 +542,12 @@ impl GraniteHybridConfig {
             ("head_dim", self.head_dim),
             ("vocab_size", self.vocab_size),
             ("shared_intermediate_size", self.shared_intermediate),
+            ("n_routed_experts", if self.moe_layers.is_empty() { 1 } else { self.n_experts }),
+            ("moe_intermediate_size", if self.moe_layers.is_empty() { 1 } else { self.expert_intermediate }),
+            (
+                "moe_shared_expert_intermediate_size",
+                if self.moe_layers.is_empty() { 1 } else { self.moe_shared_intermediate },
+            ),
         ] {
             if v == 0 || v > 1 << 24 {
                 return bad(format!("`{name}` is {v}; it must be between 1 and 2^24"));
@@ -582,6 +588,9 @@ impl GraniteHybridConfig {
             }
         }
         if self.family == HybridFamily::NemotronH {
+            if !self.moe_layers.is_empty() && self.n_experts == 0 {
+                return bad("the model has `moe` blocks but `n_routed_experts` is 0".into());
+            }
             let scale = 1.0 / (self.head_dim as f64).sqrt();
             if self.rope_theta.is_some()
                 || (self.n_experts > 0) == self.moe_layers.is_empty()
@@ -886,10 +895,10 @@ impl GraniteHybridConfig {
                 (true, false) => format!("RoPE on {} of {} channels", self.rotary_dim(), self.head_dim),
             },
             if self.n_experts > 0 && self.family == HybridFamily::NemotronH {
+                let dense = self.n_layer() - self.without_mlp.len() - self.moe_layers.len();
                 format!(
-                    "relu² MLP {} after {} mixers; after {} of them sigmoid-routed MoE {} of {} experts ({}) + shared expert {}",
-                    self.shared_intermediate,
-                    self.n_layer() - self.without_mlp.len(),
+                    "{}after {} mixers sigmoid-routed MoE {} of {} experts ({}) + shared expert {}",
+                    if dense > 0 { format!("relu² MLP {} after {dense} mixers; ", self.shared_intermediate) } else { String::new() },
                     self.moe_layers.len(),
                     self.top_k,
                     self.n_experts,

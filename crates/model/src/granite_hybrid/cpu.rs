@@ -505,6 +505,33 @@ fn attend_row(q: &[f32], kv: &KvState, n: usize, nh: usize, nkv: usize, hd: usiz
 mod tests {
     use super::*;
 
+    /// Both routing rules against values worked by hand: softmax over the top-k logits; and
+    /// Nemotron 3's, where the correction bias moves the choice (expert 3 beats expert 2) but
+    /// not the weights, the weaker group is dropped whole, and the weights are normalised and
+    /// scaled (or only scaled).
+    #[test]
+    fn routing_picks_and_weighs_experts_as_worked_by_hand() {
+        let close = |got: Route, want: &[(usize, f32)]| {
+            assert_eq!(got.len(), want.len(), "{got:?}");
+            for ((j, w), (wj, ww)) in got.iter().zip(want) {
+                assert!(j == wj && (w - ww).abs() < 1e-5, "{got:?} vs {want:?}");
+            }
+        };
+        let logits = [0.0, 1.0, 2.0, -1.0];
+        let sig = |x: f32| 1.0 / (1.0 + (-x).exp());
+        close(route(&logits, None, 2, Routing::Softmax), &[(2, sig(1.0)), (1, 1.0 - sig(1.0))]);
+        let bias = [0.0, 0.0, -0.9, 0.5];
+        let rule = |normalize| Routing::Sigmoid { groups: 2, keep_groups: 1, normalize, scale: 2.0 };
+        // Choices 0.5, 0.731, -0.019, 0.769: group {0, 1} scores 1.231, group {2, 3} 0.750.
+        let (s0, s1) = (sig(0.0), sig(1.0));
+        close(route(&logits, Some(&bias), 2, rule(true)), &[(1, 2.0 * s1 / (s0 + s1)), (0, 2.0 * s0 / (s0 + s1))]);
+        close(route(&logits, Some(&bias), 2, rule(false)), &[(1, 2.0 * s1), (0, 2.0 * s0)]);
+        // Without the bias, group {2, 3} (0.881 + 0.269) loses to {0, 1} (0.5 + 0.731) too, but
+        // keeping both groups picks experts 2 and 1.
+        let both = Routing::Sigmoid { groups: 2, keep_groups: 2, normalize: false, scale: 1.0 };
+        close(route(&logits, None, 2, both), &[(2, sig(2.0)), (1, s1)]);
+    }
+
     /// The tiled prompt attention gives what one row at a time gives, across several tiles,
     /// after earlier keys, with grouped heads.
     #[test]

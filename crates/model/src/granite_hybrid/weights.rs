@@ -142,14 +142,20 @@ impl GraniteHybridWeights {
                 }
             };
             let moe = if c.has_experts(i) && c.family == HybridFamily::NemotronH {
-                let b = mlp_block.expect("a layer with experts has an MLP block");
+                let Some(b) = mlp_block else {
+                    return Err(Error::weights(
+                        dir,
+                        format!("layer {i} has experts but no MLP block; validate the config"),
+                    ));
+                };
                 let (e, ei, x) = (c.n_experts, c.expert_intermediate, format!("{}.mixer", names.block(b)));
                 // The hub's one tensor per expert, or transformers 5's stacked ones.
                 let stacked = |t: &mut Take<'_>, name: &str, shape: [usize; 2]| -> Result<Vec<f32>> {
                     if t.map.contains_key(&format!("{x}.experts.{name}")) {
                         return t.get(&format!("{x}.experts.{name}"), &[e, shape[0], shape[1]]);
                     }
-                    let mut all = Vec::with_capacity(e * shape[0] * shape[1]);
+                    // Grown tensor by tensor: each is checked before it is kept.
+                    let mut all = Vec::new();
                     for j in 0..e {
                         all.extend(t.get(&format!("{x}.experts.{j}.{name}.weight"), &shape)?);
                     }

@@ -16,9 +16,9 @@ its `DynamicCache` (a linear-attention layer per Mamba layer: `recurrent_states`
 
 A hybrid's state (GraniteMoeHybridForCausalLM, BambaForCausalLM, NemotronHForCausalLM) moves the same way: its
 Mamba layers as above, each attention layer's keys and values (kv_heads, tokens, head_dim) into
-the cache's attention layer. A Nemotron-H model's `mlp` blocks hold no state: picaso's layer j is
-its j-th Mamba or attention block (each `mlp` block joins the one before it), and the cache's
-layer index is the block's. Pass `position_ids=hf.position_ids(state, n)` to a RoPE hybrid's forward: transformers
+the cache's attention layer. A Nemotron-H model's `mlp` and `moe` blocks hold no state: picaso's
+layer j is its j-th Mamba or attention block (each `mlp` or `moe` block joins the one before it),
+and the cache's layer index is the block's. Pass `position_ids=hf.position_ids(state, n)` to a RoPE hybrid's forward: transformers
 counts positions from its cache's first layer, a Mamba layer that holds none, and a composed
 state continues at `state.position` (its longest part's length), not at its token count.
 
@@ -63,7 +63,7 @@ def position_ids(state: State, n: int):
 
 def _layers(config):
     """(cache layer index, "mamba" / "attention") per picaso layer, from a hybrid's `layer_types`
-    (either spelling; a Nemotron-H model's `mlp` blocks hold no state and are skipped), else all
+    (either spelling; a Nemotron-H model's `mlp` and `moe` blocks hold no state and are skipped), else all
     Mamba."""
     types = getattr(config, "layer_types", None)
     if not types:
