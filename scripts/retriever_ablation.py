@@ -113,6 +113,20 @@ def against_base(runs_dir: Path, table, base="minilm"):
     return out
 
 
+def gain(c, key="gain_pct"):
+    """A gain and its interval, as the tables print them."""
+    return f"{c[key]:+.2f} ± {c['gain_pct_ci95']:.2f}"
+
+
+def k_table(intro, labels, ks, rows):
+    """A Markdown table after its `intro`: the `labels` columns (header, alignment), then one
+    column per k; each row is its label cells and its k cells."""
+    head = [h for h, _ in labels] + [f"k={k}" for k in ks]
+    lines = [intro, "", "| " + " | ".join(head) + " |", "|" + "".join(f"{a}|" for _, a in labels) + "---:|" * len(ks)]
+    lines += ["| " + " | ".join([*label, *cells]) + " |" for label, cells in rows]
+    return lines + [""]
+
+
 def markdown(table, command, versus=None):
     first = next(iter(table.values()))
     sample = first["passages"] < first["passages_available"]
@@ -127,46 +141,39 @@ def markdown(table, command, versus=None):
         md.append("")
         md.append(f"PARTIAL: {len(table)} of {len(RETRIEVERS)} retrievers finished; not yet run: {', '.join(missing)}.")
     md.append("")
-    md.append("Improvement over Naive (% of Naive's loss, paired 95% interval over the same passages):")
-    md.append("")
     ks = [row["k"] for row in first["methods"]["picaso-r"]]
-    md.append("| retriever | method | " + " | ".join(f"k={k}" for k in ks) + " |")
-    md.append("|---|---|" + "---:|" * len(ks))
-    for name, t in table.items():
-        for m in METHODS:
-            cells = [f"{c['gain_pct_vs_naive']:+.2f} ± {c['gain_pct_ci95']:.2f}" for c in t["methods"][m]]
-            md.append(f"| {t['retriever']} | {m} | " + " | ".join(cells) + " |")
-    md.append("")
-    md.append("PICASO-R minus Concat (% of Naive's loss, paired 95% interval; negative: Concat better):")
-    md.append("")
-    md.append("| retriever | " + " | ".join(f"k={k}" for k in ks) + " |")
-    md.append("|---|" + "---:|" * len(ks))
-    for t in table.values():
-        md.append(f"| {t['retriever']} | " + " | ".join(f"{c['gain_pct']:+.2f} ± {c['gain_pct_ci95']:.2f}" for c in t["picaso_r_vs_concat"]) + " |")
-    md.append("")
-    md.append(
-        "Recall of the true neighbouring segment (the segment just before the query: the second half of the "
-        "previous paragraph) among the k retrieved, over the passages that have one:"
+    by = [("retriever", "---"), ("method", "---")]
+    md += k_table(
+        "Improvement over Naive (% of Naive's loss, paired 95% interval over the same passages):",
+        by,
+        ks,
+        [
+            ((t["retriever"], m), [gain(c, "gain_pct_vs_naive") for c in t["methods"][m]])
+            for t in table.values()
+            for m in METHODS
+        ],
     )
-    md.append("")
-    md.append("| retriever | passages | " + " | ".join(f"k={k}" for k in ks) + " |")
-    md.append("|---|---:|" + "---:|" * len(ks))
-    for t in table.values():
-        md.append(f"| {t['retriever']} | {t['neighbour_passages']} | " + " | ".join(f"{r:.3f}" for _, r in t["neighbour_recall"]) + " |")
-    md.append("")
+    md += k_table(
+        "PICASO-R minus Concat (% of Naive's loss, paired 95% interval; negative: Concat better):",
+        by[:1],
+        ks,
+        [((t["retriever"],), [gain(c) for c in t["picaso_r_vs_concat"]]) for t in table.values()],
+    )
+    md += k_table(
+        "Recall of the true neighbouring segment (the segment just before the query: the second half of the "
+        "previous paragraph) among the k retrieved, over the passages that have one:",
+        [("retriever", "---"), ("passages", "---:")],
+        ks,
+        [((t["retriever"], str(t["neighbour_passages"])), [f"{r:.3f}" for _, r in t["neighbour_recall"]]) for t in table.values()],
+    )
     if versus:
-        md.append(
+        md += k_table(
             "Each retriever against dense all-MiniLM-L6-v2 (its gain minus MiniLM's, % of Naive's loss, paired 95% "
-            "interval over the same passages; positive: the retriever beats MiniLM):"
+            "interval over the same passages; positive: the retriever beats MiniLM):",
+            by,
+            ks,
+            [((table[name]["retriever"], m), [gain(c) for c in by_method[m]]) for name, by_method in versus.items() for m in METHODS],
         )
-        md.append("")
-        md.append("| retriever | method | " + " | ".join(f"k={k}" for k in ks) + " |")
-        md.append("|---|---|" + "---:|" * len(ks))
-        for name, by_method in versus.items():
-            for m in METHODS:
-                cells = [f"{c['gain_pct']:+.2f} ± {c['gain_pct_ci95']:.2f}" for c in by_method[m]]
-                md.append(f"| {table[name]['retriever']} | {m} | " + " | ".join(cells) + " |")
-        md.append("")
     md.append("The paper's third retriever, averaged GloVe vectors, is not reachable offline here and is left out.")
     return "\n".join(md) + "\n"
 

@@ -194,11 +194,12 @@ impl Weights {
             _ => unreachable!("weights are loaded for their config"),
         }
     }
-    pub(crate) fn n_params(&self) -> usize {
-        match self {
-            Weights::Mamba1(w) => w.n_params(),
-            Weights::Mamba2(w) => w.n_params(),
-            Weights::GraniteHybrid(w) => w.n_params(),
+    pub(crate) fn n_params(&self, config: &ModelConfig) -> usize {
+        match (self, config) {
+            (Weights::Mamba1(w), _) => w.n_params(),
+            (Weights::Mamba2(w), _) => w.n_params(),
+            (Weights::GraniteHybrid(w), ModelConfig::GraniteHybrid(c)) => w.n_params(c),
+            _ => unreachable!("weights are loaded for their config"),
         }
     }
 }

@@ -130,7 +130,7 @@ impl Model {
         let config = ModelConfig::from_file(&config_file)?;
         let weights = Weights::load(dir, &config)?;
         let fingerprint = weights.fingerprint(&config);
-        let n_params = weights.n_params();
+        let n_params = weights.n_params(&config);
         let (tokenizer, tokenizer_error) = if options.skip_tokenizer {
             (None, Some("the model was loaded without a tokenizer".to_string()))
         } else {
@@ -192,7 +192,7 @@ impl Model {
         weight_dtype: WeightDtype,
     ) -> Result<Self> {
         let fingerprint = weights.fingerprint(&config);
-        let n_params = weights.n_params();
+        let n_params = weights.n_params(&config);
         Ok(Self {
             dir: PathBuf::new(),
             config: config.clone(),

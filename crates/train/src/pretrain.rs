@@ -774,7 +774,7 @@ impl PretrainArch for GraniteHybridConfig {
     }
 
     fn n_params(&self) -> usize {
-        GraniteHybridWeights::random(self, 0).n_params()
+        GraniteHybridWeights::random(self, 0).n_params(self)
     }
 
     /// Parameters with gradients and moments, plus what candle's graph keeps per token: the

@@ -64,6 +64,17 @@ pub enum MlpKind {
     Relu2,
 }
 
+impl MlpKind {
+    /// Projections into the inner width (an input matrix holds this many × inner rows): the
+    /// gate and the up projection, or the up projection alone.
+    pub fn projections(self) -> usize {
+        match self {
+            Self::SwiGlu => 2,
+            Self::Relu2 => 1,
+        }
+    }
+}
+
 /// How a token picks its experts.
 #[derive(Debug, Clone, Copy, PartialEq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -312,12 +323,7 @@ impl GraniteHybridConfig {
             return Err(bad("`mlp_bias: true` is not supported by picaso".into()));
         }
         let mut config = Self::read_hf(path, map)?;
-        // Bamba's defaults: 8 key/value heads when the key is absent, all heads when it is null.
-        config.n_kv_heads = match map.get("num_key_value_heads") {
-            None => 8,
-            Some(Value::Null) => config.n_heads,
-            Some(_) => f.usize("num_key_value_heads")?,
-        };
+        config.n_kv_heads = kv_heads_or_8(&f, config.n_heads)?;
         config.family = HybridFamily::Bamba;
         config.layers = layers;
         config.mamba.n_layer = config.n_mamba();
@@ -450,12 +456,7 @@ impl GraniteHybridConfig {
             layers,
             mamba,
             n_heads,
-            // transformers' defaults: 8 when absent, all heads when null.
-            n_kv_heads: match map.get("num_key_value_heads") {
-                None => 8,
-                Some(Value::Null) => n_heads,
-                Some(_) => f.usize("num_key_value_heads")?,
-            },
+            n_kv_heads: kv_heads_or_8(&f, n_heads)?,
             head_dim,
             attention_multiplier: 1.0 / (head_dim as f64).sqrt(),
             rope_theta: None,
@@ -991,6 +992,16 @@ fn nemotron_blocks(f: &Fields<'_>) -> Result<Vec<char>> {
         return Err(Error::config(f.path, "the model has no blocks"));
     }
     Ok(blocks)
+}
+
+/// `num_key_value_heads` with Bamba's and Nemotron-H's defaults: 8 when the key is absent, all
+/// `n_heads` when it is null.
+fn kv_heads_or_8(f: &Fields<'_>, n_heads: usize) -> Result<usize> {
+    match f.map.get("num_key_value_heads") {
+        None => Ok(8),
+        Some(Value::Null) => Ok(n_heads),
+        Some(_) => f.usize("num_key_value_heads"),
+    }
 }
 
 /// At most 2^24 layers, checked before anything is allocated per layer.

@@ -74,7 +74,7 @@ impl CpuGraniteHybrid {
         let mat = |v: Vec<f32>, cols: usize| Matrix::with_kernel(v, cols, dtype, kernel);
         let d = config.d_model;
         let (mut mamba, mut attention) = (0, 0);
-        let gates = if config.mlp_kind == MlpKind::SwiGlu { 2 } else { 1 };
+        let gates = config.mlp_kind.projections();
         let layers = weights
             .layers
             .into_iter()
@@ -251,10 +251,7 @@ impl CpuGraniteHybrid {
         let c = &self.config;
         let d = c.d_model;
         let rows = xn.len() / d;
-        match c.mlp_kind {
-            MlpKind::SwiGlu => swiglu(xn, rows, d, mlp.inner, &mlp.input, &mlp.output, kind, out, false),
-            MlpKind::Relu2 => relu2_mlp(xn, rows, d, mlp.inner, &mlp.input, &mlp.output, kind, out),
-        }
+        feed_forward(c.mlp_kind, xn, rows, d, mlp.inner, &mlp.input, &mlp.output, kind, out);
         let Some(moe) = moe else { return };
         let e = c.n_experts;
         let mut by_expert: Vec<Route> = vec![Vec::new(); e];
@@ -282,10 +279,7 @@ impl CpuGraniteHybrid {
                 }
                 let mut y = vec![0.0f32; picked.len() * d];
                 let (gate_up, down) = &moe.experts[j];
-                match c.mlp_kind {
-                    MlpKind::SwiGlu => swiglu(&x, picked.len(), d, ei, gate_up, down, kind, &mut y, false),
-                    MlpKind::Relu2 => relu2_mlp(&x, picked.len(), d, ei, gate_up, down, kind, &mut y),
-                }
+                feed_forward(c.mlp_kind, &x, picked.len(), d, ei, gate_up, down, kind, &mut y);
                 (picked, y)
             })
             .collect();
@@ -384,6 +378,25 @@ fn swiglu(
         }
     });
     kind.matmul_t(&act, rows, inner, down, d, out, acc);
+}
+
+/// The MLP of `kind` (the shared one, or an expert) of `rows` rows, into `out`.
+#[allow(clippy::too_many_arguments)]
+fn feed_forward(
+    mlp: MlpKind,
+    x: &[f32],
+    rows: usize,
+    d: usize,
+    inner: usize,
+    input: &Matrix,
+    down: &Matrix,
+    kind: Rows,
+    out: &mut [f32],
+) {
+    match mlp {
+        MlpKind::SwiGlu => swiglu(x, rows, d, inner, input, down, kind, out, false),
+        MlpKind::Relu2 => relu2_mlp(x, rows, d, inner, input, down, kind, out),
+    }
 }
 
 /// Nemotron-H's MLP of `rows` rows: `down(relu(up(x))²)`.

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use super::config::{GraniteHybridConfig, HybridFamily, LayerKind, MlpKind, Routing};
+use super::config::{GraniteHybridConfig, HybridFamily, LayerKind, Routing};
 use crate::error::{Error, Result};
 use crate::mamba2::LayerWeights;
 use crate::weights::{fingerprint, normal_sampler, read_tensors, write_checkpoint, HostTensor, Take};
@@ -148,7 +148,7 @@ impl GraniteHybridWeights {
                         format!("layer {i} has experts but no MLP block; validate the config"),
                     ));
                 };
-                let (e, ei, x) = (c.n_experts, c.expert_intermediate, format!("{}.mixer", names.block(b)));
+                let (e, ei, x) = (c.n_experts, c.expert_intermediate, names.mixer(b));
                 // The hub's one tensor per expert, or transformers 5's stacked ones.
                 let stacked = |t: &mut Take<'_>, name: &str, shape: [usize; 2]| -> Result<Vec<f32>> {
                     if t.map.contains_key(&format!("{x}.experts.{name}")) {
@@ -199,11 +199,7 @@ impl GraniteHybridWeights {
                             (gate_up, t.get(&format!("{p}.feed_forward.down_proj.weight"), &[d, inner])?)
                         }
                         HybridFamily::NemotronH => {
-                            let x = if c.has_experts(i) {
-                                format!("{p}.mixer.shared_experts")
-                            } else {
-                                format!("{p}.mixer")
-                            };
+                            let x = names.nemotron_mlp(b, c.has_experts(i));
                             (
                                 t.get(&format!("{x}.up_proj.weight"), &[inner, d])?,
                                 t.get(&format!("{x}.down_proj.weight"), &[d, inner])?,
@@ -280,15 +276,14 @@ impl GraniteHybridWeights {
                         f(&format!("{p}.feed_forward.down_proj.weight"), &mlp.output);
                     }
                     HybridFamily::NemotronH => {
-                        let x =
-                            if l.moe.is_some() { format!("{p}.mixer.shared_experts") } else { format!("{p}.mixer") };
+                        let x = names.nemotron_mlp(b, l.moe.is_some());
                         f(&format!("{x}.up_proj.weight"), &mlp.input);
                         f(&format!("{x}.down_proj.weight"), &mlp.output);
                     }
                 }
             }
             if let (Some(moe), HybridFamily::NemotronH, Some(b)) = (&l.moe, c.family, mlp_block) {
-                let x = format!("{}.mixer", names.block(b));
+                let x = names.mixer(b);
                 f(&format!("{x}.gate.weight"), &moe.router);
                 if let Some(bias) = &moe.bias {
                     f(&format!("{x}.gate.e_score_correction_bias"), bias);
@@ -312,34 +307,11 @@ impl GraniteHybridWeights {
         }
     }
 
-    /// Number of parameters (a tied head counted once).
-    pub fn n_params(&self) -> usize {
-        let layer = |l: &GraniteLayerWeights| {
-            let mixer = match &l.mixer {
-                MixerWeights::Mamba(w) => {
-                    let opt = |b: &Option<Vec<f32>>| b.as_ref().map_or(0, Vec::len);
-                    w.in_proj.len()
-                        + opt(&w.in_proj_bias)
-                        + w.conv_weight.len()
-                        + opt(&w.conv_bias)
-                        + 3 * w.dt_bias.len()
-                        + w.gated_norm.len()
-                        + w.out_proj.len()
-                        + opt(&w.out_proj_bias)
-                }
-                MixerWeights::Attention { q, k, v, o } => q.len() + k.len() + v.len() + o.len(),
-            };
-            let mlp = l.mlp.as_ref().map_or(0, |m| m.norm.len() + m.input.len() + m.output.len());
-            let moe = l
-                .moe
-                .as_ref()
-                .map_or(0, |m| m.router.len() + m.bias.as_ref().map_or(0, Vec::len) + m.gate_up.len() + m.down.len());
-            l.input_norm.len() + mixer + mlp + moe
-        };
-        self.embedding.len()
-            + self.layers.iter().map(layer).sum::<usize>()
-            + self.norm_f.len()
-            + self.lm_head.as_ref().map_or(0, Vec::len)
+    /// Number of parameters (a tied head counted once): every tensor [`Self::for_each`] visits.
+    pub fn n_params(&self, c: &GraniteHybridConfig) -> usize {
+        let mut n = 0;
+        self.for_each(c, |_, t| n += t.len());
+        n
     }
 
     /// The fingerprint every state of this model carries.
@@ -383,7 +355,7 @@ impl GraniteHybridWeights {
                         }
                     }
                 };
-                let gates = if c.mlp_kind == MlpKind::SwiGlu { 2 } else { 1 };
+                let gates = c.mlp_kind.projections();
                 let moe = c.has_experts(l).then(|| {
                     let (e, ei) = (c.n_experts, c.expert_intermediate);
                     MoeWeights {
@@ -489,18 +461,30 @@ impl Names {
             _ => format!("{}.input_layernorm.weight", self.block(b)),
         }
     }
+    /// A Nemotron-H block's one module (Mamba, attention, MLP or experts).
+    fn mixer(&self, b: usize) -> String {
+        format!("{}.mixer", self.block(b))
+    }
     /// The Mamba mixer's tensors' prefix.
     fn mamba(&self, b: usize) -> String {
         match self.family {
-            HybridFamily::NemotronH => format!("{}.mixer", self.block(b)),
+            HybridFamily::NemotronH => self.mixer(b),
             _ => format!("{}.mamba", self.block(b)),
         }
     }
     /// The attention's projections' prefix.
     fn attention(&self, b: usize) -> String {
         match self.family {
-            HybridFamily::NemotronH => format!("{}.mixer", self.block(b)),
+            HybridFamily::NemotronH => self.mixer(b),
             _ => format!("{}.self_attn", self.block(b)),
+        }
+    }
+    /// A Nemotron-H MLP's prefix: an `mlp` block's module, or a `moe` block's shared expert.
+    fn nemotron_mlp(&self, b: usize, experts: bool) -> String {
+        if experts {
+            format!("{}.shared_experts", self.mixer(b))
+        } else {
+            self.mixer(b)
         }
     }
     /// The RMSNorm before the MLP of block `b`.
