@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
-"""Generate small GraniteMoeHybrid (Granite 4.0 H), Bamba and Nemotron-H reference fixtures from HF transformers.
+"""Generate small GraniteMoeHybrid (Granite 4.0 H), Bamba, Nemotron-H and Falcon-H1 reference fixtures from HF transformers.
 
 For every case in CASES this script
   1. builds a tiny random `GraniteMoeHybridForCausalLM` (fixed seed, every parameter overwritten
      with non-trivial random values, stored as float32; non-trivial embedding, residual,
      attention and logits multipliers), or a `BambaForCausalLM` (family "bamba": no
      multipliers, RoPE on half of each head's channels), or a `NemotronHForCausalLM` (family
-     "nemotron_h": Mamba, attention and relu² MLP blocks apart, NoPE),
+     "nemotron_h": Mamba, attention and relu² MLP blocks apart, NoPE), or a `FalconH1ForCausalLM`
+     (family "falcon_h1": a Mamba mixer and RoPE attention side by side in every layer, µP
+     multipliers; such a layer's state is both),
   2. writes it in HF format (`hf/config.json` with the hub's `layer_types` names
      `mamba`/`attention`, `hf/model.safetensors`),
   3. runs the HF torch reference in float64 (`Float64Everywhere`) on a seeded random token
@@ -38,6 +40,8 @@ from transformers import (
     BambaConfig,
     BambaForCausalLM,
     DynamicCache,
+    FalconH1Config,
+    FalconH1ForCausalLM,
     GraniteMoeHybridConfig,
     GraniteMoeHybridForCausalLM,
     NemotronHConfig,
@@ -113,6 +117,41 @@ CASES = {
 }
 
 
+FALCON_BASE = dict(
+    rms_norm_eps=1e-5, hidden_act="silu", attention_bias=False, mlp_bias=False, mamba_d_conv=4, mamba_expand=2,
+    mamba_conv_bias=True, max_position_embeddings=512,
+)
+CASES.update({
+    # Falcon-H1: a Mamba mixer and RoPE attention side by side in every layer; every µP
+    # multiplier non-trivial; the hub's default mixer (no gated norm: y·silu(z)); a mixer width
+    # (mamba_d_ssm 72) apart from expand × hidden; Mamba projection biases; untied head
+    "falcon-h1-g2": dict(
+        family="falcon_h1", seed=2006, hidden_size=48, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=12, intermediate_size=40,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+        mamba_d_ssm=72, mamba_n_heads=6, mamba_d_head=12, mamba_n_groups=2, mamba_d_state=10, mamba_chunk_size=16,
+        mamba_rms_norm=False, mamba_proj_bias=True, projectors_bias=True,
+        embedding_multiplier=2.0, lm_head_multiplier=0.4, key_multiplier=0.6, attention_in_multiplier=1.3,
+        attention_out_multiplier=0.8, ssm_in_multiplier=0.7, ssm_out_multiplier=0.9,
+        ssm_multipliers=[0.5, 1.4, 0.8, 1.2, 0.6], mlp_multipliers=[0.9, 0.75],
+        vocab_size=71, time_step_limit=(0.001, 0.25), tie_word_embeddings=False,
+    ),
+    # Falcon-H1 with the mixer's grouped RMSNorm before the gate (`mamba_rms_norm`,
+    # `mamba_norm_before_gate`), a tied head, no biases, one kv head
+    "falcon-h1-norm-g2": dict(
+        family="falcon_h1", seed=2007, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=8, intermediate_size=24,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=16,
+        mamba_rms_norm=True, mamba_norm_before_gate=True, mamba_proj_bias=False, projectors_bias=False,
+        embedding_multiplier=1.5, lm_head_multiplier=0.8, key_multiplier=1.25, attention_in_multiplier=0.9,
+        attention_out_multiplier=1.1, ssm_in_multiplier=1.2, ssm_out_multiplier=0.85,
+        ssm_multipliers=[1.1, 0.9, 1.3, 0.7, 1.05], mlp_multipliers=[1.2, 0.8],
+        vocab_size=67, time_step_limit=(0.0, float("inf")), tie_word_embeddings=True,
+    ),
+})
+
+
 class Float64Granite(Float64Everywhere):
     """`Float64Everywhere`, and a `dtype=torch.float32` argument of any function on float64
     input kept float64 too (eager attention's `softmax(..., dtype=torch.float32)`)."""
@@ -144,20 +183,23 @@ def make_config(case: dict):
         return BambaConfig(**{**BAMBA_BASE, **kw})
     if case.get("family") == "nemotron_h":
         return NemotronHConfig(**{**NEMOTRON_BASE, **kw})
+    if case.get("family") == "falcon_h1":
+        return FalconH1Config(**{**FALCON_BASE, **kw})
     return GraniteMoeHybridConfig(**{**BASE, **kw})
 
 
 def load_kw(case: dict) -> dict:
     """The eager (reference) implementations."""
     kw = {"attn_implementation": "eager"}
-    if case.get("family") != "bamba":
+    if case.get("family") not in ("bamba", "falcon_h1"):
         kw["experts_implementation"] = "eager"
     return kw
 
 
 def model_class(case: dict):
     family = case.get("family")
-    return {"bamba": BambaForCausalLM, "nemotron_h": NemotronHForCausalLM}.get(family, GraniteMoeHybridForCausalLM)
+    classes = {"bamba": BambaForCausalLM, "nemotron_h": NemotronHForCausalLM, "falcon_h1": FalconH1ForCausalLM}
+    return classes.get(family, GraniteMoeHybridForCausalLM)
 
 
 def random_value(name: str, shape, gen: torch.Generator) -> torch.Tensor:
@@ -236,6 +278,12 @@ def is_attention(layer):
     return mixer(layer) is None and (not nemotron(layer) or layer.block_type == "full_attention")
 
 
+def attends(layer):
+    """Whether a layer holds keys and values: an attention layer, or a Falcon-H1 layer (attention
+    beside its Mamba mixer)."""
+    return is_attention(layer) or type(layer).__name__ == "FalconH1DecoderLayer"
+
+
 def picaso_index(model):
     """picaso's layer index of each block that holds a state (Nemotron-H's `mlp` blocks hold
     none and join the mixer block before them)."""
@@ -253,8 +301,12 @@ def capture_in_proj(model):
         if mixer(layer) is None:
             continue
 
-        def hook(_m, _i, output, i=i):
-            captured.setdefault(i, []).append(output.detach()[0])
+        # Falcon-H1 scales in_proj's output by its µP vector before using it.
+        scale = getattr(mixer(layer), "mup_vector", None)
+
+        def hook(_m, _i, output, i=i, scale=scale):
+            out = output.detach()[0]
+            captured.setdefault(i, []).append(out if scale is None else out * scale[0, 0])
 
         handles.append(mixer(layer).in_proj.register_forward_hook(hook))
     return captured, handles
@@ -292,7 +344,7 @@ def extract_states(model, cache, zxbcdt, tag):
             states[f"{tag}.layers.{j}.ssm"] = ssm.clone()
             states[f"{tag}.layers.{j}.conv"] = conv[:, 1:].clone()
             states[f"{tag}.layers.{j}.log_decay"] = log_decay(m, zxbcdt[i])
-        elif is_attention(layer):
+        if attends(layer):
             states[f"{tag}.layers.{j}.k"] = cache.layers[i].keys[0].clone()  # (kv_heads, T, head_dim)
             states[f"{tag}.layers.{j}.v"] = cache.layers[i].values[0].clone()
     return states
@@ -310,7 +362,7 @@ def cache_from(model, parts: dict, n_tokens: int) -> DynamicCache:
             cache.update_conv_state(conv_k, i)
             cache.update_recurrent_state(parts[f"layers.{j}.ssm"][None].clone(), i)
             cache.layers[i].has_previous_state[0] = True
-        elif is_attention(layer):
+        if attends(layer):
             cache.layers[i].update(parts[f"layers.{j}.k"][None].clone(), parts[f"layers.{j}.v"][None].clone())
     assert conv_k.shape[-1] == K
     return cache

@@ -30,8 +30,9 @@ pub enum ModelConfig {
     Mamba1(Mamba1Config),
     /// Mamba-2 (`model_type: "mamba2"`, or `ssm_cfg.layer: "Mamba2"`).
     Mamba2(Mamba2Config),
-    /// A Granite 4.0 H hybrid (`model_type: "granitemoehybrid"`), a Bamba one (`"bamba"`) or a
-    /// Nemotron-H one (`"nemotron_h"`): attention among Mamba-2 layers.
+    /// A Granite 4.0 H hybrid (`model_type: "granitemoehybrid"`), a Bamba one (`"bamba"`), a
+    /// Nemotron-H one (`"nemotron_h"`): attention among Mamba-2 layers; or a Falcon-H1 one
+    /// (`"falcon_h1"`): attention beside a Mamba-2 mixer in every layer.
     GraniteHybrid(crate::granite_hybrid::GraniteHybridConfig),
 }
 
@@ -81,6 +82,9 @@ impl ModelConfig {
             Some("nemotron_h") => {
                 Ok(Self::GraniteHybrid(crate::granite_hybrid::GraniteHybridConfig::from_nemotron_h(path, &map)?))
             }
+            Some("falcon_h1") => {
+                Ok(Self::GraniteHybrid(crate::granite_hybrid::GraniteHybridConfig::from_falcon_h1(path, &map)?))
+            }
             Some("mamba2") | None => {
                 let c = Mamba2Config::from_hf(path, &map)?;
                 c.validate(path)?;
@@ -90,7 +94,7 @@ impl ModelConfig {
                 path,
                 format!(
                     "model_type is {other:?}; picaso reads Mamba-1 (\"mamba\"), Mamba-2 (\"mamba2\"), Granite 4.0 H \
-                     (\"granitemoehybrid\"), Bamba (\"bamba\") and Nemotron-H (\"nemotron_h\") models"
+                     (\"granitemoehybrid\"), Bamba (\"bamba\"), Nemotron-H (\"nemotron_h\") and Falcon-H1 (\"falcon_h1\") models"
                 ),
             )),
         }

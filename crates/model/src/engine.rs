@@ -8,7 +8,7 @@ use crate::error::{Error, Result};
 use crate::gpu::{Gpu, MatrixDtype};
 use crate::granite_hybrid::{CpuGraniteHybrid, GraniteHybridWeights};
 use crate::mamba1::{CandleMamba1, CpuMamba1, Mamba1Weights};
-use crate::mamba2::{CandleMamba2, CpuMamba2, GpuMamba2, Mamba2Weights};
+use crate::mamba2::{CandleMamba2, CpuMamba2, GateNorm, GpuMamba2, Mamba2Weights};
 use crate::state::State;
 
 /// Which engine runs the model.
@@ -211,6 +211,14 @@ pub(crate) fn build(
     backend: &Backend,
     dtype: WeightDtype,
 ) -> Result<Box<dyn Engine>> {
+    if let (ModelConfig::Mamba2(c), Backend::Candle { .. } | Backend::Gpu(_)) = (&config, backend) {
+        if c.gate_norm != GateNorm::NormGated {
+            return Err(Error::Input(format!(
+                "the mixer's gate and norm are {:?}; only the cpu engine runs that: drop --device",
+                c.gate_norm
+            )));
+        }
+    }
     Ok(match (config, weights, backend) {
         (ModelConfig::Mamba2(c), Weights::Mamba2(w), Backend::Cpu) => Box::new(CpuMamba2::new(c, w, dtype)),
         (ModelConfig::Mamba2(c), Weights::Mamba2(w), Backend::Candle { device, dtype }) => {

@@ -139,12 +139,16 @@ pub struct StateShape {
     pub attention: Option<AttentionShape>,
 }
 
-/// Where a hybrid model's attention layers are and how large their keys and values are.
+/// Where a hybrid model's attention and SSM layers are and how large their keys and values are.
+/// A layer holds an SSM state, keys and values, or both (Falcon-H1 runs a Mamba mixer and
+/// attention side by side in every layer).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AttentionShape {
-    /// The model's own index of each attention layer, ascending.
+    /// The model's own index of each layer with keys and values, ascending.
     pub layers: Vec<usize>,
-    /// Layers of the model, SSM and attention.
+    /// The model's own index of each layer with an SSM state, ascending.
+    pub ssm: Vec<usize>,
+    /// Layers of the model.
     pub n_layers: usize,
     /// Key/value heads.
     pub kv_heads: usize,
@@ -157,13 +161,16 @@ impl AttentionShape {
     pub fn token_len(&self) -> usize {
         self.kv_heads * self.head_dim
     }
-    /// The model's own index of each SSM layer.
-    pub fn ssm_layers(&self) -> Vec<usize> {
-        (0..self.n_layers).filter(|i| !self.layers.contains(i)).collect()
-    }
-    /// `mamba` / `attention` per layer, as the hub's `layer_types`.
+    /// The name of each layer's kind as written in a state's metadata: `mamba`, `attention`,
+    /// or `hybrid` for both side by side (transformers' name for a Falcon-H1 layer).
     pub fn layer_types(&self) -> Vec<&'static str> {
-        (0..self.n_layers).map(|i| if self.layers.contains(&i) { "attention" } else { "mamba" }).collect()
+        (0..self.n_layers)
+            .map(|i| match (self.ssm.contains(&i), self.layers.contains(&i)) {
+                (true, true) => "hybrid",
+                (false, true) => "attention",
+                _ => "mamba",
+            })
+            .collect()
     }
 }
 
@@ -193,7 +200,7 @@ impl StateShape {
     /// The model's own index of each SSM layer (`layers[j]` of a state is layer `ssm_layers()[j]`).
     pub fn ssm_layers(&self) -> Vec<usize> {
         match &self.attention {
-            Some(a) => a.ssm_layers(),
+            Some(a) => a.ssm.clone(),
             None => (0..self.n_layer).collect(),
         }
     }
@@ -243,14 +250,12 @@ impl StateShape {
             )));
         }
         if let Some(a) = &self.attention {
-            let sorted = a.layers.windows(2).all(|w| w[0] < w[1]);
-            if !sorted
-                || a.layers.last().is_some_and(|&l| l >= a.n_layers)
-                || a.layers.len() + self.n_layer != a.n_layers
-            {
+            let fits = |l: &[usize]| l.windows(2).all(|w| w[0] < w[1]) && l.last().is_none_or(|&i| i < a.n_layers);
+            let covered = (0..a.n_layers).all(|i| a.layers.contains(&i) || a.ssm.contains(&i));
+            if !fits(&a.layers) || !fits(&a.ssm) || !covered || a.ssm.len() != self.n_layer {
                 return Err(Error::state(format!(
-                    "attention layers {:?} and {} SSM layers do not make a model of {} layers",
-                    a.layers, self.n_layer, a.n_layers
+                    "attention layers {:?} and SSM layers {:?} ({} counted) do not make a model of {} layers",
+                    a.layers, a.ssm, self.n_layer, a.n_layers
                 )));
             }
             if a.kv_heads == 0 || a.head_dim == 0 {
@@ -493,10 +498,21 @@ impl State {
             Some(a) => self.attention.iter().map(|kv| [a.kv_heads, kv.tokens(a.token_len()), a.head_dim]).collect(),
             None => Vec::new(),
         };
-        // Tensors in the model's layer order (a pure SSM model's: layers 0.. of the state).
-        let attention_at = self.shape.attention_layers();
+        // Tensors in the model's layer order (a pure SSM model's: layers 0.. of the state), a
+        // layer's SSM tensors before its keys and values.
+        let (ssm_at, attention_at) = (self.shape.ssm_layers(), self.shape.attention_layers());
+        let n_layers = self.shape.attention.as_ref().map_or(self.layers.len(), |a| a.n_layers);
         let (mut ssm, mut attention) = (self.layers.iter(), self.attention.iter().zip(&kv_shapes));
-        for i in 0..self.layers.len() + self.attention.len() {
+        for i in 0..n_layers {
+            if ssm_at.contains(&i) {
+                let l = ssm.next().ok_or_else(|| {
+                    Error::state(format!("layer {i} is an SSM layer, but the state holds no SSM state for it"))
+                })?;
+                tensors.push((format!("layers.{i}.ssm"), name(dtype), &self.shape.ssm, encode(&l.ssm, dtype)));
+                tensors.push((format!("layers.{i}.conv"), name(dtype), &self.shape.conv, encode(&l.conv, dtype)));
+                let log_decay = encode(&l.log_decay, StateDtype::F32);
+                tensors.push((format!("layers.{i}.log_decay"), "F32", &self.shape.log_decay, log_decay));
+            }
             if attention_at.contains(&i) {
                 let (kv, shape) = attention.next().ok_or_else(|| {
                     Error::state(format!("layer {i} attends, but the state holds no keys and values for it"))
@@ -513,15 +529,10 @@ impl State {
                     shape,
                     encode(&head_major(&kv.values, shape), dtype),
                 ));
-            } else {
-                let l = ssm.next().ok_or_else(|| {
-                    Error::state(format!("layer {i} is an SSM layer, but the state holds no SSM state for it"))
-                })?;
-                tensors.push((format!("layers.{i}.ssm"), name(dtype), &self.shape.ssm, encode(&l.ssm, dtype)));
-                tensors.push((format!("layers.{i}.conv"), name(dtype), &self.shape.conv, encode(&l.conv, dtype)));
-                let log_decay = encode(&l.log_decay, StateDtype::F32);
-                tensors.push((format!("layers.{i}.log_decay"), "F32", &self.shape.log_decay, log_decay));
             }
+        }
+        if ssm.next().is_some() || attention.next().is_some() {
+            return Err(Error::state("the state holds more layers than its shape lists"));
         }
         let quote = |s: &str| serde_json::to_string(s).expect("strings serialise");
         let mut metadata = vec![
@@ -758,22 +769,24 @@ impl Parsed {
         let n_tokens = get("n_tokens")?.parse().map_err(|_| Error::state("metadata `n_tokens` is not an integer"))?;
         let st = SafeTensors::deserialize(bytes).map_err(|e| Error::state(format!("not a safetensors file: {e}")))?;
         // A hybrid's layer kinds are in its metadata; a pure SSM state's layers run from 0.
-        let kinds: Option<Vec<bool>> = match meta.get("layer_types") {
+        // (has an SSM state, has keys and values) per layer.
+        let kinds: Option<Vec<(bool, bool)>> = match meta.get("layer_types") {
             None => None,
             Some(list) => Some(
                 list.split(',')
                     .map(|k| match k {
-                        "mamba" => Ok(false),
-                        "attention" => Ok(true),
+                        "mamba" => Ok((true, false)),
+                        "attention" => Ok((false, true)),
+                        "hybrid" => Ok((true, true)),
                         other => Err(Error::state(format!(
-                            "metadata `layer_types` lists {other:?}; a layer is \"mamba\" or \"attention\""
+                            "metadata `layer_types` lists {other:?}; a layer is \"mamba\", \"attention\" or \"hybrid\" (both)"
                         ))),
                     })
                     .collect::<Result<_>>()?,
             ),
         };
         let (ssm_at, attention_at): (Vec<usize>, Vec<usize>) = match &kinds {
-            Some(k) => ((0..k.len()).filter(|&i| !k[i]).collect(), (0..k.len()).filter(|&i| k[i]).collect()),
+            Some(k) => ((0..k.len()).filter(|&i| k[i].0).collect(), (0..k.len()).filter(|&i| k[i].1).collect()),
             None => ((0..).take_while(|i| st.tensor(&format!("layers.{i}.ssm")).is_ok()).collect(), Vec::new()),
         };
         let n_layer = ssm_at.len();
@@ -814,7 +827,8 @@ impl Parsed {
             Some(&a) => match dims(&format!("layers.{a}.k"))?[..] {
                 [kv_heads, _, head_dim] => Some(AttentionShape {
                     layers: attention_at.clone(),
-                    n_layers: ssm_at.len() + attention_at.len(),
+                    ssm: ssm_at.clone(),
+                    n_layers: kinds.as_ref().map_or(0, Vec::len),
                     kv_heads,
                     head_dim,
                 }),

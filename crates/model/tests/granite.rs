@@ -1,4 +1,4 @@
-//! Granite 4.0 H hybrids against HF transformers (fixtures from scripts/make_granite_fixtures.py,
+//! Granite 4.0 H, Bamba, Nemotron-H and Falcon-H1 hybrids against HF transformers (fixtures from scripts/make_granite_fixtures.py,
 //! computed in float64): log-probs within 1e-4, every layer's state (SSM state, conv tail,
 //! log-decay; keys and values) within 1e-5 of its scale, the Markov property at every split,
 //! and a composed state (PICASO-R on the Mamba layers, the union of keys and values) continued
@@ -9,7 +9,15 @@ mod common;
 use common::*;
 use picaso_model::{compose, Composition, Model, State, StateDtype};
 
-const CASES: [&str; 5] = ["dense-nope-g1", "moe-rope-g2", "bamba-rope-g2", "nemotron-h-g2", "nemotron-h-moe-g2"];
+const CASES: [&str; 7] = [
+    "dense-nope-g1",
+    "moe-rope-g2",
+    "bamba-rope-g2",
+    "nemotron-h-g2",
+    "nemotron-h-moe-g2",
+    "falcon-h1-g2",
+    "falcon-h1-norm-g2",
+];
 
 fn model(case: &str) -> Model {
     load_from(&fixture_dir("granite", case).join("hf"))
@@ -624,6 +632,100 @@ fn unsupported_nemotron_3_options_are_refused_by_name() {
         ("moe_shared_expert_intermediate_size", serde_json::json!(0), "moe_shared_expert_intermediate_size"),
     ] {
         let err = refused_with("nemotron-h-moe-g2", key, value);
+        assert!(err.contains(want) && err.contains("config.json"), "{key}: {err}");
+    }
+}
+
+/// A Falcon-H1 model is read with its µP multipliers folded into its weights; written back, its
+/// config says 1 for each folded multiplier (the embedding's and the LM head's stay), and the
+/// copy is the same model: same fingerprint, same log-probs. Each layer's state holds both an
+/// SSM state and keys and values, and is named `hybrid` in a state file.
+#[test]
+fn a_falcon_h1_model_is_written_back_folded() {
+    for case in ["falcon-h1-g2", "falcon-h1-norm-g2"] {
+        let e = exp(case);
+        let src = fixture_dir("granite", case).join("hf");
+        let path = src.join("config.json");
+        let map: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let c = picaso_model::GraniteHybridConfig::from_falcon_h1(&path, &map).unwrap();
+        assert_eq!(c.n_layer(), c.n_mamba());
+        assert_eq!(c.attention_layers(), (0..c.n_layer()).collect::<Vec<_>>());
+        let w = picaso_model::GraniteHybridWeights::load(&src, &c).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        w.save_pretrained(dir.path(), &c).unwrap();
+        let written: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.path().join("config.json")).unwrap()).unwrap();
+        assert_eq!(written["model_type"], "falcon_h1");
+        for key in ["key_multiplier", "ssm_in_multiplier", "ssm_out_multiplier", "attention_in_multiplier"] {
+            assert_eq!(written[key], 1.0, "{case}: {key}");
+        }
+        assert_eq!(written["ssm_multipliers"], serde_json::json!([1.0, 1.0, 1.0, 1.0, 1.0]));
+        assert_eq!(written["embedding_multiplier"], map["embedding_multiplier"]);
+        assert!(written.get("layer_types").is_none() && written.get("mamba_n_heads").is_some(), "{written}");
+        let (a, b) = (model(case), load_from(dir.path()));
+        assert_eq!(a.fingerprint(), b.fingerprint(), "{case}");
+        let (la, lb) = (a.score(&e.tokens, &a.zero_state()).unwrap(), b.score(&e.tokens, &b.zero_state()).unwrap());
+        assert_eq!(la.logprobs, lb.logprobs, "{case}");
+        let state = la.state;
+        assert_eq!((state.layers.len(), state.attention.len()), (c.n_layer(), c.n_layer()));
+        let bytes = state.to_bytes(StateDtype::F32).unwrap();
+        let header = String::from_utf8_lossy(&bytes[..4000.min(bytes.len())]).to_string();
+        assert!(header.contains(&vec!["hybrid"; c.n_layer()].join(",")), "{case}: {header}");
+        assert!(header.contains("\"layers.0.ssm\"") && header.contains("\"layers.0.k\""), "{case}");
+        let described = a.config().describe();
+        assert!(described.starts_with("falcon-h1") && described.contains("side by side"), "{described}");
+    }
+}
+
+/// A Falcon-H1 config as the hub ships it (`rope_theta` at the top level, `rope_scaling: null`,
+/// `mamba_d_head: "auto"`, keys transformers ignores) reads as the same model.
+#[test]
+fn a_hub_style_falcon_h1_config_reads_the_same() {
+    let case = "falcon-h1-g2";
+    let hub = edited_copy(
+        case,
+        |c| {
+            c.remove("rope_parameters");
+            c.insert("rope_theta".into(), serde_json::json!(1000.0));
+            c.insert("rope_scaling".into(), serde_json::Value::Null);
+            c.insert("mamba_d_head".into(), serde_json::json!("auto"));
+            c.insert("mamba_use_mlp".into(), serde_json::json!(true));
+        },
+        |n| Some(n.to_string()),
+        &[],
+    );
+    let (a, b) = (model(case), load_from(hub.path()));
+    assert_eq!(a.fingerprint(), b.fingerprint());
+    let e = exp(case);
+    assert_eq!(
+        a.score(&e.tokens, &a.zero_state()).unwrap().logprobs,
+        b.score(&e.tokens, &b.zero_state()).unwrap().logprobs
+    );
+}
+
+/// What picaso does not run of a Falcon-H1 config is refused by name.
+#[test]
+fn unsupported_falcon_h1_options_are_refused_by_name() {
+    let rope = |extra: serde_json::Value| {
+        let mut r = serde_json::json!({"rope_type": "default", "rope_theta": 1000.0});
+        r.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        r
+    };
+    for (key, value, want) in [
+        ("attention_bias", serde_json::json!(true), "attention_bias"),
+        ("mlp_bias", serde_json::json!(true), "mlp_bias"),
+        ("hidden_act", serde_json::json!("gelu"), "hidden_act"),
+        ("projectors_bias", serde_json::json!(false), "projectors_bias"),
+        ("rope_parameters", serde_json::json!({"rope_type": "linear", "factor": 2.0}), "rope_type \"linear\""),
+        ("rope_parameters", rope(serde_json::json!({"partial_rotary_factor": 0.5})), "RoPE on whole heads"),
+        ("ssm_multipliers", serde_json::json!([1.0, 1.0, 1.0, 1.0]), "ssm_multipliers"),
+        ("mlp_multipliers", serde_json::json!("1.0"), "mlp_multipliers"),
+        ("key_multiplier", serde_json::json!("big"), "key_multiplier"),
+        ("mamba_d_head", serde_json::json!(10), "mamba_d_head"),
+        ("num_hidden_layers", serde_json::json!(0), "num_hidden_layers"),
+    ] {
+        let err = refused_with("falcon-h1-g2", key, value);
         assert!(err.contains(want) && err.contains("config.json"), "{key}: {err}");
     }
 }

@@ -48,7 +48,8 @@ impl State {
     /// (ssm, conv, log_decay) — Mamba-2 ssm (heads, headdim, d_state), conv (conv_dim,
     /// d_conv - 1), log_decay (heads); Mamba-1 ssm (d_inner, d_state), conv (d_inner,
     /// d_conv - 1), log_decay (d_inner, d_state) — or, in a hybrid, an attention layer's
-    /// (keys, values), each (kv_heads, tokens, head_dim). The fingerprint names the model it
+    /// (keys, values), each (kv_heads, tokens, head_dim), or a Falcon-H1 layer's
+    /// (ssm, conv, log_decay, keys, values). The fingerprint names the model it
     /// belongs to (`Model.fingerprint`); `position` is where the next token goes (default
     /// `n_tokens`; a composed hybrid state's is its longest part's).
     #[staticmethod]
@@ -60,16 +61,18 @@ impl State {
         position: Option<u64>,
     ) -> PyResult<Self> {
         let invalid = |m: String| raise(Kind::Invalid, m);
-        let mamba: Vec<(usize, &Vec<PyReadonlyArrayDyn<'_, f32>>)> =
-            layers.iter().enumerate().filter(|(_, l)| l.len() != 2).collect();
-        let attention: Vec<(usize, &Vec<PyReadonlyArrayDyn<'_, f32>>)> =
-            layers.iter().enumerate().filter(|(_, l)| l.len() == 2).collect();
-        if let Some((i, l)) = mamba.iter().find(|(_, l)| l.len() != 3) {
+        if let Some((i, l)) = layers.iter().enumerate().find(|(_, l)| ![2, 3, 5].contains(&l.len())) {
             return Err(invalid(format!(
-                "layer {i} has {} arrays: a Mamba layer takes (ssm, conv, log_decay), an attention layer (keys, values)",
+                "layer {i} has {} arrays: a Mamba layer takes (ssm, conv, log_decay), an attention layer (keys, values), \
+                 a layer with both (Falcon-H1) (ssm, conv, log_decay, keys, values)",
                 l.len()
             )));
         }
+        // A layer's Mamba arrays come first, its keys and values last.
+        let mamba: Vec<(usize, &[PyReadonlyArrayDyn<'_, f32>])> =
+            layers.iter().enumerate().filter(|(_, l)| l.len() != 2).map(|(i, l)| (i, &l[..3])).collect();
+        let attention: Vec<(usize, &[PyReadonlyArrayDyn<'_, f32>])> =
+            layers.iter().enumerate().filter(|(_, l)| l.len() != 3).map(|(i, l)| (i, &l[l.len() - 2..])).collect();
         let Some((_, first)) = mamba.first() else {
             return Err(invalid("a state needs at least one Mamba layer (ssm, conv, log_decay)".into()));
         };
@@ -107,6 +110,7 @@ impl State {
                 }
                 let shape = picaso_model::AttentionShape {
                     layers: attention.iter().map(|(i, _)| *i).collect(),
+                    ssm: mamba.iter().map(|(i, _)| *i).collect(),
                     n_layers: layers.len(),
                     kv_heads: want[0],
                     head_dim: want[2],
@@ -173,7 +177,8 @@ impl State {
         self.inner.shape.attention.as_ref().map_or(self.inner.layers.len(), |a| a.n_layers)
     }
 
-    /// "mamba" or "attention" per layer of the model (as the hub's `layer_types`).
+    /// "mamba", "attention" or "hybrid" (both, side by side: Falcon-H1) per layer of the model
+    /// (as the hub's `layer_types`).
     #[getter]
     fn layer_types(&self) -> Vec<&'static str> {
         match &self.inner.shape.attention {
@@ -227,7 +232,8 @@ impl State {
     }
 
     /// Every layer of the model as a dict of arrays: a Mamba layer's {"ssm", "conv",
-    /// "log_decay"} (read-only views), an attention layer's {"keys", "values"} (copies).
+    /// "log_decay"} (read-only views), an attention layer's {"keys", "values"} (copies), a
+    /// Falcon-H1 layer's all five.
     #[getter]
     fn layers<'py>(this: &Bound<'py, Self>) -> PyResult<Bound<'py, PyList>> {
         let py = this.py();
@@ -235,13 +241,14 @@ impl State {
         let types = this.get().layer_types();
         for (i, kind) in types.into_iter().enumerate() {
             let d = PyDict::new(py);
-            if kind == "attention" {
-                d.set_item("keys", this.get().keys(py, i)?)?;
-                d.set_item("values", this.get().values(py, i)?)?;
-            } else {
+            if kind != "attention" {
                 d.set_item("ssm", Self::ssm(this, i)?)?;
                 d.set_item("conv", Self::conv(this, i)?)?;
                 d.set_item("log_decay", Self::log_decay(this, i)?)?;
+            }
+            if kind != "mamba" {
+                d.set_item("keys", this.get().keys(py, i)?)?;
+                d.set_item("values", this.get().values(py, i)?)?;
             }
             list.append(d)?;
         }
@@ -268,13 +275,13 @@ impl State {
     fn layer(&self, i: usize) -> PyResult<&LayerState> {
         let index = match &self.inner.shape.attention {
             None => Some(i),
-            Some(a) if a.layers.contains(&i) => {
+            Some(a) if a.layers.contains(&i) && !a.ssm.contains(&i) => {
                 return Err(raise(
                     Kind::Invalid,
                     format!("layer {i} is an attention layer: read its keys({i}) and values({i})"),
                 ))
             }
-            Some(a) => a.ssm_layers().iter().position(|&l| l == i),
+            Some(a) => a.ssm.iter().position(|&l| l == i),
         };
         index.and_then(|k| self.inner.layers.get(k)).ok_or_else(|| {
             pyo3::exceptions::PyIndexError::new_err(format!(

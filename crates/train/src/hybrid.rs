@@ -11,7 +11,7 @@
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor, Var};
-use picaso_model::granite_hybrid::weights::{GraniteLayerWeights, MixerWeights, MlpWeights};
+use picaso_model::granite_hybrid::weights::{AttentionWeights, GraniteLayerWeights, MixerWeights, MlpWeights};
 use picaso_model::granite_hybrid::HybridFamily;
 use picaso_model::granite_hybrid::LayerKind;
 use picaso_model::{GraniteHybridConfig, GraniteHybridWeights};
@@ -91,7 +91,10 @@ impl TrainGraniteHybrid {
             .map(|l| {
                 let mixer = match &l.mixer {
                     MixerWeights::Mamba(w) => Mixer::Mamba(MambaLayer::new(&c.mamba, w, dtype, device)?),
-                    MixerWeights::Attention { q, k, v, o } => Mixer::Attention {
+                    MixerWeights::Parallel(..) => {
+                        candle_core::bail!("training runs one mixer per layer (a Granite 4.0 H model's)")
+                    }
+                    MixerWeights::Attention(AttentionWeights { q, k, v, o }) => Mixer::Attention {
                         input_norm: var(&l.input_norm, &[d])?,
                         q: var(q, &[qw, d])?,
                         k: var(k, &[kvw, d])?,
@@ -137,7 +140,7 @@ impl TrainGraniteHybrid {
                     Mixer::Mamba(m) => (host(&m.norm)?, MixerWeights::Mamba(m.to_weights()?)),
                     Mixer::Attention { input_norm, q, k, v, o } => (
                         host(input_norm)?,
-                        MixerWeights::Attention { q: host(q)?, k: host(k)?, v: host(v)?, o: host(o)? },
+                        MixerWeights::Attention(AttentionWeights { q: host(q)?, k: host(k)?, v: host(v)?, o: host(o)? }),
                     ),
                 };
                 Ok(GraniteLayerWeights {

@@ -15,7 +15,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use candle_core::{DType, Tensor};
-use picaso_model::granite_hybrid::weights::MixerWeights;
+use picaso_model::granite_hybrid::weights::AttentionWeights;
 use picaso_model::{GraniteHybridConfig, GraniteHybridWeights, Mamba2Config, Mamba2Weights};
 use rand::{Rng, SeedableRng};
 
@@ -324,17 +324,16 @@ pub fn init_hybrid_weights(c: &GraniteHybridConfig, seed: u64, opts: &InitOption
     w.embedding = normal(w.embedding.len(), 0.02);
     for l in &mut w.layers {
         l.input_norm.iter_mut().for_each(|x| *x = 1.0);
-        match &mut l.mixer {
-            MixerWeights::Mamba(m) => {
-                *m = mamba.next().expect("one Mamba-2 layer per mamba kind");
-                m.out_proj = normal(m.out_proj.len(), out_std);
+        let (m, attention) = l.mixer.parts_mut();
+        if let Some(m) = m {
+            *m = mamba.next().expect("one Mamba-2 layer per layer with a Mamba mixer");
+            m.out_proj = normal(m.out_proj.len(), out_std);
+        }
+        if let Some(AttentionWeights { q, k, v, o }) = attention {
+            for p in [q, k, v] {
+                *p = normal(p.len(), 0.02);
             }
-            MixerWeights::Attention { q, k, v, o } => {
-                for p in [q, k, v] {
-                    *p = normal(p.len(), 0.02);
-                }
-                *o = normal(o.len(), out_std);
-            }
+            *o = normal(o.len(), out_std);
         }
         if let Some(mlp) = &mut l.mlp {
             mlp.norm.iter_mut().for_each(|x| *x = 1.0);

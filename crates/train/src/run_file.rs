@@ -292,6 +292,7 @@ impl PretrainFile {
                 gated_norm_eps: 1e-5,
                 time_step_limit: (0.0, f64::INFINITY),
                 use_conv_bias: true,
+                gate_norm: Default::default(),
                 format: picaso_model::CheckpointFormat::HfTransformers,
                 ..self.mamba2_config()
             },
@@ -313,6 +314,7 @@ impl PretrainFile {
             routing: Default::default(),
             moe_layers: Vec::new(),
             moe_shared_intermediate: 0,
+            mup: None,
             norm_eps: 1e-5,
             tie_embeddings: true,
         }

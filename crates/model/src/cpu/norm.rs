@@ -34,3 +34,19 @@ simd_fn! {
         }
     }
 }
+
+simd_fn! {
+    /// RMSNorm grouped by `group`, then gated: out = y / sqrt(mean_group(y²) + eps) · w · silu(z)
+    /// (Falcon-H1's `mamba_norm_before_gate`). `y`, `z` and `out` are one token's d_inner values.
+    pub fn rmsnorm_then_gate(y: &[f32], z: &[f32], w: &[f32], group: usize, eps: f32, out: &mut [f32]) {
+        for ((og, yg), (wg, zg)) in
+            out.chunks_exact_mut(group).zip(y.chunks_exact(group)).zip(w.chunks_exact(group).zip(z.chunks_exact(group)))
+        {
+            let ss: f32 = yg.iter().map(|v| v * v).sum();
+            let scale = 1.0 / (ss / group as f32 + eps).sqrt();
+            for (o, ((&yv, &g), &zv)) in og.iter_mut().zip(yg.iter().zip(wg).zip(zg)) {
+                *o = yv * scale * g * silu(zv);
+            }
+        }
+    }
+}

@@ -11,7 +11,7 @@ use serde_json::{Map, Value};
 
 use crate::config::{CheckpointFormat, Fields};
 use crate::error::{Error, Result};
-use crate::mamba2::Mamba2Config;
+use crate::mamba2::{GateNorm, Mamba2Config};
 use crate::state::{Arch, AttentionShape, StateShape};
 
 /// The mixer of one layer of a hybrid.
@@ -22,6 +22,21 @@ pub enum LayerKind {
     Mamba,
     /// Causal self-attention: its state is the keys and values of the tokens seen.
     Attention,
+    /// Both side by side on the same normed input, their outputs summed (Falcon-H1;
+    /// transformers calls such a layer `hybrid`): its state is both.
+    #[serde(rename = "hybrid")]
+    Parallel,
+}
+
+impl LayerKind {
+    /// Whether the layer runs a Mamba-2 mixer (and its state holds an SSM state).
+    pub fn has_mamba(self) -> bool {
+        matches!(self, Self::Mamba | Self::Parallel)
+    }
+    /// Whether the layer attends (and its state holds keys and values).
+    pub fn attends(self) -> bool {
+        matches!(self, Self::Attention | Self::Parallel)
+    }
 }
 
 /// Which transformers class a hybrid's checkpoint is written for: it decides the config's
@@ -40,6 +55,11 @@ pub enum HybridFamily {
     /// and the `mlp` block after it, if there is one (see [`GraniteHybridConfig::hf_blocks`]).
     #[serde(rename = "nemotron_h")]
     NemotronH,
+    /// `FalconH1ForCausalLM` (`model_type: "falcon_h1"`): every layer runs a Mamba-2 mixer and
+    /// attention side by side ([`LayerKind::Parallel`]); its µP multipliers are folded into the
+    /// weights as they are read (see [`super::falcon_h1`]).
+    #[serde(rename = "falcon_h1")]
+    FalconH1,
 }
 
 impl HybridFamily {
@@ -49,6 +69,7 @@ impl HybridFamily {
             Self::Granite => "granite-hybrid",
             Self::Bamba => "bamba",
             Self::NemotronH => "nemotron-h",
+            Self::FalconH1 => "falcon-h1",
         }
     }
 }
@@ -158,6 +179,10 @@ pub struct GraniteHybridConfig {
     /// Inner width of the shared expert of a Nemotron 3 `moe` block (its layer's MLP).
     #[serde(default)]
     pub moe_shared_intermediate: usize,
+    /// Falcon-H1's µP multipliers, folded into the weights as they are read (the engine never
+    /// applies them); `None` for the other families.
+    #[serde(default)]
+    pub mup: Option<super::falcon_h1::Mup>,
     /// Epsilon of every RMSNorm.
     pub norm_eps: f64,
     /// Whether the LM head is the embedding matrix.
@@ -244,7 +269,7 @@ impl GraniteHybridConfig {
             Some(_) => f.usize("mamba_d_head")?,
         };
         let norm_eps = f.f64_or("rms_norm_eps", 1e-6)?;
-        let n_mamba = layers.iter().filter(|k| **k == LayerKind::Mamba).count();
+        let n_mamba = layers.iter().filter(|k| k.has_mamba()).count();
         let mamba = Mamba2Config {
             d_model,
             n_layer: n_mamba,
@@ -261,6 +286,7 @@ impl GraniteHybridConfig {
             tie_embeddings: f.bool_or("tie_word_embeddings", false)?,
             use_bias: false,
             use_conv_bias: f.bool_or("mamba_conv_bias", true)?,
+            gate_norm: GateNorm::NormGated,
             format: CheckpointFormat::HfTransformers,
         };
         let n_experts = f.usize_or("num_local_experts", 0)?;
@@ -289,6 +315,7 @@ impl GraniteHybridConfig {
             routing: Routing::Softmax,
             moe_layers: Vec::new(),
             moe_shared_intermediate: 0,
+            mup: None,
             norm_eps,
         };
         Ok(config)
@@ -432,7 +459,7 @@ impl GraniteHybridConfig {
         let use_bias = f.bool_or("use_bias", false)?;
         let mamba = Mamba2Config {
             d_model,
-            n_layer: layers.iter().filter(|k| **k == LayerKind::Mamba).count(),
+            n_layer: layers.iter().filter(|k| k.has_mamba()).count(),
             vocab_size: f.usize("vocab_size")?,
             d_state: f.usize_or("ssm_state_size", 128)?,
             headdim: f.usize_or("mamba_head_dim", 64)?,
@@ -446,6 +473,7 @@ impl GraniteHybridConfig {
             tie_embeddings: f.bool_or("tie_word_embeddings", false)?,
             use_bias,
             use_conv_bias: f.bool_or(&either("use_conv_bias", "mamba_conv_bias"), true)?,
+            gate_norm: GateNorm::NormGated,
             format: CheckpointFormat::HfTransformers,
         };
         let config = Self {
@@ -482,6 +510,7 @@ impl GraniteHybridConfig {
             },
             moe_layers,
             moe_shared_intermediate: if routed { f.usize_or("moe_shared_expert_intermediate_size", 7688)? } else { 0 },
+            mup: None,
             norm_eps,
         };
         config.validate(path)?;
@@ -534,7 +563,36 @@ impl GraniteHybridConfig {
     pub fn validate(&self, path: &Path) -> Result<()> {
         let bad = |m: String| Err(Error::config(path, m));
         if self.n_mamba() > 0 {
-            self.mamba.validate_with(path, self.family != HybridFamily::NemotronH)?;
+            // Nemotron-H's and Falcon-H1's mixers take their width from the heads alone.
+            self.mamba.validate_with(path, matches!(self.family, HybridFamily::Granite | HybridFamily::Bamba))?;
+        }
+        let falcon = self.family == HybridFamily::FalconH1;
+        let parallel = self.layers.iter().filter(|k| **k == LayerKind::Parallel).count();
+        if (falcon && parallel != self.n_layer()) || (!falcon && parallel > 0) {
+            return bad("a Falcon-H1 model runs a Mamba mixer and attention side by side in every layer, and no \
+                 other family does"
+                .into());
+        }
+        if falcon != self.mup.is_some() || (!falcon && self.mamba.gate_norm != GateNorm::NormGated) {
+            return bad("µP multipliers and another gate norm than Mamba-2's belong to Falcon-H1 models only".into());
+        }
+        if falcon {
+            let scale = 1.0 / (self.head_dim as f64).sqrt();
+            if self.rope_theta.is_none()
+                || self.partial_rotary_factor != 1.0
+                || self.n_experts > 0
+                || self.residual_multiplier != 1.0
+                || (self.attention_multiplier - scale).abs() > 1e-12 * scale
+            {
+                return bad("a Falcon-H1 model has RoPE on whole heads, no experts, no residual multiplier and the \
+                     softmax scale 1/√head_dim; this config sets one of them otherwise"
+                    .into());
+            }
+            let m = self.mup.unwrap_or(super::falcon_h1::Mup::ONE);
+            let all = [m.ssm_in, m.ssm_out, m.attention_in, m.key, m.attention_out].into_iter().chain(m.ssm).chain(m.mlp);
+            if let Some(v) = all.into_iter().find(|v| !v.is_finite()) {
+                return bad(format!("a µP multiplier is {v}; each must be finite"));
+            }
         }
         for (name, v) in [
             ("hidden_size", self.d_model),
@@ -698,6 +756,7 @@ impl GraniteHybridConfig {
             routing: Routing::Softmax,
             moe_layers: Vec::new(),
             moe_shared_intermediate: 0,
+            mup: None,
             norm_eps: 1e-5,
             tie_embeddings: true,
         }
@@ -709,11 +768,15 @@ impl GraniteHybridConfig {
     }
     /// Number of Mamba layers.
     pub fn n_mamba(&self) -> usize {
-        self.layers.iter().filter(|k| **k == LayerKind::Mamba).count()
+        self.layers.iter().filter(|k| k.has_mamba()).count()
     }
-    /// The model's index of each attention layer.
+    /// The model's index of each layer that attends.
     pub fn attention_layers(&self) -> Vec<usize> {
-        (0..self.layers.len()).filter(|&i| self.layers[i] == LayerKind::Attention).collect()
+        (0..self.layers.len()).filter(|&i| self.layers[i].attends()).collect()
+    }
+    /// The model's index of each layer with a Mamba mixer.
+    pub fn mamba_layers(&self) -> Vec<usize> {
+        (0..self.layers.len()).filter(|&i| self.layers[i].has_mamba()).collect()
     }
 
     /// The shape of this model's states: the Mamba layers' as a Mamba-2 model's, plus the
@@ -722,6 +785,7 @@ impl GraniteHybridConfig {
         StateShape {
             attention: Some(AttentionShape {
                 layers: self.attention_layers(),
+                ssm: self.mamba_layers(),
                 n_layers: self.n_layer(),
                 kv_heads: self.n_kv_heads,
                 head_dim: self.head_dim,
@@ -776,7 +840,7 @@ impl GraniteHybridConfig {
                     .iter()
                     .map(|k| match k {
                         LayerKind::Mamba => "mamba",
-                        LayerKind::Attention => "attention",
+                        LayerKind::Attention | LayerKind::Parallel => "attention",
                     })
                     .collect();
                 serde_json::json!({
@@ -842,6 +906,7 @@ impl GraniteHybridConfig {
                 }
                 json
             }
+            HybridFamily::FalconH1 => Value::Object(self.falcon_h1_json()),
             HybridFamily::Bamba => serde_json::json!({
                 "architectures": ["BambaForCausalLM"],
                 "model_type": "bamba",
@@ -860,7 +925,7 @@ impl GraniteHybridConfig {
         else {
             unreachable!("all are JSON objects")
         };
-        if self.family != HybridFamily::NemotronH {
+        if matches!(self.family, HybridFamily::Granite | HybridFamily::Bamba) {
             all.extend(granite_mamba);
         }
         all.extend(extra);
@@ -879,6 +944,7 @@ impl GraniteHybridConfig {
                 Some(&(m, mlp)) if self.family == HybridFamily::NemotronH => {
                     format!(" from the checkpoint's {} blocks", mlp.unwrap_or(m) + 1)
                 }
+                _ if self.family == HybridFamily::FalconH1 => ", Mamba-2 and attention side by side in each".into(),
                 _ => String::new(),
             },
             self.n_mamba(),
@@ -937,7 +1003,7 @@ fn rope_params<'a>(f: &Fields<'a>) -> Option<&'a Map<String, Value>> {
 /// The share of a head's channels RoPE rotates: `partial_rotary_factor` among RoPE's
 /// parameters, else `default` (transformers ignores a top-level one: Bamba's config replaces it
 /// by 0.5).
-fn partial_rotary_factor(f: &Fields<'_>, default: f64) -> Result<f64> {
+pub(super) fn partial_rotary_factor(f: &Fields<'_>, default: f64) -> Result<f64> {
     match rope_params(f).and_then(|p| p.get("partial_rotary_factor")) {
         None | Some(Value::Null) => Ok(default),
         Some(v) => v.as_f64().ok_or_else(|| {
@@ -1015,7 +1081,7 @@ fn layer_count(f: &Fields<'_>) -> Result<usize> {
 
 /// RoPE's base from `rope_parameters` (transformers 5) or `rope_theta` (the hub's); only the
 /// default (unscaled) rotary embedding is supported.
-fn rope_theta(f: &Fields<'_>, path: &Path) -> Result<f64> {
+pub(super) fn rope_theta(f: &Fields<'_>, path: &Path) -> Result<f64> {
     if let Some(p) = rope_params(f) {
         if let Some(kind) = p.get("rope_type").or_else(|| p.get("type")).and_then(Value::as_str) {
             if kind != "default" {

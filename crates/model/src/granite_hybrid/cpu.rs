@@ -12,7 +12,7 @@
 use rayon::prelude::*;
 
 use super::config::{GraniteHybridConfig, MlpKind, Routing};
-use super::weights::{GraniteHybridWeights, MixerWeights, MlpWeights, MoeWeights};
+use super::weights::{AttentionWeights, GraniteHybridWeights, MixerWeights, MlpWeights, MoeWeights};
 use crate::cpu::layers::by_kind;
 use crate::cpu::matmul::{Bf16Kernel, Matrix};
 use crate::cpu::rows::{rows_par, Rows};
@@ -29,12 +29,25 @@ pub struct CpuGraniteHybrid {
     layers: Vec<Layer>,
 }
 
+/// One layer: a Mamba mixer, attention, or both side by side (Falcon-H1), then the MLP.
 #[derive(Debug)]
 struct Layer {
     input_norm: Vec<f32>,
-    mixer: Mixer,
+    /// The `slot`-th Mamba mixer (its state is `state.layers[slot]`).
+    mamba: Option<(usize, CpuLayer)>,
+    /// The `slot`-th attention (its state is `state.attention[slot]`).
+    attention: Option<(usize, Attention)>,
     mlp: Option<Mlp>,
     moe: Option<Moe>,
+}
+
+/// Grouped-query attention's projections.
+#[derive(Debug)]
+struct Attention {
+    q: Matrix,
+    k: Matrix,
+    v: Matrix,
+    o: Matrix,
 }
 
 #[derive(Debug)]
@@ -46,14 +59,6 @@ struct Mlp {
     input: Matrix,
     /// Down (d_model × inner).
     output: Matrix,
-}
-
-#[derive(Debug)]
-enum Mixer {
-    /// The `slot`-th Mamba layer (its state is `state.layers[slot]`).
-    Mamba { slot: usize, weights: CpuLayer },
-    /// The `slot`-th attention layer (its state is `state.attention[slot]`).
-    Attention { slot: usize, q: Matrix, k: Matrix, v: Matrix, o: Matrix },
 }
 
 #[derive(Debug)]
@@ -73,30 +78,27 @@ impl CpuGraniteHybrid {
         let kernel = Bf16Kernel::detect();
         let mat = |v: Vec<f32>, cols: usize| Matrix::with_kernel(v, cols, dtype, kernel);
         let d = config.d_model;
-        let (mut mamba, mut attention) = (0, 0);
+        let (mut n_mamba, mut n_attention) = (0, 0);
         let gates = config.mlp_kind.projections();
         let layers = weights
             .layers
             .into_iter()
             .enumerate()
             .map(|(i, l)| {
-                let mixer = match l.mixer {
-                    MixerWeights::Mamba(w) => {
-                        mamba += 1;
-                        Mixer::Mamba { slot: mamba - 1, weights: CpuLayer::new(w, &config.mamba, dtype, kernel) }
-                    }
-                    MixerWeights::Attention { q, k, v, o } => {
-                        attention += 1;
-                        let inner = config.n_heads * config.head_dim;
-                        Mixer::Attention {
-                            slot: attention - 1,
-                            q: mat(q, d),
-                            k: mat(k, d),
-                            v: mat(v, d),
-                            o: mat(o, inner),
-                        }
-                    }
+                let (mamba_weights, attention_weights) = match l.mixer {
+                    MixerWeights::Mamba(w) => (Some(w), None),
+                    MixerWeights::Attention(a) => (None, Some(a)),
+                    MixerWeights::Parallel(w, a) => (Some(w), Some(a)),
                 };
+                let mamba = mamba_weights.map(|w| {
+                    n_mamba += 1;
+                    (n_mamba - 1, CpuLayer::new(w, &config.mamba, dtype, kernel))
+                });
+                let attention = attention_weights.map(|AttentionWeights { q, k, v, o }| {
+                    n_attention += 1;
+                    let inner = config.n_heads * config.head_dim;
+                    (n_attention - 1, Attention { q: mat(q, d), k: mat(k, d), v: mat(v, d), o: mat(o, inner) })
+                });
                 let moe = l.moe.map(|MoeWeights { router, bias, gate_up, down }| {
                     let (e, ei) = (config.n_experts, config.expert_intermediate);
                     let experts = (0..e)
@@ -114,7 +116,7 @@ impl CpuGraniteHybrid {
                     input: mat(input, d),
                     output: mat(output, config.mlp_inner(i)),
                 });
-                Layer { input_norm: l.input_norm, mixer, mlp, moe }
+                Layer { input_norm: l.input_norm, mamba, attention, mlp, moe }
             })
             .collect();
         let io =
@@ -158,17 +160,16 @@ impl CpuGraniteHybrid {
             let mut branch = vec![0.0f32; rows * d];
             for layer in &self.layers {
                 rows_par(&h, &mut xn, d, d, |x, o| norm::rmsnorm(x, &layer.input_norm, c.norm_eps as f32, o));
-                match &layer.mixer {
-                    Mixer::Mamba { slot, weights } => {
-                        let mut ls: Vec<&mut LayerState<S>> = states.iter_mut().map(|s| &mut s.layers[*slot]).collect();
-                        mixer(&c.mamba, weights, &xn, &mut ls, lens, kind, &mut branch, false);
-                    }
-                    Mixer::Attention { slot, q, k, v, o } => {
-                        let mut kv: Vec<&mut KvState> = states.iter_mut().map(|s| &mut s.attention[*slot]).collect();
-                        self.attention(&xn, &mut kv, &positions, lens, kind, [q, k, v, o], &mut branch);
-                    }
+                if let Some((slot, weights)) = &layer.mamba {
+                    let mut ls: Vec<&mut LayerState<S>> = states.iter_mut().map(|s| &mut s.layers[*slot]).collect();
+                    mixer(&c.mamba, weights, &xn, &mut ls, lens, kind, &mut branch, false);
+                    add_scaled(&mut h, &branch, c.residual_multiplier as f32);
                 }
-                add_scaled(&mut h, &branch, c.residual_multiplier as f32);
+                if let Some((slot, a)) = &layer.attention {
+                    let mut kv: Vec<&mut KvState> = states.iter_mut().map(|s| &mut s.attention[*slot]).collect();
+                    self.attention(&xn, &mut kv, &positions, lens, kind, [&a.q, &a.k, &a.v, &a.o], &mut branch);
+                    add_scaled(&mut h, &branch, c.residual_multiplier as f32);
+                }
                 if let Some(mlp) = &layer.mlp {
                     rows_par(&h, &mut xn, d, d, |x, o| norm::rmsnorm(x, &mlp.norm, c.norm_eps as f32, o));
                     self.mlp(mlp, layer.moe.as_ref(), &xn, kind, &mut branch);

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use super::config::{GraniteHybridConfig, HybridFamily, LayerKind, Routing};
 use crate::error::{Error, Result};
-use crate::mamba2::LayerWeights;
+use crate::mamba2::{GateNorm, LayerWeights};
 use crate::weights::{fingerprint, normal_sampler, read_tensors, write_checkpoint, HostTensor, Take};
 
 /// One layer's mixer weights.
@@ -14,17 +14,48 @@ use crate::weights::{fingerprint, normal_sampler, read_tensors, write_checkpoint
 pub enum MixerWeights {
     /// A Mamba-2 mixer (its `norm` field holds the layer's input RMSNorm).
     Mamba(LayerWeights),
-    /// Grouped-query attention without biases.
-    Attention {
-        /// (n_heads * head_dim, d_model).
-        q: Vec<f32>,
-        /// (n_kv_heads * head_dim, d_model).
-        k: Vec<f32>,
-        /// (n_kv_heads * head_dim, d_model).
-        v: Vec<f32>,
-        /// (d_model, n_heads * head_dim).
-        o: Vec<f32>,
-    },
+    /// Grouped-query attention.
+    Attention(AttentionWeights),
+    /// Both on the same normed input, their outputs summed (Falcon-H1).
+    Parallel(LayerWeights, AttentionWeights),
+}
+
+impl MixerWeights {
+    /// The Mamba-2 mixer, if the layer has one.
+    pub fn mamba(&self) -> Option<&LayerWeights> {
+        match self {
+            Self::Mamba(w) | Self::Parallel(w, _) => Some(w),
+            Self::Attention(_) => None,
+        }
+    }
+    /// The attention, if the layer has one.
+    pub fn attention(&self) -> Option<&AttentionWeights> {
+        match self {
+            Self::Attention(a) | Self::Parallel(_, a) => Some(a),
+            Self::Mamba(_) => None,
+        }
+    }
+    /// The Mamba-2 mixer and the attention, each if the layer has it, to change.
+    pub fn parts_mut(&mut self) -> (Option<&mut LayerWeights>, Option<&mut AttentionWeights>) {
+        match self {
+            Self::Mamba(w) => (Some(w), None),
+            Self::Attention(a) => (None, Some(a)),
+            Self::Parallel(w, a) => (Some(w), Some(a)),
+        }
+    }
+}
+
+/// Grouped-query attention's projections, without biases.
+#[derive(Debug, Clone)]
+pub struct AttentionWeights {
+    /// (n_heads * head_dim, d_model).
+    pub q: Vec<f32>,
+    /// (n_kv_heads * head_dim, d_model).
+    pub k: Vec<f32>,
+    /// (n_kv_heads * head_dim, d_model).
+    pub v: Vec<f32>,
+    /// (d_model, n_heads * head_dim).
+    pub o: Vec<f32>,
 }
 
 /// The routed experts of one layer.
@@ -113,33 +144,39 @@ impl GraniteHybridWeights {
         for (i, (kind, (block, mlp_block))) in c.layers.iter().zip(c.hf_blocks()).enumerate() {
             let inner = c.mlp_inner(i);
             let input_norm = t.get(&names.input_norm(block), &[d])?;
+            let mamba = |t: &mut Take<'_>| -> Result<LayerWeights> {
+                let x = names.mamba(block);
+                Ok(LayerWeights {
+                    norm: input_norm.clone(),
+                    in_proj: t.get(&format!("{x}.in_proj.weight"), &[m.d_in_proj(), d])?,
+                    in_proj_bias: t.opt(&format!("{x}.in_proj.bias"), &[m.d_in_proj()], m.use_bias)?,
+                    conv_weight: t.get(&format!("{x}.conv1d.weight"), &[m.conv_dim(), 1, m.d_conv])?,
+                    conv_bias: t.opt(&format!("{x}.conv1d.bias"), &[m.conv_dim()], m.use_conv_bias)?,
+                    dt_bias: t.get(&format!("{x}.dt_bias"), &[m.nheads])?,
+                    a_log: t.get(&format!("{x}.A_log"), &[m.nheads])?,
+                    d: t.get(&format!("{x}.D"), &[m.nheads])?,
+                    gated_norm: match m.gate_norm {
+                        GateNorm::GateOnly => Vec::new(),
+                        _ => t.get(&format!("{x}.norm.weight"), &[m.d_inner()])?,
+                    },
+                    out_proj: t.get(&format!("{x}.out_proj.weight"), &[d, m.d_inner()])?,
+                    out_proj_bias: t.opt(&format!("{x}.out_proj.bias"), &[d], m.use_bias)?,
+                })
+            };
+            let attention = |t: &mut Take<'_>| -> Result<AttentionWeights> {
+                let a = names.attention(block);
+                let (q, kv) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+                Ok(AttentionWeights {
+                    q: t.get(&format!("{a}.q_proj.weight"), &[q, d])?,
+                    k: t.get(&format!("{a}.k_proj.weight"), &[kv, d])?,
+                    v: t.get(&format!("{a}.v_proj.weight"), &[kv, d])?,
+                    o: t.get(&format!("{a}.o_proj.weight"), &[d, q])?,
+                })
+            };
             let mixer = match kind {
-                LayerKind::Mamba => {
-                    let x = names.mamba(block);
-                    MixerWeights::Mamba(LayerWeights {
-                        norm: input_norm.clone(),
-                        in_proj: t.get(&format!("{x}.in_proj.weight"), &[m.d_in_proj(), d])?,
-                        in_proj_bias: t.opt(&format!("{x}.in_proj.bias"), &[m.d_in_proj()], m.use_bias)?,
-                        conv_weight: t.get(&format!("{x}.conv1d.weight"), &[m.conv_dim(), 1, m.d_conv])?,
-                        conv_bias: t.opt(&format!("{x}.conv1d.bias"), &[m.conv_dim()], m.use_conv_bias)?,
-                        dt_bias: t.get(&format!("{x}.dt_bias"), &[m.nheads])?,
-                        a_log: t.get(&format!("{x}.A_log"), &[m.nheads])?,
-                        d: t.get(&format!("{x}.D"), &[m.nheads])?,
-                        gated_norm: t.get(&format!("{x}.norm.weight"), &[m.d_inner()])?,
-                        out_proj: t.get(&format!("{x}.out_proj.weight"), &[d, m.d_inner()])?,
-                        out_proj_bias: t.opt(&format!("{x}.out_proj.bias"), &[d], m.use_bias)?,
-                    })
-                }
-                LayerKind::Attention => {
-                    let a = names.attention(block);
-                    let (q, kv) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
-                    MixerWeights::Attention {
-                        q: t.get(&format!("{a}.q_proj.weight"), &[q, d])?,
-                        k: t.get(&format!("{a}.k_proj.weight"), &[kv, d])?,
-                        v: t.get(&format!("{a}.v_proj.weight"), &[kv, d])?,
-                        o: t.get(&format!("{a}.o_proj.weight"), &[d, q])?,
-                    }
-                }
+                LayerKind::Mamba => MixerWeights::Mamba(mamba(&mut t)?),
+                LayerKind::Attention => MixerWeights::Attention(attention(&mut t)?),
+                LayerKind::Parallel => MixerWeights::Parallel(mamba(&mut t)?, attention(&mut t)?),
             };
             let moe = if c.has_experts(i) && c.family == HybridFamily::NemotronH {
                 let Some(b) = mlp_block else {
@@ -193,7 +230,7 @@ impl GraniteHybridWeights {
                             t.get(&format!("{p}.shared_mlp.input_linear.weight"), &[2 * inner, d])?,
                             t.get(&format!("{p}.shared_mlp.output_linear.weight"), &[d, inner])?,
                         ),
-                        HybridFamily::Bamba => {
+                        HybridFamily::Bamba | HybridFamily::FalconH1 => {
                             let mut gate_up = t.get(&format!("{p}.feed_forward.gate_proj.weight"), &[inner, d])?;
                             gate_up.extend(t.get(&format!("{p}.feed_forward.up_proj.weight"), &[inner, d])?);
                             (gate_up, t.get(&format!("{p}.feed_forward.down_proj.weight"), &[d, inner])?)
@@ -224,7 +261,11 @@ impl GraniteHybridWeights {
                 format!("tensor `{name}` is not part of a {} model as config.json describes it", c.describe()),
             ));
         }
-        Ok(Self { embedding, layers, norm_f, lm_head })
+        let mut weights = Self { embedding, layers, norm_f, lm_head };
+        if let Some(mup) = &c.mup {
+            mup.fold(c, &mut weights);
+        }
+        Ok(weights)
     }
 
     /// Visits every tensor under its hub name for `c`'s family (a Nemotron-H model's under
@@ -234,31 +275,31 @@ impl GraniteHybridWeights {
         f(&names.embedding(), &self.embedding);
         for (i, (l, (block, mlp_block))) in self.layers.iter().zip(c.hf_blocks()).enumerate() {
             f(&names.input_norm(block), &l.input_norm);
-            match &l.mixer {
-                MixerWeights::Mamba(w) => {
-                    let x = names.mamba(block);
-                    f(&format!("{x}.in_proj.weight"), &w.in_proj);
-                    if let Some(b) = &w.in_proj_bias {
-                        f(&format!("{x}.in_proj.bias"), b);
-                    }
-                    f(&format!("{x}.conv1d.weight"), &w.conv_weight);
-                    if let Some(b) = &w.conv_bias {
-                        f(&format!("{x}.conv1d.bias"), b);
-                    }
-                    f(&format!("{x}.dt_bias"), &w.dt_bias);
-                    f(&format!("{x}.A_log"), &w.a_log);
-                    f(&format!("{x}.D"), &w.d);
-                    f(&format!("{x}.norm.weight"), &w.gated_norm);
-                    f(&format!("{x}.out_proj.weight"), &w.out_proj);
-                    if let Some(b) = &w.out_proj_bias {
-                        f(&format!("{x}.out_proj.bias"), b);
-                    }
+            if let Some(w) = l.mixer.mamba() {
+                let x = names.mamba(block);
+                f(&format!("{x}.in_proj.weight"), &w.in_proj);
+                if let Some(b) = &w.in_proj_bias {
+                    f(&format!("{x}.in_proj.bias"), b);
                 }
-                MixerWeights::Attention { q, k, v, o } => {
-                    let a = names.attention(block);
-                    for (n, w) in [("q_proj", q), ("k_proj", k), ("v_proj", v), ("o_proj", o)] {
-                        f(&format!("{a}.{n}.weight"), w);
-                    }
+                f(&format!("{x}.conv1d.weight"), &w.conv_weight);
+                if let Some(b) = &w.conv_bias {
+                    f(&format!("{x}.conv1d.bias"), b);
+                }
+                f(&format!("{x}.dt_bias"), &w.dt_bias);
+                f(&format!("{x}.A_log"), &w.a_log);
+                f(&format!("{x}.D"), &w.d);
+                if !w.gated_norm.is_empty() {
+                    f(&format!("{x}.norm.weight"), &w.gated_norm);
+                }
+                f(&format!("{x}.out_proj.weight"), &w.out_proj);
+                if let Some(b) = &w.out_proj_bias {
+                    f(&format!("{x}.out_proj.bias"), b);
+                }
+            }
+            if let Some(AttentionWeights { q, k, v, o }) = l.mixer.attention() {
+                let a = names.attention(block);
+                for (n, w) in [("q_proj", q), ("k_proj", k), ("v_proj", v), ("o_proj", o)] {
+                    f(&format!("{a}.{n}.weight"), w);
                 }
             }
             if let (Some(mlp), Some(b)) = (&l.mlp, mlp_block) {
@@ -269,7 +310,7 @@ impl GraniteHybridWeights {
                         f(&format!("{p}.shared_mlp.input_linear.weight"), &mlp.input);
                         f(&format!("{p}.shared_mlp.output_linear.weight"), &mlp.output);
                     }
-                    HybridFamily::Bamba => {
+                    HybridFamily::Bamba | HybridFamily::FalconH1 => {
                         let (gate, up) = mlp.input.split_at(mlp.input.len() / 2);
                         f(&format!("{p}.feed_forward.gate_proj.weight"), gate);
                         f(&format!("{p}.feed_forward.up_proj.weight"), up);
@@ -327,7 +368,7 @@ impl GraniteHybridWeights {
     pub fn random(c: &GraniteHybridConfig, seed: u64) -> Self {
         let mut normal = normal_sampler(seed);
         let (d, v) = (c.d_model, c.vocab_size);
-        let mut mamba = crate::Mamba2Weights::random(&c.mamba, seed ^ 0x9e37_79b9).layers.into_iter();
+        let mut mamba_layers = crate::Mamba2Weights::random(&c.mamba, seed ^ 0x9e37_79b9).layers.into_iter();
         let ones = |n: usize, normal: &mut dyn FnMut(usize, f32) -> Vec<f32>| -> Vec<f32> {
             normal(n, 0.1).iter().map(|x| 1.0 + x).collect()
         };
@@ -338,22 +379,28 @@ impl GraniteHybridWeights {
             .enumerate()
             .map(|(l, kind)| {
                 let input_norm = ones(d, &mut normal);
+                let mut mamba = || {
+                    let mut w = mamba_layers.next().expect("one Mamba-2 layer per layer with a Mamba mixer");
+                    w.norm = input_norm.clone();
+                    if c.mamba.gate_norm == GateNorm::GateOnly {
+                        w.gated_norm.clear();
+                    }
+                    w
+                };
+                let mut attention = || {
+                    let (q, kv) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+                    let s = 1.0 / (d as f32).sqrt();
+                    AttentionWeights {
+                        q: normal(q * d, s),
+                        k: normal(kv * d, s),
+                        v: normal(kv * d, s),
+                        o: normal(d * q, out_scale / (q as f32).sqrt()),
+                    }
+                };
                 let mixer = match kind {
-                    LayerKind::Mamba => {
-                        let mut w = mamba.next().expect("one Mamba-2 layer per mamba kind");
-                        w.norm = input_norm.clone();
-                        MixerWeights::Mamba(w)
-                    }
-                    LayerKind::Attention => {
-                        let (q, kv) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
-                        let s = 1.0 / (d as f32).sqrt();
-                        MixerWeights::Attention {
-                            q: normal(q * d, s),
-                            k: normal(kv * d, s),
-                            v: normal(kv * d, s),
-                            o: normal(d * q, out_scale / (q as f32).sqrt()),
-                        }
-                    }
+                    LayerKind::Mamba => MixerWeights::Mamba(mamba()),
+                    LayerKind::Attention => MixerWeights::Attention(attention()),
+                    LayerKind::Parallel => MixerWeights::Parallel(mamba(), attention()),
                 };
                 let gates = c.mlp_kind.projections();
                 let moe = c.has_experts(l).then(|| {
@@ -391,20 +438,18 @@ impl GraniteHybridWeights {
         shapes.insert(names.embedding(), vec![c.vocab_size, d]);
         shapes.insert("lm_head.weight".into(), vec![c.vocab_size, d]);
         for (i, (kind, (block, mlp_block))) in c.layers.iter().zip(c.hf_blocks()).enumerate() {
-            match kind {
-                LayerKind::Mamba => {
-                    let x = names.mamba(block);
-                    shapes.insert(format!("{x}.in_proj.weight"), vec![m.d_in_proj(), d]);
-                    shapes.insert(format!("{x}.conv1d.weight"), vec![m.conv_dim(), 1, m.d_conv]);
-                    shapes.insert(format!("{x}.out_proj.weight"), vec![d, m.d_inner()]);
-                }
-                LayerKind::Attention => {
-                    let (a, q, kv) = (names.attention(block), c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
-                    shapes.insert(format!("{a}.q_proj.weight"), vec![q, d]);
-                    shapes.insert(format!("{a}.k_proj.weight"), vec![kv, d]);
-                    shapes.insert(format!("{a}.v_proj.weight"), vec![kv, d]);
-                    shapes.insert(format!("{a}.o_proj.weight"), vec![d, q]);
-                }
+            if kind.has_mamba() {
+                let x = names.mamba(block);
+                shapes.insert(format!("{x}.in_proj.weight"), vec![m.d_in_proj(), d]);
+                shapes.insert(format!("{x}.conv1d.weight"), vec![m.conv_dim(), 1, m.d_conv]);
+                shapes.insert(format!("{x}.out_proj.weight"), vec![d, m.d_inner()]);
+            }
+            if kind.attends() {
+                let (a, q, kv) = (names.attention(block), c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+                shapes.insert(format!("{a}.q_proj.weight"), vec![q, d]);
+                shapes.insert(format!("{a}.k_proj.weight"), vec![kv, d]);
+                shapes.insert(format!("{a}.v_proj.weight"), vec![kv, d]);
+                shapes.insert(format!("{a}.o_proj.weight"), vec![d, q]);
             }
             if let Some(b) = mlp_block {
                 let (p, inner, ei) = (names.block(b), c.mlp_inner(i), c.expert_intermediate);
@@ -491,7 +536,7 @@ impl Names {
     fn post_norm(&self, b: usize) -> String {
         let name = match self.family {
             HybridFamily::Granite => "post_attention_layernorm",
-            HybridFamily::Bamba => "pre_ff_layernorm",
+            HybridFamily::Bamba | HybridFamily::FalconH1 => "pre_ff_layernorm",
             HybridFamily::NemotronH => "norm",
         };
         format!("{}.{name}.weight", self.block(b))
@@ -499,7 +544,7 @@ impl Names {
     fn norm_f(&self) -> String {
         match self.family {
             HybridFamily::Granite => format!("{}.norm.weight", self.prefix),
-            HybridFamily::Bamba => format!("{}.final_layernorm.weight", self.prefix),
+            HybridFamily::Bamba | HybridFamily::FalconH1 => format!("{}.final_layernorm.weight", self.prefix),
             HybridFamily::NemotronH => format!("{}.norm_f.weight", self.prefix),
         }
     }

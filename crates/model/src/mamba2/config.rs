@@ -47,8 +47,26 @@ pub struct Mamba2Config {
     pub use_bias: bool,
     /// Whether the convolution carries a bias.
     pub use_conv_bias: bool,
+    /// How the mixer's output is gated and normed.
+    #[serde(default)]
+    pub gate_norm: GateNorm,
     /// The layout the weights were read from.
     pub format: CheckpointFormat,
+}
+
+/// How a Mamba-2 mixer gates its scan output `y` by `silu(z)` and where its grouped RMSNorm
+/// (weight `w`) sits. Only the CPU engine runs other than [`GateNorm::NormGated`]; the models
+/// that need them (Falcon-H1) are refused elsewhere.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GateNorm {
+    /// `rmsnorm(y · silu(z)) · w`: Mamba-2's, Granite 4.0 H's, Bamba's, Nemotron-H's.
+    #[default]
+    NormGated,
+    /// `rmsnorm(y) · w · silu(z)` (Falcon-H1 with `mamba_norm_before_gate`).
+    NormThenGate,
+    /// `y · silu(z)`, no norm and no weight (Falcon-H1 without `mamba_rms_norm`).
+    GateOnly,
 }
 
 impl Mamba2Config {
@@ -122,6 +140,7 @@ impl Mamba2Config {
             tie_embeddings: f.bool_or("tie_word_embeddings", true)?,
             use_bias: f.bool_or("use_bias", false)?,
             use_conv_bias: f.bool_or("use_conv_bias", true)?,
+            gate_norm: GateNorm::NormGated,
             format: CheckpointFormat::HfTransformers,
         })
     }
@@ -185,6 +204,7 @@ impl Mamba2Config {
             tie_embeddings: f.bool_or("tie_embeddings", true)?,
             use_bias: s.bool_or("bias", false)?,
             use_conv_bias: s.bool_or("conv_bias", true)?,
+            gate_norm: GateNorm::NormGated,
             format: CheckpointFormat::StateSpaces,
         })
     }
@@ -288,6 +308,7 @@ impl Mamba2Config {
             tie_embeddings: true,
             use_bias: false,
             use_conv_bias: true,
+            gate_norm: GateNorm::NormGated,
             format: CheckpointFormat::HfTransformers,
         }
     }

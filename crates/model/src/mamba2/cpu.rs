@@ -12,7 +12,7 @@ use crate::cpu::token_io::TokenIo;
 use crate::cpu::{activations, norm, scan, WeightDtype};
 use crate::state::{LayerState, SsmValue, State};
 
-use super::{LayerWeights, Mamba2Config, Mamba2Weights};
+use super::{GateNorm, LayerWeights, Mamba2Config, Mamba2Weights};
 
 /// A Mamba-2 model ready to run on the CPU.
 #[derive(Debug)]
@@ -248,14 +248,19 @@ fn mixer_sequence<S: SsmValue>(
         S::scan_head(s, &head, yh);
     });
 
-    // Gated RMSNorm per token.
+    // Gate and RMSNorm per token.
+    let eps = c.gated_norm_eps as f32;
     gated.par_chunks_mut(di).enumerate().for_each(|(ti, o)| {
         let mut yt = vec![0.0f32; di];
         for hd in 0..nh {
             yt[hd * p..(hd + 1) * p].copy_from_slice(&y[(hd * t + ti) * p..(hd * t + ti + 1) * p]);
         }
         let z = &zxbcdt[ti * width..ti * width + di];
-        norm::gated_rmsnorm(&yt, z, &lw.gated_norm, di / g, c.gated_norm_eps as f32, o);
+        match c.gate_norm {
+            GateNorm::NormGated => norm::gated_rmsnorm(&yt, z, &lw.gated_norm, di / g, eps, o),
+            GateNorm::NormThenGate => norm::rmsnorm_then_gate(&yt, z, &lw.gated_norm, di / g, eps, o),
+            GateNorm::GateOnly => o.iter_mut().zip(yt.iter().zip(z)).for_each(|(o, (&y, &z))| *o = y * activations::silu(z)),
+        }
     });
 }
 

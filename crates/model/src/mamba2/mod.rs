@@ -9,7 +9,7 @@ pub mod gpu;
 pub mod weights;
 
 pub use candle::CandleMamba2;
-pub use config::Mamba2Config;
+pub use config::{GateNorm, Mamba2Config};
 pub use cpu::CpuMamba2;
 pub use gpu::GpuMamba2;
 pub use weights::{LayerWeights, Mamba2Weights};

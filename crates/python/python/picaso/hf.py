@@ -14,9 +14,10 @@ its `DynamicCache` (a linear-attention layer per Mamba layer: `recurrent_states`
     >>> back = hf.from_cache(hf.output_cache(out), hf_model, fingerprint=model.fingerprint,
     ...                      n_tokens=..., log_decays=hf.log_decays(hf_model, input_ids))
 
-A hybrid's state (GraniteMoeHybridForCausalLM, BambaForCausalLM, NemotronHForCausalLM) moves the same way: its
-Mamba layers as above, each attention layer's keys and values (kv_heads, tokens, head_dim) into
-the cache's attention layer. A Nemotron-H model's `mlp` and `moe` blocks hold no state: picaso's
+A hybrid's state (GraniteMoeHybridForCausalLM, BambaForCausalLM, NemotronHForCausalLM,
+FalconH1ForCausalLM) moves the same way: its Mamba layers as above, each attention layer's keys and
+values (kv_heads, tokens, head_dim) into the cache's attention layer; a Falcon-H1 layer (layer type
+"hybrid": a Mamba mixer and attention side by side) holds both in one cache layer. A Nemotron-H model's `mlp` and `moe` blocks hold no state: picaso's
 layer j is its j-th Mamba or attention block (each `mlp` or `moe` block joins the one before it),
 and the cache's layer index is the block's. Pass `position_ids=hf.position_ids(state, n)` to a RoPE hybrid's forward: transformers
 counts positions from its cache's first layer, a Mamba layer that holds none, and a composed
@@ -62,14 +63,14 @@ def position_ids(state: State, n: int):
 
 
 def _layers(config):
-    """(cache layer index, "mamba" / "attention") per picaso layer, from a hybrid's `layer_types`
-    (either spelling; a Nemotron-H model's `mlp` and `moe` blocks hold no state and are skipped), else all
-    Mamba."""
+    """(cache layer index, "mamba" / "attention" / "hybrid") per picaso layer, from a hybrid's
+    `layer_types` (either spelling; a Nemotron-H model's `mlp` and `moe` blocks hold no state and are
+    skipped; a Falcon-H1 layer is "hybrid", both), else all Mamba."""
     types = getattr(config, "layer_types", None)
     if not types:
         return [(i, "mamba") for i in range(config.num_hidden_layers)]
     names = {"mamba": "mamba", "linear_attention": "mamba", "attention": "attention", "full_attention": "attention",
-             "mlp": None, "moe": None}
+             "hybrid": "hybrid", "mlp": None, "moe": None}
     unknown = sorted({t for t in types if t not in names})
     if unknown:
         raise InvalidArgument(f"layer types {unknown} in the model's config are not ones picaso runs")
@@ -80,9 +81,9 @@ def _cache_layers(cache, config):
     """The cache's layer objects, checked against the model's blocks."""
     layers = getattr(cache, "layers", None)
     blocks = _layers(config)
-    wanted = {"mamba": "recurrent_states", "attention": "keys"}
+    wanted = {"mamba": ["recurrent_states"], "attention": ["keys"], "hybrid": ["recurrent_states", "keys"]}
     n = len(getattr(config, "layer_types", None) or []) or config.num_hidden_layers
-    if layers is None or len(layers) != n or not all(hasattr(layers[i], wanted[t]) for i, t in blocks):
+    if layers is None or len(layers) != n or not all(hasattr(layers[i], w) for i, t in blocks for w in wanted[t]):
         raise InvalidArgument(
             "expected a transformers >= 5 DynamicCache of this Mamba or hybrid model (a linear-attention "
             f"layer per Mamba layer, an attention layer per attention layer); got {type(cache).__name__}"
@@ -92,7 +93,8 @@ def _cache_layers(cache, config):
 
 def to_cache(state: State, hf_model, *, dtype=None, device=None):
     """A transformers `DynamicCache` holding `state`, for `hf_model` (a Mamba2ForCausalLM,
-    MambaForCausalLM, GraniteMoeHybridForCausalLM, BambaForCausalLM or NemotronHForCausalLM of the same checkpoint
+    MambaForCausalLM, GraniteMoeHybridForCausalLM, BambaForCausalLM, NemotronHForCausalLM or FalconH1ForCausalLM of
+    the same checkpoint
     as the picaso model that made the state). Pass it with `cache_kwargs(hf_model, cache)`; the model continues
     exactly where the state stopped."""
     import torch
@@ -106,15 +108,16 @@ def to_cache(state: State, hf_model, *, dtype=None, device=None):
             f"the state's layers ({state.n_layers}: {_summary(state.layer_types)}) do not match the model's "
             f"({len(types)}: {_summary(types)})"
         )
-    hybrid = "attention" in types
+    hybrid = "attention" in types or "hybrid" in types
     param = next(hf_model.parameters())
     dtype = dtype or param.dtype
     device = device or param.device
     tensor = lambda a: torch.from_numpy(np.array(a, dtype=np.float32)).to(dtype=dtype, device=device)  # noqa: E731
     cache = DynamicCache(config=config)
     for j, (i, kind) in enumerate(blocks):  # picaso's layer j is the cache's layer i
-        if kind == "attention":
+        if kind != "mamba":
             cache.layers[i].update(tensor(state.keys(j))[None], tensor(state.values(j))[None])
+        if kind == "attention":
             continue
         conv = np.asarray(state.conv(j))
         # transformers keeps d_conv columns; the oldest never reaches an output, so it is zero.
@@ -128,7 +131,9 @@ def to_cache(state: State, hf_model, *, dtype=None, device=None):
 
 
 def _summary(types) -> str:
-    attention = [i for i, t in enumerate(types) if t == "attention"]
+    if types and all(t == "hybrid" for t in types):
+        return "Mamba and attention side by side in each"
+    attention = [i for i, t in enumerate(types) if t != "mamba"]
     return f"attention at {attention}" if attention else "all Mamba"
 
 
@@ -145,11 +150,16 @@ def from_cache(cache, hf_model, *, fingerprint: str, n_tokens: int, log_decays=N
     out = []
     for j, (i, kind) in enumerate(blocks):
         layer = layers[i]
-        if kind == "attention":
+        kv = ()
+        if kind != "mamba":
             if layer.keys is None or layer.keys.numel() == 0:
                 raise InvalidArgument(f"layer {i} of the cache is empty: run the model on some tokens first")
-            kv = [t[batch_index].detach().float().cpu().numpy() for t in (layer.keys, layer.values)]
-            out.append(tuple(np.ascontiguousarray(a, dtype=np.float32) for a in kv))
+            kv = tuple(
+                np.ascontiguousarray(t[batch_index].detach().float().cpu().numpy(), dtype=np.float32)
+                for t in (layer.keys, layer.values)
+            )
+        if kind == "attention":
+            out.append(kv)
             continue
         conv, ssm = layer.conv_states[0], layer.recurrent_states[0]
         if conv is None or ssm is None:
@@ -160,7 +170,7 @@ def from_cache(cache, hf_model, *, fingerprint: str, n_tokens: int, log_decays=N
             ld = np.zeros(ssm.shape[:1] if ssm.ndim == 3 else ssm.shape, dtype=np.float32)
         else:
             ld = np.asarray(log_decays[j], dtype=np.float32)
-        out.append((np.ascontiguousarray(ssm, dtype=np.float32), np.ascontiguousarray(conv, dtype=np.float32), ld))
+        out.append((np.ascontiguousarray(ssm, dtype=np.float32), np.ascontiguousarray(conv, dtype=np.float32), ld) + kv)
     return State.from_arrays(out, fingerprint=fingerprint, n_tokens=n_tokens)
 
 
@@ -180,17 +190,20 @@ def log_decays(hf_model, input_ids, *, batch_index: int = 0):
                 "a model whose `backbone` holds other blocks than Mamba ones (a remote-code hybrid?): load it "
                 "with transformers' own class (without trust_remote_code)"
             )
-    else:  # a hybrid: a Mamba layer's mixer is `mamba` (Granite, Bamba) or `mixer` (Nemotron-H)
+    else:  # a hybrid: a Mamba layer's mixer is `mamba` (Granite, Bamba, Falcon-H1) or `mixer` (Nemotron-H)
         blocks = hf_model.model.layers
         mamba = lambda b: b.mamba if hasattr(b, "mamba") else b.mixer  # noqa: E731
-        mixers = [mamba(blocks[i]) if kind == "mamba" else None for i, kind in _layers(hf_model.config)]
+        mixers = [mamba(blocks[i]) if kind != "attention" else None for i, kind in _layers(hf_model.config)]
     for i, mixer in enumerate(mixers):
         if mixer is None:
             continue
         target = mixer.in_proj if hasattr(mixer, "num_heads") else mixer.x_proj
 
-        def hook(module, args, output, i=i):
-            captured[i] = output.detach()
+        # Falcon-H1 scales in_proj's output by its µP vector (dt's columns included) before using it.
+        scale = getattr(mixer, "mup_vector", None)
+
+        def hook(module, args, output, i=i, scale=scale):
+            captured[i] = output.detach() if scale is None else output.detach() * scale
 
         hooks.append(target.register_forward_hook(hook))
     try:
