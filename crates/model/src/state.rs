@@ -1122,6 +1122,39 @@ mod tests {
         assert!(write_atomic(dir.path(), b"x").unwrap_err().to_string().contains("a folder"));
     }
 
+    /// A hybrid's layers may hold an SSM state, keys and values, or both (Falcon-H1); a layer
+    /// that holds neither, a list out of order, or an SSM count that disagrees is refused.
+    #[test]
+    fn hybrid_shapes_list_every_layer_once_or_twice() {
+        let shape = |ssm: Vec<usize>, layers: Vec<usize>, n_layers: usize| StateShape {
+            n_layer: ssm.len(),
+            attention: Some(AttentionShape { layers, ssm, n_layers, kv_heads: 2, head_dim: 4 }),
+            ..StateShape::of(&Mamba2Config::tiny(2, 4))
+        };
+        let both = shape(vec![0, 1, 2], vec![0, 1, 2], 3);
+        both.check().unwrap();
+        assert_eq!(both.attention.as_ref().unwrap().layer_types(), ["hybrid"; 3]);
+        let apart = shape(vec![0, 2], vec![1], 3);
+        apart.check().unwrap();
+        assert_eq!(apart.attention.as_ref().unwrap().layer_types(), ["mamba", "attention", "mamba"]);
+        for bad in [shape(vec![0], vec![1], 3), shape(vec![1, 0], vec![2], 3), shape(vec![0, 3], vec![1, 2], 3)] {
+            let e = bad.check().unwrap_err().to_string();
+            assert!(e.contains("do not make a model of 3 layers"), "{e}");
+        }
+        let mut counted_wrong = both.clone();
+        counted_wrong.n_layer = 2;
+        assert!(counted_wrong.check().is_err());
+        // A state of the both-in-each shape round-trips through its file.
+        let mut s = State::zeros(both, "falcon-test");
+        for (i, kv) in s.attention.iter_mut().enumerate() {
+            kv.keys = (0..16).map(|j| (i * 16 + j) as f32).collect();
+            kv.values = (0..16).map(|j| -((i * 16 + j) as f32)).collect();
+        }
+        s.advance(2);
+        let back = State::from_bytes(&s.to_bytes(StateDtype::F32).unwrap()).unwrap();
+        assert_eq!(back, s);
+    }
+
     fn sample_state() -> State {
         let shape = StateShape::of(&Mamba2Config::tiny(2, 4));
         let mut s = State::zeros(shape, "mamba2-test\"quoted\"");

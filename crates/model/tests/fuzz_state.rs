@@ -7,17 +7,26 @@
 use picaso_model::{Mamba2Config, Mamba2Weights, Model, State, StateDtype};
 use proptest::prelude::*;
 
-/// A state after some tokens, its file bytes in both dtypes, and what each file decodes to.
+/// States after some tokens (a Mamba-2 model's; a Granite 4.0 H hybrid's, Mamba and attention
+/// layers apart; a Falcon-H1 hybrid's, both in each layer), their file bytes in both dtypes, and
+/// what each file decodes to.
 fn originals() -> Vec<(Vec<u8>, State)> {
     let c = Mamba2Config::tiny(2, 4);
-    let m = Model::from_weights(c.clone(), Mamba2Weights::random(&c, 9), None);
-    let s = m.prefill(&[3, 1, 4, 1, 5, 9, 2, 6], &m.zero_state()).unwrap();
-    [StateDtype::F32, StateDtype::Bf16]
-        .into_iter()
-        .map(|d| {
-            let bytes = s.to_bytes(d).unwrap();
-            let decoded = State::from_bytes(&bytes).unwrap();
-            (bytes, decoded)
+    let mamba = Model::from_weights(c.clone(), Mamba2Weights::random(&c, 9), None);
+    let hybrid = |case: &str| {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/granite").join(case).join("hf");
+        Model::load(&dir, &picaso_model::LoadOptions { skip_tokenizer: true, ..Default::default() }).unwrap()
+    };
+    let tokens = [3, 1, 4, 1, 5, 9, 2, 6];
+    [mamba, hybrid("dense-nope-g1"), hybrid("falcon-h1-norm-g2")]
+        .iter()
+        .map(|m| m.prefill(&tokens, &m.zero_state()).unwrap())
+        .flat_map(|s| {
+            [StateDtype::F32, StateDtype::Bf16].map(|d| {
+                let bytes = s.to_bytes(d).unwrap();
+                let decoded = State::from_bytes(&bytes).unwrap();
+                (bytes, decoded)
+            })
         })
         .collect()
 }

@@ -140,7 +140,12 @@ impl TrainGraniteHybrid {
                     Mixer::Mamba(m) => (host(&m.norm)?, MixerWeights::Mamba(m.to_weights()?)),
                     Mixer::Attention { input_norm, q, k, v, o } => (
                         host(input_norm)?,
-                        MixerWeights::Attention(AttentionWeights { q: host(q)?, k: host(k)?, v: host(v)?, o: host(o)? }),
+                        MixerWeights::Attention(AttentionWeights {
+                            q: host(q)?,
+                            k: host(k)?,
+                            v: host(v)?,
+                            o: host(o)?,
+                        }),
                     ),
                 };
                 Ok(GraniteLayerWeights {

@@ -589,7 +589,8 @@ impl GraniteHybridConfig {
                     .into());
             }
             let m = self.mup.unwrap_or(super::falcon_h1::Mup::ONE);
-            let all = [m.ssm_in, m.ssm_out, m.attention_in, m.key, m.attention_out].into_iter().chain(m.ssm).chain(m.mlp);
+            let all =
+                [m.ssm_in, m.ssm_out, m.attention_in, m.key, m.attention_out].into_iter().chain(m.ssm).chain(m.mlp);
             if let Some(v) = all.into_iter().find(|v| !v.is_finite()) {
                 return bad(format!("a µP multiplier is {v}; each must be finite"));
             }

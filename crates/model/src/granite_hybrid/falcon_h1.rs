@@ -42,8 +42,15 @@ pub struct Mup {
 
 impl Mup {
     /// Every multiplier 1: what a folded model's config says.
-    pub const ONE: Mup =
-        Mup { ssm_in: 1.0, ssm: [1.0; 5], ssm_out: 1.0, attention_in: 1.0, key: 1.0, attention_out: 1.0, mlp: [1.0; 2] };
+    pub const ONE: Mup = Mup {
+        ssm_in: 1.0,
+        ssm: [1.0; 5],
+        ssm_out: 1.0,
+        attention_in: 1.0,
+        key: 1.0,
+        attention_out: 1.0,
+        mlp: [1.0; 2],
+    };
 
     /// Scales each projection of `w` by its multipliers, in f64 and rounded once to f32. The
     /// in-projection's rows are [z, x, B, C, dt] (`d_inner`, `d_inner`, `groups·d_state` twice,

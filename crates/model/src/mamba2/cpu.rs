@@ -259,7 +259,9 @@ fn mixer_sequence<S: SsmValue>(
         match c.gate_norm {
             GateNorm::NormGated => norm::gated_rmsnorm(&yt, z, &lw.gated_norm, di / g, eps, o),
             GateNorm::NormThenGate => norm::rmsnorm_then_gate(&yt, z, &lw.gated_norm, di / g, eps, o),
-            GateNorm::GateOnly => o.iter_mut().zip(yt.iter().zip(z)).for_each(|(o, (&y, &z))| *o = y * activations::silu(z)),
+            GateNorm::GateOnly => {
+                o.iter_mut().zip(yt.iter().zip(z)).for_each(|(o, (&y, &z))| *o = y * activations::silu(z))
+            }
         }
     });
 }
