@@ -13,14 +13,16 @@
 //! Either way each log-decay entry covers a contiguous block of `ssm` (P·N values for Mamba-2,
 //! one for Mamba-1), which is all composition needs to know.
 //!
-//! A hybrid model (attention layers among Mamba-2 layers, e.g. Granite 4.0 H) adds, per attention
-//! layer, its keys and values: (kv_heads, T, head_dim) each on disk, token-major (T, kv_heads,
-//! head_dim) in memory so that tokens append and contexts concatenate ([`KvState`]).
+//! A hybrid model (attention layers among Mamba-2 layers, e.g. Granite 4.0 H, or beside them in
+//! every layer, Falcon-H1) adds, per layer that attends, its keys and values: (kv_heads, T,
+//! head_dim) each on disk, token-major (T, kv_heads, head_dim) in memory so that tokens append
+//! and contexts concatenate ([`KvState`]).
 //!
 //! On disk a state is one safetensors file with tensors `layers.{i}.ssm|conv|log_decay` (and
-//! `layers.{i}.k|v` for an attention layer; `i` is the model's own layer index, counting every
+//! `layers.{i}.k|v` for a layer that attends; `i` is the model's own layer index, counting every
 //! layer) and the model fingerprint, token count and a checksum in the metadata; a hybrid's
-//! metadata also lists its `layer_types` and the `position` its next token takes. The checksum (xxh3-128) covers
+//! metadata also lists its `layer_types` (`mamba`, `attention`, or `hybrid` for both) and the
+//! `position` its next token takes. The checksum (xxh3-128) covers
 //! every byte of the file but its own 32 hex digits, which are zeros while hashing: a file
 //! damaged after it was written — tensors, metadata or layout — is refused, not silently used.
 //! Older files are still read: `picaso-state/2` (checksum of the tensor bytes only) and

@@ -106,9 +106,9 @@ def test_hybrid_models_score_as_transformers(folder):
     assert np.all(np.isfinite(model.score(tokens[20:30], composed)))
 
 
-# transformers' one-token step disagrees with its own full forward on the fixtures that clamp dt
-# (`time_step_limit`): by 0.65 in the logits on moe-rope-g2, 0.0057 on falcon-h1-g2, from its own
-# cache too; those fixtures check the many-token path.
+# transformers' one-token step skips the `time_step_limit` clamp its prefill applies (see
+# docs/correctness.md), so on the fixtures that clamp dt it disagrees with its own full forward (by
+# 0.65 in the logits on moe-rope-g2, 0.0057 on falcon-h1-g2): those fixtures check the many-token path.
 @pytest.mark.parametrize(
     "case,one", [("dense-nope-g1", True), ("moe-rope-g2", False), ("bamba-rope-g2", False), ("nemotron-h-g2", False),
                  ("nemotron-h-moe-g2", False), ("falcon-h1-g2", False), ("falcon-h1-norm-g2", True)]

@@ -1,6 +1,7 @@
-//! The CPU engine of a Granite 4.0 H, Bamba or Nemotron-H hybrid: each layer is an RMSNorm, a
-//! mixer (the Mamba-2 mixer the Mamba-2 engine runs, or grouped-query attention over the state's
-//! keys and values), the residual scaled by `residual_multiplier`, then (unless a Nemotron-H
+//! The CPU engine of a Granite 4.0 H, Bamba, Nemotron-H or Falcon-H1 hybrid: each layer is an
+//! RMSNorm, a mixer (the Mamba-2 mixer the Mamba-2 engine runs, grouped-query attention over the
+//! state's keys and values, or on Falcon-H1 both on the same normed rows, each added to the
+//! residual stream), the residual scaled by `residual_multiplier`, then (unless a Nemotron-H
 //! mixer has none) an RMSNorm and the MLP (SwiGLU, or Nemotron-H's relu²) plus the routed
 //! experts.
 //!
@@ -21,7 +22,7 @@ use crate::cpu::{activations, matmul, norm, on_pool, softmax, WeightDtype};
 use crate::mamba2::cpu::{mixer, CpuLayer};
 use crate::state::{KvState, LayerState, SsmValue, State};
 
-/// A Granite 4.0 H model ready to run on the CPU.
+/// A hybrid model ready to run on the CPU.
 #[derive(Debug)]
 pub struct CpuGraniteHybrid {
     config: GraniteHybridConfig,
