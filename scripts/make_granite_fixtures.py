@@ -114,6 +114,17 @@ CASES = {
         moe_shared_expert_intermediate_size=20, n_group=2, topk_group=1, norm_topk_prob=True,
         routed_scaling_factor=1.5, vocab_size=79, time_step_limit=(0.0, float("inf")), tie_word_embeddings=False,
     ),
+    # Nemotron 3's latent experts (`moe_latent_size`): the routed experts work in a width of 24,
+    # between projections down from and back up to the hidden 48; routing unnormalised, all groups
+    "nemotron-h-latent-g2": dict(
+        family="nemotron_h", seed=2008, hidden_size=48, layers_block_type=[
+            "mamba", "moe", "attention", "moe", "mamba"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=12, intermediate_size=40,
+        mamba_num_heads=8, mamba_head_dim=12, n_groups=2, ssm_state_size=10, chunk_size=16,
+        n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=16, moe_latent_size=24,
+        moe_shared_expert_intermediate_size=20, n_group=2, topk_group=2, norm_topk_prob=False,
+        routed_scaling_factor=2.5, vocab_size=73, time_step_limit=(0.0, float("inf")), tie_word_embeddings=False,
+    ),
 }
 
 

@@ -9,12 +9,13 @@ mod common;
 use common::*;
 use picaso_model::{compose, Composition, Model, State, StateDtype};
 
-const CASES: [&str; 7] = [
+const CASES: [&str; 8] = [
     "dense-nope-g1",
     "moe-rope-g2",
     "bamba-rope-g2",
     "nemotron-h-g2",
     "nemotron-h-moe-g2",
+    "nemotron-h-latent-g2",
     "falcon-h1-g2",
     "falcon-h1-norm-g2",
 ];
@@ -618,13 +619,44 @@ fn nemotron_3_experts_read_in_either_spelling_and_write_back() {
     assert_eq!(logprobs(&hub), logprobs(&copy));
 }
 
-/// What picaso does not run of Nemotron 3's experts is refused by name: experts in a latent
-/// width, groups that do not split the experts, sizes out of range (before anything is
-/// allocated for them).
+/// Nemotron 3's latent experts (`moe_latent_size`: the experts work in a narrower width between
+/// projections down and back up) are described, written back with their projections, and the
+/// copy is the same model; a latent width the tensors do not have is refused by the tensor.
+#[test]
+fn nemotron_3_latent_experts_write_back_and_check_their_width() {
+    let case = "nemotron-h-latent-g2";
+    let e = exp(case);
+    let m = model(case);
+    let described = m.config().describe();
+    assert!(described.contains("3 of 8 experts (16 in a latent width of 24)"), "{described}");
+    let src = fixture_dir("granite", case).join("hf");
+    let path = src.join("config.json");
+    let map: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let c = picaso_model::GraniteHybridConfig::from_nemotron_h(&path, &map).unwrap();
+    assert_eq!((c.moe_latent, c.expert_width()), (24, 24));
+    let w = picaso_model::GraniteHybridWeights::load(&src, &c).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    w.save_pretrained(dir.path(), &c).unwrap();
+    let written: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("config.json")).unwrap()).unwrap();
+    assert_eq!(written["moe_latent_size"], 24);
+    let copy = load_from(dir.path());
+    assert_eq!(m.fingerprint(), copy.fingerprint());
+    let logprobs = |m: &Model| m.score(&e.tokens, &m.zero_state()).unwrap().logprobs;
+    assert_eq!(logprobs(&m), logprobs(&copy));
+    for (case, latent) in [("nemotron-h-latent-g2", 16), ("nemotron-h-moe-g2", 24)] {
+        let err = refused_with(case, "moe_latent_size", serde_json::json!(latent));
+        assert!(err.contains("experts.0.up_proj.weight") && err.contains("shape"), "{case}: {err}");
+    }
+}
+
+/// What picaso does not run of Nemotron 3's experts is refused by name: groups that do not split
+/// the experts, sizes out of range (before anything is allocated for them).
 #[test]
 fn unsupported_nemotron_3_options_are_refused_by_name() {
     for (key, value, want) in [
-        ("moe_latent_size", serde_json::json!(8), "moe_latent_size"),
+        ("moe_latent_size", serde_json::json!(1u64 << 40), "moe_latent_size"),
         ("n_group", serde_json::json!(4), "n_group (4) must split n_routed_experts (6)"),
         ("topk_group", serde_json::json!(3), "topk_group"),
         ("n_routed_experts", serde_json::json!(1u64 << 40), "n_routed_experts"),

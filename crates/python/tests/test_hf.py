@@ -82,6 +82,7 @@ def test_interop_errors():
         "testdata/granite/bamba-rope-g2/hf",
         "testdata/granite/nemotron-h-g2/hf",
         "testdata/granite/nemotron-h-moe-g2/hf",
+        "testdata/granite/nemotron-h-latent-g2/hf",
         "testdata/granite/falcon-h1-g2/hf",
         "testdata/granite/falcon-h1-norm-g2/hf",
     ],
@@ -111,7 +112,7 @@ def test_hybrid_models_score_as_transformers(folder):
 # 0.65 in the logits on moe-rope-g2, 0.0057 on falcon-h1-g2): those fixtures check the many-token path.
 @pytest.mark.parametrize(
     "case,one", [("dense-nope-g1", True), ("moe-rope-g2", False), ("bamba-rope-g2", False), ("nemotron-h-g2", False),
-                 ("nemotron-h-moe-g2", False), ("falcon-h1-g2", False), ("falcon-h1-norm-g2", True)]
+                 ("nemotron-h-moe-g2", False), ("nemotron-h-latent-g2", True), ("falcon-h1-g2", False), ("falcon-h1-norm-g2", True)]
 )
 def test_hybrid_states_move_to_transformers_and_back(case, one):
     """A Granite 4.0 H, Bamba, Nemotron-H or Falcon-H1 state (Mamba layers and attention keys/values,

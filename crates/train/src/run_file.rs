@@ -315,6 +315,7 @@ impl PretrainFile {
             moe_layers: Vec::new(),
             moe_shared_intermediate: 0,
             mup: None,
+            moe_latent: 0,
             norm_eps: 1e-5,
             tie_embeddings: true,
         }

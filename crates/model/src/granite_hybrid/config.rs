@@ -179,6 +179,11 @@ pub struct GraniteHybridConfig {
     /// Inner width of the shared expert of a Nemotron 3 `moe` block (its layer's MLP).
     #[serde(default)]
     pub moe_shared_intermediate: usize,
+    /// The width the routed experts of a Nemotron 3 `moe` block work in (`moe_latent_size`):
+    /// each token is projected down to it before the experts and their weighted sum back up
+    /// after; 0 when the experts work in `d_model`.
+    #[serde(default)]
+    pub moe_latent: usize,
     /// Falcon-H1's µP multipliers, folded into the weights as they are read (the engine never
     /// applies them); `None` for the other families.
     #[serde(default)]
@@ -316,6 +321,7 @@ impl GraniteHybridConfig {
             moe_layers: Vec::new(),
             moe_shared_intermediate: 0,
             mup: None,
+            moe_latent: 0,
             norm_eps,
         };
         Ok(config)
@@ -372,7 +378,7 @@ impl GraniteHybridConfig {
     /// `M`, `*`, `-`, `E`), each `mlp` block folded into the mixer block before it as that
     /// layer's relu² MLP, each `moe` block (Nemotron 3) as that layer's shared expert and routed
     /// experts; NoPE attention at the softmax scale 1/√head_dim; no multipliers. An MLP block
-    /// with no mixer before it, a latent expert projection, biases on attention or MLP, and
+    /// with no mixer before it, biases on attention or MLP, and
     /// other activations are refused by name.
     pub fn from_nemotron_h(path: &Path, map: &Map<String, Value>) -> Result<Self> {
         let f = Fields { path, map };
@@ -409,9 +415,6 @@ impl GraniteHybridConfig {
             without_mlp.push(layers.len() - 1);
         }
         let routed = !moe_layers.is_empty();
-        if routed && !matches!(map.get("moe_latent_size"), None | Some(Value::Null)) {
-            return Err(bad("`moe_latent_size` (experts in a latent width) is not supported by picaso".into()));
-        }
         if layers.len() > 1 << 24 {
             return Err(bad(format!("{} layers; at most 2^24", layers.len())));
         }
@@ -511,10 +514,24 @@ impl GraniteHybridConfig {
             moe_layers,
             moe_shared_intermediate: if routed { f.usize_or("moe_shared_expert_intermediate_size", 7688)? } else { 0 },
             mup: None,
+            moe_latent: match map.get("moe_latent_size") {
+                Some(v) if routed && !v.is_null() => f.usize("moe_latent_size")?,
+                _ => 0,
+            },
             norm_eps,
         };
         config.validate(path)?;
         Ok(config)
+    }
+
+    /// The width a layer's routed experts work in: `moe_latent_size` (Nemotron 3's latent
+    /// experts), else `d_model`.
+    pub fn expert_width(&self) -> usize {
+        if self.moe_latent > 0 {
+            self.moe_latent
+        } else {
+            self.d_model
+        }
     }
 
     /// Whether an MLP follows layer `i`'s mixer.
@@ -665,6 +682,12 @@ impl GraniteHybridConfig {
                      this config sets one of them otherwise"
                     .into());
             }
+            if self.moe_latent > 1 << 24 || (self.moe_latent > 0 && self.moe_layers.is_empty()) {
+                return bad(format!(
+                    "`moe_latent_size` is {}; it must be at most 2^24, on a model with `moe` blocks",
+                    self.moe_latent
+                ));
+            }
             if let Some(&i) = self.moe_layers.iter().find(|&&i| i >= self.n_layer() || !self.has_mlp(i)) {
                 return bad(format!("layer {i} is listed with experts but has no MLP block"));
             }
@@ -689,6 +712,7 @@ impl GraniteHybridConfig {
         } else if self.mlp_kind != MlpKind::SwiGlu
             || !self.without_mlp.is_empty()
             || !self.moe_layers.is_empty()
+            || self.moe_latent > 0
             || self.routing != Routing::Softmax
         {
             return bad(format!(
@@ -758,6 +782,7 @@ impl GraniteHybridConfig {
             moe_layers: Vec::new(),
             moe_shared_intermediate: 0,
             mup: None,
+            moe_latent: 0,
             norm_eps: 1e-5,
             tie_embeddings: true,
         }
@@ -904,6 +929,9 @@ impl GraniteHybridConfig {
                         ("norm_topk_prob".to_string(), serde_json::json!(normalize)),
                         ("routed_scaling_factor".to_string(), serde_json::json!(scale)),
                     ]);
+                    if self.moe_latent > 0 {
+                        o.insert("moe_latent_size".to_string(), serde_json::json!(self.moe_latent));
+                    }
                 }
                 json
             }
@@ -965,12 +993,13 @@ impl GraniteHybridConfig {
             if self.n_experts > 0 && self.family == HybridFamily::NemotronH {
                 let dense = self.n_layer() - self.without_mlp.len() - self.moe_layers.len();
                 format!(
-                    "{}after {} mixers sigmoid-routed MoE {} of {} experts ({}) + shared expert {}",
+                    "{}after {} mixers sigmoid-routed MoE {} of {} experts ({}{}) + shared expert {}",
                     if dense > 0 { format!("relu² MLP {} after {dense} mixers; ", self.shared_intermediate) } else { String::new() },
                     self.moe_layers.len(),
                     self.top_k,
                     self.n_experts,
                     self.expert_intermediate,
+                    if self.moe_latent > 0 { format!(" in a latent width of {}", self.moe_latent) } else { String::new() },
                     self.moe_shared_intermediate
                 )
             } else if self.n_experts > 0 {

@@ -68,9 +68,12 @@ struct Moe {
     router: Vec<f32>,
     /// The router's correction bias (Nemotron 3), f32 as the router.
     bias: Option<Vec<f32>>,
-    /// Per expert: gate and up (2·inner × d_model), or up alone for relu² experts (inner ×
-    /// d_model); down (d_model × inner).
+    /// Per expert: gate and up (2·inner × width), or up alone for relu² experts (inner ×
+    /// width); down (width × inner). The width is d_model, or the latent width.
     experts: Vec<(Matrix, Matrix)>,
+    /// Nemotron 3's latent experts: the projection down to the latent width (latent × d_model)
+    /// and back up (d_model × latent).
+    latent: Option<(Matrix, Matrix)>,
 }
 
 impl CpuGraniteHybrid {
@@ -100,16 +103,17 @@ impl CpuGraniteHybrid {
                     let inner = config.n_heads * config.head_dim;
                     (n_attention - 1, Attention { q: mat(q, d), k: mat(k, d), v: mat(v, d), o: mat(o, inner) })
                 });
-                let moe = l.moe.map(|MoeWeights { router, bias, gate_up, down }| {
-                    let (e, ei) = (config.n_experts, config.expert_intermediate);
+                let moe = l.moe.map(|MoeWeights { router, bias, gate_up, down, latent }| {
+                    let (e, ei, w) = (config.n_experts, config.expert_intermediate, config.expert_width());
                     let experts = (0..e)
                         .map(|x| {
-                            let gu = gate_up[x * gates * ei * d..(x + 1) * gates * ei * d].to_vec();
-                            let dn = down[x * d * ei..(x + 1) * d * ei].to_vec();
-                            (mat(gu, d), mat(dn, ei))
+                            let gu = gate_up[x * gates * ei * w..(x + 1) * gates * ei * w].to_vec();
+                            let dn = down[x * w * ei..(x + 1) * w * ei].to_vec();
+                            (mat(gu, w), mat(dn, ei))
                         })
                         .collect();
-                    Moe { router, bias, experts }
+                    let latent = latent.map(|(down, up)| (mat(down, d), mat(up, w)));
+                    Moe { router, bias, experts, latent }
                 });
                 let mlp = l.mlp.map(|MlpWeights { norm, input, output }| Mlp {
                     norm,
@@ -248,7 +252,9 @@ impl CpuGraniteHybrid {
         kind.matmul_t(&y, rows, qw, wo, d, out, false);
     }
 
-    /// The MLP plus the routed experts of the normed rows `xn`, into `out`.
+    /// The MLP plus the routed experts of the normed rows `xn`, into `out`. Latent experts
+    /// (Nemotron 3) take the rows projected down to their width and sum there; the sum is
+    /// projected back up.
     fn mlp(&self, mlp: &Mlp, moe: Option<&Moe>, xn: &[f32], kind: Rows, out: &mut [f32]) {
         let c = &self.config;
         let d = c.d_model;
@@ -269,28 +275,39 @@ impl CpuGraniteHybrid {
                 by_expert[j].push((r, w));
             }
         }
-        let ei = c.expert_intermediate;
+        let (ei, w) = (c.expert_intermediate, c.expert_width());
+        let latent_rows = moe.latent.as_ref().map(|(down, _)| {
+            let mut x = vec![0.0f32; rows * w];
+            kind.matmul_t(xn, rows, d, down, w, &mut x, false);
+            x
+        });
+        let xe = latent_rows.as_deref().unwrap_or(xn);
         let partial: Vec<(Route, Vec<f32>)> = by_expert
             .into_par_iter()
             .enumerate()
             .filter(|(_, rows)| !rows.is_empty())
             .map(|(j, picked)| {
-                let mut x = Vec::with_capacity(picked.len() * d);
+                let mut x = Vec::with_capacity(picked.len() * w);
                 for &(r, _) in &picked {
-                    x.extend_from_slice(&xn[r * d..(r + 1) * d]);
+                    x.extend_from_slice(&xe[r * w..(r + 1) * w]);
                 }
-                let mut y = vec![0.0f32; picked.len() * d];
+                let mut y = vec![0.0f32; picked.len() * w];
                 let (gate_up, down) = &moe.experts[j];
-                feed_forward(c.mlp_kind, &x, picked.len(), d, ei, gate_up, down, kind, &mut y);
+                feed_forward(c.mlp_kind, &x, picked.len(), w, ei, gate_up, down, kind, &mut y);
                 (picked, y)
             })
             .collect();
+        let mut latent_sum = moe.latent.as_ref().map(|_| vec![0.0f32; rows * w]);
+        let sum = latent_sum.as_deref_mut().unwrap_or(out);
         for (picked, y) in partial {
-            for (i, &(r, w)) in picked.iter().enumerate() {
-                for (o, v) in out[r * d..(r + 1) * d].iter_mut().zip(&y[i * d..(i + 1) * d]) {
-                    *o += w * v;
+            for (i, &(r, weight)) in picked.iter().enumerate() {
+                for (o, v) in sum[r * w..(r + 1) * w].iter_mut().zip(&y[i * w..(i + 1) * w]) {
+                    *o += weight * v;
                 }
             }
+        }
+        if let (Some(sum), Some((_, up))) = (&latent_sum, &moe.latent) {
+            kind.matmul_t(sum, rows, w, up, d, out, true);
         }
     }
 

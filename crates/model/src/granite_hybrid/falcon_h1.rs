@@ -244,6 +244,7 @@ impl GraniteHybridConfig {
             moe_layers: Vec::new(),
             moe_shared_intermediate: 0,
             mup: Some(mup),
+            moe_latent: 0,
             norm_eps,
         };
         config.validate(path)?;

@@ -67,10 +67,14 @@ pub struct MoeWeights {
     /// them (Nemotron 3's `e_score_correction_bias`).
     pub bias: Option<Vec<f32>>,
     /// Each expert's gate and up projections, (n_experts, 2 * inner, d_model): gate rows first;
-    /// relu² experts (Nemotron 3): the up projection, (n_experts, inner, d_model).
+    /// relu² experts (Nemotron 3): the up projection, (n_experts, inner, width), `width` the
+    /// latent width if the experts have one, else d_model.
     pub gate_up: Vec<f32>,
-    /// Each expert's down projection, (n_experts, d_model, inner).
+    /// Each expert's down projection, (n_experts, width, inner).
     pub down: Vec<f32>,
+    /// Nemotron 3's latent projections around the experts: down to the latent width (latent,
+    /// d_model), and the experts' weighted sum back up (d_model, latent).
+    pub latent: Option<(Vec<f32>, Vec<f32>)>,
 }
 
 /// The MLP after a layer's mixer, with the RMSNorm before it.
@@ -185,7 +189,7 @@ impl GraniteHybridWeights {
                         format!("layer {i} has experts but no MLP block; validate the config"),
                     ));
                 };
-                let (e, ei, x) = (c.n_experts, c.expert_intermediate, names.mixer(b));
+                let (e, ei, x, w) = (c.n_experts, c.expert_intermediate, names.mixer(b), c.expert_width());
                 // The hub's one tensor per expert, or transformers 5's stacked ones.
                 let stacked = |t: &mut Take<'_>, name: &str, shape: [usize; 2]| -> Result<Vec<f32>> {
                     if t.map.contains_key(&format!("{x}.experts.{name}")) {
@@ -198,13 +202,21 @@ impl GraniteHybridWeights {
                     }
                     Ok(all)
                 };
-                let gate_up = stacked(&mut t, "up_proj", [ei, d])?;
-                let down = stacked(&mut t, "down_proj", [d, ei])?;
+                let gate_up = stacked(&mut t, "up_proj", [ei, w])?;
+                let down = stacked(&mut t, "down_proj", [w, ei])?;
+                let latent = match c.moe_latent {
+                    0 => None,
+                    l => Some((
+                        t.get(&format!("{x}.fc1_latent_proj.weight"), &[l, d])?,
+                        t.get(&format!("{x}.fc2_latent_proj.weight"), &[d, l])?,
+                    )),
+                };
                 Some(MoeWeights {
                     router: t.get(&format!("{x}.gate.weight"), &[e, d])?,
                     bias: Some(t.get(&format!("{x}.gate.e_score_correction_bias"), &[e])?),
                     gate_up,
                     down,
+                    latent,
                 })
             } else if c.has_experts(i) {
                 let (e, ei, x) = (c.n_experts, c.expert_intermediate, format!("model.layers.{i}.block_sparse_moe"));
@@ -217,6 +229,7 @@ impl GraniteHybridWeights {
                     bias: None,
                     gate_up: either(&mut t, "input_linear.weight", "experts.gate_up_proj", &[e, 2 * ei, d])?,
                     down: either(&mut t, "output_linear.weight", "experts.down_proj", &[e, d, ei])?,
+                    latent: None,
                 })
             } else {
                 None
@@ -329,6 +342,10 @@ impl GraniteHybridWeights {
                 if let Some(bias) = &moe.bias {
                     f(&format!("{x}.gate.e_score_correction_bias"), bias);
                 }
+                if let Some((down, up)) = &moe.latent {
+                    f(&format!("{x}.fc1_latent_proj.weight"), down);
+                    f(&format!("{x}.fc2_latent_proj.weight"), up);
+                }
                 let e = moe.router.len() / c.d_model;
                 let (up, down) = (moe.gate_up.len() / e, moe.down.len() / e);
                 for j in 0..e {
@@ -408,8 +425,12 @@ impl GraniteHybridWeights {
                     MoeWeights {
                         router: normal(e * d, 1.0 / (d as f32).sqrt()),
                         bias: (c.routing != Routing::Softmax).then(|| normal(e, 0.1)),
-                        gate_up: normal(e * gates * ei * d, 1.0 / (d as f32).sqrt()),
-                        down: normal(e * d * ei, out_scale / (ei as f32).sqrt()),
+                        gate_up: normal(e * gates * ei * c.expert_width(), 1.0 / (c.expert_width() as f32).sqrt()),
+                        down: normal(e * c.expert_width() * ei, out_scale / (ei as f32).sqrt()),
+                        latent: (c.moe_latent > 0).then(|| {
+                            let l = c.moe_latent;
+                            (normal(l * d, 1.0 / (d as f32).sqrt()), normal(d * l, 1.0 / (l as f32).sqrt()))
+                        }),
                     }
                 });
                 let i = c.mlp_inner(l);
@@ -463,10 +484,13 @@ impl GraniteHybridWeights {
                 shapes.insert(format!("{p}.mixer.shared_experts.up_proj.weight"), vec![inner, d]);
                 shapes.insert(format!("{p}.mixer.shared_experts.down_proj.weight"), vec![d, inner]);
                 shapes.insert(format!("{p}.mixer.gate.weight"), vec![c.n_experts, d]);
+                let w = c.expert_width();
                 for j in 0..c.n_experts {
-                    shapes.insert(format!("{p}.mixer.experts.{j}.up_proj.weight"), vec![ei, d]);
-                    shapes.insert(format!("{p}.mixer.experts.{j}.down_proj.weight"), vec![d, ei]);
+                    shapes.insert(format!("{p}.mixer.experts.{j}.up_proj.weight"), vec![ei, w]);
+                    shapes.insert(format!("{p}.mixer.experts.{j}.down_proj.weight"), vec![w, ei]);
                 }
+                shapes.insert(format!("{p}.mixer.fc1_latent_proj.weight"), vec![c.moe_latent, d]);
+                shapes.insert(format!("{p}.mixer.fc2_latent_proj.weight"), vec![d, c.moe_latent]);
             }
             let (e, ei, p) = (c.n_experts, c.expert_intermediate, format!("model.layers.{i}.block_sparse_moe"));
             shapes.insert(format!("{p}.router.layer.weight"), vec![e, d]);
