@@ -1,7 +1,8 @@
-//! A differentiable Granite 4.0 H hybrid on candle autograd: Mamba-2 mixers (the same
-//! `MambaLayer` as [`crate::TrainMamba2`]) and grouped-query attention without positional
-//! encoding (NoPE), each followed by a SwiGLU MLP, every branch added to the residual scaled by
-//! `residual_multiplier` — what the inference engine in `picaso_model::granite_hybrid` runs.
+//! A differentiable Granite 4.0 H or Nemotron-H hybrid on candle autograd: Mamba-2 mixers (the
+//! same `MambaLayer` as [`crate::TrainMamba2`]) and grouped-query attention without positional
+//! encoding (NoPE), each followed by its MLP (Granite's SwiGLU; Nemotron-H's relu², or none),
+//! every branch added to the residual scaled by `residual_multiplier` — what the inference
+//! engine in `picaso_model::granite_hybrid` runs.
 //!
 //! Attention continues from the keys and values of a [`TrainState`], so a composed state (the
 //! union of its contexts' keys and values) is read exactly as at inference. Padded key
@@ -12,8 +13,7 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Tensor, Var};
 use picaso_model::granite_hybrid::weights::{AttentionWeights, GraniteLayerWeights, MixerWeights, MlpWeights};
-use picaso_model::granite_hybrid::HybridFamily;
-use picaso_model::granite_hybrid::LayerKind;
+use picaso_model::granite_hybrid::{HybridFamily, LayerKind, MlpKind};
 use picaso_model::{GraniteHybridConfig, GraniteHybridWeights};
 
 use crate::kernels::rms_norm;
@@ -38,13 +38,19 @@ enum Mixer {
 
 struct Block {
     mixer: Mixer,
-    post_norm: Var,
-    /// The SwiGLU's gate rows, then its up rows (2·inner, d_model).
-    mlp_in: Var,
-    mlp_out: Var,
+    /// Absent after a Nemotron-H mixer block no `mlp` block follows.
+    mlp: Option<Mlp>,
 }
 
-/// A trainable dense NoPE Granite 4.0 H hybrid.
+struct Mlp {
+    norm: Var,
+    /// SwiGLU: the gate rows, then the up rows (2·inner, d_model); relu²: up (inner, d_model).
+    input: Var,
+    /// (d_model, inner).
+    output: Var,
+}
+
+/// A trainable dense NoPE Granite 4.0 H or Nemotron-H hybrid.
 pub struct TrainGraniteHybrid {
     config: GraniteHybridConfig,
     dtype: DType,
@@ -58,7 +64,8 @@ pub struct TrainGraniteHybrid {
 
 impl TrainGraniteHybrid {
     /// Parameters initialised from `weights` in `dtype` on `device`. Models with routed
-    /// experts or rotary positions are refused: training covers the dense NoPE hybrids.
+    /// experts or rotary positions, and other families, are refused: training covers the dense
+    /// NoPE Granite 4.0 H and Nemotron-H hybrids.
     pub fn from_weights(
         config: &GraniteHybridConfig,
         weights: &GraniteHybridWeights,
@@ -66,21 +73,21 @@ impl TrainGraniteHybrid {
         device: &Device,
     ) -> Result<Self> {
         let c = config;
-        if c.family != HybridFamily::Granite {
+        if !matches!(c.family, HybridFamily::Granite | HybridFamily::NemotronH) {
             candle_core::bail!(
-                "training supports Granite 4.0 H hybrids (a SwiGLU MLP after every mixer); this is a {} model",
+                "training supports Granite 4.0 H and Nemotron-H hybrids (one mixer per layer, NoPE); this is a {} model",
                 c.family.name()
             );
         }
         if c.n_experts > 0 {
             candle_core::bail!(
-                "training supports dense Granite 4.0 H hybrids; this one routes to {} experts per layer",
+                "training supports dense Granite 4.0 H and Nemotron-H hybrids; this one routes to {} experts",
                 c.n_experts
             );
         }
         if let Some(theta) = c.rope_theta {
             candle_core::bail!(
-                "training supports Granite 4.0 H hybrids without positional encoding (NoPE); this one uses rotary positions (rope_theta {theta})"
+                "training supports hybrids without positional encoding (NoPE); this one uses rotary positions (rope_theta {theta})"
             );
         }
         let var = |v: &[f32], shape: &[usize]| var(v, shape, dtype, device);
@@ -88,11 +95,12 @@ impl TrainGraniteHybrid {
         let blocks = weights
             .layers
             .iter()
-            .map(|l| {
+            .enumerate()
+            .map(|(i, l)| {
                 let mixer = match &l.mixer {
                     MixerWeights::Mamba(w) => Mixer::Mamba(MambaLayer::new(&c.mamba, w, dtype, device)?),
                     MixerWeights::Parallel(..) => {
-                        candle_core::bail!("training runs one mixer per layer (a Granite 4.0 H model's)")
+                        candle_core::bail!("training runs one mixer per layer (Granite 4.0 H's or Nemotron-H's)")
                     }
                     MixerWeights::Attention(AttentionWeights { q, k, v, o }) => Mixer::Attention {
                         input_norm: var(&l.input_norm, &[d])?,
@@ -102,15 +110,19 @@ impl TrainGraniteHybrid {
                         o: var(o, &[d, qw])?,
                     },
                 };
-                let Some(mlp) = &l.mlp else {
-                    candle_core::bail!("training needs an MLP after every mixer; a layer has none")
-                };
-                Ok(Block {
-                    mixer,
-                    post_norm: var(&mlp.norm, &[d])?,
-                    mlp_in: var(&mlp.input, &[2 * c.shared_intermediate, d])?,
-                    mlp_out: var(&mlp.output, &[d, c.shared_intermediate])?,
-                })
+                let inner = c.mlp_inner(i);
+                let mlp = l
+                    .mlp
+                    .as_ref()
+                    .map(|m| -> Result<Mlp> {
+                        Ok(Mlp {
+                            norm: var(&m.norm, &[d])?,
+                            input: var(&m.input, &[c.mlp_kind.projections() * inner, d])?,
+                            output: var(&m.output, &[d, inner])?,
+                        })
+                    })
+                    .transpose()?;
+                Ok(Block { mixer, mlp })
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
@@ -151,11 +163,13 @@ impl TrainGraniteHybrid {
                 Ok(GraniteLayerWeights {
                     input_norm,
                     mixer,
-                    mlp: Some(MlpWeights {
-                        norm: host(&b.post_norm)?,
-                        input: host(&b.mlp_in)?,
-                        output: host(&b.mlp_out)?,
-                    }),
+                    mlp: b
+                        .mlp
+                        .as_ref()
+                        .map(|m| -> Result<MlpWeights> {
+                            Ok(MlpWeights { norm: host(&m.norm)?, input: host(&m.input)?, output: host(&m.output)? })
+                        })
+                        .transpose()?,
                     moe: None,
                 })
             })
@@ -204,17 +218,22 @@ impl TrainGraniteHybrid {
         Ok((out, keys, values))
     }
 
-    /// The SwiGLU MLP of the normed rows `xn` (B, T, d_model), with the weight's row blocks
-    /// sliced rather than the activations (cheaper in backward).
-    fn mlp(&self, block: &Block, xn: &Tensor) -> Result<Tensor> {
+    /// The MLP of the normed rows `xn` (B, T, d_model): SwiGLU, with the weight's row blocks
+    /// sliced rather than the activations (cheaper in backward), or relu².
+    fn mlp(&self, mlp: &Mlp, xn: &Tensor) -> Result<Tensor> {
         let (b, t, d) = xn.dims3()?;
-        let i = self.config.shared_intermediate;
         let rows = xn.reshape((b * t, d))?;
-        let w = block.mlp_in.as_tensor();
-        let gate = rows.matmul(&w.narrow(0, 0, i)?.t()?)?;
-        let up = rows.matmul(&w.narrow(0, i, i)?.t()?)?;
-        let act = (candle_nn::ops::silu(&gate)? * up)?;
-        act.matmul(&block.mlp_out.as_tensor().t()?)?.reshape((b, t, d))
+        let w = mlp.input.as_tensor();
+        let act = match self.config.mlp_kind {
+            MlpKind::SwiGlu => {
+                let i = w.dim(0)? / 2;
+                let gate = rows.matmul(&w.narrow(0, 0, i)?.t()?)?;
+                let up = rows.matmul(&w.narrow(0, i, i)?.t()?)?;
+                (candle_nn::ops::silu(&gate)? * up)?
+            }
+            MlpKind::Relu2 => rows.matmul(&w.t()?)?.relu()?.sqr()?,
+        };
+        act.matmul(&mlp.output.as_tensor().t()?)?.reshape((b, t, d))
     }
 
     /// The attention bias (B, T, Tp + T) of `t` new rows after `tp` past keys: past keys count
@@ -283,7 +302,9 @@ impl Net for TrainGraniteHybrid {
                 Mixer::Mamba(m) => v.extend(m.vars()),
                 Mixer::Attention { input_norm, q, k, v: vw, o } => v.extend([input_norm, q, k, vw, o].map(Var::clone)),
             }
-            v.extend([&b.post_norm, &b.mlp_in, &b.mlp_out].map(Var::clone));
+            if let Some(m) = &b.mlp {
+                v.extend([&m.norm, &m.input, &m.output].map(Var::clone));
+            }
         }
         v.push(self.norm_f.clone());
         v.extend(self.lm_head.clone());
@@ -343,8 +364,10 @@ impl Net for TrainGraniteHybrid {
                 _ => unreachable!("blocks are built from the config's layer kinds"),
             };
             h = (h + (out * rm)?)?;
-            let xn = rms_norm(&h, block.post_norm.as_tensor(), 1, c.norm_eps)?;
-            h = (h + (self.mlp(block, &xn)? * rm)?)?;
+            if let Some(mlp) = &block.mlp {
+                let xn = rms_norm(&h, mlp.norm.as_tensor(), 1, c.norm_eps)?;
+                h = (h + (self.mlp(mlp, &xn)? * rm)?)?;
+            }
         }
         // Which key positions hold tokens: the past's, then the new rows'.
         if !next.keys.is_empty() && (init.kv_mask.is_some() || mask.is_some()) {
