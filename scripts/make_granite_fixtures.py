@@ -148,10 +148,11 @@ CASES.update({
         vocab_size=71, time_step_limit=(0.001, 0.25), tie_word_embeddings=False,
     ),
     # Falcon-H1 with the mixer's grouped RMSNorm before the gate (`mamba_rms_norm`,
-    # `mamba_norm_before_gate`), a tied head, no biases, one kv head
+    # `mamba_norm_before_gate`), a tied head, no biases, one kv head, heads wider than
+    # hidden / heads (4 × 10 on a width of 32)
     "falcon-h1-norm-g2": dict(
         family="falcon_h1", seed=2007, hidden_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=1, head_dim=8, intermediate_size=24,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=10, intermediate_size=24,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=16,
         mamba_rms_norm=True, mamba_norm_before_gate=True, mamba_proj_bias=False, projectors_bias=False,

@@ -233,7 +233,7 @@ pub(crate) fn build(
         }
         (ModelConfig::Mamba1(_) | ModelConfig::GraniteHybrid(_), _, Backend::Gpu(_)) => {
             return Err(Error::Input(
-                "the GPU engine runs Mamba-2 models for now; run Mamba-1 and hybrid (Granite 4.0 H) models with --device cpu".into(),
+                "the GPU engine runs Mamba-2 models for now; run Mamba-1 and hybrid (Granite 4.0 H, Bamba, Nemotron-H, Falcon-H1) models with --device cpu".into(),
             ))
         }
         (ModelConfig::Mamba1(c), Weights::Mamba1(w), Backend::Cpu) => Box::new(CpuMamba1::new(c, w, dtype)),
@@ -245,7 +245,7 @@ pub(crate) fn build(
         }
         (ModelConfig::GraniteHybrid(_), _, Backend::Candle { .. }) => {
             return Err(Error::Input(
-                "hybrid (Granite 4.0 H) models run on the cpu engine only for now; drop --device".into(),
+                "hybrid (Granite 4.0 H, Bamba, Nemotron-H, Falcon-H1) models run on the cpu engine only for now; drop --device".into(),
             ))
         }
         _ => unreachable!("weights are loaded for their config"),

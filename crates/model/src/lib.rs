@@ -1,7 +1,8 @@
 //! # picaso-model
 //!
-//! A language model whose state is a first-class value: Mamba-2, Mamba-1, or a Granite 4.0 H
-//! hybrid (attention among Mamba-2 layers), detected from `config.json`. [`Model::prefill`] turns
+//! A language model whose state is a first-class value: Mamba-2, Mamba-1, or a hybrid (Granite
+//! 4.0 H, Bamba, Nemotron-H: attention among Mamba-2 layers; Falcon-H1: attention beside a
+//! Mamba-2 mixer in every layer), detected from `config.json`. [`Model::prefill`] turns
 //! any token sequence, started from any [`State`], into the state after it; [`Model::score`] also
 //! returns the log-probabilities; [`generate()`] continues from a state. States save to and load
 //! from safetensors files ([`State::save`], [`State::load`]) and carry the fingerprint of the

@@ -136,8 +136,9 @@ pub struct StateShape {
     pub conv: Vec<usize>,
     /// Mamba-2 (H); Mamba-1 (D, N).
     pub log_decay: Vec<usize>,
-    /// A hybrid model's attention layers; `None` for a pure SSM model. With them `n_layer`
-    /// counts the SSM layers only, and a state's `layers[j]` is the j-th SSM layer in model order.
+    /// A hybrid model's layout: which layers hold keys and values, which SSM states; `None` for
+    /// a pure SSM model. With it `n_layer` counts the SSM states only, and a state's `layers[j]`
+    /// is the j-th layer with one in model order.
     pub attention: Option<AttentionShape>,
 }
 
@@ -163,11 +164,28 @@ impl AttentionShape {
     pub fn token_len(&self) -> usize {
         self.kv_heads * self.head_dim
     }
+    /// (holds an SSM state, holds keys and values) per layer of the model, in one pass over
+    /// the lists (indices past the last layer are left out; [`StateShape::check`] refuses them).
+    pub fn kinds(&self) -> Vec<(bool, bool)> {
+        let mut kinds = vec![(false, false); self.n_layers];
+        for &i in &self.ssm {
+            if let Some(k) = kinds.get_mut(i) {
+                k.0 = true;
+            }
+        }
+        for &i in &self.layers {
+            if let Some(k) = kinds.get_mut(i) {
+                k.1 = true;
+            }
+        }
+        kinds
+    }
     /// The name of each layer's kind as written in a state's metadata: `mamba`, `attention`,
     /// or `hybrid` for both side by side (transformers' name for a Falcon-H1 layer).
     pub fn layer_types(&self) -> Vec<&'static str> {
-        (0..self.n_layers)
-            .map(|i| match (self.ssm.contains(&i), self.layers.contains(&i)) {
+        self.kinds()
+            .into_iter()
+            .map(|kind| match kind {
                 (true, true) => "hybrid",
                 (false, true) => "attention",
                 _ => "mamba",
@@ -253,7 +271,7 @@ impl StateShape {
         }
         if let Some(a) = &self.attention {
             let fits = |l: &[usize]| l.windows(2).all(|w| w[0] < w[1]) && l.last().is_none_or(|&i| i < a.n_layers);
-            let covered = (0..a.n_layers).all(|i| a.layers.contains(&i) || a.ssm.contains(&i));
+            let covered = a.kinds().iter().all(|&(ssm, kv)| ssm || kv);
             if !fits(&a.layers) || !fits(&a.ssm) || !covered || a.ssm.len() != self.n_layer {
                 return Err(Error::state(format!(
                     "attention layers {:?} and SSM layers {:?} ({} counted) do not make a model of {} layers",
@@ -502,11 +520,13 @@ impl State {
         };
         // Tensors in the model's layer order (a pure SSM model's: layers 0.. of the state), a
         // layer's SSM tensors before its keys and values.
-        let (ssm_at, attention_at) = (self.shape.ssm_layers(), self.shape.attention_layers());
-        let n_layers = self.shape.attention.as_ref().map_or(self.layers.len(), |a| a.n_layers);
+        let kinds = match &self.shape.attention {
+            Some(a) => a.kinds(),
+            None => vec![(true, false); self.layers.len()],
+        };
         let (mut ssm, mut attention) = (self.layers.iter(), self.attention.iter().zip(&kv_shapes));
-        for i in 0..n_layers {
-            if ssm_at.contains(&i) {
+        for (i, &(has_ssm, attends)) in kinds.iter().enumerate() {
+            if has_ssm {
                 let l = ssm.next().ok_or_else(|| {
                     Error::state(format!("layer {i} is an SSM layer, but the state holds no SSM state for it"))
                 })?;
@@ -515,7 +535,7 @@ impl State {
                 let log_decay = encode(&l.log_decay, StateDtype::F32);
                 tensors.push((format!("layers.{i}.log_decay"), "F32", &self.shape.log_decay, log_decay));
             }
-            if attention_at.contains(&i) {
+            if attends {
                 let (kv, shape) = attention.next().ok_or_else(|| {
                     Error::state(format!("layer {i} attends, but the state holds no keys and values for it"))
                 })?;
@@ -808,7 +828,7 @@ impl Parsed {
                 )
             } else {
                 format!(
-                    "a state of {n_layer} SSM and {} attention layers has {} (.ssm, .conv, .log_decay and .k, .v)",
+                    "a state of {n_layer} SSM states and {} sets of keys and values has {} (.ssm, .conv, .log_decay and .k, .v)",
                     attention_at.len(),
                     3 * n_layer + 2 * attention_at.len()
                 )

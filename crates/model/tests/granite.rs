@@ -668,12 +668,13 @@ fn unsupported_nemotron_3_options_are_refused_by_name() {
     }
 }
 
-/// A Falcon-H1 model is read with its µP multipliers folded into its weights; written back, its
-/// config says 1 for each folded multiplier (the embedding's and the LM head's stay), and the
-/// copy is the same model: same fingerprint, same log-probs. Each layer's state holds both an
-/// SSM state and keys and values, and is named `hybrid` in a state file.
+/// A Falcon-H1 model is written back as it was read: its µP multipliers in its config, its
+/// weights the checkpoint's (the engine folds the multipliers into its own copy); the copy is the
+/// same model (same fingerprint, same log-probs), also when read with the config in memory. Each
+/// layer's state holds both an SSM state and keys and values, and is named `hybrid` in a state
+/// file.
 #[test]
-fn a_falcon_h1_model_is_written_back_folded() {
+fn a_falcon_h1_model_is_written_back_as_read() {
     for case in ["falcon-h1-g2", "falcon-h1-norm-g2"] {
         let e = exp(case);
         let src = fixture_dir("granite", case).join("hf");
@@ -689,12 +690,21 @@ fn a_falcon_h1_model_is_written_back_folded() {
         let written: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(dir.path().join("config.json")).unwrap()).unwrap();
         assert_eq!(written["model_type"], "falcon_h1");
-        for key in ["key_multiplier", "ssm_in_multiplier", "ssm_out_multiplier", "attention_in_multiplier"] {
-            assert_eq!(written[key], 1.0, "{case}: {key}");
+        for key in [
+            "key_multiplier",
+            "ssm_in_multiplier",
+            "ssm_out_multiplier",
+            "attention_in_multiplier",
+            "attention_out_multiplier",
+            "ssm_multipliers",
+            "mlp_multipliers",
+            "embedding_multiplier",
+        ] {
+            assert_eq!(written[key], map[key], "{case}: {key}");
         }
-        assert_eq!(written["ssm_multipliers"], serde_json::json!([1.0, 1.0, 1.0, 1.0, 1.0]));
-        assert_eq!(written["embedding_multiplier"], map["embedding_multiplier"]);
         assert!(written.get("layer_types").is_none() && written.get("mamba_n_heads").is_some(), "{written}");
+        let again = picaso_model::GraniteHybridWeights::load(dir.path(), &c).unwrap();
+        assert_eq!(again.fingerprint(&c), w.fingerprint(&c), "{case}: read back with the config in memory");
         let (a, b) = (model(case), load_from(dir.path()));
         assert_eq!(a.fingerprint(), b.fingerprint(), "{case}");
         let (la, lb) = (a.score(&e.tokens, &a.zero_state()).unwrap(), b.score(&e.tokens, &b.zero_state()).unwrap());
@@ -711,7 +721,9 @@ fn a_falcon_h1_model_is_written_back_folded() {
 }
 
 /// A Falcon-H1 config as the hub ships it (`rope_theta` at the top level, `rope_scaling: null`,
-/// `mamba_d_head: "auto"`, keys transformers ignores) reads as the same model.
+/// `mamba_d_head: "auto"`, keys transformers ignores) reads as the same model, and so do tensors
+/// transformers leaves unused (a µP vector saved as a buffer; the mixer norm's weight of a model
+/// that runs without it).
 #[test]
 fn a_hub_style_falcon_h1_config_reads_the_same() {
     let case = "falcon-h1-g2";
@@ -725,7 +737,10 @@ fn a_hub_style_falcon_h1_config_reads_the_same() {
             c.insert("mamba_use_mlp".into(), serde_json::json!(true));
         },
         |n| Some(n.to_string()),
-        &[],
+        &[
+            ("model.layers.0.mamba.norm.weight".into(), vec![72], vec![1.0; 72]),
+            ("model.layers.1.mamba.mup_vector".into(), vec![1, 1, 190], vec![1.0; 190]),
+        ],
     );
     let (a, b) = (model(case), load_from(hub.path()));
     assert_eq!(a.fingerprint(), b.fingerprint());
@@ -756,6 +771,8 @@ fn unsupported_falcon_h1_options_are_refused_by_name() {
         ("key_multiplier", serde_json::json!("big"), "key_multiplier"),
         ("mamba_d_head", serde_json::json!(10), "mamba_d_head"),
         ("num_hidden_layers", serde_json::json!(0), "num_hidden_layers"),
+        ("lm_head_multiplier", serde_json::json!(0.0), "lm_head_multiplier"),
+        ("ssm_out_multiplier", serde_json::json!(1e9), "µP multiplier"),
     ] {
         let err = refused_with("falcon-h1-g2", key, value);
         assert!(err.contains(want) && err.contains("config.json"), "{key}: {err}");

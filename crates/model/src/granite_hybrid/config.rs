@@ -3,7 +3,8 @@
 //! (`linear_attention` / `full_attention`); its predecessor `BambaConfig` (IBM's Bamba:
 //! the same blocks without multipliers or experts, RoPE on half of each head's channels); and
 //! `NemotronHConfig` (NVIDIA's Nemotron-H and Nemotron Nano 2: mixer and MLP blocks stand apart,
-//! and each `mlp` block is read as the MLP of the mixer block before it).
+//! and each `mlp` block is read as the MLP of the mixer block before it); and `FalconH1Config`,
+//! read in [`super::falcon_h1`].
 
 use std::path::Path;
 
@@ -184,8 +185,8 @@ pub struct GraniteHybridConfig {
     /// after; 0 when the experts work in `d_model`.
     #[serde(default)]
     pub moe_latent: usize,
-    /// Falcon-H1's µP multipliers, folded into the weights as they are read (the engine never
-    /// applies them); `None` for the other families.
+    /// Falcon-H1's µP multipliers, folded into the CPU engine's copy of the weights; `None` for
+    /// the other families.
     #[serde(default)]
     pub mup: Option<super::falcon_h1::Mup>,
     /// Epsilon of every RMSNorm.
@@ -608,8 +609,9 @@ impl GraniteHybridConfig {
             let m = self.mup.unwrap_or(super::falcon_h1::Mup::ONE);
             let all =
                 [m.ssm_in, m.ssm_out, m.attention_in, m.key, m.attention_out].into_iter().chain(m.ssm).chain(m.mlp);
-            if let Some(v) = all.into_iter().find(|v| !v.is_finite()) {
-                return bad(format!("a µP multiplier is {v}; each must be finite"));
+            // (Real ones are O(0.01–10); folded into f32 weights, a huge one would overflow them.)
+            if let Some(v) = all.into_iter().find(|v| !(v.abs() <= 1e6)) {
+                return bad(format!("a µP multiplier is {v}; each must be finite and at most 1e6 in magnitude"));
             }
         }
         for (name, v) in [
@@ -866,7 +868,8 @@ impl GraniteHybridConfig {
                     .iter()
                     .map(|k| match k {
                         LayerKind::Mamba => "mamba",
-                        LayerKind::Attention | LayerKind::Parallel => "attention",
+                        LayerKind::Attention => "attention",
+                        LayerKind::Parallel => unreachable!("validated: only Falcon-H1 runs mixers side by side"),
                     })
                     .collect();
                 serde_json::json!({
@@ -888,7 +891,11 @@ impl GraniteHybridConfig {
             HybridFamily::NemotronH => {
                 let mut pattern = String::new();
                 for (i, k) in self.layers.iter().enumerate() {
-                    pattern.push(if *k == LayerKind::Mamba { 'M' } else { '*' });
+                    pattern.push(match k {
+                        LayerKind::Mamba => 'M',
+                        LayerKind::Attention => '*',
+                        LayerKind::Parallel => unreachable!("validated: only Falcon-H1 runs mixers side by side"),
+                    });
                     if self.has_mlp(i) {
                         pattern.push(if self.has_experts(i) { 'E' } else { '-' });
                     }
@@ -1092,7 +1099,7 @@ fn nemotron_blocks(f: &Fields<'_>) -> Result<Vec<char>> {
 
 /// `num_key_value_heads` with Bamba's and Nemotron-H's defaults: 8 when the key is absent, all
 /// `n_heads` when it is null.
-fn kv_heads_or_8(f: &Fields<'_>, n_heads: usize) -> Result<usize> {
+pub(super) fn kv_heads_or_8(f: &Fields<'_>, n_heads: usize) -> Result<usize> {
     match f.map.get("num_key_value_heads") {
         None => Ok(8),
         Some(Value::Null) => Ok(n_heads),
@@ -1101,7 +1108,7 @@ fn kv_heads_or_8(f: &Fields<'_>, n_heads: usize) -> Result<usize> {
 }
 
 /// At most 2^24 layers, checked before anything is allocated per layer.
-fn layer_count(f: &Fields<'_>) -> Result<usize> {
+pub(super) fn layer_count(f: &Fields<'_>) -> Result<usize> {
     let n = f.usize("num_hidden_layers")?;
     if n == 0 || n > 1 << 24 {
         return Err(Error::config(f.path, format!("`num_hidden_layers` is {n}; it must be between 1 and 2^24")));

@@ -77,8 +77,12 @@ struct Moe {
 }
 
 impl CpuGraniteHybrid {
-    /// Takes ownership of validated weights, storing the large matrices in `dtype`.
-    pub fn new(config: GraniteHybridConfig, weights: GraniteHybridWeights, dtype: WeightDtype) -> Self {
+    /// Takes ownership of validated weights, storing the large matrices in `dtype` (Falcon-H1's
+    /// µP multipliers folded into them first).
+    pub fn new(config: GraniteHybridConfig, mut weights: GraniteHybridWeights, dtype: WeightDtype) -> Self {
+        if let Some(mup) = &config.mup {
+            mup.fold(&config, &mut weights);
+        }
         let kernel = Bf16Kernel::detect();
         let mat = |v: Vec<f32>, cols: usize| Matrix::with_kernel(v, cols, dtype, kernel);
         let d = config.d_model;

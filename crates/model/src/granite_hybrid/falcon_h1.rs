@@ -5,11 +5,12 @@
 //! Falcon-H1 scales the inputs and outputs of its projections by µP multipliers
 //! (`ssm_in_multiplier`, the five `ssm_multipliers` of z, x, B, C and dt, `ssm_out_multiplier`,
 //! `attention_in_multiplier`, `key_multiplier`, `attention_out_multiplier`, the two
-//! `mlp_multipliers`). Each scales a linear map, so picaso folds it into that map's weights as
-//! they are read ([`Mup::fold`]) and runs Falcon-H1 with the arithmetic every other hybrid uses.
-//! A folded model written back says 1 for each of them. The embedding and LM-head multipliers
-//! stay in the config (`embedding_multiplier`, `logits_scaling`): a tied head shares its matrix
-//! with the embedding, so neither can be folded into it.
+//! `mlp_multipliers`). Each scales a linear map, so the CPU engine folds it into its own copy of
+//! that map's weights when it is built ([`Mup::fold`]) and runs Falcon-H1 with the arithmetic
+//! every other hybrid uses. The weights as read, their fingerprint and a model written back stay
+//! the checkpoint's. The embedding and LM-head multipliers are applied as the other families'
+//! (`embedding_multiplier`, `logits_scaling`): a tied head shares its matrix with the embedding,
+//! so neither can be folded into it.
 
 use std::path::Path;
 
@@ -41,7 +42,7 @@ pub struct Mup {
 }
 
 impl Mup {
-    /// Every multiplier 1: what a folded model's config says.
+    /// Every multiplier 1.
     pub const ONE: Mup = Mup {
         ssm_in: 1.0,
         ssm: [1.0; 5],
@@ -52,7 +53,8 @@ impl Mup {
         mlp: [1.0; 2],
     };
 
-    /// Scales each projection of `w` by its multipliers, in f64 and rounded once to f32. The
+    /// Scales each projection of `w` by its multipliers, in f64 and rounded once to f32: the
+    /// weights the engine multiplies by, never the ones written back or fingerprinted. The
     /// in-projection's rows are [z, x, B, C, dt] (`d_inner`, `d_inner`, `groups·d_state` twice,
     /// heads); its bias, if any, is scaled by the row's multiplier but not by `ssm_in`, which
     /// scales the input.
@@ -141,21 +143,14 @@ impl GraniteHybridConfig {
                  on both projections or on neither"
             )));
         }
-        let n_layer = f.usize("num_hidden_layers")?;
-        if n_layer == 0 || n_layer > 1 << 24 {
-            return Err(bad(format!("`num_hidden_layers` is {n_layer}; it must be between 1 and 2^24")));
-        }
+        let n_layer = super::config::layer_count(&f)?;
         let d_model = f.usize("hidden_size")?;
         let n_heads = f.usize("num_attention_heads")?;
         let head_dim = match map.get("head_dim") {
             None | Some(Value::Null) => d_model / n_heads.max(1),
             Some(_) => f.usize("head_dim")?,
         };
-        let n_kv_heads = match map.get("num_key_value_heads") {
-            None => 8,
-            Some(Value::Null) => n_heads,
-            Some(_) => f.usize("num_key_value_heads")?,
-        };
+        let n_kv_heads = super::config::kv_heads_or_8(&f, n_heads)?;
         let expand = f.usize_or("mamba_expand", 2)?;
         let d_ssm = match map.get("mamba_d_ssm") {
             None => 1024,
@@ -218,6 +213,9 @@ impl GraniteHybridConfig {
             mlp: [mlp[0], mlp[1]],
         };
         let lm_head_multiplier = f.f64_or("lm_head_multiplier", 1.0)?;
+        if !(lm_head_multiplier.is_finite() && lm_head_multiplier != 0.0) {
+            return Err(bad(format!("`lm_head_multiplier` is {lm_head_multiplier}; it must be finite and not 0")));
+        }
         let config = Self {
             family: HybridFamily::FalconH1,
             d_model,
@@ -251,8 +249,7 @@ impl GraniteHybridConfig {
         Ok(config)
     }
 
-    /// The Falcon-H1 keys of [`GraniteHybridConfig::to_hf_json`]: the model as picaso runs it,
-    /// its multipliers folded (1 each).
+    /// The Falcon-H1 keys of [`GraniteHybridConfig::to_hf_json`], its multipliers as read.
     pub(super) fn falcon_h1_json(&self) -> Map<String, Value> {
         let m = &self.mamba;
         let Value::Object(mut o) = serde_json::json!({
@@ -281,7 +278,7 @@ impl GraniteHybridConfig {
         }) else {
             unreachable!("a JSON object")
         };
-        o.extend(Mup::ONE.to_json());
+        o.extend(self.mup.unwrap_or(Mup::ONE).to_json());
         o
     }
 }

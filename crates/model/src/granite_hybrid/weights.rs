@@ -1,5 +1,6 @@
-//! [`GraniteHybridWeights`]: a Granite 4.0 H (or Bamba) checkpoint's tensors (one file or hub
-//! shards, f32 or bf16), named as transformers names them, validated against the config.
+//! [`GraniteHybridWeights`]: a Granite 4.0 H, Bamba, Nemotron-H or Falcon-H1 checkpoint's tensors
+//! (one file or hub shards, f32 or bf16), named as transformers names them, validated against the
+//! config.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -103,7 +104,7 @@ pub struct GraniteLayerWeights {
     pub moe: Option<MoeWeights>,
 }
 
-/// All weights of a Granite 4.0 H model.
+/// All weights of a hybrid model, as its checkpoint holds them.
 #[derive(Debug, Clone)]
 pub struct GraniteHybridWeights {
     /// Token embeddings (vocab, d_model).
@@ -136,6 +137,15 @@ impl GraniteHybridWeights {
                 } else {
                     "backbone"
                 }
+            }
+            HybridFamily::FalconH1 => {
+                // Unused by the computation, as transformers leaves them: a µP vector saved as a
+                // buffer, and the mixer norm's weight of a model that runs without it.
+                let no_norm = c.mamba.gate_norm == GateNorm::GateOnly;
+                map.retain(|name, _| {
+                    !(name.ends_with(".mamba.mup_vector") || (no_norm && name.ends_with(".mamba.norm.weight")))
+                });
+                "model"
             }
             _ => "model",
         };
@@ -274,11 +284,7 @@ impl GraniteHybridWeights {
                 format!("tensor `{name}` is not part of a {} model as config.json describes it", c.describe()),
             ));
         }
-        let mut weights = Self { embedding, layers, norm_f, lm_head };
-        if let Some(mup) = &c.mup {
-            mup.fold(c, &mut weights);
-        }
-        Ok(weights)
+        Ok(Self { embedding, layers, norm_f, lm_head })
     }
 
     /// Visits every tensor under its hub name for `c`'s family (a Nemotron-H model's under

@@ -86,7 +86,8 @@ def _cache_layers(cache, config):
     if layers is None or len(layers) != n or not all(hasattr(layers[i], w) for i, t in blocks for w in wanted[t]):
         raise InvalidArgument(
             "expected a transformers >= 5 DynamicCache of this Mamba or hybrid model (a linear-attention "
-            f"layer per Mamba layer, an attention layer per attention layer); got {type(cache).__name__}"
+            "layer per Mamba layer, an attention layer per attention layer, a layer with both per Falcon-H1 "
+            f"layer); got {type(cache).__name__}"
         )
     return layers
 
