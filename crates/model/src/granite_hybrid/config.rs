@@ -610,7 +610,7 @@ impl GraniteHybridConfig {
             let all =
                 [m.ssm_in, m.ssm_out, m.attention_in, m.key, m.attention_out].into_iter().chain(m.ssm).chain(m.mlp);
             // (Real ones are O(0.01–10); folded into f32 weights, a huge one would overflow them.)
-            if let Some(v) = all.into_iter().find(|v| !(v.abs() <= 1e6)) {
+            if let Some(v) = all.into_iter().find(|v| !v.is_finite() || v.abs() > 1e6) {
                 return bad(format!("a µP multiplier is {v}; each must be finite and at most 1e6 in magnitude"));
             }
         }
