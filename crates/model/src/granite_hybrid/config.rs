@@ -188,7 +188,7 @@ pub struct GraniteHybridConfig {
     /// Falcon-H1's µP multipliers, folded into the CPU engine's copy of the weights; `None` for
     /// the other families.
     #[serde(default)]
-    pub mup: Option<super::falcon_h1::Mup>,
+    pub mup: Option<Mup>,
     /// Epsilon of every RMSNorm.
     pub norm_eps: f64,
     /// Whether the LM head is the embedding matrix.
@@ -606,7 +606,7 @@ impl GraniteHybridConfig {
                      softmax scale 1/√head_dim; this config sets one of them otherwise"
                     .into());
             }
-            let m = self.mup.unwrap_or(super::falcon_h1::Mup::ONE);
+            let m = self.mup.unwrap_or(Mup::ONE);
             let all =
                 [m.ssm_in, m.ssm_out, m.attention_in, m.key, m.attention_out].into_iter().chain(m.ssm).chain(m.mlp);
             // (Real ones are O(0.01–10); folded into f32 weights, a huge one would overflow them.)
@@ -968,6 +968,39 @@ impl GraniteHybridConfig {
         json
     }
 
+    /// The Falcon-H1 keys of [`GraniteHybridConfig::to_hf_json`], its multipliers as read.
+    fn falcon_h1_json(&self) -> Map<String, Value> {
+        let m = &self.mamba;
+        let Value::Object(mut o) = serde_json::json!({
+            "architectures": ["FalconH1ForCausalLM"],
+            "model_type": "falcon_h1",
+            "intermediate_size": self.shared_intermediate,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.norm_eps,
+            "rope_theta": self.rope_theta,
+            "embedding_multiplier": self.embedding_multiplier,
+            "lm_head_multiplier": 1.0 / self.logits_scaling,
+            "mamba_d_ssm": m.d_inner(),
+            "mamba_n_heads": m.nheads,
+            "mamba_d_head": m.headdim,
+            "mamba_d_state": m.d_state,
+            "mamba_n_groups": m.n_groups,
+            "mamba_d_conv": m.d_conv,
+            "mamba_expand": m.expand,
+            "mamba_conv_bias": m.use_conv_bias,
+            "mamba_proj_bias": m.use_bias,
+            "projectors_bias": m.use_bias,
+            "mamba_rms_norm": m.gate_norm != GateNorm::GateOnly,
+            "mamba_norm_before_gate": m.gate_norm == GateNorm::NormThenGate,
+            "attention_bias": false,
+            "mlp_bias": false,
+        }) else {
+            unreachable!("a JSON object")
+        };
+        o.extend(self.mup.unwrap_or(Mup::ONE).to_json());
+        o
+    }
+
     /// The sizes, in one line.
     pub fn describe(&self) -> String {
         let att = self.attention_layers();
@@ -1022,6 +1055,56 @@ impl GraniteHybridConfig {
             },
             self.vocab_size
         )
+    }
+}
+
+/// Falcon-H1's µP multipliers, named as in its `config.json` (folded into the CPU engine's copy
+/// of the weights by `Mup::fold`, in [`super::falcon_h1`]).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Mup {
+    /// `ssm_in_multiplier`: the Mamba mixer's input.
+    pub ssm_in: f64,
+    /// `ssm_multipliers`: the in-projection's z, x, B, C and dt outputs.
+    pub ssm: [f64; 5],
+    /// `ssm_out_multiplier`: the Mamba mixer's output.
+    pub ssm_out: f64,
+    /// `attention_in_multiplier`: the attention's input.
+    pub attention_in: f64,
+    /// `key_multiplier`: the keys (before RoPE, which is linear).
+    pub key: f64,
+    /// `attention_out_multiplier`: the attention's output.
+    pub attention_out: f64,
+    /// `mlp_multipliers`: the MLP's gate projection and its down projection.
+    pub mlp: [f64; 2],
+}
+
+impl Mup {
+    /// Every multiplier 1.
+    pub const ONE: Mup = Mup {
+        ssm_in: 1.0,
+        ssm: [1.0; 5],
+        ssm_out: 1.0,
+        attention_in: 1.0,
+        key: 1.0,
+        attention_out: 1.0,
+        mlp: [1.0; 2],
+    };
+
+    /// Each multiplier under its config key.
+    pub fn to_json(&self) -> Map<String, Value> {
+        let mut o = Map::new();
+        for (key, v) in [
+            ("ssm_in_multiplier", serde_json::json!(self.ssm_in)),
+            ("ssm_multipliers", serde_json::json!(self.ssm)),
+            ("ssm_out_multiplier", serde_json::json!(self.ssm_out)),
+            ("attention_in_multiplier", serde_json::json!(self.attention_in)),
+            ("key_multiplier", serde_json::json!(self.key)),
+            ("attention_out_multiplier", serde_json::json!(self.attention_out)),
+            ("mlp_multipliers", serde_json::json!(self.mlp)),
+        ] {
+            o.insert(key.to_string(), v);
+        }
+        o
     }
 }
 

@@ -16,43 +16,13 @@ use std::path::Path;
 
 use serde_json::{Map, Value};
 
-use super::config::{GraniteHybridConfig, HybridFamily, LayerKind, MlpKind, Routing};
+use super::config::{GraniteHybridConfig, HybridFamily, LayerKind, MlpKind, Mup, Routing};
 use super::weights::{AttentionWeights, GraniteHybridWeights};
 use crate::config::{CheckpointFormat, Fields};
 use crate::error::{Error, Result};
 use crate::mamba2::{GateNorm, Mamba2Config};
 
-/// Falcon-H1's µP multipliers, named as in its `config.json`.
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct Mup {
-    /// `ssm_in_multiplier`: the Mamba mixer's input.
-    pub ssm_in: f64,
-    /// `ssm_multipliers`: the in-projection's z, x, B, C and dt outputs.
-    pub ssm: [f64; 5],
-    /// `ssm_out_multiplier`: the Mamba mixer's output.
-    pub ssm_out: f64,
-    /// `attention_in_multiplier`: the attention's input.
-    pub attention_in: f64,
-    /// `key_multiplier`: the keys (before RoPE, which is linear).
-    pub key: f64,
-    /// `attention_out_multiplier`: the attention's output.
-    pub attention_out: f64,
-    /// `mlp_multipliers`: the MLP's gate projection and its down projection.
-    pub mlp: [f64; 2],
-}
-
 impl Mup {
-    /// Every multiplier 1.
-    pub const ONE: Mup = Mup {
-        ssm_in: 1.0,
-        ssm: [1.0; 5],
-        ssm_out: 1.0,
-        attention_in: 1.0,
-        key: 1.0,
-        attention_out: 1.0,
-        mlp: [1.0; 2],
-    };
-
     /// Scales each projection of `w` by its multipliers, in f64 and rounded once to f32: the
     /// weights the engine multiplies by, never the ones written back or fingerprinted. The
     /// in-projection's rows are [z, x, B, C, dt] (`d_inner`, `d_inner`, `groups·d_state` twice,
@@ -89,23 +59,6 @@ impl Mup {
                 scale(&mut mlp.output, self.mlp[1]);
             }
         }
-    }
-
-    /// Each multiplier under its config key.
-    pub fn to_json(&self) -> Map<String, Value> {
-        let mut o = Map::new();
-        for (key, v) in [
-            ("ssm_in_multiplier", serde_json::json!(self.ssm_in)),
-            ("ssm_multipliers", serde_json::json!(self.ssm)),
-            ("ssm_out_multiplier", serde_json::json!(self.ssm_out)),
-            ("attention_in_multiplier", serde_json::json!(self.attention_in)),
-            ("key_multiplier", serde_json::json!(self.key)),
-            ("attention_out_multiplier", serde_json::json!(self.attention_out)),
-            ("mlp_multipliers", serde_json::json!(self.mlp)),
-        ] {
-            o.insert(key.to_string(), v);
-        }
-        o
     }
 }
 
@@ -247,38 +200,5 @@ impl GraniteHybridConfig {
         };
         config.validate(path)?;
         Ok(config)
-    }
-
-    /// The Falcon-H1 keys of [`GraniteHybridConfig::to_hf_json`], its multipliers as read.
-    pub(super) fn falcon_h1_json(&self) -> Map<String, Value> {
-        let m = &self.mamba;
-        let Value::Object(mut o) = serde_json::json!({
-            "architectures": ["FalconH1ForCausalLM"],
-            "model_type": "falcon_h1",
-            "intermediate_size": self.shared_intermediate,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.norm_eps,
-            "rope_theta": self.rope_theta,
-            "embedding_multiplier": self.embedding_multiplier,
-            "lm_head_multiplier": 1.0 / self.logits_scaling,
-            "mamba_d_ssm": m.d_inner(),
-            "mamba_n_heads": m.nheads,
-            "mamba_d_head": m.headdim,
-            "mamba_d_state": m.d_state,
-            "mamba_n_groups": m.n_groups,
-            "mamba_d_conv": m.d_conv,
-            "mamba_expand": m.expand,
-            "mamba_conv_bias": m.use_conv_bias,
-            "mamba_proj_bias": m.use_bias,
-            "projectors_bias": m.use_bias,
-            "mamba_rms_norm": m.gate_norm != GateNorm::GateOnly,
-            "mamba_norm_before_gate": m.gate_norm == GateNorm::NormThenGate,
-            "attention_bias": false,
-            "mlp_bias": false,
-        }) else {
-            unreachable!("a JSON object")
-        };
-        o.extend(self.mup.unwrap_or(Mup::ONE).to_json());
-        o
     }
 }

@@ -14,7 +14,6 @@ pub mod cpu;
 pub mod falcon_h1;
 pub mod weights;
 
-pub use config::{GraniteHybridConfig, HybridFamily, LayerKind, MlpKind, Routing};
+pub use config::{GraniteHybridConfig, HybridFamily, LayerKind, MlpKind, Mup, Routing};
 pub use cpu::CpuGraniteHybrid;
-pub use falcon_h1::Mup;
 pub use weights::GraniteHybridWeights;
