@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Create an HF-transformers Granite 4.0 H folder (GraniteMoeHybridForCausalLM) with random weights,
-for speed benchmarks against llama.cpp on the same weights.
+"""Create an HF-transformers Granite 4.0 H folder (GraniteMoeHybridForCausalLM), or a Falcon-H1 one
+(FalconH1ForCausalLM), with random weights, for speed benchmarks against llama.cpp on the same weights.
 
 `--preset micro-like` (2.9 B): hidden 2560, 40 layers of which 4 attention (40 query / 8 key-value
 heads of 64), Mamba-2 layers of 80 heads x 64, dense SwiGLU MLP of 4096: Granite 4.0 H-Micro's
@@ -8,7 +8,10 @@ layout (3 B, dense), sizes chosen here.
 `--preset 350m-like`: hidden 768, 32 layers of which 4 attention (NoPE, 12 query / 4 key-value
 heads of 64) evenly spread, Mamba-2 layers of 48 heads x 32 with state 128 and 1 group, conv 4,
 dense SwiGLU MLP of 2048, tied embeddings: the layout of Granite 4.0 H-350M as IBM describes it,
-with sizes chosen here (the hub's config is not reachable from this machine). The vocabulary is
+with sizes chosen here (the hub's config is not reachable from this machine).
+`--preset falcon-h1-0.5b-like` (0.55 B): hidden 1024, 36 layers, each a Mamba-2 mixer of 24 heads x 64
+(state 128, 1 group) beside RoPE attention (8 query / 2 key-value heads of 64), dense SwiGLU MLP of
+2048, untied head, µP multipliers away from 1: Falcon-H1-0.5B's layout, sizes chosen here. The vocabulary is
 the GPT-NeoX tokenizer's (50,304 rows), which `--tokenizer` copies into the folder so that
 llama.cpp's convert_hf_to_gguf.py accepts it. Weights come from transformers' own init (seeded),
 stored as float32 safetensors.
@@ -22,7 +25,7 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+from transformers import FalconH1Config, FalconH1ForCausalLM, GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
 from make_random_mamba2 import SPECIAL, copy_tokenizer  # same tokenizer files and special ids
 
@@ -43,6 +46,14 @@ PRESETS = {
                        mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2, shared_intermediate_size=4096,
                        intermediate_size=4096, num_local_experts=0, num_experts_per_tok=0,
                        vocab_size=50304),
+    "falcon-h1-0.5b-like": dict(family="falcon_h1", hidden_size=1024, num_hidden_layers=36, num_attention_heads=8,
+                                num_key_value_heads=2, head_dim=64, intermediate_size=2048, mamba_d_ssm=1536,
+                                mamba_n_heads=24, mamba_d_head=64, mamba_d_state=128, mamba_n_groups=1,
+                                mamba_d_conv=4, mamba_rms_norm=False, vocab_size=50304, tie_word_embeddings=False,
+                                rope_parameters={"rope_type": "default", "rope_theta": 1e11},
+                                embedding_multiplier=5.66, lm_head_multiplier=0.039, key_multiplier=0.39,
+                                attention_out_multiplier=0.94, ssm_in_multiplier=0.25, ssm_out_multiplier=0.24,
+                                ssm_multipliers=[0.35, 0.25, 0.35, 0.5, 0.35], mlp_multipliers=[0.88, 0.59]),
 }
 
 
@@ -57,21 +68,29 @@ def main():
     args = ap.parse_args()
 
     p = dict(PRESETS[args.preset])
-    types = layer_types(p["num_hidden_layers"], range(p.pop("attention")))
     torch.manual_seed(args.seed)
-    config = GraniteMoeHybridConfig(**p, layer_types=types, position_embedding_type="nope",
-                                    tie_word_embeddings=True, embedding_multiplier=12.0,
-                                    attention_multiplier=1 / 64, residual_multiplier=0.22,
-                                    logits_scaling=3.0, **SPECIAL)
-    model = GraniteMoeHybridForCausalLM(config).to(getattr(torch, args.dtype)).eval()
+    falcon = p.pop("family", None) == "falcon_h1"
+    if falcon:
+        types = ["hybrid"] * p["num_hidden_layers"]
+        config = FalconH1Config(**p, **SPECIAL)
+        model = FalconH1ForCausalLM(config)
+    else:
+        types = layer_types(p["num_hidden_layers"], range(p.pop("attention")))
+        config = GraniteMoeHybridConfig(**p, layer_types=types, position_embedding_type="nope",
+                                        tie_word_embeddings=True, embedding_multiplier=12.0,
+                                        attention_multiplier=1 / 64, residual_multiplier=0.22,
+                                        logits_scaling=3.0, **SPECIAL)
+        model = GraniteMoeHybridForCausalLM(config)
+    model = model.to(getattr(torch, args.dtype)).eval()
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out, safe_serialization=True)
-    # The hub's spelling of the layer types ("mamba" / "attention"): transformers 5 writes its own
-    # ("linear_attention" / "full_attention"), which llama.cpp's converter does not read.
-    cfg_path = args.out / "config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["layer_types"] = types
-    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+    if not falcon:
+        # The hub's spelling of the layer types ("mamba" / "attention"): transformers 5 writes its own
+        # ("linear_attention" / "full_attention"), which llama.cpp's converter does not read.
+        cfg_path = args.out / "config.json"
+        cfg = json.loads(cfg_path.read_text())
+        cfg["layer_types"] = types
+        cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
 
     if args.tokenizer:
         copy_tokenizer(args.tokenizer, args.out)
@@ -81,7 +100,7 @@ def main():
         lg = model.float()(ids).logits
     assert torch.isfinite(lg).all(), "non-finite logits"
     print(f"wrote {args.out}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, layer types "
-          f"{''.join('A' if t == 'attention' else 'm' for t in types)}, logits std {lg.std():.3f}")
+          f"{''.join({'attention': 'A', 'hybrid': 'H'}.get(t, 'm') for t in types)}, logits std {lg.std():.3f}")
 
 
 if __name__ == "__main__":
