@@ -238,16 +238,7 @@ impl GraniteHybridConfig {
         if layers.len() != n_layer {
             return Err(bad(format!("layer_types lists {} layers, num_hidden_layers is {n_layer}", layers.len())));
         }
-        if let Some(act) = map.get("hidden_act").and_then(Value::as_str) {
-            if act != "silu" {
-                return Err(bad(format!("hidden_act is {act:?}; picaso runs \"silu\" (SwiGLU) MLPs")));
-            }
-        }
-        for key in ["attention_bias", "mamba_proj_bias"] {
-            if f.bool_or(key, false)? {
-                return Err(bad(format!("`{key}: true` is not supported by picaso")));
-            }
-        }
+        silu_without(&f, &["attention_bias", "mamba_proj_bias"])?;
         let rope_theta = match map.get("position_embedding_type").and_then(Value::as_str) {
             None | Some("nope") => None,
             Some("rope") => Some(rope_theta(&f, path)?),
@@ -277,23 +268,9 @@ impl GraniteHybridConfig {
         let norm_eps = f.f64_or("rms_norm_eps", 1e-6)?;
         let n_mamba = layers.iter().filter(|k| k.has_mamba()).count();
         let mamba = Mamba2Config {
-            d_model,
             n_layer: n_mamba,
             vocab_size: f.usize("vocab_size")?,
-            d_state: f.usize_or("mamba_d_state", 256)?,
-            headdim: mamba_head_dim,
-            nheads: mamba_heads,
-            expand,
-            n_groups: f.usize_or("mamba_n_groups", 1)?,
-            d_conv: f.usize_or("mamba_d_conv", 4)?,
-            norm_eps,
-            gated_norm_eps: norm_eps,
-            time_step_limit: f.limit("time_step_limit")?,
-            tie_embeddings: f.bool_or("tie_word_embeddings", false)?,
-            use_bias: false,
-            use_conv_bias: f.bool_or("mamba_conv_bias", true)?,
-            gate_norm: GateNorm::NormGated,
-            format: CheckpointFormat::HfTransformers,
+            ..granite_mamba(&f, d_model, (mamba_heads, mamba_head_dim, expand), norm_eps)?
         };
         let n_experts = f.usize_or("num_local_experts", 0)?;
         let config = Self {
@@ -850,7 +827,7 @@ impl GraniteHybridConfig {
             "tie_word_embeddings": self.tie_embeddings,
             "time_step_limit": [m.time_step_limit.0, hi],
         });
-        // Granite 4.0 H and Bamba spell the Mamba settings alike.
+        // Granite 4.0 H, Bamba and Falcon-H1 spell the Mamba settings alike.
         let granite_mamba = serde_json::json!({
             "rms_norm_eps": self.norm_eps,
             "mamba_n_heads": m.nheads,
@@ -961,7 +938,7 @@ impl GraniteHybridConfig {
         else {
             unreachable!("all are JSON objects")
         };
-        if matches!(self.family, HybridFamily::Granite | HybridFamily::Bamba) {
+        if self.family != HybridFamily::NemotronH {
             all.extend(granite_mamba);
         }
         all.extend(extra);
@@ -976,18 +953,10 @@ impl GraniteHybridConfig {
             "model_type": "falcon_h1",
             "intermediate_size": self.shared_intermediate,
             "hidden_act": "silu",
-            "rms_norm_eps": self.norm_eps,
             "rope_theta": self.rope_theta,
             "embedding_multiplier": self.embedding_multiplier,
             "lm_head_multiplier": 1.0 / self.logits_scaling,
             "mamba_d_ssm": m.d_inner(),
-            "mamba_n_heads": m.nheads,
-            "mamba_d_head": m.headdim,
-            "mamba_d_state": m.d_state,
-            "mamba_n_groups": m.n_groups,
-            "mamba_d_conv": m.d_conv,
-            "mamba_expand": m.expand,
-            "mamba_conv_bias": m.use_conv_bias,
             "mamba_proj_bias": m.use_bias,
             "projectors_bias": m.use_bias,
             "mamba_rms_norm": m.gate_norm != GateNorm::GateOnly,
@@ -1178,6 +1147,51 @@ fn nemotron_blocks(f: &Fields<'_>) -> Result<Vec<char>> {
         return Err(Error::config(f.path, "the model has no blocks"));
     }
     Ok(blocks)
+}
+
+/// Refuses, by name, an activation other than SiLU (`hidden_act`) and any of the `biases` set.
+pub(super) fn silu_without(f: &Fields<'_>, biases: &[&str]) -> Result<()> {
+    if let Some(act) = f.map.get("hidden_act").and_then(Value::as_str) {
+        if act != "silu" {
+            return Err(Error::config(f.path, format!("hidden_act is {act:?}; picaso runs \"silu\" (SwiGLU) MLPs")));
+        }
+    }
+    for &key in biases {
+        if f.bool_or(key, false)? {
+            return Err(Error::config(f.path, format!("`{key}: true` is not supported by picaso")));
+        }
+    }
+    Ok(())
+}
+
+/// The Mamba-2 settings as Granite 4.0 H, Bamba and Falcon-H1 configs spell them (`mamba_*`,
+/// transformers' defaults), for mixers of `(heads, head_dim, expand)`, without biases, with
+/// Mamba-2's gate norm; `n_layer` and `vocab_size` are the caller's to set.
+pub(super) fn granite_mamba(
+    f: &Fields<'_>,
+    d_model: usize,
+    (nheads, headdim, expand): (usize, usize, usize),
+    norm_eps: f64,
+) -> Result<Mamba2Config> {
+    Ok(Mamba2Config {
+        d_model,
+        n_layer: 0,
+        vocab_size: 0,
+        d_state: f.usize_or("mamba_d_state", 256)?,
+        headdim,
+        nheads,
+        expand,
+        n_groups: f.usize_or("mamba_n_groups", 1)?,
+        d_conv: f.usize_or("mamba_d_conv", 4)?,
+        norm_eps,
+        gated_norm_eps: norm_eps,
+        time_step_limit: f.limit("time_step_limit")?,
+        tie_embeddings: f.bool_or("tie_word_embeddings", false)?,
+        use_bias: false,
+        use_conv_bias: f.bool_or("mamba_conv_bias", true)?,
+        gate_norm: GateNorm::NormGated,
+        format: CheckpointFormat::HfTransformers,
+    })
 }
 
 /// `num_key_value_heads` with Bamba's and Nemotron-H's defaults: 8 when the key is absent, all

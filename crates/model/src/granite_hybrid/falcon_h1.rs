@@ -18,7 +18,7 @@ use serde_json::{Map, Value};
 
 use super::config::{GraniteHybridConfig, HybridFamily, LayerKind, MlpKind, Mup, Routing};
 use super::weights::{AttentionWeights, GraniteHybridWeights};
-use crate::config::{CheckpointFormat, Fields};
+use crate::config::Fields;
 use crate::error::{Error, Result};
 use crate::mamba2::{GateNorm, Mamba2Config};
 
@@ -78,16 +78,7 @@ impl GraniteHybridConfig {
     pub fn from_falcon_h1(path: &Path, map: &Map<String, Value>) -> Result<Self> {
         let f = Fields { path, map };
         let bad = |m: String| Error::config(path, m);
-        if let Some(act) = map.get("hidden_act").and_then(Value::as_str) {
-            if act != "silu" {
-                return Err(bad(format!("hidden_act is {act:?}; picaso runs \"silu\" (SwiGLU) MLPs")));
-            }
-        }
-        for key in ["attention_bias", "mlp_bias"] {
-            if f.bool_or(key, false)? {
-                return Err(bad(format!("`{key}: true` is not supported by picaso")));
-            }
-        }
+        super::config::silu_without(&f, &["attention_bias", "mlp_bias"])?;
         // picaso's Mamba-2 mixer has biases on both projections or on neither.
         let (in_bias, out_bias) = (f.bool_or("mamba_proj_bias", false)?, f.bool_or("projectors_bias", false)?);
         if in_bias != out_bias {
@@ -128,23 +119,11 @@ impl GraniteHybridConfig {
         };
         let norm_eps = f.f64_or("rms_norm_eps", 1e-5)?;
         let mamba = Mamba2Config {
-            d_model,
             n_layer,
             vocab_size: f.usize_or("vocab_size", 128000)?,
-            d_state: f.usize_or("mamba_d_state", 256)?,
-            headdim: mamba_head_dim,
-            nheads: mamba_heads,
-            expand,
-            n_groups: f.usize_or("mamba_n_groups", 1)?,
-            d_conv: f.usize_or("mamba_d_conv", 4)?,
-            norm_eps,
-            gated_norm_eps: norm_eps,
-            time_step_limit: f.limit("time_step_limit")?,
-            tie_embeddings: f.bool_or("tie_word_embeddings", false)?,
             use_bias: in_bias,
-            use_conv_bias: f.bool_or("mamba_conv_bias", true)?,
             gate_norm,
-            format: CheckpointFormat::HfTransformers,
+            ..super::config::granite_mamba(&f, d_model, (mamba_heads, mamba_head_dim, expand), norm_eps)?
         };
         let pair = |key: &str, n: usize| -> Result<Vec<f64>> {
             match map.get(key) {
