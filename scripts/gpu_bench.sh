@@ -30,8 +30,12 @@ if [[ ${QUICK:-0} != 1 && ! -e $W/peer/random-2.7b/model.safetensors ]]; then
   random_pid=$!
 fi
 
-echo "== the engine's tests on the GPU, against the CPU engine"
-PICASO_TEST_GPU=cuda timeout 300 "$W/bin/model-lib" mamba2::gpu::tests --skip every_argument_struct --test-threads 1 2>&1 | tee "$OUT/engine-tests.txt"
+echo "== the engines' tests on the GPU (Mamba-2, and the hybrids on their fixtures), against the CPU engine"
+# The test binaries find their fixtures where they were built (CARGO_MANIFEST_DIR).
+built=$(grep -a -o -m1 '/[[:alnum:]/_.-]*/crates/model' "$W/bin/model-lib" | head -1)
+if [[ -n $built && ! -e $built ]]; then mkdir -p "$(dirname "${built%/crates/model}")" && ln -sfn "$PWD" "${built%/crates/model}"; fi
+PICASO_TEST_GPU=cuda timeout 300 "$W/bin/model-lib" mamba2::gpu::tests granite_hybrid::gpu::tests --skip every_argument_struct \
+  --test-threads 1 2>&1 | tee "$OUT/engine-tests.txt"
 echo "== the HF reference tests on the GPU engine, and the bundled model through the CLI"
 DEVICE=cuda BIN=$W/bin TESTS=reference BENCH=0 OUT=$OUT/check timeout 300 scripts/gpu_check.sh > /dev/null 2>&1
 tail -30 "$OUT/check/log"

@@ -6,7 +6,7 @@ use crate::config::ModelConfig;
 use crate::cpu::{Rows, WeightDtype};
 use crate::error::{Error, Result};
 use crate::gpu::{Gpu, MatrixDtype};
-use crate::granite_hybrid::{CpuGraniteHybrid, GraniteHybridWeights};
+use crate::granite_hybrid::{CpuGraniteHybrid, GpuGraniteHybrid, GraniteHybridWeights};
 use crate::mamba1::{CandleMamba1, CpuMamba1, Mamba1Weights};
 use crate::mamba2::{CandleMamba2, CpuMamba2, GateNorm, GpuMamba2, Mamba2Weights};
 use crate::state::State;
@@ -211,10 +211,10 @@ pub(crate) fn build(
     backend: &Backend,
     dtype: WeightDtype,
 ) -> Result<Box<dyn Engine>> {
-    if let (ModelConfig::Mamba2(c), Backend::Candle { .. } | Backend::Gpu(_)) = (&config, backend) {
+    if let (ModelConfig::Mamba2(c), Backend::Candle { .. }) = (&config, backend) {
         if c.gate_norm != GateNorm::NormGated {
             return Err(Error::Input(format!(
-                "the mixer's gate and norm are {:?}; only the cpu engine runs that: drop --device",
+                "the mixer's gate and norm are {:?}; the candle engine does not run that: use --device cpu or cuda",
                 c.gate_norm
             )));
         }
@@ -225,15 +225,14 @@ pub(crate) fn build(
             Box::new(CandleMamba2::new(&c, &w, device, *dtype)?)
         }
         (ModelConfig::Mamba2(c), Weights::Mamba2(w), Backend::Gpu(gpu)) => {
-            let matrices = match dtype {
-                WeightDtype::F32 => MatrixDtype::F32,
-                WeightDtype::Bf16 => MatrixDtype::Bf16,
-            };
-            Box::new(GpuMamba2::new(&c, &w, gpu.clone(), matrices)?)
+            Box::new(GpuMamba2::new(&c, &w, gpu.clone(), matrix_dtype(dtype))?)
         }
-        (ModelConfig::Mamba1(_) | ModelConfig::GraniteHybrid(_), _, Backend::Gpu(_)) => {
+        (ModelConfig::GraniteHybrid(c), Weights::GraniteHybrid(w), Backend::Gpu(gpu)) => {
+            Box::new(GpuGraniteHybrid::new(c, w, gpu.clone(), matrix_dtype(dtype))?)
+        }
+        (ModelConfig::Mamba1(_), _, Backend::Gpu(_)) => {
             return Err(Error::Input(
-                "the GPU engine runs Mamba-2 models for now; run Mamba-1 and hybrid (Granite 4.0 H, Bamba, Nemotron-H, Falcon-H1) models with --device cpu".into(),
+                "the GPU engine runs Mamba-2 and hybrid models; run Mamba-1 models with --device cpu or candle-cuda".into(),
             ))
         }
         (ModelConfig::Mamba1(c), Weights::Mamba1(w), Backend::Cpu) => Box::new(CpuMamba1::new(c, w, dtype)),
@@ -250,6 +249,14 @@ pub(crate) fn build(
         }
         _ => unreachable!("weights are loaded for their config"),
     })
+}
+
+/// The GPU engine's storage type of the matrices for the weights' `dtype`.
+fn matrix_dtype(dtype: WeightDtype) -> MatrixDtype {
+    match dtype {
+        WeightDtype::F32 => MatrixDtype::F32,
+        WeightDtype::Bf16 => MatrixDtype::Bf16,
+    }
 }
 
 /// log p(targets[i]) from the logits' row i (rows of `vocab`).
@@ -362,6 +369,24 @@ impl Engine for GpuMamba2 {
     }
     fn logprobs(&self, hidden: &[f32], targets: &[u32]) -> Result<Vec<f32>> {
         GpuMamba2::logprobs(self, hidden, targets)
+    }
+}
+
+impl Engine for GpuGraniteHybrid {
+    fn forward_batch(&self, tokens: &[u32], lens: &[usize], states: &mut [&mut State]) -> Result<Vec<f32>> {
+        GpuGraniteHybrid::forward_batch(self, tokens, lens, states)
+    }
+    fn states_on_device(&self) -> bool {
+        true
+    }
+    fn resident<'e>(&'e self, states: Vec<State>) -> Result<Box<dyn Resident + 'e>> {
+        Ok(Box::new(GpuGraniteHybrid::resident(self, states)?))
+    }
+    fn logits(&self, hidden: &[f32], _: Rows) -> Result<Vec<f32>> {
+        GpuGraniteHybrid::logits(self, hidden)
+    }
+    fn logprobs(&self, hidden: &[f32], targets: &[u32]) -> Result<Vec<f32>> {
+        GpuGraniteHybrid::logprobs(self, hidden, targets)
     }
 }
 

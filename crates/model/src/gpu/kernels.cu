@@ -497,23 +497,33 @@ struct GatedNormArgs {
     int group;
     int out_bf16;
     float eps;
-    int pad;
+    int mode;
 };
 
-// v = y·silu(z); out = v / sqrt(mean_group(v²) + eps)·w. grid (rows, d_inner / group), block 256.
+// The mixer's gate and norm, by `mode`: 0, v = y·silu(z) and out = v / sqrt(mean_group(v²) +
+// eps)·w (Mamba-2's); 1, out = y / sqrt(mean_group(y²) + eps)·w·silu(z) (the norm before the
+// gate); 2, out = y·silu(z) (no norm; `w` unread). grid (rows, d_inner / group), block 256.
 KERNEL(gated_rmsnorm, GatedNormArgs) {
     long long row = blockIdx.x;
     int g0 = blockIdx.y * a.group;
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < a.group; i += blockDim.x) {
-        float v = a.y[row * a.d_inner + g0 + i] * silu(a.zx[row * a.width + g0 + i]);
-        ss += v * v;
+    const float* y = a.y + row * a.d_inner + g0;
+    const float* z = a.zx + row * a.width + g0;
+    float scale = 1.0f;
+    if (a.mode != 2) {
+        float ss = 0.0f;
+        for (int i = threadIdx.x; i < a.group; i += blockDim.x) {
+            float v = a.mode == 0 ? y[i] * silu(z[i]) : y[i];
+            ss += v * v;
+        }
+        ss = block_sum(ss);
+        scale = 1.0f / sqrtf(ss / (float)a.group + a.eps);
     }
-    ss = block_sum(ss);
-    float scale = 1.0f / sqrtf(ss / (float)a.group + a.eps);
     for (int i = threadIdx.x; i < a.group; i += blockDim.x) {
-        float v = a.y[row * a.d_inner + g0 + i] * silu(a.zx[row * a.width + g0 + i]);
-        store(a.out, row * a.d_inner + g0 + i, v * scale * a.w[g0 + i], a.out_bf16);
+        float v;
+        if (a.mode == 0) v = y[i] * silu(z[i]) * scale * a.w[g0 + i];
+        else if (a.mode == 1) v = y[i] * scale * a.w[g0 + i] * silu(z[i]);
+        else v = y[i] * silu(z[i]);
+        store(a.out, row * a.d_inner + g0 + i, v, a.out_bf16);
     }
 }
 
@@ -537,4 +547,187 @@ KERNEL(weighted_sum, WeightedSumArgs) {
     float acc = 0.0f;
     for (int j = 0; j < a.count; ++j) acc += w[j] * a.inputs[(long long)j * a.n + i];
     a.out[i] = acc;
+}
+
+// ---------------------------------------------------------------------------------------
+// The hybrids' attention and MLP.
+
+struct ScaleArgs {
+    float* x;
+    long long n;
+    float s;
+    int pad;
+};
+
+// x *= s. grid (ceil(n / 256)), block 256.
+KERNEL(scale, ScaleArgs) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < a.n) a.x[i] *= a.s;
+}
+
+// A pass's projected rows are q | k | v (heads·hd, kv_heads·hd, kv_heads·hd). Each sequence's
+// cache holds `cap` rows of kv_heads·hd keys (and values), its `prev[s]` earlier ones first;
+// its new tokens sit at RoPE positions pos[s], pos[s] + 1, ...
+struct RopeAppendArgs {
+    float* qkv;
+    float* keys;              // (seqs, cap, kv_heads·hd)
+    float* values;            // (seqs, cap, kv_heads·hd)
+    const double* inv_freq;   // (rotary / 2)
+    const int* starts;
+    const int* lens;
+    const int* prev;
+    const int* pos;
+    int heads;
+    int kv_heads;
+    int head_dim;
+    int rotary;  // channels rotated from each head's first; 0: no RoPE
+    int cap;
+    int pad;
+};
+
+// Rotates the first `rotary` channels of each query and key head as transformers' default RoPE
+// does (channel i pairs with i + rotary/2; angles in double, as the CPU engine computes them),
+// then appends the row's key and value to its sequence's cache. grid (max_len, seqs), block 256.
+KERNEL(rope_append, RopeAppendArgs) {
+    int s = blockIdx.y, t = blockIdx.x;
+    if (t >= a.lens[s]) return;
+    int qw = a.heads * a.head_dim, kvw = a.kv_heads * a.head_dim;
+    float* r = a.qkv + (long long)(a.starts[s] + t) * (qw + 2 * kvw);
+    int half = a.rotary / 2;
+    if (half > 0) {
+        double p = (double)a.pos[s] + (double)t;
+        for (int i = threadIdx.x; i < (a.heads + a.kv_heads) * half; i += blockDim.x) {
+            float* x = r + (i / half) * a.head_dim;  // the key heads follow the query heads
+            int j = i % half;
+            double angle = p * a.inv_freq[j];
+            float c = (float)cos(angle), sn = (float)sin(angle);
+            float x0 = x[j], x1 = x[j + half];
+            x[j] = x0 * c - x1 * sn;
+            x[j + half] = x1 * c + x0 * sn;
+        }
+        __syncthreads();
+    }
+    long long dst = ((long long)s * a.cap + a.prev[s] + t) * kvw;
+    for (int i = threadIdx.x; i < kvw; i += blockDim.x) {
+        a.keys[dst + i] = r[qw + i];
+        a.values[dst + i] = r[qw + kvw + i];
+    }
+}
+
+struct AttendArgs {
+    const float* qkv;
+    const float* keys;
+    const float* values;
+    void* out;  // (rows, heads·hd), f32 or bf16
+    const int* starts;
+    const int* lens;
+    const int* prev;
+    int heads;
+    int kv_heads;
+    int head_dim;  // ≤ 256
+    int cap;
+    float scale;
+    int out_bf16;
+};
+
+// One query row and head attending to the keys before it (its sequence's earlier keys and its
+// own new ones up to itself), softmax(scale·q·k)·V as one pass over tiles of blockDim keys with
+// a running max (online softmax): thread j scores key j of a tile; thread d accumulates output
+// channel d. grid (max_len, heads, seqs), block 256.
+KERNEL(attend, AttendArgs) {
+    __shared__ float q[256];
+    __shared__ float p[256];
+    int s = blockIdx.z, h = blockIdx.y, t = blockIdx.x;
+    if (t >= a.lens[s]) return;
+    int hd = a.head_dim, qw = a.heads * hd, kvw = a.kv_heads * hd, tid = threadIdx.x;
+    long long row = a.starts[s] + t;
+    int n = a.prev[s] + t + 1;
+    int g = h / (a.heads / a.kv_heads);
+    const float* keys = a.keys + (long long)s * a.cap * kvw + g * hd;
+    const float* values = a.values + (long long)s * a.cap * kvw + g * hd;
+    for (int i = tid; i < hd; i += blockDim.x) q[i] = a.qkv[row * (qw + 2 * kvw) + h * hd + i];
+    __syncthreads();
+    float m = -3.402823466e38f, l = 0.0f, acc = 0.0f;
+    for (int j0 = 0; j0 < n; j0 += blockDim.x) {
+        int j = j0 + tid;
+        float score = -3.402823466e38f;
+        if (j < n) {
+            const float* k = keys + (long long)j * kvw;
+            float dot = 0.0f;
+            for (int i = 0; i < hd; ++i) dot += q[i] * k[i];
+            score = a.scale * dot;
+        }
+        float m_new = fmaxf(m, block_max(score));
+        float e = j < n ? expf(score - m_new) : 0.0f;
+        p[tid] = e;
+        float tile = block_sum(e);  // its barriers also publish p
+        float keep = expf(m - m_new);
+        l = l * keep + tile;
+        if (tid < hd) {
+            int count = n - j0 < (int)blockDim.x ? n - j0 : (int)blockDim.x;
+            float sum = 0.0f;
+            for (int jj = 0; jj < count; ++jj) sum += p[jj] * values[(long long)(j0 + jj) * kvw + tid];
+            acc = acc * keep + sum;
+        }
+        m = m_new;
+        __syncthreads();  // p is rewritten by the next tile
+    }
+    if (tid < hd) store(a.out, row * qw + h * hd + tid, acc / l, a.out_bf16);
+}
+
+struct GluArgs {
+    const float* x;  // (rows, 2·inner) gate | up for SwiGLU; (rows, inner) for relu²
+    void* out;       // (rows, inner), f32 or bf16
+    int inner;
+    int relu2;
+    int out_bf16;
+    int pad;
+};
+
+// SwiGLU, silu(gate)·up, or relu(x)². grid (rows), block 256.
+KERNEL(glu, GluArgs) {
+    long long row = blockIdx.x;
+    for (int i = threadIdx.x; i < a.inner; i += blockDim.x) {
+        float v;
+        if (a.relu2) {
+            float r = fmaxf(a.x[row * a.inner + i], 0.0f);
+            v = r * r;
+        } else {
+            const float* x = a.x + row * 2 * a.inner;
+            v = silu(x[i]) * x[a.inner + i];
+        }
+        store(a.out, row * a.inner + i, v, a.out_bf16);
+    }
+}
+
+struct GatherArgs {
+    const float* src;  // (rows, width)
+    const int* idx;    // (n)
+    void* out;         // (n, width), f32 or bf16
+    int width;
+    int out_bf16;
+};
+
+// out[i] = src[idx[i]]. grid (n), block 256.
+KERNEL(gather_rows, GatherArgs) {
+    long long i = blockIdx.x;
+    const float* row = a.src + (long long)a.idx[i] * a.width;
+    for (int j = threadIdx.x; j < a.width; j += blockDim.x) store(a.out, i * a.width + j, row[j], a.out_bf16);
+}
+
+struct ScatterAddArgs {
+    const float* src;      // (n, width)
+    const int* idx;        // (n), distinct
+    const float* weights;  // (n)
+    float* out;            // (rows, width)
+    int width;
+    int pad;
+};
+
+// out[idx[i]] += weights[i]·src[i] (the rows are distinct, so no two blocks write one row).
+// grid (n), block 256.
+KERNEL(scatter_add_rows, ScatterAddArgs) {
+    long long i = blockIdx.x;
+    float* row = a.out + (long long)a.idx[i] * a.width;
+    for (int j = threadIdx.x; j < a.width; j += blockDim.x) row[j] += a.weights[i] * a.src[i * a.width + j];
 }

@@ -24,6 +24,12 @@ pub(crate) const KERNELS: &[&str] = &[
     "ssd_chunk_scan",
     "gated_rmsnorm",
     "weighted_sum",
+    "scale",
+    "rope_append",
+    "attend",
+    "glu",
+    "gather_rows",
+    "scatter_add_rows",
 ];
 
 /// An argument struct that can cross to a kernel as raw bytes.
@@ -102,6 +108,25 @@ kernel_args! {
     /// `gated_rmsnorm`.
     pub struct GatedNormArgs {
         y: DevicePtr, zx: DevicePtr, w: DevicePtr, out: DevicePtr,
-        width: i32, d_inner: i32, group: i32, out_bf16: i32, eps: f32, pad: i32,
+        width: i32, d_inner: i32, group: i32, out_bf16: i32, eps: f32, mode: i32,
     }
+    /// `scale`.
+    pub struct ScaleArgs { x: DevicePtr, n: i64, s: f32, pad: i32, }
+    /// `rope_append`: RoPE on a pass's queries and keys, its keys and values appended to the cache.
+    pub struct RopeAppendArgs {
+        qkv: DevicePtr, keys: DevicePtr, values: DevicePtr, inv_freq: DevicePtr,
+        starts: DevicePtr, lens: DevicePtr, prev: DevicePtr, pos: DevicePtr,
+        heads: i32, kv_heads: i32, head_dim: i32, rotary: i32, cap: i32, pad: i32,
+    }
+    /// `attend`.
+    pub struct AttendArgs {
+        qkv: DevicePtr, keys: DevicePtr, values: DevicePtr, out: DevicePtr, starts: DevicePtr, lens: DevicePtr, prev: DevicePtr,
+        heads: i32, kv_heads: i32, head_dim: i32, cap: i32, scale: f32, out_bf16: i32,
+    }
+    /// `glu`: SwiGLU or relu² of the MLP's inner rows.
+    pub struct GluArgs { x: DevicePtr, out: DevicePtr, inner: i32, relu2: i32, out_bf16: i32, pad: i32, }
+    /// `gather_rows`: the rows routed to one expert.
+    pub struct GatherArgs { src: DevicePtr, idx: DevicePtr, out: DevicePtr, width: i32, out_bf16: i32, }
+    /// `scatter_add_rows`: one expert's weighted outputs added back to their rows.
+    pub struct ScatterAddArgs { src: DevicePtr, idx: DevicePtr, weights: DevicePtr, out: DevicePtr, width: i32, pad: i32, }
 }

@@ -12,8 +12,10 @@
 pub mod cuda;
 #[cfg(test)]
 pub(crate) mod emulator;
+pub(crate) mod graphs;
 pub(crate) mod kernels;
 pub(crate) mod plan;
+pub(crate) mod token_io;
 
 use std::sync::Arc;
 
@@ -154,6 +156,43 @@ impl CaptureGate {
     /// Whether the calling thread is recording.
     pub(crate) fn recording(&self) -> bool {
         self.owner.lock().unwrap_or_else(|e| e.into_inner()).is_some_and(|t| t == std::thread::current().id())
+    }
+}
+
+/// [`crate::cpu::layers::by_kind`] for a fallible pass: single tokens and longer sequences
+/// run as separate passes, so a decode step's result never depends on its batch's longer
+/// prompts; the first error of either pass is returned.
+pub(crate) fn forward_by_kind(
+    d: usize,
+    tokens: &[u32],
+    lens: &[usize],
+    states: &mut [&mut crate::state::State],
+    run: impl Fn(&[u32], &[usize], &mut [&mut crate::state::State]) -> Result<Vec<f32>>,
+) -> Result<Vec<f32>> {
+    let failure = std::cell::RefCell::new(None);
+    let hidden = crate::cpu::layers::by_kind(d, tokens, lens, states, |tokens, lens, states| {
+        run(tokens, lens, states).unwrap_or_else(|e| {
+            failure.borrow_mut().get_or_insert(e);
+            vec![0.0; tokens.len() * d]
+        })
+    });
+    match failure.into_inner() {
+        Some(e) => Err(e),
+        None => Ok(hidden),
+    }
+}
+
+/// The device under test: the CPU emulator, or with `PICASO_TEST_GPU=cuda` (a `cuda` build
+/// on a GPU machine, as `scripts/gpu_bench.sh` runs these tests) GPU 0.
+#[cfg(test)]
+pub(crate) fn test_gpu() -> Arc<dyn Gpu> {
+    match std::env::var("PICASO_TEST_GPU").as_deref() {
+        #[cfg(feature = "cuda")]
+        Ok("cuda") => Arc::new(cuda::CudaGpu::new(0).expect("GPU 0 opens")),
+        Ok(other) if other != "emulator" => {
+            panic!("PICASO_TEST_GPU={other}: use emulator, or cuda in a build with --features cuda")
+        }
+        _ => Arc::new(emulator::Emulator::new().expect("the GPU emulator builds (needs a C++ compiler)")),
     }
 }
 

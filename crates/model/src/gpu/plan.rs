@@ -64,6 +64,16 @@ impl Batch {
     pub(crate) fn step_scan(&self) -> bool {
         self.max_len <= STEP_SCAN_UP_TO
     }
+    /// Refuses more sequences than a grid dimension holds.
+    pub(crate) fn check_grid(&self) -> crate::error::Result<()> {
+        if self.seqs() > 65_535 {
+            return Err(crate::error::Error::Input(format!(
+                "{} sequences in one pass: the GPU engine runs at most 65,535 at once (a grid dimension); split the batch",
+                self.seqs()
+            )));
+        }
+        Ok(())
+    }
     /// Chunks of the longest sequence.
     pub(crate) fn max_chunks(&self) -> usize {
         self.max_len.div_ceil(CHUNK)

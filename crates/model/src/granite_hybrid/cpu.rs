@@ -327,10 +327,10 @@ impl CpuGraniteHybrid {
 }
 
 /// (index, weight) pairs: a row's experts, or an expert's rows.
-type Route = Vec<(usize, f32)>;
+pub(super) type Route = Vec<(usize, f32)>;
 
 /// A row's experts and their weights from its router logits (see [`Routing`]).
-fn route(logits: &[f32], bias: Option<&[f32]>, top: usize, routing: Routing) -> Route {
+pub(super) fn route(logits: &[f32], bias: Option<&[f32]>, top: usize, routing: Routing) -> Route {
     // Highest first; ties to the lower index.
     let best = |v: &mut Vec<(usize, f32)>, n: usize| {
         v.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));

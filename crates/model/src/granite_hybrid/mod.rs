@@ -12,8 +12,10 @@
 pub mod config;
 pub mod cpu;
 pub mod falcon_h1;
+pub mod gpu;
 pub mod weights;
 
 pub use config::{GraniteHybridConfig, HybridFamily, LayerKind, MlpKind, Mup, Routing};
 pub use cpu::CpuGraniteHybrid;
+pub use gpu::GpuGraniteHybrid;
 pub use weights::GraniteHybridWeights;

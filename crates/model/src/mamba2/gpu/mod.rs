@@ -12,7 +12,6 @@
 //! buffers stay the same (`PICASO_CUDA_GRAPHS=0` launches every kernel instead). Sequences
 //! join and leave a session (a server's running batch) by a copy of their own state only.
 
-use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -20,33 +19,22 @@ use std::sync::{Arc, Mutex};
 use rayon::prelude::*;
 
 use super::{Mamba2Config, Mamba2Weights};
-use crate::cpu::layers::by_kind;
 use crate::error::{Error, Result};
-use crate::gpu::kernels::{
-    launch, AddBiasArgs, ChunkArgs, ConvArgs, ConvertArgs, DtArgs, EmbedArgs, GatedNormArgs, LogprobArgs, RmsnormArgs,
-    ScanArgs, ScanShape, WeightedSumArgs,
-};
-use crate::gpu::plan::{blocks, scan_threads_per_row, Batch, BLOCK, CHUNK};
-use crate::gpu::{i32_bytes, DeviceBuf, DevicePtr, Gemm, Gpu, Graph, MatrixDtype};
+use crate::gpu::graphs::{replay_step, DecodeGraph};
+use crate::gpu::kernels::{launch, WeightedSumArgs};
+use crate::gpu::plan::{blocks, Batch, BLOCK};
+use crate::gpu::token_io::GpuTokenIo;
+use crate::gpu::{forward_by_kind, i32_bytes, DeviceBuf, Gpu, MatrixDtype};
 use crate::state::State;
+use mixer::{GpuMixer, MixerIo, MixerScratch, MixerStates};
 
-/// One block's weights on the device (small vectors in f32, the projections in the matrix type).
+pub(crate) mod mixer;
+
+/// One block: its pre-norm (f32) and its mixer.
 #[derive(Debug)]
 struct Layer {
     norm: DeviceBuf,
-    in_proj: DeviceBuf,
-    in_proj_bias: Option<DeviceBuf>,
-    /// (C, K)
-    conv_w: DeviceBuf,
-    /// (C); zeros when the checkpoint has none.
-    conv_b: DeviceBuf,
-    dt_bias: DeviceBuf,
-    /// A = -exp(A_log), (H)
-    a_neg: DeviceBuf,
-    d: DeviceBuf,
-    gated_norm: DeviceBuf,
-    out_proj: DeviceBuf,
-    out_proj_bias: Option<DeviceBuf>,
+    mixer: GpuMixer,
 }
 
 /// A Mamba-2 model on a GPU.
@@ -55,9 +43,7 @@ pub struct GpuMamba2 {
     config: Mamba2Config,
     gpu: Arc<dyn Gpu>,
     dtype: MatrixDtype,
-    embedding: DeviceBuf,
-    lm_head: Option<DeviceBuf>,
-    norm_f: DeviceBuf,
+    io: GpuTokenIo,
     layers: Vec<Layer>,
     /// The last pass's buffers, reused while they are big enough; the lock also makes passes
     /// run one at a time (one stream).
@@ -80,12 +66,7 @@ struct Pass {
     lens: DeviceBuf,
     h: DeviceBuf,
     xn: DeviceBuf,
-    zx: DeviceBuf,
-    xbc: DeviceBuf,
-    dt: DeviceBuf,
-    y: DeviceBuf,
-    gated: DeviceBuf,
-    chunks: Option<DeviceBuf>,
+    mixer: MixerScratch,
 }
 
 /// States of a batch held in device memory across forward passes: a decode loop uploads them
@@ -94,7 +75,7 @@ pub(crate) struct GpuStates<'e> {
     engine: &'e GpuMamba2,
     /// One entry per layer, each with room for `capacity` sequences (the first `host.len()`
     /// in use, packed).
-    layers: Vec<LayerStates>,
+    layers: Vec<MixerStates>,
     capacity: usize,
     /// The states as given (their values stale until [`crate::engine::Resident::states`]),
     /// with positions kept current.
@@ -104,14 +85,6 @@ pub(crate) struct GpuStates<'e> {
     /// The decode steps recorded on these buffers, by number of sequences
     /// ([`GpuMamba2::decode_logits`]): a batch that shrinks and grows again replays its graphs.
     steps: HashMap<usize, DecodeGraph>,
-}
-
-/// A decode step of every sequence of a session, recorded ([`Gpu::begin_capture`]) with the
-/// addresses of the session's states and logits and of one pass's buffers.
-struct DecodeGraph {
-    /// The [`Pass::id`] it was recorded on.
-    pass: u64,
-    graph: Box<dyn Graph>,
 }
 
 impl crate::engine::Resident for GpuStates<'_> {
@@ -138,7 +111,7 @@ impl crate::engine::Resident for GpuStates<'_> {
     fn states(&self) -> Result<Vec<State>> {
         let mut out = self.host.clone();
         for (l, ls) in self.layers.iter().enumerate() {
-            self.engine.download_states(ls, out.iter_mut(), l)?;
+            ls.download(&self.engine.config, out.iter_mut(), l)?;
         }
         Ok(out)
     }
@@ -146,13 +119,9 @@ impl crate::engine::Resident for GpuStates<'_> {
         if self.host.len() == self.capacity {
             self.grow((2 * self.capacity).max(4))?;
         }
-        let (i, sizes) = (self.host.len(), self.engine.state_floats());
+        let i = self.host.len();
         for (ls, layer) in self.layers.iter().zip(&state.layers) {
-            for ((buf, floats), part) in
-                ls.parts().into_iter().zip(sizes).zip([&layer.ssm, &layer.conv, &layer.log_decay])
-            {
-                buf.write_f32(i * floats, part)?;
-            }
+            ls.write(&self.engine.config, i, layer)?;
         }
         self.host.push(state);
         Ok(())
@@ -163,11 +132,8 @@ impl crate::engine::Resident for GpuStates<'_> {
             return Err(Error::Input(format!("internal: removing sequence {i} of {n}")));
         }
         if i + 1 < n {
-            let gpu = &self.engine.gpu;
             for ls in &self.layers {
-                for (buf, floats) in ls.parts().into_iter().zip(self.engine.state_floats()) {
-                    gpu.copy(buf.at(i * floats * 4), buf.at((n - 1) * floats * 4), floats * 4)?;
-                }
+                ls.copy_seq(&*self.engine.gpu, &self.engine.config, i, n - 1)?;
             }
         }
         self.host.swap_remove(i);
@@ -180,20 +146,8 @@ impl GpuStates<'_> {
     /// The recorded steps go (they hold the old addresses).
     fn grow(&mut self, capacity: usize) -> Result<()> {
         let (gpu, n) = (&self.engine.gpu, self.host.len());
-        let sizes = self.engine.state_floats();
         for ls in &mut self.layers {
-            let moved = |old: &DeviceBuf, floats: usize| -> Result<DeviceBuf> {
-                let buf = DeviceBuf::zeroed(gpu, capacity * floats * 4)?;
-                if n > 0 {
-                    gpu.copy(buf.ptr(), old.ptr(), n * floats * 4)?;
-                }
-                Ok(buf)
-            };
-            *ls = LayerStates {
-                ssm: moved(&ls.ssm, sizes[0])?,
-                tails: moved(&ls.tails, sizes[1])?,
-                log_decay: moved(&ls.log_decay, sizes[2])?,
-            };
+            *ls = ls.grown(gpu, &self.engine.config, n, capacity)?;
         }
         self.logits = DeviceBuf::zeroed(gpu, capacity * self.engine.config.vocab_size * 4)?;
         self.capacity = capacity;
@@ -202,56 +156,29 @@ impl GpuStates<'_> {
     }
 }
 
-/// One layer's states of every sequence, packed.
-struct LayerStates {
-    ssm: DeviceBuf,
-    tails: DeviceBuf,
-    log_decay: DeviceBuf,
-}
-
-impl LayerStates {
-    /// The parts in the order of [`GpuMamba2::state_floats`].
-    fn parts(&self) -> [&DeviceBuf; 3] {
-        [&self.ssm, &self.tails, &self.log_decay]
-    }
-}
-
 impl GpuMamba2 {
     /// Uploads `weights` to `gpu`, the large matrices as `dtype`.
     pub fn new(config: &Mamba2Config, weights: &Mamba2Weights, gpu: Arc<dyn Gpu>, dtype: MatrixDtype) -> Result<Self> {
         let c = config;
-        if c.headdim > 1024 || c.d_conv < 1 || c.d_conv > 17 {
-            return Err(Error::Input(format!(
-                "the GPU engine runs headdim ≤ 1024 and d_conv 1..=17 (this model: headdim {}, d_conv {}); use --device cpu",
-                c.headdim, c.d_conv
-            )));
-        }
+        mixer::check_shapes(c)?;
         let f32buf = |v: &[f32]| DeviceBuf::from_f32(&gpu, v);
-        let matrix = |v: &[f32]| DeviceBuf::from_bytes(&gpu, &dtype.encode(v));
         let layers = weights
             .layers
             .iter()
-            .map(|l| {
-                Ok(Layer {
-                    norm: f32buf(&l.norm)?,
-                    in_proj: matrix(&l.in_proj)?,
-                    in_proj_bias: l.in_proj_bias.as_deref().map(f32buf).transpose()?,
-                    conv_w: f32buf(&l.conv_weight)?,
-                    conv_b: f32buf(l.conv_bias.as_deref().unwrap_or(&vec![0.0; c.conv_dim()]))?,
-                    dt_bias: f32buf(&l.dt_bias)?,
-                    a_neg: f32buf(&l.a_log.iter().map(|v| -v.exp()).collect::<Vec<_>>())?,
-                    d: f32buf(&l.d)?,
-                    gated_norm: f32buf(&l.gated_norm)?,
-                    out_proj: matrix(&l.out_proj)?,
-                    out_proj_bias: l.out_proj_bias.as_deref().map(f32buf).transpose()?,
-                })
-            })
+            .map(|l| Ok(Layer { norm: f32buf(&l.norm)?, mixer: GpuMixer::upload(c, l, &gpu, dtype, 1.0)? }))
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
             config: c.clone(),
-            embedding: matrix(&weights.embedding)?,
-            lm_head: weights.lm_head.as_deref().map(matrix).transpose()?,
-            norm_f: f32buf(&weights.norm_f)?,
+            io: GpuTokenIo::new(
+                &gpu,
+                dtype,
+                (c.d_model, c.vocab_size),
+                c.norm_eps,
+                1.0,
+                &weights.embedding,
+                weights.lm_head.as_deref(),
+                &weights.norm_f,
+            )?,
             layers,
             gpu,
             dtype,
@@ -259,12 +186,6 @@ impl GpuMamba2 {
             next_pass: AtomicU64::new(0),
             graphs: AtomicBool::new(std::env::var("PICASO_CUDA_GRAPHS").map_or(true, |v| v != "0")),
         })
-    }
-
-    /// Floats per sequence of a layer's SSM state, conv tail and log-decay.
-    fn state_floats(&self) -> [usize; 3] {
-        let c = &self.config;
-        [c.nheads * c.headdim * c.d_state, c.conv_dim() * (c.d_conv - 1), c.nheads]
     }
 
     /// Turns the recording of decode steps as graphs on or off (on unless `PICASO_CUDA_GRAPHS=0`).
@@ -287,30 +208,19 @@ impl GpuMamba2 {
     /// separate passes, as on the CPU, so a decode step's result never depends on its batch's
     /// longer prompts.
     pub fn forward_batch(&self, tokens: &[u32], lens: &[usize], states: &mut [&mut State]) -> Result<Vec<f32>> {
-        let failure = std::cell::RefCell::new(None);
-        let hidden = by_kind(self.config.d_model, tokens, lens, states, |tokens, lens, states| {
-            match self.forward_one_kind(tokens, lens, states) {
-                Ok(h) => h,
-                Err(e) => {
-                    failure.borrow_mut().get_or_insert(e);
-                    vec![0.0; tokens.len() * self.config.d_model]
-                }
-            }
-        });
-        match failure.into_inner() {
-            Some(e) => Err(e),
-            None => Ok(hidden),
-        }
+        forward_by_kind(self.config.d_model, tokens, lens, states, |t, l, s| self.forward_one_kind(t, l, s))
     }
 
     fn forward_one_kind(&self, tokens: &[u32], lens: &[usize], states: &mut [&mut State]) -> Result<Vec<f32>> {
         let on_device = {
             let refs: Vec<&State> = states.iter().map(|s| &**s).collect();
-            (0..self.layers.len()).map(|l| self.upload_states(&refs, l, true)).collect::<Result<Vec<_>>>()?
+            (0..self.layers.len())
+                .map(|l| MixerStates::upload(&self.gpu, &self.config, &refs, l, true))
+                .collect::<Result<Vec<_>>>()?
         };
         let hidden = self.run(tokens, &Batch::new(lens), &on_device)?;
         for (l, ls) in on_device.iter().enumerate() {
-            self.download_states(ls, states.iter_mut().map(|s| &mut **s), l)?;
+            ls.download(&self.config, states.iter_mut().map(|s| &mut **s), l)?;
         }
         for (s, &t) in states.iter_mut().zip(lens) {
             s.advance(t);
@@ -327,8 +237,9 @@ impl GpuMamba2 {
     /// device instead of being copied (a composition writes them there).
     fn resident_with(&self, states: Vec<State>, upload_ssm: bool) -> Result<GpuStates<'_>> {
         let refs: Vec<&State> = states.iter().collect();
-        let layers =
-            (0..self.layers.len()).map(|l| self.upload_states(&refs, l, upload_ssm)).collect::<Result<Vec<_>>>()?;
+        let layers = (0..self.layers.len())
+            .map(|l| MixerStates::upload(&self.gpu, &self.config, &refs, l, upload_ssm))
+            .collect::<Result<Vec<_>>>()?;
         let logits = DeviceBuf::zeroed(&self.gpu, states.len() * self.config.vocab_size * 4)?;
         Ok(GpuStates { engine: self, layers, capacity: states.len(), host: states, logits, steps: HashMap::new() })
     }
@@ -372,26 +283,19 @@ impl GpuMamba2 {
 
     /// The kernels of one forward pass over `batch`, from and into the device states `states`
     /// (one entry per layer); returns the final-normed hidden rows.
-    fn run(&self, tokens: &[u32], batch: &Batch, states: &[LayerStates]) -> Result<Vec<f32>> {
+    fn run(&self, tokens: &[u32], batch: &Batch, states: &[MixerStates]) -> Result<Vec<f32>> {
         let d = self.config.d_model;
         self.run_then(tokens, batch, states, |pass| {
-            self.rmsnorm(pass.h.ptr(), self.norm_f.ptr(), pass.y.ptr(), batch.rows, false)?;
-            pass.y.read_f32(0, batch.rows * d)
+            self.io.final_norm(pass.h.ptr(), pass.mixer.y.ptr(), batch.rows, false)?;
+            pass.mixer.y.read_f32(0, batch.rows * d)
         })
     }
 
     /// [`GpuMamba2::run`] that returns every row's logits, computed on the device from its
     /// hidden rows (only the logits cross to the host).
-    fn run_logits(&self, tokens: &[u32], batch: &Batch, states: &[LayerStates], out: &DeviceBuf) -> Result<Vec<f32>> {
-        let n = batch.rows * self.config.vocab_size;
+    fn run_logits(&self, tokens: &[u32], batch: &Batch, states: &[MixerStates], out: &DeviceBuf) -> Result<Vec<f32>> {
         self.run_then(tokens, batch, states, |pass| {
-            self.rmsnorm(pass.h.ptr(), self.norm_f.ptr(), pass.xn.ptr(), batch.rows, true)?;
-            if out.bytes() >= 4 * n {
-                self.lm_head_into(pass.xn.ptr(), batch.rows, out.ptr())?;
-                out.read_f32(0, n)
-            } else {
-                self.lm_head(pass.xn.ptr(), batch.rows)?.read_f32(0, n)
-            }
+            self.io.logits_of_stream(pass.h.ptr(), pass.xn.ptr(), batch.rows, out)
         })
     }
 
@@ -401,19 +305,14 @@ impl GpuMamba2 {
         &self,
         tokens: &[u32],
         batch: &Batch,
-        states: &[LayerStates],
+        states: &[MixerStates],
         finish: impl FnOnce(&Pass) -> Result<T>,
     ) -> Result<T> {
         let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         if batch.rows == 0 {
             return Ok(T::default());
         }
-        if batch.seqs() > 65_535 {
-            return Err(Error::Input(format!(
-                "{} sequences in one pass: the GPU engine runs at most 65,535 at once (a grid dimension); split the batch",
-                batch.seqs()
-            )));
-        }
+        batch.check_grid()?;
         let pass = self.pass(&mut scratch, tokens, batch)?;
         self.layers_on(pass, batch, states)?;
         finish(pass)
@@ -421,31 +320,21 @@ impl GpuMamba2 {
 
     /// The embedding and every layer over the tokens already in `pass`: launches only, so
     /// they can be recorded.
-    fn layers_on(&self, pass: &Pass, batch: &Batch, states: &[LayerStates]) -> Result<()> {
-        let embed = EmbedArgs {
-            table: self.embedding.ptr(),
-            ids: pass.ids.ptr(),
-            out: pass.h.ptr(),
-            d: self.config.d_model as i32,
-            table_bf16: self.dtype.flag(),
-        };
-        launch(&*self.gpu, "embed", [batch.rows as u32, 1, 1], [BLOCK, 1, 1], &embed)?;
+    fn layers_on(&self, pass: &Pass, batch: &Batch, states: &[MixerStates]) -> Result<()> {
+        self.io.embed(pass.ids.ptr(), pass.h.ptr(), batch.rows)?;
         for (layer, ls) in self.layers.iter().zip(states) {
             self.layer(layer, ls, pass, batch)?;
         }
         Ok(())
     }
 
-    /// A decode step (one token per sequence) of a session into `out` (sequences × vocab):
-    /// the step's kernels are recorded once per batch size into `steps` and replayed while the
-    /// pass buffers are the ones they were recorded on; a new pass (a longer batch ran between
-    /// two steps) records them again. Where the device cannot record, graphs are turned off for this
-    /// engine and the step runs as launches.
+    /// A decode step (one token per sequence) of a session into `out` (sequences × vocab),
+    /// replayed from a graph recorded once per batch size and pass ([`replay_step`]).
     fn decode_logits(
         &self,
         tokens: &[u32],
         batch: &Batch,
-        states: &[LayerStates],
+        states: &[MixerStates],
         out: &DeviceBuf,
         steps: &mut HashMap<usize, DecodeGraph>,
     ) -> Result<Vec<f32>> {
@@ -455,33 +344,11 @@ impl GpuMamba2 {
         }
         let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let pass = self.pass(&mut scratch, tokens, batch)?;
-        let kernels = || {
+        replay_step(&*self.gpu, steps, (batch.seqs(), pass.id), &self.graphs, || {
             self.layers_on(pass, batch, states)?;
-            self.rmsnorm(pass.h.ptr(), self.norm_f.ptr(), pass.xn.ptr(), batch.rows, true)?;
-            self.lm_head_into(pass.xn.ptr(), batch.rows, out.ptr())
-        };
-        let step = match steps.entry(batch.seqs()) {
-            Entry::Occupied(recorded) if recorded.get().pass == pass.id => recorded.into_mut(),
-            stale_or_none => {
-                let graph = self.gpu.begin_capture().and_then(|()| {
-                    let recorded = kernels();
-                    let graph = self.gpu.end_capture(); // also after a failed recording
-                    recorded.and(graph)
-                });
-                match graph {
-                    Ok(graph) => stale_or_none.insert_entry(DecodeGraph { pass: pass.id, graph }).into_mut(),
-                    Err(e) => {
-                        self.graphs.store(false, Ordering::Relaxed);
-                        eprintln!(
-                            "warning: recording a decode step as a graph failed ({e}); launching its kernels one by one"
-                        );
-                        kernels()?;
-                        return out.read_f32(0, n);
-                    }
-                }
-            }
-        };
-        step.graph.replay()?;
+            self.io.final_norm(pass.h.ptr(), pass.xn.ptr(), batch.rows, true)?;
+            self.io.lm_head_into(pass.xn.ptr(), batch.rows, out.ptr())
+        })?;
         out.read_f32(0, n)
     }
 
@@ -489,26 +356,14 @@ impl GpuMamba2 {
     /// to grow); uploads the token ids and the batch layout.
     fn pass<'s>(&self, scratch: &'s mut Option<Pass>, tokens: &[u32], batch: &Batch) -> Result<&'s Pass> {
         let c = &self.config;
-        let chunk_floats = |seqs: usize, chunks: usize| seqs * chunks * c.nheads * c.headdim * c.d_state;
-        let fits = scratch.as_ref().is_some_and(|p| {
-            p.rows >= batch.rows
-                && p.seqs >= batch.seqs()
-                && (batch.step_scan()
-                    || p.chunks
-                        .as_ref()
-                        .is_some_and(|b| b.bytes() >= 4 * chunk_floats(batch.seqs(), batch.max_chunks())))
-        });
+        let fits =
+            scratch.as_ref().is_some_and(|p| p.rows >= batch.rows && p.seqs >= batch.seqs() && p.mixer.fits(c, batch));
         if !fits {
             // Never smaller than before (a pass rebuilt for its chunk buffer keeps its rows).
             let (old_rows, old_seqs) = scratch.as_ref().map_or((0, 0), |p| (p.rows, p.seqs));
             *scratch = None; // free the old buffers first
             let rows = batch.rows.next_power_of_two().max(old_rows);
             let seqs = batch.seqs().next_power_of_two().max(old_seqs);
-            let f32s = |n: usize| DeviceBuf::zeroed(&self.gpu, n * 4);
-            let chunks = match batch.step_scan() {
-                true => None,
-                false => Some(f32s(chunk_floats(batch.seqs(), batch.max_chunks()))?),
-            };
             *scratch = Some(Pass {
                 id: self.next_pass.fetch_add(1, Ordering::Relaxed),
                 rows,
@@ -516,15 +371,10 @@ impl GpuMamba2 {
                 ids: DeviceBuf::zeroed(&self.gpu, rows * 4)?,
                 starts: DeviceBuf::zeroed(&self.gpu, seqs * 4)?,
                 lens: DeviceBuf::zeroed(&self.gpu, seqs * 4)?,
-                h: f32s(rows * c.d_model)?,
+                h: DeviceBuf::zeroed(&self.gpu, rows * c.d_model * 4)?,
                 xn: DeviceBuf::zeroed(&self.gpu, rows * c.d_model * self.dtype.size())?,
-                zx: f32s(rows * c.d_in_proj())?,
-                xbc: f32s(rows * c.conv_dim())?,
-                dt: f32s(rows * c.nheads)?,
-                // Also the final norm's output (rows × d_model), so at least that big.
-                y: f32s(rows * c.d_inner().max(c.d_model))?,
-                gated: DeviceBuf::zeroed(&self.gpu, rows * c.d_inner() * self.dtype.size())?,
-                chunks,
+                // `y` is also the final norm's output (rows × d_model).
+                mixer: MixerScratch::new(&self.gpu, c, self.dtype, rows, c.d_model, batch)?,
             });
         }
         let pass = scratch.as_ref().expect("set above");
@@ -535,250 +385,21 @@ impl GpuMamba2 {
         Ok(pass)
     }
 
-    /// Layer `l`'s states of every sequence, packed and uploaded.
-    fn upload_states(&self, states: &[&State], l: usize, upload_ssm: bool) -> Result<LayerStates> {
-        // Each state's part straight from its buffer: no packed copy on the host.
-        let pack = |part: &dyn Fn(&State) -> &[f32]| -> Result<DeviceBuf> {
-            let n = states.first().map_or(0, |s| part(s).len());
-            let buf = DeviceBuf::zeroed(&self.gpu, states.len() * n * 4)?;
-            for (i, s) in states.iter().enumerate() {
-                buf.write_f32(i * n, part(s))?;
-            }
-            Ok(buf)
-        };
-        let c = &self.config;
-        Ok(LayerStates {
-            ssm: match upload_ssm {
-                true => pack(&|s| &s.layers[l].ssm)?,
-                false => DeviceBuf::zeroed(&self.gpu, states.len() * c.nheads * c.headdim * c.d_state * 4)?,
-            },
-            tails: pack(&|s| &s.layers[l].conv)?,
-            log_decay: pack(&|s| &s.layers[l].log_decay)?,
-        })
-    }
-
-    /// Copies layer `l`'s device states back into `states`.
-    fn download_states<'s>(
-        &self,
-        ls: &LayerStates,
-        states: impl Iterator<Item = &'s mut State>,
-        l: usize,
-    ) -> Result<()> {
-        let (ssm, tails, decay) = (ls.ssm.to_f32()?, ls.tails.to_f32()?, ls.log_decay.to_f32()?);
-        let [n_ssm, n_tail, n_decay] = self.state_floats();
-        for (i, s) in states.enumerate() {
-            let layer = &mut s.layers[l];
-            layer.ssm.copy_from_slice(&ssm[i * n_ssm..(i + 1) * n_ssm]);
-            layer.conv.copy_from_slice(&tails[i * n_tail..(i + 1) * n_tail]);
-            layer.log_decay.copy_from_slice(&decay[i * n_decay..(i + 1) * n_decay]);
-        }
-        Ok(())
-    }
-
-    fn rmsnorm(&self, x: DevicePtr, w: DevicePtr, out: DevicePtr, rows: usize, out_matrix: bool) -> Result<()> {
-        let c = &self.config;
-        launch(
-            &*self.gpu,
-            "rmsnorm",
-            [rows as u32, 1, 1],
-            [BLOCK, 1, 1],
-            &RmsnormArgs {
-                x,
-                w,
-                out,
-                d: c.d_model as i32,
-                out_bf16: if out_matrix { self.dtype.flag() } else { 0 },
-                eps: c.norm_eps as f32,
-                pad: 0,
-            },
-        )
-    }
-
-    fn add_bias(&self, x: DevicePtr, b: Option<&DeviceBuf>, rows: usize, cols: usize) -> Result<()> {
-        let Some(b) = b else { return Ok(()) };
-        let args = AddBiasArgs { x, b: b.ptr(), cols: cols as i32, pad: 0 };
-        launch(&*self.gpu, "add_bias", [rows as u32, 1, 1], [BLOCK, 1, 1], &args)
-    }
-
     /// One block, residual included: h += out_proj(mixer(rmsnorm(h))).
-    fn layer(&self, w: &Layer, ls: &LayerStates, pass: &Pass, batch: &Batch) -> Result<()> {
-        let c = &self.config;
-        let gpu = &*self.gpu;
-        let (rows, seqs) = (batch.rows, batch.seqs() as u32);
-        let (width, di, cd) = (c.d_in_proj(), c.d_inner(), c.conv_dim());
-        self.rmsnorm(pass.h.ptr(), w.norm.ptr(), pass.xn.ptr(), rows, true)?;
-        let gemm = |a, w: &DeviceBuf, out, n, k, accumulate| {
-            gpu.gemm(&Gemm { dtype: self.dtype, rows, n, k, a, w: w.ptr(), out, accumulate })
-        };
-        gemm(pass.xn.ptr(), &w.in_proj, pass.zx.ptr(), width, c.d_model, false)?;
-        self.add_bias(pass.zx.ptr(), w.in_proj_bias.as_ref(), rows, width)?;
-
-        let (starts, lens) = (pass.starts.ptr(), pass.lens.ptr());
-        let conv = ConvArgs {
-            zx: pass.zx.ptr(),
-            tails: ls.tails.ptr(),
-            w: w.conv_w.ptr(),
-            bias: w.conv_b.ptr(),
-            out: pass.xbc.ptr(),
-            starts,
-            lens,
-            width: width as i32,
-            offset: di as i32,
-            channels: cd as i32,
-            k: c.d_conv as i32,
-        };
-        let shape = ScanShape {
-            heads: c.nheads as i32,
-            headdim: c.headdim as i32,
-            d_state: c.d_state as i32,
-            groups: c.n_groups as i32,
-            conv_dim: cd as i32,
-            pad: 0,
-        };
-        let heads = c.nheads as u32;
-        let (lo, hi) = c.time_step_limit;
-        if batch.step_scan() {
-            // Decode steps and short prompts: three launches (conv and tail, dt and scan).
-            launch(gpu, "conv_step", [blocks(cd), seqs, 1], [BLOCK, 1, 1], &conv)?;
-            let tpr = scan_threads_per_row(c.headdim, c.d_state);
-            let args = ScanArgs {
-                xbc: pass.xbc.ptr(),
-                zx: pass.zx.ptr(),
-                dt_bias: w.dt_bias.ptr(),
-                a_neg: w.a_neg.ptr(),
-                d: w.d.ptr(),
-                ssm: ls.ssm.ptr(),
-                log_decay: ls.log_decay.ptr(),
-                y: pass.y.ptr(),
-                starts,
-                lens,
-                shape,
-                width: width as i32,
-                dt_offset: (di + cd) as i32,
-                lo: lo as f32,
-                hi: hi as f32,
-                threads_per_row: tpr as i32,
-                pad: 0,
-            };
-            launch(gpu, "scan_steps", [heads, seqs, 1], [(c.headdim * tpr) as u32, 1, 1], &args)?;
-        } else {
-            // Prompts: the conv in parallel over tokens, then the chunked scan.
-            launch(gpu, "conv_silu", [blocks(batch.max_len * cd), seqs, 1], [BLOCK, 1, 1], &conv)?;
-            launch(gpu, "conv_tail", [blocks(cd), seqs, 1], [BLOCK, 1, 1], &conv)?;
-            let dt = DtArgs {
-                zx: pass.zx.ptr(),
-                dt_bias: w.dt_bias.ptr(),
-                a_neg: w.a_neg.ptr(),
-                dt: pass.dt.ptr(),
-                log_decay: ls.log_decay.ptr(),
-                starts,
-                lens,
-                width: width as i32,
-                offset: (di + cd) as i32,
-                heads: c.nheads as i32,
-                lo: lo as f32,
-                hi: hi as f32,
-                rows: rows as i32,
-            };
-            launch(gpu, "dt_values", [blocks(rows * c.nheads), 1, 1], [BLOCK, 1, 1], &dt)?;
-            launch(gpu, "log_decay_sum", [heads, seqs, 1], [BLOCK, 1, 1], &dt)?;
-            let chunks = pass.chunks.as_ref().expect("a pass for a chunked batch has chunk buffers");
-            let args = ChunkArgs {
-                xbc: pass.xbc.ptr(),
-                dt: pass.dt.ptr(),
-                a_neg: w.a_neg.ptr(),
-                d: w.d.ptr(),
-                ssm: ls.ssm.ptr(),
-                chunks: chunks.ptr(),
-                y: pass.y.ptr(),
-                starts,
-                lens,
-                shape,
-                chunk: CHUNK as i32,
-                max_chunks: batch.max_chunks() as i32,
-            };
-            let grid = [batch.max_chunks() as u32, heads, seqs];
-            launch(gpu, "ssd_chunk_state", grid, [BLOCK, 1, 1], &args)?;
-            launch(gpu, "ssd_state_pass", [heads, seqs, 1], [BLOCK, 1, 1], &args)?;
-            launch(gpu, "ssd_chunk_scan", grid, [BLOCK, 1, 1], &args)?;
-        }
-
-        let group = di / c.n_groups;
-        let norm = GatedNormArgs {
-            y: pass.y.ptr(),
-            zx: pass.zx.ptr(),
-            w: w.gated_norm.ptr(),
-            out: pass.gated.ptr(),
-            width: width as i32,
-            d_inner: di as i32,
-            group: group as i32,
-            out_bf16: self.dtype.flag(),
-            eps: c.gated_norm_eps as f32,
-            pad: 0,
-        };
-        launch(gpu, "gated_rmsnorm", [rows as u32, c.n_groups as u32, 1], [BLOCK, 1, 1], &norm)?;
-        gemm(pass.gated.ptr(), &w.out_proj, pass.h.ptr(), c.d_model, di, true)?;
-        self.add_bias(pass.h.ptr(), w.out_proj_bias.as_ref(), rows, c.d_model)
+    fn layer(&self, w: &Layer, ls: &MixerStates, pass: &Pass, batch: &Batch) -> Result<()> {
+        self.io.rmsnorm(pass.h.ptr(), w.norm.ptr(), pass.xn.ptr(), batch.rows, true)?;
+        let io = MixerIo { xn: pass.xn.ptr(), h: pass.h.ptr(), starts: pass.starts.ptr(), lens: pass.lens.ptr() };
+        w.mixer.run(&*self.gpu, self.dtype, &self.config, ls, &pass.mixer, io, batch)
     }
 
     /// Logits (rows × vocab) of final hidden rows.
     pub fn logits(&self, hidden: &[f32]) -> Result<Vec<f32>> {
-        let logits = self.logits_on_device(hidden)?;
-        logits.to_f32()
+        self.io.logits(hidden)
     }
 
     /// `log p(targets[i] | hidden row i)`: only one float per row crosses back.
     pub fn logprobs(&self, hidden: &[f32], targets: &[u32]) -> Result<Vec<f32>> {
-        let rows = targets.len();
-        if rows == 0 {
-            return Ok(Vec::new());
-        }
-        let logits = self.logits_on_device(hidden)?;
-        let ids: Vec<i32> = targets.iter().map(|&t| t as i32).collect();
-        let targets = DeviceBuf::from_i32(&self.gpu, &ids)?;
-        let out = DeviceBuf::zeroed(&self.gpu, rows * 4)?;
-        let args = LogprobArgs {
-            logits: logits.ptr(),
-            targets: targets.ptr(),
-            out: out.ptr(),
-            vocab: self.config.vocab_size as i32,
-            pad: 0,
-        };
-        launch(&*self.gpu, "logprob_at", [rows.max(1) as u32, 1, 1], [BLOCK, 1, 1], &args)?;
-        out.read_f32(0, rows)
-    }
-
-    fn logits_on_device(&self, hidden: &[f32]) -> Result<DeviceBuf> {
-        let rows = hidden.len() / self.config.d_model;
-        let h = DeviceBuf::from_f32(&self.gpu, hidden)?;
-        let a = DeviceBuf::zeroed(&self.gpu, hidden.len() * self.dtype.size())?;
-        let convert =
-            ConvertArgs { x: h.ptr(), out: a.ptr(), n: hidden.len() as i64, out_bf16: self.dtype.flag(), pad: 0 };
-        launch(&*self.gpu, "convert", [blocks(hidden.len()), 1, 1], [BLOCK, 1, 1], &convert)?;
-        self.lm_head(a.ptr(), rows)
-    }
-
-    /// Logits (rows × vocab, f32) of final-normed rows `a` stored in the matrices' type.
-    fn lm_head(&self, a: DevicePtr, rows: usize) -> Result<DeviceBuf> {
-        let logits = DeviceBuf::zeroed(&self.gpu, rows * self.config.vocab_size * 4)?;
-        self.lm_head_into(a, rows, logits.ptr())?;
-        Ok(logits)
-    }
-
-    /// [`GpuMamba2::lm_head`] into `out` (at least rows × vocab f32).
-    fn lm_head_into(&self, a: DevicePtr, rows: usize, out: DevicePtr) -> Result<()> {
-        let c = &self.config;
-        let head = self.lm_head.as_ref().unwrap_or(&self.embedding);
-        self.gpu.gemm(&Gemm {
-            dtype: self.dtype,
-            rows,
-            n: c.vocab_size,
-            k: c.d_model,
-            a,
-            w: head.ptr(),
-            out,
-            accumulate: false,
-        })
+        self.io.logprobs(hidden, targets)
     }
 }
 
@@ -788,22 +409,9 @@ mod tests {
     //! and in CI, on a GPU with `PICASO_TEST_GPU=cuda`.
     use super::*;
     use crate::cpu::WeightDtype;
-    use crate::gpu::emulator::Emulator;
+    use crate::gpu::test_gpu;
     use crate::mamba2::CpuMamba2;
     use crate::state::StateShape;
-
-    /// The device under test: the CPU emulator, or with `PICASO_TEST_GPU=cuda` (a `cuda` build
-    /// on a GPU machine, as `scripts/gpu_bench.sh` runs these tests) GPU 0.
-    fn test_gpu() -> Arc<dyn Gpu> {
-        match std::env::var("PICASO_TEST_GPU").as_deref() {
-            #[cfg(feature = "cuda")]
-            Ok("cuda") => Arc::new(crate::gpu::cuda::CudaGpu::new(0).expect("GPU 0 opens")),
-            Ok(other) if other != "emulator" => {
-                panic!("PICASO_TEST_GPU={other}: use emulator, or cuda in a build with --features cuda")
-            }
-            _ => Arc::new(Emulator::new().expect("the GPU emulator builds (needs a C++ compiler)")),
-        }
-    }
 
     /// Two configurations: the tiny one (2 groups, conv bias) and one with projection biases,
     /// wider heads and a clamped dt.
@@ -862,6 +470,12 @@ mod tests {
                 "ssd_chunk_state" | "ssd_state_pass" | "ssd_chunk_scan" => "ChunkArgs",
                 "gated_rmsnorm" => "GatedNormArgs",
                 "weighted_sum" => "WeightedSumArgs",
+                "scale" => "ScaleArgs",
+                "rope_append" => "RopeAppendArgs",
+                "attend" => "AttendArgs",
+                "glu" => "GluArgs",
+                "gather_rows" => "GatherArgs",
+                "scatter_add_rows" => "ScatterAddArgs",
                 other => panic!("kernel {other} has no argument struct in this test"),
             };
             assert_eq!(crate::gpu::emulator::c_args_size(kernel).unwrap(), of(args), "{kernel}({args})");
