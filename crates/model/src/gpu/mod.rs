@@ -15,6 +15,8 @@ pub(crate) mod emulator;
 pub(crate) mod graphs;
 pub(crate) mod kernels;
 pub(crate) mod plan;
+#[cfg(test)]
+pub(crate) mod testing;
 pub(crate) mod token_io;
 
 use std::sync::Arc;
@@ -179,20 +181,6 @@ pub(crate) fn forward_by_kind(
     match failure.into_inner() {
         Some(e) => Err(e),
         None => Ok(hidden),
-    }
-}
-
-/// The device under test: the CPU emulator, or with `PICASO_TEST_GPU=cuda` (a `cuda` build
-/// on a GPU machine, as `scripts/gpu_bench.sh` runs these tests) GPU 0.
-#[cfg(test)]
-pub(crate) fn test_gpu() -> Arc<dyn Gpu> {
-    match std::env::var("PICASO_TEST_GPU").as_deref() {
-        #[cfg(feature = "cuda")]
-        Ok("cuda") => Arc::new(cuda::CudaGpu::new(0).expect("GPU 0 opens")),
-        Ok(other) if other != "emulator" => {
-            panic!("PICASO_TEST_GPU={other}: use emulator, or cuda in a build with --features cuda")
-        }
-        _ => Arc::new(emulator::Emulator::new().expect("the GPU emulator builds (needs a C++ compiler)")),
     }
 }
 

@@ -304,7 +304,10 @@ impl GpuGraniteHybrid {
         let positions: Vec<u64> = states.iter().map(|s| s.position).collect();
         let batch = Batch::new(lens);
         let d = self.config.d_model;
-        let hidden = self.run_then(tokens, &batch, &device, &positions, |pass| pass.out.read_f32(0, batch.rows * d))?;
+        let hidden = self.run_then(tokens, &batch, &device, &positions, |pass| {
+            self.io.final_norm(pass.h.ptr(), pass.out.ptr(), batch.rows, false)?;
+            pass.out.read_f32(0, batch.rows * d)
+        })?;
         device.kv_len.iter_mut().zip(lens).for_each(|(n, &t)| *n += t);
         self.download(&device, states.iter_mut().map(|s| &mut **s))?;
         for (s, &t) in states.iter_mut().zip(lens) {
@@ -379,8 +382,8 @@ impl GpuGraniteHybrid {
         Ok(GpuHybridStates { engine: self, device, host: states, logits, steps: HashMap::new() })
     }
 
-    /// Embeds `tokens`, runs every layer from and into `device`, final-norms the stream into
-    /// `out` (f32), and hands the pass to `finish`. An empty batch runs nothing.
+    /// Embeds `tokens`, runs every layer from and into `device`, and hands the pass (the
+    /// residual stream in `h`) to `finish`. An empty batch runs nothing.
     fn run_then<T: Default>(
         &self,
         tokens: &[u32],
@@ -396,7 +399,6 @@ impl GpuGraniteHybrid {
         batch.check_grid()?;
         let pass = self.pass(&mut scratch, tokens, batch, device, positions)?;
         self.layers_on(pass, batch, device)?;
-        self.io.final_norm(pass.h.ptr(), pass.out.ptr(), batch.rows, false)?;
         finish(pass)
     }
 
@@ -409,14 +411,9 @@ impl GpuGraniteHybrid {
         positions: &[u64],
         out: &DeviceBuf,
     ) -> Result<Vec<f32>> {
-        let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        if batch.rows == 0 {
-            return Ok(Vec::new());
-        }
-        batch.check_grid()?;
-        let pass = self.pass(&mut scratch, tokens, batch, device, positions)?;
-        self.layers_on(pass, batch, device)?;
-        self.io.logits_of_stream(pass.h.ptr(), pass.xn.ptr(), batch.rows, out)
+        self.run_then(tokens, batch, device, positions, |pass| {
+            self.io.logits_of_stream(pass.h.ptr(), pass.xn.ptr(), batch.rows, out)
+        })
     }
 
     /// A decode step (one token per sequence) of a session into `out` (sequences × vocab),
@@ -851,7 +848,7 @@ mod tests {
     //! `PICASO_TEST_GPU=cuda`.
     use super::*;
     use crate::cpu::WeightDtype;
-    use crate::gpu::test_gpu;
+    use crate::gpu::testing::{assert_states_close, rel_diff, test_gpu, tokens};
     use crate::model::{Backend, LoadOptions, Model};
 
     /// Every hybrid fixture: NoPE Granite with every multiplier, Granite with RoPE and routed
@@ -885,40 +882,10 @@ mod tests {
         )
     }
 
-    fn tokens(n: usize, vocab: usize, seed: u32) -> Vec<u32> {
-        (0..n as u32).map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed * 97) >> 7) % vocab as u32).collect()
-    }
-
     fn vocab(m: &Model) -> usize {
         match m.config() {
             crate::config::ModelConfig::GraniteHybrid(c) => c.vocab_size,
             _ => unreachable!("a hybrid fixture"),
-        }
-    }
-
-    /// Largest |a − b| / max(1, |b|).
-    fn rel_diff(a: &[f32], b: &[f32]) -> f32 {
-        assert_eq!(a.len(), b.len());
-        a.iter().zip(b).map(|(x, y)| (x - y).abs() / y.abs().max(1.0)).fold(0.0, f32::max)
-    }
-
-    fn assert_states_close(gpu: &State, cpu: &State, tol: f32, at: &str) {
-        assert_eq!((gpu.position, gpu.n_tokens), (cpu.position, cpu.n_tokens), "{at}: positions");
-        for (l, (g, c)) in gpu.layers.iter().zip(&cpu.layers).enumerate() {
-            for (name, a, b) in
-                [("ssm", &g.ssm, &c.ssm), ("conv", &g.conv, &c.conv), ("log_decay", &g.log_decay, &c.log_decay)]
-            {
-                let d = rel_diff(a, b);
-                assert!(d <= tol, "{at}: mamba layer {l} {name} differs by {d:e}");
-            }
-        }
-        assert_eq!(gpu.attention.len(), cpu.attention.len(), "{at}: attention layers");
-        for (l, (g, c)) in gpu.attention.iter().zip(&cpu.attention).enumerate() {
-            for (name, a, b) in [("keys", &g.keys, &c.keys), ("values", &g.values, &c.values)] {
-                assert_eq!(a.len(), b.len(), "{at}: attention layer {l} holds another number of {name}");
-                let d = rel_diff(a, b);
-                assert!(d <= tol, "{at}: attention layer {l} {name} differ by {d:e}");
-            }
         }
     }
 

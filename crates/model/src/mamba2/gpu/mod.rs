@@ -409,7 +409,7 @@ mod tests {
     //! and in CI, on a GPU with `PICASO_TEST_GPU=cuda`.
     use super::*;
     use crate::cpu::WeightDtype;
-    use crate::gpu::test_gpu;
+    use crate::gpu::testing::{assert_states_close, rel_diff, test_gpu, tokens};
     use crate::mamba2::CpuMamba2;
     use crate::state::StateShape;
 
@@ -427,28 +427,6 @@ mod tests {
             ..Mamba2Config::tiny(2, 4)
         };
         vec![Mamba2Config::tiny(2, 4), wide]
-    }
-
-    fn tokens(n: usize, vocab: usize, seed: u32) -> Vec<u32> {
-        (0..n as u32).map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed * 97) >> 7) % vocab as u32).collect()
-    }
-
-    /// Largest |a − b| / max(1, |b|).
-    fn rel_diff(a: &[f32], b: &[f32]) -> f32 {
-        assert_eq!(a.len(), b.len());
-        a.iter().zip(b).map(|(x, y)| (x - y).abs() / y.abs().max(1.0)).fold(0.0, f32::max)
-    }
-
-    fn assert_states_close(gpu: &State, cpu: &State, tol: f32, at: &str) {
-        assert_eq!((gpu.position, gpu.n_tokens), (cpu.position, cpu.n_tokens), "{at}: positions");
-        for (l, (g, c)) in gpu.layers.iter().zip(&cpu.layers).enumerate() {
-            for (name, a, b) in
-                [("ssm", &g.ssm, &c.ssm), ("conv", &g.conv, &c.conv), ("log_decay", &g.log_decay, &c.log_decay)]
-            {
-                let d = rel_diff(a, b);
-                assert!(d <= tol, "{at}: layer {l} {name} differs by {d:e} (tolerance {tol:e})");
-            }
-        }
     }
 
     /// Every kernel exists in the compiled library and takes the argument struct laid out as
