@@ -40,6 +40,16 @@ echo "== the HF reference tests on the GPU engine, and the bundled model through
 DEVICE=cuda BIN=$W/bin TESTS=reference BENCH=0 OUT=$OUT/check timeout 300 scripts/gpu_check.sh > /dev/null 2>&1
 tail -30 "$OUT/check/log"
 
+echo "== the hybrid GPU engine on Granite 4.0 H-Micro-like random weights (2.9 B), against the CPU engine on this machine"
+# Random weights made in picaso (no download, no Python); figures into $OUT/hybrid-*.json.
+if [[ ${QUICK:-0} != 1 ]]; then
+  for dev in cuda cpu; do
+    if [[ $dev == cuda ]]; then n=(--prompt-tokens 2048 --decode-tokens 128 --decode-batch 16); else n=(--prompt-tokens 256 --decode-tokens 16 --decode-batch 4 --repeats 1); fi
+    timeout 240 "$W/bin/picaso" bench --random granite-micro-like --weights bf16 --device $dev --compose-n 0 "${n[@]}" --json \
+      > "$OUT/hybrid-micro-$dev.json" 2> "$OUT/hybrid-micro-$dev.log"; tail -1 "$OUT/hybrid-micro-$dev.json"
+  done
+fi
+
 [[ -n ${random_pid:-} ]] && wait "$random_pid"
 echo "== picaso beside mamba_ssm"
 if [[ ${QUICK:-0} == 1 ]]; then set -- --shapes 130m --rounds 1; else set -- --rounds 2; fi

@@ -12,11 +12,12 @@ use crate::args::{at_least_one, backend_for, load_model, ModelArgs};
 
 #[derive(Args)]
 pub(crate) struct BenchArgs {
-    /// Model folder; without it, random weights of --random's shape (130m = mamba2-130m, mamba1-130m, tiny) are used.
+    /// Model folder; without it, random weights of --random's shape are used.
     #[arg(long, conflicts_with = "random")]
     model: Option<String>,
     /// Random weights in a known shape: `130m` (state-spaces/mamba2-130m), `2.7b`
-    /// (state-spaces/mamba2-2.7b), `mamba1-130m` (state-spaces/mamba-130m) or `tiny`.
+    /// (state-spaces/mamba2-2.7b), `mamba1-130m` (state-spaces/mamba-130m), `tiny`, or the
+    /// Granite 4.0 H hybrids `granite-350m-like` and `granite-micro-like` (2.9 B).
     #[arg(long, default_value = "130m")]
     random: String,
     /// Seed of the random weights.
@@ -52,11 +53,12 @@ pub(crate) struct BenchArgs {
 
 #[derive(Args)]
 pub(crate) struct BenchContextArgs {
-    /// Model folder; without it, random weights of --random's shape (130m = mamba2-130m, mamba1-130m, tiny) are used.
+    /// Model folder; without it, random weights of --random's shape are used.
     #[arg(long, conflicts_with = "random")]
     model: Option<String>,
     /// Random weights in a known shape: `130m` (state-spaces/mamba2-130m), `2.7b`
-    /// (state-spaces/mamba2-2.7b), `mamba1-130m` (state-spaces/mamba-130m) or `tiny`.
+    /// (state-spaces/mamba2-2.7b), `mamba1-130m` (state-spaces/mamba-130m), `tiny`, or the
+    /// Granite 4.0 H hybrids `granite-350m-like` and `granite-micro-like` (2.9 B).
     #[arg(long, default_value = "130m")]
     random: String,
     /// Storage of the large weight matrices: f32 or bf16.
@@ -94,7 +96,9 @@ pub(crate) struct BenchContextArgs {
 
 #[derive(Args)]
 pub(crate) struct RandomModelArgs {
-    /// Shape: 130m (state-spaces/mamba2-130m), mamba1-130m (state-spaces/mamba-130m) or tiny.
+    /// Shape: 130m (state-spaces/mamba2-130m), 2.7b (state-spaces/mamba2-2.7b), mamba1-130m
+    /// (state-spaces/mamba-130m), tiny, or the Granite 4.0 H hybrids granite-350m-like and
+    /// granite-micro-like (2.9 B).
     #[arg(long, default_value = "130m")]
     shape: String,
     /// Seed of the weights.
@@ -112,13 +116,7 @@ pub(crate) fn random_model(a: RandomModelArgs) -> Result<()> {
     if a.out.exists() {
         bail!("{} exists; give a new folder to --out", a.out.display());
     }
-    let config = match a.shape.as_str() {
-        "130m" => picaso_model::ModelConfig::Mamba2(picaso_model::Mamba2Config::mamba2_130m()),
-        "2.7b" => picaso_model::ModelConfig::Mamba2(picaso_model::Mamba2Config::mamba2_2_7b()),
-        "mamba1-130m" => picaso_model::ModelConfig::Mamba1(picaso_model::Mamba1Config::mamba_130m()),
-        "tiny" => picaso_model::ModelConfig::Mamba2(picaso_model::Mamba2Config::tiny(2, 4)),
-        other => bail!("--shape {other:?}: use 130m (Mamba-2), 2.7b (Mamba-2), mamba1-130m or tiny"),
-    };
+    let config = random_config(&a.shape, "--shape")?;
     if let Some(t) = &a.tokenizer {
         let known = picaso_model::TextTokenizer::from_file(t)?.vocab_size();
         if known > config.vocab_size() {
@@ -138,7 +136,9 @@ pub(crate) fn random_model(a: RandomModelArgs) -> Result<()> {
         picaso_model::ModelConfig::Mamba2(c) => {
             picaso_model::Mamba2Weights::random(c, a.seed).save_pretrained(&a.out, c)?
         }
-        picaso_model::ModelConfig::GraniteHybrid(_) => bail!("--shape: no random hybrid shape is offered"),
+        picaso_model::ModelConfig::GraniteHybrid(c) => {
+            picaso_model::GraniteHybridWeights::random(c, a.seed).save_pretrained(&a.out, c)?
+        }
     }
     if let Some(t) = &a.tokenizer {
         std::fs::copy(t, a.out.join("tokenizer.json")).with_context(|| format!("copying {}", t.display()))?;
@@ -160,19 +160,37 @@ fn bench_model(
         return load_model(&args, false);
     }
     let backend = backend_for(device, weights)?;
-    if random == "mamba1-130m" {
-        let config = picaso_model::Mamba1Config::mamba_130m();
-        let w = picaso_model::Mamba1Weights::random(&config, seed);
-        return Ok(Model::from_mamba1_weights_on(config, w, None, &backend, weights)?);
-    }
-    let config = match random {
-        "130m" => picaso_model::Mamba2Config::mamba2_130m(),
-        "2.7b" => picaso_model::Mamba2Config::mamba2_2_7b(),
-        "tiny" => picaso_model::Mamba2Config::tiny(2, 4),
-        other => bail!("--random {other:?}: use 130m (Mamba-2), 2.7b (Mamba-2), mamba1-130m or tiny"),
-    };
-    let w = picaso_model::Mamba2Weights::random(&config, seed);
-    Ok(Model::from_weights_on(config, w, None, &backend, weights)?)
+    Ok(match random_config(random, "--random")? {
+        picaso_model::ModelConfig::Mamba1(c) => {
+            let w = picaso_model::Mamba1Weights::random(&c, seed);
+            Model::from_mamba1_weights_on(c, w, None, &backend, weights)?
+        }
+        picaso_model::ModelConfig::Mamba2(c) => {
+            let w = picaso_model::Mamba2Weights::random(&c, seed);
+            Model::from_weights_on(c, w, None, &backend, weights)?
+        }
+        picaso_model::ModelConfig::GraniteHybrid(c) => {
+            let w = picaso_model::GraniteHybridWeights::random(&c, seed);
+            Model::from_hybrid_weights_on(c, w, None, &backend, weights)?
+        }
+    })
+}
+
+/// The config of a known shape of random weights (`flag` names the option, for the error).
+fn random_config(shape: &str, flag: &str) -> Result<picaso_model::ModelConfig> {
+    use picaso_model::{GraniteHybridConfig, Mamba1Config, Mamba2Config, ModelConfig};
+    Ok(match shape {
+        "130m" => ModelConfig::Mamba2(Mamba2Config::mamba2_130m()),
+        "2.7b" => ModelConfig::Mamba2(Mamba2Config::mamba2_2_7b()),
+        "mamba1-130m" => ModelConfig::Mamba1(Mamba1Config::mamba_130m()),
+        "tiny" => ModelConfig::Mamba2(Mamba2Config::tiny(2, 4)),
+        "granite-350m-like" => ModelConfig::GraniteHybrid(GraniteHybridConfig::granite_350m_like()),
+        "granite-micro-like" => ModelConfig::GraniteHybrid(GraniteHybridConfig::granite_micro_like()),
+        other => bail!(
+            "{flag} {other:?}: use 130m or 2.7b (Mamba-2), mamba1-130m, tiny, or granite-350m-like or \
+             granite-micro-like (Granite 4.0 H hybrids)"
+        ),
+    })
 }
 
 pub(crate) fn bench_context(a: BenchContextArgs) -> Result<()> {

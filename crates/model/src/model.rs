@@ -184,6 +184,18 @@ impl Model {
         Self::from_parts(ModelConfig::Mamba1(config), Weights::Mamba1(weights), tokenizer, backend, weight_dtype)
     }
 
+    /// Builds a hybrid model on `backend` from weights already in memory (benchmarks, tests).
+    pub fn from_hybrid_weights_on(
+        config: crate::granite_hybrid::GraniteHybridConfig,
+        weights: crate::granite_hybrid::GraniteHybridWeights,
+        tokenizer: Option<TextTokenizer>,
+        backend: &Backend,
+        weight_dtype: WeightDtype,
+    ) -> Result<Self> {
+        let (config, weights) = (ModelConfig::GraniteHybrid(config), Weights::GraniteHybrid(weights));
+        Self::from_parts(config, weights, tokenizer, backend, weight_dtype)
+    }
+
     fn from_parts(
         config: ModelConfig,
         weights: Weights,

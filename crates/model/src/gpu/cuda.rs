@@ -229,7 +229,7 @@ impl Gpu for CudaGpu {
             MatrixDtype::F32 => blas_sys::cudaDataType::CUDA_R_32F,
             MatrixDtype::Bf16 => blas_sys::cudaDataType::CUDA_R_16BF,
         };
-        let (alpha, beta) = (1.0f32, if g.accumulate { 1.0f32 } else { 0.0 });
+        let (alpha, beta) = (g.alpha, if g.accumulate { 1.0f32 } else { 0.0 });
         let dim =
             |v: usize| i32::try_from(v).map_err(|_| Error::Gpu(format!("a product dimension of {v} exceeds i32")));
         let (n, rows, k) = (dim(g.n)?, dim(g.rows)?, dim(g.k)?);

@@ -170,6 +170,7 @@ fn run_gemm(g: &Gemm) {
     for r in 0..g.rows {
         for j in 0..g.n {
             let dot: f32 = a[r * g.k..(r + 1) * g.k].iter().zip(&w[j * g.k..(j + 1) * g.k]).map(|(x, y)| x * y).sum();
+            let dot = if g.alpha == 1.0 { dot } else { g.alpha * dot };
             let o = &mut out[r * g.n + j];
             *o = if g.accumulate { *o + dot } else { dot };
         }
@@ -272,7 +273,17 @@ mod tests {
     fn other_threads_wait_while_one_records() {
         let emu = Arc::new(Emulator::new().unwrap());
         let buf = emu.alloc_zeroed(4).unwrap();
-        let gemm = Gemm { dtype: MatrixDtype::F32, rows: 1, n: 1, k: 1, a: buf, w: buf, out: buf, accumulate: true };
+        let gemm = Gemm {
+            dtype: MatrixDtype::F32,
+            rows: 1,
+            n: 1,
+            k: 1,
+            a: buf,
+            w: buf,
+            out: buf,
+            accumulate: true,
+            alpha: 1.0,
+        };
         emu.begin_capture().unwrap();
         emu.gemm(&gemm).unwrap();
         let uploaded = Arc::new(AtomicBool::new(false));

@@ -64,8 +64,8 @@ impl MatrixDtype {
     }
 }
 
-/// `out (rows × n) [+]= a (rows × k) · w (n × k)ᵀ`: activations times a weight matrix stored
-/// row-major as (out features, in features), both in `dtype`, `out` in f32.
+/// `out (rows × n) [+]= alpha · a (rows × k) · w (n × k)ᵀ`: activations times a weight matrix
+/// stored row-major as (out features, in features), both in `dtype`, `out` in f32.
 #[derive(Debug, Clone, Copy)]
 pub struct Gemm {
     /// Storage type of `a` and `w`.
@@ -84,6 +84,9 @@ pub struct Gemm {
     pub out: DevicePtr,
     /// Add to `out` instead of overwriting it (the residual stream).
     pub accumulate: bool,
+    /// The products' scale, applied in f32 after the sums (a hybrid's residual multiplier: the
+    /// weights stay as stored, as on the CPU engine).
+    pub alpha: f32,
 }
 
 /// What the engine needs of a device.

@@ -138,6 +138,7 @@ impl GpuTokenIo {
             w: head.ptr(),
             out,
             accumulate: false,
+            alpha: 1.0,
         })
     }
 

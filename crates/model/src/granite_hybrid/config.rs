@@ -767,6 +767,64 @@ impl GraniteHybridConfig {
         }
     }
 
+    /// Granite 4.0 H-350M's layout as IBM describes it, sizes chosen here (for benchmarks with
+    /// random weights; `scripts/make_random_granite.py --preset 350m-like` writes the same
+    /// shape through transformers): hidden 768, 32 layers of which 4 NoPE attention (12 query
+    /// and 4 key-value heads of 64) evenly spread, Mamba-2 mixers of 48 heads × 32 (state 128),
+    /// a SwiGLU MLP of 2,048, tied embeddings, Granite's multipliers.
+    pub fn granite_350m_like() -> Self {
+        Self::granite_like(768, 32, (12, 4), (48, 32), 2048)
+    }
+
+    /// Granite 4.0 H-Micro's layout (2.9 B, dense), sizes chosen here: hidden 2,560, 40 layers
+    /// of which 4 attention (40 query and 8 key-value heads of 64), Mamba-2 mixers of 80 heads
+    /// × 64, a SwiGLU MLP of 4,096 (`make_random_granite.py --preset micro-like`).
+    pub fn granite_micro_like() -> Self {
+        Self::granite_like(2560, 40, (40, 8), (80, 64), 4096)
+    }
+
+    /// A dense NoPE Granite 4.0 H of these sizes, its 4 attention layers where
+    /// `make_random_granite.py` puts them (the k-th at round((k + ½)·layers / 4)).
+    fn granite_like(
+        d: usize,
+        layers: usize,
+        (heads, kv_heads): (usize, usize),
+        (m_heads, m_dim): (usize, usize),
+        mlp: usize,
+    ) -> Self {
+        let attention: Vec<usize> = (0..4).map(|k| ((k as f64 + 0.5) * layers as f64 / 4.0).round() as usize).collect();
+        let vocab_size = 50304;
+        let mamba = Mamba2Config {
+            d_model: d,
+            n_layer: layers - attention.len(),
+            vocab_size,
+            d_state: 128,
+            headdim: m_dim,
+            nheads: m_heads,
+            expand: 2,
+            n_groups: 1,
+            d_conv: 4,
+            ..Mamba2Config::tiny(layers - attention.len(), 4)
+        };
+        Self {
+            d_model: d,
+            vocab_size,
+            layers: (0..layers)
+                .map(|i| if attention.contains(&i) { LayerKind::Attention } else { LayerKind::Mamba })
+                .collect(),
+            mamba,
+            n_heads: heads,
+            n_kv_heads: kv_heads,
+            head_dim: 64,
+            attention_multiplier: 1.0 / 64.0,
+            embedding_multiplier: 12.0,
+            residual_multiplier: 0.22,
+            logits_scaling: 3.0,
+            shared_intermediate: mlp,
+            ..Self::tiny(vocab_size)
+        }
+    }
+
     /// Number of layers.
     pub fn n_layer(&self) -> usize {
         self.layers.len()
@@ -1230,4 +1288,23 @@ pub(super) fn rope_theta(f: &Fields<'_>, path: &Path) -> Result<f64> {
         }
     }
     f.f64_or("rope_theta", 10000.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The benchmark presets are valid models with their attention layers where
+    /// `make_random_granite.py` puts them.
+    #[test]
+    fn the_benchmark_presets_are_valid_granite_layouts() {
+        for (c, at, n) in [
+            (GraniteHybridConfig::granite_350m_like(), [4, 12, 20, 28], 32),
+            (GraniteHybridConfig::granite_micro_like(), [5, 15, 25, 35], 40),
+        ] {
+            c.validate(Path::new("preset")).unwrap();
+            assert_eq!((c.n_layer(), c.attention_layers(), c.n_mamba()), (n, at.to_vec(), n - 4));
+            assert_eq!(c.mamba.d_inner(), 2 * c.d_model);
+        }
+    }
 }

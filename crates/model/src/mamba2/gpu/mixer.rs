@@ -39,6 +39,8 @@ pub(crate) struct GpuMixer {
     gated_norm: DeviceBuf,
     out_proj: DeviceBuf,
     out_proj_bias: Option<DeviceBuf>,
+    /// The output's scale (a hybrid's residual multiplier; the bias is stored scaled).
+    out_scale: f32,
 }
 
 /// Device addresses one mixer pass reads and writes besides its scratch.
@@ -54,8 +56,9 @@ pub(crate) struct MixerIo {
 }
 
 impl GpuMixer {
-    /// Uploads `l`'s mixer, its output projection (and bias) multiplied by `out_scale` (a
-    /// hybrid's residual multiplier; exactly 1 leaves the weights' bits alone).
+    /// Uploads `l`'s mixer, whose output is to be multiplied by `out_scale` (a hybrid's residual
+    /// multiplier: applied to the product in f32, the projection stored as read, the bias
+    /// scaled in f32).
     pub(crate) fn upload(
         c: &Mamba2Config,
         l: &LayerWeights,
@@ -80,8 +83,9 @@ impl GpuMixer {
             a_neg: f32buf(&l.a_log.iter().map(|v| -v.exp()).collect::<Vec<_>>())?,
             d: f32buf(&l.d)?,
             gated_norm: f32buf(&l.gated_norm)?,
-            out_proj: matrix(&scaled(&l.out_proj))?,
+            out_proj: matrix(&l.out_proj)?,
             out_proj_bias: l.out_proj_bias.as_deref().map(|b| f32buf(&scaled(b))).transpose()?,
+            out_scale,
         })
     }
 
@@ -100,10 +104,10 @@ impl GpuMixer {
     ) -> Result<()> {
         let (rows, seqs) = (batch.rows, batch.seqs() as u32);
         let (width, di, cd) = (c.d_in_proj(), c.d_inner(), c.conv_dim());
-        let gemm = |a, w: &DeviceBuf, out, n, k, accumulate| {
-            gpu.gemm(&Gemm { dtype, rows, n, k, a, w: w.ptr(), out, accumulate })
+        let gemm = |a, w: &DeviceBuf, out, n, k, accumulate, alpha| {
+            gpu.gemm(&Gemm { dtype, rows, n, k, a, w: w.ptr(), out, accumulate, alpha })
         };
-        gemm(io.xn, &self.in_proj, s.zx.ptr(), width, c.d_model, false)?;
+        gemm(io.xn, &self.in_proj, s.zx.ptr(), width, c.d_model, false, 1.0)?;
         add_bias(gpu, s.zx.ptr(), self.in_proj_bias.as_ref(), rows, width)?;
 
         let (starts, lens) = (io.starts, io.lens);
@@ -214,7 +218,7 @@ impl GpuMixer {
             },
         };
         launch(gpu, "gated_rmsnorm", [rows as u32, c.n_groups as u32, 1], [BLOCK, 1, 1], &norm)?;
-        gemm(s.gated.ptr(), &self.out_proj, io.h, c.d_model, di, true)?;
+        gemm(s.gated.ptr(), &self.out_proj, io.h, c.d_model, di, true, self.out_scale)?;
         add_bias(gpu, io.h, self.out_proj_bias.as_ref(), rows, c.d_model)
     }
 }

@@ -145,13 +145,14 @@ impl GpuStates<'_> {
     /// Room for `capacity` sequences: new buffers, the sequences copied over on the device.
     /// The recorded steps go (they hold the old addresses).
     fn grow(&mut self, capacity: usize) -> Result<()> {
-        let (gpu, n) = (&self.engine.gpu, self.host.len());
-        for ls in &mut self.layers {
-            *ls = ls.grown(gpu, &self.engine.config, n, capacity)?;
-        }
-        self.logits = DeviceBuf::zeroed(gpu, capacity * self.engine.config.vocab_size * 4)?;
-        self.capacity = capacity;
+        // The recorded steps go first, whatever happens below; the new buffers are all made
+        // before the old ones go, so a failed allocation leaves the session as it was.
         self.steps.clear();
+        let (gpu, n) = (&self.engine.gpu, self.host.len());
+        let layers =
+            self.layers.iter().map(|ls| ls.grown(gpu, &self.engine.config, n, capacity)).collect::<Result<Vec<_>>>()?;
+        self.logits = DeviceBuf::zeroed(gpu, capacity * self.engine.config.vocab_size * 4)?;
+        (self.layers, self.capacity) = (layers, capacity);
         Ok(())
     }
 }
@@ -342,6 +343,7 @@ impl GpuMamba2 {
         if batch.rows == 0 || out.bytes() < 4 * n {
             return self.run_logits(tokens, batch, states, out);
         }
+        batch.check_grid()?;
         let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let pass = self.pass(&mut scratch, tokens, batch)?;
         replay_step(&*self.gpu, steps, (batch.seqs(), pass.id), &self.graphs, || {
