@@ -565,24 +565,24 @@ KERNEL(scale, ScaleArgs) {
     if (i < a.n) a.x[i] *= a.s;
 }
 
-// A pass's projected rows are q | k | v (heads·hd, kv_heads·hd, kv_heads·hd). Each sequence's
-// cache holds `cap` rows of kv_heads·hd keys (and values), its `prev[s]` earlier ones first;
-// its new tokens sit at RoPE positions pos[s], pos[s] + 1, ...
+// A pass's projected rows are q | k | v (heads·hd, kv_heads·hd, kv_heads·hd). The keys (and
+// values) of every sequence share one pool of rows of kv_heads·hd; sequence s's region starts
+// at row off[s] and holds its prev[s] earlier keys first. Its new tokens sit at RoPE positions
+// pos[s], pos[s] + 1, ...
 struct RopeAppendArgs {
     float* qkv;
-    float* keys;              // (seqs, cap, kv_heads·hd)
-    float* values;            // (seqs, cap, kv_heads·hd)
+    float* keys;              // (pool, kv_heads·hd)
+    float* values;            // (pool, kv_heads·hd)
     const double* inv_freq;   // (rotary / 2)
     const int* starts;
     const int* lens;
     const int* prev;
     const int* pos;
+    const int* off;
     int heads;
     int kv_heads;
     int head_dim;
     int rotary;  // channels rotated from each head's first; 0: no RoPE
-    int cap;
-    int pad;
 };
 
 // Rotates the first `rotary` channels of each query and key head as transformers' default RoPE
@@ -607,7 +607,7 @@ KERNEL(rope_append, RopeAppendArgs) {
         }
         __syncthreads();
     }
-    long long dst = ((long long)s * a.cap + a.prev[s] + t) * kvw;
+    long long dst = ((long long)a.off[s] + a.prev[s] + t) * kvw;
     for (int i = threadIdx.x; i < kvw; i += blockDim.x) {
         a.keys[dst + i] = r[qw + i];
         a.values[dst + i] = r[qw + kvw + i];
@@ -622,12 +622,13 @@ struct AttendArgs {
     const int* starts;
     const int* lens;
     const int* prev;
+    const int* off;
     int heads;
     int kv_heads;
     int head_dim;  // ≤ 256
-    int cap;
     float scale;
     int out_bf16;
+    int pad;
 };
 
 // One query row and head attending to the keys before it (its sequence's earlier keys and its
@@ -643,8 +644,8 @@ KERNEL(attend, AttendArgs) {
     long long row = a.starts[s] + t;
     int n = a.prev[s] + t + 1;
     int g = h / (a.heads / a.kv_heads);
-    const float* keys = a.keys + (long long)s * a.cap * kvw + g * hd;
-    const float* values = a.values + (long long)s * a.cap * kvw + g * hd;
+    const float* keys = a.keys + (long long)a.off[s] * kvw + g * hd;
+    const float* values = a.values + (long long)a.off[s] * kvw + g * hd;
     for (int i = tid; i < hd; i += blockDim.x) q[i] = a.qkv[row * (qw + 2 * kvw) + h * hd + i];
     __syncthreads();
     float m = -3.402823466e38f, l = 0.0f, acc = 0.0f;

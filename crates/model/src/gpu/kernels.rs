@@ -115,13 +115,14 @@ kernel_args! {
     /// `rope_append`: RoPE on a pass's queries and keys, its keys and values appended to the cache.
     pub struct RopeAppendArgs {
         qkv: DevicePtr, keys: DevicePtr, values: DevicePtr, inv_freq: DevicePtr,
-        starts: DevicePtr, lens: DevicePtr, prev: DevicePtr, pos: DevicePtr,
-        heads: i32, kv_heads: i32, head_dim: i32, rotary: i32, cap: i32, pad: i32,
+        starts: DevicePtr, lens: DevicePtr, prev: DevicePtr, pos: DevicePtr, off: DevicePtr,
+        heads: i32, kv_heads: i32, head_dim: i32, rotary: i32,
     }
     /// `attend`.
     pub struct AttendArgs {
         qkv: DevicePtr, keys: DevicePtr, values: DevicePtr, out: DevicePtr, starts: DevicePtr, lens: DevicePtr, prev: DevicePtr,
-        heads: i32, kv_heads: i32, head_dim: i32, cap: i32, scale: f32, out_bf16: i32,
+        off: DevicePtr,
+        heads: i32, kv_heads: i32, head_dim: i32, scale: f32, out_bf16: i32, pad: i32,
     }
     /// `glu`: SwiGLU or relu² of the MLP's inner rows.
     pub struct GluArgs { x: DevicePtr, out: DevicePtr, inner: i32, relu2: i32, out_bf16: i32, pad: i32, }

@@ -14,6 +14,7 @@ pub mod cuda;
 pub(crate) mod emulator;
 pub(crate) mod graphs;
 pub(crate) mod kernels;
+pub(crate) mod kv_cache;
 pub(crate) mod plan;
 #[cfg(test)]
 pub(crate) mod testing;

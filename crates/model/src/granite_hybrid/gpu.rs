@@ -13,11 +13,12 @@
 //! kernels, so a model with experts launches its decode steps rather than replaying them.
 //!
 //! A session ([`GpuHybridStates`]) keeps its sequences' states on the device across steps:
-//! the SSM states packed per layer, the keys and values in a cache of `kv_cap` tokens per
-//! sequence that doubles when a sequence outgrows it. Its decode steps run as recorded graphs
-//! ([`crate::gpu::graphs`]): the kernels read each sequence's key count and position from
-//! device memory, uploaded before each step, so one recording serves every step until the
-//! cache or the batch's room grows.
+//! the SSM states packed per layer, the keys and values in a pool per layer where each
+//! sequence has a region that it leaves for one twice as large when it outgrows it
+//! ([`KvCache`]). Its decode steps run as recorded graphs ([`crate::gpu::graphs`]): the
+//! kernels read each sequence's key count, position and region from device memory, uploaded
+//! before each step, so one recording serves every step until the pools move or the batch's
+//! room grows.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -28,6 +29,7 @@ use super::weights::{AttentionWeights, GraniteHybridWeights, MixerWeights, MlpWe
 use crate::error::{Error, Result};
 use crate::gpu::graphs::{replay_step, DecodeGraph};
 use crate::gpu::kernels::{launch, AttendArgs, ConvertArgs, GatherArgs, GluArgs, RopeAppendArgs, ScatterAddArgs};
+use crate::gpu::kv_cache::KvCache;
 use crate::gpu::plan::{blocks, Batch, BLOCK};
 use crate::gpu::token_io::GpuTokenIo;
 use crate::gpu::{forward_by_kind, i32_bytes, DeviceBuf, Gemm, Gpu, MatrixDtype};
@@ -109,6 +111,8 @@ struct Pass {
     prev: DeviceBuf,
     /// The position of each sequence's first new token.
     pos: DeviceBuf,
+    /// Each sequence's first token in the key and value pools.
+    off: DeviceBuf,
     /// The residual stream (f32).
     h: DeviceBuf,
     /// Normed rows, in the matrix type.
@@ -136,16 +140,12 @@ struct Pass {
     wts: DeviceBuf,
 }
 
-/// A batch's states on the device: each Mamba mixer's, packed, and each attention layer's keys
-/// and values with room for `kv_cap` tokens of each of `seq_cap` sequences.
+/// A batch's states on the device: each Mamba mixer's, packed with room for `seq_cap`
+/// sequences, and the keys and values ([`KvCache`]).
 struct DeviceStates {
     mamba: Vec<MixerStates>,
-    /// Per attention layer: keys and values, (seq_cap, kv_cap, kv_heads·head_dim) each.
-    kv: Vec<(DeviceBuf, DeviceBuf)>,
+    kv: KvCache,
     seq_cap: usize,
-    kv_cap: usize,
-    /// Keys each sequence holds (as many in every attention layer).
-    kv_len: Vec<usize>,
 }
 
 impl GpuGraniteHybrid {
@@ -292,9 +292,7 @@ impl GpuGraniteHybrid {
     fn forward_one_kind(&self, tokens: &[u32], lens: &[usize], states: &mut [&mut State]) -> Result<Vec<f32>> {
         let mut device = {
             let refs: Vec<&State> = states.iter().map(|s| &**s).collect();
-            let held = refs.iter().map(|s| self.kv_tokens(s)).collect::<Result<Vec<_>>>()?;
-            let need = held.iter().zip(lens).map(|(n, t)| n + t).max().unwrap_or(0);
-            self.upload(&refs, need, refs.len())?
+            self.upload(&refs, lens, refs.len())?
         };
         let positions: Vec<u64> = states.iter().map(|s| s.position).collect();
         let batch = Batch::new(lens);
@@ -303,7 +301,7 @@ impl GpuGraniteHybrid {
             self.io.final_norm(pass.h.ptr(), pass.out.ptr(), batch.rows, false)?;
             pass.out.read_f32(0, batch.rows * d)
         })?;
-        device.kv_len.iter_mut().zip(lens).for_each(|(n, &t)| *n += t);
+        device.kv.advance(lens);
         self.download(&device, states.iter_mut().map(|s| &mut **s))?;
         for (s, &t) in states.iter_mut().zip(lens) {
             s.advance(t);
@@ -328,54 +326,34 @@ impl GpuGraniteHybrid {
         Ok(n)
     }
 
-    /// One attention layer's keys (or values) for `seqs` sequences of up to `cap` tokens each.
-    fn kv_buffer(&self, seqs: usize, cap: usize) -> Result<DeviceBuf> {
-        let bytes = seqs * cap * self.kv_width() * 4;
-        DeviceBuf::zeroed(&self.gpu, bytes).map_err(|e| {
-            Error::Gpu(format!(
-                "{e}: the keys and values of {seqs} sequences with room for {cap} tokens each take {:.2} GiB per \
-                 attention layer ({} layers); run fewer or shorter sequences at once",
-                2.0 * bytes as f64 / (1u64 << 30) as f64,
-                self.config.attention_layers().len()
-            ))
-        })
-    }
-
-    /// `states` on the device, with room for `seq_cap` sequences of `need` keys (rounded up).
-    fn upload(&self, states: &[&State], need: usize, seq_cap: usize) -> Result<DeviceStates> {
+    /// `states` on the device, with room for `seq_cap` sequences and for `extra[i]` more keys
+    /// in sequence i.
+    fn upload(&self, states: &[&State], extra: &[usize], seq_cap: usize) -> Result<DeviceStates> {
         let c = &self.config;
         let mamba = (0..c.n_mamba())
             .map(|slot| MixerStates::upload(&self.gpu, &c.mamba, states, slot, true))
             .collect::<Result<Vec<_>>>()?;
-        let mut device = DeviceStates { mamba, kv: Vec::new(), seq_cap: 0, kv_cap: 0, kv_len: Vec::new() };
-        device.kv_len = states.iter().map(|s| self.kv_tokens(s)).collect::<Result<_>>()?;
-        device.seq_cap = seq_cap.max(states.len());
-        device.kv_cap = kv_room(need);
-        for slot in 0..c.attention_layers().len() {
-            let (keys, values) =
-                (self.kv_buffer(device.seq_cap, device.kv_cap)?, self.kv_buffer(device.seq_cap, device.kv_cap)?);
-            for (i, s) in states.iter().enumerate() {
-                let at = i * device.kv_cap * self.kv_width();
-                keys.write_f32(at, &s.attention[slot].keys)?;
-                values.write_f32(at, &s.attention[slot].values)?;
+        let held = states.iter().map(|s| self.kv_tokens(s)).collect::<Result<Vec<_>>>()?;
+        let kv = KvCache::new(&self.gpu, self.kv_width(), c.attention_layers().len(), &held, extra)?;
+        for (i, s) in states.iter().enumerate() {
+            for (l, a) in s.attention.iter().enumerate() {
+                kv.write(i, l, &a.keys, &a.values)?;
             }
-            device.kv.push((keys, values));
         }
-        Ok(device)
+        Ok(DeviceStates { mamba, kv, seq_cap: seq_cap.max(states.len()) })
     }
 
     /// Copies the device states back into `states` (the first `states` of `device`).
     fn download<'s>(&self, device: &DeviceStates, states: impl Iterator<Item = &'s mut State>) -> Result<()> {
         let c = &self.config;
-        let w = self.kv_width();
         let mut states: Vec<&mut State> = states.collect();
         for (slot, ms) in device.mamba.iter().enumerate() {
             ms.download(&c.mamba, states.iter_mut().map(|s| &mut **s), slot)?;
         }
-        for (slot, (keys, values)) in device.kv.iter().enumerate() {
-            for (i, s) in states.iter_mut().enumerate() {
-                let (at, n) = (i * device.kv_cap * w, device.kv_len[i] * w);
-                s.attention[slot] = KvState { keys: keys.read_f32(at, n)?, values: values.read_f32(at, n)? };
+        for (i, s) in states.iter_mut().enumerate() {
+            for (l, a) in s.attention.iter_mut().enumerate() {
+                let (keys, values) = device.kv.read(i, l)?;
+                *a = KvState { keys, values };
             }
         }
         Ok(())
@@ -384,8 +362,7 @@ impl GpuGraniteHybrid {
     /// Keeps `states` in device memory for a run of forward passes ([`GpuHybridStates`]).
     pub(crate) fn resident(&self, states: Vec<State>) -> Result<GpuHybridStates<'_>> {
         let refs: Vec<&State> = states.iter().collect();
-        let need = refs.iter().map(|s| self.kv_tokens(s)).collect::<Result<Vec<_>>>()?.into_iter().max();
-        let device = self.upload(&refs, need.unwrap_or(0), states.len())?;
+        let device = self.upload(&refs, &vec![0; refs.len()], states.len())?;
         let logits = DeviceBuf::zeroed(&self.gpu, device.seq_cap * self.config.vocab_size * 4)?;
         Ok(GpuHybridStates { engine: self, device, host: states, logits, steps: HashMap::new() })
     }
@@ -486,6 +463,7 @@ impl GpuGraniteHybrid {
                 lens: zeroed(seqs * 4)?,
                 prev: zeroed(seqs * 4)?,
                 pos: zeroed(seqs * 4)?,
+                off: zeroed(seqs * 4)?,
                 h: zeroed(rows * d * 4)?,
                 xn: zeroed(rows * d * m)?,
                 out: zeroed(rows * d * 4)?,
@@ -513,13 +491,15 @@ impl GpuGraniteHybrid {
             })
         };
         let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
-        let prev = device.kv_len.iter().map(|&n| to_i32("key count", n as u64)).collect::<Result<Vec<_>>>()?;
+        let prev = device.kv.lens().iter().map(|&n| to_i32("key count", n as u64)).collect::<Result<Vec<_>>>()?;
         let pos = positions.iter().map(|&p| to_i32("position", p)).collect::<Result<Vec<_>>>()?;
+        let off = device.kv.offsets()?;
         self.gpu.upload(pass.ids.ptr(), &i32_bytes(&ids))?;
         self.gpu.upload(pass.starts.ptr(), &i32_bytes(&batch.starts))?;
         self.gpu.upload(pass.lens.ptr(), &i32_bytes(&batch.lens))?;
         self.gpu.upload(pass.prev.ptr(), &i32_bytes(&prev[..batch.seqs()]))?;
         self.gpu.upload(pass.pos.ptr(), &i32_bytes(&pos[..batch.seqs()]))?;
+        self.gpu.upload(pass.off.ptr(), &i32_bytes(&off[..batch.seqs()]))?;
         Ok(pass)
     }
 
@@ -538,7 +518,7 @@ impl GpuGraniteHybrid {
                 m.run(&*self.gpu, self.dtype, &c.mamba, &device.mamba[*slot], scratch, io, batch)?;
             }
             if let Some((slot, a)) = &layer.attention {
-                self.attention(a, &device.kv[*slot], device.kv_cap, pass, batch)?;
+                self.attention(a, device.kv.layer(*slot), pass, batch)?;
             }
             if let Some(mlp) = &layer.mlp {
                 self.io.rmsnorm(pass.h.ptr(), mlp.norm.ptr(), pass.xn.ptr(), rows, true)?;
@@ -573,13 +553,12 @@ impl GpuGraniteHybrid {
         self.gpu.gemm(&Gemm { dtype: self.dtype, rows, n, k, a, w: w.ptr(), out: h, accumulate: true, alpha })
     }
 
-    /// `h += o(attention(qkv(xn)))` over the keys and values in `(keys, values)`, the new
-    /// tokens' appended first.
+    /// `h += o(attention(qkv(xn)))` over the keys and values in the pools `(keys, values)`,
+    /// the new tokens' appended first.
     fn attention(
         &self,
         a: &Attention,
         (keys, values): &(DeviceBuf, DeviceBuf),
-        cap: usize,
         pass: &Pass,
         batch: &Batch,
     ) -> Result<()> {
@@ -596,12 +575,11 @@ impl GpuGraniteHybrid {
             lens: pass.lens.ptr(),
             prev: pass.prev.ptr(),
             pos: pass.pos.ptr(),
+            off: pass.off.ptr(),
             heads: c.n_heads as i32,
             kv_heads: c.n_kv_heads as i32,
             head_dim: c.head_dim as i32,
             rotary: if self.inv_freq.is_some() { c.rotary_dim() as i32 } else { 0 },
-            cap: cap as i32,
-            pad: 0,
         };
         launch(&*self.gpu, "rope_append", [batch.max_len as u32, seqs, 1], [BLOCK, 1, 1], &rope)?;
         let attend = AttendArgs {
@@ -612,12 +590,13 @@ impl GpuGraniteHybrid {
             starts: pass.starts.ptr(),
             lens: pass.lens.ptr(),
             prev: pass.prev.ptr(),
+            off: pass.off.ptr(),
             heads: c.n_heads as i32,
             kv_heads: c.n_kv_heads as i32,
             head_dim: c.head_dim as i32,
-            cap: cap as i32,
             scale: c.attention_multiplier as f32,
             out_bf16: self.dtype.flag(),
+            pad: 0,
         };
         // A thread per output channel (and per key of a tile): a head's width, rounded up to a
         // power of two, at least a warp.
@@ -727,12 +706,6 @@ impl GpuGraniteHybrid {
     }
 }
 
-/// Tokens of room for `need` keys per sequence: a power of two, at least 16, so a cache
-/// grows (and a session records its steps again) once per doubling.
-fn kv_room(need: usize) -> usize {
-    need.max(16).next_power_of_two()
-}
-
 /// States of a batch held in device memory across forward passes: a decode loop uploads them
 /// once and brings them back once, however many tokens it runs.
 pub(crate) struct GpuHybridStates<'e> {
@@ -748,43 +721,22 @@ pub(crate) struct GpuHybridStates<'e> {
 }
 
 impl GpuHybridStates<'_> {
-    /// New buffers with room for `seq_cap` sequences of `kv_cap` keys, the sequences copied
+    /// Room for `seq_cap` sequences' Mamba states and logits: new buffers, the sequences copied
     /// over on the device. The recorded steps go first (they hold the old addresses), and the
     /// new buffers are all made before the old ones go, so a failed allocation leaves the
     /// session as it was.
-    fn regrow(&mut self, seq_cap: usize, kv_cap: usize) -> Result<()> {
+    fn regrow(&mut self, seq_cap: usize) -> Result<()> {
         self.steps.clear();
         let e = self.engine;
-        let (gpu, n, w) = (&e.gpu, self.host.len(), e.kv_width());
-        let d = &self.device;
-        let resized = match seq_cap != d.seq_cap {
-            true => Some((
-                d.mamba.iter().map(|ms| ms.grown(gpu, &e.config.mamba, n, seq_cap)).collect::<Result<Vec<_>>>()?,
-                DeviceBuf::zeroed(gpu, seq_cap * e.config.vocab_size * 4)?,
-            )),
-            false => None,
-        };
-        let moved = |old: &DeviceBuf| -> Result<DeviceBuf> {
-            let buf = e.kv_buffer(seq_cap, kv_cap)?;
-            for (i, &len) in d.kv_len.iter().enumerate().filter(|(_, &len)| len > 0) {
-                gpu.copy(buf.at(i * kv_cap * w * 4), old.at(i * d.kv_cap * w * 4), len * w * 4)?;
-            }
-            Ok(buf)
-        };
-        let kv = d.kv.iter().map(|(k, v)| Ok((moved(k)?, moved(v)?))).collect::<Result<Vec<_>>>()?;
-        if let Some((mamba, logits)) = resized {
-            (self.device.mamba, self.logits) = (mamba, logits);
-        }
-        (self.device.kv, self.device.seq_cap, self.device.kv_cap) = (kv, seq_cap, kv_cap);
-        Ok(())
-    }
-
-    /// Room for every sequence to take `lens` more tokens.
-    fn room_for(&mut self, lens: &[usize]) -> Result<()> {
-        let need = self.device.kv_len.iter().zip(lens).map(|(n, t)| n + t).max().unwrap_or(0);
-        if need > self.device.kv_cap {
-            self.regrow(self.device.seq_cap, kv_room(need))?;
-        }
+        let (gpu, n) = (&e.gpu, self.host.len());
+        let mamba = self
+            .device
+            .mamba
+            .iter()
+            .map(|ms| ms.grown(gpu, &e.config.mamba, n, seq_cap))
+            .collect::<Result<Vec<_>>>()?;
+        self.logits = DeviceBuf::zeroed(gpu, seq_cap * e.config.vocab_size * 4)?;
+        (self.device.mamba, self.device.seq_cap) = (mamba, seq_cap);
         Ok(())
     }
 }
@@ -800,7 +752,9 @@ impl crate::engine::Resident for GpuHybridStates<'_> {
                 tokens.len()
             )));
         }
-        self.room_for(lens)?;
+        if self.device.kv.reserve(lens)? {
+            self.steps.clear();
+        }
         let e = self.engine;
         let batch = Batch::new(lens);
         let positions: Vec<u64> = self.host.iter().map(|s| s.position).collect();
@@ -808,7 +762,7 @@ impl crate::engine::Resident for GpuHybridStates<'_> {
             true => e.decode_logits(tokens, &batch, &self.device, &positions, &self.logits, &mut self.steps)?,
             false => e.run_logits(tokens, &batch, &self.device, &positions, &self.logits)?,
         };
-        self.device.kv_len.iter_mut().zip(lens).for_each(|(n, &t)| *n += t);
+        self.device.kv.advance(lens);
         for (s, &t) in self.host.iter_mut().zip(lens) {
             s.advance(t);
         }
@@ -823,20 +777,18 @@ impl crate::engine::Resident for GpuHybridStates<'_> {
         let e = self.engine;
         let n = e.kv_tokens(&state)?;
         let i = self.host.len();
-        let seq_cap = if i == self.device.seq_cap { (2 * i).max(4) } else { self.device.seq_cap };
-        let kv_cap = if n > self.device.kv_cap { kv_room(n) } else { self.device.kv_cap };
-        if (seq_cap, kv_cap) != (self.device.seq_cap, self.device.kv_cap) {
-            self.regrow(seq_cap, kv_cap)?;
+        if i == self.device.seq_cap {
+            self.regrow((2 * i).max(4))?;
+        }
+        if self.device.kv.push(n)? {
+            self.steps.clear();
         }
         for (slot, ms) in self.device.mamba.iter().enumerate() {
             ms.write(&e.config.mamba, i, &state.layers[slot])?;
         }
-        let at = i * self.device.kv_cap * e.kv_width();
-        for ((keys, values), kv) in self.device.kv.iter().zip(&state.attention) {
-            keys.write_f32(at, &kv.keys)?;
-            values.write_f32(at, &kv.values)?;
+        for (l, a) in state.attention.iter().enumerate() {
+            self.device.kv.write(i, l, &a.keys, &a.values)?;
         }
-        self.device.kv_len.push(n);
         self.host.push(state);
         Ok(())
     }
@@ -850,16 +802,8 @@ impl crate::engine::Resident for GpuHybridStates<'_> {
             for ms in &self.device.mamba {
                 ms.copy_seq(&*e.gpu, &e.config.mamba, i, n - 1)?;
             }
-            let (w, cap, last) = (e.kv_width(), self.device.kv_cap, self.device.kv_len[n - 1]);
-            if last > 0 {
-                for (keys, values) in &self.device.kv {
-                    for buf in [keys, values] {
-                        e.gpu.copy(buf.at(i * cap * w * 4), buf.at((n - 1) * cap * w * 4), last * w * 4)?;
-                    }
-                }
-            }
         }
-        self.device.kv_len.swap_remove(i);
+        self.device.kv.swap_remove(i);
         self.host.swap_remove(i);
         Ok(())
     }
@@ -1073,7 +1017,7 @@ mod tests {
                 }
                 let next = [i % v as u32, (i * 7 + 3) % v as u32, 5];
                 logits.push(session.forward_logits(&next, &[1, 1, 1]).unwrap());
-                recorded.push((session.steps.get(&3).map(|g| g.pass), session.device.kv_cap));
+                recorded.push((session.steps.get(&3).map(|g| g.pass), session.device.kv.pool()));
             }
             runs.push((logits, recorded, session.states().unwrap()));
         }
@@ -1082,7 +1026,9 @@ mod tests {
         assert!(l_rec.iter().all(|(p, _)| p.is_none()), "graphs off, yet a step was recorded");
         assert!(g_rec.iter().all(|(p, _)| p.is_some()), "a step ran without a recorded graph");
         assert_ne!(g_rec[2].0, g_rec[1].0, "after the longer pass the step is recorded again");
-        assert_eq!((g_rec[0].1, g_rec[7].1), (16, 32), "the cache grew past 16 keys during the steps");
+        // Two sequences of 13 keys and one of none: regions of 16 each, then the first two
+        // outgrow theirs at their fourth step and the pools are repacked, twice as large.
+        assert_eq!((g_rec[0].1, g_rec[7].1), (48, 96), "the key pools grew during the steps");
         for (i, (g, l)) in g_logits.iter().zip(l_logits).enumerate() {
             assert!(rel_diff(g, l) < 1e-6, "step {i}: logits differ by {:e}", rel_diff(g, l));
         }
