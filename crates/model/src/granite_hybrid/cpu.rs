@@ -13,7 +13,7 @@
 use rayon::prelude::*;
 
 use super::config::{GraniteHybridConfig, MlpKind, Routing};
-use super::weights::{AttentionWeights, GraniteHybridWeights, MixerWeights, MlpWeights, MoeWeights};
+use super::weights::{AttentionWeights, GraniteHybridWeights, MlpWeights, MoeWeights};
 use crate::cpu::layers::by_kind;
 use crate::cpu::matmul::{Bf16Kernel, Matrix};
 use crate::cpu::rows::{rows_par, Rows};
@@ -93,11 +93,7 @@ impl CpuGraniteHybrid {
             .into_iter()
             .enumerate()
             .map(|(i, l)| {
-                let (mamba_weights, attention_weights) = match l.mixer {
-                    MixerWeights::Mamba(w) => (Some(w), None),
-                    MixerWeights::Attention(a) => (None, Some(a)),
-                    MixerWeights::Parallel(w, a) => (Some(w), Some(a)),
-                };
+                let (mamba_weights, attention_weights) = l.mixer.into_parts();
                 let mamba = mamba_weights.map(|w| {
                     n_mamba += 1;
                     (n_mamba - 1, CpuLayer::new(w, &config.mamba, dtype, kernel))

@@ -25,7 +25,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::config::{GraniteHybridConfig, MlpKind};
-use super::weights::{AttentionWeights, GraniteHybridWeights, MixerWeights, MlpWeights, MoeWeights};
+use super::weights::{AttentionWeights, GraniteHybridWeights, MlpWeights, MoeWeights};
 use crate::error::{Error, Result};
 use crate::gpu::graphs::{replay_step, DecodeGraph};
 use crate::gpu::kernels::{launch, AttendArgs, ConvertArgs, GatherArgs, GluArgs, RopeAppendArgs, ScatterAddArgs};
@@ -179,11 +179,7 @@ impl GpuGraniteHybrid {
         let (mut n_mamba, mut n_attention) = (0, 0);
         let mut layers = Vec::with_capacity(weights.layers.len());
         for (i, l) in weights.layers.iter().enumerate() {
-            let (mamba_weights, attention_weights) = match &l.mixer {
-                MixerWeights::Mamba(w) => (Some(w), None),
-                MixerWeights::Attention(a) => (None, Some(a)),
-                MixerWeights::Parallel(w, a) => (Some(w), Some(a)),
-            };
+            let (mamba_weights, attention_weights) = (l.mixer.mamba(), l.mixer.attention());
             let mamba = match mamba_weights {
                 Some(w) => {
                     n_mamba += 1;

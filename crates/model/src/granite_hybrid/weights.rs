@@ -44,6 +44,14 @@ impl MixerWeights {
             Self::Parallel(w, a) => (Some(w), Some(a)),
         }
     }
+    /// The Mamba-2 mixer and the attention, each if the layer has it, to keep.
+    pub fn into_parts(self) -> (Option<LayerWeights>, Option<AttentionWeights>) {
+        match self {
+            Self::Mamba(w) => (Some(w), None),
+            Self::Attention(a) => (None, Some(a)),
+            Self::Parallel(w, a) => (Some(w), Some(a)),
+        }
+    }
 }
 
 /// Grouped-query attention's projections, without biases.
