@@ -17,7 +17,7 @@ pub(crate) struct BenchArgs {
     model: Option<String>,
     /// Random weights in a known shape: `130m` (state-spaces/mamba2-130m), `2.7b`
     /// (state-spaces/mamba2-2.7b), `mamba1-130m` (state-spaces/mamba-130m), `tiny`, or the
-    /// Granite 4.0 H hybrids `granite-350m-like` and `granite-micro-like` (2.9 B).
+    /// Granite 4.0 H hybrids `granite-tiny`, `granite-350m-like` and `granite-micro-like` (2.9 B).
     #[arg(long, default_value = "130m")]
     random: String,
     /// Seed of the random weights.
@@ -58,7 +58,7 @@ pub(crate) struct BenchContextArgs {
     model: Option<String>,
     /// Random weights in a known shape: `130m` (state-spaces/mamba2-130m), `2.7b`
     /// (state-spaces/mamba2-2.7b), `mamba1-130m` (state-spaces/mamba-130m), `tiny`, or the
-    /// Granite 4.0 H hybrids `granite-350m-like` and `granite-micro-like` (2.9 B).
+    /// Granite 4.0 H hybrids `granite-tiny`, `granite-350m-like` and `granite-micro-like` (2.9 B).
     #[arg(long, default_value = "130m")]
     random: String,
     /// Storage of the large weight matrices: f32 or bf16.
@@ -97,8 +97,8 @@ pub(crate) struct BenchContextArgs {
 #[derive(Args)]
 pub(crate) struct RandomModelArgs {
     /// Shape: 130m (state-spaces/mamba2-130m), 2.7b (state-spaces/mamba2-2.7b), mamba1-130m
-    /// (state-spaces/mamba-130m), tiny, or the Granite 4.0 H hybrids granite-350m-like and
-    /// granite-micro-like (2.9 B).
+    /// (state-spaces/mamba-130m), tiny, or the Granite 4.0 H hybrids granite-tiny,
+    /// granite-350m-like and granite-micro-like (2.9 B).
     #[arg(long, default_value = "130m")]
     shape: String,
     /// Seed of the weights.
@@ -184,11 +184,12 @@ fn random_config(shape: &str, flag: &str) -> Result<picaso_model::ModelConfig> {
         "2.7b" => ModelConfig::Mamba2(Mamba2Config::mamba2_2_7b()),
         "mamba1-130m" => ModelConfig::Mamba1(Mamba1Config::mamba_130m()),
         "tiny" => ModelConfig::Mamba2(Mamba2Config::tiny(2, 4)),
+        "granite-tiny" => ModelConfig::GraniteHybrid(GraniteHybridConfig::tiny(61)),
         "granite-350m-like" => ModelConfig::GraniteHybrid(GraniteHybridConfig::granite_350m_like()),
         "granite-micro-like" => ModelConfig::GraniteHybrid(GraniteHybridConfig::granite_micro_like()),
         other => bail!(
-            "{flag} {other:?}: use 130m or 2.7b (Mamba-2), mamba1-130m, tiny, or granite-350m-like or \
-             granite-micro-like (Granite 4.0 H hybrids)"
+            "{flag} {other:?}: use 130m or 2.7b (Mamba-2), mamba1-130m, tiny, or granite-tiny, \
+             granite-350m-like or granite-micro-like (Granite 4.0 H hybrids)"
         ),
     })
 }

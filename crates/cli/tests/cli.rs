@@ -343,6 +343,15 @@ fn random_model_writes_a_loadable_folder() {
     let bad = tmp.path().join("bad");
     fails_with(&["random-model", "--shape", "huge", "--out", bad.to_str().unwrap()], "--shape");
     assert!(!bad.exists(), "a refused shape leaves no folder");
+    // A hybrid: written in Granite 4.0 H's spelling, read back, and scored.
+    let hybrid = tmp.path().join("granite");
+    let h = hybrid.to_str().unwrap();
+    let done = picaso(&["random-model", "--shape", "granite-tiny", "--out", h]);
+    assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
+    let info = ok_json(&["info", "--model", h, "--json"]);
+    assert_eq!(info["config"]["layer_types"][1], "attention", "{info}");
+    let scored = ok_json(&["score", "--model", h, "--token-ids", "1,2,3,4,5", "--json"]);
+    assert!(scored["logprobs"].as_array().is_some_and(|l| l.len() == 4), "{scored}");
 }
 
 /// `bench` reports every measurement it was asked for (single and batched decode, the
@@ -362,6 +371,24 @@ fn bench_measures_single_and_batched_decode() {
         assert!(v.is_finite() && v > 0.0, "{key} = {v}");
     }
     assert_eq!(r["decode_batch"], 3);
+    // A hybrid's keys and values join the states that are decoded and composed.
+    let h = ok_json(&[
+        "bench",
+        "--random",
+        "granite-tiny",
+        "--prompt-tokens",
+        "8",
+        "--decode-tokens",
+        "4",
+        "--repeats",
+        "1",
+        "--compose-n",
+        "2",
+        "--decode-batch",
+        "2",
+        "--json",
+    ]);
+    assert!(h["batched_decode_tokens_per_s"].as_f64().is_some_and(|v| v > 0.0), "{h}");
     assert_eq!(r["compose_ms"].as_array().map(Vec::len), Some(picaso_compose::Composition::ALL.len()), "{r}");
     let skipped = ok_json(&[&args[..], &["--compose-n", "0", "--decode-batch", "0", "--json"]].concat());
     assert!(
