@@ -39,6 +39,9 @@ PICASO_TEST_GPU=cuda timeout 300 "$W/bin/model-lib" mamba2::gpu::tests granite_h
 echo "== the HF reference tests on the GPU engine, and the bundled model through the CLI"
 DEVICE=cuda BIN=$W/bin TESTS=reference BENCH=0 OUT=$OUT/check timeout 300 scripts/gpu_check.sh > /dev/null 2>&1
 tail -30 "$OUT/check/log"
+echo "== the bundled hybrid through the CLI on the GPU engine, against the CPU engine"
+MODEL=models/picaso-hybrid DEVICE=cuda BIN=$W/bin TESTS="" BENCH=0 OUT=$OUT/check-hybrid timeout 300 scripts/gpu_check.sh > /dev/null 2>&1
+tail -20 "$OUT/check-hybrid/log"
 
 echo "== the hybrid GPU engine on Granite 4.0 H-Micro-like random weights (2.9 B), against the CPU engine on this machine"
 # Random weights made in picaso (no download, no Python); figures into $OUT/hybrid-*.json.

@@ -12,6 +12,7 @@
 #   ... cargo test --release -p picaso-model --features candle-cuda --test reference --test mamba1 --no-run
 # then picaso and the two test binaries, stripped, into .gpu-bin/bins.tar.xz; there, carrying .gpu-bin:
 #   OUT=$OUT scripts/gpu_check.sh
+# MODEL picks the model of the CLI checks (default: the bundled Mamba-2).
 # TESTS (default "reference mamba1": the test binaries to run) and BENCH (default 1; 0 skips
 # `picaso bench`) let gpu_bench.sh reuse the CLI checks for the GPU engine (DEVICE=cuda).
 # DEVICE (default candle-cuda) names the engine under test; DEVICE=candle-cpu BIN=target/release runs
@@ -34,6 +35,9 @@ if [[ $DEVICE == *cuda* ]]; then
 fi
 if [[ -e $BIN/bins.tar.xz ]]; then mkdir -p "$W/bin" && tar xJf "$BIN/bins.tar.xz" -C "$W/bin" && BIN=$W/bin; fi
 P=$BIN/picaso
+# MODEL (default: the bundled Mamba-2) is the model the CLI checks run, e.g. models/picaso-hybrid.
+M=()
+[[ -n ${MODEL:-} ]] && M=(--model "$MODEL")
 ldd "$P" | grep "not found" && echo "libraries missing (above)"
 # The test binaries find their fixtures where they were built (CARGO_MANIFEST_DIR).
 built=$(grep -a -o -m1 '/[[:alnum:]/_.-]*/crates/model' "$BIN/reference" | head -1)
@@ -44,7 +48,7 @@ for t in ${TESTS-reference mamba1}; do
   PICASO_TEST_CANDLE_DEVICE=$DEVICE "$BIN/$t" candle --test-threads 1 2>&1
 done
 
-echo "== the CLI on the bundled model: $DEVICE against cpu"
+echo "== the CLI on ${MODEL:-the bundled model}: $DEVICE against cpu"
 CTX1="The Kestrel Line was a narrow-gauge railway built in 1887 to carry slate from the quarries at Bryn Hafod down to the harbour at Porth Wen. It ran for eleven miles along the valley of the river Alaw and closed in 1931."
 CTX2="Porth Wen harbour was enlarged in 1890 to take the slate trade. Ships loaded there sailed to Liverpool and Dublin, and the harbour master kept a record of every cargo until the quarries closed."
 CTX3="The quarries at Bryn Hafod employed four hundred men at their peak. The slate was split by hand in sheds beside the workings and sent down the valley by rail."
@@ -52,20 +56,20 @@ Q="The railway that carried slate down the valley of the Alaw was called"
 for dev in cpu "$DEVICE"; do
   for i in 1 2 3; do
     v=CTX$i
-    "$P" state --device "$dev" --text "${!v}" --out "$W/ctx$i-$dev.st" --json > /dev/null || exit 1
+    "$P" state "${M[@]}" --device "$dev" --text "${!v}" --out "$W/ctx$i-$dev.st" --json > /dev/null || exit 1
   done
   "$P" compose --method picaso-r --state-files "$W"/ctx{1,2,3}-"$dev".st --out "$W/comp-$dev.st" > /dev/null || exit 1
-  "$P" score --device "$dev" --text "$CTX1 $CTX2 $CTX3 $Q" --json > "$W/score-$dev.json" || exit 1
-  "$P" score --device "$dev" --state "$W/comp-$dev.st" --text "$Q" --json > "$W/cont-$dev.json" || exit 1
-  "$P" generate --device "$dev" --state "$W/comp-$dev.st" --prompt "$Q" --max-tokens 40 --json > "$W/gen-$dev.json" || exit 1
+  "$P" score "${M[@]}" --device "$dev" --text "$CTX1 $CTX2 $CTX3 $Q" --json > "$W/score-$dev.json" || exit 1
+  "$P" score "${M[@]}" --device "$dev" --state "$W/comp-$dev.st" --text "$Q" --json > "$W/cont-$dev.json" || exit 1
+  "$P" generate "${M[@]}" --device "$dev" --state "$W/comp-$dev.st" --prompt "$Q" --max-tokens 40 --json > "$W/gen-$dev.json" || exit 1
 done
 # Markov on the device: a+b scored whole, and b scored from the state after a.
 ids=$(python3 -c 'import json,sys; print(",".join(map(str, json.load(open(sys.argv[1]))["token_ids"])))' "$W/score-$DEVICE.json")
 IFS=, read -r -a all <<< "$ids"
 n=${#all[@]}; h=$((n / 2))
 a=$(IFS=,; echo "${all[*]:0:h}"); b=$(IFS=,; echo "${all[*]:h}")
-"$P" state --device "$DEVICE" --token-ids "$a" --out "$W/a-$DEVICE.st" > /dev/null || exit 1
-"$P" score --device "$DEVICE" --state "$W/a-$DEVICE.st" --token-ids "$b" --json > "$W/markov-$DEVICE.json" || exit 1
+"$P" state "${M[@]}" --device "$DEVICE" --token-ids "$a" --out "$W/a-$DEVICE.st" > /dev/null || exit 1
+"$P" score "${M[@]}" --device "$DEVICE" --state "$W/a-$DEVICE.st" --token-ids "$b" --json > "$W/markov-$DEVICE.json" || exit 1
 python3 - "$W" "$DEVICE" "$h" "$OUT/check.json" <<'PY'
 import json, sys
 import numpy as np
