@@ -1,5 +1,5 @@
 //! The hybrids' GPU engine (Granite 4.0 H, Bamba, Nemotron-H, Falcon-H1, routed experts
-//! included): the Mamba-2 layers run the Mamba-2 engine's mixer ([`crate::mamba2::gpu::mixer`]), the attention
+//! included): the Mamba-2 layers run the Mamba-2 engine's mixer (`mamba2::gpu::mixer`), the attention
 //! layers keep each sequence's keys and values in device memory, and a layer is the same
 //! sequence of steps as on the CPU ([`super::cpu`]). It runs on any [`Gpu`]: a CUDA device, or
 //! the CPU emulator that holds it to the CPU engine in the tests.
@@ -12,10 +12,10 @@
 //! embedding may be the LM head). Routed experts are routed on the host between a layer's
 //! kernels, so a model with experts launches its decode steps rather than replaying them.
 //!
-//! A session ([`GpuHybridStates`]) keeps its sequences' states on the device across steps:
+//! A session (`GpuHybridStates`) keeps its sequences' states on the device across steps:
 //! the SSM states packed per layer, the keys and values in a pool per layer where each
 //! sequence has a region that it leaves for one twice as large when it outgrows it
-//! ([`KvCache`]). Its decode steps run as recorded graphs ([`crate::gpu::graphs`]): the
+//! (`gpu::kv_cache`). Its decode steps run as recorded graphs (`gpu::graphs`): the
 //! kernels read each sequence's key count, position and region from device memory, uploaded
 //! before each step, so one recording serves every step until the pools move or the batch's
 //! room grows.
@@ -141,7 +141,7 @@ struct Pass {
 }
 
 /// A batch's states on the device: each Mamba mixer's, packed with room for `seq_cap`
-/// sequences, and the keys and values ([`KvCache`]).
+/// sequences, and the keys and values (`gpu::kv_cache`).
 struct DeviceStates {
     mamba: Vec<MixerStates>,
     kv: KvCache,
