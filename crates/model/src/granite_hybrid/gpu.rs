@@ -149,7 +149,8 @@ struct DeviceStates {
 }
 
 impl GpuGraniteHybrid {
-    /// Uploads `weights` to `gpu`, the large matrices as `dtype`, the multipliers folded in.
+    /// Uploads `weights` to `gpu`, the large matrices as `dtype` (Falcon-H1's µP multipliers
+    /// folded in first, `1 / logits_scaling` into the final norm's weight).
     pub fn new(
         config: GraniteHybridConfig,
         mut weights: GraniteHybridWeights,
