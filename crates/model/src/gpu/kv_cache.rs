@@ -63,11 +63,10 @@ impl KvCache {
         DeviceBuf::zeroed(&self.gpu, bytes).map_err(|e| {
             Error::Gpu(format!(
                 "{e}: the keys and values of {} sequences ({} tokens with their room to grow) take {:.2} GiB per \
-                 attention layer ({} layers); run fewer or shorter sequences at once",
+                 attention layer; run fewer or shorter sequences at once",
                 self.lens.len(),
                 tokens,
                 2.0 * bytes as f64 / (1u64 << 30) as f64,
-                self.layers.len().max(1)
             ))
         })
     }
