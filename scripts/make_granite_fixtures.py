@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Generate small GraniteMoeHybrid (Granite 4.0 H), Bamba, Nemotron-H and Falcon-H1 reference fixtures from HF transformers.
+"""Generate small GraniteMoeHybrid (Granite 4.0 H), Bamba, Nemotron-H, Falcon-H1 and Jamba reference fixtures from HF transformers.
 
 For every case in CASES this script
   1. builds a tiny random `GraniteMoeHybridForCausalLM` (fixed seed, every parameter overwritten
@@ -8,7 +8,9 @@ For every case in CASES this script
      multipliers, RoPE on half of each head's channels), or a `NemotronHForCausalLM` (family
      "nemotron_h": Mamba, attention and relu² MLP blocks apart, NoPE), or a `FalconH1ForCausalLM`
      (family "falcon_h1": a Mamba mixer and RoPE attention side by side in every layer, µP
-     multipliers; such a layer's state is both),
+     multipliers; such a layer's state is both), or a `JambaForCausalLM` (family "jamba":
+     Mamba-1 mixers with RMSNorms on dt, B and C, NoPE attention, experts routed by the top-k of
+     a softmax over all, unnormalised; its log-decay is per (channel, state)),
   2. writes it in HF format (`hf/config.json` with the hub's `layer_types` names
      `mamba`/`attention`, `hf/model.safetensors`),
   3. runs the HF torch reference in float64 (`Float64Everywhere`) on a seeded random token
@@ -44,6 +46,8 @@ from transformers import (
     FalconH1ForCausalLM,
     GraniteMoeHybridConfig,
     GraniteMoeHybridForCausalLM,
+    JambaConfig,
+    JambaForCausalLM,
     NemotronHConfig,
     NemotronHForCausalLM,
 )
@@ -164,6 +168,31 @@ CASES.update({
 })
 
 
+JAMBA_BASE = dict(
+    rms_norm_eps=1e-6, hidden_act="silu", mamba_d_conv=4, mamba_expand=2, mamba_conv_bias=True,
+    max_position_embeddings=512, use_mamba_kernels=False,
+)
+CASES.update({
+    # Jamba: Mamba-1 mixers (RMSNorms on dt, B and C) and NoPE attention every third layer from
+    # layer 1; routed experts (softmax over all 4, the top 2 kept unnormalised, no shared MLP)
+    # every second layer from layer 1, so one attention and one Mamba layer have them; untied head
+    "jamba-moe": dict(
+        family="jamba", seed=2009, hidden_size=32, num_hidden_layers=5, attn_layer_period=3, attn_layer_offset=1,
+        expert_layer_period=2, expert_layer_offset=1, num_experts=4, num_experts_per_tok=2,
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=24,
+        mamba_d_state=8, mamba_dt_rank=5, mamba_proj_bias=False, vocab_size=61, tie_word_embeddings=False,
+    ),
+    # Jamba without experts (`num_experts` 1: a SwiGLU MLP after every mixer), attention first,
+    # `mamba_dt_rank` "auto" (ceil(hidden / 16) = 2), projection biases, one kv head, tied head
+    "jamba-dense": dict(
+        family="jamba", seed=2010, hidden_size=32, num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=0,
+        expert_layer_period=1, expert_layer_offset=0, num_experts=1, num_experts_per_tok=1,
+        num_attention_heads=4, num_key_value_heads=1, intermediate_size=40,
+        mamba_d_state=6, mamba_dt_rank="auto", mamba_proj_bias=True, vocab_size=59, tie_word_embeddings=True,
+    ),
+})
+
+
 class Float64Granite(Float64Everywhere):
     """`Float64Everywhere`, and a `dtype=torch.float32` argument of any function on float64
     input kept float64 too (eager attention's `softmax(..., dtype=torch.float32)`)."""
@@ -197,6 +226,8 @@ def make_config(case: dict):
         return NemotronHConfig(**{**NEMOTRON_BASE, **kw})
     if case.get("family") == "falcon_h1":
         return FalconH1Config(**{**FALCON_BASE, **kw})
+    if case.get("family") == "jamba":
+        return JambaConfig(**{**JAMBA_BASE, **kw})
     return GraniteMoeHybridConfig(**{**BASE, **kw})
 
 
@@ -210,7 +241,8 @@ def load_kw(case: dict) -> dict:
 
 def model_class(case: dict):
     family = case.get("family")
-    classes = {"bamba": BambaForCausalLM, "nemotron_h": NemotronHForCausalLM, "falcon_h1": FalconH1ForCausalLM}
+    classes = {"bamba": BambaForCausalLM, "nemotron_h": NemotronHForCausalLM, "falcon_h1": FalconH1ForCausalLM,
+               "jamba": JambaForCausalLM}
     return classes.get(family, GraniteMoeHybridForCausalLM)
 
 
@@ -320,12 +352,22 @@ def capture_in_proj(model):
             out = output.detach()[0]
             captured.setdefault(i, []).append(out if scale is None else out * scale[0, 0])
 
-        handles.append(mixer(layer).in_proj.register_forward_hook(hook))
+        # Jamba's time step is read after its RMSNorm (see `log_decay`).
+        m = mixer(layer)
+        handles.append((m.dt_layernorm if jamba(m) else m.in_proj).register_forward_hook(hook))
     return captured, handles
 
 
 def hf_run(model, tokens, cache=None, position_ids=None):
     """One HF forward in float64 mode: (logits (T, V), cache, {layer: zxbcdt rows})."""
+    if cache is not None and model.config.model_type == "jamba" and len(tokens) > 1:
+        # transformers' Jamba scan ignores a cache's SSM state when it runs several tokens at once
+        # (a TODO in its `mamba_scan_forward`); its one-token step reads it. So a continuation
+        # from a cache runs one token at a time.
+        steps = [hf_run(model, tokens[t:t + 1], cache, None if position_ids is None else position_ids[t:t + 1])
+                 for t in range(len(tokens))]
+        rows = {i: torch.cat([s[2][i] for s in steps]) for i in steps[0][2]}
+        return torch.cat([s[0] for s in steps]), cache, rows
     captured, handles = capture_in_proj(model)
     cache = cache if cache is not None else DynamicCache(config=model.config)
     try:
@@ -338,7 +380,14 @@ def hf_run(model, tokens, cache=None, position_ids=None):
     return out.logits[0], cache, {i: torch.cat(v) for i, v in captured.items()}
 
 
+def jamba(mixer):
+    return type(mixer).__name__ == "JambaMambaMixer"
+
+
 def log_decay(mixer, zxbcdt):
+    if jamba(mixer):  # Mamba-1: `zxbcdt` is the normed low-rank time step; a decay per (channel, state)
+        dt = F.softplus(zxbcdt @ mixer.dt_proj.weight.T + mixer.dt_proj.bias)
+        return (dt[:, :, None] * -torch.exp(mixer.A_log)).sum(0)
     dt = F.softplus(zxbcdt[:, -mixer.num_heads:] + mixer.dt_bias)
     lo, hi = mixer.time_step_limit
     return (torch.clamp(dt, min=lo, max=hi) * -torch.exp(mixer.A_log)).sum(0)
@@ -352,7 +401,8 @@ def extract_states(model, cache, zxbcdt, tag):
             m = mixer(layer)
             ssm = cache.get_recurrent_state(i)[0]
             conv = cache.get_conv_state(i)[0]  # (conv_dim, K): last K inputs, oldest first
-            assert ssm.shape == (m.num_heads, m.head_dim, m.ssm_state_size), ssm.shape
+            want = (m.intermediate_size, m.ssm_state_size) if jamba(m) else (m.num_heads, m.head_dim, m.ssm_state_size)
+            assert ssm.shape == want, ssm.shape
             states[f"{tag}.layers.{j}.ssm"] = ssm.clone()
             states[f"{tag}.layers.{j}.conv"] = conv[:, 1:].clone()
             states[f"{tag}.layers.{j}.log_decay"] = log_decay(m, zxbcdt[i])
@@ -385,7 +435,8 @@ def caso(decays, ssms, order):
     out = torch.zeros_like(ssms[0])
     after = torch.zeros_like(decays[0])
     for i in reversed(order):
-        out += torch.exp(after)[:, None, None] * ssms[i]
+        decay = torch.exp(after)  # (H) of Mamba-2, (D, N) of Mamba-1
+        out += decay.reshape(decay.shape + (1,) * (ssms[i].dim() - decay.dim())) * ssms[i]
         after = after + decays[i]
     return out
 
@@ -440,10 +491,13 @@ def composed_case(model, tokens):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="testdata/granite")
+    ap.add_argument("--cases", nargs="*", help="regenerate only these cases (the digests cover all)")
     a = ap.parse_args()
     check_float64_mode()
     root = Path(a.out)
     for name, case in CASES.items():
+        if a.cases and name not in a.cases:
+            continue
         out = root / name
         config = make_config(case)
         model32 = build_model(config, case)

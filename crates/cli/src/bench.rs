@@ -17,7 +17,8 @@ pub(crate) struct BenchArgs {
     model: Option<String>,
     /// Random weights in a known shape: `130m` (state-spaces/mamba2-130m), `2.7b`
     /// (state-spaces/mamba2-2.7b), `mamba1-130m` (state-spaces/mamba-130m), `tiny`, or the
-    /// Granite 4.0 H hybrids `granite-tiny`, `granite-350m-like` and `granite-micro-like` (2.9 B).
+    /// Granite 4.0 H hybrids `granite-tiny`, `granite-350m-like` and `granite-micro-like` (2.9 B),
+    /// or the Jamba hybrid `jamba-tiny`.
     #[arg(long, default_value = "130m")]
     random: String,
     /// Seed of the random weights.
@@ -58,7 +59,8 @@ pub(crate) struct BenchContextArgs {
     model: Option<String>,
     /// Random weights in a known shape: `130m` (state-spaces/mamba2-130m), `2.7b`
     /// (state-spaces/mamba2-2.7b), `mamba1-130m` (state-spaces/mamba-130m), `tiny`, or the
-    /// Granite 4.0 H hybrids `granite-tiny`, `granite-350m-like` and `granite-micro-like` (2.9 B).
+    /// Granite 4.0 H hybrids `granite-tiny`, `granite-350m-like` and `granite-micro-like` (2.9 B),
+    /// or the Jamba hybrid `jamba-tiny`.
     #[arg(long, default_value = "130m")]
     random: String,
     /// Storage of the large weight matrices: f32 or bf16.
@@ -97,8 +99,8 @@ pub(crate) struct BenchContextArgs {
 #[derive(Args)]
 pub(crate) struct RandomModelArgs {
     /// Shape: 130m (state-spaces/mamba2-130m), 2.7b (state-spaces/mamba2-2.7b), mamba1-130m
-    /// (state-spaces/mamba-130m), tiny, or the Granite 4.0 H hybrids granite-tiny,
-    /// granite-350m-like and granite-micro-like (2.9 B).
+    /// (state-spaces/mamba-130m), tiny, the Granite 4.0 H hybrids granite-tiny,
+    /// granite-350m-like and granite-micro-like (2.9 B), or the Jamba hybrid jamba-tiny.
     #[arg(long, default_value = "130m")]
     shape: String,
     /// Seed of the weights.
@@ -139,6 +141,9 @@ pub(crate) fn random_model(a: RandomModelArgs) -> Result<()> {
         picaso_model::ModelConfig::GraniteHybrid(c) => {
             picaso_model::GraniteHybridWeights::random(c, a.seed).save_pretrained(&a.out, c)?
         }
+        picaso_model::ModelConfig::Jamba(c) => {
+            picaso_model::JambaWeights::random(c, a.seed).save_pretrained(&a.out, c)?
+        }
     }
     if let Some(t) = &a.tokenizer {
         std::fs::copy(t, a.out.join("tokenizer.json")).with_context(|| format!("copying {}", t.display()))?;
@@ -173,12 +178,16 @@ fn bench_model(
             let w = picaso_model::GraniteHybridWeights::random(&c, seed);
             Model::from_hybrid_weights_on(c, w, None, &backend, weights)?
         }
+        picaso_model::ModelConfig::Jamba(c) => {
+            let w = picaso_model::JambaWeights::random(&c, seed);
+            Model::from_jamba_weights_on(c, w, None, &backend, weights)?
+        }
     })
 }
 
 /// The config of a known shape of random weights (`flag` names the option, for the error).
 fn random_config(shape: &str, flag: &str) -> Result<picaso_model::ModelConfig> {
-    use picaso_model::{GraniteHybridConfig, Mamba1Config, Mamba2Config, ModelConfig};
+    use picaso_model::{GraniteHybridConfig, JambaConfig, Mamba1Config, Mamba2Config, ModelConfig};
     Ok(match shape {
         "130m" => ModelConfig::Mamba2(Mamba2Config::mamba2_130m()),
         "2.7b" => ModelConfig::Mamba2(Mamba2Config::mamba2_2_7b()),
@@ -187,9 +196,10 @@ fn random_config(shape: &str, flag: &str) -> Result<picaso_model::ModelConfig> {
         "granite-tiny" => ModelConfig::GraniteHybrid(GraniteHybridConfig::tiny(61)),
         "granite-350m-like" => ModelConfig::GraniteHybrid(GraniteHybridConfig::granite_350m_like()),
         "granite-micro-like" => ModelConfig::GraniteHybrid(GraniteHybridConfig::granite_micro_like()),
+        "jamba-tiny" => ModelConfig::Jamba(JambaConfig::tiny(61)),
         other => bail!(
-            "{flag} {other:?}: use 130m or 2.7b (Mamba-2), mamba1-130m, tiny, or granite-tiny, \
-             granite-350m-like or granite-micro-like (Granite 4.0 H hybrids)"
+            "{flag} {other:?}: use 130m or 2.7b (Mamba-2), mamba1-130m, tiny, granite-tiny, \
+             granite-350m-like or granite-micro-like (Granite 4.0 H hybrids), or jamba-tiny"
         ),
     })
 }

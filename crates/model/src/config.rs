@@ -34,6 +34,8 @@ pub enum ModelConfig {
     /// Nemotron-H one (`"nemotron_h"`): attention among Mamba-2 layers; or a Falcon-H1 one
     /// (`"falcon_h1"`): attention beside a Mamba-2 mixer in every layer.
     GraniteHybrid(crate::granite_hybrid::GraniteHybridConfig),
+    /// A Jamba hybrid (`model_type: "jamba"`): attention among Mamba-1 layers.
+    Jamba(crate::jamba::JambaConfig),
 }
 
 impl ModelConfig {
@@ -85,6 +87,7 @@ impl ModelConfig {
             Some("falcon_h1") => {
                 Ok(Self::GraniteHybrid(crate::granite_hybrid::GraniteHybridConfig::from_falcon_h1(path, &map)?))
             }
+            Some("jamba") => Ok(Self::Jamba(crate::jamba::JambaConfig::from_hf(path, &map)?)),
             Some("mamba2") | None => {
                 let c = Mamba2Config::from_hf(path, &map)?;
                 c.validate(path)?;
@@ -94,7 +97,8 @@ impl ModelConfig {
                 path,
                 format!(
                     "model_type is {other:?}; picaso reads Mamba-1 (\"mamba\"), Mamba-2 (\"mamba2\"), Granite 4.0 H \
-                     (\"granitemoehybrid\"), Bamba (\"bamba\"), Nemotron-H (\"nemotron_h\") and Falcon-H1 (\"falcon_h1\") models"
+                     (\"granitemoehybrid\"), Bamba (\"bamba\"), Nemotron-H (\"nemotron_h\"), Falcon-H1 (\"falcon_h1\") and \
+                     Jamba (\"jamba\") models"
                 ),
             )),
         }
@@ -103,7 +107,7 @@ impl ModelConfig {
     /// The architecture.
     pub fn arch(&self) -> Arch {
         match self {
-            Self::Mamba1(_) => Arch::Mamba1,
+            Self::Mamba1(_) | Self::Jamba(_) => Arch::Mamba1,
             Self::Mamba2(_) | Self::GraniteHybrid(_) => Arch::Mamba2,
         }
     }
@@ -113,6 +117,7 @@ impl ModelConfig {
             Self::Mamba1(c) => c.d_model,
             Self::Mamba2(c) => c.d_model,
             Self::GraniteHybrid(c) => c.d_model,
+            Self::Jamba(c) => c.d_model,
         }
     }
     /// Number of blocks (a hybrid's attention layers included).
@@ -121,6 +126,7 @@ impl ModelConfig {
             Self::Mamba1(c) => c.n_layer,
             Self::Mamba2(c) => c.n_layer,
             Self::GraniteHybrid(c) => c.n_layer(),
+            Self::Jamba(c) => c.n_layer,
         }
     }
     /// Rows of the embedding matrix (the padded vocabulary).
@@ -129,6 +135,7 @@ impl ModelConfig {
             Self::Mamba1(c) => c.vocab_size,
             Self::Mamba2(c) => c.vocab_size,
             Self::GraniteHybrid(c) => c.vocab_size,
+            Self::Jamba(c) => c.vocab_size,
         }
     }
     /// Width of the causal convolution.
@@ -137,6 +144,7 @@ impl ModelConfig {
             Self::Mamba1(c) => c.d_conv,
             Self::Mamba2(c) => c.d_conv,
             Self::GraniteHybrid(c) => c.mamba.d_conv,
+            Self::Jamba(c) => c.mamba.d_conv,
         }
     }
     /// Floats in one context's state (a hybrid's SSM part: its keys and values grow with the
@@ -146,6 +154,7 @@ impl ModelConfig {
             Self::Mamba1(c) => c.state_floats(),
             Self::Mamba2(c) => c.state_floats(),
             Self::GraniteHybrid(c) => c.state_floats(0),
+            Self::Jamba(c) => c.state_floats(0),
         }
     }
     /// The shape of this model's states.
@@ -154,6 +163,7 @@ impl ModelConfig {
             Self::Mamba1(c) => StateShape::mamba1(c),
             Self::Mamba2(c) => StateShape::of(c),
             Self::GraniteHybrid(c) => c.state_shape(),
+            Self::Jamba(c) => c.state_shape(),
         }
     }
     /// The HF transformers spelling.
@@ -162,6 +172,7 @@ impl ModelConfig {
             Self::Mamba1(c) => c.to_hf_json(),
             Self::Mamba2(c) => c.to_hf_json(),
             Self::GraniteHybrid(c) => c.to_hf_json(),
+            Self::Jamba(c) => c.to_hf_json(),
         }
     }
     /// The checkpoint layout the weights were read from.
@@ -169,7 +180,7 @@ impl ModelConfig {
         match self {
             Self::Mamba1(c) => c.format,
             Self::Mamba2(c) => c.format,
-            Self::GraniteHybrid(_) => CheckpointFormat::HfTransformers,
+            Self::GraniteHybrid(_) | Self::Jamba(_) => CheckpointFormat::HfTransformers,
         }
     }
     /// The sizes, in one line.
@@ -190,13 +201,14 @@ impl ModelConfig {
                 c.d_model, c.n_layer, c.nheads, c.headdim, c.d_state, c.n_groups, c.d_conv, c.vocab_size
             ),
             Self::GraniteHybrid(c) => c.describe(),
+            Self::Jamba(c) => c.describe(),
         }
     }
     /// The Mamba-2 config, if this is one (training supports Mamba-2).
     pub fn as_mamba2(&self) -> Option<&Mamba2Config> {
         match self {
             Self::Mamba2(c) => Some(c),
-            Self::Mamba1(_) | Self::GraniteHybrid(_) => None,
+            Self::Mamba1(_) | Self::GraniteHybrid(_) | Self::Jamba(_) => None,
         }
     }
 }

@@ -7,6 +7,7 @@ use crate::cpu::{Rows, WeightDtype};
 use crate::error::{Error, Result};
 use crate::gpu::{Gpu, MatrixDtype};
 use crate::granite_hybrid::{CpuGraniteHybrid, GpuGraniteHybrid, GraniteHybridWeights};
+use crate::jamba::{CpuJamba, JambaWeights};
 use crate::mamba1::{CandleMamba1, CpuMamba1, Mamba1Weights};
 use crate::mamba2::{CandleMamba2, CpuMamba2, GateNorm, GpuMamba2, Mamba2Weights};
 use crate::state::State;
@@ -176,6 +177,7 @@ pub(crate) enum Weights {
     Mamba1(Mamba1Weights),
     Mamba2(Mamba2Weights),
     GraniteHybrid(GraniteHybridWeights),
+    Jamba(JambaWeights),
 }
 
 impl Weights {
@@ -184,6 +186,7 @@ impl Weights {
             ModelConfig::Mamba1(c) => Weights::Mamba1(Mamba1Weights::load(dir, c)?),
             ModelConfig::Mamba2(c) => Weights::Mamba2(Mamba2Weights::load(dir, c)?),
             ModelConfig::GraniteHybrid(c) => Weights::GraniteHybrid(GraniteHybridWeights::load(dir, c)?),
+            ModelConfig::Jamba(c) => Weights::Jamba(JambaWeights::load(dir, c)?),
         })
     }
     pub(crate) fn fingerprint(&self, config: &ModelConfig) -> String {
@@ -191,6 +194,7 @@ impl Weights {
             (Weights::Mamba1(w), ModelConfig::Mamba1(c)) => w.fingerprint(c),
             (Weights::Mamba2(w), ModelConfig::Mamba2(c)) => w.fingerprint(c),
             (Weights::GraniteHybrid(w), ModelConfig::GraniteHybrid(c)) => w.fingerprint(c),
+            (Weights::Jamba(w), ModelConfig::Jamba(c)) => w.fingerprint(c),
             _ => unreachable!("weights are loaded for their config"),
         }
     }
@@ -199,6 +203,7 @@ impl Weights {
             (Weights::Mamba1(w), _) => w.n_params(),
             (Weights::Mamba2(w), _) => w.n_params(),
             (Weights::GraniteHybrid(w), ModelConfig::GraniteHybrid(c)) => w.n_params(c),
+            (Weights::Jamba(w), ModelConfig::Jamba(c)) => w.n_params(c),
             _ => unreachable!("weights are loaded for their config"),
         }
     }
@@ -241,6 +246,12 @@ pub(crate) fn build(
         }
         (ModelConfig::GraniteHybrid(c), Weights::GraniteHybrid(w), Backend::Cpu) => {
             Box::new(CpuGraniteHybrid::new(c, w, dtype))
+        }
+        (ModelConfig::Jamba(c), Weights::Jamba(w), Backend::Cpu) => Box::new(CpuJamba::new(c, w, dtype)),
+        (ModelConfig::Jamba(_), _, Backend::Gpu(_) | Backend::Candle { .. }) => {
+            return Err(Error::Input(
+                "Jamba models run on the cpu engine only for now (the GPU engine runs Mamba-2 mixers): drop --device or use --device cpu".into(),
+            ))
         }
         (ModelConfig::GraniteHybrid(_), _, Backend::Candle { .. }) => {
             return Err(Error::Input(
@@ -343,6 +354,18 @@ impl Engine for CpuGraniteHybrid {
     }
     fn runs_f16_states(&self) -> bool {
         true
+    }
+}
+
+impl Engine for CpuJamba {
+    fn forward_batch(&self, tokens: &[u32], lens: &[usize], states: &mut [&mut State]) -> Result<Vec<f32>> {
+        Ok(CpuJamba::forward_batch(self, tokens, lens, states))
+    }
+    fn logits(&self, hidden: &[f32], kind: Rows) -> Result<Vec<f32>> {
+        Ok(CpuJamba::logits(self, hidden, kind))
+    }
+    fn logprobs(&self, hidden: &[f32], targets: &[u32]) -> Result<Vec<f32>> {
+        Ok(CpuJamba::logprobs(self, hidden, targets))
     }
 }
 

@@ -2,13 +2,14 @@
 //!
 //! A language model whose state is a first-class value: Mamba-2, Mamba-1, or a hybrid (Granite
 //! 4.0 H, Bamba, Nemotron-H: attention among Mamba-2 layers; Falcon-H1: attention beside a
-//! Mamba-2 mixer in every layer), detected from `config.json`. [`Model::prefill`] turns
+//! Mamba-2 mixer in every layer; Jamba: attention among Mamba-1 layers), detected from
+//! `config.json`. [`Model::prefill`] turns
 //! any token sequence, started from any [`State`], into the state after it; [`Model::score`] also
 //! returns the log-probabilities; [`generate()`] continues from a state. States save to and load
 //! from safetensors files ([`State::save`], [`State::load`]) and carry the fingerprint of the
 //! model that made them, so they are never applied to another model.
 //!
-//! Layout: one folder per architecture ([`mamba2`], [`mamba1`], [`granite_hybrid`]: config,
+//! Layout: one folder per architecture ([`mamba2`], [`mamba1`], [`granite_hybrid`], [`jamba`]: config,
 //! weights, CPU engine, GPU engine, candle engine); the CPU kernels by operation in [`cpu`], the GPU's
 //! device layer and kernels in [`gpu`]; one engine
 //! interface (`engine.rs`) that [`Model`] holds as a `Box<dyn Engine>`. Weights are read once
@@ -38,6 +39,7 @@ pub mod generate;
 pub mod gpu;
 pub mod granite_hybrid;
 pub mod hub;
+pub mod jamba;
 pub mod mamba1;
 pub mod mamba2;
 mod memory;
@@ -54,6 +56,7 @@ pub use cpu::WeightDtype;
 pub use error::{Error, Result};
 pub use generate::{generate, Decoder, GenerateOptions, Generation, Next, StopReason};
 pub use granite_hybrid::{GraniteHybridConfig, GraniteHybridWeights};
+pub use jamba::{JambaConfig, JambaWeights};
 pub use mamba1::{Mamba1Config, Mamba1Weights};
 pub use mamba2::{Mamba2Config, Mamba2Weights};
 pub use model::{Backend, LoadOptions, Model, Scored, Session};

@@ -196,6 +196,17 @@ impl Model {
         Self::from_parts(config, weights, tokenizer, backend, weight_dtype)
     }
 
+    /// Builds a Jamba model on `backend` from weights already in memory (benchmarks, tests).
+    pub fn from_jamba_weights_on(
+        config: crate::jamba::JambaConfig,
+        weights: crate::jamba::JambaWeights,
+        tokenizer: Option<TextTokenizer>,
+        backend: &Backend,
+        weight_dtype: WeightDtype,
+    ) -> Result<Self> {
+        Self::from_parts(ModelConfig::Jamba(config), Weights::Jamba(weights), tokenizer, backend, weight_dtype)
+    }
+
     fn from_parts(
         config: ModelConfig,
         weights: Weights,

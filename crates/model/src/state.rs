@@ -13,7 +13,8 @@
 //! Either way each log-decay entry covers a contiguous block of `ssm` (P·N values for Mamba-2,
 //! one for Mamba-1), which is all composition needs to know.
 //!
-//! A hybrid model (attention layers among Mamba-2 layers, e.g. Granite 4.0 H, or beside them in
+//! A hybrid model (attention layers among Mamba-2 layers, e.g. Granite 4.0 H, or among Mamba-1
+//! layers, Jamba, or beside them in
 //! every layer, Falcon-H1) adds, per layer that attends, its keys and values: (kv_heads, T,
 //! head_dim) each on disk, token-major (T, kv_heads, head_dim) in memory so that tokens append
 //! and contexts concatenate ([`KvState`]).
@@ -863,9 +864,6 @@ impl Parsed {
         };
         let shape = StateShape { arch, n_layer, ssm, conv, log_decay, attention };
         shape.check()?;
-        if shape.attention.is_some() && arch != Arch::Mamba2 {
-            return Err(Error::state("a hybrid state's SSM layers are Mamba-2 layers; the file says otherwise"));
-        }
         let position = match meta.get("position") {
             Some(p) => p.parse().map_err(|_| Error::state("metadata `position` is not an integer"))?,
             None => n_tokens,

@@ -1,4 +1,4 @@
-//! Granite 4.0 H, Bamba, Nemotron-H and Falcon-H1 hybrids against HF transformers (fixtures from scripts/make_granite_fixtures.py,
+//! Granite 4.0 H, Bamba, Nemotron-H, Falcon-H1 and Jamba hybrids against HF transformers (fixtures from scripts/make_granite_fixtures.py,
 //! computed in float64): log-probs within 1e-4, every layer's state (SSM state, conv tail,
 //! log-decay; keys and values) within 1e-5 of its scale, the Markov property at every split,
 //! and a composed state (PICASO-R on the Mamba layers, the union of keys and values) continued
@@ -9,7 +9,7 @@ mod common;
 use common::*;
 use picaso_model::{compose, Composition, Model, State, StateDtype};
 
-const CASES: [&str; 8] = [
+const CASES: [&str; 10] = [
     "dense-nope-g1",
     "moe-rope-g2",
     "bamba-rope-g2",
@@ -18,6 +18,8 @@ const CASES: [&str; 8] = [
     "nemotron-h-latent-g2",
     "falcon-h1-g2",
     "falcon-h1-norm-g2",
+    "jamba-moe",
+    "jamba-dense",
 ];
 
 fn model(case: &str) -> Model {
@@ -87,12 +89,14 @@ fn the_markov_property_holds_at_every_split() {
     for case in CASES {
         let (m, e) = (model(case), exp(case));
         let whole = m.score(&e.tokens, &m.zero_state()).unwrap();
+        // f32 rounding, which grows with the log-probs' magnitude (up to ~13 nats here).
+        let tol = 2e-6 * whole.logprobs.iter().fold(10.0f32, |m, l| m.max(l.abs())) as f64;
         for split in 1..e.tokens.len() - 1 {
             let a = m.prefill(&e.tokens[..split], &m.zero_state()).unwrap();
             // Tokens from `split` on, from a's state: the first is context, each later one scored.
             let b = m.score(&e.tokens[split..], &a).unwrap();
             let err = max_abs_diff(&b.logprobs, &whole.logprobs[split..]);
-            assert!(err < 1e-5, "{case}: split at {split}: continuation differs by {err}");
+            assert!(err < tol, "{case}: split at {split}: continuation differs by {err} (tolerance {tol})");
             assert!(rel_err(&b.state.layers[0].ssm, &whole.state.layers[0].ssm) < 1e-5);
             assert!(rel_err(&b.state.attention[0].keys, &whole.state.attention[0].keys) < 1e-5);
             // Token by token from a's state: decode steps give the same log-probs.

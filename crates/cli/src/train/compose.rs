@@ -57,8 +57,9 @@ pub(super) fn compose_cmd(a: ComposeArgs) -> Result<()> {
     match model.config() {
         ModelConfig::Mamba2(c) => run::<TrainMamba2>(&a, &f, &model, c.clone()),
         ModelConfig::GraniteHybrid(c) => run::<TrainGraniteHybrid>(&a, &f, &model, c.clone()),
-        ModelConfig::Mamba1(_) => bail!(
-            "{}: fine-tuning supports Mamba-2 models and Granite 4.0 H hybrids; this one is Mamba-1",
+        ModelConfig::Mamba1(_) | ModelConfig::Jamba(_) => bail!(
+            "{}: fine-tuning supports Mamba-2 models and the Mamba-2 hybrids (Granite 4.0 H and kin); this one has \
+             Mamba-1 layers",
             model.dir().display()
         ),
     }

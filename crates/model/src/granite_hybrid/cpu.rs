@@ -26,6 +26,7 @@ use crate::state::{KvState, LayerState, SsmValue, State};
 #[derive(Debug)]
 pub struct CpuGraniteHybrid {
     config: GraniteHybridConfig,
+    dims: AttentionDims,
     io: TokenIo,
     layers: Vec<Layer>,
 }
@@ -126,7 +127,15 @@ impl CpuGraniteHybrid {
             .collect();
         let io =
             TokenIo::new(weights.embedding, weights.lm_head, weights.norm_f, config.norm_eps, config.vocab_size, dtype);
-        Self { config, io, layers }
+        let dims = AttentionDims {
+            d_model: d,
+            n_heads: config.n_heads,
+            n_kv_heads: config.n_kv_heads,
+            head_dim: config.head_dim,
+            scale: config.attention_multiplier as f32,
+            rope: config.rope_theta.map(|theta| (config.rotary_dim(), theta)),
+        };
+        Self { config, dims, io, layers }
     }
 
     /// The config.
@@ -172,7 +181,7 @@ impl CpuGraniteHybrid {
                 }
                 if let Some((slot, a)) = &layer.attention {
                     let mut kv: Vec<&mut KvState> = states.iter_mut().map(|s| &mut s.attention[*slot]).collect();
-                    self.attention(&xn, &mut kv, &positions, lens, kind, [&a.q, &a.k, &a.v, &a.o], &mut branch);
+                    attention(&self.dims, &xn, &mut kv, &positions, lens, kind, [&a.q, &a.k, &a.v, &a.o], &mut branch);
                     add_scaled(&mut h, &branch, c.residual_multiplier as f32);
                 }
                 if let Some(mlp) = &layer.mlp {
@@ -191,65 +200,6 @@ impl CpuGraniteHybrid {
             }
             out
         })
-    }
-
-    /// Grouped-query attention of the normed rows `xn` over each sequence's keys and values
-    /// (the new tokens' appended first), projected by `o` into `out` (rows × d_model).
-    #[allow(clippy::too_many_arguments)]
-    fn attention(
-        &self,
-        xn: &[f32],
-        kv: &mut [&mut KvState],
-        positions: &[u64],
-        lens: &[usize],
-        kind: Rows,
-        [wq, wk, wv, wo]: [&Matrix; 4],
-        out: &mut [f32],
-    ) {
-        let c = &self.config;
-        let (d, hd, nh, nkv) = (c.d_model, c.head_dim, c.n_heads, c.n_kv_heads);
-        let rows = xn.len() / d;
-        let (qw, kvw) = (nh * hd, nkv * hd);
-        let mut q = vec![0.0f32; rows * qw];
-        let mut k = vec![0.0f32; rows * kvw];
-        let mut v = vec![0.0f32; rows * kvw];
-        kind.matmul_t(xn, rows, d, wq, qw, &mut q, false);
-        kind.matmul_t(xn, rows, d, wk, kvw, &mut k, false);
-        kind.matmul_t(xn, rows, d, wv, kvw, &mut v, false);
-        // Positions, then each sequence's new keys and values appended to its state.
-        let mut prevs = Vec::with_capacity(lens.len());
-        let mut at = 0;
-        for ((state, &t), &p0) in kv.iter_mut().zip(lens).zip(positions) {
-            let (qs, ks) = (&mut q[at * qw..(at + t) * qw], &mut k[at * kvw..(at + t) * kvw]);
-            if let Some(theta) = c.rope_theta {
-                rope(qs, nh, hd, c.rotary_dim(), p0, theta);
-                rope(ks, nkv, hd, c.rotary_dim(), p0, theta);
-            }
-            prevs.push(state.tokens(kvw));
-            state.keys.extend_from_slice(ks);
-            state.values.extend_from_slice(&v[at * kvw..(at + t) * kvw]);
-            at += t;
-        }
-        let mut y = vec![0.0f32; rows * qw];
-        let mut jobs = Vec::with_capacity(lens.len());
-        let (mut y_rest, mut q_rest) = (&mut y[..], &q[..]);
-        for ((state, &t), prev) in kv.iter().zip(lens).zip(prevs) {
-            let (ys, rest) = std::mem::take(&mut y_rest).split_at_mut(t * qw);
-            let (qs, q_tail) = q_rest.split_at(t * qw);
-            (y_rest, q_rest) = (rest, q_tail);
-            jobs.push((&**state, qs, prev, ys));
-        }
-        let scale = c.attention_multiplier as f32;
-        jobs.into_par_iter().for_each(|(state, qs, prev, ys)| {
-            if ys.len() / qw >= TILED_FROM {
-                attend_rows(qs, state, prev, (nh, nkv, hd), scale, ys)
-            } else {
-                ys.par_chunks_mut(qw).enumerate().for_each(|(ti, yrow)| {
-                    attend_row(&qs[ti * qw..(ti + 1) * qw], state, prev + ti + 1, nh, nkv, hd, scale, yrow)
-                })
-            }
-        });
-        kind.matmul_t(&y, rows, qw, wo, d, out, false);
     }
 
     /// The MLP plus the routed experts of the normed rows `xn`, into `out`. Latent experts
@@ -282,30 +232,9 @@ impl CpuGraniteHybrid {
             x
         });
         let xe = latent_rows.as_deref().unwrap_or(xn);
-        let partial: Vec<(Route, Vec<f32>)> = by_expert
-            .into_par_iter()
-            .enumerate()
-            .filter(|(_, rows)| !rows.is_empty())
-            .map(|(j, picked)| {
-                let mut x = Vec::with_capacity(picked.len() * w);
-                for &(r, _) in &picked {
-                    x.extend_from_slice(&xe[r * w..(r + 1) * w]);
-                }
-                let mut y = vec![0.0f32; picked.len() * w];
-                let (gate_up, down) = &moe.experts[j];
-                feed_forward(c.mlp_kind, &x, picked.len(), w, ei, gate_up, down, kind, &mut y);
-                (picked, y)
-            })
-            .collect();
         let mut latent_sum = moe.latent.as_ref().map(|_| vec![0.0f32; rows * w]);
         let sum = latent_sum.as_deref_mut().unwrap_or(out);
-        for (picked, y) in partial {
-            for (i, &(r, weight)) in picked.iter().enumerate() {
-                for (o, v) in sum[r * w..(r + 1) * w].iter_mut().zip(&y[i * w..(i + 1) * w]) {
-                    *o += weight * v;
-                }
-            }
-        }
+        add_experts(c.mlp_kind, xe, w, ei, by_expert, &moe.experts, kind, sum);
         if let (Some(sum), Some((_, up))) = (&latent_sum, &moe.latent) {
             kind.matmul_t(sum, rows, w, up, d, out, true);
         }
@@ -322,8 +251,115 @@ impl CpuGraniteHybrid {
     }
 }
 
+/// Grouped-query attention of the normed rows `xn` over each sequence's keys and values
+/// (the new tokens' appended first), projected by `o` into `out` (rows × d_model).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention(
+    dims: &AttentionDims,
+    xn: &[f32],
+    kv: &mut [&mut KvState],
+    positions: &[u64],
+    lens: &[usize],
+    kind: Rows,
+    [wq, wk, wv, wo]: [&Matrix; 4],
+    out: &mut [f32],
+) {
+    let &AttentionDims { d_model: d, n_heads: nh, n_kv_heads: nkv, head_dim: hd, scale, rope } = dims;
+    let rows = xn.len() / d;
+    let (qw, kvw) = (nh * hd, nkv * hd);
+    let mut q = vec![0.0f32; rows * qw];
+    let mut k = vec![0.0f32; rows * kvw];
+    let mut v = vec![0.0f32; rows * kvw];
+    kind.matmul_t(xn, rows, d, wq, qw, &mut q, false);
+    kind.matmul_t(xn, rows, d, wk, kvw, &mut k, false);
+    kind.matmul_t(xn, rows, d, wv, kvw, &mut v, false);
+    // Positions, then each sequence's new keys and values appended to its state.
+    let mut prevs = Vec::with_capacity(lens.len());
+    let mut at = 0;
+    for ((state, &t), &p0) in kv.iter_mut().zip(lens).zip(positions) {
+        let (qs, ks) = (&mut q[at * qw..(at + t) * qw], &mut k[at * kvw..(at + t) * kvw]);
+        if let Some((rotary, theta)) = rope {
+            apply_rope(qs, nh, hd, rotary, p0, theta);
+            apply_rope(ks, nkv, hd, rotary, p0, theta);
+        }
+        prevs.push(state.tokens(kvw));
+        state.keys.extend_from_slice(ks);
+        state.values.extend_from_slice(&v[at * kvw..(at + t) * kvw]);
+        at += t;
+    }
+    let mut y = vec![0.0f32; rows * qw];
+    let mut jobs = Vec::with_capacity(lens.len());
+    let (mut y_rest, mut q_rest) = (&mut y[..], &q[..]);
+    for ((state, &t), prev) in kv.iter().zip(lens).zip(prevs) {
+        let (ys, rest) = std::mem::take(&mut y_rest).split_at_mut(t * qw);
+        let (qs, q_tail) = q_rest.split_at(t * qw);
+        (y_rest, q_rest) = (rest, q_tail);
+        jobs.push((&**state, qs, prev, ys));
+    }
+    jobs.into_par_iter().for_each(|(state, qs, prev, ys)| {
+        if ys.len() / qw >= TILED_FROM {
+            attend_rows(qs, state, prev, (nh, nkv, hd), scale, ys)
+        } else {
+            ys.par_chunks_mut(qw).enumerate().for_each(|(ti, yrow)| {
+                attend_row(&qs[ti * qw..(ti + 1) * qw], state, prev + ti + 1, nh, nkv, hd, scale, yrow)
+            })
+        }
+    });
+    kind.matmul_t(&y, rows, qw, wo, d, out, false);
+}
+
+/// The sizes grouped-query attention runs with.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct AttentionDims {
+    pub d_model: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    /// The softmax scale.
+    pub scale: f32,
+    /// RoPE's rotated channels per head and base; `None` for NoPE.
+    pub rope: Option<(usize, f64)>,
+}
+
+/// Adds to `sum` (rows × w) each expert's output on the rows routed to it (`by_expert[j]`:
+/// expert j's rows and their weights) times their weights. Each expert multiplies only its rows.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn add_experts(
+    mlp: MlpKind,
+    xe: &[f32],
+    w: usize,
+    inner: usize,
+    by_expert: Vec<Route>,
+    experts: &[(Matrix, Matrix)],
+    kind: Rows,
+    sum: &mut [f32],
+) {
+    let partial: Vec<(Route, Vec<f32>)> = by_expert
+        .into_par_iter()
+        .enumerate()
+        .filter(|(_, rows)| !rows.is_empty())
+        .map(|(j, picked)| {
+            let mut x = Vec::with_capacity(picked.len() * w);
+            for &(r, _) in &picked {
+                x.extend_from_slice(&xe[r * w..(r + 1) * w]);
+            }
+            let mut y = vec![0.0f32; picked.len() * w];
+            let (gate_up, down) = &experts[j];
+            feed_forward(mlp, &x, picked.len(), w, inner, gate_up, down, kind, &mut y);
+            (picked, y)
+        })
+        .collect();
+    for (picked, y) in partial {
+        for (i, &(r, weight)) in picked.iter().enumerate() {
+            for (o, v) in sum[r * w..(r + 1) * w].iter_mut().zip(&y[i * w..(i + 1) * w]) {
+                *o += weight * v;
+            }
+        }
+    }
+}
+
 /// (index, weight) pairs: a row's experts, or an expert's rows.
-pub(super) type Route = Vec<(usize, f32)>;
+pub(crate) type Route = Vec<(usize, f32)>;
 
 /// A row's experts and their weights from its router logits (see [`Routing`]).
 pub(super) fn route(logits: &[f32], bias: Option<&[f32]>, top: usize, routing: Routing) -> Route {
@@ -366,7 +402,7 @@ pub(super) fn route(logits: &[f32], bias: Option<&[f32]>, top: usize, routing: R
 }
 
 /// `h += m · branch`.
-fn add_scaled(h: &mut [f32], branch: &[f32], m: f32) {
+pub(crate) fn add_scaled(h: &mut [f32], branch: &[f32], m: f32) {
     h.par_chunks_mut(4096).zip(branch.par_chunks(4096)).for_each(|(h, b)| {
         for (x, y) in h.iter_mut().zip(b) {
             *x += m * y;
@@ -401,7 +437,7 @@ fn swiglu(
 
 /// The MLP of `kind` (the shared one, or an expert) of `rows` rows, into `out`.
 #[allow(clippy::too_many_arguments)]
-fn feed_forward(
+pub(crate) fn feed_forward(
     mlp: MlpKind,
     x: &[f32],
     rows: usize,
@@ -435,7 +471,7 @@ fn relu2_mlp(x: &[f32], rows: usize, d: usize, inner: usize, up: &Matrix, down: 
 /// Rotates the first `rotary` channels of each head of each row (rows of `heads × hd`) by its
 /// position `p0 + row` as transformers' default RoPE does: the first and second halves of
 /// those channels form the pairs; the channels past them pass unrotated (partial RoPE).
-fn rope(x: &mut [f32], heads: usize, hd: usize, rotary: usize, p0: u64, theta: f64) {
+fn apply_rope(x: &mut [f32], heads: usize, hd: usize, rotary: usize, p0: u64, theta: f64) {
     let half = rotary / 2;
     let inv: Vec<f64> = (0..half).map(|i| theta.powf(-((2 * i) as f64) / rotary as f64)).collect();
     for (r, row) in x.chunks_exact_mut(heads * hd).enumerate() {

@@ -1,0 +1,223 @@
+//! The CPU engine of a Jamba model: each layer is an RMSNorm, a mixer (the Mamba-1 engine's
+//! mixer with RMSNorms on the time step, B and C, or NoPE grouped-query attention over the
+//! state's keys and values, as the hybrid engine runs it) added to the residual stream, then an
+//! RMSNorm and a SwiGLU MLP or routed experts, added too.
+//!
+//! Prefill and decode are one code path, so scoring `a + b` equals scoring `b` from the state
+//! of `a`; a composed state's keys (a union of contexts) are attended as any others.
+
+use rayon::prelude::*;
+
+use super::config::JambaConfig;
+use super::weights::{JambaFeedForward, JambaMixerWeights, JambaWeights};
+use crate::cpu::layers::by_kind;
+use crate::cpu::matmul::{Bf16Kernel, Matrix};
+use crate::cpu::rows::{rows_par, Rows};
+use crate::cpu::token_io::TokenIo;
+use crate::cpu::{matmul, norm, on_pool, WeightDtype};
+use crate::granite_hybrid::cpu::{add_experts, add_scaled, attention, feed_forward, AttentionDims, Route};
+use crate::granite_hybrid::MlpKind;
+use crate::mamba1::cpu::Mixer as Mamba1Mixer;
+use crate::state::{KvState, LayerState, State};
+
+/// A Jamba model ready to run on the CPU.
+#[derive(Debug)]
+pub struct CpuJamba {
+    config: JambaConfig,
+    dims: AttentionDims,
+    io: TokenIo,
+    layers: Vec<Layer>,
+}
+
+#[derive(Debug)]
+struct Layer {
+    input_norm: Vec<f32>,
+    mixer: Mixer,
+    ff_norm: Vec<f32>,
+    ff: FeedForward,
+}
+
+#[derive(Debug)]
+enum Mixer {
+    /// The `slot`-th Mamba layer (its state is `state.layers[slot]`).
+    Mamba(usize, Box<Mamba1Mixer>),
+    /// The `slot`-th attention layer (its state is `state.attention[slot]`): q, k, v, o.
+    Attention(usize, Box<[Matrix; 4]>),
+}
+
+#[derive(Debug)]
+enum FeedForward {
+    /// Gate and up stacked; down.
+    Mlp(Matrix, Matrix),
+    /// The router (n_experts × d_model, f32: routing must not move with the weights' dtype),
+    /// and per expert its gate and up stacked, and down.
+    Experts(Vec<f32>, Vec<(Matrix, Matrix)>),
+}
+
+impl CpuJamba {
+    /// Takes ownership of validated weights, storing the large matrices in `dtype`.
+    pub fn new(config: JambaConfig, weights: JambaWeights, dtype: WeightDtype) -> Self {
+        let kernel = Bf16Kernel::detect();
+        let mat = |v: Vec<f32>, cols: usize| Matrix::with_kernel(v, cols, dtype, kernel);
+        let (d, inner) = (config.d_model, config.intermediate);
+        let qw = config.n_heads * config.head_dim;
+        let eps = config.norm_eps as f32;
+        let (mut n_mamba, mut n_attention) = (0, 0);
+        let layers = weights
+            .layers
+            .into_iter()
+            .map(|l| {
+                let mixer = match l.mixer {
+                    JambaMixerWeights::Mamba(m, norms) => {
+                        n_mamba += 1;
+                        Mixer::Mamba(
+                            n_mamba - 1,
+                            Box::new(Mamba1Mixer::new(*m, &config.mamba, dtype, Some((norms, eps)))),
+                        )
+                    }
+                    JambaMixerWeights::Attention(a) => {
+                        n_attention += 1;
+                        Mixer::Attention(
+                            n_attention - 1,
+                            Box::new([mat(a.q, d), mat(a.k, d), mat(a.v, d), mat(a.o, qw)]),
+                        )
+                    }
+                };
+                let ff = match l.ff {
+                    JambaFeedForward::Mlp { gate_up, down } => FeedForward::Mlp(mat(gate_up, d), mat(down, inner)),
+                    JambaFeedForward::Experts { router, gate_up, down } => {
+                        let experts = gate_up
+                            .chunks_exact(2 * inner * d)
+                            .zip(down.chunks_exact(d * inner))
+                            .map(|(gu, dn)| (mat(gu.to_vec(), d), mat(dn.to_vec(), inner)))
+                            .collect();
+                        FeedForward::Experts(router, experts)
+                    }
+                };
+                Layer { input_norm: l.input_norm, mixer, ff_norm: l.ff_norm, ff }
+            })
+            .collect();
+        let dims = AttentionDims {
+            d_model: d,
+            n_heads: config.n_heads,
+            n_kv_heads: config.n_kv_heads,
+            head_dim: config.head_dim,
+            scale: 1.0 / (config.head_dim as f32).sqrt(),
+            rope: None,
+        };
+        let io =
+            TokenIo::new(weights.embedding, weights.lm_head, weights.norm_f, config.norm_eps, config.vocab_size, dtype);
+        Self { config, dims, io, layers }
+    }
+
+    /// The config.
+    pub fn config(&self) -> &JambaConfig {
+        &self.config
+    }
+
+    /// Runs `tokens` from `state` (updated in place) and returns the final-normed hidden states.
+    pub fn forward(&self, tokens: &[u32], state: &mut State) -> Vec<f32> {
+        self.forward_batch(tokens, &[tokens.len()], &mut [state])
+    }
+
+    /// Several sequences at once: `lens[i]` tokens continue `states[i]`. Single tokens and
+    /// longer sequences run as separate passes (`cpu::by_kind`).
+    pub fn forward_batch(&self, tokens: &[u32], lens: &[usize], states: &mut [&mut State]) -> Vec<f32> {
+        by_kind(self.config.d_model, tokens, lens, states, |t, l, s| self.forward_one_kind(t, l, s))
+    }
+
+    fn forward_one_kind(&self, tokens: &[u32], lens: &[usize], states: &mut [&mut State]) -> Vec<f32> {
+        let c = &self.config;
+        let (d, eps) = (c.d_model, c.norm_eps as f32);
+        on_pool(|| {
+            let kind = Rows::of(lens);
+            let mut h = self.io.embed(tokens);
+            let positions: Vec<u64> = states.iter().map(|s| s.position).collect();
+            let rows = tokens.len();
+            let mut xn = vec![0.0f32; rows * d];
+            let mut branch = vec![0.0f32; rows * d];
+            for layer in &self.layers {
+                rows_par(&h, &mut xn, d, d, |x, o| norm::rmsnorm(x, &layer.input_norm, eps, o));
+                match &layer.mixer {
+                    Mixer::Mamba(slot, m) => {
+                        let mut ls: Vec<&mut LayerState> = states.iter_mut().map(|s| &mut s.layers[*slot]).collect();
+                        m.run(&c.mamba, &xn, &mut ls, lens, kind, &mut h, true);
+                    }
+                    Mixer::Attention(slot, w) => {
+                        let mut kv: Vec<&mut KvState> = states.iter_mut().map(|s| &mut s.attention[*slot]).collect();
+                        let [q, k, v, o] = &**w;
+                        attention(&self.dims, &xn, &mut kv, &positions, lens, kind, [q, k, v, o], &mut branch);
+                        add_scaled(&mut h, &branch, 1.0);
+                    }
+                }
+                rows_par(&h, &mut xn, d, d, |x, o| norm::rmsnorm(x, &layer.ff_norm, eps, o));
+                match &layer.ff {
+                    FeedForward::Mlp(gate_up, down) => {
+                        feed_forward(MlpKind::SwiGlu, &xn, rows, d, c.intermediate, gate_up, down, kind, &mut branch);
+                    }
+                    FeedForward::Experts(router, experts) => {
+                        let mut by_expert: Vec<Route> = vec![Vec::new(); experts.len()];
+                        let routes: Vec<Route> = xn.par_chunks(d).map(|x| route(router, x, c.top_k)).collect();
+                        for (r, route) in routes.into_iter().enumerate() {
+                            for (j, w) in route {
+                                by_expert[j].push((r, w));
+                            }
+                        }
+                        branch.fill(0.0);
+                        add_experts(MlpKind::SwiGlu, &xn, d, c.intermediate, by_expert, experts, kind, &mut branch);
+                    }
+                }
+                add_scaled(&mut h, &branch, 1.0);
+            }
+            for (s, &t) in states.iter_mut().zip(lens) {
+                s.advance(t);
+            }
+            self.io.final_norm(&h)
+        })
+    }
+
+    /// Logits (rows × vocab) of hidden rows from [`CpuJamba::forward`].
+    pub fn logits(&self, hidden: &[f32], kind: Rows) -> Vec<f32> {
+        self.io.logits(hidden, kind)
+    }
+
+    /// `log p(targets[i] | hidden row i)` for each row.
+    pub fn logprobs(&self, hidden: &[f32], targets: &[u32]) -> Vec<f32> {
+        self.io.logprobs(hidden, targets)
+    }
+}
+
+/// A row's experts and their weights, as Jamba routes: the softmax over all the router's
+/// logits, of which the `top` largest are kept as they are (not renormalised); ties go to the
+/// lower index.
+fn route(router: &[f32], x: &[f32], top: usize) -> Route {
+    let d = x.len();
+    let logits: Vec<f32> = router.chunks_exact(d).map(|w| matmul::dot(x, w)).collect();
+    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &l| m.max(l));
+    let sum: f64 = logits.iter().map(|&l| f64::from((l - max).exp())).sum();
+    let mut picked: Vec<(usize, f32)> = logits.iter().map(|&l| (l - max).exp() / sum as f32).enumerate().collect();
+    picked.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    picked.truncate(top);
+    picked
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Jamba's routing keeps the top-k of the softmax over all experts, unnormalised: worked
+    /// by hand for logits 0, 1, 2, -1.
+    #[test]
+    fn routing_keeps_the_top_k_of_the_full_softmax() {
+        // A router whose rows pick the logits out of x = (0, 1, 2, -1).
+        let router = [1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0];
+        let x = [0.0, 1.0, 2.0, -1.0];
+        let z: f32 = x.iter().map(|v: &f32| v.exp()).sum();
+        let got = route(&router, &x, 2);
+        let want = [(2, 2f32.exp() / z), (1, 1f32.exp() / z)];
+        assert_eq!(got.len(), 2);
+        for ((j, w), (wj, ww)) in got.iter().zip(want) {
+            assert!(*j == wj && (w - ww).abs() < 1e-6, "{got:?} vs {want:?}");
+        }
+    }
+}
