@@ -352,6 +352,16 @@ fn random_model_writes_a_loadable_folder() {
     assert_eq!(info["config"]["layer_types"][1], "attention", "{info}");
     let scored = ok_json(&["score", "--model", h, "--token-ids", "1,2,3,4,5", "--json"]);
     assert!(scored["logprobs"].as_array().is_some_and(|l| l.len() == 4), "{scored}");
+    // A Jamba hybrid: written in the hub's spelling, read back, scored; other engines refused.
+    let jamba = tmp.path().join("jamba");
+    let j = jamba.to_str().unwrap();
+    let done = picaso(&["random-model", "--shape", "jamba-tiny", "--out", j]);
+    assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
+    let info = ok_json(&["info", "--model", j, "--json"]);
+    assert_eq!(info["config"]["attn_layer_period"], 3, "{info}");
+    let scored = ok_json(&["score", "--model", j, "--token-ids", "1,2,3,4,5", "--json"]);
+    assert!(scored["logprobs"].as_array().is_some_and(|l| l.len() == 4), "{scored}");
+    fails_with(&["score", "--model", j, "--token-ids", "1,2,3", "--device", "candle-cpu"], "Jamba");
 }
 
 /// `bench` reports every measurement it was asked for (single and batched decode, the

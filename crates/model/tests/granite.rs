@@ -782,3 +782,83 @@ fn unsupported_falcon_h1_options_are_refused_by_name() {
         assert!(err.contains(want) && err.contains("config.json"), "{key}: {err}");
     }
 }
+
+/// A Jamba model is written back as the hub spells it (per-expert tensors, `attn_layer_period`
+/// and kin) and read as the same model; transformers 5's fused experts (`experts.gate_up_proj`,
+/// `experts.down_proj`) read as the same model too. Its states are Mamba-1 states plus keys and
+/// values.
+#[test]
+fn a_jamba_model_is_written_back_as_read_and_reads_fused_experts() {
+    let case = "jamba-moe";
+    let e = exp(case);
+    let src = fixture_dir("granite", case).join("hf");
+    let path = src.join("config.json");
+    let map: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let c = picaso_model::JambaConfig::from_hf(&path, &map).unwrap();
+    assert_eq!((c.attention_layers(), c.mamba_layers()), (vec![1, 4], vec![0, 2, 3]));
+    assert!(c.has_experts(1) && c.has_experts(3) && !c.has_experts(0) && !c.has_experts(4));
+    let w = picaso_model::JambaWeights::load(&src, &c).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    w.save_pretrained(dir.path(), &c).unwrap();
+    let written: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("config.json")).unwrap()).unwrap();
+    for key in
+        ["model_type", "attn_layer_period", "attn_layer_offset", "expert_layer_period", "num_experts", "mamba_dt_rank"]
+    {
+        assert_eq!(written[key], map[key], "{key}");
+    }
+    let (a, b) = (model(case), load_from(dir.path()));
+    assert_eq!(a.fingerprint(), b.fingerprint());
+    let la = a.score(&e.tokens, &a.zero_state()).unwrap();
+    assert_eq!(la.logprobs, b.score(&e.tokens, &b.zero_state()).unwrap().logprobs);
+    assert_eq!(la.state.shape.arch, picaso_model::Arch::Mamba1);
+    assert_eq!((la.state.layers.len(), la.state.attention.len()), (3, 2));
+    assert!(a.config().describe().starts_with("jamba"), "{}", a.config().describe());
+
+    // transformers 5's in-memory layout: each layer's experts fused into two tensors.
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut fused = Vec::new();
+    for layer in [1, 3] {
+        let p = format!("model.layers.{layer}.feed_forward.experts");
+        let get = |n: String| -> Vec<f32> {
+            file.tensor(&n).unwrap().data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect()
+        };
+        let (mut gate_up, mut down) = (Vec::new(), Vec::new());
+        for x in 0..c.n_experts {
+            gate_up.extend(get(format!("{p}.{x}.gate_proj.weight")));
+            gate_up.extend(get(format!("{p}.{x}.up_proj.weight")));
+            down.extend(get(format!("{p}.{x}.down_proj.weight")));
+        }
+        fused.push((format!("{p}.gate_up_proj"), vec![c.n_experts, 2 * c.intermediate, c.d_model], gate_up));
+        fused.push((format!("{p}.down_proj"), vec![c.n_experts, c.d_model, c.intermediate], down));
+    }
+    let dir = edited_copy(case, |_| {}, |n| (!n.contains(".experts.")).then(|| n.to_string()), &fused);
+    let f = load_from(dir.path());
+    assert_eq!(f.fingerprint(), a.fingerprint(), "fused experts are the same model");
+}
+
+/// Jamba options picaso does not run are refused by name, and so are the engines that do not
+/// run Jamba.
+#[test]
+fn unsupported_jamba_options_and_engines_are_refused_by_name() {
+    use serde_json::json;
+    for (key, value, says) in [
+        ("hidden_act", json!("gelu"), "hidden_act"),
+        ("sliding_window", json!(4096), "sliding_window"),
+        ("attn_layer_offset", json!(3), "attn_layer_offset"),
+        ("num_experts_per_tok", json!(5), "num_experts_per_tok"),
+        ("num_key_value_heads", json!(3), "num_key_value_heads"),
+    ] {
+        let err = refused_with("jamba-moe", key, value);
+        assert!(err.contains(says), "{key}: {err}");
+    }
+    let dir = fixture_dir("granite", "jamba-dense").join("hf");
+    for device in ["candle-cpu"] {
+        let opts =
+            picaso_model::LoadOptions { skip_tokenizer: true, backend: device.parse().unwrap(), ..Default::default() };
+        let err = Model::load(&dir, &opts).unwrap_err().to_string();
+        assert!(err.contains("Jamba") && err.contains("cpu"), "{device}: {err}");
+    }
+}
