@@ -15,13 +15,15 @@ its `DynamicCache` (a linear-attention layer per Mamba layer: `recurrent_states`
     ...                      n_tokens=..., log_decays=hf.log_decays(hf_model, input_ids))
 
 A hybrid's state (GraniteMoeHybridForCausalLM, BambaForCausalLM, NemotronHForCausalLM,
-FalconH1ForCausalLM) moves the same way: its Mamba layers as above, each attention layer's keys and
+FalconH1ForCausalLM, JambaForCausalLM) moves the same way: its Mamba layers as above, each attention layer's keys and
 values (kv_heads, tokens, head_dim) into the cache's attention layer; a Falcon-H1 layer (layer type
 "hybrid": a Mamba mixer and attention side by side) holds both in one cache layer. A Nemotron-H model's `mlp` and `moe` blocks hold no state: picaso's
 layer j is its j-th Mamba or attention block (each `mlp` or `moe` block joins the one before it),
 and the cache's layer index is the block's. Pass `position_ids=hf.position_ids(state, n)` to a RoPE hybrid's forward: transformers
 counts positions from its cache's first layer, a Mamba layer that holds none, and a composed
 state continues at `state.position` (its longest part's length), not at its token count.
+transformers' Jamba reads a cache's SSM states only one token at a time (its many-token scan
+starts from zero, a TODO in its code): continue a Jamba cache token by token.
 
 transformers does not keep the log-decays. They are only needed to *compose* a state (every
 method but soup weights contexts by them); `log_decays(hf_model, input_ids)` computes them
@@ -94,7 +96,8 @@ def _cache_layers(cache, config):
 
 def to_cache(state: State, hf_model, *, dtype=None, device=None):
     """A transformers `DynamicCache` holding `state`, for `hf_model` (a Mamba2ForCausalLM,
-    MambaForCausalLM, GraniteMoeHybridForCausalLM, BambaForCausalLM, NemotronHForCausalLM or FalconH1ForCausalLM of
+    MambaForCausalLM, GraniteMoeHybridForCausalLM, BambaForCausalLM, NemotronHForCausalLM, FalconH1ForCausalLM or
+    JambaForCausalLM of
     the same checkpoint
     as the picaso model that made the state). Pass it with `cache_kwargs(hf_model, cache)`; the model continues
     exactly where the state stopped."""
@@ -191,14 +194,15 @@ def log_decays(hf_model, input_ids, *, batch_index: int = 0):
                 "a model whose `backbone` holds other blocks than Mamba ones (a remote-code hybrid?): load it "
                 "with transformers' own class (without trust_remote_code)"
             )
-    else:  # a hybrid: a Mamba layer's mixer is `mamba` (Granite, Bamba, Falcon-H1) or `mixer` (Nemotron-H)
+    else:  # a hybrid: a Mamba layer's mixer is `mamba` (Granite, Bamba, Falcon-H1, Jamba) or `mixer` (Nemotron-H)
         blocks = hf_model.model.layers
         mamba = lambda b: b.mamba if hasattr(b, "mamba") else b.mixer  # noqa: E731
         mixers = [mamba(blocks[i]) if kind != "attention" else None for i, kind in _layers(hf_model.config)]
     for i, mixer in enumerate(mixers):
         if mixer is None:
             continue
-        target = mixer.in_proj if hasattr(mixer, "num_heads") else mixer.x_proj
+        # Jamba's time step is RMS-normed after x_proj: read it from that norm.
+        target = mixer.in_proj if hasattr(mixer, "num_heads") else getattr(mixer, "dt_layernorm", mixer.x_proj)
 
         # Falcon-H1 scales in_proj's output by its µP vector (dt's columns included) before using it.
         scale = getattr(mixer, "mup_vector", None)
@@ -226,7 +230,7 @@ def log_decays(hf_model, input_ids, *, batch_index: int = 0):
             if (lo, hi) != (0.0, float("inf")):
                 dt = dt.clamp(lo, hi)
             out.append((dt * A).sum(0).cpu().numpy().astype(np.float32))
-        else:  # Mamba-1: x_proj's first time_step_rank columns through dt_proj (with its bias), softplus
+        else:  # Mamba-1: x_proj's first time_step_rank columns (Jamba: normed) through dt_proj (with its bias), softplus
             rank = mixer.time_step_rank
             ts = captured[i][batch_index, :, :rank].float()  # (T, rank)
             dt = F.softplus(ts @ mixer.dt_proj.weight.detach().float().T + mixer.dt_proj.bias.detach().float())
