@@ -134,6 +134,7 @@ pub(crate) fn info(a: InfoArgs) -> Result<()> {
         println!("fingerprint  {}", model.fingerprint());
         let layers = match c {
             picaso_model::ModelConfig::GraniteHybrid(h) => format!("{}: mamba2 and attention layers", h.family.name()),
+            picaso_model::ModelConfig::Jamba(_) => "jamba: mamba1 and attention layers".to_string(),
             _ => c.arch().to_string(),
         };
         println!("format       {layers} ({:?})", c.format());

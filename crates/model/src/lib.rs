@@ -10,7 +10,7 @@
 //! model that made them, so they are never applied to another model.
 //!
 //! Layout: one folder per architecture ([`mamba2`], [`mamba1`], [`granite_hybrid`], [`jamba`]: config,
-//! weights, CPU engine, GPU engine, candle engine); the CPU kernels by operation in [`cpu`], the GPU's
+//! weights, CPU engine, and where there is one a GPU engine and a candle engine); the CPU kernels by operation in [`cpu`], the GPU's
 //! device layer and kernels in [`gpu`]; one engine
 //! interface (`engine.rs`) that [`Model`] holds as a `Box<dyn Engine>`. Weights are read once
 //! into host memory from either checkpoint layout (HF transformers or state-spaces), validated,

@@ -89,8 +89,8 @@ fn the_markov_property_holds_at_every_split() {
     for case in CASES {
         let (m, e) = (model(case), exp(case));
         let whole = m.score(&e.tokens, &m.zero_state()).unwrap();
-        // f32 rounding, which grows with the log-probs' magnitude (up to ~13 nats here).
-        let tol = 2e-6 * whole.logprobs.iter().fold(10.0f32, |m, l| m.max(l.abs())) as f64;
+        // f32 rounding: up to 1.14e-5 measured on jamba-dense (split 33), under 1e-5 elsewhere.
+        let tol = if case.starts_with("jamba") { 2e-5 } else { 1e-5 };
         for split in 1..e.tokens.len() - 1 {
             let a = m.prefill(&e.tokens[..split], &m.zero_state()).unwrap();
             // Tokens from `split` on, from a's state: the first is context, each later one scored.
@@ -854,11 +854,43 @@ fn unsupported_jamba_options_and_engines_are_refused_by_name() {
         let err = refused_with("jamba-moe", key, value);
         assert!(err.contains(says), "{key}: {err}");
     }
-    let dir = fixture_dir("granite", "jamba-dense").join("hf");
-    for device in ["candle-cpu"] {
-        let opts =
-            picaso_model::LoadOptions { skip_tokenizer: true, backend: device.parse().unwrap(), ..Default::default() };
-        let err = Model::load(&dir, &opts).unwrap_err().to_string();
-        assert!(err.contains("Jamba") && err.contains("cpu"), "{device}: {err}");
+    for (case, key, value, says) in [
+        ("jamba-moe", "attn_layer_period", json!(0), "attn_layer_period"),
+        ("jamba-dense", "attn_layer_period", json!(1), "without a Mamba layer"),
+        ("jamba-moe", "num_hidden_layers", json!(1u64 << 30), "num_hidden_layers"),
+        ("jamba-moe", "num_local_experts", json!(8), "disagree"),
+        ("jamba-moe", "mamba_d_state", json!(0), "mamba_d_state"),
+    ] {
+        let err = refused_with(case, key, value.clone());
+        assert!(err.contains(says), "{key} = {value}: {err}");
     }
+    // The hub's spellings: `mamba_dt_rank: "auto"` (ceil(hidden / 16) = 2 here), `swish`, and
+    // `num_local_experts` for `num_experts` read as the same model.
+    let same = |edit: &dyn Fn(&mut serde_json::Map<String, serde_json::Value>)| {
+        let dir = edited_copy("jamba-dense", |c| edit(c), |n| Some(n.to_string()), &[]);
+        load_from(dir.path()).fingerprint().to_string()
+    };
+    let want = model("jamba-dense").fingerprint().to_string();
+    assert_eq!(same(&|c| drop(c.insert("mamba_dt_rank".into(), json!("auto")))), want);
+    assert_eq!(same(&|c| drop(c.insert("hidden_act".into(), json!("swish")))), want);
+    let moe = |edit: &dyn Fn(&mut serde_json::Map<String, serde_json::Value>)| {
+        let dir = edited_copy("jamba-moe", |c| edit(c), |n| Some(n.to_string()), &[]);
+        load_from(dir.path()).fingerprint().to_string()
+    };
+    assert_eq!(
+        moe(&|c| {
+            let e = c.remove("num_experts").unwrap();
+            c.insert("num_local_experts".into(), e);
+        }),
+        model("jamba-moe").fingerprint().to_string()
+    );
+    let dir = fixture_dir("granite", "jamba-dense").join("hf");
+    // (The GPU engine's refusal is a unit test in `jamba::cpu`: the emulator is the crate's own.)
+    let opts = picaso_model::LoadOptions {
+        skip_tokenizer: true,
+        backend: "candle-cpu".parse().unwrap(),
+        ..Default::default()
+    };
+    let err = Model::load(&dir, &opts).unwrap_err().to_string();
+    assert!(err.contains("Jamba") && err.contains("cpu"), "{err}");
 }

@@ -58,13 +58,15 @@ impl JambaConfig {
         let f = Fields { path, map };
         let bad = |m: String| Error::config(path, m);
         if let Some(act) = map.get("hidden_act").and_then(Value::as_str) {
-            if act != "silu" {
+            if act != "silu" && act != "swish" {
                 return Err(bad(format!("hidden_act is {act:?}; picaso runs Jamba's \"silu\" (SwiGLU)")));
             }
         }
         if !matches!(map.get("sliding_window"), None | Some(Value::Null)) {
             return Err(bad(
-                "`sliding_window` on a Jamba model is not supported by picaso (full attention only)".into()
+                "`sliding_window` on a Jamba model: older transformers versions attend within a window, picaso \
+                 attends to every key; remove the key (or set it to null) to run full attention"
+                    .into(),
             ));
         }
         let d_model = f.usize("hidden_size")?;
@@ -80,7 +82,20 @@ impl JambaConfig {
             Some(Value::String(s)) if s == "auto" => d_model.div_ceil(16),
             Some(_) => f.usize("mamba_dt_rank")?,
         };
-        let n_experts = f.usize_or("num_experts", 16)?;
+        // transformers reads `num_local_experts` as `num_experts` (its attribute map).
+        let n_experts = match (map.get("num_experts"), map.get("num_local_experts")) {
+            (Some(v), Some(w)) if !v.is_null() && !w.is_null() && v != w => {
+                return Err(bad(format!("num_experts ({v}) and num_local_experts ({w}) disagree; give one")));
+            }
+            (None | Some(Value::Null), Some(w)) if !w.is_null() => f.usize("num_local_experts")?,
+            _ => f.usize_or("num_experts", 16)?,
+        };
+        // transformers' default is 8; an explicit null means as many as the query heads.
+        let n_kv_heads = match map.get("num_key_value_heads") {
+            None => 8,
+            Some(Value::Null) => n_heads,
+            Some(_) => f.usize("num_key_value_heads")?,
+        };
         let tie_embeddings = f.bool_or("tie_word_embeddings", false)?;
         let config = Self {
             d_model,
@@ -94,7 +109,7 @@ impl JambaConfig {
             top_k: f.usize_or("num_experts_per_tok", 2)?,
             intermediate: f.usize_or("intermediate_size", 14336)?,
             n_heads,
-            n_kv_heads: f.usize_or("num_key_value_heads", n_heads)?,
+            n_kv_heads,
             head_dim,
             mamba: Mamba1Config {
                 d_model,
@@ -113,9 +128,38 @@ impl JambaConfig {
             norm_eps,
             tie_embeddings,
         };
+        config.check_layout(path)?;
         let config = config.with_layout();
         config.validate(path)?;
         Ok(config)
+    }
+
+    /// Checks the layer count, periods and offsets, which the layout is computed from.
+    fn check_layout(&self, path: &Path) -> Result<()> {
+        let bad = |m: String| Err(Error::config(path, m));
+        for (name, v) in [
+            ("num_hidden_layers", self.n_layer),
+            ("attn_layer_period", self.attn_period),
+            ("expert_layer_period", self.expert_period),
+        ] {
+            if v == 0 || v > 1 << 24 {
+                return bad(format!("`{name}` is {v}; it must be between 1 and 2^24"));
+            }
+        }
+        if self.attn_offset >= self.attn_period || self.expert_offset >= self.expert_period {
+            return bad(format!(
+                "attn_layer_offset ({}) and expert_layer_offset ({}) must be below their periods ({}, {})",
+                self.attn_offset, self.expert_offset, self.attn_period, self.expert_period
+            ));
+        }
+        if self.mamba_layers().is_empty() {
+            return bad(format!(
+                "every one of the {} layers attends (attn_layer_period {}, offset {}): a Jamba model without a \
+                 Mamba layer has no state for picaso to compose",
+                self.n_layer, self.attn_period, self.attn_offset
+            ));
+        }
+        Ok(())
     }
 
     /// The config with the Mamba settings' layer count and vocabulary filled in from the layout.
@@ -148,27 +192,19 @@ impl JambaConfig {
     /// Checks that the sizes fit together.
     pub fn validate(&self, path: &Path) -> Result<()> {
         let bad = |m: String| Err(Error::config(path, m));
+        self.check_layout(path)?;
         for (name, v) in [
             ("hidden_size", self.d_model),
-            ("num_hidden_layers", self.n_layer),
             ("num_attention_heads", self.n_heads),
             ("num_key_value_heads", self.n_kv_heads),
             ("head_dim", self.head_dim),
             ("vocab_size", self.vocab_size),
             ("intermediate_size", self.intermediate),
             ("num_experts", self.n_experts),
-            ("attn_layer_period", self.attn_period),
-            ("expert_layer_period", self.expert_period),
         ] {
             if v == 0 || v > 1 << 24 {
                 return bad(format!("`{name}` is {v}; it must be between 1 and 2^24"));
             }
-        }
-        if self.attn_offset >= self.attn_period || self.expert_offset >= self.expert_period {
-            return bad(format!(
-                "attn_layer_offset ({}) and expert_layer_offset ({}) must be below their periods ({}, {})",
-                self.attn_offset, self.expert_offset, self.attn_period, self.expert_period
-            ));
         }
         if !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return bad(format!(
@@ -195,9 +231,16 @@ impl JambaConfig {
                 self.mamba_layers().len()
             ));
         }
-        if self.mamba.n_layer > 0 {
-            self.mamba.validate(path)?;
-        }
+        self.mamba.validate(path).map_err(|e| match e {
+            Error::Config { path, message } => Error::Config {
+                path,
+                message: format!(
+                    "{message} (in a Jamba config.json: `mamba_d_state`, `mamba_d_conv`, `mamba_expand`, \
+                     `mamba_dt_rank`, `rms_norm_eps`)"
+                ),
+            },
+            other => other,
+        })?;
         Ok(())
     }
 

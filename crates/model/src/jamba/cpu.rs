@@ -86,10 +86,10 @@ impl CpuJamba {
                 let ff = match l.ff {
                     JambaFeedForward::Mlp { gate_up, down } => FeedForward::Mlp(mat(gate_up, d), mat(down, inner)),
                     JambaFeedForward::Experts { router, gate_up, down } => {
-                        let experts = gate_up
-                            .chunks_exact(2 * inner * d)
-                            .zip(down.chunks_exact(d * inner))
-                            .map(|(gu, dn)| (mat(gu.to_vec(), d), mat(dn.to_vec(), inner)))
+                        let experts = split_experts(gate_up, 2 * inner * d)
+                            .into_iter()
+                            .zip(split_experts(down, d * inner))
+                            .map(|(gu, dn)| (mat(gu, d), mat(dn, inner)))
                             .collect();
                         FeedForward::Experts(router, experts)
                     }
@@ -187,6 +187,23 @@ impl CpuJamba {
     }
 }
 
+/// The experts' matrices of `each` floats, one after another in `all`, as one vector each.
+/// Split off from the end, each time giving the rest's unused room back, so a layer's experts
+/// never sit in memory twice (Jamba 1.5 Large's are 2.8 G floats a layer).
+fn split_experts(mut all: Vec<f32>, each: usize) -> Vec<Vec<f32>> {
+    let n = all.len() / each;
+    let mut out: Vec<Vec<f32>> = (0..n)
+        .rev()
+        .map(|x| {
+            let part = all.split_off(x * each);
+            all.shrink_to_fit();
+            part
+        })
+        .collect();
+    out.reverse();
+    out
+}
+
 /// A row's experts and their weights, as Jamba routes: the softmax over all the router's
 /// logits, of which the `top` largest are kept as they are (not renormalised); ties go to the
 /// lower index.
@@ -204,6 +221,36 @@ fn route(router: &[f32], x: &[f32], top: usize) -> Route {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The GPU engine runs Mamba-2 mixers: it refuses a Jamba model by name, saying which
+    /// engine runs it.
+    #[test]
+    fn the_gpu_engine_refuses_jamba_by_name() {
+        let c = JambaConfig::tiny(61);
+        let w = JambaWeights::random(&c, 1);
+        let gpu = crate::Backend::Gpu(crate::gpu::testing::test_gpu());
+        let err = crate::Model::from_jamba_weights_on(c, w, None, &gpu, WeightDtype::F32).unwrap_err().to_string();
+        assert!(err.contains("Jamba") && err.contains("--device cpu"), "{err}");
+    }
+
+    /// Random weights of the tiny shape run: finite log-probs, and the state holds 3 Mamba-1
+    /// layers and 2 attention layers with a key per token.
+    #[test]
+    fn a_tiny_random_jamba_runs() {
+        let c = JambaConfig::tiny(61);
+        let m = CpuJamba::new(c.clone(), JambaWeights::random(&c, 2), WeightDtype::F32);
+        let mut s = State::zeros(c.state_shape(), "test");
+        let h = m.forward(&[1, 2, 3, 4, 5], &mut s);
+        assert!(m.logprobs(&h[..4 * c.d_model], &[2, 3, 4, 5]).iter().all(|l| l.is_finite() && *l < 0.0));
+        assert_eq!((s.layers.len(), s.attention.len(), s.n_tokens), (3, 2, 5));
+        assert_eq!(s.attention[0].tokens(c.n_kv_heads * c.head_dim), 5);
+    }
+
+    #[test]
+    fn experts_split_in_order() {
+        let parts = split_experts((0..12).map(|v| v as f32).collect(), 4);
+        assert_eq!(parts, vec![vec![0.0, 1.0, 2.0, 3.0], vec![4.0, 5.0, 6.0, 7.0], vec![8.0, 9.0, 10.0, 11.0]]);
+    }
 
     /// Jamba's routing keeps the top-k of the softmax over all experts, unnormalised: worked
     /// by hand for logits 0, 1, 2, -1.

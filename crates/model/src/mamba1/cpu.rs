@@ -126,10 +126,12 @@ impl Mixer {
         let mut xdbl = vec![0.0f32; t * xp];
         matmul::matmul_t(&xc, t, di, &self.x_proj, xp, &mut xdbl, false);
         if let Some(([w_dt, w_b, w_c], eps)) = &self.inner_norms {
+            let mut x = vec![0.0f32; r.max(n)];
             for row in xdbl.chunks_exact_mut(xp) {
                 for (part, w) in [(0..r, w_dt), (r..r + n, w_b), (r + n..xp, w_c)] {
-                    let x = row[part.clone()].to_vec();
-                    norm::rmsnorm(&x, w, *eps, &mut row[part]);
+                    let x = &mut x[..part.len()];
+                    x.copy_from_slice(&row[part.clone()]);
+                    norm::rmsnorm(x, w, *eps, &mut row[part]);
                 }
             }
         }
