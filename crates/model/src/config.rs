@@ -88,6 +88,13 @@ impl ModelConfig {
                 Ok(Self::GraniteHybrid(crate::granite_hybrid::GraniteHybridConfig::from_falcon_h1(path, &map)?))
             }
             Some("jamba") => Ok(Self::Jamba(crate::jamba::JambaConfig::from_hf(path, &map)?)),
+            // Its references disagree: transformers' PyTorch path RMS-norms the low-rank time step
+            // before `dt_proj`, mamba_ssm's fused kernel (its CUDA path) the projected one.
+            Some("falcon_mamba") => Err(Error::config(
+                path,
+                "model_type is \"falcon_mamba\": transformers' PyTorch path norms the time step before \
+                 `dt_proj` and its mamba_ssm kernel path after it, two models that differ, so picaso runs neither",
+            )),
             Some("mamba2") | None => {
                 let c = Mamba2Config::from_hf(path, &map)?;
                 c.validate(path)?;
@@ -357,6 +364,19 @@ pub(crate) fn parse_json_with_infinity(text: &str) -> serde_json::Result<Value> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Falcon Mamba is refused with the reason, any other unknown family with the list of
+    /// what loads.
+    #[test]
+    fn unknown_families_are_refused_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("config.json");
+        for (kind, says) in [("falcon_mamba", "dt_proj"), ("zamba2", "Jamba (\"jamba\")")] {
+            std::fs::write(&path, format!(r#"{{"model_type": "{kind}", "hidden_size": 8}}"#)).unwrap();
+            let err = ModelConfig::from_file(&path).unwrap_err().to_string();
+            assert!(err.contains(kind) && err.contains(says), "{kind}: {err}");
+        }
+    }
 
     #[test]
     fn python_infinity_literals_parse() {
