@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Create an HF-transformers Granite 4.0 H folder (GraniteMoeHybridForCausalLM), or a Falcon-H1 one
-(FalconH1ForCausalLM), with random weights, for speed benchmarks against llama.cpp on the same weights.
+"""Create an HF-transformers Granite 4.0 H folder (GraniteMoeHybridForCausalLM), a Falcon-H1 one
+(FalconH1ForCausalLM) or a Jamba one (JambaForCausalLM), with random weights, for speed benchmarks
+against llama.cpp on the same weights.
 
 `--preset micro-like` (2.9 B): hidden 2560, 40 layers of which 4 attention (40 query / 8 key-value
 heads of 64), Mamba-2 layers of 80 heads x 64, dense SwiGLU MLP of 4096: Granite 4.0 H-Micro's
@@ -11,7 +12,12 @@ dense SwiGLU MLP of 2048, tied embeddings: the layout of Granite 4.0 H-350M as I
 with sizes chosen here (the hub's config is not reachable from this machine).
 `--preset falcon-h1-0.5b-like` (0.55 B): hidden 1024, 36 layers, each a Mamba-2 mixer of 24 heads x 64
 (state 128, 1 group) beside RoPE attention (8 query / 2 key-value heads of 64), dense SwiGLU MLP of
-2048, untied head, µP multipliers away from 1: Falcon-H1-0.5B's layout, sizes chosen here. The vocabulary is
+2048, untied head, µP multipliers away from 1: Falcon-H1-0.5B's layout, sizes chosen here.
+`--preset jamba-small-like` (0.45 B): hidden 1024, 16 layers of which 2 attention (every 8th from
+layer 4: 8 query / 2 key-value heads of 128, NoPE), Mamba-1 mixers of 2048 channels (state 16,
+dt_rank 64) with RMSNorms on dt, B and C, and on every 2nd layer from layer 1 4 SwiGLU experts of
+2048 (top 2), a dense SwiGLU MLP of 2048 on the rest, untied head: Jamba's layout at a size that
+fits this machine, sizes chosen here. The vocabulary is
 the GPT-NeoX tokenizer's (50,304 rows), which `--tokenizer` copies into the folder so that
 llama.cpp's convert_hf_to_gguf.py accepts it. Weights come from transformers' own init (seeded),
 stored as float32 safetensors.
@@ -25,7 +31,14 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import FalconH1Config, FalconH1ForCausalLM, GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+from transformers import (
+    FalconH1Config,
+    FalconH1ForCausalLM,
+    GraniteMoeHybridConfig,
+    GraniteMoeHybridForCausalLM,
+    JambaConfig,
+    JambaForCausalLM,
+)
 
 from make_random_mamba2 import SPECIAL, copy_tokenizer  # same tokenizer files and special ids
 
@@ -54,6 +67,11 @@ PRESETS = {
                                 embedding_multiplier=5.66, lm_head_multiplier=0.039, key_multiplier=0.39,
                                 attention_out_multiplier=0.94, ssm_in_multiplier=0.25, ssm_out_multiplier=0.24,
                                 ssm_multipliers=[0.35, 0.25, 0.35, 0.5, 0.35], mlp_multipliers=[0.88, 0.59]),
+    "jamba-small-like": dict(family="jamba", hidden_size=1024, num_hidden_layers=16, attn_layer_period=8,
+                             attn_layer_offset=4, num_attention_heads=8, num_key_value_heads=2,
+                             intermediate_size=2048, num_experts=4, num_experts_per_tok=2, expert_layer_period=2,
+                             expert_layer_offset=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+                             mamba_dt_rank=64, vocab_size=50304, tie_word_embeddings=False),
 }
 
 
@@ -69,11 +87,16 @@ def main():
 
     p = dict(PRESETS[args.preset])
     torch.manual_seed(args.seed)
-    falcon = p.pop("family", None) == "falcon_h1"
+    family = p.pop("family", None)
+    falcon = family == "falcon_h1"
     if falcon:
         types = ["hybrid"] * p["num_hidden_layers"]
         config = FalconH1Config(**p, **SPECIAL)
         model = FalconH1ForCausalLM(config)
+    elif family == "jamba":
+        config = JambaConfig(**p, **SPECIAL)
+        types = config.layers_block_type
+        model = JambaForCausalLM(config)
     else:
         types = layer_types(p["num_hidden_layers"], range(p.pop("attention")))
         config = GraniteMoeHybridConfig(**p, layer_types=types, position_embedding_type="nope",
@@ -84,7 +107,7 @@ def main():
     model = model.to(getattr(torch, args.dtype)).eval()
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out, safe_serialization=True)
-    if not falcon:
+    if family is None:
         # The hub's spelling of the layer types ("mamba" / "attention"): transformers 5 writes its own
         # ("linear_attention" / "full_attention"), which llama.cpp's converter does not read.
         cfg_path = args.out / "config.json"
