@@ -57,9 +57,21 @@ struct Scored {
     cells: Vec<(String, usize, f64, f64, usize)>,
     /// Whether the query's true neighbour (the segment just before it: the second half of the
     /// previous paragraph) is stored, and its rank among the retrieved (1 = first), if found.
-    #[serde(default)]
+    /// Written so that a journal read back keeps the misses: `None` (no stored neighbour) leaves
+    /// the field out, a neighbour not retrieved is `null`, one found its rank. (Journals of
+    /// format 1 wrote `null` for both, so a resumed run lost its misses and overstated the
+    /// recall; the header's `journal` version keeps them from being resumed.)
+    #[serde(default, skip_serializing_if = "Option::is_none", deserialize_with = "present")]
     neighbour: Option<Option<usize>>,
 }
+
+/// A field that is present: `null` is `Some(None)`, not `None` (see [`Scored::neighbour`]).
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Option<Option<usize>>, D::Error> {
+    <Option<usize> as serde::Deserialize>::deserialize(d).map(Some)
+}
+
+/// The format of the journal's lines ([`Scored`]); a journal of another format is not resumed.
+const JOURNAL_FORMAT: u32 = 2;
 
 /// One (method, k) cell of the table.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -210,6 +222,7 @@ pub fn run(model: &Model, store: &Store, options: &Options, mut progress: impl F
         Some(path) => {
             let header = serde_json::json!({
                 "experiment": "wikitext",
+                "journal": JOURNAL_FORMAT,
                 "model": model.fingerprint(),
                 "options": options,
                 "queries": chosen.iter().map(|p| p.query).collect::<Vec<_>>(),
@@ -353,6 +366,17 @@ mod tests {
     use picaso_model::Composition;
 
     use super::*;
+
+    /// A journaled passage keeps whether its neighbour is stored and missed, stored and found,
+    /// or not stored: the recall's denominator counts the misses of a resumed run too.
+    #[test]
+    fn a_journaled_neighbour_keeps_its_misses() {
+        for neighbour in [None, Some(None), Some(Some(3))] {
+            let s = Scored { query_tokens: 1, continuation_tokens: 2, naive: 0.5, cells: Vec::new(), neighbour };
+            let back: Scored = serde_json::from_str(&serde_json::to_string(&s).unwrap()).unwrap();
+            assert_eq!(back.neighbour, neighbour);
+        }
+    }
 
     /// Paired gains are the mean per-passage difference; their interval is narrow when the
     /// methods move together even if the passages' losses spread widely.
