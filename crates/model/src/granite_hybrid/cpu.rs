@@ -212,7 +212,6 @@ impl CpuGraniteHybrid {
         feed_forward(c.mlp_kind, xn, rows, d, mlp.inner, &mlp.input, &mlp.output, kind, out);
         let Some(moe) = moe else { return };
         let e = c.n_experts;
-        let mut by_expert: Vec<Route> = vec![Vec::new(); e];
         let routes: Vec<Route> = xn
             .par_chunks(d)
             .map(|x| {
@@ -220,11 +219,6 @@ impl CpuGraniteHybrid {
                 route(&logits, moe.bias.as_deref(), c.top_k, c.routing)
             })
             .collect();
-        for (r, route) in routes.into_iter().enumerate() {
-            for (j, w) in route {
-                by_expert[j].push((r, w));
-            }
-        }
         let (ei, w) = (c.expert_intermediate, c.expert_width());
         let latent_rows = moe.latent.as_ref().map(|(down, _)| {
             let mut x = vec![0.0f32; rows * w];
@@ -234,7 +228,7 @@ impl CpuGraniteHybrid {
         let xe = latent_rows.as_deref().unwrap_or(xn);
         let mut latent_sum = moe.latent.as_ref().map(|_| vec![0.0f32; rows * w]);
         let sum = latent_sum.as_deref_mut().unwrap_or(out);
-        add_experts(c.mlp_kind, xe, w, ei, by_expert, &moe.experts, kind, sum);
+        add_experts(c.mlp_kind, xe, w, ei, routes, &moe.experts, kind, sum);
         if let (Some(sum), Some((_, up))) = (&latent_sum, &moe.latent) {
             kind.matmul_t(sum, rows, w, up, d, out, true);
         }
@@ -321,19 +315,25 @@ pub(crate) struct AttentionDims {
     pub rope: Option<(usize, f64)>,
 }
 
-/// Adds to `sum` (rows × w) each expert's output on the rows routed to it (`by_expert[j]`:
-/// expert j's rows and their weights) times their weights. Each expert multiplies only its rows.
+/// Adds to `sum` (rows × w) each expert's output on the rows routed to it, times their weights
+/// (`routes[r]`: row r's experts and weights). Each expert multiplies only its rows.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn add_experts(
     mlp: MlpKind,
     xe: &[f32],
     w: usize,
     inner: usize,
-    by_expert: Vec<Route>,
+    routes: Vec<Route>,
     experts: &[(Matrix, Matrix)],
     kind: Rows,
     sum: &mut [f32],
 ) {
+    let mut by_expert: Vec<Route> = vec![Vec::new(); experts.len()];
+    for (r, route) in routes.into_iter().enumerate() {
+        for (j, weight) in route {
+            by_expert[j].push((r, weight));
+        }
+    }
     let partial: Vec<(Route, Vec<f32>)> = by_expert
         .into_par_iter()
         .enumerate()

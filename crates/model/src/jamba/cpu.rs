@@ -156,15 +156,9 @@ impl CpuJamba {
                         feed_forward(MlpKind::SwiGlu, &xn, rows, d, c.intermediate, gate_up, down, kind, &mut branch);
                     }
                     FeedForward::Experts(router, experts) => {
-                        let mut by_expert: Vec<Route> = vec![Vec::new(); experts.len()];
                         let routes: Vec<Route> = xn.par_chunks(d).map(|x| route(router, x, c.top_k)).collect();
-                        for (r, route) in routes.into_iter().enumerate() {
-                            for (j, w) in route {
-                                by_expert[j].push((r, w));
-                            }
-                        }
                         branch.fill(0.0);
-                        add_experts(MlpKind::SwiGlu, &xn, d, c.intermediate, by_expert, experts, kind, &mut branch);
+                        add_experts(MlpKind::SwiGlu, &xn, d, c.intermediate, routes, experts, kind, &mut branch);
                     }
                 }
                 add_scaled(&mut h, &branch, 1.0);
