@@ -19,6 +19,10 @@ pub struct MigrateArgs {
     /// the target is a new PostgreSQL store.
     #[arg(long)]
     to_states: Option<String>,
+    /// Convert the states to this codec (f32, bf16, int8 or int4; default: the source's).
+    /// Every target state is then checked to be its source state converted.
+    #[arg(long)]
+    state_dtype: Option<picaso_model::StateDtype>,
     /// Print a JSON report.
     #[arg(long)]
     json: bool,
@@ -37,7 +41,7 @@ pub fn migrate(a: MigrateArgs) -> Result<()> {
         );
         bar
     });
-    let (target, report) = picaso_store::migrate(&from, to, |done, total| {
+    let (target, report) = picaso_store::migrate_to(&from, to, a.state_dtype, |done, total| {
         if let Some(bar) = &bar {
             bar.set_length(total as u64);
             bar.set_position(done as u64);

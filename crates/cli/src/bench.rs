@@ -185,6 +185,75 @@ fn bench_model(
     })
 }
 
+#[derive(Args)]
+pub(crate) struct BenchCodecsArgs {
+    /// Shapes, comma-separated: any of --random's in `bench` (130m, 2.7b, granite-micro-like, …).
+    /// Only the shape is used: no weights are made.
+    #[arg(long, value_delimiter = ',', default_value = "130m")]
+    shapes: Vec<String>,
+    /// States composed at once.
+    #[arg(long, default_value_t = 10, value_parser = at_least_one)]
+    compose_n: usize,
+    /// Context tokens per state (a hybrid's keys and values grow with them).
+    #[arg(long, default_value_t = 100)]
+    tokens: usize,
+    /// Contexts whose states a store holds, for the total size (the paper's WikiText-2 setting
+    /// stores 3,854).
+    #[arg(long, default_value_t = 3854)]
+    contexts: u64,
+    /// Runs per measurement (best is reported).
+    #[arg(long, default_value_t = 3, value_parser = at_least_one)]
+    repeats: usize,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+pub(crate) fn bench_codecs(a: BenchCodecsArgs) -> Result<()> {
+    let mut report = Vec::new();
+    for name in &a.shapes {
+        let shape = random_config(name, "--shapes")?.state_shape();
+        let rows = picaso_model::bench::codecs(&shape, a.compose_n, a.tokens, a.repeats)?;
+        if !a.json {
+            println!(
+                "{name}: {} states of {} context tokens composed (PICASO-R), {} threads",
+                a.compose_n,
+                a.tokens,
+                std::thread::available_parallelism().map_or(1, |n| n.get())
+            );
+            println!(
+                "  codec  MiB/state  GiB/{} ctx  compose ms  read ms  read+write ms  ×read  ×read+write  vs f32",
+                a.contexts
+            );
+            let f32_ms = rows[0].compose_ms;
+            for r in &rows {
+                println!(
+                    "  {:<5} {:>10.2} {:>12.1} {:>11.2} {:>8.2} {:>14.2} {:>6.2} {:>12.2} {:>7.2}×",
+                    r.codec,
+                    r.state_bytes as f64 / 1048576.0,
+                    (r.state_bytes as u64 * a.contexts) as f64 / (1u64 << 30) as f64,
+                    r.compose_ms,
+                    r.read_ms,
+                    r.read_write_ms,
+                    r.compose_ms / r.read_ms,
+                    r.compose_ms / r.read_write_ms,
+                    f32_ms / r.compose_ms
+                );
+            }
+        }
+        report.push(json!({"shape": name, "tokens": a.tokens, "compose_n": a.compose_n, "contexts": a.contexts, "codecs": rows}));
+    }
+    if a.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(
+                &json!({"cpu": picaso_model::bench::cpu_model(), "threads": std::thread::available_parallelism().map_or(1, |n| n.get()), "shapes": report})
+            )?
+        );
+    }
+    Ok(())
+}
+
 /// The config of a known shape of random weights (`flag` names the option, for the error).
 fn random_config(shape: &str, flag: &str) -> Result<picaso_model::ModelConfig> {
     use picaso_model::{GraniteHybridConfig, JambaConfig, Mamba1Config, Mamba2Config, ModelConfig};

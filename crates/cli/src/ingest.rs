@@ -38,7 +38,8 @@ pub(crate) struct IngestArgs {
     /// Contexts per committed batch.
     #[arg(long, default_value_t = 16, value_parser = at_least_one)]
     batch: usize,
-    /// Precision of the state files: f32 or bf16 (default: the store's, f32 for a new store).
+    /// Codec of the state files: f32, bf16, int8 or int4 (default: the store's, f32 for a new
+    /// store). int8 and int4 keep a scale per 32 values; log-decays stay f32.
     #[arg(long)]
     state_dtype: Option<StateDtype>,
     /// Also remove the store's documents the source no longer has (a file deleted from
@@ -78,15 +79,7 @@ pub(crate) fn ingest(a: IngestArgs) -> Result<()> {
     };
     let store = picaso_store::Store::open_or_create(location, &info)?;
     if let Some(want) = a.state_dtype {
-        let kept = store.info().state_dtype;
-        if want != kept {
-            bail!(
-                "store {} keeps its states in {}; --state-dtype {} would mix precisions in one store (leave the flag out, or ingest into a new store)",
-                store.location(),
-                format!("{kept:?}").to_lowercase(),
-                format!("{want:?}").to_lowercase()
-            );
-        }
+        store.require_state_dtype(want)?;
     }
     let bar = (!a.json).then(|| {
         let bar = indicatif::ProgressBar::new(0);

@@ -55,6 +55,9 @@ enum Command {
     RandomModel(bench::RandomModelArgs),
     /// What k contexts cost at query time: composing their stored states vs processing them.
     BenchContext(bench::BenchContextArgs),
+    /// Bytes per context and composition time of every state codec (f32, bf16, int8, int4)
+    /// at a model's shape, against the floor of reading the bytes.
+    BenchCodecs(bench::BenchCodecsArgs),
     /// Add documents to a store of states (idempotent, resumable).
     Ingest(ingest::IngestArgs),
     /// Totals of a store.
@@ -149,6 +152,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(a) => bench::bench(a),
         Command::RandomModel(a) => bench::random_model(a),
         Command::BenchContext(a) => bench::bench_context(a),
+        Command::BenchCodecs(a) => bench::bench_codecs(a),
         Command::Ingest(a) => ingest::ingest(a),
         Command::Stats(a) => ingest::stats(a),
         Command::Documents(a) => contexts::documents(a),

@@ -47,7 +47,8 @@ pub(crate) struct StateArgs {
     /// Where to write the state (safetensors).
     #[arg(long)]
     out: PathBuf,
-    /// Precision of the SSM states and conv tails on disk (log-decays stay f32).
+    /// Codec of the SSM states, conv tails, keys and values on disk: f32, bf16, int8 or int4
+    /// (log-decays stay f32).
     #[arg(long, default_value = "f32")]
     dtype: StateDtype,
     /// Print JSON.
@@ -86,7 +87,7 @@ pub(crate) struct ComposeArgs {
     /// Where to write the composed state.
     #[arg(long)]
     out: PathBuf,
-    /// Precision on disk.
+    /// Codec on disk: f32, bf16, int8 or int4 (the inputs may be in any codec).
     #[arg(long, default_value = "f32")]
     dtype: StateDtype,
     /// Print JSON.
@@ -122,8 +123,12 @@ pub(crate) fn info(a: InfoArgs) -> Result<()> {
         "config": c.to_hf_json(),
         "parameters": model.n_params(),
         "state_bytes_f32": bytes,
-        // Log-decays stay f32 in a bf16 state file.
-        "state_bytes_bf16": bytes / 2 + shape.n_layer * shape.log_decay_len() * 2,
+        // Per codec, log-decays in f32 and int8/int4 scales included; a hybrid's keys and
+        // values beside them after 100 and 1,000 context tokens.
+        "state_bytes": picaso_model::StateDtype::ALL.iter().map(|&c| (c.name().to_string(), json!({
+            "0": shape.nbytes(c, 0), "100": shape.nbytes(c, 100), "1000": shape.nbytes(c, 1000),
+        }))).collect::<serde_json::Map<_, _>>(),
+        "state_bytes_bf16": shape.nbytes(picaso_model::StateDtype::Bf16, 0),
         "kv_bytes_f32_per_token": kv_per_token,
         "tokenizer": model.tokenizer().ok().map(|t| t.vocab_size()),
     });
@@ -140,11 +145,18 @@ pub(crate) fn info(a: InfoArgs) -> Result<()> {
         println!("format       {layers} ({:?})", c.format());
         println!("shape        {}", c.describe());
         println!("parameters   {} ({:.1} M)", model.n_params(), model.n_params() as f64 / 1e6);
-        println!(
-            "state        {:.2} MiB f32 per context ({:.2} MiB bf16)",
-            bytes as f64 / 1048576.0,
-            v["state_bytes_bf16"].as_f64().unwrap_or(0.0) / 1048576.0
-        );
+        let mib = |c, t| shape.nbytes(c, t) as f64 / 1048576.0;
+        let per_codec = |t| {
+            picaso_model::StateDtype::ALL
+                .iter()
+                .map(|&c| format!("{:.2} {c}", mib(c, t)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        println!("state        MiB per context: {}", per_codec(0));
+        if kv_per_token > 0 {
+            println!("             with keys and values of 1,000 tokens: {}", per_codec(1000));
+        }
         if kv_per_token > 0 {
             println!(
                 "             + {:.1} KiB f32 per context token ({:.1} KiB bf16): the attention layers' keys and values",

@@ -10,6 +10,7 @@
 
 use rayon::prelude::*;
 
+use crate::codec::Values;
 use crate::simd::prefetch_l2;
 use crate::{Composition, Error, TINY_WEIGHT};
 
@@ -114,17 +115,17 @@ fn block_weights(method: Composition, n: usize, s: &mut Scratch) {
 /// R_{k-1} = 1 − A_0·…·A_{n-1} + A_k R_k (each R ≥ 1), and the sum (1/n) Σ_k R_k x_k, taken
 /// from the last context down. `a` holds the decays, `total` the sum of the log-decays.
 #[inline(always)]
-fn picaso_r_block(a: &[Block], total: &Block, x: &[&[f32]], e: usize) -> Block {
+fn picaso_r_block(a: &[Block], total: &Block, x: &[Values<'_>], e: usize) -> Block {
     let n = a.len();
     let all = exp_f32(total);
     let mut r = [1.0f32; B];
     for a in a[..n - 1].iter().rev() {
         r = std::array::from_fn(|j| a[j].mul_add(r[j], 1.0));
     }
-    let last = block(x[n - 1], e);
+    let last = x[n - 1].block16(e);
     let mut acc: Block = std::array::from_fn(|j| r[j] * last[j]);
     for k in (1..n).rev() {
-        let (a, x) = (&a[k], block(x[k - 1], e));
+        let (a, x) = (&a[k], x[k - 1].block16(e));
         for j in 0..B {
             r[j] = a[j].mul_add(r[j], 1.0 - all[j]).max(1.0);
             acc[j] = r[j].mul_add(x[j], acc[j]);
@@ -172,7 +173,7 @@ fn read_log_decays(method: Composition, ld: &[&[f32]], e: usize, s: &mut Scratch
 fn compose_block(
     method: Composition,
     ld: &[&[f32]],
-    x: &[&[f32]],
+    x: &[Values<'_>],
     e: usize,
     out: &mut Block,
     ld_out: &mut Block,
@@ -182,7 +183,7 @@ fn compose_block(
         prefetch_block(v, e + AHEAD);
     }
     for v in x {
-        prefetch_block(v, e + AHEAD);
+        prefetch_l2(v.byte_address(e + AHEAD));
     }
     let Some(total) = read_log_decays(method, ld, e, s) else {
         return (true, false);
@@ -193,7 +194,7 @@ fn compose_block(
         block_weights(method, ld.len(), s);
         let mut acc = [0.0f32; B];
         for (i, (x, w)) in x.iter().zip(&s.w).enumerate() {
-            let x = block(x, e);
+            let x = x.block16(e);
             for j in 0..B {
                 acc[j] = if i == 0 { w[j] * x[j] } else { acc[j] + w[j] * x[j] };
             }
@@ -212,7 +213,7 @@ crate::simd_fn! {
     pub fn compose_range(
         method: Composition,
         log_decays: &[&[f32]],
-        ssm: &[&[f32]],
+        ssm: &[Values<'_>],
         from: usize,
         ssm_out: &mut [f32],
         log_decay_out: &mut [f32],
@@ -233,14 +234,15 @@ crate::simd_fn! {
         }
         if !tail_out.is_empty() {
             let (e, m) = (from + full, tail_out.len());
-            let padded = |v: &&[f32]| {
+            let padded = |v: Values<'_>| {
                 let mut b = vec![0.0f32; B];
-                b[..m].copy_from_slice(&v[e..e + m]);
+                v.dequantize_into(e, &mut b[..m]);
                 b
             };
-            let ld: Vec<Vec<f32>> = log_decays.iter().map(padded).collect();
-            let x: Vec<Vec<f32>> = ssm.iter().map(padded).collect();
-            let (ld, x): (Vec<&[f32]>, Vec<&[f32]>) = (ld.iter().map(|v| &v[..]).collect(), x.iter().map(|v| &v[..]).collect());
+            let ld: Vec<Vec<f32>> = log_decays.iter().map(|v| padded(Values::F32(v))).collect();
+            let x: Vec<Vec<f32>> = ssm.iter().map(|v| padded(*v)).collect();
+            let (ld, x): (Vec<&[f32]>, Vec<Values<'_>>) =
+                (ld.iter().map(|v| &v[..]).collect(), x.iter().map(|v| Values::F32(v)).collect());
             let (mut out, mut ld_out) = ([0.0; B], [0.0; B]);
             let (f, d) = compose_block(method, &ld, &x, 0, &mut out, &mut ld_out, s);
             tail_out.copy_from_slice(&out[..m]);
@@ -300,6 +302,19 @@ pub fn compose_per_value(
     method: Composition,
     log_decays: &[&[f32]],
     ssm: &[&[f32]],
+    ssm_out: &mut [f32],
+    log_decay_out: &mut [f32],
+) -> Result<(), Error> {
+    let ssm: Vec<Values<'_>> = ssm.iter().map(|x| Values::F32(x)).collect();
+    compose_per_value_values(method, log_decays, &ssm, ssm_out, log_decay_out)
+}
+
+/// [`compose_per_value`] over states in any codec, dequantized a block at a time as they are
+/// read (never copied whole to f32).
+pub fn compose_per_value_values(
+    method: Composition,
+    log_decays: &[&[f32]],
+    ssm: &[Values<'_>],
     ssm_out: &mut [f32],
     log_decay_out: &mut [f32],
 ) -> Result<(), Error> {
@@ -402,7 +417,8 @@ mod tests {
                 let (ones, zeros) = (vec![1.0f32; B], vec![0.0f32; B]);
                 let weights: Vec<Block> = (0..n)
                     .map(|k| {
-                        let x: Vec<&[f32]> = (0..n).map(|i| if i == k { &ones[..] } else { &zeros[..] }).collect();
+                        let x: Vec<Values<'_>> =
+                            (0..n).map(|i| Values::F32(if i == k { &ones[..] } else { &zeros[..] })).collect();
                         let (mut out, mut ld_out) = ([0.0; B], [0.0; B]);
                         assert_eq!(compose_block(method, &refs, &x, 0, &mut out, &mut ld_out, &mut s), (true, true));
                         let sum: Block = std::array::from_fn(|j| ld.iter().map(|l| l[j] as f64).sum::<f64>() as f32);

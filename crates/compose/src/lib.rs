@@ -32,13 +32,17 @@
 //! ```
 #![deny(missing_docs)]
 
+pub mod codec;
+mod compressed;
 mod elementwise;
 mod method;
 mod simd;
 
 use rayon::prelude::*;
 
-pub use elementwise::compose_per_value;
+pub use codec::{Codec, Values};
+pub use compressed::{mean_values, weighted_sum_values};
+pub use elementwise::{compose_per_value, compose_per_value_values};
 pub use method::{Composition, Method, UnknownMethod};
 pub use simd::prefetch_l2;
 
@@ -319,7 +323,7 @@ fn accumulate_block(inputs: &[&[f32]], we: &[f32], off: usize, ob: &mut [f32]) -
 
 /// Whether every value is finite, without a branch per value: Σ 0·x is 0 when they all are
 /// and NaN otherwise (0·∞ is NaN), and unlike Σ x it cannot overflow.
-fn all_finite(x: &[f32]) -> bool {
+pub(crate) fn all_finite(x: &[f32]) -> bool {
     let mut lanes = [0.0f32; 16];
     let mut it = x.chunks_exact(16);
     for c in &mut it {

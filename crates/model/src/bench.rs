@@ -250,3 +250,96 @@ fn peak_rss() -> Option<u64> {
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
 }
+
+/// One codec's row of [`codecs`].
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct CodecBench {
+    /// The codec.
+    pub codec: &'static str,
+    /// Bytes of one state file's tensors in it.
+    pub state_bytes: usize,
+    /// Milliseconds to compose the states (PICASO-R) straight from their file bytes into a
+    /// reused f32 state: the best of the repeats, page cache warm.
+    pub compose_ms: f64,
+    /// Milliseconds to read the same bytes once (a parallel sum): the floor of reading them.
+    pub read_ms: f64,
+    /// Milliseconds to read them and write the f32 output once: the floor of the memory
+    /// traffic composing makes.
+    pub read_write_ms: f64,
+}
+
+/// Composition of `n` states of `shape` (keys and values of `tokens` tokens for a hybrid) in
+/// every codec, each from its own file bytes in memory, against the floor of reading those
+/// bytes. Random values: speed does not depend on them.
+pub fn codecs(shape: &crate::StateShape, n: usize, tokens: usize, repeats: usize) -> Result<Vec<CodecBench>> {
+    use crate::state::{KvState, MappedState, StateDtype};
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (seed >> 40) as f32 / (1u64 << 24) as f32
+    };
+    let states: Vec<State> = (0..n)
+        .map(|_| {
+            let mut s = State::zeros(shape.clone(), "bench");
+            for l in &mut s.layers {
+                l.ssm.iter_mut().for_each(|x| *x = next() - 0.5);
+                l.conv.iter_mut().for_each(|x| *x = next() - 0.5);
+                l.log_decay.iter_mut().for_each(|x| *x = -next());
+            }
+            let kv = shape.attention.as_ref().map_or(0, |a| a.token_len() * tokens);
+            for a in &mut s.attention {
+                *a = KvState {
+                    keys: (0..kv).map(|_| next() - 0.5).collect(),
+                    values: (0..kv).map(|_| next() - 0.5).collect(),
+                };
+            }
+            s.n_tokens = tokens as u64;
+            s.position = tokens as u64;
+            s
+        })
+        .collect();
+    let mut out = State::zeros(shape.clone(), "bench");
+    let mut rows = Vec::new();
+    for codec in StateDtype::ALL {
+        let mapped: Vec<MappedState> =
+            states.iter().map(|s| MappedState::from_buffer(s.to_bytes(codec)?)).collect::<Result<_>>()?;
+        let views: Vec<_> = mapped.iter().map(MappedState::view).collect();
+        let compose =
+            best_of(repeats, || crate::composition::compose_views_into(Composition::PicasoR, &views, None, &mut out))?;
+        let files: Vec<&[u8]> = mapped.iter().map(MappedState::bytes).collect();
+        let read = best_of(repeats.max(5), || Ok(read_bytes(&files)))?;
+        let out_len: usize = out.layers.iter().map(|l| l.ssm.len()).sum();
+        let read_write = best_of(repeats.max(5), || {
+            let sum = read_bytes(&files);
+            out.layers.par_iter_mut().for_each(|l| l.ssm.par_chunks_mut(16 * 1024).for_each(|c| c.fill(sum as f32)));
+            Ok(out_len)
+        })?;
+        rows.push(CodecBench {
+            codec: codec.name(),
+            state_bytes: shape.nbytes(codec, tokens),
+            compose_ms: 1e3 * compose,
+            read_ms: 1e3 * read,
+            read_write_ms: 1e3 * read_write,
+        });
+    }
+    Ok(rows)
+}
+
+/// Reads every byte of `files` once, in parallel (8-byte words, lanes the compiler vectorises).
+fn read_bytes(files: &[&[u8]]) -> u64 {
+    files
+        .par_iter()
+        .flat_map(|f| f.par_chunks(64 * 1024))
+        .map(|c| {
+            let mut lanes = [0u64; 8];
+            let words = c.chunks_exact(64);
+            let rest: u64 = words.remainder().iter().map(|&b| b as u64).sum();
+            for w in words {
+                for (j, l) in lanes.iter_mut().enumerate() {
+                    *l = l.wrapping_add(u64::from_le_bytes(w[8 * j..8 * j + 8].try_into().expect("8 bytes")));
+                }
+            }
+            lanes.iter().fold(rest, |a, &l| a.wrapping_add(l))
+        })
+        .reduce(|| 0, u64::wrapping_add)
+}

@@ -11,8 +11,13 @@
 //! reordering. With RoPE every context sits at positions 0..len-1 (as Parallel Context Windows)
 //! and the query starts after the longest. The union is associative: a composed state composes
 //! again.
+//!
+//! Inputs may be in any codec (a [`StateView`] of a compressed state file): their values are
+//! dequantized inside the sums, never copied whole to f32. The composed state is f32.
 
-use picaso_compose::{compose_per_value, mean, weighted_sum_blocks, weights_per_element, Composition};
+use picaso_compose::{
+    compose_per_value_values, mean_values, weighted_sum_values, weights_per_element, Composition, Values,
+};
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
@@ -93,10 +98,16 @@ fn prepare<'a, 's>(
         Some(_) => ordered.iter().map(|s| s.position).max().unwrap_or(0),
         None => out.n_tokens,
     };
+    // The union of keys and values, dequantized as they are copied.
     out.attention = (0..first.attention.len())
-        .map(|a| crate::state::KvState {
-            keys: ordered.iter().flat_map(|s| s.attention[a].keys.iter().copied()).collect(),
-            values: ordered.iter().flat_map(|s| s.attention[a].values.iter().copied()).collect(),
+        .map(|a| {
+            let mut kv = crate::state::KvState::default();
+            for s in &ordered {
+                let part = &s.attention[a];
+                part.extend_token_major(&part.keys, &mut kv.keys);
+                part.extend_token_major(&part.values, &mut kv.values);
+            }
+            kv
         })
         .collect();
     Ok((ordered, block))
@@ -151,8 +162,8 @@ pub fn compose_all_but_ssm<'a>(
     let mut weights = Vec::with_capacity(out.layers.len());
     for (l, dst) in out.layers.iter_mut().enumerate() {
         let parts: Vec<_> = ordered.iter().map(|s| s.layers[l]).collect();
-        let conv: Vec<&[f32]> = parts.iter().map(|p| p.conv).collect();
-        mean(&conv, &mut dst.conv)?;
+        let conv: Vec<Values<'_>> = parts.iter().map(|p| p.conv).collect();
+        mean_values(&conv, &mut dst.conv)?;
         let decays: Vec<&[f32]> = parts.iter().map(|p| p.log_decay).collect();
         weights.push(weights_per_element(method, &decays)?);
         sum_log_decays(&decays, &mut dst.log_decay);
@@ -176,12 +187,12 @@ pub fn compose_views_into(
         .map(|(l, dst)| {
             let parts: Vec<_> = ordered.iter().map(|s| s.layers[l]).collect();
             let decays: Vec<&[f32]> = parts.iter().map(|p| p.log_decay).collect();
-            let ssm: Vec<&[f32]> = parts.iter().map(|p| p.ssm).collect();
-            let conv: Vec<&[f32]> = parts.iter().map(|p| p.conv).collect();
-            mean(&conv, &mut dst.conv)?;
+            let ssm: Vec<Values<'_>> = parts.iter().map(|p| p.ssm).collect();
+            let conv: Vec<Values<'_>> = parts.iter().map(|p| p.conv).collect();
+            mean_values(&conv, &mut dst.conv)?;
             if block == 1 {
                 // A decay per value (Mamba-1): weights applied as they are computed, never stored.
-                return compose_per_value(method, &decays, &ssm, &mut dst.ssm, &mut dst.log_decay).map_err(
+                return compose_per_value_values(method, &decays, &ssm, &mut dst.ssm, &mut dst.log_decay).map_err(
                     |e| match e {
                         picaso_compose::Error::BadLogDecay { context, value } => {
                             bad_decay(order.map_or(context, |o| o[context]), l, value)
@@ -191,7 +202,7 @@ pub fn compose_views_into(
                 );
             }
             let w = weights_per_element(method, &decays)?;
-            weighted_sum_blocks(&ssm, &w, block, &mut dst.ssm)?;
+            weighted_sum_values(&ssm, &w, block, &mut dst.ssm)?;
             sum_log_decays(&decays, &mut dst.log_decay);
             Ok(())
         })

@@ -30,6 +30,14 @@
 //! `picaso-state/1` (no checksum); a file tagged `/1` that carries a checksum is a damaged newer
 //! file and is refused. `ssm` and `conv` may be stored as bf16 to halve the size; `log_decay` is
 //! always f32 because composition weights are exponentials of it.
+//!
+//! An int8 or int4 state (metadata `codec`) stores `ssm`, `conv`, `k` and `v` each as groups of
+//! 32 values: `layers.{i}.ssm` is I8 (groups, 32) or U8 (groups, 16) and
+//! `layers.{i}.ssm.scales` BF16 (groups), one scale per group ([`picaso_compose::codec`]). The
+//! tensors' own shapes are in the metadata (`ssm_shape`, `conv_shape`, `kv_shape`), and every
+//! log-decay comes first, so the f32 tensors lie 8-byte aligned and are read in place. The
+//! checksum covers the scales as it covers every byte. Such a state is read where it lies:
+//! composition dequantizes inside its sums ([`MappedState`], [`StateView`]).
 
 use std::path::Path;
 
@@ -38,6 +46,8 @@ use safetensors::{Dtype, SafeTensors};
 use crate::error::{Error, Result};
 use crate::mamba2::Mamba2Config;
 use crate::memory::big_vec;
+use picaso_compose::codec::GROUP;
+use picaso_compose::{Codec, Values};
 
 /// Format tag written into every state file's metadata.
 pub const STATE_FORMAT: &str = "picaso-state/3";
@@ -69,26 +79,10 @@ fn checksum_digits(bytes: &[u8], header_end: usize) -> Option<std::ops::Range<us
     (end < header_end && bytes[end] == b'"').then_some(start..end)
 }
 
-/// Storage precision of a state file's `ssm` and `conv` tensors.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum StateDtype {
-    /// Exact.
-    #[default]
-    F32,
-    /// Half the bytes; about 3 significant digits.
-    Bf16,
-}
-
-impl std::str::FromStr for StateDtype {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s {
-            "f32" => Ok(Self::F32),
-            "bf16" => Ok(Self::Bf16),
-            other => Err(format!("unknown state dtype {other:?}: use f32 or bf16")),
-        }
-    }
-}
+/// How a state file stores `ssm`, `conv` and a hybrid's keys and values: f32, bf16, or int8 /
+/// int4 with a bf16 scale per group of 32 values ([`picaso_compose::codec`]). Log-decays are
+/// always f32 (composition weights are exponentials of them).
+pub type StateDtype = picaso_compose::Codec;
 
 /// The model family a state belongs to; decides the ranks of its tensors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -240,6 +234,15 @@ impl StateShape {
     /// Values of one layer's log-decay.
     pub fn log_decay_len(&self) -> usize {
         self.log_decay.iter().product()
+    }
+
+    /// Bytes of the tensors of a state after `tokens` context tokens, in `codec` (scales
+    /// included, the header left out): SSM states do not grow with the context, a hybrid's keys
+    /// and values do.
+    pub fn nbytes(&self, codec: StateDtype, tokens: usize) -> usize {
+        let ssm = codec.bytes(self.ssm_len()) + codec.bytes(self.conv_len()) + 4 * self.log_decay_len();
+        let kv = self.attention.as_ref().map_or(0, |a| a.layers.len() * 2 * codec.bytes(a.token_len() * tokens));
+        self.n_layer * ssm + kv
     }
 
     /// Whether the three tensors fit together as `arch`'s state: their ranks, one log-decay per
@@ -491,6 +494,7 @@ impl State {
 
     /// The state's tensors, borrowed.
     pub fn view(&self) -> StateView<'_> {
+        let (heads, head_dim) = self.shape.attention.as_ref().map_or((0, 0), |a| (a.kv_heads, a.head_dim));
         StateView {
             fingerprint: &self.fingerprint,
             n_tokens: self.n_tokens,
@@ -498,9 +502,19 @@ impl State {
             layers: self
                 .layers
                 .iter()
-                .map(|l| LayerView { ssm: &l.ssm, conv: &l.conv, log_decay: &l.log_decay })
+                .map(|l| LayerView { ssm: Values::F32(&l.ssm), conv: Values::F32(&l.conv), log_decay: &l.log_decay })
                 .collect(),
-            attention: self.attention.iter().map(|a| KvView { keys: &a.keys, values: &a.values }).collect(),
+            attention: self
+                .attention
+                .iter()
+                .map(|a| KvView {
+                    keys: Values::F32(&a.keys),
+                    values: Values::F32(&a.values),
+                    heads,
+                    head_dim,
+                    head_major: false,
+                })
+                .collect(),
             position: self.position,
         }
     }
@@ -509,12 +523,6 @@ impl State {
     /// header lists metadata keys sorted and tensors in layer order, so equal states have equal
     /// files (the store names state files by their hash).
     pub fn to_bytes(&self, dtype: StateDtype) -> Result<Vec<u8>> {
-        let mut tensors: Vec<(String, &'static str, &[usize], Vec<u8>)> =
-            Vec::with_capacity(3 * self.layers.len() + 2 * self.attention.len());
-        let name = |d: StateDtype| match d {
-            StateDtype::F32 => "F32",
-            StateDtype::Bf16 => "BF16",
-        };
         let kv_shapes: Vec<[usize; 3]> = match &self.shape.attention {
             Some(a) => self.attention.iter().map(|kv| [a.kv_heads, kv.tokens(a.token_len()), a.head_dim]).collect(),
             None => Vec::new(),
@@ -525,52 +533,106 @@ impl State {
             Some(a) => a.kinds(),
             None => vec![(true, false); self.layers.len()],
         };
+        let mut per_layer: Vec<(usize, Option<&LayerState>, Option<(&KvState, &[usize; 3])>)> = Vec::new();
         let (mut ssm, mut attention) = (self.layers.iter(), self.attention.iter().zip(&kv_shapes));
         for (i, &(has_ssm, attends)) in kinds.iter().enumerate() {
-            if has_ssm {
-                let l = ssm.next().ok_or_else(|| {
+            let l = match has_ssm {
+                true => Some(ssm.next().ok_or_else(|| {
                     Error::state(format!("layer {i} is an SSM layer, but the state holds no SSM state for it"))
-                })?;
-                tensors.push((format!("layers.{i}.ssm"), name(dtype), &self.shape.ssm, encode(&l.ssm, dtype)));
-                tensors.push((format!("layers.{i}.conv"), name(dtype), &self.shape.conv, encode(&l.conv, dtype)));
-                let log_decay = encode(&l.log_decay, StateDtype::F32);
-                tensors.push((format!("layers.{i}.log_decay"), "F32", &self.shape.log_decay, log_decay));
-            }
-            if attends {
-                let (kv, shape) = attention.next().ok_or_else(|| {
+                })?),
+                false => None,
+            };
+            let kv = match attends {
+                true => Some(attention.next().ok_or_else(|| {
                     Error::state(format!("layer {i} attends, but the state holds no keys and values for it"))
-                })?;
-                tensors.push((
-                    format!("layers.{i}.k"),
-                    name(dtype),
-                    shape,
-                    encode(&head_major(&kv.keys, shape), dtype),
-                ));
-                tensors.push((
-                    format!("layers.{i}.v"),
-                    name(dtype),
-                    shape,
-                    encode(&head_major(&kv.values, shape), dtype),
-                ));
-            }
+                })?),
+                false => None,
+            };
+            per_layer.push((i, l, kv));
         }
         if ssm.next().is_some() || attention.next().is_some() {
             return Err(Error::state("the state holds more layers than its shape lists"));
         }
-        let quote = |s: &str| serde_json::to_string(s).expect("strings serialise");
+        let mut tensors: Vec<(String, &'static str, Vec<usize>, Vec<u8>)> = Vec::new();
         let mut metadata = vec![
             ("arch", self.shape.arch.name().to_string()),
             ("checksum", CHECKSUM_PLACEHOLDER.to_string()),
             ("fingerprint", self.fingerprint.clone()),
             ("format", STATE_FORMAT.to_string()),
+            ("n_tokens", self.n_tokens.to_string()),
         ];
         if let Some(a) = &self.shape.attention {
             metadata.push(("layer_types", a.layer_types().join(",")));
-        }
-        metadata.push(("n_tokens", self.n_tokens.to_string()));
-        if self.shape.attention.is_some() {
             metadata.push(("position", self.position.to_string()));
         }
+        let f32s = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+        if dtype.is_quantized() {
+            // Log-decays first: every f32 tensor then starts 8-byte aligned, for in-place reads.
+            for &(i, l, _) in &per_layer {
+                if let Some(l) = l {
+                    tensors.push((
+                        format!("layers.{i}.log_decay"),
+                        "F32",
+                        self.shape.log_decay.clone(),
+                        f32s(&l.log_decay),
+                    ));
+                }
+            }
+            let (dt, per) = if dtype == StateDtype::Int8 { ("I8", GROUP) } else { ("U8", GROUP / 2) };
+            let mut push = |name: String, v: &[f32]| -> Result<()> {
+                let e = picaso_compose::codec::encode(v, dtype)
+                    .map_err(|j| Error::state(format!("{name} holds a non-finite value at flat index {j}")))?;
+                let groups = v.len().div_ceil(GROUP);
+                tensors.push((name.clone(), dt, vec![groups, per], e.values));
+                tensors.push((format!("{name}.scales"), "BF16", vec![groups], e.scales));
+                Ok(())
+            };
+            for &(i, l, kv) in &per_layer {
+                if let Some(l) = l {
+                    push(format!("layers.{i}.ssm"), &l.ssm)?;
+                    push(format!("layers.{i}.conv"), &l.conv)?;
+                }
+                if let Some((kv, shape)) = kv {
+                    push(format!("layers.{i}.k"), &head_major(&kv.keys, shape))?;
+                    push(format!("layers.{i}.v"), &head_major(&kv.values, shape))?;
+                }
+            }
+            let dims = |d: &[usize]| d.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
+            metadata.push(("codec", dtype.name().to_string()));
+            metadata.push(("group", GROUP.to_string()));
+            metadata.push(("ssm_shape", dims(&self.shape.ssm)));
+            metadata.push(("conv_shape", dims(&self.shape.conv)));
+            if let Some(shape) = kv_shapes.first() {
+                metadata.push(("kv_shape", dims(shape)));
+            }
+        } else {
+            let name = if dtype == StateDtype::F32 { "F32" } else { "BF16" };
+            let encode =
+                |v: &[f32]| picaso_compose::codec::encode(v, dtype).expect("f32 and bf16 take any value").values;
+            for &(i, l, kv) in &per_layer {
+                if let Some(l) = l {
+                    tensors.push((format!("layers.{i}.ssm"), name, self.shape.ssm.clone(), encode(&l.ssm)));
+                    tensors.push((format!("layers.{i}.conv"), name, self.shape.conv.clone(), encode(&l.conv)));
+                    tensors.push((
+                        format!("layers.{i}.log_decay"),
+                        "F32",
+                        self.shape.log_decay.clone(),
+                        f32s(&l.log_decay),
+                    ));
+                }
+                if let Some((kv, shape)) = kv {
+                    tensors.push((format!("layers.{i}.k"), name, shape.to_vec(), encode(&head_major(&kv.keys, shape))));
+                    tensors.push((
+                        format!("layers.{i}.v"),
+                        name,
+                        shape.to_vec(),
+                        encode(&head_major(&kv.values, shape)),
+                    ));
+                }
+            }
+        }
+        metadata.sort_by_key(|(k, _)| *k);
+        let quote = |s: &str| serde_json::to_string(s).expect("strings serialise");
         let mut header = String::from("{\"__metadata__\":{");
         let fields: Vec<String> = metadata.iter().map(|(k, v)| format!("{}:{}", quote(k), quote(v))).collect();
         header.push_str(&fields.join(","));
@@ -607,7 +669,7 @@ impl State {
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
         let parsed = Parsed::new(bytes)?;
         let state = Self {
-            layers: parsed.decode_layers(bytes)?,
+            layers: parsed.decode_layers(bytes),
             attention: parsed.decode_kv(bytes),
             position: parsed.position,
             fingerprint: parsed.fingerprint,
@@ -637,8 +699,9 @@ impl State {
     }
 }
 
-/// A state's tensors borrowed from wherever they live (a [`State`], a [`MappedState`]):
-/// what composition reads, so that stored states are composed without being copied.
+/// A state's tensors borrowed from wherever they live (a [`State`], a [`MappedState`]), in
+/// whatever codec they were stored: what composition reads, so that stored states are composed
+/// without being copied or dequantized whole.
 #[derive(Debug, Clone)]
 pub struct StateView<'a> {
     /// Fingerprint of the model that made it.
@@ -655,32 +718,72 @@ pub struct StateView<'a> {
     pub position: u64,
 }
 
-/// One attention layer of a [`StateView`]: token-major (T, kv_heads, head_dim) rows.
+/// One attention layer of a [`StateView`]: its keys and values, token-major (T, heads,
+/// head_dim) as a [`State`] holds them or head-major (heads, T, head_dim) as a file does.
 #[derive(Debug, Clone, Copy)]
 pub struct KvView<'a> {
     /// Keys.
-    pub keys: &'a [f32],
+    pub keys: Values<'a>,
     /// Values.
-    pub values: &'a [f32],
+    pub values: Values<'a>,
+    /// Key/value heads.
+    pub heads: usize,
+    /// Channels per head.
+    pub head_dim: usize,
+    /// Whether rows are head-major (a file's layout) rather than token-major.
+    pub head_major: bool,
+}
+
+impl KvView<'_> {
+    /// Tokens held.
+    pub fn tokens(&self) -> usize {
+        self.keys.len() / (self.heads * self.head_dim).max(1)
+    }
+
+    /// Appends `v` (this layer's keys or values) to `out` as token-major f32 rows, dequantized
+    /// as they are copied.
+    pub fn extend_token_major(&self, v: &Values<'_>, out: &mut Vec<f32>) {
+        let start = out.len();
+        out.resize(start + v.len(), 0.0);
+        let dst = &mut out[start..];
+        if !self.head_major {
+            v.dequantize_into(0, dst);
+            return;
+        }
+        let (h, t, d) = (self.heads, self.tokens(), self.head_dim);
+        for hi in 0..h {
+            for ti in 0..t {
+                v.dequantize_into((hi * t + ti) * d, &mut dst[(ti * h + hi) * d..][..d]);
+            }
+        }
+    }
+
+    /// Keys and values as an owned, token-major [`KvState`].
+    pub fn to_kv_state(&self) -> KvState {
+        let (mut keys, mut values) = (Vec::new(), Vec::new());
+        self.extend_token_major(&self.keys, &mut keys);
+        self.extend_token_major(&self.values, &mut values);
+        KvState { keys, values }
+    }
 }
 
 /// One layer of a [`StateView`].
 #[derive(Debug, Clone, Copy)]
 pub struct LayerView<'a> {
     /// SSM state, (H, P, N).
-    pub ssm: &'a [f32],
+    pub ssm: Values<'a>,
     /// Conv tail, (C, K-1).
-    pub conv: &'a [f32],
-    /// Log-decay per head, (H).
+    pub conv: Values<'a>,
+    /// Log-decay per head, (H); always f32.
     pub log_decay: &'a [f32],
 }
 
 impl StateView<'_> {
-    /// Rejects NaN or infinite values and positive log-decays.
+    /// Rejects NaN or infinite values (in a compressed state: scales) and positive log-decays.
     pub fn check_values(&self) -> Result<()> {
         for (i, l) in self.layers.iter().enumerate() {
-            for (name, v) in [("ssm", l.ssm), ("conv", l.conv), ("log_decay", l.log_decay)] {
-                if let Some(j) = v.iter().position(|x| !x.is_finite()) {
+            for (name, v) in [("ssm", l.ssm), ("conv", l.conv), ("log_decay", Values::F32(l.log_decay))] {
+                if let Some(j) = v.first_non_finite() {
                     return Err(Error::state(format!("layers.{i}.{name} holds a non-finite value at flat index {j}")));
                 }
             }
@@ -690,7 +793,7 @@ impl StateView<'_> {
         }
         for (kv, &i) in self.attention.iter().zip(self.shape.attention_layers()) {
             for (name, v) in [("k", kv.keys), ("v", kv.values)] {
-                if let Some(j) = v.iter().position(|x| !x.is_finite()) {
+                if let Some(j) = v.first_non_finite() {
                     return Err(Error::state(format!("layers.{i}.{name} holds a non-finite value at flat index {j}")));
                 }
             }
@@ -698,7 +801,7 @@ impl StateView<'_> {
         Ok(())
     }
 
-    /// An owned copy.
+    /// An owned f32 copy (compressed values dequantized).
     pub fn to_state(&self) -> State {
         State {
             fingerprint: self.fingerprint.to_string(),
@@ -709,21 +812,56 @@ impl StateView<'_> {
                 .iter()
                 .map(|l| LayerState { ssm: l.ssm.to_vec(), conv: l.conv.to_vec(), log_decay: l.log_decay.to_vec() })
                 .collect(),
-            attention: self
-                .attention
-                .iter()
-                .map(|a| KvState { keys: a.keys.to_vec(), values: a.values.to_vec() })
-                .collect(),
+            attention: self.attention.iter().map(KvView::to_kv_state).collect(),
             position: self.position,
         }
     }
+
+    /// The codec of its SSM values (f32 for an in-memory state).
+    pub fn codec(&self) -> Codec {
+        self.layers.first().map_or(Codec::F32, |l| l.ssm.codec())
+    }
+
+    /// Bytes read to compose it: every tensor in its codec, scales included.
+    pub fn nbytes(&self) -> usize {
+        let layers: usize = self.layers.iter().map(|l| l.ssm.nbytes() + l.conv.nbytes() + 4 * l.log_decay.len()).sum();
+        layers + self.attention.iter().map(|a| a.keys.nbytes() + a.values.nbytes()).sum::<usize>()
+    }
 }
 
-/// Where one tensor's bytes are in a state file.
+/// Where one tensor's values (and an int8 / int4 tensor's scales) are in a state file.
 #[derive(Debug, Clone)]
 struct TensorAt {
-    dtype: Dtype,
+    codec: Codec,
     range: std::ops::Range<usize>,
+    /// Empty for f32 and bf16.
+    scales: std::ops::Range<usize>,
+    /// Values held.
+    len: usize,
+}
+
+impl TensorAt {
+    /// The tensor in `bytes` (the whole file); None for f32 at an address not 4-byte aligned.
+    fn values<'a>(&self, bytes: &'a [u8]) -> Option<Values<'a>> {
+        Values::from_bytes(self.codec, &bytes[self.range.clone()], &bytes[self.scales.clone()], self.len)
+    }
+
+    /// The tensor as f32 values, wherever it lies.
+    fn decode(&self, bytes: &[u8]) -> Vec<f32> {
+        match self.codec {
+            Codec::F32 => bytes[self.range.clone()]
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            _ => self.values(bytes).expect("sizes checked when parsing").to_vec(),
+        }
+    }
+
+    /// Whether it can be read in place from `bytes`.
+    fn in_place(&self, bytes: &[u8]) -> bool {
+        self.codec != Codec::F32
+            || (cfg!(target_endian = "little") && (bytes.as_ptr() as usize + self.range.start).is_multiple_of(4))
+    }
 }
 
 /// The parsed header of a state file: metadata, shape, and each tensor's place.
@@ -736,6 +874,15 @@ struct Parsed {
     /// Per attention layer: keys, values (each (kv_heads, T, head_dim)) and T.
     kv: Vec<(TensorAt, TensorAt, usize)>,
     position: u64,
+}
+
+/// "a,b,c" as dimensions.
+fn parse_dims(key: &str, value: &str) -> Result<Vec<usize>> {
+    value
+        .split(',')
+        .map(|d| d.trim().parse::<usize>())
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|_| Error::state(format!("metadata `{key}` is {value:?}, not comma-separated dimensions")))
 }
 
 impl Parsed {
@@ -783,6 +930,24 @@ impl Parsed {
             STATE_FORMAT_V1 => {}
             _ => return Err(Error::state(format!("format {format:?} is not {STATE_FORMAT:?}"))),
         }
+        // An int8 / int4 state names its codec and its tensors' shapes; f32 and bf16 ones do not.
+        let codec = match meta.get("codec") {
+            None => None,
+            Some(c) => match c.parse::<Codec>() {
+                Ok(c) if c.is_quantized() => Some(c),
+                _ => {
+                    return Err(Error::state(format!(
+                        "metadata `codec` is {c:?}; a state file names its codec only for int8 or int4"
+                    )))
+                }
+            },
+        };
+        if codec.is_some() && meta.get("group").map(String::as_str) != Some("32") {
+            return Err(Error::state(format!(
+                "metadata `group` is {:?}; this picaso reads groups of {GROUP} values",
+                meta.get("group")
+            )));
+        }
         let arch = match get("arch")?.as_str() {
             "mamba2" => Arch::Mamba2,
             "mamba1" => Arch::Mamba1,
@@ -818,20 +983,22 @@ impl Parsed {
         }
         // Every tensor must be one of the layers': a renamed or extra tensor would otherwise be
         // skipped and the state silently cut short (found by fuzzing).
-        if st.len() != 3 * n_layer + 2 * attention_at.len() {
+        let (per_ssm, per_kv) = if codec.is_some() { (5, 4) } else { (3, 2) };
+        if st.len() != per_ssm * n_layer + per_kv * attention_at.len() {
             let mut names: Vec<&str> = st.names();
             names.sort();
+            let scales = if codec.is_some() { " and a .scales beside each but .log_decay" } else { "" };
             let want = if attention_at.is_empty() {
                 format!(
-                    "a state whose layers run to layers.{}.ssm has {} (layers.i.ssm, .conv, .log_decay for each)",
+                    "a state whose layers run to layers.{}.ssm has {} (layers.i.ssm, .conv, .log_decay for each{scales})",
                     n_layer - 1,
-                    3 * n_layer
+                    per_ssm * n_layer
                 )
             } else {
                 format!(
-                    "a state of {n_layer} SSM states and {} sets of keys and values has {} (.ssm, .conv, .log_decay and .k, .v)",
+                    "a state of {n_layer} SSM states and {} sets of keys and values has {} (.ssm, .conv, .log_decay and .k, .v{scales})",
                     attention_at.len(),
-                    3 * n_layer + 2 * attention_at.len()
+                    per_ssm * n_layer + per_kv * attention_at.len()
                 )
             };
             return Err(Error::state(format!("holds {} tensors, but {want}: {}", st.len(), names.join(", "))));
@@ -840,27 +1007,39 @@ impl Parsed {
             st.tensor(name).map(|v| v.shape().to_vec()).map_err(|_| Error::state(format!("missing tensor `{name}`")))
         };
         let first = ssm_at[0];
-        let (ssm, conv, log_decay) = (
-            dims(&format!("layers.{first}.ssm"))?,
-            dims(&format!("layers.{first}.conv"))?,
-            dims(&format!("layers.{first}.log_decay"))?,
-        );
-        let attention = match attention_at.first() {
-            None => None,
-            Some(&a) => match dims(&format!("layers.{a}.k"))?[..] {
-                [kv_heads, _, head_dim] => Some(AttentionShape {
-                    layers: attention_at.clone(),
-                    ssm: ssm_at.clone(),
-                    n_layers: kinds.as_ref().map_or(0, Vec::len),
-                    kv_heads,
-                    head_dim,
-                }),
-                ref other => {
-                    return Err(Error::state(format!(
-                        "tensor `layers.{a}.k` has shape {other:?}; keys are (kv_heads, tokens, head_dim)"
-                    )))
-                }
-            },
+        let log_decay = dims(&format!("layers.{first}.log_decay"))?;
+        let (ssm, conv, kv_dims) = match codec {
+            Some(_) => (
+                parse_dims("ssm_shape", &get("ssm_shape")?)?,
+                parse_dims("conv_shape", &get("conv_shape")?)?,
+                match attention_at.is_empty() {
+                    true => None,
+                    false => Some(parse_dims("kv_shape", &get("kv_shape")?)?),
+                },
+            ),
+            None => (
+                dims(&format!("layers.{first}.ssm"))?,
+                dims(&format!("layers.{first}.conv"))?,
+                match attention_at.first() {
+                    None => None,
+                    Some(&a) => Some(dims(&format!("layers.{a}.k"))?),
+                },
+            ),
+        };
+        let attention = match (attention_at.first(), kv_dims.as_deref()) {
+            (None, _) | (_, None) => None,
+            (Some(_), Some(&[kv_heads, _, head_dim])) => Some(AttentionShape {
+                layers: attention_at.clone(),
+                ssm: ssm_at.clone(),
+                n_layers: kinds.as_ref().map_or(0, Vec::len),
+                kv_heads,
+                head_dim,
+            }),
+            (Some(&a), Some(other)) => {
+                return Err(Error::state(format!(
+                    "tensor `layers.{a}.k` has shape {other:?}; keys are (kv_heads, tokens, head_dim)"
+                )))
+            }
         };
         let shape = StateShape { arch, n_layer, ssm, conv, log_decay, attention };
         shape.check()?;
@@ -869,77 +1048,117 @@ impl Parsed {
             None => n_tokens,
         };
         let base = bytes.as_ptr() as usize;
-        let at = |name: String, want: &[usize]| -> Result<TensorAt> {
-            let v = st.tensor(&name).map_err(|_| Error::state(format!("missing tensor `{name}`")))?;
-            if v.shape() != want {
-                return Err(Error::state(format!("tensor `{name}` has shape {:?}, expected {want:?}", v.shape())));
-            }
-            if !matches!(v.dtype(), Dtype::F32 | Dtype::BF16) {
-                return Err(Error::state(format!("tensor `{name}` has dtype {:?}; want f32 or bf16", v.dtype())));
-            }
+        let place = |v: &safetensors::tensor::TensorView<'_>| {
             let start = v.data().as_ptr() as usize - base;
-            Ok(TensorAt { dtype: v.dtype(), range: start..start + v.data().len() })
+            start..start + v.data().len()
+        };
+        // A tensor of `want` dimensions in the file's codec (log-decays: f32 whatever it is).
+        let at = |name: String, want: &[usize], f32_only: bool| -> Result<TensorAt> {
+            let v = st.tensor(&name).map_err(|_| Error::state(format!("missing tensor `{name}`")))?;
+            let len = want.iter().product::<usize>();
+            match codec {
+                Some(codec) if !f32_only => {
+                    let groups = len.div_ceil(GROUP);
+                    let (dtype, per) = if codec == Codec::Int8 { (Dtype::I8, GROUP) } else { (Dtype::U8, GROUP / 2) };
+                    if v.dtype() != dtype || v.shape() != [groups, per] {
+                        return Err(Error::state(format!(
+                            "tensor `{name}` is {:?} {:?}; {codec} values of shape {want:?} are {dtype:?} [{groups}, {per}]",
+                            v.dtype(),
+                            v.shape()
+                        )));
+                    }
+                    let scales_name = format!("{name}.scales");
+                    let sc =
+                        st.tensor(&scales_name).map_err(|_| Error::state(format!("missing tensor `{scales_name}`")))?;
+                    if sc.dtype() != Dtype::BF16 || sc.shape() != [groups] {
+                        return Err(Error::state(format!(
+                            "tensor `{scales_name}` is {:?} {:?}; scales are BF16 [{groups}]",
+                            sc.dtype(),
+                            sc.shape()
+                        )));
+                    }
+                    Ok(TensorAt { codec, range: place(&v), scales: place(&sc), len })
+                }
+                _ => {
+                    if v.shape() != want {
+                        return Err(Error::state(format!(
+                            "tensor `{name}` has shape {:?}, expected {want:?}",
+                            v.shape()
+                        )));
+                    }
+                    let codec = match v.dtype() {
+                        Dtype::F32 => Codec::F32,
+                        Dtype::BF16 if !f32_only => Codec::Bf16,
+                        other => {
+                            let allowed = if f32_only { "f32" } else { "f32 or bf16" };
+                            return Err(Error::state(format!("tensor `{name}` has dtype {other:?}; want {allowed}")));
+                        }
+                    };
+                    Ok(TensorAt { codec, range: place(&v), scales: 0..0, len })
+                }
+            }
         };
         let mut tensors = Vec::with_capacity(n_layer);
         for i in ssm_at {
             tensors.push([
-                at(format!("layers.{i}.ssm"), &shape.ssm)?,
-                at(format!("layers.{i}.conv"), &shape.conv)?,
-                at(format!("layers.{i}.log_decay"), &shape.log_decay)?,
+                at(format!("layers.{i}.ssm"), &shape.ssm, false)?,
+                at(format!("layers.{i}.conv"), &shape.conv, false)?,
+                at(format!("layers.{i}.log_decay"), &shape.log_decay, codec.is_some())?,
             ]);
         }
         let mut kv = Vec::with_capacity(attention_at.len());
         if let Some(a) = &shape.attention {
             for &i in &a.layers {
-                let t = dims(&format!("layers.{i}.k"))?.get(1).copied().unwrap_or(0);
+                let t = match (codec, kv_dims.as_deref()) {
+                    (Some(_), Some(d)) => d[1],
+                    _ => dims(&format!("layers.{i}.k"))?.get(1).copied().unwrap_or(0),
+                };
                 let want = [a.kv_heads, t, a.head_dim];
-                kv.push((at(format!("layers.{i}.k"), &want)?, at(format!("layers.{i}.v"), &want)?, t));
+                kv.push((at(format!("layers.{i}.k"), &want, false)?, at(format!("layers.{i}.v"), &want, false)?, t));
             }
         }
         Ok(Self { fingerprint, n_tokens, shape, tensors, kv, position })
     }
 
-    /// The attention layers' keys and values, token-major.
+    /// The attention layers' keys and values, token-major f32.
     fn decode_kv(&self, bytes: &[u8]) -> Vec<KvState> {
         let Some(a) = &self.shape.attention else { return Vec::new() };
-        let dec = |t: &TensorAt, n| {
-            token_major(&decode(t.dtype, &bytes[t.range.clone()]).expect("dtype checked when parsing"), n)
-        };
         self.kv
             .iter()
             .map(|(k, v, t)| {
                 let dims = [a.kv_heads, *t, a.head_dim];
-                KvState { keys: dec(k, dims), values: dec(v, dims) }
+                KvState { keys: token_major(&k.decode(bytes), dims), values: token_major(&v.decode(bytes), dims) }
             })
             .collect()
     }
 
-    fn decode_layers(&self, bytes: &[u8]) -> Result<Vec<LayerState>> {
-        let dec = |t: &TensorAt| decode(t.dtype, &bytes[t.range.clone()]).expect("dtype checked when parsing");
-        Ok(self.tensors.iter().map(|[s, c, l]| LayerState { ssm: dec(s), conv: dec(c), log_decay: dec(l) }).collect())
+    fn decode_layers(&self, bytes: &[u8]) -> Vec<LayerState> {
+        self.tensors
+            .iter()
+            .map(|[s, c, l]| LayerState { ssm: s.decode(bytes), conv: c.decode(bytes), log_decay: l.decode(bytes) })
+            .collect()
     }
 
-    /// Whether every tensor can be read in place as `f32` from `bytes`.
-    fn in_place(&self, bytes: &[u8]) -> bool {
-        let base = bytes.as_ptr() as usize;
-        cfg!(target_endian = "little")
-            && self.tensors.iter().flatten().all(|t| t.dtype == Dtype::F32 && (base + t.range.start).is_multiple_of(4))
+    /// The codec of the SSM values.
+    fn codec(&self) -> Codec {
+        self.tensors.first().map_or(Codec::F32, |t| t[0].codec)
     }
 }
 
 /// The bytes of a state file: a memory map, or a buffer fetched from an object store.
 type Buffer = Box<dyn AsRef<[u8]> + Send + Sync>;
 
-/// A state file read in place, through a memory map or from a fetched buffer: f32 tensors are
-/// used where they lie (no copy, no allocation; composing stored states reads each byte once),
-/// bf16 ones (or f32 at an unaligned address) are decoded once.
+/// A state file read in place, through a memory map or from a fetched buffer: every tensor is
+/// used where it lies, in its codec (no copy, no allocation; composing stored states reads each
+/// byte once and dequantizes int8 / int4 / bf16 inside its sums). Only an f32 tensor at an
+/// unaligned address (a file written by another tool) is decoded once.
 pub struct MappedState {
     buffer: Buffer,
     parsed: Parsed,
-    /// Decoded layers when the file cannot be read in place.
-    decoded: Option<Vec<LayerState>>,
-    /// A hybrid's keys and values, decoded (the file holds them head-major).
-    kv: Vec<KvState>,
+    /// f32 copies of the tensors that cannot be read in place, per SSM layer (ssm, conv,
+    /// log_decay) and per attention layer (keys, values).
+    owned: Vec<[Option<Vec<f32>>; 3]>,
+    owned_kv: Vec<[Option<Vec<f32>>; 2]>,
 }
 
 impl std::fmt::Debug for MappedState {
@@ -947,7 +1166,7 @@ impl std::fmt::Debug for MappedState {
         f.debug_struct("MappedState")
             .field("fingerprint", &self.parsed.fingerprint)
             .field("shape", &self.parsed.shape)
-            .field("in_place", &self.decoded.is_none())
+            .field("codec", &self.parsed.codec())
             .finish()
     }
 }
@@ -965,9 +1184,10 @@ impl MappedState {
         let buffer: Buffer = Box::new(buffer);
         let bytes = (*buffer).as_ref();
         let parsed = Parsed::new(bytes)?;
-        let decoded = if parsed.in_place(bytes) { None } else { Some(parsed.decode_layers(bytes)?) };
-        let kv = parsed.decode_kv(bytes);
-        let state = Self { buffer, parsed, decoded, kv };
+        let copy = |t: &TensorAt| (!t.in_place(bytes)).then(|| t.decode(bytes));
+        let owned = parsed.tensors.iter().map(|ts| ts.each_ref().map(copy)).collect();
+        let owned_kv = parsed.kv.iter().map(|(k, v, _)| [copy(k), copy(v)]).collect();
+        let state = Self { buffer, parsed, owned, owned_kv };
         for (i, l) in state.view().layers.iter().enumerate() {
             if let Some(v) = l.log_decay.iter().find(|v| !(v.is_finite() && **v <= 0.0)) {
                 return Err(Error::state(format!(
@@ -986,18 +1206,41 @@ impl MappedState {
         Self::new(mmap).map_err(|e| e.at_state_file(path))
     }
 
-    /// The tensors.
+    /// The tensors, in the file's codec.
     pub fn view(&self) -> StateView<'_> {
         let p = &self.parsed;
-        let layers = match &self.decoded {
-            Some(d) => d.iter().map(|l| LayerView { ssm: &l.ssm, conv: &l.conv, log_decay: &l.log_decay }).collect(),
-            None => p
-                .tensors
-                .iter()
-                .map(|[s, c, l]| LayerView { ssm: self.f32s(s), conv: self.f32s(c), log_decay: self.f32s(l) })
-                .collect(),
-        };
-        let attention = self.kv.iter().map(|a| KvView { keys: &a.keys, values: &a.values }).collect();
+        let bytes = self.bytes();
+        fn values<'a>(t: &TensorAt, owned: &'a Option<Vec<f32>>, bytes: &'a [u8]) -> Values<'a> {
+            match owned {
+                Some(v) => Values::F32(v),
+                None => t.values(bytes).expect("checked in place when mapped"),
+            }
+        }
+        let layers = p
+            .tensors
+            .iter()
+            .zip(&self.owned)
+            .map(|([s, c, l], [os, oc, ol])| LayerView {
+                ssm: values(s, os, bytes),
+                conv: values(c, oc, bytes),
+                log_decay: match values(l, ol, bytes) {
+                    Values::F32(v) => v,
+                    _ => unreachable!("log-decays are f32"),
+                },
+            })
+            .collect();
+        let (heads, head_dim) = p.shape.attention.as_ref().map_or((0, 0), |a| (a.kv_heads, a.head_dim));
+        let attention =
+            p.kv.iter()
+                .zip(&self.owned_kv)
+                .map(|((k, v, _), [ok, ov])| KvView {
+                    keys: values(k, ok, bytes),
+                    values: values(v, ov, bytes),
+                    heads,
+                    head_dim,
+                    head_major: true,
+                })
+                .collect();
         StateView {
             fingerprint: &p.fingerprint,
             n_tokens: p.n_tokens,
@@ -1008,18 +1251,23 @@ impl MappedState {
         }
     }
 
-    fn f32s(&self, t: &TensorAt) -> &[f32] {
-        let bytes = &self.bytes()[t.range.clone()];
-        // SAFETY: `in_place` checked that the range holds little-endian f32s at a 4-byte
-        // aligned address; the buffer (which never moves its bytes) lives as long as the borrow.
-        unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast::<f32>(), bytes.len() / 4) }
+    /// The codec its `ssm`, `conv`, keys and values are stored in.
+    pub fn codec(&self) -> Codec {
+        self.parsed.codec()
     }
 
-    /// Bytes of the state as f32 (what holding it in memory costs at most).
+    /// Bytes of the state as f32 (what holding it decoded in memory costs).
     pub fn nbytes_f32(&self) -> usize {
         let s = &self.parsed.shape;
-        let kv: usize = self.kv.iter().map(|a| a.keys.len() + a.values.len()).sum();
+        let kv: usize = self.parsed.kv.iter().map(|(k, v, _)| k.len + v.len).sum();
         4 * (s.n_layer * (s.ssm_len() + s.conv_len() + s.log_decay_len()) + kv)
+    }
+
+    /// Bytes held in memory: the file's and any decoded copies.
+    pub fn nbytes(&self) -> usize {
+        let owned: usize =
+            self.owned.iter().flatten().chain(self.owned_kv.iter().flatten()).flatten().map(|v| 4 * v.len()).sum();
+        self.bytes().len() + owned
     }
 
     /// The file's bytes.
@@ -1048,21 +1296,6 @@ fn token_major(rows: &[f32], [h, t, d]: [usize; 3]) -> Vec<f32> {
         }
     }
     out
-}
-
-fn encode(v: &[f32], dtype: StateDtype) -> Vec<u8> {
-    match dtype {
-        StateDtype::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        StateDtype::Bf16 => v.iter().flat_map(|&x| half::bf16::from_f32(x).to_le_bytes()).collect(),
-    }
-}
-
-fn decode(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
-    match dtype {
-        Dtype::F32 => Some(bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()),
-        Dtype::BF16 => Some(bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect()),
-        _ => None,
-    }
 }
 
 /// Writes `bytes` to `path` so that readers see either the old file or the complete new one.
@@ -1249,6 +1482,78 @@ mod tests {
                     back.layers.iter().zip(&s.layers).all(|(x, y)| x.log_decay == y.log_decay),
                     "log-decays stay f32"
                 );
+            }
+        }
+    }
+
+    /// int8 and int4 files: deterministic, valid safetensors whose tensors are the groups and
+    /// their scales, values back within half a step of their group, log-decays exact, and the
+    /// mapped reader using the bytes in place.
+    #[test]
+    fn quantized_states_round_trip_within_half_a_step_and_map_in_place() {
+        let s = sample_state();
+        for codec in [StateDtype::Int8, StateDtype::Int4] {
+            let a = s.to_bytes(codec).unwrap();
+            assert_eq!(a, s.to_bytes(codec).unwrap(), "{codec}: equal states, equal bytes");
+            let st = SafeTensors::deserialize(&a).expect("valid safetensors");
+            assert_eq!(st.len(), 5 * s.layers.len(), "{codec}: ssm, conv, their scales, log_decay");
+            assert_eq!(a.len() - 8 - u64::from_le_bytes(a[..8].try_into().unwrap()) as usize, s.shape.nbytes(codec, 0));
+            let back = State::from_bytes(&a).unwrap();
+            for (x, y) in back.layers.iter().zip(&s.layers) {
+                assert_eq!(x.log_decay, y.log_decay, "{codec}: log-decays stay f32");
+                for (got, want) in [(&x.ssm, &y.ssm), (&x.conv, &y.conv)] {
+                    for (g, w) in got.chunks(GROUP).zip(want.chunks(GROUP)) {
+                        let bound = codec.error_bound(w.iter().fold(0.0f32, |m, v| m.max(v.abs())));
+                        assert!(g.iter().zip(w).all(|(p, q)| (p - q).abs() <= bound), "{codec}: {g:?} vs {w:?}");
+                    }
+                }
+            }
+            let mapped = MappedState::from_buffer(a.clone()).unwrap();
+            assert_eq!(mapped.codec(), codec);
+            assert_eq!(mapped.nbytes(), a.len(), "{codec}: nothing decoded");
+            assert_eq!(mapped.view().to_state(), back, "{codec}: mapped and copied readers agree");
+        }
+    }
+
+    /// A damaged scale is refused by the checksum, as any damaged byte is.
+    #[test]
+    fn a_damaged_scale_is_refused_by_the_checksum() {
+        let a = sample_state().to_bytes(StateDtype::Int4).unwrap();
+        let parsed = Parsed::new(&a).unwrap();
+        let mut bad = a.clone();
+        bad[parsed.tensors[1][0].scales.start + 1] ^= 0x40;
+        for e in [State::from_bytes(&bad).unwrap_err(), MappedState::from_buffer(bad).unwrap_err()] {
+            assert!(e.to_string().contains("do not match its checksum"), "{e}");
+        }
+    }
+
+    /// Composing mapped int8 / int4 / bf16 states equals composing their dequantized copies.
+    #[test]
+    fn mapped_compressed_states_compose_as_their_dequantized_copies() {
+        let base = sample_state();
+        let parts: Vec<State> = (0..3)
+            .map(|k| {
+                let mut s = base.clone();
+                for l in &mut s.layers {
+                    l.ssm.iter_mut().enumerate().for_each(|(j, x)| *x *= 1.0 + ((j * 7 + k) % 5) as f32);
+                    l.log_decay.iter_mut().for_each(|x| *x *= 1.0 + k as f32);
+                }
+                s
+            })
+            .collect();
+        for codec in [StateDtype::Bf16, StateDtype::Int8, StateDtype::Int4] {
+            let mapped: Vec<MappedState> =
+                parts.iter().map(|p| MappedState::from_buffer(p.to_bytes(codec).unwrap()).unwrap()).collect();
+            let views: Vec<StateView<'_>> = mapped.iter().map(|m| m.view()).collect();
+            let copies: Vec<State> = views.iter().map(|v| v.to_state()).collect();
+            for method in [crate::Composition::Soup, crate::Composition::PicasoS, crate::Composition::PicasoR] {
+                let got = crate::composition::compose_views(method, &views, None).unwrap();
+                let want = crate::composition::compose(method, &copies.iter().collect::<Vec<_>>(), None).unwrap();
+                for (x, y) in got.layers.iter().zip(&want.layers) {
+                    let scale = y.ssm.iter().fold(1e-30f32, |m, v| m.max(v.abs()));
+                    assert!(x.ssm.iter().zip(&y.ssm).all(|(p, q)| (p - q).abs() <= 1e-6 * scale), "{codec} {method:?}");
+                    assert_eq!(x.log_decay, y.log_decay);
+                }
             }
         }
     }

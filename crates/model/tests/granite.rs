@@ -211,6 +211,55 @@ fn hybrid_states_save_load_and_compose_again() {
     }
 }
 
+/// Every codec holds a hybrid's SSM states and its keys and values (bf16 within its rounding,
+/// int8 / int4 within half a step of each group of 32), reads them in place, and composes them
+/// as their dequantized copies compose (1e-6), the union of keys and values included; the
+/// scores from the composed state stay near f32's.
+#[test]
+fn hybrid_states_in_every_codec_compose_as_their_dequantized_copies() {
+    for case in CASES {
+        let (m, e) = (model(case), exp(case));
+        let a = m.prefill(&e.tokens[..10], &m.zero_state()).unwrap();
+        let b = m.prefill(&e.tokens[10..17], &m.zero_state()).unwrap();
+        let exact = compose(Composition::PicasoR, &[&a, &b], None).unwrap();
+        let query = &e.tokens[17..];
+        let want = m.score(query, &exact).unwrap().logprobs;
+        for codec in [StateDtype::Bf16, StateDtype::Int8, StateDtype::Int4] {
+            let mapped: Vec<picaso_model::MappedState> = [&a, &b]
+                .iter()
+                .map(|s| picaso_model::MappedState::from_buffer(s.to_bytes(codec).unwrap()).unwrap())
+                .collect();
+            let views: Vec<_> = mapped.iter().map(|s| s.view()).collect();
+            assert!(views.iter().all(|v| v.codec() == codec), "{case}: read in place as {codec}");
+            let dequantized: Vec<State> = views.iter().map(|v| v.to_state()).collect();
+            for (d, s) in dequantized.iter().zip([&a, &b]) {
+                assert!(rel_err(&d.attention[0].keys, &s.attention[0].keys) < 0.2, "{case} {codec}: keys");
+                assert_eq!(d.layers[0].log_decay, s.layers[0].log_decay, "{case} {codec}: log-decays stay f32");
+            }
+            let direct = picaso_model::compose_views(Composition::PicasoR, &views, None).unwrap();
+            let refs: Vec<&State> = dequantized.iter().collect();
+            let copied = compose(Composition::PicasoR, &refs, None).unwrap();
+            for (x, y) in direct.layers.iter().zip(&copied.layers) {
+                assert!(
+                    max_abs_diff(&x.ssm, &y.ssm) <= 1e-6 * y.ssm.iter().fold(1e-30f32, |m, v| m.max(v.abs())) as f64
+                );
+                assert!(
+                    max_abs_diff(&x.conv, &y.conv) <= 1e-6 * y.conv.iter().fold(1e-30f32, |m, v| m.max(v.abs())) as f64
+                );
+            }
+            assert_eq!(direct.attention, copied.attention, "{case} {codec}: the union dequantized as copied");
+            let got = m.score(query, &direct).unwrap().logprobs;
+            let drift = max_abs_diff(&got, &want);
+            let allowed = match codec {
+                StateDtype::Bf16 => 0.05,
+                StateDtype::Int8 => 0.05,
+                _ => 1.0,
+            };
+            assert!(drift < allowed, "{case} {codec}: log-probs move by {drift} from f32's");
+        }
+    }
+}
+
 /// A hybrid state on a pure Mamba-2 model, and a pure Mamba-2 state on a hybrid, are refused.
 #[test]
 fn states_of_other_architectures_are_refused() {

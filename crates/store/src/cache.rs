@@ -67,18 +67,18 @@ impl StateCache {
 
     /// Caches `state` for context `id` if it fits the budget, evicting the least recently used.
     pub fn insert(&self, id: i64, state: Arc<MappedState>) {
-        let size = state.nbytes_f32();
+        let size = state.nbytes();
         if size > self.budget {
             return;
         }
         let mut inner = self.lock();
         if let Some(old) = inner.lru.put(id, state) {
-            inner.bytes -= old.nbytes_f32();
+            inner.bytes -= old.nbytes();
         }
         inner.bytes += size;
         while inner.bytes > self.budget {
             match inner.lru.pop_lru() {
-                Some((_, evicted)) => inner.bytes -= evicted.nbytes_f32(),
+                Some((_, evicted)) => inner.bytes -= evicted.nbytes(),
                 None => break,
             }
         }
@@ -99,7 +99,7 @@ impl StateCache {
     pub fn remove(&self, id: i64) {
         let mut inner = self.lock();
         if let Some(old) = inner.lru.pop(&id) {
-            inner.bytes -= old.nbytes_f32();
+            inner.bytes -= old.nbytes();
         }
     }
 
@@ -134,7 +134,7 @@ mod tests {
     fn evicts_least_recently_used_within_the_budget() {
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path();
-        let size = mapped(dir, 0.0).nbytes_f32();
+        let size = mapped(dir, 0.0).nbytes();
         let cache = StateCache::new(2 * size);
         let load = |v: f32| move || Ok(mapped(dir, v));
         assert!(!cache.get_or_load(1, load(1.0)).unwrap().1);
@@ -142,7 +142,7 @@ mod tests {
         assert!(cache.get_or_load(1, load(9.0)).unwrap().1, "1 is cached");
         cache.get_or_load(3, load(3.0)).unwrap(); // evicts 2, the least recently used
         let (s1, hit1) = cache.get_or_load(1, load(9.0)).unwrap();
-        assert!(hit1 && s1.view().layers[0].ssm[0] == 1.0, "a hit returns the cached state, not a reload");
+        assert!(hit1 && s1.view().layers[0].ssm.to_vec()[0] == 1.0, "a hit returns the cached state, not a reload");
         assert!(!cache.get_or_load(2, load(2.0)).unwrap().1, "2 was evicted");
         let st = cache.stats();
         assert!(st.bytes <= st.budget && st.entries == 2, "{st:?}");

@@ -46,7 +46,7 @@ pub use filter::Filter;
 pub use ingest::{ingest, ingest_while, prune, IngestProgress};
 pub use location::{CatalogUrl, Location, StatesUrl};
 pub use metadata::Metadata;
-pub use migrate::{migrate, MigrateReport};
+pub use migrate::{migrate, migrate_to, MigrateReport};
 pub use passages::{passages, retrieve, retrieve_by, Passage};
 pub use query::{gather, prepare, retrieve_then, Contexts, Hits, Prepared, Retrieval};
 pub use records::{ContextRecord, DocumentSummary};

@@ -222,13 +222,6 @@ pub(crate) fn row_problem(rec: &ContextRecord) -> Option<String> {
     }
 }
 
-fn dtype_name(d: StateDtype) -> &'static str {
-    match d {
-        StateDtype::F32 => "f32",
-        StateDtype::Bf16 => "bf16",
-    }
-}
-
 /// The catalog at `url` if a store exists there.
 fn existing_catalog(url: &CatalogUrl) -> Result<Option<Box<dyn Catalog>>> {
     Ok(match url {
@@ -358,7 +351,7 @@ impl Store {
                 let mut pairs = vec![
                     ("format", STORE_FORMAT.to_string()),
                     ("model", info.fingerprint.clone()),
-                    ("state_dtype", dtype_name(info.state_dtype).to_string()),
+                    ("state_dtype", info.state_dtype.name().to_string()),
                 ];
                 if let Some(states) = &states {
                     pairs.push(("states", states.to_string()));
@@ -476,6 +469,21 @@ impl Store {
     /// What the store is bound to.
     pub fn info(&self) -> &StoreInfo {
         &self.info
+    }
+
+    /// Refuses `want` unless it is the codec this store records: one store keeps one codec, and
+    /// `picaso migrate --state-dtype` converts a store to another.
+    pub fn require_state_dtype(&self, want: StateDtype) -> Result<()> {
+        let kept = self.info.state_dtype;
+        if want == kept {
+            return Ok(());
+        }
+        Err(Error::Input(format!(
+            "store {} keeps its states in {kept}, not {want}: leave out the state dtype to use the store's, \
+             or convert it first (`picaso migrate --from {loc} --to NEW --state-dtype {want}`)",
+            self.location(),
+            loc = self.location(),
+        )))
     }
 
     /// Segments of `doc` stored, each with its context's id.

@@ -70,6 +70,10 @@ pub struct DataArgs {
     /// Shortest paragraph kept when ingesting (tokens; at least 2, one for each half).
     #[arg(long, default_value_t = picaso_store::sources::HALVES_MIN_TOKENS, value_parser = at_least_two)]
     min_tokens: usize,
+    /// Codec of the states of a store made from --data: f32, bf16, int8 or int4 (default: an
+    /// existing store's, f32 for a new one). An existing store in another codec is refused.
+    #[arg(long)]
+    state_dtype: Option<picaso_model::StateDtype>,
 }
 
 /// Which passages, and whether the states are recomputed.
@@ -191,9 +195,12 @@ fn open_store(d: &DataArgs, model: &picaso_model::Model) -> Result<picaso_store:
         let info = picaso_store::StoreInfo {
             fingerprint: model.fingerprint().to_string(),
             dim: embedder.dim(),
-            state_dtype: picaso_model::StateDtype::F32,
+            state_dtype: d.state_dtype.unwrap_or_default(),
         };
         let store = picaso_store::Store::open_or_create(d.db.location()?, &info)?;
+        if let Some(want) = d.state_dtype {
+            store.require_state_dtype(want)?;
+        }
         let bar = progress("contexts");
         let r = picaso_store::ingest(
             &store,
@@ -211,8 +218,12 @@ fn open_store(d: &DataArgs, model: &picaso_model::Model) -> Result<picaso_store:
         eprintln!("{}: {}", store.location(), r.summary());
         return Ok(store);
     }
-    picaso_store::Store::open(d.db.location()?)
-        .with_context(|| format!("--db {}: pass --data FILE to build the store", d.db.db))
+    let store = picaso_store::Store::open(d.db.location()?)
+        .with_context(|| format!("--db {}: pass --data FILE to build the store", d.db.db))?;
+    if let Some(want) = d.state_dtype {
+        store.require_state_dtype(want)?;
+    }
+    Ok(store)
 }
 
 fn progress(what: &str) -> indicatif::ProgressBar {

@@ -1,0 +1,520 @@
+//! State codecs: how a state's values lie in a file, and the arithmetic that reads them where
+//! they lie.
+//!
+//! * `f32`: exact.
+//! * `bf16`: the upper half of each f32 (about 3 significant digits), 2 bytes a value.
+//! * `int8` / `int4`: symmetric integers in groups of [`GROUP`] consecutive values, each group
+//!   with its own scale s: a value is s·q with q in −127..=127 (int8) or −7..=7 (int4). The
+//!   scale is the group's largest magnitude over the largest q, rounded *up* to bf16, so no
+//!   value is clipped and each is within s/2 of the original. An int4 group is 16 bytes: byte j
+//!   holds q[j] + 8 in its low nibble and q[j + 16] + 8 in its high one (two contiguous halves
+//!   unpack with a mask and a shift). The last group is padded with zeros.
+//!
+//! Why groups of 32 along the flat tensor, with one scale each (docs/states.md has the
+//! measurements): an SSM state's magnitude varies by orders between heads and between channels
+//! of a head, and little along the state dimension (the innermost axis, 16–128 values), so a
+//! group within a row of it sees one magnitude; keys and values vary most between tokens and
+//! between heads, and a group of 32 channels lies within one token's head. Smaller groups cost
+//! more in scales (2 bytes per 32 values: 6% of int4); larger ones span magnitudes.
+//!
+//! [`Values`] borrows a tensor in any codec; composition ([`crate::weighted_sum_values`],
+//! [`crate::compose_per_value_values`], [`crate::mean_values`]) dequantizes inside its sums, a
+//! group at a time in registers, and never builds an f32 copy of its inputs.
+
+/// Values per int8 / int4 group (one scale each).
+pub const GROUP: usize = 32;
+
+/// Largest int8 magnitude.
+const Q8: f32 = 127.0;
+/// Largest int4 magnitude (−8 is not used: the code is symmetric).
+const Q4: f32 = 7.0;
+
+/// How a state's `ssm`, `conv`, keys and values are stored (log-decays are always f32).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Codec {
+    /// Exact, 4 bytes a value.
+    #[default]
+    F32,
+    /// 2 bytes a value; about 3 significant digits.
+    Bf16,
+    /// 1 byte a value and a bf16 scale per 32: 1.06 bytes a value (3.8× smaller than f32).
+    Int8,
+    /// Half a byte a value and a bf16 scale per 32: 0.56 bytes a value (7.1× smaller).
+    Int4,
+}
+
+impl Codec {
+    /// Every codec, in the order of their bytes, largest first.
+    pub const ALL: [Codec; 4] = [Codec::F32, Codec::Bf16, Codec::Int8, Codec::Int4];
+
+    /// The name users write (`--state-dtype int4`) and files record.
+    pub fn name(self) -> &'static str {
+        match self {
+            Codec::F32 => "f32",
+            Codec::Bf16 => "bf16",
+            Codec::Int8 => "int8",
+            Codec::Int4 => "int4",
+        }
+    }
+
+    /// Whether values are stored as integers with a scale per group.
+    pub fn is_quantized(self) -> bool {
+        matches!(self, Codec::Int8 | Codec::Int4)
+    }
+
+    /// Bytes that `len` values take in this codec, scales and padding included.
+    pub fn bytes(self, len: usize) -> usize {
+        let groups = len.div_ceil(GROUP);
+        match self {
+            Codec::F32 => 4 * len,
+            Codec::Bf16 => 2 * len,
+            Codec::Int8 => groups * (GROUP + 2),
+            Codec::Int4 => groups * (GROUP / 2 + 2),
+        }
+    }
+
+    /// The worst absolute error of one value after a round trip, given the largest magnitude
+    /// in its group: half a quantization step (the step rounded up to bf16), or bf16's rounding.
+    pub fn error_bound(self, group_max: f32) -> f32 {
+        let step = |q: f32| round_up_bf16(group_max / q);
+        match self {
+            Codec::F32 => 0.0,
+            Codec::Bf16 => group_max * 2f32.powi(-8),
+            Codec::Int8 => step(Q8) / 2.0,
+            Codec::Int4 => step(Q4) / 2.0,
+        }
+    }
+}
+
+impl std::fmt::Display for Codec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Codec {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Codec::ALL.into_iter().find(|c| c.name() == s).ok_or_else(|| {
+            format!("unknown state codec {s:?}: use f32 (exact), bf16 (half the bytes), int8 (3.8x smaller) or int4 (7.1x smaller)")
+        })
+    }
+}
+
+/// A tensor's values as they lie in a state file (or in memory), borrowed.
+#[derive(Debug, Clone, Copy)]
+pub enum Values<'a> {
+    /// f32 values.
+    F32(&'a [f32]),
+    /// Little-endian bf16 values, 2 bytes each (no alignment needed).
+    Bf16(&'a [u8]),
+    /// `len` values in int8 groups: `q` one signed byte per value (whole groups), `scales` one
+    /// little-endian bf16 per group.
+    Int8 {
+        /// The integers, padded to whole groups.
+        q: &'a [u8],
+        /// A bf16 scale per group.
+        scales: &'a [u8],
+        /// Values held.
+        len: usize,
+    },
+    /// `len` values in int4 groups: `q` 16 bytes per group (see the module), `scales` as int8's.
+    Int4 {
+        /// The packed integers, 16 bytes per group.
+        q: &'a [u8],
+        /// A bf16 scale per group.
+        scales: &'a [u8],
+        /// Values held.
+        len: usize,
+    },
+}
+
+/// A tensor encoded in a codec: what a state file stores for it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Encoded {
+    /// The values' bytes (f32 or bf16 little-endian, int8 bytes, or int4 pairs).
+    pub values: Vec<u8>,
+    /// A little-endian bf16 scale per group (empty for f32 and bf16).
+    pub scales: Vec<u8>,
+}
+
+/// `x` as the smallest bf16 that is ≥ x (x ≥ 0 and finite).
+fn round_up_bf16(x: f32) -> f32 {
+    let bits = x.to_bits();
+    let down = f32::from_bits(bits & 0xffff_0000);
+    if down >= x {
+        down
+    } else {
+        f32::from_bits((bits & 0xffff_0000) + 0x1_0000)
+    }
+}
+
+/// bf16 bits → f32.
+#[inline(always)]
+fn bf16(lo: u8, hi: u8) -> f32 {
+    f32::from_bits(((hi as u32) << 24) | ((lo as u32) << 16))
+}
+
+/// The f32's bf16, rounded to nearest even (as `half` and PyTorch round).
+fn to_bf16(x: f32) -> [u8; 2] {
+    let bits = x.to_bits();
+    let rounded = if x.is_nan() { (bits >> 16) | 0x40 } else { (bits + 0x7fff + ((bits >> 16) & 1)) >> 16 };
+    (rounded as u16).to_le_bytes()
+}
+
+/// Encodes `x` in `codec`. Refuses a non-finite value (its group would have no scale), naming
+/// its index.
+pub fn encode(x: &[f32], codec: Codec) -> Result<Encoded, usize> {
+    let values = match codec {
+        Codec::F32 => x.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        Codec::Bf16 => x.iter().flat_map(|&v| to_bf16(v)).collect(),
+        Codec::Int8 | Codec::Int4 => {
+            if let Some(i) = x.iter().position(|v| !v.is_finite()) {
+                return Err(i);
+            }
+            let groups = x.len().div_ceil(GROUP);
+            let (qmax, per) = if codec == Codec::Int8 { (Q8, GROUP) } else { (Q4, GROUP / 2) };
+            let mut q = vec![0u8; groups * per];
+            let mut scales = Vec::with_capacity(2 * groups);
+            for (g, chunk) in x.chunks(GROUP).enumerate() {
+                let max = chunk.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                let s = round_up_bf16(max / qmax);
+                scales.extend_from_slice(&to_bf16(s));
+                let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
+                let mut ints = [0i32; GROUP];
+                for (i, v) in chunk.iter().enumerate() {
+                    ints[i] = (v * inv).round().clamp(-qmax, qmax) as i32;
+                }
+                let out = &mut q[g * per..(g + 1) * per];
+                if codec == Codec::Int8 {
+                    for (o, v) in out.iter_mut().zip(ints) {
+                        *o = v as i8 as u8;
+                    }
+                } else {
+                    for (j, o) in out.iter_mut().enumerate() {
+                        *o = ((ints[j] + 8) as u8) | (((ints[j + GROUP / 2] + 8) as u8) << 4);
+                    }
+                }
+            }
+            return Ok(Encoded { values: q, scales });
+        }
+    };
+    Ok(Encoded { values, scales: Vec::new() })
+}
+
+impl<'a> Values<'a> {
+    /// Values held.
+    pub fn len(&self) -> usize {
+        match *self {
+            Values::F32(v) => v.len(),
+            Values::Bf16(b) => b.len() / 2,
+            Values::Int8 { len, .. } | Values::Int4 { len, .. } => len,
+        }
+    }
+
+    /// Whether it holds no value.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The codec its values are in.
+    pub fn codec(&self) -> Codec {
+        match self {
+            Values::F32(_) => Codec::F32,
+            Values::Bf16(_) => Codec::Bf16,
+            Values::Int8 { .. } => Codec::Int8,
+            Values::Int4 { .. } => Codec::Int4,
+        }
+    }
+
+    /// Bytes read to use every value (scales included).
+    pub fn nbytes(&self) -> usize {
+        match *self {
+            Values::F32(v) => 4 * v.len(),
+            Values::Bf16(b) => b.len(),
+            Values::Int8 { q, scales, .. } | Values::Int4 { q, scales, .. } => q.len() + scales.len(),
+        }
+    }
+
+    /// Views `bytes` as `len` values of `codec` (`scales` empty for f32 and bf16, which are read
+    /// from `values`); None if the sizes do not fit. f32 bytes must be 4-byte aligned.
+    pub fn from_bytes(codec: Codec, values: &'a [u8], scales: &'a [u8], len: usize) -> Option<Self> {
+        let groups = len.div_ceil(GROUP);
+        match codec {
+            Codec::F32 => {
+                if values.len() != 4 * len || !(values.as_ptr() as usize).is_multiple_of(4) || !scales.is_empty() {
+                    return None;
+                }
+                // SAFETY: the bytes are 4-byte aligned, as long as 4·len, and borrowed for 'a;
+                // every bit pattern is an f32. (Little-endian targets only: the caller checks.)
+                Some(Values::F32(unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<f32>(), len) }))
+            }
+            Codec::Bf16 => (values.len() == 2 * len && scales.is_empty()).then_some(Values::Bf16(values)),
+            Codec::Int8 => (values.len() == groups * GROUP && scales.len() == 2 * groups).then_some(Values::Int8 {
+                q: values,
+                scales,
+                len,
+            }),
+            Codec::Int4 => (values.len() == groups * GROUP / 2 && scales.len() == 2 * groups).then_some(Values::Int4 {
+                q: values,
+                scales,
+                len,
+            }),
+        }
+    }
+
+    /// The scale of group `g` (int8 and int4).
+    #[inline(always)]
+    fn scale(scales: &[u8], g: usize) -> f32 {
+        bf16(scales[2 * g], scales[2 * g + 1])
+    }
+
+    /// The first index whose value is not finite (for int8 and int4: the first value of a group
+    /// whose scale is not), if any.
+    pub fn first_non_finite(&self) -> Option<usize> {
+        match *self {
+            Values::F32(v) => v.iter().position(|x| !x.is_finite()),
+            Values::Bf16(b) => b.chunks_exact(2).position(|p| !bf16(p[0], p[1]).is_finite()),
+            Values::Int8 { scales, .. } | Values::Int4 { scales, .. } => {
+                (0..scales.len() / 2).find(|&g| !Self::scale(scales, g).is_finite()).map(|g| g * GROUP)
+            }
+        }
+    }
+
+    /// Group `g` dequantized (int8 and int4), padding included.
+    #[inline(always)]
+    fn group(&self, g: usize) -> [f32; GROUP] {
+        let mut out = [0.0f32; GROUP];
+        self.accumulate_group(g, 1.0, &mut out);
+        out
+    }
+
+    /// `acc[j] += w · value[g·GROUP + j]` for the whole group `g` (values past the end are
+    /// read as 0): the dequantizing inner loop of every composition, one multiply per group for
+    /// the scale. `acc` is a whole group even for the last, short one.
+    #[inline(always)]
+    pub fn accumulate_group(&self, g: usize, w: f32, acc: &mut [f32; GROUP]) {
+        let start = g * GROUP;
+        match *self {
+            Values::F32(v) => {
+                let m = (v.len() - start).min(GROUP);
+                if m == GROUP {
+                    let x: &[f32; GROUP] = v[start..start + GROUP].try_into().expect("a whole group");
+                    for j in 0..GROUP {
+                        acc[j] = w.mul_add(x[j], acc[j]);
+                    }
+                } else {
+                    for j in 0..m {
+                        acc[j] = w.mul_add(v[start + j], acc[j]);
+                    }
+                }
+            }
+            Values::Bf16(b) => {
+                let m = (b.len() / 2 - start).min(GROUP);
+                let bytes = &b[2 * start..2 * (start + m)];
+                if m == GROUP {
+                    let x: &[u8; 2 * GROUP] = bytes.try_into().expect("a whole group");
+                    for j in 0..GROUP {
+                        acc[j] = w.mul_add(bf16(x[2 * j], x[2 * j + 1]), acc[j]);
+                    }
+                } else {
+                    for j in 0..m {
+                        acc[j] = w.mul_add(bf16(bytes[2 * j], bytes[2 * j + 1]), acc[j]);
+                    }
+                }
+            }
+            Values::Int8 { q, scales, .. } => {
+                let c = w * Self::scale(scales, g);
+                let x: &[u8; GROUP] = q[start..start + GROUP].try_into().expect("whole groups");
+                for j in 0..GROUP {
+                    acc[j] = c.mul_add(x[j] as i8 as f32, acc[j]);
+                }
+            }
+            Values::Int4 { q, scales, .. } => {
+                let c = w * Self::scale(scales, g);
+                let x: &[u8; GROUP / 2] = q[g * GROUP / 2..(g + 1) * GROUP / 2].try_into().expect("whole groups");
+                // s·(nibble − 8): the −8 is folded into the low integers' conversion.
+                for j in 0..GROUP / 2 {
+                    acc[j] = c.mul_add(((x[j] & 15) as i32 - 8) as f32, acc[j]);
+                    acc[j + GROUP / 2] = c.mul_add(((x[j] >> 4) as i32 - 8) as f32, acc[j + GROUP / 2]);
+                }
+            }
+        }
+    }
+
+    /// Values `[start, start + out.len())` as f32, written into `out`.
+    pub fn dequantize_into(&self, start: usize, out: &mut [f32]) {
+        match *self {
+            Values::F32(v) => out.copy_from_slice(&v[start..start + out.len()]),
+            Values::Bf16(b) => {
+                for (o, p) in out.iter_mut().zip(b[2 * start..].chunks_exact(2)) {
+                    *o = bf16(p[0], p[1]);
+                }
+            }
+            Values::Int8 { .. } | Values::Int4 { .. } => {
+                let mut i = 0;
+                while i < out.len() {
+                    let (g, j) = ((start + i) / GROUP, (start + i) % GROUP);
+                    let group = self.group(g);
+                    let m = (GROUP - j).min(out.len() - i);
+                    out[i..i + m].copy_from_slice(&group[j..j + m]);
+                    i += m;
+                }
+            }
+        }
+    }
+
+    /// Every value as f32.
+    pub fn to_vec(&self) -> Vec<f32> {
+        let mut out = vec![0.0; self.len()];
+        self.dequantize_into(0, &mut out);
+        out
+    }
+
+    /// The 16 values from `e` (a multiple of 16 with `e + 16 ≤ len`) as f32: what the per-value
+    /// composition reads a block at a time.
+    #[inline(always)]
+    pub fn block16(&self, e: usize) -> [f32; 16] {
+        match *self {
+            Values::F32(v) => v[e..e + 16].try_into().expect("a whole block"),
+            Values::Bf16(b) => {
+                let x: &[u8; 32] = b[2 * e..2 * e + 32].try_into().expect("a whole block");
+                std::array::from_fn(|j| bf16(x[2 * j], x[2 * j + 1]))
+            }
+            Values::Int8 { q, scales, .. } => {
+                let s = Self::scale(scales, e / GROUP);
+                let x: &[u8; 16] = q[e..e + 16].try_into().expect("a whole block");
+                std::array::from_fn(|j| s * (x[j] as i8 as f32))
+            }
+            Values::Int4 { q, scales, .. } => {
+                let (g, half) = (e / GROUP, e % GROUP);
+                let s = Self::scale(scales, g);
+                let x: &[u8; 16] = q[g * 16..g * 16 + 16].try_into().expect("a whole group");
+                if half == 0 {
+                    std::array::from_fn(|j| s * (((x[j] & 15) as i32 - 8) as f32))
+                } else {
+                    std::array::from_fn(|j| s * (((x[j] >> 4) as i32 - 8) as f32))
+                }
+            }
+        }
+    }
+
+    /// The address of the byte that holds value `e` (for prefetching).
+    #[inline(always)]
+    pub fn byte_address(&self, e: usize) -> *const u8 {
+        match *self {
+            Values::F32(v) => v.as_ptr().wrapping_add(e).cast(),
+            Values::Bf16(b) => b.as_ptr().wrapping_add(2 * e),
+            Values::Int8 { q, .. } => q.as_ptr().wrapping_add(e),
+            Values::Int4 { q, .. } => q.as_ptr().wrapping_add(e / 2),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed;
+        (0..n)
+            .map(|i| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                let u = (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+                // Magnitudes that vary by orders between groups, as a state's do.
+                u * 10f32.powi((i / GROUP % 7) as i32 - 3)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn round_trips_are_within_half_a_step_of_each_group() {
+        for len in [1, 31, 32, 33, 100, 1024] {
+            let x = sample(len, len as u64);
+            for codec in Codec::ALL {
+                let e = encode(&x, codec).unwrap();
+                let a = aligned(&e.values);
+                let v = Values::from_bytes(codec, a.as_bytes(), &e.scales, len).unwrap();
+                assert_eq!(v.nbytes(), codec.bytes(len), "{codec} at {len}");
+                let back = v.to_vec();
+                for (g, (chunk, got)) in x.chunks(GROUP).zip(back.chunks(GROUP)).enumerate() {
+                    let max = chunk.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                    let bound = codec.error_bound(max);
+                    for (a, b) in chunk.iter().zip(got) {
+                        assert!((a - b).abs() <= bound, "{codec} group {g}: {a} came back {b}, bound {bound}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// f32 bytes copied to a 4-byte aligned buffer.
+    struct Aligned(Vec<f32>, usize);
+    impl Aligned {
+        fn as_bytes(&self) -> &[u8] {
+            // SAFETY: a Vec<f32>'s bytes, borrowed with it.
+            unsafe { std::slice::from_raw_parts(self.0.as_ptr().cast::<u8>(), self.1) }
+        }
+    }
+    fn aligned(b: &[u8]) -> Aligned {
+        let mut v = vec![0.0f32; b.len().div_ceil(4)];
+        // SAFETY: writing b.len() bytes into a buffer at least that long.
+        unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), v.as_mut_ptr().cast::<u8>(), b.len()) };
+        Aligned(v, b.len())
+    }
+
+    #[test]
+    fn quantized_codecs_keep_zeros_signs_and_the_group_maximum_exactly() {
+        let mut x = vec![0.0f32; 64];
+        x[3] = -2.5;
+        x[40] = 1e-30;
+        for codec in [Codec::Int8, Codec::Int4] {
+            let e = encode(&x, codec).unwrap();
+            let back = Values::from_bytes(codec, &e.values, &e.scales, 64).unwrap().to_vec();
+            assert_eq!(back.iter().filter(|v| **v == 0.0).count(), 62, "{codec}");
+            assert!(back[3] < 0.0 && (back[3] + 2.5).abs() <= codec.error_bound(2.5));
+            assert!(back[40] > 0.0);
+        }
+    }
+
+    #[test]
+    fn non_finite_values_are_refused_by_index() {
+        assert_eq!(encode(&[1.0, f32::NAN], Codec::Int4), Err(1));
+        assert_eq!(encode(&[f32::INFINITY], Codec::Int8), Err(0));
+    }
+
+    #[test]
+    fn sizes_that_do_not_fit_are_refused() {
+        let e = encode(&sample(40, 1), Codec::Int4).unwrap();
+        assert!(Values::from_bytes(Codec::Int4, &e.values, &e.scales, 40).is_some());
+        assert!(Values::from_bytes(Codec::Int4, &e.values, &e.scales, 65).is_none());
+        assert!(Values::from_bytes(Codec::Int4, &e.values[1..], &e.scales, 40).is_none());
+        assert!(Values::from_bytes(Codec::Int8, &e.values, &e.scales, 40).is_none());
+    }
+
+    #[test]
+    fn block16_and_ranges_agree_with_the_whole_tensor() {
+        let x = sample(96, 7);
+        for codec in Codec::ALL {
+            let e = encode(&x, codec).unwrap();
+            let a = aligned(&e.values);
+            let v = Values::from_bytes(codec, a.as_bytes(), &e.scales, 96).unwrap();
+            let all = v.to_vec();
+            for b in 0..6 {
+                assert_eq!(v.block16(16 * b), all[16 * b..16 * b + 16], "{codec} block {b}");
+            }
+            let mut part = vec![0.0; 50];
+            v.dequantize_into(7, &mut part);
+            assert_eq!(part, all[7..57]);
+        }
+    }
+
+    #[test]
+    fn names_parse_and_an_unknown_one_says_what_exists() {
+        for c in Codec::ALL {
+            assert_eq!(c.name().parse::<Codec>(), Ok(c));
+        }
+        let e = "int2".parse::<Codec>().unwrap_err();
+        assert!(e.contains("int2") && e.contains("int4"), "{e}");
+    }
+}
