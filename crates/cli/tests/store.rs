@@ -618,6 +618,67 @@ fn ingest_survives_sigkill(tmp: &std::path::Path, db: &TestDb) {
     assert!(diff.is_empty(), "the resumed store differs from an uninterrupted ingest: {diff:?}");
 }
 
+/// A store in int8 or int4: ingested, checked, queried with composition read from the
+/// compressed files, converted by `migrate --state-dtype` (each converted state verified) and
+/// refused in another codec with the way to convert it; an unknown codec names the four.
+#[test]
+fn compressed_stores_ingest_compose_migrate_and_refuse_another_codec() {
+    let (Some(model), Some(embedder)) = (text_model(5), shared("all-MiniLM-L6-v2")) else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let docs = tmp.path().join("docs");
+    write_docs(&docs);
+    let (m, e, d) = (model.path().to_str().unwrap(), embedder.to_str().unwrap(), docs.to_str().unwrap());
+    let (success, _, stderr) = run(&[
+        "ingest",
+        "--db",
+        tmp.path().join("x").to_str().unwrap(),
+        "--model",
+        m,
+        "--text-dir",
+        d,
+        "--state-dtype",
+        "int2",
+    ]);
+    assert!(!success && stderr.contains("unknown state codec \"int2\"") && stderr.contains("int4"), "{stderr}");
+    let bytes = |db: &str| -> u64 { ok(&["stats", "--db", db, "--json"])["state_bytes"].as_u64().unwrap() };
+    let f32_db = tmp.path().join("f32");
+    let f32_db = f32_db.to_str().unwrap();
+    ok(&["ingest", "--db", f32_db, "--model", m, "--embedder", e, "--text-dir", d, "--json"]);
+    for codec in ["int8", "int4"] {
+        let db = tmp.path().join(codec);
+        let db = db.to_str().unwrap();
+        ok(&["ingest", "--db", db, "--model", m, "--embedder", e, "--text-dir", d, "--state-dtype", codec, "--json"]);
+        assert!(bytes(db) * 3 < bytes(f32_db), "{codec}: {} bytes against f32's {}", bytes(db), bytes(f32_db));
+        ok(&["check", "--db", db, "--json"]);
+        let out = ok(&[
+            "query",
+            "--db",
+            db,
+            "--model",
+            m,
+            "--k",
+            "3",
+            "--method",
+            "picaso-r",
+            "--max-tokens",
+            "3",
+            "--json",
+            "Tell me about Paris",
+        ]);
+        assert!(!out.is_null(), "{codec}: a composed answer");
+        let (success, _, stderr) = run(&["ingest", "--db", db, "--model", m, "--text-dir", d, "--state-dtype", "f32"]);
+        assert!(!success && stderr.contains(&format!("keeps its states in {codec}, not f32")), "{stderr}");
+        assert!(stderr.contains("--state-dtype f32"), "the refusal says how to convert: {stderr}");
+        // Converted from f32 to this codec, every state verified, and the same size as ingested.
+        let migrated = tmp.path().join(format!("{codec}-migrated"));
+        let v =
+            ok(&["migrate", "--from", f32_db, "--to", migrated.to_str().unwrap(), "--state-dtype", codec, "--json"]);
+        assert_eq!(v["report"]["verified"], v["report"]["copied"], "{v}");
+        assert_eq!(bytes(migrated.to_str().unwrap()), bytes(db), "{codec}: converted states are the ingested ones");
+        ok(&["check", "--db", migrated.to_str().unwrap(), "--json"]);
+    }
+}
+
 /// `--state-dtype` that differs from what the store keeps is refused, not silently ignored.
 #[test]
 fn a_store_keeps_one_state_precision() {

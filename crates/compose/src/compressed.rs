@@ -41,7 +41,7 @@ pub fn weighted_sum_values(inputs: &[Values<'_>], w: &[f32], block: usize, out: 
 
 crate::simd_fn! {
     /// Output values `[from, from + out.len())` of [`weighted_sum_values`] (`from` a multiple of
-    /// the group), a piece of [`PIECE`] values at a time: the piece's sums stay in L1 while
+    /// the group), a piece of 1,024 values at a time: the piece's sums stay in L1 while
     /// each input streams through it. Returns whether every output is finite.
     pub fn sum_values_range(inputs: &[Values<'_>], w: &[f32], block: usize, from: usize, out: &mut [f32]) -> bool {
         const PIECE: usize = 32 * codec::GROUP;

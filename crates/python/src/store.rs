@@ -69,8 +69,9 @@ impl Store {
 
     /// Creates a store for `model` (or opens it if it exists, checking that it was made with
     /// this model). `states` places state files elsewhere (a folder or s3://bucket/prefix) when
-    /// `url` is postgres://; `state_dtype` "f32" (the default for a new store) or "bf16" (an
-    /// existing store keeps its own; naming another is an error).
+    /// `url` is postgres://; `state_dtype` "f32" (the default for a new store), "bf16", "int8"
+    /// or "int4" (an existing store keeps its own; naming another is an error: convert a store
+    /// with `picaso migrate --state-dtype`).
     #[staticmethod]
     #[pyo3(signature = (url, model, *, embedder=None, states=None, state_dtype=None))]
     fn create(
@@ -92,17 +93,8 @@ impl Store {
             state_dtype: want.unwrap_or_default(),
         };
         let store = py.detach(|| picaso_store::Store::open_or_create(loc, &info)).map_err(store_err)?;
-        if let Some(want) = want.filter(|&w| w != store.info().state_dtype) {
-            return Err(raise(
-                Kind::Invalid,
-                format!(
-                    "store {} keeps its states in {}; state_dtype={:?} would mix precisions in one store \
-                     (leave it out, or create a new store)",
-                    store.location(),
-                    format!("{:?}", store.info().state_dtype).to_lowercase(),
-                    format!("{want:?}").to_lowercase()
-                ),
-            ));
+        if let Some(want) = want {
+            store.require_state_dtype(want).map_err(|e| raise(Kind::Invalid, e.to_string()))?;
         }
         // Recorded now, so that `Store.open` finds it even before the first ingest.
         store.bind_embedder(embedder.fingerprint(), &embedder.dir().display().to_string()).map_err(store_err)?;
