@@ -533,7 +533,9 @@ impl State {
             Some(a) => a.kinds(),
             None => vec![(true, false); self.layers.len()],
         };
-        let mut per_layer: Vec<(usize, Option<&LayerState>, Option<(&KvState, &[usize; 3])>)> = Vec::new();
+        // Per layer of the model: its index, its SSM state, its keys and values with their shape.
+        type Layer<'s> = (usize, Option<&'s LayerState>, Option<(&'s KvState, &'s [usize; 3])>);
+        let mut per_layer: Vec<Layer<'_>> = Vec::new();
         let (mut ssm, mut attention) = (self.layers.iter(), self.attention.iter().zip(&kv_shapes));
         for (i, &(has_ssm, attends)) in kinds.iter().enumerate() {
             let l = match has_ssm {
