@@ -7,7 +7,7 @@
 //!   with its own scale s: a value is s·q with q in −127..=127 (int8) or −7..=7 (int4). The
 //!   scale is the group's largest magnitude over the largest q, rounded *up* to bf16, so no
 //!   value is clipped and each is within s/2 of the original. An int4 group is 16 bytes: byte j
-//!   holds q[j] + 8 in its low nibble and q[j + 16] + 8 in its high one (two contiguous halves
+//!   holds `q[j] + 8` in its low nibble and `q[j + 16] + 8` in its high one (two contiguous halves
 //!   unpack with a mask and a shift). The last group is padded with zeros.
 //!
 //! Why groups of 32 along the flat tensor, with one scale each (docs/states.md has the
