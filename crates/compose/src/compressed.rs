@@ -41,8 +41,10 @@ pub fn weighted_sum_values(inputs: &[Values<'_>], w: &[f32], block: usize, out: 
 
 crate::simd_fn! {
     /// Output values `[from, from + out.len())` of [`weighted_sum_values`] (`from` a multiple of
-    /// the group), a piece of 1,024 values at a time: the piece's sums stay in L1 while
-    /// each input streams through it. Returns whether every output is finite.
+    /// the group), a piece of 1,024 values at a time: the piece's sums stay in L1 while each
+    /// input streams through it, a run of groups that share one weight per call
+    /// ([`Values::accumulate_groups`]: one match on the codec per run, not per group). Returns
+    /// whether every output is finite.
     pub fn sum_values_range(inputs: &[Values<'_>], w: &[f32], block: usize, from: usize, out: &mut [f32]) -> bool {
         const PIECE: usize = 32 * codec::GROUP;
         const G: usize = codec::GROUP;
@@ -52,22 +54,31 @@ crate::simd_fn! {
         for (p, op) in out.chunks_mut(PIECE).enumerate() {
             let start = from + p * PIECE;
             let groups = op.len().div_ceil(G);
+            let end = start + op.len();
             acc[..groups].iter_mut().for_each(|a| *a = [0.0; G]);
             for (i, x) in inputs.iter().enumerate() {
-                for (k, a) in acc[..groups].iter_mut().enumerate() {
+                let mut k = 0;
+                while k < groups {
                     let v0 = start + k * G;
-                    let (e0, e1) = (v0 / block, (v0 + G - 1).min(start + op.len() - 1) / block);
-                    if e0 == e1 {
-                        x.accumulate_group(v0 / G, w[e0 * n + i], a);
+                    let e = v0 / block;
+                    let block_end = ((e + 1) * block).min(end);
+                    if block_end >= (v0 + G).min(end) {
+                        // Groups wholly within block e: one weight for the run.
+                        // (The piece's last group may be short: it counts whole.)
+                        let whole = if block_end == end { (block_end - v0).div_ceil(G) } else { (block_end - v0) / G };
+                        let run = whole.min(groups - k);
+                        x.accumulate_groups(v0 / G, w[e * n + i], &mut acc[k..k + run]);
+                        k += run;
                     } else {
                         // A group across blocks (a block that is not a multiple of the group):
                         // each value its own weight.
-                        let mut one = [0.0f32; G];
-                        x.accumulate_group(v0 / G, 1.0, &mut one);
-                        for (j, (a, v)) in a.iter_mut().zip(one).enumerate() {
-                            let e = ((v0 + j) / block).min(e1);
+                        let mut one = [[0.0f32; G]];
+                        x.accumulate_groups(v0 / G, 1.0, &mut one);
+                        for (j, (a, v)) in acc[k].iter_mut().zip(one[0]).enumerate() {
+                            let e = ((v0 + j).min(end - 1)) / block;
                             *a = w[e * n + i].mul_add(v, *a);
                         }
+                        k += 1;
                     }
                 }
             }
