@@ -187,8 +187,9 @@ fn bench_model(
 
 #[derive(Args)]
 pub(crate) struct BenchCodecsArgs {
-    /// Shapes, comma-separated: any of --random's in `bench` (130m, 2.7b, granite-micro-like, …).
-    /// Only the shape is used: no weights are made.
+    /// Shapes, comma-separated: any of --random's in `bench` (130m, 2.7b, granite-micro-like, …),
+    /// or granite-h-tiny-like and nemotron-h-8b-like (states only: too large for random weights
+    /// here). Only the shape is used: no weights are made.
     #[arg(long, value_delimiter = ',', default_value = "130m")]
     shapes: Vec<String>,
     /// States composed at once.
@@ -212,7 +213,11 @@ pub(crate) struct BenchCodecsArgs {
 pub(crate) fn bench_codecs(a: BenchCodecsArgs) -> Result<()> {
     let mut report = Vec::new();
     for name in &a.shapes {
-        let shape = random_config(name, "--shapes")?.state_shape();
+        let shape = match name.as_str() {
+            "granite-h-tiny-like" => picaso_model::GraniteHybridConfig::granite_tiny_like().state_shape(),
+            "nemotron-h-8b-like" => picaso_model::GraniteHybridConfig::nemotron_h_8b_like().state_shape(),
+            _ => random_config(name, "--shapes")?.state_shape(),
+        };
         let rows = picaso_model::bench::codecs(&shape, a.compose_n, a.tokens, a.repeats)?;
         if !a.json {
             println!(

@@ -439,7 +439,7 @@ impl<'a> Values<'a> {
 /// eight, converted (sign- or zero-extended bytes, bf16 shifted into f32) and fused into the
 /// sums. Each value gets the same operations as in the portable loops, so the sums agree.
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(crate) mod x86 {
     use super::{bf16, Values, GROUP};
     use std::arch::x86_64::*;
 
@@ -447,6 +447,75 @@ mod x86 {
     #[inline(always)]
     pub fn available() -> bool {
         std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    }
+
+    /// `out[k][j] = Σᵢ w[i] · part_i[(g0 + k)·GROUP + j]` for parts all in `codec` (bf16, int8
+    /// or int4; `parts[i]` its values' and its scales' bytes) and whole groups in bounds: every
+    /// part of one group summed in registers, then stored once. Sums in the order of the
+    /// parts, each term as [`Values::accumulate_group`] makes it.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn sum_groups(codec: super::Codec, parts: &[(&[u8], &[u8])], w: &[f32], g0: usize, out: &mut [[f32; GROUP]]) {
+        use super::Codec;
+        let bytes_per_group = match codec {
+            Codec::F32 => 4 * GROUP,
+            Codec::Bf16 => 2 * GROUP,
+            Codec::Int8 => GROUP,
+            Codec::Int4 => GROUP / 2,
+        };
+        for (i, (q, s)) in parts.iter().enumerate() {
+            let end = (g0 + out.len()) * bytes_per_group;
+            assert!(q.len() >= end && (codec == Codec::Bf16 || s.len() >= 2 * (g0 + out.len())), "part {i} out of bounds");
+        }
+        let (mask, eight) = (_mm_set1_epi8(15), _mm_set1_epi8(8));
+        for (k, o) in out.iter_mut().enumerate() {
+            let g = g0 + k;
+            let mut acc = [_mm256_setzero_ps(); 4];
+            for ((q, s), &w) in parts.iter().zip(w) {
+                // SAFETY: every part holds group g (checked above).
+                unsafe {
+                    let x = q.as_ptr().add(g * bytes_per_group);
+                    match codec {
+                        Codec::Int4 => {
+                            let c = _mm256_set1_ps(w * bf16(s[2 * g], s[2 * g + 1]));
+                            let b = _mm_loadu_si128(x.cast());
+                            let lo = _mm_sub_epi8(_mm_and_si128(b, mask), eight);
+                            let hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), mask), eight);
+                            let halves = [lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)];
+                            for (a, h) in acc.iter_mut().zip(halves) {
+                                *a = _mm256_fmadd_ps(c, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h)), *a);
+                            }
+                        }
+                        Codec::Int8 => {
+                            let c = _mm256_set1_ps(w * bf16(s[2 * g], s[2 * g + 1]));
+                            for (j, a) in acc.iter_mut().enumerate() {
+                                let i = _mm256_cvtepi8_epi32(_mm_loadl_epi64(x.add(8 * j).cast()));
+                                *a = _mm256_fmadd_ps(c, _mm256_cvtepi32_ps(i), *a);
+                            }
+                        }
+                        Codec::Bf16 => {
+                            let c = _mm256_set1_ps(w);
+                            for (j, a) in acc.iter_mut().enumerate() {
+                                let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(x.add(16 * j).cast()));
+                                *a = _mm256_fmadd_ps(c, _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)), *a);
+                            }
+                        }
+                        Codec::F32 => {
+                            let c = _mm256_set1_ps(w);
+                            for (j, a) in acc.iter_mut().enumerate() {
+                                *a = _mm256_fmadd_ps(c, _mm256_loadu_ps(x.cast::<f32>().add(8 * j)), *a);
+                            }
+                        }
+                    }
+                }
+            }
+            for (j, a) in acc.into_iter().enumerate() {
+                // SAFETY: 8 floats at 8j of a 32-float group.
+                unsafe { _mm256_storeu_ps(o.as_mut_ptr().add(8 * j), a) };
+            }
+        }
     }
 
     /// [`Values::accumulate_groups`] for whole groups; false (nothing done) when the run holds

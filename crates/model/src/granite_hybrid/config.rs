@@ -783,6 +783,25 @@ impl GraniteHybridConfig {
         Self::granite_like(2560, 40, (40, 8), (80, 64), 4096)
     }
 
+    /// The state of Granite 4.0 H-Tiny's layout (7 B with experts; sizes chosen here after its
+    /// published config): hidden 1,536, 40 layers of which 4 attention (12 query and 4
+    /// key-value heads of 128), Mamba-2 mixers of 48 heads × 64 (state 128). The experts are
+    /// left out (a dense MLP of 1,024 stands in): they change neither a state nor its size.
+    /// For state sizes and composition speed (`picaso bench-codecs`), not for random weights.
+    pub fn granite_tiny_like() -> Self {
+        Self::granite_like(1536, 40, (12, 4), (48, 64), 1024)
+    }
+
+    /// The state of Nemotron-H 8B's layout (sizes chosen here after its published config):
+    /// hidden 4,096, 24 Mamba-2 mixers of 128 heads × 64 (state 128, 8 groups) and 4 attention
+    /// layers (32 query and 8 key-value heads of 128); its 24 MLP blocks hold no state and are
+    /// left out. For state sizes and composition speed, not for random weights.
+    pub fn nemotron_h_8b_like() -> Self {
+        let mut c = Self::granite_like(4096, 28, (32, 8), (128, 64), 4096);
+        c.mamba.n_groups = 8;
+        c
+    }
+
     /// A dense NoPE Granite 4.0 H of these sizes, its 4 attention layers where
     /// `make_random_granite.py` puts them (the k-th at round((k + ½)·layers / 4)).
     fn granite_like(
@@ -815,8 +834,8 @@ impl GraniteHybridConfig {
             mamba,
             n_heads: heads,
             n_kv_heads: kv_heads,
-            head_dim: 64,
-            attention_multiplier: 1.0 / 64.0,
+            head_dim: d / heads,
+            attention_multiplier: 1.0 / (d / heads) as f64,
             embedding_multiplier: 12.0,
             residual_multiplier: 0.22,
             logits_scaling: 3.0,
