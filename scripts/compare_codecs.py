@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Fidelity of state codecs: the same WikiText run on stores that differ only in their codec.
 
-Each argument is CODEC=FOLDER, FOLDER an `picaso eval wikitext --out` folder (its journal.jsonl
-holds every passage's losses). The runs must score the same passages (same store contents,
+Each argument is CODEC=FOLDER, FOLDER a `picaso eval wikitext --out` folder (its passages.jsonl,
+journal.jsonl while it runs, holds every passage's losses). The runs must score the same passages (same store contents,
 --sample and --seed); the first is the reference (f32). Writes OUT/results.md and
 OUT/gain_share.png: per method and k, each codec's gain over Naive and its share of the
 reference's gain, with 95% intervals paired over the passages (delta method for the ratio).
@@ -20,7 +20,9 @@ import numpy as np
 
 
 def read_journal(folder):
-    with open(os.path.join(folder, "journal.jsonl")) as f:
+    # A finished run keeps its journal as passages.jsonl; a running one as journal.jsonl.
+    name = "passages.jsonl" if os.path.exists(os.path.join(folder, "passages.jsonl")) else "journal.jsonl"
+    with open(os.path.join(folder, name)) as f:
         lines = [json.loads(l) for l in f if l.strip()]
     head, rows = lines[0], lines[1:]
     naive = np.array([r["naive"] for r in rows])

@@ -7,7 +7,8 @@ use rayon::prelude::*;
 
 fn main() {
     let (n, len, block) = (10, 24 * 24 * 64 * 128, 64 * 128);
-    let xs: Vec<Vec<f32>> = (0..n).map(|i| (0..len).map(|j| ((j * 7 + i) % 101) as f32 / 50.0 - 1.0).collect()).collect();
+    let xs: Vec<Vec<f32>> =
+        (0..n).map(|i| (0..len).map(|j| ((j * 7 + i) % 101) as f32 / 50.0 - 1.0).collect()).collect();
     let w: Vec<f32> = (0..len / block * n).map(|i| (i % 7) as f32 / 7.0).collect();
     let mut out = vec![0.0f32; len];
     for codec in Codec::ALL {
@@ -19,11 +20,13 @@ fn main() {
         let bytes: usize = views.iter().map(Values::nbytes).sum();
         let best = |f: &mut dyn FnMut()| {
             f();
-            (0..5).map(|_| {
-                let t = std::time::Instant::now();
-                f();
-                t.elapsed().as_secs_f64() * 1e3
-            }).fold(f64::INFINITY, f64::min)
+            (0..5)
+                .map(|_| {
+                    let t = std::time::Instant::now();
+                    f();
+                    t.elapsed().as_secs_f64() * 1e3
+                })
+                .fold(f64::INFINITY, f64::min)
         };
         let sum = best(&mut || weighted_sum_values(&views, &w, block, &mut out).unwrap());
         let one = best(&mut || {
@@ -36,10 +39,18 @@ fn main() {
         println!("  one input, one thread, straight: {one:.2} ms for {len} values");
         let raw: Vec<&[u8]> = enc.iter().map(|e| &e.values[..]).collect();
         let read = best(&mut || {
-            let s: u64 = raw.par_iter().flat_map(|r| r.par_chunks(65536)).map(|c| c.iter().map(|&b| b as u64).sum::<u64>()).sum();
+            let s: u64 = raw
+                .par_iter()
+                .flat_map(|r| r.par_chunks(65536))
+                .map(|c| c.iter().map(|&b| b as u64).sum::<u64>())
+                .sum();
             std::hint::black_box(s);
         });
-        println!("{codec:<5} {:>7.1} MB  sum {sum:>7.2} ms  read {read:>6.2} ms  {:>5.2}x", bytes as f64 / 1e6, sum / read);
+        println!(
+            "{codec:<5} {:>7.1} MB  sum {sum:>7.2} ms  read {read:>6.2} ms  {:>5.2}x",
+            bytes as f64 / 1e6,
+            sum / read
+        );
     }
 }
 

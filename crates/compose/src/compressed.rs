@@ -110,7 +110,10 @@ crate::simd_fn! {
 fn same_codec_parts<'a>(inputs: &[Values<'a>], block: usize) -> Option<Vec<(&'a [u8], &'a [u8])>> {
     let codec = inputs[0].codec();
     let len = inputs[0].len();
-    if !codec::x86::available() || !block.is_multiple_of(codec::GROUP) || (codec == codec::Codec::Bf16 && !len.is_multiple_of(codec::GROUP)) {
+    if !codec::x86::available()
+        || !block.is_multiple_of(codec::GROUP)
+        || (codec == codec::Codec::Bf16 && !len.is_multiple_of(codec::GROUP))
+    {
         return None;
     }
     inputs
