@@ -575,6 +575,46 @@ pub(crate) mod x86 {
         }
     }
 
+    /// Whether the AVX-512 int4 kernel can run here.
+    #[inline(always)]
+    pub fn avx512_available() -> bool {
+        std::arch::is_x86_feature_detected!("avx512f")
+    }
+
+    /// [`sum_groups`] for int4 parts on AVX-512: the 16 levels fit one register, so a lookup
+    /// is one permute per 16 values (AVX2 takes two permutes and a blend per 8).
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn sum_groups_int4_avx512(parts: &[(&[u8], &[u8])], w: &[f32], g0: usize, out: &mut [[f32; GROUP]]) {
+        const H: usize = GROUP / 2;
+        for (i, (q, s)) in parts.iter().enumerate() {
+            assert!(q.len() >= (g0 + out.len()) * H && s.len() >= 2 * (g0 + out.len()), "part {i} out of bounds");
+        }
+        // SAFETY: 16 floats of a 16-float array.
+        let table = unsafe { _mm512_loadu_ps(INT4_LEVELS.as_ptr()) };
+        let mask = _mm_set1_epi8(15);
+        for (k, o) in out.iter_mut().enumerate() {
+            let g = g0 + k;
+            let (mut lo_acc, mut hi_acc) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+            for ((q, s), &w) in parts.iter().zip(w) {
+                let c = _mm512_set1_ps(w * bf16(s[2 * g], s[2 * g + 1]));
+                // SAFETY: the part holds group g's 16 bytes (checked above).
+                let b = unsafe { _mm_loadu_si128(q.as_ptr().add(g * H).cast()) };
+                let lo = _mm512_cvtepu8_epi32(_mm_and_si128(b, mask));
+                let hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask));
+                lo_acc = _mm512_fmadd_ps(c, _mm512_permutexvar_ps(lo, table), lo_acc);
+                hi_acc = _mm512_fmadd_ps(c, _mm512_permutexvar_ps(hi, table), hi_acc);
+            }
+            // SAFETY: 16 floats at 0 and at 16 of a 32-float group.
+            unsafe {
+                _mm512_storeu_ps(o.as_mut_ptr(), lo_acc);
+                _mm512_storeu_ps(o.as_mut_ptr().add(H), hi_acc);
+            }
+        }
+    }
+
     /// [`Values::accumulate_groups`] for whole groups; false (nothing done) when the run holds
     /// a short last group, which the portable loop takes.
     ///

@@ -156,8 +156,14 @@ unsafe fn sum_groups_range(
             let v0 = start + k * G;
             let e = v0 / block;
             let run = (((e + 1) * block - v0) / G).min(groups - k);
-            // SAFETY: the caller's CPU has AVX2 and FMA; the parts hold these groups.
-            unsafe { codec::x86::sum_groups(codec, parts, &w[e * n..(e + 1) * n], v0 / G, &mut acc[k..k + run]) };
+            let (we, dst) = (&w[e * n..(e + 1) * n], &mut acc[k..k + run]);
+            if codec == codec::Codec::Int4 && codec::x86::avx512_available() {
+                // SAFETY: the CPU has AVX-512F; the parts hold these groups.
+                unsafe { codec::x86::sum_groups_int4_avx512(parts, we, v0 / G, dst) };
+            } else {
+                // SAFETY: the caller's CPU has AVX2 and FMA; the parts hold these groups.
+                unsafe { codec::x86::sum_groups(codec, parts, we, v0 / G, dst) };
+            }
             k += run;
         }
         let sums = acc.as_flattened();

@@ -100,6 +100,7 @@ fn prepare<'a, 's>(
     };
     // The union of keys and values, dequantized as they are copied.
     out.attention = (0..first.attention.len())
+        .into_par_iter()
         .map(|a| {
             let mut kv = crate::state::KvState::default();
             for s in &ordered {
