@@ -328,7 +328,7 @@ impl<'a> Values<'a> {
 
     /// [`Values::accumulate_group`] for the groups `g0..g0 + acc.len()`, all with weight `w`:
     /// the codec is matched once for the run. On x86-64 with AVX2 and FMA the groups run on
-    /// hand-written kernels ([`x86`]; LLVM vectorised the portable loops across groups, with
+    /// hand-written kernels (the module `x86`; LLVM vectorised the portable loops across groups, with
     /// gathers, 5–10× slower); elsewhere on the portable loops, which give the same sums.
     #[inline(always)]
     pub fn accumulate_groups(&self, g0: usize, w: f32, acc: &mut [[f32; GROUP]]) {
