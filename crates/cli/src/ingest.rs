@@ -55,7 +55,7 @@ pub(crate) struct IngestArgs {
 pub(crate) struct StatsArgs {
     #[command(flatten)]
     db: DbArgs,
-    /// Print JSON: {"contexts", "documents", "tokens", "state_bytes", "model"}.
+    /// Print JSON: {"contexts", "documents", "tokens", "state_bytes", "state_dtype", "model", ...}.
     #[arg(long)]
     json: bool,
 }
@@ -145,7 +145,7 @@ pub(crate) fn stats(a: StatsArgs) -> Result<()> {
         println!("contexts     {}", s.contexts);
         println!("documents    {}", s.documents);
         println!("tokens       {}", s.tokens);
-        println!("state bytes  {} ({:.1} MiB)", s.state_bytes, s.state_bytes as f64 / 1048576.0);
+        println!("state bytes  {} ({:.1} MiB, {})", s.state_bytes, s.state_bytes as f64 / 1048576.0, s.state_dtype);
         println!("model        {}", s.model);
         println!("catalog      {}", s.catalog);
         println!("states       {}", s.states);

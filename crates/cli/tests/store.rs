@@ -650,6 +650,7 @@ fn compressed_stores_ingest_compose_migrate_and_refuse_another_codec() {
         ok(&["ingest", "--db", db, "--model", m, "--embedder", e, "--text-dir", d, "--state-dtype", codec, "--json"]);
         // (A tiny model: headers and f32 log-decays weigh more than at real sizes.)
         assert!(bytes(db) * 2 < bytes(f32_db), "{codec}: {} bytes against f32's {}", bytes(db), bytes(f32_db));
+        assert_eq!(ok(&["stats", "--db", db, "--json"])["state_dtype"], codec, "stats names the codec");
         ok(&["check", "--db", db, "--json"]);
         let out = ok(&[
             "query",

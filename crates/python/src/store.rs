@@ -459,7 +459,7 @@ impl Store {
         py.import("json")?.call_method1("loads", (text,))
     }
 
-    /// {"contexts", "documents", "tokens", "state_bytes", "model", "catalog", "states"}.
+    /// {"contexts", "documents", "tokens", "state_bytes", "state_dtype", "model", "catalog", "states"}.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.stats().map_err(store_err)?;
         let d = PyDict::new(py);
@@ -467,6 +467,7 @@ impl Store {
         d.set_item("documents", s.documents)?;
         d.set_item("tokens", s.tokens)?;
         d.set_item("state_bytes", s.state_bytes)?;
+        d.set_item("state_dtype", s.state_dtype)?;
         d.set_item("model", s.model)?;
         d.set_item("catalog", s.catalog)?;
         d.set_item("states", s.states)?;

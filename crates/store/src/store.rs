@@ -123,6 +123,8 @@ pub struct Stats {
     pub tokens: u64,
     /// Bytes of the distinct state files (contexts with equal text share one file).
     pub state_bytes: u64,
+    /// The codec the state files are in (f32, bf16, int8 or int4).
+    pub state_dtype: &'static str,
     /// Fingerprint of the model.
     pub model: String,
     /// Where the metadata and vectors are (no credentials).
@@ -1137,6 +1139,7 @@ impl Store {
             documents,
             tokens,
             state_bytes,
+            state_dtype: self.info.state_dtype.name(),
             model: self.info.fingerprint.clone(),
             catalog: self.location.catalog.to_string(),
             states: self.states_url.to_string(),
