@@ -408,6 +408,16 @@ impl<'a> Values<'a> {
                 let mut i = 0;
                 while i < out.len() {
                     let (g, j) = ((start + i) / GROUP, (start + i) % GROUP);
+                    let whole = (out.len() - i) / GROUP;
+                    if j == 0 && whole > 0 {
+                        // Whole groups at once: zeros plus one run of the dequantizing sum.
+                        let run = &mut out[i..i + whole * GROUP];
+                        run.fill(0.0);
+                        let (groups, _) = run.as_chunks_mut::<GROUP>();
+                        self.accumulate_groups(g, 1.0, groups);
+                        i += whole * GROUP;
+                        continue;
+                    }
                     let group = self.group(g);
                     let m = (GROUP - j).min(out.len() - i);
                     out[i..i + m].copy_from_slice(&group[j..j + m]);

@@ -98,19 +98,18 @@ fn prepare<'a, 's>(
         Some(_) => ordered.iter().map(|s| s.position).max().unwrap_or(0),
         None => out.n_tokens,
     };
-    // The union of keys and values, dequantized as they are copied.
-    out.attention = (0..first.attention.len())
-        .into_par_iter()
-        .map(|a| {
-            let mut kv = crate::state::KvState::default();
-            for s in &ordered {
-                let part = &s.attention[a];
-                part.extend_token_major(&part.keys, &mut kv.keys);
-                part.extend_token_major(&part.values, &mut kv.values);
-            }
-            kv
-        })
-        .collect();
+    // The union of keys and values, dequantized as they are copied, into the output's own
+    // buffers: a reused output keeps their pages (fresh ones cost more than the copy).
+    out.attention.resize_with(first.attention.len(), Default::default);
+    out.attention.par_iter_mut().enumerate().for_each(|(a, kv)| {
+        kv.keys.clear();
+        kv.values.clear();
+        for s in &ordered {
+            let part = &s.attention[a];
+            part.extend_token_major(&part.keys, &mut kv.keys);
+            part.extend_token_major(&part.values, &mut kv.values);
+        }
+    });
     Ok((ordered, block))
 }
 
