@@ -29,14 +29,6 @@ fn main() {
                 .fold(f64::INFINITY, f64::min)
         };
         let sum = best(&mut || weighted_sum_values(&views, &w, block, &mut out).unwrap());
-        let one = best(&mut || {
-            let mut acc = vec![[0.0f32; 32]; 1024];
-            for k in 0..len / 32768 {
-                views[0].accumulate_groups(k * 1024, 0.5, &mut acc);
-            }
-            std::hint::black_box(&acc);
-        });
-        println!("  one input, one thread, straight: {one:.2} ms for {len} values");
         let raw: Vec<&[u8]> = enc.iter().map(|e| &e.values[..]).collect();
         let read = best(&mut || {
             let s: u64 = raw
@@ -53,6 +45,3 @@ fn main() {
         );
     }
 }
-
-#[allow(dead_code)]
-fn probe() {}

@@ -4,7 +4,7 @@
 use rayon::prelude::*;
 
 use crate::codec::{self, Values};
-use crate::{all_finite, weighted_sum_blocks, Error};
+use crate::{all_finite, check_weighted_sum, weighted_sum_blocks, Error};
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::{_mm256_loadu_ps, _mm256_stream_ps, _mm_sfence};
 
@@ -13,24 +13,12 @@ use std::arch::x86_64::{_mm256_loadu_ps, _mm256_stream_ps, _mm_sfence};
 /// folds the weight into the group's scale), so compressed states are summed without an f32
 /// copy, reading only their own bytes. Inputs that are all f32 take [`weighted_sum_blocks`].
 pub fn weighted_sum_values(inputs: &[Values<'_>], w: &[f32], block: usize, out: &mut [f32]) -> Result<(), Error> {
-    let n = inputs.len();
-    if n == 0 {
-        return Err(Error::Empty);
-    }
     if let Some(f32s) =
         inputs.iter().map(|v| if let Values::F32(x) = v { Some(*x) } else { None }).collect::<Option<Vec<_>>>()
     {
         return weighted_sum_blocks(&f32s, w, block, out);
     }
-    if block == 0 || !out.len().is_multiple_of(block) {
-        return Err(Error::Shape(format!("output of {} values is not a whole number of blocks of {block}", out.len())));
-    }
-    if let Some(i) = inputs.iter().position(|x| x.len() != out.len()) {
-        return Err(Error::Shape(format!("input {i} has {} values, expected {}", inputs[i].len(), out.len())));
-    }
-    if w.len() != (out.len() / block) * n {
-        return Err(Error::Shape(format!("{} weights for {} blocks of {n} inputs", w.len(), out.len() / block)));
-    }
+    check_weighted_sum(inputs.iter().map(Values::len), w.len(), block, out.len())?;
     // Tasks of 64 KiB of output, in whole groups.
     const TASK: usize = 16 * 1024;
     #[cfg(target_arch = "x86_64")]
@@ -190,6 +178,7 @@ pub fn mean_values(inputs: &[Values<'_>], out: &mut [f32]) -> Result<(), Error> 
         return Err(Error::Empty);
     }
     if out.is_empty() {
+        // A model without conv tails (d_conv = 1): nothing to average, only sizes to agree.
         return match inputs.iter().position(|x| !x.is_empty()) {
             Some(i) => Err(Error::Shape(format!("input {i} has {} values, expected 0", inputs[i].len()))),
             None => Ok(()),

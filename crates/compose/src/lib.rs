@@ -267,18 +267,7 @@ pub fn weights_per_element(method: Composition, log_decays: &[&[f32]]) -> Result
 /// checked while the output is still in cache and reported as [`Error::NonFinite`].
 pub fn weighted_sum_blocks(inputs: &[&[f32]], w: &[f32], block: usize, out: &mut [f32]) -> Result<(), Error> {
     let n = inputs.len();
-    if n == 0 {
-        return Err(Error::Empty);
-    }
-    if block == 0 || !out.len().is_multiple_of(block) {
-        return Err(Error::Shape(format!("output of {} values is not a whole number of blocks of {block}", out.len())));
-    }
-    if let Some(i) = inputs.iter().position(|x| x.len() != out.len()) {
-        return Err(Error::Shape(format!("input {i} has {} values, expected {}", inputs[i].len(), out.len())));
-    }
-    if w.len() != (out.len() / block) * n {
-        return Err(Error::Shape(format!("{} weights for {} blocks of {n} inputs", w.len(), out.len() / block)));
-    }
+    check_weighted_sum(inputs.iter().map(|x| x.len()), w.len(), block, out.len())?;
     // Tasks of ~64 KiB of output: enough to amortise scheduling, small enough to balance.
     let per_task = (16 * 1024 / block).max(1) * block;
     let finite = out.par_chunks_mut(per_task).enumerate().map(|(t, o)| {
@@ -297,6 +286,32 @@ pub fn weighted_sum_blocks(inputs: &[&[f32]], w: &[f32], block: usize, out: &mut
     } else {
         Err(Error::NonFinite)
     }
+}
+
+/// Refuses a weighted sum whose sizes do not fit: no input, an output that is not whole
+/// blocks, an input of another length, or not one weight per (block, input).
+pub(crate) fn check_weighted_sum(
+    input_lens: impl ExactSizeIterator<Item = usize>,
+    weights: usize,
+    block: usize,
+    out: usize,
+) -> Result<(), Error> {
+    let n = input_lens.len();
+    if n == 0 {
+        return Err(Error::Empty);
+    }
+    if block == 0 || !out.is_multiple_of(block) {
+        return Err(Error::Shape(format!("output of {out} values is not a whole number of blocks of {block}")));
+    }
+    for (i, len) in input_lens.enumerate() {
+        if len != out {
+            return Err(Error::Shape(format!("input {i} has {len} values, expected {out}")));
+        }
+    }
+    if weights != (out / block) * n {
+        return Err(Error::Shape(format!("{weights} weights for {} blocks of {n} inputs", out / block)));
+    }
+    Ok(())
 }
 
 /// ob = Σᵢ we[i] · inputs[i][off .. off + ob.len()], streamed in cache-sized pieces.
@@ -348,16 +363,6 @@ pub fn lane_sum(x: &[f32]) -> f32 {
 
 /// Elementwise mean of equally sized arrays (conv tails are averaged for every method).
 pub fn mean(inputs: &[&[f32]], out: &mut [f32]) -> Result<(), Error> {
-    if inputs.is_empty() {
-        return Err(Error::Empty);
-    }
-    if out.is_empty() {
-        // A model without conv tails (d_conv = 1): nothing to average, only sizes to agree.
-        return match inputs.iter().position(|x| !x.is_empty()) {
-            Some(i) => Err(Error::Shape(format!("input {i} has {} values, expected 0", inputs[i].len()))),
-            None => Ok(()),
-        };
-    }
-    let w = vec![1.0 / inputs.len() as f32; inputs.len()];
-    weighted_sum_blocks(inputs, &w, out.len(), out)
+    let inputs: Vec<Values<'_>> = inputs.iter().map(|x| Values::F32(x)).collect();
+    mean_values(&inputs, out)
 }

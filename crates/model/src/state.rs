@@ -1260,9 +1260,8 @@ impl MappedState {
 
     /// Bytes of the state as f32 (what holding it decoded in memory costs).
     pub fn nbytes_f32(&self) -> usize {
-        let s = &self.parsed.shape;
-        let kv: usize = self.parsed.kv.iter().map(|(k, v, _)| k.len + v.len).sum();
-        4 * (s.n_layer * (s.ssm_len() + s.conv_len() + s.log_decay_len()) + kv)
+        let tokens = self.parsed.kv.first().map_or(0, |(_, _, t)| *t);
+        self.parsed.shape.nbytes(StateDtype::F32, tokens)
     }
 
     /// Bytes held in memory: the file's and any decoded copies.
