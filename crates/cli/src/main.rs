@@ -83,6 +83,10 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Drive a running server with concurrent clients; report throughput and latency.
     Load(serve::LoadArgs),
+    /// Render one chat template sent with a request, under memory and CPU limits (a job on
+    /// stdin, its results on stdout): `picaso serve --trust-request-chat-template` runs it.
+    #[command(hide = true)]
+    RenderTemplate,
     /// Train a model: pretraining, composition fine-tuning (BPTC / BP2C), loss charts.
     #[command(subcommand)]
     Train(train::TrainCommand),
@@ -165,6 +169,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::BenchStore(a) => backends::bench_store(a),
         Command::Serve(a) => serve::serve(a),
         Command::Load(a) => serve::load(a),
+        Command::RenderTemplate => std::process::exit(picaso_server::render::sandbox_main()),
         Command::Train(c) => train::run(c),
         Command::Eval(c) => eval::run(c),
         Command::Demo(a) => demo::run(a),

@@ -73,6 +73,18 @@ pub struct ServeArgs {
     /// a Jinja file (default: the model folder's tokenizer_config.json, if it has one).
     #[arg(long)]
     chat_template: Option<PathBuf>,
+    /// Render chat templates sent with a request (`chat_template`), each in a child process
+    /// limited to 512 MiB, 2 s and 2M template instructions (at most 4 at once). Off by default:
+    /// a template is a program, and without this flag a request that brings one is refused
+    /// with 400. The model's own template and --chat-template are trusted.
+    #[arg(long)]
+    trust_request_chat_template: bool,
+    /// Resident memory, MiB, above which new work (every POST) is answered 503 with
+    /// Retry-After, so the server refuses rather than being killed by the kernel; requests in
+    /// flight finish (default: 90% of the machine's or cgroup's memory, at least the model's
+    /// weights + 1 GiB; 0: no limit).
+    #[arg(long)]
+    max_memory_mb: Option<u64>,
     /// Largest max_tokens a request may ask for (400 above).
     #[arg(long, default_value_t = 2048)]
     max_tokens_limit: usize,
@@ -119,6 +131,26 @@ fn tune_allocator(cores: usize) {
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 fn tune_allocator(_cores: usize) {}
 
+/// The sandbox for request templates: this very binary, as `picaso render-template`.
+fn request_template_sandbox(trust: bool) -> Result<Option<picaso_server::render::Sandbox>> {
+    if !trust {
+        return Ok(None);
+    }
+    let exe = std::env::current_exe().context("cannot find this program's path to run template sandboxes")?;
+    let limits = picaso_server::render::SandboxLimits::default();
+    Ok(Some(picaso_server::render::Sandbox::new(exe, vec!["render-template".into()], limits, 4)))
+}
+
+/// Bytes of a model folder's weights (its .safetensors files).
+fn weight_bytes(dir: &std::path::Path) -> u64 {
+    let files = std::fs::read_dir(dir).into_iter().flatten().flatten();
+    files
+        .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
+        .filter_map(|e| e.metadata().ok())
+        .map(|m| m.len())
+        .sum()
+}
+
 pub fn serve(a: ServeArgs) -> Result<()> {
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     tune_allocator(cores);
@@ -150,7 +182,24 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         },
         model_name,
         chat_template: a.chat_template,
+        request_templates: request_template_sandbox(a.trust_request_chat_template)?,
+        max_memory_bytes: match a.max_memory_mb {
+            Some(0) => None,
+            Some(mb) => Some(mb << 20),
+            None => picaso_server::MemoryGuard::default_limit(weight_bytes(model.dir())),
+        },
     };
+    match options.max_memory_bytes {
+        Some(limit) => {
+            eprintln!("memory guard: new work is refused above {} MiB resident (--max-memory-mb)", limit >> 20)
+        }
+        None => eprintln!("memory guard: off"),
+    }
+    if options.request_templates.is_none() {
+        eprintln!(
+            "chat templates sent with a request are refused (--trust-request-chat-template renders them in a sandbox)"
+        );
+    }
     let app = Arc::new(picaso_server::App::new(model, store, embedder, options).map_err(anyhow::Error::msg)?);
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let served = runtime.block_on(async {

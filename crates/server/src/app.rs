@@ -109,6 +109,11 @@ pub struct Options {
     /// A chat template to use instead of the model's (a `tokenizer_config.json` or a Jinja
     /// file); without one, the model folder's `tokenizer_config.json` gives it, if any.
     pub chat_template: Option<std::path::PathBuf>,
+    /// Where chat templates sent with a request (`chat_template`) render: None refuses them
+    /// (the default; `--trust-request-chat-template` gives a sandbox).
+    pub request_templates: Option<crate::render::Sandbox>,
+    /// Resident memory above which new work is answered 503 with Retry-After (None: no guard).
+    pub max_memory_bytes: Option<u64>,
 }
 
 /// Everything a request needs, shared by all of them.
@@ -129,6 +134,10 @@ pub struct App {
     pub model_name: String,
     /// The chat template, if the model has one (or the server was given one).
     pub chat: Option<crate::chat::ChatTemplate>,
+    /// Where a request's own chat template renders, if the server takes them.
+    pub(crate) request_templates: Option<crate::render::Sandbox>,
+    /// Refuses new work above the resident-memory limit.
+    pub(crate) memory: Option<crate::memory::MemoryGuard>,
     /// The states after prompt prefixes seen.
     pub(crate) prefix: Arc<PrefixCache>,
     /// Slots for completions preparing.
@@ -246,6 +255,8 @@ impl App {
             metrics,
             model_name: options.model_name,
             chat,
+            request_templates: options.request_templates,
+            memory: options.max_memory_bytes.map(crate::memory::MemoryGuard::new),
             prefix,
             gate: Arc::new(Semaphore::new(options.parallel.max(1))),
             ingest: Arc::new(Semaphore::new(options.parallel_ingest.max(1))),

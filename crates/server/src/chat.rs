@@ -6,11 +6,11 @@
 
 use std::path::Path;
 
-use minijinja::{Environment, ErrorKind};
 use serde_json::{json, Map, Value};
 
 use crate::api::{ChatRequest, CompletionRequest, Prompt};
 use crate::error::ApiError;
+use crate::render::{Budget, Sandbox};
 
 /// A chat template and the special tokens it may name.
 #[derive(Debug, Clone)]
@@ -32,7 +32,7 @@ fn token_of(config: &Value, key: &str) -> Option<String> {
 impl ChatTemplate {
     /// A template from its source and the special tokens; checked by compiling it.
     pub fn new(source: String, bos_token: Option<String>, eos_token: Option<String>) -> Result<Self, String> {
-        environment().template_from_str(&source).map_err(|e| format!("the chat template does not compile: {e:#}"))?;
+        crate::render::compile(&source).map_err(|e| e.to_string())?;
         Ok(Self { source, bos_token, eos_token })
     }
 
@@ -96,47 +96,50 @@ impl ChatTemplate {
         self.eos_token.as_deref()
     }
 
-    /// Renders `messages` (checked by [`check_messages`]) into prompt text. A template that
-    /// refuses the conversation (`raise_exception`, say roles that do not alternate) is the
-    /// client's 400, with the template's message.
+    /// Renders `messages` (checked by [`check_messages`]) into prompt text, in this process
+    /// within the render budget. A template that refuses the conversation (`raise_exception`,
+    /// say roles that do not alternate) or runs over its budget is the client's 400.
     pub fn render(
         &self,
         messages: &[Value],
         add_generation_prompt: bool,
         extra: Option<&Map<String, Value>>,
     ) -> Result<String, ApiError> {
-        let mut context = extra.cloned().unwrap_or_default();
-        context.insert("messages".into(), Value::Array(messages.to_vec()));
-        context.insert("add_generation_prompt".into(), json!(add_generation_prompt));
-        context.insert("bos_token".into(), json!(self.bos_token.clone().unwrap_or_default()));
-        context.insert("eos_token".into(), json!(self.eos_token.clone().unwrap_or_default()));
-        environment()
-            .render_str(&self.source, minijinja::Value::from_serialize(&context))
-            .map_err(|e| ApiError::bad_request(format!("the chat template could not render these messages: {e:#}")))
+        let context = self.context(messages, add_generation_prompt, extra);
+        Ok(crate::render::render(&self.source, &context, Budget::default())?)
+    }
+
+    /// What the template renders `messages` with: `extra` (`chat_template_kwargs`), the
+    /// messages, whether to add the generation prompt, and the special tokens.
+    pub fn context(
+        &self,
+        messages: &[Value],
+        add_generation_prompt: bool,
+        extra: Option<&Map<String, Value>>,
+    ) -> Value {
+        context(messages, add_generation_prompt, extra, Some(self))
     }
 }
 
-/// A Jinja environment as transformers' `apply_chat_template` has it.
-fn environment() -> Environment<'static> {
-    let mut env = Environment::new();
-    env.set_trim_blocks(true);
-    env.set_lstrip_blocks(true);
-    minijinja_contrib::add_to_environment(&mut env);
-    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-    env.add_function("raise_exception", |message: String| -> Result<String, minijinja::Error> {
-        Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
-    });
-    // transformers gives templates today's date this way (Llama 3 and Granite templates print it).
-    env.add_function("strftime_now", |format: String| {
-        let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-        strftime(&format, secs as i64)
-    });
-    env
+/// A template's variables: `extra`, the messages, whether to add the generation prompt, and the
+/// special tokens of `tokens` (empty without).
+fn context(
+    messages: &[Value],
+    add_generation_prompt: bool,
+    extra: Option<&Map<String, Value>>,
+    tokens: Option<&ChatTemplate>,
+) -> Value {
+    let mut context = extra.cloned().unwrap_or_default();
+    context.insert("messages".into(), Value::Array(messages.to_vec()));
+    context.insert("add_generation_prompt".into(), json!(add_generation_prompt));
+    context.insert("bos_token".into(), json!(tokens.and_then(|t| t.bos_token.clone()).unwrap_or_default()));
+    context.insert("eos_token".into(), json!(tokens.and_then(|t| t.eos_token.clone()).unwrap_or_default()));
+    Value::Object(context)
 }
 
 /// `format` (Python's strftime codes %Y %m %d %B %b %H %M %S %%; others kept as written) for the
 /// UTC time `secs` after the Unix epoch.
-fn strftime(format: &str, secs: i64) -> String {
+pub(crate) fn strftime(format: &str, secs: i64) -> String {
     const MONTHS: [&str; 12] = [
         "January",
         "February",
@@ -244,22 +247,54 @@ pub fn retrieval_query(messages: &[Value]) -> Option<String> {
 /// Byte offsets in `prompt` (the conversation rendered) where the first message ends, when
 /// more follow: the state there is what other conversations with the same system prompt share.
 /// (A conversation's next turn starts with this whole prompt, whose end is stored anyway; each
-/// further cut costs the prefill another pass over the weights.) The first message rendered
-/// alone, without a generation prompt, must be a prefix of `prompt`; a template that renders it
-/// otherwise (or refuses it) gives no offset.
-fn message_ends(
-    template: &ChatTemplate,
-    messages: &[Value],
-    prompt: &str,
-    extra: Option<&Map<String, Value>>,
-) -> Vec<usize> {
-    if messages.len() < 2 {
-        return Vec::new();
-    }
-    (template.render(&messages[..1], false, extra).ok())
-        .filter(|r| !r.is_empty() && r.len() < prompt.len() && prompt.starts_with(r.as_str()))
+/// further cut costs the prefill another pass over the weights.) `first` is the first message
+/// rendered alone, without a generation prompt; it must be a prefix of `prompt`: a template that
+/// renders it otherwise (or refused it) gives no offset.
+fn message_ends(first: Option<&str>, prompt: &str) -> Vec<usize> {
+    first
+        .filter(|r| !r.is_empty() && r.len() < prompt.len() && prompt.starts_with(r))
         .map(|r| vec![r.len()])
         .unwrap_or_default()
+}
+
+/// Renders a conversation and, when more than one message, its first message alone (for
+/// [`message_ends`]): with the request's own template in `sandbox` (a child process), or with
+/// the server's `template` on a blocking thread, so the async threads (`/health`, streams)
+/// never wait on a render. Returns the prompt and the first message's rendering, if any.
+async fn render_conversation(
+    request_template: Option<String>,
+    template: Option<&ChatTemplate>,
+    sandbox: Option<&Sandbox>,
+    messages: Vec<Value>,
+    add_generation_prompt: bool,
+    extra: Option<Map<String, Value>>,
+) -> Result<(String, Option<String>), ApiError> {
+    let first = (messages.len() > 1).then(|| messages[..1].to_vec());
+    if let Some(source) = request_template {
+        let Some(sandbox) = sandbox else {
+            return Err(ApiError::bad_request(
+                "this server does not render chat templates sent with a request (`chat_template`): drop the field to                  use the model's template, or start the server with --trust-request-chat-template",
+            ));
+        };
+        // The model's special tokens, under the request's template.
+        let mut contexts = vec![context(&messages, add_generation_prompt, extra.as_ref(), template)];
+        contexts.extend(first.map(|m| context(&m, false, extra.as_ref(), template)));
+        let mut rendered = sandbox.render(&source, contexts, Budget::default()).await?.into_iter();
+        let prompt = rendered.next().ok_or_else(|| ApiError::internal("the sandbox rendered nothing"))??;
+        return Ok((prompt, rendered.next().and_then(Result::ok)));
+    }
+    let Some(template) = template.cloned() else {
+        return Err(ApiError::bad_request(
+            "this model has no chat template (no `chat_template` in its tokenizer_config.json): start the server              with --chat-template FILE, or use POST /v1/completions with the prompt written out",
+        ));
+    };
+    tokio::task::spawn_blocking(move || {
+        let prompt = template.render(&messages, add_generation_prompt, extra.as_ref())?;
+        let first = first.and_then(|m| template.render(&m, false, extra.as_ref()).ok());
+        Ok((prompt, first))
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("the chat template's render failed: {e}")))?
 }
 
 /// What a chat request adds to the completion it becomes.
@@ -274,13 +309,14 @@ pub(crate) struct FromChat {
     pub boundaries: Vec<usize>,
 }
 
-/// A chat request as the completion it asks for: its messages rendered with the request's
-/// template or the model's (`template`), its options carried over. Returns it with the text
-/// retrieval embeds and where messages end. A model without a template is refused unless the
-/// request brings one.
-pub(crate) fn to_completion(
+/// A chat request as the completion it asks for: its messages rendered with the server's
+/// template (`template`) or, when the server runs request templates (`sandbox`), the request's
+/// own, its options carried over. Returns it with the text retrieval embeds and where messages
+/// end.
+pub(crate) async fn to_completion(
     req: ChatRequest,
     template: Option<&ChatTemplate>,
+    sandbox: Option<&Sandbox>,
     default_max_tokens: usize,
 ) -> Result<(CompletionRequest, FromChat), ApiError> {
     let unsupported = |what: &str| Err(ApiError::bad_request(format!("{what} is not supported by picaso")));
@@ -309,30 +345,17 @@ pub(crate) fn to_completion(
         (a, b) => a.or(b).unwrap_or(default_max_tokens),
     };
     let messages = check_messages(&req.messages)?;
-    let own;
-    let template = match (&req.chat_template, template) {
-        (Some(source), _) => {
-            own = ChatTemplate::new(
-                source.clone(),
-                template.and_then(|t| t.bos_token.clone()),
-                template.and_then(|t| t.eos_token.clone()),
-            )
-            .map_err(ApiError::bad_request)?;
-            &own
-        }
-        (None, Some(t)) => t,
-        (None, None) => {
-            return Err(ApiError::bad_request(
-                "this model has no chat template (no `chat_template` in its tokenizer_config.json): send one as \
-                 `chat_template` (Jinja) in the request, start the server with --chat-template FILE, or use \
-                 POST /v1/completions with the prompt written out",
-            ))
-        }
-    };
-    let prompt =
-        template.render(&messages, req.add_generation_prompt.unwrap_or(true), req.chat_template_kwargs.as_ref())?;
     let query = retrieval_query(&messages);
-    let boundaries = message_ends(template, &messages, &prompt, req.chat_template_kwargs.as_ref());
+    let (prompt, first) = render_conversation(
+        req.chat_template.clone(),
+        template,
+        sandbox,
+        messages,
+        req.add_generation_prompt.unwrap_or(true),
+        req.chat_template_kwargs.clone(),
+    )
+    .await?;
+    let boundaries = message_ends(first.as_deref(), &prompt);
     let completion = CompletionRequest {
         prompt: Prompt::Text(prompt),
         max_tokens,

@@ -25,6 +25,11 @@
 //! step per token (one pass over the weights for all of them), at most `max_batch` at once and
 //! `max_queue` waiting (503 with Retry-After beyond). A client that disconnects, streaming or
 //! not, leaves the batch or its queue within one step.
+//!
+//! Budgets: every chat template renders within [`render::Budget`] (instructions and bytes),
+//! off the async threads; a template sent with a request is refused unless the server has a
+//! [`render::Sandbox`], where it renders in a child process under memory, CPU and time limits.
+//! Above its memory limit ([`MemoryGuard`]) the server answers new work 503.
 #![deny(missing_docs)]
 
 pub mod api;
@@ -34,8 +39,10 @@ pub mod chat;
 mod completions;
 pub mod error;
 pub mod logprobs;
+mod memory;
 mod metrics;
 mod prefix_cache;
+pub mod render;
 mod routes;
 
 use std::sync::Arc;
@@ -43,6 +50,7 @@ use std::sync::Arc;
 pub use app::{App, Limits, Options};
 pub use batcher::{DecodeStates, DEFAULT_PREFILL_CHUNK};
 pub use error::ApiError;
+pub use memory::{resident_bytes, MemoryGuard};
 pub use routes::router;
 
 /// Serves `app` on `listener` until Ctrl-C or SIGTERM, then stops accepting connections (new

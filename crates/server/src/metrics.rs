@@ -42,6 +42,12 @@ pub struct Metrics {
     pub contexts: Gauge,
     /// Prompt tokens processed.
     pub prompt_tokens: Counter,
+    /// The server's resident memory, bytes (read when scraped).
+    pub resident_bytes: Gauge,
+    /// The memory guard's limit, bytes (0: none).
+    pub memory_limit_bytes: Gauge,
+    /// Requests answered 503 because the server was over its memory limit.
+    pub refused_memory: Counter,
     /// What the batching thread updates: tokens generated, generations cancelled by a client
     /// going away, time to first token, batch size and queue.
     pub(crate) batch: crate::batcher::BatchMetrics,
@@ -80,6 +86,9 @@ impl Default for Metrics {
             cache_bytes: Gauge::default(),
             contexts: Gauge::default(),
             prompt_tokens: Counter::default(),
+            resident_bytes: Gauge::default(),
+            memory_limit_bytes: Gauge::default(),
+            refused_memory: Counter::default(),
             batch,
             prefix: crate::prefix_cache::PrefixMetrics::default(),
             registry: Registry::default(),
@@ -100,6 +109,17 @@ impl Default for Metrics {
         registry.register("state_cache_bytes", "Bytes held by the state cache", m.cache_bytes.clone());
         registry.register("contexts", "Contexts in the store", m.contexts.clone());
         registry.register("prompt_tokens", "Prompt tokens processed", m.prompt_tokens.clone());
+        registry.register("resident_memory_bytes", "The server's resident memory", m.resident_bytes.clone());
+        registry.register(
+            "memory_limit_bytes",
+            "Resident memory above which new work is refused (0: no limit)",
+            m.memory_limit_bytes.clone(),
+        );
+        registry.register(
+            "refused_over_memory",
+            "Requests answered 503 because the server was over its memory limit",
+            m.refused_memory.clone(),
+        );
         registry.register("completion_tokens", "Tokens generated", m.batch.completion_tokens.clone());
         registry.register(
             "generations_cancelled",

@@ -132,7 +132,9 @@ async fn completions(State(app): Shared, ApiJson(req): ApiJson<CompletionRequest
 
 async fn chat_completions(State(app): Shared, ApiJson(req): ApiJson<ChatRequest>) -> Result<Response, ApiError> {
     let started = Instant::now();
-    let (req, chat) = crate::chat::to_completion(req, app.chat.as_ref(), app.limits.max_tokens)?;
+    let (req, chat) =
+        crate::chat::to_completion(req, app.chat.as_ref(), app.request_templates.as_ref(), app.limits.max_tokens)
+            .await?;
     run_completion(app, req, chat, Shape::Chat, started).await
 }
 
@@ -192,10 +194,11 @@ async fn tokenize(State(app): Shared, ApiJson(req): ApiJson<TokenizeRequest>) ->
         (Some(text), None) => text,
         (None, Some(messages)) => {
             let messages = crate::chat::check_messages(&messages)?;
-            let template = app.chat.as_ref().ok_or_else(|| {
+            let template = app.chat.clone().ok_or_else(|| {
                 ApiError::bad_request("this model has no chat template to render `messages` with; send `prompt` (text)")
             })?;
-            template.render(&messages, req.add_generation_prompt.unwrap_or(true), None)?
+            let add_generation_prompt = req.add_generation_prompt.unwrap_or(true);
+            blocking(move || template.render(&messages, add_generation_prompt, None)).await?
         }
         _ => return Err(ApiError::bad_request("give either `prompt` (text) or `messages` (a chat), one of them")),
     };
@@ -355,6 +358,8 @@ async fn health(State(app): Shared) -> Result<Response, ApiError> {
 
 async fn metrics(State(app): Shared) -> Response {
     app.metrics.cache_bytes.set(app.cache.stats().bytes as i64);
+    app.metrics.resident_bytes.set(crate::memory::resident_bytes().unwrap_or(0) as i64);
+    app.metrics.memory_limit_bytes.set(app.memory.map_or(0, |g| g.limit_bytes()) as i64);
     let body = app.metrics.render();
     ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], body).into_response()
 }
@@ -432,7 +437,18 @@ async fn track(State(app): Shared, req: Request, next: Next) -> Response {
     app.metrics.in_flight.inc();
     let mut tracked =
         Tracked { app: app.clone(), endpoint, method: req.method().to_string(), started: Instant::now(), status: None };
-    let resp = next.run(req).await;
+    // New work (every POST) waits for memory; reads, deletes, /health and /metrics never do.
+    let refused = match &app.memory {
+        Some(guard) if req.method() == Method::POST => guard.check().err(),
+        _ => None,
+    };
+    let resp = match refused {
+        Some(e) => {
+            app.metrics.refused_memory.inc();
+            e.into_response()
+        }
+        None => next.run(req).await,
+    };
     let streams =
         resp.headers().get(header::CONTENT_TYPE).is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
     if streams {
