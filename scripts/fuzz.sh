@@ -8,6 +8,7 @@
 #   scripts/fuzz.sh sources 1800    # WikiText, JSON-lines, text folders (crates/store/tests/fuzz_sources.rs)
 #   scripts/fuzz.sh catalog 1800    # hand-edited or damaged catalog rows (crates/store/tests/fuzz_catalog.rs)
 #   scripts/fuzz.sh http 1800       # request bodies, paths, content types (crates/cli/tests/fuzz_http.rs)
+#   scripts/fuzz.sh templates 1800  # chat templates × messages in the render sandbox (crates/server/tests/fuzz_templates.rs)
 #   scripts/fuzz.sh afl-state 1800  # coverage-guided (AFL++): the state-file reader (fuzz/afl/src/state.rs)
 #   scripts/fuzz.sh afl-loader 1800 # coverage-guided (AFL++): config.json or model.safetensors (fuzz/afl/src/loader.rs)
 #   FUZZ_KEEP_CORPUS=1 scripts/fuzz.sh afl-state 1800   # and minimise what it found into fuzz/afl/corpus
@@ -15,7 +16,7 @@
 # No nightly toolchain is needed. CI runs every target's default case count as part of the
 # test suite; this script is for long runs (RELIABILITY.md).
 set -euo pipefail
-usage="usage: scripts/fuzz.sh TARGET SECONDS (targets: state, loaders, sources, catalog, http, afl-state, afl-loader)"
+usage="usage: scripts/fuzz.sh TARGET SECONDS (targets: state, loaders, sources, catalog, http, templates, afl-state, afl-loader)"
 target=${1:?$usage}
 seconds=${2:?$usage}
 if [[ $target == afl-* ]]; then
@@ -61,6 +62,7 @@ case "$target" in
   sources) pkg=picaso-store; test=fuzz_sources ;;
   catalog) pkg=picaso-store; test=fuzz_catalog ;;
   http) pkg=picaso; test=fuzz_http ;;
+  templates) pkg=picaso-server; test=fuzz_templates ;;
   *) echo "unknown target '$target'; $usage" >&2; exit 2 ;;
 esac
 per_round=${FUZZ_CASES_PER_ROUND:-20000}

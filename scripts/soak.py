@@ -213,8 +213,9 @@ class Soak:
         rng = random.Random(1000 + cid)
         mine = []  # ids this client added and may delete
         n = 0
-        ops = ["add", "complete_retrieve", "complete_ids", "stream_hangup", "stream_full", "search", "get", "delete"]
-        weights = [25, 15, 10, 10, 5, 15, 10, 10]
+        ops = ["add", "complete_retrieve", "complete_ids", "stream_hangup", "stream_full", "search", "get", "delete",
+               "chat_template", "template_bomb"]
+        weights = [25, 15, 10, 10, 5, 15, 10, 10, 3, 2]
         while not self.stop.is_set():
             op = rng.choices(ops, weights)[0]
             if op in ("complete_ids", "get", "delete") and not mine:
@@ -270,6 +271,19 @@ class Soak:
                         outcome, detail = "stream_cut_server_killed", result
                     else:
                         outcome, detail = "malformed", result
+                elif op in ("chat_template", "template_bomb"):
+                    # A chat with the request's own template (the servers run with
+                    # --trust-request-chat-template): a plain one answers, a bomb is a 400.
+                    bomb = rng.choice(BOMBS) if op == "template_bomb" else None
+                    body = {"messages": [{"role": "user", "content": f"The {rng.choice(WORDS)} of"}],
+                            "max_tokens": self.args.max_tokens, "chat_template": bomb["template"] if bomb else CHATML}
+                    status, v, raw = request(port, "POST", "/v1/chat/completions", body)
+                    if bomb is None and status == 200 and isinstance(v, dict) and v.get("choices"):
+                        outcome = "ok"
+                    elif bomb is not None and status == 400 and well_formed_error(v):
+                        outcome, detail = "ok", bomb["name"]
+                    else:
+                        outcome, detail = self.judge_error(status, v, raw)
                 elif op == "search":
                     status, v, raw = request(port, "POST", "/v1/search", {"query": rng.choice(WORDS), "k": 3})
                     if status == 200 and isinstance(v, dict) and isinstance(v.get("results"), list):
@@ -330,6 +344,13 @@ class Soak:
         if status == 503:
             return self.expected("503"), v["error"]["message"][:200]
         return f"http_{status}", v["error"]["message"][:200]
+
+
+# Chat-template bombs (RELIABILITY.md, "Hostile templates"), and a plain template.
+with open(os.path.join(os.path.dirname(__file__), "../crates/server/tests/fixtures/template_bombs.json")) as _f:
+    BOMBS = json.load(_f)
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def percentile(xs, q):
@@ -397,7 +418,7 @@ def main():
     servers = {}
     for name, port in ports.items():
         argv = [args.picaso, "serve", "--db", db, "--model", args.model, "--embedder", args.embedder,
-                "--addr", f"127.0.0.1:{port}", "--cache-mb", "64"]
+                "--addr", f"127.0.0.1:{port}", "--cache-mb", "64", "--trust-request-chat-template"]
         servers[name] = Service(f"server {name}", argv, env, os.path.join(args.run, f"server-{name}.log"),
                                 lambda port=port: port_answers("127.0.0.1", port, "/v1/models"))
         servers[name].start()
