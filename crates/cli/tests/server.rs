@@ -97,7 +97,8 @@ fn the_official_openai_client_works() {
     let db = TestDb { db: tmp.path().join("db").to_str().unwrap().to_string(), states: None };
     let (m, e) = (model.path().to_str().unwrap(), embedder.to_str().unwrap());
     ok_s(&args(&["ingest"], &db, &["--model", m, "--embedder", e, "--text-dir", docs.to_str().unwrap(), "--json"]));
-    let server = Server::start(&["--db", &db.db, "--model", m, "--embedder", e]);
+    // The client sends its own chat template: rendered by `picaso render-template` children.
+    let server = Server::start(&["--db", &db.db, "--model", m, "--embedder", e, "--trust-request-chat-template"]);
     let want = server.complete(json!({"prompt": "The tower", "max_tokens": 6, "temperature": 0, "contexts": [3, 2]}));
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/clients/openai_client.py");
     let out = std::process::Command::new(&python).arg(&script).arg(&server.url).output().unwrap();
