@@ -137,60 +137,6 @@ fn context(
     Value::Object(context)
 }
 
-/// `format` (Python's strftime codes %Y %m %d %B %b %H %M %S %%; others kept as written) for the
-/// UTC time `secs` after the Unix epoch.
-pub(crate) fn strftime(format: &str, secs: i64) -> String {
-    const MONTHS: [&str; 12] = [
-        "January",
-        "February",
-        "March",
-        "April",
-        "May",
-        "June",
-        "July",
-        "August",
-        "September",
-        "October",
-        "November",
-        "December",
-    ];
-    // Days to a civil date (Howard Hinnant's algorithm).
-    let z = secs.div_euclid(86_400) + 719_468;
-    let (era, doe) = (z.div_euclid(146_097), z.rem_euclid(146_097));
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    let time = secs.rem_euclid(86_400);
-    let mut out = String::new();
-    let mut chars = format.chars();
-    while let Some(c) = chars.next() {
-        if c != '%' {
-            out.push(c);
-            continue;
-        }
-        match chars.next() {
-            Some('Y') => out.push_str(&year.to_string()),
-            Some('m') => out.push_str(&format!("{month:02}")),
-            Some('d') => out.push_str(&format!("{day:02}")),
-            Some('B') => out.push_str(MONTHS[(month - 1) as usize]),
-            Some('b') => out.push_str(&MONTHS[(month - 1) as usize][..3]),
-            Some('H') => out.push_str(&format!("{:02}", time / 3600)),
-            Some('M') => out.push_str(&format!("{:02}", time / 60 % 60)),
-            Some('S') => out.push_str(&format!("{:02}", time % 60)),
-            Some('%') => out.push('%'),
-            Some(other) => {
-                out.push('%');
-                out.push(other);
-            }
-            None => out.push('%'),
-        }
-    }
-    out
-}
-
 /// Checks the conversation and puts each message's content in the form templates expect: text.
 /// A content that is a list of text parts (OpenAI's other form) becomes their text joined;
 /// other parts (images, audio) are refused, as is a message without a `role`.
@@ -422,15 +368,6 @@ mod tests {
         let image = json!({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]});
         assert!(check_messages(&[image]).unwrap_err().message.contains("text only"));
         assert!(ChatTemplate::new("{% for %}".into(), None, None).is_err());
-    }
-
-    /// Dates as Python's strftime prints them (2024-02-29 12:34:56 UTC is 1709210096).
-    #[test]
-    fn strftime_prints_dates_as_python_does() {
-        assert_eq!(strftime("%d %B %Y, %b %m %H:%M:%S %% %j", 1_709_210_096), "29 February 2024, Feb 02 12:34:56 % %j");
-        assert_eq!(strftime("%Y-%m-%d", 0), "1970-01-01");
-        let t = ChatTemplate::new("{{ strftime_now('%Y') }}".into(), None, None).unwrap();
-        assert_eq!(t.render(&[], true, None).unwrap().len(), 4);
     }
 
     /// What instruct models' templates use besides: namespaces, loop controls, `tojson`, and

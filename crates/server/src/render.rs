@@ -96,9 +96,63 @@ pub fn environment(budget: Budget) -> Environment<'static> {
     // transformers gives templates today's date this way (Llama 3 and Granite templates print it).
     env.add_function("strftime_now", |format: String| {
         let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-        crate::chat::strftime(&format, secs as i64)
+        strftime(&format, secs as i64)
     });
     env
+}
+
+/// `format` (Python's strftime codes %Y %m %d %B %b %H %M %S %%; others kept as written) for the
+/// UTC time `secs` after the Unix epoch.
+fn strftime(format: &str, secs: i64) -> String {
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    // Days to a civil date (Howard Hinnant's algorithm).
+    let z = secs.div_euclid(86_400) + 719_468;
+    let (era, doe) = (z.div_euclid(146_097), z.rem_euclid(146_097));
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let time = secs.rem_euclid(86_400);
+    let mut out = String::new();
+    let mut chars = format.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('Y') => out.push_str(&year.to_string()),
+            Some('m') => out.push_str(&format!("{month:02}")),
+            Some('d') => out.push_str(&format!("{day:02}")),
+            Some('B') => out.push_str(MONTHS[(month - 1) as usize]),
+            Some('b') => out.push_str(&MONTHS[(month - 1) as usize][..3]),
+            Some('H') => out.push_str(&format!("{:02}", time / 3600)),
+            Some('M') => out.push_str(&format!("{:02}", time / 60 % 60)),
+            Some('S') => out.push_str(&format!("{:02}", time % 60)),
+            Some('%') => out.push('%'),
+            Some(other) => {
+                out.push('%');
+                out.push(other);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
 }
 
 /// Checks that `source` compiles.
@@ -351,13 +405,22 @@ mod tests {
         json!({"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": true})
     }
 
+    /// Dates as Python's strftime prints them (2024-02-29 12:34:56 UTC is 1709210096).
+    #[test]
+    fn strftime_prints_dates_as_python_does() {
+        assert_eq!(strftime("%d %B %Y, %b %m %H:%M:%S %% %j", 1_709_210_096), "29 February 2024, Feb 02 12:34:56 % %j");
+        assert_eq!(strftime("%Y-%m-%d", 0), "1970-01-01");
+        assert_eq!(render("{{ strftime_now('%Y') }}", &ctx(), Budget::default()).unwrap().len(), 4);
+    }
+
     /// Loops past the fuel, output past the cap, and a template's own error each give their
     /// own refusal; a plain template renders.
     #[test]
     fn budgets_refuse_what_they_should() {
         let small = Budget { fuel: 10_000, max_bytes: 1000 };
         let bomb = "{% for i in range(10000) %}{% for j in range(10000) %}x{% endfor %}{% endfor %}";
-        assert_eq!(render(bomb, &ctx(), small), Err(RenderError::Fuel(10_000)));
+        let wide_enough = Budget { max_bytes: 1 << 20, ..small };
+        assert_eq!(render(bomb, &ctx(), wide_enough), Err(RenderError::Fuel(10_000)));
         let wide = "{{ 'x' * 5000 }}";
         assert_eq!(render(wide, &ctx(), small), Err(RenderError::TooLarge(1000)));
         // Many small writes stop at the cap too.
