@@ -42,6 +42,17 @@ pub(crate) struct IngestArgs {
     /// store). int8 and int4 keep a scale per 32 values; log-decays stay f32.
     #[arg(long)]
     state_dtype: Option<StateDtype>,
+    /// Keep at most this many MiB of state objects (fractions allowed), recorded in the store:
+    /// serve, query and eval honour it. The states the policy values most are kept; the others
+    /// are recomputed from their tokens when a query retrieves them (answers are the same).
+    /// On a store that has states, the lowest-valued go until the rest fit; 0 removes the
+    /// budget (every state not held is recomputed and stored).
+    #[arg(long)]
+    state_budget_mb: Option<f64>,
+    /// Which states a budget keeps: work (prefill work saved per byte, times retrievals, with
+    /// an aging clock; the default) or lru.
+    #[arg(long, requires = "state_budget_mb")]
+    state_budget_policy: Option<picaso_store::Policy>,
     /// Also remove the store's documents the source no longer has (a file deleted from
     /// --text-dir, an id gone from --jsonl), so the store mirrors the source.
     #[arg(long)]
@@ -80,6 +91,16 @@ pub(crate) fn ingest(a: IngestArgs) -> Result<()> {
     let store = picaso_store::Store::open_or_create(location, &info)?;
     if let Some(want) = a.state_dtype {
         store.require_state_dtype(want)?;
+    }
+    if let Some(mb) = a.state_budget_mb {
+        if !(mb.is_finite() && mb >= 0.0) {
+            bail!("--state-budget-mb {mb}: give a size in MiB (0 removes the budget)");
+        }
+        let budget = (mb > 0.0).then(|| picaso_store::Budget {
+            bytes: (mb * 1048576.0) as u64,
+            policy: a.state_budget_policy.unwrap_or_default(),
+        });
+        store.set_budget(budget, &model)?;
     }
     let bar = (!a.json).then(|| {
         let bar = indicatif::ProgressBar::new(0);
@@ -146,6 +167,20 @@ pub(crate) fn stats(a: StatsArgs) -> Result<()> {
         println!("documents    {}", s.documents);
         println!("tokens       {}", s.tokens);
         println!("state bytes  {} ({:.1} MiB, {})", s.state_bytes, s.state_bytes as f64 / 1048576.0, s.state_dtype);
+        if let Some(b) = &s.budget {
+            let looked = b.hits + b.misses;
+            println!(
+                "budget       {:.1} of {:.1} MiB held ({} of {} states, policy {}); {} hits, {} misses ({:.1}% hit)",
+                b.held_bytes as f64 / 1048576.0,
+                b.budget_bytes as f64 / 1048576.0,
+                b.held,
+                b.tracked,
+                b.policy,
+                b.hits,
+                b.misses,
+                100.0 * b.hits as f64 / looked.max(1) as f64
+            );
+        }
         println!("model        {}", s.model);
         println!("catalog      {}", s.catalog);
         println!("states       {}", s.states);

@@ -8,7 +8,7 @@ use std::process::Command;
 use picaso_model::{compose, Composition, LoadOptions, Method, Model, State};
 
 mod common;
-use common::{args, backends, ok, ok_s, run, run_s, shared, text_model, text_model_of, write_docs, TestDb};
+use common::{args, backends, ok, ok_s, picaso_bin, run, run_s, shared, text_model, text_model_of, write_docs, TestDb};
 
 #[test]
 fn ingest_stats_query_and_compose_through_the_store_mamba2() {
@@ -1076,4 +1076,96 @@ fn metadata_travels_with_contexts_and_filters_retrieval() {
         assert_eq!(store.ids().unwrap().len(), 4);
         std::fs::write(&jsonl, lines("https://a.example/1")).unwrap();
     }
+}
+
+/// A store with a state budget, cut short as a kill would cut it (an abort at the point where
+/// an admission has written its objects but not yet marked them held, and where an eviction
+/// has committed but not removed its objects): nothing is over the budget, no context lacks a
+/// state it is said to hold, `check` reports the leftovers and `--repair` removes them, and
+/// the store then answers as one that keeps every state.
+#[test]
+fn a_budgeted_store_cut_mid_admission_loses_nothing() {
+    let (Some(model), Some(embedder)) = (text_model(1), shared("all-MiniLM-L6-v2")) else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let docs = tmp.path().join("docs");
+    std::fs::create_dir_all(&docs).unwrap();
+    for i in 0..12 {
+        std::fs::write(
+            docs.join(format!("d{i:02}.txt")),
+            format!("Document {i} talks about topic {i} at some length.\n"),
+        )
+        .unwrap();
+    }
+    let (m, e, d) = (model.path().to_str().unwrap(), embedder.to_str().unwrap(), docs.to_str().unwrap());
+    let full = tmp.path().join("full");
+    let cut = tmp.path().join("cut");
+    ok(&["ingest", "--db", full.to_str().unwrap(), "--model", m, "--embedder", e, "--text-dir", d, "--json"]);
+    // The tiny model's state file is a few KiB: a budget of three of them.
+    let one = {
+        let (_, v, _) =
+            run(&["ingest", "--db", cut.to_str().unwrap(), "--model", m, "--embedder", e, "--text-dir", d, "--json"]);
+        v["store"]["state_bytes"].as_u64().unwrap() / 12
+    };
+    std::fs::remove_dir_all(&cut).unwrap();
+    let budget_mb = format!("{}", (3 * one) as f64 / 1048576.0 + 1e-6);
+    let ingest = |failpoint: &str| {
+        Command::new(picaso_bin())
+            .args(["ingest", "--db", cut.to_str().unwrap(), "--model", m, "--embedder", e, "--text-dir", d])
+            .args(["--state-budget-mb", &budget_mb, "--json"])
+            .env("PICASO_FAILPOINT", failpoint)
+            .output()
+            .unwrap()
+    };
+    let query = |db: &std::path::Path, failpoint: &str, prompt: &str| {
+        let out = Command::new(picaso_bin())
+            .args(["query", "--db", db.to_str().unwrap(), "--model", m, "--embedder", e, prompt])
+            .args(["--k", "4", "--max-tokens", "4", "--json"])
+            .env("PICASO_FAILPOINT", failpoint)
+            .output()
+            .unwrap();
+        (out.status.success(), serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap_or_default())
+    };
+    let check = |repair: bool| {
+        let mut a = vec!["check", "--db", cut.to_str().unwrap(), "--json"];
+        if repair {
+            a.extend(["--repair", "--model", m]);
+        }
+        let (_, v, stderr) = run(&a);
+        assert!(v.is_object(), "check: {stderr}");
+        v
+    };
+    let within_budget = |v: &serde_json::Value| {
+        let b = &v["budget"];
+        assert!(v["problems"].as_array().unwrap().is_empty(), "a held state without its object: {v}");
+        assert!(b["stored_bytes"].as_u64().unwrap() <= b["budget_bytes"].as_u64().unwrap(), "over the budget: {v}");
+    };
+    // Cut after the first batch's admitted objects are written, before they are marked held.
+    assert!(!ingest("budget-written").status.success(), "the failpoint ends the ingest");
+    let found = check(false);
+    within_budget(&found);
+    assert!(!found["budget"]["unheld_objects"].as_array().unwrap().is_empty(), "the cut left objects: {found}");
+    let repaired = check(true);
+    assert!(repaired["repair"]["removed_objects"].as_u64().unwrap() > 0, "{repaired}");
+    within_budget(&check(false));
+    assert!(check(false)["budget"]["unheld_objects"].as_array().unwrap().is_empty());
+    // The ingest runs again to the end; then queries, one of them cut mid-eviction.
+    assert!(ingest("").status.success());
+    let prompts = ["Document 3 talks", "topic 7 at length", "Document 11", "about topic 5", "Document 3 talks"];
+    for (i, prompt) in prompts.iter().enumerate() {
+        let failpoint = if i == 2 { "budget-evicted" } else { "" };
+        let (done, answer) = query(&cut, failpoint, prompt);
+        if failpoint.is_empty() {
+            assert!(done);
+            assert_eq!(answer["text"], query(&full, "", prompt).1["text"], "{prompt}");
+        } else {
+            assert!(!done, "the query should have evicted (and been cut there)");
+        }
+        within_budget(&check(false));
+    }
+    check(true);
+    let last = check(false);
+    within_budget(&last);
+    assert_eq!(last["sound"].as_u64().unwrap() as usize + last["budget"]["not_held"].as_u64().unwrap() as usize, 12);
+    let (_, stats, _) = run(&["stats", "--db", cut.to_str().unwrap(), "--json"]);
+    assert!(stats["budget"]["hits"].as_u64().unwrap() + stats["budget"]["misses"].as_u64().unwrap() >= 16, "{stats}");
 }

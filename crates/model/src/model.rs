@@ -243,6 +243,19 @@ impl Model {
     pub fn n_params(&self) -> usize {
         self.n_params
     }
+    /// Floating-point operations of prefilling `n_tokens` from the zero state, roughly: two
+    /// per parameter per token, and per attention layer two per key channel for each pair of
+    /// tokens it relates, for the scores and again for the values (n²/2 pairs, causal). What a
+    /// stored state saves; a state budget weighs it (picaso-store's budget).
+    pub fn prefill_flops(&self, n_tokens: usize) -> f64 {
+        let n = n_tokens as f64;
+        let dense = 2.0 * self.n_params as f64 * n;
+        let attention = self
+            .state_shape()
+            .attention
+            .map_or(0.0, |a| a.layers.len() as f64 * 2.0 * 2.0 * (n * n / 2.0) * (a.kv_heads * a.head_dim) as f64);
+        dense + attention
+    }
     /// Shape of this model's states.
     pub fn state_shape(&self) -> StateShape {
         self.config.state_shape()

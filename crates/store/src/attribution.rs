@@ -86,7 +86,7 @@ pub fn attribute(
         _ => Vec::new(),
     };
     let mapped = match method {
-        Method::Compose(_) => map_states(store, ids, cache)?.0,
+        Method::Compose(_) => map_states(store, model, ids, cache)?.states,
         _ => Vec::new(),
     };
     // The state of the contexts at positions `keep`, combined by the method.

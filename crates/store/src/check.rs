@@ -80,8 +80,24 @@ pub struct CheckReport {
     pub unreferenced: Vec<Unreferenced>,
     /// Their bytes.
     pub unreferenced_bytes: u64,
+    /// In a store with a state budget, what it holds against it (`None` without one).
+    pub budget: Option<BudgetCheck>,
     /// Seconds the check took.
     pub seconds: f64,
+}
+
+/// A budgeted store's states against its budget.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct BudgetCheck {
+    /// The budget, bytes.
+    pub budget_bytes: u64,
+    /// Bytes of every state object in the states location: at most the budget.
+    pub stored_bytes: u64,
+    /// Contexts whose state is not held (recomputed when needed): not a problem.
+    pub not_held: usize,
+    /// Objects present that the ledger does not hold: left by an admission or an eviction that
+    /// was cut short. Within the budget (room is made before a write), removed by `--repair`.
+    pub unheld_objects: Vec<Unreferenced>,
 }
 
 impl CheckReport {
@@ -95,6 +111,21 @@ impl CheckReport {
             self.seconds,
             self.sound
         );
+        if let Some(b) = &self.budget {
+            s += &format!(
+                " ({} not held under the budget: {:.1} of {:.1} MiB stored",
+                counted(b.not_held, "context"),
+                b.stored_bytes as f64 / 1048576.0,
+                b.budget_bytes as f64 / 1048576.0
+            );
+            if !b.unheld_objects.is_empty() {
+                s += &format!(", {} present but not held", counted(b.unheld_objects.len(), "object"));
+            }
+            if b.stored_bytes > b.budget_bytes {
+                s += ", OVER THE BUDGET";
+            }
+            s += ")";
+        }
         for (kind, what) in [
             (ProblemKind::MissingState, "without their state object"),
             (ProblemKind::DamagedState, "with a damaged state object"),
@@ -149,6 +180,8 @@ pub fn check(store: &Store, quick: bool, mut on_progress: impl FnMut(usize, usiz
     let present: HashSet<String> = if quick { listed.iter().map(|e| e.key.clone()).collect() } else { HashSet::new() };
     let total = store.len()?;
     let mut report = CheckReport { read: !quick, ..Default::default() };
+    let budget = store.budget()?;
+    let mut not_held_keys: HashSet<String> = HashSet::new();
     let mut named: HashSet<String> = HashSet::new();
     let mut after = i64::MIN;
     loop {
@@ -166,6 +199,22 @@ pub fn check(store: &Store, quick: bool, mut on_progress: impl FnMut(usize, usiz
                 None => rows.push(rec),
                 Some(detail) => problems.push(problem(&rec, ProblemKind::DamagedRow, detail)),
             }
+        }
+        if budget.is_some() {
+            // A state the budget does not hold is absent by design: it is recomputed when needed.
+            let sums: Vec<String> = rows.iter().map(|r| r.checksum.clone()).collect();
+            let held: Vec<bool> =
+                store.catalog().ledger(&sums)?.iter().map(|l| l.as_ref().is_some_and(|l| l.held)).collect();
+            let mut kept = Vec::with_capacity(rows.len());
+            for (rec, held) in rows.into_iter().zip(held) {
+                if held {
+                    kept.push(rec);
+                } else {
+                    not_held_keys.insert(key_of(&rec.checksum));
+                    report.budget.get_or_insert_with(BudgetCheck::default).not_held += 1;
+                }
+            }
+            rows = kept;
         }
         let keys: Vec<String> = rows.iter().map(|r| key_of(&r.checksum)).collect();
         let judged = if quick {
@@ -218,6 +267,20 @@ pub fn check(store: &Store, quick: bool, mut on_progress: impl FnMut(usize, usiz
         on_progress(report.contexts, total.max(report.contexts));
     }
     report.problems.sort_by_key(|p| p.id);
+    if let Some(budget) = budget {
+        let b = report.budget.get_or_insert_with(BudgetCheck::default);
+        b.budget_bytes = budget.bytes;
+        for Entry { key, bytes } in &listed {
+            if checksum_of(key).is_none() {
+                continue;
+            }
+            b.stored_bytes += bytes;
+            // Named by a context, yet not held: a held state shares no key with an unheld one.
+            if not_held_keys.contains(key) {
+                b.unheld_objects.push(Unreferenced { key: key.clone(), bytes: *bytes });
+            }
+        }
+    }
     for Entry { key, bytes } in listed {
         // Only names picaso gives: anything else is not ours.
         if checksum_of(&key).is_some() && !named.contains(&key) {
@@ -344,6 +407,20 @@ pub fn repair(
     let repaired: Vec<i64> = out.rewritten.iter().chain(&out.restated).copied().collect();
     for chunk in repaired.chunks(PAGE) {
         store.map_states(chunk)?; // read back: checksum and file verified
+    }
+    if let Some(budget) = &found.budget {
+        // Objects an admission or eviction left behind, still not held: the ledger is read
+        // under the guard admissions take, so none is being admitted meanwhile.
+        let _guard = store.budget_guard().write().unwrap_or_else(|p| p.into_inner());
+        for u in &budget.unheld_objects {
+            let Some(sum) = checksum_of(&u.key) else { continue };
+            let held = store.catalog().ledger(&[sum.to_string()])?[0].as_ref().is_some_and(|l| l.held);
+            if !held {
+                objects.delete(&u.key)?;
+                out.removed_objects += 1;
+                out.removed_bytes += u.bytes;
+            }
+        }
     }
     for u in &found.unreferenced {
         let Some(sum) = checksum_of(&u.key) else { continue };

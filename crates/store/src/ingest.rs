@@ -297,7 +297,7 @@ pub fn ingest_while(
             chunk.iter().map(|p| p.replaces.is_some_and(|id| gone.binary_search(&id).is_ok())).collect();
         // Only what this run inserted counts: a segment another writer stored meanwhile (a
         // concurrent ingest of the same documents into a PostgreSQL store) is skipped.
-        for ((p, id), replaced) in chunk.iter().zip(store.insert(&items)?).zip(replaced) {
+        for ((p, id), replaced) in chunk.iter().zip(store.insert_with(&items, Some(model))?).zip(replaced) {
             if id.is_some() {
                 progress.done += 1;
                 if replaced && p.repairs {

@@ -16,6 +16,7 @@
 
 pub mod attribution;
 pub mod bench;
+pub mod budget;
 pub mod cache;
 pub mod catalog;
 pub mod check;
@@ -38,6 +39,7 @@ pub mod states;
 pub mod store;
 
 pub use attribution::{attribute, Attribution};
+pub use budget::{Budget, BudgetStats, Policy};
 pub use cache::{CacheStats, StateCache};
 pub use check::{check, repair, report_json, CheckReport, Problem, ProblemKind, RepairReport};
 pub use embedder::{find_embedder, load_embedder, EmbedderError};

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use picaso_model::{compose_views, MappedState, Method, Model, State, StateView};
 
+use crate::budget::Loaded;
 use crate::cache::StateCache;
 use crate::error::{Error, Result};
 use crate::filter::Filter;
@@ -27,13 +28,27 @@ pub struct Prepared {
     pub states_loaded: usize,
     /// States served from the cache.
     pub cache_hits: usize,
+    /// States recomputed from their tokens (a store with a state budget that does not hold
+    /// them; counted in `states_loaded` too).
+    pub states_recomputed: usize,
+    /// Bytes of state objects read from the store.
+    pub bytes_read: u64,
     /// Context tokens processed by the model (concat only; composition processes none).
     pub tokens_processed: usize,
 }
 
 impl Prepared {
     fn empty(state: State) -> Self {
-        Self { state, load_seconds: 0.0, compose_seconds: 0.0, states_loaded: 0, cache_hits: 0, tokens_processed: 0 }
+        Self {
+            state,
+            load_seconds: 0.0,
+            compose_seconds: 0.0,
+            states_loaded: 0,
+            cache_hits: 0,
+            states_recomputed: 0,
+            bytes_read: 0,
+            tokens_processed: 0,
+        }
     }
 
     /// Seconds since `started` spent retrieving: what the query did besides loading and
@@ -188,17 +203,19 @@ pub fn prepare(
                 return Ok(Prepared::empty(model.zero_state()));
             }
             let t0 = Instant::now();
-            let (states, cache_hits) = map_states(store, ids, cache)?;
+            let loaded = map_states(store, model, ids, cache)?;
             let load_seconds = t0.elapsed().as_secs_f64();
             let t1 = Instant::now();
-            let views: Vec<StateView<'_>> = states.iter().map(|s| s.view()).collect();
+            let views: Vec<StateView<'_>> = loaded.states.iter().map(|s| s.view()).collect();
             let state = compose_views(m, &views, None)?;
             Ok(Prepared {
                 state,
                 load_seconds,
                 compose_seconds: t1.elapsed().as_secs_f64(),
-                states_loaded: ids.len() - cache_hits,
-                cache_hits,
+                states_loaded: ids.len() - loaded.cache_hits,
+                cache_hits: loaded.cache_hits,
+                states_recomputed: loaded.recomputed,
+                bytes_read: loaded.bytes_read,
                 tokens_processed: 0,
             })
         }
@@ -206,13 +223,14 @@ pub fn prepare(
     }
 }
 
-/// The stored states of `ids`, in order, memory-mapped, and how many came from `cache`: cached
-/// states first, the misses mapped together (their reads overlap) and added to the cache.
-pub(crate) fn map_states(
-    store: &Store,
-    ids: &[i64],
-    cache: Option<&StateCache>,
-) -> Result<(Vec<Arc<MappedState>>, usize)> {
+/// The states of `ids`, in order, and how they were found: cached states first, the misses
+/// mapped together (their reads overlap) and added to the cache. In a store with a state
+/// budget, those it does not hold are recomputed by `model` ([`crate::budget`]).
+pub(crate) fn map_states(store: &Store, model: &Model, ids: &[i64], cache: Option<&StateCache>) -> Result<Loaded> {
+    if let Some(budget) = store.budget()? {
+        let records = store.catalog().get_many(ids)?;
+        return store.load_within_budget(budget, model, &records, cache);
+    }
     let mut states: Vec<Option<Arc<MappedState>>> = ids.iter().map(|&id| cache.and_then(|c| c.get(id))).collect();
     let cache_hits = states.iter().filter(|s| s.is_some()).count();
     if cache_hits > 0 {
@@ -222,14 +240,17 @@ pub(crate) fn map_states(
     }
     let missing: Vec<i64> = ids.iter().zip(&states).filter(|(_, s)| s.is_none()).map(|(&id, _)| id).collect();
     let mut loaded = store.map_states(&missing)?.into_iter().map(Arc::new);
+    let mut bytes_read = 0;
     for (slot, &id) in states.iter_mut().zip(ids) {
         if slot.is_none() {
             let state = loaded.next().expect("one mapped state per missing id");
+            bytes_read += state.nbytes() as u64;
             if let Some(c) = cache {
                 c.insert(id, state.clone());
             }
             *slot = Some(state);
         }
     }
-    Ok((states.into_iter().map(|s| s.expect("filled above")).collect(), cache_hits))
+    let states = states.into_iter().map(|s| s.expect("filled above")).collect();
+    Ok(Loaded { states, cache_hits, bytes_read, ..Loaded::default() })
 }

@@ -131,6 +131,8 @@ pub struct Stats {
     pub catalog: String,
     /// Where the state objects are.
     pub states: String,
+    /// The state budget, what it holds and its hits and misses (`None` without one).
+    pub budget: Option<crate::budget::BudgetStats>,
 }
 
 /// An open store. Safe to share between threads.
@@ -142,6 +144,9 @@ pub struct Store {
     states: Box<dyn StateObjects>,
     /// The write lock while anyone holds it through this store (see [`Store::lock_writes`]).
     writer: std::sync::Mutex<std::sync::Weak<std::fs::File>>,
+    /// Held for reading while a query maps the states its budget's ledger says are held, for
+    /// writing while states are evicted and admitted ([`crate::budget`]).
+    budget_guard: std::sync::RwLock<()>,
 }
 
 impl std::fmt::Debug for Store {
@@ -432,7 +437,20 @@ impl Store {
             }
         }
         let states = crate::states::open(&recorded)?;
-        Ok(Self { location, info, catalog, states_url: recorded, states, writer: Default::default() })
+        Ok(Self {
+            location,
+            info,
+            catalog,
+            states_url: recorded,
+            states,
+            writer: Default::default(),
+            budget_guard: Default::default(),
+        })
+    }
+
+    /// The guard of the budget's reads and evictions.
+    pub(crate) fn budget_guard(&self) -> &std::sync::RwLock<()> {
+        &self.budget_guard
     }
 
     /// The catalog (for [`crate::check`]).
@@ -501,8 +519,15 @@ impl Store {
     }
 
     /// Adds contexts: their state objects first (durable), then their rows in one transaction.
-    /// A (doc, seg) already present is skipped. Returns the ids, `None` for skipped ones.
+    /// A (doc, seg) already present is skipped. Returns the ids, `None` for skipped ones. A
+    /// store with a state budget needs the model ([`Store::insert_with`]).
     pub fn insert(&self, items: &[NewContext]) -> Result<Vec<Option<i64>>> {
+        self.insert_with(items, None)
+    }
+
+    /// [`Store::insert`]; in a store with a state budget, the states enter its ledger (their
+    /// prefill work reckoned by `model`) and only those the policy admits are written.
+    pub fn insert_with(&self, items: &[NewContext], model: Option<&picaso_model::Model>) -> Result<Vec<Option<i64>>> {
         let mut objects = Vec::with_capacity(items.len());
         for it in items {
             self.check_new(&it.embedding, &it.state.fingerprint)?;
@@ -534,6 +559,15 @@ impl Store {
                 metadata,
             })
             .collect();
+        if let Some(budget) = self.budget()? {
+            let model = model.ok_or_else(|| {
+                Error::Input(format!(
+                    "store {} has a state budget: contexts are added with the model that recomputes their states                      (picaso ingest, the server, Python's Store.add)",
+                    self.location
+                ))
+            })?;
+            return self.insert_within_budget(budget, model, &rows, &objects);
+        }
         self.catalog.insert(&rows, &mut || self.put_objects(&objects))
     }
 
@@ -1143,6 +1177,7 @@ impl Store {
             model: self.info.fingerprint.clone(),
             catalog: self.location.catalog.to_string(),
             states: self.states_url.to_string(),
+            budget: self.budget_stats()?,
         })
     }
 }

@@ -51,6 +51,33 @@ pub struct Row<'a> {
 /// state file once: contexts with the same state (the same text) share one content-addressed file.
 pub type Totals = (u64, u64, u64, u64);
 
+/// One state object's entry in a budgeted store's ledger ([`crate::budget`]): whether the
+/// object is held, and what the policy weighs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LedgerRow {
+    /// The object's checksum (its key).
+    pub checksum: String,
+    /// Its size in the store's codec.
+    pub bytes: u64,
+    /// The prefill work (floating-point operations) its state saves when held.
+    pub work: f64,
+    /// How often contexts with this state were retrieved.
+    pub retrievals: u64,
+    /// The store's access tick at its last retrieval (or admission).
+    pub last_tick: u64,
+    /// The policy's priority: the lowest held is evicted first.
+    pub priority: f64,
+    /// Whether its object is stored (and counted against the budget).
+    pub held: bool,
+}
+
+/// The error of a budget operation on a catalog that keeps no ledger.
+pub(crate) fn no_ledger(url: &str) -> Error {
+    Error::Input(format!(
+        "{url}: a state budget (--state-budget-mb) needs a folder store for now; PostgreSQL stores keep every state"
+    ))
+}
+
 /// Removes the state objects of these checksums (called by a delete once their rows are gone).
 pub type RemoveStates<'a> = dyn FnMut(&[String]) -> Result<()> + 'a;
 
@@ -86,6 +113,25 @@ pub trait Catalog: Send + Sync + std::fmt::Debug {
     /// Sets `key` unless it is set, atomically; returns the value stored afterwards (another
     /// writer's, if it was first).
     fn init_meta(&self, key: &str, value: &str) -> Result<String>;
+    /// Sets metadata `key` to `value`, replacing any value.
+    fn set_meta(&self, key: &str, value: &str) -> Result<()>;
+    /// The ledger rows of `checksums`, in order (`None`: no row).
+    fn ledger(&self, _checksums: &[String]) -> Result<Vec<Option<LedgerRow>>> {
+        Err(no_ledger(&self.url()))
+    }
+    /// Writes ledger rows (each replacing its checksum's) and metadata values, in one
+    /// transaction.
+    fn put_ledger(&self, _rows: &[LedgerRow], _meta: &[(&str, String)]) -> Result<()> {
+        Err(no_ledger(&self.url()))
+    }
+    /// Up to `limit` held rows, lowest priority first (equal priorities: the earlier tick).
+    fn lowest_held(&self, _limit: usize) -> Result<Vec<LedgerRow>> {
+        Err(no_ledger(&self.url()))
+    }
+    /// (bytes held, objects held, rows) over the ledger.
+    fn ledger_totals(&self) -> Result<(u64, u64, u64)> {
+        Err(no_ledger(&self.url()))
+    }
     /// Segments of `doc` stored, each with its context's id.
     fn segments_of(&self, doc: &str) -> Result<BTreeMap<u32, i64>>;
     /// Inserts rows in one transaction, skipping (doc, seg) pairs present; returns the new ids

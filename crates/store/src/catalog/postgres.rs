@@ -820,6 +820,21 @@ impl Catalog for PostgresCatalog {
         }))
     }
 
+    fn set_meta(&self, key: &str, value: &str) -> Result<()> {
+        let (key, value) = (key.to_string(), value.to_string());
+        self.run(Box::new(move |c| {
+            let (key, value) = (key.clone(), value.clone());
+            Box::pin(async move {
+                c.execute(
+                    "INSERT INTO picaso_meta (key, value) VALUES ($1, $2) ON CONFLICT (key) DO UPDATE SET value = $2",
+                    &[&key, &value],
+                )
+                .await?;
+                Ok(())
+            })
+        }))
+    }
+
     fn init_meta(&self, key: &str, value: &str) -> Result<String> {
         let (key, value) = (key.to_string(), value.to_string());
         self.run(Box::new(move |c| {

@@ -13,7 +13,7 @@ use picaso_embed::{Bm25Index, FlatIndex, VectorIndex};
 use rusqlite::{params, Connection, OptionalExtension};
 
 use super::columns::MetadataColumns;
-use super::{blob_to_f32s, blob_to_u32s, f32s_to_blob, u32s_to_blob, Catalog, RemoveStates, Row, Totals};
+use super::{blob_to_f32s, blob_to_u32s, f32s_to_blob, u32s_to_blob, Catalog, LedgerRow, RemoveStates, Row, Totals};
 use crate::error::{Error, Result};
 use crate::filter::Filter;
 use crate::location::CatalogUrl;
@@ -40,6 +40,21 @@ CREATE TABLE IF NOT EXISTS contexts (
     UNIQUE (doc, seg)
 );
 CREATE INDEX IF NOT EXISTS contexts_metadata ON contexts (metadata);
+";
+
+/// A budgeted store's ledger (see [`crate::budget`]): one row per state object the budget has
+/// seen, held or not. Made with every store (empty without a budget) and by `upgrade`.
+const LEDGER: &str = "
+CREATE TABLE IF NOT EXISTS state_ledger (
+    checksum   TEXT    PRIMARY KEY,
+    bytes      INTEGER NOT NULL,
+    work       REAL    NOT NULL,
+    retrievals INTEGER NOT NULL,
+    last_tick  INTEGER NOT NULL,
+    priority   REAL    NOT NULL,
+    held       INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS state_ledger_held ON state_ledger (held, priority, last_tick);
 ";
 
 /// An index of the metadata alone: reading every context's metadata for the filter columns
@@ -70,6 +85,7 @@ fn has_metadata_column(conn: &Connection) -> Result<bool> {
 /// opens it first: the metadata column, and the index that lets a filter scan the metadata
 /// without reading every row's embedding and tokens.
 fn upgrade(conn: &mut Connection) -> Result<()> {
+    conn.execute_batch(LEDGER)?;
     let has_index = |c: &Connection| -> Result<bool> {
         Ok(c.query_row(
             "SELECT COUNT(*) FROM sqlite_master WHERE type = 'index' AND name = 'contexts_metadata'",
@@ -89,6 +105,21 @@ fn upgrade(conn: &mut Connection) -> Result<()> {
     }
     tx.commit()?;
     Ok(())
+}
+
+/// The ledger's columns, in [`LedgerRow`]'s order.
+const LEDGER_COLUMNS: &str = "checksum, bytes, work, retrievals, last_tick, priority, held";
+
+fn ledger_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<LedgerRow> {
+    Ok(LedgerRow {
+        checksum: r.get(0)?,
+        bytes: r.get::<_, i64>(1)? as u64,
+        work: r.get(2)?,
+        retrievals: r.get::<_, i64>(3)? as u64,
+        last_tick: r.get::<_, i64>(4)? as u64,
+        priority: r.get(5)?,
+        held: r.get(6)?,
+    })
 }
 
 /// The retrieval index and the context id of each of its rows (ascending).
@@ -416,6 +447,7 @@ impl SqliteCatalog {
             conn.execute_batch("PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL;")?;
             let tx = conn.transaction()?;
             tx.execute_batch(SCHEMA)?;
+            tx.execute_batch(LEDGER)?;
             tx.execute("INSERT INTO meta (key, value) VALUES ('dim', ?1)", [dim.to_string()])?;
             for (k, v) in meta {
                 tx.execute("INSERT OR IGNORE INTO meta (key, value) VALUES (?1, ?2)", params![k, v])?;
@@ -538,6 +570,63 @@ impl Catalog for SqliteCatalog {
         let conn = self.conn();
         conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES (?1, ?2)", params![key, value])?;
         Ok(conn.query_row("SELECT value FROM meta WHERE key = ?1", [key], |r| r.get(0))?)
+    }
+
+    fn set_meta(&self, key: &str, value: &str) -> Result<()> {
+        self.conn().execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?1, ?2)", params![key, value])?;
+        Ok(())
+    }
+
+    fn ledger(&self, checksums: &[String]) -> Result<Vec<Option<LedgerRow>>> {
+        let conn = self.conn();
+        let mut stmt =
+            conn.prepare_cached(&format!("SELECT {LEDGER_COLUMNS} FROM state_ledger WHERE checksum = ?1"))?;
+        checksums.iter().map(|sum| Ok(stmt.query_row([sum], ledger_row).optional()?)).collect()
+    }
+
+    fn put_ledger(&self, rows: &[LedgerRow], meta: &[(&str, String)]) -> Result<()> {
+        let mut conn = self.conn();
+        let tx = conn.transaction()?;
+        {
+            let mut put = tx.prepare_cached(&format!(
+                "INSERT OR REPLACE INTO state_ledger ({LEDGER_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)"
+            ))?;
+            for r in rows {
+                put.execute(params![
+                    r.checksum,
+                    r.bytes as i64,
+                    r.work,
+                    r.retrievals as i64,
+                    r.last_tick as i64,
+                    r.priority,
+                    r.held
+                ])?;
+            }
+            let mut set = tx.prepare_cached("INSERT OR REPLACE INTO meta (key, value) VALUES (?1, ?2)")?;
+            for (k, v) in meta {
+                set.execute(params![k, v])?;
+            }
+        }
+        tx.commit()?;
+        Ok(())
+    }
+
+    fn lowest_held(&self, limit: usize) -> Result<Vec<LedgerRow>> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare_cached(&format!(
+            "SELECT {LEDGER_COLUMNS} FROM state_ledger WHERE held = 1 ORDER BY priority, last_tick LIMIT ?1"
+        ))?;
+        let rows = stmt.query_map([limit as i64], ledger_row)?;
+        Ok(rows.collect::<std::result::Result<_, _>>()?)
+    }
+
+    fn ledger_totals(&self) -> Result<(u64, u64, u64)> {
+        let conn = self.conn();
+        Ok(conn.query_row(
+            "SELECT COALESCE(SUM(CASE WHEN held = 1 THEN bytes END), 0), COALESCE(SUM(held), 0), COUNT(*) FROM state_ledger",
+            [],
+            |r| Ok((r.get::<_, i64>(0)? as u64, r.get::<_, i64>(1)? as u64, r.get::<_, i64>(2)? as u64)),
+        )?)
     }
 
     fn segments_of(&self, doc: &str) -> Result<BTreeMap<u32, i64>> {
@@ -691,6 +780,17 @@ impl Catalog for SqliteCatalog {
             .filter_map(Result::transpose)
             .collect::<Result<_>>()?;
         drop(shared);
+        if !unshared.is_empty() {
+            // An object no context names leaves the budget's ledger with it.
+            let tx = conn.transaction()?;
+            {
+                let mut forget = tx.prepare_cached("DELETE FROM state_ledger WHERE checksum = ?1")?;
+                for sum in &unshared {
+                    forget.execute([sum])?;
+                }
+            }
+            tx.commit()?;
+        }
         drop(conn);
         if !unshared.is_empty() {
             // The rows are gone for good: an object that cannot be removed stays as an orphan

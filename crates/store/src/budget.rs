@@ -1,0 +1,589 @@
+//! A state budget: a store that keeps at most N bytes of state objects, recomputes the others
+//! from their stored tokens when a query needs them, and decides which to keep. Every context
+//! stays in the store (text, tokens, embedding, metadata); only its state object may be absent.
+//!
+//! # The policy
+//! Each state object has a row in the store's ledger: its bytes `b`, the prefill work `w` its
+//! state saves (floating-point operations, [`Model::prefill_flops`] of its tokens), how often
+//! contexts with it were retrieved (`f`), and a priority; the lowest held priority goes first.
+//! The default policy, `work`, is GreedyDual-Size-Frequency (Cherkasova, 1998) with prefill work
+//! as the cost, the weighing Marconi (MLSys 2025) gives hybrid prefix states (work saved per
+//! byte):
+//!
+//! ```text
+//! priority = L + (f + 0.1) · w / b
+//! ```
+//!
+//! `L`, the store's clock, rises to the priority of each state evicted, so a state retrieved
+//! often long ago ages out: a new one needs only to beat the clock plus its own density. A
+//! state is admitted when it fits in what is free plus what held states of lower priority free;
+//! otherwise it serves its query and is dropped. `lru` (for comparison) has priority = the tick
+//! of the last retrieval and admits every recomputed state.
+//!
+//! # Invariants
+//! - The bytes of state objects on disk never exceed the budget: objects are evicted (ledger
+//!   row marked not held and committed, then the object removed) before new ones are written.
+//! - No held row lacks its object: a new object is marked held only after it is written. A kill
+//!   in between leaves an object that is not held (within the budget, since room was made
+//!   first), which `check` reports and `--repair` removes.
+//! - A recomputed state is the stored one bit for bit: its checksum must be the row's. One
+//!   that differs (a model run another way than at ingest: other weights' precision, another
+//!   engine) answers its query but is never stored.
+//! - The ledger and the counters are in the catalog: they survive a restart.
+//! - Only the store's writer (the process holding its writer lock) admits, evicts and counts;
+//!   another process reading the store recomputes what it needs and changes nothing.
+
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use picaso_model::{MappedState, Model};
+use rayon::prelude::*;
+
+use crate::cache::StateCache;
+use crate::catalog::LedgerRow;
+use crate::error::{Error, Result};
+use crate::records::ContextRecord;
+use crate::states::{checksum, key_of};
+use crate::store::Store;
+
+const BUDGET: &str = "state_budget_bytes";
+const POLICY: &str = "state_budget_policy";
+const CLOCK: &str = "budget_clock";
+const TICK: &str = "budget_tick";
+const HITS: &str = "budget_hits";
+const MISSES: &str = "budget_misses";
+/// Tokens per shared forward pass when recomputing (as ingest: the same passes, the same bits).
+const PREFILL_TOKENS: usize = 4096;
+/// The retrievals a state never retrieved counts as: enough to rank states by work per byte
+/// when nothing has been retrieved yet (at ingest), too little to outrank one retrieval.
+const PRIOR: f64 = 0.1;
+/// Held rows read per admission, lowest priority first: more than any batch evicts.
+const VICTIMS: usize = 4096;
+
+/// Which states a budgeted store keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Policy {
+    /// Prefill work saved per byte, times retrievals, plus an aging clock (GreedyDual-Size-
+    /// Frequency with work as the cost).
+    #[default]
+    Work,
+    /// Least recently retrieved goes first; every recomputed state is kept.
+    Lru,
+}
+
+impl Policy {
+    /// Its name, as `--state-budget-policy` takes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Policy::Work => "work",
+            Policy::Lru => "lru",
+        }
+    }
+
+    /// The priority of `row` when the store's clock is `clock`.
+    pub fn priority(self, clock: f64, row: &LedgerRow) -> f64 {
+        match self {
+            Policy::Work => clock + (row.retrievals as f64 + PRIOR) * row.work / row.bytes.max(1) as f64,
+            Policy::Lru => row.last_tick as f64,
+        }
+    }
+}
+
+impl std::fmt::Display for Policy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Policy {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "work" => Ok(Policy::Work),
+            "lru" => Ok(Policy::Lru),
+            other => Err(format!("unknown state budget policy {other:?}; give work (the default) or lru")),
+        }
+    }
+}
+
+/// A store's budget: at most `bytes` of state objects, kept by `policy`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Budget {
+    /// Bytes of state objects at most.
+    pub bytes: u64,
+    /// Which to keep.
+    pub policy: Policy,
+}
+
+/// A budget's totals and counters.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct BudgetStats {
+    /// The budget, bytes.
+    pub budget_bytes: u64,
+    /// The policy's name.
+    pub policy: &'static str,
+    /// Bytes of the state objects held.
+    pub held_bytes: u64,
+    /// State objects held.
+    pub held: u64,
+    /// State objects in the ledger, held or not.
+    pub tracked: u64,
+    /// States a query found stored.
+    pub hits: u64,
+    /// States a query had to recompute.
+    pub misses: u64,
+}
+
+/// The states of a query's contexts and how they were found.
+#[derive(Debug, Default)]
+pub struct Loaded {
+    /// In the order asked.
+    pub states: Vec<Arc<MappedState>>,
+    /// From the in-memory cache.
+    pub cache_hits: usize,
+    /// Recomputed from their tokens.
+    pub recomputed: usize,
+    /// Bytes of state objects read from the store.
+    pub bytes_read: u64,
+    /// Seconds spent recomputing.
+    pub recompute_seconds: f64,
+}
+
+/// The budget's meta values, parsed.
+struct Counters {
+    clock: f64,
+    tick: u64,
+    hits: u64,
+    misses: u64,
+}
+
+impl Store {
+    /// The store's state budget, if it has one.
+    pub fn budget(&self) -> Result<Option<Budget>> {
+        let Some(bytes) = self.catalog().meta(BUDGET)?.filter(|v| v != "none") else { return Ok(None) };
+        let bytes = bytes.parse().map_err(|_| self.bad_meta(BUDGET, &bytes))?;
+        let policy = match self.catalog().meta(POLICY)? {
+            Some(p) => p.parse().map_err(|e: String| self.bad_meta(POLICY, &e))?,
+            None => Policy::Work,
+        };
+        Ok(Some(Budget { bytes, policy }))
+    }
+
+    fn bad_meta(&self, key: &str, value: &str) -> Error {
+        Error::Store { location: self.location().to_string(), message: format!("metadata `{key}` is {value:?}") }
+    }
+
+    fn counters(&self) -> Result<Counters> {
+        let get = |k: &str| -> Result<Option<String>> { self.catalog().meta(k) };
+        let num = |k: &str| -> Result<u64> {
+            Ok(get(k)?.map(|v| v.parse().map_err(|_| self.bad_meta(k, &v))).transpose()?.unwrap_or(0))
+        };
+        let clock = get(CLOCK)?.map(|v| v.parse().map_err(|_| self.bad_meta(CLOCK, &v))).transpose()?.unwrap_or(0.0);
+        Ok(Counters { clock, tick: num(TICK)?, hits: num(HITS)?, misses: num(MISSES)? })
+    }
+
+    /// The budget's totals and counters; `None` without a budget.
+    pub fn budget_stats(&self) -> Result<Option<BudgetStats>> {
+        let Some(budget) = self.budget()? else { return Ok(None) };
+        let (held_bytes, held, tracked) = self.catalog().ledger_totals()?;
+        let c = self.counters()?;
+        Ok(Some(BudgetStats {
+            budget_bytes: budget.bytes,
+            policy: budget.policy.name(),
+            held_bytes,
+            held,
+            tracked,
+            hits: c.hits,
+            misses: c.misses,
+        }))
+    }
+
+    /// The smallest budget worth having for `model`: one state file (of no tokens: a hybrid's
+    /// grow with their keys and values) in the store's codec.
+    pub fn smallest_budget(&self, model: &Model) -> Result<u64> {
+        Ok(model.zero_state().to_bytes(self.info().state_dtype)?.len() as u64)
+    }
+
+    /// Sets the store's budget (or, with `None`, removes it), as the writer. A budget on a
+    /// store that keeps every state enters its states in the ledger and evicts the lowest
+    /// priorities until they fit; a smaller budget evicts likewise; removing it recomputes and
+    /// stores every state not held. A budget under one state of `model` is refused.
+    pub fn set_budget(&self, budget: Option<Budget>, model: &Model) -> Result<()> {
+        self.require_model(model)?;
+        let _writer = self.lock_writes()?;
+        let _guard = self.budget_guard().write().unwrap_or_else(|p| p.into_inner());
+        let Some(budget) = budget else { return self.drop_budget(model) };
+        let smallest = self.smallest_budget(model)?;
+        if budget.bytes < smallest {
+            return Err(Error::Input(format!(
+                "a state budget of {} holds not even one state of this model ({} in {}): give at least {} MiB, or no budget",
+                show_bytes(budget.bytes),
+                show_bytes(smallest),
+                self.info().state_dtype.name(),
+                smallest.div_ceil(1 << 20)
+            )));
+        }
+        // Every stored state not in the ledger yet enters it, held.
+        let counters = self.counters()?;
+        let mut after = 0;
+        loop {
+            let page = self.export(after, 1000)?;
+            let Some(last) = page.last() else { break };
+            after = last.0.id;
+            let sums: Vec<String> = page.iter().map(|(r, _)| r.checksum.clone()).collect();
+            let known = self.catalog().ledger(&sums)?;
+            let mut new: Vec<LedgerRow> = Vec::new();
+            for ((record, _), row) in page.iter().zip(known) {
+                if row.is_none() && !new.iter().any(|r| r.checksum == record.checksum) {
+                    let mut row = new_row(record, model, counters.tick, true);
+                    row.priority = budget.policy.priority(counters.clock, &row);
+                    new.push(row);
+                }
+            }
+            self.catalog().put_ledger(&new, &[])?;
+        }
+        self.catalog()
+            .put_ledger(&[], &[(BUDGET, budget.bytes.to_string()), (POLICY, budget.policy.name().to_string())])?;
+        // Then the lowest priorities go until the rest fit.
+        let (mut held, _, _) = self.catalog().ledger_totals()?;
+        while held > budget.bytes {
+            let mut victims = Vec::new();
+            for row in self.catalog().lowest_held(VICTIMS)? {
+                if held <= budget.bytes {
+                    break;
+                }
+                held -= row.bytes;
+                victims.push(row);
+            }
+            if victims.is_empty() {
+                break;
+            }
+            self.evict(&mut victims, counters.clock)?;
+        }
+        Ok(())
+    }
+
+    /// Removes the budget: every state not held is recomputed and stored.
+    fn drop_budget(&self, model: &Model) -> Result<()> {
+        let mut after = 0;
+        loop {
+            let page = self.export(after, 256)?;
+            let Some(last) = page.last() else { break };
+            after = last.0.id;
+            let records: Vec<ContextRecord> = page.into_iter().map(|(r, _)| r).collect();
+            let sums: Vec<String> = records.iter().map(|r| r.checksum.clone()).collect();
+            let rows = self.catalog().ledger(&sums)?;
+            let absent: Vec<&ContextRecord> = records
+                .iter()
+                .zip(&rows)
+                .filter(|(_, row)| row.as_ref().is_some_and(|r| !r.held))
+                .map(|(r, _)| r)
+                .collect();
+            let (computed, _) = recompute(model, &absent, self.info().state_dtype)?;
+            let mut objects: Vec<(String, &[u8])> = Vec::new();
+            for (record, (bytes, same)) in absent.iter().zip(&computed) {
+                if !same {
+                    return Err(self.not_the_stored_state(record));
+                }
+                objects.push((record.checksum.clone(), bytes));
+            }
+            objects.par_iter().try_for_each(|(sum, bytes)| self.objects().put(&key_of(sum), bytes))?;
+        }
+        self.catalog().put_ledger(&[], &[(BUDGET, "none".to_string())])
+    }
+
+    fn not_the_stored_state(&self, record: &ContextRecord) -> Error {
+        Error::Store {
+            location: self.location().to_string(),
+            message: format!(
+                "context {} (document {:?}, segment {}): its state recomputed from its tokens is not the state stored \
+                 (checksum {}): this model runs differently from the one that made the store (another weight \
+                 precision or engine); recompute with the ingest's settings",
+                record.id, record.doc, record.seg, record.checksum
+            ),
+        }
+    }
+
+    /// Marks `victims` not held (committed, the clock raised to their highest priority for the
+    /// work policy), then removes their objects.
+    fn evict(&self, victims: &mut [LedgerRow], clock: f64) -> Result<f64> {
+        let clock = victims.iter().map(|v| v.priority).fold(clock, f64::max);
+        for v in victims.iter_mut() {
+            v.held = false;
+        }
+        self.catalog().put_ledger(victims, &[(CLOCK, clock.to_string())])?;
+        failpoint("budget-evicted");
+        let keys: Vec<String> = victims.iter().map(|v| key_of(&v.checksum)).collect();
+        // A removal that fails leaves an object not held: `check` reports it, `--repair` removes it.
+        let _ = self.objects().delete_many(&keys);
+        Ok(clock)
+    }
+
+    /// The states of `records` (the contexts a query needs, in order) within the budget: cached
+    /// ones from `cache`, held ones read, the rest recomputed in one batched prefill. As the
+    /// writer, counts the retrievals and admits recomputed states the policy keeps.
+    pub(crate) fn load_within_budget(
+        &self,
+        budget: Budget,
+        model: &Model,
+        records: &[ContextRecord],
+        cache: Option<&StateCache>,
+    ) -> Result<Loaded> {
+        self.require_model(model)?;
+        let writer = self.lock_writes().ok();
+        let mut out = Loaded::default();
+        let mut states: Vec<Option<Arc<MappedState>>> =
+            records.iter().map(|r| cache.and_then(|c| c.get(r.id))).collect();
+        out.cache_hits = states.iter().filter(|s| s.is_some()).count();
+        let sums: Vec<String> = records.iter().map(|r| r.checksum.clone()).collect();
+        let mut counters = self.counters()?;
+        let mut rows: Vec<LedgerRow>;
+        let wanted: Vec<usize>;
+        {
+            // Read under the guard: no eviction removes a held object between the ledger's
+            // answer and its mapping (a mapped file stays readable once removed).
+            let _guard = self.budget_guard().read().unwrap_or_else(|p| p.into_inner());
+            let ledger = self.catalog().ledger(&sums)?;
+            rows = records
+                .iter()
+                .zip(ledger)
+                .map(|(r, row)| row.unwrap_or_else(|| new_row(r, model, counters.tick, false)))
+                .collect();
+            let held: Vec<usize> = (0..records.len()).filter(|&i| states[i].is_none() && rows[i].held).collect();
+            let ids: Vec<i64> = held.iter().map(|&i| records[i].id).collect();
+            for (&i, state) in held.iter().zip(self.map_states(&ids)?) {
+                out.bytes_read += rows[i].bytes;
+                states[i] = Some(Arc::new(state));
+            }
+            wanted = (0..records.len()).filter(|&i| states[i].is_none()).collect();
+        }
+        let hits = records.len() - out.cache_hits - wanted.len();
+        let mut candidates = Vec::new();
+        if !wanted.is_empty() {
+            let t = Instant::now();
+            let need: Vec<&ContextRecord> = wanted.iter().map(|&i| &records[i]).collect();
+            let (computed, _) = recompute(model, &need, self.info().state_dtype)?;
+            out.recompute_seconds = t.elapsed().as_secs_f64();
+            out.recomputed = wanted.len();
+            for (&i, (bytes, same)) in wanted.iter().zip(computed) {
+                let bytes = Arc::new(bytes);
+                let state = Arc::new(MappedState::from_buffer(ArcBytes(bytes.clone()))?);
+                states[i] = Some(state);
+                if same {
+                    candidates.push((i, bytes));
+                }
+            }
+        }
+        for (slot, r) in states.iter().zip(records) {
+            if let (Some(c), Some(s)) = (cache, slot) {
+                c.insert(r.id, s.clone());
+            }
+        }
+        if writer.is_some() {
+            // The retrievals, each state once per query.
+            counters.tick += 1;
+            let mut seen = std::collections::HashSet::new();
+            for row in rows.iter_mut() {
+                if seen.insert(row.checksum.clone()) {
+                    row.retrievals += 1;
+                    row.last_tick = counters.tick;
+                    row.priority = budget.policy.priority(counters.clock, row);
+                }
+            }
+            counters.hits += hits as u64;
+            counters.misses += out.recomputed as u64;
+            let mut unique: Vec<LedgerRow> = Vec::new();
+            for row in &rows {
+                if !unique.iter().any(|u| u.checksum == row.checksum) {
+                    unique.push(row.clone());
+                }
+            }
+            let meta = [
+                (TICK, counters.tick.to_string()),
+                (HITS, counters.hits.to_string()),
+                (MISSES, counters.misses.to_string()),
+            ];
+            self.catalog().put_ledger(&unique, &meta)?;
+            let mut admitting: Vec<(LedgerRow, Arc<Vec<u8>>)> = Vec::new();
+            for (i, bytes) in candidates {
+                if !admitting.iter().any(|(r, _)| r.checksum == rows[i].checksum) {
+                    admitting.push((rows[i].clone(), bytes));
+                }
+            }
+            self.admit(budget, admitting, counters.clock)?;
+        }
+        out.states = states.into_iter().map(|s| s.expect("every state found, read or recomputed")).collect();
+        Ok(out)
+    }
+
+    /// Admits `candidates` (rows not held, with their objects' bytes): [`Store::plan_admission`],
+    /// the victims evicted, the admitted objects written, then marked held. Returns the
+    /// checksums admitted.
+    pub(crate) fn admit(
+        &self,
+        budget: Budget,
+        candidates: Vec<(LedgerRow, Arc<Vec<u8>>)>,
+        clock: f64,
+    ) -> Result<Vec<String>> {
+        if candidates.is_empty() {
+            return Ok(Vec::new());
+        }
+        let _guard = self.budget_guard().write().unwrap_or_else(|p| p.into_inner());
+        let (admitted, mut victims) = self.plan_admission(budget, candidates)?;
+        if !victims.is_empty() {
+            self.evict(&mut victims, clock)?;
+        }
+        admitted.par_iter().try_for_each(|(row, bytes)| self.objects().put(&key_of(&row.checksum), bytes))?;
+        failpoint("budget-written");
+        let rows: Vec<LedgerRow> = admitted.iter().map(|(r, _)| LedgerRow { held: true, ..r.clone() }).collect();
+        self.catalog().put_ledger(&rows, &[])?;
+        Ok(rows.into_iter().map(|r| r.checksum).collect())
+    }
+
+    /// Which of `candidates` to admit, highest priority first, and which held states to evict
+    /// for them: a candidate is admitted when it fits in what is free plus what held states of
+    /// lower priority (for LRU: any) free. Decides only; the caller evicts and writes, holding
+    /// the budget's guard for writing.
+    pub(crate) fn plan_admission<T>(
+        &self,
+        budget: Budget,
+        mut candidates: Vec<(LedgerRow, T)>,
+    ) -> Result<(Vec<(LedgerRow, T)>, Vec<LedgerRow>)> {
+        candidates.sort_by(|a, b| b.0.priority.total_cmp(&a.0.priority));
+        let (mut held, _, _) = self.catalog().ledger_totals()?;
+        let lowest = self.catalog().lowest_held(VICTIMS)?;
+        let (mut next, mut victims, mut admitted) = (0, Vec::new(), Vec::new());
+        for (row, payload) in candidates {
+            let mut freed = 0;
+            let mut take = next;
+            while held + row.bytes > budget.bytes + freed
+                && take < lowest.len()
+                && (budget.policy == Policy::Lru || lowest[take].priority < row.priority)
+            {
+                freed += lowest[take].bytes;
+                take += 1;
+            }
+            if held + row.bytes <= budget.bytes + freed {
+                victims.extend_from_slice(&lowest[next..take]);
+                next = take;
+                held = held + row.bytes - freed;
+                admitted.push((row, payload));
+            }
+        }
+        Ok((admitted, victims))
+    }
+
+    /// Adds contexts to a budgeted store (see [`Store::insert`]): their states enter the
+    /// ledger, and those the policy admits are written; the others are recomputed when needed.
+    /// Victims are evicted and the new rows entered (not held) before any object is written;
+    /// admitted ones are marked held once written.
+    pub(crate) fn insert_within_budget(
+        &self,
+        budget: Budget,
+        model: &Model,
+        rows: &[crate::catalog::Row<'_>],
+        objects: &[(String, Vec<u8>)],
+    ) -> Result<Vec<Option<i64>>> {
+        let _writer = self.lock_writes()?;
+        let _guard = self.budget_guard().write().unwrap_or_else(|p| p.into_inner());
+        let counters = self.counters()?;
+        let sums: Vec<String> = objects.iter().map(|(s, _)| s.clone()).collect();
+        let known = self.catalog().ledger(&sums)?;
+        let mut candidates: Vec<(LedgerRow, usize)> = Vec::new();
+        for (i, (row, known)) in rows.iter().zip(known).enumerate() {
+            if known.is_some() || candidates.iter().any(|(c, _)| c.checksum == row.checksum) {
+                continue; // the state of a context stored already (the same text)
+            }
+            let mut entry = LedgerRow {
+                checksum: row.checksum.to_string(),
+                bytes: row.state_bytes,
+                work: model.prefill_flops(row.tokens.len()),
+                retrievals: 0,
+                last_tick: counters.tick,
+                priority: 0.0,
+                held: false,
+            };
+            entry.priority = budget.policy.priority(counters.clock, &entry);
+            candidates.push((entry, i));
+        }
+        let entered: Vec<LedgerRow> = candidates.iter().map(|(r, _)| r.clone()).collect();
+        let (admitted, mut victims) = self.plan_admission(budget, candidates)?;
+        if !victims.is_empty() {
+            self.evict(&mut victims, counters.clock)?;
+        }
+        self.catalog().put_ledger(&entered, &[])?;
+        let write = |(_, i): &(LedgerRow, usize)| self.objects().put(&key_of(&objects[*i].0), &objects[*i].1);
+        let ids = self.catalog().insert(rows, &mut || admitted.par_iter().try_for_each(write))?;
+        failpoint("budget-written");
+        let held: Vec<LedgerRow> = admitted.iter().map(|(r, _)| LedgerRow { held: true, ..r.clone() }).collect();
+        self.catalog().put_ledger(&held, &[])?;
+        Ok(ids)
+    }
+}
+
+/// Ends the process at once where `PICASO_FAILPOINT` names this point, as a kill would: the
+/// tests cut admissions and evictions short this way and check what is left.
+fn failpoint(name: &str) {
+    if std::env::var_os("PICASO_FAILPOINT").is_some_and(|v| v == name) {
+        std::process::abort();
+    }
+}
+
+/// A ledger row for a context's state not seen before.
+fn new_row(record: &ContextRecord, model: &Model, tick: u64, held: bool) -> LedgerRow {
+    LedgerRow {
+        checksum: record.checksum.clone(),
+        bytes: record.state_bytes,
+        work: model.prefill_flops(record.n_tokens),
+        retrievals: 0,
+        last_tick: tick,
+        priority: 0.0,
+        held,
+    }
+}
+
+/// The state files of `records` recomputed from their tokens, in `codec`, each with whether
+/// it is the stored one (its checksum the row's), and the seconds it took. One batched prefill
+/// where the engine gives each sequence the bits it gives it alone
+/// ([`Model::prefill_each`]), as ingest does.
+pub(crate) fn recompute(
+    model: &Model,
+    records: &[&ContextRecord],
+    codec: picaso_model::StateDtype,
+) -> Result<(Vec<(Vec<u8>, bool)>, f64)> {
+    if records.is_empty() {
+        return Ok((Vec::new(), 0.0));
+    }
+    let t = Instant::now();
+    let tokens: Vec<&[u32]> = records.iter().map(|r| r.tokens.as_slice()).collect();
+    let states = model.prefill_each(&tokens, PREFILL_TOKENS)?;
+    let files = states
+        .into_par_iter()
+        .zip(records)
+        .map(|(state, record)| {
+            let bytes = state.to_bytes(codec)?;
+            let same = checksum(&bytes) == record.checksum;
+            Ok((bytes, same))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok((files, t.elapsed().as_secs_f64()))
+}
+
+/// Shared bytes as a buffer a [`MappedState`] can hold.
+struct ArcBytes(Arc<Vec<u8>>);
+
+impl AsRef<[u8]> for ArcBytes {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+/// Bytes as MiB or KiB, for messages.
+fn show_bytes(n: u64) -> String {
+    if n >= 1 << 20 {
+        format!("{:.1} MiB", n as f64 / (1u64 << 20) as f64)
+    } else {
+        format!("{:.1} KiB", n as f64 / 1024.0)
+    }
+}
