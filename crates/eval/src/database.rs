@@ -41,16 +41,34 @@ impl<'s> Contexts<'s> {
         if self.loaded.len() + ids.len() > cap {
             self.loaded.clear();
         }
-        for &id in ids {
-            if !self.loaded.contains_key(&id) {
-                let tokens = self.store.get(id)?.tokens;
-                let state = if self.restate {
-                    model.prefill(&tokens, &model.zero_state())?
-                } else {
-                    self.store.load_state(id)?
-                };
-                self.loaded.insert(id, (tokens, state));
+        let mut missing: Vec<i64> = ids.iter().copied().filter(|id| !self.loaded.contains_key(id)).collect();
+        missing.sort_unstable();
+        missing.dedup();
+        if missing.is_empty() {
+            return Ok(());
+        }
+        let records = (self.store.records(&missing)?.into_iter().zip(&missing))
+            .map(|(r, &id)| r.ok_or(picaso_store::Error::NotFound(id)))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let states: Vec<State> = if self.restate {
+            let mut states = Vec::with_capacity(missing.len());
+            for r in &records {
+                states.push(model.prefill(&r.tokens, &model.zero_state())?);
             }
+            states
+        } else {
+            // Through the store's budget, if it has one: states it does not hold are recomputed.
+            let loaded = self.store.states_for(model, &missing, None)?;
+            let mut states = Vec::with_capacity(missing.len());
+            for s in &loaded.states {
+                let state = s.view().to_state();
+                state.check_values()?;
+                states.push(state);
+            }
+            states
+        };
+        for ((id, record), state) in missing.iter().zip(records).zip(states) {
+            self.loaded.insert(*id, (record.tokens, state));
         }
         Ok(())
     }

@@ -263,6 +263,9 @@ pub struct CompletionInfo {
     pub states_loaded: usize,
     /// States served from the in-memory cache.
     pub cache_hits: usize,
+    /// States recomputed from their tokens: a store with a state budget did not hold them
+    /// (counted in `states_loaded` too).
+    pub states_recomputed: usize,
     /// Milliseconds to retrieve the contexts.
     pub retrieve_ms: f64,
     /// Milliseconds to load the states.

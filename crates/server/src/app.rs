@@ -460,6 +460,7 @@ impl App {
         let m = &self.metrics;
         m.states_loaded.inc_by(prepared.states_loaded as u64);
         m.cache_hits.inc_by(prepared.cache_hits as u64);
+        m.states_recomputed.inc_by(prepared.states_recomputed as u64);
         if prepared.states_loaded > 0 {
             m.load_seconds.observe(prepared.load_seconds);
         }
@@ -478,6 +479,7 @@ impl App {
                 context_tokens: prepared.tokens_processed,
                 states_loaded: prepared.states_loaded,
                 cache_hits: prepared.cache_hits,
+                states_recomputed: prepared.states_recomputed,
                 retrieve_ms,
                 load_ms: 1e3 * prepared.load_seconds,
                 compose_ms: 1e3 * prepared.compose_seconds,

@@ -38,6 +38,16 @@ pub struct Metrics {
     pub cache_hits: Counter,
     /// Bytes held by the state cache.
     pub cache_bytes: Gauge,
+    /// States recomputed from their tokens (a store with a state budget did not hold them).
+    pub states_recomputed: Counter,
+    /// The store's state budget, bytes (0: none), read when scraped.
+    pub budget_bytes: Gauge,
+    /// Bytes of state objects the budget holds.
+    pub budget_held_bytes: Gauge,
+    /// States queries found held, over the store's life (its ledger's count).
+    pub budget_hits: Gauge,
+    /// States queries had to recompute, over the store's life.
+    pub budget_misses: Gauge,
     /// Contexts in the store.
     pub contexts: Gauge,
     /// Prompt tokens processed.
@@ -84,6 +94,11 @@ impl Default for Metrics {
             states_loaded: Counter::default(),
             cache_hits: Counter::default(),
             cache_bytes: Gauge::default(),
+            states_recomputed: Counter::default(),
+            budget_bytes: Gauge::default(),
+            budget_held_bytes: Gauge::default(),
+            budget_hits: Gauge::default(),
+            budget_misses: Gauge::default(),
             contexts: Gauge::default(),
             prompt_tokens: Counter::default(),
             resident_bytes: Gauge::default(),
@@ -108,6 +123,27 @@ impl Default for Metrics {
         registry.register("state_cache_hits", "Context states served from memory", m.cache_hits.clone());
         registry.register("state_cache_bytes", "Bytes held by the state cache", m.cache_bytes.clone());
         registry.register("contexts", "Contexts in the store", m.contexts.clone());
+        registry.register(
+            "states_recomputed",
+            "States recomputed from their tokens because the store's budget did not hold them",
+            m.states_recomputed.clone(),
+        );
+        registry.register("state_budget_bytes", "The store's state budget (0: none)", m.budget_bytes.clone());
+        registry.register(
+            "state_budget_held_bytes",
+            "Bytes of state objects the budget holds",
+            m.budget_held_bytes.clone(),
+        );
+        registry.register(
+            "state_budget_hits",
+            "States queries found held, over the store's life (recorded in the store)",
+            m.budget_hits.clone(),
+        );
+        registry.register(
+            "state_budget_misses",
+            "States queries recomputed, over the store's life (recorded in the store)",
+            m.budget_misses.clone(),
+        );
         registry.register("prompt_tokens", "Prompt tokens processed", m.prompt_tokens.clone());
         registry.register("resident_memory_bytes", "The server's resident memory", m.resident_bytes.clone());
         registry.register(

@@ -358,6 +358,14 @@ async fn health(State(app): Shared) -> Result<Response, ApiError> {
 
 async fn metrics(State(app): Shared) -> Response {
     app.metrics.cache_bytes.set(app.cache.stats().bytes as i64);
+    let store = app.clone();
+    if let Ok(Some(b)) = blocking(move || Ok(store.store.budget_stats()?)).await {
+        let m = &app.metrics;
+        m.budget_bytes.set(b.budget_bytes as i64);
+        m.budget_held_bytes.set(b.held_bytes as i64);
+        m.budget_hits.set(b.hits as i64);
+        m.budget_misses.set(b.misses as i64);
+    }
     app.metrics.resident_bytes.set(crate::memory::resident_bytes().unwrap_or(0) as i64);
     app.metrics.memory_limit_bytes.set(app.memory.map_or(0, |g| g.limit_bytes()) as i64);
     let body = app.metrics.render();

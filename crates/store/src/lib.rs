@@ -39,7 +39,7 @@ pub mod states;
 pub mod store;
 
 pub use attribution::{attribute, Attribution};
-pub use budget::{Budget, BudgetStats, Policy};
+pub use budget::{Budget, BudgetStats, Loaded, Policy};
 pub use cache::{CacheStats, StateCache};
 pub use check::{check, repair, report_json, CheckReport, Problem, ProblemKind, RepairReport};
 pub use embedder::{find_embedder, load_embedder, EmbedderError};

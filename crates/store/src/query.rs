@@ -223,6 +223,16 @@ pub fn prepare(
     }
 }
 
+impl Store {
+    /// The states of contexts `ids`, in order, read through `cache` when given; in a store with
+    /// a state budget, those it does not hold are recomputed by `model` (and, as the writer,
+    /// counted and perhaps admitted). What a query reads, for callers that compose themselves.
+    pub fn states_for(&self, model: &Model, ids: &[i64], cache: Option<&StateCache>) -> Result<Loaded> {
+        self.require_model(model)?;
+        map_states(self, model, ids, cache)
+    }
+}
+
 /// The states of `ids`, in order, and how they were found: cached states first, the misses
 /// mapped together (their reads overlap) and added to the cache. In a store with a state
 /// budget, those it does not hold are recomputed by `model` ([`crate::budget`]).

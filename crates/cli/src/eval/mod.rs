@@ -74,6 +74,14 @@ pub struct DataArgs {
     /// existing store's, f32 for a new one). An existing store in another codec is refused.
     #[arg(long)]
     state_dtype: Option<picaso_model::StateDtype>,
+    /// A state budget for the store, MiB (as `ingest --state-budget-mb`): states it does not
+    /// hold are recomputed when a passage retrieves them; the answers are the same. 0 removes
+    /// a budget.
+    #[arg(long)]
+    state_budget_mb: Option<f64>,
+    /// Which states the budget keeps: work (the default) or lru.
+    #[arg(long, requires = "state_budget_mb")]
+    state_budget_policy: Option<picaso_store::Policy>,
 }
 
 /// Which passages, and whether the states are recomputed.
@@ -182,6 +190,21 @@ fn check_segmentation(store: &picaso_store::Store, min_tokens: usize) -> Result<
     }
 }
 
+/// Sets the store's budget when --state-budget-mb is given.
+fn apply_budget(d: &DataArgs, store: &picaso_store::Store, model: &picaso_model::Model) -> Result<()> {
+    if let Some(mb) = d.state_budget_mb {
+        if !(mb.is_finite() && mb >= 0.0) {
+            bail!("--state-budget-mb {mb}: give a size in MiB (0 removes the budget)");
+        }
+        let budget = (mb > 0.0).then(|| picaso_store::Budget {
+            bytes: (mb * 1048576.0) as u64,
+            policy: d.state_budget_policy.unwrap_or_default(),
+        });
+        store.set_budget(budget, model)?;
+    }
+    Ok(())
+}
+
 /// Opens the store, ingesting --data into it first when given.
 fn open_store(d: &DataArgs, model: &picaso_model::Model) -> Result<picaso_store::Store> {
     if let Some(data) = &d.data {
@@ -201,6 +224,7 @@ fn open_store(d: &DataArgs, model: &picaso_model::Model) -> Result<picaso_store:
         if let Some(want) = d.state_dtype {
             store.require_state_dtype(want)?;
         }
+        apply_budget(d, &store, model)?;
         let bar = progress("contexts");
         let r = picaso_store::ingest(
             &store,
@@ -223,6 +247,7 @@ fn open_store(d: &DataArgs, model: &picaso_model::Model) -> Result<picaso_store:
     if let Some(want) = d.state_dtype {
         store.require_state_dtype(want)?;
     }
+    apply_budget(d, &store, model)?;
     Ok(store)
 }
 
