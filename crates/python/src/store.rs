@@ -71,9 +71,12 @@ impl Store {
     /// this model). `states` places state files elsewhere (a folder or s3://bucket/prefix) when
     /// `url` is postgres://; `state_dtype` "f32" (the default for a new store), "bf16", "int8"
     /// or "int4" (an existing store keeps its own; naming another is an error: convert a store
-    /// with `picaso migrate --state-dtype`).
+    /// with `picaso migrate --state-dtype`). `state_budget_mb` keeps at most that many MiB of
+    /// state objects (recorded in the store; 0 removes a budget), by `state_budget_policy`
+    /// "work" (the default) or "lru": states not held are recomputed when a query needs them.
     #[staticmethod]
-    #[pyo3(signature = (url, model, *, embedder=None, states=None, state_dtype=None))]
+    #[pyo3(signature = (url, model, *, embedder=None, states=None, state_dtype=None, state_budget_mb=None, state_budget_policy=None))]
+    #[allow(clippy::too_many_arguments)]
     fn create(
         py: Python<'_>,
         url: &str,
@@ -81,6 +84,8 @@ impl Store {
         embedder: Option<PathBuf>,
         states: Option<&str>,
         state_dtype: Option<&str>,
+        state_budget_mb: Option<f64>,
+        state_budget_policy: Option<&str>,
     ) -> PyResult<Self> {
         let loc = location(url, states)?;
         let want = state_dtype
@@ -95,6 +100,23 @@ impl Store {
         let store = py.detach(|| picaso_store::Store::open_or_create(loc, &info)).map_err(store_err)?;
         if let Some(want) = want {
             store.require_state_dtype(want).map_err(|e| raise(Kind::Invalid, e.to_string()))?;
+        }
+        if let Some(mb) = state_budget_mb {
+            if !(mb.is_finite() && mb >= 0.0) {
+                return Err(raise(
+                    Kind::Invalid,
+                    format!("state_budget_mb={mb}: give a size in MiB (0 removes the budget)"),
+                ));
+            }
+            let policy = state_budget_policy
+                .map(|p| p.parse::<picaso_store::Policy>().map_err(|e| raise(Kind::Invalid, e)))
+                .transpose()?
+                .unwrap_or_default();
+            let budget = (mb > 0.0).then(|| picaso_store::Budget { bytes: (mb * 1048576.0) as u64, policy });
+            let m = &model.inner;
+            py.detach(|| store.set_budget(budget, m)).map_err(|e| raise(Kind::Invalid, e.to_string()))?;
+        } else if state_budget_policy.is_some() {
+            return Err(raise(Kind::Invalid, "state_budget_policy needs state_budget_mb"));
         }
         // Recorded now, so that `Store.open` finds it even before the first ingest.
         store.bind_embedder(embedder.fingerprint(), &embedder.dir().display().to_string()).map_err(store_err)?;
@@ -427,10 +449,21 @@ impl Store {
         .map_err(store_err)
     }
 
-    /// The stored state of one context.
+    /// The stored state of one context (in a store with a state budget that does not hold it,
+    /// recomputed by the store's model: the same bits).
     fn load_state(&self, py: Python<'_>, id: i64) -> PyResult<State> {
         let store = &self.inner;
-        let inner = py.detach(|| store.load_state(id)).map_err(store_err)?;
+        let model = self.model.clone();
+        let inner = py
+            .detach(|| match (store.budget()?, model) {
+                (Some(_), Some(model)) => {
+                    let state = store.states_for(&model, &[id], None)?.states[0].view().to_state();
+                    state.check_values()?;
+                    Ok(state)
+                }
+                _ => store.load_state(id),
+            })
+            .map_err(store_err)?;
         Ok(State { inner })
     }
 
@@ -459,7 +492,9 @@ impl Store {
         py.import("json")?.call_method1("loads", (text,))
     }
 
-    /// {"contexts", "documents", "tokens", "state_bytes", "state_dtype", "model", "catalog", "states"}.
+    /// {"contexts", "documents", "tokens", "state_bytes", "state_dtype", "model", "catalog", "states",
+    /// "budget"}: "budget" is None, or {"budget_bytes", "policy", "held_bytes", "held",
+    /// "tracked", "hits", "misses"}.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.stats().map_err(store_err)?;
         let d = PyDict::new(py);
@@ -471,6 +506,13 @@ impl Store {
         d.set_item("model", s.model)?;
         d.set_item("catalog", s.catalog)?;
         d.set_item("states", s.states)?;
+        match s.budget {
+            None => d.set_item("budget", py.None())?,
+            Some(b) => {
+                let text = serde_json::to_string(&b).map_err(|e| raise(Kind::Invalid, e.to_string()))?;
+                d.set_item("budget", py.import("json")?.call_method1("loads", (text,))?)?
+            }
+        }
         Ok(d)
     }
 

@@ -353,3 +353,29 @@ def test_store_opens_without_its_embedder(model, embedder, tmp_path, monkeypatch
     if pathlib.Path(embedder).name == "all-MiniLM-L6-v2":
         monkeypatch.setenv("PICASO_SHARED_DATA", str(pathlib.Path(embedder).parent))
         assert picaso.Store.open(url, model=model).search("tower", k=1)[0]["id"] in (1, 2)
+
+
+def test_a_state_budget_answers_like_a_full_store(model, embedder, tmp_path):
+    """state_budget_mb keeps at most that many MiB of states; the rest are recomputed, bit for bit."""
+    texts = [f"Paragraph {i} is about the subject numbered {i}, and nothing else." for i in range(8)]
+    full = picaso.Store.create(str(tmp_path / "full"), model, embedder=embedder)
+    full.ingest(texts)
+    one = full.stats()["state_bytes"] / 8
+    with pytest.raises(ValueError, match="not even one state"):
+        picaso.Store.create(str(tmp_path / "small"), model, embedder=embedder, state_budget_mb=one / 2 / 2**20)
+    with pytest.raises(ValueError, match="unknown state budget policy"):
+        picaso.Store.create(str(tmp_path / "x"), model, embedder=embedder, state_budget_mb=1, state_budget_policy="fifo")
+    budgeted = picaso.Store.create(
+        str(tmp_path / "budgeted"), model, embedder=embedder, state_budget_mb=2.5 * one / 2**20, state_budget_policy="lru"
+    )
+    budgeted.ingest(texts)
+    b = budgeted.stats()["budget"]
+    assert b["policy"] == "lru" and b["held"] == 2 and b["tracked"] == 8 and b["held_bytes"] <= b["budget_bytes"]
+    assert full.stats()["budget"] is None
+    for i in [1, 5, 1, 7, 3]:
+        prompt = f"Tell me about subject {i}"
+        assert budgeted.query(prompt, k=3, max_tokens=5).text == full.query(prompt, k=3, max_tokens=5).text
+        np.testing.assert_array_equal(budgeted.load_state(i + 1).ssm(0), full.load_state(i + 1).ssm(0))
+    b = budgeted.stats()["budget"]
+    assert b["misses"] > 0 and b["held_bytes"] <= b["budget_bytes"]
+    assert budgeted.check()["problems"] == []
