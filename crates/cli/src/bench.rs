@@ -416,3 +416,185 @@ pub(crate) fn bench(a: BenchArgs) -> Result<()> {
     }
     Ok(())
 }
+
+#[derive(Args)]
+pub(crate) struct BenchBudgetArgs {
+    /// A WikiText file whose paragraphs are the contexts (e.g. ../shared/data/wikitext-2/wiki.train.tokens).
+    #[arg(long)]
+    data: PathBuf,
+    /// Paragraphs used: the first this many with at least --min-words words, one context each.
+    #[arg(long, default_value_t = 2000, value_parser = at_least_one)]
+    paragraphs: usize,
+    /// Shortest paragraph used, words.
+    #[arg(long, default_value_t = 40)]
+    min_words: usize,
+    /// The budget, as a fraction of every state's bytes (0.1: the states are 10× the budget).
+    #[arg(long, default_value_t = 0.1)]
+    budget_fraction: f64,
+    /// Queries run (each against every arm).
+    #[arg(long, default_value_t = 2000, value_parser = at_least_one)]
+    queries: usize,
+    /// Contexts each query retrieves.
+    #[arg(long, default_value_t = 5, value_parser = at_least_one)]
+    k: usize,
+    /// Zipf exponent of the queries' popularity (a pool of one query per paragraph: its first
+    /// words).
+    #[arg(long, default_value_t = 1.0)]
+    zipf: f64,
+    /// Seed of the popularity order and the draws.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Codec of the states.
+    #[arg(long, default_value = "f32")]
+    state_dtype: StateDtype,
+    /// Folder for the stores: `full` is kept and reused; the budgeted ones are made from it
+    /// afresh each run (their state files hard links of its own).
+    #[arg(long)]
+    work: PathBuf,
+    #[command(flatten)]
+    model: ModelArgs,
+    /// all-MiniLM-L6-v2 folder (default: $PICASO_EMBEDDER, the hub, or ../shared/data).
+    #[arg(long)]
+    embedder: Option<PathBuf>,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Copies a folder store: its catalog files copied, its state files hard-linked (a budgeted
+/// copy that removes one unlinks only its own name).
+fn copy_store(from: &std::path::Path, to: &std::path::Path) -> Result<()> {
+    if to.exists() {
+        std::fs::remove_dir_all(to).with_context(|| format!("cannot remove {}", to.display()))?;
+    }
+    std::fs::create_dir_all(to.join("states"))?;
+    for f in ["store.sqlite", "store.sqlite-wal"] {
+        if from.join(f).exists() {
+            std::fs::copy(from.join(f), to.join(f))?;
+        }
+    }
+    for shard in std::fs::read_dir(from.join("states"))?.flatten() {
+        let dir = to.join("states").join(shard.file_name());
+        std::fs::create_dir_all(&dir)?;
+        for file in std::fs::read_dir(shard.path())?.flatten() {
+            std::fs::hard_link(file.path(), dir.join(file.file_name()))
+                .or_else(|_| std::fs::copy(file.path(), dir.join(file.file_name())).map(|_| ()))?;
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn bench_budget(a: BenchBudgetArgs) -> Result<()> {
+    if !(a.budget_fraction > 0.0 && a.budget_fraction < 1.0) {
+        bail!("--budget-fraction {}: give a fraction between 0 and 1", a.budget_fraction);
+    }
+    let model = load_model(&a.model, true)?;
+    let embedder = picaso_store::find_embedder(a.embedder.as_deref(), None)?;
+    let text = std::fs::read_to_string(&a.data).with_context(|| format!("cannot read {}", a.data.display()))?;
+    let paragraphs: Vec<String> = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.starts_with('=') && l.split_whitespace().count() >= a.min_words)
+        .take(a.paragraphs)
+        .map(picaso_store::detokenize_wikitext)
+        .collect();
+    if paragraphs.len() < a.paragraphs {
+        bail!(
+            "{} holds {} paragraphs of {} words or more, not {}",
+            a.data.display(),
+            paragraphs.len(),
+            a.min_words,
+            a.paragraphs
+        );
+    }
+    let docs: Vec<picaso_store::Document> = paragraphs
+        .iter()
+        .enumerate()
+        .map(|(i, p)| picaso_store::Document::new(format!("p{i:05}"), vec![p.clone()]))
+        .collect();
+    let info = picaso_store::StoreInfo {
+        fingerprint: model.fingerprint().to_string(),
+        dim: embedder.dim(),
+        state_dtype: a.state_dtype,
+    };
+    let full_dir = a.work.join("full");
+    {
+        let full = picaso_store::Store::open_or_create(full_dir.as_path(), &info)?;
+        full.require_state_dtype(a.state_dtype)?;
+        let r =
+            picaso_store::ingest(&full, &model, &embedder, &docs, picaso_store::Segmentation::Paragraph, 64, |_| {})?;
+        eprintln!("full store: {}", r.summary());
+    }
+    let full = picaso_store::Store::open(full_dir.as_path())?;
+    let all_bytes = full.stats()?.state_bytes;
+    let budget_bytes = (all_bytes as f64 * a.budget_fraction) as u64;
+    let mut budgeted = Vec::new();
+    for policy in [picaso_store::Policy::Work, picaso_store::Policy::Lru] {
+        let dir = a.work.join(policy.name());
+        copy_store(&full_dir, &dir)?;
+        let store = picaso_store::Store::open(dir.as_path())?;
+        store.set_budget(Some(picaso_store::Budget { bytes: budget_bytes, policy }), &model)?;
+        budgeted.push((policy, store));
+    }
+    // One query per paragraph: its first words; retrieved once (every store has the same ids).
+    let tokenizer = model.tokenizer()?;
+    let mut pool = Vec::with_capacity(paragraphs.len());
+    for p in &paragraphs {
+        let query: String = p.split_whitespace().take(12).collect::<Vec<_>>().join(" ");
+        let embedding = embedder.embed_one(&query)?;
+        let mut ids: Vec<i64> = full.search(&embedding, a.k)?.into_iter().map(|(id, _)| id).collect();
+        ids.reverse(); // the most relevant nearest the prompt
+        pool.push((ids, tokenizer.encode(&query)?));
+    }
+    let picaso_r = picaso_model::Method::Compose(Composition::PicasoR);
+    let mut arms =
+        vec![picaso_store::workload::Arm { name: "every state stored".into(), store: &full, method: picaso_r }];
+    for (policy, store) in &budgeted {
+        arms.push(picaso_store::workload::Arm { name: format!("budget, {policy}"), store, method: picaso_r });
+    }
+    arms.push(picaso_store::workload::Arm {
+        name: "concat".into(),
+        store: &full,
+        method: picaso_model::Method::Concat,
+    });
+    let opts = picaso_store::workload::WorkloadOptions { queries: a.queries, zipf: a.zipf, seed: a.seed };
+    let results = picaso_store::workload::run_workload(&model, &arms, &pool, opts)?;
+    let setting = json!({
+        "paragraphs": paragraphs.len(), "state_bytes_all": all_bytes, "budget_bytes": budget_bytes,
+        "queries": a.queries, "k": a.k, "zipf": a.zipf, "seed": a.seed, "state_dtype": a.state_dtype.name(),
+        "model": model.fingerprint(), "threads": std::thread::available_parallelism().map_or(1, |n| n.get()),
+    });
+    if a.json {
+        println!("{}", json!({ "setting": setting, "arms": results }));
+        return Ok(());
+    }
+    println!(
+        "{} paragraphs, states {:.0} MiB ({}), budget {:.0} MiB; {} queries, k = {}, Zipf({})",
+        paragraphs.len(),
+        all_bytes as f64 / 1048576.0,
+        a.state_dtype.name(),
+        budget_bytes as f64 / 1048576.0,
+        a.queries,
+        a.k,
+        a.zipf
+    );
+    println!(
+        "  arm                  hit rate  (2nd half)  TTFT p50 ms  p99 ms  mean ms  MiB read  recomputed  ctx tokens"
+    );
+    for r in &results {
+        let pct = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{:.1}%", 100.0 * v));
+        println!(
+            "  {:<20} {:>8} {:>11} {:>12.2} {:>7.2} {:>8.2} {:>9.0} {:>11} {:>11}",
+            r.name,
+            pct(r.hit_rate),
+            pct(r.hit_rate_second_half),
+            r.ttft_p50_ms,
+            r.ttft_p99_ms,
+            r.ttft_mean_ms,
+            r.bytes_read as f64 / 1048576.0,
+            r.recomputed,
+            r.context_tokens
+        );
+    }
+    Ok(())
+}

@@ -58,6 +58,9 @@ enum Command {
     /// Bytes per context and composition time of every state codec (f32, bf16, int8, int4)
     /// at a model's shape, against the floor of reading the bytes.
     BenchCodecs(bench::BenchCodecsArgs),
+    /// A Zipf workload of queries against stores that keep every state, keep a state budget
+    /// (work and LRU policies) and against Concat: hit rate, time to first token, bytes read.
+    BenchBudget(bench::BenchBudgetArgs),
     /// Add documents to a store of states (idempotent, resumable).
     Ingest(ingest::IngestArgs),
     /// Totals of a store.
@@ -157,6 +160,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::RandomModel(a) => bench::random_model(a),
         Command::BenchContext(a) => bench::bench_context(a),
         Command::BenchCodecs(a) => bench::bench_codecs(a),
+        Command::BenchBudget(a) => bench::bench_budget(a),
         Command::Ingest(a) => ingest::ingest(a),
         Command::Stats(a) => ingest::stats(a),
         Command::Documents(a) => contexts::documents(a),

@@ -1168,4 +1168,20 @@ fn a_budgeted_store_cut_mid_admission_loses_nothing() {
     assert_eq!(last["sound"].as_u64().unwrap() as usize + last["budget"]["not_held"].as_u64().unwrap() as usize, 12);
     let (_, stats, _) = run(&["stats", "--db", cut.to_str().unwrap(), "--json"]);
     assert!(stats["budget"]["hits"].as_u64().unwrap() + stats["budget"]["misses"].as_u64().unwrap() >= 16, "{stats}");
+    // A server over the budgeted store answers as one over the full store, and says what it
+    // recomputed; /metrics carries the budget.
+    let serve =
+        |db: &std::path::Path| common::Server::start(&["--db", db.to_str().unwrap(), "--model", m, "--embedder", e]);
+    let (a, b) = (serve(&cut), serve(&full));
+    for prompt in ["topic 9 at length", "Document 2 talks", "topic 9 at length"] {
+        let body = serde_json::json!({"prompt": prompt, "retrieve": 4, "max_tokens": 4, "temperature": 0});
+        let (sa, va) = a.call_json("POST", "/v1/completions", Some(body.clone()));
+        let (sb, vb) = b.call_json("POST", "/v1/completions", Some(body));
+        assert_eq!((sa, sb), (200, 200), "{va} {vb}");
+        assert_eq!(va["choices"][0]["text"], vb["choices"][0]["text"], "{prompt}");
+        assert_eq!(vb["picaso"]["states_recomputed"], 0);
+    }
+    assert!(a.metric("picaso_state_budget_bytes") > 0.0);
+    assert!(a.metric("picaso_state_budget_held_bytes") <= a.metric("picaso_state_budget_bytes"));
+    assert_eq!(b.metric("picaso_state_budget_bytes"), 0.0);
 }

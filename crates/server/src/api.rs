@@ -257,7 +257,8 @@ pub struct CompletionInfo {
     pub composition: &'static str,
     /// The contexts, in composition order (the last nearest the prompt).
     pub contexts: Vec<UsedContext>,
-    /// Context tokens the model processed (only concat processes any).
+    /// Context tokens the model processed: concat's, or those of states a budgeted store
+    /// recomputed (composing stored states processes none).
     pub context_tokens: usize,
     /// States read from disk.
     pub states_loaded: usize,

@@ -144,6 +144,8 @@ pub struct Loaded {
     pub cache_hits: usize,
     /// Recomputed from their tokens.
     pub recomputed: usize,
+    /// Their tokens.
+    pub recomputed_tokens: usize,
     /// Bytes of state objects read from the store.
     pub bytes_read: u64,
     /// Seconds spent recomputing.
@@ -366,6 +368,7 @@ impl Store {
             let (computed, _) = recompute(model, &need, self.info().state_dtype)?;
             out.recompute_seconds = t.elapsed().as_secs_f64();
             out.recomputed = wanted.len();
+            out.recomputed_tokens = need.iter().map(|r| r.n_tokens).sum();
             for (&i, (bytes, same)) in wanted.iter().zip(computed) {
                 let bytes = Arc::new(bytes);
                 let state = Arc::new(MappedState::from_buffer(ArcBytes(bytes.clone()))?);

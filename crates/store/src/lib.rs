@@ -37,6 +37,7 @@ pub mod scope;
 pub mod sources;
 pub mod states;
 pub mod store;
+pub mod workload;
 
 pub use attribution::{attribute, Attribution};
 pub use budget::{Budget, BudgetStats, Loaded, Policy};

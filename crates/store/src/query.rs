@@ -33,7 +33,8 @@ pub struct Prepared {
     pub states_recomputed: usize,
     /// Bytes of state objects read from the store.
     pub bytes_read: u64,
-    /// Context tokens processed by the model (concat only; composition processes none).
+    /// Context tokens processed by the model: concat's, or a budgeted store's recomputed
+    /// states' (composition of stored states processes none).
     pub tokens_processed: usize,
 }
 
@@ -216,7 +217,7 @@ pub fn prepare(
                 cache_hits: loaded.cache_hits,
                 states_recomputed: loaded.recomputed,
                 bytes_read: loaded.bytes_read,
-                tokens_processed: 0,
+                tokens_processed: loaded.recomputed_tokens,
             })
         }
         Method::PiConcatR | Method::KvUnion | Method::PicasoRNoKv => unreachable!("not in Method::QUERY"),
