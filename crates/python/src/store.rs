@@ -112,7 +112,7 @@ impl Store {
                 .map(|p| p.parse::<picaso_store::Policy>().map_err(|e| raise(Kind::Invalid, e)))
                 .transpose()?
                 .unwrap_or_default();
-            let budget = (mb > 0.0).then(|| picaso_store::Budget { bytes: (mb * 1048576.0) as u64, policy });
+            let budget = (mb > 0.0).then_some(picaso_store::Budget { bytes: (mb * 1048576.0) as u64, policy });
             let m = &model.inner;
             py.detach(|| store.set_budget(budget, m)).map_err(|e| raise(Kind::Invalid, e.to_string()))?;
         } else if state_budget_policy.is_some() {

@@ -282,13 +282,13 @@ impl Store {
                 .filter(|(_, row)| row.as_ref().is_some_and(|r| !r.held))
                 .map(|(r, _)| r)
                 .collect();
-            let (computed, _) = recompute(model, &absent, self.info().state_dtype)?;
+            let computed = recompute(model, &absent, self.info().state_dtype)?;
             let mut objects: Vec<(String, &[u8])> = Vec::new();
-            for (record, (bytes, same)) in absent.iter().zip(&computed) {
-                if !same {
+            for (record, file) in absent.iter().zip(&computed) {
+                if !file.same {
                     return Err(self.not_the_stored_state(record));
                 }
-                objects.push((record.checksum.clone(), bytes));
+                objects.push((record.checksum.clone(), &file.bytes));
             }
             objects.par_iter().try_for_each(|(sum, bytes)| self.objects().put(&key_of(sum), bytes))?;
         }
@@ -365,15 +365,15 @@ impl Store {
         if !wanted.is_empty() {
             let t = Instant::now();
             let need: Vec<&ContextRecord> = wanted.iter().map(|&i| &records[i]).collect();
-            let (computed, _) = recompute(model, &need, self.info().state_dtype)?;
+            let computed = recompute(model, &need, self.info().state_dtype)?;
             out.recompute_seconds = t.elapsed().as_secs_f64();
             out.recomputed = wanted.len();
             out.recomputed_tokens = need.iter().map(|r| r.n_tokens).sum();
-            for (&i, (bytes, same)) in wanted.iter().zip(computed) {
-                let bytes = Arc::new(bytes);
+            for (&i, file) in wanted.iter().zip(computed) {
+                let bytes = Arc::new(file.bytes);
                 let state = Arc::new(MappedState::from_buffer(ArcBytes(bytes.clone()))?);
                 states[i] = Some(state);
-                if same {
+                if file.same {
                     candidates.push((i, bytes));
                 }
             }
@@ -433,7 +433,7 @@ impl Store {
             return Ok(Vec::new());
         }
         let _guard = self.budget_guard().write().unwrap_or_else(|p| p.into_inner());
-        let (admitted, mut victims) = self.plan_admission(budget, candidates)?;
+        let Plan { admitted, mut victims } = self.plan_admission(budget, candidates)?;
         if !victims.is_empty() {
             self.evict(&mut victims, clock)?;
         }
@@ -448,11 +448,7 @@ impl Store {
     /// for them: a candidate is admitted when it fits in what is free plus what held states of
     /// lower priority (for LRU: any) free. Decides only; the caller evicts and writes, holding
     /// the budget's guard for writing.
-    pub(crate) fn plan_admission<T>(
-        &self,
-        budget: Budget,
-        mut candidates: Vec<(LedgerRow, T)>,
-    ) -> Result<(Vec<(LedgerRow, T)>, Vec<LedgerRow>)> {
+    pub(crate) fn plan_admission<T>(&self, budget: Budget, mut candidates: Vec<(LedgerRow, T)>) -> Result<Plan<T>> {
         candidates.sort_by(|a, b| b.0.priority.total_cmp(&a.0.priority));
         let (mut held, _, _) = self.catalog().ledger_totals()?;
         let lowest = self.catalog().lowest_held(VICTIMS)?;
@@ -474,7 +470,7 @@ impl Store {
                 admitted.push((row, payload));
             }
         }
-        Ok((admitted, victims))
+        Ok(Plan { admitted, victims })
     }
 
     /// Adds contexts to a budgeted store (see [`Store::insert`]): their states enter the
@@ -511,7 +507,7 @@ impl Store {
             candidates.push((entry, i));
         }
         let entered: Vec<LedgerRow> = candidates.iter().map(|(r, _)| r.clone()).collect();
-        let (admitted, mut victims) = self.plan_admission(budget, candidates)?;
+        let Plan { admitted, mut victims } = self.plan_admission(budget, candidates)?;
         if !victims.is_empty() {
             self.evict(&mut victims, counters.clock)?;
         }
@@ -533,6 +529,21 @@ fn failpoint(name: &str) {
     }
 }
 
+/// What an admission decided: the candidates admitted (with what they carry) and the held
+/// states to evict for them.
+pub(crate) struct Plan<T> {
+    admitted: Vec<(LedgerRow, T)>,
+    victims: Vec<LedgerRow>,
+}
+
+/// A state file recomputed from its context's tokens.
+pub(crate) struct Recomputed {
+    /// The file's bytes in the store's codec.
+    pub bytes: Vec<u8>,
+    /// Whether they are the stored state's (its checksum the row's).
+    pub same: bool,
+}
+
 /// A ledger row for a context's state not seen before.
 fn new_row(record: &ContextRecord, model: &Model, tick: u64, held: bool) -> LedgerRow {
     LedgerRow {
@@ -546,19 +557,17 @@ fn new_row(record: &ContextRecord, model: &Model, tick: u64, held: bool) -> Ledg
     }
 }
 
-/// The state files of `records` recomputed from their tokens, in `codec`, each with whether
-/// it is the stored one (its checksum the row's), and the seconds it took. One batched prefill
-/// where the engine gives each sequence the bits it gives it alone
-/// ([`Model::prefill_each`]), as ingest does.
+/// The state files of `records` recomputed from their tokens, in `codec`. One batched prefill
+/// where the engine gives each sequence the bits it gives it alone ([`Model::prefill_each`]),
+/// as ingest does.
 pub(crate) fn recompute(
     model: &Model,
     records: &[&ContextRecord],
     codec: picaso_model::StateDtype,
-) -> Result<(Vec<(Vec<u8>, bool)>, f64)> {
+) -> Result<Vec<Recomputed>> {
     if records.is_empty() {
-        return Ok((Vec::new(), 0.0));
+        return Ok(Vec::new());
     }
-    let t = Instant::now();
     let tokens: Vec<&[u32]> = records.iter().map(|r| r.tokens.as_slice()).collect();
     let states = model.prefill_each(&tokens, PREFILL_TOKENS)?;
     let files = states
@@ -567,10 +576,10 @@ pub(crate) fn recompute(
         .map(|(state, record)| {
             let bytes = state.to_bytes(codec)?;
             let same = checksum(&bytes) == record.checksum;
-            Ok((bytes, same))
+            Ok(Recomputed { bytes, same })
         })
         .collect::<Result<Vec<_>>>()?;
-    Ok((files, t.elapsed().as_secs_f64()))
+    Ok(files)
 }
 
 /// Shared bytes as a buffer a [`MappedState`] can hold.
