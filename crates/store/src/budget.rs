@@ -45,6 +45,7 @@ use crate::catalog::LedgerRow;
 use crate::error::{Error, Result};
 use crate::records::ContextRecord;
 use crate::states::{checksum, key_of};
+pub use crate::store::BudgetStats;
 use crate::store::Store;
 
 const BUDGET: &str = "state_budget_bytes";
@@ -114,25 +115,6 @@ pub struct Budget {
     pub bytes: u64,
     /// Which to keep.
     pub policy: Policy,
-}
-
-/// A budget's totals and counters.
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
-pub struct BudgetStats {
-    /// The budget, bytes.
-    pub budget_bytes: u64,
-    /// The policy's name.
-    pub policy: &'static str,
-    /// Bytes of the state objects held.
-    pub held_bytes: u64,
-    /// State objects held.
-    pub held: u64,
-    /// State objects in the ledger, held or not.
-    pub tracked: u64,
-    /// States a query found stored.
-    pub hits: u64,
-    /// States a query had to recompute.
-    pub misses: u64,
 }
 
 /// The states of a query's contexts and how they were found.

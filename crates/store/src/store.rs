@@ -132,7 +132,26 @@ pub struct Stats {
     /// Where the state objects are.
     pub states: String,
     /// The state budget, what it holds and its hits and misses (`None` without one).
-    pub budget: Option<crate::budget::BudgetStats>,
+    pub budget: Option<BudgetStats>,
+}
+
+/// A budget's totals and counters.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct BudgetStats {
+    /// The budget, bytes.
+    pub budget_bytes: u64,
+    /// The policy's name.
+    pub policy: &'static str,
+    /// Bytes of the state objects held.
+    pub held_bytes: u64,
+    /// State objects held.
+    pub held: u64,
+    /// State objects in the ledger, held or not.
+    pub tracked: u64,
+    /// States a query found stored.
+    pub hits: u64,
+    /// States a query had to recompute.
+    pub misses: u64,
 }
 
 /// An open store. Safe to share between threads.
