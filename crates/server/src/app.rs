@@ -11,7 +11,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use picaso_embed::Embedder;
 use picaso_model::{Composition, GenerateOptions, Method, Model, State, StopReason};
 use picaso_store::{
-    gather, prepare, retrieve_then, ContextRecord, Contexts, DocumentSummary, Filter, NewContext, Retrieval, Retriever,
+    gather, retrieve_then, ContextRecord, Contexts, DocumentSummary, Filter, NewContext, Retrieval, Retriever,
     StateCache, Store,
 };
 use tokio::sync::{mpsc, Semaphore};
@@ -169,6 +169,9 @@ pub(crate) struct Plan {
     pub opts: GenerateOptions,
     pub info: CompletionInfo,
     pub started: Instant,
+    /// A budgeted store's bookkeeping for this prompt's contexts, left for after the answer
+    /// has started ([`App::finish_later`]).
+    pub deferred: Option<picaso_store::Deferred>,
 }
 
 /// A listing's page size: `limit`, 100 when absent, at most 1,000.
@@ -201,6 +204,23 @@ pub(crate) fn finish_reason(r: StopReason) -> &'static str {
 }
 
 impl App {
+    /// Finishes a budgeted store's bookkeeping for answered queries (counting retrievals,
+    /// admitting recomputed states) on a blocking thread, off the answer's path. A failure is
+    /// logged: the answer stands, and the state not admitted is recomputed next time.
+    pub(crate) fn finish_later(self: &Arc<Self>, deferred: Vec<picaso_store::Deferred>) {
+        if deferred.is_empty() {
+            return;
+        }
+        let app = self.clone();
+        tokio::task::spawn_blocking(move || {
+            for d in deferred {
+                if let Err(e) = d.finish(&app.store) {
+                    eprintln!("state budget: a query's bookkeeping failed: {e}");
+                }
+            }
+        });
+    }
+
     /// Checks that the parts belong together (the store was made with this model and embedder).
     pub fn new(model: Model, store: Store, embedder: Embedder, options: Options) -> Result<Self, String> {
         if store.info().fingerprint != model.fingerprint() {
@@ -440,8 +460,9 @@ impl App {
                 )
             }
         };
-        let (hits, prepared) =
-            gather(&self.store, contexts, |ids| prepare(&self.store, &self.model, ids, method, Some(&self.cache)))?;
+        let (hits, mut prepared) = gather(&self.store, contexts, |ids| {
+            picaso_store::prepare_deferring(&self.store, &self.model, ids, method, Some(&self.cache))
+        })?;
         // Where each context comes from, to cite it by (one catalog read for all).
         let ids: Vec<i64> = hits.iter().map(|h| h.0).collect();
         let records = if ids.is_empty() { Vec::new() } else { self.store.records(&ids)? };
@@ -487,6 +508,7 @@ impl App {
                 time_to_first_token_ms: None,
             },
             started,
+            deferred: prepared.deferred.take(),
         };
         Ok((plan, prepared.state))
     }

@@ -53,6 +53,11 @@ pub(crate) struct Prepared {
     generates: bool,
 }
 
+/// The budgeted store's bookkeeping the prompts left (see [`App::finish_later`]).
+pub(crate) fn take_deferred(prepared: &mut [Prepared]) -> Vec<picaso_store::Deferred> {
+    prepared.iter_mut().filter_map(|p| p.plan.deferred.take()).collect()
+}
+
 /// Plans every prompt of `req`, scoring those it echoes with log-probabilities; each prompt
 /// that generates continues from the longest prefix of it the prefix cache holds. Blocking.
 pub(crate) fn prepare(

@@ -157,6 +157,7 @@ async fn run_completion(
         completions::prepare(&planner, &req, &chat, method, &opts, filter.as_ref(), started)
     })
     .await?;
+    app.finish_later(completions::take_deferred(&mut prepared));
     if !stream {
         // Dropped with the handler when the client goes away, which cancels the generations.
         return Ok(Json(completions::complete(&app, prepared, &answer).await?).into_response());

@@ -12,7 +12,6 @@ use picaso_model::{compose_views, Model, State, StateView};
 
 use crate::cache::StateCache;
 use crate::error::{Error, Result};
-use crate::query::map_states;
 use crate::store::Store;
 use picaso_model::Method;
 
@@ -86,7 +85,7 @@ pub fn attribute(
         _ => Vec::new(),
     };
     let mapped = match method {
-        Method::Compose(_) => map_states(store, model, ids, cache)?.states,
+        Method::Compose(_) => store.states_for(model, ids, cache)?.states,
         _ => Vec::new(),
     };
     // The state of the contexts at positions `keep`, combined by the method.

@@ -120,6 +120,9 @@ pub struct Budget {
 /// The states of a query's contexts and how they were found.
 #[derive(Debug, Default)]
 pub struct Loaded {
+    /// What the store's writer has left to do for this query once it is answered (count the
+    /// retrievals, admit recomputed states): run [`Deferred::finish`].
+    pub deferred: Option<Deferred>,
     /// In the order asked.
     pub states: Vec<Arc<MappedState>>,
     /// From the in-memory cache.
@@ -132,6 +135,74 @@ pub struct Loaded {
     pub bytes_read: u64,
     /// Seconds spent recomputing.
     pub recompute_seconds: f64,
+}
+
+/// A query's bookkeeping, left for after its answer: the retrievals to count and the states
+/// recomputed for it, which the policy may keep. Holds the store's writer lock until done.
+#[derive(Debug)]
+pub struct Deferred {
+    budget: Budget,
+    /// The query's contexts, one per distinct state.
+    retrieved: Vec<ContextRecord>,
+    /// The prefill work of each of `retrieved`.
+    work: Vec<f64>,
+    hits: u64,
+    misses: u64,
+    /// Recomputed states with the recorded bits: the record and the file's bytes.
+    recomputed: Vec<(ContextRecord, Arc<Vec<u8>>)>,
+    _writer: crate::store::WriteLock,
+}
+
+impl Deferred {
+    /// Counts the retrievals (each state once) and the hits and misses, then admits the
+    /// recomputed states the policy keeps: one at a time per store, reading the ledger afresh,
+    /// so that queries finishing together count every retrieval.
+    pub fn finish(self, store: &Store) -> Result<()> {
+        let _guard = store.budget_guard().write().unwrap_or_else(|p| p.into_inner());
+        let mut counters = store.counters()?;
+        counters.tick += 1;
+        counters.hits += self.hits;
+        counters.misses += self.misses;
+        let sums: Vec<String> = self.retrieved.iter().map(|r| r.checksum.clone()).collect();
+        let mut rows: Vec<LedgerRow> = store
+            .catalog()
+            .ledger(&sums)?
+            .into_iter()
+            .zip(self.retrieved.iter().zip(&self.work))
+            .map(|(row, (r, &work))| {
+                row.unwrap_or_else(|| LedgerRow {
+                    checksum: r.checksum.clone(),
+                    bytes: r.state_bytes,
+                    work,
+                    retrievals: 0,
+                    last_tick: 0,
+                    priority: 0.0,
+                    held: false,
+                })
+            })
+            .collect();
+        for row in rows.iter_mut() {
+            row.retrievals += 1;
+            row.last_tick = counters.tick;
+            row.priority = self.budget.policy.priority(counters.clock, row);
+        }
+        let meta = [
+            (TICK, counters.tick.to_string()),
+            (HITS, counters.hits.to_string()),
+            (MISSES, counters.misses.to_string()),
+        ];
+        store.catalog().put_ledger(&rows, &meta)?;
+        let candidates: Vec<(LedgerRow, Arc<Vec<u8>>)> = self
+            .recomputed
+            .into_iter()
+            .filter_map(|(r, bytes)| {
+                let row = rows.iter().find(|row| row.checksum == r.checksum)?;
+                (!row.held).then(|| (row.clone(), bytes))
+            })
+            .collect();
+        store.admit_guarded(self.budget, candidates, counters.clock)?;
+        Ok(())
+    }
 }
 
 /// The budget's meta values, parsed.
@@ -306,7 +377,9 @@ impl Store {
 
     /// The states of `records` (the contexts a query needs, in order) within the budget: cached
     /// ones from `cache`, held ones read, the rest recomputed in one batched prefill. As the
-    /// writer, counts the retrievals and admits recomputed states the policy keeps.
+    /// writer, returns in [`Loaded::deferred`] what is left to do once the query is answered:
+    /// count the retrievals and admit the recomputed states the policy keeps
+    /// ([`Deferred::finish`]).
     pub(crate) fn load_within_budget(
         &self,
         budget: Budget,
@@ -321,29 +394,24 @@ impl Store {
             records.iter().map(|r| cache.and_then(|c| c.get(r.id))).collect();
         out.cache_hits = states.iter().filter(|s| s.is_some()).count();
         let sums: Vec<String> = records.iter().map(|r| r.checksum.clone()).collect();
-        let mut counters = self.counters()?;
-        let mut rows: Vec<LedgerRow>;
         let wanted: Vec<usize>;
         {
             // Read under the guard: no eviction removes a held object between the ledger's
             // answer and its mapping (a mapped file stays readable once removed).
             let _guard = self.budget_guard().read().unwrap_or_else(|p| p.into_inner());
             let ledger = self.catalog().ledger(&sums)?;
-            rows = records
-                .iter()
-                .zip(ledger)
-                .map(|(r, row)| row.unwrap_or_else(|| new_row(r, model, counters.tick, false)))
+            let held: Vec<usize> = (0..records.len())
+                .filter(|&i| states[i].is_none() && ledger[i].as_ref().is_some_and(|r| r.held))
                 .collect();
-            let held: Vec<usize> = (0..records.len()).filter(|&i| states[i].is_none() && rows[i].held).collect();
             let ids: Vec<i64> = held.iter().map(|&i| records[i].id).collect();
             for (&i, state) in held.iter().zip(self.map_states(&ids)?) {
-                out.bytes_read += rows[i].bytes;
+                out.bytes_read += records[i].state_bytes;
                 states[i] = Some(Arc::new(state));
             }
             wanted = (0..records.len()).filter(|&i| states[i].is_none()).collect();
         }
         let hits = records.len() - out.cache_hits - wanted.len();
-        let mut candidates = Vec::new();
+        let mut recomputed = Vec::new();
         if !wanted.is_empty() {
             let t = Instant::now();
             let need: Vec<&ContextRecord> = wanted.iter().map(|&i| &records[i]).collect();
@@ -353,10 +421,9 @@ impl Store {
             out.recomputed_tokens = need.iter().map(|r| r.n_tokens).sum();
             for (&i, file) in wanted.iter().zip(computed) {
                 let bytes = Arc::new(file.bytes);
-                let state = Arc::new(MappedState::from_buffer(ArcBytes(bytes.clone()))?);
-                states[i] = Some(state);
-                if file.same {
-                    candidates.push((i, bytes));
+                states[i] = Some(Arc::new(MappedState::from_buffer(ArcBytes(bytes.clone()))?));
+                if file.same && !recomputed.iter().any(|(r, _): &(ContextRecord, _)| r.checksum == records[i].checksum) {
+                    recomputed.push((records[i].clone(), bytes));
                 }
             }
         }
@@ -365,38 +432,22 @@ impl Store {
                 c.insert(r.id, s.clone());
             }
         }
-        if writer.is_some() {
-            // The retrievals, each state once per query.
-            counters.tick += 1;
-            let mut seen = std::collections::HashSet::new();
-            for row in rows.iter_mut() {
-                if seen.insert(row.checksum.clone()) {
-                    row.retrievals += 1;
-                    row.last_tick = counters.tick;
-                    row.priority = budget.policy.priority(counters.clock, row);
+        if let Some(writer) = writer {
+            let mut retrieved: Vec<ContextRecord> = Vec::new();
+            for r in records {
+                if !retrieved.iter().any(|u| u.checksum == r.checksum) {
+                    retrieved.push(r.clone());
                 }
             }
-            counters.hits += hits as u64;
-            counters.misses += out.recomputed as u64;
-            let mut unique: Vec<LedgerRow> = Vec::new();
-            for row in &rows {
-                if !unique.iter().any(|u| u.checksum == row.checksum) {
-                    unique.push(row.clone());
-                }
-            }
-            let meta = [
-                (TICK, counters.tick.to_string()),
-                (HITS, counters.hits.to_string()),
-                (MISSES, counters.misses.to_string()),
-            ];
-            self.catalog().put_ledger(&unique, &meta)?;
-            let mut admitting: Vec<(LedgerRow, Arc<Vec<u8>>)> = Vec::new();
-            for (i, bytes) in candidates {
-                if !admitting.iter().any(|(r, _)| r.checksum == rows[i].checksum) {
-                    admitting.push((rows[i].clone(), bytes));
-                }
-            }
-            self.admit(budget, admitting, counters.clock)?;
+            out.deferred = Some(Deferred {
+                budget,
+                work: retrieved.iter().map(|r| model.prefill_flops(r.n_tokens)).collect(),
+                retrieved,
+                hits: hits as u64,
+                misses: out.recomputed as u64,
+                recomputed,
+                _writer: writer,
+            });
         }
         out.states = states.into_iter().map(|s| s.expect("every state found, read or recomputed")).collect();
         Ok(out)
@@ -404,8 +455,8 @@ impl Store {
 
     /// Admits `candidates` (rows not held, with their objects' bytes): [`Store::plan_admission`],
     /// the victims evicted, the admitted objects written, then marked held. Returns the
-    /// checksums admitted.
-    pub(crate) fn admit(
+    /// checksums admitted. The caller holds the budget's guard for writing.
+    fn admit_guarded(
         &self,
         budget: Budget,
         candidates: Vec<(LedgerRow, Arc<Vec<u8>>)>,
@@ -414,7 +465,6 @@ impl Store {
         if candidates.is_empty() {
             return Ok(Vec::new());
         }
-        let _guard = self.budget_guard().write().unwrap_or_else(|p| p.into_inner());
         let Plan { admitted, mut victims } = self.plan_admission(budget, candidates)?;
         if !victims.is_empty() {
             self.evict(&mut victims, clock)?;

@@ -40,7 +40,7 @@ pub mod store;
 pub mod workload;
 
 pub use attribution::{attribute, Attribution};
-pub use budget::{Budget, BudgetStats, Loaded, Policy};
+pub use budget::{Budget, BudgetStats, Deferred, Loaded, Policy};
 pub use cache::{CacheStats, StateCache};
 pub use check::{check, repair, report_json, CheckReport, Problem, ProblemKind, RepairReport};
 pub use embedder::{find_embedder, load_embedder, EmbedderError};
@@ -51,7 +51,7 @@ pub use location::{CatalogUrl, Location, StatesUrl};
 pub use metadata::Metadata;
 pub use migrate::{migrate, migrate_to, MigrateReport};
 pub use passages::{passages, retrieve, retrieve_by, Passage};
-pub use query::{gather, prepare, retrieve_then, Contexts, Hits, Prepared, Retrieval};
+pub use query::{gather, prepare, prepare_deferring, retrieve_then, Contexts, Hits, Prepared, Retrieval};
 pub use records::{ContextRecord, DocumentSummary};
 pub use retriever::{Query, Retriever};
 pub use runtime::Resilience;

@@ -16,7 +16,7 @@ use crate::scope::Scope;
 use crate::store::{Store, RETRIEVAL_ATTEMPTS};
 
 /// The state to continue from, and what it cost.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Prepared {
     /// The state after the contexts.
     pub state: State,
@@ -33,6 +33,9 @@ pub struct Prepared {
     pub states_recomputed: usize,
     /// Bytes of state objects read from the store.
     pub bytes_read: u64,
+    /// A budgeted store's bookkeeping for this query, when [`prepare_deferring`] left it for
+    /// after the answer: run [`crate::budget::Deferred::finish`].
+    pub deferred: Option<crate::budget::Deferred>,
     /// Context tokens processed by the model: concat's, or a budgeted store's recomputed
     /// states' (composition of stored states processes none).
     pub tokens_processed: usize,
@@ -48,6 +51,7 @@ impl Prepared {
             cache_hits: 0,
             states_recomputed: 0,
             bytes_read: 0,
+            deferred: None,
             tokens_processed: 0,
         }
     }
@@ -175,8 +179,25 @@ pub fn retrieve_then<T>(
 }
 
 /// Builds the state for `ids` (in order: the last is nearest the prompt) with `method`, reading
-/// states through `cache` when one is given.
+/// states through `cache` when one is given. A budgeted store's bookkeeping (counting the
+/// retrievals, admitting recomputed states) is done before this returns.
 pub fn prepare(
+    store: &Store,
+    model: &Model,
+    ids: &[i64],
+    method: Method,
+    cache: Option<&StateCache>,
+) -> Result<Prepared> {
+    let mut prepared = prepare_deferring(store, model, ids, method, cache)?;
+    if let Some(deferred) = prepared.deferred.take() {
+        deferred.finish(store)?;
+    }
+    Ok(prepared)
+}
+
+/// [`prepare`], leaving a budgeted store's bookkeeping in [`Prepared::deferred`] for the caller
+/// to finish once the query is answered (a server answers first, then writes).
+pub fn prepare_deferring(
     store: &Store,
     model: &Model,
     ids: &[i64],
@@ -204,7 +225,7 @@ pub fn prepare(
                 return Ok(Prepared::empty(model.zero_state()));
             }
             let t0 = Instant::now();
-            let loaded = map_states(store, model, ids, cache)?;
+            let mut loaded = map_states(store, model, ids, cache)?;
             let load_seconds = t0.elapsed().as_secs_f64();
             let t1 = Instant::now();
             let views: Vec<StateView<'_>> = loaded.states.iter().map(|s| s.view()).collect();
@@ -217,6 +238,7 @@ pub fn prepare(
                 cache_hits: loaded.cache_hits,
                 states_recomputed: loaded.recomputed,
                 bytes_read: loaded.bytes_read,
+                deferred: loaded.deferred.take(),
                 tokens_processed: loaded.recomputed_tokens,
             })
         }
@@ -230,7 +252,11 @@ impl Store {
     /// counted and perhaps admitted). What a query reads, for callers that compose themselves.
     pub fn states_for(&self, model: &Model, ids: &[i64], cache: Option<&StateCache>) -> Result<Loaded> {
         self.require_model(model)?;
-        map_states(self, model, ids, cache)
+        let mut loaded = map_states(self, model, ids, cache)?;
+        if let Some(deferred) = loaded.deferred.take() {
+            deferred.finish(self)?;
+        }
+        Ok(loaded)
     }
 }
 

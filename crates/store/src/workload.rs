@@ -2,7 +2,8 @@
 //! stores under a state budget with different policies, and Concat. Queries are drawn from a
 //! pool with Zipf popularity; each retrieves k contexts (the same ids in every store: they are
 //! ingested alike) and is timed to its first token's logits in every arm, one arm after the
-//! other per query, so that all arms see the same machine at the same moment.
+//! other per query, so that all arms see the same machine at the same moment. A budgeted
+//! store's bookkeeping (counting, admitting) runs after the first token, as the server runs it.
 
 use std::time::Instant;
 
@@ -10,7 +11,7 @@ use picaso_model::{Method, Model};
 use rand::{Rng, SeedableRng};
 
 use crate::error::{Error, Result};
-use crate::query::prepare;
+use crate::query::prepare_deferring;
 use crate::store::Store;
 
 /// The queries: which of a pool, in what order.
@@ -138,9 +139,12 @@ pub fn run_workload(
         let half = usize::from(q >= opts.queries / 2);
         for (arm, tally) in arms.iter().zip(&mut tallies) {
             let t = Instant::now();
-            let prepared = prepare(arm.store, model, ids, arm.method, None)?;
+            let mut prepared = prepare_deferring(arm.store, model, ids, arm.method, None)?;
             let (_logits, _state) = model.prefill_last_logits(prompt, &prepared.state)?;
             tally.ttft.push(t.elapsed().as_secs_f64() * 1e3);
+            if let Some(deferred) = prepared.deferred.take() {
+                deferred.finish(arm.store)?;
+            }
             tally.bytes_read += prepared.bytes_read;
             tally.recomputed += prepared.states_recomputed;
             tally.context_tokens += prepared.tokens_processed as u64;
