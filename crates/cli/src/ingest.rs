@@ -166,7 +166,13 @@ pub(crate) fn stats(a: StatsArgs) -> Result<()> {
         println!("contexts     {}", s.contexts);
         println!("documents    {}", s.documents);
         println!("tokens       {}", s.tokens);
-        println!("state bytes  {} ({:.1} MiB, {})", s.state_bytes, s.state_bytes as f64 / 1048576.0, s.state_dtype);
+        let whose = if s.budget.is_some() { "; every context's, held or not" } else { "" };
+        println!(
+            "state bytes  {} ({:.1} MiB, {}{whose})",
+            s.state_bytes,
+            s.state_bytes as f64 / 1048576.0,
+            s.state_dtype
+        );
         if let Some(b) = &s.budget {
             let looked = b.hits + b.misses;
             println!(

@@ -422,7 +422,8 @@ impl Store {
             for (&i, file) in wanted.iter().zip(computed) {
                 let bytes = Arc::new(file.bytes);
                 states[i] = Some(Arc::new(MappedState::from_buffer(ArcBytes(bytes.clone()))?));
-                if file.same && !recomputed.iter().any(|(r, _): &(ContextRecord, _)| r.checksum == records[i].checksum) {
+                if file.same && !recomputed.iter().any(|(r, _): &(ContextRecord, _)| r.checksum == records[i].checksum)
+                {
                     recomputed.push((records[i].clone(), bytes));
                 }
             }
