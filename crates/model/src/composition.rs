@@ -101,13 +101,19 @@ fn prepare<'a, 's>(
     // The union of keys and values, dequantized as they are copied, into the output's own
     // buffers: a reused output keeps their pages (fresh ones cost more than the copy).
     out.attention.resize_with(first.attention.len(), Default::default);
+    // Sized once for all parts: a reused output of the same size is written over, not
+    // zero-filled first and then written.
     out.attention.par_iter_mut().enumerate().for_each(|(a, kv)| {
-        kv.keys.clear();
-        kv.values.clear();
+        let total: usize = ordered.iter().map(|s| s.attention[a].keys.len()).sum();
+        kv.keys.resize(total, 0.0);
+        kv.values.resize(total, 0.0);
+        let mut at = 0;
         for s in &ordered {
             let part = &s.attention[a];
-            part.extend_token_major(&part.keys, &mut kv.keys);
-            part.extend_token_major(&part.values, &mut kv.values);
+            let n = part.keys.len();
+            part.write_token_major(&part.keys, &mut kv.keys[at..at + n]);
+            part.write_token_major(&part.values, &mut kv.values[at..at + n]);
+            at += n;
         }
     });
     Ok((ordered, block))

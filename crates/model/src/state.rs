@@ -747,7 +747,15 @@ impl KvView<'_> {
     pub fn extend_token_major(&self, v: &Values<'_>, out: &mut Vec<f32>) {
         let start = out.len();
         out.resize(start + v.len(), 0.0);
-        let dst = &mut out[start..];
+        self.write_token_major(v, &mut out[start..]);
+    }
+
+    /// [`KvView::extend_token_major`] into `dst` (of `v.len()` values), for a caller that
+    /// lays out several parts in a buffer it sized once (a reused buffer is then not
+    /// zero-filled first). Head-major parts are transposed a head at a time, each of its
+    /// tokens' rows dequantized straight to its place.
+    pub fn write_token_major(&self, v: &Values<'_>, dst: &mut [f32]) {
+        debug_assert_eq!(dst.len(), v.len());
         if !self.head_major {
             v.dequantize_into(0, dst);
             return;
