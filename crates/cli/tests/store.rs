@@ -1166,6 +1166,11 @@ fn a_budgeted_store_cut_mid_admission_loses_nothing() {
     let last = check(false);
     within_budget(&last);
     assert_eq!(last["sound"].as_u64().unwrap() as usize + last["budget"]["not_held"].as_u64().unwrap() as usize, 12);
+    // Ingesting the same documents again finds nothing to do: a state not held is not missing.
+    let again = ingest("");
+    assert!(again.status.success());
+    let again: serde_json::Value = serde_json::from_slice(&again.stdout).unwrap();
+    assert_eq!((again["skipped"].as_u64(), again["repaired"].as_u64()), (Some(12), Some(0)), "{again}");
     let (_, stats, _) = run(&["stats", "--db", cut.to_str().unwrap(), "--json"]);
     assert!(stats["budget"]["hits"].as_u64().unwrap() + stats["budget"]["misses"].as_u64().unwrap() >= 16, "{stats}");
     // A server over the budgeted store answers as one over the full store, and says what it
@@ -1181,6 +1186,13 @@ fn a_budgeted_store_cut_mid_admission_loses_nothing() {
         assert_eq!(va["choices"][0]["text"], vb["choices"][0]["text"], "{prompt}");
         assert_eq!(vb["picaso"]["states_recomputed"], 0);
     }
+    // Contexts added through the server enter the budget too.
+    let (status, added) = a.call_json(
+        "POST",
+        "/v1/contexts",
+        Some(serde_json::json!({"text": "A new context about topic 42.", "doc": "new"})),
+    );
+    assert_eq!(status, 201, "{added}");
     assert!(a.metric("picaso_state_budget_bytes") > 0.0);
     assert!(a.metric("picaso_state_budget_held_bytes") <= a.metric("picaso_state_budget_bytes"));
     assert_eq!(b.metric("picaso_state_budget_bytes"), 0.0);

@@ -612,7 +612,7 @@ impl App {
             self.cache.remove(old);
             self.prefix.forget_contexts(&[old]);
         }
-        let id = match self.store.insert(std::slice::from_ref(&item))?[0] {
+        let id = match self.store.insert_with(std::slice::from_ref(&item), Some(&self.model))?[0] {
             Some(id) => id,
             // Another request stored the same (doc, segment) meanwhile: the same text is this
             // request's context; other text means two writers raced on one segment.

@@ -44,7 +44,7 @@ use crate::cache::StateCache;
 use crate::catalog::LedgerRow;
 use crate::error::{Error, Result};
 use crate::records::ContextRecord;
-use crate::states::{checksum, key_of};
+use crate::states::{checksum, checksum_of, key_of};
 pub use crate::store::BudgetStats;
 use crate::store::Store;
 
@@ -141,11 +141,8 @@ pub struct Loaded {
 /// recomputed for it, which the policy may keep. Holds the store's writer lock until done.
 #[derive(Debug)]
 pub struct Deferred {
-    budget: Budget,
     /// The query's contexts, one per distinct state.
     retrieved: Vec<ContextRecord>,
-    /// The prefill work of each of `retrieved`.
-    work: Vec<f64>,
     hits: u64,
     misses: u64,
     /// Recomputed states with the recorded bits: the record and the file's bytes.
@@ -159,32 +156,20 @@ impl Deferred {
     /// so that queries finishing together count every retrieval.
     pub fn finish(self, store: &Store) -> Result<()> {
         let _guard = store.budget_guard().write().unwrap_or_else(|p| p.into_inner());
+        // The budget as it is now: it may have been changed or removed since the query read it.
+        let Some(budget) = store.budget()? else { return Ok(()) };
         let mut counters = store.counters()?;
         counters.tick += 1;
         counters.hits += self.hits;
         counters.misses += self.misses;
         let sums: Vec<String> = self.retrieved.iter().map(|r| r.checksum.clone()).collect();
-        let mut rows: Vec<LedgerRow> = store
-            .catalog()
-            .ledger(&sums)?
-            .into_iter()
-            .zip(self.retrieved.iter().zip(&self.work))
-            .map(|(row, (r, &work))| {
-                row.unwrap_or_else(|| LedgerRow {
-                    checksum: r.checksum.clone(),
-                    bytes: r.state_bytes,
-                    work,
-                    retrievals: 0,
-                    last_tick: 0,
-                    priority: 0.0,
-                    held: false,
-                })
-            })
-            .collect();
+        // Only states still in the ledger: a context deleted since (its row gone with it) is
+        // not brought back.
+        let mut rows: Vec<LedgerRow> = store.catalog().ledger(&sums)?.into_iter().flatten().collect();
         for row in rows.iter_mut() {
             row.retrievals += 1;
             row.last_tick = counters.tick;
-            row.priority = self.budget.policy.priority(counters.clock, row);
+            row.priority = budget.policy.priority(counters.clock, row);
         }
         let meta = [
             (TICK, counters.tick.to_string()),
@@ -200,7 +185,7 @@ impl Deferred {
                 (!row.held).then(|| (row.clone(), bytes))
             })
             .collect();
-        store.admit_guarded(self.budget, candidates, counters.clock)?;
+        store.admit_guarded(budget, candidates, counters.clock)?;
         Ok(())
     }
 }
@@ -345,7 +330,11 @@ impl Store {
             }
             objects.par_iter().try_for_each(|(sum, bytes)| self.objects().put(&key_of(sum), bytes))?;
         }
-        self.catalog().put_ledger(&[], &[(BUDGET, "none".to_string())])
+        // Every state is stored again: the ledger starts afresh with the next budget.
+        self.catalog().forget_ledger(None)?;
+        let reset = |k: &'static str| (k, "0".to_string());
+        self.catalog()
+            .put_ledger(&[], &[(BUDGET, "none".to_string()), reset(CLOCK), reset(TICK), reset(HITS), reset(MISSES)])
     }
 
     fn not_the_stored_state(&self, record: &ContextRecord) -> Error {
@@ -360,6 +349,26 @@ impl Store {
         }
     }
 
+    /// Removes the objects present that the ledger says are not held: what a writer killed
+    /// mid-admission or mid-eviction left (its room would otherwise be counted free and the
+    /// states on disk exceed the budget). Run by each new holder of the writer lock.
+    pub(crate) fn sweep_unheld(&self) -> Result<()> {
+        if self.budget()?.is_none() {
+            return Ok(());
+        }
+        let _guard = self.budget_guard().write().unwrap_or_else(|p| p.into_inner());
+        let sums: Vec<String> =
+            self.objects().entries()?.iter().filter_map(|e| checksum_of(&e.key).map(str::to_string)).collect();
+        let rows = self.catalog().ledger(&sums)?;
+        let stale: Vec<String> = sums
+            .iter()
+            .zip(rows)
+            .filter(|(_, r)| r.as_ref().is_some_and(|r| !r.held))
+            .map(|(s, _)| key_of(s))
+            .collect();
+        self.objects().delete_many(&stale)
+    }
+
     /// Marks `victims` not held (committed, the clock raised to their highest priority for the
     /// work policy), then removes their objects.
     fn evict(&self, victims: &mut [LedgerRow], clock: f64) -> Result<f64> {
@@ -370,8 +379,9 @@ impl Store {
         self.catalog().put_ledger(victims, &[(CLOCK, clock.to_string())])?;
         failpoint("budget-evicted");
         let keys: Vec<String> = victims.iter().map(|v| key_of(&v.checksum)).collect();
-        // A removal that fails leaves an object not held: `check` reports it, `--repair` removes it.
-        let _ = self.objects().delete_many(&keys);
+        // A removal that fails stops the admission (its room is not free): the objects left,
+        // not held, are reported by `check` and removed by `--repair`.
+        self.objects().delete_many(&keys)?;
         Ok(clock)
     }
 
@@ -382,7 +392,6 @@ impl Store {
     /// ([`Deferred::finish`]).
     pub(crate) fn load_within_budget(
         &self,
-        budget: Budget,
         model: &Model,
         records: &[ContextRecord],
         cache: Option<&StateCache>,
@@ -404,9 +413,23 @@ impl Store {
                 .filter(|&i| states[i].is_none() && ledger[i].as_ref().is_some_and(|r| r.held))
                 .collect();
             let ids: Vec<i64> = held.iter().map(|&i| records[i].id).collect();
-            for (&i, state) in held.iter().zip(self.map_states(&ids)?) {
-                out.bytes_read += records[i].state_bytes;
-                states[i] = Some(Arc::new(state));
+            match self.map_states(&ids) {
+                Ok(mapped) => {
+                    for (&i, state) in held.iter().zip(mapped) {
+                        out.bytes_read += records[i].state_bytes;
+                        states[i] = Some(Arc::new(state));
+                    }
+                }
+                // One evicted meanwhile by another process holding the store (this guard is
+                // this process's): each is mapped alone, and what is gone is recomputed.
+                Err(_) => {
+                    for &i in &held {
+                        if let Ok(state) = self.map_state(records[i].id) {
+                            out.bytes_read += records[i].state_bytes;
+                            states[i] = Some(Arc::new(state));
+                        }
+                    }
+                }
             }
             wanted = (0..records.len()).filter(|&i| states[i].is_none()).collect();
         }
@@ -441,8 +464,6 @@ impl Store {
                 }
             }
             out.deferred = Some(Deferred {
-                budget,
-                work: retrieved.iter().map(|r| model.prefill_flops(r.n_tokens)).collect(),
                 retrieved,
                 hits: hits as u64,
                 misses: out.recomputed as u64,
@@ -519,6 +540,7 @@ impl Store {
     ) -> Result<Vec<Option<i64>>> {
         let _writer = self.lock_writes()?;
         let _guard = self.budget_guard().write().unwrap_or_else(|p| p.into_inner());
+        let budget = self.budget()?.unwrap_or(budget); // as it is now, under the guard
         let counters = self.counters()?;
         let sums: Vec<String> = objects.iter().map(|(s, _)| s.clone()).collect();
         let known = self.catalog().ledger(&sums)?;
@@ -548,8 +570,20 @@ impl Store {
         let write = |(_, i): &(LedgerRow, usize)| self.objects().put(&key_of(&objects[*i].0), &objects[*i].1);
         let ids = self.catalog().insert(rows, &mut || admitted.par_iter().try_for_each(write))?;
         failpoint("budget-written");
-        let held: Vec<LedgerRow> = admitted.iter().map(|(r, _)| LedgerRow { held: true, ..r.clone() }).collect();
+        // Held only if its context went in: a (doc, seg) another writer stored meanwhile
+        // leaves an object no context names, removed at once (or by `check --repair`).
+        let named: std::collections::HashSet<&str> =
+            rows.iter().zip(&ids).filter(|(_, id)| id.is_some()).map(|(r, _)| r.checksum).collect();
+        let (inserted, skipped): (Vec<_>, Vec<_>) =
+            admitted.iter().partition(|(r, _)| named.contains(r.checksum.as_str()));
+        let held: Vec<LedgerRow> = inserted.iter().map(|(r, _)| LedgerRow { held: true, ..r.clone() }).collect();
         self.catalog().put_ledger(&held, &[])?;
+        if !skipped.is_empty() {
+            let sums: Vec<String> = skipped.iter().map(|(r, _)| r.checksum.clone()).collect();
+            self.catalog().forget_ledger(Some(&sums))?;
+            let keys: Vec<String> = sums.iter().map(|s| key_of(s)).collect();
+            let _ = self.objects().delete_many(&keys);
+        }
         Ok(ids)
     }
 }

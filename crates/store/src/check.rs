@@ -12,6 +12,7 @@ use std::time::Instant;
 
 use picaso_model::{counted, Model, State};
 
+use crate::catalog::LedgerRow;
 use crate::error::{Error, Result};
 use crate::records::ContextRecord;
 use crate::states::{checksum, checksum_of, is_checksum, key_of, Entry, Finding};
@@ -369,6 +370,7 @@ pub fn repair(
         ..Default::default()
     };
     let broken: Vec<i64> = found.problems.iter().filter(|p| p.kind != ProblemKind::DamagedRow).map(|p| p.id).collect();
+    let budgeted = store.budget()?.is_some();
     let objects = store.objects();
     for (done, chunk) in broken.chunks(REPAIR_BATCH).enumerate() {
         let mut rows = Vec::with_capacity(chunk.len());
@@ -399,8 +401,18 @@ pub fn repair(
                 continue;
             }
             out.restated.push(rec.id);
+            if budgeted {
+                // The budget's entry follows the context to its new object (held: it is written).
+                let old = store.catalog().ledger(std::slice::from_ref(&rec.checksum))?.remove(0);
+                if let Some(old) = old {
+                    let moved = LedgerRow { checksum: sum.clone(), bytes: bytes.len() as u64, held: true, ..old };
+                    store.catalog().put_ledger(&[moved], &[])?;
+                }
+            }
             // The old object, if damaged and no longer named, goes too.
-            store.catalog().remove_if_unreferenced(&rec.checksum, &mut |s| objects.delete(&key_of(s)))?;
+            if store.catalog().remove_if_unreferenced(&rec.checksum, &mut |s| objects.delete(&key_of(s)))? && budgeted {
+                store.catalog().forget_ledger(Some(std::slice::from_ref(&rec.checksum)))?;
+            }
         }
         on_progress((done * REPAIR_BATCH + chunk.len()).min(broken.len()), broken.len());
     }
@@ -425,6 +437,9 @@ pub fn repair(
     for u in &found.unreferenced {
         let Some(sum) = checksum_of(&u.key) else { continue };
         if store.catalog().remove_if_unreferenced(sum, &mut |s| objects.delete(&key_of(s)))? {
+            if budgeted {
+                store.catalog().forget_ledger(Some(&[sum.to_string()]))?;
+            }
             out.removed_objects += 1;
             out.removed_bytes += u.bytes;
         }

@@ -70,6 +70,15 @@ pub fn migrate_to(
     mut progress: impl FnMut(usize, usize),
 ) -> Result<(Store, MigrateReport)> {
     let t0 = std::time::Instant::now();
+    if from.budget()?.is_some() {
+        return Err(Error::Input(format!(
+            "store {} keeps a state budget: the states it does not hold cannot be copied as they are. Remove the \
+             budget first (`picaso ingest --db {} --state-budget-mb 0 ...` recomputes and stores them), migrate, \
+             then set it again on the copy",
+            from.location(),
+            from.location()
+        )));
+    }
     let mut info: StoreInfo = from.info().clone();
     let codec = codec.unwrap_or(info.state_dtype);
     let converting = codec != info.state_dtype;

@@ -264,9 +264,9 @@ impl Store {
 /// mapped together (their reads overlap) and added to the cache. In a store with a state
 /// budget, those it does not hold are recomputed by `model` ([`crate::budget`]).
 pub(crate) fn map_states(store: &Store, model: &Model, ids: &[i64], cache: Option<&StateCache>) -> Result<Loaded> {
-    if let Some(budget) = store.budget()? {
+    if store.budget()?.is_some() {
         let records = store.catalog().get_many(ids)?;
-        return store.load_within_budget(budget, model, &records, cache);
+        return store.load_within_budget(model, &records, cache);
     }
     let mut states: Vec<Option<Arc<MappedState>>> = ids.iter().map(|&id| cache.and_then(|c| c.get(id))).collect();
     let cache_hits = states.iter().filter(|s| s.is_some()).count();

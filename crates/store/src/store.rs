@@ -754,10 +754,13 @@ impl Store {
         }
         let file = std::sync::Arc::new(WriteLock::take(dir)?);
         *held = std::sync::Arc::downgrade(&file);
+        drop(held);
         // Only the store's own states folder: one shared with other stores has other writers.
         if absolute(self.states_url.clone()) == absolute(StatesUrl::Local(dir.join("states"))) {
             sweep_temp_files(dir);
         }
+        // What a killed writer's admission or eviction left, before this one counts free room.
+        self.sweep_unheld()?;
         Ok(WriteLock { _file: Some(file) })
     }
 
@@ -856,6 +859,9 @@ impl Store {
 
     /// Removes context `id` (and its state object unless another context shares it).
     pub fn delete(&self, id: i64) -> Result<()> {
+        // Under the budget's guard: no query's bookkeeping admits a state between the row's
+        // removal (its ledger row with it) and its object's.
+        let _guard = self.budget_guard.write().unwrap_or_else(|p| p.into_inner());
         self.catalog.delete(id, &mut |sums| self.remove_states(sums))
     }
 
@@ -863,6 +869,7 @@ impl Store {
     /// context shares it), all at once: returns those removed, ascending. One gone already
     /// (another writer removed it) is skipped.
     pub fn delete_many(&self, ids: &[i64]) -> Result<Vec<i64>> {
+        let _guard = self.budget_guard.write().unwrap_or_else(|p| p.into_inner());
         self.catalog.delete_many(ids, &mut |sums| self.remove_states(sums))
     }
 
@@ -1093,6 +1100,20 @@ impl Store {
     pub fn missing_states(&self, records: &[ContextRecord]) -> Result<std::collections::HashSet<i64>> {
         if records.is_empty() {
             return Ok(Default::default());
+        }
+        if self.budget()?.is_some() {
+            // A state the budget does not hold is absent by design (recomputed when needed):
+            // only a held one whose object is gone is missing.
+            let sums: Vec<String> = records.iter().map(|r| r.checksum.clone()).collect();
+            let held: Vec<&ContextRecord> = records
+                .iter()
+                .zip(self.catalog.ledger(&sums)?)
+                .filter(|(_, row)| row.as_ref().is_some_and(|r| r.held))
+                .map(|(r, _)| r)
+                .collect();
+            let keys: Vec<String> = held.iter().map(|r| key_of(&r.checksum)).collect();
+            let there = self.states.exist_many(&keys)?;
+            return Ok(held.iter().zip(there).filter(|(_, there)| !there).map(|(r, _)| r.id).collect());
         }
         let keys: Vec<String> = records.iter().map(|r| key_of(&r.checksum)).collect();
         let there: Vec<bool> = if records.len() > LOOKUPS_BEFORE_LISTING.max(self.len()? / LISTING_COST) {

@@ -124,6 +124,10 @@ pub trait Catalog: Send + Sync + std::fmt::Debug {
     fn put_ledger(&self, _rows: &[LedgerRow], _meta: &[(&str, String)]) -> Result<()> {
         Err(no_ledger(&self.url()))
     }
+    /// Removes the ledger rows of `checksums`, or every row with `None`.
+    fn forget_ledger(&self, _checksums: Option<&[String]>) -> Result<()> {
+        Err(no_ledger(&self.url()))
+    }
     /// Up to `limit` held rows, lowest priority first (equal priorities: the earlier tick).
     fn lowest_held(&self, _limit: usize) -> Result<Vec<LedgerRow>> {
         Err(no_ledger(&self.url()))

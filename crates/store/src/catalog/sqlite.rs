@@ -611,6 +611,24 @@ impl Catalog for SqliteCatalog {
         Ok(())
     }
 
+    fn forget_ledger(&self, checksums: Option<&[String]>) -> Result<()> {
+        let mut conn = self.conn();
+        let tx = conn.transaction()?;
+        match checksums {
+            None => {
+                tx.execute("DELETE FROM state_ledger", [])?;
+            }
+            Some(sums) => {
+                let mut forget = tx.prepare_cached("DELETE FROM state_ledger WHERE checksum = ?1")?;
+                for sum in sums {
+                    forget.execute([sum])?;
+                }
+            }
+        }
+        tx.commit()?;
+        Ok(())
+    }
+
     fn lowest_held(&self, limit: usize) -> Result<Vec<LedgerRow>> {
         let conn = self.conn();
         let mut stmt = conn.prepare_cached(&format!(
