@@ -216,3 +216,19 @@ pub(crate) fn at_least_one(s: &str) -> std::result::Result<usize, String> {
         Err(e) => Err(e.to_string()),
     }
 }
+
+/// Sets `store`'s state budget when `--state-budget-mb` is given (0 removes it), kept by
+/// `--state-budget-policy` (work by default): `ingest` and the evals that make a store.
+pub(crate) fn apply_state_budget(
+    store: &picaso_store::Store,
+    model: &picaso_model::Model,
+    mib: Option<f64>,
+    policy: Option<picaso_store::Policy>,
+) -> Result<()> {
+    if let Some(mib) = mib {
+        let budget = picaso_store::Budget::from_mib(mib, policy.unwrap_or_default())
+            .map_err(|e| anyhow::anyhow!("--state-budget-mb {e}"))?;
+        store.set_budget(budget, model)?;
+    }
+    Ok(())
+}

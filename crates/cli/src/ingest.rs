@@ -92,16 +92,7 @@ pub(crate) fn ingest(a: IngestArgs) -> Result<()> {
     if let Some(want) = a.state_dtype {
         store.require_state_dtype(want)?;
     }
-    if let Some(mb) = a.state_budget_mb {
-        if !(mb.is_finite() && mb >= 0.0) {
-            bail!("--state-budget-mb {mb}: give a size in MiB (0 removes the budget)");
-        }
-        let budget = (mb > 0.0).then(|| picaso_store::Budget {
-            bytes: (mb * 1048576.0) as u64,
-            policy: a.state_budget_policy.unwrap_or_default(),
-        });
-        store.set_budget(budget, &model)?;
-    }
+    crate::args::apply_state_budget(&store, &model, a.state_budget_mb, a.state_budget_policy)?;
     let bar = (!a.json).then(|| {
         let bar = indicatif::ProgressBar::new(0);
         bar.set_style(

@@ -102,17 +102,12 @@ impl Store {
             store.require_state_dtype(want).map_err(|e| raise(Kind::Invalid, e.to_string()))?;
         }
         if let Some(mb) = state_budget_mb {
-            if !(mb.is_finite() && mb >= 0.0) {
-                return Err(raise(
-                    Kind::Invalid,
-                    format!("state_budget_mb={mb}: give a size in MiB (0 removes the budget)"),
-                ));
-            }
             let policy = state_budget_policy
                 .map(|p| p.parse::<picaso_store::Policy>().map_err(|e| raise(Kind::Invalid, e)))
                 .transpose()?
                 .unwrap_or_default();
-            let budget = (mb > 0.0).then_some(picaso_store::Budget { bytes: (mb * 1048576.0) as u64, policy });
+            let budget = picaso_store::Budget::from_mib(mb, policy)
+                .map_err(|e| raise(Kind::Invalid, format!("state_budget_mb={e}")))?;
             let m = &model.inner;
             py.detach(|| store.set_budget(budget, m)).map_err(|e| raise(Kind::Invalid, e.to_string()))?;
         } else if state_budget_policy.is_some() {

@@ -105,23 +105,12 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         extra: Option<&Map<String, Value>>,
     ) -> Result<String, ApiError> {
-        let context = self.context(messages, add_generation_prompt, extra);
+        let context = context(messages, add_generation_prompt, extra, Some(self));
         Ok(crate::render::render(&self.source, &context, Budget::default())?)
-    }
-
-    /// What the template renders `messages` with: `extra` (`chat_template_kwargs`), the
-    /// messages, whether to add the generation prompt, and the special tokens.
-    pub fn context(
-        &self,
-        messages: &[Value],
-        add_generation_prompt: bool,
-        extra: Option<&Map<String, Value>>,
-    ) -> Value {
-        context(messages, add_generation_prompt, extra, Some(self))
     }
 }
 
-/// A template's variables: `extra`, the messages, whether to add the generation prompt, and the
+/// A template's variables: `extra` (`chat_template_kwargs`), the messages, whether to add the generation prompt, and the
 /// special tokens of `tokens` (empty without).
 fn context(
     messages: &[Value],

@@ -35,7 +35,6 @@
 
 use std::str::FromStr;
 use std::sync::Arc;
-use std::time::Instant;
 
 use picaso_model::{MappedState, Model};
 use rayon::prelude::*;
@@ -117,6 +116,17 @@ pub struct Budget {
     pub policy: Policy,
 }
 
+impl Budget {
+    /// The budget a user gives in MiB (fractions allowed): `None` for 0, which removes a budget.
+    /// Refuses a size that is negative or not a number, saying so after `mib`.
+    pub fn from_mib(mib: f64, policy: Policy) -> std::result::Result<Option<Self>, String> {
+        if !(mib.is_finite() && mib >= 0.0) {
+            return Err(format!("{mib}: give a size in MiB (0 removes the budget)"));
+        }
+        Ok((mib > 0.0).then_some(Budget { bytes: (mib * 1048576.0) as u64, policy }))
+    }
+}
+
 /// The states of a query's contexts and how they were found.
 #[derive(Debug, Default)]
 pub struct Loaded {
@@ -133,8 +143,6 @@ pub struct Loaded {
     pub recomputed_tokens: usize,
     /// Bytes of state objects read from the store.
     pub bytes_read: u64,
-    /// Seconds spent recomputing.
-    pub recompute_seconds: f64,
 }
 
 /// A query's bookkeeping, left for after its answer: the retrievals to count and the states
@@ -185,8 +193,7 @@ impl Deferred {
                 (!row.held).then(|| (row.clone(), bytes))
             })
             .collect();
-        store.admit_guarded(budget, candidates, counters.clock)?;
-        Ok(())
+        store.admit_guarded(budget, candidates, counters.clock)
     }
 }
 
@@ -276,9 +283,8 @@ impl Store {
             let mut new: Vec<LedgerRow> = Vec::new();
             for ((record, _), row) in page.iter().zip(known) {
                 if row.is_none() && !new.iter().any(|r| r.checksum == record.checksum) {
-                    let mut row = new_row(record, model, counters.tick, true);
-                    row.priority = budget.policy.priority(counters.clock, &row);
-                    new.push(row);
+                    let at = (budget.policy, counters.clock, counters.tick);
+                    new.push(new_row(&record.checksum, record.state_bytes, record.n_tokens, model, true, at));
                 }
             }
             self.catalog().put_ledger(&new, &[])?;
@@ -436,10 +442,8 @@ impl Store {
         let hits = records.len() - out.cache_hits - wanted.len();
         let mut recomputed = Vec::new();
         if !wanted.is_empty() {
-            let t = Instant::now();
             let need: Vec<&ContextRecord> = wanted.iter().map(|&i| &records[i]).collect();
             let computed = recompute(model, &need, self.info().state_dtype)?;
-            out.recompute_seconds = t.elapsed().as_secs_f64();
             out.recomputed = wanted.len();
             out.recomputed_tokens = need.iter().map(|r| r.n_tokens).sum();
             for (&i, file) in wanted.iter().zip(computed) {
@@ -476,16 +480,11 @@ impl Store {
     }
 
     /// Admits `candidates` (rows not held, with their objects' bytes): [`Store::plan_admission`],
-    /// the victims evicted, the admitted objects written, then marked held. Returns the
-    /// checksums admitted. The caller holds the budget's guard for writing.
-    fn admit_guarded(
-        &self,
-        budget: Budget,
-        candidates: Vec<(LedgerRow, Arc<Vec<u8>>)>,
-        clock: f64,
-    ) -> Result<Vec<String>> {
+    /// the victims evicted, the admitted objects written, then marked held. The caller holds
+    /// the budget's guard for writing.
+    fn admit_guarded(&self, budget: Budget, candidates: Vec<(LedgerRow, Arc<Vec<u8>>)>, clock: f64) -> Result<()> {
         if candidates.is_empty() {
-            return Ok(Vec::new());
+            return Ok(());
         }
         let Plan { admitted, mut victims } = self.plan_admission(budget, candidates)?;
         if !victims.is_empty() {
@@ -494,8 +493,7 @@ impl Store {
         admitted.par_iter().try_for_each(|(row, bytes)| self.objects().put(&key_of(&row.checksum), bytes))?;
         failpoint("budget-written");
         let rows: Vec<LedgerRow> = admitted.iter().map(|(r, _)| LedgerRow { held: true, ..r.clone() }).collect();
-        self.catalog().put_ledger(&rows, &[])?;
-        Ok(rows.into_iter().map(|r| r.checksum).collect())
+        self.catalog().put_ledger(&rows, &[])
     }
 
     /// Which of `candidates` to admit, highest priority first, and which held states to evict
@@ -549,17 +547,8 @@ impl Store {
             if known.is_some() || candidates.iter().any(|(c, _)| c.checksum == row.checksum) {
                 continue; // the state of a context stored already (the same text)
             }
-            let mut entry = LedgerRow {
-                checksum: row.checksum.to_string(),
-                bytes: row.state_bytes,
-                work: model.prefill_flops(row.tokens.len()),
-                retrievals: 0,
-                last_tick: counters.tick,
-                priority: 0.0,
-                held: false,
-            };
-            entry.priority = budget.policy.priority(counters.clock, &entry);
-            candidates.push((entry, i));
+            let at = (budget.policy, counters.clock, counters.tick);
+            candidates.push((new_row(row.checksum, row.state_bytes, row.tokens.len(), model, false, at), i));
         }
         let entered: Vec<LedgerRow> = candidates.iter().map(|(r, _)| r.clone()).collect();
         let Plan { admitted, mut victims } = self.plan_admission(budget, candidates)?;
@@ -611,17 +600,28 @@ pub(crate) struct Recomputed {
     pub same: bool,
 }
 
-/// A ledger row for a context's state not seen before.
-fn new_row(record: &ContextRecord, model: &Model, tick: u64, held: bool) -> LedgerRow {
-    LedgerRow {
-        checksum: record.checksum.clone(),
-        bytes: record.state_bytes,
-        work: model.prefill_flops(record.n_tokens),
+/// A ledger row for a state not seen before (`bytes` in the store's codec, of a context of
+/// `n_tokens`), its priority under `policy` at `clock`.
+fn new_row(
+    checksum: &str,
+    bytes: u64,
+    n_tokens: usize,
+    model: &Model,
+    held: bool,
+    at: (Policy, f64, u64),
+) -> LedgerRow {
+    let (policy, clock, tick) = at;
+    let mut row = LedgerRow {
+        checksum: checksum.to_string(),
+        bytes,
+        work: model.prefill_flops(n_tokens),
         retrievals: 0,
         last_tick: tick,
         priority: 0.0,
         held,
-    }
+    };
+    row.priority = policy.priority(clock, &row);
+    row
 }
 
 /// The state files of `records` recomputed from their tokens, in `codec`. One batched prefill

@@ -190,21 +190,6 @@ fn check_segmentation(store: &picaso_store::Store, min_tokens: usize) -> Result<
     }
 }
 
-/// Sets the store's budget when --state-budget-mb is given.
-fn apply_budget(d: &DataArgs, store: &picaso_store::Store, model: &picaso_model::Model) -> Result<()> {
-    if let Some(mb) = d.state_budget_mb {
-        if !(mb.is_finite() && mb >= 0.0) {
-            bail!("--state-budget-mb {mb}: give a size in MiB (0 removes the budget)");
-        }
-        let budget = (mb > 0.0).then(|| picaso_store::Budget {
-            bytes: (mb * 1048576.0) as u64,
-            policy: d.state_budget_policy.unwrap_or_default(),
-        });
-        store.set_budget(budget, model)?;
-    }
-    Ok(())
-}
-
 /// Opens the store, ingesting --data into it first when given.
 fn open_store(d: &DataArgs, model: &picaso_model::Model) -> Result<picaso_store::Store> {
     if let Some(data) = &d.data {
@@ -224,7 +209,7 @@ fn open_store(d: &DataArgs, model: &picaso_model::Model) -> Result<picaso_store:
         if let Some(want) = d.state_dtype {
             store.require_state_dtype(want)?;
         }
-        apply_budget(d, &store, model)?;
+        crate::args::apply_state_budget(&store, model, d.state_budget_mb, d.state_budget_policy)?;
         let bar = progress("contexts");
         let r = picaso_store::ingest(
             &store,
@@ -247,7 +232,7 @@ fn open_store(d: &DataArgs, model: &picaso_model::Model) -> Result<picaso_store:
     if let Some(want) = d.state_dtype {
         store.require_state_dtype(want)?;
     }
-    apply_budget(d, &store, model)?;
+    crate::args::apply_state_budget(&store, model, d.state_budget_mb, d.state_budget_policy)?;
     Ok(store)
 }
 
